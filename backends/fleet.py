@@ -1,0 +1,84 @@
+"""The fleet: every pool of the gateway and its endpoints, alive for the gateway's lifetime.
+
+The gateway reads it (routing candidates, readiness); backends' background tasks keep it current
+(launching, health, scraping). It is built from the `pools:` list of gateway.yaml.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from backends.config import PoolConfig
+from backends.types import Endpoint, EndpointState, Role
+
+
+@dataclass(slots=True, eq=False)
+class Pool:
+    config: PoolConfig
+    endpoints: list[Endpoint] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def ready_endpoints(self, role: Role | None = None) -> list[Endpoint]:
+        return [
+            e
+            for e in self.endpoints
+            if e.state is EndpointState.READY and (role is None or e.role is role or e.role is Role.BOTH)
+        ]
+
+    @property
+    def has_ready(self) -> bool:
+        return any(e.state is EndpointState.READY for e in self.endpoints)
+
+
+class Fleet:
+    """Pools by name and by public model name."""
+
+    def __init__(self, pools: Iterable[Pool]) -> None:
+        self.pools: dict[str, Pool] = {p.name: p for p in pools}
+        self._by_model: dict[str, list[Pool]] = {}
+        for pool in self.pools.values():
+            self._by_model.setdefault(pool.config.model, []).append(pool)
+
+    @classmethod
+    def from_configs(cls, configs: Sequence[PoolConfig]) -> Fleet:
+        """A fleet of the pools' static endpoints; launched replicas are added by the supervisor."""
+        pools = []
+        for cfg in configs:
+            pool = Pool(cfg)
+            for i, static in enumerate(cfg.endpoints):
+                pool.endpoints.append(
+                    Endpoint(
+                        id=f"{cfg.name}/{static.role.value}-s{i}",
+                        pool=cfg.name,
+                        base_url=static.url,
+                        engine=cfg.engine,
+                        served_model=cfg.upstream_model,
+                        role=static.role,
+                        api_key=static.api_key or cfg.api_key,
+                        max_model_len=cfg.max_model_len,
+                        kv_events_endpoint=static.kv_events_endpoint,
+                    )
+                )
+            pools.append(pool)
+        return cls(pools)
+
+    def pools_for_model(self, model: str) -> list[Pool]:
+        return self._by_model.get(model, [])
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def endpoints(self) -> Iterable[Endpoint]:
+        for pool in self.pools.values():
+            yield from pool.endpoints
+
+    def endpoint(self, endpoint_id: str) -> Endpoint | None:
+        for e in self.endpoints():
+            if e.id == endpoint_id:
+                return e
+        return None

@@ -1,0 +1,134 @@
+"""Vocabulary of the backends room: endpoint states, roles, scraped stats, in-flight load.
+
+These types are the lowest shared layer: policies (routing, admission) and the predictor read them,
+only backends' background tasks and the gateway's dispatch accounting write them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class EndpointState(StrEnum):
+    """Lifecycle of one endpoint as routing sees it. Only READY endpoints take new requests."""
+
+    STARTING = "starting"  # launched, not answering /health yet (connection refused while loading)
+    READY = "ready"
+    DRAINING = "draining"  # finishing in-flight requests before a stop; takes no new ones
+    UNHEALTHY = "unhealthy"  # ejected by passive/active checks; a half-open probe may bring it back
+    DEAD = "dead"  # process exited (launched endpoints) or crash-looping
+
+
+class Role(StrEnum):
+    """What an endpoint does in a disaggregated (PD) pool; BOTH for ordinary pools."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class EndpointStats:
+    """Engine-reported load, parsed from its metrics by the adapter of its engine kind.
+
+    Counters (`prefix_cache_*`, `preemptions`) are cumulative as the engine reports them; consumers
+    take deltas. `scraped_at_s` is `time.monotonic()` of the scrape; 0 means never scraped.
+    """
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage_ratio: float = 0.0  # 0..1, 1 - free/total blocks
+    prefix_cache_hits_tokens: float = 0.0
+    prefix_cache_queries_tokens: float = 0.0
+    preemptions: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    scraped_at_s: float = 0.0
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        if self.block_size and self.num_gpu_blocks:
+            return self.block_size * self.num_gpu_blocks
+        return None
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Gateway-side load on one endpoint, exact and instant (updated at dispatch, first token, end).
+
+    `prefill_tokens` are uncached prompt tokens not yet prefilled (released at the first token);
+    `decode_tokens` are the context tokens of requests in decode (prompt + expected output), a proxy
+    for KV occupancy. Use `begin`/`first_token`/`end` through a `LoadTicket` so releases are exact.
+    """
+
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def begin(self, prefill_tokens: int) -> LoadTicket:
+        self.requests += 1
+        self.prefill_tokens += prefill_tokens
+        return LoadTicket(self, prefill_tokens)
+
+
+@dataclass(slots=True)
+class LoadTicket:
+    """One request's contribution to an endpoint's `InFlight`; every method is idempotent."""
+
+    inflight: InFlight
+    prefill_tokens: int
+    decode_tokens: int = 0
+    prefilled: bool = False
+    ended: bool = False
+
+    def first_token(self, decode_tokens: int) -> None:
+        if self.prefilled or self.ended:
+            return
+        self.prefilled = True
+        self.inflight.prefill_tokens -= self.prefill_tokens
+        self.decode_tokens = decode_tokens
+        self.inflight.decode_tokens += decode_tokens
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if not self.prefilled:
+            self.inflight.prefill_tokens -= self.prefill_tokens
+        self.inflight.decode_tokens -= self.decode_tokens
+        self.inflight.requests -= 1
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """One engine replica or remote API that requests can be sent to.
+
+    Mutable and long-lived: the fleet's background tasks update `state` and `stats`, the gateway
+    updates `inflight` and the passive-health fields. Decisions read it synchronously (no await
+    between reading and deciding), so they see a consistent view.
+    """
+
+    id: str  # unique, stable across restarts of the same replica: "<pool>/<role>-<index>"
+    pool: str
+    base_url: str  # "http://127.0.0.1:8001" (no trailing slash, no /v1)
+    engine: str  # adapter kind: sim | vllm | trtllm | vllm-ascend | openai
+    served_model: str  # the model name the engine expects in request bodies
+    role: Role = Role.BOTH
+    state: EndpointState = EndpointState.STARTING
+    api_key: str | None = None
+    max_model_len: int | None = None
+    kv_events_endpoint: str | None = None  # "tcp://127.0.0.1:5557" when the engine publishes KV events
+    stats: EndpointStats = field(default_factory=EndpointStats)
+    inflight: InFlight = field(default_factory=InFlight)
+    consecutive_failures: int = 0
+    ejected_until_s: float = 0.0
+    restarts: int = 0
+    launched: bool = False  # True when the supervisor owns the process
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EndpointState.READY
+
+    def stats_age_s(self, now_s: float) -> float:
+        return now_s - self.stats.scraped_at_s if self.stats.scraped_at_s else float("inf")

@@ -1,0 +1,50 @@
+"""The record of one finished request: what every accounting sink (metrics, ledger, traces, predictor
+feedback) reads. The request lifecycle fills it as the request walks and hands it over exactly once,
+whatever the outcome (success, error, rejection, client abort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["ok", "error", "rejected", "aborted"]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    api: str  # chat | completions | embeddings
+    started_at_unix_s: float  # wall clock at arrival
+    tenant: str = ""
+    key_id: str = ""
+    requested_model: str = ""
+    model: str = ""  # public model that served (after fallback)
+    served_model: str = ""  # upstream model name
+    fallback_from: str | None = None
+    fallback_reason: str | None = None
+    pool: str = ""
+    endpoint: str = ""  # endpoint id
+    prefill_endpoint: str = ""
+    route_reason: str = ""
+    stream: bool = False
+    status: Status = "ok"
+    http_status: int = 200
+    error_code: str | None = None  # catalogue code or upstream error label
+    reject_reason: str | None = None  # rate_limited, budget_exhausted, slo_unattainable, ...
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    usage_source: Literal["engine", "counted", "reserved", "none"] = "none"
+    cost_usd: float = 0.0
+    ttft_s: float | None = None  # client-observed at the gateway: arrival -> first content byte sent
+    tpot_s: float | None = None  # mean time per output token after the first
+    duration_s: float = 0.0  # arrival -> last byte
+    gateway_overhead_s: float = 0.0  # time spent in the gateway itself before the upstream call
+    upstream_attempts: int = 0
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

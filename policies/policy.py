@@ -1,0 +1,70 @@
+"""A compiled, immutable policy: policies.yaml turned into the lookup tables the hot path needs.
+
+Compiling once per (re)load keeps per-request work to dictionary lookups. Hot reload swaps the whole
+object atomically (one attribute assignment on the holder), so a request sees one policy end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from policies.schema import PRIORITY_VALUES, ModelConfig, PoliciesConfig
+from policies.types import Principal
+
+
+def hash_key(api_key: str) -> str:
+    """The SHA-256 hex digest under which a key is stored."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyEntry:
+    digest: bytes
+    principal: Principal
+
+
+class Policy:
+    def __init__(self, config: PoliciesConfig, source: str = "<memory>") -> None:
+        self.config = config
+        self.source = source
+        self._keys: dict[str, _KeyEntry] = {}
+        for key in config.keys:
+            if key.disabled:
+                continue
+            tenant = config.tenants[key.tenant]
+            allowed: set[str] | None = None
+            if tenant.models is not None:
+                allowed = set(tenant.models)
+            if key.models is not None:
+                allowed = set(key.models) if allowed is None else allowed & set(key.models)
+            priority = PRIORITY_VALUES[key.priority or tenant.priority]
+            principal = Principal(
+                key_id=key.id,
+                tenant=key.tenant,
+                allowed_models=frozenset(allowed) if allowed is not None else None,
+                priority=priority,
+                allow_fallback=tenant.allow_fallback,
+            )
+            self._keys[key.sha256] = _KeyEntry(bytes.fromhex(key.sha256), principal)
+        self._aliases: dict[str, str] = {}
+        for name, model in config.models.items():
+            self._aliases[name] = name
+            for alias in model.aliases:
+                self._aliases[alias] = name
+
+    def authenticate(self, api_key: str) -> Principal | None:
+        """The principal of a presented key, or None. The digest comparison is constant-time."""
+        digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+        entry = self._keys.get(digest.hex())
+        if entry is None or not hmac.compare_digest(entry.digest, digest):
+            return None
+        return entry.principal
+
+    def resolve_model(self, name: str) -> str:
+        """Public model name for a name or alias (unknown names resolve to themselves)."""
+        return self._aliases.get(name, name)
+
+    def model_config(self, model: str) -> ModelConfig | None:
+        return self.config.models.get(model)

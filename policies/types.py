@@ -1,0 +1,82 @@
+"""Vocabulary of the policies room: who is calling, and the facts of one request that decisions read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ApiKind = Literal["chat", "completions", "embeddings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The authenticated caller: one API key of one tenant."""
+
+    key_id: str
+    tenant: str
+    allowed_models: frozenset[str] | None  # None = every model
+    priority: int  # higher runs first; < 0 is sheddable
+    allow_fallback: bool = True
+
+    def may_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What the gateway knows about one request before it runs; built once, read by every decision.
+
+    `body` is the client's parsed JSON (the one parse of the request); forwarding copies it shallowly.
+    `model` is the public model after alias resolution; `requested_model` is what the client sent.
+    """
+
+    request_id: str
+    api: ApiKind
+    body: dict[str, Any]
+    requested_model: str
+    model: str
+    principal: Principal
+    stream: bool = False
+    include_usage: bool = False  # the client asked for stream usage itself
+    prompt_tokens: int = 0
+    prompt_token_ids: list[int] | None = None  # when counted locally (chat/completions)
+    max_tokens: int | None = None
+    output_reservation: int = 0
+    session_key: str | None = None
+    cache_salt: str | None = None
+    allow_fallback: bool = True  # tenant policy and the per-request opt-out combined
+    debug: bool = False
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    arrived_at_s: float = 0.0
+    attrs: dict[str, Any] = field(default_factory=dict)  # decision annotations (reasons, scores)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens a finished request used, as the engine reported them (or as counted if it broke)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A decision's "no", in the terms of the error catalogue (DESIGN.md §6); the gateway renders it.
+
+    `type`/`code` follow OpenAI's error shape; `headers` carry retry-after, x-ratelimit-*, and
+    x-should-retry as the catalogue prescribes.
+    """
+
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    reason: str = ""  # short machine label for metrics: rate_limited, budget_exhausted, slo_unattainable...
