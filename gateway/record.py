@@ -25,6 +25,7 @@ class RequestRecord:
     fallback_reason: str | None = None
     pool: str = ""
     endpoint: str = ""  # endpoint id
+    engine: str = ""  # adapter kind of that endpoint (vllm, trtllm, sim, ...): gen_ai.provider.name
     prefill_endpoint: str = ""
     route_reason: str = ""
     stream: bool = False

@@ -1,0 +1,83 @@
+"""The `tokenway` command: serve, sim, keys, policies, pools, usage."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+from collections.abc import Sequence
+
+from gateway.settings import ConfigError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import run
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
+        return 2
+    if args.host or args.port is not None:
+        server = settings.server.model_copy(
+            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        )
+        settings = settings.model_copy(update={"server": server})
+    return run(settings)
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    from policies.policy import hash_key
+
+    key = "tw-" + secrets.token_urlsafe(32)
+    key_id = args.id or f"{args.tenant}-{secrets.token_hex(3)}"
+    print(f"API key (shown once, store it now): {key}")
+    print("\nPaste under `keys:` in policies.yaml:\n")
+    print(f"  - id: {key_id}")
+    print(f"    tenant: {args.tenant}")
+    print(f"    sha256: {hash_key(key)}")
+    if args.models:
+        models = ", ".join(m.strip() for m in args.models.split(",") if m.strip())
+        print(f"    models: [{models}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenway", description="Token-aware LLM API gateway.")
+    parser.add_argument("--log-level", default=os.environ.get("TOKENWAY_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", default="config/gateway.yaml")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=_serve)
+
+    sim = sub.add_parser("sim", help="run simulated vLLM-compatible engines", add_help=False)
+    sim.set_defaults(func=None)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    create = keys.add_parser("create", help="make a new key; prints it once and its YAML entry")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--models", help="comma-separated allowed models")
+    create.add_argument("--id", help="key id (default: <tenant>-<random>)")
+    create.set_defaults(func=_keys_create)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sim":  # the engine has its own vLLM-style flag parser
+        from backends.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

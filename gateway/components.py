@@ -1,0 +1,99 @@
+"""The parts the request pipeline calls, as small protocols, plus the inert defaults used when a part
+is switched off in gateway.yaml. The app factory builds the real ones; the pipeline never asks which
+kind it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.record import RequestRecord
+from policies.types import RequestFacts, Usage
+
+
+class Ticket(Protocol):
+    """An admission's reservation; `headers` are the x-ratelimit-* of the tightest bucket."""
+
+    headers: tuple[tuple[str, str], ...]
+
+
+class AdmissionPort(Protocol):
+    async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> Any: ...
+
+    async def settle(
+        self, ticket: Any, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+    ) -> None: ...
+
+    async def release(self, ticket: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OpenTicket:
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+class OpenAdmission:
+    """No limits configured: everything is admitted and nothing is reserved."""
+
+    _ticket = OpenTicket()
+
+    async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> OpenTicket:
+        return self._ticket
+
+    async def settle(
+        self, ticket: Any, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+    ) -> None:
+        return None
+
+    async def release(self, ticket: Any) -> None:
+        return None
+
+
+class RecordSink(Protocol):
+    """Receives every finished request exactly once (metrics, ledger, predictor feedback)."""
+
+    def observe(self, record: RequestRecord) -> None: ...
+
+
+class Span(Protocol):
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None: ...
+
+
+class RequestTrace(Protocol):
+    def span(self, name: str, **attributes: Any) -> Any: ...
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None: ...
+
+    def traceparent(self) -> str | None: ...
+
+    def end(self, record: RequestRecord) -> None: ...
+
+
+class _NoSpan:
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        return None
+
+
+class NoTrace:
+    """Tracing off: every call is a constant-time no-op."""
+
+    _span = _NoSpan()
+
+    @contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[_NoSpan]:
+        yield self._span
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        return None
+
+    def traceparent(self) -> str | None:
+        return None
+
+    def end(self, record: RequestRecord) -> None:
+        return None
+
+
+NO_TRACE = NoTrace()

@@ -1,0 +1,546 @@
+"""The walk of one request (DESIGN.md §2): read, authenticate, resolve, estimate, admit, route,
+forward, account.
+
+Decisions are made by the policies room (pure functions and objects that hold no sockets); this
+module sequences them, does the I/O, and guarantees the bookkeeping invariants: every admitted
+reservation is settled or released exactly once, every endpoint load ticket is ended, and every
+request (served, rejected, failed or aborted) produces exactly one `RequestRecord`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from backends.fleet import Fleet, Pool
+from backends.types import Endpoint
+from gateway.components import NO_TRACE, AdmissionPort, RecordSink, RequestTrace
+from gateway.errors import (
+    GatewayError,
+    InvalidApiKey,
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    NoHealthyBackend,
+    Rejected,
+    RequestTooLarge,
+    UpstreamError,
+    error_response,
+)
+from gateway.record import RequestRecord
+from gateway.relay import (
+    RelayOutcome,
+    RetryableUpstream,
+    UpstreamRejected,
+    UpstreamTarget,
+    relay_stream,
+    relay_unary,
+)
+from gateway.settings import ServerSettings
+from gateway.validate import validate_body
+from policies.estimate import PromptEstimator
+from policies.policy import Policy
+from policies.routing.types import RouteDecision, Router
+from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
+
+log = logging.getLogger("tokenway.pipeline")
+
+_API_PATHS: dict[str, str] = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+# Hooks filled by other rooms' implementations; the defaults keep the walk complete without them.
+FallbackChooser = Callable[[Policy, str, str, Principal], "str | None"]
+ContextCheck = Callable[[Policy, str, int, "int | None"], "Rejection | None"]
+BodyShaper = Callable[[Endpoint, dict[str, Any], ApiKind], dict[str, Any]]
+Pricer = Callable[[Policy, str, Usage], float]
+
+
+def _no_fallback(policy: Policy, model: str, trigger: str, principal: Principal) -> str | None:
+    return None
+
+
+def _no_context_check(policy: Policy, model: str, prompt_tokens: int, max_tokens: int | None) -> Rejection | None:
+    return None
+
+
+def _identity_shape(endpoint: Endpoint, body: dict[str, Any], api: ApiKind) -> dict[str, Any]:
+    return body
+
+
+def _free(policy: Policy, model: str, usage: Usage) -> float:
+    return 0.0
+
+
+class _Exhausted(Exception):
+    """Nothing reached the client and no endpoint of the model could serve: maybe fall back."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PolicySource:
+    """Anything with a `current` policy (the hot-reload holder, or a fixed policy in tests)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.current = policy
+
+
+@dataclass(slots=True)
+class Walk:
+    """Per-request state that outlives the individual steps (for headers, accounting, records)."""
+
+    record: RequestRecord
+    trace: RequestTrace
+    arrived_s: float
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Pipeline:
+    server: ServerSettings
+    policies: Any  # has `.current: Policy`
+    fleet: Fleet
+    session: aiohttp.ClientSession
+    routers: Mapping[str, Router]  # by pool name
+    admission: AdmissionPort
+    estimator: PromptEstimator = field(default_factory=PromptEstimator)
+    sinks: Sequence[RecordSink] = ()
+    start_trace: Callable[[str, Any], RequestTrace] | None = None
+    report_success: Callable[[Endpoint], None] = lambda endpoint: None
+    report_failure: Callable[[Endpoint, float], None] = lambda endpoint, now: None
+    choose_fallback: FallbackChooser = _no_fallback
+    check_context: ContextCheck = _no_context_check
+    shape_body: BodyShaper = _identity_shape
+    price: Pricer = _free
+    on_route: Callable[[RouteDecision], None] = lambda decision: None
+    _timeouts: aiohttp.ClientTimeout = field(init=False)
+    _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self._timeouts = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.server.upstream_connect_timeout_s,
+            sock_read=self.server.upstream_read_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ entry
+    async def handle(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
+        arrived_s = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        record = RequestRecord(request_id=request_id, api=api, started_at_unix_s=time.time())
+        trace = self.start_trace(request_id, request.headers) if self.start_trace else NO_TRACE
+        walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)])
+        try:
+            return await self._walk(request, api, walk)
+        except GatewayError as error:
+            record.status = "rejected" if error.status < 500 or isinstance(error, Rejected) else "error"
+            record.http_status = error.status
+            record.error_code = error.code or error.type
+            if isinstance(error, Rejected):
+                record.reject_reason = error.reason
+            return error_response(error, walk.headers)
+        except asyncio.CancelledError:
+            record.status = "aborted"
+            record.http_status = 499
+            raise
+        except Exception as exc:  # a bug must still answer in OpenAI's shape and leave a record
+            log.exception("request %s failed unexpectedly", request_id)
+            record.status, record.http_status, record.error_code = "error", 500, "internal_error"
+            return error_response(GatewayError(f"internal error: {type(exc).__name__}"), walk.headers)
+        finally:
+            record.duration_s = time.perf_counter() - arrived_s
+            self._finish(walk)
+
+    def _finish(self, walk: Walk) -> None:
+        for sink in self.sinks:
+            try:
+                sink.observe(walk.record)
+            except Exception:  # a broken sink must not break the others or the response
+                log.exception("record sink %s failed", type(sink).__name__)
+        walk.trace.end(walk.record)
+
+    # ------------------------------------------------------------------ intake
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.server.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+        try:
+            async with asyncio.timeout(self.server.request_read_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+        except TimeoutError as exc:
+            raise _RequestTimeout(
+                f"the request body did not arrive within {self.server.request_read_timeout_s:g}s"
+            ) from exc
+
+    @staticmethod
+    def _presented_key(request: web.Request) -> str | None:
+        auth = request.headers.get("Authorization")
+        if auth:
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+        key = request.headers.get("x-api-key")
+        return key.strip() if key else None
+
+    def authenticate(self, request: web.Request, policy: Policy) -> Principal:
+        key = self._presented_key(request)
+        if key is None:
+            raise InvalidApiKey(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+            )
+        principal = policy.authenticate(key)
+        if principal is None:
+            raise InvalidApiKey("Incorrect API key provided.")
+        return principal
+
+    async def _walk(self, request: web.Request, api: ApiKind, walk: Walk) -> web.StreamResponse:
+        record = walk.record
+        raw = await self._read_body(request)
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        body = validate_body(api, parsed)
+        policy: Policy = self.policies.current
+        with walk.trace.span("auth"):
+            principal = self.authenticate(request, policy)
+        record.tenant, record.key_id = principal.tenant, principal.key_id
+        requested = body["model"]
+        model = policy.resolve_model(requested)
+        record.requested_model, record.model = requested, model
+        if not self.fleet.pools_for_model(model):
+            raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
+        if not (principal.may_use(model) or principal.may_use(requested)):
+            raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
+        facts = await self._facts(request, api, body, principal, requested, model, walk)
+        return await self._serve(request, facts, walk)
+
+    async def _facts(
+        self,
+        request: web.Request,
+        api: ApiKind,
+        body: dict[str, Any],
+        principal: Principal,
+        requested: str,
+        model: str,
+        walk: Walk,
+    ) -> RequestFacts:
+        stream = bool(body.get("stream"))
+        options = body.get("stream_options") or {}
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if api == "chat":
+            prompt_tokens, ids = await self.estimator.chat(body["messages"], body.get("tools"))
+        elif api == "completions":
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt_tokens, ids = await self.estimator.texts(prompt), None
+            else:
+                prompt_tokens, ids = await self.estimator.completion(prompt)
+        else:
+            value = body["input"]
+            if isinstance(value, str):
+                prompt_tokens = await self.estimator.texts([value])
+            elif value and isinstance(value[0], str):
+                prompt_tokens = await self.estimator.texts(value)
+            elif value and isinstance(value[0], list):
+                prompt_tokens = sum(len(v) for v in value)
+            else:
+                prompt_tokens = len(value)
+            ids = None
+        n = int(body.get("n") or 1)
+        model_config = self.policies.current.model_config(model)
+        default_output = model_config.default_max_tokens if model_config else 1024
+        output_reservation = 0 if api == "embeddings" else (max_tokens or default_output) * n
+        session_key = request.headers.get("x-session-id") or body.get("user")
+        opt_out = request.headers.get("x-tokenway-no-fallback", "").lower() in ("1", "true", "yes")
+        return RequestFacts(
+            request_id=walk.record.request_id,
+            api=api,
+            body=body,
+            requested_model=requested,
+            model=model,
+            principal=principal,
+            stream=stream,
+            include_usage=bool(options.get("include_usage")),
+            prompt_tokens=prompt_tokens,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            output_reservation=output_reservation,
+            session_key=session_key if isinstance(session_key, str) else None,
+            cache_salt=body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
+            allow_fallback=principal.allow_fallback and not opt_out,
+            debug=request.headers.get("x-tokenway-debug") == "1",
+            arrived_at_s=walk.arrived_s,
+        )
+
+    # ------------------------------------------------------------------ admit, fall back
+    async def _serve(self, request: web.Request, facts: RequestFacts, walk: Walk) -> web.StreamResponse:
+        policy: Policy = self.policies.current
+        model = facts.model
+        visited = {model}
+        while True:
+            rejection = self.check_context(policy, model, facts.prompt_tokens, facts.max_tokens)
+            ticket: Any = None
+            if rejection is None:
+                with walk.trace.span("admission", model=model):
+                    admitted = await self.admission.admit(facts, model)
+                if isinstance(admitted, Rejection):
+                    rejection = admitted
+                else:
+                    ticket = admitted
+            if rejection is not None:
+                following = self._fallback(policy, model, rejection.reason, facts, visited)
+                if following is None:
+                    raise Rejected(rejection)
+                model = self._note_fallback(walk, facts, model, following, rejection.reason)
+                continue
+            try:
+                return await self._forward(request, facts, model, ticket, walk)
+            except _Exhausted as exhausted:
+                await self.admission.release(ticket)
+                following = self._fallback(policy, model, "upstream_error", facts, visited)
+                if following is None:
+                    raise exhausted.error from None
+                model = self._note_fallback(walk, facts, model, following, "upstream_error")
+
+    def _fallback(
+        self, policy: Policy, model: str, trigger: str, facts: RequestFacts, visited: set[str]
+    ) -> str | None:
+        if not facts.allow_fallback or not trigger:
+            return None
+        following = self.choose_fallback(policy, model, trigger, facts.principal)
+        if following is None or following in visited or not self.fleet.pools_for_model(following):
+            return None
+        visited.add(following)
+        return following
+
+    @staticmethod
+    def _note_fallback(walk: Walk, facts: RequestFacts, model: str, following: str, trigger: str) -> str:
+        record = walk.record
+        if record.fallback_from is None:
+            record.fallback_from = facts.model
+        record.fallback_reason = trigger
+        record.model = following
+        walk.headers = [h for h in walk.headers if h[0] != "x-tokenway-fallback"]
+        walk.headers.append(("x-tokenway-fallback", f"{record.fallback_from}->{following};reason={trigger}"))
+        return following
+
+    # ------------------------------------------------------------------ route, forward
+    def _route(
+        self, facts: RequestFacts, pools: Sequence[Pool], exclude: set[str]
+    ) -> tuple[Pool, RouteDecision] | None:
+        now = time.monotonic()
+        for pool in pools:
+            router = self.routers.get(pool.name)
+            if router is None:
+                continue
+            decision = router.route(facts, pool, now, exclude)
+            if decision is not None:
+                return pool, decision
+        return None
+
+    def _target(
+        self, facts: RequestFacts, endpoint: Endpoint, model: str, walk: Walk
+    ) -> UpstreamTarget:
+        body = dict(facts.body)
+        body["model"] = endpoint.served_model
+        if facts.stream:
+            body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
+        body = self.shape_body(endpoint, body, facts.api)
+        headers = {"Content-Type": "application/json", "x-request-id": facts.request_id}
+        if endpoint.api_key:
+            headers["Authorization"] = f"Bearer {endpoint.api_key}"
+        traceparent = walk.trace.traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
+        return UpstreamTarget(
+            url=endpoint.base_url + _API_PATHS[facts.api],
+            headers=headers,
+            body=orjson.dumps(body),
+            served_model=endpoint.served_model,
+            public_model=model,
+        )
+
+    async def _forward(
+        self, request: web.Request, facts: RequestFacts, model: str, ticket: Any, walk: Walk
+    ) -> web.StreamResponse:
+        record = walk.record
+        pools = self.fleet.pools_for_model(model)
+        exclude: set[str] = set()
+        last_detail = ""
+        for _ in range(1 + self.server.upstream_retries):
+            with walk.trace.span("routing", model=model):
+                routed = self._route(facts, pools, exclude)
+            if routed is None:
+                break
+            pool, decision = routed
+            endpoint = decision.endpoint
+            self.on_route(decision)
+            record.pool, record.endpoint, record.route_reason = pool.name, endpoint.id, decision.reason
+            record.served_model = endpoint.served_model
+            record.upstream_attempts += 1
+            router = self.routers[pool.name]
+            router.on_dispatch(facts, decision)
+            target = self._target(facts, endpoint, model, walk)
+            headers = [
+                *walk.headers,
+                *getattr(ticket, "headers", ()),
+                ("x-tokenway-model", model),
+                ("x-tokenway-endpoint", endpoint.id),
+            ]
+            if facts.debug:
+                headers.append(("x-tokenway-route", decision.debug_header()))
+            load = endpoint.inflight.begin(max(facts.prompt_tokens - decision.cached_tokens_estimate, 0))
+            outcome = RelayOutcome()
+            record.gateway_overhead_s = time.perf_counter() - walk.arrived_s
+            try:
+                with walk.trace.span("upstream", endpoint=endpoint.id, model=model):
+                    if facts.stream:
+                        await relay_stream(
+                            self.session,
+                            request,
+                            target,
+                            self._timeouts,
+                            load,
+                            outcome,
+                            client_wants_usage=facts.include_usage,
+                            response_headers=headers,
+                            prompt_tokens=facts.prompt_tokens + facts.output_reservation,
+                        )
+                    else:
+                        outcome = await relay_unary(self.session, target, self._timeouts, load)
+            except RetryableUpstream as exc:
+                self.report_failure(endpoint, time.monotonic())
+                exclude.add(endpoint.id)
+                last_detail = exc.detail
+                log.warning("upstream %s failed before the first byte: %s", endpoint.id, exc.detail)
+                continue
+            except UpstreamRejected as exc:
+                self.report_success(endpoint)
+                await self._account(facts, model, ticket, None, walk, rejected_status=exc.status)
+                return self._upstream_error_response(exc, walk, headers)
+            except asyncio.CancelledError:
+                outcome.aborted = True
+                self._account_soon(facts, model, ticket, outcome, walk)
+                raise
+            finally:
+                load.end()
+            self.report_success(endpoint)
+            await self._account(facts, model, ticket, outcome, walk)
+            response = outcome.response
+            assert response is not None
+            if not facts.stream:
+                for name, value in headers:
+                    response.headers[name] = value
+            return response
+        if record.upstream_attempts == 0:
+            raise _Exhausted(
+                NoHealthyBackend(
+                    f"No healthy endpoint can serve '{model}' right now.",
+                    headers=[("retry-after", str(self.server.retry_after_s))],
+                )
+            )
+        raise _Exhausted(UpstreamError(f"The upstream failed for '{model}': {last_detail}"))
+
+    def _upstream_error_response(
+        self, exc: UpstreamRejected, walk: Walk, headers: list[tuple[str, str]]
+    ) -> web.Response:
+        """An engine's 4xx, passed on in OpenAI's error shape (engines differ: normalise)."""
+        walk.record.status = "error"
+        walk.record.http_status = exc.status
+        try:
+            parsed = orjson.loads(exc.body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        error = parsed.get("error") if isinstance(parsed, dict) else None
+        if isinstance(error, dict) and "message" in error:
+            body = {"error": {"message": str(error.get("message")), "type": error.get("type") or
+                              "invalid_request_error", "param": error.get("param"), "code": error.get("code")}}
+        else:
+            message = error if isinstance(error, str) else exc.body[:500].decode("utf-8", "replace")
+            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        walk.record.error_code = str(body["error"]["code"] or "upstream_4xx")
+        response = web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")
+        for name, value in headers:
+            response.headers[name] = value
+        return response
+
+    # ------------------------------------------------------------------ account
+    def _account_soon(
+        self, facts: RequestFacts, model: str, ticket: Any, outcome: RelayOutcome, walk: Walk
+    ) -> None:
+        """Accounting for a cancelled request: in its own task, so the cancellation cannot cut it."""
+        self._fill_record(facts, model, outcome, walk)
+        usage = outcome.usage
+        counted = outcome.counted_completion_tokens
+        task = asyncio.get_running_loop().create_task(
+            self.admission.settle(ticket, usage, model=model, charged_output_tokens=counted)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _account(
+        self,
+        facts: RequestFacts,
+        model: str,
+        ticket: Any,
+        outcome: RelayOutcome | None,
+        walk: Walk,
+        rejected_status: int | None = None,
+    ) -> None:
+        with walk.trace.span("accounting"):
+            if outcome is None:
+                await self.admission.settle(ticket, Usage(), model=model, charged_output_tokens=0)
+                return
+            self._fill_record(facts, model, outcome, walk)
+            await self.admission.settle(
+                ticket, outcome.usage, model=model, charged_output_tokens=outcome.counted_completion_tokens
+            )
+
+    def _fill_record(self, facts: RequestFacts, model: str, outcome: RelayOutcome, walk: Walk) -> None:
+        record = walk.record
+        record.stream = facts.stream
+        usage = outcome.usage
+        if usage is not None:
+            record.usage_source = "engine"
+        elif outcome.counted_completion_tokens or outcome.aborted or outcome.broken:
+            usage = Usage(prompt_tokens=facts.prompt_tokens, completion_tokens=outcome.counted_completion_tokens)
+            record.usage_source = "counted"
+        if usage is not None:
+            record.prompt_tokens = usage.prompt_tokens
+            record.completion_tokens = usage.completion_tokens
+            record.cached_tokens = usage.cached_tokens
+            record.cost_usd = self.price(self.policies.current, model, usage)
+        if outcome.first_token_at_s is not None and facts.stream:
+            record.ttft_s = outcome.first_token_at_s - walk.arrived_s
+            if outcome.last_token_at_s is not None and record.completion_tokens > 1:
+                record.tpot_s = (outcome.last_token_at_s - outcome.first_token_at_s) / (record.completion_tokens - 1)
+        if outcome.engine_metrics:
+            record.extra["engine"] = outcome.engine_metrics
+        if outcome.aborted:
+            record.status = "aborted"
+            record.http_status = 499
+        elif outcome.broken:
+            record.status = "error"
+            record.error_code = "upstream_error"

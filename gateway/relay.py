@@ -1,0 +1,304 @@
+"""Upstream call and relay (DESIGN.md §2 step 8): one POST on the shared session, the answer passed
+back as received.
+
+Streams are relayed event by event without re-serialising them: the only edits are a byte-level
+swap of the `model` value (when the public name differs from the engine's) and dropping the usage
+chunk the gateway asked for on the client's behalf. Errors before the first byte reach the caller as
+`RetryableUpstream` (connect error, 5xx) so it can try another endpoint; after the first byte they
+become one SSE error event and a clean end of stream. A client that goes away closes the upstream
+connection at once (the engine aborts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from backends.types import LoadTicket
+from gateway.errors import UpstreamError, sse_error_event
+from policies.types import Usage
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]"
+
+
+class RetryableUpstream(Exception):
+    """The upstream failed before anything reached the client: another endpoint may be tried."""
+
+    def __init__(self, detail: str, *, status: int | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+
+
+class UpstreamRejected(Exception):
+    """The upstream answered 4xx before streaming: relay its error to the client as it is."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class UpstreamTarget:
+    url: str  # full URL, e.g. http://127.0.0.1:8001/v1/chat/completions
+    headers: dict[str, str]
+    body: bytes
+    served_model: str
+    public_model: str
+
+
+@dataclass(slots=True)
+class RelayOutcome:
+    status: int = 200
+    usage: Usage | None = None
+    counted_completion_tokens: int = 0
+    first_token_at_s: float | None = None  # perf_counter
+    last_token_at_s: float | None = None
+    engine_metrics: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    aborted: bool = False  # client went away
+    broken: bool = False  # upstream failed after the first byte
+    error_detail: str | None = None
+    response: web.StreamResponse | None = None  # for non-streamed answers: not yet sent
+    body_json: dict[str, Any] | None = field(default=None, repr=False)
+
+
+def _usage_from(obj: Any) -> Usage | None:
+    if not isinstance(obj, dict):
+        return None
+    details = obj.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        prompt_tokens=int(obj.get("prompt_tokens") or 0),
+        completion_tokens=int(obj.get("completion_tokens") or 0),
+        cached_tokens=int(cached or 0),
+    )
+
+
+def _model_swap(target: UpstreamTarget) -> tuple[bytes, bytes] | None:
+    if target.served_model == target.public_model:
+        return None
+    return (
+        b'"model":' + orjson.dumps(target.served_model),
+        b'"model":' + orjson.dumps(target.public_model),
+    )
+
+
+async def _post(
+    session: aiohttp.ClientSession, target: UpstreamTarget, timeout: aiohttp.ClientTimeout
+) -> aiohttp.ClientResponse:
+    try:
+        response = await session.post(target.url, data=target.body, headers=target.headers, timeout=timeout)
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    if response.status >= 500:
+        try:
+            detail = (await response.read())[:300].decode("utf-8", "replace")
+        except (aiohttp.ClientError, TimeoutError):
+            detail = ""
+        response.release()
+        raise RetryableUpstream(f"upstream answered {response.status}: {detail}", status=response.status)
+    if response.status != 200:
+        try:
+            body = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            response.release()
+            raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+        response.release()
+        raise UpstreamRejected(response.status, body)
+    return response
+
+
+async def call_json(
+    session: aiohttp.ClientSession, target: UpstreamTarget, timeout: aiohttp.ClientTimeout
+) -> dict[str, Any]:
+    """A non-streamed call whose JSON answer the gateway itself consumes (e.g. a PD prefill leg)."""
+    response = await _post(session, target, timeout)
+    async with response:
+        try:
+            data = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise RetryableUpstream("upstream answered invalid JSON") from exc
+    if not isinstance(parsed, dict):
+        raise RetryableUpstream("upstream answered a non-object JSON")
+    return parsed
+
+
+async def relay_unary(
+    session: aiohttp.ClientSession,
+    target: UpstreamTarget,
+    timeout: aiohttp.ClientTimeout,
+    ticket: LoadTicket,
+) -> RelayOutcome:
+    """Forward a non-streamed request; the answer is returned, unsent, with its usage read."""
+    response = await _post(session, target, timeout)
+    async with response:
+        try:
+            data = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    now = time.perf_counter()
+    outcome = RelayOutcome(first_token_at_s=now, last_token_at_s=now)
+    try:
+        parsed = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise RetryableUpstream("upstream answered invalid JSON") from exc
+    if isinstance(parsed, dict):
+        outcome.body_json = parsed
+        outcome.usage = _usage_from(parsed.get("usage"))
+        metrics = parsed.get("metrics")
+        outcome.engine_metrics = metrics if isinstance(metrics, dict) else None
+        if target.served_model != target.public_model and "model" in parsed:
+            parsed["model"] = target.public_model
+            data = orjson.dumps(parsed)
+    ticket.first_token(outcome.usage.total_tokens if outcome.usage else 0)
+    outcome.response = web.Response(body=data, content_type="application/json")
+    return outcome
+
+
+def _has_output(payload: bytes) -> bool:
+    """Whether one SSE data payload carries generated output (the first such marks TTFT)."""
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return False
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+                return True
+        elif choice.get("text"):
+            return True
+        if choice.get("finish_reason"):
+            return True
+    return False
+
+
+def _is_usage_chunk(event: bytes) -> bool:
+    return (b'"usage":{' in event or b'"usage": {' in event) and (
+        b'"choices":[]' in event or b'"choices": []' in event
+    )
+
+
+async def relay_stream(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    target: UpstreamTarget,
+    timeout: aiohttp.ClientTimeout,
+    ticket: LoadTicket,
+    outcome: RelayOutcome,
+    *,
+    client_wants_usage: bool,
+    response_headers: list[tuple[str, str]],
+    prompt_tokens: int,
+) -> None:
+    """Relay an SSE stream to the client as it arrives, filling `outcome` as it goes.
+
+    `outcome` is the caller's so that it stays readable when the client's disconnect cancels this
+    coroutine: the caller accounts what was generated and re-raises.
+    """
+    upstream = await _post(session, target, timeout)
+    swap = _model_swap(target)
+    client = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    for name, value in response_headers:
+        client.headers[name] = value
+    outcome.response = client
+    pending = b""
+    try:
+        await client.prepare(request)
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                outcome.broken = True
+                outcome.error_detail = f"{type(exc).__name__}: {exc}"
+                await client.write(sse_error_event(UpstreamError(f"the upstream stream failed: {exc}")))
+                break
+            pending += data
+            if b"\n\n" not in pending:
+                continue
+            *events, pending = pending.split(b"\n\n")
+            out = _relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
+            if out:
+                await client.write(out)
+        if pending.strip() and not outcome.broken:
+            out = _relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
+            if out:
+                await client.write(out)
+        await client.write_eof()
+    except ConnectionResetError:  # the client went away (aiohttp's write error subclasses it)
+        outcome.aborted = True
+    except asyncio.CancelledError:
+        outcome.aborted = True
+        raise
+    finally:
+        if outcome.aborted or outcome.broken:
+            upstream.close()  # drop the connection: the engine sees the disconnect and aborts
+        else:
+            upstream.release()
+
+
+def _relay_events(
+    events: list[bytes],
+    outcome: RelayOutcome,
+    ticket: LoadTicket,
+    swap: tuple[bytes, bytes] | None,
+    client_wants_usage: bool,
+    prompt_tokens: int,
+) -> bytes:
+    """The bytes to send for complete SSE events, noting first token, usage and output count."""
+    out: list[bytes] = []
+    for event in events:
+        if not event:
+            continue
+        if event.startswith(_DONE):
+            out.append(event)
+            continue
+        if _is_usage_chunk(event):
+            _read_usage_chunk(event, outcome)
+            if not client_wants_usage:
+                continue
+        elif event.startswith(b"data:"):
+            if outcome.first_token_at_s is None and _has_output(event[5:]):
+                outcome.first_token_at_s = time.perf_counter()
+                ticket.first_token(prompt_tokens)
+            if outcome.first_token_at_s is not None:
+                outcome.counted_completion_tokens += 1
+                outcome.last_token_at_s = time.perf_counter()
+        if swap is not None:
+            event = event.replace(swap[0], swap[1], 1)
+        out.append(event)
+    if not out:
+        return b""
+    return b"\n\n".join(out) + b"\n\n"
+
+
+def _read_usage_chunk(event: bytes, outcome: RelayOutcome) -> None:
+    try:
+        chunk = orjson.loads(event[event.find(b"{") :])
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(chunk, dict):
+        return
+    outcome.usage = _usage_from(chunk.get("usage"))
+    params = chunk.get("kv_transfer_params")
+    if isinstance(params, dict):
+        outcome.kv_transfer_params = params
+    metrics = chunk.get("metrics")
+    if isinstance(metrics, dict):
+        outcome.engine_metrics = metrics

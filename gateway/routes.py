@@ -1,0 +1,96 @@
+"""HTTP routes: the OpenAI surface, health and readiness, metrics, and the admin API."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway import appkeys
+from gateway.errors import GatewayError, InvalidApiKey, error_response
+from policies.types import ApiKind
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+METRICS_RENDER: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics_render", object)  # type: ignore[arg-type]
+START_TIME: web.AppKey[float] = web.AppKey("start_time", float)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def inference(api: ApiKind) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[appkeys.PIPELINE].handle(request, api)
+
+    return handler
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Models the calling key may use, in OpenAI's list shape (public names and their aliases)."""
+    pipeline = request.app[appkeys.PIPELINE]
+    policy = pipeline.policies.current
+    try:
+        principal = pipeline.authenticate(request, policy)
+    except GatewayError as error:
+        return error_response(error)
+    names: list[str] = []
+    for model in request.app[appkeys.FLEET].models:
+        config = policy.model_config(model)
+        for name in [model, *(config.aliases if config else ())]:
+            if (principal.may_use(model) or principal.may_use(name)) and name not in names:
+                names.append(name)
+    created = int(request.app[START_TIME])
+    data = [{"id": n, "object": "model", "created": created, "owned_by": "tokenway"} for n in names]
+    return _json({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """200 only when every configured pool has a ready endpoint; the body says which are not."""
+    fleet = request.app[appkeys.FLEET]
+    pools = {name: pool.has_ready for name, pool in fleet.pools.items()}
+    not_ready = sorted(name for name, ready in pools.items() if not ready)
+    status = 200 if not not_ready else 503
+    return _json({"ready": not not_ready, "pools": pools, "not_ready": not_ready}, status=status)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    render = request.app[METRICS_RENDER]
+    return web.Response(body=render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def admin_guard(handler: Handler) -> Handler:
+    """Admin routes need the admin token; without one configured, only loopback callers get in."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        token = request.app[appkeys.SETTINGS].server.admin_token
+        if token:
+            presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(presented.encode(), token.encode()):
+                return error_response(InvalidApiKey("admin token required"))
+        elif request.remote not in ("127.0.0.1", "::1", None):
+            return error_response(InvalidApiKey("admin API is loopback-only without server.admin_token"))
+        return await handler(request)
+
+    return guarded
+
+
+def setup_routes(app: web.Application, admin: list[tuple[str, str, Handler]]) -> None:
+    app.router.add_post("/v1/chat/completions", inference("chat"))
+    app.router.add_post("/v1/completions", inference("completions"))
+    app.router.add_post("/v1/embeddings", inference("embeddings"))
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app[START_TIME] = time.time()
+    for method, path, handler in admin:
+        app.router.add_route(method, path, admin_guard(handler))

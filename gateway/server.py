@@ -1,0 +1,70 @@
+"""Running the gateway process: the uvloop loop, the listening socket, signals and graceful drain.
+
+Kept apart from the app factory (as aiohttp keeps `web_runner` apart from `web_app`) so tests and
+benchmarks can build the app without a process around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("tokenway.server")
+
+
+def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunner:
+    server = settings.server
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,  # a client that goes away cancels its handler: upstream closes at once
+        access_log=None,
+        shutdown_timeout=server.drain_timeout_s,
+        keepalive_timeout=server.request_read_timeout_s,  # also cuts off connections that never finish a request
+        max_line_size=server.max_header_bytes,
+        max_field_size=server.max_header_bytes,
+    )
+
+
+async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
+    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines."""
+    app = create_app(settings)
+    runner = make_runner(app, settings)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=2048, reuse_address=True)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    if banner:
+        base = f"http://{host}:{port}/v1"
+        print(f"tokenway listening on {base}", flush=True)
+        print(
+            "  try: curl -s " + base + "/chat/completions -H 'Authorization: Bearer $KEY' "
+            "-H 'Content-Type: application/json' "
+            "-d '{\"model\": \"llama-3.1-8b\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+            flush=True,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: draining in-flight requests for up to %.0fs", settings.server.drain_timeout_s)
+    await runner.cleanup()
+    return 0
+
+
+def run(settings: GatewaySettings) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.run(serve(settings))
+    if sys.version_info >= (3, 12):
+        return uvloop.run(serve(settings))
+    uvloop.install()
+    return asyncio.run(serve(settings))

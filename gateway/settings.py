@@ -1,0 +1,145 @@
+"""gateway.yaml: the schema of the gateway process and how it is loaded.
+
+Sections owned by other rooms (pools, backends, routing, predictor, telemetry, ledger) are validated
+by those rooms' own pydantic models; this module composes them. Loading resolves `${ENV}` references
+(secrets never live in YAML) and relative paths (against the config file's folder), and turns
+validation failures into one message naming the file, the key path and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from backends.config import PoolConfig
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names file, key path and expectation."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerSettings(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, description="one header line / field")
+    request_read_timeout_s: float = Field(default=30.0, gt=0, description="full request must arrive within")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests finish within")
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="max silence from the engine")
+    upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
+    admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
+    retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
+
+
+class StateSettings(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None
+    key_prefix: str = "tokenway"
+
+
+class GatewaySettings(_Strict):
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    state: StateSettings = Field(default_factory=StateSettings)
+    policies: str = Field(default="policies.yaml", description="path of policies.yaml (relative to this file)")
+    backends: dict[str, Any] = Field(default_factory=dict)
+    pools: list[PoolConfig] = Field(default_factory=list)
+    routing: dict[str, Any] = Field(default_factory=dict)
+    predictor: dict[str, Any] = Field(default_factory=dict)
+    telemetry: dict[str, Any] = Field(default_factory=dict)
+    ledger: dict[str, Any] = Field(default_factory=dict)
+    source: str = Field(default="<memory>", exclude=True)
+
+    def resolve_path(self, path: str) -> Path:
+        """A path from this file, made absolute against the config file's folder."""
+        p = Path(path)
+        if p.is_absolute() or self.source.startswith("<"):
+            return p
+        return Path(self.source).parent / p
+
+
+def resolve_env(value: Any, where: str = "") -> Any:
+    """Replace `${NAME}` / `${NAME:-default}` in every string of a parsed YAML tree."""
+    if isinstance(value, str):
+
+        def sub(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            found = os.environ.get(name)
+            if found is not None:
+                return found
+            if default is not None:
+                return default
+            raise ConfigError(f"{where or '<root>'}: environment variable {name} is not set")
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: resolve_env(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_env(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def format_validation_error(path: str, error: ValidationError) -> str:
+    lines = [f"{path}: invalid configuration"]
+    for item in error.errors():
+        loc = ""
+        for part in item["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+        lines.append(f"  {loc or '<root>'}: {item['msg']} (got {_short(item.get('input'))})")
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_yaml_model(path: str | Path, model: type[M], extra: dict[str, Any] | None = None) -> M:
+    """Read a YAML file into a pydantic model with precise errors (file, key path, expectation)."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        raw = resolve_env(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    try:
+        return model.model_validate({**raw, **(extra or {})})
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(path, exc)) from exc
+
+
+def load_settings(path: str | Path) -> GatewaySettings:
+    return load_yaml_model(path, GatewaySettings, {"source": str(path)})
+
+
+def validate_section(settings: GatewaySettings, section: str, model: type[M]) -> M:
+    """Validate one room-owned section (e.g. `routing`) with that room's model, with precise errors."""
+    try:
+        return model.model_validate(getattr(settings, section) or {})
+    except ValidationError as exc:
+        message = format_validation_error(settings.source, exc)
+        raise ConfigError(message.replace("\n  ", f"\n  {section}.")) from exc

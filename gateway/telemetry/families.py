@@ -1,0 +1,130 @@
+"""Lean counter and histogram families for the per-request hot path, rendered by prometheus_client.
+
+prometheus_client's own children take a lock per update (about 0.7 µs per counter increment and
+1.6 µs per histogram observation here); one request touches a dozen series. These children are
+plain slotted objects updated from the event loop thread only, and a `Collector` turns them into
+ordinary metric families at scrape time, so the exposition format is still prometheus_client's.
+
+Contract: updates come from one thread (the event loop). A scrape from another thread may see a
+histogram whose bucket counts and sum are one observation apart; it never sees a torn number.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+
+class CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class HistogramChild:
+    """Non-cumulative bucket counts (last slot is +Inf), made cumulative only when rendered."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, i.e. Prometheus' `le` semantics.
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class CounterFamily:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name.removesuffix("_total")
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+
+    def child(self, *labelvalues: str) -> CounterChild:
+        found = self._children.get(labelvalues)
+        if found is None:
+            if len(labelvalues) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {labelvalues}")
+            found = self._children[labelvalues] = CounterChild()
+        return found
+
+    def collect(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labelvalues, child in list(self._children.items()):
+            family.add_metric(labelvalues, child.value)
+        return family
+
+
+class HistogramFamily:
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]
+    ) -> None:
+        bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
+        if not bounds:
+            raise ValueError(f"{name}: needs at least one finite bucket")
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = bounds
+        self._le = [_format_le(b) for b in bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+
+    def child(self, *labelvalues: str) -> HistogramChild:
+        found = self._children.get(labelvalues)
+        if found is None:
+            if len(labelvalues) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {labelvalues}")
+            found = self._children[labelvalues] = HistogramChild(self.bounds)
+        return found
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labelvalues, child in list(self._children.items()):
+            running = 0
+            buckets: list[tuple[str, float]] = []
+            for le, count in zip(self._le, list(child.counts), strict=True):
+                running += count
+                buckets.append((le, float(running)))
+            family.add_metric(labelvalues, buckets, child.sum)
+        return family
+
+
+Family = CounterFamily | HistogramFamily
+
+
+class FamiliesCollector:
+    """A prometheus_client collector over a fixed list of lean families."""
+
+    def __init__(self, families: Sequence[Family]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.collect()
+
+    def describe(self) -> list[Metric]:
+        # Declared names let the registry reject a duplicate family at registration time.
+        out: list[Metric] = []
+        for family in self._families:
+            if isinstance(family, CounterFamily):
+                out.append(CounterMetricFamily(family.name, family.documentation, labels=family.labelnames))
+            else:
+                out.append(HistogramMetricFamily(family.name, family.documentation, labels=family.labelnames))
+        return out
+
+
+def _format_le(bound: float) -> str:
+    # The same text prometheus_client writes for its own histograms.
+    return str(floatToGoString(bound))
