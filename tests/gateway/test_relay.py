@@ -1,0 +1,232 @@
+"""The relay against a scripted upstream over real sockets: usage chunk handling, model swap,
+errors before and after the first byte, and the upstream connection closing on client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from backends.types import InFlight
+from gateway.relay import RelayOutcome, RetryableUpstream, UpstreamRejected, UpstreamTarget, relay_stream, relay_unary
+
+Script = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def chunk(content: str | None = None, *, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+    choices: list[dict[str, Any]] = []
+    if usage is None:
+        delta = {"content": content} if content is not None else {}
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
+    doc = {"id": "c1", "object": "chat.completion.chunk", "model": "engine-name", "choices": choices, "usage": usage}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+async def normal_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    # deliberately split one event across two writes
+    first = chunk("") + chunk("a")
+    await response.write(first[:17])
+    await response.write(first[17:])
+    await response.write(chunk("b") + chunk("c", finish="length"))
+    await response.write(chunk(usage=USAGE) + b"data: [DONE]\n\n")
+    return response
+
+
+async def broken_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(chunk("a"))
+    assert request.transport is not None
+    request.transport.close()
+    return response
+
+
+class Upstream:
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.script: Script = normal_stream
+
+    async def handler(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self.script(request)
+        finally:
+            if request.transport is None or request.transport.is_closing():
+                self.closed.set()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[Upstream, str]]:
+    state = Upstream()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    yield state, str(server.make_url("/v1/chat/completions"))
+    await server.close()
+
+
+def target(url: str, public: str = "public-name") -> UpstreamTarget:
+    body = b"{\"stream\": true}"
+    return UpstreamTarget(url=url, headers={}, body=body, served_model="engine-name", public_model=public)
+
+
+TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
+async def relay_through(url: str, *, wants_usage: bool) -> tuple[bytes, RelayOutcome, InFlight]:
+    """A one-route app that relays to `url`; returns what its client received."""
+    outcome = RelayOutcome()
+    inflight = InFlight()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        async with aiohttp.ClientSession() as session:
+            ticket = inflight.begin(5)
+            try:
+                await relay_stream(
+                    session, request, target(url), TIMEOUT, ticket, outcome,
+                    client_wants_usage=wants_usage, response_headers=[("x-extra", "1")], prompt_tokens=5,
+                )
+            finally:
+                ticket.end()
+        assert outcome.response is not None
+        return outcome.response
+
+    app = web.Application()
+    app.router.add_post("/relay", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client, client.post(server.make_url("/relay")) as response:
+            assert response.headers["x-extra"] == "1"
+            body = await response.read()
+    finally:
+        await server.close()
+    return body, outcome, inflight
+
+
+@pytest.mark.parametrize("wants_usage", [pytest.param(True, id="client-asked-usage"),
+                                         pytest.param(False, id="client-did-not-ask")])
+async def test_stream_relays_events_and_learns_usage(upstream: tuple[Upstream, str], wants_usage: bool) -> None:
+    _, url = upstream
+    body, outcome, inflight = await relay_through(url, wants_usage=wants_usage)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert outcome.usage is not None and outcome.usage.completion_tokens == 3
+    assert (b'"usage":{' in body) is wants_usage
+    assert b"engine-name" not in body and b'"model":"public-name"' in body
+    assert outcome.first_token_at_s is not None
+    assert outcome.counted_completion_tokens == 3  # a, b, c (the role chunk carries no output)
+    assert inflight.requests == 0 and inflight.prefill_tokens == 0 and inflight.decode_tokens == 0
+
+
+async def test_failure_after_first_byte_becomes_one_error_event(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+    state.script = broken_stream
+    body, outcome, _ = await relay_through(url, wants_usage=False)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert outcome.broken
+    error = orjson.loads(events[-1][len(b"data: "):])
+    assert error["error"]["code"] == "upstream_error"
+    assert b"[DONE]" not in body
+
+
+async def test_5xx_before_first_byte_is_retryable(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+
+    async def overloaded(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=503, text="busy")
+
+    state.script = overloaded
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RetryableUpstream) as caught:
+            await relay_unary(session, target(url), TIMEOUT, InFlight().begin(0))
+    assert caught.value.status == 503
+
+
+async def test_connection_refused_is_retryable() -> None:
+    from tests.support.procs import free_port
+
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(RetryableUpstream):
+            await relay_unary(session, target(f"http://127.0.0.1:{free_port()}/v1/x"), TIMEOUT, InFlight().begin(0))
+
+
+async def test_4xx_is_passed_on_not_retried(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+
+    async def bad(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "too long", "type": "BadRequestError"}}, status=400)
+
+    state.script = bad
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(UpstreamRejected) as caught:
+            await relay_unary(session, target(url), TIMEOUT, InFlight().begin(0))
+    assert caught.value.status == 400
+
+
+async def test_unary_swaps_model_and_reads_usage(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"model": "engine-name", "choices": [], "usage": USAGE})
+
+    state.script = answer
+    inflight = InFlight()
+    async with aiohttp.ClientSession() as session:
+        outcome = await relay_unary(session, target(url), TIMEOUT, inflight.begin(5))
+    assert outcome.usage is not None and outcome.usage.prompt_tokens == 5
+    assert outcome.response is not None
+    assert orjson.loads(outcome.response.body)["model"] == "public-name"  # type: ignore[arg-type]
+
+
+async def test_client_disconnect_closes_the_upstream(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+    started = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(chunk("a"))
+        started.set()
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            await response.write(chunk("x"))
+        return response
+
+    state.script = slow
+    outcome = RelayOutcome()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        async with aiohttp.ClientSession() as session:
+            await relay_stream(
+                session, request, target(url), TIMEOUT, InFlight().begin(1), outcome,
+                client_wants_usage=False, response_headers=[], prompt_tokens=1,
+            )
+        assert outcome.response is not None
+        return outcome.response
+
+    app = web.Application()
+    app.router.add_post("/relay", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            response = await client.post(server.make_url("/relay"))
+            await response.content.readany()
+            await started.wait()
+            response.close()  # the client goes away mid-stream
+        await asyncio.wait_for(state.closed.wait(), 10)
+    finally:
+        await server.close()
+    assert outcome.aborted

@@ -1,0 +1,240 @@
+"""Real processes for end-to-end tests and benchmarks: simulated engines and gateways on free ports.
+
+Everything is started as a subprocess of the test (no in-process shortcuts), talks over real
+sockets, and is stopped with a signal at the end so shutdown paths run too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policies.policy import hash_key
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_KEY = "sk-tokenway-test-0001"
+OTHER_KEY = "sk-tokenway-test-0002"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive free ports (the simulator's --instances takes P..P+N-1)."""
+    for _ in range(200):
+        base = free_port()
+        ports = list(range(base, base + count))
+        if all(_port_free(p) for p in ports):
+            return ports
+    raise RuntimeError("no run of free ports found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def http_get(url: str, headers: dict[str, str] | None = None, timeout_s: float = 2.0) -> tuple[int, str]:
+    """(status, body) of a GET; status 0 when nothing answered."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return int(response.status), response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, repr(exc)
+
+
+def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[Any] | None = None, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} while waiting for {url}")
+        code, text = http_get(url)
+        if code == status:
+            return
+        last = f"{code} {text[:200]}"
+
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer {status} within {timeout_s}s (last: {last})")
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return int(proc.returncode)
+
+
+@dataclass
+class SimEngines:
+    """`count` simulated engines in one process, on consecutive ports."""
+
+    proc: subprocess.Popen[bytes]
+    ports: list[int]
+    log_path: Path
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def start_sim(
+    log_dir: Path,
+    *,
+    count: int = 1,
+    preset: str = "llama-3.1-8b@h100",
+    time_scale: float = 10.0,
+    served_model_name: str | None = None,
+    args: Sequence[str] = (),
+) -> SimEngines:
+    ports = free_ports(count)
+    argv = [
+        sys.executable, "-m", "backends.sim", "--preset", preset, "--host", "127.0.0.1",
+        "--port", str(ports[0]), "--instances", str(count), "--time-scale", str(time_scale), *args,
+    ]
+    if served_model_name:
+        argv += ["--served-model-name", served_model_name]
+    log_path = log_dir / f"sim-{ports[0]}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+    engines = SimEngines(proc, ports, log_path)
+    try:
+        for url in engines.urls:
+            wait_http(url + "/health", proc=proc)
+    except Exception:
+        engines.stop()
+        raise RuntimeError("simulated engines failed to start:\n" + log_path.read_text()[-3000:]) from None
+    return engines
+
+
+def policies_doc(
+    *,
+    models: dict[str, Any] | None = None,
+    tenants: dict[str, Any] | None = None,
+    keys: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A policies.yaml document with a test tenant and two keys (TEST_KEY, OTHER_KEY)."""
+    return {
+        "tenants": tenants if tenants is not None else {"t1": {}, "t2": {"models": ["llama-3.1-8b"]}},
+        "keys": keys
+        if keys is not None
+        else [
+            {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
+            {"id": "k2", "tenant": "t2", "sha256": hash_key(OTHER_KEY)},
+        ],
+        "models": models if models is not None else {"llama-3.1-8b": {"aliases": ["gpt-4o-mini"]}},
+        **extra,
+    }
+
+
+def static_pool(name: str, model: str, urls: Sequence[str], **extra: Any) -> dict[str, Any]:
+    return {"name": name, "model": model, "engine": "vllm", "endpoints": [{"url": u} for u in urls], **extra}
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    port: int
+    config_path: Path
+    log_path: Path
+    workdir: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        return stop_process(self.proc, sig)
+
+
+def start_gateway(
+    workdir: Path,
+    *,
+    pools: list[dict[str, Any]],
+    policies: dict[str, Any] | None = None,
+    wait_ready: bool = True,
+    ready_timeout_s: float = 60.0,
+    **sections: Any,
+) -> Gateway:
+    """Write gateway.yaml + policies.yaml into `workdir` and start `tokenway serve` on a free port.
+
+    `sections` are extra top-level gateway.yaml sections (server overrides merge into `server`).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    server = {"host": "127.0.0.1", "port": port, "drain_timeout_s": 5, **sections.pop("server", {})}
+    config = {"server": server, "policies": "policies.yaml", "pools": pools, **sections}
+    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies or policies_doc(), sort_keys=False))
+    config_path = workdir / "gateway.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = workdir / "gateway.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=_env(),
+        )
+    gateway = Gateway(proc, port, config_path, log_path, workdir)
+    try:
+        wait_http(gateway.url + "/healthz", proc=proc, timeout_s=ready_timeout_s)
+        if wait_ready:
+            wait_http(gateway.url + "/readyz", proc=proc, timeout_s=ready_timeout_s)
+    except Exception as exc:
+        gateway.stop(signal.SIGKILL)
+        raise RuntimeError(f"gateway failed to start ({exc}):\n{gateway.log()[-4000:]}") from None
+    return gateway
+
+
+@contextlib.contextmanager
+def running(*things: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for thing in reversed(things):
+            with contextlib.suppress(Exception):
+                thing.stop()
