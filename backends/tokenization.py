@@ -44,7 +44,8 @@ def role_header(role: str) -> tuple[int, ...]:
 
 
 @functools.cache
-def _footer() -> tuple[int, ...]:
+def footer_ids() -> tuple[int, ...]:
+    """Ids closing every chat message."""
     return tuple(encode("<|im_end|>\n"))
 
 
@@ -84,7 +85,7 @@ def message_text(message: Mapping[str, Any]) -> str:
 def message_ids(message: Mapping[str, Any]) -> list[int]:
     """Token ids of one chat message, header and footer included."""
     role = str(message.get("role", "user"))
-    return [*role_header(role), *encode(message_text(message)), *_footer()]
+    return [*role_header(role), *encode(message_text(message)), *footer_ids()]
 
 
 def tools_ids(tools: Any) -> list[int]:
@@ -92,7 +93,7 @@ def tools_ids(tools: Any) -> list[int]:
     if not tools:
         return []
     dumped = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode()
-    return [*role_header("tools"), *encode(dumped), *_footer()]
+    return [*role_header("tools"), *encode(dumped), *footer_ids()]
 
 
 def generation_prompt_ids() -> tuple[int, ...]:

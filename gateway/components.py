@@ -5,8 +5,6 @@ kind it holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,14 +75,24 @@ class _NoSpan:
         return None
 
 
-class NoTrace:
-    """Tracing off: every call is a constant-time no-op."""
-
+class _NoSpanContext:
+    __slots__ = ()
     _span = _NoSpan()
 
-    @contextmanager
-    def span(self, name: str, **attributes: Any) -> Iterator[_NoSpan]:
-        yield self._span
+    def __enter__(self) -> _NoSpan:
+        return self._span
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class NoTrace:
+    """Tracing off: every call is a constant-time no-op (no generator, no allocation)."""
+
+    _context = _NoSpanContext()
+
+    def span(self, name: str, **attributes: Any) -> _NoSpanContext:
+        return self._context
 
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
         return None

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,7 +145,7 @@ class Pipeline:
     # ------------------------------------------------------------------ entry
     async def handle(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
         arrived_s = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         record = RequestRecord(request_id=request_id, api=api, started_at_unix_s=time.time())
         trace = self.start_trace(request_id, request.headers) if self.start_trace else NO_TRACE
         walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)])
@@ -184,6 +184,8 @@ class Pipeline:
         if request.content_length is not None and request.content_length > limit:
             raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
         try:
+            if request.content.is_eof():  # small bodies arrive with the headers: no timer needed
+                return await request.read()
             async with asyncio.timeout(self.server.request_read_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:

@@ -105,7 +105,7 @@ class PromptEstimator:
         """(prompt tokens, ids if asked) of a chat request, rendered as the engine renders it."""
         keyed: list[tuple[int, str]] = []
         headers: list[tuple[int, ...]] = []
-        footer_len = len(tokenization.encode("<|im_end|>\n"))
+        footer_len = len(tokenization.footer_ids())
         tools_ids = tokenization.tools_ids(tools) if tools else []  # rare and small: not cached
         for message in messages:
             role = str(message.get("role", "user"))
@@ -119,7 +119,7 @@ class PromptEstimator:
             count += len(header) + len(body) + footer_len
         if not want_ids:
             return count, None
-        footer = tokenization.encode("<|im_end|>\n")
+        footer = tokenization.footer_ids()
         ids = list(tools_ids)
         for header, body in zip(headers, bodies, strict=True):
             ids.extend(header)

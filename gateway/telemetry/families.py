@@ -68,9 +68,7 @@ class CounterFamily:
 
 
 class HistogramFamily:
-    def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]
-    ) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
         bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
         if not bounds:
             raise ValueError(f"{name}: needs at least one finite bucket")

@@ -213,18 +213,20 @@ class StateCollector:
 
     def _predictor_families(self, status: Mapping[str, Any]) -> list[Metric]:
         pool_g = self._guards["pool"]
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict[str, tuple[GaugeMetricFamily, bool]] = {}  # name -> (family, per pool)
         seen: set[tuple[str, str]] = set()
 
         def add(field: str, pool: str | None, value: float) -> None:
             name = "tokenway_predictor_" + _NAME_RE.sub("_", field)
-            if (name, pool or "") in seen:
-                return
-            seen.add((name, pool or ""))
             if name not in families:
                 labels = ["pool"] if pool is not None else []
-                families[name] = GaugeMetricFamily(name, f"predictor status field {field!r}", labels=labels)
-            families[name].add_metric([pool] if pool is not None else [], value)
+                doc = f"predictor status field {field!r}"
+                families[name] = (GaugeMetricFamily(name, doc, labels=labels), pool is not None)
+            family, per_pool = families[name]
+            if per_pool != (pool is not None) or (name, pool or "") in seen:
+                return  # a name used both per pool and globally, or a pool folded into "other" twice
+            seen.add((name, pool or ""))
+            family.add_metric([pool] if pool is not None else [], value)
 
         pools = status.get("pools")
         if isinstance(pools, Mapping):
@@ -234,9 +236,9 @@ class StateCollector:
                         if _numeric(value):
                             add(field, pool_g(str(pool)), float(value))
         for field, value in status.items():
-            if field != "pools" and _numeric(value) and "tokenway_predictor_" + field not in families:
+            if field != "pools" and _numeric(value):
                 add(field, None, float(value))
-        return list(families.values())
+        return [family for family, _ in families.values()]
 
     def _ledger_families(self, stats: Mapping[str, float]) -> list[Metric]:
         out: list[Metric] = []

@@ -1,0 +1,277 @@
+"""Gateway overhead benchmark: tokenway vs a bare aiohttp pass-through vs nginx proxy_pass.
+
+One command runs everything in one go on this machine: an instant upstream (nginx `return 200` with
+a fixed chat completion), then each proxy in turn, pinned to core 0, with wrk on core 1 at several
+connection counts. Added latency = proxy percentile − direct-to-upstream percentile at the same
+connection count. Results go to bench/results/overhead.md and overhead.png.
+
+    .venv/bin/python bench/overhead/run.py [--duration 8] [--connections 8,32,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.support.procs import free_port, http_get, wait_http  # noqa: E402
+
+from policies.policy import hash_key  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+KEY = "sk-bench-0000"
+COMPLETION = (
+    '{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench-model",'
+    '"choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":24,"completion_tokens":2,"total_tokens":26}}'
+)
+PROXY_CORE, LOAD_CORE = "0", "1"
+
+
+def ensure_tools() -> None:
+    missing = [t for t in ("nginx", "wrk", "taskset") if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    if missing:
+        print(f"installing {missing} from Debian", flush=True)
+        packages = [{"nginx": "nginx", "wrk": "wrk", "taskset": "util-linux"}[m] for m in missing]
+        subprocess.run(["apt-get", "install", "-y", "-q", *packages], check=True, env={**os.environ,
+                       "DEBIAN_FRONTEND": "noninteractive"}, stdout=subprocess.DEVNULL)
+
+
+def nginx_bin() -> str:
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def start_nginx(workdir: Path, name: str, server_block: str, core: str) -> subprocess.Popen[bytes]:
+    prefix = workdir / name
+    prefix.mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(
+        f"""
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {prefix}/body; proxy_temp_path {prefix}/proxy;
+  fastcgi_temp_path {prefix}/fcgi; uwsgi_temp_path {prefix}/uwsgi; scgi_temp_path {prefix}/scgi;
+  keepalive_requests 1000000;
+  {server_block}
+}}
+"""
+    )
+    return subprocess.Popen(["taskset", "-c", core, nginx_bin(), "-p", str(prefix), "-c", str(conf)])
+
+
+@dataclass
+class Run:
+    target: str
+    connections: int
+    rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    errors: int
+
+
+_UNIT = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def parse_wrk(text: str) -> tuple[float, dict[str, float], int]:
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    percentiles = {}
+    for pct, value, unit in re.findall(r"^\s+(50|75|90|99)%\s+([\d.]+)(us|ms|s)\s*$", text, re.M):
+        percentiles[pct] = float(value) * _UNIT[unit]
+    errors = 0
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    if non2xx:
+        errors += int(non2xx.group(1))
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    if sock:
+        errors += sum(int(x) for x in sock.groups())
+    return rps, percentiles, errors
+
+
+def wrk(url: str, connections: int, duration_s: float) -> tuple[float, dict[str, float], int]:
+    script = Path(__file__).with_name("post.lua")
+    argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency",
+            "-s", str(script), url]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TW_BENCH_KEY": KEY}, check=True)
+    return parse_wrk(out.stdout)
+
+
+@dataclass
+class Target:
+    name: str
+    start: Callable[[], subprocess.Popen[Any]]
+    port: int
+    proc: subprocess.Popen[Any] | None = field(default=None, repr=False)
+
+
+def tokenway_config(workdir: Path, upstream_port: int, port: int, extra: dict[str, Any]) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    policies = {"tenants": {"bench": {}}, "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
+                "models": {"bench-model": {}}}
+    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
+    config = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "policies": "policies.yaml",
+        "pools": [{"name": "instant", "model": "bench-model", "engine": "vllm",
+                   "endpoints": [{"url": f"http://127.0.0.1:{upstream_port}"}]}],
+        **extra,
+    }
+    path = workdir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def tokenway_variants() -> dict[str, dict[str, Any]]:
+    """Tokenway configurations compared in one run (name -> extra gateway.yaml sections)."""
+    return {"tokenway (auth)": {}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--connections", default="8,32,128")
+    parser.add_argument("--out", default=str(RESULTS / "overhead.md"))
+    args = parser.parse_args()
+    connections = [int(c) for c in args.connections.split(",")]
+    ensure_tools()
+    workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-"))
+    upstream_port = free_port()
+    upstream = start_nginx(
+        workdir, "upstream",
+        f"""server {{ listen 127.0.0.1:{upstream_port} reuseport;
+            location = /health {{ return 200 ''; }}
+            location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
+        LOAD_CORE,
+    )
+    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    targets: list[Target] = []
+
+    p = free_port()
+    targets.append(Target("bare aiohttp pass-through", lambda p=p: subprocess.Popen(
+        ["taskset", "-c", PROXY_CORE, sys.executable, str(Path(__file__).with_name("passthrough.py")), str(p),
+         f"http://127.0.0.1:{upstream_port}"], env=env), p))
+    p = free_port()
+    targets.append(Target("nginx proxy_pass", lambda p=p: start_nginx(
+        workdir, "proxy",
+        f"""upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 512; }}
+            server {{ listen 127.0.0.1:{p}; location / {{ proxy_pass http://up; proxy_http_version 1.1;
+            proxy_set_header Connection ""; }} }}""",
+        PROXY_CORE), p))
+    for name, extra in tokenway_variants().items():
+        p = free_port()
+        config = tokenway_config(workdir / re.sub(r"\W+", "-", name), upstream_port, p, extra)
+        targets.append(Target(name, lambda c=config: subprocess.Popen(
+            ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+             "--config", str(c)], env=env, cwd=REPO), p))
+
+    runs: list[Run] = []
+    try:
+        for c in connections:
+            wrk(f"http://127.0.0.1:{upstream_port}/v1/chat/completions", c, args.warmup)
+            rps, pct, errors = wrk(f"http://127.0.0.1:{upstream_port}/v1/chat/completions", c, args.duration)
+            runs.append(Run("direct (no proxy)", c, rps, pct["50"], pct["90"], pct["99"], errors))
+            print(f"direct c={c}: {rps:,.0f} rps p50={pct['50']:.3f}ms", flush=True)
+        for target in targets:
+            target.proc = target.start()
+            url = f"http://127.0.0.1:{target.port}"
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                status, _ = http_get(url + "/readyz" if target.name.startswith("tokenway") else url + "/health")
+                if status == 200 or (status and not target.name.startswith("tokenway")):
+                    break
+                time.sleep(0.1)
+            for c in connections:
+                wrk(url + "/v1/chat/completions", c, args.warmup)
+                rps, pct, errors = wrk(url + "/v1/chat/completions", c, args.duration)
+                runs.append(Run(target.name, c, rps, pct["50"], pct["90"], pct["99"], errors))
+                print(f"{target.name} c={c}: {rps:,.0f} rps p50={pct['50']:.3f}ms errors={errors}", flush=True)
+            target.proc.terminate()
+            target.proc.wait(10)
+            target.proc = None
+    finally:
+        for target in targets:
+            if target.proc is not None:
+                target.proc.kill()
+        upstream.terminate()
+        upstream.wait(10)
+    write_results(runs, connections, Path(args.out), args.duration)
+    return 0
+
+
+def write_results(runs: list[Run], connections: list[int], out: Path, duration_s: float) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    direct = {r.connections: r for r in runs if r.target == "direct (no proxy)"}
+    bare = {r.connections: r for r in runs if r.target == "bare aiohttp pass-through"}
+    lines = [
+        "# Gateway overhead",
+        "",
+        f"Generated by `bench/overhead/run.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"Each proxy is one process pinned to core {PROXY_CORE}; wrk (1 thread) and the instant upstream "
+        f"(nginx `return 200`, fixed chat completion) share core {LOAD_CORE}; {duration_s:g} s per point after "
+        "a warm-up. Added latency = proxy percentile − direct-to-upstream percentile at the same connection count. "
+        "tokenway runs with API-key auth, token estimation, routing and accounting on.",
+        "",
+        "| target | conns | RPS | p50 ms | p99 ms | added p50 ms | added p99 ms | RPS vs bare | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in runs:
+        d = direct.get(r.connections)
+        b = bare.get(r.connections)
+        added50 = r.p50_ms - d.p50_ms if d else float("nan")
+        added99 = r.p99_ms - d.p99_ms if d else float("nan")
+        ratio = f"{r.rps / b.rps:.2f}" if b and r.target != "direct (no proxy)" else "—"
+        lines.append(
+            f"| {r.target} | {r.connections} | {r.rps:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
+            f"{added50:.3f} | {added99:.3f} | {ratio} | {r.errors} |"
+        )
+    lines.append("")
+    out.write_text("\n".join(lines) + "\n")
+    plot(runs, connections, out.with_suffix(".png"))
+    print(out.read_text())
+
+
+def plot(runs: list[Run], connections: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r.target for r in runs))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(targets)
+    for i, target in enumerate(targets):
+        rows = {r.connections: r for r in runs if r.target == target}
+        xs = [j + i * width for j in range(len(connections))]
+        ax1.bar(xs, [rows[c].rps if c in rows else 0 for c in connections], width, label=target)
+        ax2.bar(xs, [rows[c].p50_ms if c in rows else 0 for c in connections], width, label=target)
+    for ax, title in ((ax1, "requests per second"), (ax2, "p50 latency (ms)")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(connections))], [f"{c} conns" for c in connections])
+        ax.set_title(title)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The usage ledger's line format: one JSON object per finished request, one line per object.
+
+Field names are the ledger's own, decoupled from `RequestRecord`'s attributes, so files written
+today stay readable whatever the dataclass becomes; `v` is the schema version. Readers must accept
+unknown fields (newer writers) and missing optional ones (older writers).
+
+v1 fields: v, ts (finish, unix s), started (arrival, unix s), request_id, api, tenant, key_id,
+requested_model, model, served_model, fallback_from, fallback_reason, pool, endpoint,
+prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
+(includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
+duration_s, gateway_overhead_s, upstream_attempts, and `extra` when the record carries any.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.record import RequestRecord
+
+SCHEMA_VERSION = 1
+
+
+def record_to_entry(r: RequestRecord) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "ts": round(r.started_at_unix_s + r.duration_s, 6),
+        "started": round(r.started_at_unix_s, 6),
+        "request_id": r.request_id,
+        "api": r.api,
+        "tenant": r.tenant,
+        "key_id": r.key_id,
+        "requested_model": r.requested_model,
+        "model": r.model,
+        "served_model": r.served_model,
+        "fallback_from": r.fallback_from,
+        "fallback_reason": r.fallback_reason,
+        "pool": r.pool,
+        "endpoint": r.endpoint,
+        "prefill_endpoint": r.prefill_endpoint,
+        "engine": r.engine,
+        "stream": r.stream,
+        "status": r.status,
+        "http_status": r.http_status,
+        "error_code": r.error_code,
+        "reject_reason": r.reject_reason,
+        "input_tokens": r.prompt_tokens,
+        "cached_input_tokens": r.cached_tokens,
+        "output_tokens": r.completion_tokens,
+        "usage_source": r.usage_source,
+        "cost_usd": r.cost_usd,
+        "ttft_s": r.ttft_s,
+        "tpot_s": r.tpot_s,
+        "duration_s": r.duration_s,
+        "gateway_overhead_s": r.gateway_overhead_s,
+        "upstream_attempts": r.upstream_attempts,
+    }
+    if r.extra:
+        entry["extra"] = r.extra
+    return entry
+
+
+def encode(record: RequestRecord) -> bytes:
+    """One ledger line, newline included. Unknown types in `extra` are written as strings."""
+    return orjson.dumps(record_to_entry(record), default=str, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One entry from a line (newline optional); raises ValueError when it is not a JSON object."""
+    entry = orjson.loads(line)
+    if not isinstance(entry, dict):
+        raise ValueError("a ledger line must be a JSON object")
+    return entry

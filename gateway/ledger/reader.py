@@ -1,0 +1,110 @@
+"""Reading the usage ledger back: entries of every rotated file of a directory, oldest file first.
+
+A crash can leave the last line of a file cut short (a torn write); it is skipped with a warning, as
+is any other line that is not a JSON object (the warning names file:line). A last line that is a
+whole object and lacks only its newline is kept: no proper prefix of a JSON object is valid JSON. `since`/`until`
+filter on the entry's finish time `ts`; whole files dated before `since` are not opened (a file's
+date is the UTC day its records were committed, which is never before their finish day).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gateway.ledger import codec
+
+log = logging.getLogger("tokenway.ledger")
+
+_FILE_RE = re.compile(r"^(?P<prefix>.+)-(?P<day>\d{8})-(?P<seq>\d+)\.jsonl$")
+
+Warn = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class ReadStats:
+    files: int = 0
+    lines: int = 0
+    entries: int = 0
+    torn_lines: int = 0
+    corrupt_lines: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+def ledger_files(directory: str | Path, prefix: str | None = None) -> list[Path]:
+    """Ledger files in commit order: by day, then sequence number (numerically), then prefix."""
+    found: list[tuple[str, int, str, Path]] = []
+    for path in Path(directory).iterdir():
+        m = _FILE_RE.match(path.name)
+        if m and path.is_file() and (prefix is None or m["prefix"] == prefix):
+            found.append((m["day"], int(m["seq"]), m["prefix"], path))
+    found.sort(key=lambda t: t[:3])
+    return [t[3] for t in found]
+
+
+def iter_entries(
+    directory: str | Path,
+    *,
+    since_unix_s: float | None = None,
+    until_unix_s: float | None = None,
+    prefix: str | None = None,
+    stats: ReadStats | None = None,
+    warn: Warn | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Ledger entries (dicts, see codec.py) with `since <= ts < until`."""
+    stats = stats if stats is not None else ReadStats()
+    since_day = (
+        datetime.fromtimestamp(since_unix_s, UTC).strftime("%Y%m%d") if since_unix_s is not None else None
+    )
+
+    def warning(message: str) -> None:
+        stats.warnings.append(message)
+        (warn or log.warning)(message)
+
+    for path in ledger_files(directory, prefix):
+        m = _FILE_RE.match(path.name)
+        if since_day is not None and m is not None and m["day"] < since_day:
+            continue
+        stats.files += 1
+        with path.open("rb") as f:
+            yield from _file_entries(path, f, since_unix_s, until_unix_s, stats, warning)
+
+
+def _file_entries(
+    path: Path,
+    lines: Iterable[bytes],
+    since_unix_s: float | None,
+    until_unix_s: float | None,
+    stats: ReadStats,
+    warning: Warn,
+) -> Iterator[dict[str, Any]]:
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        stats.lines += 1
+        try:
+            entry = codec.decode(line)
+        except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
+            if not line.endswith(b"\n"):  # only the last line of a file can lack its newline
+                stats.torn_lines += 1
+                warning(f"{path}:{number}: torn last line ({len(line)} bytes, no newline) skipped")
+            else:
+                stats.corrupt_lines += 1
+                warning(f"{path}:{number}: corrupt record skipped ({exc})")
+            continue
+        ts = entry.get("ts")
+        if not isinstance(ts, int | float):
+            stats.corrupt_lines += 1
+            warning(f"{path}:{number}: record without a numeric ts skipped")
+            continue
+        if since_unix_s is not None and ts < since_unix_s:
+            continue
+        if until_unix_s is not None and ts >= until_unix_s:
+            continue
+        stats.entries += 1
+        yield entry

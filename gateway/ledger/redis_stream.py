@@ -1,0 +1,132 @@
+"""Optional copy of the ledger into a Redis stream, for collecting usage from many replicas.
+
+The file ledger stays the record of truth: the writer hands each committed group to `submit`, which
+only appends to a bounded queue; a thread sends the group as one pipelined round trip of
+`XADD <stream> MAXLEN ~ <maxlen> * record <json line>`. When Redis is slow or down, groups wait in
+the queue, the oldest are dropped past `max_pending_batches`, and failures are counted
+(`tokenway_ledger_redis_*`); nothing here can block or lose a file commit.
+
+Consumers read with `XREAD`/`XREADGROUP`; each entry has one field, `record`, holding the ledger
+line (see codec.py). Delivery is at least once: a group whose round trip failed midway is sent again,
+so consumers dedupe on `request_id`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.ledger.config import RedisStreamConfig
+
+log = logging.getLogger("tokenway.ledger")
+
+FIELD = b"record"
+_CHUNK = 1000  # XADDs per pipeline round trip
+
+
+class RedisStreamExporter:
+    def __init__(
+        self,
+        config: RedisStreamConfig,
+        *,
+        client: Any = None,
+    ) -> None:
+        """`client`: a synchronous redis.Redis (built from `config.url` when None). Its latency is
+        kept in `stats()` rather than reported to GatewayMetrics, whose series are written from the
+        event loop thread only."""
+        self.config = config
+        if client is None:
+            import redis
+
+            client = redis.Redis.from_url(
+                config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s
+            )
+        self._client = client
+        self._queue: deque[Sequence[bytes]] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.exported_total = 0
+        self.dropped_total = 0
+        self.errors_total = 0
+        self.round_trips_total = 0
+        self.round_trip_seconds_total = 0.0
+        self._thread = threading.Thread(target=self._run, name="ledger-redis-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, lines: Sequence[bytes]) -> None:
+        """Queue one committed group. Never blocks; drops the oldest group when full."""
+        with self._cond:
+            if len(self._queue) >= self.config.max_pending_batches:
+                dropped = self._queue.popleft()
+                self.dropped_total += len(dropped)
+            self._queue.append(lines)
+            self._cond.notify()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "redis_exported_total": self.exported_total,
+            "redis_dropped_total": self.dropped_total,
+            "redis_errors_total": self.errors_total,
+            "redis_round_trips_total": self.round_trips_total,
+            "redis_round_trip_seconds_total": self.round_trip_seconds_total,
+            "redis_pending_batches": len(self._queue),
+        }
+
+    def close_sync(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (best effort within `timeout_s`), then stop."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        try:
+            self._client.close()
+        except Exception:
+            pass
+
+    def _run(self) -> None:
+        backoff_s = 0.0
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                lines = self._queue[0]
+            if self._send(lines):
+                backoff_s = 0.0
+                with self._cond:
+                    if self._queue and self._queue[0] is lines:
+                        self._queue.popleft()
+            else:
+                if self._stopping:
+                    with self._cond:
+                        self.dropped_total += sum(len(b) for b in self._queue)
+                        self._queue.clear()
+                    return
+                backoff_s = min(max(backoff_s * 2, 0.1), 5.0)
+                with self._cond:
+                    self._cond.wait(backoff_s)  # woken early only by close
+
+    def _send(self, lines: Sequence[bytes]) -> bool:
+        cfg = self.config
+        for start in range(0, len(lines), _CHUNK):
+            started_s = time.perf_counter()
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for line in lines[start : start + _CHUNK]:
+                    pipe.xadd(cfg.stream, {FIELD: line.rstrip(b"\n")}, maxlen=cfg.maxlen, approximate=True)
+                pipe.execute()
+            except Exception as exc:
+                self.errors_total += 1
+                if self.errors_total == 1 or self.errors_total % 100 == 0:
+                    log.warning("usage stream %s: XADD failed (%d failures): %s", cfg.stream, self.errors_total, exc)
+                return False
+            finally:
+                self.round_trips_total += 1
+                self.round_trip_seconds_total += time.perf_counter() - started_s
+        self.exported_total += len(lines)
+        return True

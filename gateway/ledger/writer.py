@@ -1,0 +1,310 @@
+"""The usage ledger writer: JSON lines appended from the event loop, group-committed by a thread.
+
+`append(record)` encodes the record (a few µs of orjson) and puts the line in a list under a lock;
+no I/O happens on the event loop. A writer thread wakes when the first record of a group arrives,
+sleeps until that record is 90 % of `commit_interval_ms` old, then writes the whole group with one
+`write` (a record is therefore in the file, and survives `kill -9` of the gateway, no later than one
+commit interval after its append). A separate sync thread fsyncs behind it, so a slow disk delays
+power-loss durability but never the group commits; `close()` writes, fsyncs and closes.
+
+Files are `<prefix>-YYYYMMDD-NNN.jsonl` by UTC day of the commit, a new one per day, past
+`rotate_bytes`, and at every start (so a torn last line of a crashed run is never appended to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Protocol
+
+from gateway.ledger import codec
+from gateway.ledger.config import LedgerConfig
+from gateway.record import RequestRecord
+
+log = logging.getLogger("tokenway.ledger")
+
+_COMMIT_AT = 0.9  # fraction of the interval a group's first record waits; the rest covers the write
+
+
+class BatchSink(Protocol):
+    """Receives every committed group of lines (e.g. the Redis stream exporter); must not block."""
+
+    def submit(self, lines: Sequence[bytes]) -> None: ...
+
+
+def file_name_re(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}-(\d{{8}})-(\d+)\.jsonl$")
+
+
+class LedgerWriter:
+    def __init__(
+        self,
+        config: LedgerConfig,
+        *,
+        sink: BatchSink | None = None,
+        wall_clock_s: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.dir = Path(config.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._sink = sink
+        self._wall_clock_s = wall_clock_s
+        self._interval_s = config.commit_interval_ms / 1000.0
+        self._max_pending = config.max_pending_records
+        self._name_re = file_name_re(config.file_prefix)
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._committed = threading.Condition(self._lock)
+        self._pending: list[bytes] = []
+        self._first_pending_s = 0.0
+        self._flush_requested = False
+        self._closing = False
+        self._closed = False
+
+        # owned by the writer thread
+        self._fd: int | None = None
+        self._path: Path | None = None
+        self._day = ""
+        self._size_bytes = 0
+        self._carry = b""  # bytes of a group a failed write left unwritten (retried first)
+
+        self._fd_lock = threading.Lock()  # the sync thread's fd vs. rotation
+        self._sync_wanted = threading.Event()
+
+        # counters (ints/floats written by one thread, read anywhere)
+        self.appended_total = 0
+        self.written_total = 0
+        self.dropped_total = 0
+        self.commits_total = 0
+        self.write_errors_total = 0
+        self.fsyncs_total = 0
+        self.files_total = 0
+        self.bytes_written_total = 0
+        self.last_commit_seconds = 0.0
+
+        self._writer = threading.Thread(target=self._run_writer, name="ledger-writer", daemon=True)
+        self._syncer: threading.Thread | None = None
+        if config.fsync:
+            self._syncer = threading.Thread(target=self._run_syncer, name="ledger-fsync", daemon=True)
+            self._syncer.start()
+        self._writer.start()
+
+    # -- event loop side ---------------------------------------------------------------------
+
+    def append(self, record: RequestRecord) -> None:
+        """Queue one finished request. O(1), never blocks on I/O."""
+        self.append_line(codec.encode(record))
+
+    def append_line(self, line: bytes) -> None:
+        """Queue one already encoded line (ending in a newline)."""
+        with self._lock:
+            if self._closing or len(self._pending) >= self._max_pending:
+                self.dropped_total += 1
+                if self.dropped_total == 1 or self.dropped_total % 10_000 == 0:
+                    log.error("usage ledger dropped %d records (closed or disk too slow)", self.dropped_total)
+                return
+            self.appended_total += 1
+            self._pending.append(line)
+            if len(self._pending) == 1:
+                self._first_pending_s = time.monotonic()
+                self._wake.notify()
+
+    def stats(self) -> dict[str, float]:
+        """Counters for `tokenway_ledger_*` (see GatewayMetrics.set_ledger_stats)."""
+        return {
+            "appended_total": self.appended_total,
+            "written_total": self.written_total,
+            "dropped_total": self.dropped_total,
+            "commits_total": self.commits_total,
+            "write_errors_total": self.write_errors_total,
+            "fsyncs_total": self.fsyncs_total,
+            "files_total": self.files_total,
+            "bytes_written_total": self.bytes_written_total,
+            "pending_records": len(self._pending),
+            "last_commit_seconds": self.last_commit_seconds,
+        }
+
+    @property
+    def current_path(self) -> Path | None:
+        return self._path
+
+    def flush_sync(self, timeout_s: float = 10.0) -> bool:
+        """Commit what is queued now and wait until it is written; False on timeout."""
+        with self._lock:
+            target = self.appended_total
+            self._flush_requested = True
+            self._wake.notify()
+            return self._committed.wait_for(lambda: self.written_total >= target or self._closed, timeout_s)
+
+    async def flush(self, timeout_s: float = 10.0) -> bool:
+        return await asyncio.to_thread(self.flush_sync, timeout_s)
+
+    def close_sync(self, timeout_s: float = 30.0) -> None:
+        """Write everything queued, fsync, close the file and stop the threads. Idempotent."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify()
+        self._writer.join(timeout_s)
+        if self._syncer is not None:
+            self._sync_wanted.set()
+            self._syncer.join(timeout_s)
+        if self._writer.is_alive():
+            log.error("usage ledger writer did not finish within %.0f s", timeout_s)
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        await asyncio.to_thread(self.close_sync, timeout_s)
+
+    # -- writer thread ----------------------------------------------------------------------
+
+    def _run_writer(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._pending and not self._carry and not self._closing and not self._flush_requested:
+                        self._wake.wait()
+                    if self._pending and not self._closing:
+                        deadline = self._first_pending_s + self._interval_s * _COMMIT_AT
+                        while not self._closing and not self._flush_requested:
+                            remaining = deadline - time.monotonic()
+                            if remaining <= 0:
+                                break
+                            self._wake.wait(remaining)
+                    batch, self._pending = self._pending, []
+                    self._flush_requested = False
+                    closing = self._closing
+                if batch or self._carry:
+                    self._commit(batch)
+                    if self._carry and not closing:
+                        time.sleep(min(self._interval_s, 1.0))  # disk error: retry after a pause
+                with self._lock:
+                    self._committed.notify_all()
+                if closing and not self._pending:
+                    break
+        finally:
+            self._close_file()
+            with self._lock:
+                self._closed = True
+                self._committed.notify_all()
+
+    def _commit(self, batch: list[bytes]) -> None:
+        started_s = time.monotonic()
+        data = self._carry + b"".join(batch)
+        self._carry = b""
+        try:
+            self._rotate_if_needed(len(data))
+            assert self._fd is not None
+            view = memoryview(data)
+            written = 0
+            try:
+                while written < len(data):
+                    written += os.write(self._fd, view[written:])
+            finally:
+                self._size_bytes += written
+                self.bytes_written_total += written
+                if written < len(data):
+                    self._carry = data[written:]
+        except OSError:
+            self.write_errors_total += 1
+            if not self._carry:
+                self._carry = data
+            log.exception("usage ledger write to %s failed; %d bytes kept for retry", self._path, len(self._carry))
+            return
+        self.written_total += len(batch)
+        self.commits_total += 1
+        self.last_commit_seconds = time.monotonic() - started_s
+        self._sync_wanted.set()
+        if self._sink is not None and batch:
+            try:
+                self._sink.submit(batch)
+            except Exception:
+                log.exception("usage ledger sink failed")
+
+    def _rotate_if_needed(self, incoming_bytes: int) -> None:
+        day = datetime.fromtimestamp(self._wall_clock_s(), UTC).strftime("%Y%m%d")
+        if self._fd is not None and day == self._day:
+            if self._size_bytes == 0 or self._size_bytes + incoming_bytes <= self.config.rotate_bytes:
+                return
+        self._close_file()
+        self._open_file(day)
+        if self.config.retain_days is not None:
+            self._delete_expired(day)
+
+    def _open_file(self, day: str) -> None:
+        seq = 1 + max(
+            (int(m.group(2)) for p in self.dir.iterdir() if (m := self._name_re.match(p.name)) and m.group(1) == day),
+            default=0,
+        )
+        while True:
+            path = self.dir / f"{self.config.file_prefix}-{day}-{seq:03d}.jsonl"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                break
+            except FileExistsError:
+                seq += 1  # another writer took it between the listing and the open
+        _fsync_dir(self.dir)
+        with self._fd_lock:
+            self._fd, self._path, self._day, self._size_bytes = fd, path, day, 0
+        self.files_total += 1
+
+    def _close_file(self) -> None:
+        with self._fd_lock:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            try:
+                os.fsync(fd)
+                self.fsyncs_total += 1
+            except OSError:
+                log.exception("usage ledger fsync of %s failed", self._path)
+            os.close(fd)
+
+    def _delete_expired(self, today: str) -> None:
+        assert self.config.retain_days is not None
+        cutoff = (datetime.strptime(today, "%Y%m%d") - timedelta(days=self.config.retain_days)).strftime("%Y%m%d")
+        for path in self.dir.iterdir():
+            m = self._name_re.match(path.name)
+            if m and m.group(1) < cutoff:
+                try:
+                    path.unlink()
+                    log.info("usage ledger: deleted %s (older than %d days)", path.name, self.config.retain_days)
+                except OSError:
+                    log.exception("usage ledger: could not delete %s", path)
+
+    # -- sync thread ------------------------------------------------------------------------
+
+    def _run_syncer(self) -> None:
+        while True:
+            self._sync_wanted.wait()
+            self._sync_wanted.clear()
+            if self._closed or (self._closing and not self._writer.is_alive()):
+                return
+            with self._fd_lock:
+                if self._fd is None:
+                    continue
+                try:
+                    os.fdatasync(self._fd)
+                    self.fsyncs_total += 1
+                except OSError:
+                    log.exception("usage ledger fsync of %s failed", self._path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new file's directory entry durable too (the file's own fsync does not cover it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

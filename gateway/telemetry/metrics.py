@@ -1,0 +1,385 @@
+"""Prometheus metrics of one gateway: per-request series from `RequestRecord`s, event hooks, and
+scrape-time state gauges, all in a registry owned by this object (tests build several apps in one
+process; nothing touches prometheus_client's global registry).
+
+Per request the lifecycle calls `observe(record)` once. The record's label values are looked up in a
+small bounded cache of pre-resolved children, so a repeat combination costs a tuple, one dict lookup
+and a dozen float additions. Label values pass a `LabelGuard` per dimension (see labels.py).
+
+Families (see README.md for the full catalogue): GenAI semconv histograms
+`gen_ai_client_token_usage`, `gen_ai_server_time_to_first_token_seconds`,
+`gen_ai_server_time_per_output_token_seconds`, `gen_ai_server_request_duration_seconds`, and
+`tokenway_*` counters/histograms for requests, admission outcomes, tokens, cost, overhead, routing,
+upstream errors/retries, Redis, predictor error; gauges for endpoints, limiter and budgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from time import monotonic
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.record import RequestRecord
+from gateway.telemetry import genai
+from gateway.telemetry.config import MetricsConfig
+from gateway.telemetry.families import (
+    CounterChild,
+    CounterFamily,
+    FamiliesCollector,
+    HistogramChild,
+    HistogramFamily,
+)
+from gateway.telemetry.labels import LabelGuard
+from gateway.telemetry.state import (
+    EndpointsSource,
+    LedgerSource,
+    LimiterSource,
+    PredictorSource,
+    StateCollector,
+)
+
+# Reject reasons that mean "shed under load" rather than "over a limit".
+SHED_REASONS = frozenset({"shed", "load_shed", "queue_full", "queue_timeout", "overloaded"})
+
+GATEWAY_OVERHEAD_BUCKETS_S = (
+    0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+)  # fmt: skip
+REDIS_LATENCY_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+PREDICTOR_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+_SERIES_CACHE_MAX = 4096
+_GUARDED_LABELS = ("tenant", "model", "pool", "endpoint", "key_id", "reason", "limiter_id")
+
+
+@dataclass(slots=True, frozen=True)
+class _RecordSeries:
+    """The children one label combination of a record updates, resolved once."""
+
+    requests: CounterChild
+    admission: CounterChild
+    fallback: CounterChild | None
+    input_tokens: CounterChild
+    cached_tokens: CounterChild
+    output_tokens: CounterChild
+    cost_usd: CounterChild
+    overhead_s: HistogramChild
+    genai_input: HistogramChild | None  # None: the request never reached an engine
+    genai_cached: HistogramChild | None
+    genai_output: HistogramChild | None
+    ttft_s: HistogramChild | None
+    tpot_s: HistogramChild | None
+    duration_s: HistogramChild | None
+
+
+class GatewayMetrics:
+    CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+    def __init__(
+        self,
+        config: MetricsConfig | None = None,
+        *,
+        version: str | None = None,
+        now_s: Callable[[], float] = monotonic,
+    ) -> None:
+        self.config = config or MetricsConfig()
+        labels_cfg = self.config.labels
+        self._key_id_labels = labels_cfg.key_id
+        self.guards: dict[str, LabelGuard] = {name: LabelGuard(labels_cfg.max_values) for name in _GUARDED_LABELS}
+        self._series: dict[tuple[object, ...], _RecordSeries] = {}
+
+        genai_labels = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
+                        "gen_ai_response_model", "pool")  # fmt: skip
+        self.token_usage = HistogramFamily(
+            genai.PROM_TOKEN_USAGE,
+            "GenAI semconv gen_ai.client.token.usage: tokens per request by gen_ai_token_type "
+            "(input, output, cached_input; input includes cached_input)",
+            (*genai_labels, "gen_ai_token_type"),
+            genai.TOKEN_USAGE_BUCKETS,
+        )
+        self.ttft = HistogramFamily(
+            genai.PROM_TIME_TO_FIRST_TOKEN,
+            "GenAI semconv gen_ai.server.time_to_first_token: arrival to first content byte sent",
+            genai_labels,
+            genai.TIME_TO_FIRST_TOKEN_BUCKETS_S,
+        )
+        self.tpot = HistogramFamily(
+            genai.PROM_TIME_PER_OUTPUT_TOKEN,
+            "GenAI semconv gen_ai.server.time_per_output_token: mean time per output token after the first",
+            genai_labels,
+            genai.TIME_PER_OUTPUT_TOKEN_BUCKETS_S,
+        )
+        self.duration = HistogramFamily(
+            genai.PROM_REQUEST_DURATION,
+            "GenAI semconv gen_ai.server.request.duration: arrival to last byte, requests that reached an engine",
+            (*genai_labels, "error_type"),
+            genai.REQUEST_DURATION_BUCKETS_S,
+        )
+        money_labels = ("tenant", "model", "pool", *(("key_id",) if self._key_id_labels else ()))
+        self.requests = CounterFamily(
+            "tokenway_requests_total",
+            "finished requests by status (ok, error, rejected, aborted) and HTTP status",
+            ("tenant", "model", "api", "status", "http_status"),
+        )
+        self.admission = CounterFamily(
+            "tokenway_admission_total",
+            "admission outcome per request: admitted, fell_back, rejected, shed; reason for the last three",
+            ("tenant", "model", "outcome", "reason"),
+        )
+        self.fallbacks = CounterFamily(
+            "tokenway_fallbacks_total",
+            "requests served by a fallback model",
+            ("from_model", "to_model", "reason"),
+        )
+        self.tokens = CounterFamily(
+            "tokenway_tokens_total",
+            "tokens by token_type (input, cached_input, output); input includes cached_input",
+            (*money_labels, "token_type"),
+        )
+        self.cost = CounterFamily("tokenway_cost_usd_total", "cost in USD from the policies' price table", money_labels)
+        self.overhead = HistogramFamily(
+            "tokenway_gateway_overhead_seconds",
+            "time spent in the gateway itself (before the upstream call, or until the rejection)",
+            ("outcome",),
+            GATEWAY_OVERHEAD_BUCKETS_S,
+        )
+        self.routes = CounterFamily(
+            "tokenway_routing_decisions_total", "routing decisions by pool and reason", ("pool", "reason")
+        )
+        self.routed_prompt_tokens = CounterFamily(
+            "tokenway_routing_prompt_tokens_total", "prompt tokens of routed requests", ("pool",)
+        )
+        self.estimated_hit_tokens = CounterFamily(
+            "tokenway_prefix_cache_estimated_hit_tokens_total",
+            "prompt tokens the router expected the chosen endpoint to hold in its prefix cache "
+            "(divide by tokenway_routing_prompt_tokens_total for the estimated hit ratio)",
+            ("pool",),
+        )
+        self.upstream_errors = CounterFamily(
+            "tokenway_upstream_errors_total",
+            "upstream failures by kind (connect, timeout, http_5xx, http_4xx, stream_broken, ...)",
+            ("pool", "endpoint", "kind"),
+        )
+        self.retries = CounterFamily("tokenway_upstream_retries_total", "upstream attempts beyond the first", ("pool",))
+        self.redis_latency = HistogramFamily(
+            "tokenway_redis_command_duration_seconds",
+            "latency of Redis round trips (limiter scripts, budgets, ledger stream)",
+            ("op",),
+            REDIS_LATENCY_BUCKETS_S,
+        )
+        self.redis_errors = CounterFamily("tokenway_redis_errors_total", "failed Redis round trips", ("op",))
+        self.predictor_error = HistogramFamily(
+            "tokenway_predictor_error_ratio",
+            "|observed - predicted| / observed for requests that had a prediction",
+            ("target",),
+            PREDICTOR_ERROR_BUCKETS,
+        )
+        self._predictor_ttft = self.predictor_error.child("ttft")
+        self._predictor_tpot = self.predictor_error.child("tpot")
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(
+            FamiliesCollector(
+                [
+                    self.token_usage,
+                    self.ttft,
+                    self.tpot,
+                    self.duration,
+                    self.requests,
+                    self.admission,
+                    self.fallbacks,
+                    self.tokens,
+                    self.cost,
+                    self.overhead,
+                    self.routes,
+                    self.routed_prompt_tokens,
+                    self.estimated_hit_tokens,
+                    self.upstream_errors,
+                    self.retries,
+                    self.redis_latency,
+                    self.redis_errors,
+                    self.predictor_error,
+                ]
+            )
+        )
+        self.state = StateCollector(
+            self.guards,
+            key_id_labels=self._key_id_labels,
+            version=version or _version(),
+            now_s=now_s,
+        )
+        self.registry.register(self.state)  # type: ignore[arg-type]
+
+    # -- per request -------------------------------------------------------------------------
+
+    def observe(self, record: RequestRecord) -> None:
+        """Account one finished request (any status). The single per-request entry point."""
+        key = (
+            record.tenant, record.key_id if self._key_id_labels else "", record.requested_model,
+            record.model, record.fallback_from, record.fallback_reason, record.pool, record.engine,
+            record.api, record.status, record.http_status, record.reject_reason, record.error_code,
+            bool(record.endpoint),
+        )  # fmt: skip
+        series = self._series.get(key)
+        if series is None:
+            series = self._resolve(record)
+            if len(self._series) >= _SERIES_CACHE_MAX:
+                self._series.clear()  # children live on in their families; only the shortcut is lost
+            self._series[key] = series
+        series.requests.value += 1.0
+        series.admission.value += 1.0
+        if series.fallback is not None:
+            series.fallback.value += 1.0
+        prompt, cached, completion = record.prompt_tokens, record.cached_tokens, record.completion_tokens
+        series.input_tokens.value += prompt
+        series.cached_tokens.value += cached
+        series.output_tokens.value += completion
+        series.cost_usd.value += record.cost_usd
+        series.overhead_s.observe(record.gateway_overhead_s)
+        if series.duration_s is None:
+            return
+        series.duration_s.observe(record.duration_s)
+        if record.usage_source != "none":
+            series.genai_input.observe(prompt)  # type: ignore[union-attr]
+            series.genai_cached.observe(cached)  # type: ignore[union-attr]
+            series.genai_output.observe(completion)  # type: ignore[union-attr]
+        ttft_s, tpot_s = record.ttft_s, record.tpot_s
+        if ttft_s is not None:
+            series.ttft_s.observe(ttft_s)  # type: ignore[union-attr]
+            if record.predicted_ttft_ms is not None and ttft_s > 0:
+                self._predictor_ttft.observe(abs(ttft_s - record.predicted_ttft_ms / 1000.0) / ttft_s)
+        if tpot_s is not None:
+            series.tpot_s.observe(tpot_s)  # type: ignore[union-attr]
+            if record.predicted_tpot_ms is not None and tpot_s > 0:
+                self._predictor_tpot.observe(abs(tpot_s - record.predicted_tpot_ms / 1000.0) / tpot_s)
+
+    def _resolve(self, r: RequestRecord) -> _RecordSeries:
+        g = self.guards
+        tenant, model, pool = g["tenant"](r.tenant), g["model"](r.model), g["pool"](r.pool)
+        requested_model = g["model"](r.requested_model)
+        if r.status == "rejected":
+            reason = g["reason"](r.reject_reason or r.error_code or "unknown")
+            outcome = "shed" if r.reject_reason in SHED_REASONS else "rejected"
+        elif r.fallback_from is not None:
+            outcome, reason = "fell_back", g["reason"](r.fallback_reason or "unknown")
+        else:
+            outcome, reason = "admitted", ""
+        money = (tenant, model, pool, *((g["key_id"](r.key_id),) if self._key_id_labels else ()))
+        fallback = None
+        if r.fallback_from is not None:
+            fallback = self.fallbacks.child(g["model"](r.fallback_from), model, reason)
+        reached_engine = bool(r.endpoint)
+        gl = (genai.operation_name(r.api), r.engine or "unknown", requested_model, model, pool)
+        error_type = "" if r.status == "ok" else g["reason"](r.error_code or r.status)
+        return _RecordSeries(
+            requests=self.requests.child(tenant, model, r.api, r.status, str(r.http_status)),
+            admission=self.admission.child(tenant, model, outcome, reason),
+            fallback=fallback,
+            input_tokens=self.tokens.child(*money, genai.TOKEN_INPUT),
+            cached_tokens=self.tokens.child(*money, genai.TOKEN_CACHED_INPUT),
+            output_tokens=self.tokens.child(*money, genai.TOKEN_OUTPUT),
+            cost_usd=self.cost.child(*money),
+            overhead_s=self.overhead.child(outcome),
+            genai_input=self.token_usage.child(*gl, genai.TOKEN_INPUT) if reached_engine else None,
+            genai_cached=self.token_usage.child(*gl, genai.TOKEN_CACHED_INPUT) if reached_engine else None,
+            genai_output=self.token_usage.child(*gl, genai.TOKEN_OUTPUT) if reached_engine else None,
+            ttft_s=self.ttft.child(*gl) if reached_engine else None,
+            tpot_s=self.tpot.child(*gl) if reached_engine else None,
+            duration_s=self.duration.child(*gl, error_type) if reached_engine else None,
+        )
+
+    # -- event hooks ---------------------------------------------------------------------------
+
+    def observe_route(
+        self, reason: str, pool: str = "", *, prompt_tokens: int = 0, estimated_hit_tokens: int = 0
+    ) -> None:
+        """One routing decision (a request may be routed again on retry). `estimated_hit_tokens`:
+        prompt tokens the prefix index expects the chosen endpoint to have cached."""
+        pool = self.guards["pool"](pool)
+        self.routes.child(pool, self.guards["reason"](reason)).value += 1.0
+        if prompt_tokens:
+            self.routed_prompt_tokens.child(pool).value += prompt_tokens
+            self.estimated_hit_tokens.child(pool).value += estimated_hit_tokens
+
+    def observe_upstream_error(self, endpoint: str, kind: str) -> None:
+        """One failed upstream attempt; `endpoint` is the endpoint id ("<pool>/<role>-<i>")."""
+        pool = self.guards["pool"](endpoint.partition("/")[0])
+        self.upstream_errors.child(pool, self.guards["endpoint"](endpoint), self.guards["reason"](kind)).value += 1
+
+    def observe_retry(self, pool: str = "") -> None:
+        self.retries.child(self.guards["pool"](pool)).value += 1.0
+
+    def observe_redis(self, latency_s: float, ok: bool, op: str = "limiter") -> None:
+        self.redis_latency.child(op).observe(latency_s)
+        if not ok:
+            self.redis_errors.child(op).value += 1.0
+
+    # -- state sources (read at scrape time) --------------------------------------------------
+
+    def set_endpoint_gauges(self, fleet: EndpointsSource) -> None:
+        """Endpoints to describe at each scrape: a callable (e.g. `fleet.endpoints`) read per scrape,
+        or an iterable of live `Endpoint` objects captured now."""
+        self.state.set_endpoints(fleet)
+
+    def set_limiter_gauges(self, snapshot: LimiterSource) -> None:
+        """Limiter rows (shape in state.py), or a callable returning them at scrape time."""
+        self.state.set_limiter(snapshot)
+
+    def set_predictor_gauges(self, status: PredictorSource) -> None:
+        """Predictor status dict (shape in state.py), or a callable returning it at scrape time."""
+        self.state.set_predictor(status)
+
+    def set_ledger_stats(self, source: LedgerSource) -> None:
+        """A callable returning the ledger's counters, e.g. `LedgerWriter.stats`."""
+        self.state.set_ledger(source)
+
+    def allow_label_values(
+        self,
+        *,
+        tenants: Iterable[str] | None = None,
+        models: Iterable[str] | None = None,
+        pools: Iterable[str] | None = None,
+        endpoints: Iterable[str] | None = None,
+        key_ids: Iterable[str] | None = None,
+    ) -> None:
+        """Pin label dimensions to the configured values (call at startup and on policy reload);
+        anything else, e.g. a client's unknown model name, is exported as "other"."""
+        for name, values in (("tenant", tenants), ("model", models), ("pool", pools),
+                             ("endpoint", endpoints), ("key_id", key_ids)):  # fmt: skip
+            if values is not None:
+                self.guards[name].allow(values)
+        self._series.clear()
+
+    # -- exposition ----------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition for `GET /metrics` (content type `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    def family_names(self) -> Sequence[str]:
+        """Names of the families rendered now (for tests and dashboard checks)."""
+        return [m.name for m in self.registry.collect()]
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tokenway")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+def merged_stats(*sources: Callable[[], Mapping[str, float]]) -> Callable[[], dict[str, float]]:
+    """One stats callable from several (the ledger writer and its Redis exporter, say)."""
+
+    def read() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for source in sources:
+            out.update(source())
+        return out
+
+    return read

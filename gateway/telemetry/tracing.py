@@ -1,0 +1,454 @@
+"""OpenTelemetry traces (and OTLP metrics) of requests, or nothing at all when no endpoint is set.
+
+One trace per request: a SERVER root span with children for the stages the lifecycle walks through
+("auth", "admission", "routing", "upstream", "accounting"), a "first_token" event on "upstream", and
+GenAI semconv attributes set from the finished `RequestRecord`. An incoming W3C `traceparent` is
+continued (its sampled flag decides, else `sample_ratio`), and `traceparent()` gives the header to
+forward to the engine so engine spans join the same trace.
+
+Without an OTLP endpoint no SDK object exists: `start_request` returns a shared no-op trace (or,
+when the client sent a `traceparent`, a tiny pass-through that forwards it unchanged), so the cost
+is one header lookup per request.
+
+Export runs in the SDK's background threads (batch span processor, periodic metric reader); a slow
+or absent collector drops spans past `max_queue_spans` and never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import socket
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+from gateway.record import RequestRecord
+from gateway.telemetry import genai
+from gateway.telemetry.config import OtlpConfig
+from gateway.telemetry.labels import LabelGuard
+
+log = logging.getLogger("tokenway.telemetry")
+
+AttrValue = str | bool | int | float
+Headers = Mapping[str, str]
+
+STAGES = ("auth", "admission", "routing", "upstream", "accounting")
+_TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+class SpanScope(Protocol):
+    def __enter__(self) -> SpanScope: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+    def set(self, **attrs: AttrValue | None) -> None: ...
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None: ...
+
+
+class RequestTrace(Protocol):
+    """What the lifecycle holds for one request; every method is safe to call when tracing is off."""
+
+    def span(self, name: str, **attrs: AttrValue | None) -> SpanScope: ...
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None: ...
+    def set(self, **attrs: AttrValue | None) -> None: ...
+    def traceparent(self) -> str | None: ...
+    def tracestate(self) -> str | None: ...
+    def end(self, record: RequestRecord) -> None: ...
+
+
+# -- disabled -------------------------------------------------------------------------------------
+
+
+class _NoopScope:
+    __slots__ = ()
+
+    def __enter__(self) -> _NoopScope:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        return None
+
+    def set(self, **attrs: AttrValue | None) -> None:
+        return None
+
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+        return None
+
+
+_NOOP_SCOPE = _NoopScope()
+
+
+class _NoopTrace:
+    __slots__ = ()
+
+    def span(self, name: str, **attrs: AttrValue | None) -> SpanScope:
+        return _NOOP_SCOPE
+
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+        return None
+
+    def set(self, **attrs: AttrValue | None) -> None:
+        return None
+
+    def traceparent(self) -> str | None:
+        return None
+
+    def tracestate(self) -> str | None:
+        return None
+
+    def end(self, record: RequestRecord) -> None:
+        return None
+
+
+class _PassthroughTrace(_NoopTrace):
+    """Tracing off, but the client's trace context still reaches the engine unchanged."""
+
+    __slots__ = ("_traceparent", "_tracestate")
+
+    def __init__(self, traceparent: str, tracestate: str | None) -> None:
+        self._traceparent = traceparent
+        self._tracestate = tracestate
+
+    def traceparent(self) -> str | None:
+        return self._traceparent
+
+    def tracestate(self) -> str | None:
+        return self._tracestate
+
+
+NOOP_TRACE: RequestTrace = _NoopTrace()
+
+
+# -- enabled --------------------------------------------------------------------------------------
+
+
+class _Scope:
+    __slots__ = ("_attrs", "_name", "_span", "_trace")
+
+    def __init__(self, trace: _RecordingTrace, name: str, attrs: dict[str, AttrValue | None]) -> None:
+        self._trace = trace
+        self._name = name
+        self._attrs = attrs
+        self._span: Any = None
+
+    def __enter__(self) -> _Scope:
+        self._span = self._trace._start_child(self._name, self._attrs)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        span = self._span
+        if exc is not None and span.is_recording():
+            from opentelemetry.trace import Status, StatusCode
+
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__ if exc_type else 'error'}: {exc}"))
+        self._trace._finish_child(span)
+
+    def set(self, **attrs: AttrValue | None) -> None:
+        if self._span is not None:
+            self._span.set_attributes(_clean(attrs))
+
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+        if self._span is not None:
+            self._span.add_event(name, dict(attrs) if attrs else None)
+
+
+class _RecordingTrace:
+    __slots__ = ("_ended", "_open", "_root", "_tracing")
+
+    def __init__(self, tracing: Tracing, root: Any) -> None:
+        self._tracing = tracing
+        self._root = root
+        self._open: list[Any] = []  # stage spans not yet ended, innermost last
+        self._ended = False
+
+    def span(self, name: str, **attrs: AttrValue | None) -> SpanScope:
+        return _Scope(self, name, attrs)
+
+    def _start_child(self, name: str, attrs: dict[str, AttrValue | None]) -> Any:
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        parent = self._open[-1] if self._open else self._root
+        kind = SpanKind.CLIENT if name == "upstream" else SpanKind.INTERNAL
+        span = self._tracing._tracer.start_span(
+            name, context=set_span_in_context(parent), kind=kind, attributes=_clean(attrs)
+        )
+        self._open.append(span)
+        return span
+
+    def _finish_child(self, span: Any) -> None:
+        span.end()
+        try:
+            self._open.remove(span)
+        except ValueError:
+            pass  # already ended by end()
+
+    def _current(self) -> Any:
+        return self._open[-1] if self._open else self._root
+
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+        """An event on the innermost open stage span (e.g. "first_token" during "upstream")."""
+        self._current().add_event(name, dict(attrs) if attrs else None)
+
+    def set(self, **attrs: AttrValue | None) -> None:
+        """Attributes on the request's root span."""
+        self._root.set_attributes(_clean(attrs))
+
+    def traceparent(self) -> str | None:
+        ctx = self._current().get_span_context()
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+    def tracestate(self) -> str | None:
+        state = self._current().get_span_context().trace_state
+        return state.to_header() if state else None
+
+    def end(self, record: RequestRecord) -> None:
+        """Close the trace with the record's GenAI attributes and export its OTLP metrics. Idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        for span in reversed(self._open):
+            span.end()  # a stage left open by an exception path
+        self._open.clear()
+        root = self._root
+        if root.is_recording():
+            root.set_attributes(_record_attributes(record))
+            if record.status == "error":
+                from opentelemetry.trace import Status, StatusCode
+
+                root.set_status(Status(StatusCode.ERROR, record.error_code or "error"))
+        root.end()
+        self._tracing._record_metrics(record)
+
+
+class Tracing:
+    """Tracer and meter providers of one gateway, built from `telemetry.otlp`.
+
+    `span_exporter`/`metric_exporter` replace the OTLP/HTTP exporters (tests, other transports);
+    passing one enables tracing without an endpoint.
+    """
+
+    def __init__(
+        self,
+        config: OtlpConfig | None = None,
+        *,
+        span_exporter: Any = None,
+        metric_exporter: Any = None,
+        version: str = "dev",
+    ) -> None:
+        self.config = config or OtlpConfig()
+        self.enabled = self.config.endpoint is not None or span_exporter is not None
+        self._tracer_provider: Any = None
+        self._meter_provider: Any = None
+        self._instruments: dict[str, Any] = {}
+        self._model_guard = LabelGuard(200)
+        self._tenant_guard = LabelGuard(200)
+        if self.enabled:
+            self._build(span_exporter, metric_exporter, version)
+
+    def _build(self, span_exporter: Any, metric_exporter: Any, version: str) -> None:
+        # Imported here so a gateway without OTLP never loads the SDK.
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        cfg = self.config
+        resource = Resource.create(
+            {
+                "service.name": cfg.service_name,
+                "service.version": version,
+                "service.instance.id": f"{socket.gethostname()}-{os.getpid()}",
+            }
+        )
+        if span_exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            span_exporter = OTLPSpanExporter(
+                endpoint=f"{cfg.endpoint}/v1/traces", headers=dict(cfg.headers), timeout=cfg.timeout_s
+            )
+        self._tracer_provider = TracerProvider(
+            resource=resource, sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio))
+        )
+        self._tracer_provider.add_span_processor(
+            BatchSpanProcessor(
+                span_exporter,
+                max_queue_size=cfg.max_queue_spans,
+                max_export_batch_size=min(512, cfg.max_queue_spans),
+                schedule_delay_millis=1000,
+            )
+        )
+        self._tracer = self._tracer_provider.get_tracer("tokenway.gateway", version)
+        self._propagator = TraceContextTextMapPropagator()
+        if cfg.metrics and (metric_exporter is not None or cfg.endpoint is not None):
+            self._build_metrics(resource, metric_exporter, version)
+
+    def _build_metrics(self, resource: Any, metric_exporter: Any, version: str) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        cfg = self.config
+        if metric_exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            metric_exporter = OTLPMetricExporter(
+                endpoint=f"{cfg.endpoint}/v1/metrics", headers=dict(cfg.headers), timeout=cfg.timeout_s
+            )
+        reader = PeriodicExportingMetricReader(metric_exporter, export_interval_millis=cfg.metrics_interval_s * 1000.0)
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+        meter = self._meter_provider.get_meter("tokenway.gateway", version)
+        self._instruments = {
+            "tokens": meter.create_histogram(
+                genai.TOKEN_USAGE, unit="{token}", description="tokens per request by gen_ai.token.type",
+                explicit_bucket_boundaries_advisory=list(genai.TOKEN_USAGE_BUCKETS),
+            ),
+            "ttft": meter.create_histogram(
+                genai.TIME_TO_FIRST_TOKEN, unit="s", description="arrival to first content byte",
+                explicit_bucket_boundaries_advisory=list(genai.TIME_TO_FIRST_TOKEN_BUCKETS_S),
+            ),
+            "tpot": meter.create_histogram(
+                genai.TIME_PER_OUTPUT_TOKEN, unit="s", description="mean time per output token after the first",
+                explicit_bucket_boundaries_advisory=list(genai.TIME_PER_OUTPUT_TOKEN_BUCKETS_S),
+            ),
+            "duration": meter.create_histogram(
+                genai.REQUEST_DURATION, unit="s", description="arrival to last byte",
+                explicit_bucket_boundaries_advisory=list(genai.REQUEST_DURATION_BUCKETS_S),
+            ),
+            "cost": meter.create_counter(
+                "tokenway.cost", unit="USD", description="cost from the policies' price table"
+            ),
+        }  # fmt: skip
+
+    # -- per request -------------------------------------------------------------------------
+
+    def start_request(
+        self,
+        request_id: str,
+        headers: Headers,
+        attributes: Mapping[str, AttrValue | None] | None = None,
+        *,
+        name: str = "tokenway.request",
+    ) -> RequestTrace:
+        """The trace of one arriving request; `headers` may be aiohttp's case-insensitive headers."""
+        if not self.enabled:
+            traceparent = headers.get("traceparent")
+            if traceparent is None or not _TRACEPARENT_RE.fullmatch(traceparent):
+                return NOOP_TRACE
+            return _PassthroughTrace(traceparent, headers.get("tracestate"))
+        from opentelemetry.trace import SpanKind
+
+        parent = self._propagator.extract(headers) if "traceparent" in headers else None
+        attrs = _clean(attributes) if attributes else {}
+        attrs["tokenway.request_id"] = request_id
+        root = self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
+        return _RecordingTrace(self, root)
+
+    def _record_metrics(self, record: RequestRecord) -> None:
+        inst = self._instruments
+        if not inst:
+            return
+        if record.cost_usd:
+            inst["cost"].add(record.cost_usd, self._money_attrs(record))
+        if not record.endpoint:
+            return  # rejected before an engine: no GenAI latency or token usage to report
+        model_g = self._model_guard
+        attrs: dict[str, AttrValue] = {
+            genai.OPERATION_NAME: genai.operation_name(record.api),
+            genai.PROVIDER_NAME: record.engine or "unknown",
+            genai.REQUEST_MODEL: model_g(record.requested_model),
+            genai.RESPONSE_MODEL: model_g(record.model),
+            "tokenway.pool": record.pool,
+        }
+        inst["duration"].record(
+            record.duration_s,
+            attrs if record.status == "ok" else {**attrs, genai.ERROR_TYPE: record.error_code or record.status},
+        )
+        if record.usage_source != "none":
+            for token_type, count in (
+                (genai.TOKEN_INPUT, record.prompt_tokens),
+                (genai.TOKEN_OUTPUT, record.completion_tokens),
+                (genai.TOKEN_CACHED_INPUT, record.cached_tokens),
+            ):
+                inst["tokens"].record(count, {**attrs, genai.TOKEN_TYPE: token_type})
+        if record.ttft_s is not None:
+            inst["ttft"].record(record.ttft_s, attrs)
+        if record.tpot_s is not None:
+            inst["tpot"].record(record.tpot_s, attrs)
+
+    def _money_attrs(self, record: RequestRecord) -> dict[str, AttrValue]:
+        return {
+            "tokenway.tenant": self._tenant_guard(record.tenant),
+            genai.RESPONSE_MODEL: self._model_guard(record.model),
+            "tokenway.pool": record.pool,
+        }
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def shutdown_sync(self, timeout_s: float = 10.0) -> None:
+        """Flush queued spans and a final metrics export, then stop the exporters (blocking)."""
+        if self._tracer_provider is not None:
+            try:
+                self._tracer_provider.force_flush(int(timeout_s * 1000))
+                self._tracer_provider.shutdown()
+            except Exception:
+                log.exception("trace export shutdown failed")
+            self._tracer_provider = None
+        if self._meter_provider is not None:
+            try:
+                self._meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            except Exception:
+                log.exception("metric export shutdown failed")
+            self._meter_provider = None
+        self._instruments = {}
+        self.enabled = False
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """`shutdown_sync` in a worker thread: the exporters' HTTP calls must not block the loop."""
+        if self._tracer_provider is None and self._meter_provider is None:
+            return
+        await asyncio.to_thread(self.shutdown_sync, timeout_s)
+
+
+def _clean(attrs: Mapping[str, AttrValue | None]) -> dict[str, AttrValue]:
+    """OTel attributes without the None values the lifecycle passes for "not known yet"."""
+    return {k: v if isinstance(v, str | bool | int | float) else str(v) for k, v in attrs.items() if v is not None}
+
+
+def _record_attributes(r: RequestRecord) -> dict[str, AttrValue]:
+    attrs: dict[str, AttrValue | None] = {
+        genai.OPERATION_NAME: genai.operation_name(r.api),
+        genai.PROVIDER_NAME: r.engine or None,
+        genai.SYSTEM: r.engine or None,
+        genai.REQUEST_MODEL: r.requested_model or None,
+        genai.RESPONSE_MODEL: r.model or None,
+        genai.REQUEST_STREAM: r.stream,
+        genai.USAGE_INPUT_TOKENS: r.prompt_tokens,
+        genai.USAGE_OUTPUT_TOKENS: r.completion_tokens,
+        genai.USAGE_CACHE_READ_INPUT_TOKENS: r.cached_tokens,
+        "http.response.status_code": r.http_status,
+        genai.ERROR_TYPE: None if r.status == "ok" else (r.error_code or r.status),
+        "tokenway.status": r.status,
+        "tokenway.tenant": r.tenant or None,
+        "tokenway.key_id": r.key_id or None,
+        "tokenway.served_model": r.served_model or None,
+        "tokenway.pool": r.pool or None,
+        "tokenway.endpoint": r.endpoint or None,
+        "tokenway.prefill_endpoint": r.prefill_endpoint or None,
+        "tokenway.fallback_from": r.fallback_from,
+        "tokenway.fallback_reason": r.fallback_reason,
+        "tokenway.reject_reason": r.reject_reason,
+        "tokenway.route_reason": r.route_reason or None,
+        "tokenway.usage_source": r.usage_source,
+        "tokenway.cost_usd": r.cost_usd,
+        "tokenway.ttft_s": r.ttft_s,
+        "tokenway.tpot_s": r.tpot_s,
+        "tokenway.gateway_overhead_s": r.gateway_overhead_s,
+        "tokenway.upstream_attempts": r.upstream_attempts,
+    }
+    return _clean(attrs)
