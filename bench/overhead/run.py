@@ -2,7 +2,7 @@
 
 One command runs everything in one go on this machine: an instant upstream (nginx `return 200` with
 a fixed chat completion), then each proxy in turn, pinned to core 0, with wrk on core 1 at several
-connection counts. Added latency = proxy percentile − direct-to-upstream percentile at the same
+connection counts. Added latency = proxy percentile - direct-to-upstream percentile at the same
 connection count. Results go to bench/results/overhead.md and overhead.png.
 
     .venv/bin/python bench/overhead/run.py [--duration 8] [--connections 8,32,128]
@@ -28,9 +28,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.support.procs import free_port, http_get, wait_http  # noqa: E402
-
 from policies.policy import hash_key  # noqa: E402
+from tests.support.procs import free_port, http_get, wait_http  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KEY = "sk-bench-0000"
@@ -43,7 +42,8 @@ PROXY_CORE, LOAD_CORE = "0", "1"
 
 
 def ensure_tools() -> None:
-    missing = [t for t in ("nginx", "wrk", "taskset") if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
+    tools = ("nginx", "wrk", "taskset")
+    missing = [t for t in tools if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
     if missing:
         print(f"installing {missing} from Debian", flush=True)
         packages = [{"nginx": "nginx", "wrk": "wrk", "taskset": "util-linux"}[m] for m in missing]
@@ -107,6 +107,15 @@ def parse_wrk(text: str) -> tuple[float, dict[str, float], int]:
     return rps, percentiles, errors
 
 
+def openloop(url: str, rate_rps: float, duration_s: float) -> tuple[float, float, float]:
+    """(p50, p90, p99) ms of the open-loop probe at a fixed offered load, run on the load core."""
+    argv = ["taskset", "-c", LOAD_CORE, sys.executable, str(Path(__file__).with_name("openloop.py")), url, KEY,
+            str(rate_rps), str(duration_s)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    p50, p90, p99, _ = out.stdout.split()
+    return float(p50), float(p90), float(p99)
+
+
 def wrk(url: str, connections: int, duration_s: float) -> tuple[float, dict[str, float], int]:
     script = Path(__file__).with_name("post.lua")
     argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency",
@@ -151,6 +160,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--connections", default="8,32,128")
     parser.add_argument("--out", default=str(RESULTS / "overhead.md"))
+    parser.add_argument("--probe-rate", type=float, default=200.0, help="open-loop requests per second")
+    parser.add_argument("--probe-duration", type=float, default=5.0)
     args = parser.parse_args()
     connections = [int(c) for c in args.connections.split(",")]
     ensure_tools()
@@ -186,7 +197,11 @@ def main() -> int:
              "--config", str(c)], env=env, cwd=REPO), p))
 
     runs: list[Run] = []
+    probes: dict[str, tuple[float, float, float]] = {}
     try:
+        probes["direct (no proxy)"] = openloop(
+            f"http://127.0.0.1:{upstream_port}/v1/chat/completions", args.probe_rate, args.probe_duration
+        )
         for c in connections:
             wrk(f"http://127.0.0.1:{upstream_port}/v1/chat/completions", c, args.warmup)
             rps, pct, errors = wrk(f"http://127.0.0.1:{upstream_port}/v1/chat/completions", c, args.duration)
@@ -206,6 +221,8 @@ def main() -> int:
                 rps, pct, errors = wrk(url + "/v1/chat/completions", c, args.duration)
                 runs.append(Run(target.name, c, rps, pct["50"], pct["90"], pct["99"], errors))
                 print(f"{target.name} c={c}: {rps:,.0f} rps p50={pct['50']:.3f}ms errors={errors}", flush=True)
+            probes[target.name] = openloop(url + "/v1/chat/completions", args.probe_rate, args.probe_duration)
+            print(f"{target.name} open-loop: p50={probes[target.name][0]:.3f}ms", flush=True)
             target.proc.terminate()
             target.proc.wait(10)
             target.proc = None
@@ -215,11 +232,18 @@ def main() -> int:
                 target.proc.kill()
         upstream.terminate()
         upstream.wait(10)
-    write_results(runs, connections, Path(args.out), args.duration)
+    write_results(runs, connections, Path(args.out), args.duration, probes, args.probe_rate)
     return 0
 
 
-def write_results(runs: list[Run], connections: list[int], out: Path, duration_s: float) -> None:
+def write_results(
+    runs: list[Run],
+    connections: list[int],
+    out: Path,
+    duration_s: float,
+    probes: dict[str, tuple[float, float, float]],
+    probe_rate: float,
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     direct = {r.connections: r for r in runs if r.target == "direct (no proxy)"}
     bare = {r.connections: r for r in runs if r.target == "bare aiohttp pass-through"}
@@ -229,7 +253,7 @@ def write_results(runs: list[Run], connections: list[int], out: Path, duration_s
         f"Generated by `bench/overhead/run.py` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"Each proxy is one process pinned to core {PROXY_CORE}; wrk (1 thread) and the instant upstream "
         f"(nginx `return 200`, fixed chat completion) share core {LOAD_CORE}; {duration_s:g} s per point after "
-        "a warm-up. Added latency = proxy percentile − direct-to-upstream percentile at the same connection count. "
+        "a warm-up. Added latency = proxy percentile - direct-to-upstream percentile at the same connection count. "
         "tokenway runs with API-key auth, token estimation, routing and accounting on.",
         "",
         "| target | conns | RPS | p50 ms | p99 ms | added p50 ms | added p99 ms | RPS vs bare | errors |",
@@ -245,6 +269,23 @@ def write_results(runs: list[Run], connections: list[int], out: Path, duration_s
             f"| {r.target} | {r.connections} | {r.rps:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
             f"{added50:.3f} | {added99:.3f} | {ratio} | {r.errors} |"
         )
+    lines += [
+        "",
+        f"## Added latency at a light fixed load (open loop, {probe_rate:g} req/s)",
+        "",
+        "Closed-loop wrk keeps N requests in flight, so its latency is N / RPS (throughput-bound). The latency "
+        "one request pays for crossing the proxy is measured here instead: requests start on a fixed schedule "
+        "whatever the answers, the same probe also hits the upstream directly, and the difference is the "
+        "proxy's added latency.",
+        "",
+        "| target | p50 ms | p90 ms | p99 ms | added p50 ms | added p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    base = probes.get("direct (no proxy)")
+    for name, (p50, p90, p99) in probes.items():
+        added50 = p50 - base[0] if base else float("nan")
+        added99 = p99 - base[2] if base else float("nan")
+        lines.append(f"| {name} | {p50:.3f} | {p90:.3f} | {p99:.3f} | {added50:.3f} | {added99:.3f} |")
     lines.append("")
     out.write_text("\n".join(lines) + "\n")
     plot(runs, connections, out.with_suffix(".png"))
