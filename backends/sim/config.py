@@ -1,0 +1,156 @@
+"""Everything one simulated engine instance is configured with, and vLLM's defaults for it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.sim import perf_model
+from backends.sim.presets import GIB, Preset, resolve_preset
+
+log = logging.getLogger("tokenway.sim")
+
+VLLM_VERSION = "0.33.0"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config (vllm/config/kv_events.py), plus `format` for the older shape."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    topic: str = ""
+    format: str = "tagged"  # "tagged" (0.33 maps with "type") or "positional" (older arrays)
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> KVEventsConfig | None:
+        if text is None:
+            return None
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        config = cls(**known)
+        return config if config.enable_kv_cache_events else None
+
+
+def batch_defaults(preset: Preset) -> tuple[int, int]:
+    """vLLM's (max_num_seqs, max_num_batched_tokens) by device memory (get_batch_defaults)."""
+    memory_gib = preset.hardware.hbm_capacity / GIB
+    if memory_gib >= 160:
+        return 1024, 16384
+    if memory_gib >= 70 and preset.hardware.name != "a100":
+        return 1024, 8192
+    return 256, 2048
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    preset: Preset
+    model: str
+    served_model_names: list[str]
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.92
+    enable_prefix_caching: bool = True
+    kv_events: KVEventsConfig | None = None
+    kv_transfer: dict[str, Any] | None = None
+    engine_id: str = field(default_factory=lambda: f"sim-{uuid.uuid4().hex[:12]}")
+    seed: int = 0
+    output_len_mean: float = 200.0
+    time_scale: float = 1.0
+    kv_transfer_bandwidth: float = 25e9  # bytes/s of the PD link
+    kv_lease_s: float = 30.0
+    api_key: str | None = None
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def build_engine_config(
+    preset: str | Preset = "llama-3.1-8b@h100",
+    *,
+    tp: int | None = None,
+    model: str | None = None,
+    served_model_names: list[str] | None = None,
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    gpu_memory_utilization: float = 0.92,
+    num_gpu_blocks_override: int | None = None,
+    enable_prefix_caching: bool = True,
+    kv_events_config: str | dict[str, Any] | KVEventsConfig | None = None,
+    kv_transfer_config: str | dict[str, Any] | None = None,
+    seed: int = 0,
+    output_len_mean: float = 200.0,
+    time_scale: float = 1.0,
+    kv_transfer_bandwidth_gbps: float = 25.0,
+    api_key: str | None = None,
+) -> EngineConfig:
+    """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
+
+    Raises ValueError where vLLM would refuse to start (model does not fit, max_model_len over
+    the KV capacity).
+    """
+    resolved = preset if isinstance(preset, Preset) else resolve_preset(preset, tp)
+    default_seqs, default_tokens = batch_defaults(resolved)
+    seqs = max_num_seqs or default_seqs
+    batched = max_num_batched_tokens or default_tokens
+    if num_gpu_blocks_override:
+        blocks = num_gpu_blocks_override
+    else:
+        blocks = perf_model.num_gpu_blocks(resolved, block_size, gpu_memory_utilization, batched, seqs)
+    capacity = blocks * block_size
+    if max_model_len is None:
+        max_model_len = min(resolved.model.max_model_len, capacity)
+    elif max_model_len > capacity and num_gpu_blocks_override:
+        log.warning("max_model_len %d capped to the %d tokens of %d overridden blocks",
+                    max_model_len, capacity, blocks)
+        max_model_len = capacity
+    elif max_model_len > capacity:
+        raise ValueError(
+            f"max_model_len {max_model_len} is larger than the KV cache can hold ({capacity} tokens); "
+            "decrease max_model_len or increase gpu_memory_utilization"
+        )
+    model_id = model or resolved.model.hf_id
+    names = served_model_names or [model_id]
+    if isinstance(kv_events_config, KVEventsConfig):
+        events = kv_events_config if kv_events_config.enable_kv_cache_events else None
+    else:
+        events = KVEventsConfig.from_json(kv_events_config)
+    transfer = json.loads(kv_transfer_config) if isinstance(kv_transfer_config, str) else kv_transfer_config
+    config = EngineConfig(
+        preset=resolved,
+        model=model_id,
+        served_model_names=names,
+        max_model_len=max_model_len,
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=batched,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=enable_prefix_caching,
+        kv_events=events,
+        kv_transfer=transfer,
+        seed=seed,
+        output_len_mean=output_len_mean,
+        time_scale=time_scale,
+        kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
+        api_key=api_key,
+    )
+    if transfer:
+        extra = transfer.get("kv_connector_extra_config") or {}
+        config.kv_lease_s = float(extra.get("kv_lease_duration", config.kv_lease_s))
+        if transfer.get("engine_id"):
+            config.engine_id = str(transfer["engine_id"])
+    return config

@@ -1,0 +1,294 @@
+"""One simulated engine: the step loop that turns schedules into simulated time and visible tokens.
+
+Loop: schedule a step (scheduler.py), price it (perf_model.py), sleep until its simulated end is
+due (clock.py), then reveal its tokens, update metrics, publish KV events and wake the HTTP handlers
+of the requests that changed. Tokens therefore appear only when their step ends, and TTFT, TPOT and
+queueing come out of the schedule rather than a per-request formula.
+
+PD (NixlConnector semantics): a prefill leg (`do_remote_decode`) finishes after its one token and
+keeps its blocks pinned for `kv_lease_s`; a decode leg (`do_remote_prefill`) reserves blocks for
+the prompt, asks the prefill instance (HTTP ``POST /internal/kv_pull`` at remote_host:remote_port)
+to hand over the pinned KV, waits bytes / link bandwidth in simulated time, then decodes with the
+prompt counted as cached. If the prefill instance does not know the request (unknown, expired,
+unreachable), the decode leg recomputes the prompt (``kv_load_failure_policy: recompute``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+
+from backends.sim import perf_model, text_gen
+from backends.sim.clock import SimClock
+from backends.sim.config import EngineConfig
+from backends.sim.kv_cache import KVCacheManager
+from backends.sim.kv_events import KVEventPublisher
+from backends.sim.metrics import EngineMetrics
+from backends.sim.request import Request, Status
+from backends.sim.scheduler import Scheduler
+
+log = logging.getLogger("tokenway.sim")
+
+
+class SimEngine:
+    def __init__(self, config: EngineConfig, instance_index: int = 0) -> None:
+        self.config = config
+        self.preset = config.preset
+        self.instance_index = instance_index
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s
+        )
+        self.clock = SimClock(config.time_scale)
+        self.metrics = EngineMetrics(config)
+        self.publisher: KVEventPublisher | None = None
+        self.advertised_host = "127.0.0.1"
+        self.advertised_port = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._pull_tasks: set[asyncio.Task[None]] = set()
+        self._last_arrival_s = 0.0
+        self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
+        self.steps = 0
+        self.metrics.set_state(0, 0, 0.0)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.kv_events is not None:
+            self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size,
+                                              self.instance_index)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        self._task.add_done_callback(self._engine_died)
+
+    @property
+    def alive(self) -> bool:
+        """False once the step loop has stopped (vLLM's /health then answers 503)."""
+        return self._task is not None and not self._task.done()
+
+    @staticmethod
+    def _engine_died(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("simulated engine loop died", exc_info=task.exception())
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._pull_tasks]:
+            if task is not None:
+                task.cancel()
+        for task in [self._task, *self._pull_tasks]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._session is not None:
+            await self._session.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def create_request(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Plan a request's output (deterministic ids and length) and stamp its arrival."""
+        arrival = self.clock.now()
+        self._last_arrival_s = max(self._last_arrival_s, arrival)
+        limit = self.config.max_model_len - len(prompt_ids)
+        budget = limit if max_tokens is None else min(max_tokens, limit)
+        rng = text_gen.request_rng(prompt_ids, self.config.seed)
+        if ignore_eos:
+            length, reason = budget, "length"
+        else:
+            natural = max(text_gen.natural_length(rng, self.config.output_len_mean), min_tokens)
+            length, reason = (natural, "stop") if natural < budget else (budget, "length")
+        params = kv_transfer_params or {}
+        remote_decode = bool(params.get("do_remote_decode"))
+        remote_prefill = params if params.get("do_remote_prefill") else None
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_ids=prompt_ids,
+            output_ids=text_gen.generate_ids(rng, max(1, length)),
+            stop_reason_at_end=reason,
+            arrival_s=arrival,
+            max_tokens=budget,
+            cache_salt=cache_salt,
+            remote_prefill=remote_prefill,
+            remote_decode=remote_decode,
+        )
+
+    def submit(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._publish_state()
+        self._wakeup.set()
+
+    def abort(self, req: Request) -> None:
+        """The client went away: free the request now and count it as aborted."""
+        if self.scheduler.abort(req, self.clock.now()):
+            self._record(self.scheduler.drain_stats(), 0)
+            self._publish_state()
+
+    def kv_transfer_params(self, req: Request) -> dict[str, Any]:
+        """What a prefill leg returns for its decode leg (vLLM NixlConnector.request_finished)."""
+        extra = self.config.kv_transfer or {}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(req.blocks)],
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": req.request_id,
+            "remote_host": self.advertised_host,
+            "remote_port": self.advertised_port,
+            "remote_num_tokens": req.num_prompt,
+            "remote_blocks_expiry_time": (req.finished_s or 0.0) + self.config.kv_lease_s,
+            "tp_size": self.preset.tp,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "transfer_mode": "read",
+            "kv_role": extra.get("kv_role", "kv_both"),
+        }
+
+    def release_pin(self, remote_request_id: str, engine_id: str | None) -> Request | None:
+        """Serve a decode instance's pull: the pinned request, now released, or None."""
+        if engine_id not in (None, self.config.engine_id):
+            return None
+        req = self.scheduler.release_pin(remote_request_id, self.clock.now())
+        if req is not None:
+            self._flush_events()
+            self._publish_state()
+        return req
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._flush_events()
+        return ok
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        clock = self.clock
+        preset = self.preset
+        while True:
+            now = clock.next_start()
+            if clock.idle:
+                now = max(now, self._last_arrival_s)  # woken by an arrival: start at it
+            step = scheduler.schedule(now) if scheduler.has_work() or scheduler.pulls_done else None
+            if step is not None:
+                for req in step.started_pulls:
+                    self._start_pull(req, now)
+                if step.empty and (step.preempted or step.started_pulls):
+                    await asyncio.sleep(0)  # admission resumes on the next pass
+                    continue
+            if step is None or step.empty:
+                scheduler.expire_pins(clock.now())
+                self._flush_events()
+                self._publish_state()
+                landing = scheduler.next_pull_s()
+                if landing is not None and not self._http_pulls and landing - now < 1.0:
+                    # A transfer lands shortly: wait for it as an empty step, so it lands on time.
+                    clock.begin_step(max(0.0, landing - now), start_s=now)
+                    await clock.sleep_step()
+                    continue
+                clock.go_idle()
+                await self._idle_wait()
+                continue
+            duration = perf_model.step_time_s(
+                preset,
+                [(n, ctx) for _, n, ctx in step.prefills],
+                [ctx for _, ctx in step.decodes],
+            )
+            _start, end = clock.begin_step(duration, start_s=now)
+            await clock.sleep_step()
+            changed = scheduler.complete_step(step, end)
+            self.steps += 1
+            self._record(scheduler.drain_stats(), step.num_tokens)
+            self._flush_events()
+            self._publish_state()
+            for req in changed:
+                if req.notify is not None:
+                    req.notify()
+
+    async def _idle_wait(self) -> None:
+        self._wakeup.clear()
+        timers = [t for t in (self.scheduler.next_pull_s(), self._next_pin_expiry()) if t is not None]
+        timeout = self.clock.real_delay(min(timers)) if timers else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _next_pin_expiry(self) -> float | None:
+        return min((expiry for _, expiry in self.scheduler.pinned.values()), default=None)
+
+    def _record(self, stats: Any, step_tokens: int) -> None:
+        self.metrics.record_step(stats, step_tokens)
+        for req in stats.finished:
+            if req.notify is not None:
+                req.notify()
+
+    def _flush_events(self) -> None:
+        events = self.kv.pool.drain_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    def _publish_state(self) -> None:
+        s = self.scheduler
+        self.metrics.set_state(len(s.running), s.num_waiting, self.kv.usage)
+
+    # --- PD pulls --------------------------------------------------------------------------------
+
+    def _start_pull(self, req: Request, now_s: float) -> None:
+        self._http_pulls += 1  # counted now: the loop must not wait for a landing it cannot know
+        task = asyncio.get_running_loop().create_task(self._pull(req, now_s))
+        self._pull_tasks.add(task)
+        task.add_done_callback(self._pull_tasks.discard)
+
+    async def _pull(self, req: Request, started_s: float) -> None:
+        params = req.remote_prefill or {}
+        try:
+            tokens = await self._fetch_remote_kv(params)
+        finally:
+            self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
+        ok = tokens > 0 and req.status is Status.PULLING
+        transfer_s = (
+            perf_model.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt),
+                                          self.config.kv_transfer_bandwidth)
+            if ok else 0.0
+        )
+        done_s = started_s + transfer_s if ok else self.clock.now()
+        req.kv_pull_s = done_s - started_s
+        self.scheduler.finish_pull(req, done_s, ok)
+        self._wakeup.set()
+
+    async def _fetch_remote_kv(self, params: dict[str, Any]) -> int:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port or not params.get("remote_request_id"):
+            return 0
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        url = f"http://{host}:{port}/internal/kv_pull"
+        body = {
+            "remote_request_id": params["remote_request_id"],
+            "remote_engine_id": params.get("remote_engine_id"),
+            "remote_block_ids": params.get("remote_block_ids"),
+        }
+        try:
+            async with self._session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    return 0
+                data = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.info("kv pull from %s failed (%s); recomputing", url, exc)
+            return 0
+        return int(data.get("num_tokens", 0))

@@ -1,0 +1,178 @@
+"""`/metrics` of one simulated engine: vLLM 0.33's names, types, labels and buckets.
+
+Source of names and buckets: vllm/v1/metrics/loggers.py (PrometheusStatLogger). Every engine metric
+carries `model_name` (first served name) and `engine` ("0"); counters are exposed with `_total`.
+Latencies are simulated seconds. Each instance has its own CollectorRegistry, so many engines can
+share a process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from backends.sim.config import EngineConfig
+from backends.sim.request import Request
+from backends.sim.scheduler import StepStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                         7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count histogram buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    def __init__(self, config: EngineConfig) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        labels = ["model_name", "engine"]
+        values = (config.served_model_name, "0")
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.",
+            [*labels, "finished_reason"], registry=reg,
+        )
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        token_buckets = build_1_2_5_buckets(config.max_model_len)
+        self.req_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.req_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.req_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        cache_info = {
+            "block_size": str(config.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "hash_block_size": str(config.block_size),
+            "kv_cache_size_tokens": str(config.num_gpu_blocks * config.block_size),
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(config.num_gpu_blocks),
+            "prefix_caching_hash_algo": "xxhash",
+        }
+        info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            [*cache_info, "model_name", "engine"], registry=reg,
+        )
+        info.labels(*cache_info.values(), *values).set(1)
+
+    def record_step(self, stats: StepStats, step_tokens: int) -> None:
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
+        if stats.prompt_tokens:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+        if stats.generation_tokens:
+            self.generation_tokens.inc(stats.generation_tokens)
+        if stats.preemptions:
+            self.preemptions.inc(stats.preemptions)
+        if stats.prefix_queries:
+            self.prefix_queries.inc(stats.prefix_queries)
+        if stats.prefix_hits:
+            self.prefix_hits.inc(stats.prefix_hits)
+        for ttft in stats.ttfts:
+            self.ttft.observe(ttft)
+        observe_itl = self.itl.observe
+        for itl in stats.itls:
+            observe_itl(itl)
+        for req in stats.finished:
+            self.record_finished(req)
+
+    def record_finished(self, req: Request) -> None:
+        self.success[req.finish_reason or "error"].inc()
+        if req.finish_reason == "abort":
+            return
+        t = req.timings()
+        self.e2e.observe(t["e2e_s"])
+        self.queue.observe(t["queue_s"])
+        self.prefill.observe(t["prefill_s"])
+        self.decode.observe(t["decode_s"])
+        self.inference.observe(t["prefill_s"] + t["decode_s"])
+        if req.num_output > 1:
+            self.tpot.observe(t["tpot_s"])
+        self.req_prompt_tokens.observe(req.num_prompt)
+        self.req_generation_tokens.observe(req.num_output)
+        self.req_max_tokens.observe(req.max_tokens)
+
+    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,189 @@
+"""How long one engine step takes, and how much KV a device holds: the simulated GPU.
+
+A step of a vLLM-style engine runs every scheduled token through the model once: prefill chunks
+(many new tokens of one request, after `context_before` tokens already in its KV cache) and decode
+tokens (one per running request, after `context` tokens). Its duration is a roofline:
+
+    step = max(compute, memory) + all-reduce + overhead
+
+- compute: matmul FLOPs (2 x parameters per token, the LM head only for sequences that sample) plus
+  attention FLOPs (QK^T and PV over each token's context; causal inside a chunk), divided by the
+  peak FLOP/s of one device x TP^tp_scaling (TP speeds up compute less than linearly) times the
+  fitted compute efficiency;
+- memory: bytes of weights read once per step plus the KV read by attention and written for the new
+  tokens, per device, over HBM bandwidth times the fitted bandwidth efficiency;
+- all-reduce (TP > 1): two per layer, each a latency that grows with log2(TP) plus a ring transfer of
+  the step's activations over the device link;
+- overhead: fixed per step, larger when the step carries prefill (eager kernels, no CUDA graph) and
+  growing with log2(TP) (the host coordinates more workers).
+
+Everything here is a pure function of a `Preset` (no clocks, no asyncio), so the latency predictor can
+use it as an analytic prior and the calibration benchmark can fit it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from backends.sim.presets import GIB, Preset
+
+# Memory vLLM's profiler sees besides weights and KV: CUDA context, NCCL buffers, cuBLAS workspaces
+# and CUDA graphs. About 1.5-3 GiB on Hopper in practice; one constant keeps the estimate simple.
+NON_TORCH_BYTES = int(2.0 * GIB)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """The parts of one step's duration, in seconds (total = max(compute, memory) + comm + overhead)."""
+
+    compute_s: float
+    memory_s: float
+    comm_s: float
+    overhead_s: float
+
+    @property
+    def device_s(self) -> float:
+        """Kernel time alone (what per-kernel profiles measure): the roofline plus all-reduces."""
+        return max(self.compute_s, self.memory_s) + self.comm_s
+
+    @property
+    def total_s(self) -> float:
+        return self.device_s + self.overhead_s
+
+
+def kv_bytes_per_token(preset: Preset) -> int:
+    """Bytes of K and V one token occupies across the whole model (all layers, all TP ranks).
+
+    This is what a PD transfer moves per prompt token.
+    """
+    m = preset.model
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype_bytes
+
+
+def kv_bytes_per_token_per_device(preset: Preset) -> int:
+    """Bytes per token on one device: KV heads are split over TP, replicated when TP > KV heads."""
+    m = preset.model
+    heads_per_device = max(1, math.ceil(m.num_kv_heads / preset.tp))
+    return 2 * m.num_layers * heads_per_device * m.head_dim * m.dtype_bytes
+
+
+def weight_bytes_per_device(preset: Preset) -> int:
+    return preset.model.weight_bytes // preset.tp
+
+
+def activation_peak_bytes(preset: Preset, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """vLLM's profile run peak beyond weights: hidden states and MLP intermediates of a full token
+    budget, plus float32 logits for every sequence of a full batch."""
+    m = preset.model
+    per_token = (4 * m.hidden_size + 2 * m.intermediate_size // preset.tp) * m.dtype_bytes
+    logits = max_num_seqs * m.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits
+
+
+def num_gpu_blocks(
+    preset: Preset,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+) -> int:
+    """KV blocks vLLM would allocate: (capacity x utilisation - weights - activations - non-torch)
+    per device over the per-device bytes of one block. Raises ValueError when the model does not fit,
+    as vLLM refuses to start ("No available memory for the cache blocks")."""
+    hw = preset.hardware
+    budget = int(hw.hbm_capacity * gpu_memory_utilization)
+    free = (
+        budget
+        - weight_bytes_per_device(preset)
+        - activation_peak_bytes(preset, max_num_batched_tokens, max_num_seqs)
+        - NON_TORCH_BYTES
+    )
+    block_bytes = block_size * kv_bytes_per_token_per_device(preset)
+    if free < block_bytes:
+        raise ValueError(
+            f"{preset.name}: no memory left for KV cache blocks "
+            f"({free / GIB:.1f} GiB after weights at gpu_memory_utilization={gpu_memory_utilization})"
+        )
+    return free // block_bytes
+
+
+def step_cost(
+    preset: Preset,
+    prefill_chunks: Sequence[tuple[int, int]] = (),
+    decode_contexts: Sequence[int] = (),
+) -> StepCost:
+    """The cost parts of one step.
+
+    prefill_chunks: (new_tokens, context_before) per request that prefills in this step.
+    decode_contexts: per decoding request, the tokens already in its KV cache before this token.
+    """
+    m = preset.model
+    hw = preset.hardware
+    eff = preset.efficiency
+    tp = preset.tp
+
+    prefill_tokens = 0
+    attn_pairs = 0.0  # sum over new tokens of the context they attend to
+    kv_read_tokens = 0
+    for new_tokens, context in prefill_chunks:
+        prefill_tokens += new_tokens
+        attn_pairs += new_tokens * (context + (new_tokens + 1) / 2)
+        kv_read_tokens += context
+    num_decodes = len(decode_contexts)
+    if num_decodes:
+        decode_ctx_sum = sum(decode_contexts)
+        attn_pairs += decode_ctx_sum + num_decodes
+        kv_read_tokens += decode_ctx_sum
+    tokens = prefill_tokens + num_decodes
+    if tokens == 0:
+        return StepCost(0.0, 0.0, 0.0, 0.0)
+    sampled = len(prefill_chunks) + num_decodes
+
+    linear_flops = 2.0 * m.layer_params * tokens + 2.0 * m.embedding_params * sampled
+    attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * attn_pairs
+    compute_s = (linear_flops + attn_flops) / (tp**eff.tp_scaling * hw.peak_flops * eff.compute)
+
+    kv_token_bytes = kv_bytes_per_token_per_device(preset)
+    weight_read = (m.layer_params + m.embedding_params) * m.dtype_bytes / tp
+    kv_bytes = (kv_read_tokens + tokens) * kv_token_bytes
+    memory_s = (weight_read + kv_bytes) / (hw.hbm_bandwidth * eff.bandwidth)
+
+    comm_s = 0.0
+    if tp > 1:
+        ring_bytes = 2.0 * (tp - 1) / tp * tokens * m.hidden_size * m.dtype_bytes
+        per_allreduce = eff.allreduce_latency_s * math.log2(tp) + ring_bytes / hw.link_bandwidth
+        comm_s = 2 * m.num_layers * per_allreduce
+
+    overhead_s = eff.step_overhead_s + (eff.prefill_overhead_s if prefill_tokens else 0.0)
+    if tp > 1:
+        overhead_s += eff.tp_overhead_s * math.log2(tp)
+    return StepCost(compute_s, memory_s, comm_s, overhead_s)
+
+
+def step_time_s(
+    preset: Preset,
+    prefill_chunks: Sequence[tuple[int, int]] = (),
+    decode_contexts: Sequence[int] = (),
+) -> float:
+    """Duration in seconds of one engine step that runs this work (0.0 for an empty step)."""
+    return step_cost(preset, prefill_chunks, decode_contexts).total_s
+
+
+def prefill_time_s(preset: Preset, prompt_tokens: int, cached_tokens: int = 0) -> float:
+    """One uncontended prefill of a prompt in a single step (no chunking): a TTFT lower bound."""
+    new_tokens = max(1, prompt_tokens - cached_tokens)
+    return step_time_s(preset, [(new_tokens, prompt_tokens - new_tokens)])
+
+
+def decode_step_time_s(preset: Preset, batch_size: int, context_tokens: int) -> float:
+    """One decode step of `batch_size` requests that each hold `context_tokens` in their KV cache."""
+    return step_time_s(preset, (), [context_tokens] * batch_size)
+
+
+def kv_transfer_time_s(preset: Preset, tokens: int, bandwidth_bytes_per_s: float) -> float:
+    """Time to pull `tokens` of KV from a prefill instance over a link of the given bandwidth."""
+    if tokens <= 0:
+        return 0.0
+    return tokens * kv_bytes_per_token(preset) / bandwidth_bytes_per_s
