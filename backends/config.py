@@ -8,13 +8,31 @@ fallback.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backends.types import Role
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
+
+# Engine defaults that depend on the kind; filled in when a pool omits them, so every launch passes
+# them explicitly (the engines' own defaults are unstable across versions and hardware).
+DEFAULT_BLOCK_SIZE_BY_ENGINE: dict[str, int] = {
+    "sim": 16,
+    "vllm": 16,  # vllm/config/cache.py; the attention backend may pick another when unset (REFERENCE §2.1)
+    "trtllm": 32,  # kv_cache_config.tokens_per_block, tensorrt_llm/llmapi/llm_args.py (REFERENCE §3.1)
+    "vllm-ascend": 128,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py (§4)
+    "openai": 16,  # unused: a remote API has no visible KV cache
+}
+# Startup deadlines: big models download, load, compile and capture graphs for many minutes.
+DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
+    "sim": 120.0,
+    "vllm": 1200.0,  # vLLM's own scripts wait 1200 s (REFERENCE §2.2)
+    "trtllm": 1800.0,  # TRT-LLM tests allow 900 s for small models (REFERENCE §3.2); engines build longer
+    "vllm-ascend": 1800.0,  # ACL-graph capture is slow; Kthena waits 900 s before liveness (§4)
+    "openai": 60.0,
+}
 
 
 class _Strict(BaseModel):
@@ -44,6 +62,7 @@ class KvEventsConfig(_Strict):
     enabled: bool = False
     port_base: int | None = Field(default=None, description="first ZMQ port; one per replica; auto if null")
     topic: str = "kv-events"
+    replay: bool = Field(default=True, description="a replay socket per replica, so subscribers can catch up")
 
 
 class PoolConfig(_Strict):
@@ -66,7 +85,7 @@ class PoolConfig(_Strict):
     pipeline_parallel: int = Field(default=1, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    block_size: int = Field(default=16, ge=1)
+    block_size: int = Field(default=16, ge=1, description="KV block size in tokens; default per engine")
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
@@ -76,9 +95,30 @@ class PoolConfig(_Strict):
     api_key: str | None = Field(default=None, description="upstream key (use ${ENV} in YAML)")
     env: dict[str, str] = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
-    ready_timeout_s: float = Field(default=1200.0, gt=0)
+    ready_timeout_s: float = Field(default=1200.0, gt=0, description="startup deadline; default per engine")
     drain_timeout_s: float = Field(default=30.0, ge=0)
     preset: str | None = Field(default=None, description="model@hardware for the sim and the latency prior")
+    priority_scheduling: bool = Field(
+        default=True,
+        description="engines schedule by request priority (vLLM --scheduling-policy priority, TRT-LLM "
+        "waiting_queue_policy: priority); when false the gateway strips `priority` from requests",
+    )
+    engine_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine-specific settings merged into the adapter's: trtllm-serve --config YAML "
+        "(LlmArgs), vllm-ascend --additional-config",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            engine = data.get("engine", "sim")
+            if engine in DEFAULT_BLOCK_SIZE_BY_ENGINE:
+                data = dict(data)
+                data.setdefault("block_size", DEFAULT_BLOCK_SIZE_BY_ENGINE[engine])
+                data.setdefault("ready_timeout_s", DEFAULT_READY_TIMEOUT_S_BY_ENGINE[engine])
+        return data
 
     @model_validator(mode="after")
     def _shape(self) -> PoolConfig:
@@ -103,3 +143,51 @@ class PoolConfig(_Strict):
     def disaggregated(self) -> bool:
         roles = {e.role for e in self.endpoints} | set((self.roles or {}).keys())
         return Role.PREFILL in roles or "prefill" in roles
+
+
+class EjectionSettings(_Strict):
+    """Passive health: consecutive connect errors / 5xx eject an endpoint for a cooldown."""
+
+    consecutive_failures: int = Field(default=3, ge=1, description="failures in a row that eject")
+    cooldown_s: float = Field(default=5.0, gt=0, description="first ejection; doubles per failed probe")
+    max_cooldown_s: float = Field(default=60.0, gt=0)
+
+
+class BackendsSettings(_Strict):
+    """The `backends:` section of gateway.yaml: how the supervisor launches and watches engines.
+
+    The supervisor launches replicas on the host the gateway runs on; `devices` are that host's
+    accelerators (GPU indices for CUDA engines, NPU ids for vllm-ascend). Relative paths are relative
+    to the gateway's working directory.
+    """
+
+    devices: list[int] | Literal["auto"] = Field(
+        default="auto", description="this host's accelerators; auto = nvidia-smi / npu-smi when present"
+    )
+    port_base: int = Field(default=8100, ge=1, le=65535, description="first automatic HTTP port")
+    kv_events_port_base: int = Field(default=5557, ge=1, le=65535, description="first automatic ZMQ port")
+    kv_events_replay_port_base: int = Field(
+        default=5657, ge=1, le=65535, description="first automatic KV-event replay port"
+    )
+    kv_transfer_port_base: int = Field(
+        default=5600, ge=1, le=65535, description="first automatic KV-transfer side-channel port"
+    )
+    log_dir: str = Field(default="var/log/engines", description="one log file per replica")
+    run_dir: str = Field(default="var/run/engines", description="generated engine config files")
+    hash_seed: str = Field(
+        default="0", description="PYTHONHASHSEED of vLLM engines: identical prefix hashes on every replica"
+    )
+    scrape_interval_s: float = Field(default=0.25, gt=0, description="metrics polling per endpoint")
+    scrape_timeout_s: float = Field(default=1.0, gt=0)
+    stats_max_age_s: float = Field(default=2.0, gt=0, description="older stats count as saturated")
+    health_interval_s: float = Field(default=1.0, gt=0, description="active checks of local engines")
+    remote_health_interval_s: float = Field(default=30.0, gt=0, description="active checks of remote APIs")
+    health_timeout_s: float = Field(default=2.0, gt=0)
+    ready_poll_interval_s: float = Field(default=1.0, gt=0, description="/health polling while starting")
+    restart_backoff_s: float = Field(default=1.0, ge=0, description="first restart delay; doubles per crash")
+    restart_backoff_max_s: float = Field(default=60.0, ge=0)
+    crash_loop_restarts: int = Field(default=5, ge=1, description="exits within the window = crash loop")
+    crash_loop_window_s: float = Field(default=300.0, gt=0)
+    term_grace_s: float = Field(default=15.0, ge=0, description="SIGTERM -> SIGKILL")
+    log_tail_lines: int = Field(default=30, ge=1, description="log lines shown when a replica fails")
+    ejection: EjectionSettings = Field(default_factory=EjectionSettings)

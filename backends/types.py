@@ -119,12 +119,19 @@ class Endpoint:
     api_key: str | None = None
     max_model_len: int | None = None
     kv_events_endpoint: str | None = None  # "tcp://127.0.0.1:5557" when the engine publishes KV events
+    kv_events_replay_endpoint: str | None = None  # "tcp://127.0.0.1:5657": ask here for missed batches
     stats: EndpointStats = field(default_factory=EndpointStats)
     inflight: InFlight = field(default_factory=InFlight)
     consecutive_failures: int = 0
     ejected_until_s: float = 0.0
     restarts: int = 0
     launched: bool = False  # True when the supervisor owns the process
+    ejections: int = 0  # consecutive ejections without recovery (the cooldown doubles with each)
+    state_reason: str = ""  # why the state is what it is ("crash loop: ...", "ejected: 3 failures")
+    log_tail: tuple[str, ...] = ()  # last lines of the engine's log when it failed to start or crashed
+    log_path: str | None = None  # launched replicas: the engine's output
+    devices: tuple[int, ...] = ()  # launched replicas: accelerators given to the process
+    pid: int | None = None  # launched replicas: the engine's process (group leader) while it runs
 
     @property
     def ready(self) -> bool:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import orjson
 from aiohttp import web
 
+from backends.status import fleet_status
 from gateway import appkeys
 from gateway.routes import Handler
 
@@ -16,33 +15,9 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 
 async def backends(request: web.Request) -> web.Response:
-    """Pools and endpoints: state, load, KV usage, restarts."""
-    fleet = request.app[appkeys.FLEET]
-    now = time.monotonic()
-    pools = []
-    for pool in fleet.pools.values():
-        endpoints = []
-        for e in pool.endpoints:
-            age = e.stats_age_s(now)
-            endpoints.append(
-                {
-                    "id": e.id,
-                    "url": e.base_url,
-                    "role": e.role.value,
-                    "state": e.state.value,
-                    "running": e.stats.running,
-                    "waiting": e.stats.waiting,
-                    "kv_usage_ratio": e.stats.kv_usage_ratio,
-                    "stats_age_s": None if age == float("inf") else round(age, 3),
-                    "inflight_requests": e.inflight.requests,
-                    "inflight_prefill_tokens": e.inflight.prefill_tokens,
-                    "inflight_decode_tokens": e.inflight.decode_tokens,
-                    "restarts": e.restarts,
-                }
-            )
-        pools.append({"name": pool.name, "model": pool.config.model, "engine": pool.config.engine,
-                      "endpoints": endpoints})
-    return _json({"pools": pools})
+    """Pools and endpoints: state, load, KV usage, restarts, the log tail of failed replicas."""
+    stats_max_age_s = request.app[appkeys.BACKENDS].stats_max_age_s
+    return _json(fleet_status(request.app[appkeys.FLEET], stats_max_age_s=stats_max_age_s))
 
 
 async def status(request: web.Request) -> web.Response:

@@ -6,6 +6,7 @@ import time, so tests can build several apps in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,14 +14,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from backends import health, monitor
+from backends.adapters.registry import get_adapter
+from backends.config import BackendsSettings
 from backends.fleet import Fleet
-from backends.types import EndpointState
+from backends.supervisor import Supervisor
+from backends.types import Endpoint
 from gateway import appkeys
 from gateway.admin import admin_routes
 from gateway.components import OpenAdmission
 from gateway.pipeline import Pipeline, PolicySource
 from gateway.routes import METRICS_RENDER, setup_routes
-from gateway.settings import GatewaySettings, load_yaml_model
+from gateway.settings import GatewaySettings, load_yaml_model, validate_section
 from policies.policy import Policy
 from policies.routing.least_inflight import LeastInflightRouter
 from policies.schema import PoliciesConfig
@@ -31,6 +36,7 @@ log = logging.getLogger("tokenway.app")
 def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> web.Application:
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[appkeys.SETTINGS] = settings
+    app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
     app[METRICS_RENDER] = lambda: b""
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx(policy))
@@ -63,31 +69,33 @@ def _policies_ctx(policy: Policy | None) -> Any:
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Pools: static endpoints, launched replicas (supervised), and the health/metrics watch."""
     settings = app[appkeys.SETTINGS]
+    backends = app[appkeys.BACKENDS]
     fleet = Fleet.from_configs(settings.pools)
     app[appkeys.FLEET] = fleet
-    probe = asyncio.get_running_loop().create_task(_probe_static(fleet, app[appkeys.SESSION]))
+    supervisor = Supervisor(backends)
+    app[appkeys.SUPERVISOR] = supervisor
+    await supervisor.start(fleet, app[appkeys.SESSION])
+    watch = asyncio.get_running_loop().create_task(monitor.run(fleet, app[appkeys.SESSION], backends))
     yield
-    probe.cancel()
-
-
-async def _probe_static(fleet: Fleet, session: aiohttp.ClientSession, interval_s: float = 1.0) -> None:
-    """Interim readiness of static endpoints: /health 200 means ready."""
-    timeout = aiohttp.ClientTimeout(total=2)
-    while True:
-        for endpoint in fleet.endpoints():
-            try:
-                async with session.get(endpoint.base_url + "/health", timeout=timeout) as response:
-                    ok = response.status == 200
-            except (aiohttp.ClientError, TimeoutError):
-                ok = False
-            endpoint.state = EndpointState.READY if ok else EndpointState.UNHEALTHY
-        await asyncio.sleep(interval_s)
+    watch.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watch
+    await supervisor.stop()
 
 
 async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[appkeys.SETTINGS]
     fleet = app[appkeys.FLEET]
+    ejection = app[appkeys.BACKENDS].ejection
+
+    def shape_body(endpoint: Endpoint, body: dict[str, Any], api: Any) -> dict[str, Any]:
+        return get_adapter(endpoint.engine).shape_request(body, api, fleet.pools[endpoint.pool].config)
+
+    def report_failure(endpoint: Endpoint, now_s: float) -> None:
+        health.report_failure(endpoint, now_s, ejection)
+
     pipeline = Pipeline(
         server=settings.server,
         policies=app[appkeys.POLICIES],
@@ -95,6 +103,9 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         session=app[appkeys.SESSION],
         routers={name: LeastInflightRouter() for name in fleet.pools},
         admission=OpenAdmission(),
+        report_success=health.report_success,
+        report_failure=report_failure,
+        shape_body=shape_body,
     )
     app[appkeys.PIPELINE] = pipeline
     yield

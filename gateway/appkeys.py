@@ -7,12 +7,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from backends.config import BackendsSettings
 from backends.fleet import Fleet
+from backends.supervisor import Supervisor
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
 FLEET = web.AppKey("fleet", Fleet)
+BACKENDS = web.AppKey("backends_settings", BackendsSettings)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 POLICIES = web.AppKey("policies", Any)  # the hot-reload holder: `.current` is the live Policy

@@ -44,6 +44,44 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pools_plan(args: argparse.Namespace) -> int:
+    from backends.config import BackendsSettings
+    from backends.errors import PlanError
+    from backends.plan import render_plan
+    from gateway.settings import validate_section
+
+    try:
+        settings = load_settings(args.config)
+        backends = validate_section(settings, "backends", BackendsSettings)
+        print(render_plan(list(settings.pools), backends))
+    except (ConfigError, PlanError) as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _pools_status(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from backends.status import format_status
+
+    headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
+    request = urllib.request.Request(args.url.rstrip("/") + "/admin/backends", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status = json.loads(response.read())
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"tokenway: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenway", description="Token-aware LLM API gateway.")
     parser.add_argument("--log-level", default=os.environ.get("TOKENWAY_LOG_LEVEL", "INFO"))
@@ -64,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--models", help="comma-separated allowed models")
     create.add_argument("--id", help="key id (default: <tenant>-<random>)")
     create.set_defaults(func=_keys_create)
+
+    pools = sub.add_parser("pools", help="engine pools").add_subparsers(dest="pools_command", required=True)
+    plan = pools.add_parser("plan", help="print every replica's command line and environment; launch nothing")
+    plan.add_argument("--config", default="config/gateway.yaml")
+    plan.set_defaults(func=_pools_plan)
+    status = pools.add_parser("status", help="pools, endpoints, state, load of a running gateway")
+    status.add_argument("--url", default="http://127.0.0.1:8080")
+    status.add_argument("--admin-token", default=os.environ.get("TOKENWAY_ADMIN_TOKEN"))
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_pools_status)
     return parser
 
 

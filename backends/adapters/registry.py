@@ -1,0 +1,32 @@
+"""Engine kind -> adapter: the one place that lists them (a new engine is one module plus one line).
+
+The keys are the `engine:` values of gateway.yaml (`backends.config.EngineKind`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from backends.adapters.base import EngineAdapter
+from backends.adapters.openai_remote import OPENAI_REMOTE
+from backends.adapters.sim import SIM
+from backends.adapters.trtllm import TRTLLM
+from backends.adapters.vllm import VLLM
+from backends.adapters.vllm_ascend import VLLM_ASCEND
+
+ADAPTERS: Mapping[str, EngineAdapter] = MappingProxyType({
+    "vllm": VLLM,
+    "trtllm": TRTLLM,
+    "vllm-ascend": VLLM_ASCEND,
+    "openai": OPENAI_REMOTE,
+    "sim": SIM,
+})  # fmt: skip
+
+
+def get_adapter(kind: str) -> EngineAdapter:
+    """The adapter of an engine kind; KeyError names the known kinds."""
+    try:
+        return ADAPTERS[kind]
+    except KeyError:
+        raise KeyError(f"unknown engine kind {kind!r}; known: {', '.join(sorted(ADAPTERS))}") from None

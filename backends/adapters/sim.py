@@ -1,0 +1,29 @@
+"""The simulated engine (`backends/sim`): the vLLM adapter pointed at `python -m backends.sim`.
+
+It speaks vLLM 0.33's HTTP API and metrics and takes the `vllm serve` flags, plus `--preset
+MODEL@HW` choosing the performance model. It needs no accelerator, so its replicas get no devices
+unless the pool lists them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from backends.adapters.base import ReplicaPlan
+from backends.adapters.vllm import VllmAdapter
+from backends.config import PoolConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SimAdapter(VllmAdapter):
+    kind: str = "sim"
+    executable: tuple[str, ...] = (sys.executable, "-m", "backends.sim")
+    uses_devices: bool = False
+    device_tool: str | None = None
+
+    def platform_args(self, pool: PoolConfig, replica: ReplicaPlan) -> list[str]:
+        return ["--preset", pool.preset] if pool.preset else []
+
+
+SIM = SimAdapter()

@@ -1,0 +1,295 @@
+"""vLLM (V1 engine, 0.33): `vllm serve`, `/health`, `vllm:*` Prometheus metrics, NIXL PD handshake.
+
+Facts from ../shared/REFERENCE.md §2; each flag below names its section. vllm-ascend and the
+simulated engine speak the same protocol and reuse this class with other defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends.adapters.base import (
+    LaunchSpec,
+    Probe,
+    ReplicaPlan,
+    clamp_priority,
+    connect_host,
+    wants_priority,
+)
+from backends.config import PoolConfig
+from backends.errors import MetricsFormatError
+from backends.promtext import first_present, mean, parse_samples, total
+from backends.types import EndpointStats, Role
+
+# Metric names, new first, then the pre-0.10 names they replaced (REFERENCE §2.3: "scrape new names,
+# fall back to old"). Counters appear with `_total` in the text format; some exporters omit it.
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+PREFIX_HITS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_hits",
+    "vllm:gpu_prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits",
+)
+PREFIX_QUERIES = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_queries",
+    "vllm:gpu_prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries",
+)
+PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+CACHE_CONFIG = ("vllm:cache_config_info",)
+WANTED = frozenset(RUNNING + WAITING + KV_USAGE + PREFIX_HITS + PREFIX_QUERIES + PREEMPTIONS + CACHE_CONFIG)
+
+# Prefill leg of the NIXL pull handshake (REFERENCE §2.7, toy_proxy_server.py).
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class VllmAdapter:
+    """`vllm serve` with CUDA devices. Parameters let vllm-ascend and the sim reuse it."""
+
+    kind: str = "vllm"
+    executable: tuple[str, ...] = ("vllm",)
+    launches: bool = True
+    uses_devices: bool = True
+    device_env: str | None = "CUDA_VISIBLE_DEVICES"  # REFERENCE §2.1 (vllm/envs.py)
+    device_tool: str | None = "nvidia-smi"
+    supports_pd: bool = True
+    health_path: str = "/health"  # 200 ready, 503 engine dead (REFERENCE §2.2)
+    metrics_paths: tuple[str, ...] = ("/metrics",)
+    kv_events_port_needed: bool = True
+    kv_transfer_port_needed: bool = True
+    discovers_model_name: bool = False
+    default_kv_connector: str = "NixlConnector"  # REFERENCE §2.7
+    prefill_min_tokens: int | None = None  # vllm-ascend's P leg sets min_tokens=1 (§4)
+
+    # --- launching -------------------------------------------------------------------------------
+
+    def validate(self, pool: PoolConfig) -> list[str]:
+        problems = []
+        if pool.engine_config:
+            problems.append(f"engine `{self.kind}` takes no `engine_config`; use `extra_args` for flags")
+        return problems
+
+    def served_model(self, pool: PoolConfig) -> str:
+        return pool.upstream_model
+
+    def command(self, pool: PoolConfig) -> list[str]:
+        """The executable and subcommand; `engine_bin` replaces the executable."""
+        return [*(pool.engine_bin or self.executable), "serve"]
+
+    def launch_spec(self, pool: PoolConfig, replica: ReplicaPlan) -> LaunchSpec:
+        argv = [*self.command(pool), pool.engine_model or pool.model]  # positional model (§2.1)
+        argv += ["--served-model-name", self.served_model(pool)]
+        argv += ["--host", replica.host, "--port", str(replica.port)]
+        argv += ["--tensor-parallel-size", str(pool.tensor_parallel)]
+        argv += ["--pipeline-parallel-size", str(pool.pipeline_parallel)]
+        if pool.max_model_len:
+            argv += ["--max-model-len", str(pool.max_model_len)]
+        argv += ["--gpu-memory-utilization", _num(pool.gpu_memory_utilization)]
+        # Always explicit: the attention backend may pick another size when unset (§2.1).
+        argv += ["--block-size", str(pool.block_size)]
+        argv.append("--enable-prefix-caching" if pool.enable_prefix_caching else "--no-enable-prefix-caching")
+        if pool.max_num_seqs:
+            argv += ["--max-num-seqs", str(pool.max_num_seqs)]
+        if pool.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
+        if pool.priority_scheduling:
+            # Request `priority` other than 0 is an error under fcfs (vllm/config/scheduler.py, §2.1).
+            argv += ["--scheduling-policy", "priority"]
+        events = self.kv_events_config(pool, replica)
+        if events is not None:
+            argv += ["--kv-events-config", _json(events)]
+        transfer = self.kv_transfer_config(pool, replica)
+        if transfer is not None:
+            argv += ["--kv-transfer-config", _json(transfer)]
+        if pool.lora_modules:
+            argv += ["--enable-lora", "--lora-modules"]
+            argv += [f"{name}={path}" for name, path in pool.lora_modules.items()]
+        argv += self.platform_args(pool, replica)
+        argv += pool.extra_args
+        return LaunchSpec(
+            argv=tuple(argv),
+            env={**self.engine_env(pool, replica), **pool.env},
+            log_path=replica.log_path,
+            secret_env=frozenset({"VLLM_API_KEY"}),
+        )
+
+    def platform_args(self, pool: PoolConfig, replica: ReplicaPlan) -> list[str]:
+        """Flags a platform variant adds after the common ones."""
+        return []
+
+    def engine_env(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if replica.devices and self.device_env:
+            env[self.device_env] = ",".join(str(d) for d in replica.devices)
+        # Same NONE_HASH on every replica so prefix-block hashes agree (REFERENCE §2.5).
+        env["PYTHONHASHSEED"] = replica.hash_seed
+        env["VLLM_NO_USAGE_STATS"] = "1"  # no phone-home from a gateway-managed engine (§2.1)
+        if pool.api_key:
+            # Through the environment, not --api-key, so the key is not visible in `ps` (§2.1).
+            env["VLLM_API_KEY"] = pool.api_key
+        transfer = self.kv_transfer_config(pool, replica)
+        if transfer is not None and transfer.get("kv_connector") == "NixlConnector":
+            # Distinct side channel per instance (REFERENCE §2.7).
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = connect_host(replica.host)
+            if replica.kv_transfer_port is not None:
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(replica.kv_transfer_port)
+        return env
+
+    def kv_events_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
+        if not pool.kv_events.enabled or replica.kv_events_port is None:
+            return None
+        # Field names from vllm/config/kv_events.py (REFERENCE §2.6); `*` binds the PUB socket.
+        config: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{replica.kv_events_port}",
+        }
+        if replica.kv_events_replay_port is not None:
+            config["replay_endpoint"] = f"tcp://*:{replica.kv_events_replay_port}"
+        config["topic"] = pool.kv_events.topic
+        return config
+
+    def kv_events_endpoint(self, pool: PoolConfig, replica: ReplicaPlan) -> str | None:
+        if not pool.kv_events.enabled or replica.kv_events_port is None:
+            return None
+        return f"tcp://{connect_host(replica.host)}:{replica.kv_events_port}"
+
+    def kv_events_replay_endpoint(self, pool: PoolConfig, replica: ReplicaPlan) -> str | None:
+        if self.kv_events_endpoint(pool, replica) is None or replica.kv_events_replay_port is None:
+            return None
+        return f"tcp://{connect_host(replica.host)}:{replica.kv_events_replay_port}"
+
+    def kv_transfer_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
+        """--kv-transfer-config for PD roles (vllm/config/kv_transfer.py, REFERENCE §2.1/§2.7)."""
+        if replica.role is Role.BOTH and pool.kv_transfer is None:
+            return None
+        config: dict[str, Any] = dict(pool.kv_transfer or {})
+        connector = config.setdefault("kv_connector", self.default_kv_connector)
+        if "kv_role" not in config:
+            config["kv_role"] = self.kv_role(connector, replica.role)
+        if connector != "NixlConnector" and replica.kv_transfer_port is not None:
+            config.setdefault("kv_port", replica.kv_transfer_port)
+        return config
+
+    def kv_role(self, connector: str, role: Role) -> str:
+        if connector == "NixlConnector":
+            return "kv_both"  # NIXL's role is a placeholder on both sides (REFERENCE §2.7)
+        return {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}.get(role, "kv_both")
+
+    # --- readiness and metrics -------------------------------------------------------------------
+
+    def classify_health(self, status: int | None, headers: Mapping[str, str]) -> Probe:
+        # Connection refused while the engine loads: the socket only listens once it is built (§2.2).
+        if status is None:
+            return Probe.STARTING
+        return Probe.READY if status == 200 else Probe.FAILING
+
+    def parse_metrics(self, payload: Any, previous: EndpointStats | None = None) -> EndpointStats:
+        text = payload.decode() if isinstance(payload, bytes) else payload
+        if not isinstance(text, str):
+            raise MetricsFormatError(f"{self.kind}: expected Prometheus text, got {type(payload).__name__}")
+        samples = parse_samples(text, WANTED)
+        running = total(first_present(samples, RUNNING))
+        waiting = total(first_present(samples, WAITING))
+        kv_usage = mean(first_present(samples, KV_USAGE))
+        if running is None and waiting is None and kv_usage is None:
+            raise MetricsFormatError(
+                f"{self.kind}: no vllm:num_requests_running/waiting or KV usage in the metrics "
+                "(was the engine started with --disable-log-stats?)"
+            )
+        prev = previous or EndpointStats()
+        block_size, num_blocks = _cache_config(samples.get(CACHE_CONFIG[0]))
+        return EndpointStats(
+            running=int(running if running is not None else prev.running),
+            waiting=int(waiting if waiting is not None else prev.waiting),
+            kv_usage_ratio=_ratio(kv_usage, prev.kv_usage_ratio),
+            prefix_cache_hits_tokens=_or(total(first_present(samples, PREFIX_HITS)), prev.prefix_cache_hits_tokens),
+            prefix_cache_queries_tokens=_or(
+                total(first_present(samples, PREFIX_QUERIES)), prev.prefix_cache_queries_tokens
+            ),
+            preemptions=_or(total(first_present(samples, PREEMPTIONS)), prev.preemptions),
+            block_size=block_size or prev.block_size,
+            num_gpu_blocks=num_blocks or prev.num_gpu_blocks,
+        )
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def shape_request(
+        self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None
+    ) -> dict[str, Any]:
+        shaped = dict(body)  # vLLM accepts and logs unknown fields (REFERENCE §2.4)
+        if "priority" in shaped:
+            priority = clamp_priority(shaped.pop("priority"))
+            if priority is not None and wants_priority(pool):
+                shaped["priority"] = -priority  # vLLM: int, lower = earlier (REFERENCE §2.4)
+        return shaped
+
+    def prefill_leg_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        leg = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+        leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+        leg["stream"] = False
+        leg["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            leg["max_completion_tokens"] = 1
+        if self.prefill_min_tokens is not None:
+            leg["min_tokens"] = self.prefill_min_tokens
+        return leg
+
+    def decode_leg_body(self, body: Mapping[str, Any], prefill_response: Mapping[str, Any]) -> dict[str, Any]:
+        leg = dict(body)
+        params = prefill_response.get("kv_transfer_params")
+        if params:
+            leg["kv_transfer_params"] = params  # verbatim (REFERENCE §2.7 step 3)
+        else:
+            leg.pop("kv_transfer_params", None)  # no params from P: D prefills itself
+        return leg
+
+
+def _cache_config(samples: list[tuple[dict[str, str], float]] | None) -> tuple[int | None, int | None]:
+    """block_size and num_gpu_blocks from `vllm:cache_config_info` labels (REFERENCE §2.3)."""
+    if not samples:
+        return None, None
+    labels = samples[0][0]
+    return _int_label(labels.get("block_size")), _int_label(labels.get("num_gpu_blocks"))
+
+
+def _int_label(value: str | None) -> int | None:
+    try:
+        number = int(float(value)) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+    return number if number and number > 0 else None
+
+
+def _or(value: float | None, fallback: float) -> float:
+    return fallback if value is None else value
+
+
+def _ratio(value: float | None, fallback: float) -> float:
+    return fallback if value is None else min(1.0, max(0.0, value))
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
+
+
+def _json(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+VLLM = VllmAdapter()

@@ -1,0 +1,219 @@
+"""Planning: which replicas exist, with which devices and ports, and the exact process of each.
+
+`plan_replicas` is what the supervisor launches; `render_plan` prints the same plan for operators
+(`tokenway pools plan --config FILE`) without launching anything, so a GPU deployment can be checked
+line by line before it runs. Both go through the adapters, so what is printed is what would run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from backends.adapters.base import EngineAdapter, LaunchSpec, ReplicaPlan
+from backends.adapters.registry import get_adapter
+from backends.config import BackendsSettings, PoolConfig
+from backends.devices import DeviceRequest, allocate_devices, detect_devices
+from backends.errors import PlanError
+from backends.ports import PortBook, PortProbe, assume_free
+from backends.types import Role
+
+InventoryProbe = Callable[[str], tuple[int, ...] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedReplica:
+    """A replica with its pool, adapter and process, ready to launch or print."""
+
+    pool: PoolConfig
+    adapter: EngineAdapter
+    replica: ReplicaPlan
+    spec: LaunchSpec
+
+    @property
+    def endpoint_id(self) -> str:
+        return self.replica.endpoint_id
+
+
+def replica_slots(pool: PoolConfig) -> list[tuple[Role, int]]:
+    """The launched replicas of a pool in a fixed order: `both` ones, then prefill, then decode."""
+    slots = [(Role.BOTH, i) for i in range(pool.replicas)]
+    roles = pool.roles or {}
+    for role in (Role.PREFILL, Role.DECODE):
+        slots += [(role, i) for i in range(roles.get(role.value, 0))]  # type: ignore[call-overload]
+    return slots
+
+
+def plan_replicas(
+    pools: Sequence[PoolConfig],
+    settings: BackendsSettings,
+    *,
+    port_is_free: PortProbe = assume_free,
+    detect: InventoryProbe = detect_devices,
+) -> list[PlannedReplica]:
+    """Every launched replica of `pools`, with devices and ports allocated. Raises PlanError (naming
+    the pool) when an adapter refuses the pool or devices/ports cannot be allocated."""
+    launched = [(pool, get_adapter(pool.engine)) for pool in pools]
+    launched = [(pool, adapter) for pool, adapter in launched if adapter.launches and pool.launched_replicas]
+    _check_names(pools)
+    for pool, adapter in launched:
+        problems = adapter.validate(pool)
+        if pool.roles and not adapter.supports_pd:
+            problems.append(f"engine `{adapter.kind}` has no prefill/decode disaggregation")
+        if problems:
+            raise PlanError(f"pool {pool.name!r} ({adapter.kind}): " + "; ".join(problems))
+
+    devices = _allocate_devices(launched, settings, detect)
+    book = PortBook(port_is_free)
+    # Explicit ports first, so automatic ones never collide with them.
+    for pool, adapter in launched:
+        for k, (role, index) in enumerate(replica_slots(pool)):
+            owner = f"pool {pool.name!r} replica {role.value}-{index}"
+            if pool.port_base is not None:
+                book.claim(pool.port_base + k, owner)
+            if pool.kv_events.enabled and adapter.kv_events_port_needed and pool.kv_events.port_base is not None:
+                book.claim(pool.kv_events.port_base + k, owner + " KV events")
+
+    planned: list[PlannedReplica] = []
+    for pool, adapter in launched:
+        for k, (role, index) in enumerate(replica_slots(pool)):
+            owner = f"pool {pool.name!r} replica {role.value}-{index}"
+            port = pool.port_base + k if pool.port_base is not None else book.take(settings.port_base, pool.host, owner)
+            events_port = None
+            if pool.kv_events.enabled and adapter.kv_events_port_needed:
+                events_port = (
+                    pool.kv_events.port_base + k
+                    if pool.kv_events.port_base is not None
+                    else book.take(settings.kv_events_port_base, pool.host, owner + " KV events")
+                )
+            replay_port = None
+            if events_port is not None and pool.kv_events.replay:
+                replay_port = book.take(settings.kv_events_replay_port_base, pool.host, owner + " KV-event replay")
+            transfer_port = None
+            if adapter.kv_transfer_port_needed and (role is not Role.BOTH or pool.kv_transfer is not None):
+                transfer_port = book.take(settings.kv_transfer_port_base, pool.host, owner + " KV transfer")
+            pool_devices = devices.get(pool.name)
+            replica = ReplicaPlan(
+                pool=pool.name,
+                role=role,
+                index=index,
+                host=pool.host,
+                port=port,
+                devices=pool_devices[k] if pool_devices else (),
+                kv_events_port=events_port,
+                kv_events_replay_port=replay_port,
+                kv_transfer_port=transfer_port,
+                log_path=os.path.join(settings.log_dir, f"{pool.name}.{role.value}-{index}.log"),
+                run_dir=settings.run_dir,
+                hash_seed=settings.hash_seed,
+            )
+            planned.append(PlannedReplica(pool, adapter, replica, adapter.launch_spec(pool, replica)))
+    return planned
+
+
+def _check_names(pools: Sequence[PoolConfig]) -> None:
+    seen: set[str] = set()
+    for pool in pools:
+        if pool.name in seen:
+            raise PlanError(f"pool {pool.name!r}: two pools share this name")
+        seen.add(pool.name)
+
+
+def _allocate_devices(
+    launched: Sequence[tuple[PoolConfig, EngineAdapter]], settings: BackendsSettings, detect: InventoryProbe
+) -> dict[str, list[tuple[int, ...]]]:
+    requests = []
+    tools: list[str] = []
+    for pool, adapter in launched:
+        if pool.devices is None:
+            continue
+        explicit = None if pool.devices == "auto" else tuple(pool.devices)
+        if explicit is None and adapter.device_tool:
+            tools.append(adapter.device_tool)
+        requests.append(
+            DeviceRequest(
+                pool=pool.name,
+                replicas=pool.launched_replicas,
+                per_replica=pool.tensor_parallel * pool.pipeline_parallel,
+                devices=explicit,
+                parallel_desc=f"TP {pool.tensor_parallel} x PP {pool.pipeline_parallel}",
+            )
+        )
+    if not requests:
+        return {}
+    inventory: tuple[int, ...] | None
+    if settings.devices != "auto":
+        inventory, source = tuple(settings.devices), "backends.devices"
+    else:
+        tool = tools[0] if tools else next((a.device_tool for _, a in launched if a.device_tool), None)
+        inventory = detect(tool) if tool else None
+        source = f"this host ({tool})" if tool else "this host"
+    return allocate_devices(requests, inventory, source)
+
+
+def render_plan(
+    pools: Sequence[PoolConfig], settings: BackendsSettings, *, detect: InventoryProbe = detect_devices
+) -> str:
+    """The exact command line and environment of every replica, as `tokenway pools plan` prints it.
+
+    Nothing is launched and ports are assumed free (at launch an automatic port that is in use is
+    skipped). Secrets in the environment are shown as <redacted>.
+    """
+    planned = plan_replicas(pools, settings, detect=detect)
+    by_pool: dict[str, list[PlannedReplica]] = {}
+    for item in planned:
+        by_pool.setdefault(item.pool.name, []).append(item)
+    devices = (
+        "auto (nvidia-smi / npu-smi, asked only for pools with `devices: auto`)"
+        if settings.devices == "auto"
+        else str(list(settings.devices))
+    )
+    lines = [
+        "# tokenway pools plan: nothing is launched.",
+        f"# host devices: {devices}; automatic ports from {settings.port_base} (busy ones are skipped "
+        "at launch); each replica inherits the gateway's environment plus the variables shown.",
+    ]
+    for pool in pools:
+        adapter = get_adapter(pool.engine)
+        lines.append("")
+        lines.append(
+            f"pool {pool.name}: model {pool.model!r}, engine {pool.engine}, "
+            f"{pool.launched_replicas} launched, {len(pool.endpoints)} static, "
+            f"TP {pool.tensor_parallel} x PP {pool.pipeline_parallel}"
+        )
+        for item in by_pool.get(pool.name, []):
+            lines += _render_replica(item)
+        for i, static in enumerate(pool.endpoints):
+            lines.append(f"  {pool.name}/{static.role.value}-s{i}: {static.url} (static, not launched)")
+        if by_pool.get(pool.name) and pool.devices is None and adapter.uses_devices:
+            lines.append(
+                "  note: `devices` not set: devices are not managed, every replica sees all of the "
+                "host's devices"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _render_replica(item: PlannedReplica) -> list[str]:
+    replica, spec = item.replica, item.spec
+    head = f"  {replica.endpoint_id}: {replica.base_url}"
+    if replica.devices:
+        head += f"  devices {','.join(map(str, replica.devices))}"
+    events = item.adapter.kv_events_endpoint(item.pool, replica)
+    if events:
+        head += f"  kv-events {events}"
+    replay = item.adapter.kv_events_replay_endpoint(item.pool, replica)
+    if replay:
+        head += f" (replay {replay})"
+    head += f"  log {spec.log_path}"
+    env = " ".join(
+        f"{name}={'<redacted>' if name in spec.secret_env else shlex.quote(value)}"
+        for name, value in spec.env.items()
+    )
+    command = shlex.join(spec.argv)
+    lines = [head, f"    {'env ' + env + ' ' if env else ''}{command}"]
+    for path, content in spec.files.items():
+        lines.append(f"    file {path}:")
+        lines += [f"      {line}" for line in content.rstrip("\n").splitlines()]
+    return lines

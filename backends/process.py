@@ -1,0 +1,173 @@
+"""One engine process: spawned in its own process group, tied to the gateway's life, logged to a file.
+
+Why a process group: engines fork workers (vLLM's engine core, TRT-LLM's MPI ranks); signalling the
+group stops them all. Why PR_SET_PDEATHSIG (Linux): if the gateway is SIGKILLed, no cleanup code runs,
+and the kernel is the only one left to tell the engine; it then gets SIGTERM, which vLLM and
+trtllm-serve handle by shutting their own workers down. The signal is tied to the thread that
+spawned the child, here the event loop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import BinaryIO
+
+from backends.adapters.base import LaunchSpec
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _death_signal_preexec(parent_pid: int) -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to SIGTERM the child when the gateway dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the gateway died between fork and prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+_RUN_MARKER = "=== tokenway "
+_ARGV_MARKER = "=== argv: "
+
+
+def tail_lines(path: str | None, count: int, max_bytes: int = 64 * 1024) -> tuple[str, ...]:
+    """The last `count` non-empty lines the latest run wrote to its log (the file is appended to on
+    every start; this reads at most `max_bytes` from its end and skips tokenway's header lines)."""
+    if not path:
+        return ()
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ()
+    lines = [line.rstrip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.startswith(_RUN_MARKER)]
+    if starts:
+        lines = lines[starts[-1] + 1 :]
+    lines = [line for line in lines if not line.startswith(_ARGV_MARKER)]
+    return tuple(lines[-count:])
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def _prepare(spec: LaunchSpec, header: str) -> BinaryIO:
+    """Write the spec's files and open its log for appending, with a header line per start."""
+    for path, content in spec.files.items():
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(content, encoding="utf-8")
+    if spec.log_path:
+        Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(spec.log_path or os.devnull, "ab")  # noqa: SIM115 - handed to the caller's `with`
+    stamp = datetime.now(UTC).isoformat(timespec="seconds")
+    log.write(f"{_RUN_MARKER}{stamp} {header}\n{_ARGV_MARKER}{list(spec.argv)}\n".encode())
+    log.flush()
+    return log
+
+
+class EngineProcess:
+    """A launched engine. `wait`, `terminate` and `kill_now` act on its whole process group."""
+
+    def __init__(self, process: asyncio.subprocess.Process, spec: LaunchSpec) -> None:
+        self.process = process
+        self.spec = spec
+        self.pid = process.pid
+        self._waiter: asyncio.Task[int] = asyncio.ensure_future(process.wait())
+
+    @classmethod
+    async def spawn(cls, spec: LaunchSpec, header: str = "") -> EngineProcess:
+        """Write the spec's files, open its log (appending), start it. OSError if it cannot start."""
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        with _prepare(spec, header) as log:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *spec.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    cwd=spec.cwd,
+                    start_new_session=True,  # own process group: signal the engine and its workers
+                    preexec_fn=_death_signal_preexec(os.getpid()),
+                )
+            except OSError as exc:
+                log.write(f"=== cannot start: {exc}\n".encode())
+                raise
+        return cls(process, spec)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._waiter)
+
+    def exited(self) -> asyncio.Future[int]:
+        """A future resolved with the exit code (for waiting on exit or something else)."""
+        return self._waiter
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    async def terminate(self, grace_s: float) -> int:
+        """SIGTERM the group, wait up to `grace_s`, then SIGKILL it. Returns the exit code."""
+        if self.alive:
+            self.signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.wait(), timeout=grace_s)
+            except TimeoutError:
+                self.signal_group(signal.SIGKILL)
+        code = await self.wait()
+        self.signal_group(signal.SIGKILL)  # workers that outlived their leader
+        return code
+
+    def kill_now(self, grace_s: float = 2.0) -> None:
+        """Synchronous stop for interpreter exit (no event loop): SIGTERM, short wait, SIGKILL."""
+        if self.process.returncode is not None:
+            self.signal_group(signal.SIGKILL)
+            return
+        self.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                break
+            time.sleep(0.05)
+        self.signal_group(signal.SIGKILL)

@@ -1,0 +1,376 @@
+"""The supervisor: launches every replica of the fleet's pools and keeps them alive.
+
+Per replica, one task runs its life: spawn (own process group, output to a log file) -> wait for
+readiness (polling the health path until its adapter says ready, within the pool's deadline) ->
+READY -> wait for exit. An unexpected exit restarts it after an exponential backoff; too many exits
+within a window is a crash loop: the replica stays DEAD with the reason and its log tail, and the
+other pools keep serving. A replica that never becomes ready is stopped and left DEAD with a clear
+message. Stopping drains first: no new requests (DRAINING), in-flight ones finish up to the pool's
+`drain_timeout_s`, then SIGTERM, then SIGKILL after `term_grace_s`.
+
+Endpoint ids are stable across restarts ("<pool>/<role>-<index>"), and so are ports and devices, so
+routing state keyed by endpoint survives a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import aiohttp
+
+from backends.adapters.base import EngineAdapter, Probe
+from backends.config import BackendsSettings
+from backends.fleet import Fleet
+from backends.plan import PlannedReplica, plan_replicas
+from backends.ports import is_port_free
+from backends.process import EngineProcess, describe_exit, tail_lines
+from backends.types import Endpoint, EndpointState, EndpointStats
+
+log = logging.getLogger(__name__)
+
+
+class _Startup(StrEnum):
+    READY = "ready"
+    EXITED = "exited"
+    TIMEOUT = "timeout"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFailure:
+    """A replica that did not become ready: why, and the last lines of its log."""
+
+    endpoint_id: str
+    reason: str
+    log_path: str | None
+    log_tail: tuple[str, ...]
+
+    def __str__(self) -> str:
+        tail = "\n".join(f"  | {line}" for line in self.log_tail)
+        return f"{self.endpoint_id}: {self.reason}" + (f"\n  last log lines ({self.log_path}):\n{tail}" if tail else "")
+
+
+@dataclass(eq=False)
+class Replica:
+    """The supervisor's record of one launched replica."""
+
+    planned: PlannedReplica
+    endpoint: Endpoint
+    process: EngineProcess | None = None
+    task: asyncio.Task[None] | None = None
+    crash_times_s: deque[float] = field(default_factory=deque)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # ready once, or failed for good
+    failure: ReplicaFailure | None = None
+    stopping: bool = False
+    attempts: int = 0
+
+
+class Supervisor:
+    """Launches, watches, restarts, drains and stops the fleet's launched replicas."""
+
+    def __init__(
+        self,
+        settings: BackendsSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._owns_session = False
+        self._stopping = False
+        self._atexit: Callable[[], None] | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, fleet: Fleet, session: aiohttp.ClientSession | None = None) -> None:
+        """Plan and launch every replica of the fleet's pools; return at once (readiness is tracked
+        in the background). Raises PlanError before launching anything if the pools cannot be planned.
+        """
+        planned = plan_replicas([p.config for p in fleet.pools.values()], self.settings, port_is_free=is_port_free)
+        if session is None:
+            session = aiohttp.ClientSession()
+            self._owns_session = True
+        self._session = session
+        for item in planned:
+            endpoint = Endpoint(
+                id=item.endpoint_id,
+                pool=item.pool.name,
+                base_url=item.replica.base_url,
+                engine=item.pool.engine,
+                served_model=item.adapter.served_model(item.pool),
+                role=item.replica.role,
+                state=EndpointState.STARTING,
+                api_key=item.pool.api_key,
+                max_model_len=item.pool.max_model_len,
+                kv_events_endpoint=item.adapter.kv_events_endpoint(item.pool, item.replica),
+                kv_events_replay_endpoint=item.adapter.kv_events_replay_endpoint(item.pool, item.replica),
+                launched=True,
+                log_path=item.spec.log_path,
+                devices=item.replica.devices,
+            )
+            fleet.pools[item.pool.name].endpoints.append(endpoint)
+            replica = Replica(item, endpoint)
+            self.replicas[endpoint.id] = replica
+            replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint.id}")
+        if planned:
+            self._register_atexit()
+        log.info("supervisor: launching %d replicas", len(planned))
+
+    async def wait_ready(
+        self, timeout_s: float | None = None, endpoint_ids: Collection[str] | None = None
+    ) -> list[ReplicaFailure]:
+        """Wait until every replica (or those listed) is ready or has failed for good; return the
+        failures. Raises TimeoutError naming the replicas still starting when `timeout_s` passes."""
+        replicas = [r for r in self.replicas.values() if endpoint_ids is None or r.endpoint.id in endpoint_ids]
+        waits = [asyncio.ensure_future(r.settled.wait()) for r in replicas]
+        try:
+            if waits:
+                _done, pending = await asyncio.wait(waits, timeout=timeout_s)
+                if pending:
+                    starting = [r.endpoint.id for r in replicas if not r.settled.is_set()]
+                    raise TimeoutError(f"replicas still starting after {timeout_s}s: {', '.join(starting)}")
+        finally:
+            for w in waits:
+                w.cancel()
+        return [r.failure for r in replicas if r.failure is not None]
+
+    async def stop(self) -> None:
+        """Drain and stop everything launched (idempotent)."""
+        self._stopping = True
+        await asyncio.gather(
+            *(self._stop_replica(r, r.planned.pool.drain_timeout_s) for r in self.replicas.values()),
+            return_exceptions=True,
+        )
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+        self._session = None
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+            self._atexit = None
+
+    async def drain(self, endpoint_id: str, timeout_s: float | None = None) -> None:
+        """Stop one replica gracefully: no new requests, in-flight ones finish (up to `timeout_s`,
+        default the pool's `drain_timeout_s`), then SIGTERM, then SIGKILL. It is not restarted."""
+        replica = self._replica(endpoint_id)
+        await self._stop_replica(replica, replica.planned.pool.drain_timeout_s if timeout_s is None else timeout_s)
+
+    async def restart(self, endpoint_id: str, drain_timeout_s: float | None = None) -> None:
+        """Drain and stop one replica, then launch it again (same id, port and devices)."""
+        replica = self._replica(endpoint_id)
+        await self.drain(endpoint_id, drain_timeout_s)
+        if self._stopping:
+            return
+        replica.stopping = False
+        replica.crash_times_s.clear()
+        replica.failure = None
+        replica.settled = asyncio.Event()
+        replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint_id}")
+
+    def failures(self) -> list[ReplicaFailure]:
+        return [r.failure for r in self.replicas.values() if r.failure is not None]
+
+    # --- one replica's life ------------------------------------------------------------------------
+
+    def _replica(self, endpoint_id: str) -> Replica:
+        try:
+            return self.replicas[endpoint_id]
+        except KeyError:
+            raise KeyError(f"no launched replica {endpoint_id!r}") from None
+
+    async def _supervise(self, replica: Replica) -> None:
+        endpoint = replica.endpoint
+        try:
+            while not (self._stopping or replica.stopping):
+                replica.attempts += 1
+                endpoint.state = EndpointState.STARTING
+                endpoint.state_reason = f"starting (attempt {replica.attempts})"
+                endpoint.stats = EndpointStats()  # a new engine: old counters and cache are gone
+                try:
+                    replica.process = await EngineProcess.spawn(
+                        replica.planned.spec, header=f"{endpoint.id} attempt {replica.attempts}"
+                    )
+                except OSError as exc:
+                    self._fail(replica, f"cannot start {replica.planned.spec.argv[0]!r}: {exc}")
+                    return
+                endpoint.pid = replica.process.pid
+                outcome = await self._await_ready(replica, replica.process)
+                if outcome is _Startup.STOPPED:
+                    return
+                if outcome is _Startup.TIMEOUT:
+                    await replica.process.terminate(self.settings.term_grace_s)
+                    deadline_s = replica.planned.pool.ready_timeout_s
+                    self._fail(
+                        replica,
+                        f"not ready after {deadline_s:g}s (pool {endpoint.pool!r} ready_timeout_s): the "
+                        f"process was alive but {endpoint.base_url}"
+                        f"{replica.planned.adapter.health_path} never answered ready; stopped it",
+                    )
+                    return
+                if outcome is _Startup.READY:
+                    await self._on_ready(replica)
+                    await replica.process.wait()
+                if self._stopping or replica.stopping:
+                    return
+                await self._on_exit(replica, replica.process)
+                if replica.failure is not None:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave the replica in limbo
+            log.exception("supervisor: replica %s failed", endpoint.id)
+            self._fail(replica, f"supervisor error: {exc!r}")
+
+    async def _await_ready(self, replica: Replica, process: EngineProcess) -> _Startup:
+        adapter = replica.planned.adapter
+        endpoint = replica.endpoint
+        deadline_s = self.clock() + replica.planned.pool.ready_timeout_s
+        url = endpoint.base_url + adapter.health_path
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        assert self._session is not None
+        while True:
+            if self._stopping or replica.stopping:
+                return _Startup.STOPPED
+            if not process.alive:
+                return _Startup.EXITED
+            remaining_s = deadline_s - self.clock()
+            if remaining_s <= 0:
+                return _Startup.TIMEOUT
+            verdict = await self._probe(url, headers, min(self.settings.health_timeout_s, remaining_s), adapter)
+            if verdict is Probe.READY and process.alive:
+                return _Startup.READY
+            # Sleep until the next poll, waking early if the process exits.
+            pause_s = min(self.settings.ready_poll_interval_s, max(0.0, deadline_s - self.clock()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(process.exited()), timeout=pause_s)
+
+    async def _probe(self, url: str, headers: dict[str, str], timeout_s: float, adapter: EngineAdapter) -> Probe:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                await response.read()
+                return adapter.classify_health(response.status, response.headers)
+        except (TimeoutError, aiohttp.ClientConnectionError):
+            return adapter.classify_health(None, {})
+        except aiohttp.ClientError:
+            return Probe.FAILING
+
+    async def _on_ready(self, replica: Replica) -> None:
+        endpoint = replica.endpoint
+        if replica.planned.adapter.discovers_model_name:
+            name = await self._discover_model_name(endpoint)
+            if name:
+                endpoint.served_model = name
+        endpoint.stats = EndpointStats()
+        endpoint.consecutive_failures = 0
+        endpoint.ejections = 0
+        endpoint.state_reason = ""
+        endpoint.log_tail = ()
+        endpoint.state = EndpointState.READY
+        replica.settled.set()
+        log.info("replica %s ready at %s (attempt %d)", endpoint.id, endpoint.base_url, replica.attempts)
+
+    async def _discover_model_name(self, endpoint: Endpoint) -> str | None:
+        """The id the engine serves, from GET /v1/models (TRT-LLM has no --served_model_name)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                endpoint.base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
+            ) as response:
+                data = await response.json(content_type=None)
+            model_id = data["data"][0]["id"]
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return model_id if isinstance(model_id, str) else None
+
+    async def _on_exit(self, replica: Replica, process: EngineProcess) -> None:
+        """An unexpected exit: restart after a backoff, or declare a crash loop."""
+        endpoint = replica.endpoint
+        now_s = self.clock()
+        replica.crash_times_s.append(now_s)
+        while replica.crash_times_s and now_s - replica.crash_times_s[0] > self.settings.crash_loop_window_s:
+            replica.crash_times_s.popleft()
+        exits = len(replica.crash_times_s)
+        endpoint.state = EndpointState.DEAD
+        endpoint.pid = None
+        endpoint.log_tail = tail_lines(endpoint.log_path, self.settings.log_tail_lines)
+        how = describe_exit(process.returncode)
+        if exits >= self.settings.crash_loop_restarts:
+            self._fail(
+                replica,
+                f"crash loop: exited {exits} times within {self.settings.crash_loop_window_s:g}s "
+                f"(last: {how}); not restarting",
+            )
+            return
+        backoff_s = min(self.settings.restart_backoff_s * 2 ** (exits - 1), self.settings.restart_backoff_max_s)
+        endpoint.state_reason = f"exited ({how}); restarting in {backoff_s:g}s"
+        log.warning("replica %s exited (%s); restarting in %.1fs", endpoint.id, how, backoff_s)
+        await asyncio.sleep(backoff_s)
+        endpoint.restarts += 1
+
+    def _fail(self, replica: Replica, reason: str) -> None:
+        endpoint = replica.endpoint
+        endpoint.state = EndpointState.DEAD
+        endpoint.pid = None
+        endpoint.log_tail = tail_lines(endpoint.log_path, self.settings.log_tail_lines)
+        endpoint.state_reason = reason
+        replica.failure = ReplicaFailure(endpoint.id, reason, endpoint.log_path, endpoint.log_tail)
+        replica.settled.set()
+        log.error("replica %s failed: %s", endpoint.id, replica.failure)
+
+    async def _stop_replica(self, replica: Replica, drain_timeout_s: float) -> None:
+        endpoint = replica.endpoint
+        replica.stopping = True
+        process = replica.process
+        if process is not None and process.alive:
+            if endpoint.state is EndpointState.READY or endpoint.state is EndpointState.UNHEALTHY:
+                endpoint.state = EndpointState.DRAINING
+                endpoint.state_reason = "draining"
+                deadline_s = self.clock() + drain_timeout_s
+                # The relay updates InFlight without notifying anyone: polling is the contract.
+                while endpoint.inflight.requests > 0 and self.clock() < deadline_s and process.alive:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            await process.terminate(self.settings.term_grace_s)
+        task = replica.task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        endpoint.state = EndpointState.DEAD
+        endpoint.pid = None
+        if replica.failure is None:
+            endpoint.state_reason = "stopped"
+        replica.settled.set()
+
+    # --- last resort -------------------------------------------------------------------------------
+
+    def kill_all_now(self) -> None:
+        """Synchronous: SIGTERM then SIGKILL every live process group (interpreter exit, no loop)."""
+        for replica in self.replicas.values():
+            if replica.process is not None:
+                replica.process.kill_now()
+
+    def _register_atexit(self) -> None:
+        if self._atexit is not None:
+            return
+        ref = weakref.ref(self)
+
+        def kill() -> None:
+            supervisor = ref()
+            if supervisor is not None:
+                supervisor.kill_all_now()
+
+        self._atexit = kill
+        atexit.register(kill)
