@@ -6,6 +6,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,6 +19,7 @@ from tests.support.procs import (
     TEST_KEY,
     Gateway,
     SimEngines,
+    free_ports,
     http_get,
     policies_doc,
     running,
@@ -311,3 +313,55 @@ async def test_concurrent_async_clients(fleet: tuple[Gateway, SimEngines]) -> No
     assert all(r.choices for r in results)
     served = [engine_counter(url, "vllm:request_success_total") for url in engines.urls]
     assert all(count > 0 for count in served)  # both replicas took work
+
+
+def test_openai_client_retries_our_503_until_a_backend_is_ready(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    """A pool with no ready endpoint answers 503 `no_healthy_backend` + retry-after; the client waits and
+    retries, and succeeds once the engine (which takes a few seconds to start listening) is ready."""
+    ports = free_ports(1)
+    url = f"http://127.0.0.1:{ports[0]}"
+    gateway = gateway_factory(
+        pools=[static_pool("llama", "llama-3.1-8b", [url])], policies=policies_doc(), wait_ready=False,
+        backends={"health_interval_s": 0.2},
+    )
+    status, body = http_get(gateway.url + "/readyz")
+    assert status == 503 and "llama" in body
+    with pytest.raises(openai.InternalServerError) as caught:
+        client(gateway).chat.completions.create(model="llama-3.1-8b", messages=MESSAGES, max_tokens=2)
+    assert caught.value.status_code == 503
+    assert caught.value.response.headers["retry-after"] == "1"
+    assert caught.value.response.json()["error"]["code"] == "no_healthy_backend"
+    engines = start_sim(tmp_path, count=1, served_model_name="llama-3.1-8b", args=["--startup-delay-s", "1.5"],
+                        port=ports[0], wait=False)
+    try:
+        raw = client(gateway, max_retries=8).chat.completions.with_raw_response.create(
+            model="llama-3.1-8b", messages=MESSAGES, max_tokens=2
+        )
+        assert raw.parse().choices
+        assert raw.retries_taken >= 1  # type: ignore[attr-defined]
+    finally:
+        engines.stop()
+
+
+def test_retry_moves_the_request_to_another_endpoint_when_one_refuses(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
+) -> None:
+    first = sim_factory(count=1, served_model_name="llama-3.1-8b")
+    second = sim_factory(count=1, served_model_name="llama-3.1-8b")
+    gateway = gateway_factory(
+        pools=[static_pool("llama", "llama-3.1-8b", [first.urls[0], second.urls[0]])], policies=policies_doc(),
+        backends={"health_interval_s": 600, "ejection": {"consecutive_failures": 100}},
+    )
+    first.proc.kill()  # refuses connections from now on; active checks won't notice for minutes
+    first.proc.wait(10)
+    served_by = []
+    for _ in range(6):
+        raw = client(gateway).chat.completions.with_raw_response.create(
+            model="llama-3.1-8b", messages=MESSAGES, max_tokens=2
+        )
+        assert raw.parse().choices
+        served_by.append(raw.headers["x-tokenway-endpoint"])
+    assert set(served_by) == {"llama/both-s1"}
+    assert "failed before the first byte" in gateway.log()

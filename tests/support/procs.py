@@ -123,8 +123,10 @@ def start_sim(
     time_scale: float = 10.0,
     served_model_name: str | None = None,
     args: Sequence[str] = (),
+    port: int | None = None,
+    wait: bool = True,
 ) -> SimEngines:
-    ports = free_ports(count)
+    ports = list(range(port, port + count)) if port is not None else free_ports(count)
     argv = [
         sys.executable, "-m", "backends.sim", "--preset", preset, "--host", "127.0.0.1",
         "--port", str(ports[0]), "--instances", str(count), "--time-scale", str(time_scale), *args,
@@ -135,6 +137,8 @@ def start_sim(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
     engines = SimEngines(proc, ports, log_path)
+    if not wait:
+        return engines
     try:
         for url in engines.urls:
             wait_http(url + "/health", proc=proc)
