@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
+	@echo "demo API key: tw-demo-key-0000   (tenant 'demo'; see config/policies.yaml)"
 	$(BIN)/tokenway serve --config config/gateway.yaml
 
 test: $(STAMP)

@@ -13,6 +13,7 @@ import sys
 
 from aiohttp import web
 
+from gateway import appkeys
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 
@@ -49,14 +50,32 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
             "-d '{\"model\": \"llama-3.1-8b\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
             flush=True,
         )
+    ready_note = asyncio.get_running_loop().create_task(_announce_ready(app)) if banner else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping: draining in-flight requests for up to %.0fs", settings.server.drain_timeout_s)
+    if ready_note is not None:
+        ready_note.cancel()
     await runner.cleanup()
     return 0
+
+
+async def _announce_ready(app: web.Application) -> None:
+    """Say when every launched replica is ready (or which failed): engines can take minutes."""
+    supervisor = app[appkeys.SUPERVISOR]
+    try:
+        failures = await supervisor.wait_ready()
+    except TimeoutError as exc:
+        print(f"tokenway: {exc}", flush=True)
+        return
+    for failure in failures:
+        print(f"tokenway: replica failed: {failure}", flush=True)
+    pools = app[appkeys.FLEET].pools
+    ready = sorted(name for name, pool in pools.items() if pool.has_ready)
+    print(f"tokenway ready: pools {', '.join(ready) or '(none)'} serving", flush=True)
 
 
 def run(settings: GatewaySettings) -> int:
