@@ -18,16 +18,19 @@ from backends import health, monitor
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
+from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import appkeys
 from gateway.admin import admin_routes
 from gateway.components import OpenAdmission
+from gateway.engine_tokens import EngineTokenizer
 from gateway.pipeline import Pipeline, PolicySource
 from gateway.routes import METRICS_RENDER, setup_routes
 from gateway.settings import GatewaySettings, load_yaml_model, validate_section
 from policies.policy import Policy
-from policies.routing.least_inflight import LeastInflightRouter
+from policies.routing.config import RoutingConfig
+from policies.routing.pipeline import build_router
 from policies.schema import PoliciesConfig
 
 log = logging.getLogger("tokenway.app")
@@ -37,10 +40,12 @@ def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> we
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[appkeys.SETTINGS] = settings
     app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
+    app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
     app[METRICS_RENDER] = lambda: b""
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx(policy))
     app.cleanup_ctx.append(_fleet_ctx)
+    app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
     setup_routes(app, admin_routes())
     return app
@@ -85,6 +90,40 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     await supervisor.stop()
 
 
+async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The router of every pool and, in precise mode, the KV-event subscriptions that feed it."""
+    config = app[appkeys.ROUTING_CONFIG]
+    fleet = app[appkeys.FLEET]
+    router = build_router(config)
+    app[appkeys.ROUTER] = router
+    sync: asyncio.Task[None] | None = None
+    hub: KvEventHub | None = None
+    if config.prefix_index.mode == "precise":
+        hub = KvEventHub(router.on_kv_batch, router.on_kv_reset)
+        sync = asyncio.get_running_loop().create_task(_sync_kv_events(fleet, router, hub))
+    yield
+    if sync is not None:
+        sync.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sync
+    if hub is not None:
+        await hub.close()
+
+
+async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s: float = 1.0) -> None:
+    """Keep one subscription per endpoint that publishes KV events, in step with the fleet."""
+    while True:
+        ids = []
+        for endpoint in fleet.endpoints():
+            ids.append(endpoint.id)
+            if endpoint.kv_events_endpoint:
+                topic = fleet.pools[endpoint.pool].config.kv_events.topic
+                hub.ensure(endpoint.id, endpoint.kv_events_endpoint, topic=topic,
+                           replay_address=endpoint.kv_events_replay_endpoint)
+        router.forget_endpoints_except(ids)
+        await asyncio.sleep(interval_s)
+
+
 async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[appkeys.SETTINGS]
     fleet = app[appkeys.FLEET]
@@ -101,11 +140,15 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         policies=app[appkeys.POLICIES],
         fleet=fleet,
         session=app[appkeys.SESSION],
-        routers={name: LeastInflightRouter() for name in fleet.pools},
+        routers={name: app[appkeys.ROUTER] for name in fleet.pools},  # one router; per-pool config inside
         admission=OpenAdmission(),
         report_success=health.report_success,
         report_failure=report_failure,
         shape_body=shape_body,
+        engine_tokens=EngineTokenizer(app[appkeys.SESSION])
+        if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise"
+        else None,
     )
     app[appkeys.PIPELINE] = pipeline
     yield
+

@@ -12,6 +12,8 @@ from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from policies.routing.config import RoutingConfig
+from policies.routing.pipeline import ScoringRouter
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
@@ -19,4 +21,6 @@ FLEET = web.AppKey("fleet", Fleet)
 BACKENDS = web.AppKey("backends_settings", BackendsSettings)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PIPELINE = web.AppKey("pipeline", Pipeline)
+ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
+ROUTER = web.AppKey("router", ScoringRouter)
 POLICIES = web.AppKey("policies", Any)  # the hot-reload holder: `.current` is the live Policy

@@ -21,9 +21,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from backends.adapters.registry import get_adapter
+from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
 from gateway.components import NO_TRACE, AdmissionPort, RecordSink, RequestTrace
+from gateway.engine_tokens import EngineTokenizer
 from gateway.errors import (
     GatewayError,
     InvalidApiKey,
@@ -42,6 +45,7 @@ from gateway.relay import (
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTarget,
+    call_json,
     relay_stream,
     relay_unary,
 )
@@ -132,6 +136,7 @@ class Pipeline:
     shape_body: BodyShaper = _identity_shape
     price: Pricer = _free
     on_route: Callable[[RouteDecision], None] = lambda decision: None
+    engine_tokens: EngineTokenizer | None = None  # precise prefix index over real engines
     _timeouts: aiohttp.ClientTimeout = field(init=False)
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
@@ -252,13 +257,13 @@ class Pipeline:
         options = body.get("stream_options") or {}
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if api == "chat":
-            prompt_tokens, ids = await self.estimator.chat(body["messages"], body.get("tools"))
+            prompt_tokens, ids = await self.estimator.chat(body["messages"], body.get("tools"), want_ids=True)
         elif api == "completions":
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
                 prompt_tokens, ids = await self.estimator.texts(prompt), None
             else:
-                prompt_tokens, ids = await self.estimator.completion(prompt)
+                prompt_tokens, ids = await self.estimator.completion(prompt, want_ids=True)
         else:
             value = body["input"]
             if isinstance(value, str):
@@ -362,14 +367,17 @@ class Pipeline:
                 return pool, decision
         return None
 
-    def _target(
-        self, facts: RequestFacts, endpoint: Endpoint, model: str, walk: Walk
-    ) -> UpstreamTarget:
+    def _upstream_body(self, facts: RequestFacts, endpoint: Endpoint) -> dict[str, Any]:
+        """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
         body = dict(facts.body)
         body["model"] = endpoint.served_model
         if facts.stream:
             body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
-        body = self.shape_body(endpoint, body, facts.api)
+        return self.shape_body(endpoint, body, facts.api)
+
+    def _target(
+        self, facts: RequestFacts, endpoint: Endpoint, body: dict[str, Any], model: str, walk: Walk
+    ) -> UpstreamTarget:
         headers = {"Content-Type": "application/json", "x-request-id": facts.request_id}
         if endpoint.api_key:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
@@ -384,11 +392,44 @@ class Pipeline:
             public_model=model,
         )
 
+    async def _prefill_leg(
+        self, facts: RequestFacts, decision: RouteDecision, body: dict[str, Any], model: str, walk: Walk
+    ) -> dict[str, Any] | None:
+        """Run the PD prefill leg; the decode leg's body, or None when the decode endpoint must prefill.
+
+        A failed prefill leg (refused, 5xx, 4xx, no transfer params) is a KV-transfer failure: counted,
+        and the request continues as prefill + decode on the decode endpoint.
+        """
+        prefill = decision.prefill_endpoint
+        assert prefill is not None
+        adapter = get_adapter(decision.endpoint.engine)
+        load = prefill.inflight.begin(decision.uncached_prefill_tokens(facts.prompt_tokens))
+        try:
+            leg = self._target(facts, prefill, adapter.prefill_leg_body(body), model, walk)
+            with walk.trace.span("prefill", endpoint=prefill.id):
+                answer = await call_json(self.session, leg, self._timeouts)
+            decode_body = adapter.decode_leg_body(body, answer)
+        except (RetryableUpstream, UpstreamRejected, PdError) as exc:
+            if isinstance(exc, RetryableUpstream):
+                self.report_failure(prefill, time.monotonic())
+            walk.record.kv_transfer_failed = True
+            log.warning("PD prefill leg on %s failed, decoding endpoint prefills: %s", prefill.id, exc)
+            return None
+        finally:
+            load.end()
+        self.report_success(prefill)
+        if "kv_transfer_params" not in decode_body and "disaggregated_params" not in decode_body:
+            walk.record.kv_transfer_failed = True
+            return None
+        return decode_body
+
     async def _forward(
         self, request: web.Request, facts: RequestFacts, model: str, ticket: Any, walk: Walk
     ) -> web.StreamResponse:
         record = walk.record
         pools = self.fleet.pools_for_model(model)
+        if self.engine_tokens is not None and pools:
+            await self.engine_tokens.annotate(facts, pools[0])
         exclude: set[str] = set()
         last_detail = ""
         for _ in range(1 + self.server.upstream_retries):
@@ -401,10 +442,17 @@ class Pipeline:
             self.on_route(decision)
             record.pool, record.endpoint, record.route_reason = pool.name, endpoint.id, decision.reason
             record.served_model = endpoint.served_model
+            record.pd_reason = decision.pd_reason
             record.upstream_attempts += 1
             router = self.routers[pool.name]
             router.on_dispatch(facts, decision)
-            target = self._target(facts, endpoint, model, walk)
+            body = self._upstream_body(facts, endpoint)
+            local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
+            if decision.prefill_endpoint is not None:
+                decode_body = await self._prefill_leg(facts, decision, body, model, walk)
+                if decode_body is not None:
+                    body, local_prefill = decode_body, 0
+            target = self._target(facts, endpoint, body, model, walk)
             headers = [
                 *walk.headers,
                 *getattr(ticket, "headers", ()),
@@ -413,7 +461,7 @@ class Pipeline:
             ]
             if facts.debug:
                 headers.append(("x-tokenway-route", decision.debug_header()))
-            load = endpoint.inflight.begin(max(facts.prompt_tokens - decision.cached_tokens_estimate, 0))
+            load = endpoint.inflight.begin(local_prefill)
             outcome = RelayOutcome()
             record.gateway_overhead_s = time.perf_counter() - walk.arrived_s
             try:

@@ -28,6 +28,8 @@ class RequestRecord:
     engine: str = ""  # adapter kind of that endpoint (vllm, trtllm, sim, ...): gen_ai.provider.name
     prefill_endpoint: str = ""
     route_reason: str = ""
+    pd_reason: str | None = None  # disaggregated pools: why (not) disaggregated
+    kv_transfer_failed: bool = False  # the PD prefill leg failed; the decode endpoint prefilled itself
     stream: bool = False
     status: Status = "ok"
     http_status: int = 200

@@ -101,7 +101,7 @@ class PromptEstimator:
 
     async def chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None, *, want_ids: bool = False
-    ) -> tuple[int, list[int] | None]:
+    ) -> tuple[int, array[int] | None]:
         """(prompt tokens, ids if asked) of a chat request, rendered as the engine renders it."""
         keyed: list[tuple[int, str]] = []
         headers: list[tuple[int, ...]] = []
@@ -119,21 +119,23 @@ class PromptEstimator:
             count += len(header) + len(body) + footer_len
         if not want_ids:
             return count, None
-        footer = tokenization.footer_ids()
-        ids = list(tools_ids)
+        footer = array("I", tokenization.footer_ids())
+        ids = array("I", tools_ids)
         for header, body in zip(headers, bodies, strict=True):
-            ids.extend(header)
-            ids.extend(body)
-            ids.extend(footer)
-        ids.extend(generation)
+            ids.extend(array("I", header))
+            ids += body
+            ids += footer
+        ids.extend(array("I", generation))
         return count, ids
 
-    async def completion(self, prompt: str | Sequence[int], *, want_ids: bool = False) -> tuple[int, list[int] | None]:
+    async def completion(
+        self, prompt: str | Sequence[int], *, want_ids: bool = False
+    ) -> tuple[int, array[int] | None]:
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            ids = array("I", prompt)
             return len(ids), ids if want_ids else None
         (body,) = await self._cached_ids([(_key(prompt), prompt)])
-        return len(body), list(body) if want_ids else None
+        return len(body), body if want_ids else None
 
     async def texts(self, texts: Sequence[str]) -> int:
         """Total tokens of several plain texts (embeddings input, batched prompts)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,7 +40,7 @@ class RequestFacts:
     stream: bool = False
     include_usage: bool = False  # the client asked for stream usage itself
     prompt_tokens: int = 0
-    prompt_token_ids: list[int] | None = None  # when counted locally (chat/completions)
+    prompt_token_ids: Sequence[int] | None = None  # when counted locally (chat/completions): array('I')
     max_tokens: int | None = None
     output_reservation: int = 0
     session_key: str | None = None

@@ -1,7 +1,7 @@
-"""The simplest router: the ready endpoint with the fewest in-flight requests (ties rotate).
+"""The simplest load-aware router: the ready endpoint with the fewest in-flight requests (ties rotate).
 
-It is the baseline the scoring pipeline is measured against and the router used when a pool
-configures `routing: least-inflight`.
+It is the "least-load" baseline the scoring pipeline is measured against and the router used when a
+pool configures `router: least-inflight`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from backends.fleet import Pool
-from backends.types import EndpointState
-from policies.routing.types import RouteDecision
+from backends.types import EndpointState, Role
+from policies.routing.types import REASON_LOAD, REASON_ONLY, RouteDecision
 from policies.types import RequestFacts
 
 
@@ -21,13 +21,19 @@ class LeastInflightRouter:
     def route(
         self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
     ) -> RouteDecision | None:
-        candidates = [e for e in pool.endpoints if e.state is EndpointState.READY and e.id not in exclude]
+        candidates = [
+            e
+            for e in pool.endpoints
+            if e.state is EndpointState.READY and e.id not in exclude and e.role is not Role.PREFILL
+        ]
         if not candidates:
             return None
         self._turn += 1
         n = len(candidates)
         best = min(range(n), key=lambda i: (candidates[i].inflight.requests, (i - self._turn) % n))
-        return RouteDecision(endpoint=candidates[best], reason="load" if n > 1 else "only")
+        return RouteDecision(
+            endpoint=candidates[best], reason=REASON_LOAD if n > 1 else REASON_ONLY, decided_at_s=now_s
+        )
 
     def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
         return None

@@ -1,13 +1,15 @@
-"""Routing vocabulary: the router contract the gateway calls, and the decision it gets back.
+"""Routing vocabulary: the router contract the gateway calls, the decision it gets back, and the small
+protocols the scoring pipeline is built from (filters, scorers, pickers).
 
 A router is synchronous and side-effect free in `route` (a pure function of request facts, the
-pool's endpoints as they are now, and its own configuration); `on_dispatch` records what was sent
-where (prefix-index insertions, session pins) once the gateway has committed to the decision.
+pool's endpoints as they are now, and its own state); `on_dispatch` records what was sent where
+(prefix-index insertions, session pins) once the gateway has committed to the decision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import random
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,18 +17,46 @@ from backends.fleet import Pool
 from backends.types import Endpoint
 from policies.types import RequestFacts
 
+# Metric label values of `RouteDecision.reason`.
+REASON_PREFIX_HIT = "prefix-hit"  # chosen endpoint holds the longest cached prefix of the prompt
+REASON_LOAD = "load"  # chosen for load: no useful prefix anywhere, or its holder was too busy
+REASON_SESSION = "session"  # chosen because the session is pinned to it
+REASON_ONLY = "only"  # a single candidate
+REASON_FALLBACK = "fallback"  # filters (or stale stats) rejected every candidate; chose among all
+
+# Metric label values of `RouteDecision.pd_reason` (disaggregated pools only).
+PD_DISABLED = "disabled"  # PD turned off for the pool: the decode endpoint prefills everything
+PD_DISAGGREGATED = "disaggregated"  # prefill leg on `prefill_endpoint`, decode on `endpoint`
+PD_FEW_UNCACHED = "few-uncached"  # uncached tokens on the decode endpoint under the threshold
+PD_NO_PREFILL = "no-prefill-endpoint"  # no ready prefill endpoint: prefill and decode on `endpoint`
+PD_PREFILL_BUSY = "prefill-busy"  # every prefill endpoint's backlog is over the limit
+
 
 @dataclass(slots=True)
 class RouteDecision:
     endpoint: Endpoint  # serves the request (the decode endpoint in a disaggregated pool)
-    reason: str  # metrics label: prefix-hit | load | session | only | fallback | pd
+    reason: str  # metrics label: prefix-hit | load | session | only | fallback
     prefill_endpoint: Endpoint | None = None  # set when the request is disaggregated
     cached_tokens_estimate: int = 0  # prompt tokens expected to hit the prefix cache on `endpoint`
+    prefill_cached_tokens_estimate: int = 0  # same, on `prefill_endpoint`
+    pd_reason: str | None = None  # disaggregated pools: why (not) disaggregated; None elsewhere
+    decided_at_s: float = 0.0  # `now_s` of the route call (speculative index entries start here)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # endpoint id -> scorer -> score
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_endpoint is not None
+
+    def uncached_prefill_tokens(self, prompt_tokens: int) -> int:
+        """Prompt tokens the engine will compute: what `InFlight.begin` should count on the prefill side."""
+        cached = self.prefill_cached_tokens_estimate if self.disaggregated else self.cached_tokens_estimate
+        return max(prompt_tokens - cached, 0)
 
     def debug_header(self) -> str:
         """Compact `x-tokenway-route` value: reason and per-endpoint scores."""
-        parts = [f"reason={self.reason}", f"endpoint={self.endpoint.id}"]
+        parts = [f"reason={self.reason}", f"endpoint={self.endpoint.id}", f"cached={self.cached_tokens_estimate}"]
+        if self.pd_reason is not None:
+            parts.append(f"pd={self.pd_reason}")
         if self.prefill_endpoint is not None:
             parts.append(f"prefill={self.prefill_endpoint.id}")
         for endpoint_id, by_scorer in self.scores.items():
@@ -45,3 +75,61 @@ class Router(Protocol):
     def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
         """The gateway sent the request as decided: update indexes and affinities."""
         ...
+
+
+# --- the scoring pipeline's vocabulary -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One endpoint as the pipeline sees it for one request.
+
+    `cached_tokens` is the prefix index's estimate of this prompt's tokens already in the endpoint's KV
+    cache. `saturated` is set by the framework when the endpoint's scraped stats are older than
+    `max_stats_age_s`: such an endpoint is only chosen when every candidate is saturated.
+    """
+
+    endpoint: Endpoint
+    cached_tokens: int = 0
+    saturated: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+
+@dataclass(slots=True)
+class RouteContext:
+    """The request-level inputs every filter, scorer and picker of one decision shares."""
+
+    facts: RequestFacts
+    now_s: float
+    prompt_tokens: int
+    session_endpoint_id: str | None = None  # where the request's session is pinned, if anywhere
+
+    def uncached_tokens(self, candidate: Candidate) -> int:
+        return max(self.prompt_tokens - candidate.cached_tokens, 0)
+
+
+class Filter(Protocol):
+    """Removes candidates that must not serve the request. An empty result makes the framework fall
+    back to the unfiltered candidates (reason `fallback`)."""
+
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    """Scores every candidate in [0, 1], higher is better; the framework clamps and weights the scores.
+
+    Scoring is batched because most formulas are relative to the other candidates (best = 1).
+    """
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses the index of one candidate from the weighted totals (same order as `candidates`)."""
+
+    def pick(
+        self, ctx: RouteContext, candidates: Sequence[Candidate], totals: Sequence[float], rng: random.Random
+    ) -> int: ...

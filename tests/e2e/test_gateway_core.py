@@ -353,6 +353,7 @@ def test_retry_moves_the_request_to_another_endpoint_when_one_refuses(
     gateway = gateway_factory(
         pools=[static_pool("llama", "llama-3.1-8b", [first.urls[0], second.urls[0]])], policies=policies_doc(),
         backends={"health_interval_s": 600, "ejection": {"consecutive_failures": 100}},
+        routing={"pools": {"llama": {"router": "round-robin"}}},  # blind to load: it will pick the dead one
     )
     first.proc.kill()  # refuses connections from now on; active checks won't notice for minutes
     first.proc.wait(10)

@@ -1,0 +1,421 @@
+"""KV-cache events from engines over ZMQ, in vLLM's wire format, decoded for the precise prefix index.
+
+Wire format (vLLM `ZmqEventPublisher`, REFERENCE §2.6): a PUB socket sends 3 frames
+`[topic, seq (8-byte big-endian), msgpack(KVEventBatch)]`, with `KVEventBatch = [ts, events,
+data_parallel_rank]`. Events are maps tagged `"type"` (vLLM >= 0.11, `omit_defaults`) or positional
+arrays led by their tag (older releases); both are decoded here:
+
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": h, "token_ids": [...],
+     "block_size": 16, "medium": "GPU", "lora_name": None, "extra_keys": [...]}
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}  /  ["BlockRemoved", block_hashes, medium]
+    {"type": "AllBlocksCleared"}  /  ["AllBlocksCleared"]
+
+Block hashes arrive as 64-bit ints or as digests (bytes, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`);
+digests are reduced to their low 64 bits exactly as vLLM does for ints.
+
+The subscriber tracks sequence numbers: a gap is repaired through the engine's replay socket (ROUTER;
+we send the first missing seq as 8 bytes and read batches until seq -1) when one is configured, and
+otherwise reported through `on_reset(endpoint_id, "gap")` so the consumer can stop trusting its
+state; a sequence that goes backwards means the engine restarted (`on_reset(..., "restart")`).
+ZMQ reconnects by itself, so an engine that restarts on the same address is picked up again.
+
+No imports from the other rooms: consumers pass plain callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+MASK64 = (1 << 64) - 1
+END_OF_REPLAY = -1
+
+RESET_GAP = "gap"  # events were lost and could not be replayed: the consumer's state may be wrong
+RESET_RESTART = "restart"  # the engine restarted: its cache is empty
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: Sequence[int]
+    parent_block_hash: int | None
+    token_ids: Sequence[int]
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Sequence[Any] | None = None  # one entry per block (None or a tuple), vLLM's untagged form
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: Sequence[int]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    seq: int
+    ts: float
+    events: Sequence[KvEvent]
+    dp_rank: int | None = None
+    topic: str = ""
+    received_at_s: float = 0.0  # time.monotonic() when the subscriber received it
+
+
+class KvEventDecodeError(ValueError):
+    """A frame or payload that is not vLLM's KV-event format."""
+
+
+# --- decoding (pure) ---------------------------------------------------------------------------------
+
+
+def block_hash(value: Any) -> int:
+    """A block hash as a 64-bit unsigned int (ints as sent, digests by their low 64 bits)."""
+    if isinstance(value, int):
+        return value & MASK64
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big") & MASK64
+    raise KvEventDecodeError(f"block hash of type {type(value).__name__}")
+
+
+def _hashes(values: Any) -> list[int]:
+    if values is None:
+        return []
+    if not isinstance(values, list | tuple):
+        raise KvEventDecodeError("block_hashes is not a list")
+    return [block_hash(v) for v in values]
+
+
+def _get(seq: Sequence[Any], index: int) -> Any:
+    return seq[index] if len(seq) > index else None
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    """One event, map- or array-shaped; None for event types this gateway does not use."""
+    if isinstance(raw, Mapping):
+        kind = raw.get("type")
+        if kind == "BlockStored":
+            parent = raw.get("parent_block_hash")
+            return BlockStored(
+                block_hashes=_hashes(raw.get("block_hashes")),
+                parent_block_hash=None if parent is None else block_hash(parent),
+                token_ids=raw.get("token_ids") or [],
+                block_size=int(raw.get("block_size") or 0),
+                medium=raw.get("medium"),
+                lora_name=raw.get("lora_name"),
+                extra_keys=raw.get("extra_keys"),
+            )
+        if kind == "BlockRemoved":
+            return BlockRemoved(block_hashes=_hashes(raw.get("block_hashes")), medium=raw.get("medium"))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        if kind is None:
+            raise KvEventDecodeError("event map without 'type'")
+        return None
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        if kind == "BlockStored":
+            parent = _get(raw, 2)
+            return BlockStored(
+                block_hashes=_hashes(_get(raw, 1)),
+                parent_block_hash=None if parent is None else block_hash(parent),
+                token_ids=_get(raw, 3) or [],
+                block_size=int(_get(raw, 4) or 0),
+                medium=_get(raw, 6),
+                lora_name=_get(raw, 7),
+                extra_keys=_get(raw, 8),
+            )
+        if kind == "BlockRemoved":
+            return BlockRemoved(block_hashes=_hashes(_get(raw, 1)), medium=_get(raw, 2))
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        return None
+    raise KvEventDecodeError(f"event of type {type(raw).__name__}")
+
+
+def decode_payload(payload: bytes) -> tuple[float, list[KvEvent], int | None]:
+    """msgpack `KVEventBatch` -> (ts, events, dp_rank); array or map shaped."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise KvEventDecodeError(f"not msgpack: {exc}") from exc
+    if isinstance(raw, Mapping):
+        ts, raw_events, dp_rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list | tuple) and len(raw) >= 2:
+        ts, raw_events, dp_rank = raw[0], raw[1], _get(raw, 2)
+    else:
+        raise KvEventDecodeError("batch is neither [ts, events, dp_rank] nor a map")
+    if not isinstance(raw_events, list | tuple):
+        raise KvEventDecodeError("batch events is not a list")
+    events = [e for e in (decode_event(r) for r in raw_events) if e is not None]
+    return float(ts or 0.0), events, dp_rank if isinstance(dp_rank, int) else None
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise KvEventDecodeError(f"sequence frame of {len(frame)} bytes")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def decode_frames(frames: Sequence[bytes], received_at_s: float = 0.0) -> KvEventBatch:
+    """A published message: `[topic, seq, payload]` (or `[seq, payload]` from old replay servers)."""
+    if len(frames) == 3:
+        topic, seq_frame, payload = frames
+    elif len(frames) == 2:
+        topic, (seq_frame, payload) = b"", frames
+    else:
+        raise KvEventDecodeError(f"message of {len(frames)} frames")
+    ts, events, dp_rank = decode_payload(payload)
+    return KvEventBatch(
+        seq=decode_seq(seq_frame),
+        ts=ts,
+        events=events,
+        dp_rank=dp_rank,
+        topic=bytes(topic).decode("utf-8", "replace"),
+        received_at_s=received_at_s,
+    )
+
+
+# --- subscriber (I/O) --------------------------------------------------------------------------------
+
+BatchCallback = Callable[[str, KvEventBatch], None]
+ResetCallback = Callable[[str, str], None]
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    batches: int = 0
+    events: int = 0
+    gaps: int = 0
+    replayed_batches: int = 0
+    resets: int = 0
+    decode_errors: int = 0
+    last_seq: int | None = None
+    last_batch_at_s: float = 0.0
+    running: bool = False
+
+
+@dataclass(slots=True)
+class KvEventSubscriber:
+    """One engine's KV-event stream, delivered batch by batch to `on_batch(endpoint_id, batch)`.
+
+    `address` is where to connect (e.g. "tcp://10.0.0.5:5557"; vLLM's `tcp://*:5557` bind form must be
+    turned into the engine's host first). `topic` is a prefix filter ("" = every topic).
+    """
+
+    endpoint_id: str
+    address: str
+    on_batch: BatchCallback
+    on_reset: ResetCallback | None = None
+    topic: str = ""
+    replay_address: str | None = None
+    replay_timeout_s: float = 2.0
+    context: zmq.asyncio.Context | None = None
+    stats: SubscriberStats = field(default_factory=SubscriberStats)
+    _expected_seq: int | None = field(default=None, init=False)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    async def run(self) -> None:
+        """Receive until `stop()` or cancellation; never raises on bad input (counts and logs it)."""
+        ctx = self.context or zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode("utf-8"))
+        sock.connect(self.address)
+        self.stats.running = True
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(await poller.poll(timeout=200))
+                if sock not in ready:
+                    continue
+                frames = await sock.recv_multipart()
+                await self._handle(frames)
+        finally:
+            self.stats.running = False
+            sock.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _handle(self, frames: Sequence[bytes]) -> None:
+        now_s = time.monotonic()
+        try:
+            batch = decode_frames(frames, now_s)
+        except KvEventDecodeError as exc:
+            self.stats.decode_errors += 1
+            log.warning("kv events from %s: undecodable message: %s", self.endpoint_id, exc)
+            return
+        expected = self._expected_seq
+        if expected is None:
+            if batch.seq > 0 and self.replay_address:
+                await self._replay(0, batch.seq, strict=False)
+        elif batch.seq < expected:
+            log.info("kv events from %s: seq went back %d -> %d (restart)", self.endpoint_id, expected, batch.seq)
+            self._reset(RESET_RESTART)
+            if batch.seq > 0 and self.replay_address:
+                await self._replay(0, batch.seq, strict=False)
+        elif batch.seq > expected:
+            self.stats.gaps += 1
+            if not (self.replay_address and await self._replay(expected, batch.seq)):
+                log.warning("kv events from %s: lost seq %d..%d", self.endpoint_id, expected, batch.seq - 1)
+                self._reset(RESET_GAP)
+        self._deliver(batch)
+
+    def _deliver(self, batch: KvEventBatch) -> None:
+        self._expected_seq = batch.seq + 1
+        self.stats.last_seq = batch.seq
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.last_batch_at_s = batch.received_at_s
+        try:
+            self.on_batch(self.endpoint_id, batch)
+        except Exception:  # a consumer bug must not kill the subscription
+            log.exception("kv events from %s: consumer failed on seq %d", self.endpoint_id, batch.seq)
+
+    def _reset(self, reason: str) -> None:
+        self.stats.resets += 1
+        self._expected_seq = None
+        if self.on_reset is not None:
+            try:
+                self.on_reset(self.endpoint_id, reason)
+            except Exception:
+                log.exception("kv events from %s: reset consumer failed", self.endpoint_id)
+
+    async def _replay(self, first_seq: int, until_seq: int, *, strict: bool = True) -> bool:
+        """Fetch batches [first_seq, until_seq) from the replay socket and deliver them in order.
+
+        True when every missing batch arrived. `strict=False` (catching up after subscribing late)
+        accepts a buffer that starts after `first_seq`: older events are gone either way. A DEALER with
+        an empty delimiter frame can read the several replies a ROUTER streams (a REQ would take one).
+        """
+        assert self.replay_address is not None
+        ctx = self.context or zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_address)
+        got = first_seq
+        try:
+            await sock.send_multipart([b"", first_seq.to_bytes(8, "big", signed=True)])
+            while True:
+                if not await sock.poll(timeout=int(self.replay_timeout_s * 1000)):
+                    break
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]
+                seq_frame = frames[1] if len(frames) == 3 else frames[0] if frames else b""
+                try:
+                    seq = decode_seq(seq_frame)
+                except KvEventDecodeError:
+                    self.stats.decode_errors += 1
+                    break
+                if seq == END_OF_REPLAY:
+                    break
+                if seq < got or seq >= until_seq:
+                    continue
+                if seq > got:
+                    if strict:
+                        break  # the replay buffer no longer holds what we missed
+                    got = seq
+                try:
+                    batch = decode_frames(frames, time.monotonic())
+                except KvEventDecodeError:
+                    self.stats.decode_errors += 1
+                    break
+                self.stats.replayed_batches += 1
+                self._deliver(batch)
+                got = seq + 1
+        finally:
+            sock.close(linger=0)
+        return got >= until_seq
+
+
+class KvEventHub:
+    """One subscriber task per endpoint that publishes KV events, kept in step with the fleet.
+
+    Owned by the gateway's app factory (a cleanup context): `sync(...)` after fleet changes,
+    `await close()` at shutdown.
+    """
+
+    def __init__(
+        self,
+        on_batch: BatchCallback,
+        on_reset: ResetCallback | None = None,
+        *,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self._on_batch = on_batch
+        self._on_reset = on_reset
+        self._context = context
+        self._subs: dict[str, tuple[KvEventSubscriber, asyncio.Task[None]]] = {}
+
+    def ensure(self, endpoint_id: str, address: str, *, topic: str = "", replay_address: str | None = None) -> None:
+        """Subscribe to `address` for `endpoint_id` (re-subscribing when the address changed)."""
+        current = self._subs.get(endpoint_id)
+        if current is not None:
+            sub, task = current
+            if sub.address == address and sub.topic == topic and not task.done():
+                return
+            self.discard(endpoint_id)
+        sub = KvEventSubscriber(
+            endpoint_id,
+            address,
+            self._on_batch,
+            self._on_reset,
+            topic=topic,
+            replay_address=replay_address,
+            context=self._context,
+        )
+        task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events:{endpoint_id}")
+        self._subs[endpoint_id] = (sub, task)
+
+    def discard(self, endpoint_id: str) -> None:
+        current = self._subs.pop(endpoint_id, None)
+        if current is not None:
+            sub, task = current
+            sub.stop()
+            task.cancel()
+
+    def sync(self, sources: Iterable[tuple[str, str]], *, topic: str = "") -> None:
+        """Subscribe to exactly these `(endpoint_id, address)` pairs."""
+        wanted = dict(sources)
+        for endpoint_id in list(self._subs):
+            if endpoint_id not in wanted:
+                self.discard(endpoint_id)
+        for endpoint_id, address in wanted.items():
+            self.ensure(endpoint_id, address, topic=topic)
+
+    def stats(self) -> dict[str, SubscriberStats]:
+        return {endpoint_id: sub.stats for endpoint_id, (sub, _) in self._subs.items()}
+
+    async def close(self) -> None:
+        tasks = []
+        for endpoint_id in list(self._subs):
+            tasks.append(self._subs[endpoint_id][1])
+            self.discard(endpoint_id)
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

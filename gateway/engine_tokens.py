@@ -1,0 +1,87 @@
+"""Engine-side token ids for the precise prefix index, from the engine's own `/tokenize` (cached).
+
+The precise index matches the blocks an engine reports in its KV events, so it needs the ids that
+engine computes: its tokenizer and chat template, not ours. The simulated engine shares our tokenizer
+(`backends/tokenization.py`), so its pools skip this. For real engines the ids of a prompt are asked
+once from any ready endpoint of the pool and kept in a bounded LRU keyed by a hash of the canonical
+prompt; a miss or an error simply leaves the request to the approximate index.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+import orjson
+import xxhash
+
+from backends.fleet import Pool
+from policies.routing.prefix.hashing import canonical_prompt_bytes
+from policies.types import RequestFacts
+
+log = logging.getLogger("tokenway.engine_tokens")
+ENGINES_SHARING_OUR_TOKENIZER = frozenset({"sim"})
+ENGINES_WITH_TOKENIZE = frozenset({"vllm", "vllm-ascend"})
+
+
+class EngineTokenizer:
+    def __init__(self, session: aiohttp.ClientSession, max_entries: int = 20_000, timeout_s: float = 2.0) -> None:
+        self._session = session
+        self._cache: OrderedDict[tuple[str, int], array[int]] = OrderedDict()
+        self.max_entries = max_entries
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.errors = 0
+
+    def needed(self, pool: Pool) -> bool:
+        engine = pool.config.engine
+        return engine not in ENGINES_SHARING_OUR_TOKENIZER and engine in ENGINES_WITH_TOKENIZE
+
+    async def annotate(self, facts: RequestFacts, pool: Pool) -> None:
+        """Put the engine's ids in `facts.attrs["engine_token_ids"]` when they can be had."""
+        if facts.api == "embeddings" or not self.needed(pool):
+            return
+        key = (pool.name, xxhash.xxh3_64_intdigest(canonical_prompt_bytes(facts.body)))
+        ids = self._cache.get(key)
+        if ids is None:
+            ids = await self._fetch(facts, pool)
+            if ids is None:
+                return
+            self._cache[key] = ids
+            if len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        facts.attrs["engine_token_ids"] = ids
+
+    async def _fetch(self, facts: RequestFacts, pool: Pool) -> array[int] | None:
+        ready = pool.ready_endpoints()
+        if not ready:
+            return None
+        endpoint = ready[0]
+        body: dict[str, Any] = {"model": endpoint.served_model}
+        if facts.api == "chat":
+            body["messages"] = facts.body["messages"]
+            body["add_generation_prompt"] = True
+            if facts.body.get("tools"):
+                body["tools"] = facts.body["tools"]
+        else:
+            body["prompt"] = facts.body["prompt"]
+        try:
+            async with self._session.post(
+                endpoint.base_url + "/tokenize", data=orjson.dumps(body), timeout=self._timeout,
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                if response.status != 200:
+                    self.errors += 1
+                    return None
+                tokens = orjson.loads(await response.read()).get("tokens")
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            self.errors += 1
+            log.debug("tokenize on %s failed: %s", endpoint.id, exc)
+            return None
+        if not isinstance(tokens, list):
+            return None
+        return array("I", tokens)

@@ -1,0 +1,182 @@
+"""The `routing:` section of gateway.yaml (pydantic: config only, validated against the registries).
+
+    routing:
+      max_stats_age_s: 2.0            # scraped stats older than this count as saturated
+      prefix_index: {mode: approximate, block_size_tokens: 64}
+      default:                        # pipeline of every pool without its own entry
+        filters: [{type: load-gate, params: {metric: requests, abs_threshold: 8}}]
+        scorers:
+          - {type: work-cost, weight: 3}
+          - {type: prefix-cache, weight: 1}
+        picker: {type: near-best-random, params: {tolerance: 0.03}}
+      pools:
+        llama-pd: {pd: {min_uncached_tokens: 1024}}   # unset keys inherit from `default`
+        remote:   {router: least-inflight}
+
+Every component is `{type: <registry name>, weight: <scorers only>, params: {...}}`; unknown types or
+params fail at load with the key path and the list of known names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from policies.routing import registry
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ComponentSpec(_Strict):
+    type: str = Field(description="registry name, kebab-case")
+    weight: float = Field(default=1.0, ge=0, description="scorers: multiplier of the [0, 1] score")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+def _check(kind: str, specs: list[ComponentSpec]) -> None:
+    for spec in specs:
+        registry.build(kind, spec.type, spec.params)
+
+
+def _default_filters() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(type="load-gate", params={"metric": "requests", "abs_threshold": 8, "rel_threshold": 1.5}),
+        ComponentSpec(type="context-length"),
+    ]
+
+
+def _default_scorers() -> list[ComponentSpec]:
+    return [
+        ComponentSpec(type="work-cost", weight=3.0),
+        ComponentSpec(type="prefix-cache", weight=1.0),
+        ComponentSpec(type="kv-usage", weight=1.0),
+        ComponentSpec(type="queue-depth", weight=1.0),
+        ComponentSpec(type="session-affinity", weight=2.0),
+    ]
+
+
+def _default_picker() -> ComponentSpec:
+    return ComponentSpec(type="near-best-random", params={"tolerance": 0.03})
+
+
+class PipelineConfig(_Strict):
+    """Filters -> weighted scorers -> picker for one pool (or a baseline router instead)."""
+
+    router: Literal["scoring", "least-inflight", "round-robin"] = "scoring"
+    filters: list[ComponentSpec] = Field(default_factory=_default_filters)
+    scorers: list[ComponentSpec] = Field(default_factory=_default_scorers)
+    picker: ComponentSpec = Field(default_factory=_default_picker)
+
+    @model_validator(mode="after")
+    def _components_exist(self) -> PipelineConfig:
+        _check("filter", self.filters)
+        _check("scorer", self.scorers)
+        _check("picker", [self.picker])
+        if self.router == "scoring" and not any(s.weight > 0 for s in self.scorers):
+            raise ValueError("a scoring pipeline needs at least one scorer with weight > 0")
+        return self
+
+
+def _default_prefill_pipeline() -> PipelineConfig:
+    return PipelineConfig(
+        filters=[ComponentSpec(type="load-gate", params={"metric": "tokens", "abs_threshold": 32768})],
+        scorers=[
+            ComponentSpec(type="work-cost", weight=3.0, params={"decode_weight": 0.0, "request_tokens": 0.0}),
+            ComponentSpec(type="prefix-cache", weight=1.0),
+            ComponentSpec(type="kv-usage", weight=0.5),
+        ],
+    )
+
+
+class PDConfig(_Strict):
+    """Disaggregated pools (endpoints with roles prefill/decode): when a separate prefill pays off."""
+
+    enabled: bool = Field(default=True, description="false: decode endpoints prefill everything themselves")
+    min_uncached_tokens: int = Field(
+        default=512, ge=0, description="disaggregate iff the prompt's uncached tokens on the decode endpoint >= this"
+    )
+    max_prefill_backlog_tokens: int | None = Field(
+        default=None, ge=0, description="prefill locally when the chosen prefill endpoint has more pending"
+    )
+    prefill: PipelineConfig = Field(default_factory=_default_prefill_pipeline)
+    warn_after_requests: int = Field(
+        default=200, ge=1, description="log a warning when a PD pool served this many with none disaggregated"
+    )
+
+
+class PrefixIndexConfig(_Strict):
+    mode: Literal["approximate", "precise", "off"] = "approximate"
+    block_size_tokens: int = Field(
+        default=64, ge=1, description="approximate index block; a multiple of the engines' block size"
+    )
+    default_capacity_tokens: int = Field(
+        default=500_000, ge=1, description="per-endpoint LRU size when the engine reports no KV size"
+    )
+    max_capacity_tokens: int = Field(
+        default=4_000_000, ge=1, description="cap on any endpoint's LRU (bounds memory whatever engines report)"
+    )
+    max_prefix_tokens: int = Field(default=131_072, ge=1, description="hash at most this many leading tokens")
+    precise_block_size_tokens: int | None = Field(
+        default=None, ge=1, description="engine block size when neither events nor metrics report it (else 16)"
+    )
+    precise_keys: Literal["auto", "tokens"] = Field(
+        default="auto",
+        description="precise: match engines' own hashes where reproducible (auto) or always re-derived token keys",
+    )
+    speculative_ttl_s: float = Field(default=2.0, ge=0, description="precise: dispatch entries live this long")
+    events_timeout_s: float = Field(
+        default=10.0, gt=0, description="precise: no event this long after a dispatch -> approximate"
+    )
+    resync_s: float = Field(default=30.0, ge=0, description="precise: approximate for this long after a gap")
+    max_event_blocks_per_endpoint: int = Field(
+        default=4_000_000, ge=1, description="precise: cap on tracked engine blocks per endpoint"
+    )
+
+
+class SessionConfig(_Strict):
+    use_user_field: bool = Field(default=True, description="the OpenAI `user` field keys a session too")
+    max_sessions: int = Field(default=100_000, ge=1, description="LRU bound of the session -> endpoint table")
+
+
+class PoolRoutingConfig(PipelineConfig):
+    """A pool's own pipeline; `pd` overrides the global PD settings for that pool."""
+
+    pd: PDConfig | None = None
+
+
+class RoutingConfig(_Strict):
+    max_stats_age_s: float = Field(default=2.0, gt=0)
+    prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
+    session: SessionConfig = Field(default_factory=SessionConfig)
+    pd: PDConfig = Field(default_factory=PDConfig)
+    default: PipelineConfig = Field(default_factory=PipelineConfig)
+    pools: dict[str, PoolRoutingConfig] = Field(default_factory=dict)
+    seed: int | None = Field(default=None, description="seed of the pickers' random choices (tests, benchmarks)")
+
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _inherit_default(cls, value: Any, info: Any) -> Any:
+        """Keys a pool leaves out come from `default`, not from the built-in defaults."""
+        if not isinstance(value, dict):
+            return value
+        default = info.data.get("default")
+        if default is None:
+            return value
+        base = default.model_dump()
+        merged: dict[str, Any] = {}
+        for name, override in value.items():
+            if isinstance(override, dict):
+                merged[name] = {**base, **override}
+            else:
+                merged[name] = override
+        return merged
+
+    def pipeline_for(self, pool: str) -> PipelineConfig:
+        return self.pools.get(pool, self.default)
+
+    def pd_for(self, pool: str) -> PDConfig:
+        own = self.pools.get(pool)
+        return own.pd if own is not None and own.pd is not None else self.pd

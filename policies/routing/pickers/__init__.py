@@ -1,0 +1,1 @@
+"""Pickers: one module each, each chooses one candidate from the weighted scores."""

@@ -1,0 +1,339 @@
+"""The scoring router: per pool, filters -> weighted scorers -> picker, over a shared prefix index.
+
+    route(facts, pool, now_s, exclude):
+      candidates  = ready endpoints of the pool not in `exclude` (decode/mixed ones in a PD pool),
+                    each with the prefix index's cached-token estimate; stale stats -> saturated
+      saturated   are dropped unless every candidate is (then: reason `fallback`)
+      filters     run in order; one that would leave nothing is skipped (reason `fallback`)
+      total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
+      picker      chooses from the totals
+      PD pools    then decide prefill placement (`policies.routing.pd`)
+
+Decisions are synchronous and read the fleet as it is; `on_dispatch` records the prompt's blocks on
+the chosen endpoint(s) and pins the session. Prompt hashes are computed once per request and reused
+across candidates, retries and `on_dispatch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.fleet import Pool
+from backends.kv_events import KvEventBatch
+from backends.types import Endpoint, EndpointState, Role
+from policies.routing import registry
+from policies.routing.config import PDConfig, PipelineConfig, RoutingConfig
+from policies.routing.pd import decide_pd, is_disaggregated
+from policies.routing.prefix.engine_hashes import EngineHasher
+from policies.routing.prefix.hashing import prompt_tokens_of
+from policies.routing.prefix.index import IndexReport, PrefixIndex
+from policies.routing.session import SessionTable, session_key
+from policies.routing.types import (
+    PD_DISAGGREGATED,
+    REASON_FALLBACK,
+    REASON_LOAD,
+    REASON_ONLY,
+    REASON_PREFIX_HIT,
+    REASON_SESSION,
+    Candidate,
+    Filter,
+    Picker,
+    RouteContext,
+    RouteDecision,
+    Router,
+    Scorer,
+)
+from policies.types import RequestFacts
+
+log = logging.getLogger(__name__)
+
+PREFIX_HIT_SHARE_OF_BEST = 0.9  # chosen holds >= 90 % of the best cached prefix -> "prefix-hit"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    name: str
+    weight: float
+    scorer: Scorer
+
+
+@dataclass(slots=True)
+class Choice:
+    """The outcome of one pipeline run: the chosen candidate and what led to it."""
+
+    candidates: list[Candidate]  # the scored ones (after saturation and filters)
+    index: int
+    totals: list[float]
+    scores: dict[str, list[float]]  # scorer name -> clamped score per candidate
+    fallback: bool
+
+    @property
+    def chosen(self) -> Candidate:
+        return self.candidates[self.index]
+
+    def debug_scores(self, prefix: str = "") -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for i, c in enumerate(self.candidates):
+            row = {name: values[i] for name, values in self.scores.items()}
+            row["total"] = self.totals[i]
+            row["cached"] = float(c.cached_tokens)
+            out[prefix + c.id] = row
+        return out
+
+
+class Pipeline:
+    """Filters, weighted scorers and a picker, built from one `PipelineConfig`."""
+
+    def __init__(self, filters: Sequence[Filter], scorers: Sequence[WeightedScorer], picker: Picker) -> None:
+        self.filters = list(filters)
+        self.scorers = [s for s in scorers if s.weight > 0]
+        self.picker = picker
+        weight_sum = sum(s.weight for s in self.scorers) or 1.0
+        self.normalized_weights = [s.weight / weight_sum for s in self.scorers]
+        self.uses_session = any(s.name == "session-affinity" for s in self.scorers)
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> Pipeline:
+        return cls(
+            filters=[registry.build("filter", f.type, f.params) for f in config.filters],
+            scorers=[
+                WeightedScorer(s.type, s.weight, registry.build("scorer", s.type, s.params)) for s in config.scorers
+            ],
+            picker=registry.build("picker", config.picker.type, config.picker.params),
+        )
+
+    def choose(self, ctx: RouteContext, candidates: Sequence[Candidate], rng: random.Random) -> Choice:
+        """Run the pipeline over non-empty `candidates`."""
+        pool = [c for c in candidates if not c.saturated]
+        fallback = not pool
+        if fallback:
+            pool = list(candidates)
+        for f in self.filters:
+            kept = f.filter(ctx, pool)
+            if kept:
+                pool = kept
+            else:
+                fallback = True
+        totals = [0.0] * len(pool)
+        scores: dict[str, list[float]] = {}
+        for ws, w in zip(self.scorers, self.normalized_weights, strict=True):
+            # clamp to [0, 1]; NaN fails both comparisons and becomes 0
+            clamped = [s if 0.0 <= s <= 1.0 else (1.0 if s > 1.0 else 0.0) for s in ws.scorer.score(ctx, pool)]
+            scores[ws.name] = clamped
+            totals = [t + w * s for t, s in zip(totals, clamped, strict=True)]
+        index = 0 if len(pool) == 1 else self.picker.pick(ctx, pool, totals, rng)
+        return Choice(pool, index, totals, scores, fallback)
+
+
+def decision_reason(ctx: RouteContext, choice: Choice, candidates: Sequence[Candidate], uses_session: bool) -> str:
+    """The metrics label of a decision (see `policies.routing.types`)."""
+    if len(candidates) == 1:
+        return REASON_ONLY
+    if choice.fallback:
+        return REASON_FALLBACK
+    chosen = choice.chosen
+    if uses_session and ctx.session_endpoint_id == chosen.id:
+        return REASON_SESSION
+    best_cached = max(c.cached_tokens for c in candidates)
+    if chosen.cached_tokens > 0 and chosen.cached_tokens >= PREFIX_HIT_SHARE_OF_BEST * best_cached:
+        return REASON_PREFIX_HIT
+    return REASON_LOAD
+
+
+@dataclass(slots=True)
+class PDCounters:
+    served: int = 0
+    disaggregated: int = 0
+    warned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingReport:
+    index: IndexReport
+    sessions: int
+    pd: dict[str, PDCounters]
+
+
+@dataclass(slots=True)
+class _PoolRouting:
+    pipeline: Pipeline | None
+    baseline: Router | None
+    pd: PDConfig
+    prefill: Pipeline | None
+
+
+@dataclass(slots=True)
+class ScoringRouter:
+    """The gateway's router (implements `Router`) for every pool, built by `build_router`."""
+
+    config: RoutingConfig
+    index: PrefixIndex
+    sessions: SessionTable
+    rng: random.Random
+    pd_counters: dict[str, PDCounters] = field(default_factory=dict)
+    _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
+
+    # -- Router ---------------------------------------------------------------------------------
+
+    def route(
+        self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
+    ) -> RouteDecision | None:
+        routing = self._routing(pool.name)
+        if routing.baseline is not None:
+            return routing.baseline.route(facts, pool, now_s, exclude)
+        assert routing.pipeline is not None
+        ready = [e for e in pool.endpoints if e.state is EndpointState.READY and e.id not in exclude]
+        pd = is_disaggregated(pool)
+        serving = [e for e in ready if e.role is not Role.PREFILL] if pd else ready
+        if not serving:
+            return None
+        ctx = RouteContext(
+            facts=facts,
+            now_s=now_s,
+            prompt_tokens=prompt_tokens_of(facts),
+            session_endpoint_id=self.sessions.get(session_key(facts, pool.name, self.config.session.use_user_field)),
+        )
+        candidates = self._candidates(facts, serving, now_s)
+        choice = routing.pipeline.choose(ctx, candidates, self.rng)
+        chosen = choice.chosen
+        decision = RouteDecision(
+            endpoint=chosen.endpoint,
+            reason=decision_reason(ctx, choice, candidates, routing.pipeline.uses_session),
+            cached_tokens_estimate=chosen.cached_tokens,
+            decided_at_s=now_s,
+        )
+        debug = facts.debug
+        if debug:
+            decision.scores = choice.debug_scores()
+        if pd:
+            prefill_pipeline = routing.prefill
+            assert prefill_pipeline is not None
+            prefill_eps = [e for e in ready if e.role is not Role.DECODE and e.id != chosen.id]
+            prefill_choice: list[Choice] = []
+
+            def choose_prefill(options: Sequence[Candidate]) -> Candidate:
+                picked = prefill_pipeline.choose(ctx, options, self.rng)
+                prefill_choice.append(picked)
+                return picked.chosen
+
+            outcome = decide_pd(
+                ctx,
+                chosen,
+                self._candidates(facts, prefill_eps, now_s) if prefill_eps else [],
+                choose_prefill,
+                routing.pd,
+            )
+            decision.pd_reason = outcome.reason
+            if outcome.prefill is not None:
+                decision.prefill_endpoint = outcome.prefill.endpoint
+                decision.prefill_cached_tokens_estimate = outcome.prefill.cached_tokens
+            if debug and prefill_choice:
+                decision.scores.update(prefill_choice[0].debug_scores(prefix="prefill:"))
+        return decision
+
+    def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
+        routing = self._routing(decision.endpoint.pool)
+        if routing.baseline is not None:
+            routing.baseline.on_dispatch(facts, decision)
+            return
+        now_s = decision.decided_at_s
+        self.index.record(facts, decision.endpoint, now_s)
+        if decision.prefill_endpoint is not None:
+            self.index.record(facts, decision.prefill_endpoint, now_s)
+        key = session_key(facts, decision.endpoint.pool, self.config.session.use_user_field)
+        self.sessions.pin(key, decision.endpoint.id)
+        if decision.pd_reason is not None:
+            self._count_pd(decision, routing.pd)
+
+    # -- KV events and reporting ------------------------------------------------------------------
+
+    def on_kv_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
+        """`KvEventHub` batch callback (precise mode)."""
+        self.index.on_kv_batch(endpoint_id, batch)
+
+    def on_kv_reset(self, endpoint_id: str, reason: str) -> None:
+        """`KvEventHub` reset callback: events were lost or the engine restarted."""
+        self.index.on_kv_reset(endpoint_id, reason, time.monotonic())
+
+    def forget_endpoints_except(self, endpoint_ids: Collection[str]) -> None:
+        """Call when the fleet changes: drop index state of endpoints that left."""
+        self.index.retain(endpoint_ids)
+
+    def report(self, now_s: float) -> RoutingReport:
+        return RoutingReport(
+            index=self.index.report(now_s),
+            sessions=len(self.sessions),
+            pd={k: PDCounters(v.served, v.disaggregated, v.warned) for k, v in self.pd_counters.items()},
+        )
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _routing(self, pool_name: str) -> _PoolRouting:
+        routing = self._pools.get(pool_name)
+        if routing is None:
+            cfg = self.config.pipeline_for(pool_name)
+            pd_cfg = self.config.pd_for(pool_name)
+            if cfg.router == "scoring":
+                routing = _PoolRouting(Pipeline.from_config(cfg), None, pd_cfg, Pipeline.from_config(pd_cfg.prefill))
+            else:
+                routing = _PoolRouting(None, registry.BASELINE_ROUTERS[cfg.router](), pd_cfg, None)
+            self._pools[pool_name] = routing
+        return routing
+
+    def _candidates(self, facts: RequestFacts, endpoints: Sequence[Endpoint], now_s: float) -> list[Candidate]:
+        cached = self.index.lookup(facts, endpoints, now_s)
+        max_age_s = self.config.max_stats_age_s
+        unscraped_pool = all(e.stats.scraped_at_s == 0.0 for e in endpoints)
+        return [
+            Candidate(e, c, saturated=not unscraped_pool and e.stats_age_s(now_s) > max_age_s)
+            for e, c in zip(endpoints, cached, strict=True)
+        ]
+
+    def _count_pd(self, decision: RouteDecision, pd: PDConfig) -> None:
+        pool = decision.endpoint.pool
+        counters = self.pd_counters.get(pool)
+        if counters is None:
+            counters = self.pd_counters[pool] = PDCounters()
+        counters.served += 1
+        if decision.pd_reason == PD_DISAGGREGATED:
+            counters.disaggregated += 1
+        if not counters.warned and counters.disaggregated == 0 and counters.served >= pd.warn_after_requests:
+            counters.warned = True
+            log.warning(
+                "PD pool %s served %d requests and disaggregated none: check prefill endpoints, "
+                "pd.min_uncached_tokens (%d) and that kv_transfer_params reach the engines",
+                pool,
+                counters.served,
+                pd.min_uncached_tokens,
+            )
+
+
+def build_router(
+    config: RoutingConfig | Mapping[str, Any] | None = None,
+    *,
+    engine_hashers: Mapping[str, EngineHasher] | None = None,
+    rng: random.Random | None = None,
+) -> ScoringRouter:
+    """The gateway's router from gateway.yaml's `routing:` section (a dict, a model, or None for defaults).
+
+    `engine_hashers` (engine kind -> hasher) overrides which engines the precise index matches by
+    their own block hashes (default `prefix.engine_hashes.ENGINE_HASHERS`, see `prefix/precise.py`);
+    `rng` overrides `config.seed` for the pickers' random choices.
+    """
+    if config is None:
+        cfg = RoutingConfig()
+    elif isinstance(config, RoutingConfig):
+        cfg = config
+    else:
+        cfg = RoutingConfig.model_validate(dict(config))
+    return ScoringRouter(
+        config=cfg,
+        index=PrefixIndex(cfg.prefix_index, engine_hashers=engine_hashers),
+        sessions=SessionTable(cfg.session.max_sessions),
+        rng=rng or random.Random(cfg.seed),
+    )

@@ -1,0 +1,1 @@
+"""Prefix indexes: which endpoint holds which prompt prefix in its KV cache."""

@@ -1,0 +1,169 @@
+"""Chained block hashes of a prompt: the keys both prefix indexes store and look up.
+
+A prompt is cut into fixed blocks; block i's key is xxh3-64 of its bytes seeded with block i-1's key
+(the first seeded by model and cache_salt), so a key stands for the whole prefix up to its block and
+equal keys mean equal prefixes. Only full blocks are hashed, as engines cache only full blocks.
+
+Token ids, when the gateway has them (the same tokenizer and chat rendering as the simulated engine),
+are hashed as little-endian uint32 so block boundaries coincide with the engine's. Without ids the
+canonical prompt text is hashed in blocks of `4 x block_tokens` UTF-8 bytes (~4 bytes per token) and
+cached-token estimates are approximate.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from xxhash import xxh3_64_intdigest
+
+from policies.types import RequestFacts
+
+BYTES_PER_TOKEN_ESTIMATE = 4
+PROMPT_BLOCKS_ATTR = "_routing_prompt_blocks"  # per-request cache in RequestFacts.attrs (reused by candidates)
+TOKEN_BYTES_ATTR = "_routing_token_bytes"  # the ids as uint32 bytes, shared by every block size
+
+if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform
+    raise ImportError("array('I') must be 4 bytes")
+
+
+def seed_of(*parts: str | None) -> int:
+    """64-bit chain seed from naming parts (model, cache_salt, lora): different parts, disjoint keys."""
+    return xxh3_64_intdigest("\x00".join(p or "" for p in parts).encode("utf-8"))
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Ids as little-endian uint32 bytes. A list costs ~10 ns per id to convert; an `array('I')` or a
+    uint32 numpy array (tiktoken's `encode_to_numpy`) is copied as is."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I" and sys.byteorder == "little":
+        return token_ids.tobytes()
+    tobytes = getattr(token_ids, "tobytes", None)
+    if tobytes is not None and getattr(getattr(token_ids, "dtype", None), "str", "") == "<u4":
+        return bytes(tobytes())
+    data = array("I", token_ids)
+    if sys.byteorder != "little":  # pragma: no cover
+        data.byteswap()
+    return data.tobytes()
+
+
+def chain_hashes(data: bytes, block_bytes: int, seed: int, max_blocks: int) -> list[int]:
+    """Keys of the leading full blocks of `data` (at most `max_blocks`)."""
+    n = min(len(data) // block_bytes, max_blocks)
+    keys: list[int] = []
+    append = keys.append
+    view = memoryview(data)
+    key = seed
+    for offset in range(0, n * block_bytes, block_bytes):
+        key = xxh3_64_intdigest(view[offset : offset + block_bytes], key)
+        append(key)
+    return keys
+
+
+def block_key(token_ids: Sequence[int], parent_key: int) -> int:
+    """The key of one block given its parent's key (how event token ids are re-hashed)."""
+    return xxh3_64_intdigest(token_bytes(token_ids), parent_key)
+
+
+def canonical_prompt_bytes(body: Mapping[str, Any]) -> bytes:
+    """The prompt as the engine will see it, in a canonical byte form (chat: tools then messages).
+
+    Used only when no token ids are available. Tools and each message are serialised with sorted keys
+    so that semantically equal requests hash equal and a conversation's bytes extend its prefix's.
+    """
+    parts: list[bytes] = []
+    tools = body.get("tools")
+    if tools:
+        parts.append(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts.extend(orjson.dumps(m, option=orjson.OPT_SORT_KEYS) for m in messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            parts.append(prompt.encode("utf-8"))
+        elif prompt is not None:
+            parts.append(orjson.dumps(prompt))
+    return b"\n".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBlocks:
+    """One prompt's block keys at one block size.
+
+    `tokens_per_block` converts matched blocks to cached tokens; `exact` is False when keys come from
+    text (token counts are then estimates).
+    """
+
+    keys: list[int]
+    tokens_per_block: int
+    prompt_tokens: int
+    exact: bool
+
+    def cached_tokens(self, matched_blocks: int) -> int:
+        """Tokens an engine would serve from cache: never the whole prompt (the last token is computed)."""
+        return max(min(matched_blocks * self.tokens_per_block, self.prompt_tokens - 1), 0)
+
+
+def prompt_tokens_of(facts: RequestFacts) -> int:
+    if facts.prompt_tokens:
+        return facts.prompt_tokens
+    return len(facts.prompt_token_ids) if facts.prompt_token_ids is not None else 0
+
+
+def engine_token_ids(facts: RequestFacts) -> Sequence[int] | None:
+    """Token ids as the engine counts them: `attrs["engine_token_ids"]` (from the engine's /tokenize,
+    set by the gateway for engines whose tokenizer it does not share), else the gateway's own ids."""
+    ids = facts.attrs.get("engine_token_ids")
+    if ids is not None:
+        return ids  # type: ignore[no-any-return]
+    return facts.prompt_token_ids
+
+
+def prompt_token_bytes(facts: RequestFacts, ids: Sequence[int], max_tokens: int) -> bytes:
+    """`token_bytes` of the first `max_tokens` ids, converted once per request (the costliest step)."""
+    cached: tuple[int, bytes] | None = facts.attrs.get(TOKEN_BYTES_ATTR)
+    if cached is not None and cached[0] >= max_tokens:
+        return cached[1][: max_tokens * 4]
+    data = token_bytes(ids[:max_tokens])
+    facts.attrs[TOKEN_BYTES_ATTR] = (max_tokens, data)
+    return data
+
+
+def prompt_blocks(
+    facts: RequestFacts,
+    block_tokens: int,
+    seed: int,
+    max_prefix_tokens: int,
+    *,
+    namespace: str,
+    require_ids: bool = False,
+) -> PromptBlocks | None:
+    """Block keys of the request's prompt, computed once per (namespace, block size) and cached in
+    `facts.attrs`, so every candidate, a retry and `on_dispatch` reuse them.
+
+    None when `require_ids` and the request has no token ids (the precise index cannot match text).
+    """
+    cache: dict[tuple[str, int], PromptBlocks | None] = facts.attrs.setdefault(PROMPT_BLOCKS_ATTR, {})
+    cache_key = (namespace, block_tokens)
+    if cache_key in cache:
+        return cache[cache_key]
+    max_blocks = max(max_prefix_tokens // block_tokens, 1)
+    ids = engine_token_ids(facts)
+    result: PromptBlocks | None
+    if ids is not None:
+        keys = chain_hashes(prompt_token_bytes(facts, ids, max_prefix_tokens), block_tokens * 4, seed, max_blocks)
+        result = PromptBlocks(keys, block_tokens, len(ids), exact=True)
+    elif require_ids:
+        result = None
+    else:
+        data = canonical_prompt_bytes(facts.body)
+        block_bytes = block_tokens * BYTES_PER_TOKEN_ESTIMATE
+        keys = chain_hashes(data, block_bytes, seed, max_blocks)
+        prompt_tokens = prompt_tokens_of(facts) or len(data) // BYTES_PER_TOKEN_ESTIMATE
+        result = PromptBlocks(keys, block_tokens, prompt_tokens, exact=False)
+    cache[cache_key] = result
+    return result

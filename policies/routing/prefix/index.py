@@ -1,0 +1,107 @@
+"""The prefix index routing consults: precise where an engine's events are alive, approximate elsewhere.
+
+In `precise` mode both indexes are kept: the approximate one is recorded at every dispatch (cheap),
+so when an endpoint's events stop (or never start) its answers take over with warm data. In
+`approximate` mode only the approximate index exists; `off` answers 0 everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from backends.kv_events import KvEventBatch
+from backends.types import Endpoint
+from policies.routing.config import PrefixIndexConfig
+from policies.routing.prefix.approximate import ApproximatePrefixIndex
+from policies.routing.prefix.engine_hashes import ENGINE_HASHERS, EngineHasher
+from policies.routing.prefix.precise import PrecisePrefixIndex
+from policies.types import RequestFacts
+
+
+@dataclass(frozen=True, slots=True)
+class IndexReport:
+    mode: str
+    approximate_entries: int
+    precise_blocks: int
+    memory_bytes: int
+    precise_alive: dict[str, bool]  # endpoint id -> answering from events
+
+
+class PrefixIndex:
+    def __init__(self, config: PrefixIndexConfig, *, engine_hashers: Mapping[str, EngineHasher] | None = None) -> None:
+        self.mode = config.mode
+        self.approximate: ApproximatePrefixIndex | None = None
+        self.precise: PrecisePrefixIndex | None = None
+        if config.mode != "off":
+            self.approximate = ApproximatePrefixIndex(
+                block_tokens=config.block_size_tokens,
+                default_capacity_tokens=config.default_capacity_tokens,
+                max_capacity_tokens=config.max_capacity_tokens,
+                max_prefix_tokens=config.max_prefix_tokens,
+            )
+        if config.mode == "precise":
+            self.precise = PrecisePrefixIndex(
+                default_block_tokens=config.precise_block_size_tokens or 16,
+                speculative_ttl_s=config.speculative_ttl_s,
+                events_timeout_s=config.events_timeout_s,
+                resync_s=config.resync_s,
+                max_blocks_per_endpoint=config.max_event_blocks_per_endpoint,
+                max_prefix_tokens=config.max_prefix_tokens,
+                engine_hashers=(ENGINE_HASHERS if config.precise_keys == "auto" else {})
+                if engine_hashers is None
+                else engine_hashers,
+            )
+
+    def lookup(self, facts: RequestFacts, endpoints: Sequence[Endpoint], now_s: float) -> list[int]:
+        """Estimated cached prompt tokens on each endpoint (same order)."""
+        if self.approximate is None or not endpoints:
+            return [0] * len(endpoints)
+        if self.precise is None:
+            return self.approximate.lookup(facts, endpoints)
+        precise = self.precise.lookup(facts, endpoints, now_s)
+        if all(v is not None for v in precise):
+            return [v or 0 for v in precise]
+        approx = self.approximate.lookup(facts, endpoints)
+        return [a if p is None else p for p, a in zip(precise, approx, strict=True)]
+
+    def record(self, facts: RequestFacts, endpoint: Endpoint, now_s: float) -> None:
+        if self.approximate is not None:
+            self.approximate.record(facts, endpoint)
+        if self.precise is not None:
+            self.precise.record(facts, endpoint, now_s)
+
+    # KV-event callbacks (`backends.kv_events.KvEventHub(on_batch=..., on_reset=...)`).
+    def on_kv_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
+        if self.precise is not None:
+            self.precise.apply(endpoint_id, batch)
+
+    def on_kv_reset(self, endpoint_id: str, reason: str, now_s: float) -> None:
+        if self.precise is not None:
+            self.precise.reset(endpoint_id, reason, now_s)
+
+    def retain(self, endpoint_ids: Iterable[str]) -> None:
+        """Forget endpoints that left the fleet."""
+        keep = set(endpoint_ids)
+        if self.approximate is not None:
+            self.approximate.retain(keep)
+        if self.precise is not None:
+            self.precise.retain(keep)
+
+    def memory_bytes(self) -> int:
+        total = 0
+        if self.approximate is not None:
+            total += self.approximate.memory_bytes()
+        if self.precise is not None:
+            total += self.precise.memory_bytes()
+        return total
+
+    def report(self, now_s: float) -> IndexReport:
+        precise_stats = self.precise.stats(now_s) if self.precise is not None else {}
+        return IndexReport(
+            mode=self.mode,
+            approximate_entries=self.approximate.entries() if self.approximate is not None else 0,
+            precise_blocks=self.precise.entries() if self.precise is not None else 0,
+            memory_bytes=self.memory_bytes(),
+            precise_alive={k: v.alive for k, v in precise_stats.items()},
+        )

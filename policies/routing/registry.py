@@ -1,0 +1,81 @@
+"""Every filter, scorer, picker and baseline router by the kebab-case name gateway.yaml uses.
+
+One read-only mapping per kind, built once; adding a component is one module plus one line here.
+Factories take the component's `params` as keyword arguments and raise on unknown or invalid ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from policies.routing.filters.context_length import ContextLengthFilter
+from policies.routing.filters.load_gate import LoadGateFilter
+from policies.routing.least_inflight import LeastInflightRouter
+from policies.routing.pickers.max_score import MaxScorePicker
+from policies.routing.pickers.near_best import NearBestRandomPicker
+from policies.routing.pickers.random_pick import RandomPicker
+from policies.routing.pickers.weighted_random import WeightedRandomPicker
+from policies.routing.round_robin import RoundRobinRouter
+from policies.routing.scorers.inflight_tokens import InflightTokensScorer
+from policies.routing.scorers.kv_usage import KvUsageScorer
+from policies.routing.scorers.prefix_cache import PrefixCacheScorer
+from policies.routing.scorers.queue_depth import QueueDepthScorer
+from policies.routing.scorers.session_affinity import SessionAffinityScorer
+from policies.routing.scorers.work_cost import WorkCostScorer
+from policies.routing.types import Filter, Picker, Router, Scorer
+
+FILTERS: Mapping[str, Callable[..., Filter]] = MappingProxyType(
+    {
+        "load-gate": LoadGateFilter,
+        "context-length": ContextLengthFilter,
+    }
+)
+
+SCORERS: Mapping[str, Callable[..., Scorer]] = MappingProxyType(
+    {
+        "prefix-cache": PrefixCacheScorer,
+        "queue-depth": QueueDepthScorer,
+        "kv-usage": KvUsageScorer,
+        "inflight-tokens": InflightTokensScorer,
+        "session-affinity": SessionAffinityScorer,
+        "work-cost": WorkCostScorer,
+    }
+)
+
+PICKERS: Mapping[str, Callable[..., Picker]] = MappingProxyType(
+    {
+        "max-score": MaxScorePicker,
+        "near-best-random": NearBestRandomPicker,
+        "weighted-random": WeightedRandomPicker,
+        "random": RandomPicker,
+    }
+)
+
+# Routers that replace the whole pipeline for a pool (`router:` in a pipeline config); "scoring" is
+# the pipeline itself and is built by `policies.routing.pipeline`.
+BASELINE_ROUTERS: Mapping[str, Callable[[], Router]] = MappingProxyType(
+    {
+        "least-inflight": LeastInflightRouter,
+        "round-robin": RoundRobinRouter,
+    }
+)
+
+REGISTRIES: Mapping[str, Mapping[str, Callable[..., Any]]] = MappingProxyType(
+    {"filter": FILTERS, "scorer": SCORERS, "picker": PICKERS}
+)
+
+
+def build(kind: str, name: str, params: Mapping[str, Any]) -> Any:
+    """Instantiate a registered component; ValueError names the kind, the name and what is wrong."""
+    registry = REGISTRIES[kind]
+    factory = registry.get(name)
+    if factory is None:
+        raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}")
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ValueError(f"{kind} {name!r}: bad params {dict(params)!r}: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{kind} {name!r}: {exc}") from exc

@@ -1,0 +1,39 @@
+"""Round-robin over the pool's ready endpoints: the baseline every cache-aware router is compared with.
+
+It keeps one rotating cursor per pool and ignores load and prefixes entirely, which is what
+`vllm-router --policy round_robin` and most L4 load balancers do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from backends.fleet import Pool
+from backends.types import EndpointState, Role
+from policies.routing.types import REASON_LOAD, REASON_ONLY, RouteDecision
+from policies.types import RequestFacts
+
+
+class RoundRobinRouter:
+    def __init__(self) -> None:
+        self._turn: dict[str, int] = {}
+
+    def route(
+        self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
+    ) -> RouteDecision | None:
+        candidates = [
+            e
+            for e in pool.endpoints
+            if e.state is EndpointState.READY and e.id not in exclude and e.role is not Role.PREFILL
+        ]
+        if not candidates:
+            return None
+        turn = self._turn.get(pool.name, 0)
+        self._turn[pool.name] = turn + 1
+        chosen = candidates[turn % len(candidates)]
+        return RouteDecision(
+            endpoint=chosen, reason=REASON_LOAD if len(candidates) > 1 else REASON_ONLY, decided_at_s=now_s
+        )
+
+    def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
+        return None

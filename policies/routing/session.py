@@ -1,0 +1,40 @@
+"""Session affinity table: session key -> the endpoint that served the session last (bounded LRU)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from policies.types import RequestFacts
+
+
+def session_key(facts: RequestFacts, pool: str, use_user_field: bool) -> str | None:
+    """The request's session in one pool: `RequestFacts.session_key` (a header), else the OpenAI
+    `user` field. Keyed per pool so a session that falls back to another model keeps both pins."""
+    key = facts.session_key
+    if key is None and use_user_field:
+        user = facts.body.get("user")
+        if isinstance(user, str) and user:
+            key = user
+    return f"{pool}\x00{key}" if key else None
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        self.max_sessions = max_sessions
+        self._pins: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def get(self, key: str | None) -> str | None:
+        return self._pins.get(key) if key is not None else None
+
+    def pin(self, key: str | None, endpoint_id: str) -> None:
+        if key is None:
+            return
+        pins = self._pins
+        if key in pins:
+            pins.move_to_end(key)
+        pins[key] = endpoint_id
+        while len(pins) > self.max_sessions:
+            pins.popitem(last=False)

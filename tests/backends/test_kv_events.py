@@ -1,0 +1,289 @@
+"""KV events: decoding both vLLM shapes, and the subscriber over real ZMQ sockets feeding the precise index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from backends.kv_events import (
+    RESET_GAP,
+    RESET_RESTART,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    KvEventDecodeError,
+    KvEventHub,
+    KvEventSubscriber,
+    decode_frames,
+    decode_payload,
+)
+from backends.sim.kv_cache import hash_blocks
+from backends.sim.server import run_sim_engines
+from backends.tokenization import chat_prompt_ids
+from backends.types import Endpoint
+from policies.routing.pipeline import ScoringRouter, build_router
+from tests.policies.routing.factories import endpoint, facts, pool, token_ids
+
+PROMPT = token_ids(64)  # 4 blocks of 16
+HASHES = hash_blocks(PROMPT, 16)
+TIMEOUT_S = 5.0
+
+
+def stored_map(first: int, last: int, *, digest: bool = False) -> dict[str, Any]:
+    hashes: list[Any] = HASHES[first:last]
+    if digest:
+        hashes = [h.to_bytes(32, "big") for h in hashes]  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": HASHES[first - 1] if first else None,
+        "token_ids": PROMPT[first * 16 : last * 16],
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def stored_array(first: int, last: int) -> list[Any]:
+    parent = HASHES[first - 1] if first else None
+    return ["BlockStored", HASHES[first:last], parent, PROMPT[first * 16 : last * 16], 16, None, "GPU"]
+
+
+def payload(*events: Any) -> bytes:
+    packed: bytes = msgpack.packb([1700000000.0, list(events), 0], use_bin_type=True)
+    return packed
+
+
+def frames(seq: int, *events: Any, topic: bytes = b"kv@a") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), payload(*events)]
+
+
+# --- decoding ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("event", "expected"),
+    [
+        pytest.param(stored_map(0, 2), BlockStored(HASHES[:2], None, PROMPT[:32], 16, "GPU"), id="stored-map"),
+        pytest.param(stored_array(0, 2), BlockStored(HASHES[:2], None, PROMPT[:32], 16, "GPU"), id="stored-array"),
+        pytest.param(
+            stored_map(1, 2, digest=True),
+            BlockStored([HASHES[1]], HASHES[0], PROMPT[16:32], 16, "GPU"),
+            id="stored-digest-hashes",
+        ),
+        pytest.param({"type": "BlockRemoved", "block_hashes": HASHES[:1]}, BlockRemoved(HASHES[:1]), id="removed-map"),
+        pytest.param(["BlockRemoved", HASHES[:1], "CPU"], BlockRemoved(HASHES[:1], "CPU"), id="removed-array"),
+        pytest.param({"type": "AllBlocksCleared"}, AllBlocksCleared(), id="cleared-map"),
+        pytest.param(["AllBlocksCleared"], AllBlocksCleared(), id="cleared-array"),
+    ],
+)
+def test_decode_both_shapes(event: Any, expected: Any) -> None:
+    _ts, events, dp_rank = decode_payload(payload(event))
+    assert events == [expected] and dp_rank == 0
+
+
+def test_decode_frames_and_unknown_events() -> None:
+    batch = decode_frames(frames(7, {"type": "SomethingNew"}, stored_map(0, 1)))
+    assert (batch.seq, batch.topic, len(batch.events)) == (7, "kv@a", 1)
+    mapped = msgpack.packb({"ts": 1.0, "events": [["AllBlocksCleared"]], "data_parallel_rank": 2})
+    assert decode_payload(mapped) == (1.0, [AllBlocksCleared()], 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param([b"t", b"\x00" * 8, b"\xc1"], id="not-msgpack"),
+        pytest.param([b"t", b"\x00" * 4, payload()], id="short-seq"),
+        pytest.param([b"t", b"\x00" * 8, msgpack.packb([1.0, 5, 0])], id="events-not-a-list"),
+        pytest.param([b"t", b"\x00" * 8, payload({"block_hashes": []})], id="untagged-map"),
+        pytest.param([b"only-one"], id="one-frame"),
+    ],
+)
+def test_decode_errors(bad: list[bytes]) -> None:
+    with pytest.raises(KvEventDecodeError):
+        decode_frames(bad)
+
+
+# --- the subscriber over real sockets ------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self, router: ScoringRouter | None = None) -> None:
+        self.batches: list[KvEventBatch] = []
+        self.resets: list[str] = []
+        self.router = router
+        self.changed = asyncio.Event()
+
+    def on_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
+        self.batches.append(batch)
+        if self.router is not None:
+            self.router.on_kv_batch(endpoint_id, batch)
+        self.changed.set()
+
+    def on_reset(self, endpoint_id: str, reason: str) -> None:
+        self.resets.append(reason)
+        if self.router is not None:
+            self.router.on_kv_reset(endpoint_id, reason)
+        self.changed.set()
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        async with asyncio.timeout(TIMEOUT_S):
+            while not done():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, str]]:
+    """An XPUB (a PUB that reports subscriptions, so tests need not sleep for the slow joiner)."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    address = str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    yield sock, address
+    sock.close(0)
+
+
+async def start(sub: KvEventSubscriber, pub: zmq.asyncio.Socket) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(sub.run())
+    async with asyncio.timeout(TIMEOUT_S):
+        assert (await pub.recv())[0] == 1  # the subscription arrived
+    return task
+
+
+async def stop(sub: KvEventSubscriber, task: asyncio.Task[None]) -> None:
+    sub.stop()
+    await asyncio.wait_for(task, TIMEOUT_S)
+
+
+def endpoints() -> list[Endpoint]:
+    return [endpoint(name, engine="sim", scraped_at_s=0.0) for name in ("a", "b")]
+
+
+async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
+    pub, address = publisher
+    router = build_router({"seed": 1, "prefix_index": {"mode": "precise", "precise_keys": "tokens"}})
+    rec = Recorder(router)
+    sub = KvEventSubscriber("a", address, rec.on_batch, rec.on_reset, topic="kv@")
+    task = await start(sub, pub)
+    eps = endpoints()
+    router.on_kv_batch("b", KvEventBatch(seq=0, ts=0.0, events=[]))  # b publishes too, holds nothing
+
+    await pub.send_multipart(frames(0, stored_map(0, 2)))  # vLLM 0.33 maps
+    await pub.send_multipart(frames(1, stored_array(2, 4)))  # older positional arrays, chained
+    await pub.send_multipart(frames(2, {"type": "Ignored"}, topic=b"other-topic"))  # filtered by topic
+    await rec.until(lambda: len(rec.batches) == 2)
+    d = router.route(facts(PROMPT), pool(eps), 0.0)
+    assert d is not None and (d.endpoint.id, d.reason, d.cached_tokens_estimate) == ("a", "prefix-hit", 63)
+
+    await pub.send_multipart(frames(2, ["BlockRemoved", HASHES[:1], "GPU"]))
+    await rec.until(lambda: len(rec.batches) == 3)
+    d = router.route(facts(PROMPT), pool(eps), 0.0)
+    assert d is not None and d.reason == "load" and d.cached_tokens_estimate == 0
+    assert (sub.stats.batches, sub.stats.gaps, rec.resets) == (3, 0, [])
+    await stop(sub, task)
+
+
+async def test_gap_without_replay_resets(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
+    pub, address = publisher
+    rec = Recorder()
+    sub = KvEventSubscriber("a", address, rec.on_batch, rec.on_reset)
+    task = await start(sub, pub)
+    await pub.send_multipart(frames(0, stored_map(0, 1)))
+    await pub.send_multipart(frames(5, stored_map(1, 2)))  # 1..4 lost
+    await pub.send_multipart(frames(0, ["AllBlocksCleared"]))  # sequence restarts: engine restarted
+    await rec.until(lambda: len(rec.batches) == 3)
+    assert rec.resets == [RESET_GAP, RESET_RESTART]
+    assert [b.seq for b in rec.batches] == [0, 5, 0] and sub.stats.gaps == 1
+    await pub.send_multipart([b"kv", b"\x00" * 8, b"\xc1"])  # garbage is counted, not fatal
+    await pub.send_multipart(frames(1, ["AllBlocksCleared"]))
+    await rec.until(lambda: len(rec.batches) == 4)
+    assert sub.stats.decode_errors == 1
+    await stop(sub, task)
+
+
+async def serve_replay(router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]]) -> None:
+    """vLLM 0.33's replay server: [id, "", start] -> [id, "", topic, seq, payload]... then [id, "", "", -1, ""]."""
+    while True:
+        identity, _empty, start_frame = await router_sock.recv_multipart()
+        start_seq = int.from_bytes(start_frame, "big")
+        for seq in sorted(buffer):
+            if seq >= start_seq:
+                await router_sock.send_multipart([identity, b"", *buffer[seq]])
+        await router_sock.send_multipart([identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+
+async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
+    pub, address = publisher
+    replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    buffer = {seq: frames(seq, stored_map(seq, seq + 1)) for seq in range(4)}
+    server = asyncio.get_running_loop().create_task(serve_replay(replay, buffer))
+    rec = Recorder()
+    sub = KvEventSubscriber(
+        "a", address, rec.on_batch, rec.on_reset, replay_address=str(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+    )
+    task = await start(sub, pub)
+    try:
+        await pub.send_multipart(buffer[0])
+        await pub.send_multipart(buffer[3])  # 1 and 2 missed: fetched from the replay socket
+        await rec.until(lambda: len(rec.batches) == 4)
+        assert [b.seq for b in rec.batches] == [0, 1, 2, 3]
+        assert (rec.resets, sub.stats.gaps, sub.stats.replayed_batches) == ([], 1, 2)
+    finally:
+        await stop(sub, task)
+        server.cancel()
+        replay.close(0)
+
+
+async def test_hub_follows_the_fleet(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
+    pub, address = publisher
+    rec = Recorder()
+    hub = KvEventHub(rec.on_batch, rec.on_reset)
+    hub.sync([("a", address)])
+    async with asyncio.timeout(TIMEOUT_S):
+        await pub.recv()
+    await pub.send_multipart(frames(0, stored_map(0, 1)))
+    await rec.until(lambda: len(rec.batches) == 1)
+    assert hub.stats()["a"].batches == 1
+    hub.sync([])
+    assert hub.stats() == {}
+    await hub.close()
+
+
+async def test_simulated_engine_events_drive_routing() -> None:
+    """A real simulated engine publishes its cache; the router sends the repeat prompt to it."""
+    router = build_router({"seed": 1, "prefix_index": {"mode": "precise"}})
+    rec = Recorder(router)
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)  # only to reserve a free port number
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.close(0)
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    async with run_sim_engines(time_scale=20, kv_events_config=config) as (instance,):
+        sub = KvEventSubscriber("a", f"tcp://127.0.0.1:{port}", rec.on_batch, rec.on_reset)
+        task = asyncio.get_running_loop().create_task(sub.run())
+        await asyncio.sleep(0.3)  # the engine's PUB cannot tell us when the subscription has arrived
+        messages = [{"role": "user", "content": "route me " * 200}]
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(instance.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}) as resp,
+        ):
+            assert resp.status == 200
+        await rec.until(lambda: bool(rec.batches))
+        ids = chat_prompt_ids(messages)
+        d = router.route(facts(ids), pool(endpoints()), rec.batches[-1].received_at_s)
+        assert d is not None and d.endpoint.id == "a" and d.reason == "prefix-hit"
+        assert d.cached_tokens_estimate == len(ids) // 16 * 16
+        await stop(sub, task)
