@@ -21,13 +21,18 @@ from backends.fleet import Fleet
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
-from gateway import appkeys
+from gateway import __version__, appkeys
 from gateway.admin import admin_routes
 from gateway.components import OpenAdmission
 from gateway.engine_tokens import EngineTokenizer
+from gateway.ledger import open_ledger
+from gateway.ledger.config import LedgerConfig
 from gateway.pipeline import Pipeline, PolicySource
 from gateway.routes import METRICS_RENDER, setup_routes
 from gateway.settings import GatewaySettings, load_yaml_model, validate_section
+from gateway.telemetry.config import TelemetryConfig
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import Tracing
 from policies.policy import Policy
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import build_router
@@ -41,7 +46,7 @@ def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> we
     app[appkeys.SETTINGS] = settings
     app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
     app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
-    app[METRICS_RENDER] = lambda: b""
+    app.cleanup_ctx.append(_telemetry_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx(policy))
     app.cleanup_ctx.append(_fleet_ctx)
@@ -49,6 +54,26 @@ def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> we
     app.cleanup_ctx.append(_pipeline_ctx)
     setup_routes(app, admin_routes())
     return app
+
+
+async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Metrics, traces and the usage ledger: set up first, torn down last (after the drain)."""
+    settings = app[appkeys.SETTINGS]
+    telemetry = validate_section(settings, "telemetry", TelemetryConfig)
+    ledger_config = validate_section(settings, "ledger", LedgerConfig)
+    metrics = GatewayMetrics(telemetry.metrics, version=__version__)
+    tracing = Tracing(telemetry.otlp, metrics=metrics, version=__version__)
+    ledger = open_ledger(ledger_config)
+    app[appkeys.METRICS] = metrics
+    app[appkeys.TRACING] = tracing
+    app[appkeys.LEDGER] = ledger
+    app[METRICS_RENDER] = metrics.render
+    if ledger is not None:
+        metrics.set_ledger_stats(ledger.stats)
+    yield
+    if ledger is not None:
+        await ledger.close()
+    await tracing.shutdown()
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -135,6 +160,10 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     def report_failure(endpoint: Endpoint, now_s: float) -> None:
         health.report_failure(endpoint, now_s, ejection)
 
+    metrics = app[appkeys.METRICS]
+    ledger = app[appkeys.LEDGER]
+    metrics.set_endpoint_gauges(fleet.endpoints)
+    _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
     pipeline = Pipeline(
         server=settings.server,
         policies=app[appkeys.POLICIES],
@@ -145,6 +174,9 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         report_success=health.report_success,
         report_failure=report_failure,
         shape_body=shape_body,
+        sinks=[metrics] if ledger is None else [metrics, ledger],
+        start_trace=app[appkeys.TRACING].start_request,
+        metrics=metrics,
         engine_tokens=EngineTokenizer(app[appkeys.SESSION])
         if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise"
         else None,
@@ -152,3 +184,18 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.PIPELINE] = pipeline
     yield
 
+
+
+def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None:
+    """Bound label cardinality to what is configured: anything else is reported as `other`."""
+    models = set(fleet.models)
+    for name, config in policy.config.models.items():
+        models.add(name)
+        models.update(config.aliases)
+    metrics.allow_label_values(
+        tenants=policy.config.tenants.keys(),
+        models=sorted(models),
+        pools=fleet.pools.keys(),
+        endpoints=[e.id for e in fleet.endpoints()],
+        key_ids=[k.id for k in policy.config.keys],
+    )

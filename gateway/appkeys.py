@@ -12,6 +12,8 @@ from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import Tracing
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import ScoringRouter
 
@@ -23,4 +25,7 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
 ROUTER = web.AppKey("router", ScoringRouter)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+TRACING = web.AppKey("tracing", Tracing)
+LEDGER = web.AppKey("ledger", Any)  # LedgerWriter | None (ledger disabled)
 POLICIES = web.AppKey("policies", Any)  # the hot-reload holder: `.current` is the live Policy

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--admin-token", default=os.environ.get("TOKENWAY_ADMIN_TOKEN"))
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_pools_status)
+    from gateway.ledger.cli import add_usage_parser
+
+    add_usage_parser(sub)
     return parser
 
 

@@ -1,6 +1,6 @@
 """The parts the request pipeline calls, as small protocols, plus the inert defaults used when a part
 is switched off in gateway.yaml. The app factory builds the real ones; the pipeline never asks which
-kind it holds.
+kind it holds. (Tracing's protocol and no-op live in `gateway.telemetry.tracing`.)
 """
 
 from __future__ import annotations
@@ -54,54 +54,3 @@ class RecordSink(Protocol):
     """Receives every finished request exactly once (metrics, ledger, predictor feedback)."""
 
     def observe(self, record: RequestRecord) -> None: ...
-
-
-class Span(Protocol):
-    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None: ...
-
-
-class RequestTrace(Protocol):
-    def span(self, name: str, **attributes: Any) -> Any: ...
-
-    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None: ...
-
-    def traceparent(self) -> str | None: ...
-
-    def end(self, record: RequestRecord) -> None: ...
-
-
-class _NoSpan:
-    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
-        return None
-
-
-class _NoSpanContext:
-    __slots__ = ()
-    _span = _NoSpan()
-
-    def __enter__(self) -> _NoSpan:
-        return self._span
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class NoTrace:
-    """Tracing off: every call is a constant-time no-op (no generator, no allocation)."""
-
-    _context = _NoSpanContext()
-
-    def span(self, name: str, **attributes: Any) -> _NoSpanContext:
-        return self._context
-
-    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
-        return None
-
-    def traceparent(self) -> str | None:
-        return None
-
-    def end(self, record: RequestRecord) -> None:
-        return None
-
-
-NO_TRACE = NoTrace()

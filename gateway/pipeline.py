@@ -25,7 +25,7 @@ from backends.adapters.registry import get_adapter
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
-from gateway.components import NO_TRACE, AdmissionPort, RecordSink, RequestTrace
+from gateway.components import AdmissionPort, RecordSink
 from gateway.engine_tokens import EngineTokenizer
 from gateway.errors import (
     GatewayError,
@@ -50,6 +50,8 @@ from gateway.relay import (
     relay_unary,
 )
 from gateway.settings import ServerSettings
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from gateway.validate import validate_body
 from policies.estimate import PromptEstimator
 from policies.policy import Policy
@@ -137,6 +139,7 @@ class Pipeline:
     price: Pricer = _free
     on_route: Callable[[RouteDecision], None] = lambda decision: None
     engine_tokens: EngineTokenizer | None = None  # precise prefix index over real engines
+    metrics: GatewayMetrics | None = None  # per-decision series (routes, upstream errors, retries)
     _timeouts: aiohttp.ClientTimeout = field(init=False)
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
@@ -152,7 +155,7 @@ class Pipeline:
         arrived_s = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         record = RequestRecord(request_id=request_id, api=api, started_at_unix_s=time.time())
-        trace = self.start_trace(request_id, request.headers) if self.start_trace else NO_TRACE
+        trace = self.start_trace(request_id, request.headers) if self.start_trace else NOOP_TRACE
         walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)])
         try:
             return await self._walk(request, api, walk)
@@ -441,8 +444,16 @@ class Pipeline:
             endpoint = decision.endpoint
             self.on_route(decision)
             record.pool, record.endpoint, record.route_reason = pool.name, endpoint.id, decision.reason
+            record.engine = endpoint.engine
+            if self.metrics is not None:
+                self.metrics.observe_route(
+                    decision.reason, pool.name, prompt_tokens=facts.prompt_tokens,
+                    estimated_hit_tokens=decision.cached_tokens_estimate,
+                )
             record.served_model = endpoint.served_model
             record.pd_reason = decision.pd_reason
+            if record.upstream_attempts and self.metrics is not None:
+                self.metrics.observe_retry(pool.name)
             record.upstream_attempts += 1
             router = self.routers[pool.name]
             router.on_dispatch(facts, decision)
@@ -480,14 +491,22 @@ class Pipeline:
                         )
                     else:
                         outcome = await relay_unary(self.session, target, self._timeouts, load)
+                    if outcome.first_token_at_s is not None:
+                        at = record.started_at_unix_s + (outcome.first_token_at_s - walk.arrived_s)
+                        walk.trace.event("first_token", at_unix_s=at)
             except RetryableUpstream as exc:
                 self.report_failure(endpoint, time.monotonic())
                 exclude.add(endpoint.id)
                 last_detail = exc.detail
+                if self.metrics is not None:
+                    kind = f"http_{exc.status}" if exc.status else "connect"
+                    self.metrics.observe_upstream_error(endpoint.id, kind)
                 log.warning("upstream %s failed before the first byte: %s", endpoint.id, exc.detail)
                 continue
             except UpstreamRejected as exc:
                 self.report_success(endpoint)
+                if self.metrics is not None:
+                    self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}")
                 await self._account(facts, model, ticket, None, walk, rejected_status=exc.status)
                 return self._upstream_error_response(exc, walk, headers)
             except asyncio.CancelledError:

@@ -58,9 +58,7 @@ def iter_entries(
 ) -> Iterator[dict[str, Any]]:
     """Ledger entries (dicts, see codec.py) with `since <= ts < until`."""
     stats = stats if stats is not None else ReadStats()
-    since_day = (
-        datetime.fromtimestamp(since_unix_s, UTC).strftime("%Y%m%d") if since_unix_s is not None else None
-    )
+    since_day = datetime.fromtimestamp(since_unix_s, UTC).strftime("%Y%m%d") if since_unix_s is not None else None
 
     def warning(message: str) -> None:
         stats.warnings.append(message)

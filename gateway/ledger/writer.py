@@ -2,7 +2,7 @@
 
 `append(record)` encodes the record (a few µs of orjson) and puts the line in a list under a lock;
 no I/O happens on the event loop. A writer thread wakes when the first record of a group arrives,
-sleeps until that record is 90 % of `commit_interval_ms` old, then writes the whole group with one
+sleeps until that record is 80 % of `commit_interval_ms` old, then writes the whole group with one
 `write` (a record is therefore in the file, and survives `kill -9` of the gateway, no later than one
 commit interval after its append). A separate sync thread fsyncs behind it, so a slow disk delays
 power-loss durability but never the group commits; `close()` writes, fsyncs and closes.
@@ -30,13 +30,16 @@ from gateway.record import RequestRecord
 
 log = logging.getLogger("tokenway.ledger")
 
-_COMMIT_AT = 0.9  # fraction of the interval a group's first record waits; the rest covers the write
+_COMMIT_AT = 0.8  # fraction of the interval a group's first record waits; the rest covers the write
 
 
 class BatchSink(Protocol):
-    """Receives every committed group of lines (e.g. the Redis stream exporter); must not block."""
+    """Receives every committed group of lines (e.g. the Redis stream exporter). `submit` must not
+    block; the writer closes the sink after its last commit and merges its stats into its own."""
 
     def submit(self, lines: Sequence[bytes]) -> None: ...
+    def stats(self) -> dict[str, float]: ...
+    def close_sync(self, timeout_s: float = 5.0) -> None: ...
 
 
 def file_name_re(prefix: str) -> re.Pattern[str]:
@@ -75,6 +78,7 @@ class LedgerWriter:
         self._day = ""
         self._size_bytes = 0
         self._carry = b""  # bytes of a group a failed write left unwritten (retried first)
+        self._carry_lines: list[bytes] = []  # that group's lines, counted and handed on once written
 
         self._fd_lock = threading.Lock()  # the sync thread's fd vs. rotation
         self._sync_wanted = threading.Event()
@@ -103,6 +107,10 @@ class LedgerWriter:
         """Queue one finished request. O(1), never blocks on I/O."""
         self.append_line(codec.encode(record))
 
+    def observe(self, record: RequestRecord) -> None:
+        """`append` under the name the pipeline's record sinks are called by."""
+        self.append(record)
+
     def append_line(self, line: bytes) -> None:
         """Queue one already encoded line (ending in a newline)."""
         with self._lock:
@@ -119,7 +127,7 @@ class LedgerWriter:
 
     def stats(self) -> dict[str, float]:
         """Counters for `tokenway_ledger_*` (see GatewayMetrics.set_ledger_stats)."""
-        return {
+        own: dict[str, float] = {
             "appended_total": self.appended_total,
             "written_total": self.written_total,
             "dropped_total": self.dropped_total,
@@ -131,6 +139,7 @@ class LedgerWriter:
             "pending_records": len(self._pending),
             "last_commit_seconds": self.last_commit_seconds,
         }
+        return {**own, **self._sink.stats()} if self._sink is not None else own
 
     @property
     def current_path(self) -> Path | None:
@@ -158,6 +167,8 @@ class LedgerWriter:
             self._syncer.join(timeout_s)
         if self._writer.is_alive():
             log.error("usage ledger writer did not finish within %.0f s", timeout_s)
+        if self._sink is not None:
+            self._sink.close_sync()
 
     async def close(self, timeout_s: float = 30.0) -> None:
         await asyncio.to_thread(self.close_sync, timeout_s)
@@ -196,42 +207,39 @@ class LedgerWriter:
 
     def _commit(self, batch: list[bytes]) -> None:
         started_s = time.monotonic()
+        lines = self._carry_lines + batch
         data = self._carry + b"".join(batch)
-        self._carry = b""
+        self._carry, self._carry_lines = b"", []
+        written = 0
         try:
             self._rotate_if_needed(len(data))
             assert self._fd is not None
             view = memoryview(data)
-            written = 0
-            try:
-                while written < len(data):
-                    written += os.write(self._fd, view[written:])
-            finally:
-                self._size_bytes += written
-                self.bytes_written_total += written
-                if written < len(data):
-                    self._carry = data[written:]
+            while written < len(data):
+                written += os.write(self._fd, view[written:])
         except OSError:
             self.write_errors_total += 1
-            if not self._carry:
-                self._carry = data
+            self._carry, self._carry_lines = data[written:], lines
             log.exception("usage ledger write to %s failed; %d bytes kept for retry", self._path, len(self._carry))
             return
-        self.written_total += len(batch)
+        finally:
+            self._size_bytes += written
+            self.bytes_written_total += written
+        self.written_total += len(lines)
         self.commits_total += 1
         self.last_commit_seconds = time.monotonic() - started_s
         self._sync_wanted.set()
-        if self._sink is not None and batch:
+        if self._sink is not None and lines:
             try:
-                self._sink.submit(batch)
+                self._sink.submit(lines)
             except Exception:
                 log.exception("usage ledger sink failed")
 
     def _rotate_if_needed(self, incoming_bytes: int) -> None:
         day = datetime.fromtimestamp(self._wall_clock_s(), UTC).strftime("%Y%m%d")
-        if self._fd is not None and day == self._day:
-            if self._size_bytes == 0 or self._size_bytes + incoming_bytes <= self.config.rotate_bytes:
-                return
+        fits = self._size_bytes == 0 or self._size_bytes + incoming_bytes <= self.config.rotate_bytes
+        if self._fd is not None and day == self._day and fits:
+            return
         self._close_file()
         self._open_file(day)
         if self.config.retain_days is not None:

@@ -46,11 +46,21 @@ class HistogramChild:
 
 
 class CounterFamily:
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+    """`otel_name`/`unit` name the family in the OTLP export (otlp_metrics.py)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], *, otel_name: str = "", unit: str = ""
+    ) -> None:
         self.name = name.removesuffix("_total")
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self.otel_name = otel_name or self.name
+        self.unit = unit
         self._children: dict[tuple[str, ...], CounterChild] = {}
+
+    def points(self) -> list[tuple[tuple[str, ...], float]]:
+        """(label values, value) of every child, for the OTLP export."""
+        return [(labelvalues, child.value) for labelvalues, child in list(self._children.items())]
 
     def child(self, *labelvalues: str) -> CounterChild:
         found = self._children.get(labelvalues)
@@ -68,13 +78,24 @@ class CounterFamily:
 
 
 class HistogramFamily:
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        *,
+        otel_name: str = "",
+        unit: str = "",
+    ) -> None:
         bounds = tuple(sorted(float(b) for b in buckets if not math.isinf(b)))
         if not bounds:
             raise ValueError(f"{name}: needs at least one finite bucket")
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self.otel_name = otel_name or name
+        self.unit = unit
         self.bounds = bounds
         self._le = [_format_le(b) for b in bounds] + ["+Inf"]
         self._children: dict[tuple[str, ...], HistogramChild] = {}
@@ -86,6 +107,10 @@ class HistogramFamily:
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {labelvalues}")
             found = self._children[labelvalues] = HistogramChild(self.bounds)
         return found
+
+    def points(self) -> list[tuple[tuple[str, ...], list[int], float]]:
+        """(label values, non-cumulative bucket counts with +Inf last, sum) of every child."""
+        return [(labelvalues, list(child.counts), child.sum) for labelvalues, child in list(self._children.items())]
 
     def collect(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -125,4 +150,4 @@ class FamiliesCollector:
 
 def _format_le(bound: float) -> str:
     # The same text prometheus_client writes for its own histograms.
-    return str(floatToGoString(bound))
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from time import monotonic
+from time import monotonic, time_ns
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -30,6 +30,7 @@ from gateway.telemetry.families import (
     CounterChild,
     CounterFamily,
     FamiliesCollector,
+    Family,
     HistogramChild,
     HistogramFamily,
 )
@@ -101,119 +102,147 @@ class GatewayMetrics:
             "(input, output, cached_input; input includes cached_input)",
             (*genai_labels, "gen_ai_token_type"),
             genai.TOKEN_USAGE_BUCKETS,
+            otel_name=genai.TOKEN_USAGE,
+            unit="{token}",
         )
         self.ttft = HistogramFamily(
             genai.PROM_TIME_TO_FIRST_TOKEN,
             "GenAI semconv gen_ai.server.time_to_first_token: arrival to first content byte sent",
             genai_labels,
             genai.TIME_TO_FIRST_TOKEN_BUCKETS_S,
+            otel_name=genai.TIME_TO_FIRST_TOKEN,
+            unit="s",
         )
         self.tpot = HistogramFamily(
             genai.PROM_TIME_PER_OUTPUT_TOKEN,
             "GenAI semconv gen_ai.server.time_per_output_token: mean time per output token after the first",
             genai_labels,
             genai.TIME_PER_OUTPUT_TOKEN_BUCKETS_S,
+            otel_name=genai.TIME_PER_OUTPUT_TOKEN,
+            unit="s",
         )
         self.duration = HistogramFamily(
             genai.PROM_REQUEST_DURATION,
             "GenAI semconv gen_ai.server.request.duration: arrival to last byte, requests that reached an engine",
             (*genai_labels, "error_type"),
             genai.REQUEST_DURATION_BUCKETS_S,
+            otel_name=genai.REQUEST_DURATION,
+            unit="s",
         )
         money_labels = ("tenant", "model", "pool", *(("key_id",) if self._key_id_labels else ()))
         self.requests = CounterFamily(
             "tokenway_requests_total",
             "finished requests by status (ok, error, rejected, aborted) and HTTP status",
             ("tenant", "model", "api", "status", "http_status"),
+            otel_name="tokenway.requests",
+            unit="{request}",
         )
         self.admission = CounterFamily(
             "tokenway_admission_total",
             "admission outcome per request: admitted, fell_back, rejected, shed; reason for the last three",
             ("tenant", "model", "outcome", "reason"),
+            otel_name="tokenway.admission",
+            unit="{request}",
         )
         self.fallbacks = CounterFamily(
             "tokenway_fallbacks_total",
             "requests served by a fallback model",
             ("from_model", "to_model", "reason"),
+            otel_name="tokenway.fallbacks",
+            unit="{request}",
         )
         self.tokens = CounterFamily(
             "tokenway_tokens_total",
             "tokens by token_type (input, cached_input, output); input includes cached_input",
             (*money_labels, "token_type"),
+            otel_name="tokenway.tokens",
+            unit="{token}",
         )
-        self.cost = CounterFamily("tokenway_cost_usd_total", "cost in USD from the policies' price table", money_labels)
+        self.cost = CounterFamily(
+            "tokenway_cost_usd_total",
+            "cost in USD from the policies' price table",
+            money_labels,
+            otel_name="tokenway.cost",
+            unit="USD",
+        )
         self.overhead = HistogramFamily(
             "tokenway_gateway_overhead_seconds",
             "time spent in the gateway itself (before the upstream call, or until the rejection)",
             ("outcome",),
             GATEWAY_OVERHEAD_BUCKETS_S,
+            otel_name="tokenway.gateway.overhead",
+            unit="s",
         )
         self.routes = CounterFamily(
-            "tokenway_routing_decisions_total", "routing decisions by pool and reason", ("pool", "reason")
+            "tokenway_routing_decisions_total",
+            "routing decisions by pool and reason",
+            ("pool", "reason"),
+            otel_name="tokenway.routing.decisions",
         )
         self.routed_prompt_tokens = CounterFamily(
-            "tokenway_routing_prompt_tokens_total", "prompt tokens of routed requests", ("pool",)
+            "tokenway_routing_prompt_tokens_total",
+            "prompt tokens of routed requests",
+            ("pool",),
+            otel_name="tokenway.routing.prompt_tokens",
+            unit="{token}",
         )
         self.estimated_hit_tokens = CounterFamily(
             "tokenway_prefix_cache_estimated_hit_tokens_total",
             "prompt tokens the router expected the chosen endpoint to hold in its prefix cache "
             "(divide by tokenway_routing_prompt_tokens_total for the estimated hit ratio)",
             ("pool",),
+            otel_name="tokenway.prefix_cache.estimated_hit_tokens",
+            unit="{token}",
         )
         self.upstream_errors = CounterFamily(
             "tokenway_upstream_errors_total",
             "upstream failures by kind (connect, timeout, http_5xx, http_4xx, stream_broken, ...)",
             ("pool", "endpoint", "kind"),
+            otel_name="tokenway.upstream.errors",
         )
-        self.retries = CounterFamily("tokenway_upstream_retries_total", "upstream attempts beyond the first", ("pool",))
+        self.retries = CounterFamily(
+            "tokenway_upstream_retries_total",
+            "upstream attempts beyond the first",
+            ("pool",),
+            otel_name="tokenway.upstream.retries",
+        )
         self.redis_latency = HistogramFamily(
             "tokenway_redis_command_duration_seconds",
             "latency of Redis round trips (limiter scripts, budgets, ledger stream)",
             ("op",),
             REDIS_LATENCY_BUCKETS_S,
+            otel_name="tokenway.redis.duration",
+            unit="s",
         )
-        self.redis_errors = CounterFamily("tokenway_redis_errors_total", "failed Redis round trips", ("op",))
+        self.redis_errors = CounterFamily(
+            "tokenway_redis_errors_total", "failed Redis round trips", ("op",), otel_name="tokenway.redis.errors"
+        )
         self.predictor_error = HistogramFamily(
             "tokenway_predictor_error_ratio",
             "|observed - predicted| / observed for requests that had a prediction",
             ("target",),
             PREDICTOR_ERROR_BUCKETS,
+            otel_name="tokenway.predictor.error_ratio",
+            unit="1",
         )
         self._predictor_ttft = self.predictor_error.child("ttft")
         self._predictor_tpot = self.predictor_error.child("tpot")
 
+        self.families: tuple[Family, ...] = (
+            self.token_usage, self.ttft, self.tpot, self.duration, self.requests, self.admission, self.fallbacks,
+            self.tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens, self.estimated_hit_tokens,
+            self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
+        )  # fmt: skip
+        self.created_unix_ns = time_ns()  # start of every cumulative series (OTLP start_time)
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(
-            FamiliesCollector(
-                [
-                    self.token_usage,
-                    self.ttft,
-                    self.tpot,
-                    self.duration,
-                    self.requests,
-                    self.admission,
-                    self.fallbacks,
-                    self.tokens,
-                    self.cost,
-                    self.overhead,
-                    self.routes,
-                    self.routed_prompt_tokens,
-                    self.estimated_hit_tokens,
-                    self.upstream_errors,
-                    self.retries,
-                    self.redis_latency,
-                    self.redis_errors,
-                    self.predictor_error,
-                ]
-            )
-        )
+        self.registry.register(FamiliesCollector(self.families))
         self.state = StateCollector(
             self.guards,
             key_id_labels=self._key_id_labels,
             version=version or _version(),
             now_s=now_s,
         )
-        self.registry.register(self.state)  # type: ignore[arg-type]
+        self.registry.register(self.state)
 
     # -- per request -------------------------------------------------------------------------
 

@@ -6,11 +6,11 @@ rooms' shapes can be adapted by the gateway without this module importing them.
 
 Dict shapes:
 
-- limiter snapshot: a list of rows
-  `{"scope": "tenant"|"key"|"model"|"global", "id": "acme", "dimension": "rpm"|"tpm"|"tpd"|
-  "concurrency"|"usd_day"|"usd_month", "limit": 600.0, "remaining": 412.0}`.
-  Rows of scope "key" are exported only when `labels.key_id` is on. `usd_*` rows are also
-  exported as `tokenway_budget_{limit,remaining}_usd{scope,id,period}`.
+- limiter snapshot: a list of rows, one per subject bucket and dimension (the policy's field names)
+  `{"scope": "key"|"tenant"|"model"|"key_model"|"global", "id": "acme", "dimension": "rpm"|"rpd"|
+  "tpm"|"tpd"|"max_concurrent"|"usd_per_day"|"usd_per_month", "limit": 600.0, "remaining": 412.0}`.
+  Rows of scope "key"/"key_model" are exported only when `labels.key_id` is on. `usd_per_*` rows
+  are also exported as `tokenway_budget_{limit,remaining}_usd{scope,id,period}` (period day|month).
 - predictor status: `{"pools": {"<pool>": {"samples": 1200, "ttft_mape": 0.12, ...}}, "<name>": 1.0}`;
   every numeric (or bool) field becomes a gauge `tokenway_predictor_<field>`, per pool when nested
   under "pools"; other fields are ignored.
@@ -102,16 +102,9 @@ class StateCollector:
         for label, guard in self._guards.items():
             overflow.add_metric([label], float(guard.overflowed))
         yield overflow
-        for name, source, build in (
-            ("endpoints", self._endpoints, self._endpoint_families),
-            ("limiter", self._limiter, self._limiter_families),
-            ("predictor", self._predictor, self._predictor_families),
-            ("ledger", self._ledger, self._ledger_families),
-        ):
-            if source is None:
-                continue
+        for name, build in self._builders():
             try:
-                families = build(source())  # type: ignore[operator]
+                families = build()
             except Exception:
                 log.exception("telemetry source %s failed during a scrape", name)
                 self._source_errors[name] = self._source_errors.get(name, 0) + 1
@@ -123,6 +116,18 @@ class StateCollector:
         for name, count in self._source_errors.items():
             errors.add_metric([name], float(count))
         yield errors
+
+    def _builders(self) -> list[tuple[str, Callable[[], list[Metric]]]]:
+        out: list[tuple[str, Callable[[], list[Metric]]]] = []
+        if (endpoints := self._endpoints) is not None:
+            out.append(("endpoints", lambda: self._endpoint_families(endpoints())))
+        if (limiter := self._limiter) is not None:
+            out.append(("limiter", lambda: self._limiter_families(limiter())))
+        if (predictor := self._predictor) is not None:
+            out.append(("predictor", lambda: self._predictor_families(predictor())))
+        if (ledger := self._ledger) is not None:
+            out.append(("ledger", lambda: self._ledger_families(ledger())))
+        return out
 
     def _endpoint_families(self, endpoints: Iterable[Endpoint]) -> list[Metric]:
         pool_g, endpoint_g = self._guards["pool"], self._guards["endpoint"]
@@ -192,7 +197,7 @@ class StateCollector:
         seen: set[tuple[str, str, str]] = set()
         for row in rows:
             scope = str(row.get("scope", ""))
-            if scope == "key" and not self._key_id_labels:
+            if scope in ("key", "key_model") and not self._key_id_labels:
                 continue
             ident, dimension = id_g(str(row.get("id", ""))), str(row.get("dimension", ""))
             if (scope, ident, dimension) in seen:
@@ -204,7 +209,7 @@ class StateCollector:
             if "remaining" in row:
                 remaining.add_metric(values, float(row["remaining"]))
             if dimension.startswith("usd_"):
-                period = [scope, ident, dimension.removeprefix("usd_")]
+                period = [scope, ident, dimension.removeprefix("usd_").removeprefix("per_")]
                 if "limit" in row:
                     budget_limit.add_metric(period, float(row["limit"]))
                 if "remaining" in row:

@@ -10,8 +10,9 @@ Without an OTLP endpoint no SDK object exists: `start_request` returns a shared 
 when the client sent a `traceparent`, a tiny pass-through that forwards it unchanged), so the cost
 is one header lookup per request.
 
-Export runs in the SDK's background threads (batch span processor, periodic metric reader); a slow
-or absent collector drops spans past `max_queue_spans` and never blocks the event loop.
+Export runs in background threads (the SDK's batch span processor; the OTLP metrics pusher, which
+reads the `GatewayMetrics` families so metrics cost nothing per request); a slow or absent collector
+drops spans past `max_queue_spans` and never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import re
 import socket
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.record import RequestRecord
 from gateway.telemetry import genai
 from gateway.telemetry.config import OtlpConfig
-from gateway.telemetry.labels import LabelGuard
+
+if TYPE_CHECKING:
+    from gateway.telemetry.metrics import GatewayMetrics
+    from gateway.telemetry.otlp_metrics import OtlpMetricsPusher
 
 log = logging.getLogger("tokenway.telemetry")
 
@@ -45,14 +50,18 @@ class SpanScope(Protocol):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None: ...
     def set(self, **attrs: AttrValue | None) -> None: ...
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None: ...
+    def event(
+        self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None
+    ) -> None: ...
 
 
 class RequestTrace(Protocol):
     """What the lifecycle holds for one request; every method is safe to call when tracing is off."""
 
     def span(self, name: str, **attrs: AttrValue | None) -> SpanScope: ...
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None: ...
+    def event(
+        self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None
+    ) -> None: ...
     def set(self, **attrs: AttrValue | None) -> None: ...
     def traceparent(self) -> str | None: ...
     def tracestate(self) -> str | None: ...
@@ -74,7 +83,7 @@ class _NoopScope:
     def set(self, **attrs: AttrValue | None) -> None:
         return None
 
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None) -> None:
         return None
 
 
@@ -87,7 +96,7 @@ class _NoopTrace:
     def span(self, name: str, **attrs: AttrValue | None) -> SpanScope:
         return _NOOP_SCOPE
 
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None) -> None:
         return None
 
     def set(self, **attrs: AttrValue | None) -> None:
@@ -104,7 +113,9 @@ class _NoopTrace:
 
 
 class _PassthroughTrace(_NoopTrace):
-    """Tracing off, but the client's trace context still reaches the engine unchanged."""
+    """Not recorded (tracing off, or not sampled), but a trace context still reaches the engine: the
+    client's unchanged, or for an unsampled new trace a fresh one with the sampled flag clear, so an
+    engine that traces makes the same head-sampling decision."""
 
     __slots__ = ("_traceparent", "_tracestate")
 
@@ -153,17 +164,21 @@ class _Scope:
         if self._span is not None:
             self._span.set_attributes(_clean(attrs))
 
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None) -> None:
         if self._span is not None:
-            self._span.add_event(name, dict(attrs) if attrs else None)
+            timestamp_ns = int(at_unix_s * 1e9) if at_unix_s is not None else None
+            self._span.add_event(name, dict(attrs) if attrs else None, timestamp=timestamp_ns)
 
 
 class _RecordingTrace:
-    __slots__ = ("_ended", "_open", "_root", "_tracing")
+    __slots__ = ("_ended", "_open", "_root", "_root_context", "_tracing")
 
     def __init__(self, tracing: Tracing, root: Any) -> None:
+        from opentelemetry.trace import set_span_in_context
+
         self._tracing = tracing
         self._root = root
+        self._root_context = set_span_in_context(root)
         self._open: list[Any] = []  # stage spans not yet ended, innermost last
         self._ended = False
 
@@ -173,11 +188,9 @@ class _RecordingTrace:
     def _start_child(self, name: str, attrs: dict[str, AttrValue | None]) -> Any:
         from opentelemetry.trace import SpanKind, set_span_in_context
 
-        parent = self._open[-1] if self._open else self._root
+        context = set_span_in_context(self._open[-1]) if self._open else self._root_context
         kind = SpanKind.CLIENT if name == "upstream" else SpanKind.INTERNAL
-        span = self._tracing._tracer.start_span(
-            name, context=set_span_in_context(parent), kind=kind, attributes=_clean(attrs)
-        )
+        span = self._tracing._tracer.start_span(name, context=context, kind=kind, attributes=_clean(attrs))
         self._open.append(span)
         return span
 
@@ -191,9 +204,11 @@ class _RecordingTrace:
     def _current(self) -> Any:
         return self._open[-1] if self._open else self._root
 
-    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None) -> None:
-        """An event on the innermost open stage span (e.g. "first_token" during "upstream")."""
-        self._current().add_event(name, dict(attrs) if attrs else None)
+    def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None, *, at_unix_s: float | None = None) -> None:
+        """An event on the innermost open stage span (e.g. "first_token" during "upstream"), stamped
+        now or at `at_unix_s` (wall clock) when it happened earlier."""
+        timestamp_ns = int(at_unix_s * 1e9) if at_unix_s is not None else None
+        self._current().add_event(name, dict(attrs) if attrs else None, timestamp=timestamp_ns)
 
     def set(self, **attrs: AttrValue | None) -> None:
         """Attributes on the request's root span."""
@@ -208,7 +223,7 @@ class _RecordingTrace:
         return state.to_header() if state else None
 
     def end(self, record: RequestRecord) -> None:
-        """Close the trace with the record's GenAI attributes and export its OTLP metrics. Idempotent."""
+        """Close the trace with the record's GenAI attributes. Idempotent."""
         if self._ended:
             return
         self._ended = True
@@ -223,20 +238,21 @@ class _RecordingTrace:
 
                 root.set_status(Status(StatusCode.ERROR, record.error_code or "error"))
         root.end()
-        self._tracing._record_metrics(record)
 
 
 class Tracing:
-    """Tracer and meter providers of one gateway, built from `telemetry.otlp`.
+    """Tracer provider and OTLP metrics pusher of one gateway, built from `telemetry.otlp`.
 
-    `span_exporter`/`metric_exporter` replace the OTLP/HTTP exporters (tests, other transports);
-    passing one enables tracing without an endpoint.
+    `metrics`: the gateway's `GatewayMetrics`, whose families are pushed over OTLP when
+    `otlp.metrics` is on. `span_exporter`/`metric_exporter` replace the OTLP/HTTP exporters (tests,
+    other transports); passing a span exporter enables tracing without an endpoint.
     """
 
     def __init__(
         self,
         config: OtlpConfig | None = None,
         *,
+        metrics: GatewayMetrics | None = None,
         span_exporter: Any = None,
         metric_exporter: Any = None,
         version: str = "dev",
@@ -244,23 +260,22 @@ class Tracing:
         self.config = config or OtlpConfig()
         self.enabled = self.config.endpoint is not None or span_exporter is not None
         self._tracer_provider: Any = None
-        self._meter_provider: Any = None
-        self._instruments: dict[str, Any] = {}
-        self._model_guard = LabelGuard(200)
-        self._tenant_guard = LabelGuard(200)
+        self._metrics_pusher: OtlpMetricsPusher | None = None
         if self.enabled:
-            self._build(span_exporter, metric_exporter, version)
+            self._build(span_exporter, version)
+            if self.config.metrics and metrics is not None and (metric_exporter or self.config.endpoint):
+                self._build_metrics(metrics, metric_exporter, version)
 
-    def _build(self, span_exporter: Any, metric_exporter: Any, version: str) -> None:
+    def _build(self, span_exporter: Any, version: str) -> None:
         # Imported here so a gateway without OTLP never loads the SDK.
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         cfg = self.config
-        resource = Resource.create(
+        self._resource = Resource.create(
             {
                 "service.name": cfg.service_name,
                 "service.version": version,
@@ -274,7 +289,9 @@ class Tracing:
                 endpoint=f"{cfg.endpoint}/v1/traces", headers=dict(cfg.headers), timeout=cfg.timeout_s
             )
         self._tracer_provider = TracerProvider(
-            resource=resource, sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio))
+            # start_request has made the head-sampling decision; the SDK only sees sampled requests
+            resource=self._resource,
+            sampler=ParentBased(ALWAYS_ON),
         )
         self._tracer_provider.add_span_processor(
             BatchSpanProcessor(
@@ -286,12 +303,9 @@ class Tracing:
         )
         self._tracer = self._tracer_provider.get_tracer("tokenway.gateway", version)
         self._propagator = TraceContextTextMapPropagator()
-        if cfg.metrics and (metric_exporter is not None or cfg.endpoint is not None):
-            self._build_metrics(resource, metric_exporter, version)
 
-    def _build_metrics(self, resource: Any, metric_exporter: Any, version: str) -> None:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    def _build_metrics(self, metrics: GatewayMetrics, metric_exporter: Any, version: str) -> None:
+        from gateway.telemetry.otlp_metrics import OtlpMetricsPusher
 
         cfg = self.config
         if metric_exporter is None:
@@ -300,30 +314,15 @@ class Tracing:
             metric_exporter = OTLPMetricExporter(
                 endpoint=f"{cfg.endpoint}/v1/metrics", headers=dict(cfg.headers), timeout=cfg.timeout_s
             )
-        reader = PeriodicExportingMetricReader(metric_exporter, export_interval_millis=cfg.metrics_interval_s * 1000.0)
-        self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
-        meter = self._meter_provider.get_meter("tokenway.gateway", version)
-        self._instruments = {
-            "tokens": meter.create_histogram(
-                genai.TOKEN_USAGE, unit="{token}", description="tokens per request by gen_ai.token.type",
-                explicit_bucket_boundaries_advisory=list(genai.TOKEN_USAGE_BUCKETS),
-            ),
-            "ttft": meter.create_histogram(
-                genai.TIME_TO_FIRST_TOKEN, unit="s", description="arrival to first content byte",
-                explicit_bucket_boundaries_advisory=list(genai.TIME_TO_FIRST_TOKEN_BUCKETS_S),
-            ),
-            "tpot": meter.create_histogram(
-                genai.TIME_PER_OUTPUT_TOKEN, unit="s", description="mean time per output token after the first",
-                explicit_bucket_boundaries_advisory=list(genai.TIME_PER_OUTPUT_TOKEN_BUCKETS_S),
-            ),
-            "duration": meter.create_histogram(
-                genai.REQUEST_DURATION, unit="s", description="arrival to last byte",
-                explicit_bucket_boundaries_advisory=list(genai.REQUEST_DURATION_BUCKETS_S),
-            ),
-            "cost": meter.create_counter(
-                "tokenway.cost", unit="USD", description="cost from the policies' price table"
-            ),
-        }  # fmt: skip
+        self._metrics_pusher = OtlpMetricsPusher(
+            metrics.families,
+            metric_exporter,
+            resource=self._resource,
+            start_unix_ns=metrics.created_unix_ns,
+            interval_s=cfg.metrics_interval_s,
+            timeout_s=cfg.timeout_s,
+            scope_version=version,
+        )
 
     # -- per request -------------------------------------------------------------------------
 
@@ -335,63 +334,34 @@ class Tracing:
         *,
         name: str = "tokenway.request",
     ) -> RequestTrace:
-        """The trace of one arriving request; `headers` may be aiohttp's case-insensitive headers."""
-        if not self.enabled:
-            traceparent = headers.get("traceparent")
-            if traceparent is None or not _TRACEPARENT_RE.fullmatch(traceparent):
-                return NOOP_TRACE
-            return _PassthroughTrace(traceparent, headers.get("tracestate"))
+        """The trace of one arriving request; `headers` may be aiohttp's case-insensitive headers.
+
+        Head sampling happens here, before any SDK object exists: a client's traceparent decides by
+        its sampled flag, a new trace by `sample_ratio`; unsampled requests cost a header lookup.
+        """
+        traceparent = headers.get("traceparent")
+        if traceparent is not None and not _valid_traceparent(traceparent):
+            traceparent = None  # W3C: an invalid header is ignored and a new trace starts
+        if traceparent is not None:
+            if not self.enabled or not int(traceparent[53:55], 16) & 1:
+                return _PassthroughTrace(traceparent, headers.get("tracestate"))
+        elif not self.enabled:
+            return NOOP_TRACE
+        elif self.config.sample_ratio < 1.0 and random.random() >= self.config.sample_ratio:
+            fresh = f"00-{random.getrandbits(128) or 1:032x}-{random.getrandbits(64) or 1:016x}-00"
+            return _PassthroughTrace(fresh, None)
         from opentelemetry.trace import SpanKind
 
-        parent = self._propagator.extract(headers) if "traceparent" in headers else None
+        parent = self._propagator.extract(headers) if traceparent is not None else None
         attrs = _clean(attributes) if attributes else {}
         attrs["tokenway.request_id"] = request_id
         root = self._tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attrs)
         return _RecordingTrace(self, root)
 
-    def _record_metrics(self, record: RequestRecord) -> None:
-        inst = self._instruments
-        if not inst:
-            return
-        if record.cost_usd:
-            inst["cost"].add(record.cost_usd, self._money_attrs(record))
-        if not record.endpoint:
-            return  # rejected before an engine: no GenAI latency or token usage to report
-        model_g = self._model_guard
-        attrs: dict[str, AttrValue] = {
-            genai.OPERATION_NAME: genai.operation_name(record.api),
-            genai.PROVIDER_NAME: record.engine or "unknown",
-            genai.REQUEST_MODEL: model_g(record.requested_model),
-            genai.RESPONSE_MODEL: model_g(record.model),
-            "tokenway.pool": record.pool,
-        }
-        inst["duration"].record(
-            record.duration_s,
-            attrs if record.status == "ok" else {**attrs, genai.ERROR_TYPE: record.error_code or record.status},
-        )
-        if record.usage_source != "none":
-            for token_type, count in (
-                (genai.TOKEN_INPUT, record.prompt_tokens),
-                (genai.TOKEN_OUTPUT, record.completion_tokens),
-                (genai.TOKEN_CACHED_INPUT, record.cached_tokens),
-            ):
-                inst["tokens"].record(count, {**attrs, genai.TOKEN_TYPE: token_type})
-        if record.ttft_s is not None:
-            inst["ttft"].record(record.ttft_s, attrs)
-        if record.tpot_s is not None:
-            inst["tpot"].record(record.tpot_s, attrs)
-
-    def _money_attrs(self, record: RequestRecord) -> dict[str, AttrValue]:
-        return {
-            "tokenway.tenant": self._tenant_guard(record.tenant),
-            genai.RESPONSE_MODEL: self._model_guard(record.model),
-            "tokenway.pool": record.pool,
-        }
-
     # -- lifetime -----------------------------------------------------------------------------
 
     def shutdown_sync(self, timeout_s: float = 10.0) -> None:
-        """Flush queued spans and a final metrics export, then stop the exporters (blocking)."""
+        """Flush queued spans and push the metrics a last time, then stop the exporters (blocking)."""
         if self._tracer_provider is not None:
             try:
                 self._tracer_provider.force_flush(int(timeout_s * 1000))
@@ -399,20 +369,25 @@ class Tracing:
             except Exception:
                 log.exception("trace export shutdown failed")
             self._tracer_provider = None
-        if self._meter_provider is not None:
-            try:
-                self._meter_provider.shutdown(timeout_millis=timeout_s * 1000)
-            except Exception:
-                log.exception("metric export shutdown failed")
-            self._meter_provider = None
-        self._instruments = {}
+        if self._metrics_pusher is not None:
+            self._metrics_pusher.shutdown(timeout_s)
+            self._metrics_pusher = None
         self.enabled = False
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """`shutdown_sync` in a worker thread: the exporters' HTTP calls must not block the loop."""
-        if self._tracer_provider is None and self._meter_provider is None:
+        if self._tracer_provider is None and self._metrics_pusher is None:
             return
         await asyncio.to_thread(self.shutdown_sync, timeout_s)
+
+
+def _valid_traceparent(value: str) -> bool:
+    return (
+        _TRACEPARENT_RE.fullmatch(value) is not None
+        and not value.startswith("ff")
+        and value[3:35] != "0" * 32
+        and value[36:52] != "0" * 16
+    )
 
 
 def _clean(attrs: Mapping[str, AttrValue | None]) -> dict[str, AttrValue]:

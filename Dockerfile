@@ -1,0 +1,23 @@
+# tokenway: the gateway and its simulated engine in one image.
+#   docker build -t tokenway .
+#   docker run -p 8080:8080 tokenway serve --config /etc/tokenway/gateway.yaml
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+COPY . /src
+# `plot` adds matplotlib for `tokenway usage report --plot`
+RUN pip install ".[plot]" \
+    && useradd --system --uid 10001 --home-dir /var/lib/tokenway tokenway \
+    && mkdir -p /var/lib/tokenway/usage /etc/tokenway \
+    && chown -R tokenway /var/lib/tokenway
+
+USER tokenway
+WORKDIR /var/lib/tokenway
+EXPOSE 8080
+ENTRYPOINT ["tokenway"]
+CMD ["serve", "--config", "/etc/tokenway/gateway.yaml"]

@@ -1,0 +1,130 @@
+"""`tokenway usage report`: read the ledger and print usage per group (table, csv or json).
+
+The gateway CLI adds it with `add_usage_parser(subparsers)`; the parser's `func` default is
+`run_usage`, which returns the exit status. `python -m gateway.ledger.cli usage report ...` runs it
+standalone. The ledger directory comes from `--dir`, else from `ledger.dir` of `--config`'s
+gateway.yaml (relative to that file, `${ENV}` resolved, as the gateway reads it), else `var/usage`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gateway.ledger.config import LedgerConfig
+from gateway.ledger.reader import ReadStats, iter_entries
+from gateway.ledger.report import FORMATS, ReportError, build_report, render
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration_s(text: str) -> float:
+    """'90s', '30m', '24h', '7d', '2w' -> seconds."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (e.g. 30m, 24h, 7d)")
+    return float(m[1]) * _UNIT_S[m[2]]
+
+
+def parse_time_s(text: str, now_s: float) -> float:
+    """A duration back from now ('24h') or an ISO-8601 time/date (UTC when no offset) -> unix s."""
+    try:
+        return now_s - parse_duration_s(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not a duration or ISO time: {text!r} (e.g. 24h, 7d, 2025-01-31T00:00)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `usage` (with `report`) to a CLI's subparsers; returns the `usage` parser."""
+    usage: argparse.ArgumentParser = subparsers.add_parser("usage", help="usage ledger: reports of tokens and cost")
+    usage_sub = usage.add_subparsers(dest="usage_command", required=True)
+    report = usage_sub.add_parser(
+        "report",
+        help="requests, tokens, cost, CPM and TTFT per group",
+        description="Read the usage ledger and print requests, tokens, cost, cost per million tokens "
+        "(CPM) and p50/p90 time to first token per group.",
+    )
+    report.add_argument("--since", default="24h", help="window start: a duration back (30m, 24h, 7d) or ISO time")
+    report.add_argument("--until", default=None, help="window end (default: now), same forms as --since")
+    report.add_argument("--by", default="tenant,model", help="comma-separated group fields (tenant,key,model,...)")
+    report.add_argument("--format", choices=FORMATS, default="table")
+    report.add_argument("--plot", metavar="PNG", default=None, help="also draw spend over time per group")
+    report.add_argument("--dir", default=None, help="ledger directory (default: ledger.dir of --config)")
+    report.add_argument("--config", default=None, help="gateway.yaml to read ledger.dir from")
+    report.set_defaults(func=run_usage)
+    return usage
+
+
+def run_usage(args: argparse.Namespace) -> int:
+    """Handler of `usage report`; prints to stdout, warnings to stderr; returns the exit status."""
+    now_s = time.time()
+    try:
+        since_s = parse_time_s(args.since, now_s) if args.since else None
+        until_s = parse_time_s(args.until, now_s) if args.until else None
+        directory = _ledger_dir(args)
+    except (ValueError, OSError) as exc:
+        print(f"tokenway usage report: {exc}", file=sys.stderr)
+        return 2
+    if not directory.is_dir():
+        print(f"tokenway usage report: no ledger directory {directory}", file=sys.stderr)
+        return 1
+    by = [f for f in args.by.split(",") if f.strip()]
+    stats = ReadStats()
+
+    def warn(message: str) -> None:
+        print(f"warning: {message}", file=sys.stderr)
+
+    try:
+        entries = list(iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, stats=stats, warn=warn))
+        report = build_report(entries, by)
+        sys.stdout.write(render(report, args.format))
+        if args.plot:
+            from gateway.ledger.plot import plot_spend
+
+            out = plot_spend(entries, by, args.plot)
+            print(f"wrote {out}", file=sys.stderr)
+    except (ReportError, RuntimeError) as exc:
+        print(f"tokenway usage report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _ledger_dir(args: argparse.Namespace) -> Path:
+    if args.dir:
+        return Path(args.dir)
+    if args.config:
+        from gateway.settings import ConfigError, load_settings, validate_section
+
+        try:
+            settings = load_settings(args.config)
+            ledger = validate_section(settings, "ledger", LedgerConfig)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        return settings.resolve_path(ledger.dir)  # relative to gateway.yaml, as the gateway reads it
+    return Path(LedgerConfig().dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenway")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_usage_parser(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

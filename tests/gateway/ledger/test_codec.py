@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.ledger import codec
+from tests.gateway.ledger.records import make_record
+
+V1_FIELDS = {
+    "v", "ts", "started", "request_id", "api", "tenant", "key_id", "requested_model", "model", "served_model",
+    "fallback_from", "fallback_reason", "pool", "endpoint", "prefill_endpoint", "engine", "stream", "status",
+    "http_status", "error_code", "reject_reason", "input_tokens", "cached_input_tokens", "output_tokens",
+    "usage_source", "cost_usd", "ttft_s", "tpot_s", "duration_s", "gateway_overhead_s", "upstream_attempts",
+}  # fmt: skip
+
+
+def test_one_line_with_the_stable_v1_fields() -> None:
+    record = make_record(3)
+    line = codec.encode(record)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    entry = codec.decode(line)
+    assert set(entry) == V1_FIELDS  # stable names: changing them breaks every stored file
+    assert entry["v"] == codec.SCHEMA_VERSION == 1
+    assert entry["request_id"] == record.request_id
+    assert entry["input_tokens"] == record.prompt_tokens
+    assert entry["cached_input_tokens"] == record.cached_tokens
+    assert entry["output_tokens"] == record.completion_tokens
+    assert entry["ts"] == pytest.approx(record.started_at_unix_s + record.duration_s)
+
+
+def test_extra_is_kept_and_unknown_types_become_strings() -> None:
+    record = make_record(1)
+    record.extra = {"engine": {"queue_s": 0.01}, "odd": object()}
+    entry = codec.decode(codec.encode(record))
+    assert entry["extra"]["engine"] == {"queue_s": 0.01}
+    assert isinstance(entry["extra"]["odd"], str)
+
+
+@pytest.mark.parametrize("line", [b"[1,2]\n", b'"text"\n', b"{not json}\n"], ids=["list", "string", "garbage"])
+def test_decode_rejects_what_is_not_an_object(line: bytes) -> None:
+    with pytest.raises((ValueError, orjson.JSONDecodeError)):
+        codec.decode(line)

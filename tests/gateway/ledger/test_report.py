@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from gateway.ledger import codec
+from gateway.ledger.report import METRIC_COLUMNS, ReportError, build_report, percentile, render, resolve_fields
+from tests.gateway.ledger.records import make_record
+
+ENTRIES = [codec.decode(codec.encode(make_record(i))) for i in range(400)]
+
+
+def test_totals_equal_the_sum_of_the_records() -> None:
+    report = build_report(ENTRIES, ["tenant", "model"])
+    total = report.total.metrics()
+    assert total["requests"] == len(ENTRIES)
+    assert total["input_tokens"] == sum(e["input_tokens"] for e in ENTRIES)
+    assert total["cached_input_tokens"] == sum(e["cached_input_tokens"] for e in ENTRIES)
+    assert total["output_tokens"] == sum(e["output_tokens"] for e in ENTRIES)
+    assert total["cost_usd"] == pytest.approx(sum(e["cost_usd"] for e in ENTRIES))
+    assert total["errors"] == sum(1 for e in ENTRIES if e["status"] != "ok")
+    rows = report.rows()
+    assert sum(r["requests"] for r in rows) == total["requests"]
+    assert sum(r["cost_usd"] for r in rows) == pytest.approx(total["cost_usd"])
+
+
+def test_groups_cpm_and_ttft_percentiles() -> None:
+    report = build_report(ENTRIES, ["tenant"])
+    by_tenant: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in ENTRIES:
+        by_tenant[e["tenant"]].append(e)
+    rows = {r["tenant"]: r for r in report.rows()}
+    assert set(rows) == set(by_tenant)
+    for tenant, entries in by_tenant.items():
+        row = rows[tenant]
+        tokens = sum(e["input_tokens"] + e["output_tokens"] for e in entries)
+        assert row["cpm_usd"] == pytest.approx(sum(e["cost_usd"] for e in entries) / tokens * 1e6)
+        ttfts = sorted(e["ttft_s"] for e in entries if e["ttft_s"] is not None)
+        assert row["ttft_p50_ms"] == pytest.approx(percentile(ttfts, 0.5) * 1000)  # type: ignore[operator]
+        assert row["ttft_p90_ms"] == pytest.approx(percentile(ttfts, 0.9) * 1000)  # type: ignore[operator]
+    costs = [r["cost_usd"] for r in report.rows()]
+    assert costs == sorted(costs, reverse=True), "most expensive first"
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        pytest.param([], 0.5, None, id="empty"),
+        pytest.param([3.0], 0.9, 3.0, id="one"),
+        pytest.param([1.0, 2.0, 3.0, 4.0], 0.5, 2.5, id="even-median"),
+        pytest.param([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 0.9, 9.1, id="p90-linear"),
+    ],
+)
+def test_percentile_interpolates_linearly(values: list[float], q: float, expected: float | None) -> None:
+    result = percentile(values, q)
+    assert result == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_aliases_time_buckets_and_unknown_fields() -> None:
+    assert resolve_fields(["key", "backend", "day"]) == ["key_id", "pool", "day"]
+    with pytest.raises(ReportError, match="cannot group by 'prompt'"):
+        resolve_fields(["prompt"])
+    report = build_report(ENTRIES, ["day"])
+    assert [r["day"] for r in report.rows()] == ["2025-06-15"]
+
+
+def test_formats() -> None:
+    report = build_report(ENTRIES, ["tenant", "model"])
+    doc = json.loads(render(report, "json"))
+    assert doc["by"] == ["tenant", "model"] and len(doc["groups"]) == 6
+    assert doc["total"]["requests"] == 400
+
+    rows = list(csv.reader(io.StringIO(render(report, "csv"))))
+    assert rows[0] == ["tenant", "model", *METRIC_COLUMNS]
+    assert rows[-1][0] == "TOTAL" and int(rows[-1][2]) == 400
+    assert sum(int(r[2]) for r in rows[1:-1]) == 400
+
+    table = render(report, "table").splitlines()
+    assert table[0].split()[:4] == ["tenant", "model", "requests", "errors"]
+    assert table[-1].startswith("TOTAL") and "400" in table[-1]
+    assert len({len(line) for line in table[:2]}) == 1, "header and rule line up"
+
+
+def test_empty_report_renders() -> None:
+    report = build_report([], ["tenant"])
+    assert "TOTAL" in render(report, "table")
+    assert json.loads(render(report, "json"))["total"]["cpm_usd"] is None

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER, LabelGuard
+
+
+@pytest.mark.parametrize(
+    ("allowed", "values", "expected"),
+    [
+        pytest.param(None, ["a", "b", "a"], ["a", "b", "a"], id="first-come-under-cap"),
+        pytest.param(None, ["a", "b", "c", "d", "a"], ["a", "b", "c", OTHER, "a"], id="past-cap-folds"),
+        pytest.param(["x", "y"], ["x", "zzz", "y", ""], ["x", OTHER, "y", ""], id="allow-list"),
+    ],
+)
+def test_guard_folds_values_beyond_the_cap_or_the_allow_list(
+    allowed: list[str] | None, values: list[str], expected: list[str]
+) -> None:
+    guard = LabelGuard(3, allowed)
+    assert [guard(v) for v in values] == expected
+
+
+def test_guard_cuts_long_values_and_counts_overflow() -> None:
+    guard = LabelGuard(1)
+    assert guard("m" * 1000) == "m" * MAX_VALUE_CHARS
+    assert guard("another") == OTHER
+    assert guard.overflowed == 1
+
+
+def test_guard_memo_stays_bounded_under_junk() -> None:
+    guard = LabelGuard(2)
+    for i in range(10_000):
+        guard(f"junk-{i}")
+    assert len(guard._seen) <= 8
+
+
+def test_allow_replaces_the_list_and_forgets_seen_values() -> None:
+    guard = LabelGuard(10, ["a"])
+    assert guard("b") == OTHER
+    guard.allow(["a", "b"])
+    assert guard("b") == "b"
