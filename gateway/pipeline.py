@@ -54,7 +54,9 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from gateway.validate import validate_body
 from policies.estimate import PromptEstimator
+from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.policy import Policy
+from policies.pricing import price_usd
 from policies.routing.types import RouteDecision, Router
 from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
 
@@ -66,27 +68,11 @@ _API_PATHS: dict[str, str] = {
     "embeddings": "/v1/embeddings",
 }
 
-# Hooks filled by other rooms' implementations; the defaults keep the walk complete without them.
-FallbackChooser = Callable[[Policy, str, str, Principal], "str | None"]
-ContextCheck = Callable[[Policy, str, int, "int | None"], "Rejection | None"]
 BodyShaper = Callable[[Endpoint, dict[str, Any], ApiKind], dict[str, Any]]
-Pricer = Callable[[Policy, str, Usage], float]
-
-
-def _no_fallback(policy: Policy, model: str, trigger: str, principal: Principal) -> str | None:
-    return None
-
-
-def _no_context_check(policy: Policy, model: str, prompt_tokens: int, max_tokens: int | None) -> Rejection | None:
-    return None
 
 
 def _identity_shape(endpoint: Endpoint, body: dict[str, Any], api: ApiKind) -> dict[str, Any]:
     return body
-
-
-def _free(policy: Policy, model: str, usage: Usage) -> float:
-    return 0.0
 
 
 class _Exhausted(Exception):
@@ -133,10 +119,7 @@ class Pipeline:
     start_trace: Callable[[str, Any], RequestTrace] | None = None
     report_success: Callable[[Endpoint], None] = lambda endpoint: None
     report_failure: Callable[[Endpoint, float], None] = lambda endpoint, now: None
-    choose_fallback: FallbackChooser = _no_fallback
-    check_context: ContextCheck = _no_context_check
     shape_body: BodyShaper = _identity_shape
-    price: Pricer = _free
     on_route: Callable[[RouteDecision], None] = lambda decision: None
     engine_tokens: EngineTokenizer | None = None  # precise prefix index over real engines
     metrics: GatewayMetrics | None = None  # per-decision series (routes, upstream errors, retries)
@@ -310,7 +293,7 @@ class Pipeline:
         model = facts.model
         visited = {model}
         while True:
-            rejection = self.check_context(policy, model, facts.prompt_tokens, facts.max_tokens)
+            rejection = check_context(policy, model, facts.prompt_tokens, facts.max_tokens)
             ticket: Any = None
             if rejection is None:
                 with walk.trace.span("admission", model=model):
@@ -339,8 +322,11 @@ class Pipeline:
     ) -> str | None:
         if not facts.allow_fallback or not trigger:
             return None
-        following = self.choose_fallback(policy, model, trigger, facts.principal)
-        if following is None or following in visited or not self.fleet.pools_for_model(following):
+        following = choose_fallback(
+            policy, model, trigger, facts.principal, tried=visited,
+            min_context_tokens=context_tokens(facts.prompt_tokens, facts.max_tokens),
+        )
+        if following is None or not self.fleet.pools_for_model(following):
             return None
         visited.add(following)
         return following
@@ -600,7 +586,7 @@ class Pipeline:
             record.prompt_tokens = usage.prompt_tokens
             record.completion_tokens = usage.completion_tokens
             record.cached_tokens = usage.cached_tokens
-            record.cost_usd = self.price(self.policies.current, model, usage)
+            record.cost_usd = price_usd(self.policies.current, model, usage)
         if outcome.first_token_at_s is not None and facts.stream:
             record.ttft_s = outcome.first_token_at_s - walk.arrived_s
             if outcome.last_token_at_s is not None and record.completion_tokens > 1:

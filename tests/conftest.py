@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.otlp import receiver  # noqa: F401 (a fixture, registered here for every test)
 from tests.support.procs import Gateway, SimEngines, free_port, start_gateway, start_sim
 
 

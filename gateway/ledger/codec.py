@@ -8,7 +8,8 @@ v1 fields: v, ts (finish, unix s), started (arrival, unix s), request_id, api, t
 requested_model, model, served_model, fallback_from, fallback_reason, pool, endpoint,
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
-duration_s, gateway_overhead_s, upstream_attempts, and `extra` when the record carries any.
+duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed, and
+`extra` when the record carries any.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         "duration_s": r.duration_s,
         "gateway_overhead_s": r.gateway_overhead_s,
         "upstream_attempts": r.upstream_attempts,
+        "route_reason": r.route_reason,
+        "pd_reason": r.pd_reason,
+        "kv_transfer_failed": r.kv_transfer_failed,
     }
     if r.extra:
         entry["extra"] = r.extra

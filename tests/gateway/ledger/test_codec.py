@@ -11,6 +11,7 @@ V1_FIELDS = {
     "fallback_from", "fallback_reason", "pool", "endpoint", "prefill_endpoint", "engine", "stream", "status",
     "http_status", "error_code", "reject_reason", "input_tokens", "cached_input_tokens", "output_tokens",
     "usage_source", "cost_usd", "ttft_s", "tpot_s", "duration_s", "gateway_overhead_s", "upstream_attempts",
+    "route_reason", "pd_reason", "kv_transfer_failed",
 }  # fmt: skip
 
 

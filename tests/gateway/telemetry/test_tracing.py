@@ -7,89 +7,19 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp import web
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 
 from gateway.record import RequestRecord
 from gateway.telemetry.config import OtlpConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, STAGES, Tracing
+from tests.support.otlp import Receiver
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = f"00-{CLIENT_TRACE_ID}-00f067aa0ba902b7-01"
 FIRST_TOKEN_AT_S = 1_750_000_000.25
-
-
-@dataclass
-class Receiver:
-    url: str
-    traces: list[ExportTraceServiceRequest] = field(default_factory=list)
-    metrics: list[ExportMetricsServiceRequest] = field(default_factory=list)
-
-    def spans(self) -> list[Any]:
-        return [
-            span
-            for request in self.traces
-            for resource_spans in request.resource_spans
-            for scope_spans in resource_spans.scope_spans
-            for span in scope_spans.spans
-        ]
-
-    def metrics_by_name(self) -> dict[str, Any]:
-        """The last export of each metric (cumulative, so the last one holds the totals)."""
-        return {
-            metric.name: metric
-            for request in self.metrics
-            for resource_metrics in request.resource_metrics
-            for scope_metrics in resource_metrics.scope_metrics
-            for metric in scope_metrics.metrics
-        }
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    found = Receiver(url="")
-
-    async def traces(request: web.Request) -> web.Response:
-        assert request.content_type == "application/x-protobuf"
-        message = ExportTraceServiceRequest()
-        message.ParseFromString(await request.read())
-        found.traces.append(message)
-        return web.Response(
-            body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
-        )
-
-    async def metrics(request: web.Request) -> web.Response:
-        message = ExportMetricsServiceRequest()
-        message.ParseFromString(await request.read())
-        found.metrics.append(message)
-        return web.Response(
-            body=ExportMetricsServiceResponse().SerializeToString(), content_type="application/x-protobuf"
-        )
-
-    app = web.Application()
-    app.router.add_post("/v1/traces", traces)
-    app.router.add_post("/v1/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    found.url = f"http://127.0.0.1:{port}"
-    yield found
-    await runner.cleanup()
 
 
 def finished_record(request_id: str) -> RequestRecord:

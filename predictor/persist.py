@@ -1,0 +1,146 @@
+"""Saving pool models to a directory and loading the newest usable one at start.
+
+Layout, one folder per pool and version (pool names are validated to be path-safe):
+
+    <model_dir>/<pool>/v000007/meta.json          format, feature layout, prior, per-target metadata
+    <model_dir>/<pool>/v000007/ttft_mean.json     XGBoost JSON models, one per (target, quantity)
+    ...
+
+A version is written to a temporary folder and renamed into place, so a reader (or a crash) never
+sees half a model. The newest `keep_versions` are kept. A saved model is only loaded when it was
+trained on the same feature layout and the same prior (preset and formula version): its trees
+predict a correction to that prior and would be wrong over any other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from predictor.accuracy import AccuracyScore
+from predictor.model import PoolModel, TargetModel
+from predictor.types import FEATURE_NAMES, FEATURES_VERSION, Quantity, Target
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_META = "meta.json"
+
+
+class ModelStore:
+    def __init__(self, directory: Path, keep_versions: int = 3) -> None:
+        self.directory = directory
+        self.keep_versions = keep_versions
+
+    def _pool_dir(self, pool: str) -> Path:
+        return self.directory / pool
+
+    def versions(self, pool: str) -> list[int]:
+        """Saved versions of a pool, newest first."""
+        folder = self._pool_dir(pool)
+        if not folder.is_dir():
+            return []
+        found = [
+            int(entry.name[1:])
+            for entry in folder.iterdir()
+            if entry.name.startswith("v") and entry.name[1:].isdigit() and (entry / _META).is_file()
+        ]
+        return sorted(found, reverse=True)
+
+    def save(self, pool: str, model: PoolModel, prior_id: str) -> Path:
+        """Write one version atomically; blocking file I/O, so call it off the event loop."""
+        folder = self._pool_dir(pool)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / f"v{model.version:06d}"
+        tmp = folder / f".v{model.version:06d}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        targets: dict[str, Any] = {}
+        for target, tm in model.targets.items():
+            for quantity, blob in ((Quantity.MEAN, tm.mean_json), (Quantity.P90, tm.p90_json)):
+                (tmp / f"{target}_{quantity}.json").write_bytes(blob)
+            targets[target.value] = {
+                "p90_offset": tm.p90_offset,
+                "trained_at_s": tm.trained_at_s,
+                "train_samples": tm.train_samples,
+                "heldout": _score_out(tm.heldout),
+                "prior_heldout": _score_out(tm.prior_heldout),
+            }
+        meta = {
+            "format": FORMAT_VERSION,
+            "features_version": FEATURES_VERSION,
+            "feature_names": list(FEATURE_NAMES),
+            "prior": prior_id,
+            "pool": pool,
+            "version": model.version,
+            "targets": targets,
+        }
+        (tmp / _META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in self.versions(pool)[self.keep_versions :]:
+            shutil.rmtree(folder / f"v{old:06d}", ignore_errors=True)
+        return final
+
+    def load(self, pool: str, prior_id: str) -> PoolModel | None:
+        """The newest saved version usable with this prior, or None."""
+        for version in self.versions(pool):
+            folder = self._pool_dir(pool) / f"v{version:06d}"
+            try:
+                model = _load_version(folder, prior_id)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("predictor: skipping saved model %s: %s", folder, exc)
+                continue
+            if model is not None:
+                return model
+        return None
+
+    def latest_version(self, pool: str) -> int:
+        versions = self.versions(pool)
+        return versions[0] if versions else 0
+
+
+def _load_version(folder: Path, prior_id: str) -> PoolModel | None:
+    meta = json.loads((folder / _META).read_text(encoding="utf-8"))
+    if meta.get("format") != FORMAT_VERSION:
+        log.info("predictor: %s has format %s, want %s", folder, meta.get("format"), FORMAT_VERSION)
+        return None
+    if meta.get("features_version") != FEATURES_VERSION or meta.get("feature_names") != list(FEATURE_NAMES):
+        log.info("predictor: %s was trained on another feature layout", folder)
+        return None
+    if meta.get("prior") != prior_id:
+        log.info("predictor: %s was trained over prior %s, now %s", folder, meta.get("prior"), prior_id)
+        return None
+    targets: dict[Target, TargetModel] = {}
+    for name, info in meta["targets"].items():
+        target = Target(name)
+        targets[target] = TargetModel(
+            target=target,
+            mean_json=(folder / f"{target}_{Quantity.MEAN}.json").read_bytes(),
+            p90_json=(folder / f"{target}_{Quantity.P90}.json").read_bytes(),
+            p90_offset=float(info["p90_offset"]),
+            trained_at_s=float(info["trained_at_s"]),
+            train_samples=int(info["train_samples"]),
+            heldout=_score_in(info.get("heldout")),
+            prior_heldout=_score_in(info.get("prior_heldout")),
+        )
+    if not targets:
+        return None
+    return PoolModel.assemble(int(meta["version"]), targets)
+
+
+def _score_out(score: AccuracyScore | None) -> dict[str, Any] | None:
+    if score is None:
+        return None
+    return {"samples": score.samples, "mape_pct": score.mape_pct, "p90_coverage": score.p90_coverage}
+
+
+def _score_in(raw: dict[str, Any] | None) -> AccuracyScore | None:
+    if raw is None:
+        return None
+    return AccuracyScore(int(raw["samples"]), float(raw["mape_pct"]), float(raw["p90_coverage"]))

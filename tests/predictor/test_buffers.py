@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import numpy as np
+
+from predictor.buffers import StratifiedBuffer
+from predictor.config import BufferSettings
+from predictor.types import NUM_FEATURES, Feature, Target
+
+
+def _row(waiting: float = 0.0, kv: float = 0.0, cached_ratio: float = 0.0, marker: float = 0.0) -> np.ndarray:
+    row = np.zeros(NUM_FEATURES, dtype=np.float32)
+    row[Feature.WAITING] = waiting
+    row[Feature.KV_USAGE_RATIO] = kv
+    row[Feature.CACHED_RATIO] = cached_ratio
+    row[Feature.INPUT_TOKENS] = marker
+    return row
+
+
+def test_bounded_however_many_samples_arrive() -> None:
+    buffer = StratifiedBuffer(BufferSettings(capacity=64, heldout_capacity=16))
+    rng = np.random.default_rng(0)
+    for i in range(5000):
+        buffer.add(_row(float(rng.integers(0, 20)), rng.random(), rng.random()), 10.0, 1.0, key=f"r{i}")
+    assert buffer.train_count == 64 and sum(buffer.strata_counts()) == 64
+    assert buffer.heldout_count == 16
+    train, heldout = buffer.snapshot()
+    assert len(train) == 64 and len(heldout) == 16
+
+
+def test_homogeneous_traffic_uses_the_whole_capacity() -> None:
+    """Unlike a fixed ring per stratum, one busy regime is not capped at a stratum's share."""
+    buffer = StratifiedBuffer(BufferSettings(capacity=1000, heldout_fraction=0.0))
+    for i in range(3000):
+        buffer.add(_row(marker=i), 1.0, 1.0)
+    train, _ = buffer.snapshot()
+    assert len(train) == 1000
+    assert sorted(train.rows[:, Feature.INPUT_TOKENS]) == list(range(2000, 3000))  # the newest
+
+
+def test_rare_overload_regime_survives_a_flood_of_calm_traffic() -> None:
+    buffer = StratifiedBuffer(BufferSettings(capacity=100, heldout_fraction=0.0))
+    for i in range(3):
+        buffer.add(_row(waiting=15, kv=0.97, marker=1000 + i), 5000.0, 80.0)
+    for i in range(10_000):
+        buffer.add(_row(waiting=0, kv=0.1, marker=i), 50.0, 10.0)
+    train, _ = buffer.snapshot()
+    overloaded = train.rows[train.rows[:, Feature.WAITING] == 15]
+    assert sorted(overloaded[:, Feature.INPUT_TOKENS]) == [1000, 1001, 1002]
+    calm = train.rows[train.rows[:, Feature.WAITING] == 0]
+    assert sorted(calm[:, Feature.INPUT_TOKENS]) == list(range(10_000 - 97, 10_000))
+
+
+def test_full_buffer_evicts_from_the_largest_stratum() -> None:
+    buffer = StratifiedBuffer(BufferSettings(capacity=10, heldout_fraction=0.0))
+    for i in range(6):
+        buffer.add(_row(waiting=0, marker=i), 1.0, 1.0)
+    for i in range(4):
+        buffer.add(_row(waiting=20, marker=100 + i), 1.0, 1.0)
+    for i in range(4):  # a third regime arrives: the largest strata give way, oldest first
+        buffer.add(_row(waiting=4, marker=200 + i), 1.0, 1.0)
+    assert sorted(c for c in buffer.strata_counts() if c) == [3, 3, 4]
+    train, _ = buffer.snapshot()
+    markers = set(train.rows[:, Feature.INPUT_TOKENS].tolist())
+    assert {3, 4, 5, 101, 102, 103} <= markers and not {0, 1, 2, 100} & markers
+
+
+def test_strata_boundaries() -> None:
+    buffer = StratifiedBuffer(BufferSettings(waiting_edges=(1, 3, 6, 11), kv_buckets=10, prefix_buckets=4))
+    assert buffer.num_strata == 5 * 10 * 4
+    assert buffer.stratum(_row(waiting=0)) != buffer.stratum(_row(waiting=1))
+    assert buffer.stratum(_row(waiting=1)) == buffer.stratum(_row(waiting=2))
+    assert buffer.stratum(_row(waiting=11)) == buffer.stratum(_row(waiting=500))
+    assert buffer.stratum(_row(kv=1.0)) == buffer.stratum(_row(kv=0.95))  # 100 % in the top bucket
+    assert buffer.stratum(_row(cached_ratio=1.0)) == buffer.stratum(_row(cached_ratio=0.8))
+    assert (
+        len(
+            {
+                buffer.stratum(_row(w, (k + 0.5) / 10, (c + 0.5) / 4))
+                for w in (0, 1, 3, 6, 11)
+                for k in range(10)
+                for c in range(4)
+            }
+        )
+        == buffer.num_strata
+    )
+
+
+def test_heldout_slice_is_a_stable_hash_of_the_key() -> None:
+    buffer = StratifiedBuffer(BufferSettings(heldout_fraction=0.1))
+    held = [buffer.add(_row(), 1.0, 1.0, key=f"request-{i}") for i in range(5000)]
+    assert 0.08 < sum(held) / len(held) < 0.12
+    again = StratifiedBuffer(BufferSettings(heldout_fraction=0.1))
+    assert [again.is_heldout(f"request-{i}") for i in range(200)] == held[:200]
+    keyless = [buffer.add(_row(), 1.0, 1.0) for _ in range(5000)]
+    assert 0.08 < sum(keyless) / len(keyless) < 0.12
+
+
+def test_missing_targets_are_nan_and_counted_per_target() -> None:
+    buffer = StratifiedBuffer(BufferSettings(heldout_fraction=0.0))
+    buffer.add(_row(), 100.0, None)
+    buffer.add(_row(), 120.0, 12.0)
+    assert buffer.target_count(Target.TTFT) == 2 and buffer.target_count(Target.TPOT) == 1
+    train, _ = buffer.snapshot()
+    assert np.isnan(train.tpot_ms).sum() == 1
+
+
+def test_snapshot_is_a_copy() -> None:
+    buffer = StratifiedBuffer(BufferSettings(capacity=16, heldout_fraction=0.0))
+    buffer.add(_row(marker=1), 1.0, 1.0)
+    train, _ = buffer.snapshot()
+    for i in range(40):
+        buffer.add(_row(marker=10 + i), 2.0, 2.0)
+    assert train.rows[0, Feature.INPUT_TOKENS] == 1 and train.ttft_ms[0] == 1.0

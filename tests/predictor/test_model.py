@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from predictor.accuracy import mape_pct, p90_coverage
+from predictor.buffers import Samples
+from predictor.config import XGBoostSettings
+from predictor.model import SLOT_OF, PoolModel, predict_ms, train_target
+from predictor.types import Feature, Quantity, Target
+from tests.predictor.synthetic import TPOT_NOISE_SIGMA, TTFT_NOISE_SIGMA, samples
+
+XGB = XGBoostSettings()
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[Samples, Samples, Samples]:
+    rng = np.random.default_rng(7)
+    return samples(3000, rng), samples(400, rng), samples(1000, rng)
+
+
+def test_too_few_samples_means_no_model(data: tuple[Samples, Samples, Samples]) -> None:
+    train, heldout, _ = data
+    assert train_target(train, heldout, Target.TTFT, XGB, min_samples=5000, conformal_p90=True) is None
+
+
+def test_models_learn_what_the_prior_misses(data: tuple[Samples, Samples, Samples]) -> None:
+    train, heldout, test = data
+    for target, actual, sigma in (
+        (Target.TTFT, test.ttft_ms, TTFT_NOISE_SIGMA),
+        (Target.TPOT, test.tpot_ms, TPOT_NOISE_SIGMA),
+    ):
+        model = train_target(train, heldout, target, XGB, min_samples=100, conformal_p90=True)
+        assert model is not None and model.train_samples == 3000
+        mean_ms, p90_ms = predict_ms(model, test.rows)
+        prior_ms = test.rows[:, Feature.PRIOR_TTFT_MS if target is Target.TTFT else Feature.PRIOR_TPOT_MS]
+        model_mape, prior_mape = mape_pct(mean_ms, actual), mape_pct(prior_ms, actual)
+        noise_floor = 100 * sigma * np.sqrt(2 / np.pi)  # E|exp(e)-1| ~ E|e| for log-normal noise
+        assert model_mape < prior_mape / 2
+        assert model_mape < 1.5 * noise_floor
+        assert 0.8 <= p90_coverage(p90_ms, actual) <= 0.97
+        assert (p90_ms >= mean_ms).all()
+        assert model.heldout is not None and model.heldout.samples == 400
+        assert model.prior_heldout is not None and model.prior_heldout.mape_pct > model.heldout.mape_pct
+
+
+def test_log_ratio_target_extrapolates_with_the_prior(data: tuple[Samples, Samples, Samples]) -> None:
+    """Prompts 10x longer than any trained on: the prior scales, the correction stays bounded."""
+    train, heldout, test = data
+    model = train_target(train, heldout, Target.TTFT, XGB, min_samples=100, conformal_p90=False)
+    assert model is not None
+    longer = test.rows.copy()
+    longer[:, Feature.PRIOR_TTFT_MS] *= 10
+    mean_short, _ = predict_ms(model, test.rows)
+    mean_long, _ = predict_ms(model, longer)
+    ratio = mean_long / mean_short
+    assert np.median(ratio) == pytest.approx(10, rel=0.25)
+
+
+def test_conformal_offset_calibrates_the_p90(data: tuple[Samples, Samples, Samples]) -> None:
+    train, heldout, test = data
+    raw = train_target(train, heldout, Target.TTFT, XGB, min_samples=100, conformal_p90=False)
+    calibrated = train_target(train, heldout, Target.TTFT, XGB, min_samples=100, conformal_p90=True)
+    assert raw is not None and calibrated is not None
+    assert raw.p90_offset == 0.0 and calibrated.p90_offset != 0.0
+    coverage = p90_coverage(predict_ms(calibrated, test.rows)[1], test.ttft_ms)
+    assert abs(coverage - 0.9) <= abs(p90_coverage(predict_ms(raw, test.rows)[1], test.ttft_ms) - 0.9) + 0.02
+
+
+def test_pool_model_evaluates_all_targets_in_one_forest(data: tuple[Samples, Samples, Samples]) -> None:
+    train, heldout, test = data
+    models = {t: train_target(train, heldout, t, XGB, 100, True) for t in Target}
+    pool_model = PoolModel.assemble(3, {t: m for t, m in models.items() if m is not None})
+    assert pool_model.version == 3 and pool_model.forest.num_outputs == 4
+    latency = pool_model.latency_ms(test.rows[:8])
+    for target, model in models.items():
+        assert model is not None
+        mean_ms, p90_ms = predict_ms(model, test.rows[:8])
+        slots = list(pool_model.slots)
+        np.testing.assert_allclose(latency[:, slots.index(SLOT_OF[target, Quantity.MEAN])], mean_ms, rtol=1e-5)
+        np.testing.assert_allclose(latency[:, slots.index(SLOT_OF[target, Quantity.P90])], p90_ms, rtol=1e-5)
+    tpot_model = models[Target.TPOT]
+    assert tpot_model is not None
+    only_tpot = PoolModel.assemble(1, {Target.TPOT: tpot_model})
+    assert list(only_tpot.slots) == [SLOT_OF[Target.TPOT, Quantity.MEAN], SLOT_OF[Target.TPOT, Quantity.P90]]
+
+
+def test_rows_without_a_target_are_skipped() -> None:
+    rng = np.random.default_rng(3)
+    data = samples(400, rng)
+    tpot = data.tpot_ms.copy()
+    tpot[::2] = np.nan  # single-token completions have no TPOT
+    partial = Samples(data.rows, data.ttft_ms, tpot)
+    model = train_target(partial, partial, Target.TPOT, XGB, min_samples=150, conformal_p90=False)
+    assert model is not None and model.train_samples == 200

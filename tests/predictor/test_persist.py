@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from predictor.config import XGBoostSettings
+from predictor.model import PoolModel, TargetModel, train_target
+from predictor.persist import ModelStore
+from predictor.types import FloatArray, Target
+from tests.predictor.synthetic import POOL, samples
+
+PRIOR_ID = "llama-3.1-8b@h100|v1|seqs=256|tokens=8192"
+
+
+Factory = tuple[dict[Target, TargetModel], FloatArray]
+
+
+@pytest.fixture(scope="module")
+def model_factory() -> Factory:
+    rng = np.random.default_rng(5)
+    train, heldout = samples(800, rng), samples(200, rng)
+    targets: dict[Target, TargetModel] = {}
+    for target in Target:
+        model = train_target(train, heldout, target, XGBoostSettings(n_trees=20), 100, True)
+        assert model is not None
+        targets[target] = model
+    return targets, heldout.rows[:16]
+
+
+def _model(factory: Factory, version: int) -> PoolModel:
+    return PoolModel.assemble(version, factory[0])
+
+
+def test_round_trip_predicts_identically(tmp_path: Path, model_factory: Factory) -> None:
+    store = ModelStore(tmp_path)
+    model = _model(model_factory, 4)
+    folder = store.save(POOL, model, PRIOR_ID)
+    assert folder == tmp_path / POOL / "v000004"
+    assert json.loads((folder / "meta.json").read_text())["prior"] == PRIOR_ID
+    loaded = store.load(POOL, PRIOR_ID)
+    assert loaded is not None and loaded.version == 4
+    rows = model_factory[1]
+    np.testing.assert_array_equal(loaded.latency_ms(rows), model.latency_ms(rows))
+    for target in Target:
+        assert loaded.targets[target].trained_at_s == model.targets[target].trained_at_s
+        assert loaded.targets[target].heldout == model.targets[target].heldout
+
+
+def test_keeps_the_newest_versions(tmp_path: Path, model_factory: Factory) -> None:
+    store = ModelStore(tmp_path, keep_versions=2)
+    for version in range(1, 5):
+        store.save(POOL, _model(model_factory, version), PRIOR_ID)
+    assert store.versions(POOL) == [4, 3]
+    assert store.latest_version(POOL) == 4
+    assert not [p for p in (tmp_path / POOL).iterdir() if p.name.startswith(".")]
+
+
+def test_a_model_of_another_prior_or_layout_is_not_loaded(tmp_path: Path, model_factory: Factory) -> None:
+    store = ModelStore(tmp_path)
+    folder = store.save(POOL, _model(model_factory, 1), PRIOR_ID)
+    assert store.load(POOL, "llama-3.1-70b@h100|v1|seqs=256|tokens=8192") is None
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["feature_names"] = meta["feature_names"][:-1]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert store.load(POOL, PRIOR_ID) is None
+    assert store.load("never-trained", PRIOR_ID) is None
+
+
+def test_a_damaged_newest_version_falls_back_to_an_older_one(tmp_path: Path, model_factory: Factory) -> None:
+    store = ModelStore(tmp_path)
+    store.save(POOL, _model(model_factory, 1), PRIOR_ID)
+    newest = store.save(POOL, _model(model_factory, 2), PRIOR_ID)
+    (newest / "ttft_mean.json").write_text("{not json")
+    loaded = store.load(POOL, PRIOR_ID)
+    assert loaded is not None and loaded.version == 1

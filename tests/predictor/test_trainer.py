@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from predictor.buffers import Samples
+from predictor.config import XGBoostSettings
+from predictor.model import TargetModel
+from predictor.trainer import Decision, TrainingWorker, TrainJob, run_train_job
+from predictor.types import Target
+from tests.predictor.synthetic import POOL, samples
+
+
+def _job(
+    train: Samples, heldout: Samples, incumbent: dict[Target, TargetModel] | None = None, min_samples: int = 100
+) -> TrainJob:
+    return TrainJob(
+        pool=POOL,
+        version=1,
+        train=train,
+        heldout=heldout,
+        incumbent=incumbent or {},
+        xgboost=XGBoostSettings(n_trees=30),
+        min_samples=min_samples,
+        conformal_p90=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, Samples]:
+    rng = np.random.default_rng(11)
+    return {
+        "train": samples(1500, rng),
+        "heldout": samples(300, rng),
+        # the same traffic in a world 3x slower than the prior thinks it is
+        "slow_train": samples(1500, rng, scale=3.0),
+    }
+
+
+def test_first_training_replaces_the_prior(world: dict[str, Samples]) -> None:
+    outcome = run_train_job(_job(world["train"], world["heldout"]))
+    assert outcome.decisions == {Target.TTFT: Decision.TRAINED, Target.TPOT: Decision.TRAINED}
+    assert outcome.model is not None and outcome.model.version == 1
+    assert set(outcome.model.targets) == set(Target)
+
+
+def test_too_few_samples_changes_nothing(world: dict[str, Samples]) -> None:
+    outcome = run_train_job(_job(world["train"], world["heldout"], min_samples=10_000))
+    assert outcome.model is None
+    assert set(outcome.decisions.values()) == {Decision.TOO_FEW_SAMPLES}
+
+
+def test_a_challenger_worse_than_the_prior_is_not_served(world: dict[str, Samples]) -> None:
+    # trained on a 3x-slow world, judged on today's traffic: the prior is closer
+    outcome = run_train_job(_job(world["slow_train"], world["heldout"]))
+    assert outcome.decisions[Target.TTFT] is Decision.KEPT_PRIOR
+    assert outcome.model is None
+
+
+def test_a_challenger_worse_than_the_incumbent_is_not_served(world: dict[str, Samples]) -> None:
+    good = run_train_job(_job(world["train"], world["heldout"])).model
+    assert good is not None
+    outcome = run_train_job(_job(world["slow_train"], world["heldout"], incumbent=dict(good.targets)))
+    assert outcome.decisions == {Target.TTFT: Decision.KEPT_INCUMBENT, Target.TPOT: Decision.KEPT_INCUMBENT}
+    assert outcome.model is None
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+async def test_worker_runs_jobs_off_the_loop(kind: str, world: dict[str, Samples]) -> None:
+    worker = TrainingWorker(kind)  # type: ignore[arg-type]
+    await worker.start()
+    try:
+        outcome = await worker.run(_job(world["train"], world["heldout"]))
+    finally:
+        await worker.stop()
+    assert outcome.model is not None and worker.jobs_run == 1
+    rows = world["heldout"].rows[:4]
+    local = run_train_job(_job(world["train"], world["heldout"])).model
+    assert local is not None
+    # the same job gives the same model in a thread or a spawned process (seeded XGBoost)
+    np.testing.assert_allclose(outcome.model.latency_ms(rows), local.latency_ms(rows), rtol=1e-6)
