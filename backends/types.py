@@ -65,6 +65,7 @@ class InFlight:
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    last_token_s: float = 0.0  # monotonic time a token from this endpoint was last relayed (0 = never)
 
     def begin(self, prefill_tokens: int) -> LoadTicket:
         self.requests += 1

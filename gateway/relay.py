@@ -280,6 +280,7 @@ def _relay_events(
             if outcome.first_token_at_s is not None:
                 outcome.counted_completion_tokens += 1
                 outcome.last_token_at_s = time.perf_counter()
+                ticket.inflight.last_token_s = time.monotonic()
         if swap is not None:
             event = event.replace(swap[0], swap[1], 1)
         out.append(event)

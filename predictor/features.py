@@ -27,11 +27,10 @@ def _last_token_s(inflight: InFlight) -> float:
 
     Why: a running engine emits a token for every request at the end of every step, so the time
     since the last one says whether the engine is mid-step (and how far in) or idle, at a resolution
-    no metrics scrape has; on the simulated fleet it halves TTFT error. Read with getattr until
-    `backends.types.InFlight` carries `last_token_s` (requested from the gateway's relay); endpoints
-    without it read "unknown" (-1).
+    no metrics scrape has; on the simulated fleet it halves TTFT error. The gateway's relay sets it on
+    every streamed batch of output; endpoints that never streamed read "unknown" (-1).
     """
-    return float(getattr(inflight, "last_token_s", 0.0))
+    return inflight.last_token_s
 
 
 def build_features(
