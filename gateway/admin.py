@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from aiohttp import web
 
@@ -26,8 +28,36 @@ async def status(request: web.Request) -> web.Response:
     return _json({"policy": {"source": policy.source}})
 
 
+async def predictor(request: web.Request) -> web.Response:
+    """Per pool and target (ttft, tpot): samples, online MAPE, p90 coverage, model age and source."""
+    found = request.app[appkeys.PREDICTOR]
+    if found is None:
+        return _json({"enabled": False})
+    return _json({"enabled": True, **found.status()})
+
+
+def predictor_gauges(status: dict[str, Any]) -> dict[str, Any]:
+    """The predictor's status flattened into the gauges' shape: {"pools": {pool: {field: number}}}."""
+    pools: dict[str, dict[str, float]] = {}
+    for pool, state in status.get("pools", {}).items():
+        fields: dict[str, float] = {"model_version": state.get("model_version", 0)}
+        for target, info in (state.get("targets") or {}).items():
+            online = info.get("online") or {}
+            fields[f"{target}_samples"] = info.get("samples") or 0
+            fields[f"{target}_model"] = 1.0 if info.get("source") == "model" else 0.0
+            if info.get("model_age_s") is not None:
+                fields[f"{target}_model_age_seconds"] = info["model_age_s"]
+            if online.get("mape_pct") is not None:
+                fields[f"{target}_mape_percent"] = online["mape_pct"]
+            if online.get("p90_coverage") is not None:
+                fields[f"{target}_p90_coverage_ratio"] = online["p90_coverage"]
+        pools[pool] = fields
+    return {"pools": pools}
+
+
 def admin_routes() -> list[tuple[str, str, Handler]]:
     return [
         ("GET", "/admin/backends", backends),
         ("GET", "/admin/status", status),
+        ("GET", "/admin/predictor", predictor),
     ]

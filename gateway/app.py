@@ -22,7 +22,7 @@ from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__, appkeys
-from gateway.admin import admin_routes
+from gateway.admin import admin_routes, predictor_gauges
 from gateway.components import OpenAdmission
 from gateway.engine_tokens import EngineTokenizer
 from gateway.ledger import open_ledger
@@ -37,6 +37,8 @@ from policies.policy import Policy
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import build_router
 from policies.schema import PoliciesConfig
+from predictor.config import PredictorSettings
+from predictor.service import LatencyPredictor
 
 log = logging.getLogger("tokenway.app")
 
@@ -50,6 +52,7 @@ def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> we
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx(policy))
     app.cleanup_ctx.append(_fleet_ctx)
+    app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
     setup_routes(app, admin_routes())
@@ -115,6 +118,21 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     await supervisor.stop()
 
 
+async def _predictor_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Latency predictor: loads saved models, trains in its worker, saves on the way out."""
+    settings = validate_section(app[appkeys.SETTINGS], "predictor", PredictorSettings)
+    predictor: LatencyPredictor | None = None
+    if settings.enabled:
+        pools = {name: pool.config for name, pool in app[appkeys.FLEET].pools.items()}
+        predictor = LatencyPredictor(settings, pools)
+        await predictor.start()
+        app[appkeys.METRICS].set_predictor_gauges(lambda: predictor_gauges(predictor.status()))
+    app[appkeys.PREDICTOR] = predictor
+    yield
+    if predictor is not None:
+        await predictor.stop()
+
+
 async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
     """The router of every pool and, in precise mode, the KV-event subscriptions that feed it."""
     config = app[appkeys.ROUTING_CONFIG]
@@ -177,6 +195,7 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         sinks=[metrics] if ledger is None else [metrics, ledger],
         start_trace=app[appkeys.TRACING].start_request,
         metrics=metrics,
+        predictor=app[appkeys.PREDICTOR],
         engine_tokens=EngineTokenizer(app[appkeys.SESSION])
         if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise"
         else None,

@@ -28,4 +28,5 @@ ROUTER = web.AppKey("router", ScoringRouter)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 TRACING = web.AppKey("tracing", Tracing)
 LEDGER = web.AppKey("ledger", Any)  # LedgerWriter | None (ledger disabled)
+PREDICTOR = web.AppKey("predictor", Any)  # LatencyPredictor | None (predictor disabled)
 POLICIES = web.AppKey("policies", Any)  # the hot-reload holder: `.current` is the live Policy

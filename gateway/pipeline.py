@@ -57,8 +57,11 @@ from policies.estimate import PromptEstimator
 from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.policy import Policy
 from policies.pricing import price_usd
+from policies.routing.predictions import PREDICTIONS_ATTR
 from policies.routing.types import RouteDecision, Router
 from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
+from predictor.service import LatencyPredictor
+from predictor.types import Prediction, RequestShape
 
 log = logging.getLogger("tokenway.pipeline")
 
@@ -104,6 +107,7 @@ class Walk:
     trace: RequestTrace
     arrived_s: float
     headers: list[tuple[str, str]] = field(default_factory=list)
+    prediction: Prediction | None = None  # for the endpoint that served, made before it ran
 
 
 @dataclass(slots=True)
@@ -123,6 +127,7 @@ class Pipeline:
     on_route: Callable[[RouteDecision], None] = lambda decision: None
     engine_tokens: EngineTokenizer | None = None  # precise prefix index over real engines
     metrics: GatewayMetrics | None = None  # per-decision series (routes, upstream errors, retries)
+    predictor: LatencyPredictor | None = None  # latency predictions, online training, output lengths
     _timeouts: aiohttp.ClientTimeout = field(init=False)
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
@@ -264,6 +269,10 @@ class Pipeline:
         n = int(body.get("n") or 1)
         model_config = self.policies.current.model_config(model)
         default_output = model_config.default_max_tokens if model_config else 1024
+        if max_tokens is None and self.predictor is not None and api != "embeddings":
+            estimate = self.predictor.output_tokens_estimate(principal.tenant, model)
+            if estimate is not None:  # what this tenant's requests to this model really use (p90)
+                default_output = min(default_output, max(1, estimate.p90_tokens))
         output_reservation = 0 if api == "embeddings" else (max_tokens or default_output) * n
         session_key = request.headers.get("x-session-id") or body.get("user")
         opt_out = request.headers.get("x-tokenway-no-fallback", "").lower() in ("1", "true", "yes")
@@ -356,6 +365,19 @@ class Pipeline:
                 return pool, decision
         return None
 
+    def _predict(self, facts: RequestFacts, pool: Pool, decision: RouteDecision, model: str) -> Prediction | None:
+        """The serving endpoint's prediction: the latency scorer's if it made one, else one made now."""
+        assert self.predictor is not None
+        made = facts.attrs.get(PREDICTIONS_ATTR)
+        if isinstance(made, dict) and decision.endpoint.id in made:
+            prediction: Prediction = made[decision.endpoint.id]
+        else:
+            shape = RequestShape(facts.prompt_tokens, facts.max_tokens, facts.principal.tenant, model)
+            prediction = self.predictor.predict(
+                pool.name, shape, [decision.endpoint], [decision.cached_tokens_estimate]
+            )[0]
+        return prediction
+
     def _upstream_body(self, facts: RequestFacts, endpoint: Endpoint) -> dict[str, Any]:
         """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
         body = dict(facts.body)
@@ -443,6 +465,8 @@ class Pipeline:
             record.upstream_attempts += 1
             router = self.routers[pool.name]
             router.on_dispatch(facts, decision)
+            if self.predictor is not None and facts.api != "embeddings":
+                walk.prediction = self._predict(facts, pool, decision, model)
             body = self._upstream_body(facts, endpoint)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
@@ -573,6 +597,16 @@ class Pipeline:
                 ticket, outcome.usage, model=model, charged_output_tokens=outcome.counted_completion_tokens
             )
 
+    def _learn(self, facts: RequestFacts, model: str, record: RequestRecord, prediction: Prediction | None) -> None:
+        """Feed the predictor: latency samples (streamed requests show TTFT/TPOT) and output lengths."""
+        assert self.predictor is not None
+        if record.usage_source == "engine" and facts.api != "embeddings":
+            self.predictor.observe_output(facts.principal.tenant, model, record.completion_tokens)
+        if prediction is None or record.ttft_s is None:
+            return
+        tpot_ms = record.tpot_s * 1000 if record.tpot_s is not None else None
+        self.predictor.observe(record.pool, prediction.features, record.ttft_s * 1000, tpot_ms, predicted=prediction)
+
     def _fill_record(self, facts: RequestFacts, model: str, outcome: RelayOutcome, walk: Walk) -> None:
         record = walk.record
         record.stream = facts.stream
@@ -593,6 +627,11 @@ class Pipeline:
                 record.tpot_s = (outcome.last_token_at_s - outcome.first_token_at_s) / (record.completion_tokens - 1)
         if outcome.engine_metrics:
             record.extra["engine"] = outcome.engine_metrics
+        if walk.prediction is not None:
+            record.predicted_ttft_ms = walk.prediction.ttft_ms
+            record.predicted_tpot_ms = walk.prediction.tpot_ms
+        if self.predictor is not None and not outcome.aborted and not outcome.broken:
+            self._learn(facts, model, record, walk.prediction)
         if outcome.aborted:
             record.status = "aborted"
             record.http_status = 499
