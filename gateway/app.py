@@ -70,7 +70,7 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.METRICS] = metrics
     app[appkeys.TRACING] = tracing
     app[appkeys.LEDGER] = ledger
-    app[METRICS_RENDER] = metrics.render
+    app[METRICS_RENDER] = metrics.render if telemetry.metrics.enabled else (lambda: b"")
     if ledger is not None:
         metrics.set_ledger_stats(ledger.stats)
     yield
@@ -179,6 +179,7 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         health.report_failure(endpoint, now_s, ejection)
 
     metrics = app[appkeys.METRICS]
+    metrics_on = validate_section(settings, "telemetry", TelemetryConfig).metrics.enabled
     ledger = app[appkeys.LEDGER]
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
@@ -192,9 +193,9 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         report_success=health.report_success,
         report_failure=report_failure,
         shape_body=shape_body,
-        sinks=[metrics] if ledger is None else [metrics, ledger],
+        sinks=[sink for sink in (metrics if metrics_on else None, ledger) if sink is not None],
         start_trace=app[appkeys.TRACING].start_request,
-        metrics=metrics,
+        metrics=metrics if metrics_on else None,
         predictor=app[appkeys.PREDICTOR],
         engine_tokens=EngineTokenizer(app[appkeys.SESSION])
         if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise"

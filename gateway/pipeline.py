@@ -465,8 +465,8 @@ class Pipeline:
             record.upstream_attempts += 1
             router = self.routers[pool.name]
             router.on_dispatch(facts, decision)
-            if self.predictor is not None and facts.api != "embeddings":
-                walk.prediction = self._predict(facts, pool, decision, model)
+            if self.predictor is not None and (facts.stream or PREDICTIONS_ATTR in facts.attrs):
+                walk.prediction = self._predict(facts, pool, decision, model)  # streams show TTFT: learnable
             body = self._upstream_body(facts, endpoint)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:

@@ -149,9 +149,31 @@ def tokenway_config(workdir: Path, upstream_port: int, port: int, extra: dict[st
     return path
 
 
-def tokenway_variants() -> dict[str, dict[str, Any]]:
+def tokenway_variants(otlp_url: str) -> dict[str, dict[str, Any]]:
     """Tokenway configurations compared in one run (name -> extra gateway.yaml sections)."""
-    return {"tokenway (auth)": {}}
+    off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
+    return {
+        "tokenway (auth, telemetry off)": off,
+        "tokenway (+ metrics)": {**off, "telemetry": {"metrics": {"enabled": True}}},
+        "tokenway (+ metrics, ledger)": {**off, "telemetry": {"metrics": {"enabled": True}}, "ledger": {}},
+        "tokenway (+ metrics, ledger, predictor)": {"telemetry": {"metrics": {"enabled": True}}},
+        "tokenway (+ metrics, ledger, predictor, tracing 100%)": {
+            "telemetry": {"metrics": {"enabled": True}, "otlp": {"endpoint": otlp_url, "sample_ratio": 1.0}},
+        },
+    }
+
+
+def start_otlp_sink(port: int) -> subprocess.Popen[bytes]:
+    """A local OTLP/HTTP receiver that accepts and discards (the collector's cost is not ours)."""
+    code = (
+        "import sys\nfrom aiohttp import web\n"
+        "async def ok(request):\n    await request.read()\n"
+        "    return web.Response(content_type='application/x-protobuf')\n"
+        "app = web.Application(client_max_size=64 * 1024 * 1024)\n"
+        "app.router.add_post('/v1/traces', ok)\napp.router.add_post('/v1/metrics', ok)\n"
+        "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None, access_log=None)\n"
+    )
+    return subprocess.Popen(["taskset", "-c", LOAD_CORE, sys.executable, "-c", code, str(port)])
 
 
 def main() -> int:
@@ -189,7 +211,9 @@ def main() -> int:
             server {{ listen 127.0.0.1:{p}; location / {{ proxy_pass http://up; proxy_http_version 1.1;
             proxy_set_header Connection ""; }} }}""",
         PROXY_CORE), p))
-    for name, extra in tokenway_variants().items():
+    otlp_port = free_port()
+    otlp_sink = start_otlp_sink(otlp_port)
+    for name, extra in tokenway_variants(f"http://127.0.0.1:{otlp_port}").items():
         p = free_port()
         config = tokenway_config(workdir / re.sub(r"\W+", "-", name), upstream_port, p, extra)
         targets.append(Target(name, lambda c=config: subprocess.Popen(
@@ -232,6 +256,8 @@ def main() -> int:
                 target.proc.kill()
         upstream.terminate()
         upstream.wait(10)
+        otlp_sink.terminate()
+        otlp_sink.wait(10)
     write_results(runs, connections, Path(args.out), args.duration, probes, args.probe_rate)
     return 0
 
@@ -264,7 +290,7 @@ def write_results(
         b = bare.get(r.connections)
         added50 = r.p50_ms - d.p50_ms if d else float("nan")
         added99 = r.p99_ms - d.p99_ms if d else float("nan")
-        ratio = f"{r.rps / b.rps:.2f}" if b and r.target != "direct (no proxy)" else "—"
+        ratio = f"{r.rps / b.rps:.2f}" if b and r.target != "direct (no proxy)" else "-"
         lines.append(
             f"| {r.target} | {r.connections} | {r.rps:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
             f"{added50:.3f} | {added99:.3f} | {ratio} | {r.errors} |"
