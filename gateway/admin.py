@@ -23,9 +23,38 @@ async def backends(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    policies = request.app[appkeys.POLICIES]
-    policy = policies.current
-    return _json({"policy": {"source": policy.source}})
+    """The running policy (and the last reload error, if any), the limiter store and every bucket."""
+    admission = request.app[appkeys.ADMISSION]
+    return _json(
+        {
+            "policy": request.app[appkeys.POLICIES].status(),
+            "admission": admission.status(),
+            "limits": admission.snapshot(),
+        }
+    )
+
+
+async def reload(request: web.Request) -> web.Response:
+    """Reload policies.yaml now; 200 with the result, 422 when the file is invalid (old policy stays)."""
+    result = await request.app[appkeys.POLICY_WATCHER].reload("admin")
+    return _json(result.as_dict(), status=200 if result.ok else 422)
+
+
+def limiter_gauges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Limiter snapshot rows in the gauges' shape: scope, id, dimension, limit, remaining."""
+    out = []
+    for row in rows:
+        if row.get("kind") == "budget":
+            dimension = f"usd_per_{row.get('period', '')}"
+            limit, remaining = row.get("limit_usd"), row.get("remaining_usd")
+        else:
+            dimension = str(row.get("dimension", ""))
+            limit, remaining = row.get("capacity"), row.get("remaining")
+        if row.get("kind") == "concurrency" and limit is not None:
+            remaining = max(0.0, float(limit) - float(row.get("active", 0)))
+        out.append({"scope": row.get("scope", ""), "id": row.get("subject", ""), "dimension": dimension,
+                    "limit": limit or 0.0, "remaining": remaining or 0.0})
+    return out
 
 
 async def predictor(request: web.Request) -> web.Response:
@@ -60,4 +89,5 @@ def admin_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/admin/backends", backends),
         ("GET", "/admin/status", status),
         ("GET", "/admin/predictor", predictor),
+        ("POST", "/admin/reload", reload),
     ]

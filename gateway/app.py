@@ -22,35 +22,37 @@ from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__, appkeys
-from gateway.admin import admin_routes, predictor_gauges
-from gateway.components import OpenAdmission
+from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.engine_tokens import EngineTokenizer
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
-from gateway.pipeline import Pipeline, PolicySource
+from gateway.pipeline import Pipeline
+from gateway.policy_reload import PolicyWatcher
 from gateway.routes import METRICS_RENDER, setup_routes
-from gateway.settings import GatewaySettings, load_yaml_model, validate_section
+from gateway.settings import GatewaySettings, validate_section
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from policies.holder import PolicyHolder, ReloadResult
+from policies.limits.admission import Admission
+from policies.limits.factory import make_store
 from policies.policy import Policy
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import build_router
-from policies.schema import PoliciesConfig
 from predictor.config import PredictorSettings
 from predictor.service import LatencyPredictor
 
 log = logging.getLogger("tokenway.app")
 
 
-def create_app(settings: GatewaySettings, *, policy: Policy | None = None) -> web.Application:
+def create_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[appkeys.SETTINGS] = settings
     app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
     app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
     app.cleanup_ctx.append(_telemetry_ctx)
     app.cleanup_ctx.append(_session_ctx)
-    app.cleanup_ctx.append(_policies_ctx(policy))
+    app.cleanup_ctx.append(_policies_ctx)
     app.cleanup_ctx.append(_fleet_ctx)
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
@@ -88,17 +90,27 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-def _policies_ctx(policy: Policy | None) -> Any:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        settings = app[appkeys.SETTINGS]
-        current = policy
-        if current is None:
-            path = settings.resolve_path(settings.policies)
-            current = Policy(load_yaml_model(path, PoliciesConfig), source=str(path))
-        app[appkeys.POLICIES] = PolicySource(current)
-        yield
+async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The hot-reloaded policy (file watch + SIGHUP + POST /admin/reload) and the admission store."""
+    settings = app[appkeys.SETTINGS]
+    holder = PolicyHolder.from_file(settings.resolve_path(settings.policies))
+    app[appkeys.POLICIES] = holder
+    state = settings.state
+    store = make_store(state.redis_url if state.backend == "redis" else None, prefix=state.key_prefix)
+    admission = Admission(holder, store)
+    app[appkeys.ADMISSION] = admission
 
-    return ctx
+    def reloaded(result: ReloadResult) -> None:
+        if result.ok and result.changed and appkeys.FLEET in app:
+            _allow_labels(app[appkeys.METRICS], holder.current, app[appkeys.FLEET])
+
+    watcher = PolicyWatcher(holder, None, 1.0, reloaded)
+    app[appkeys.POLICY_WATCHER] = watcher
+    watcher.start()
+    app[appkeys.METRICS].set_limiter_gauges(lambda: limiter_gauges(admission.snapshot()))
+    yield
+    await watcher.stop()
+    await admission.close()
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -189,7 +201,7 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         fleet=fleet,
         session=app[appkeys.SESSION],
         routers={name: app[appkeys.ROUTER] for name in fleet.pools},  # one router; per-pool config inside
-        admission=OpenAdmission(),
+        admission=app[appkeys.ADMISSION],
         report_success=health.report_success,
         report_failure=report_failure,
         shape_body=shape_body,

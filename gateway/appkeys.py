@@ -11,9 +11,12 @@ from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.pipeline import Pipeline
+from gateway.policy_reload import PolicyWatcher
 from gateway.settings import GatewaySettings
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from policies.holder import PolicyHolder
+from policies.limits.admission import Admission
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import ScoringRouter
 
@@ -29,4 +32,6 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 TRACING = web.AppKey("tracing", Tracing)
 LEDGER = web.AppKey("ledger", Any)  # LedgerWriter | None (ledger disabled)
 PREDICTOR = web.AppKey("predictor", Any)  # LatencyPredictor | None (predictor disabled)
-POLICIES = web.AppKey("policies", Any)  # the hot-reload holder: `.current` is the live Policy
+POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy (hot-reloaded)
+POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
+ADMISSION = web.AppKey("admission", Admission)

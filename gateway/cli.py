@@ -44,6 +44,17 @@ def _keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policies_check(args: argparse.Namespace) -> int:
+    from policies.loader import check_file
+
+    problems = check_file(args.file)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not problems:
+        print(f"{args.file}: ok")
+    return 1 if problems else 0
+
+
 def _pools_plan(args: argparse.Namespace) -> int:
     from backends.config import BackendsSettings
     from backends.errors import PlanError
@@ -102,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--models", help="comma-separated allowed models")
     create.add_argument("--id", help="key id (default: <tenant>-<random>)")
     create.set_defaults(func=_keys_create)
+
+    policies = sub.add_parser("policies", help="policies.yaml").add_subparsers(dest="policies_command", required=True)
+    check = policies.add_parser("check", help="validate a policies file; print every problem")
+    check.add_argument("file")
+    check.set_defaults(func=_policies_check)
 
     pools = sub.add_parser("pools", help="engine pools").add_subparsers(dest="pools_command", required=True)
     plan = pools.add_parser("plan", help="print every replica's command line and environment; launch nothing")

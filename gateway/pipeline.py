@@ -55,6 +55,7 @@ from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from gateway.validate import validate_body
 from policies.estimate import PromptEstimator
 from policies.fallback import check_context, choose_fallback, context_tokens
+from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.pricing import price_usd
 from policies.routing.predictions import PREDICTIONS_ATTR
@@ -92,13 +93,6 @@ class _RequestTimeout(GatewayError):
     code = "request_timeout"
 
 
-class PolicySource:
-    """Anything with a `current` policy (the hot-reload holder, or a fixed policy in tests)."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.current = policy
-
-
 @dataclass(slots=True)
 class Walk:
     """Per-request state that outlives the individual steps (for headers, accounting, records)."""
@@ -113,7 +107,7 @@ class Walk:
 @dataclass(slots=True)
 class Pipeline:
     server: ServerSettings
-    policies: Any  # has `.current: Policy`
+    policies: PolicyHolder  # `.current` is the live policy (hot-reloaded)
     fleet: Fleet
     session: aiohttp.ClientSession
     routers: Mapping[str, Router]  # by pool name

@@ -13,9 +13,11 @@ import sys
 
 from aiohttp import web
 
+from backends.errors import PlanError
 from gateway import appkeys
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from gateway.settings import ConfigError, GatewaySettings
+from policies.loader import PolicyFileError
 
 log = logging.getLogger("tokenway.server")
 
@@ -37,7 +39,12 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
     """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines."""
     app = create_app(settings)
     runner = make_runner(app, settings)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except (PolicyFileError, PlanError, ConfigError) as exc:  # a bad file stops start-up with its message
+        print(f"tokenway: {exc}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 2
     site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=2048, reuse_address=True)
     await site.start()
     host, port = runner.addresses[0][:2]

@@ -10,7 +10,9 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from policies.schema import PRIORITY_VALUES, ModelConfig, PoliciesConfig
+from policies.limits.compile import LimitIndex, price_of
+from policies.limits.types import Plan, Price
+from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.types import Principal
 
 
@@ -36,9 +38,10 @@ class Policy:
             tenant = config.tenants[key.tenant]
             allowed: set[str] | None = None
             if tenant.models is not None:
-                allowed = set(tenant.models)
+                allowed = {config.canonical_model(m) or m for m in tenant.models}
             if key.models is not None:
-                allowed = set(key.models) if allowed is None else allowed & set(key.models)
+                narrowed = {config.canonical_model(m) or m for m in key.models}
+                allowed = narrowed if allowed is None else allowed & narrowed
             priority = PRIORITY_VALUES[key.priority or tenant.priority]
             principal = Principal(
                 key_id=key.id,
@@ -53,6 +56,15 @@ class Policy:
             self._aliases[name] = name
             for alias in model.aliases:
                 self._aliases[alias] = name
+        self._fallbacks: dict[str, tuple[FallbackConfig, ...]] = {
+            name: tuple(
+                FallbackConfig(model=config.resolve_model(step.model), triggers=step.triggers)
+                for step in model.fallbacks
+            )
+            for name, model in config.models.items()
+        }
+        self._prices: dict[str, Price] = {name: price_of(model) for name, model in config.models.items()}
+        self.limits = LimitIndex(config)
 
     def authenticate(self, api_key: str) -> Principal | None:
         """The principal of a presented key, or None. The digest comparison is constant-time."""
@@ -68,3 +80,15 @@ class Policy:
 
     def model_config(self, model: str) -> ModelConfig | None:
         return self.config.models.get(model)
+
+    def fallbacks(self, model: str) -> tuple[FallbackConfig, ...]:
+        """The model's fallback chain, targets resolved to model names."""
+        return self._fallbacks.get(model, ())
+
+    def price(self, model: str) -> Price:
+        """USD per token of `model` (zero for a model without a price)."""
+        return self._prices.get(model) or Price()
+
+    def admission_plan(self, principal: Principal, model: str) -> Plan:
+        """Every bucket, lease and budget that applies to `principal` calling `model` (cached)."""
+        return self.limits.plan(principal, model)

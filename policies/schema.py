@@ -1,21 +1,70 @@
 """The schema of config/policies.yaml (pydantic: config only, never per request).
 
 Tenants own keys; keys are stored as SHA-256 hex digests, never in clear. Models declare their
-aliases, context length, price and fallback chain. Limits, budgets and SLO classes extend this file.
+aliases, context length, price and fallback chain. `limits` and `budgets` are lists of rules, each at
+one scope (key, tenant, model, key x model, global) and optionally narrowed by `match`; `admission`
+says what the limiter does when its shared store is down.
+
+Cross-references (a key's tenant, a limit's matched model, a fallback target) are checked together in
+one validator, which raises `ReferenceErrors` listing every problem with its key path, so a file with
+three mistakes is reported once, not three times.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
 PRIORITY_VALUES: dict[str, int] = {"critical": 2, "high": 1, "normal": 0, "low": -1, "sheddable": -2}
 
+Trigger = Literal["rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable"]
+TRIGGERS: tuple[str, ...] = (
+    "rate_limited",
+    "budget_exhausted",
+    "upstream_error",
+    "context_too_long",
+    "slo_unattainable",
+)
+Scope = Literal["key", "tenant", "model", "key_model", "global"]
+CountMode = Literal["input", "output", "total", "weighted"]
+
+# Which `match` fields each scope accepts: a rule may narrow its subjects by the fields that identify
+# them (a key belongs to a tenant, so `scope: key, match: {tenant: free}` = "each key of tenant free").
+SCOPE_MATCH_FIELDS: dict[str, frozenset[str]] = {
+    "key": frozenset({"key", "tenant"}),
+    "tenant": frozenset({"tenant"}),
+    "model": frozenset({"model"}),
+    "key_model": frozenset({"key", "tenant", "model"}),
+    "global": frozenset(),
+}
+
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReferenceErrors(ValueError):
+    """Several cross-reference problems, each `(key path, message)`; the loader prints one per line."""
+
+    def __init__(self, problems: list[tuple[tuple[str | int, ...], str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{format_path(p)}: {m}" for p, m in problems))
+
+
+def format_path(path: tuple[str | int, ...]) -> str:
+    """`("limits", 2, "tpm")` -> `limits[2].tpm`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(top level)"
 
 
 class TenantConfig(_Strict):
@@ -25,7 +74,7 @@ class TenantConfig(_Strict):
 
 
 class KeyConfig(_Strict):
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+    id: str = Field(pattern=_ID_PATTERN)
     tenant: str
     sha256: str = Field(description="hex SHA-256 of the key; `tokenway keys create` prints it")
     models: list[str] | None = Field(default=None, description="narrows the tenant's models")
@@ -49,36 +98,217 @@ class PriceConfig(_Strict):
     output_per_mtok: float = Field(default=0.0, ge=0)
 
 
+def _all_triggers() -> list[Trigger]:
+    return ["rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable"]
+
+
+class FallbackConfig(_Strict):
+    """One step of a model's fallback chain and the triggers allowed to take it."""
+
+    model: str
+    triggers: list[Trigger] = Field(default_factory=lambda: _all_triggers(), min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, value: Any) -> Any:
+        if isinstance(value, dict) and True in value:
+            raise ValueError("YAML reads `on:` as true; name the list `triggers:`")
+        return value
+
+
 class ModelConfig(_Strict):
     aliases: list[str] = Field(default_factory=list)
     context_length: int | None = Field(default=None, ge=1, description="prompt + max_tokens limit")
     default_max_tokens: int = Field(default=1024, ge=1, description="output reservation without max_tokens")
     price: PriceConfig = Field(default_factory=PriceConfig)
+    fallbacks: list[FallbackConfig] = Field(default_factory=list, description="tried in order")
+
+    @field_validator("fallbacks", mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        """`fallbacks: [qwen2.5-7b]` is short for `[{model: qwen2.5-7b}]` (every trigger)."""
+        if isinstance(value, list):
+            return [{"model": v} if isinstance(v, str) else v for v in value]
+        return value
+
+
+class TokenWeights(_Strict):
+    """Weights of `count: weighted`, as in Envoy AI Gateway's cost expressions."""
+
+    input: float = Field(default=1.0, ge=0)
+    cached_input: float | None = Field(default=None, ge=0, description="defaults to input")
+    output: float = Field(default=1.0, ge=0)
+
+
+class Match(_Strict):
+    """Narrows a rule's subjects; an absent field matches every value (one bucket per subject)."""
+
+    key: str | None = None
+    tenant: str | None = None
+    model: str | None = None
+
+    def fields(self) -> dict[str, str]:
+        return {k: v for k, v in (("key", self.key), ("tenant", self.tenant), ("model", self.model)) if v}
+
+
+class _Rule(_Strict):
+    id: str | None = Field(default=None, pattern=_ID_PATTERN, description="stable identity of its counters")
+    scope: Scope
+    match: Match = Field(default_factory=Match)
+    shadow: bool = Field(default=False, description="counted and reported, never enforced")
+
+    @model_validator(mode="after")
+    def _match_fits_scope(self) -> _Rule:
+        allowed = SCOPE_MATCH_FIELDS[self.scope]
+        extra = sorted(set(self.match.fields()) - allowed)
+        if extra:
+            expected = ", ".join(sorted(allowed)) or "nothing"
+            raise ValueError(f"scope {self.scope!r} cannot match on {', '.join(extra)} (expected {expected})")
+        return self
+
+    def identity(self, resolve_model: Callable[[str], str] | None = None) -> str:
+        """The rule's counter identity: its `id`, else scope and match (e.g. `key[tenant=free]`), with
+        a matched model alias resolved by `resolve_model`.
+
+        Store keys derive from it, never from list position, so reordering the file or editing another
+        rule keeps this rule's counters across a reload.
+        """
+        if self.id:
+            return self.id
+        fields = self.match.fields()
+        if not fields:
+            return self.scope
+        if resolve_model is not None and "model" in fields:
+            fields["model"] = resolve_model(fields["model"])
+        return f"{self.scope}[{','.join(f'{k}={v}' for k, v in sorted(fields.items()))}]"
+
+
+class LimitConfig(_Rule):
+    rpm: int | None = Field(default=None, ge=1, description="requests per minute")
+    rpd: int | None = Field(default=None, ge=1, description="requests per day")
+    tpm: int | None = Field(default=None, ge=1, description="tokens per minute")
+    tpd: int | None = Field(default=None, ge=1, description="tokens per day")
+    max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight")
+    count: CountMode = Field(default="total", description="which tokens tpm/tpd count")
+    weights: TokenWeights | None = None
+
+    @model_validator(mode="after")
+    def _has_dimension(self) -> LimitConfig:
+        if all(getattr(self, d) is None for d in ("rpm", "rpd", "tpm", "tpd", "max_concurrent")):
+            raise ValueError("expected at least one of rpm, rpd, tpm, tpd, max_concurrent")
+        if self.weights is not None and self.count != "weighted":
+            raise ValueError(f"weights are only read with count: weighted (count is {self.count!r})")
+        return self
+
+
+class BudgetConfig(_Rule):
+    usd_per_day: float | None = Field(default=None, gt=0, description="resets 00:00 UTC")
+    usd_per_month: float | None = Field(default=None, gt=0, description="resets on the 1st, 00:00 UTC")
+
+    @model_validator(mode="after")
+    def _has_amount(self) -> BudgetConfig:
+        if self.usd_per_day is None and self.usd_per_month is None:
+            raise ValueError("expected usd_per_day and/or usd_per_month")
+        return self
+
+
+class BreakerConfig(_Strict):
+    """Circuit breaker in front of Redis: a dead store costs no latency while open."""
+
+    failure_threshold: int = Field(default=3, ge=1, description="consecutive failures that open it")
+    open_s: float = Field(default=2.0, gt=0, description="how long it stays open before one probe")
+
+
+class AdmissionConfig(_Strict):
+    store_failure: Literal["fail_open", "fail_closed"] = Field(
+        default="fail_open",
+        description="Redis unreachable: local buckets at limits/replicas (open) or 503 (closed)",
+    )
+    replicas: int = Field(default=1, ge=1, description="gateway replicas sharing the limits")
+    lease_ttl_s: float = Field(default=900.0, gt=0, description="a concurrency lease expires after this")
+    concurrency_retry_after_s: float = Field(default=1.0, gt=0)
+    local_precheck: bool = Field(
+        default=True, description="reject from the last state Redis reported, without a round trip"
+    )
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
 
 
 class PoliciesConfig(_Strict):
     version: Literal[1] = 1
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     keys: list[KeyConfig] = Field(default_factory=list)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    limits: list[LimitConfig] = Field(default_factory=list)
+    budgets: list[BudgetConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> PoliciesConfig:
-        seen_ids: set[str] = set()
-        seen_hashes: set[str] = set()
+        problems = self.reference_problems()
+        if problems:
+            raise ReferenceErrors(problems)
+        return self
+
+    def canonical_model(self, name: str) -> str | None:
+        """The model a name or alias denotes, or None when unknown."""
+        if name in self.models:
+            return name
+        for model_name, model in self.models.items():
+            if name in model.aliases:
+                return model_name
+        return None
+
+    def resolve_model(self, name: str) -> str:
+        return self.canonical_model(name) or name
+
+    def reference_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        key_ids: set[str] = set()
+        hashes: set[str] = set()
         for i, key in enumerate(self.keys):
             if key.tenant not in self.tenants:
-                raise ValueError(f"keys[{i}].tenant: unknown tenant {key.tenant!r}")
-            if key.id in seen_ids:
-                raise ValueError(f"keys[{i}].id: duplicate key id {key.id!r}")
-            if key.sha256 in seen_hashes:
-                raise ValueError(f"keys[{i}].sha256: the same key hash appears twice")
-            seen_ids.add(key.id)
-            seen_hashes.add(key.sha256)
+                problems.append((("keys", i, "tenant"), f"unknown tenant {key.tenant!r}"))
+            if key.id in key_ids:
+                problems.append((("keys", i, "id"), f"duplicate key id {key.id!r}"))
+            if key.sha256 in hashes:
+                problems.append((("keys", i, "sha256"), "the same key hash appears twice"))
+            key_ids.add(key.id)
+            hashes.add(key.sha256)
         owners: dict[str, str] = {}
         for name, model in self.models.items():
-            for alias in model.aliases:
+            for j, alias in enumerate(model.aliases):
                 if alias in self.models or alias in owners:
-                    raise ValueError(f"models.{name}.aliases: {alias!r} is already a model or alias")
+                    problems.append((("models", name, "aliases", j), f"{alias!r} is already a model or alias"))
                 owners[alias] = name
-        return self
+        for name, model in self.models.items():
+            for j, step in enumerate(model.fallbacks):
+                target = self.canonical_model(step.model)
+                path: tuple[str | int, ...] = ("models", name, "fallbacks", j, "model")
+                if target is None:
+                    problems.append((path, f"unknown model {step.model!r}"))
+                elif target == name:
+                    problems.append((path, "a model cannot fall back to itself"))
+        for section, rules in (("limits", self.limits), ("budgets", self.budgets)):
+            seen: dict[str, int] = {}
+            for i, rule in enumerate(rules):
+                problems.extend(self._match_problems((section, i, "match"), rule.match))
+                identity = rule.identity(self.resolve_model)
+                if identity in seen:
+                    problems.append(
+                        ((section, i), f"same identity {identity!r} as {section}[{seen[identity]}]; "
+                         "merge them or give each an id")
+                    )
+                seen.setdefault(identity, i)
+        return problems
+
+    def _match_problems(
+        self, path: tuple[str | int, ...], match: Match
+    ) -> list[tuple[tuple[str | int, ...], str]]:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        if match.key is not None and match.key not in {k.id for k in self.keys}:
+            problems.append(((*path, "key"), f"unknown key id {match.key!r}"))
+        if match.tenant is not None and match.tenant not in self.tenants:
+            problems.append(((*path, "tenant"), f"unknown tenant {match.tenant!r}"))
+        if match.model is not None and self.canonical_model(match.model) is None:
+            problems.append(((*path, "model"), f"unknown model {match.model!r}"))
+        return problems

@@ -1,0 +1,109 @@
+"""The live policy and its reloads: one attribute (`current`) that the request path reads once.
+
+A reload parses and compiles the whole file first and swaps `current` only when that succeeded, so
+in-flight requests keep the policy they started with and a bad file changes nothing but
+`last_error` (reported on /admin/status). Bucket counters live in the store under keys derived from
+each rule's identity, so rules that did not change keep their counts across a reload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from policies.loader import PolicyFileError, load_policy
+from policies.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadResult:
+    ok: bool
+    changed: bool  # the file's content differed from the running policy's
+    errors: tuple[str, ...] = ()
+    loaded_at_unix_s: float = 0.0
+    generation: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "changed": self.changed,
+            "errors": list(self.errors),
+            "loaded_at_unix_s": self.loaded_at_unix_s,
+            "generation": self.generation,
+        }
+
+
+@dataclass(slots=True)
+class PolicyHolder:
+    """Holds the running `Policy`; `reload()` re-reads `path`."""
+
+    current: Policy
+    path: Path | None = None
+    loaded_at_unix_s: float = field(default_factory=time.time)
+    generation: int = 1
+    last_error: tuple[str, ...] = ()
+    last_error_at_unix_s: float | None = None
+    env: Mapping[str, str] | None = None
+    _last_text: str | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> PolicyHolder:
+        """Load at startup; raises `PolicyFileError` (startup must not run without a valid policy)."""
+        path = Path(path)
+        holder = cls(load_policy(path, env), path=path, env=env)
+        holder._last_text = _read(path)
+        return holder
+
+    @property
+    def policy(self) -> Policy:
+        return self.current
+
+    def reload(self) -> ReloadResult:
+        """Re-read the file; swap in the new policy if valid, else keep the old one and record why."""
+        if self.path is None:
+            return ReloadResult(False, False, ("no policies file to reload",), self.loaded_at_unix_s, self.generation)
+        text = _read(self.path)
+        try:
+            policy = load_policy(self.path, self.env)
+        except PolicyFileError as exc:
+            self.last_error = tuple(exc.messages)
+            self.last_error_at_unix_s = time.time()
+            log.error("policies reload rejected, keeping generation %d:\n%s", self.generation, exc)
+            return ReloadResult(False, text != self._last_text, self.last_error, self.loaded_at_unix_s, self.generation)
+        changed = text != self._last_text
+        self.current = policy  # the atomic swap: readers see the old or the new policy, never a mix
+        self._last_text = text
+        self.generation += 1
+        self.loaded_at_unix_s = time.time()
+        self.last_error = ()
+        self.last_error_at_unix_s = None
+        log.info("policies reloaded from %s (generation %d)", self.path, self.generation)
+        return ReloadResult(True, changed, (), self.loaded_at_unix_s, self.generation)
+
+    async def reload_async(self) -> ReloadResult:
+        """`reload` in a worker thread, so parsing a large file never stalls the event loop."""
+        return await asyncio.to_thread(self.reload)
+
+    def status(self) -> dict[str, Any]:
+        """For /admin/status: what is running, since when, and the last rejected reload."""
+        return {
+            "path": str(self.path) if self.path else None,
+            "generation": self.generation,
+            "loaded_at_unix_s": self.loaded_at_unix_s,
+            "last_error": list(self.last_error) or None,
+            "last_error_at_unix_s": self.last_error_at_unix_s,
+        }
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return None

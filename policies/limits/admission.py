@@ -1,0 +1,358 @@
+"""Admission: reserve a request's tokens, requests, concurrency and dollars before it runs, and
+reconcile them with what it really used afterwards (estimate + reconcile, as TensorZero does).
+
+Before the call, one atomic reservation covers every bucket of (key, tenant, model, key x model,
+global): prompt tokens + the output reservation, 1 request, 1 lease, the cost estimate. Charging up
+front is what keeps a concurrent burst from passing a TPM limit before any of it is counted
+(LiteLLM's flaw). After the call every bucket and budget is corrected by `actual - reserved`:
+a refund, or an extra charge that may push a bucket into debt and so delay later requests.
+
+This module decides and words; the store (memory, or Redis behind `FailoverStore`) only counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policies.limits import buckets, rejections
+from policies.limits.headers import Headers, ratelimit_headers
+from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
+from policies.policy import Policy
+from policies.types import Rejection, RequestFacts, Usage
+
+log = logging.getLogger(__name__)
+
+
+class Store(Protocol):
+    """Counts; decides nothing but fit. `may_suspend` False (memory) = calls never await I/O."""
+
+    may_suspend: bool
+
+    async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome: ...
+
+    async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> Any: ...
+
+    def snapshot(self) -> list[dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class PolicySource(Protocol):
+    @property
+    def current(self) -> Policy: ...
+
+
+@dataclass(slots=True)
+class _Fixed:
+    current: Policy
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A reservation. `headers` are the x-ratelimit-* of the tightest bucket of each kind."""
+
+    headers: tuple[tuple[str, str], ...]
+    model: str
+    ticket_id: str = ""
+    plan: Plan | None = None
+    bucket_costs: list[float] = field(default_factory=list)
+    cost_usd: float = 0.0  # reserved estimate
+    budget_periods: list[int] = field(default_factory=list)
+    source: str = "none"  # the store that admitted it: memory | redis | local | none
+    generation: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # the output reservation
+    shadow_exceeded: tuple[str, ...] = ()  # shadow rules this request went over
+    settled: bool = False
+    actual_cost_usd: float | None = None  # set by settle
+
+
+class Admission:
+    """The gateway's admission port: `admit`, then exactly one of `settle` or `release`."""
+
+    def __init__(
+        self, policies: PolicySource | Policy, store: Store, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._policies: PolicySource = _Fixed(policies) if isinstance(policies, Policy) else policies
+        self.store = store
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(6).hex() + "-"
+        self._store_suspends = getattr(store, "may_suspend", True)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.counters: Counter[str] = Counter()
+        self.shadow_counters: Counter[str] = Counter()
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the next admission will use (the holder's current one)."""
+        return self._policies.current
+
+    # ------------------------------------------------------------------ admit
+    async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> Admitted | Rejection:
+        """Reserve `facts.prompt_tokens` + the output reservation, one request, one lease and the cost
+        estimate in every bucket of (key, tenant, model, key x model, global) at once, or none.
+        `now` (epoch s) overrides the store's clock (tests)."""
+        plan = self._policies.current.admission_plan(facts.principal, model)
+        prompt_tokens = facts.prompt_tokens
+        output_tokens = _output_tokens(facts, model, plan)
+        if not (plan.buckets or plan.leases or plan.budgets):
+            self.counters["admitted"] += 1
+            return Admitted((), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        costs = [spec.reserve_cost(prompt_tokens, output_tokens) for spec in plan.buckets]
+        cost_usd = plan.price.cost_usd(prompt_tokens, 0, output_tokens) if plan.budgets else 0.0
+        never = self._never_fits(plan, model, costs, cost_usd, now)
+        if never is not None:
+            self.counters[never.reason] += 1
+            return never
+        charge = Charge(f"{self._id_prefix}{next(self._ids):x}", costs, cost_usd)
+        try:
+            outcome = await self._reserve(plan, charge, now)
+        except StoreUnavailable as exc:
+            self.counters["limiter_unavailable"] += 1
+            return rejections.limiter_unavailable(exc.retry_after_s)
+        if not outcome.admitted:
+            rejection = self._rejection(plan, model, charge, outcome)
+            self.counters[rejection.reason] += 1
+            return rejection
+        self.counters["admitted"] += 1
+        shadow = self._shadow_exceeded(plan, charge, outcome)
+        return Admitted(
+            headers=tuple(_success_headers(plan, costs, outcome)),
+            model=model,
+            ticket_id=charge.ticket_id,
+            plan=plan,
+            bucket_costs=costs,
+            cost_usd=cost_usd,
+            budget_periods=outcome.budget_periods,
+            source=outcome.source,
+            generation=getattr(getattr(self.store, "local", None), "generation", 0),
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            shadow_exceeded=shadow,
+        )
+
+    async def _reserve(self, plan: Plan, charge: Charge, now: float | None) -> Outcome:
+        """The store's reservation, safe against the caller's cancellation (a client that disconnects
+        cancels its handler): a reservation the store made anyway is undone, never leaked."""
+        if not self._store_suspends:
+            return await self.store.reserve(plan, charge, now)
+        task = asyncio.ensure_future(self.store.reserve(plan, charge, now))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda done: self._undo_cancelled(plan, charge, done))
+            raise
+
+    def _undo_cancelled(self, plan: Plan, charge: Charge, done: asyncio.Future[Outcome]) -> None:
+        if done.cancelled() or done.exception() is not None or not done.result().admitted:
+            return
+        outcome = done.result()
+        settlement = Settlement(
+            charge.ticket_id, outcome.source, [-c for c in charge.bucket_costs], -charge.cost_usd,
+            outcome.budget_periods, 0.0, getattr(getattr(self.store, "local", None), "generation", 0),
+        )
+        self._background(self.store.apply(plan, settlement))
+
+    async def _apply(self, plan: Plan, settlement: Settlement, now: float | None) -> None:
+        """The store's settlement, completed even if the caller is cancelled meanwhile."""
+        if not self._store_suspends:
+            await self.store.apply(plan, settlement, now)
+            return
+        await asyncio.shield(self._background(self.store.apply(plan, settlement, now)))
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Wait for settlements still running in the background (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _never_fits(
+        self, plan: Plan, model: str, costs: list[float], cost_usd: float, now: float | None
+    ) -> Rejection | None:
+        for spec, cost in zip(plan.buckets, costs, strict=True):
+            if not spec.shadow and cost > spec.capacity:
+                return rejections.too_large(model, spec, capacity=spec.capacity, requested=cost)
+        for budget in plan.budgets:
+            if not budget.shadow and cost_usd > budget.limit_usd:
+                now_s = self._clock() if now is None else now
+                end_s = buckets.period_end_s(budget.period, buckets.period_id(budget.period, now_s))
+                return rejections.budget_exhausted(model, budget, spent_usd=0.0, cost_usd=cost_usd, resets_at_s=end_s)
+        return None
+
+    def _rejection(self, plan: Plan, model: str, charge: Charge, outcome: Outcome) -> Rejection:
+        scale = outcome.capacity_scale
+        for budget, spent, pid in zip(plan.budgets, outcome.budget_spent, outcome.budget_periods, strict=True):
+            if not budget.shadow and spent + charge.cost_usd > budget.limit_usd * scale:
+                return rejections.budget_exhausted(
+                    model, budget, spent_usd=spent, cost_usd=charge.cost_usd,
+                    resets_at_s=buckets.period_end_s(budget.period, pid),
+                )
+        worst: Rejection | None = None
+        worst_wait_s = -1.0
+        for spec, used, cost in zip(plan.buckets, outcome.bucket_used, charge.bucket_costs, strict=True):
+            capacity = spec.capacity * scale
+            if spec.shadow or used + cost <= capacity:
+                continue
+            wait_s = buckets.wait_s(used, cost, capacity, spec.rate_per_s * scale)
+            if wait_s > worst_wait_s:
+                worst_wait_s = wait_s
+                reset_s = buckets.reset_s(used, spec.rate_per_s * scale)
+                headers = ratelimit_headers(spec.kind, capacity, capacity - used, reset_s)
+                worst = rejections.rate_limited(
+                    model, spec, capacity=capacity, used=used, requested=cost, wait_s=wait_s, headers=headers
+                )
+        for lease, active in zip(plan.leases, outcome.lease_active, strict=True):
+            if lease.shadow or active + 1 <= max(1, math.ceil(lease.capacity * scale)):
+                continue
+            wait_s = plan.settings.concurrency_retry_after_s
+            if wait_s > worst_wait_s:
+                worst_wait_s = wait_s
+                worst = rejections.rate_limited(
+                    model, lease, capacity=lease.capacity, used=active, requested=1, wait_s=wait_s, headers=[]
+                )
+        if worst is None:  # a store said no without a visible cause: treat as briefly unavailable
+            return rejections.limiter_unavailable(1.0)
+        return worst
+
+    def _shadow_exceeded(self, plan: Plan, charge: Charge, outcome: Outcome) -> tuple[str, ...]:
+        over: list[str] = []
+        for spec, used, cost in zip(plan.buckets, outcome.bucket_used, charge.bucket_costs, strict=True):
+            if spec.shadow and used + cost > spec.capacity * outcome.capacity_scale:
+                over.append(spec.rule_id)
+        for lease, active in zip(plan.leases, outcome.lease_active, strict=True):
+            if lease.shadow and active + 1 > lease.capacity:
+                over.append(lease.rule_id)
+        for budget, spent in zip(plan.budgets, outcome.budget_spent, strict=True):
+            if budget.shadow and spent + charge.cost_usd > budget.limit_usd:
+                over.append(budget.rule_id)
+        for rule_id in over:
+            self.shadow_counters[rule_id] += 1
+        return tuple(over)
+
+    # ------------------------------------------------------------------ settle, release
+    async def settle(
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Reconcile with real usage and release the lease. `usage=None` (the stream broke before usage
+        arrived) charges `charged_output_tokens` if counted, else the whole output reservation.
+        Idempotent; never raises (accounting must not fail a response that already went out)."""
+        if not isinstance(ticket, Admitted) or ticket.settled:
+            return
+        ticket.settled = True
+        try:
+            if usage is not None:
+                prompt, cached, completion = usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+            else:
+                prompt, cached = ticket.prompt_tokens, 0
+                completion = ticket.output_tokens if charged_output_tokens is None else charged_output_tokens
+            plan = ticket.plan
+            if plan is None:
+                return
+            price = plan.price if model == ticket.model else self._policies.current.price(model)
+            actual_usd = price.cost_usd(prompt, cached, completion)
+            ticket.actual_cost_usd = actual_usd
+            if ticket.source == "none":
+                return
+            deltas = [
+                spec.actual_cost(prompt, cached, completion) - reserved
+                for spec, reserved in zip(plan.buckets, ticket.bucket_costs, strict=True)
+            ]
+            settlement = Settlement(
+                ticket.ticket_id, ticket.source, deltas, actual_usd - ticket.cost_usd if plan.budgets else 0.0,
+                ticket.budget_periods, actual_usd, ticket.generation,
+            )
+            await self._apply(plan, settlement, now)
+        except Exception:
+            log.exception("settling ticket %s failed", ticket.ticket_id)
+
+    async def release(self, ticket: Admitted, now: float | None = None) -> None:
+        """The request never reached an engine: undo the whole reservation, request count included."""
+        if not isinstance(ticket, Admitted) or ticket.settled:
+            return
+        ticket.settled = True
+        ticket.actual_cost_usd = 0.0
+        if ticket.source == "none" or ticket.plan is None:
+            return
+        settlement = Settlement(
+            ticket.ticket_id, ticket.source, [-c for c in ticket.bucket_costs], -ticket.cost_usd,
+            ticket.budget_periods, 0.0, ticket.generation,
+        )
+        try:
+            await self._apply(ticket.plan, settlement, now)
+        except Exception:
+            log.exception("releasing ticket %s failed", ticket.ticket_id)
+
+    # ------------------------------------------------------------------ observability
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Rows for /admin/status and gauges: each bucket (capacity, used, remaining, reset_s), each
+        budget (limit_usd, spent_usd, remaining_usd), each concurrency limit (active)."""
+        return self.store.snapshot()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.store.status(),
+            "decisions": dict(self.counters),
+            "shadow_exceeded": dict(self.shadow_counters),
+        }
+
+    async def close(self) -> None:
+        await self.drain()
+        await self.store.close()
+
+
+def _output_tokens(facts: RequestFacts, model: str, plan: Plan) -> int:
+    """The output reservation: max_tokens x n, else this model's default (a fallback model may differ)."""
+    if facts.api == "embeddings":
+        return 0
+    if facts.max_tokens is None and model != facts.model:
+        n = facts.body.get("n") if isinstance(facts.body, dict) else None
+        return plan.default_max_tokens * (n if isinstance(n, int) and n > 0 else 1)
+    if facts.output_reservation > 0:
+        return facts.output_reservation
+    if facts.max_tokens is not None:
+        return facts.max_tokens
+    return plan.default_max_tokens
+
+
+def _success_headers(plan: Plan, costs: list[float], outcome: Outcome) -> Headers:
+    """x-ratelimit-* of the enforced bucket with the fewest units left, per kind, after this charge."""
+    scale = outcome.capacity_scale
+    best: dict[str, tuple[float, float, float]] = {}  # kind -> (remaining, capacity, reset_s)
+    for spec, used, cost in zip(plan.buckets, outcome.bucket_used, costs, strict=True):
+        if spec.shadow:
+            continue
+        capacity = spec.capacity * scale
+        after = used + cost
+        remaining = capacity - after
+        current = best.get(spec.kind)
+        if current is None or remaining < current[0]:
+            best[spec.kind] = (remaining, capacity, buckets.reset_s(after, spec.rate_per_s * scale))
+    headers: Headers = []
+    for kind in ("requests", "tokens"):
+        if kind in best:
+            remaining, capacity, reset = best[kind]
+            headers += ratelimit_headers(kind, capacity, remaining, reset)
+    return headers

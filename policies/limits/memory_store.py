@@ -1,0 +1,237 @@
+"""The in-process store: every bucket, lease and budget in dictionaries, for one gateway process.
+
+All of a reservation is decided and written without an await, so on one event loop it is atomic
+with no lock. It is also the fail-open fallback of the Redis store, where it holds this replica's
+share (`scale` = 1/replicas) seeded from the last state Redis reported.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policies.limits import buckets
+from policies.limits.concurrency import LeaseTable
+from policies.limits.types import BucketSpec, BudgetSpec, Charge, LeaseSpec, Outcome, Plan, Settlement
+
+# (spec, now_s) -> global `used` of a bucket / `spent` of a budget's current period, when known.
+SeedFn = Callable[[BucketSpec | BudgetSpec, float], float | None]
+
+
+@dataclass(slots=True)
+class _Bucket:
+    used: float
+    updated_at_s: float
+    spec: BucketSpec
+
+
+@dataclass(slots=True)
+class _Budget:
+    period: int
+    spent_usd: float
+    spec: BudgetSpec
+
+
+class MemoryStore:
+    """Continuous-refill buckets, expiring leases and calendar budgets in memory (microseconds a call)."""
+
+    may_suspend = False  # no call awaits anything: atomic on the event loop
+
+    def __init__(
+        self,
+        *,
+        source: str = "memory",
+        seed: SeedFn | None = None,
+        clock: Callable[[], float] = time.time,
+        sweep_every: int = 4096,
+    ) -> None:
+        self.source = source
+        self.scale = 1.0  # fail-open: this replica's share of every limit (1/replicas)
+        self.generation = 0  # bumped by clear(): settlements of older tickets are dropped
+        self._seed = seed
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._budgets: dict[str, _Budget] = {}
+        self._leases = LeaseTable()
+        self._lease_specs: dict[str, LeaseSpec] = {}
+        self._sweep_every = sweep_every
+        self._ops = 0
+
+    async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome:
+        return self.reserve_now(plan, charge, self._clock() if now_s is None else now_s)
+
+    async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
+        self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
+
+    def reserve_now(self, plan: Plan, charge: Charge, now_s: float) -> Outcome:
+        """All-or-nothing: check every bucket, lease and budget, then write all or none."""
+        scale = self.scale
+        self._ops += 1
+        if self._ops % self._sweep_every == 0:
+            self.sweep(now_s)
+        ok = True
+        states: list[_Bucket] = []
+        used: list[float] = []
+        for spec, cost in zip(plan.buckets, charge.bucket_costs, strict=True):
+            state = self._bucket(spec, now_s, scale)
+            u = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
+            state.used, state.updated_at_s = u, now_s
+            states.append(state)
+            used.append(u)
+            # A fail-open share smaller than one request would block it forever: an empty share
+            # still admits anything the whole limit could.
+            share_exception = scale < 1.0 and u <= 0.0 and cost <= spec.capacity
+            if not spec.shadow and u + cost > spec.capacity * scale and not share_exception:
+                ok = False
+        active: list[int] = []
+        for lease in plan.leases:
+            self._lease_specs[lease.key] = lease
+            n = self._leases.active(lease.key, now_s)
+            active.append(n)
+            if not lease.shadow and n + 1 > max(1, math.ceil(lease.capacity * scale)):
+                ok = False
+        budget_states: list[_Budget] = []
+        spent: list[float] = []
+        periods: list[int] = []
+        for budget_spec in plan.budgets:
+            budget = self._budget(budget_spec, now_s, scale)
+            budget_states.append(budget)
+            spent.append(budget.spent_usd)
+            periods.append(budget.period)
+            if not budget_spec.shadow and budget.spent_usd + charge.cost_usd > budget_spec.limit_usd * scale:
+                ok = False
+        if ok:
+            for state, cost in zip(states, charge.bucket_costs, strict=True):
+                state.used += cost
+            expires_at_s = now_s + plan.settings.lease_ttl_s
+            for lease in plan.leases:
+                self._leases.acquire(lease.key, charge.ticket_id, expires_at_s)
+            for budget in budget_states:
+                budget.spent_usd += charge.cost_usd
+        return Outcome(ok, now_s, used, active, spent, periods, self.source, scale)
+
+    def apply_now(self, plan: Plan, settlement: Settlement, now_s: float) -> None:
+        for spec, delta in zip(plan.buckets, settlement.bucket_deltas, strict=True):
+            state = self._buckets.get(spec.key)
+            if state is None:
+                if delta <= 0.0:
+                    continue
+                state = self._buckets[spec.key] = _Bucket(0.0, now_s, spec)
+            u = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale) + delta
+            state.used, state.updated_at_s = (u if u > 0.0 else 0.0), now_s
+        for lease in plan.leases:
+            self._leases.release(lease.key, settlement.ticket_id)
+        if settlement.budget_delta_usd:
+            for budget_spec, pid in zip(plan.budgets, settlement.budget_periods, strict=True):
+                budget = self._budgets.get(budget_spec.key)
+                if budget is not None and budget.period == pid:
+                    budget.spent_usd = max(0.0, budget.spent_usd + settlement.budget_delta_usd)
+
+    def _bucket(self, spec: BucketSpec, now_s: float, scale: float) -> _Bucket:
+        state = self._buckets.get(spec.key)
+        if state is None:
+            seeded = self._seed(spec, now_s) if self._seed is not None else None
+            state = self._buckets[spec.key] = _Bucket((seeded or 0.0) * scale, now_s, spec)
+        elif state.spec is not spec:
+            state.spec = spec  # the policy was reloaded: keep what is used, take the new limit
+        return state
+
+    def _budget(self, spec: BudgetSpec, now_s: float, scale: float) -> _Budget:
+        pid = buckets.period_id(spec.period, now_s)
+        budget = self._budgets.get(spec.key)
+        if budget is None or budget.period != pid:
+            seeded = self._seed(spec, now_s) if self._seed is not None else None
+            budget = self._budgets[spec.key] = _Budget(pid, (seeded or 0.0) * scale, spec)
+        elif budget.spec is not spec:
+            budget.spec = spec
+        return budget
+
+    def sweep(self, now_s: float) -> None:
+        """Drop full buckets and past budgets so many short-lived subjects cannot grow memory."""
+        for key, state in list(self._buckets.items()):
+            if buckets.drained(state.used, state.updated_at_s, now_s, state.spec.rate_per_s * self.scale) <= 0.0:
+                del self._buckets[key]
+        for key, budget in list(self._budgets.items()):
+            if budget.period != buckets.period_id(budget.spec.period, now_s):
+                del self._budgets[key]
+        self._leases.sweep(now_s)
+        for key in [k for k in self._lease_specs if self._leases.active(k, now_s) == 0]:
+            del self._lease_specs[key]
+
+    def clear(self) -> None:
+        self.generation += 1
+        self._buckets.clear()
+        self._budgets.clear()
+        self._leases.clear()
+        self._lease_specs.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {"store": self.source, "buckets": len(self._buckets), "budgets": len(self._budgets)}
+
+    async def close(self) -> None:
+        return None
+
+    def snapshot(self, now_s: float | None = None) -> list[dict[str, Any]]:
+        """Rows for /admin/status and gauges: every bucket and budget this store holds."""
+        now_s = self._clock() if now_s is None else now_s
+        rows: list[dict[str, Any]] = []
+        for state in self._buckets.values():
+            spec = state.spec
+            used = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale)
+            rows.append(bucket_row(spec, used, self.source, self.scale))
+        for key, active in self._leases.items(now_s):
+            lease = self._lease_specs.get(key)
+            if lease is not None:
+                rows.append(lease_row(lease, active, self.source, self.scale))
+        rows.extend(budget_row(b.spec, b.spent_usd, self.source, self.scale) for b in self._budgets.values())
+        return rows
+
+
+def bucket_row(spec: BucketSpec, used: float, store: str, scale: float = 1.0) -> dict[str, Any]:
+    capacity = spec.capacity * scale
+    return {
+        "kind": "bucket",
+        "rule": spec.rule_id,
+        "scope": spec.scope,
+        "subject": spec.subject,
+        "dimension": spec.dimension,
+        "capacity": capacity,
+        "used": used,
+        "remaining": max(0.0, capacity - used),
+        "reset_s": buckets.reset_s(used, spec.rate_per_s * scale),
+        "shadow": spec.shadow,
+        "store": store,
+    }
+
+
+def lease_row(spec: LeaseSpec, active: int, store: str, scale: float = 1.0) -> dict[str, Any]:
+    return {
+        "kind": "concurrency",
+        "rule": spec.rule_id,
+        "scope": spec.scope,
+        "subject": spec.subject,
+        "dimension": "max_concurrent",
+        "capacity": max(1, math.ceil(spec.capacity * scale)),
+        "active": active,
+        "shadow": spec.shadow,
+        "store": store,
+    }
+
+
+def budget_row(spec: BudgetSpec, spent_usd: float, store: str, scale: float = 1.0) -> dict[str, Any]:
+    limit_usd = spec.limit_usd * scale
+    return {
+        "kind": "budget",
+        "rule": spec.rule_id,
+        "scope": spec.scope,
+        "subject": spec.subject,
+        "period": spec.period,
+        "limit_usd": limit_usd,
+        "spent_usd": spent_usd,
+        "remaining_usd": max(0.0, limit_usd - spent_usd),
+        "shadow": spec.shadow,
+        "store": store,
+    }

@@ -1,0 +1,164 @@
+"""The shared store: buckets, leases and budgets in Redis, one EVALSHA per admit and one per settle.
+
+Every key carries the hash tag `{prefix}` so a request's keys share one slot: on Redis Cluster the
+whole limiter lives on one shard, which is what lets one atomic script cover every bucket (the
+alternative, one call per slot, gives up atomicity). The script uses Redis's own clock, so replicas
+with skewed clocks still drain buckets identically. Calls made in the same event-loop turn share one
+pipelined write (`AutoPipeline`), which also reloads the scripts after a NOSCRIPT (Redis restart,
+failover, SCRIPT FLUSH).
+
+This class talks to Redis only; failure handling (breaker, fail-open, replay) is `FailoverStore`'s.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from policies.limits.autopipeline import AutoPipeline, Script
+from policies.limits.types import Charge, Outcome, Plan, Settlement
+
+MARKER_TTL_S = 86_400  # fail-open charges replayed after an outage are deduplicated this long
+
+
+def _script(name: str) -> Script:
+    return Script(resources.files("policies.limits").joinpath(name).read_text(encoding="utf-8"))
+
+
+def _flag(shadow: bool) -> str:
+    return "1" if shadow else "0"
+
+
+def _now_arg(now_s: float | None) -> str:
+    return "" if now_s is None else repr(now_s)
+
+
+class RedisStore:
+    """Reserve/settle scripts over one Redis client; raises redis errors to the caller."""
+
+    source = "redis"
+
+    def __init__(self, client: Redis, *, prefix: str = "tokenway", batch: bool = True) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._tag = "{" + prefix + "}:"
+        self._tickets = self._tag + "tickets"
+        self._reserve = _script("reserve.lua")
+        self._settle = _script("settle.lua")
+        self.pipeline = AutoPipeline(client, (self._reserve, self._settle), batch=batch)
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True
+    ) -> RedisStore:
+        """A client for the hot path: short timeouts and no client-side retries (the breaker decides)."""
+        client = Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        return cls(client, prefix=prefix, batch=batch)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def key(self, kind: str, name: str) -> str:
+        """The Redis key of a bucket (b), lease (c) or budget (u)."""
+        return f"{self._tag}{kind}:{name}"
+
+    def _encoded(self, plan: Plan) -> _Encoded:
+        """Keys and the static script arguments of `plan`, built once per plan and store prefix."""
+        encoded = plan.encoded.get(self._tag)
+        if encoded is None:
+            encoded = plan.encoded[self._tag] = _Encoded(self, plan)
+        return encoded
+
+    async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome:
+        settings = plan.settings
+        enc = self._encoded(plan)
+        args = [
+            _now_arg(now_s),
+            charge.ticket_id,
+            repr(settings.lease_ttl_s),
+            repr(ticket_ttl_s(settings.lease_ttl_s)),
+            repr(charge.cost_usd),
+            enc.reserve_plan,
+            " ".join(map(repr, charge.bucket_costs)),
+        ]
+        reply = await self.pipeline.call(self._reserve, enc.keys, args)
+        nb, nl, nu = len(plan.buckets), len(plan.leases), len(plan.budgets)
+        i = 2
+        used = [float(v) for v in reply[i : i + nb]]
+        i += nb
+        active = [int(v) for v in reply[i : i + nl]]
+        i += nl
+        spent = [float(v) for v in reply[i : i + nu]]
+        i += nu
+        periods = [int(v) for v in reply[i : i + nu]]
+        return Outcome(reply[0] == b"1", float(reply[1]), used, active, spent, periods, self.source)
+
+    async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
+        """Settle a ticket Redis reserved. False when it was settled before (or had expired)."""
+        enc = self._encoded(plan)
+        args = [
+            _now_arg(now_s),
+            settlement.ticket_id,
+            "z",
+            MARKER_TTL_S,
+            repr(settlement.budget_delta_usd),
+            enc.settle_plan,
+            " ".join(map(repr, settlement.bucket_deltas)),
+            " ".join(map(str, settlement.budget_periods)),
+        ]
+        return bool(int(await self.pipeline.call(self._settle, enc.keys, args)))
+
+    async def charge_budgets(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
+        """Charge the real cost of a request admitted locally while Redis was down, exactly once."""
+        enc = self._encoded(plan)
+        args = [
+            _now_arg(now_s),
+            settlement.ticket_id,
+            "m",
+            MARKER_TTL_S,
+            repr(settlement.actual_cost_usd),
+            enc.marker_plan,
+            "",
+            " ".join(map(str, settlement.budget_periods)),
+        ]
+        keys = [self._tag + "m:" + settlement.ticket_id, *enc.budget_keys]
+        return bool(int(await self.pipeline.call(self._settle, keys, args)))
+
+
+class _Encoded:
+    """A plan as the scripts take it: key names and the space-separated static parameters."""
+
+    __slots__ = ("budget_keys", "keys", "marker_plan", "reserve_plan", "settle_plan")
+
+    def __init__(self, store: RedisStore, plan: Plan) -> None:
+        tag = store._tag
+        bucket_keys = [tag + "b:" + spec.key for spec in plan.buckets]
+        lease_keys = [tag + "c:" + lease.key for lease in plan.leases]
+        self.budget_keys = [tag + "u:" + budget.key for budget in plan.budgets]
+        self.keys = [store._tickets, *bucket_keys, *lease_keys, *self.budget_keys]
+        counts = [str(len(plan.buckets)), str(len(plan.leases)), str(len(plan.budgets))]
+        reserve = list(counts)
+        for spec in plan.buckets:
+            reserve += (repr(spec.capacity), repr(spec.rate_per_s), _flag(spec.shadow))
+        for lease in plan.leases:
+            reserve += (str(lease.capacity), _flag(lease.shadow))
+        for budget in plan.budgets:
+            reserve += (repr(budget.limit_usd), budget.period, _flag(budget.shadow))
+        self.reserve_plan = " ".join(reserve)
+        periods = [budget.period for budget in plan.budgets]
+        self.settle_plan = " ".join([*counts, *(repr(spec.rate_per_s) for spec in plan.buckets), *periods])
+        self.marker_plan = " ".join(["0", "0", str(len(plan.budgets)), *periods])
+
+
+def ticket_ttl_s(lease_ttl_s: float) -> float:
+    """How long an unsettled ticket stays settleable: past any lease, and at least an hour."""
+    return max(3600.0, 2.0 * lease_ttl_s)

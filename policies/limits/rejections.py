@@ -1,0 +1,108 @@
+"""The admission's "no" in the terms of the error catalogue (DESIGN.md §6), worded like OpenAI's own
+429s ("Rate limit reached for gpt-4o-mini in organization … on tokens per min (TPM): Limit 50000,
+Used 47949, Requested 3006. Please try again in 1.146s.") and naming the rule that said no.
+
+`Rejection.reason` is the fallback trigger: `rate_limited` and `budget_exhausted` may degrade to the
+next model; `limiter_unavailable` never does (the store is down for every model).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from policies.limits.headers import Headers, go_duration, retry_headers
+from policies.limits.types import DIMENSION_LABEL, BucketSpec, BudgetSpec, LeaseSpec
+from policies.types import Rejection
+
+NO_RETRY = ("x-should-retry", "false")
+
+
+def describe(scope: str, subject: str, rule_id: str) -> str:
+    """Who shares the limit, as a message fragment: `key 'demo' (rule key[tenant=free])`."""
+    if scope == "key":
+        who = f"key '{subject}'"
+    elif scope == "tenant":
+        who = f"tenant '{subject}'"
+    elif scope == "model":
+        who = "all callers of the model"
+    elif scope == "key_model":
+        who = f"key '{subject.split('/', 1)[0]}' on this model"
+    else:
+        who = "the gateway (global)"
+    return f"{who} (rule {rule_id})"
+
+
+def _amount(x: float) -> str:
+    """Whole units from 100 up; below, one decimal at most (a bucket drains continuously)."""
+    if abs(x) >= 100:
+        return str(round(x))
+    return f"{x:.1f}".rstrip("0").rstrip(".")
+
+
+def rate_limited(
+    model: str, spec: BucketSpec | LeaseSpec, *, capacity: float, used: float, requested: float, wait_s: float,
+    headers: Headers,
+) -> Rejection:
+    kind = spec.kind if isinstance(spec, BucketSpec) else "requests"
+    label = DIMENSION_LABEL[spec.dimension if isinstance(spec, BucketSpec) else "max_concurrent"]
+    message = (
+        f"Rate limit reached for {model} in {describe(spec.scope, spec.subject, spec.rule_id)} on {label}: "
+        f"Limit {_amount(capacity)}, Used {_amount(used)}, Requested {_amount(requested)}. "
+        f"Please try again in {go_duration(wait_s)}."
+    )
+    return Rejection(
+        status=429,
+        message=message,
+        type=kind,
+        code="rate_limit_exceeded",
+        headers=(*retry_headers(wait_s), *headers),
+        reason="rate_limited",
+    )
+
+
+def too_large(model: str, spec: BucketSpec, *, capacity: float, requested: float) -> Rejection:
+    """The request exceeds the bucket's whole capacity: waiting cannot help, so no retry."""
+    message = (
+        f"Request too large for {model} in {describe(spec.scope, spec.subject, spec.rule_id)} on "
+        f"{DIMENSION_LABEL[spec.dimension]}: Limit {_amount(capacity)}, Requested {_amount(requested)}. "
+        "The input or output tokens must be reduced in order to run successfully."
+    )
+    return Rejection(
+        status=429,
+        message=message,
+        type=spec.kind,
+        code="rate_limit_exceeded",
+        headers=(NO_RETRY,),
+        reason="rate_limited",
+    )
+
+
+def budget_exhausted(
+    model: str, spec: BudgetSpec, *, spent_usd: float, cost_usd: float, resets_at_s: float
+) -> Rejection:
+    resets = datetime.fromtimestamp(resets_at_s, UTC).strftime("%Y-%m-%dT%H:%MZ")
+    message = (
+        f"You exceeded your current quota: the {'daily' if spec.period == 'day' else 'monthly'} budget of "
+        f"{describe(spec.scope, spec.subject, spec.rule_id)} is ${spec.limit_usd:.2f}, "
+        f"${spent_usd:.4f} is spent and this request to {model} may cost up to ${cost_usd:.4f}. "
+        f"The budget resets at {resets}."
+    )
+    return Rejection(
+        status=429,
+        message=message,
+        type="insufficient_quota",
+        code="insufficient_quota",
+        headers=(NO_RETRY,),
+        reason="budget_exhausted",
+    )
+
+
+def limiter_unavailable(retry_after_s: float) -> Rejection:
+    return Rejection(
+        status=503,
+        message="The rate limiter's store is unavailable and the policy fails closed; try again shortly.",
+        type="server_error",
+        code="limiter_unavailable",
+        headers=tuple(h for h in retry_headers(retry_after_s) if h[0] != "x-should-retry"),
+        reason="limiter_unavailable",
+    )

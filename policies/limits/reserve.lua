@@ -1,0 +1,117 @@
+-- tokenway: reserve one request across every bucket, lease and budget that applies, all or nothing.
+-- Same formulas as policies/limits/buckets.py. Every key shares one hash tag ({prefix}), so the
+-- script is one EVALSHA on one slot, also on Redis Cluster. Time is Redis's own (TIME) unless the
+-- caller passes one (tests).
+--
+-- KEYS: [1] tickets zset, then nb bucket hashes {u, t}, nl lease zsets, nu budget hashes {p, s}
+-- ARGV: [1] now ('' = TIME) [2] ticket id [3] lease ttl s [4] ticket ttl s [5] cost usd
+--       [6] the plan, space-separated: nb nl nu, per bucket capacity rate/s shadow(0|1),
+--           per lease capacity shadow, per budget limit-usd period(day|month) shadow
+--       [7] the bucket costs, space-separated
+-- (The plan string is built once per plan by the caller: fewer, cached arguments are cheaper to
+-- send than one argument per number.)
+-- Returns: {admitted 0|1, now, used x nb, active x nl, spent x nu, period x nu}, all as strings;
+-- the state is the one decided on, before this request's charge.
+
+local function fmt(x) return string.format('%.17g', x) end
+
+local function period_id(kind, now)
+  local days = math.floor(now / 86400)
+  if kind == 'day' then return days end
+  -- civil_from_days (H. Hinnant): month index y*12 + m-1 in UTC
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  if m <= 2 then y = y + 1 end
+  return y * 12 + m - 1
+end
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local ticket = ARGV[2]
+local lease_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local cost_usd = tonumber(ARGV[5])
+local plan = {}
+for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
+local costs = {}
+for tok in string.gmatch(ARGV[7], '%S+') do costs[#costs + 1] = tonumber(tok) end
+local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
+
+local ok = 1
+local out = {}
+local used, rates = {}, {}
+local a = 4
+for i = 1, nb do
+  local cap, rate, shadow = tonumber(plan[a]), tonumber(plan[a + 1]), plan[a + 2]
+  a = a + 3
+  local st = redis.call('HMGET', KEYS[1 + i], 'u', 't')
+  local u = tonumber(st[1]) or 0
+  local t = tonumber(st[2]) or now
+  if now > t then
+    u = u - (now - t) * rate
+    if u < 0 then u = 0 end
+  end
+  used[i], rates[i] = u, rate
+  if shadow == '0' and u + costs[i] > cap then ok = 0 end
+end
+local active = {}
+for i = 1, nl do
+  local key = KEYS[1 + nb + i]
+  local cap, shadow = tonumber(plan[a]), plan[a + 1]
+  a = a + 2
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local n = redis.call('ZCARD', key)
+  active[i] = n
+  if shadow == '0' and n + 1 > cap then ok = 0 end
+end
+local spent, periods, kinds = {}, {}, {}
+for i = 1, nu do
+  local limit, kind, shadow = tonumber(plan[a]), plan[a + 1], plan[a + 2]
+  a = a + 3
+  local pid = period_id(kind, now)
+  local st = redis.call('HMGET', KEYS[1 + nb + nl + i], 'p', 's')
+  local s = 0
+  if tonumber(st[1]) == pid then s = tonumber(st[2]) or 0 end
+  spent[i], periods[i], kinds[i] = s, pid, kind
+  if shadow == '0' and s + cost_usd > limit then ok = 0 end
+end
+
+if ok == 1 then
+  for i = 1, nb do
+    local u = used[i] + costs[i]
+    local key = KEYS[1 + i]
+    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
+    redis.call('PEXPIRE', key, math.ceil(u / rates[i] * 1000) + 1000)
+  end
+  for i = 1, nl do
+    local key = KEYS[1 + nb + i]
+    redis.call('ZADD', key, now + lease_ttl, ticket)
+    redis.call('PEXPIRE', key, math.ceil(lease_ttl * 1000) + 1000)
+  end
+  for i = 1, nu do
+    local key = KEYS[1 + nb + nl + i]
+    redis.call('HSET', key, 'p', periods[i], 's', fmt(spent[i] + cost_usd))
+    redis.call('EXPIRE', key, kinds[i] == 'day' and 172800 or 2764800)
+  end
+  -- the ticket makes settle idempotent: it applies only while the ticket is still there to remove
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  redis.call('ZADD', KEYS[1], now + ticket_ttl, ticket)
+end
+
+out[1] = tostring(ok)
+out[2] = fmt(now)
+for i = 1, nb do out[#out + 1] = fmt(used[i]) end
+for i = 1, nl do out[#out + 1] = tostring(active[i]) end
+for i = 1, nu do out[#out + 1] = fmt(spent[i]) end
+for i = 1, nu do out[#out + 1] = tostring(periods[i]) end
+return out

@@ -1,0 +1,71 @@
+-- tokenway: apply one request's corrections (refund or extra charge), release its leases. Idempotent:
+-- the first call removes the ticket (mode 'z') or sets a marker (mode 'm', for fail-open charges that
+-- Redis never reserved); a retry finds it gone and changes nothing, so replaying after an outage
+-- never counts twice.
+--
+-- KEYS: [1] tickets zset or marker key, then nb bucket hashes, nl lease zsets, nu budget hashes
+-- ARGV: [1] now ('' = TIME) [2] ticket id [3] mode z|m [4] marker ttl s [5] budget delta usd
+--       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month)
+--       [7] bucket deltas, space-separated [8] budget period ids, space-separated
+-- Returns 1 when applied, 0 when it had been applied already (or the ticket expired).
+
+local function fmt(x) return string.format('%.17g', x) end
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local ticket, mode = ARGV[2], ARGV[3]
+if mode == 'z' then
+  if redis.call('ZREM', KEYS[1], ticket) == 0 then return 0 end
+else
+  if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[4])) then return 0 end
+end
+local delta_usd = tonumber(ARGV[5])
+local plan = {}
+for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
+local deltas = {}
+for tok in string.gmatch(ARGV[7], '%S+') do deltas[#deltas + 1] = tonumber(tok) end
+local pids = {}
+for tok in string.gmatch(ARGV[8], '%S+') do pids[#pids + 1] = tonumber(tok) end
+local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
+
+for i = 1, nb do
+  local key = KEYS[1 + i]
+  local rate, delta = tonumber(plan[3 + i]), deltas[i]
+  if delta ~= 0 then
+    local st = redis.call('HMGET', key, 'u', 't')
+    local u = tonumber(st[1]) or 0
+    local t = tonumber(st[2]) or now
+    if now > t then
+      u = u - (now - t) * rate
+      if u < 0 then u = 0 end
+    end
+    u = u + delta
+    if u < 0 then u = 0 end
+    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
+    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+  end
+end
+for i = 1, nl do
+  redis.call('ZREM', KEYS[1 + nb + i], ticket)
+end
+if delta_usd ~= 0 then
+  for i = 1, nu do
+    local key = KEYS[1 + nb + nl + i]
+    local kind, pid = plan[3 + nb + i], pids[i]
+    local st = redis.call('HMGET', key, 'p', 's')
+    local p, s = tonumber(st[1]), tonumber(st[2]) or 0
+    if mode == 'm' and (p == nil or p < pid) then p, s = pid, 0 end
+    if p == pid then
+      s = s + delta_usd
+      if s < 0 then s = 0 end
+      redis.call('HSET', key, 'p', pid, 's', fmt(s))
+      redis.call('EXPIRE', key, kind == 'day' and 172800 or 2764800)
+    end
+  end
+end
+return 1

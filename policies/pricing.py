@@ -1,0 +1,15 @@
+"""What a request cost: usage x the model's price table (USD per million tokens, cached input apart).
+
+Cached prompt tokens (served from the engine's prefix cache) are billed at `cached_input_per_mtok`,
+which defaults to the input price. Budgets are charged with this same figure after each request.
+"""
+
+from __future__ import annotations
+
+from policies.policy import Policy
+from policies.types import Usage
+
+
+def price_usd(policy: Policy, model: str, usage: Usage) -> float:
+    """USD cost of `usage` on `model`; 0.0 for a model without a price."""
+    return policy.price(model).cost_usd(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)

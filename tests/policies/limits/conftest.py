@@ -1,0 +1,49 @@
+"""Admission fixtures: the same tests run against the memory store and against a real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from policies.limits.admission import Admission
+from policies.limits.failover import FailoverStore
+from policies.limits.memory_store import MemoryStore
+from policies.limits.redis_store import RedisStore
+from policies.policy import Policy
+from tests.policies.limits.redis_proc import RedisProcess
+
+AdmissionFactory = Callable[[Policy], Admission]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_admission(request: pytest.FixtureRequest) -> AsyncIterator[AdmissionFactory]:
+    """`make_admission(policy)` -> an Admission over a fresh memory store or a Redis under a unique prefix."""
+    made: list[Admission] = []
+    url: str | None = None
+    prefix = ""
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_url")
+        prefix = request.getfixturevalue("redis_prefix")
+
+    def factory(policy: Policy) -> Admission:
+        store: Any = MemoryStore()
+        if url is not None:
+            store = FailoverStore(RedisStore.from_url(url, prefix=prefix, timeout_s=2.0))
+        admission = Admission(policy, store)
+        made.append(admission)
+        return admission
+
+    yield factory
+    for admission in made:
+        await admission.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    """A Redis started by the test on its own port (killed at the end)."""
+    server = RedisProcess()
+    server.start()
+    yield server
+    server.kill()

@@ -1,0 +1,30 @@
+"""OpenAI-style rate-limit and retry headers."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.limits.headers import go_duration, ratelimit_headers, retry_headers
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [(0, "0s"), (0.012, "12ms"), (0.0001, "1ms"), (1, "1s"), (1.146, "1.146s"), (1.5, "1.5s"),
+     (179.56, "2m59.56s"), (360, "6m0s"), (3600, "1h0m0s"), (3723.5, "1h2m3.5s")],
+)
+def test_go_duration(seconds: float, expected: str) -> None:
+    assert go_duration(seconds) == expected
+
+
+def test_ratelimit_headers_floor_remaining_at_zero() -> None:
+    assert ratelimit_headers("tokens", 1000, -50.5, 1.5) == [
+        ("x-ratelimit-limit-tokens", "1000"),
+        ("x-ratelimit-remaining-tokens", "0"),
+        ("x-ratelimit-reset-tokens", "1.5s"),
+    ]
+
+
+def test_retry_headers_round_up_and_stop_auto_retry_past_a_minute() -> None:
+    assert retry_headers(0.2) == [("retry-after", "1"), ("retry-after-ms", "200")]
+    assert retry_headers(1.0001) == [("retry-after", "2"), ("retry-after-ms", "1001")]
+    assert ("x-should-retry", "false") in retry_headers(61)
