@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="PD link bandwidth in GB/s for KV pulls")
     p.add_argument("--output-len-mean", type=float, default=200.0,
                    help="mean of the natural output length when ignore_eos is off")
+    p.add_argument("--embedding-dim", type=int, default=256,
+                   help="length of /v1/embeddings vectors when a request names no dimensions")
     p.add_argument("--startup-delay-s", type=float, default=0.0,
                    help="real seconds to wait before listening (readiness tests)")
     p.add_argument("--log-level", default="INFO")
@@ -151,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             time_scale=args.time_scale,
             kv_transfer_bandwidth_gbps=args.kv_transfer_bandwidth_gbps,
             api_key=args.api_key,
+            embedding_dim=args.embedding_dim,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)

@@ -22,6 +22,8 @@ import time
 
 # Real seconds the engine may fall behind its schedule before the clock forgives the lag.
 MAX_LAG_S = 0.05
+# Shorter waits are not slept (timers have ~1 ms granularity): the step ends at once.
+MIN_SLEEP_S = 0.0005
 
 
 class SimClock:
@@ -69,12 +71,16 @@ class SimClock:
         self._last_end = start + duration_s
         return start, start + duration_s
 
+    def step_delay(self) -> float:
+        """Real seconds until the current step's end is due (<= 0: overdue)."""
+        assert self._step_end is not None
+        return self._real_target(self._step_end) - time.monotonic()
+
     async def sleep_step(self) -> None:
         """Sleep (really) until the current step's end is due."""
-        assert self._step_end is not None
-        delay = self._real_target(self._step_end) - time.monotonic()
+        delay = self.step_delay()
         # Timer granularity is ~1 ms: sleep only what matters; tiny steps just yield.
-        await asyncio.sleep(delay if delay > 0.0005 else 0)
+        await asyncio.sleep(delay if delay > MIN_SLEEP_S else 0)
 
     def go_idle(self) -> None:
         """No more work: from here simulated time follows the wall clock from the last step's end."""

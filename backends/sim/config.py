@@ -70,6 +70,7 @@ class EngineConfig:
     kv_transfer_bandwidth: float = 25e9  # bytes/s of the PD link
     kv_lease_s: float = 30.0
     api_key: str | None = None
+    embedding_dim: int = 256  # /v1/embeddings vectors when the request names no `dimensions`
 
     @property
     def served_model_name(self) -> str:
@@ -96,6 +97,7 @@ def build_engine_config(
     time_scale: float = 1.0,
     kv_transfer_bandwidth_gbps: float = 25.0,
     api_key: str | None = None,
+    embedding_dim: int = 256,
 ) -> EngineConfig:
     """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
 
@@ -147,6 +149,7 @@ def build_engine_config(
         time_scale=time_scale,
         kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
         api_key=api_key,
+        embedding_dim=embedding_dim,
     )
     if transfer:
         extra = transfer.get("kv_connector_extra_config") or {}

@@ -1,9 +1,15 @@
 """One simulated engine: the step loop that turns schedules into simulated time and visible tokens.
 
 Loop: schedule a step (scheduler.py), price it (perf_model.py), sleep until its simulated end is
-due (clock.py), then reveal its tokens, update metrics, publish KV events and wake the HTTP handlers
-of the requests that changed. Tokens therefore appear only when their step ends, and TTFT, TPOT and
-queueing come out of the schedule rather than a per-request formula.
+due (clock.py), then reveal its tokens, update metrics, publish KV events and call the `notify` of
+the requests that changed (a stream's notify writes its new tokens to the socket, sse.py; the others
+wake their handler once finished). Tokens therefore appear only when their step ends, and TTFT, TPOT
+and queueing come out of the schedule rather than a per-request formula.
+
+When the host falls behind real time, a step's end is already due when it is priced: the loop then
+ends it at once and runs on (for up to `BURST_S` of real time before yielding to the other engines
+and the HTTP side), telling each request once for all those steps: one socket write carries several
+steps' tokens, which is what lets an overloaded process catch up. First tokens are never held back.
 
 PD (NixlConnector semantics): a prefill leg (`do_remote_decode`) finishes after its one token and
 keeps its blocks pinned for `kv_lease_s`; a decode leg (`do_remote_prefill`) reserves blocks for
@@ -18,21 +24,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+import time
 from typing import Any
 
 import aiohttp
 
 from backends.sim import perf_model, text_gen
-from backends.sim.clock import SimClock
+from backends.sim.clock import MIN_SLEEP_S, SimClock
 from backends.sim.config import EngineConfig
 from backends.sim.kv_cache import KVCacheManager
 from backends.sim.kv_events import KVEventPublisher
 from backends.sim.metrics import EngineMetrics
-from backends.sim.request import Request, Status
+from backends.sim.request import Request, Status, new_id
 from backends.sim.scheduler import Scheduler
 
 log = logging.getLogger("tokenway.sim")
+
+# Real seconds the loop may spend ending overdue steps back to back (when behind real time) before
+# it hands their tokens to the streams and lets the other engines and the HTTP side run.
+BURST_S = 0.001
 
 
 class SimEngine:
@@ -45,6 +55,7 @@ class SimEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s
         )
         self.clock = SimClock(config.time_scale)
+        self.step_time = perf_model.StepTimer(self.preset)
         self.metrics = EngineMetrics(config)
         self.publisher: KVEventPublisher | None = None
         self.advertised_host = "127.0.0.1"
@@ -56,7 +67,7 @@ class SimEngine:
         self._last_arrival_s = 0.0
         self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
         self.steps = 0
-        self.metrics.set_state(0, 0, 0.0)
+        self.metrics.state_source = self._state
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -64,6 +75,7 @@ class SimEngine:
         if self.config.kv_events is not None:
             self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size,
                                               self.instance_index)
+        self.kv.pool.record_events = self.publisher is not None
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
         self._task.add_done_callback(self._engine_died)
 
@@ -102,10 +114,16 @@ class SimEngine:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         request_id: str | None = None,
+        pooling: bool = False,
     ) -> Request:
-        """Plan a request's output (deterministic ids and length) and stamp its arrival."""
+        """Plan a request's output (deterministic ids and length) and stamp its arrival. A pooling
+        request (an embedding) only runs its prompt through the model."""
         arrival = self.clock.now()
         self._last_arrival_s = max(self._last_arrival_s, arrival)
+        if pooling:
+            return Request(request_id=request_id or new_id(), prompt_ids=prompt_ids, output_ids=[],
+                           stop_reason_at_end="stop", arrival_s=arrival, max_tokens=0, cache_salt=cache_salt,
+                           pooling=True)
         limit = self.config.max_model_len - len(prompt_ids)
         budget = limit if max_tokens is None else min(max_tokens, limit)
         rng = text_gen.request_rng(prompt_ids, self.config.seed)
@@ -118,7 +136,7 @@ class SimEngine:
         remote_decode = bool(params.get("do_remote_decode"))
         remote_prefill = params if params.get("do_remote_prefill") else None
         return Request(
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=request_id or new_id(),
             prompt_ids=prompt_ids,
             output_ids=text_gen.generate_ids(rng, max(1, length)),
             stop_reason_at_end=reason,
@@ -131,14 +149,12 @@ class SimEngine:
 
     def submit(self, req: Request) -> None:
         self.scheduler.add(req)
-        self._publish_state()
         self._wakeup.set()
 
     def abort(self, req: Request) -> None:
         """The client went away: free the request now and count it as aborted."""
         if self.scheduler.abort(req, self.clock.now()):
-            self._record(self.scheduler.drain_stats(), 0)
-            self._publish_state()
+            self._record(0)
 
     def kv_transfer_params(self, req: Request) -> dict[str, Any]:
         """What a prefill leg returns for its decode leg (vLLM NixlConnector.request_finished)."""
@@ -167,7 +183,6 @@ class SimEngine:
         req = self.scheduler.release_pin(remote_request_id, self.clock.now())
         if req is not None:
             self._flush_events()
-            self._publish_state()
         return req
 
     def reset_prefix_cache(self) -> bool:
@@ -180,22 +195,32 @@ class SimEngine:
     async def _run(self) -> None:
         scheduler = self.scheduler
         clock = self.clock
-        preset = self.preset
+        step_time = self.step_time
+        pool = self.kv.pool
+        record_step = self.metrics.record_step
+        monotonic = time.monotonic
+        # Requests changed by steps whose handlers have not been told yet (insertion-ordered set).
+        pending: dict[Request, None] = {}
+        burst_end = 0.0
         while True:
             now = clock.next_start()
             if clock.idle:
                 now = max(now, self._last_arrival_s)  # woken by an arrival: start at it
-            step = scheduler.schedule(now) if scheduler.has_work() or scheduler.pulls_done else None
-            if step is not None:
+            has_work = scheduler.running or scheduler.waiting or scheduler.pulls_done
+            step = scheduler.schedule(now) if has_work else None
+            prefills = step.prefills if step is not None else None
+            decodes = step.decodes if step is not None else None
+            if step is not None and not prefills and not decodes:
                 for req in step.started_pulls:
                     self._start_pull(req, now)
-                if step.empty and (step.preempted or step.started_pulls):
+                if step.preempted or step.started_pulls:
+                    self._notify(pending)
                     await asyncio.sleep(0)  # admission resumes on the next pass
                     continue
-            if step is None or step.empty:
+            if not prefills and not decodes:
+                self._notify(pending)
                 scheduler.expire_pins(clock.now())
                 self._flush_events()
-                self._publish_state()
                 landing = scheduler.next_pull_s()
                 if landing is not None and not self._http_pulls and landing - now < 1.0:
                     # A transfer lands shortly: wait for it as an empty step, so it lands on time.
@@ -205,21 +230,51 @@ class SimEngine:
                 clock.go_idle()
                 await self._idle_wait()
                 continue
-            duration = perf_model.step_time_s(
-                preset,
-                [(n, ctx) for _, n, ctx in step.prefills],
-                [ctx for _, ctx in step.decodes],
-            )
-            _start, end = clock.begin_step(duration, start_s=now)
-            await clock.sleep_step()
+            assert step is not None and decodes is not None
+            for req in step.started_pulls:
+                self._start_pull(req, now)
+            num_decodes = len(decodes)
+            step_tokens = num_decodes
+            if prefills:
+                chunks = [(n, ctx) for _, n, ctx in prefills]
+                step_tokens += sum([n for n, _ in chunks])
+            else:
+                chunks = []
+            _start, end = clock.begin_step(step_time(chunks, num_decodes, step.decode_context_sum), start_s=now)
+            delay = clock.step_delay()
+            if delay > MIN_SLEEP_S:
+                self._notify(pending)
+                await asyncio.sleep(delay)
+                burst_end = monotonic() + BURST_S
+            elif monotonic() >= burst_end:
+                self._notify(pending)
+                await asyncio.sleep(0)
+                burst_end = monotonic() + BURST_S
+            # else: behind real time, this step is overdue already: end it now, tell its requests
+            # together with the next ones (one write per stream for several steps' tokens).
             changed = scheduler.complete_step(step, end)
             self.steps += 1
-            self._record(scheduler.drain_stats(), step.num_tokens)
-            self._flush_events()
-            self._publish_state()
+            stats = scheduler.stats
+            record_step(stats, step_tokens)
+            stats.clear()
+            if pool.events:
+                self._flush_events()
             for req in changed:
-                if req.notify is not None:
+                if req.num_output > 1:
+                    pending[req] = None
+                elif req.notify is not None:  # a first token (or an embedding) goes out at once: TTFT
                     req.notify()
+
+    @staticmethod
+    def _notify(pending: dict[Request, None]) -> None:
+        """Wake (or write for) each request that steps changed since the last call."""
+        if not pending:
+            return
+        for req in pending:
+            notify = req.notify
+            if notify is not None:
+                notify()
+        pending.clear()
 
     async def _idle_wait(self) -> None:
         self._wakeup.clear()
@@ -231,20 +286,21 @@ class SimEngine:
     def _next_pin_expiry(self) -> float | None:
         return min((expiry for _, expiry in self.scheduler.pinned.values()), default=None)
 
-    def _record(self, stats: Any, step_tokens: int) -> None:
+    def _record(self, step_tokens: int) -> None:
+        """Fold the scheduler's counts since the last call into the metrics."""
+        stats = self.scheduler.stats
         self.metrics.record_step(stats, step_tokens)
-        for req in stats.finished:
-            if req.notify is not None:
-                req.notify()
+        stats.clear()
 
     def _flush_events(self) -> None:
         events = self.kv.pool.drain_events()
         if events and self.publisher is not None:
             self.publisher.publish(events)
 
-    def _publish_state(self) -> None:
+    def _state(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) as the gauges report them, read when /metrics is scraped."""
         s = self.scheduler
-        self.metrics.set_state(len(s.running), s.num_waiting, self.kv.usage)
+        return len(s.running), s.num_waiting, self.kv.usage
 
     # --- PD pulls --------------------------------------------------------------------------------
 

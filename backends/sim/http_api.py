@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP surface of one simulated engine, shaped like `vllm serve`'s.
 
-Routes: POST /v1/chat/completions, /v1/completions (stream or not), GET /health, /ping, /version,
+Routes: POST /v1/chat/completions, /v1/completions (stream or not), /v1/embeddings (prefill-only
+requests through the scheduler; vectors from `embeddings.py`), GET /health, /ping, /version,
 /v1/models, /metrics, /load, POST /tokenize, /detokenize, and two internal ones: POST
 /internal/kv_pull (the PD side channel a decode instance calls) and POST /reset_prefix_cache
 (vLLM's dev-mode route; emits AllBlocksCleared). `--api-key` guards /v1/* only, with vLLM's bare
@@ -15,19 +16,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from backends import tokenization
-from backends.sim import text_gen
+from backends.sim import embeddings, prompt_cache, text_gen
 from backends.sim.config import VLLM_VERSION, EngineConfig
 from backends.sim.engine import SimEngine
-from backends.sim.request import Request
+from backends.sim.request import Request, new_id
+from backends.sim.sse import ChunkTemplate, FinishWaiter, TokenWriter
 
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 CREATED_KEY = web.AppKey("created", int)
@@ -89,6 +90,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.on_response_prepare.append(_mark_sim)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/health", _health)
     app.router.add_get("/ping", _health)
     app.router.add_get("/version", _version)
@@ -156,7 +158,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     body = await _read_json(request)
     config = request.app[ENGINE_KEY].config
     if "messages" in body:
-        ids = tokenization.chat_prompt_ids(_messages(body), body.get("tools"))
+        ids = prompt_cache.chat_prompt_ids(_messages(body), body.get("tools"))
     elif "prompt" in body:
         ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
     else:
@@ -253,7 +255,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     _check_common(body, engine.config)
-    prompt_ids = tokenization.chat_prompt_ids(_messages(body), body.get("tools"))
+    prompt_ids = prompt_cache.chat_prompt_ids(_messages(body), body.get("tools"))
     return await _generate(request, engine, body, prompt_ids, chat=True)
 
 
@@ -276,10 +278,7 @@ async def _generate(
     )
     min_tokens = _int_field(body, "min_tokens") or 0
     _check_length(len(prompt_ids), max_tokens, config)
-    needed_blocks = -(-(len(prompt_ids) + 1) // config.block_size)
-    if needed_blocks > config.num_gpu_blocks:
-        raise BadRequest(f"the prompt needs {needed_blocks} KV blocks; the engine has "
-                         f"{config.num_gpu_blocks}", "messages" if chat else "prompt")
+    _check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params")
@@ -292,9 +291,8 @@ async def _generate(
         cache_salt=str(salt) if salt else None,
         kv_transfer_params=params,
     )
-    changed = asyncio.Event()
-    req.notify = changed.set
-    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    base_id = request.headers.get("X-Request-Id") or new_id()
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{base_id}"
     model_name = str(body.get("model") or config.served_model_name)
     created = int(time.time())
@@ -302,11 +300,11 @@ async def _generate(
     try:
         if body.get("stream"):
             options = body.get("stream_options") or {}
-            return await _stream(request, engine, req, changed, response_id, model_name, created, chat,
+            return await _stream(request, engine, req, done, response_id, model_name, created, chat,
                                  bool(options.get("include_usage")))
-        while not req.finished:
-            await changed.wait()
-            changed.clear()
+        req.notify = FinishWaiter(req, done).step
+        if not req.finished:
+            await done
         text = text_gen.render(req.output_ids[: req.num_output])
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": req.finish_reason,
                                   "stop_reason": None}
@@ -328,8 +326,104 @@ async def _generate(
         }
         return _json(result)
     finally:
+        req.notify = None
         if not req.finished:
             engine.abort(req)
+
+
+def _check_blocks(prompt_len: int, config: EngineConfig, param: str) -> None:
+    needed_blocks = -(-(prompt_len + 1) // config.block_size)
+    if needed_blocks > config.num_gpu_blocks:
+        raise BadRequest(f"the prompt needs {needed_blocks} KV blocks; the engine has "
+                         f"{config.num_gpu_blocks}", param)
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+
+MAX_EMBEDDING_DIMENSIONS = 65536
+
+
+def _embedding_inputs(body: dict[str, Any]) -> list[list[int]]:
+    """Token ids of each input: a string, a list of strings, a list of ids, a list of id lists, or
+    vLLM's chat-style `messages` (one input)."""
+    if "input" not in body and "messages" in body:
+        return [prompt_cache.chat_prompt_ids(_messages(body))]
+    value = body.get("input")
+    if isinstance(value, str):
+        inputs = [tokenization.completion_prompt_ids(value)]
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        inputs = [tokenization.completion_prompt_ids(v) for v in value]
+    elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        inputs = [[int(v) for v in value]]
+    elif isinstance(value, list) and value and all(
+        isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v) for v in value
+    ):
+        inputs = [[int(t) for t in v] for v in value]
+    else:
+        raise BadRequest("'input' must be a string, a list of strings, a list of token ids or a list of "
+                         "token id lists", "input")
+    if any(not ids for ids in inputs):
+        raise BadRequest("'input' cannot contain an empty input", "input")
+    return inputs
+
+
+async def _embeddings(request: web.Request) -> web.Response:
+    body = await _read_json(request)
+    engine = request.app[ENGINE_KEY]
+    config = engine.config
+    _check_common(body, config)
+    inputs = _embedding_inputs(body)
+    dimensions = body.get("dimensions")
+    if dimensions is None:
+        dimensions = config.embedding_dim
+    elif isinstance(dimensions, bool) or not isinstance(dimensions, int) or not (
+        1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS
+    ):
+        raise BadRequest(f"'dimensions' must be an integer from 1 to {MAX_EMBEDDING_DIMENSIONS}", "dimensions")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise BadRequest("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    for ids in inputs:
+        if len(ids) > config.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {config.max_model_len} tokens. However, you "
+                f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the "
+                "length of the input.", "input")
+        _check_blocks(len(ids), config, "input")
+    loop = asyncio.get_running_loop()
+    requests: list[tuple[Request, asyncio.Future[None]]] = []
+    for ids in inputs:
+        req = engine.create_request(ids, max_tokens=None, pooling=True)
+        done: asyncio.Future[None] = loop.create_future()
+        req.notify = FinishWaiter(req, done).step
+        requests.append((req, done))
+        engine.submit(req)
+    try:
+        for req, done in requests:
+            if not req.finished:
+                await done
+    finally:
+        for req, _done in requests:
+            req.notify = None
+            if not req.finished:
+                engine.abort(req)
+    data: list[dict[str, Any]] = []
+    for index, (req, _done) in enumerate(requests):
+        vector = embeddings.embed(req.prompt_ids, dimensions, config.seed)
+        data.append({"index": index, "object": "embedding",
+                     "embedding": embeddings.encode_base64(vector) if encoding == "base64" else vector})
+    prompt_tokens = sum(req.num_prompt for req, _ in requests)
+    result = {
+        "id": f"embd-{new_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": str(body.get("model") or config.served_model_name),
+        "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None},
+    }
+    return web.Response(body=orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY),
+                        content_type="application/json")
 
 
 def _usage(req: Request) -> dict[str, Any]:
@@ -345,13 +439,15 @@ async def _stream(
     request: web.Request,
     engine: SimEngine,
     req: Request,
-    changed: asyncio.Event,
+    done: asyncio.Future[None],
     response_id: str,
     model_name: str,
     created: int,
     chat: bool,
     include_usage: bool,
 ) -> web.StreamResponse:
+    """Role chunk here; token chunks from the engine loop (sse.TokenWriter); the rest here once the
+    request has finished."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -371,31 +467,27 @@ async def _stream(
             choice["stop_reason"] = None
         return {**base, "choices": [choice]}
 
-    async def send(data: dict[str, Any]) -> None:
-        await response.write(b"data: " + orjson.dumps(data) + b"\n\n")
+    def event(data: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(data) + b"\n\n"
 
-    if chat:
-        await send(chunk(None, None, role=True))
-    sent = 0
-    while True:
-        if req.num_output == sent and not req.finished:
-            await changed.wait()
-        changed.clear()
-        produced = req.num_output
-        done = req.finished
-        if produced > sent or done:
-            text = text_gen.render(req.output_ids[sent:produced])
-            sent = produced
-            data = chunk(text, req.finish_reason if done else None)
-            if done:
-                data["metrics"] = req.timings()
-                if req.remote_decode:
-                    data["kv_transfer_params"] = engine.kv_transfer_params(req)
-            await send(data)
-        if done:
-            break
+    # The role chunk (chat) or nothing (completions) also sends the headers, before any direct write.
+    await response.write(event(chunk(None, None, role=True)) if chat else b"")
+    transport = request.transport
+    if transport is None:  # the client is already gone
+        return response
+    chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+    writer = TokenWriter(req, transport, ChunkTemplate(base, chat), chunked, done)
+    req.notify = writer.step
+    writer.step()  # tokens of steps that ended while the headers went out, if any
+    if not req.finished:
+        await done
+    text = text_gen.render(req.output_ids[writer.sent : req.num_output])
+    data = chunk(text, req.finish_reason)
+    data["metrics"] = timings = req.timings()
+    if req.remote_decode:
+        data["kv_transfer_params"] = engine.kv_transfer_params(req)
+    tail = event(data)
     if include_usage:
-        await send({**base, "choices": [], "usage": _usage(req), "metrics": req.timings()})
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+        tail += event({**base, "choices": [], "usage": _usage(req), "metrics": timings})
+    await response.write_eof(tail + b"data: [DONE]\n\n")
     return response

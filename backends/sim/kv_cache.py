@@ -42,11 +42,38 @@ def hash_block(parent: int, token_ids: Sequence[int], salt: str | None = None) -
 def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """Hashes of every full block of `token_ids` (what a router can recompute from the events)."""
     hashes: list[int] = []
-    parent = NONE_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], salt if start == 0 else None)
-        hashes.append(parent)
+    num_blocks = len(token_ids) // block_size
+    _chain_hashes(hashes, NONE_HASH, token_ids[: num_blocks * block_size], block_size, salt)
     return hashes
+
+
+def _chain_hashes(
+    out: list[int], parent: int, token_ids: Sequence[int], block_size: int, salt: str | None
+) -> None:
+    """Append the chained hashes of the full blocks of `token_ids` (`salt`: mixed into the first
+    one, which is block 0 of the request) to `out`; `hash_block`'s bytes, built from one buffer."""
+    data = array("I", token_ids).tobytes()
+    step = 4 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    start = 0
+    if salt and len(data) >= step:
+        parent = hash_block(parent, token_ids[:block_size], salt)
+        out.append(parent)
+        start = step
+    for offset in range(start, len(data) - step + 1, step):
+        parent = digest(parent.to_bytes(8, "little") + data[offset : offset + step])
+        out.append(parent)
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """Tokens start..end of the request's prompt followed by its (planned) output."""
+    prompt = req.prompt_ids
+    split = len(prompt)
+    if end <= split:
+        return prompt[start:end]
+    if start >= split:
+        return req.output_ids[start - split : end - split]
+    return prompt[start:] + req.output_ids[: end - split]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +97,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}
         self.events: list[KVEvent] = []
+        self.record_events = True  # False: nobody publishes them (stores and evictions still happen)
 
     @property
     def num_free(self) -> int:
@@ -95,25 +123,30 @@ class BlockPool:
             return None
         blocks: list[int] = []
         removed: list[int] = []
+        popitem = self.free.popitem
+        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
         for _ in range(count):
-            block, _none = self.free.popitem(last=False)
-            old = self.block_hash[block]
+            block, _none = popitem(last=False)
+            old = block_hash[block]
             if old is not None:
-                self.block_hash[block] = None
-                if self.cached.get(old) == block:
-                    del self.cached[old]
+                block_hash[block] = None
+                if cached.get(old) == block:
+                    del cached[old]
                     removed.append(old)
-            self.ref_cnt[block] = 1
+            ref_cnt[block] = 1
             blocks.append(block)
-        self.events.extend(KVEvent("removed", (h,)) for h in removed)
+        if removed and self.record_events:
+            self.events.extend(KVEvent("removed", (h,)) for h in removed)
         return blocks
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference per block; idle blocks join the free queue's tail, last block first."""
+        ref_cnt, free = self.ref_cnt, self.free
         for block in reversed(blocks):
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
-                self.free[block] = None
+            count = ref_cnt[block] - 1
+            ref_cnt[block] = count
+            if count == 0:
+                free[block] = None
 
     def store(self, block: int, block_hash: int) -> bool:
         """Record a full block under its hash; False when another block already holds that content."""
@@ -154,16 +187,10 @@ class KVCacheManager:
         if len(hashes) >= num_blocks:
             return
         bs = self.block_size
-        prompt = req.prompt_ids
+        first = len(hashes) * bs
         parent = hashes[-1] if hashes else NONE_HASH
-        for index in range(len(hashes), num_blocks):
-            start, end = index * bs, (index + 1) * bs
-            if end <= len(prompt):
-                tokens: Sequence[int] = prompt[start:end]
-            else:
-                tokens = (prompt + req.output_ids[: end - len(prompt)])[start:end]
-            parent = hash_block(parent, tokens, req.cache_salt if index == 0 else None)
-            hashes.append(parent)
+        _chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs,
+                      req.cache_salt if first == 0 else None)
 
     def computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the request's tokens, leaving at least the last token
@@ -195,6 +222,14 @@ class KVCacheManager:
         `store` is False: KV still to arrive from a remote prefill must not be matched before it lands.
         """
         bs = self.block_size
+        if not new_computed:
+            total = req.num_computed + num_new_tokens
+            if total <= len(req.blocks) * bs:  # fits in the blocks it holds (most decode steps)
+                if store and self.enable_caching:
+                    known = min(total, req.num_prompt + req.num_output)
+                    if known // bs > req.num_stored_blocks:
+                        self.store_full_blocks(req, known)
+                return True
         total = req.num_computed + len(new_computed) * bs + num_new_tokens
         needed = -(-total // bs) - len(req.blocks) - len(new_computed)
         idle_reused = sum(1 for b in new_computed if self.pool.ref_cnt[b] == 0)
@@ -221,22 +256,30 @@ class KVCacheManager:
         if full <= first:
             return
         self._ensure_hashes(req, full)
+        pool = self.pool
+        blocks, hashes = req.blocks, req.block_hashes
+        if not pool.record_events:
+            cached, block_hash = pool.cached, pool.block_hash
+            for index in range(first, full):  # BlockPool.store, inlined
+                digest = hashes[index]
+                if digest not in cached:
+                    block_hash[blocks[index]] = digest
+                    cached[digest] = blocks[index]
+            req.num_stored_blocks = full
+            return
         bs = self.block_size
-        known = req.prompt_ids
-        if full * bs > len(known):
-            known = known + req.output_ids[: req.num_output]
         run_start = first
         for index in range(first, full + 1):
-            stored = index < full and self.pool.store(req.blocks[index], req.block_hashes[index])
+            stored = index < full and pool.store(blocks[index], hashes[index])
             if stored:
                 continue
             if index > run_start:  # one event per contiguous run of newly cached blocks
-                parent = req.block_hashes[run_start - 1] if run_start else None
-                self.pool.events.append(KVEvent(
+                parent = hashes[run_start - 1] if run_start else None
+                pool.events.append(KVEvent(
                     "stored",
-                    tuple(req.block_hashes[run_start:index]),
+                    tuple(hashes[run_start:index]),
                     parent,
-                    tuple(known[run_start * bs : index * bs]),
+                    tuple(_tokens(req, run_start * bs, index * bs)),
                 ))
             run_start = index + 1
         req.num_stored_blocks = full

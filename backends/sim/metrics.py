@@ -4,11 +4,24 @@ Source of names and buckets: vllm/v1/metrics/loggers.py (PrometheusStatLogger). 
 carries `model_name` (first served name) and `engine` ("0"); counters are exposed with `_total`.
 Latencies are simulated seconds. Each instance has its own CollectorRegistry, so many engines can
 share a process.
+
+The values are plain Python numbers that one collector turns into prometheus_client families at
+scrape time (the same exposition, `_created` samples included, as prometheus_client's own Counter,
+Gauge and Histogram): a step costs a few integer additions and one bucket search per distinct value,
+not a lock per observation. The state gauges (running, waiting, KV usage) are read from the engine
+when scraped.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from backends.sim.config import EngineConfig
 from backends.sim.request import Request
@@ -37,25 +50,100 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
+class _Counter:
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+
+class _Histogram:
+    """Bucket counts (not cumulative; the last bucket is +Inf), sum and count of observations."""
+
+    __slots__ = ("bounds", "counts", "created", "le", "sum")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        self.bounds = [float(b) for b in buckets]
+        if self.bounds[-1] != float("inf"):
+            self.bounds.append(float("inf"))
+        self.le: list[str] = [floatToGoString(b) for b in self.bounds]  # type: ignore[no-untyped-call]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count if count != 1 else value
+
+
+class _Family:
+    __slots__ = ("doc", "kind", "labels", "name", "series")
+
+    def __init__(self, name: str, doc: str, kind: str, labels: dict[str, str]) -> None:
+        self.name, self.doc, self.kind, self.labels = name, doc, kind, labels
+        self.series: list[tuple[dict[str, str], _Counter | _Histogram | Callable[[], float]]] = []
+
+
+class _Collector(Collector):
+    def __init__(self, families: list[_Family]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.families:
+            metric = Metric(family.name, family.doc, family.kind)
+            created: list[tuple[dict[str, str], float]] = []
+            for extra, value in family.series:
+                labels = {**family.labels, **extra}
+                if isinstance(value, _Counter):
+                    metric.add_sample(family.name + "_total", labels, value.value)
+                    created.append((labels, value.created))
+                elif isinstance(value, _Histogram):
+                    cumulative = 0
+                    for le, count in zip(value.le, value.counts, strict=True):
+                        cumulative += count
+                        metric.add_sample(family.name + "_bucket", {**labels, "le": le}, float(cumulative))
+                    metric.add_sample(family.name + "_count", labels, float(cumulative))
+                    metric.add_sample(family.name + "_sum", labels, value.sum)
+                    created.append((labels, value.created))
+                else:
+                    metric.add_sample(family.name, labels, float(value()))
+            for labels, stamp in created:
+                metric.add_sample(family.name + "_created", labels, stamp)
+            yield metric
+
+
 class EngineMetrics:
     def __init__(self, config: EngineConfig) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        reg = self.registry
-        labels = ["model_name", "engine"]
-        values = (config.served_model_name, "0")
+        labels = {"model_name": config.served_model_name, "engine": "0"}
+        families: list[_Family] = []
+        self._state = (0, 0, 0.0)
+        # Where the state gauges come from at scrape time; set_state's values until the engine sets it.
+        self.state_source: Callable[[], tuple[int, int, float]] = lambda: self._state
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg).labels(*values)
+        def gauge(name: str, doc: str, index: int) -> None:
+            family = _Family(name, doc, "gauge", labels)
+            family.series.append(({}, lambda: self.state_source()[index]))
+            families.append(family)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=reg).labels(*values)
+        def counter(name: str, doc: str) -> _Counter:
+            family = _Family(name, doc, "counter", labels)
+            value = _Counter()
+            family.series.append(({}, value))
+            families.append(family)
+            return value
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> _Histogram:
+            family = _Family(name, doc, "histogram", labels)
+            value = _Histogram(buckets)
+            family.series.append(({}, value))
+            families.append(family)
+            return value
 
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", 0)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", 1)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", 2)
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
@@ -65,11 +153,10 @@ class EngineMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
-            "vllm:request_success", "Count of successfully processed requests.",
-            [*labels, "finished_reason"], registry=reg,
-        )
-        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        success = _Family("vllm:request_success", "Count of successfully processed requests.", "counter", labels)
+        self.success = {reason: _Counter() for reason in FINISH_REASONS}
+        success.series.extend(({"finished_reason": reason}, value) for reason, value in self.success.items())
+        families.append(success)
         token_buckets = build_1_2_5_buckets(config.max_model_len)
         self.req_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
@@ -126,35 +213,35 @@ class EngineMetrics:
             "num_gpu_blocks": str(config.num_gpu_blocks),
             "prefix_caching_hash_algo": "xxhash",
         }
-        info = Gauge(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-            [*cache_info, "model_name", "engine"], registry=reg,
-        )
-        info.labels(*cache_info.values(), *values).set(1)
+        info = _Family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge",
+                       {**cache_info, **labels})
+        info.series.append(({}, lambda: 1.0))
+        families.append(info)
+        self.registry.register(_Collector(families))
 
     def record_step(self, stats: StepStats, step_tokens: int) -> None:
         if step_tokens:
             self.iteration_tokens.observe(step_tokens)
         if stats.prompt_tokens:
-            self.prompt_tokens.inc(stats.prompt_tokens)
+            self.prompt_tokens.value += stats.prompt_tokens
         if stats.generation_tokens:
-            self.generation_tokens.inc(stats.generation_tokens)
+            self.generation_tokens.value += stats.generation_tokens
         if stats.preemptions:
-            self.preemptions.inc(stats.preemptions)
+            self.preemptions.value += stats.preemptions
         if stats.prefix_queries:
-            self.prefix_queries.inc(stats.prefix_queries)
+            self.prefix_queries.value += stats.prefix_queries
         if stats.prefix_hits:
-            self.prefix_hits.inc(stats.prefix_hits)
+            self.prefix_hits.value += stats.prefix_hits
         for ttft in stats.ttfts:
             self.ttft.observe(ttft)
         observe_itl = self.itl.observe
-        for itl in stats.itls:
-            observe_itl(itl)
+        for itl, count in stats.itl_counts.items():
+            observe_itl(itl, count)
         for req in stats.finished:
             self.record_finished(req)
 
     def record_finished(self, req: Request) -> None:
-        self.success[req.finish_reason or "error"].inc()
+        self.success[req.finish_reason or "error"].value += 1
         if req.finish_reason == "abort":
             return
         t = req.timings()
@@ -167,12 +254,12 @@ class EngineMetrics:
             self.tpot.observe(t["tpot_s"])
         self.req_prompt_tokens.observe(req.num_prompt)
         self.req_generation_tokens.observe(req.num_output)
-        self.req_max_tokens.observe(req.max_tokens)
+        if not req.pooling:  # vLLM has no max_tokens for a pooling request
+            self.req_max_tokens.observe(req.max_tokens)
 
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
-        self.kv_usage.set(kv_usage)
+        """Fixed gauge values (used until `state_source` is pointed at a live engine)."""
+        self._state = (running, waiting, kv_usage)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

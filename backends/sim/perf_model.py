@@ -162,6 +162,66 @@ def step_cost(
     return StepCost(compute_s, memory_s, comm_s, overhead_s)
 
 
+class StepTimer:
+    """`step_time_s` for one preset with the per-preset constants computed once, taking the decode
+    contexts as (count, sum): what the engine calls every step. Same operations in the same order as
+    `step_cost`, so the durations are bit-identical."""
+
+    __slots__ = ("_attn", "_comm", "_comm_bytes", "_compute_div", "_embed", "_kv_token_bytes",
+                 "_layer", "_memory_div", "_overhead", "_prefill_overhead", "_tp", "_weight_read")
+
+    def __init__(self, preset: Preset) -> None:
+        m = preset.model
+        hw = preset.hardware
+        eff = preset.efficiency
+        tp = preset.tp
+        self._tp = tp
+        self._layer = 2.0 * m.layer_params
+        self._embed = 2.0 * m.embedding_params
+        self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self._compute_div: float = tp**eff.tp_scaling * hw.peak_flops * eff.compute
+        self._kv_token_bytes = kv_bytes_per_token_per_device(preset)
+        self._weight_read = (m.layer_params + m.embedding_params) * m.dtype_bytes / tp
+        self._memory_div = hw.hbm_bandwidth * eff.bandwidth
+        self._comm_bytes = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
+        self._comm: tuple[float, int, int, float, int] | None = None
+        if tp > 1:
+            self._comm = (eff.allreduce_latency_s * math.log2(tp), m.hidden_size, m.dtype_bytes,
+                          hw.link_bandwidth, 2 * m.num_layers)
+        overhead = eff.step_overhead_s
+        prefill_overhead = eff.step_overhead_s + eff.prefill_overhead_s
+        if tp > 1:
+            overhead += eff.tp_overhead_s * math.log2(tp)
+            prefill_overhead += eff.tp_overhead_s * math.log2(tp)
+        self._overhead = overhead
+        self._prefill_overhead = prefill_overhead
+
+    def __call__(self, prefill_chunks: Sequence[tuple[int, int]], num_decodes: int, decode_context_sum: int) -> float:
+        prefill_tokens = 0
+        attn_pairs = 0.0
+        kv_read_tokens = 0
+        for new_tokens, context in prefill_chunks:
+            prefill_tokens += new_tokens
+            attn_pairs += new_tokens * (context + (new_tokens + 1) / 2)
+            kv_read_tokens += context
+        if num_decodes:
+            attn_pairs += decode_context_sum + num_decodes
+            kv_read_tokens += decode_context_sum
+        tokens = prefill_tokens + num_decodes
+        if tokens == 0:
+            return 0.0
+        sampled = len(prefill_chunks) + num_decodes
+        compute_s = (self._layer * tokens + self._embed * sampled + self._attn * attn_pairs) / self._compute_div
+        memory_s = (self._weight_read + (kv_read_tokens + tokens) * self._kv_token_bytes) / self._memory_div
+        comm_s = 0.0
+        if self._comm is not None:
+            latency, hidden, dtype_bytes, link, count = self._comm
+            ring_bytes = self._comm_bytes * tokens * hidden * dtype_bytes
+            comm_s = count * (latency + ring_bytes / link)
+        overhead_s = self._prefill_overhead if prefill_tokens else self._overhead
+        return max(compute_s, memory_s) + comm_s + overhead_s
+
+
 def step_time_s(
     preset: Preset,
     prefill_chunks: Sequence[tuple[int, int]] = (),

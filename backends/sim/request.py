@@ -7,9 +7,17 @@ length are deterministic), and revealed one token per step; `num_output` says ho
 from __future__ import annotations
 
 import enum
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+_IDS = random.Random()  # seeded from os.urandom once; a uuid4 per request costs a getrandom call
+
+
+def new_id() -> str:
+    """32 random hex digits, like ``uuid.uuid4().hex`` (without the syscall)."""
+    return f"{_IDS.getrandbits(128):032x}"
 
 
 class Status(enum.Enum):
@@ -47,15 +55,17 @@ class Request:
     finished_s: float | None = None
     finish_reason: str | None = None
     kv_pull_s: float = 0.0
+    pooling: bool = False  # an embedding: finishes when its prompt is computed, without output
+    # Called by the engine after a step that revealed a token of this request or finished it.
     notify: Callable[[], None] | None = None
+    num_prompt: int = field(init=False)  # len(prompt_ids), read on every step
 
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt = len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + self.num_output
+        return self.num_prompt + self.num_output
 
     @property
     def finished(self) -> bool:

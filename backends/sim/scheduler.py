@@ -29,12 +29,13 @@ from backends.sim.request import Request, Status
 @dataclass(slots=True)
 class Step:
     """The work of one step. prefills: (request, new tokens, context before); decodes: (request,
-    context before)."""
+    context before), whose contexts add up to `decode_context_sum`."""
 
     prefills: list[tuple[Request, int, int]] = field(default_factory=list)
     decodes: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     started_pulls: list[Request] = field(default_factory=list)
+    decode_context_sum: int = 0
 
     @property
     def empty(self) -> bool:
@@ -47,7 +48,11 @@ class Step:
 
 @dataclass(slots=True)
 class StepStats:
-    """Counts and latencies a step produced, drained into the Prometheus metrics."""
+    """Counts and latencies a step produced, drained into the Prometheus metrics.
+
+    Inter-token latencies are counted by value: the requests that decode in one step mostly share
+    the previous step's end, so a step yields one or two distinct values however large its batch.
+    """
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -55,8 +60,23 @@ class StepStats:
     prefix_queries: int = 0
     prefix_hits: int = 0
     ttfts: list[float] = field(default_factory=list)
-    itls: list[float] = field(default_factory=list)
+    itl_counts: dict[float, int] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)
+
+    @property
+    def itls(self) -> list[float]:
+        """Every inter-token latency, one per token (for inspection; the metrics use the counts)."""
+        return [value for value, count in self.itl_counts.items() for _ in range(count)]
+
+    def clear(self) -> None:
+        self.prompt_tokens = self.generation_tokens = self.preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0
+        if self.ttfts:
+            self.ttfts = []
+        if self.itl_counts:
+            self.itl_counts = {}
+        if self.finished:
+            self.finished = []
 
 
 class Scheduler:
@@ -122,25 +142,46 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
 
+        allocate = kv.allocate_slots
+        bs = kv.block_size
+        caching = kv.enable_caching
+        decodes = step.decodes
+        context_sum = 0
         index = 0
         while index < len(running) and budget > 0:
             req = running[index]
-            num_new = min(req.num_tokens - req.num_computed, budget)
+            context = req.num_computed
+            num_prompt = req.num_prompt
+            num_new = num_prompt + req.num_output - context
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 index += 1
                 continue
-            scheduled = True
-            while not kv.allocate_slots(req, num_new):
-                victim = running.pop()
-                self._preempt(victim, step)
-                if victim is req:
-                    scheduled = False
+            if num_new == 1 and context < len(req.blocks) * bs and (
+                not caching or (context + 1) // bs <= req.num_stored_blocks
+            ):
+                pass  # one more token in a block it holds, filling none: allocate_slots has nothing to do
+            else:
+                scheduled = True
+                while not allocate(req, num_new):
+                    victim = running.pop()
+                    self._preempt(victim, step)
+                    if victim is req:
+                        scheduled = False
+                        break
+                if not scheduled:
                     break
-            if not scheduled:
-                break
-            self._add_work(step, req, num_new)
+            if num_new == 1 and context >= num_prompt:  # _add_work, inlined for the common case
+                decodes.append((req, context))
+                context_sum += context
+                req.num_computed = context + 1
+            else:
+                step.prefills.append((req, num_new, context))
+                req.num_computed = context + num_new
             budget -= num_new
             index += 1
+        step.decode_context_sum += context_sum
 
         if not step.preempted:
             budget = self._admit(step, budget, now_s)
@@ -193,6 +234,7 @@ class Scheduler:
         context = req.num_computed
         if num_new == 1 and context >= req.num_prompt:
             step.decodes.append((req, context))
+            step.decode_context_sum += context
         else:
             step.prefills.append((req, num_new, context))
         req.num_computed = context + num_new
@@ -215,10 +257,28 @@ class Scheduler:
             if self._advance(req, end_s, stats):
                 changed.append(req)
                 any_finished |= req.finished
+        # Decodes: _advance inlined for a request that already has its first token.
+        running_status = Status.RUNNING
+        itl_counts = stats.itl_counts
+        generated = 0
         for req, _ctx in step.decodes:
-            if self._advance(req, end_s, stats):
-                changed.append(req)
-                any_finished |= req.finished
+            last = req.last_token_s
+            if req.status is not running_status or last is None or req.num_computed < req.num_prompt + req.num_output:
+                if self._advance(req, end_s, stats):  # not running any more, or an unusual state
+                    changed.append(req)
+                    any_finished |= req.finished
+                continue
+            num_output = req.num_output + 1
+            req.num_output = num_output
+            generated += 1
+            itl = end_s - last
+            itl_counts[itl] = itl_counts.get(itl, 0) + 1
+            req.last_token_s = end_s
+            changed.append(req)
+            if num_output >= len(req.output_ids):
+                self._end(req, end_s)
+                any_finished = True
+        stats.generation_tokens += generated
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
         return changed
@@ -226,6 +286,12 @@ class Scheduler:
     def _advance(self, req: Request, end_s: float, stats: StepStats) -> bool:
         if req.finished or req.status is not Status.RUNNING or req.num_computed < req.num_tokens:
             return False  # aborted or preempted meanwhile, or a prompt chunk that produced nothing
+        if req.pooling:  # an embedding: its prompt is computed, the pooled output is ready
+            req.first_token_s = req.last_token_s = end_s
+            stats.ttfts.append(end_s - req.arrival_s)
+            stats.prompt_tokens += req.num_prompt
+            self._finish(req, "stop", end_s, release=True)
+            return True
         req.num_output += 1
         stats.generation_tokens += 1
         if req.first_token_s is None:
@@ -233,15 +299,20 @@ class Scheduler:
             stats.ttfts.append(end_s - req.arrival_s)
             stats.prompt_tokens += req.num_prompt
         elif req.last_token_s is not None:
-            stats.itls.append(end_s - req.last_token_s)
+            itl = end_s - req.last_token_s
+            stats.itl_counts[itl] = stats.itl_counts.get(itl, 0) + 1
         req.last_token_s = end_s
         if req.num_output >= len(req.output_ids):
-            if req.remote_decode:
-                self._finish(req, req.stop_reason_at_end, end_s, release=False)
-                self.pinned[req.request_id] = (req, end_s + self.pin_lease_s)
-            else:
-                self._finish(req, req.stop_reason_at_end, end_s, release=True)
+            self._end(req, end_s)
         return True
+
+    def _end(self, req: Request, end_s: float) -> None:
+        """The request produced its planned output: finish it (a PD prefill leg keeps its blocks)."""
+        if req.remote_decode:
+            self._finish(req, req.stop_reason_at_end, end_s, release=False)
+            self.pinned[req.request_id] = (req, end_s + self.pin_lease_s)
+        else:
+            self._finish(req, req.stop_reason_at_end, end_s, release=True)
 
     def _finish(self, req: Request, reason: str, now_s: float, release: bool) -> None:
         if release:

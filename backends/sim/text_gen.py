@@ -16,6 +16,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import orjson
 import xxhash
 
 from backends.tokenization import encode
@@ -90,23 +91,46 @@ def natural_length(rng: random.Random, mean_tokens: float) -> int:
 
 
 def generate_ids(rng: random.Random, count: int) -> list[int]:
-    """`count` token ids of sentences: words, and a full stop every 6-20 words."""
+    """`count` token ids of sentences: words, and a full stop every 6-20 words.
+
+    The same draws as ``rng.choice`` and ``rng.randint(6, 20)`` (`_below` is Random._randbelow),
+    made without their two Python calls per token.
+    """
     vocab = vocabulary()
     if count <= 0:
         return []
-    ids = [rng.choice(vocab.first_ids)]
-    next_stop = rng.randint(6, 20)
+    getrandbits = rng.getrandbits
+
+    def _below(n: int) -> int:
+        k = n.bit_length()
+        r = getrandbits(k)
+        while r >= n:
+            r = getrandbits(k)
+        return r
+
     lower, upper, period = vocab.lower_ids, vocab.upper_ids, vocab.period_id
-    choice = rng.choice
+    n_lower, n_upper = len(lower), len(upper)
+    k_lower = n_lower.bit_length()
+    ids = [vocab.first_ids[_below(len(vocab.first_ids))]]
+    append = ids.append
+    next_stop = 6 + _below(15)
     after_stop = False
-    while len(ids) < count:
+    remaining = count - 1
+    while remaining > 0:
+        remaining -= 1
         if next_stop == 0:
-            ids.append(period)
-            next_stop = rng.randint(6, 20)
+            append(period)
+            next_stop = 6 + _below(15)
             after_stop = True
             continue
-        ids.append(choice(upper) if after_stop else choice(lower))
-        after_stop = False
+        if after_stop:
+            append(upper[_below(n_upper)])
+            after_stop = False
+        else:
+            r = getrandbits(k_lower)  # _below(n_lower), inlined for the common case
+            while r >= n_lower:
+                r = getrandbits(k_lower)
+            append(lower[r])
         next_stop -= 1
     return ids
 
@@ -115,3 +139,9 @@ def render(ids: Sequence[int]) -> str:
     """Text of generated ids (a table lookup: no tokenizer call per chunk)."""
     table = vocabulary().text_by_id
     return "".join(table[i] for i in ids)
+
+
+@functools.cache
+def json_text() -> dict[int, bytes]:
+    """Each vocabulary id's text JSON-escaped, as UTF-8 (what goes between the quotes of a chunk)."""
+    return {token_id: orjson.dumps(text)[1:-1] for token_id, text in vocabulary().text_by_id.items()}

@@ -51,8 +51,8 @@ def test_unknown_flags_and_their_values_are_ignored() -> None:
 
 @pytest.mark.timeout(60)
 def test_serves_as_a_drop_in_for_vllm_serve(tmp_path: Path) -> None:
-    port = _free_ports(2)
-    events_port = _free_ports(1)
+    port = _free_ports(4)  # two HTTP ports, then the two instances' KV-event ports: one free run, no overlap
+    events_port = port + 2
     argv = [
         sys.executable, "-m", "backends.sim", "serve", "llama-3.1-8b@h100", "--host", "127.0.0.1",
         "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "4096",
