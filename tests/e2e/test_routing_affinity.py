@@ -17,13 +17,16 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from policies.routing.config import PipelineConfig
 from tests.support.procs import TEST_KEY, Gateway, SimEngines, running, start_gateway, start_sim, static_pool
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "llama-3.1-8b"
 REPLICAS = 3
-GATE_REQUESTS = 8  # the default load-gate's abs_threshold (metric: requests)
+# the default load-gate: a replica more than this many requests busier than the idlest is skipped
+GATE_REQUESTS = int(next(f for f in PipelineConfig().filters if f.type == "load-gate").params["abs_threshold"])
+BURST_OUTPUT_TOKENS = 3000  # long enough (~2 s real at time scale 10) that a burst's requests overlap
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def ask(gateway: Gateway, msgs: list[ChatCompletionMessageParam], max_tokens: in
 
 
 async def burst(
-    gateway: Gateway, all_messages: list[list[ChatCompletionMessageParam]], max_tokens: int
+    gateway: Gateway, all_messages: list[list[ChatCompletionMessageParam]], max_tokens: int = BURST_OUTPUT_TOKENS
 ) -> list[tuple[str, Any]]:
     """Send every request at once (long outputs, so they overlap) and collect (endpoint, completion)."""
     async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0, timeout=120) as client:
@@ -101,7 +104,7 @@ def test_a_busy_holder_keeps_affinity_until_the_load_gate_then_requests_spread(
     prefix = long_text(uuid.uuid4().hex[:8])
     holder, _ = ask(gateway, messages(prefix, "warm up"))
     total = 3 * GATE_REQUESTS
-    results = asyncio.run(burst(gateway, [messages(prefix, f"Q{i}?") for i in range(total)], max_tokens=1500))
+    results = asyncio.run(burst(gateway, [messages(prefix, f"Q{i}?") for i in range(total)]))
     by_endpoint = Counter(endpoint for endpoint, _ in results)
     # the holder takes the burst up to the gate (the others were idle), and the rest spreads out
     assert by_endpoint[holder] > GATE_REQUESTS
@@ -118,7 +121,7 @@ def test_a_busy_holder_keeps_affinity_until_the_load_gate_then_requests_spread(
 def test_identical_concurrent_prompts_do_not_all_land_on_one_replica(fleet: tuple[Gateway, SimEngines]) -> None:
     gateway, _ = fleet
     same = messages(long_text(uuid.uuid4().hex[:8], words=200), "Same question?")
-    results = asyncio.run(burst(gateway, [same] * (4 * GATE_REQUESTS), max_tokens=1500))
+    results = asyncio.run(burst(gateway, [same] * (4 * GATE_REQUESTS)))
     by_endpoint = Counter(endpoint for endpoint, _ in results)
     assert len(by_endpoint) >= 2, by_endpoint
     assert max(by_endpoint.values()) < 4 * GATE_REQUESTS

@@ -5,6 +5,10 @@ with `routing.prefix_index.mode: precise` and subscribes to each endpoint's `kv_
 Behaviour that only events can explain is checked: a prefix cached by traffic that never passed
 through the gateway attracts the gateway's requests, and `POST /reset_prefix_cache` on an engine
 (which publishes AllBlocksCleared) takes that attraction away again.
+
+The static pool declares `engine: vllm`, so the gateway takes token ids from the engine's `/tokenize`
+and re-derives block keys from the events' token ids, as it does for a real vLLM; the launched pool is
+`engine: sim`, whose block hashes the gateway reproduces directly.
 """
 
 from __future__ import annotations

@@ -1,0 +1,185 @@
+"""The routers under test, each a process in front of the same engines: tokenway variants and vllm-router.
+
+tokenway variants differ only in gateway.yaml's `routing:` section (the baselines are its own
+`routing.default.router: round-robin | least-inflight`); the pool is the fleet's engines as static
+`engine: sim` endpoints (each with its `kv_events_endpoint`, used in precise mode only).
+vllm-router (PyPI `vllm-router`, a Rust binary) runs from `bench/.venv-vllm-router/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.replay.fleet import Fleet
+from policies.policy import hash_key
+from tests.support.procs import free_port, stop_process
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-replay-bench-0001"
+VLLM_ROUTER_VENV = REPO / "bench" / ".venv-vllm-router"
+VLLM_ROUTER_BIN = VLLM_ROUTER_VENV / "bin" / "vllm-router"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    name: str  # label in the report
+    kind: str  # "tokenway" | "vllm-router"
+    routing: dict[str, Any] = field(default_factory=dict)  # tokenway: the routing: section
+    args: tuple[str, ...] = ()  # vllm-router: extra argv
+    note: str = ""
+
+
+def tokenway_routers(seed: int) -> list[RouterSpec]:
+    return [
+        RouterSpec("round-robin", "tokenway", {"default": {"router": "round-robin"}},
+                   note="tokenway `routing.default.router: round-robin`"),
+        RouterSpec("least-load", "tokenway", {"default": {"router": "least-inflight"}},
+                   note="tokenway `routing.default.router: least-inflight` (fewest in-flight requests)"),
+        RouterSpec("tokenway-approx", "tokenway", {"seed": seed},
+                   note="tokenway default scoring pipeline, approximate prefix index"),
+        RouterSpec("tokenway-precise", "tokenway", {"seed": seed, "prefix_index": {"mode": "precise"}},
+                   note="tokenway default scoring pipeline, precise prefix index (engines' KV events)"),
+    ]  # fmt: skip
+
+
+def vllm_router_routers(kv_aware: bool) -> list[RouterSpec]:
+    specs = [
+        RouterSpec("vllm-router-rr", "vllm-router", args=("--policy", "round_robin"),
+                   note="vllm-router `--policy round_robin`"),
+        RouterSpec("vllm-router-cache", "vllm-router", args=("--policy", "cache_aware"),
+                   note="vllm-router `--policy cache_aware` (defaults: cache_threshold 0.3, balance 64 / 1.5)"),
+    ]  # fmt: skip
+    if kv_aware:
+        note = "vllm-router `--policy kv_aware` with `--kv-event-source` per engine"
+        specs.append(RouterSpec("vllm-router-kv", "vllm-router", args=("--policy", "kv_aware"), note=note))
+    return specs
+
+
+@dataclass
+class Front:
+    spec: RouterSpec
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        stop_process(self.proc, timeout_s=30)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    stop_process(proc)
+    raise RuntimeError(f"{url} did not become ready:\n{log_path.read_text(errors='replace')[-3000:]}")
+
+
+def start_tokenway(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    policies = {
+        "tenants": {"bench": {}},
+        "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(API_KEY)}],
+        "models": {fleet.served_model: {}},
+    }
+    pool = {
+        "name": "fleet", "model": fleet.served_model, "engine": "sim",
+        "endpoints": [{"url": u, "kv_events_endpoint": z} for u, z in zip(fleet.urls, fleet.kv_event_endpoints,
+                                                                           strict=True)],
+    }  # fmt: skip
+    config = {
+        "server": {"host": "127.0.0.1", "port": port, "drain_timeout_s": 5},
+        "policies": "policies.yaml",
+        "pools": [pool],
+        "routing": spec.routing,
+        "backends": {"health_interval_s": 5.0},
+    }
+    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies, sort_keys=False))
+    config_path = workdir / "gateway.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log_path = workdir / "gateway.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve", "--config", str(config_path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=_env(),
+        )  # fmt: skip
+    front = Front(spec, proc, port, log_path)
+    _wait(front.url + "/readyz", proc, log_path)
+    _wait_all_ready(front, precise=spec.routing.get("prefix_index", {}).get("mode") == "precise")
+    return front
+
+
+def _wait_all_ready(front: Front, *, precise: bool, timeout_s: float = 30.0) -> None:
+    """Every endpoint ready (not only one per pool, which is all /readyz asks) and KV subscriptions up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(front.url + "/admin/backends", timeout=2) as response:
+            pools = json.loads(response.read())["pools"]
+        if all(e["state"] == "ready" for p in pools for e in p["endpoints"]):
+            if precise:
+                time.sleep(1.5)  # the gateway ensures its KV-event subscriptions once a second
+            return
+        time.sleep(0.1)
+    raise RuntimeError("tokenway endpoints did not all become ready")
+
+
+def start_vllm_router(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
+    if not VLLM_ROUTER_BIN.exists():
+        raise FileNotFoundError(
+            f"{VLLM_ROUTER_BIN} missing: python3 -m venv {VLLM_ROUTER_VENV} && "
+            f"{VLLM_ROUTER_VENV}/bin/pip install vllm-router"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [str(VLLM_ROUTER_BIN), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *fleet.urls,
+            "--log-level", "warning", "--prometheus-port", str(free_port()), *spec.args]  # fmt: skip
+    if "kv_aware" in spec.args:
+        for url, endpoint in zip(fleet.urls, fleet.kv_event_endpoints, strict=True):
+            argv += ["--kv-event-source", f"{url}={endpoint}"]
+        argv += ["--kv-event-block-size", "16", "--kv-event-model", fleet.served_model]
+    log_path = workdir / "vllm-router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    front = Front(spec, proc, port, log_path)
+    _wait(front.url + "/health", proc, log_path)
+    return front
+
+
+STARTERS: dict[str, Callable[[RouterSpec, Fleet, Path], Front]] = {
+    "tokenway": start_tokenway,
+    "vllm-router": start_vllm_router,
+}
+
+
+def start_front(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
+    return STARTERS[spec.kind](spec, fleet, workdir)
