@@ -46,6 +46,9 @@ class StaticEndpointConfig(_Strict):
     role: Role = Role.BOTH
     api_key: str | None = None
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = Field(
+        default=None, description="the engine's KV-event replay socket: gaps and late subscriptions repair"
+    )
 
     @field_validator("url")
     @classmethod

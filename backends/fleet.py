@@ -31,7 +31,8 @@ class Pool:
 
     @property
     def has_ready(self) -> bool:
-        return any(e.state is EndpointState.READY for e in self.endpoints)
+        """Whether the pool can serve: a ready endpoint that decodes (a prefill-only one cannot)."""
+        return any(e.state is EndpointState.READY and e.role is not Role.PREFILL for e in self.endpoints)
 
 
 class Fleet:
@@ -61,6 +62,7 @@ class Fleet:
                         api_key=static.api_key or cfg.api_key,
                         max_model_len=cfg.max_model_len,
                         kv_events_endpoint=static.kv_events_endpoint,
+                        kv_events_replay_endpoint=static.kv_events_replay_endpoint,
                     )
                 )
             pools.append(pool)

@@ -34,6 +34,7 @@ class EngineTokenizer:
         self.max_entries = max_entries
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.errors = 0
+        self._turn = 0
 
     def needed(self, pool: Pool) -> bool:
         engine = pool.config.engine
@@ -60,7 +61,8 @@ class EngineTokenizer:
         ready = pool.ready_endpoints()
         if not ready:
             return None
-        endpoint = ready[0]
+        self._turn += 1
+        endpoint = ready[self._turn % len(ready)]  # spread tokenize calls over the pool
         body: dict[str, Any] = {"model": endpoint.served_model}
         if facts.api == "chat":
             body["messages"] = facts.body["messages"]
