@@ -6,7 +6,7 @@ The gateway reads it (routing candidates, readiness); backends' background tasks
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from backends.config import PoolConfig
@@ -27,6 +27,14 @@ class Pool:
             e
             for e in self.endpoints
             if e.state is EndpointState.READY and (role is None or e.role is role or e.role is Role.BOTH)
+        ]
+
+    def servable(self, exclude: Collection[str] = ()) -> list[Endpoint]:
+        """Ready endpoints that can serve a whole request (not prefill-only), minus `exclude`."""
+        return [
+            e
+            for e in self.endpoints
+            if e.state is EndpointState.READY and e.role is not Role.PREFILL and e.id not in exclude
         ]
 
     @property

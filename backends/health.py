@@ -13,18 +13,16 @@ Launched replicas in STARTING, DRAINING or DEAD belong to the supervisor; health
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 
 from backends.adapters.base import Probe
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings, EjectionSettings
+from backends.endpoint_tasks import EndpointTasks
 from backends.fleet import Fleet
 from backends.types import Endpoint, EndpointState
 
@@ -98,10 +96,10 @@ class HealthChecker:
         self.clock = clock
         self._last_probe_s: dict[str, float] = {}
         self._active_failures: dict[str, int] = {}  # kept apart from the relay's passive streak
-        self._in_flight: dict[str, asyncio.Task[Any]] = {}
+        self._tasks = EndpointTasks("health")
 
     def due(self, endpoint: Endpoint, now_s: float) -> bool:
-        if endpoint.id in self._in_flight:
+        if self._tasks.busy(endpoint.id):
             return False
         if endpoint.state is EndpointState.UNHEALTHY:
             return half_open_due(endpoint, now_s)
@@ -146,20 +144,10 @@ class HealthChecker:
         now_s = self.clock()
         for endpoint in fleet.endpoints():
             if self.due(endpoint, now_s):
-                task = asyncio.create_task(self.check(endpoint, session), name=f"health {endpoint.id}")
-                self._in_flight[endpoint.id] = task
-                task.add_done_callback(functools.partial(self._done, endpoint.id))
-
-    def _done(self, endpoint_id: str, _task: asyncio.Task[Any]) -> None:
-        self._in_flight.pop(endpoint_id, None)
+                self._tasks.start(endpoint.id, self.check(endpoint, session))
 
     async def close(self) -> None:
-        tasks = list(self._in_flight.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await self._tasks.close()
 
 
 async def run(

@@ -11,17 +11,15 @@ metrics (remote APIs) are stamped fresh each tick: their load is the gateway's o
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import aiohttp
 
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings
+from backends.endpoint_tasks import EndpointTasks
 from backends.errors import MetricsFormatError
 from backends.fleet import Fleet
 from backends.types import Endpoint, EndpointState
@@ -45,7 +43,7 @@ class Scraper:
         self.settings = settings
         self.clock = clock
         self._path_index: dict[str, int] = {}
-        self._in_flight: dict[str, asyncio.Task[Any]] = {}
+        self._tasks = EndpointTasks("scrape")
         self._warned: set[str] = set()
 
     async def scrape(self, endpoint: Endpoint, session: aiohttp.ClientSession) -> bool:
@@ -82,22 +80,12 @@ class Scraper:
 
     def tick(self, fleet: Fleet, session: aiohttp.ClientSession) -> None:
         for endpoint in fleet.endpoints():
-            if endpoint.state not in SCRAPED_STATES or endpoint.id in self._in_flight:
+            if endpoint.state not in SCRAPED_STATES or self._tasks.busy(endpoint.id):
                 continue
-            task = asyncio.create_task(self.scrape(endpoint, session), name=f"scrape {endpoint.id}")
-            self._in_flight[endpoint.id] = task
-            task.add_done_callback(functools.partial(self._done, endpoint.id))
-
-    def _done(self, endpoint_id: str, _task: asyncio.Task[Any]) -> None:
-        self._in_flight.pop(endpoint_id, None)
+            self._tasks.start(endpoint.id, self.scrape(endpoint, session))
 
     async def close(self) -> None:
-        tasks = list(self._in_flight.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await self._tasks.close()
 
 
 async def run(

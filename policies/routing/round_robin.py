@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from backends.fleet import Pool
-from backends.types import EndpointState, Role
 from policies.routing.types import REASON_LOAD, REASON_ONLY, RouteDecision
 from policies.types import RequestFacts
 
@@ -21,11 +20,7 @@ class RoundRobinRouter:
     def route(
         self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
     ) -> RouteDecision | None:
-        candidates = [
-            e
-            for e in pool.endpoints
-            if e.state is EndpointState.READY and e.id not in exclude and e.role is not Role.PREFILL
-        ]
+        candidates = pool.servable(exclude)
         if not candidates:
             return None
         turn = self._turn.get(pool.name, 0)
