@@ -21,11 +21,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy --strict gateway policies predictor backends
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy --strict gateway policies predictor backends
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 from aiohttp import web
 
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
+from gateway.ledger.writer import LedgerWriter
 from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
 from gateway.settings import GatewaySettings
@@ -19,6 +18,7 @@ from policies.holder import PolicyHolder
 from policies.limits.admission import Admission
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import ScoringRouter
+from predictor.service import LatencyPredictor
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
@@ -30,8 +30,8 @@ ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
 ROUTER = web.AppKey("router", ScoringRouter)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 TRACING = web.AppKey("tracing", Tracing)
-LEDGER = web.AppKey("ledger", Any)  # LedgerWriter | None (ledger disabled)
-PREDICTOR = web.AppKey("predictor", Any)  # LatencyPredictor | None (predictor disabled)
+LEDGER: web.AppKey[LedgerWriter | None] = web.AppKey("ledger")  # None: ledger disabled
+PREDICTOR: web.AppKey[LatencyPredictor | None] = web.AppKey("predictor")  # None: predictor disabled
 POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy (hot-reloaded)
 POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
