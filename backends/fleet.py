@@ -17,6 +17,10 @@ from backends.types import Endpoint, EndpointState, Role
 class Pool:
     config: PoolConfig
     endpoints: list[Endpoint] = field(default_factory=list)
+    disaggregated: bool = field(init=False)  # has prefill/decode roles (fixed by its config)
+
+    def __post_init__(self) -> None:
+        self.disaggregated = self.config.disaggregated
 
     @property
     def name(self) -> str:

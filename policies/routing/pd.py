@@ -36,7 +36,7 @@ from policies.routing.types import (
 
 def is_disaggregated(pool: Pool) -> bool:
     """A pool is disaggregated when any endpoint (ready or not) has the prefill or decode role."""
-    return pool.config.disaggregated or any(e.role is not Role.BOTH for e in pool.endpoints)
+    return pool.disaggregated or any(e.role is not Role.BOTH for e in pool.endpoints)
 
 
 @dataclass(frozen=True, slots=True)

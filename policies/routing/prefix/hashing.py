@@ -12,6 +12,7 @@ cached-token estimates are approximate.
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform
     raise ImportError("array('I') must be 4 bytes")
 
 
+@functools.lru_cache(maxsize=4096)  # (index, model, salt): a handful of distinct values in practice
 def seed_of(*parts: str | None) -> int:
     """64-bit chain seed from naming parts (model, cache_salt, lora): different parts, disjoint keys."""
     return xxh3_64_intdigest("\x00".join(p or "" for p in parts).encode("utf-8"))
