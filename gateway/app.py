@@ -149,7 +149,7 @@ async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
     """The router of every pool and, in precise mode, the KV-event subscriptions that feed it."""
     config = app[appkeys.ROUTING_CONFIG]
     fleet = app[appkeys.FLEET]
-    router = build_router(config)
+    router = build_router(config, predictor=app[appkeys.PREDICTOR])  # the latency scorer predicts through it
     app[appkeys.ROUTER] = router
     sync: asyncio.Task[None] | None = None
     hub: KvEventHub | None = None

@@ -50,6 +50,17 @@ from gateway.relay import (
     relay_unary,
 )
 from gateway.settings import ServerSettings
+from gateway.slo import (
+    REASON_QUEUE_FULL,
+    REASON_QUEUE_TIMEOUT,
+    REASON_QUEUED,
+    REASON_SHED,
+    REASON_UNATTAINABLE,
+    SloGate,
+    SloMiss,
+    parse_slo_headers,
+    slo_miss,
+)
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from gateway.validate import validate_body
@@ -60,6 +71,7 @@ from policies.policy import Policy
 from policies.pricing import price_usd
 from policies.routing.predictions import PREDICTIONS_ATTR
 from policies.routing.types import RouteDecision, Router
+from policies.slo import RUNNING_TPOT_SLO_ATTR, Meet, Miss, Slo, decide, effective_slo
 from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
 from predictor.service import LatencyPredictor
 from predictor.types import Prediction, RequestShape
@@ -102,6 +114,8 @@ class Walk:
     arrived_s: float
     headers: list[tuple[str, str]] = field(default_factory=list)
     prediction: Prediction | None = None  # for the endpoint that served, made before it ran
+    slo: Slo | None = None  # the effective latency SLO, None without one
+    slo_queued_s: float = 0.0  # time spent in the SLO queue before dispatch
 
 
 @dataclass(slots=True)
@@ -122,6 +136,7 @@ class Pipeline:
     engine_tokens: EngineTokenizer | None = None  # precise prefix index over real engines
     metrics: GatewayMetrics | None = None  # per-decision series (routes, upstream errors, retries)
     predictor: LatencyPredictor | None = None  # latency predictions, online training, output lengths
+    slo: SloGate = field(default_factory=SloGate)  # running TPOT SLOs and the SLO queue
     _timeouts: aiohttp.ClientTimeout = field(init=False)
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
@@ -295,6 +310,8 @@ class Pipeline:
         policy: Policy = self.policies.current
         model = facts.model
         visited = {model}
+        # SLO: the request's effective SLO; malformed headers -> 400
+        self._slo_of(request, facts, policy, walk)
         while True:
             rejection = check_context(policy, model, facts.prompt_tokens, facts.max_tokens)
             ticket: Any = None
@@ -319,6 +336,14 @@ class Pipeline:
                 if following is None:
                     raise exhausted.error from None
                 model = self._note_fallback(walk, facts, model, following, "upstream_error")
+            # SLO: a miss releases the reservation; on_miss fallback walks the chain
+            except SloMiss as miss:
+                await self.admission.release(ticket)
+                trigger = miss.rejection.reason
+                following = self._fallback(policy, model, trigger, facts, visited) if miss.fallback else None
+                if following is None:
+                    raise Rejected(miss.rejection) from None
+                model = self._note_fallback(walk, facts, model, following, trigger)
 
     def _fallback(
         self, policy: Policy, model: str, trigger: str, facts: RequestFacts, visited: set[str]
@@ -438,10 +463,18 @@ class Pipeline:
         exclude: set[str] = set()
         last_detail = ""
         for _ in range(1 + self.server.upstream_retries):
+            facts.attrs.pop(PREDICTIONS_ATTR, None)  # SLO: never another pool's predictions
             with walk.trace.span("routing", model=model):
                 routed = self._route(facts, pools, exclude)
             if routed is None:
                 break
+            # SLO: an endpoint predicted to meet the SLO, or the miss policy
+            if walk.slo is not None:
+                try:
+                    routed = await self._slo_gate(facts, pools, exclude, routed, model, walk)
+                except asyncio.CancelledError:
+                    self._release_soon(ticket)
+                    raise
             pool, decision = routed
             endpoint = decision.endpoint
             self.on_route(decision)
@@ -476,6 +509,12 @@ class Pipeline:
             ]
             if facts.debug:
                 headers.append(("x-tokenway-route", decision.debug_header()))
+            # SLO: what was predicted, the queue wait, the TPOT SLO now running there
+            if facts.debug and walk.prediction is not None:
+                headers.append(("x-tokenway-prediction", _prediction_header(walk.prediction)))
+            if walk.slo_queued_s:
+                headers.append(("x-tokenway-slo-queued-ms", f"{walk.slo_queued_s * 1000:.0f}"))
+            running_slo = self.slo.running.begin(endpoint.id, walk.slo.tpot_ms) if walk.slo is not None else None
             load = endpoint.inflight.begin(local_prefill)
             outcome = RelayOutcome()
             record.gateway_overhead_s = time.perf_counter() - walk.arrived_s
@@ -519,8 +558,12 @@ class Pipeline:
                 raise
             finally:
                 load.end()
+                self.slo.ended(pool.name, running_slo)  # SLO: wake the pool's queue
             self.report_success(endpoint)
+            queued_prediction = self._slo_unlearnable(walk)
             await self._account(facts, model, ticket, outcome, walk)
+            if queued_prediction is not None:
+                self._learn_queued(walk, queued_prediction, outcome)
             response = outcome.response
             assert response is not None
             if not facts.stream:
@@ -535,6 +578,137 @@ class Pipeline:
                 )
             )
         raise _Exhausted(UpstreamError(f"The upstream failed for '{model}': {last_detail}"))
+
+    # SLO gate (DESIGN.md §2 step 7)
+    def _slo_of(self, request: web.Request, facts: RequestFacts, policy: Policy, walk: Walk) -> None:
+        """The effective SLO (class tightened by headers) into the walk and the facts routing reads."""
+        ttft_ms, tpot_ms = parse_slo_headers(request.headers)
+        slo = effective_slo(policy.slo_class(facts.principal), ttft_ms, tpot_ms)
+        if slo is None:
+            return
+        walk.slo = slo
+        facts.slo_ttft_ms, facts.slo_tpot_ms = slo.ttft_ms, slo.tpot_ms
+        facts.attrs[RUNNING_TPOT_SLO_ATTR] = self.slo.running.floors
+        if slo.class_name:
+            walk.record.extra["slo_class"] = slo.class_name
+
+    def _slo_verdict(
+        self, facts: RequestFacts, routed: tuple[Pool, RouteDecision], model: str, walk: Walk
+    ) -> Meet | Miss | None:
+        """Decide over the router's predictions (or the chosen endpoint's alone, for routers that
+        make none); None when nothing can be predicted (predictor disabled): proceed."""
+        assert walk.slo is not None
+        pool, decision = routed
+        made = facts.attrs.get(PREDICTIONS_ATTR)
+        if not isinstance(made, dict) or decision.endpoint.id not in made:
+            if self.predictor is None:
+                return None
+            made = {decision.endpoint.id: self._predict(facts, pool, decision, model)}
+            facts.attrs[PREDICTIONS_ATTR] = made
+        return decide(
+            walk.slo,
+            made.values(),
+            priority=facts.principal.priority,
+            running_tpot_slo_ms=self.slo.running.floors,
+            elapsed_ms=(time.perf_counter() - walk.arrived_s) * 1000.0,
+        )
+
+    def _slo_restrict(
+        self, facts: RequestFacts, routed: tuple[Pool, RouteDecision], verdict: Meet | Miss | None, exclude: set[str]
+    ) -> tuple[Pool, RouteDecision]:
+        """When the router's choice misses the SLO but others meet it, route again among those."""
+        if not isinstance(verdict, Meet) or routed[1].endpoint.id in verdict.endpoint_ids:
+            return routed
+        made = facts.attrs[PREDICTIONS_ATTR]
+        missing = {endpoint_id for endpoint_id in made if endpoint_id not in verdict.endpoint_ids}
+        again = self._route(facts, [routed[0]], exclude | missing)
+        facts.attrs[PREDICTIONS_ATTR] = made  # the verdict's predictions, for reuse and learning
+        return again or routed
+
+    def _slo_route(
+        self, facts: RequestFacts, pools: Sequence[Pool], exclude: set[str], model: str, walk: Walk
+    ) -> tuple[tuple[Pool, RouteDecision] | None, Meet | Miss | None]:
+        """Route and decide again (a queued request after a wake-up)."""
+        facts.attrs.pop(PREDICTIONS_ATTR, None)
+        routed = self._route(facts, pools, exclude)
+        if routed is None:
+            return None, None
+        verdict = self._slo_verdict(facts, routed, model, walk)
+        return self._slo_restrict(facts, routed, verdict, exclude), verdict
+
+    async def _slo_gate(
+        self,
+        facts: RequestFacts,
+        pools: Sequence[Pool],
+        exclude: set[str],
+        routed: tuple[Pool, RouteDecision],
+        model: str,
+        walk: Walk,
+    ) -> tuple[Pool, RouteDecision]:
+        """DESIGN §2 step 7: proceed on an endpoint that meets the SLO, or act on the miss (SloMiss)."""
+        slo = walk.slo
+        assert slo is not None
+        verdict = self._slo_verdict(facts, routed, model, walk)
+        routed = self._slo_restrict(facts, routed, verdict, exclude)
+        record = walk.record
+        if isinstance(verdict, Meet) and verdict.idle_only:
+            record.extra["slo_idle_admit"] = True  # none meets it; an idle endpoint always admits
+        if not isinstance(verdict, Miss) or verdict.action == "proceed":
+            return routed
+        if verdict.action != "queue":
+            raise slo_miss(verdict, slo, model, REASON_SHED if verdict.action == "shed" else REASON_UNATTAINABLE)
+        if self.slo.queue.queued(slo.class_name) >= slo.max_queued:
+            raise slo_miss(verdict, slo, model, REASON_QUEUE_FULL)
+        started_s = time.perf_counter()
+        deadline_s = started_s + slo.max_queue_ms / 1000.0
+        if slo.ttft_ms is not None:  # past the TTFT objective, waiting cannot help any more
+            deadline_s = min(deadline_s, walk.arrived_s + slo.ttft_ms / 1000.0)
+        last: list[Miss] = [verdict]
+
+        def attempt() -> tuple[Pool, RouteDecision] | None:
+            found, again = self._slo_route(facts, pools, exclude, model, walk)
+            if found is None or isinstance(again, Miss):
+                if isinstance(again, Miss):
+                    last[0] = again
+                return None
+            return found
+
+        with walk.trace.span("slo_queue", model=model):
+            found = await self.slo.queue.wait_for(
+                routed[0].name, slo, facts.principal.priority, deadline_s, attempt
+            )
+        walk.slo_queued_s = time.perf_counter() - started_s
+        record.extra["slo_queue_ms"] = round(walk.slo_queued_s * 1000.0, 3)
+        if found is None:
+            raise slo_miss(last[0], slo, model, REASON_QUEUE_TIMEOUT, waited_ms=walk.slo_queued_s * 1000.0)
+        record.reject_reason = REASON_QUEUED
+        return found
+
+    def _slo_unlearnable(self, walk: Walk) -> Prediction | None:
+        """A queued request's TTFT includes its wait: keep its prediction away from `_learn`."""
+        if not walk.slo_queued_s or walk.prediction is None:
+            return None
+        prediction, walk.prediction = walk.prediction, None
+        return prediction
+
+    def _learn_queued(self, walk: Walk, prediction: Prediction, outcome: RelayOutcome) -> None:
+        """Learn from a queued request with its TTFT measured from dispatch, not arrival."""
+        record = walk.record
+        waited_ms = walk.slo_queued_s * 1000.0
+        record.predicted_ttft_ms = prediction.ttft_ms + waited_ms  # as the client sees it
+        record.predicted_tpot_ms = prediction.tpot_ms
+        if self.predictor is None or outcome.aborted or outcome.broken or record.ttft_s is None:
+            return
+        tpot_ms = record.tpot_s * 1000 if record.tpot_s is not None else None
+        ttft_ms = max(record.ttft_s * 1000 - waited_ms, 0.0)
+        self.predictor.observe(record.pool, prediction.features, ttft_ms, tpot_ms, predicted=prediction)
+
+    def _release_soon(self, ticket: Any) -> None:
+        """Release a reservation from a cancelled request, in a task the cancellation cannot cut."""
+        task = asyncio.get_running_loop().create_task(self.admission.release(ticket))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
 
     def _upstream_error_response(
         self, exc: UpstreamRejected, walk: Walk, headers: list[tuple[str, str]]
@@ -632,3 +806,11 @@ class Pipeline:
         elif outcome.broken:
             record.status = "error"
             record.error_code = "upstream_error"
+
+
+def _prediction_header(p: Prediction) -> str:
+    """`x-tokenway-prediction` (debug): what the predictor expected of the serving endpoint, in ms."""
+    return (
+        f"ttft={p.ttft_ms:.2f};ttft_p90={p.ttft_p90_ms:.2f};tpot={p.tpot_ms:.3f};tpot_p90={p.tpot_p90_ms:.3f};"
+        f"source={p.source};version={p.model_version}"
+    )

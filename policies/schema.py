@@ -29,6 +29,7 @@ TRIGGERS: tuple[str, ...] = (
     "slo_unattainable",
 )
 Scope = Literal["key", "tenant", "model", "key_model", "global"]
+MissAction = Literal["fallback", "queue", "reject", "proceed"]
 CountMode = Literal["input", "output", "total", "weighted"]
 
 # Which `match` fields each scope accepts: a rule may narrow its subjects by the fields that identify
@@ -71,6 +72,7 @@ class TenantConfig(_Strict):
     models: list[str] | None = Field(default=None, description="allowed public models; null = all")
     priority: PriorityName = "normal"
     allow_fallback: bool = True
+    slo_class: str | None = Field(default=None, description="latency SLO of its requests (slo_classes)")
 
 
 class KeyConfig(_Strict):
@@ -212,6 +214,40 @@ class BudgetConfig(_Rule):
         return self
 
 
+DEFAULT_MAX_QUEUE_MS = 1000.0
+
+
+class SloClassConfig(_Strict):
+    """A latency objective and what to do when no endpoint is predicted to meet it (policies/slo.py).
+
+    `ttft_ms`/`tpot_ms` bound the p90 prediction (`compare`); the headers `x-slo-ttft-ms` and
+    `x-slo-tpot-ms` may tighten them per request, never loosen. `on_miss`: `fallback` to the next
+    model whose chain step lists `slo_unattainable` (503 when there is none), `queue` up to
+    `max_queue_ms` for capacity, `reject` at once (503 `slo_unattainable` with retry-after), or
+    `proceed` best effort. Sheddable principals (priority < 0) are shed on a miss whatever it says.
+    """
+
+    ttft_ms: float | None = Field(default=None, gt=0, description="time to first token, ms")
+    tpot_ms: float | None = Field(default=None, gt=0, description="time per output token after the first, ms")
+    on_miss: MissAction = "reject"
+    max_queue_ms: float | None = Field(
+        default=None, gt=0, description=f"on_miss queue: longest wait for capacity (default {DEFAULT_MAX_QUEUE_MS:g})"
+    )
+    max_queued: int = Field(default=256, ge=1, description="on_miss queue: waiting at once; more are shed")
+    compare: Literal["p90", "mean"] = Field(default="p90", description="which prediction must fit the SLO")
+    priorities: list[PriorityName] = Field(
+        default_factory=list, description="principals of these priorities whose tenant names no slo_class"
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> SloClassConfig:
+        if self.ttft_ms is None and self.tpot_ms is None:
+            raise ValueError("expected ttft_ms and/or tpot_ms")
+        if self.max_queue_ms is not None and self.on_miss != "queue":
+            raise ValueError(f"max_queue_ms only applies to on_miss: queue (on_miss is {self.on_miss!r})")
+        return self
+
+
 class BreakerConfig(_Strict):
     """Circuit breaker in front of Redis: a dead store costs no latency while open."""
 
@@ -241,6 +277,7 @@ class PoliciesConfig(_Strict):
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     limits: list[LimitConfig] = Field(default_factory=list)
     budgets: list[BudgetConfig] = Field(default_factory=list)
+    slo_classes: dict[str, SloClassConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _references(self) -> PoliciesConfig:
@@ -299,6 +336,22 @@ class PoliciesConfig(_Strict):
                          "merge them or give each an id")
                     )
                 seen.setdefault(identity, i)
+        problems.extend(self._slo_problems())
+        return problems
+
+    def _slo_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name, tenant in self.tenants.items():
+            if tenant.slo_class is not None and tenant.slo_class not in self.slo_classes:
+                known = ", ".join(sorted(self.slo_classes)) or "none defined"
+                problems.append((("tenants", name, "slo_class"), f"unknown slo class {tenant.slo_class!r} ({known})"))
+        owner: dict[str, str] = {}
+        for name, slo_class in self.slo_classes.items():
+            for j, priority in enumerate(slo_class.priorities):
+                if priority in owner:
+                    path: tuple[str | int, ...] = ("slo_classes", name, "priorities", j)
+                    problems.append((path, f"priority {priority!r} already has class {owner[priority]!r}"))
+                owner.setdefault(priority, name)
         return problems
 
     def _match_problems(

@@ -67,6 +67,9 @@ class PriorSettings(_Strict):
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1, description="engine token budget per step when the pool gives none; None: vLLM's"
     )
+    time_scale: float = Field(
+        default=1.0, gt=0, description="engine seconds per wall second: a simulated engine's --time-scale; real 1"
+    )
 
 
 class LengthSettings(_Strict):

@@ -114,17 +114,28 @@ class LatencyPrior:
     """TTFT/TPOT of a request on each candidate endpoint from the roofline (module docstring)."""
 
     def __init__(
-        self, roofline: Roofline, max_num_seqs: int, max_num_batched_tokens: int, preset_name: str = ""
+        self,
+        roofline: Roofline,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preset_name: str = "",
+        time_scale: float = 1.0,
     ) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
         self.roofline = roofline
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preset_name = preset_name
+        self.time_scale = time_scale  # engine seconds per wall second (the simulated engine's --time-scale)
 
     @property
     def id(self) -> str:
         """Identifies this prior in saved models (a model only fits the prior it was trained over)."""
-        return f"{self.preset_name}|v{PRIOR_VERSION}|seqs={self.max_num_seqs}|tokens={self.max_num_batched_tokens}"
+        scale = f"|x{self.time_scale:g}" if self.time_scale != 1.0 else ""
+        return (
+            f"{self.preset_name}|v{PRIOR_VERSION}|seqs={self.max_num_seqs}|tokens={self.max_num_batched_tokens}{scale}"
+        )
 
     @classmethod
     def for_pool(cls, pool: PoolConfig | None, settings: PriorSettings) -> LatencyPrior:
@@ -143,6 +154,7 @@ class LatencyPrior:
             or settings.max_num_batched_tokens
             or default_tokens,
             preset_name=preset.name,
+            time_scale=settings.time_scale,
         )
 
     def estimate(
@@ -158,7 +170,16 @@ class LatencyPrior:
         prefill_rate_tps: float = 0.0,
         since_last_token_ms: float = -1.0,
     ) -> PriorEstimate:
-        """The prior for one candidate (plain floats: cheaper than numpy for a handful of candidates)."""
+        """The prior for one candidate (plain floats: cheaper than numpy for a handful of candidates).
+
+        Inputs and outputs are wall-clock (ms, tokens/s); the roofline runs in engine time, which a
+        simulated engine's `time_scale` compresses.
+        """
+        scale = self.time_scale
+        if scale != 1.0:
+            prefill_rate_tps /= scale
+            if since_last_token_ms >= 0:
+                since_last_token_ms *= scale
         step_s = self.roofline.step_s
         seqs_limit = self.max_num_seqs
         uncached = input_tokens - cached_tokens
@@ -200,7 +221,7 @@ class LatencyPrior:
         batch = decoding + 1 if decoding < seqs_limit else seqs_limit
         batch_ctx = decode_ctx + input_tokens + output_tokens / 2
         tpot_s = self._steady_step_s(batch, batch_ctx, prefill_rate_tps, input_tokens)
-        return PriorEstimate(batch, batch_ctx, float(steps), ttft_s * 1e3, tpot_s * 1e3)
+        return PriorEstimate(batch, batch_ctx, float(steps), ttft_s * 1e3 / scale, tpot_s * 1e3 / scale)
 
     def _steady_step_s(self, decodes: float, decode_ctx: float, prefill_rate_tps: float, prompt_tokens: float) -> float:
         """Mean step of `decodes` requests while prompts arrive at `prefill_rate_tps` tokens/s.

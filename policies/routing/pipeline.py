@@ -4,6 +4,8 @@
       candidates  = ready endpoints of the pool not in `exclude` (decode/mixed ones in a PD pool),
                     each with the prefix index's cached-token estimate; stale stats -> saturated
       saturated   are dropped unless every candidate is (then: reason `fallback`)
+      predictions with a predictor, when the pipeline has the `latency` scorer or the request an
+                  SLO: every candidate in one call, into facts.attrs (`routing/predictions.py`)
       filters     run in order; one that would leave nothing is skipped (reason `fallback`)
       total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
       picker      chooses from the totals
@@ -29,6 +31,7 @@ from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
 from policies.routing.config import PDConfig, PipelineConfig, RoutingConfig
 from policies.routing.pd import decide_pd, is_disaggregated
+from policies.routing.predictions import PREDICTIONS_ATTR, predict_candidates
 from policies.routing.prefix.engine_hashes import EngineHasher
 from policies.routing.prefix.hashing import prompt_tokens_of
 from policies.routing.prefix.index import IndexReport, PrefixIndex
@@ -49,6 +52,7 @@ from policies.routing.types import (
     Scorer,
 )
 from policies.types import RequestFacts
+from predictor.service import LatencyPredictor
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class Pipeline:
         weight_sum = sum(s.weight for s in self.scorers) or 1.0
         self.normalized_weights = [s.weight / weight_sum for s in self.scorers]
         self.uses_session = any(s.name == "session-affinity" for s in self.scorers)
+        self.uses_latency = any(s.name == "latency" for s in self.scorers)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> Pipeline:
@@ -176,6 +181,7 @@ class ScoringRouter:
     sessions: SessionTable
     rng: random.Random
     pd_counters: dict[str, PDCounters] = field(default_factory=dict)
+    predictor: LatencyPredictor | None = None  # makes the latency scorer's and the SLO gate's predictions
     _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
 
     # -- Router ---------------------------------------------------------------------------------
@@ -199,6 +205,12 @@ class ScoringRouter:
             session_endpoint_id=self.sessions.get(session_key(facts, pool.name, self.config.session.use_user_field)),
         )
         candidates = self._candidates(facts, serving, now_s)
+        if self.predictor is not None and (
+            routing.pipeline.uses_latency or facts.slo_ttft_ms is not None or facts.slo_tpot_ms is not None
+        ):
+            facts.attrs[PREDICTIONS_ATTR] = predict_candidates(
+                self.predictor, pool.name, pool.config.model, ctx, candidates
+            )
         choice = routing.pipeline.choose(ctx, candidates, self.rng)
         chosen = choice.chosen
         decision = RouteDecision(
@@ -318,12 +330,14 @@ def build_router(
     *,
     engine_hashers: Mapping[str, EngineHasher] | None = None,
     rng: random.Random | None = None,
+    predictor: LatencyPredictor | None = None,
 ) -> ScoringRouter:
     """The gateway's router from gateway.yaml's `routing:` section (a dict, a model, or None for defaults).
 
     `engine_hashers` (engine kind -> hasher) overrides which engines the precise index matches by
     their own block hashes (default `prefix.engine_hashes.ENGINE_HASHERS`, see `prefix/precise.py`);
-    `rng` overrides `config.seed` for the pickers' random choices.
+    `rng` overrides `config.seed` for the pickers' random choices. `predictor` (None: disabled)
+    predicts the candidates for the `latency` scorer and the gateway's SLO gate.
     """
     if config is None:
         cfg = RoutingConfig()
@@ -336,4 +350,5 @@ def build_router(
         index=PrefixIndex(cfg.prefix_index, engine_hashers=engine_hashers),
         sessions=SessionTable(cfg.session.max_sessions),
         rng=rng or random.Random(cfg.seed),
+        predictor=predictor,
     )

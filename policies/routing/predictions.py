@@ -1,8 +1,30 @@
-"""Where a request's latency predictions live while it is routed.
+"""Where a request's latency predictions live while it is routed, and the one call that makes them.
 
-The latency scorer predicts every candidate in one batched call and leaves the predictions in
-`facts.attrs[PREDICTIONS_ATTR]` (endpoint id -> `predictor.types.Prediction`), so the gateway reuses
-the serving endpoint's prediction as the training sample's features instead of predicting twice.
+When the router has a predictor and the request needs predictions (its pool's pipeline has the
+`latency` scorer, or the request carries an SLO for the gateway's SLO gate), `ScoringRouter.route`
+predicts every candidate in one batched call before the pipeline runs and leaves the predictions in
+`facts.attrs[PREDICTIONS_ATTR]` (endpoint id -> `predictor.types.Prediction`). The latency scorer
+and the SLO gate read them there, and the gateway reuses the serving endpoint's prediction as the
+training sample's features instead of predicting twice.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from policies.routing.types import Candidate, RouteContext
+from predictor.service import LatencyPredictor
+from predictor.types import Prediction, RequestShape
+
 PREDICTIONS_ATTR = "_predictions_by_endpoint"
+
+
+def predict_candidates(
+    predictor: LatencyPredictor, pool: str, model: str, ctx: RouteContext, candidates: Sequence[Candidate]
+) -> dict[str, Prediction]:
+    """Every candidate's prediction (one batched `predict`), by endpoint id."""
+    facts = ctx.facts
+    shape = RequestShape(ctx.prompt_tokens, facts.max_tokens, facts.principal.tenant, model)
+    endpoints = [c.endpoint for c in candidates]
+    made = predictor.predict(pool, shape, endpoints, [c.cached_tokens for c in candidates], ctx.now_s)
+    return {p.endpoint_id: p for p in made}

@@ -20,6 +20,7 @@ from policies.routing.pickers.weighted_random import WeightedRandomPicker
 from policies.routing.round_robin import RoundRobinRouter
 from policies.routing.scorers.inflight_tokens import InflightTokensScorer
 from policies.routing.scorers.kv_usage import KvUsageScorer
+from policies.routing.scorers.latency import LatencyScorer
 from policies.routing.scorers.prefix_cache import PrefixCacheScorer
 from policies.routing.scorers.queue_depth import QueueDepthScorer
 from policies.routing.scorers.session_affinity import SessionAffinityScorer
@@ -41,6 +42,7 @@ SCORERS: Mapping[str, Callable[..., Scorer]] = MappingProxyType(
         "inflight-tokens": InflightTokensScorer,
         "session-affinity": SessionAffinityScorer,
         "work-cost": WorkCostScorer,
+        "latency": LatencyScorer,
     }
 )
 

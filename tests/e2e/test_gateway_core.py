@@ -11,7 +11,6 @@ from typing import Any
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from backends import tokenization
 from tests.support.procs import (
@@ -21,6 +20,7 @@ from tests.support.procs import (
     SimEngines,
     free_ports,
     http_get,
+    metric_total,
     policies_doc,
     running,
     start_gateway,
@@ -51,17 +51,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, S
 
 def client(gateway: Gateway, key: str = TEST_KEY, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=kwargs.pop("max_retries", 0), **kwargs)
-
-
-def engine_counter(url: str, name: str, **labels: str) -> float:
-    status, text = http_get(url + "/metrics")
-    assert status == 200
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def test_chat_non_streamed_sync(fleet: tuple[Gateway, SimEngines]) -> None:
@@ -213,12 +202,12 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(
     deadline = time.monotonic() + 20
     aborted = 0.0
     while time.monotonic() < deadline:
-        aborted = engine_counter(engines.urls[0], "vllm:request_success_total", finished_reason="abort")
+        aborted = metric_total(engines.urls[0], "vllm:request_success_total", finished_reason="abort")
         if aborted:
             break
         time.sleep(0.1)
     assert aborted == 1
-    assert engine_counter(engines.urls[0], "vllm:num_requests_running") == 0
+    assert metric_total(engines.urls[0], "vllm:num_requests_running") == 0
 
 
 def test_body_too_large_gets_413(
@@ -311,7 +300,7 @@ async def test_concurrent_async_clients(fleet: tuple[Gateway, SimEngines]) -> No
             ]
         )
     assert all(r.choices for r in results)
-    served = [engine_counter(url, "vllm:request_success_total") for url in engines.urls]
+    served = [metric_total(url, "vllm:request_success_total") for url in engines.urls]
     assert all(count > 0 for count in served)  # both replicas took work
 
 

@@ -110,3 +110,18 @@ def test_pool_limits_and_preset_shape_the_prior() -> None:
     )
     assert (limited.max_num_batched_tokens, limited.max_num_seqs) == (512, 8)
     assert limited.estimate(3000, 0, 100, 0, 0, 0, 0, 0).prefill_steps == 6
+
+
+def test_a_time_scaled_engine_is_predicted_in_wall_time() -> None:
+    """A simulated engine at `--time-scale 4` runs 4x faster than real: the prior's wall-clock inputs
+    (prefill rate, time since the last token) convert to engine time and its latencies back."""
+    real = LatencyPrior.for_pool(pool_config(), PriorSettings())
+    fast = LatencyPrior.for_pool(pool_config(), PriorSettings(time_scale=4.0))
+    assert fast.id != real.id and real.id.endswith(f"tokens={real.max_num_batched_tokens}")  # saved models differ
+    load = {"running": 12, "waiting": 2, "inflight_requests": 14, "inflight_prefill_tokens": 3000,
+            "inflight_decode_tokens": 20000}
+    engine = real.estimate(1500, 200, 300, **load, prefill_rate_tps=8000.0, since_last_token_ms=8.0)
+    wall = fast.estimate(1500, 200, 300, **load, prefill_rate_tps=32000.0, since_last_token_ms=2.0)
+    assert wall.ttft_ms == pytest.approx(engine.ttft_ms / 4, rel=1e-9)
+    assert wall.tpot_ms == pytest.approx(engine.tpot_ms / 4, rel=1e-9)
+    assert wall.batch_requests == engine.batch_requests

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from policies.policy import hash_key
 
@@ -71,6 +72,18 @@ def http_get(url: str, headers: dict[str, str] | None = None, timeout_s: float =
         return int(exc.code), exc.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError) as exc:
         return 0, repr(exc)
+
+
+def metric_total(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus sample `name` over the samples whose labels include `labels`, at `url`/metrics."""
+    status, text = http_get(url + "/metrics")
+    assert status == 200, text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[Any] | None = None, status: int = 200) -> None:

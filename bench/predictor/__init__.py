@@ -1,0 +1,1 @@
+"""Predictor accuracy and SLO attainment on the simulated fleet (see run.py)."""

@@ -1,0 +1,201 @@
+"""The SLO gate's decision (DESIGN.md §2 step 7): can some endpoint meet this request's latency SLO?
+
+Pure functions of (the request's effective SLO, the candidates' predictions, the tightest TPOT SLO
+already running on each endpoint, the caller's priority). The gateway does the I/O around it:
+parsing the headers, waiting in the queue, rendering the 503 (`gateway/slo.py`).
+
+What is compared. An endpoint *meets* the SLO when, for each target the SLO sets,
+
+    predicted_q(TTFT) <= ttft_ms - elapsed_ms         (the request has already spent elapsed_ms)
+    predicted_q(TPOT) <= min(tpot_ms, running_tpot_slo_ms[endpoint])
+
+where q is the class's `compare` quantity, p90 by default. The p90 is the predictor's calibrated
+upper bound (conformal held-out shift plus online adaptation keep its coverage near 90 %), so
+"meets" reads "meets with about 90 % probability": the same role as llm-d's quantile-0.9 XGBoost
+prediction times its `sloBufferFactor`. Comparing the mean would admit requests that miss their SLO
+half the time when the endpoint is just at the edge, which is exactly the load where the gate
+matters. `compare: mean` is there for operators who prefer goodput to attainment.
+
+Running requests are protected: the new request's predicted TPOT on an endpoint is the step time
+everybody in that batch will see once it joins, so an endpoint whose prediction exceeds the
+tightest TPOT SLO among the requests it already serves does not meet (llm-d's pod TPOT SLO,
+`running_request_tpot_slo_queue.go`).
+
+An idle endpoint (nothing running, waiting or in flight) always admits, as in llm-d's
+`latency-slo-admitter`: the gate exists to keep requests from queueing behind load, and an idle
+endpoint has none, so a miss there says the request is too big for its SLO (or the predictor is
+pessimistic), and neither rejecting nor waiting would help anybody. It is also the gate's safety
+valve: a predictor that over-predicts could otherwise reject everything, and a fleet that serves
+nothing teaches it nothing.
+
+On a miss, sheddable principals (priority < 0) are shed at once whatever the class says: the
+capacity that remains goes to the traffic that cannot be dropped. Otherwise the class's `on_miss`
+applies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from policies.schema import DEFAULT_MAX_QUEUE_MS, MissAction, SloClassConfig
+from predictor.types import Feature, Prediction
+
+# `facts.attrs` key of the live mapping endpoint id -> tightest TPOT SLO (ms) of the requests running
+# there; the gateway keeps it (gateway/slo.py), the latency scorer reads it.
+RUNNING_TPOT_SLO_ATTR: Final = "_running_tpot_slo_ms"
+
+Compare = Literal["p90", "mean"]
+Action = Literal["fallback", "queue", "reject", "shed", "proceed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SloClass:
+    """One compiled `slo_classes` entry of policies.yaml."""
+
+    name: str
+    ttft_ms: float | None
+    tpot_ms: float | None
+    on_miss: MissAction = "reject"
+    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS
+    max_queued: int = 256
+    compare: Compare = "p90"
+
+    @classmethod
+    def from_config(cls, name: str, config: SloClassConfig) -> SloClass:
+        return cls(
+            name=name,
+            ttft_ms=config.ttft_ms,
+            tpot_ms=config.tpot_ms,
+            on_miss=config.on_miss,
+            max_queue_ms=config.max_queue_ms if config.max_queue_ms is not None else DEFAULT_MAX_QUEUE_MS,
+            max_queued=config.max_queued,
+            compare=config.compare,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A request's effective SLO: its class, tightened by its headers. `class_name` "" = headers only."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None
+    on_miss: MissAction = "proceed"
+    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS
+    max_queued: int = 256
+    compare: Compare = "p90"
+    class_name: str = ""
+
+
+def effective_slo(
+    slo_class: SloClass | None, ttft_header_ms: float | None = None, tpot_header_ms: float | None = None
+) -> Slo | None:
+    """The SLO a request runs under; None when neither its class nor its headers set one.
+
+    Headers only tighten (min with the class). Headers without a class steer routing to endpoints
+    that meet them and shed sheddable callers on a miss, but otherwise proceed best effort: an
+    operator's class, not a client's header, decides whether to fall back, queue or reject.
+    """
+    if slo_class is None:
+        if ttft_header_ms is None and tpot_header_ms is None:
+            return None
+        return Slo(ttft_ms=ttft_header_ms, tpot_ms=tpot_header_ms)
+    return Slo(
+        ttft_ms=_tightest(slo_class.ttft_ms, ttft_header_ms),
+        tpot_ms=_tightest(slo_class.tpot_ms, tpot_header_ms),
+        on_miss=slo_class.on_miss,
+        max_queue_ms=slo_class.max_queue_ms,
+        max_queued=slo_class.max_queued,
+        compare=slo_class.compare,
+        class_name=slo_class.name,
+    )
+
+
+def _tightest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointCheck:
+    """How far one endpoint's prediction is from the SLO: excess <= 0 meets (ms; 0 for unset targets)."""
+
+    endpoint_id: str
+    ttft_excess_ms: float
+    tpot_excess_ms: float
+    idle: bool
+
+    @property
+    def meets(self) -> bool:
+        return self.ttft_excess_ms <= 0.0 and self.tpot_excess_ms <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Meet:
+    """Route among `endpoint_ids`: the ones that meet the SLO, or the idle ones when none does."""
+
+    endpoint_ids: frozenset[str]
+    idle_only: bool = False  # none meets it; these are idle (see the module docstring)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """No endpoint meets it. `closest` has the smallest excess (for the message and retry-after)."""
+
+    action: Action
+    closest: EndpointCheck
+
+    def retry_after_s(self, floor_s: float = 1.0, cap_s: float = 60.0) -> int:
+        """Whole seconds until the closest endpoint may meet it: its TTFT excess (work that must drain
+        first), at least `floor_s`, at most `cap_s` (older openai SDKs ignore longer)."""
+        return int(min(max(math.ceil(self.closest.ttft_excess_ms / 1000.0), floor_s), cap_s))
+
+
+def check_endpoint(
+    slo: Slo, prediction: Prediction, running_tpot_slo_ms: float | None = None, elapsed_ms: float = 0.0
+) -> EndpointCheck:
+    """One endpoint against the SLO (see the module docstring for what is compared)."""
+    p90 = slo.compare == "p90"
+    ttft_excess = 0.0
+    if slo.ttft_ms is not None:
+        predicted = prediction.ttft_p90_ms if p90 else prediction.ttft_ms
+        ttft_excess = predicted - (slo.ttft_ms - elapsed_ms)
+    tpot_excess = 0.0
+    bound = _tightest(slo.tpot_ms, running_tpot_slo_ms)
+    if bound is not None:
+        predicted = prediction.tpot_p90_ms if p90 else prediction.tpot_ms
+        tpot_excess = predicted - bound
+    return EndpointCheck(prediction.endpoint_id, ttft_excess, tpot_excess, _idle(prediction))
+
+
+def _idle(prediction: Prediction) -> bool:
+    """Nothing running, waiting or in flight there when it was predicted (read from its feature row)."""
+    row = prediction.features
+    return not (row[Feature.RUNNING] or row[Feature.WAITING] or row[Feature.INFLIGHT_REQUESTS])
+
+
+def decide(
+    slo: Slo,
+    predictions: Iterable[Prediction],
+    *,
+    priority: int,
+    running_tpot_slo_ms: Mapping[str, float] | None = None,
+    elapsed_ms: float = 0.0,
+) -> Meet | Miss:
+    """Meet (the endpoints that meet `slo`) or Miss (what to do instead) over at least one prediction
+    (with none there is nothing to decide: the gateway proceeds)."""
+    floors = running_tpot_slo_ms or {}
+    checks = [check_endpoint(slo, p, floors.get(p.endpoint_id), elapsed_ms) for p in predictions]
+    if not checks:
+        raise ValueError("decide() needs the prediction of at least one endpoint")
+    meeting = frozenset(c.endpoint_id for c in checks if c.meets)
+    if meeting:
+        return Meet(meeting)
+    idle = frozenset(c.endpoint_id for c in checks if c.idle)
+    if idle:
+        return Meet(idle, idle_only=True)
+    closest = min(checks, key=lambda c: max(c.ttft_excess_ms, 0.0) + max(c.tpot_excess_ms, 0.0))
+    return Miss("shed" if priority < 0 else slo.on_miss, closest)

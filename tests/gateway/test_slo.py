@@ -1,0 +1,133 @@
+"""The SLO gate's gateway side: header parsing, running TPOT SLOs per endpoint, the wait queue, 503s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.slo import (
+    REASON_QUEUE_TIMEOUT,
+    REASON_SHED,
+    RunningTpotSlos,
+    SloQueue,
+    parse_slo_headers,
+    slo_miss,
+)
+from policies.slo import EndpointCheck, Miss, Slo
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        pytest.param({}, (None, None), id="absent"),
+        pytest.param({"x-slo-ttft-ms": "250"}, (250.0, None), id="ttft"),
+        pytest.param({"x-slo-ttft-ms": " 250.5 ", "x-slo-tpot-ms": "20"}, (250.5, 20.0), id="both"),
+    ],
+)
+def test_parse_slo_headers(headers: dict[str, str], expected: tuple[float | None, float | None]) -> None:
+    assert parse_slo_headers(headers) == expected
+
+
+@pytest.mark.parametrize("value", ["abc", "", "0", "-5", "nan", "inf", "1e12", "100ms"])
+@pytest.mark.parametrize("name", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+def test_malformed_slo_header_is_a_400_naming_it(name: str, value: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_slo_headers({name: value})
+    assert info.value.status == 400 and info.value.param == name
+
+
+def test_running_tpot_slos_track_the_tightest_per_endpoint() -> None:
+    running = RunningTpotSlos()
+    a = running.begin("e1", 50.0)
+    b = running.begin("e1", 20.0)
+    c = running.begin("e1", 20.0)
+    assert running.begin("e2", None) is None
+    assert running.floors == {"e1": 20.0}
+    running.end(b)
+    assert running.floors == {"e1": 20.0}  # another 20 ms request is still there
+    running.end(c)
+    assert running.floors == {"e1": 50.0}
+    running.end(a)
+    running.end(a)  # idempotent enough: a second end changes nothing
+    assert running.floors == {}
+
+
+def test_queue_wakes_highest_priority_first_and_times_out() -> None:
+    async def scenario() -> tuple[list[str], str | None, float]:
+        queue = SloQueue(recheck_s=10.0)  # only notify wakes them
+        order: list[str] = []
+        slo = Slo(100.0, None, on_miss="queue", class_name="c")
+
+        def waiter(name: str) -> Callable[[], str | None]:
+            def attempt() -> str | None:
+                order.append(name)
+                return name
+
+            return attempt
+
+        deadline = time.perf_counter() + 5.0
+        low = asyncio.create_task(queue.wait_for("p", slo, 0, deadline, waiter("low")))
+        high = asyncio.create_task(queue.wait_for("p", slo, 2, deadline, waiter("high")))
+        await asyncio.sleep(0.01)
+        assert queue.queued("c") == 2
+        queue.notify("other-pool")
+        await asyncio.sleep(0.01)
+        assert order == []
+        queue.notify("p")
+        await asyncio.gather(low, high)
+        started = time.perf_counter()
+        timed_out = await SloQueue(recheck_s=0.01).wait_for(
+            "p", slo, 0, time.perf_counter() + 0.05, lambda: None
+        )
+        return order, timed_out, time.perf_counter() - started
+
+    order, timed_out, waited_s = asyncio.run(scenario())
+    assert order == ["high", "low"]
+    assert timed_out is None and waited_s >= 0.05
+
+
+def test_slo_miss_is_a_503_with_retry_after() -> None:
+    miss = Miss("shed", EndpointCheck("e1", ttft_excess_ms=2300.0, tpot_excess_ms=0.0, idle=False))
+    raised = slo_miss(miss, Slo(200.0, 30.0), "llama", REASON_SHED)
+    rejection = raised.rejection
+    assert (rejection.status, rejection.type, rejection.code, rejection.reason) == (
+        503, "server_error", "slo_unattainable", "shed")
+    assert dict(rejection.headers) == {"retry-after": "3", "retry-after-ms": "3000"}
+    assert "TTFT <= 200 ms, TPOT <= 30 ms" in rejection.message and not raised.fallback
+    fallback = slo_miss(Miss("fallback", miss.closest), Slo(200.0, None), "llama", "slo_unattainable")
+    assert fallback.fallback
+    timeout = slo_miss(Miss("queue", miss.closest), Slo(200.0, None), "llama", REASON_QUEUE_TIMEOUT, waited_ms=812)
+    assert timeout.rejection.message.startswith("Waited 812 ms")
+
+
+def test_queue_is_head_of_line_one_attempt_per_event() -> None:
+    async def scenario() -> list[str]:
+        queue = SloQueue(recheck_s=10.0)
+        slo = Slo(100.0, None, on_miss="queue", class_name="c")
+        attempts: list[str] = []
+        fits = {"big": False, "small": True}
+
+        def attempt(name: str) -> Callable[[], str | None]:
+            def run() -> str | None:
+                attempts.append(name)
+                return name if fits[name] else None
+
+            return run
+
+        deadline = time.perf_counter() + 5.0
+        big = asyncio.create_task(queue.wait_for("p", slo, 1, deadline, attempt("big")))
+        small = asyncio.create_task(queue.wait_for("p", slo, 0, deadline, attempt("small")))
+        await asyncio.sleep(0.01)
+        queue.notify("p")  # one event: the head (higher priority) tries, misses, nobody else tries
+        await asyncio.sleep(0.01)
+        assert attempts == ["big"] and not small.done()
+        fits["big"] = True
+        queue.notify("p")  # the head is served and passes the turn on
+        await asyncio.gather(big, small)
+        return attempts
+
+    assert asyncio.run(scenario()) == ["big", "big", "small"]
