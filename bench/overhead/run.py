@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from policies.policy import hash_key  # noqa: E402
-from tests.support.procs import free_port, http_get, wait_http  # noqa: E402
+from tests.support.procs import free_port, free_ports, http_get, wait_http  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 KEY = "sk-bench-0000"
@@ -39,6 +39,7 @@ COMPLETION = (
     '"usage":{"prompt_tokens":24,"completion_tokens":2,"total_tokens":26}}'
 )
 PROXY_CORE, LOAD_CORE = "0", "1"
+ENDPOINTS = "_endpoints"  # a variant's number of upstream endpoints (ports of the same instant upstream)
 
 
 def ensure_tools() -> None:
@@ -87,6 +88,31 @@ class Run:
     p90_ms: float
     p99_ms: float
     errors: int
+    cpu_us_per_request: float = float("nan")
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (nginx's workers), from /proc."""
+    total = 0.0
+    pids = [pid]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                pids.append(int(entry.name))
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) * _TICK_S
+    return total
 
 
 _UNIT = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
@@ -132,7 +158,7 @@ class Target:
     proc: subprocess.Popen[Any] | None = field(default=None, repr=False)
 
 
-def tokenway_config(workdir: Path, upstream_port: int, port: int, extra: dict[str, Any]) -> Path:
+def tokenway_config(workdir: Path, upstream_ports: list[int], port: int, extra: dict[str, Any]) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     policies = {"tenants": {"bench": {}}, "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
                 "models": {"bench-model": {}}}
@@ -141,7 +167,7 @@ def tokenway_config(workdir: Path, upstream_port: int, port: int, extra: dict[st
         "server": {"host": "127.0.0.1", "port": port},
         "policies": "policies.yaml",
         "pools": [{"name": "instant", "model": "bench-model", "engine": "vllm",
-                   "endpoints": [{"url": f"http://127.0.0.1:{upstream_port}"}]}],
+                   "endpoints": [{"url": f"http://127.0.0.1:{p}"} for p in upstream_ports]}],
         **extra,
     }
     path = workdir / "gateway.yaml"
@@ -157,6 +183,10 @@ def tokenway_variants(otlp_url: str) -> dict[str, dict[str, Any]]:
         "tokenway (+ metrics)": {**off, "telemetry": {"metrics": {"enabled": True}}},
         "tokenway (+ metrics, ledger)": {**off, "telemetry": {"metrics": {"enabled": True}}, "ledger": {}},
         "tokenway (+ metrics, ledger, predictor)": {"telemetry": {"metrics": {"enabled": True}}},
+        # two upstream endpoints: the scoring router (prefix index, load gate, scorers, picker) does real work
+        "tokenway (+ metrics, ledger, predictor, 2 endpoints)": {
+            "telemetry": {"metrics": {"enabled": True}}, ENDPOINTS: 2,
+        },
         "tokenway (+ metrics, ledger, predictor, tracing 100%)": {
             "telemetry": {"metrics": {"enabled": True}, "otlp": {"endpoint": otlp_url, "sample_ratio": 1.0}},
         },
@@ -188,10 +218,10 @@ def main() -> int:
     connections = [int(c) for c in args.connections.split(",")]
     ensure_tools()
     workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-"))
-    upstream_port = free_port()
+    upstream_port, second_port = free_ports(2)
     upstream = start_nginx(
         workdir, "upstream",
-        f"""server {{ listen 127.0.0.1:{upstream_port} reuseport;
+        f"""server {{ listen 127.0.0.1:{upstream_port} reuseport; listen 127.0.0.1:{second_port} reuseport;
             location = /health {{ return 200 ''; }}
             location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
         LOAD_CORE,
@@ -215,7 +245,8 @@ def main() -> int:
     otlp_sink = start_otlp_sink(otlp_port)
     for name, extra in tokenway_variants(f"http://127.0.0.1:{otlp_port}").items():
         p = free_port()
-        config = tokenway_config(workdir / re.sub(r"\W+", "-", name), upstream_port, p, extra)
+        ports = [upstream_port, second_port][: extra.pop(ENDPOINTS, 1)]
+        config = tokenway_config(workdir / re.sub(r"\W+", "-", name), ports, p, extra)
         targets.append(Target(name, lambda c=config: subprocess.Popen(
             ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
              "--config", str(c)], env=env, cwd=REPO), p))
@@ -242,8 +273,10 @@ def main() -> int:
                 time.sleep(0.1)
             for c in connections:
                 wrk(url + "/v1/chat/completions", c, args.warmup)
+                cpu_before = cpu_seconds(target.proc.pid)
                 rps, pct, errors = wrk(url + "/v1/chat/completions", c, args.duration)
-                runs.append(Run(target.name, c, rps, pct["50"], pct["90"], pct["99"], errors))
+                cpu_us = (cpu_seconds(target.proc.pid) - cpu_before) / max(rps * args.duration, 1) * 1e6
+                runs.append(Run(target.name, c, rps, pct["50"], pct["90"], pct["99"], errors, cpu_us))
                 print(f"{target.name} c={c}: {rps:,.0f} rps p50={pct['50']:.3f}ms errors={errors}", flush=True)
             probes[target.name] = openloop(url + "/v1/chat/completions", args.probe_rate, args.probe_duration)
             print(f"{target.name} open-loop: p50={probes[target.name][0]:.3f}ms", flush=True)
@@ -280,10 +313,12 @@ def write_results(
         f"Each proxy is one process pinned to core {PROXY_CORE}; wrk (1 thread) and the instant upstream "
         f"(nginx `return 200`, fixed chat completion) share core {LOAD_CORE}; {duration_s:g} s per point after "
         "a warm-up. Added latency = proxy percentile - direct-to-upstream percentile at the same connection count. "
-        "tokenway runs with API-key auth, token estimation, routing and accounting on.",
+        "tokenway runs with API-key auth, token estimation, routing and accounting on, over one upstream endpoint "
+        "unless the row says 2 (then the scoring router weighs two).",
         "",
-        "| target | conns | RPS | p50 ms | p99 ms | added p50 ms | added p99 ms | RPS vs bare | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| target | conns | RPS | p50 ms | p99 ms | added p50 ms | added p99 ms | RPS vs bare | CPU µs / req "
+        "| errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in runs:
         d = direct.get(r.connections)
@@ -293,7 +328,7 @@ def write_results(
         ratio = f"{r.rps / b.rps:.2f}" if b and r.target != "direct (no proxy)" else "-"
         lines.append(
             f"| {r.target} | {r.connections} | {r.rps:,.0f} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | "
-            f"{added50:.3f} | {added99:.3f} | {ratio} | {r.errors} |"
+            f"{added50:.3f} | {added99:.3f} | {ratio} | {r.cpu_us_per_request:.0f} | {r.errors} |"
         )
     lines += [
         "",

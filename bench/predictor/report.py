@@ -229,8 +229,11 @@ def write(results: dict[str, Any], out: Path) -> None:
         "1,000 tokens; unique prompts), the same window for every mode of a load, arrivals rescaled to the load "
         f"and replayed open loop for {args['duration_s']:g} engine seconds, streamed, `ignore_eos`. "
         f"{args['sheddable_share']:.0%} of requests (seeded) come from a sheddable tenant. Statistics leave out "
-        f"the first {args['skip_warmup_s']:g} s of arrivals (the fleet fills: a request lives 5-20 s) and the "
-        f"last {args['skip_cooldown_s']:g} s (it drains). Plus {args['mooncake_requests']} requests of whole "
+        f"the first {args['skip_warmup_s']:g} s of arrivals (the fleet fills: a request lives 5-20 s)"
+        + (f" and the last {args['skip_cooldown_s']:g} s" if args["skip_cooldown_s"] else
+           "; the last arrivals stay in (they meet the fleet at its fullest: at 90 % load the trace's bursts "
+           "build a queue that peaks at the end of the window)")
+        + f". Plus {args['mooncake_requests']} requests of whole "
         "Mooncake synthetic-trace conversations (long prompts sharing 512-token blocks: prefix-cache hits) at "
         f"{args['mooncake_load']:.0%} of capacity scaled by their work per request.",
         "- Predictor: defaults (XGBoost on the log-ratio over the analytic prior, p90 conformal + online "

@@ -209,8 +209,9 @@ def main() -> None:
                         help="off, on (scorer + SLO gate); ablations at the top load: scorer (only), gate (only)")
     parser.add_argument("--skip-warmup-s", type=float, default=15.0,
                         help="engine seconds of each run's first arrivals left out of the statistics (ramp-up)")
-    parser.add_argument("--skip-cooldown-s", type=float, default=10.0,
-                        help="engine seconds of each run's last arrivals left out (the fleet drains)")
+    parser.add_argument("--skip-cooldown-s", type=float, default=0.0,
+                        help="engine seconds of each run's last arrivals left out (0: arrivals go on until the "
+                             "end, so the last ones meet the fleet at its fullest)")
     parser.add_argument("--predictor", type=json.loads, default={}, help="extra predictor settings (JSON)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--out", type=Path, default=report.RESULTS / "predictor.md")

@@ -6,25 +6,26 @@ Mooncake's synthetic trace (`mooncake/synthetic_trace.jsonl`) adds prefix sharin
 512-token blocks, and equal ids get equal text, so a conversation's later turns hit the prefix cache
 of the engine that served the earlier ones (its inputs are long: the window keeps prompts that fit
 the engine's context). Prompt words are cl100k tokens of the form " word" (one token each, never
-merged), so the gateway's count, the engine's and the trace's agree.
+merged), so the gateway's count, the engine's and the trace's agree; the text comes from the
+replay benchmark's `PromptBuilder`.
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import random
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from bench.replay.workload import BLOCK_TOKENS as BLOCK_TOKENS
+from bench.replay.workload import PromptBuilder as PromptBuilder
+
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
-BLOCK_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,49 +107,3 @@ def arrivals_at(requests: list[TraceRequest], rate_per_s: float) -> list[float]:
     span = requests[-1].arrival_s - requests[0].arrival_s
     factor = (len(requests) - 1) / span / rate_per_s if span > 0 else 1.0 / rate_per_s
     return [(r.arrival_s - requests[0].arrival_s) * factor for r in requests]
-
-
-@functools.cache
-def _vocabulary() -> tuple[str, ...]:
-    from backends import tokenization
-
-    encoding = tokenization.encoding()
-    pattern = re.compile(rb" [a-z]{3,9}")
-    words = []
-    for token in range(encoding.n_vocab):
-        try:
-            raw = encoding.decode_single_token_bytes(token)
-        except KeyError:
-            continue
-        if pattern.fullmatch(raw):
-            words.append(raw.decode())
-    return tuple(words)
-
-
-class PromptBuilder:
-    """Exactly `input_tokens` tokens per prompt; equal Mooncake blocks give equal text."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.words = _vocabulary()
-        self._blocks: dict[int, str] = {}
-
-    def _block(self, hash_id: int, tokens: int = BLOCK_TOKENS) -> str:
-        if tokens < BLOCK_TOKENS:
-            rng = random.Random(hash_id * 1_000_003 + self.seed)
-            return "".join(rng.choices(self.words, k=BLOCK_TOKENS)[:tokens])
-        text = self._blocks.get(hash_id)
-        if text is None:
-            rng = random.Random(hash_id * 1_000_003 + self.seed)
-            text = self._blocks[hash_id] = "".join(rng.choices(self.words, k=BLOCK_TOKENS))
-        return text
-
-    def prompt(self, request: TraceRequest, salt: str) -> str:
-        if not request.hash_ids:
-            rng = random.Random(f"{self.seed}:{salt}:{request.index}")
-            return "".join(rng.choices(self.words, k=request.input_tokens))
-        full, rest = divmod(request.input_tokens, BLOCK_TOKENS)
-        parts = [self._block(h) for h in request.hash_ids[:full]]
-        if rest:
-            parts.append(self._block(request.hash_ids[full], rest))
-        return "".join(parts)

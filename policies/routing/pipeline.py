@@ -113,7 +113,12 @@ class Pipeline:
         )
 
     def choose(self, ctx: RouteContext, candidates: Sequence[Candidate], rng: random.Random) -> Choice:
-        """Run the pipeline over non-empty `candidates`."""
+        """Run the pipeline over non-empty `candidates`.
+
+        A lone candidate is the answer whatever the filters and scorers say (a filter that would
+        drop it is skipped), so they run only when a debug header wants its scores."""
+        if len(candidates) == 1 and not ctx.facts.debug:
+            return Choice(list(candidates), 0, [1.0], {}, candidates[0].saturated)
         pool = [c for c in candidates if not c.saturated]
         fallback = not pool
         if fallback:
