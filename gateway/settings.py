@@ -41,6 +41,9 @@ class ServerSettings(_Strict):
     upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
     admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
     retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
+    gc_young_threshold: int = Field(
+        default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
+    )
 
 
 class StateSettings(_Strict):

@@ -164,11 +164,11 @@ def tokenway_config(workdir: Path, upstream_ports: list[int], port: int, extra: 
                 "models": {"bench-model": {}}}
     (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
     config = {
-        "server": {"host": "127.0.0.1", "port": port},
+        "server": {"host": "127.0.0.1", "port": port, **extra.get("server", {})},
         "policies": "policies.yaml",
         "pools": [{"name": "instant", "model": "bench-model", "engine": "vllm",
                    "endpoints": [{"url": f"http://127.0.0.1:{p}"} for p in upstream_ports]}],
-        **extra,
+        **{k: v for k, v in extra.items() if k != "server"},
     }
     path = workdir / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -180,6 +180,7 @@ def tokenway_variants(otlp_url: str) -> dict[str, dict[str, Any]]:
     off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
     return {
         "tokenway (auth, telemetry off)": off,
+        "tokenway (auth, telemetry off, Python's default GC)": {**off, "server": {"gc_young_threshold": 0}},
         "tokenway (+ metrics)": {**off, "telemetry": {"metrics": {"enabled": True}}},
         "tokenway (+ metrics, ledger)": {**off, "telemetry": {"metrics": {"enabled": True}}, "ledger": {}},
         "tokenway (+ metrics, ledger, predictor)": {"telemetry": {"metrics": {"enabled": True}}},
@@ -214,6 +215,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(RESULTS / "overhead.md"))
     parser.add_argument("--probe-rate", type=float, default=200.0, help="open-loop requests per second")
     parser.add_argument("--probe-duration", type=float, default=5.0)
+    parser.add_argument("--only", default="", help="regex: run only the targets whose name matches (and direct)")
     args = parser.parse_args()
     connections = [int(c) for c in args.connections.split(",")]
     ensure_tools()
@@ -251,6 +253,8 @@ def main() -> int:
             ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
              "--config", str(c)], env=env, cwd=REPO), p))
 
+    if args.only:
+        targets = [t for t in targets if re.search(args.only, t.name)]
     runs: list[Run] = []
     probes: dict[str, tuple[float, float, float]] = {}
     try:
