@@ -13,13 +13,12 @@ replay benchmark's `PromptBuilder`.
 from __future__ import annotations
 
 import csv
-import json
 import random
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from bench.replay import workload as replay_workload
 from bench.replay.workload import BLOCK_TOKENS as BLOCK_TOKENS
 from bench.replay.workload import PromptBuilder as PromptBuilder
 
@@ -67,29 +66,12 @@ def load_azure(requests: int, start: int, max_total_tokens: int, max_output_toke
 
 def load_mooncake(requests: int, seed: int, max_total_tokens: int, max_output_tokens: int) -> list[TraceRequest]:
     """About `requests` requests: whole conversations (grouped by first block), seeded, in order."""
-    rows = [json.loads(line) for line in require(MOONCAKE).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["input_length"] + min(r["output_length"], max_output_tokens) <= max_total_tokens]
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, row in enumerate(rows):
-        groups[row["hash_ids"][0]].append(i)
-    order = list(groups)
-    random.Random(seed).shuffle(order)
-    chosen: list[int] = []
-    for root in order:
-        if len(chosen) >= requests:
-            break
-        chosen.extend(groups[root])
-    chosen.sort()
-    t0 = rows[chosen[0]]["timestamp"]
-    out = []
-    for n, i in enumerate(chosen):
-        row = rows[i]
-        ids = tuple(int(h) for h in row["hash_ids"])
-        out.append(TraceRequest(
-            n, (row["timestamp"] - t0) / 1000.0, min(int(row["input_length"]), len(ids) * BLOCK_TOKENS),
-            min(max(1, int(row["output_length"])), max_output_tokens), ids,
-        ))
-    return out
+    return [
+        TraceRequest(r.index, r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids)
+        for r in replay_workload.load_mooncake(
+            require(MOONCAKE), requests, seed, max_total_tokens, max_output_tokens
+        )
+    ]
 
 
 def with_sheddable_share(requests: list[TraceRequest], share: float, seed: int) -> list[TraceRequest]:

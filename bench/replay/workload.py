@@ -42,11 +42,17 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()  # Mooncake blocks; empty: unique text (Azure)
 
 
-def load_mooncake(path: Path, requests: int, seed: int, max_total_tokens: int) -> list[TraceRequest]:
+def load_mooncake(
+    path: Path, requests: int, seed: int, max_total_tokens: int, max_output_tokens: int | None = None
+) -> list[TraceRequest]:
     """About `requests` requests: whole conversations sampled at random (seeded), in arrival order.
 
-    Requests whose prompt + output exceed `max_total_tokens` (the engine's context) are dropped."""
+    Outputs are capped at `max_output_tokens` (when given); requests whose prompt + output exceed
+    `max_total_tokens` (the engine's context) are dropped."""
+    cap = max_output_tokens if max_output_tokens is not None else 1 << 62
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["output_length"] = min(int(row["output_length"]), cap)
     rows = [r for r in rows if r["input_length"] + r["output_length"] <= max_total_tokens]
     groups: dict[int, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
