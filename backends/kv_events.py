@@ -65,7 +65,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    pass
+    """The engine dropped its whole prefix cache (e.g. a cache reset): forget every block of it."""
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import math
 import time
@@ -172,9 +173,8 @@ class SloQueue:
                 bisect.insort(waiters, waiter)
                 timeout_s = min(remaining, self.recheck_s) if waiters[0] is waiter else remaining
                 try:
-                    await asyncio.wait_for(asyncio.shield(waiter.wake), timeout_s)
-                except TimeoutError:
-                    pass
+                    with contextlib.suppress(TimeoutError):  # a timeout is a recheck, like a wake-up
+                        await asyncio.wait_for(asyncio.shield(waiter.wake), timeout_s)
                 finally:  # woken, timed out or cancelled: no longer waiting on this pool
                     self._forget(pool, waiter)
                 found = attempt()

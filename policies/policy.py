@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from policies.limits.compile import LimitIndex, price_of
 from policies.limits.types import Plan, Price
 from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
-from policies.slo import SloClass
+from policies.slo import Slo
 from policies.types import Principal
 
 
@@ -66,7 +66,7 @@ class Policy:
         }
         self._prices: dict[str, Price] = {name: price_of(model) for name, model in config.models.items()}
         self.limits = LimitIndex(config)
-        slo_classes = {name: SloClass.from_config(name, c) for name, c in config.slo_classes.items()}
+        slo_classes = {name: Slo.from_config(name, c) for name, c in config.slo_classes.items()}
         self._slo_by_tenant = {
             name: slo_classes[t.slo_class] for name, t in config.tenants.items() if t.slo_class is not None
         }
@@ -99,7 +99,7 @@ class Policy:
         """USD per token of `model` (zero for a model without a price)."""
         return self._prices.get(model) or Price()
 
-    def slo_class(self, principal: Principal) -> SloClass | None:
+    def slo_class(self, principal: Principal) -> Slo | None:
         """The caller's SLO class: its tenant's `slo_class`, else the class claiming its priority."""
         found = self._slo_by_tenant.get(principal.tenant)
         return found if found is not None else self._slo_by_priority.get(principal.priority)

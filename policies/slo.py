@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Literal
 
 from policies.schema import DEFAULT_MAX_QUEUE_MS, MissAction, SloClassConfig
@@ -52,33 +52,10 @@ Action = Literal["fallback", "queue", "reject", "shed", "proceed"]
 
 
 @dataclass(frozen=True, slots=True)
-class SloClass:
-    """One compiled `slo_classes` entry of policies.yaml."""
-
-    name: str
-    ttft_ms: float | None
-    tpot_ms: float | None
-    on_miss: MissAction = "reject"
-    max_queue_ms: float = DEFAULT_MAX_QUEUE_MS
-    max_queued: int = 256
-    compare: Compare = "p90"
-
-    @classmethod
-    def from_config(cls, name: str, config: SloClassConfig) -> SloClass:
-        return cls(
-            name=name,
-            ttft_ms=config.ttft_ms,
-            tpot_ms=config.tpot_ms,
-            on_miss=config.on_miss,
-            max_queue_ms=config.max_queue_ms if config.max_queue_ms is not None else DEFAULT_MAX_QUEUE_MS,
-            max_queued=config.max_queued,
-            compare=config.compare,
-        )
-
-
-@dataclass(frozen=True, slots=True)
 class Slo:
-    """A request's effective SLO: its class, tightened by its headers. `class_name` "" = headers only."""
+    """A latency objective and its miss policy: a compiled `slo_classes` entry of policies.yaml
+    (`class_name` set), or a request's effective SLO (its class tightened by its headers; `class_name`
+    "" when only headers set it)."""
 
     ttft_ms: float | None
     tpot_ms: float | None
@@ -88,9 +65,21 @@ class Slo:
     compare: Compare = "p90"
     class_name: str = ""
 
+    @classmethod
+    def from_config(cls, name: str, config: SloClassConfig) -> Slo:
+        return cls(
+            ttft_ms=config.ttft_ms,
+            tpot_ms=config.tpot_ms,
+            on_miss=config.on_miss,
+            max_queue_ms=config.max_queue_ms if config.max_queue_ms is not None else DEFAULT_MAX_QUEUE_MS,
+            max_queued=config.max_queued,
+            compare=config.compare,
+            class_name=name,
+        )
+
 
 def effective_slo(
-    slo_class: SloClass | None, ttft_header_ms: float | None = None, tpot_header_ms: float | None = None
+    slo_class: Slo | None, ttft_header_ms: float | None = None, tpot_header_ms: float | None = None
 ) -> Slo | None:
     """The SLO a request runs under; None when neither its class nor its headers set one.
 
@@ -102,14 +91,10 @@ def effective_slo(
         if ttft_header_ms is None and tpot_header_ms is None:
             return None
         return Slo(ttft_ms=ttft_header_ms, tpot_ms=tpot_header_ms)
-    return Slo(
+    return replace(
+        slo_class,
         ttft_ms=_tightest(slo_class.ttft_ms, ttft_header_ms),
         tpot_ms=_tightest(slo_class.tpot_ms, tpot_header_ms),
-        on_miss=slo_class.on_miss,
-        max_queue_ms=slo_class.max_queue_ms,
-        max_queued=slo_class.max_queued,
-        compare=slo_class.compare,
-        class_name=slo_class.name,
     )
 
 

@@ -164,12 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         VLLM_VERSION, config.preset.name, config.num_gpu_blocks, config.block_size,
         config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.time_scale,
     )
-    try:
+    with contextlib.suppress(ImportError):  # pragma: no cover - uvloop is a dependency on Linux
         import uvloop
 
         uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        pass
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve_forever(config, args.instances, args.host, args.port, args.startup_delay_s))
     return 0

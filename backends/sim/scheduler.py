@@ -19,6 +19,7 @@ Plain Python over ints and lists: it runs once per simulated step for every engi
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -120,10 +121,8 @@ class Scheduler:
         elif req.status is Status.PULLING:
             self.pulling.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):  # not queued yet (still arriving)
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         self.kv.free(req)
         self._finish(req, "abort", now_s, release=False)
         return True
@@ -158,11 +157,12 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            if num_new == 1 and context < len(req.blocks) * bs and (
+            # one more token in a block it holds, filling none, needs no allocation (allocate_slots
+            # would do nothing); anything else allocates, preempting from the back until it fits
+            in_held_block = num_new == 1 and context < len(req.blocks) * bs and (
                 not caching or (context + 1) // bs <= req.num_stored_blocks
-            ):
-                pass  # one more token in a block it holds, filling none: allocate_slots has nothing to do
-            else:
+            )
+            if not in_held_block:
                 scheduled = True
                 while not allocate(req, num_new):
                     victim = running.pop()

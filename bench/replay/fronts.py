@@ -8,6 +8,7 @@ vllm-router (PyPI `vllm-router`, a Rust binary) runs from `bench/.venv-vllm-rout
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -93,12 +94,12 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: fl
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             break
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),  # not listening yet
+            urllib.request.urlopen(url, timeout=1) as response,
+        ):
+            if response.status == 200:
+                return
         time.sleep(0.1)
     stop_process(proc)
     raise RuntimeError(f"{url} did not become ready:\n{log_path.read_text(errors='replace')[-3000:]}")

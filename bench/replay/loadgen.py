@@ -14,6 +14,7 @@ to stderr.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -174,12 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     plan = orjson.loads(Path(args[0]).read_bytes())
-    try:
+    with contextlib.suppress(ImportError):
         import uvloop
 
         uvloop.install()
-    except ImportError:
-        pass
     outcomes = asyncio.run(replay(plan))
     Path(args[1]).write_bytes(orjson.dumps([asdict(o) for o in outcomes]))
     return 0

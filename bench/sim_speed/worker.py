@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import resource
@@ -77,12 +78,10 @@ def main() -> None:
     parser.add_argument("--src", default=str(REPO), help="directory holding the `backends` package to run")
     args = parser.parse_args()
     sys.path.insert(0, args.src)
-    try:
+    with contextlib.suppress(ImportError):  # pragma: no cover
         import uvloop
 
         uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
     asyncio.run(_main(args))
 
 

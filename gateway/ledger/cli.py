@@ -9,6 +9,7 @@ gateway.yaml (relative to that file, `${ENV}` resolved, as the gateway reads it)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -35,10 +36,8 @@ def parse_duration_s(text: str) -> float:
 
 def parse_time_s(text: str, now_s: float) -> float:
     """A duration back from now ('24h') or an ISO-8601 time/date (UTC when no offset) -> unix s."""
-    try:
+    with contextlib.suppress(ValueError):  # not a duration: try an ISO time
         return now_s - parse_duration_s(text)
-    except ValueError:
-        pass
     try:
         moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:

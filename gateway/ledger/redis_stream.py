@@ -84,8 +84,8 @@ class RedisStreamExporter:
         self._thread.join(timeout_s)
         try:
             self._client.close()
-        except Exception:
-            pass
+        except Exception as exc:  # closing a broken connection: nothing left to lose, say so and go on
+            log.debug("closing the usage stream's Redis client failed: %s", exc)
 
     def _run(self) -> None:
         backoff_s = 0.0

@@ -37,7 +37,7 @@ METRIC_COLUMNS = (
 
 
 class ReportError(ValueError):
-    pass
+    """The report cannot be made as asked (bad --by, --since or ledger directory): a CLI message."""
 
 
 def resolve_fields(by: Sequence[str]) -> list[str]:

@@ -14,6 +14,7 @@ Files are `<prefix>-YYYYMMDD-NNN.jsonl` by UTC day of the commit, a new one per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -311,8 +312,7 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the file is synced
+            os.fsync(fd)
     finally:
         os.close(fd)

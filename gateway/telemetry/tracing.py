@@ -18,6 +18,7 @@ drops spans past `max_queue_spans` and never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -196,10 +197,8 @@ class _RecordingTrace:
 
     def _finish_child(self, span: Any) -> None:
         span.end()
-        try:
+        with contextlib.suppress(ValueError):  # already ended by end()
             self._open.remove(span)
-        except ValueError:
-            pass  # already ended by end()
 
     def _current(self) -> Any:
         return self._open[-1] if self._open else self._root

@@ -110,8 +110,7 @@ def stream(gw: Gateway, key: str = OTHER_KEY, max_tokens: int = 16, **extra: Any
         model=LLAMA, messages=MESSAGES, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
         extra_headers={"x-tokenway-debug": "1"}, extra_body={"ignore_eos": True}, **extra,
     )
-    for _ in response.parse():
-        pass
+    assert list(response.parse())  # consumed to the end: the gateway observes TTFT and TPOT
     return response
 
 
@@ -214,8 +213,7 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
             model=LLAMA, messages=long_prompt, max_tokens=1200, stream=True,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True},
         )
-        for _ in chunks:
-            pass
+        assert list(chunks)  # the whole generation ran on the engine
 
     with running(gw), ThreadPoolExecutor(24) as pool:
         warm(gw)

@@ -11,10 +11,10 @@ from pydantic import ValidationError
 
 from policies.policy import Policy, hash_key
 from policies.schema import PoliciesConfig
-from policies.slo import Meet, Miss, Slo, SloClass, check_endpoint, decide, effective_slo
+from policies.slo import Meet, Miss, Slo, check_endpoint, decide, effective_slo
 from predictor.types import NUM_FEATURES, Feature, Prediction
 
-FAST = SloClass("fast", ttft_ms=200.0, tpot_ms=20.0, on_miss="fallback")
+FAST = Slo(ttft_ms=200.0, tpot_ms=20.0, on_miss="fallback", class_name="fast")
 
 
 def prediction(
@@ -50,13 +50,13 @@ def prediction(
         pytest.param(FAST, (None, None), (200.0, 20.0, "fallback"), id="class"),
         pytest.param(FAST, (100.0, None), (100.0, 20.0, "fallback"), id="header-tightens"),
         pytest.param(FAST, (500.0, 50.0), (200.0, 20.0, "fallback"), id="header-cannot-loosen"),
-        pytest.param(SloClass("t", ttft_ms=300.0, tpot_ms=None), (None, 15.0), (300.0, 15.0, "reject"),
-                     id="header-adds-a-target"),
+        pytest.param(Slo(ttft_ms=300.0, tpot_ms=None, on_miss="reject", class_name="t"), (None, 15.0),
+                     (300.0, 15.0, "reject"), id="header-adds-a-target"),
         pytest.param(None, (80.0, None), (80.0, None, "proceed"), id="header-only-proceeds"),
     ],
 )
 def test_effective_slo(
-    slo_class: SloClass | None, headers: tuple[float | None, float | None], expected: tuple[Any, ...] | None
+    slo_class: Slo | None, headers: tuple[float | None, float | None], expected: tuple[Any, ...] | None
 ) -> None:
     slo = effective_slo(slo_class, *headers)
     assert (None if slo is None else (slo.ttft_ms, slo.tpot_ms, slo.on_miss)) == expected
@@ -179,7 +179,7 @@ def test_classes_assigned_per_tenant_then_per_priority() -> None:
         principal = policy.authenticate(key)
         assert principal is not None
         found = policy.slo_class(principal)
-        return None if found is None else found.name
+        return None if found is None else found.class_name
 
     assert class_of("kt") == "fast"  # the tenant's own class
     assert class_of("ku") == "batch"  # its priority's class

@@ -52,9 +52,9 @@ def walk(
     """What the lifecycle does for one request; returns the traceparent forwarded upstream."""
     trace = tracing.start_request(request_id, headers, {"http.request.method": "POST", "url.path": "/v1/x"})
     with trace.span("auth"):
-        pass
+        pass  # the step's work is not the point: only its span is
     with trace.span("admission", model="llama-3.1-8b"):
-        pass
+        pass  # likewise
     with trace.span("routing", model="llama-3.1-8b") as routing:
         routing.set(endpoint="llama-8b/both-0", reason="prefix-affinity", ignored=None)
     with trace.span("upstream", endpoint="llama-8b/both-0") as upstream:
