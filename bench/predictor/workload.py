@@ -28,12 +28,9 @@ MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
-class TraceRequest:
-    index: int
-    arrival_s: float  # trace seconds after the window's first request
-    input_tokens: int
-    output_tokens: int
-    hash_ids: tuple[int, ...] = ()  # Mooncake blocks; empty: unique text
+class TraceRequest(replay_workload.TraceRequest):
+    """A replay request (arrival, lengths, Mooncake blocks) and which tenant sends it."""
+
     sheddable: bool = False  # sent by the sheddable tenant
 
 
