@@ -33,6 +33,7 @@ from gateway.settings import GatewaySettings, validate_section
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from gateway.upstream import UpstreamClient
 from policies.holder import PolicyHolder, ReloadResult
 from policies.limits.admission import Admission
 from policies.limits.factory import make_store
@@ -82,11 +83,19 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
-    """One upstream session for every request: pooled keep-alive connections to the engines."""
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    """The upstream client every relayed request goes through (pooled keep-alive connections to the
+    engines), and an aiohttp session for the gateway's own side calls (engine tokenizers)."""
+    server = app[appkeys.SETTINGS].server
+    upstream = UpstreamClient(
+        connect_timeout_s=server.upstream_connect_timeout_s,
+        read_timeout_s=server.upstream_read_timeout_s,
+        idle_timeout_s=server.upstream_idle_timeout_s,
+    )
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    app[appkeys.SESSION] = session
+    app[appkeys.UPSTREAM], app[appkeys.SESSION] = upstream, session
     yield
+    await upstream.close()
     await session.close()
 
 
@@ -199,7 +208,7 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         server=settings.server,
         policies=app[appkeys.POLICIES],
         fleet=fleet,
-        session=app[appkeys.SESSION],
+        upstream=app[appkeys.UPSTREAM],
         routers={name: app[appkeys.ROUTER] for name in fleet.pools},  # one router; per-pool config inside
         admission=app[appkeys.ADMISSION],
         report_success=health.report_success,

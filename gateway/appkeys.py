@@ -14,6 +14,7 @@ from gateway.policy_reload import PolicyWatcher
 from gateway.settings import GatewaySettings
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from gateway.upstream import UpstreamClient
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admission
 from policies.routing.config import RoutingConfig
@@ -21,7 +22,8 @@ from policies.routing.pipeline import ScoringRouter
 from predictor.service import LatencyPredictor
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
-SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
+SESSION = web.AppKey("side_session", aiohttp.ClientSession)  # the gateway's own calls (tokenizers)
+UPSTREAM = web.AppKey("upstream", UpstreamClient)  # relayed requests
 FLEET = web.AppKey("fleet", Fleet)
 BACKENDS = web.AppKey("backends_settings", BackendsSettings)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)

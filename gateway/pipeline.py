@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -63,6 +62,7 @@ from gateway.slo import (
 )
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
+from gateway.upstream import UpstreamClient
 from gateway.validate import validate_body
 from policies.estimate import PromptEstimator
 from policies.fallback import check_context, choose_fallback, context_tokens
@@ -123,7 +123,7 @@ class Pipeline:
     server: ServerSettings
     policies: PolicyHolder  # `.current` is the live policy (hot-reloaded)
     fleet: Fleet
-    session: aiohttp.ClientSession
+    upstream: UpstreamClient  # pooled keep-alive connections to the engines
     routers: Mapping[str, Router]  # by pool name
     admission: AdmissionPort
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
@@ -137,15 +137,7 @@ class Pipeline:
     metrics: GatewayMetrics | None = None  # per-decision series (routes, upstream errors, retries)
     predictor: LatencyPredictor | None = None  # latency predictions, online training, output lengths
     slo: SloGate = field(default_factory=SloGate)  # running TPOT SLOs and the SLO queue
-    _timeouts: aiohttp.ClientTimeout = field(init=False)
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
-
-    def __post_init__(self) -> None:
-        self._timeouts = aiohttp.ClientTimeout(
-            total=None,
-            connect=self.server.upstream_connect_timeout_s,
-            sock_read=self.server.upstream_read_timeout_s,
-        )
 
     # ------------------------------------------------------------------ entry
     async def handle(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
@@ -437,7 +429,7 @@ class Pipeline:
         try:
             leg = self._target(facts, prefill, adapter.prefill_leg_body(body), model, walk)
             with walk.trace.span("prefill", endpoint=prefill.id):
-                answer = await call_json(self.session, leg, self._timeouts)
+                answer = await call_json(self.upstream, leg)
             decode_body = adapter.decode_leg_body(body, answer)
         except (RetryableUpstream, UpstreamRejected, PdError) as exc:
             if isinstance(exc, RetryableUpstream):
@@ -522,10 +514,9 @@ class Pipeline:
                 with walk.trace.span("upstream", endpoint=endpoint.id, model=model):
                     if facts.stream:
                         await relay_stream(
-                            self.session,
+                            self.upstream,
                             request,
                             target,
-                            self._timeouts,
                             load,
                             outcome,
                             client_wants_usage=facts.include_usage,
@@ -533,7 +524,7 @@ class Pipeline:
                             prompt_tokens=facts.prompt_tokens + facts.output_reservation,
                         )
                     else:
-                        outcome = await relay_unary(self.session, target, self._timeouts, load)
+                        outcome = await relay_unary(self.upstream, target, load)
                     if outcome.first_token_at_s is not None:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - walk.arrived_s)
                         walk.trace.event("first_token", at_unix_s=at)

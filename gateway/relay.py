@@ -1,5 +1,5 @@
-"""Upstream call and relay (DESIGN.md §2 step 8): one POST on the shared session, the answer passed
-back as received.
+"""Upstream call and relay (DESIGN.md §2 step 8): one POST on the shared upstream client
+(`gateway/upstream.py`), the answer passed back as received.
 
 Streams are relayed event by event without re-serialising them: the only edits are a byte-level
 swap of the `model` value (when the public name differs from the engine's) and dropping the usage
@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from backends.types import LoadTicket
 from gateway.errors import UpstreamError, sse_error_event
+from gateway.upstream import Response, UpstreamClient, UpstreamConnectionError
 from policies.types import Usage
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -92,41 +92,40 @@ def _model_swap(target: UpstreamTarget) -> tuple[bytes, bytes] | None:
     )
 
 
-async def _post(
-    session: aiohttp.ClientSession, target: UpstreamTarget, timeout: aiohttp.ClientTimeout
-) -> aiohttp.ClientResponse:
+async def _post(client: UpstreamClient, target: UpstreamTarget) -> Response:
     try:
-        response = await session.post(target.url, data=target.body, headers=target.headers, timeout=timeout)
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        response = await client.post(target.url, target.headers, target.body)
+    except (UpstreamConnectionError, TimeoutError) as exc:
         raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
     if response.status >= 500:
         try:
             detail = (await response.read())[:300].decode("utf-8", "replace")
-        except (aiohttp.ClientError, TimeoutError):
+        except (UpstreamConnectionError, TimeoutError):
             detail = ""
         response.release()
         raise RetryableUpstream(f"upstream answered {response.status}: {detail}", status=response.status)
     if response.status != 200:
         try:
             body = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            response.release()
+        except (UpstreamConnectionError, TimeoutError) as exc:
+            response.close()
             raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
         response.release()
         raise UpstreamRejected(response.status, body)
     return response
 
 
-async def call_json(
-    session: aiohttp.ClientSession, target: UpstreamTarget, timeout: aiohttp.ClientTimeout
-) -> dict[str, Any]:
-    """A non-streamed call whose JSON answer the gateway itself consumes (e.g. a PD prefill leg)."""
-    response = await _post(session, target, timeout)
+async def _read_all(response: Response) -> bytes:
     async with response:
         try:
-            data = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await response.read()
+        except (UpstreamConnectionError, TimeoutError) as exc:
             raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def call_json(client: UpstreamClient, target: UpstreamTarget) -> dict[str, Any]:
+    """A non-streamed call whose JSON answer the gateway itself consumes (e.g. a PD prefill leg)."""
+    data = await _read_all(await _post(client, target))
     try:
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -136,19 +135,9 @@ async def call_json(
     return parsed
 
 
-async def relay_unary(
-    session: aiohttp.ClientSession,
-    target: UpstreamTarget,
-    timeout: aiohttp.ClientTimeout,
-    ticket: LoadTicket,
-) -> RelayOutcome:
+async def relay_unary(client: UpstreamClient, target: UpstreamTarget, ticket: LoadTicket) -> RelayOutcome:
     """Forward a non-streamed request; the answer is returned, unsent, with its usage read."""
-    response = await _post(session, target, timeout)
-    async with response:
-        try:
-            data = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    data = await _read_all(await _post(client, target))
     now = time.perf_counter()
     outcome = RelayOutcome(first_token_at_s=now, last_token_at_s=now)
     try:
@@ -193,10 +182,9 @@ def _is_usage_chunk(event: bytes) -> bool:
 
 
 async def relay_stream(
-    session: aiohttp.ClientSession,
+    upstream_client: UpstreamClient,
     request: web.Request,
     target: UpstreamTarget,
-    timeout: aiohttp.ClientTimeout,
     ticket: LoadTicket,
     outcome: RelayOutcome,
     *,
@@ -209,7 +197,7 @@ async def relay_stream(
     `outcome` is the caller's so that it stays readable when the client's disconnect cancels this
     coroutine: the caller accounts what was generated and re-raises.
     """
-    upstream = await _post(session, target, timeout)
+    upstream = await _post(upstream_client, target)
     swap = _model_swap(target)
     client = web.StreamResponse(status=200, headers=SSE_HEADERS)
     for name, value in response_headers:
@@ -218,13 +206,12 @@ async def relay_stream(
     pending = b""
     try:
         await client.prepare(request)
-        chunks = upstream.content.iter_any().__aiter__()
         while True:
             try:
-                data = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                data = await upstream.next_chunk()
+                if not data:
+                    break
+            except (UpstreamConnectionError, TimeoutError) as exc:
                 outcome.broken = True
                 outcome.error_detail = f"{type(exc).__name__}: {exc}"
                 await client.write(sse_error_event(UpstreamError(f"the upstream stream failed: {exc}")))

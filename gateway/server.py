@@ -54,10 +54,12 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
     if banner:
         base = f"http://{host}:{port}/v1"
         print(f"tokenway listening on {base}", flush=True)
+        pools = app[appkeys.FLEET].pools
+        model = next(iter(pools.values())).config.model if pools else "MODEL"
         print(
             "  try: curl -s " + base + "/chat/completions -H 'Authorization: Bearer $KEY' "
             "-H 'Content-Type: application/json' "
-            "-d '{\"model\": \"llama-3.1-8b\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'",
+            f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
             flush=True,
         )
     ready_note = asyncio.get_running_loop().create_task(_announce_ready(app)) if banner else None
@@ -71,6 +73,9 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
         ready_note.cancel()
     await runner.cleanup()
     return 0
+
+
+READY_WAIT_POLLS = 150  # 30 s at 0.2 s
 
 
 def tune_gc(young_threshold: int) -> None:
@@ -95,8 +100,14 @@ async def _announce_ready(app: web.Application) -> None:
     for failure in failures:
         print(f"tokenway: replica failed: {failure}", flush=True)
     pools = app[appkeys.FLEET].pools
+    for _ in range(READY_WAIT_POLLS):  # static endpoints turn ready on their first health probe
+        if all(pool.has_ready for pool in pools.values()):
+            break
+        await asyncio.sleep(0.2)
     ready = sorted(name for name, pool in pools.items() if pool.has_ready)
-    print(f"tokenway ready: pools {', '.join(ready) or '(none)'} serving", flush=True)
+    waiting = sorted(set(pools) - set(ready))
+    note = f"; not ready yet: {', '.join(waiting)} (see /readyz)" if waiting else ""
+    print(f"tokenway ready: pools {', '.join(ready) or '(none)'} serving{note}", flush=True)
 
 
 def run(settings: GatewaySettings) -> int:

@@ -38,6 +38,9 @@ class ServerSettings(_Strict):
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests finish within")
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="max silence from the engine")
+    upstream_idle_timeout_s: float = Field(
+        default=4.0, gt=0, description="idle keep-alive connections to engines are dropped after (uvicorn: 5 s)"
+    )
     upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
     admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
     retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")

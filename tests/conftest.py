@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -12,9 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 
 from tests.support.otlp import receiver  # noqa: F401 (a fixture, registered here for every test)
 from tests.support.procs import Gateway, SimEngines, free_port, start_gateway, start_sim
+
+BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """asyncio's loop for async tests; also uvloop (what the gateway runs on, whose transports are not
+    asyncio's classes) for the modules named in BOTH_LOOPS_IN."""
+    if item.path.name in BOTH_LOOPS_IN:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 def _redis_answers(url: str) -> bool:

@@ -1,16 +1,22 @@
-"""Open-loop latency probe: requests sent at a fixed rate whatever the answers, latency per request.
+"""Latency probes: what one request pays for crossing a proxy, without wrk's queueing.
 
 Closed-loop load (wrk with N connections) keeps N requests in flight, so its latency is N / RPS:
-it measures throughput. The latency a request pays for crossing a proxy is seen at a light, fixed
-offered load instead; the same probe hits the upstream directly and through each proxy, so its own
-client-side cost cancels in the difference.
+it measures throughput. Two probes measure the crossing itself; each hits the upstream directly and
+through each proxy, so its own client-side cost cancels in the difference:
+
+- open loop: requests start at a fixed, light rate whatever the answers (the proxy sits idle between
+  them, so each request also pays for waking it);
+- sequential: one connection, each request sent the moment the previous answer arrived, from a
+  raw-socket client (the path's own latency: no queueing, no idle wake-ups, ~no client cost).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -63,7 +69,45 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def sequential(url: str, key: str, requests: int, warmup: int = 300) -> list[float]:
+    """Latencies (ms) of `requests` requests sent one after another on one keep-alive connection."""
+    parts = urlsplit(url)
+    head = (
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+    )
+    request = head.encode() + BODY
+    latencies: list[float] = []
+    with socket.create_connection((parts.hostname, parts.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(warmup + requests):
+            start = time.perf_counter()
+            sock.sendall(request)
+            answer = b""
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                answer += data
+                end = answer.find(b"\r\n\r\n")
+                if end < 0:
+                    continue
+                fields = answer[:end].lower()
+                if not fields.startswith(b"http/1.1 200"):
+                    raise ConnectionError(f"answer {fields[:40]!r}")
+                at = fields.find(b"content-length:")
+                if len(answer) >= end + 4 + int(fields[at + 15 :].split(b"\r\n", 1)[0]):
+                    break
+            if i >= warmup:
+                latencies.append((time.perf_counter() - start) * 1000)
+    return latencies
+
+
 def main() -> None:
+    if sys.argv[1] == "--sequential":
+        values = sequential(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        print(f"{percentile(values, 50):.4f} {percentile(values, 90):.4f} {percentile(values, 99):.4f} {len(values)}")
+        return
     url, key, rate, duration = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
     import uvloop
 

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
 from gateway.relay import RelayOutcome, RetryableUpstream, UpstreamRejected, UpstreamTarget, relay_stream, relay_unary
+from gateway.upstream import UpstreamClient
 
 Script = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -81,20 +82,17 @@ def target(url: str, public: str = "public-name") -> UpstreamTarget:
     return UpstreamTarget(url=url, headers={}, body=body, served_model="engine-name", public_model=public)
 
 
-TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-
 async def relay_through(url: str, *, wants_usage: bool) -> tuple[bytes, RelayOutcome, InFlight]:
     """A one-route app that relays to `url`; returns what its client received."""
     outcome = RelayOutcome()
     inflight = InFlight()
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        async with aiohttp.ClientSession() as session:
+        async with UpstreamClient(read_timeout_s=10) as session:
             ticket = inflight.begin(5)
             try:
                 await relay_stream(
-                    session, request, target(url), TIMEOUT, ticket, outcome,
+                    session, request, target(url), ticket, outcome,
                     client_wants_usage=wants_usage, response_headers=[("x-extra", "1")], prompt_tokens=5,
                 )
             finally:
@@ -148,18 +146,18 @@ async def test_5xx_before_first_byte_is_retryable(upstream: tuple[Upstream, str]
         return web.Response(status=503, text="busy")
 
     state.script = overloaded
-    async with aiohttp.ClientSession() as session:
+    async with UpstreamClient(read_timeout_s=10) as session:
         with pytest.raises(RetryableUpstream) as caught:
-            await relay_unary(session, target(url), TIMEOUT, InFlight().begin(0))
+            await relay_unary(session, target(url), InFlight().begin(0))
     assert caught.value.status == 503
 
 
 async def test_connection_refused_is_retryable() -> None:
     from tests.support.procs import free_port
 
-    async with aiohttp.ClientSession() as session:
+    async with UpstreamClient(read_timeout_s=10) as session:
         with pytest.raises(RetryableUpstream):
-            await relay_unary(session, target(f"http://127.0.0.1:{free_port()}/v1/x"), TIMEOUT, InFlight().begin(0))
+            await relay_unary(session, target(f"http://127.0.0.1:{free_port()}/v1/x"), InFlight().begin(0))
 
 
 async def test_4xx_is_passed_on_not_retried(upstream: tuple[Upstream, str]) -> None:
@@ -169,9 +167,9 @@ async def test_4xx_is_passed_on_not_retried(upstream: tuple[Upstream, str]) -> N
         return web.json_response({"error": {"message": "too long", "type": "BadRequestError"}}, status=400)
 
     state.script = bad
-    async with aiohttp.ClientSession() as session:
+    async with UpstreamClient(read_timeout_s=10) as session:
         with pytest.raises(UpstreamRejected) as caught:
-            await relay_unary(session, target(url), TIMEOUT, InFlight().begin(0))
+            await relay_unary(session, target(url), InFlight().begin(0))
     assert caught.value.status == 400
 
 
@@ -183,8 +181,8 @@ async def test_unary_swaps_model_and_reads_usage(upstream: tuple[Upstream, str])
 
     state.script = answer
     inflight = InFlight()
-    async with aiohttp.ClientSession() as session:
-        outcome = await relay_unary(session, target(url), TIMEOUT, inflight.begin(5))
+    async with UpstreamClient(read_timeout_s=10) as session:
+        outcome = await relay_unary(session, target(url), inflight.begin(5))
     assert outcome.usage is not None and outcome.usage.prompt_tokens == 5
     assert outcome.response is not None
     assert orjson.loads(outcome.response.body)["model"] == "public-name"  # type: ignore[arg-type]
@@ -208,9 +206,9 @@ async def test_client_disconnect_closes_the_upstream(upstream: tuple[Upstream, s
     outcome = RelayOutcome()
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        async with aiohttp.ClientSession() as session:
+        async with UpstreamClient(read_timeout_s=10) as session:
             await relay_stream(
-                session, request, target(url), TIMEOUT, InFlight().begin(1), outcome,
+                session, request, target(url), InFlight().begin(1), outcome,
                 client_wants_usage=False, response_headers=[], prompt_tokens=1,
             )
         assert outcome.response is not None
