@@ -102,8 +102,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self._in_head or not self.done:
-            if self._until_close and not self._in_head:
-                self._finish()
+            if self._until_close and not self._in_head and exc is None:
+                self._finish()  # a body without length ends with the connection (a reset truncates it)
             else:
                 self._fail(UpstreamConnectionError(f"the upstream closed the connection ({exc or 'EOF'})"))
 
@@ -320,14 +320,17 @@ class Response:
         self._ended = False
 
     async def read(self) -> bytes:
+        """The whole body (taken as it arrives, so that reading never stays paused)."""
         conn = self._conn
-        while not conn.done:
+        parts: list[bytes] = []
+        while True:
+            if conn.pieces:
+                parts.append(conn.take())
             if conn.error is not None:
                 raise conn.error
+            if conn.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             await conn.wait(self._read_timeout_s)
-        if conn.error is not None:
-            raise conn.error
-        return conn.take()
 
     async def next_chunk(self) -> bytes:
         """The body as it arrives (already de-chunked): everything received since the last call, or

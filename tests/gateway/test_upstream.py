@@ -236,6 +236,7 @@ async def test_large_body_with_back_pressure(serve: Callable[[Script], Awaitable
         response.release()
         assert bytes(got) == body
         assert client.idle_connections() == 1
+        assert await post(client, server.url) == (200, body)  # read() whole: takes as it goes
 
 
 async def test_close_mid_body_drops_the_connection(serve: Callable[[Script], Awaitable[Server]]) -> None:
