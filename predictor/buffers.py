@@ -11,9 +11,15 @@ sample evicts the oldest sample of the currently largest stratum. So a homogeneo
 whole buffer, a rare regime is never evicted until it is itself the largest, and every stratum keeps
 its newest samples. Memory is bounded by `capacity` rows whatever the traffic.
 
-A fixed share of samples, chosen by a hash of the request key (so a retried request lands on the
-same side), goes to a held-out ring instead: the most recent ones, never trained on, used to judge a
-new model against the one it would replace.
+A fixed share of samples goes to a held-out ring instead: the most recent ones, never trained on,
+used to judge a new model against the one it would replace and to calibrate its p90. They are held
+out in whole blocks of consecutive samples (`heldout_block`, default 100), not one by one: requests
+that ran at the same time share their future (the arrivals that slowed them all), so a sample held
+out between its neighbours is predicted from what they taught the model about that very future.
+Sample by sample, the held-out TPOT MAPE read 4.9 % on the tight SLO benchmark; block by block
+7-8 %. The online MAPE (predictions made before the request ran) is still higher (16-26 %), since
+held-out blocks lie between training data while online prediction looks forward; /admin/predictor
+shows both, and the online one is the measure to trust.
 
 Storage is preallocated numpy; `add` is O(1) apart from one argmax over the per-stratum counts
 (a few hundred integers) when the buffer is full. `snapshot` copies the filled rows for training.
@@ -21,7 +27,6 @@ Storage is preallocated numpy; `add` is O(1) apart from one argmax over the per-
 
 from __future__ import annotations
 
-import zlib
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
@@ -30,8 +35,6 @@ import numpy as np
 
 from predictor.config import BufferSettings
 from predictor.types import NUM_FEATURES, Feature, Float64Array, FloatArray, Target
-
-_FIB_HASH = 2654435761  # Knuth's multiplicative hash, for keyless samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +92,8 @@ class StratifiedBuffer:
         self._sizes = np.zeros(self.num_strata, dtype=np.int64)
         self._heldout = _Store(settings.heldout_capacity)
         self._heldout_next = 0
-        self._heldout_threshold = int(settings.heldout_fraction * 2**32)
-        self._keyless = 0
+        # one block in `period` is held out, the second of each period (so a young buffer has some)
+        self._period = round(1 / settings.heldout_fraction) if settings.heldout_fraction > 0 else 0
         self.added = 0  # samples ever added (training and held-out)
 
     def stratum(self, row: FloatArray) -> int:
@@ -100,20 +103,17 @@ class StratifiedBuffer:
         prefix = min(int(float(row[Feature.CACHED_RATIO]) * self._prefix_buckets), self._prefix_buckets - 1)
         return (waiting * self._kv_buckets + max(kv, 0)) * self._prefix_buckets + max(prefix, 0)
 
-    def is_heldout(self, key: str | None) -> bool:
-        if key is None:
-            self._keyless += 1
-            hashed = (self._keyless * _FIB_HASH) & 0xFFFFFFFF
-        else:
-            hashed = zlib.crc32(key.encode())
-        return hashed < self._heldout_threshold
+    def is_heldout(self, index: int) -> bool:
+        """Whether the sample added `index`-th (from 0) belongs to a held-out block."""
+        return self._period > 0 and (index // self.settings.heldout_block) % self._period == 1
 
-    def add(self, row: FloatArray, ttft_ms: float | None, tpot_ms: float | None, key: str | None = None) -> bool:
+    def add(self, row: FloatArray, ttft_ms: float | None, tpot_ms: float | None) -> bool:
         """Store one sample; returns True when it went to the held-out slice."""
         ttft = np.nan if ttft_ms is None else ttft_ms
         tpot = np.nan if tpot_ms is None else tpot_ms
+        held = self.is_heldout(self.added)
         self.added += 1
-        if self.is_heldout(key):
+        if held:
             self._heldout.put(self._heldout_next, row, ttft, tpot)
             self._heldout_next = (self._heldout_next + 1) % self._heldout.capacity
             return True

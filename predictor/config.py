@@ -26,8 +26,13 @@ class BufferSettings(_Strict):
     )
     kv_buckets: int = Field(default=10, ge=1, le=100, description="equal-width KV usage buckets")
     prefix_buckets: int = Field(default=4, ge=1, le=100, description="equal-width cached-ratio buckets")
-    heldout_fraction: float = Field(default=0.1, ge=0.0, lt=0.5, description="share of samples held out")
+    heldout_fraction: float = Field(
+        default=0.1, ge=0.0, lt=0.5, description="share held out: one block in round(1 / share)"
+    )
     heldout_capacity: int = Field(default=2048, ge=16, description="most recent held-out samples kept")
+    heldout_block: int = Field(
+        default=100, ge=1, description="consecutive samples held out together (neighbours in time share a future)"
+    )
 
     @field_validator("waiting_edges")
     @classmethod

@@ -194,11 +194,10 @@ class LatencyPredictor:
         ttft_ms: float | None,
         tpot_ms: float | None,
         predicted: Prediction | None = None,
-        key: str | None = None,
     ) -> None:
         """One served request: `features` as captured at routing time (`Prediction.features`), its
         observed TTFT and mean TPOT (None when not observed, e.g. a single-token completion), the
-        prediction made before it ran, and a stable key (request id) for the held-out hash."""
+        prediction made before it ran."""
         if features.shape != (NUM_FEATURES,):
             raise ValueError(f"a feature row has {NUM_FEATURES} values, got shape {features.shape}")
         state = self._state(pool)
@@ -211,7 +210,7 @@ class LatencyPredictor:
                     self._adapt_p90(state, index, actual > predicted.p90_ms(target))
         if ttft_ms is None and tpot_ms is None:
             return
-        state.buffer.add(features, ttft_ms, tpot_ms, key)
+        state.buffer.add(features, ttft_ms, tpot_ms)
         state.new_samples += 1
 
     def _adapt_p90(self, state: _PoolState, index: int, missed: bool) -> None:

@@ -19,8 +19,8 @@ def _row(waiting: float = 0.0, kv: float = 0.0, cached_ratio: float = 0.0, marke
 def test_bounded_however_many_samples_arrive() -> None:
     buffer = StratifiedBuffer(BufferSettings(capacity=64, heldout_capacity=16))
     rng = np.random.default_rng(0)
-    for i in range(5000):
-        buffer.add(_row(float(rng.integers(0, 20)), rng.random(), rng.random()), 10.0, 1.0, key=f"r{i}")
+    for _i in range(5000):
+        buffer.add(_row(float(rng.integers(0, 20)), rng.random(), rng.random()), 10.0, 1.0)
     assert buffer.train_count == 64 and sum(buffer.strata_counts()) == 64
     assert buffer.heldout_count == 16
     train, heldout = buffer.snapshot()
@@ -85,14 +85,13 @@ def test_strata_boundaries() -> None:
     )
 
 
-def test_heldout_slice_is_a_stable_hash_of_the_key() -> None:
-    buffer = StratifiedBuffer(BufferSettings(heldout_fraction=0.1))
-    held = [buffer.add(_row(), 1.0, 1.0, key=f"request-{i}") for i in range(5000)]
-    assert 0.08 < sum(held) / len(held) < 0.12
-    again = StratifiedBuffer(BufferSettings(heldout_fraction=0.1))
-    assert [again.is_heldout(f"request-{i}") for i in range(200)] == held[:200]
-    keyless = [buffer.add(_row(), 1.0, 1.0) for _ in range(5000)]
-    assert 0.08 < sum(keyless) / len(keyless) < 0.12
+def test_heldout_slice_is_whole_blocks_of_consecutive_samples() -> None:
+    buffer = StratifiedBuffer(BufferSettings(heldout_fraction=0.1, heldout_block=100))
+    held = [buffer.add(_row(), 1.0, 1.0) for _ in range(5000)]
+    assert sum(held) == 500 and buffer.heldout_count == 500
+    assert held[:100] == [False] * 100 and held[100:200] == [True] * 100  # the second block of ten
+    assert held[200:1100] == [False] * 900 and held[1100:1200] == [True] * 100
+    assert not any(StratifiedBuffer(BufferSettings(heldout_fraction=0.0)).add(_row(), 1.0, 1.0) for _ in range(300))
 
 
 def test_missing_targets_are_nan_and_counted_per_target() -> None:

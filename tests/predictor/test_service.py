@@ -35,13 +35,13 @@ def _predictor(**overrides: object) -> LatencyPredictor:
 def _serve(predictor: LatencyPredictor, n: int, rng: np.random.Generator, start: int = 0, scale: float = 1.0) -> None:
     """`n` requests: predict on random candidates, run on the first, observe the outcome (`scale`
     multiplies the synthetic world's latencies)."""
-    for i in range(start, start + n):
+    for _i in range(start, start + n):
         request = random_request(rng)
         candidates = [random_endpoint(rng, k) for k in range(3)]
         predictions = predictor.predict(POOL, request, candidates, [random_cached(rng, request) for _ in candidates])
         chosen = predictions[0]
         ttft_ms, tpot_ms = truth(chosen.features, rng)
-        predictor.observe(POOL, chosen.features, ttft_ms * scale, tpot_ms * scale, chosen, key=f"req-{i}")
+        predictor.observe(POOL, chosen.features, ttft_ms * scale, tpot_ms * scale, chosen)
 
 
 async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -176,8 +176,8 @@ def test_observe_scores_predictions_and_counts_samples() -> None:
     predictor = _predictor()
     request = RequestShape(input_tokens=1000, output_tokens=50)
     prediction = predictor.predict(POOL, request, CANDIDATES[:1], [0])[0]
-    predictor.observe(POOL, prediction.features, prediction.ttft_ms * 1.1, None, prediction, key="a")
-    predictor.observe(POOL, prediction.features, None, None, prediction, key="b")  # nothing observed
+    predictor.observe(POOL, prediction.features, prediction.ttft_ms * 1.1, None, prediction)
+    predictor.observe(POOL, prediction.features, None, None, prediction)  # nothing observed
     status = predictor.status()["pools"][POOL]
     ttft, tpot = status["targets"]["ttft"], status["targets"]["tpot"]
     assert ttft["online"]["samples"] == 1
@@ -195,12 +195,12 @@ def test_p90_adapts_online_to_a_world_the_prior_misjudges() -> None:
     predictor = _predictor(p90_adaptation_rate=0.02)
     rng = np.random.default_rng(4)
     covered: list[bool] = []
-    for i in range(3000):
+    for _i in range(3000):
         request = random_request(rng)
         chosen = predictor.predict(POOL, request, [random_endpoint(rng)], [0])[0]
         ttft_ms, tpot_ms = truth(chosen.features, rng)
         covered.append(3 * ttft_ms <= chosen.ttft_p90_ms)
-        predictor.observe(POOL, chosen.features, 3 * ttft_ms, 3 * tpot_ms, chosen, key=f"r{i}")
+        predictor.observe(POOL, chosen.features, 3 * ttft_ms, 3 * tpot_ms, chosen)
     assert sum(covered[:20]) <= 2
     assert 0.8 <= sum(covered[-1000:]) / 1000 <= 0.97
     status = predictor.status()["pools"][POOL]["targets"]
