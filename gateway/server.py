@@ -21,6 +21,7 @@ from gateway.settings import ConfigError, GatewaySettings
 from policies.loader import PolicyFileError
 
 log = logging.getLogger("tokenway.server")
+READY_WAIT_POLLS = 150  # the ready banner waits up to 30 s (0.2 s polls) for static pools' first probe
 
 
 def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunner:
@@ -73,9 +74,6 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
         ready_note.cancel()
     await runner.cleanup()
     return 0
-
-
-READY_WAIT_POLLS = 150  # 30 s at 0.2 s
 
 
 def tune_gc(young_threshold: int) -> None:

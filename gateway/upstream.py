@@ -39,29 +39,19 @@ class _Origin:
     host: str
     port: int
 
-    @property
-    def host_header(self) -> bytes:
-        default = 443 if self.scheme == "https" else 80
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return (host if self.port == default else f"{host}:{self.port}").encode()
 
-
-_ORIGINS: dict[str, tuple[_Origin, bytes]] = {}  # url -> (origin, path); bounded below
-
-
-def _split(url: str) -> tuple[_Origin, bytes]:
-    cached = _ORIGINS.get(url)
-    if cached is not None:
-        return cached
+def _parse_url(url: str) -> tuple[_Origin, bytes]:
+    """The URL's origin, and the request's first bytes up to the Content-Length value (computed once
+    per URL: the endpoints are few and fixed)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
-    origin = _Origin(parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    default = 443 if parts.scheme == "https" else 80
+    origin = _Origin(parts.scheme, parts.hostname, parts.port or default)
+    host = f"[{origin.host}]" if ":" in origin.host else origin.host
+    host_header = host if origin.port == default else f"{host}:{origin.port}"
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    if len(_ORIGINS) >= 4096:
-        _ORIGINS.clear()
-    _ORIGINS[url] = (origin, path.encode())
-    return _ORIGINS[url]
+    return origin, f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: ".encode()
 
 
 class _Connection(asyncio.Protocol):
@@ -384,6 +374,7 @@ class UpstreamClient:
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
         self._idle: dict[_Origin, list[_Connection]] = {}
+        self._urls: dict[str, tuple[_Origin, bytes]] = {}  # url -> _parse_url(url); bounded below
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -391,8 +382,13 @@ class UpstreamClient:
         """Send a POST and wait for the answer's head. Raises UpstreamConnectionError or TimeoutError."""
         if self._closed:
             raise UpstreamConnectionError("the upstream client is closed")
-        origin, path = _split(url)
-        request = _request_bytes(origin, path, headers, body)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:
+                self._urls.clear()
+            parsed = self._urls[url] = _parse_url(url)
+        origin, start = parsed
+        request = _request_bytes(start, headers, body)
         conn = self._take(origin)
         if conn is not None:
             try:
@@ -490,9 +486,8 @@ class UpstreamClient:
         self._idle.clear()
 
 
-def _request_bytes(origin: _Origin, path: bytes, headers: Mapping[str, str], body: bytes) -> bytes:
-    parts = [b"POST ", path, b" HTTP/1.1\r\nHost: ", origin.host_header, b"\r\nContent-Length: ",
-             str(len(body)).encode(), b"\r\n"]
+def _request_bytes(start: bytes, headers: Mapping[str, str], body: bytes) -> bytes:
+    parts = [start, str(len(body)).encode(), b"\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} contains a line break")

@@ -51,10 +51,10 @@ def walk(
 ) -> str | None:
     """What the lifecycle does for one request; returns the traceparent forwarded upstream."""
     trace = tracing.start_request(request_id, headers, {"http.request.method": "POST", "url.path": "/v1/x"})
-    with trace.span("auth"):
-        pass  # the step's work is not the point: only its span is
-    with trace.span("admission", model="llama-3.1-8b"):
-        pass  # likewise
+    with trace.span("auth") as auth:
+        auth.set(key_id="acme-k1")  # stands in for authentication: its span and what it found
+    with trace.span("admission", model="llama-3.1-8b") as admission:
+        admission.set(decision="admitted")
     with trace.span("routing", model="llama-3.1-8b") as routing:
         routing.set(endpoint="llama-8b/both-0", reason="prefix-affinity", ignored=None)
     with trace.span("upstream", endpoint="llama-8b/both-0") as upstream:
@@ -109,6 +109,8 @@ async def test_spans_and_metrics_reach_the_otlp_receiver(receiver: Receiver) -> 
     assert root_attrs["tokenway.request_id"] == "req-1"
     assert root_attrs["tokenway.tenant"] == "acme"
     assert attrs(names["routing"])["reason"] == "prefix-affinity"
+    assert attrs(names["auth"])["key_id"] == "acme-k1"
+    assert attrs(names["admission"]) == {"model": "llama-3.1-8b", "decision": "admitted"}
     assert "ignored" not in attrs(names["routing"])
     assert [e.name for e in names["upstream"].events] == ["first_token"]
     assert names["upstream"].events[0].time_unix_nano == int(FIRST_TOKEN_AT_S * 1e9)
