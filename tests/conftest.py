@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ import pytest
 import uvloop
 
 from tests.support.otlp import receiver  # noqa: F401 (a fixture, registered here for every test)
-from tests.support.procs import Gateway, SimEngines, free_port, start_gateway, start_sim
+from tests.support.procs import Gateway, SimEngines, free_port, redis_argv, start_gateway, start_sim
 
 BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
 
@@ -54,10 +55,8 @@ def redis_url() -> Iterator[str]:
             pytest.fail("Redis is required (TOKENWAY_REQUIRE_REDIS=1) but none answers and redis-server is missing")
         pytest.skip("no Redis server available")
     port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    workdir = tempfile.mkdtemp(prefix="tokenway-redis-")
+    proc = subprocess.Popen(redis_argv(binary, port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         if _redis_answers(url):
@@ -66,6 +65,7 @@ def redis_url() -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(10)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from policies.policy import hash_key  # noqa: E402
-from tests.support.procs import free_port  # noqa: E402
+from tests.support.procs import free_port, redis_argv  # noqa: E402
 
 KEY = "sk-bench-limiter"
 RESULTS = REPO / "bench" / "results"
@@ -32,8 +32,7 @@ class RedisServer:
         self.port = free_port()
         self.socket = workdir / f"redis-{self.port}.sock"
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--unixsocket", str(self.socket), "--unixsocketperm", "700"],
+            [*redis_argv(binary, self.port, workdir), "--unixsocket", str(self.socket), "--unixsocketperm", "700"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(host="127.0.0.1", port=self.port)

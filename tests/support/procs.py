@@ -36,6 +36,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redis_argv(binary: str, port: int, workdir: str | Path) -> list[str]:
+    """redis-server on 127.0.0.1:`port` with no persistence, started in `workdir`: redis-server loads
+    a dump.rdb from its directory at start, so a test's server starts in a fresh, empty one (a stray
+    dump in the checkout once leaked another test's keys into a test that counts keys)."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+
+
 def free_ports(count: int) -> list[int]:
     """`count` consecutive free ports (the simulator's --instances takes P..P+N-1)."""
     for _ in range(200):

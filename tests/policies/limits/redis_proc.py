@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
 import redis
 
-from tests.support.procs import free_port
+from tests.support.procs import free_port, redis_argv
 
 
 class RedisProcess:
@@ -21,14 +22,16 @@ class RedisProcess:
         self.binary = binary
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.workdir: str | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="tokenway-redis-")
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            redis_argv(self.binary, self.port, self.workdir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -47,6 +50,9 @@ class RedisProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
