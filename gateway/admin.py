@@ -65,6 +65,15 @@ async def predictor(request: web.Request) -> web.Response:
     return _json({"enabled": True, **found.status()})
 
 
+async def predictor_samples(request: web.Request) -> web.Response:
+    """The predictor's recent outcomes per pool, in time order (`?pool=` narrows to one), to judge
+    features and models offline. Bounded by `predictor.export_samples` per pool."""
+    found = request.app[appkeys.PREDICTOR]
+    if found is None:
+        return _json({"enabled": False, "pools": {}})
+    return _json({"enabled": True, "pools": found.samples(request.query.get("pool"))})
+
+
 def predictor_gauges(status: dict[str, Any]) -> dict[str, Any]:
     """The predictor's status flattened into the gauges' shape: {"pools": {pool: {field: number}}}."""
     pools: dict[str, dict[str, float]] = {}
@@ -89,5 +98,6 @@ def admin_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/admin/backends", backends),
         ("GET", "/admin/status", status),
         ("GET", "/admin/predictor", predictor),
+        ("GET", "/admin/predictor/samples", predictor_samples),
         ("POST", "/admin/reload", reload),
     ]

@@ -114,9 +114,16 @@ class StratifiedBuffer:
         held = self.is_heldout(self.added)
         self.added += 1
         if held:
-            self._heldout.put(self._heldout_next, row, ttft, tpot)
-            self._heldout_next = (self._heldout_next + 1) % self._heldout.capacity
-            return True
+            self._put_heldout(row, ttft, tpot)
+        else:
+            self._put_train(row, ttft, tpot)
+        return held
+
+    def _put_heldout(self, row: FloatArray, ttft: float, tpot: float) -> None:
+        self._heldout.put(self._heldout_next, row, ttft, tpot)
+        self._heldout_next = (self._heldout_next + 1) % self._heldout.capacity
+
+    def _put_train(self, row: FloatArray, ttft: float, tpot: float) -> None:
         if self._next_free < self._train.capacity:
             slot = self._next_free
             self._next_free += 1
@@ -128,7 +135,6 @@ class StratifiedBuffer:
         self._slots[stratum].append(slot)
         self._sizes[stratum] += 1
         self._train.put(slot, row, ttft, tpot)
-        return False
 
     @property
     def train_count(self) -> int:
@@ -149,6 +155,16 @@ class StratifiedBuffer:
     def strata_counts(self) -> list[int]:
         """Training samples held per stratum (for status and tests)."""
         return [int(c) for c in self._sizes]
+
+    def restore(self, train: Samples, heldout: Samples) -> None:
+        """Put saved samples back (a restart): training rows through the stratified path (a smaller
+        buffer keeps the newest of each stratum), held-out rows into the held-out ring; the block
+        count carries on after them."""
+        for row, ttft, tpot in zip(train.rows, train.ttft_ms.tolist(), train.tpot_ms.tolist(), strict=True):
+            self._put_train(row, ttft, tpot)
+        for row, ttft, tpot in zip(heldout.rows, heldout.ttft_ms.tolist(), heldout.tpot_ms.tolist(), strict=True):
+            self._put_heldout(row, ttft, tpot)
+        self.added += len(train) + len(heldout)
 
     def snapshot(self) -> tuple[Samples, Samples]:
         """Copies of (training, held-out) samples, safe to hand to a worker."""

@@ -46,7 +46,7 @@ class XGBoostSettings(_Strict):
     """Per-regressor XGBoost parameters. Trees stay small: predict cost grows with trees x depth."""
 
     point_objective: Literal["reg:squarederror", "reg:absoluteerror", "reg:pseudohubererror"] = Field(
-        default="reg:squarederror", description="loss of the point estimate (on the log-ratio over the prior)"
+        default="reg:absoluteerror", description="loss of the point estimate (on the log-ratio over the prior)"
     )
     n_trees: int = Field(default=50, ge=1, le=2000)
     max_depth: int = Field(default=5, ge=1, le=8, description="≤ 8: trees are compiled to full heaps")
@@ -101,6 +101,10 @@ class PredictorSettings(_Strict):
     conformal_p90: bool = Field(default=True, description="shift the p90 so held-out coverage is 90 %")
     p90_adaptation_rate: float = Field(
         default=0.01, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
+    )
+    export_samples: int = Field(
+        default=2000, ge=0, le=100_000,
+        description="recent outcomes per pool kept for GET /admin/predictor/samples (0: none)",
     )
     prefill_rate_time_constant_s: float = Field(
         default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (rates.py)"

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from predictor.prior import LatencyPrior
 from predictor.rates import PrefillRateTracker
 from predictor.trainer import TrainingWorker, TrainJob, TrainOutcome
 from predictor.types import (
+    FEATURE_NAMES,
     NUM_FEATURES,
     Float64Array,
     FloatArray,
@@ -73,6 +75,8 @@ class _PoolState:
     # online p90 correction: log-space shift of the TTFT and TPOT p90s (see `_adapt_p90`)
     p90_shift: Float64Array = field(default_factory=lambda: np.zeros(2))
     p90_scale: Float64Array = field(default_factory=lambda: np.ones(2))
+    # the last `export_samples` outcomes, in arrival order, for GET /admin/predictor/samples
+    recent: deque[tuple[Any, ...]] = field(default_factory=deque)
 
     @property
     def training(self) -> bool:
@@ -112,6 +116,7 @@ class LatencyPredictor:
                 prior=LatencyPrior.for_pool(self._pool_configs.get(pool), self.settings.prior),
                 buffer=StratifiedBuffer(self.settings.buffer),
                 accuracy={t: OnlineAccuracy(self.settings.accuracy_window) for t in Target},
+                recent=deque(maxlen=self.settings.export_samples),
             )
             self._pools[pool] = state
         return state
@@ -136,14 +141,9 @@ class LatencyPredictor:
         state = self._state(pool)
         rates = [self._rates.rate_tps(endpoint) for endpoint in endpoints]
         output_tokens = self._output_tokens(request)
+        now = time.monotonic() if now_s is None else now_s
         rows = build_features(
-            request.input_tokens,
-            output_tokens,
-            endpoints,
-            cached_tokens,
-            state.prior,
-            rates,
-            time.monotonic() if now_s is None else now_s,
+            request.input_tokens, output_tokens, endpoints, cached_tokens, state.prior, rates, now
         )
         model = state.model  # read once: a swap during this call cannot mix two models
         latency = rows[:, _PRIOR_OF_SLOT].astype(np.float64) * self._prior_scale
@@ -169,6 +169,7 @@ class LatencyPredictor:
                 tpot_source=tpot_source,
                 features=rows[i],
                 model_version=version,
+                made_at_s=now,
             )
             for i, (endpoint, (ttft, ttft_p90, tpot, tpot_p90)) in enumerate(
                 zip(endpoints, latency.tolist(), strict=True)
@@ -201,6 +202,8 @@ class LatencyPredictor:
         if features.shape != (NUM_FEATURES,):
             raise ValueError(f"a feature row has {NUM_FEATURES} values, got shape {features.shape}")
         state = self._state(pool)
+        if state.recent.maxlen:
+            state.recent.append((time.monotonic(), features, ttft_ms, tpot_ms, predicted))
         if predicted is not None:
             for index, (target, actual) in enumerate(((Target.TTFT, ttft_ms), (Target.TPOT, tpot_ms))):
                 if actual is not None:
@@ -275,9 +278,11 @@ class LatencyPredictor:
                 state.p90_shift *= 0.5
                 state.p90_scale[:] = np.exp(state.p90_shift)
                 await self._save(state)
+                await self._save_samples(state)
             return outcome
 
     async def _save(self, state: _PoolState) -> None:
+        """Save a model not saved yet (off the loop)."""
         model = state.model
         if self._store is None or model is None or state.saved_version == model.version:
             return
@@ -286,6 +291,18 @@ class LatencyPredictor:
             state.saved_version = model.version
         except OSError:
             log.exception("predictor: saving pool %s model v%d failed", state.name, model.version)
+
+    async def _save_samples(self, state: _PoolState) -> None:
+        """Save the pool's samples (with each new model and at stop), so a restart keeps them."""
+        if self._store is None or not state.buffer.added:
+            return
+        train, heldout = state.buffer.snapshot()  # a copy, on the loop; written in the executor
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._store.save_samples, state.name, train, heldout, state.prior.id
+            )
+        except OSError:
+            log.exception("predictor: saving pool %s samples failed", state.name)
 
     async def _training_loop(self) -> None:
         """Every `retrain_interval_s`, retrain each pool that gathered enough new samples."""
@@ -311,6 +328,10 @@ class LatencyPredictor:
                     state.model = model
                     state.saved_version = model.version
                     log.info("predictor: pool %s loaded model v%d", state.name, model.version)
+                samples = await loop.run_in_executor(None, self._store.load_samples, state.name, state.prior.id)
+                if samples is not None:
+                    state.buffer.restore(*samples)
+                    log.info("predictor: pool %s restored %d samples", state.name, len(samples[0]) + len(samples[1]))
         if self.settings.online_training:
             await self._worker.start()
             self._task = asyncio.create_task(self._training_loop(), name="predictor-training")
@@ -329,9 +350,43 @@ class LatencyPredictor:
         for state in self._pools.values():
             async with state.lock:
                 await self._save(state)
+                await self._save_samples(state)
         await self._worker.stop()
 
     # --- reporting ------------------------------------------------------------------------------
+
+    def samples(self, pool: str | None = None) -> dict[str, list[dict[str, Any]]]:
+        """The recent outcomes per pool (oldest first): the feature row as routed, the observed and
+        the predicted latency, the endpoint and when it was predicted and observed (monotonic s).
+
+        Why: the buffers keep a stratified, unordered sample for training; judging a new feature or
+        objective offline needs the outcomes in time order with what was predicted for them.
+        """
+        out: dict[str, list[dict[str, Any]]] = {}
+        for name, state in self._pools.items():
+            if pool is not None and name != pool:
+                continue
+            out[name] = [
+                {
+                    "observed_at_s": round(observed_s, 6),
+                    "predicted_at_s": round(predicted.made_at_s, 6) if predicted is not None else None,
+                    "endpoint": predicted.endpoint_id if predicted is not None else None,
+                    "features": dict(zip(FEATURE_NAMES, np.asarray(features, dtype=np.float64).tolist(), strict=True)),
+                    "ttft_ms": ttft_ms,
+                    "tpot_ms": tpot_ms,
+                    "predicted": None
+                    if predicted is None
+                    else {
+                        "ttft_ms": predicted.ttft_ms,
+                        "ttft_p90_ms": predicted.ttft_p90_ms,
+                        "tpot_ms": predicted.tpot_ms,
+                        "tpot_p90_ms": predicted.tpot_p90_ms,
+                        "model_version": predicted.model_version,
+                    },
+                }
+                for observed_s, features, ttft_ms, tpot_ms, predicted in list(state.recent)
+            ]
+        return out
 
     def status(self) -> dict[str, Any]:
         """Per pool and target: samples, online MAPE and p90 coverage, model age and source."""

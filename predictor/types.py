@@ -99,6 +99,7 @@ class Prediction:
     tpot_source: PredictionSource
     features: FloatArray
     model_version: int = 0  # 0 = prior only
+    made_at_s: float = 0.0  # monotonic time of the prediction (the dispatch)
 
     @property
     def source(self) -> PredictionSource:

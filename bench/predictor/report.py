@@ -230,7 +230,10 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"and replayed open loop for {args['duration_s']:g} engine seconds, streamed, `ignore_eos`. "
         f"{args['sheddable_share']:.0%} of requests (seeded) come from a sheddable tenant. Statistics leave out "
         f"the first {args['skip_warmup_s']:g} s of arrivals (the fleet fills: a request lives 5-20 s)"
-        + (f" and the last {args['skip_cooldown_s']:g} s" if args["skip_cooldown_s"] else
+        + (f" and the last {args['skip_cooldown_s']:g} s (those keep arriving so that the measured requests' "
+           "futures stay real: when a window's arrivals stop, the requests still running decode faster than in any "
+           "deployment, and their TPOT is a benchmark artefact no predictor should be scored on)"
+           if args["skip_cooldown_s"] else
            "; the last arrivals stay in (they meet the fleet at its fullest: at 90 % load the trace's bursts "
            "build a queue that peaks at the end of the window)")
         + f". Plus {args['mooncake_requests']} requests of whole "
@@ -238,8 +241,8 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"{args['mooncake_load']:.0%} of capacity scaled by their work per request.",
         "- Predictor: defaults (XGBoost on the log-ratio over the analytic prior, p90 conformal + online "
         f"adaptation){', plus ' + str(args['predictor']) if args['predictor'] else ''}; first trained online on "
-        f"other windows of the trace at 50, 70 and 90 % load ({args['train_duration_s']:g} s each), saved, and "
-        "loaded by every measured gateway (which keeps training online).",
+        f"other windows of the trace at 50, 70 and 90 % load ({args['train_duration_s']:g} s each), saved "
+        "(models and samples), and loaded by every measured gateway (which keeps training online).",
         f"- SLO: TTFT <= {args['ttft_slo_ms']:g} ms and TPOT <= {args['tpot_slo_ms']:g} ms (engine time). "
         "*Attainment* = share of all offered requests served within both (rejected and shed requests count as "
         "misses); *goodput* = such requests (and their output tokens) per second.",

@@ -100,7 +100,12 @@ def start_bench_gateway(
             "on_miss": "queue",
             "max_queue_ms": args.ttft_slo_ms / args.time_scale,
         }
-    predictor = {"model_dir": str(model_dir), "prior": {"time_scale": args.time_scale}, **args.predictor}
+    predictor = {
+        "model_dir": str(model_dir),
+        "prior": {"time_scale": args.time_scale},
+        "export_samples": 20_000,  # every outcome of a run, for GET /admin/predictor/samples
+        **args.predictor,
+    }
     config: dict[str, Any] = {"predictor": predictor, "ledger": {"enabled": False}, "server": {"drain_timeout_s": 1}}
     if latency:
         config["routing"] = routing_with_latency(args.latency_weight)
@@ -182,10 +187,11 @@ def run_one(
         rows = outcome_rows(outcomes)
         wall_s = time.perf_counter() - started
         status = admin(gw, "/admin/predictor")
+        samples = admin(gw, "/admin/predictor/samples")["pools"] if args.raw else {}
     finally:
         gw.stop()
     return {"name": name, "mode": mode, "slo": MODES[mode][0], "rate_wall": segments[-1][1], "wall_s": wall_s,
-            "rows": rows, "predictor_before": before, "predictor_after": status}
+            "rows": rows, "predictor_before": before, "predictor_after": status, "samples": samples}
 
 
 def main() -> None:
@@ -193,7 +199,8 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=0.25, help="engine seconds per wall second")
     parser.add_argument("--loads", default="0.5,0.7,0.9", help="shares of measured capacity")
-    parser.add_argument("--duration-s", type=float, default=60.0, help="engine seconds of arrivals per run")
+    parser.add_argument("--duration-s", type=float, default=75.0,
+                        help="engine seconds of arrivals per run (the last --skip-cooldown-s are not measured)")
     parser.add_argument("--train-duration-s", type=float, default=25.0, help="per training load (50/70/90 %%)")
     parser.add_argument("--capacity-requests", type=int, default=1500)
     parser.add_argument("--capacity", type=float, default=None, help="skip the probe: engine-time req/s")
@@ -209,9 +216,9 @@ def main() -> None:
                         help="off, on (scorer + SLO gate); ablations at the top load: scorer (only), gate (only)")
     parser.add_argument("--skip-warmup-s", type=float, default=15.0,
                         help="engine seconds of each run's first arrivals left out of the statistics (ramp-up)")
-    parser.add_argument("--skip-cooldown-s", type=float, default=0.0,
-                        help="engine seconds of each run's last arrivals left out (0: arrivals go on until the "
-                             "end, so the last ones meet the fleet at its fullest)")
+    parser.add_argument("--skip-cooldown-s", type=float, default=15.0,
+                        help="engine seconds of each run's last arrivals left out of the statistics: they keep "
+                             "the measured requests' futures real (when arrivals stop, running requests speed up)")
     parser.add_argument("--predictor", type=json.loads, default={}, help="extra predictor settings (JSON)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--out", type=Path, default=report.RESULTS / "predictor.md")

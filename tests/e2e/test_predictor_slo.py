@@ -185,6 +185,15 @@ def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_afte
         for target in ("ttft", "tpot"):
             for field in ("samples", "mape_percent", "p90_coverage_ratio", "model_age_seconds"):
                 assert f'tokenway_predictor_{target}_{field}{{pool="llama"}}' in metrics, (target, field)
+        code, text = http_get(gw.url + "/admin/predictor/samples?pool=llama")  # the outcomes, in time order
+        assert code == 200, text
+        outcomes = orjson.loads(text)["pools"]["llama"]
+        assert len(outcomes) >= 40
+        assert [o["observed_at_s"] for o in outcomes] == sorted(o["observed_at_s"] for o in outcomes)
+        last = outcomes[-1]
+        assert last["endpoint"] in engines["pair"].urls or last["endpoint"].startswith("llama/")
+        assert last["predicted_at_s"] <= last["observed_at_s"] and last["ttft_ms"] > 0
+        assert last["features"]["input_tokens"] > 0 and last["predicted"]["model_version"] == version
     assert list((tmp_path / "models").rglob("*")), "the model was saved"
 
     restarted = gateway(tmp_path / "gw2", pools, policies("reject"), predictor=settings)

@@ -110,3 +110,25 @@ def test_snapshot_is_a_copy() -> None:
     for i in range(40):
         buffer.add(_row(marker=10 + i), 2.0, 2.0)
     assert train.rows[0, Feature.INPUT_TOKENS] == 1 and train.ttft_ms[0] == 1.0
+
+
+def test_restore_puts_samples_back_and_the_block_count_carries_on() -> None:
+    settings = BufferSettings(capacity=64, heldout_capacity=16, heldout_block=4, heldout_fraction=0.25)
+    before = StratifiedBuffer(settings)
+    for i in range(40):
+        before.add(_row(kv=(i % 10) / 10, marker=i), 10.0 + i, float("nan") if i % 3 else 1.0)
+    train, heldout = before.snapshot()
+
+    after = StratifiedBuffer(settings)
+    after.restore(train, heldout)
+    assert (after.train_count, after.heldout_count, after.added) == (before.train_count, before.heldout_count, 40)
+    assert after.strata_counts() == before.strata_counts()
+    assert after.target_count(Target.TPOT) == before.target_count(Target.TPOT)
+    restored, restored_heldout = after.snapshot()
+    np.testing.assert_array_equal(restored.rows, train.rows)
+    np.testing.assert_array_equal(restored_heldout.ttft_ms, heldout.ttft_ms)
+    assert after.is_heldout(after.added) == before.is_heldout(before.added)  # blocks continue where they were
+
+    small = StratifiedBuffer(BufferSettings(capacity=8, heldout_capacity=16))
+    small.restore(train, heldout)  # a smaller buffer than the saved one: still bounded
+    assert small.train_count == 8 and sum(small.strata_counts()) == 8

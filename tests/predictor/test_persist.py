@@ -76,3 +76,23 @@ def test_a_damaged_newest_version_falls_back_to_an_older_one(tmp_path: Path, mod
     (newest / "ttft_mean.json").write_text("{not json")
     loaded = store.load(POOL, PRIOR_ID)
     assert loaded is not None and loaded.version == 1
+
+
+def test_samples_round_trip_and_are_refused_for_another_layout_or_when_damaged(tmp_path: Path) -> None:
+    store = ModelStore(tmp_path)
+    assert store.load_samples(POOL, PRIOR_ID) is None  # none saved yet
+    rng = np.random.default_rng(6)
+    train, heldout = samples(50, rng), samples(10, rng)
+    train.tpot_ms[::4] = np.nan  # single-token completions have no TPOT
+    path = store.save_samples(POOL, train, heldout, PRIOR_ID)
+    assert path.name == "samples.npz" and not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+    loaded = store.load_samples(POOL, PRIOR_ID)
+    assert loaded is not None
+    for saved, got in zip((train, heldout), loaded, strict=True):
+        np.testing.assert_array_equal(got.rows, saved.rows)
+        np.testing.assert_array_equal(got.ttft_ms, saved.ttft_ms)
+        np.testing.assert_array_equal(got.tpot_ms, saved.tpot_ms)  # NaN where NaN
+    assert store.load_samples(POOL, PRIOR_ID + "|x0.5") is None  # rows against another prior mean something else
+
+    path.write_bytes(b"not a numpy archive")
+    assert store.load_samples(POOL, PRIOR_ID) is None

@@ -146,7 +146,7 @@ async def test_saved_model_is_loaded_at_restart(tmp_path: Path) -> None:
 
 async def test_versions_continue_after_restart(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
-    for expected_version, world_scale in ((1, 1.0), (2, 2.0)):  # the world changed: v1 is now wrong
+    for expected_version, world_scale in ((1, 1.0), (2, 0.5)):  # the world changed: v1 is now wrong
         predictor = _predictor(model_dir=tmp_path, online_training=False)
         await predictor.start()
         _serve(predictor, 600, rng, scale=world_scale)
@@ -154,7 +154,28 @@ async def test_versions_continue_after_restart(tmp_path: Path) -> None:
         await predictor.stop()
         assert outcome is not None and outcome.model is not None
         assert outcome.model.version == expected_version
-    assert sorted(p.name for p in (tmp_path / POOL).iterdir()) == ["v000001", "v000002"]
+    assert sorted(p.name for p in (tmp_path / POOL).iterdir()) == ["samples.npz", "v000001", "v000002"]
+
+
+async def test_samples_survive_a_restart_and_the_next_model_trains_on_them(tmp_path: Path) -> None:
+    first = _predictor(model_dir=tmp_path, online_training=False)
+    await first.start()
+    _serve(first, 600, np.random.default_rng(10))
+    assert await first.retrain(POOL) is not None
+    _serve(first, 50, np.random.default_rng(11))  # observed after the last model: saved at stop
+    await first.stop()
+    kept = first.status()["pools"][POOL]["buffer"]
+
+    second = _predictor(model_dir=tmp_path, online_training=False)
+    await second.start()
+    restored = second.status()["pools"][POOL]["buffer"]
+    assert (restored["train_samples"], restored["heldout_samples"]) == (kept["train_samples"], kept["heldout_samples"])
+    assert restored["train_samples"] + restored["heldout_samples"] == 650
+    _serve(second, 30, np.random.default_rng(12))
+    outcome = await second.retrain(POOL)
+    await second.stop()
+    assert outcome is not None and outcome.model is not None
+    assert outcome.model.targets[Target.TTFT].train_samples > 550  # not just the 30 new ones
 
 
 async def test_a_failing_training_is_reported_not_raised() -> None:
@@ -233,3 +254,17 @@ def test_prediction_accessors() -> None:
     assert isinstance(p, Prediction)
     assert (p.mean_ms(Target.TTFT), p.p90_ms(Target.TPOT)) == (p.ttft_ms, p.tpot_p90_ms)
     assert p.source_of(Target.TPOT) == "prior"
+
+
+def test_recent_outcomes_are_exported_in_order_and_bounded() -> None:
+    predictor = _predictor(export_samples=5)
+    _serve(predictor, 8, np.random.default_rng(4))
+    outcomes = predictor.samples()[POOL]
+    assert len(outcomes) == 5  # the oldest three dropped
+    assert [o["observed_at_s"] for o in outcomes] == sorted(o["observed_at_s"] for o in outcomes)
+    for o in outcomes:
+        assert o["predicted_at_s"] <= o["observed_at_s"]
+        assert set(o["features"]) == {f.name.lower() for f in Feature}
+        assert o["ttft_ms"] > 0 and o["predicted"]["ttft_ms"] > 0 and o["endpoint"]
+    assert predictor.samples("no-such-pool") == {}
+    assert _predictor(export_samples=0).samples() == {POOL: []}
