@@ -104,10 +104,7 @@ class ModelStore:
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / _SAMPLES
         tmp = folder / f".{_SAMPLES}.tmp-{os.getpid()}"
-        arrays: dict[str, Any] = {
-            "layout": np.array(json.dumps({"features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
-                                           "prior": prior_id})),
-        }
+        arrays: dict[str, Any] = {"layout": np.array(json.dumps(_sample_layout(prior_id)))}
         for prefix, samples in (("train", train), ("heldout", heldout)):
             for part in _SAMPLE_PARTS:
                 arrays[f"{prefix}_{part}"] = getattr(samples, part)
@@ -125,8 +122,7 @@ class ModelStore:
         try:
             with np.load(path, allow_pickle=False) as data:
                 layout = json.loads(str(data["layout"]))
-                if layout != {"features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES),
-                              "prior": prior_id}:
+                if layout != _sample_layout(prior_id):
                     log.info("predictor: %s was taken with another feature layout or prior", path)
                     return None
                 found = tuple(
@@ -161,6 +157,11 @@ class ModelStore:
     def latest_version(self, pool: str) -> int:
         versions = self.versions(pool)
         return versions[0] if versions else 0
+
+
+def _sample_layout(prior_id: str) -> dict[str, Any]:
+    """What saved samples' rows mean: stored with them, compared when they are loaded."""
+    return {"features_version": FEATURES_VERSION, "feature_names": list(FEATURE_NAMES), "prior": prior_id}
 
 
 def _load_version(folder: Path, prior_id: str) -> PoolModel | None:

@@ -20,14 +20,14 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from backends.config import PoolConfig
 from backends.types import Endpoint
 from predictor.accuracy import AccuracyScore, OnlineAccuracy
-from predictor.buffers import StratifiedBuffer
+from predictor.buffers import Samples, StratifiedBuffer
 from predictor.config import PredictorSettings
 from predictor.features import build_features
 from predictor.length import LengthEstimate, OutputLengthEstimator
@@ -57,6 +57,14 @@ _P90_LEVEL = 0.9
 _MAX_P90_SHIFT = 2.0  # e**2: a p90 more than 7x off is a broken model, not drift
 
 
+class _Outcome(NamedTuple):
+    observed_at_s: float  # monotonic
+    features: FloatArray
+    ttft_ms: float | None
+    tpot_ms: float | None
+    predicted: Prediction | None
+
+
 @dataclass(slots=True, eq=False)
 class _PoolState:
     name: str
@@ -76,7 +84,8 @@ class _PoolState:
     p90_shift: Float64Array = field(default_factory=lambda: np.zeros(2))
     p90_scale: Float64Array = field(default_factory=lambda: np.ones(2))
     # the last `export_samples` outcomes, in arrival order, for GET /admin/predictor/samples
-    recent: deque[tuple[Any, ...]] = field(default_factory=deque)
+    recent: deque[_Outcome] = field(default_factory=deque)
+    samples_saved_at: int = 0  # buffer.added when the samples were last saved (nothing new: no write)
 
     @property
     def training(self) -> bool:
@@ -203,7 +212,7 @@ class LatencyPredictor:
             raise ValueError(f"a feature row has {NUM_FEATURES} values, got shape {features.shape}")
         state = self._state(pool)
         if state.recent.maxlen:
-            state.recent.append((time.monotonic(), features, ttft_ms, tpot_ms, predicted))
+            state.recent.append(_Outcome(time.monotonic(), features, ttft_ms, tpot_ms, predicted))
         if predicted is not None:
             for index, (target, actual) in enumerate(((Target.TTFT, ttft_ms), (Target.TPOT, tpot_ms))):
                 if actual is not None:
@@ -249,6 +258,7 @@ class LatencyPredictor:
         """Train `pool` now in the worker and swap in the result; None if training failed."""
         state = self._state(pool)
         async with state.lock:
+            added = state.buffer.added
             train, heldout = state.buffer.snapshot()
             state.new_samples = 0
             state.last_train_started_s = time.monotonic()
@@ -278,7 +288,7 @@ class LatencyPredictor:
                 state.p90_shift *= 0.5
                 state.p90_scale[:] = np.exp(state.p90_shift)
                 await self._save(state)
-                await self._save_samples(state)
+                await self._save_samples(state, (train, heldout, added))  # what it was trained on
             return outcome
 
     async def _save(self, state: _PoolState) -> None:
@@ -292,15 +302,20 @@ class LatencyPredictor:
         except OSError:
             log.exception("predictor: saving pool %s model v%d failed", state.name, model.version)
 
-    async def _save_samples(self, state: _PoolState) -> None:
-        """Save the pool's samples (with each new model and at stop), so a restart keeps them."""
-        if self._store is None or not state.buffer.added:
+    async def _save_samples(self, state: _PoolState, taken: tuple[Samples, Samples, int] | None = None) -> None:
+        """Save the pool's samples (with each new model and at stop), so a restart keeps them;
+        `taken` is a snapshot already made (training's) with the buffer's `added` count at the time.
+        Nothing new since the last save: no write."""
+        if taken is None:
+            taken = (*state.buffer.snapshot(), state.buffer.added)  # copies, on the loop
+        train, heldout, added = taken
+        if self._store is None or added == state.samples_saved_at:
             return
-        train, heldout = state.buffer.snapshot()  # a copy, on the loop; written in the executor
         try:
             await asyncio.get_running_loop().run_in_executor(
                 None, self._store.save_samples, state.name, train, heldout, state.prior.id
             )
+            state.samples_saved_at = added
         except OSError:
             log.exception("predictor: saving pool %s samples failed", state.name)
 
@@ -331,6 +346,7 @@ class LatencyPredictor:
                 samples = await loop.run_in_executor(None, self._store.load_samples, state.name, state.prior.id)
                 if samples is not None:
                     state.buffer.restore(*samples)
+                    state.samples_saved_at = state.buffer.added
                     log.info("predictor: pool %s restored %d samples", state.name, len(samples[0]) + len(samples[1]))
         if self.settings.online_training:
             await self._worker.start()

@@ -177,6 +177,13 @@ async def test_samples_survive_a_restart_and_the_next_model_trains_on_them(tmp_p
     assert outcome is not None and outcome.model is not None
     assert outcome.model.targets[Target.TTFT].train_samples > 550  # not just the 30 new ones
 
+    saved = tmp_path / POOL / "samples.npz"
+    before = saved.stat().st_mtime_ns
+    idle = _predictor(model_dir=tmp_path, online_training=False)
+    await idle.start()
+    await idle.stop()  # nothing new since they were restored: not written again
+    assert saved.stat().st_mtime_ns == before
+
 
 async def test_a_failing_training_is_reported_not_raised() -> None:
     class Broken(TrainingWorker):
