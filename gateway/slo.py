@@ -214,7 +214,10 @@ def slo_miss(miss: Miss, slo: Slo, model: str, reason: str, *, waited_ms: float 
         over.append(f"TTFT {closest.ttft_excess_ms:.0f} ms")
     if closest.tpot_excess_ms > 0:
         over.append(f"TPOT {closest.tpot_excess_ms:.1f} ms")
-    detail = f" (closest endpoint: {' and '.join(over)} over)" if over else ""
+    parts = [f"{closest.probability:.0%} likely to meet it"] if slo.compare == "probability" else []
+    if over:
+        parts.append(f"{' and '.join(over)} over")
+    detail = f" (closest endpoint: {'; '.join(parts)})" if parts else ""
     prefix = {
         REASON_SHED: "Shed: sheddable traffic is dropped first. ",
         REASON_QUEUE_FULL: "The SLO queue is full. ",

@@ -215,12 +215,14 @@ class BudgetConfig(_Rule):
 
 
 DEFAULT_MAX_QUEUE_MS = 1000.0
+DEFAULT_MIN_PROBABILITY = 0.5
 
 
 class SloClassConfig(_Strict):
     """A latency objective and what to do when no endpoint is predicted to meet it (policies/slo.py).
 
-    `ttft_ms`/`tpot_ms` bound the p90 prediction (`compare`); the headers `x-slo-ttft-ms` and
+    `ttft_ms`/`tpot_ms` bound the predicted latency (`compare`: by default an endpoint meets them
+    when the predicted chance of meeting both is at least `min_probability`); the headers `x-slo-ttft-ms` and
     `x-slo-tpot-ms` may tighten them per request, never loosen. `on_miss`: `fallback` to the next
     model whose chain step lists `slo_unattainable` (503 when there is none), `queue` up to
     `max_queue_ms` for capacity, `reject` at once (503 `slo_unattainable` with retry-after), or
@@ -234,7 +236,13 @@ class SloClassConfig(_Strict):
         default=None, gt=0, description=f"on_miss queue: longest wait for capacity (default {DEFAULT_MAX_QUEUE_MS:g})"
     )
     max_queued: int = Field(default=256, ge=1, description="on_miss queue: waiting at once; more are shed")
-    compare: Literal["p90", "mean"] = Field(default="p90", description="which prediction must fit the SLO")
+    compare: Literal["probability", "p90", "mean"] = Field(
+        default="probability",
+        description="probability: P(meeting every target) >= min_probability; p90 / mean: that prediction fits",
+    )
+    min_probability: float = Field(
+        default=DEFAULT_MIN_PROBABILITY, gt=0, lt=1, description="compare: probability: the least chance admitted"
+    )
     priorities: list[PriorityName] = Field(
         default_factory=list, description="principals of these priorities whose tenant names no slo_class"
     )
@@ -243,6 +251,8 @@ class SloClassConfig(_Strict):
     def _coherent(self) -> SloClassConfig:
         if self.ttft_ms is None and self.tpot_ms is None:
             raise ValueError("expected ttft_ms and/or tpot_ms")
+        if "min_probability" in self.model_fields_set and self.compare != "probability":
+            raise ValueError(f"min_probability only applies to compare: probability (compare is {self.compare!r})")
         if self.max_queue_ms is not None and self.on_miss != "queue":
             raise ValueError(f"max_queue_ms only applies to on_miss: queue (on_miss is {self.on_miss!r})")
         return self

@@ -8,6 +8,7 @@ of another version are ignored at load (the prior takes over until the pool retr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Final, Literal
@@ -47,6 +48,8 @@ class Feature(IntEnum):
 NUM_FEATURES: Final = len(Feature)
 FEATURE_NAMES: Final = tuple(f.name.lower() for f in Feature)
 FEATURES_VERSION: Final = 1
+
+_Z90: Final = 1.2815515655446004  # standard normal quantile at 0.9
 
 
 class Target(StrEnum):
@@ -114,3 +117,25 @@ class Prediction:
 
     def source_of(self, target: Target) -> PredictionSource:
         return self.ttft_source if target is Target.TTFT else self.tpot_source
+
+    def within(self, target: Target, bound_ms: float) -> float:
+        """Probability that the outcome is at most `bound_ms` (see `probability_within`)."""
+        return probability_within(self.mean_ms(target), self.p90_ms(target), bound_ms)
+
+
+def probability_within(median: float, p90: float, bound: float) -> float:
+    """Probability that an outcome predicted as (median, p90) is at most `bound` (same unit).
+
+    Reads the prediction as a log-normal through its point estimate (the median: the point model
+    minimises absolute error on the log-ratio, model.py) and its p90. Both models learn the
+    log-ratio over the prior, so log space is where their spread lives; a p90 at or under the
+    median (no spread left) makes it a step at the median.
+    """
+    if bound <= 0.0:
+        return 0.0
+    if median <= 0.0:
+        return 1.0
+    if p90 <= median:
+        return 1.0 if bound >= median else 0.0
+    z = _Z90 * math.log(bound / median) / math.log(p90 / median)
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
+
+from policies.schema import DEFAULT_MIN_PROBABILITY
+from predictor.types import probability_within
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TTFT_MAPE_TARGET, TPOT_MAPE_TARGET, COVERAGE_TARGET = 10.0, 5.0, (0.85, 0.95)
@@ -113,7 +117,31 @@ def summarize(run: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         "accuracy": accuracy(rows, ts),
         "accuracy_model": accuracy(rows, ts, "model"),
         "online": _online(run.get("predictor_after") or {}),
+        "calibration": _calibration(served, met, ttft_slo / ts, tpot_slo / ts),
     }
+
+
+CALIBRATION_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def _calibration(
+    served: list[dict[str, Any]], met: Any, ttft_slo_ms: float, tpot_slo_ms: float
+) -> list[tuple[int, int]]:
+    """Per bin of the predicted probability of meeting both objectives (what the gate's default
+    `compare: probability` reads, `probability_within`), (requests, those that met them). Served
+    requests only: on an ungated run that is every request, so the bins are unbiased."""
+    cells = [(0, 0)] * (len(CALIBRATION_BINS) - 1)
+    for r in served:
+        p = r.get("prediction")
+        if not p:
+            continue
+        chance = probability_within(p["ttft"], p["ttft_p90"], ttft_slo_ms)
+        if r["tpot_s"]:
+            chance *= probability_within(p["tpot"], p["tpot_p90"], tpot_slo_ms)
+        i = min(int(chance * 10), 9)
+        n, k = cells[i]
+        cells[i] = (n + 1, k + bool(met(r)))
+    return cells
 
 
 def _online(status: dict[str, Any]) -> dict[str, Any]:
@@ -248,8 +276,11 @@ def write(results: dict[str, Any], out: Path) -> None:
         "misses); *goodput* = such requests (and their output tokens) per second.",
         "- Modes at the same offered load: **off** = the default routing pipeline, no SLO classes (the predictor "
         "still predicts and learns); **on** = the default pipeline plus the `latency` scorer (weight "
-        f"{args['latency_weight']:g}) and an SLO class for both tenants (p90 compared, `on_miss: queue` bounded by "
-        "the TTFT objective, running requests' TPOT protected; the sheddable tenant is shed on a miss).",
+        f"{args['latency_weight']:g}) and an SLO class for both tenants (the class's default `compare`: admitted where "
+        f"the predicted probability of meeting both objectives is at least {DEFAULT_MIN_PROBABILITY:g}; "
+        "`on_miss: queue` bounded by the TTFT objective, running requests' TPOT protected; the sheddable tenant is "
+        "shed on a miss). A suffix names another `compare`: **on-p90** admits only where both p90s fit, **on-0.3** "
+        "from a probability of 0.3.",
         "",
         "## Accuracy (online: each request's prediction made before it ran)",
         "",
@@ -317,6 +348,22 @@ def write(results: dict[str, Any], out: Path) -> None:
             ]
     if len(plots) > 1:
         lines += ["", f"![SLO attainment]({plots[1]})"]
+    ungated = [s for s in summaries if s["trace"] == "azure" and s["mode"] == "off" and s["load"] == top]
+    if ungated:
+        cells = ungated[0]["calibration"]
+        lines += [
+            "",
+            "### What the gate's probability means",
+            "",
+            f"Gate off at {int((top or 0) * 100)} % load (every request served, none steered): requests binned by "
+            "the predicted probability of meeting both objectives, computed from the same predictions the gate "
+            f"reads (`compare: probability` admits from {DEFAULT_MIN_PROBABILITY:g}), and the share that met them.",
+            "",
+            "| predicted | " + " | ".join(f"{lo:.1f}-{hi:.1f}" for lo, hi in pairwise(CALIBRATION_BINS)) + " |",
+            "| --- |" + " ---: |" * len(cells),
+            "| requests | " + " | ".join(str(n) for n, _ in cells) + " |",
+            "| met | " + " | ".join(f"{k / n:.0%}" if n else "—" for n, k in cells) + " |",
+        ]
     reading = Path(__file__).with_name("reading.md")
     if reading.exists():
         lines += ["", reading.read_text().rstrip(), ""]

@@ -83,15 +83,27 @@ def routing_with_latency(weight: float) -> dict[str, Any]:
     return {"default": default}
 
 
-# mode -> (SLO classes, latency scorer)
+# mode -> (SLO classes, latency scorer); a gated mode may name its class's `compare` after a dash:
+# "on-p90", "on-mean", or "on-0.3" (compare: probability, min_probability 0.3)
 MODES: dict[str, tuple[bool, bool]] = {"off": (False, False), "on": (True, True), "scorer": (False, True),
                                        "gate": (True, False)}
+
+
+def mode_parts(mode: str) -> tuple[bool, bool, dict[str, Any]]:
+    """(SLO classes, latency scorer, the class's compare settings) of a mode name."""
+    base, _, variant = mode.partition("-")
+    slo, latency = MODES[base]
+    if not variant:
+        return slo, latency, {}
+    if variant in ("p90", "mean"):
+        return slo, latency, {"compare": variant}
+    return slo, latency, {"compare": "probability", "min_probability": float(variant)}
 
 
 def start_bench_gateway(
     workdir: Path, sims: SimEngines, args: argparse.Namespace, model_dir: Path, *, mode: str, **sections: Any
 ) -> Gateway:
-    slo, latency = MODES[mode]
+    slo, latency, compare = mode_parts(mode)
     slo_class = None
     if slo:
         slo_class = {
@@ -99,6 +111,7 @@ def start_bench_gateway(
             "tpot_ms": args.tpot_slo_ms * (1.0 - args.headroom) / args.time_scale,
             "on_miss": "queue",
             "max_queue_ms": args.ttft_slo_ms / args.time_scale,
+            **compare,
         }
     predictor = {
         "model_dir": str(model_dir),
@@ -190,7 +203,7 @@ def run_one(
         samples = admin(gw, "/admin/predictor/samples")["pools"] if args.raw else {}
     finally:
         gw.stop()
-    return {"name": name, "mode": mode, "slo": MODES[mode][0], "rate_wall": segments[-1][1], "wall_s": wall_s,
+    return {"name": name, "mode": mode, "slo": mode_parts(mode)[0], "rate_wall": segments[-1][1], "wall_s": wall_s,
             "rows": rows, "predictor_before": before, "predictor_after": status, "samples": samples}
 
 
@@ -261,7 +274,7 @@ def main() -> None:
             segment = window(0, load, args.duration_s)
             azure_work = _work(segment[0])
             for mode in args.modes.split(","):
-                if mode != "off" and mode != "on" and load != max(loads):
+                if mode not in ("off", "on") and load != max(loads):
                     continue  # the ablations run at the top load only
                 name = f"azure-{int(load * 100)}-{mode}"
                 run = run_one(name, sims, args, workdir, trained, [segment], mode=mode, seed=100 + i)

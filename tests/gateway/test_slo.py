@@ -104,6 +104,14 @@ def test_slo_miss_is_a_503_with_retry_after() -> None:
     assert timeout.rejection.message.startswith("Waited 812 ms")
 
 
+def test_slo_miss_message_says_how_likely_the_closest_endpoint_was() -> None:
+    likely = EndpointCheck("e1", ttft_excess_ms=-20.0, tpot_excess_ms=4.0, idle=False, probability=0.31)
+    message = slo_miss(Miss("reject", likely), Slo(200.0, 30.0), "llama", "slo_unattainable").rejection.message
+    assert "(closest endpoint: 31% likely to meet it; TPOT 4.0 ms over)" in message
+    p90 = slo_miss(Miss("reject", likely), Slo(200.0, 30.0, compare="p90"), "llama", "slo_unattainable")
+    assert "likely" not in p90.rejection.message and "TPOT 4.0 ms over" in p90.rejection.message
+
+
 def test_queue_is_head_of_line_one_attempt_per_event() -> None:
     async def scenario() -> list[str]:
         queue = SloQueue(recheck_s=10.0)

@@ -12,9 +12,13 @@ from pydantic import ValidationError
 from policies.policy import Policy, hash_key
 from policies.schema import PoliciesConfig
 from policies.slo import Meet, Miss, Slo, check_endpoint, decide, effective_slo
-from predictor.types import NUM_FEATURES, Feature, Prediction
+from predictor.types import NUM_FEATURES, Feature, Prediction, Target
 
 FAST = Slo(ttft_ms=200.0, tpot_ms=20.0, on_miss="fallback", class_name="fast")
+
+
+def P90(ttft_ms: float | None, tpot_ms: float | None) -> Slo:
+    return Slo(ttft_ms, tpot_ms, compare="p90")
 
 
 def prediction(
@@ -68,19 +72,56 @@ def test_effective_slo(
 @pytest.mark.parametrize(
     ("slo", "kwargs", "expected"),
     [
-        pytest.param(Slo(200.0, None), {}, (-50.0, 0.0), id="p90-meets"),  # p90 150 vs 200
-        pytest.param(Slo(140.0, None), {}, (10.0, 0.0), id="p90-misses-where-mean-meets"),
+        pytest.param(P90(200.0, None), {}, (-50.0, 0.0), id="p90-meets"),  # p90 150 vs 200
+        pytest.param(P90(140.0, None), {}, (10.0, 0.0), id="p90-misses-where-mean-meets"),
         pytest.param(Slo(140.0, None, compare="mean"), {}, (-40.0, 0.0), id="mean-meets"),
-        pytest.param(Slo(200.0, None), {"elapsed_ms": 80.0}, (30.0, 0.0), id="elapsed-eats-the-budget"),
-        pytest.param(Slo(None, 20.0), {}, (0.0, -5.0), id="tpot-meets"),
-        pytest.param(Slo(None, 20.0), {"running_tpot_slo_ms": 12.0}, (0.0, 3.0), id="running-slo-protected"),
-        pytest.param(Slo(200.0, None), {"running_tpot_slo_ms": 12.0}, (-50.0, 3.0), id="protected-without-own-tpot"),
+        pytest.param(P90(200.0, None), {"elapsed_ms": 80.0}, (30.0, 0.0), id="elapsed-eats-the-budget"),
+        pytest.param(P90(None, 20.0), {}, (0.0, -5.0), id="tpot-meets"),
+        pytest.param(P90(None, 20.0), {"running_tpot_slo_ms": 12.0}, (0.0, 3.0), id="running-slo-protected"),
+        pytest.param(P90(200.0, None), {"running_tpot_slo_ms": 12.0}, (-50.0, 3.0), id="protected-without-own-tpot"),
     ],
 )
 def test_check_endpoint(slo: Slo, kwargs: dict[str, Any], expected: tuple[float, float]) -> None:
     check = check_endpoint(slo, prediction("a", 100.0, 10.0), **kwargs)
     assert (check.ttft_excess_ms, check.tpot_excess_ms) == pytest.approx(expected)
     assert check.meets == (max(expected) <= 0)
+
+
+# median 100 / p90 150 ms TTFT, 10 / 15 ms TPOT: P(TTFT <= 140) = Phi(z90 ln 1.4 / ln 1.5) = 0.85,
+# P(TTFT <= 100) = 0.5, P(TPOT <= 9) = Phi(z90 ln 0.9 / ln 1.5) = 0.37
+@pytest.mark.parametrize(
+    ("slo", "kwargs", "probability", "meets"),
+    [
+        pytest.param(Slo(140.0, None), {}, 0.85, True, id="likely-where-p90-misses"),
+        pytest.param(Slo(100.0, None), {}, 0.5, True, id="the-median-is-even-odds"),
+        pytest.param(Slo(100.0, None, min_probability=0.6), {}, 0.5, False, id="a-stricter-class"),
+        pytest.param(Slo(140.0, 9.0), {}, 0.85 * 0.37, False, id="both-targets-multiply"),
+        pytest.param(Slo(140.0, None), {"running_tpot_slo_ms": 9.0}, 0.85 * 0.37, False, id="running-slo-protected"),
+        pytest.param(Slo(140.0, None), {"elapsed_ms": 40.0}, 0.5, True, id="elapsed-eats-the-budget"),
+        pytest.param(Slo(140.0, None), {"elapsed_ms": 150.0}, 0.0, False, id="budget-spent"),
+    ],
+)
+def test_check_endpoint_probability(slo: Slo, kwargs: dict[str, Any], probability: float, meets: bool) -> None:
+    check = check_endpoint(slo, prediction("a", 100.0, 10.0), **kwargs)
+    assert check.probability == pytest.approx(probability, abs=0.01)
+    assert check.meets is meets
+
+
+@pytest.mark.parametrize(
+    ("median", "p90", "bound", "expected"),
+    [
+        pytest.param(100.0, 150.0, 150.0, 0.9, id="at-the-p90"),
+        pytest.param(100.0, 150.0, 100.0, 0.5, id="at-the-median"),
+        pytest.param(100.0, 150.0, 1e9, 1.0, id="far-above"),
+        pytest.param(100.0, 100.0, 99.0, 0.0, id="no-spread-below"),
+        pytest.param(100.0, 90.0, 100.0, 1.0, id="no-spread-at"),
+        pytest.param(100.0, 150.0, 0.0, 0.0, id="nothing-left"),
+        pytest.param(100.0, 150.0, -5.0, 0.0, id="overdue"),
+    ],
+)
+def test_prediction_within(median: float, p90: float, bound: float, expected: float) -> None:
+    p = prediction("a", median, p90=p90 / median)
+    assert p.within(Target.TTFT, bound) == pytest.approx(expected, abs=1e-6)
 
 
 # --- the decision ------------------------------------------------------------------------------------
@@ -97,8 +138,10 @@ def slo(on_miss: Any = "fallback", **kw: Any) -> Slo:
                      id="meets-on-one"),
         pytest.param(slo(), [prediction("a", 100), prediction("b", 120)], 0, {}, Meet(frozenset({"a", "b"})),
                      id="meets-on-both"),
-        pytest.param(slo(), [prediction("a", 100), prediction("b", 120)], 0, {"a": 12.0},
+        pytest.param(slo(), [prediction("a", 100), prediction("b", 120)], 0, {"a": 9.0},
                      Meet(frozenset({"b"})), id="running-tpot-slo-excludes-a"),
+        pytest.param(slo(compare="p90"), [prediction("a", 100), prediction("b", 120)], 0, {"a": 12.0},
+                     Meet(frozenset({"b"})), id="running-tpot-slo-excludes-a-p90"),
         pytest.param(slo("fallback"), [prediction("a", 300), prediction("b", 400)], 0, {}, "fallback",
                      id="miss-fallback"),
         pytest.param(slo("queue"), [prediction("a", 300), prediction("b", 400)], 0, {}, "queue", id="miss-queue"),
@@ -124,18 +167,29 @@ def test_decide(
 
 
 def test_miss_names_the_closest_endpoint_and_an_honest_retry_after() -> None:
-    verdict = decide(slo("reject"), [prediction("a", 2000), prediction("b", 900)], priority=0)
+    verdict = decide(slo("reject", compare="p90"), [prediction("a", 2000), prediction("b", 900)], priority=0)
     assert isinstance(verdict, Miss)
     assert verdict.closest.endpoint_id == "b"
     assert verdict.closest.ttft_excess_ms == pytest.approx(1150.0)  # p90 1350 - 200
     assert verdict.retry_after_s() == 2  # ceil(1.15 s)
 
 
+def test_probability_miss_names_the_likeliest_endpoint() -> None:
+    # a: fast TTFT but TPOT far over; b: both a little over the median: b is likelier
+    predictions = [prediction("a", 50, 40), prediction("b", 260, 22)]
+    verdict = decide(slo("reject"), predictions, priority=0)
+    assert isinstance(verdict, Miss)
+    assert verdict.closest.endpoint_id == "b"
+    assert 0.0 < verdict.closest.probability < 0.5
+    assert verdict.closest.ttft_excess_ms == pytest.approx(60.0)  # the median, 260 - 200
+    assert verdict.retry_after_s() == 1
+
+
 @pytest.mark.parametrize(("excess_ms", "seconds"), [(0.0, 1), (10.0, 1), (1001.0, 2), (10**6, 60)],
                          ids=["meets-ttft", "floor", "ceil", "cap"])
 def test_retry_after_bounds(excess_ms: float, seconds: int) -> None:
-    verdict = decide(slo("reject", ttft_ms=200.0, tpot_ms=1.0), [prediction("a", (200 + excess_ms) / 1.5)],
-                     priority=0)
+    verdict = decide(slo("reject", ttft_ms=200.0, tpot_ms=1.0, compare="p90"),
+                     [prediction("a", (200 + excess_ms) / 1.5)], priority=0)
     assert isinstance(verdict, Miss) and verdict.retry_after_s() == seconds
 
 
@@ -189,6 +243,17 @@ def test_classes_assigned_per_tenant_then_per_priority() -> None:
     assert principal is not None
     batch = policy.slo_class(principal)
     assert batch is not None and (batch.on_miss, batch.max_queue_ms, batch.tpot_ms) == ("queue", 2000.0, None)
+    assert (batch.compare, batch.min_probability) == ("probability", 0.5)  # the defaults
+
+
+def test_class_compare_settings_compile() -> None:
+    data = doc()
+    data["slo_classes"]["fast"] |= {"min_probability": 0.3}
+    data["slo_classes"]["interactive"] |= {"compare": "p90"}
+    policy = Policy(PoliciesConfig.model_validate(data))
+    fast, interactive = (policy.slo_class(policy.authenticate(k)) for k in ("kt", "kv-high"))  # type: ignore[arg-type]
+    assert fast is not None and (fast.compare, fast.min_probability) == ("probability", 0.3)
+    assert interactive is not None and interactive.compare == "p90"
 
 
 @pytest.mark.parametrize(
@@ -205,6 +270,11 @@ def test_classes_assigned_per_tenant_then_per_priority() -> None:
                      "max_queue_ms only applies to on_miss: queue", id="stray-max-queue"),
         pytest.param({"slo_classes": {"a": {"ttft_ms": -1}}}, "greater than 0", id="negative"),
         pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "on_miss": "panic"}}}, "fallback", id="unknown-action"),
+        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "compare": "p90", "min_probability": 0.3}}},
+                     "min_probability only applies to compare: probability", id="stray-min-probability"),
+        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "min_probability": 1}}}, "less than 1",
+                     id="certainty"),
+        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "compare": "p99"}}}, "probability", id="unknown-compare"),
     ],
 )
 def test_slo_class_problems(change: dict[str, Any], expected: str) -> None:
