@@ -280,7 +280,8 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"the predicted probability of meeting both objectives is at least {DEFAULT_MIN_PROBABILITY:g}; "
         "`on_miss: queue` bounded by the TTFT objective, running requests' TPOT protected; the sheddable tenant is "
         "shed on a miss). A suffix names another `compare`: **on-p90** admits only where both p90s fit, **on-0.3** "
-        "from a probability of 0.3.",
+        "from a probability of 0.3. Ablations at the top load: **scorer** = the `latency` scorer alone (no SLO "
+        "classes: it ranks by predicted mean latency), **gate** = the SLO classes without the scorer.",
         "",
         "## Accuracy (online: each request's prediction made before it ran)",
         "",

@@ -42,12 +42,14 @@ def ctx(
 @pytest.mark.parametrize(
     ("predicted", "slo", "expected"),
     [
-        # TTFT only: slack (200 - 100)/200 = 0.5 -> 0.75; (200 - 180)/200 = 0.1 -> 0.55
-        pytest.param([(100, 10), (180, 10)], {"ttft_slo": 200}, [0.75, 0.55], id="most-headroom-wins"),
-        # a miss of 50 % scores 0.5/1.5, below every endpoint that meets
-        pytest.param([(190, 10), (300, 10)], {"ttft_slo": 200}, [0.525, 1 / 3], id="meets-outranks-misses"),
-        # both targets, weights 0.8/0.2: slack 0.8*0.5 + 0.2*0.5 = 0.5 -> 0.75
-        pytest.param([(100, 10)], {"ttft_slo": 200, "tpot_slo": 20}, [0.75], id="both-targets"),
+        # both meet: 0.5 + 0.5 rel, rel = 1 for the fastest, 0.8 * 105/185 + 0.2 for the other
+        pytest.param([(100, 10), (180, 10)], {"ttft_slo": 200}, [1.0, 0.5 + 0.5 * (0.8 * 105 / 185 + 0.2)],
+                     id="fastest-wins-among-those-that-meet"),
+        # a miss of 50 % scores 0.5/1.5, below every endpoint that meets, however slow that one is
+        pytest.param([(190, 10), (300, 10)], {"ttft_slo": 200}, [1.0, 1 / 3], id="meets-outranks-misses"),
+        pytest.param([(10, 10), (190, 10), (300, 10)], {"ttft_slo": 200},
+                     [1.0, 0.5 + 0.5 * (0.8 * 15 / 195 + 0.2), 1 / 3], id="a-slow-meet-still-outranks-a-miss"),
+        pytest.param([(100, 10)], {"ttft_slo": 200, "tpot_slo": 20}, [1.0], id="both-targets"),
         # TPOT target missed by 50 % with TTFT fine: excess 0.2*0.5 / 1.0 = 0.1 -> 0.5/1.1
         pytest.param([(100, 30)], {"ttft_slo": 200, "tpot_slo": 20}, [0.5 / 1.1], id="tpot-miss-drops-tier"),
         # no SLO: relative predicted latency, s = 5 ms: 0.8 * 105/205 + 0.2 * 1 for e1
