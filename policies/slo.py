@@ -118,7 +118,8 @@ class EndpointCheck:
 
     Excess is the compared quantity over each target, ms (<= 0 fits; 0 for unset targets; the
     median for `compare: probability`); `probability` the predicted chance of meeting every target
-    (1.0 when none is set); `meets` the verdict under the class's `compare`."""
+    (1.0 when none is set, and with another `compare`, which never reads it); `meets` the verdict
+    under the class's `compare`."""
 
     endpoint_id: str
     ttft_excess_ms: float
@@ -155,20 +156,20 @@ def check_endpoint(
 ) -> EndpointCheck:
     """One endpoint against the SLO (see the module docstring for what is compared)."""
     p90 = slo.compare == "p90"
+    chance = slo.compare == "probability"
     ttft_excess = tpot_excess = 0.0
     probability = 1.0
     if slo.ttft_ms is not None:
         budget = slo.ttft_ms - elapsed_ms
         ttft_excess = (prediction.ttft_p90_ms if p90 else prediction.ttft_ms) - budget
-        probability *= prediction.within(Target.TTFT, budget)
+        if chance:
+            probability *= prediction.within(Target.TTFT, budget)
     bound = _tightest(slo.tpot_ms, running_tpot_slo_ms)
     if bound is not None:
         tpot_excess = (prediction.tpot_p90_ms if p90 else prediction.tpot_ms) - bound
-        probability *= prediction.within(Target.TPOT, bound)
-    if slo.compare == "probability":
-        meets = probability >= slo.min_probability
-    else:
-        meets = ttft_excess <= 0.0 and tpot_excess <= 0.0
+        if chance:
+            probability *= prediction.within(Target.TPOT, bound)
+    meets = probability >= slo.min_probability if chance else ttft_excess <= 0.0 and tpot_excess <= 0.0
     return EndpointCheck(prediction.endpoint_id, ttft_excess, tpot_excess, _idle(prediction), probability, meets)
 
 

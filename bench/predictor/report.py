@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ CALIBRATION_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def _calibration(
-    served: list[dict[str, Any]], met: Any, ttft_slo_ms: float, tpot_slo_ms: float
+    served: list[dict[str, Any]], met: Callable[[dict[str, Any]], bool], ttft_slo_ms: float, tpot_slo_ms: float
 ) -> list[tuple[int, int]]:
     """Per bin of the predicted probability of meeting both objectives (what the gate's default
     `compare: probability` reads, `probability_within`), (requests, those that met them). Served
