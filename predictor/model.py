@@ -162,15 +162,6 @@ def train_target(
     )
 
 
-def score_on(model: TargetModel, heldout: Samples) -> AccuracyScore | None:
-    """How an existing model does on a held-out slice (to compare it with a challenger)."""
-    rows, actual = usable(heldout, model.target)
-    if not len(actual):
-        return None
-    mean_ms, p90_ms = predict_ms(model, rows)
-    return AccuracyScore.of(mean_ms, p90_ms, actual)
-
-
 # Canonical output slots of a latency matrix: one row per candidate, these four columns.
 SLOTS: tuple[tuple[Target, Quantity], ...] = (
     (Target.TTFT, Quantity.MEAN),

@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--loads", default="0.5,0.7,0.9", help="shares of measured capacity")
     parser.add_argument("--duration-s", type=float, default=75.0,
                         help="engine seconds of arrivals per run (the last --skip-cooldown-s are not measured)")
-    parser.add_argument("--train-duration-s", type=float, default=25.0, help="per training load (50/70/90 %%)")
+    parser.add_argument("--train-duration-s", type=float, default=60.0, help="per training load (50/70/90 %%)")
     parser.add_argument("--capacity-requests", type=int, default=1500)
     parser.add_argument("--capacity", type=float, default=None, help="skip the probe: engine-time req/s")
     parser.add_argument("--mooncake-load", type=float, default=0.7, help="0 skips the Mooncake run")

@@ -6,7 +6,7 @@ import pytest
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
 from predictor.model import TargetModel
-from predictor.trainer import Decision, TrainingWorker, TrainJob, run_train_job
+from predictor.trainer import Decision, TrainingWorker, TrainJob, run_train_job, worse_beyond_noise
 from predictor.types import Target
 from tests.predictor.synthetic import POOL, samples
 
@@ -79,3 +79,24 @@ async def test_worker_runs_jobs_off_the_loop(kind: str, world: dict[str, Samples
     assert local is not None
     # the same job gives the same model in a thread or a spawned process (seeded XGBoost)
     np.testing.assert_allclose(outcome.model.latency_ms(rows), local.latency_ms(rows), rtol=1e-6)
+
+
+def test_a_challenger_as_good_as_the_incumbent_is_served(world: dict[str, Samples]) -> None:
+    # the same traffic, the same data: equal held-out errors, and the fresher model wins the tie
+    good = run_train_job(_job(world["train"], world["heldout"])).model
+    assert good is not None
+    outcome = run_train_job(_job(world["train"], world["heldout"], incumbent=dict(good.targets)))
+    assert outcome.decisions == {Target.TTFT: Decision.TRAINED, Target.TPOT: Decision.TRAINED}
+
+
+def test_worse_beyond_noise_needs_more_than_chance() -> None:
+    rng = np.random.default_rng(5)
+    incumbent = rng.uniform(0.0, 0.4, 400)
+    # worse on average by 0.005 with per-sample differences of +-0.2: chance, the challenger serves
+    noisy = incumbent + 0.005 + np.resize([0.2, -0.2], 400)
+    assert not worse_beyond_noise(noisy, incumbent)
+    # worse by 0.05 on every sample: refused
+    assert worse_beyond_noise(incumbent + 0.05, incumbent)
+    # better, or too few samples to tell: served
+    assert not worse_beyond_noise(incumbent - 0.05, incumbent)
+    assert not worse_beyond_noise(np.array([0.9]), np.array([0.1]))
