@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=0.25, help="engine seconds per wall second")
     parser.add_argument("--loads", default="0.5,0.7,0.9", help="shares of measured capacity")
-    parser.add_argument("--duration-s", type=float, default=75.0,
+    parser.add_argument("--duration-s", type=float, default=90.0,
                         help="engine seconds of arrivals per run (the last --skip-cooldown-s are not measured)")
     parser.add_argument("--train-duration-s", type=float, default=60.0, help="per training load (50/70/90 %%)")
     parser.add_argument("--capacity-requests", type=int, default=1500)
@@ -227,7 +227,7 @@ def main() -> None:
     parser.add_argument("--latency-weight", type=float, default=2.0)
     parser.add_argument("--modes", default="off,on,scorer",
                         help="off, on (scorer + SLO gate); ablations at the top load: scorer (only), gate (only)")
-    parser.add_argument("--skip-warmup-s", type=float, default=15.0,
+    parser.add_argument("--skip-warmup-s", type=float, default=30.0,
                         help="engine seconds of each run's first arrivals left out of the statistics (ramp-up)")
     parser.add_argument("--skip-cooldown-s", type=float, default=15.0,
                         help="engine seconds of each run's last arrivals left out of the statistics: they keep "

@@ -126,6 +126,20 @@ def predictor_status(gw: Gateway) -> dict[str, Any]:
     return orjson.loads(text)  # type: ignore[no-any-return]
 
 
+def wait_scraped_running(gw: Gateway, url: str, count: int, timeout_s: float = 60.0) -> None:
+    """Until the gateway's last scrape of the engine at `url` shows `count` requests running (a fixed
+    sleep is too short on a loaded machine: the prompts are still prefilling, or not yet scraped)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, text = http_get(gw.url + "/admin/backends")
+        assert status == 200, text
+        running_now = [e["running"] for p in orjson.loads(text)["pools"] for e in p["endpoints"] if e["url"] == url]
+        if running_now and running_now[0] >= count:
+            return
+        assert time.monotonic() < deadline, f"{url} runs {running_now}, expected {count}"
+        time.sleep(0.05)
+
+
 class Occupier:
     """One long streamed request holding the narrow engine's only batch slot, through `gw` (so the
     gateway's in-flight accounting sees it at once)."""
@@ -227,7 +241,7 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
     with running(gw), ThreadPoolExecutor(24) as pool:
         warm(gw)
         loads = [pool.submit(load, i) for i in range(24)]
-        time.sleep(1.0)  # running there, and scraped
+        wait_scraped_running(gw, busy_url, 24)
         plain = [chat(gw, OTHER_KEY).headers for _ in range(4)]
         tight = {"x-slo-ttft-ms": "25", "x-slo-tpot-ms": "8"}
         slo = [chat(gw, OTHER_KEY, headers=tight).headers for _ in range(4)]
