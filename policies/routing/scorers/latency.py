@@ -43,7 +43,8 @@ class LatencyScorer:
     `facts.attrs[RUNNING_TPOT_SLO_ATTR]`.
 
     Not in the default pipeline yet: alone (no SLO class) it lifted attainment at 90 % load from
-    82.9 % to 88.0 % at the tight SLO and from 92.2 % to 96.8 % at the loose one (one run each), but
+    82.9 % to 88.0 % at the tight SLO and from 92.2 % to 96.8 % at the loose one (78.0 % to 87.2 %
+    measured later in the window, where a queue builds; one run each), but
     the routing benchmark (bench/results/replay.md, prefix-heavy traffic, where work-cost and prefix
     scoring decide) has not been run with it. Add it with weight 2-3 where predicted latency, rather
     than least work, should pick the endpoint.
