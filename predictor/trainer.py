@@ -15,6 +15,18 @@ keeping the incumbent only when the challenger is worse by more than two standar
 paired per-sample difference took TTFT MAPE at 90 % load from 19.5 to 17.5 % (mean of nine runs;
 up to 6 points in one), TPOT 22.3 -> 22.7 %, and TPOT at 50 % load 16.4 -> 14.2 %. A challenger
 that is plainly worse (trained on a broken stretch) is still refused.
+
+Worker choice: one spawned process by default. XGBoost releases the GIL inside each boosting round,
+but a job also holds it for tens of milliseconds in pure Python and C calls that do not release it
+(parsing the JSON models, compiling the forest, numpy on the samples): 20-40 ms per job, which a
+worker thread gets back in 5 ms slices (the interpreter's switch interval), each one a stall of the
+event loop. Measured on the 2-core dev box, three retrains of a 20k-sample pool (XGBoost 1 thread,
+a 1 ms asyncio heartbeat): worker thread p99 heartbeat lag 7-10 ms, max 8-18 ms, 575-715 ticks/s;
+worker process p99 2.3-2.9 ms, max 4-7 ms, 810-840 ticks/s (idle: p99 0.7 ms, 860 ticks/s). The
+process costs a spawn at `start()` (~1-2 s, off the loop), pickling the samples (a few MB, done by
+the executor's feeder thread) and returns a ready `PoolModel` (compiled arrays) by pickle.
+`worker: thread` remains for tests and small deployments: no process start, one copy of XGBoost.
+`xgboost.threads` (OpenMP threads per training, default 1) leaves the other cores to the loop.
 """
 
 from __future__ import annotations
