@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -126,17 +126,18 @@ def predictor_status(gw: Gateway) -> dict[str, Any]:
     return orjson.loads(text)  # type: ignore[no-any-return]
 
 
-def wait_scraped_running(gw: Gateway, url: str, count: int, timeout_s: float = 60.0) -> None:
-    """Until the gateway's last scrape of the engine at `url` shows `count` requests running (a fixed
-    sleep is too short on a loaded machine: the prompts are still prefilling, or not yet scraped)."""
+def wait_scraped_running(gw: Gateway, url: str, ok: Callable[[int], bool], timeout_s: float = 60.0) -> None:
+    """Until the gateway's last scrape of the engine at `url` shows a number of running requests that
+    is `ok` (a fixed sleep is too short on a loaded machine: prompts still prefilling, not yet scraped;
+    and a scrape taken during the previous request shows it running after it ended)."""
     deadline = time.monotonic() + timeout_s
     while True:
         status, text = http_get(gw.url + "/admin/backends")
         assert status == 200, text
         running_now = [e["running"] for p in orjson.loads(text)["pools"] for e in p["endpoints"] if e["url"] == url]
-        if running_now and running_now[0] >= count:
+        if running_now and ok(running_now[0]):
             return
-        assert time.monotonic() < deadline, f"{url} runs {running_now}, expected {count}"
+        assert time.monotonic() < deadline, f"{url} runs {running_now}"
         time.sleep(0.05)
 
 
@@ -227,7 +228,7 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
     pools = [static_pool("llama", LLAMA, pair.urls)]
     latency_only = {"default": {"filters": [], "scorers": [{"type": "latency"}], "picker": {"type": "max-score"}}}
     gw = gateway(tmp_path / "gw", pools, policies("reject"), routing=latency_only)
-    busy_url = pair.urls[0]
+    busy_url, idle_url = pair.urls[0], pair.urls[1]
     direct = openai.OpenAI(base_url=busy_url + "/v1", api_key="x", max_retries=0)
     long_prompt = [{"role": "user", "content": "lorem ipsum dolor " * 700}]
 
@@ -241,10 +242,16 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
     with running(gw), ThreadPoolExecutor(24) as pool:
         warm(gw)
         loads = [pool.submit(load, i) for i in range(24)]
-        wait_scraped_running(gw, busy_url, 24)
-        plain = [chat(gw, OTHER_KEY).headers for _ in range(4)]
+        wait_scraped_running(gw, busy_url, lambda n: n >= 24)
+
+        def routed(headers: dict[str, str] | None = None) -> Any:
+            # the idle engine's last scrape must not still show the previous request running there
+            wait_scraped_running(gw, idle_url, lambda n: n == 0)
+            return chat(gw, OTHER_KEY, headers=headers).headers
+
+        plain = [routed() for _ in range(4)]
         tight = {"x-slo-ttft-ms": "25", "x-slo-tpot-ms": "8"}
-        slo = [chat(gw, OTHER_KEY, headers=tight).headers for _ in range(4)]
+        slo = [routed(tight) for _ in range(4)]
         for future in loads:
             future.result()
     served = [h["x-tokenway-endpoint"] for h in plain]
