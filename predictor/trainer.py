@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-import numpy as np
-
+from predictor.accuracy import absolute_percentage_errors
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
 from predictor.model import PRIOR_COLUMN, PoolModel, TargetModel, predict_ms, train_target, usable
@@ -107,17 +106,12 @@ def _judge(challenger: TargetModel, incumbent: TargetModel | None, heldout: Samp
     if score is None or score.samples < MIN_HELDOUT_TO_COMPARE:
         return Decision.TRAINED
     rows, actual = usable(heldout, challenger.target)
-    challenger_ape = _ape(predict_ms(challenger, rows)[0], actual)
+    challenger_ape = absolute_percentage_errors(predict_ms(challenger, rows)[0], actual)
     if incumbent is None:
-        prior_ape = _ape(rows[:, PRIOR_COLUMN[challenger.target]].astype(np.float64), actual)
+        prior_ape = absolute_percentage_errors(rows[:, PRIOR_COLUMN[challenger.target]], actual)
         return Decision.KEPT_PRIOR if worse_beyond_noise(challenger_ape, prior_ape) else Decision.TRAINED
-    incumbent_ape = _ape(predict_ms(incumbent, rows)[0], actual)
+    incumbent_ape = absolute_percentage_errors(predict_ms(incumbent, rows)[0], actual)
     return Decision.KEPT_INCUMBENT if worse_beyond_noise(challenger_ape, incumbent_ape) else Decision.TRAINED
-
-
-def _ape(predicted_ms: Float64Array, actual_ms: Float64Array) -> Float64Array:
-    ape: Float64Array = np.abs(predicted_ms - actual_ms) / actual_ms
-    return ape
 
 
 def worse_beyond_noise(errors: Float64Array, other_errors: Float64Array) -> bool:
@@ -126,8 +120,7 @@ def worse_beyond_noise(errors: Float64Array, other_errors: Float64Array) -> bool
     diff = errors - other_errors
     if diff.size < 2:
         return False
-    mean = float(diff.mean())
-    return mean > 0 and mean > REFUSE_BEYOND_SE * float(diff.std(ddof=1)) / math.sqrt(diff.size)
+    return float(diff.mean()) > REFUSE_BEYOND_SE * float(diff.std(ddof=1)) / math.sqrt(diff.size)
 
 
 def _warm_up() -> bool:
