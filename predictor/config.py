@@ -100,7 +100,7 @@ class PredictorSettings(_Strict):
     accuracy_window: int = Field(default=1000, ge=10, description="recent predictions MAPE/coverage cover")
     conformal_p90: bool = Field(default=True, description="shift the p90 so held-out coverage is 90 %")
     p90_adaptation_rate: float = Field(
-        default=0.01, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
+        default=0.005, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
     )
     export_samples: int = Field(
         default=2000, ge=0, le=100_000,

@@ -76,6 +76,7 @@ class ModelStore:
                 (tmp / f"{target}_{quantity}.json").write_bytes(blob)
             targets[target.value] = {
                 "p90_offset": tm.p90_offset,
+                "p90_floor": tm.p90_floor,
                 "trained_at_s": tm.trained_at_s,
                 "train_samples": tm.train_samples,
                 "heldout": _score_out(tm.heldout),
@@ -187,6 +188,7 @@ def _load_version(folder: Path, prior_id: str) -> PoolModel | None:
             train_samples=int(info["train_samples"]),
             heldout=_score_in(info.get("heldout")),
             prior_heldout=_score_in(info.get("prior_heldout")),
+            p90_floor=float(info.get("p90_floor", 0.0)),  # saved before floors: the p90 is at least the mean
         )
     if not targets:
         return None

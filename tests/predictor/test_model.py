@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,25 @@ def test_rows_without_a_target_are_skipped() -> None:
     partial = Samples(data.rows, data.ttft_ms, tpot)
     model = train_target(partial, partial, Target.TPOT, XGB, min_samples=150, conformal_p90=False)
     assert model is not None and model.train_samples == 200
+
+
+def test_the_p90_is_never_under_the_mean_times_its_floor(data: tuple[Samples, Samples, Samples]) -> None:
+    """A quantile model that collapses (here: shifted far down) leaves the p90 at the floor, the point
+    model's own conformal p90, which still covers about 90 % of outcomes."""
+    train, heldout, test = data
+    model = train_target(train, heldout, Target.TTFT, XGB, min_samples=100, conformal_p90=True)
+    assert model is not None and model.p90_floor > 0
+    collapsed = replace(model, p90_offset=-5.0)
+    mean_ms, p90_ms = predict_ms(collapsed, test.rows)
+    np.testing.assert_allclose(p90_ms, mean_ms * np.exp(model.p90_floor), rtol=1e-9)
+    assert 0.85 <= p90_coverage(p90_ms, test.ttft_ms) <= 0.95
+    pool = PoolModel.assemble(1, {Target.TTFT: collapsed})
+    np.testing.assert_allclose(pool.latency_ms(test.rows[:8])[:, 1], p90_ms[:8], rtol=1e-5)
+
+
+def test_without_calibration_the_p90_is_at_least_the_mean(data: tuple[Samples, Samples, Samples]) -> None:
+    train, heldout, test = data
+    model = train_target(train, heldout, Target.TPOT, XGB, min_samples=100, conformal_p90=False)
+    assert model is not None and model.p90_floor == 0.0
+    mean_ms, p90_ms = predict_ms(replace(model, p90_offset=-5.0), test.rows)
+    np.testing.assert_array_equal(p90_ms, mean_ms)

@@ -47,6 +47,7 @@ def test_round_trip_predicts_identically(tmp_path: Path, model_factory: Factory)
     for target in Target:
         assert loaded.targets[target].trained_at_s == model.targets[target].trained_at_s
         assert loaded.targets[target].heldout == model.targets[target].heldout
+        assert loaded.targets[target].p90_floor == model.targets[target].p90_floor != 0.0
 
 
 def test_keeps_the_newest_versions(tmp_path: Path, model_factory: Factory) -> None:
@@ -67,6 +68,17 @@ def test_a_model_of_another_prior_or_layout_is_not_loaded(tmp_path: Path, model_
     (folder / "meta.json").write_text(json.dumps(meta))
     assert store.load(POOL, PRIOR_ID) is None
     assert store.load("never-trained", PRIOR_ID) is None
+
+
+def test_a_model_saved_before_p90_floors_loads_with_none(tmp_path: Path, model_factory: Factory) -> None:
+    store = ModelStore(tmp_path)
+    folder = store.save(POOL, _model(model_factory, 1), PRIOR_ID)
+    meta = json.loads((folder / "meta.json").read_text())
+    for info in meta["targets"].values():
+        del info["p90_floor"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    loaded = store.load(POOL, PRIOR_ID)
+    assert loaded is not None and all(m.p90_floor == 0.0 for m in loaded.targets.values())
 
 
 def test_a_damaged_newest_version_falls_back_to_an_older_one(tmp_path: Path, model_factory: Factory) -> None:
