@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -509,6 +510,8 @@ class Pipeline:
             running_slo = self.slo.running.begin(endpoint.id, walk.slo.tpot_ms) if walk.slo is not None else None
             load = endpoint.inflight.begin(local_prefill)
             outcome = RelayOutcome()
+            if walk.prediction is not None and self.predictor is not None and facts.stream:
+                outcome.on_first_token = partial(self._first_token, pool.name, walk)
             record.gateway_overhead_s = time.perf_counter() - walk.arrived_s
             try:
                 with walk.trace.span("upstream", endpoint=endpoint.id, model=model):
@@ -681,6 +684,13 @@ class Pipeline:
             return None
         prediction, walk.prediction = walk.prediction, None
         return prediction
+
+    def _first_token(self, pool: str, walk: Walk, first_token_at_s: float) -> None:
+        """The predictor hears of a first token as it is relayed, not when the request ends: the
+        last second's TTFT errors correct its next TTFT predictions (predictor/recent.py)."""
+        if self.predictor is not None and walk.prediction is not None:
+            ttft_ms = (first_token_at_s - walk.arrived_s - walk.slo_queued_s) * 1000.0  # from dispatch
+            self.predictor.observe_first_token(pool, walk.prediction, ttft_ms)
 
     def _learn_queued(self, walk: Walk, prediction: Prediction, outcome: RelayOutcome) -> None:
         """Learn from a queued request with its TTFT measured from dispatch, not arrival."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,8 @@ class RelayOutcome:
     error_detail: str | None = None
     response: web.StreamResponse | None = None  # for non-streamed answers: not yet sent
     body_json: dict[str, Any] | None = field(default=None, repr=False)
+    # called with first_token_at_s as the first token is relayed (the predictor learns of it then)
+    on_first_token: Callable[[float], None] | None = field(default=None, repr=False)
 
 
 def _usage_from(obj: Any) -> Usage | None:
@@ -264,6 +267,8 @@ def _relay_events(
             if outcome.first_token_at_s is None and _has_output(event[5:]):
                 outcome.first_token_at_s = time.perf_counter()
                 ticket.first_token(prompt_tokens)
+                if outcome.on_first_token is not None:
+                    outcome.on_first_token(outcome.first_token_at_s)
             if outcome.first_token_at_s is not None:
                 outcome.counted_completion_tokens += 1
                 outcome.last_token_at_s = time.perf_counter()

@@ -109,6 +109,12 @@ class PredictorSettings(_Strict):
     prefill_rate_time_constant_s: float = Field(
         default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (rates.py)"
     )
+    recent_ttft_window_s: float = Field(
+        default=1.0, ge=0, description="engine seconds of first tokens that correct TTFT predictions (0: off)"
+    )
+    recent_ttft_weight: float = Field(
+        default=0.5, ge=0, le=1, description="share of their median log error applied (recent.py; 0: off)"
+    )
     buffer: BufferSettings = Field(default_factory=BufferSettings)
     xgboost: XGBoostSettings = Field(default_factory=XGBoostSettings)
     prior: PriorSettings = Field(default_factory=PriorSettings)

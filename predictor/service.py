@@ -35,6 +35,7 @@ from predictor.model import PRIOR_COLUMN, SLOT_OF, SLOTS, PoolModel
 from predictor.persist import ModelStore
 from predictor.prior import LatencyPrior
 from predictor.rates import PrefillRateTracker
+from predictor.recent import RecentTtftCorrection
 from predictor.trainer import TrainingWorker, TrainJob, TrainOutcome
 from predictor.types import (
     FEATURE_NAMES,
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 _PRIOR_OF_SLOT = [PRIOR_COLUMN[target] for target, _ in SLOTS]
 _MEAN_SLOTS = [SLOT_OF[target, Quantity.MEAN] for target in Target]  # TTFT, TPOT
 _P90_SLOTS = [SLOT_OF[target, Quantity.P90] for target in Target]
+_TTFT_SLOTS = [SLOT_OF[Target.TTFT, quantity] for quantity in Quantity]
 _P90_LEVEL = 0.9
 _MAX_P90_SHIFT = 2.0  # e**2: a p90 more than 7x off is a broken model, not drift
 
@@ -71,6 +73,7 @@ class _PoolState:
     prior: LatencyPrior
     buffer: StratifiedBuffer
     accuracy: dict[Target, OnlineAccuracy]
+    recent_ttft: RecentTtftCorrection
     model: PoolModel | None = None
     version: int = 0  # newest version trained or loaded (saved models continue the sequence)
     saved_version: int = 0
@@ -125,6 +128,10 @@ class LatencyPredictor:
                 prior=LatencyPrior.for_pool(self._pool_configs.get(pool), self.settings.prior),
                 buffer=StratifiedBuffer(self.settings.buffer),
                 accuracy={t: OnlineAccuracy(self.settings.accuracy_window) for t in Target},
+                recent_ttft=RecentTtftCorrection(
+                    self.settings.recent_ttft_window_s / self.settings.prior.time_scale,  # engine -> wall s
+                    self.settings.recent_ttft_weight,
+                ),
                 recent=deque(maxlen=self.settings.export_samples),
             )
             self._pools[pool] = state
@@ -160,6 +167,9 @@ class LatencyPredictor:
             latency[:, model.slots] = model.latency_ms(rows)
         if state.p90_shift.any():
             latency[:, _P90_SLOTS] = np.maximum(latency[:, _P90_SLOTS] * state.p90_scale, latency[:, _MEAN_SLOTS])
+        ttft_factor = state.recent_ttft.factor(now)
+        if ttft_factor != 1.0:
+            latency[:, _TTFT_SLOTS] *= ttft_factor
         ttft_source: PredictionSource = "prior"
         tpot_source: PredictionSource = "prior"
         version = 0
@@ -179,6 +189,7 @@ class LatencyPredictor:
                 features=rows[i],
                 model_version=version,
                 made_at_s=now,
+                ttft_factor=ttft_factor,
             )
             for i, (endpoint, (ttft, ttft_p90, tpot, tpot_p90)) in enumerate(
                 zip(endpoints, latency.tolist(), strict=True)
@@ -224,6 +235,13 @@ class LatencyPredictor:
             return
         state.buffer.add(features, ttft_ms, tpot_ms)
         state.new_samples += 1
+
+    def observe_first_token(self, pool: str, predicted: Prediction, ttft_ms: float, now_s: float | None = None) -> None:
+        """A streamed request's first token, `ttft_ms` after its dispatch, as soon as it is relayed:
+        corrects the pool's next TTFT predictions (recent.py). O(1)."""
+        uncorrected_ms = predicted.ttft_ms / predicted.ttft_factor if predicted.ttft_factor > 0 else 0.0
+        now = time.monotonic() if now_s is None else now_s
+        self._state(pool).recent_ttft.add(now, ttft_ms, uncorrected_ms)
 
     def _adapt_p90(self, state: _PoolState, index: int, missed: bool) -> None:
         """Adaptive conformal inference (Gibbs & Candes, 2021): after each outcome the p90's log
@@ -401,6 +419,7 @@ class LatencyPredictor:
                         "tpot_ms": predicted.tpot_ms,
                         "tpot_p90_ms": predicted.tpot_p90_ms,
                         "model_version": predicted.model_version,
+                        "ttft_factor": predicted.ttft_factor,
                     },
                 }
                 for observed_s, features, ttft_ms, tpot_ms, predicted in list(state.recent)
@@ -444,6 +463,7 @@ class LatencyPredictor:
                     "decisions": {t.value: d.value for t, d in outcome.decisions.items()},
                 },
                 "last_error": state.last_error,
+                "ttft_recent_factor": round(state.recent_ttft.factor(time.monotonic()), 4),
                 "buffer": {
                     "train_samples": state.buffer.train_count,
                     "heldout_samples": state.buffer.heldout_count,

@@ -103,6 +103,7 @@ class Prediction:
     features: FloatArray
     model_version: int = 0  # 0 = prior only
     made_at_s: float = 0.0  # monotonic time of the prediction (the dispatch)
+    ttft_factor: float = 1.0  # the recent first tokens' correction applied to both TTFT values
 
     @property
     def source(self) -> PredictionSource:

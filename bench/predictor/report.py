@@ -271,8 +271,9 @@ def write(results: dict[str, Any], out: Path) -> None:
         + f". Plus {args['mooncake_requests']} requests of whole "
         "Mooncake synthetic-trace conversations (long prompts sharing 512-token blocks: prefix-cache hits) at "
         f"{args['mooncake_load']:.0%} of capacity scaled by their work per request.",
-        "- Predictor: defaults (XGBoost on the log-ratio over the analytic prior, p90 conformal + online "
-        f"adaptation){', plus ' + str(args['predictor']) if args['predictor'] else ''}; first trained online on "
+        "- Predictor: defaults (XGBoost on the log-ratio over the analytic prior; p90 conformal, at least the "
+        "point model's own conformal p90, with online adaptation; TTFT corrected by the last engine second's "
+        f"first tokens){', plus ' + str(args['predictor']) if args['predictor'] else ''}; first trained online on "
         f"other windows of the trace at 50, 70 and 90 % load ({args['train_duration_s']:g} s each), saved "
         "(models and samples), and loaded by every measured gateway (which keeps training online).",
         f"- SLO: TTFT <= {args['ttft_slo_ms']:g} ms and TPOT <= {args['tpot_slo_ms']:g} ms (engine time). "

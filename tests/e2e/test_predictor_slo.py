@@ -12,7 +12,8 @@ How "no endpoint can meet" is made deterministic: the llama engine runs with `--
 request's predicted TTFT includes waiting for that slot (the prior assumes half the new request's
 own output is left to run), far over the objective, while an idle engine meets it easily. The
 engines run at time scale 2 and the predictor's prior is told so. No model is trained in those
-tests (default min_samples), so every decision is the prior's.
+tests (default min_samples) and the correction from recent first tokens is off (predictor/recent.py;
+the first test turns it on), so every decision is the prior's.
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ def policies(on_miss: str, **slo: Any) -> dict[str, Any]:
 
 
 def gateway(workdir: Path, pools: list[dict[str, Any]], policy: dict[str, Any], **sections: Any) -> Gateway:
-    predictor = {"worker": "thread", "prior": {"time_scale": TIME_SCALE}, **sections.pop("predictor", {})}
+    predictor = {
+        "worker": "thread", "prior": {"time_scale": TIME_SCALE}, "recent_ttft_window_s": 0,
+        **sections.pop("predictor", {}),
+    }
     return start_gateway(
         workdir, pools=pools, policies=policy, predictor=predictor,
         backends={"scrape_interval_s": 0.05}, ledger={"enabled": False}, **sections,
@@ -172,7 +176,7 @@ def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_afte
     tmp_path: Path, engines: dict[str, SimEngines]
 ) -> None:
     settings = {"min_samples": 10, "retrain_min_new_samples": 10, "retrain_interval_s": 0.2,
-                "model_dir": str(tmp_path / "models")}
+                "model_dir": str(tmp_path / "models"), "recent_ttft_window_s": 3600}
     pools = [static_pool("llama", LLAMA, engines["pair"].urls)]
     gw = gateway(tmp_path / "gw1", pools, policies("reject"), predictor=settings)
     with running(gw):
@@ -209,6 +213,9 @@ def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_afte
         assert last["endpoint"] in engines["pair"].urls or last["endpoint"].startswith("llama/")
         assert last["predicted_at_s"] <= last["observed_at_s"] and last["ttft_ms"] > 0
         assert last["features"]["input_tokens"] > 0 and last["predicted"]["model_version"] == version
+        # streamed first tokens, relayed, corrected the TTFT predictions made after them
+        assert status["ttft_recent_factor"] != 1.0 and outcomes[-1]["predicted"]["ttft_factor"] != 1.0
+        assert outcomes[0]["predicted"]["ttft_factor"] == 1.0  # nothing relayed before the first
     assert list((tmp_path / "models").rglob("*")), "the model was saved"
 
     restarted = gateway(tmp_path / "gw2", pools, policies("reject"), predictor=settings)

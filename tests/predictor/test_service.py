@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from predictor.config import PriorSettings
 from predictor.service import LatencyPredictor
 from predictor.trainer import TrainingWorker, TrainJob, TrainOutcome
 from predictor.types import Feature, Prediction, RequestShape, Target
@@ -275,3 +277,30 @@ def test_recent_outcomes_are_exported_in_order_and_bounded() -> None:
         assert o["ttft_ms"] > 0 and o["predicted"]["ttft_ms"] > 0 and o["endpoint"]
     assert predictor.samples("no-such-pool") == {}
     assert _predictor(export_samples=0).samples() == {POOL: []}
+
+
+def test_first_tokens_correct_the_next_ttft_predictions_of_the_pool() -> None:
+    """TTFTs twice what was predicted, relayed in the last (engine) second: the pool's TTFT
+    predictions grow by exp(0.5 x ln 2); TPOT is untouched; the residual is taken against the
+    uncorrected prediction, so the correction does not compound."""
+    predictor = _predictor(recent_ttft_window_s=1.0, recent_ttft_weight=0.5, prior=PriorSettings(time_scale=0.25))
+    request = RequestShape(input_tokens=1000, output_tokens=50)
+    before = predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=10.0)
+    assert all(p.ttft_factor == 1.0 for p in before)
+    for at_s in (10.1, 10.2, 10.3):
+        predictor.observe_first_token(POOL, before[0], 2 * before[0].ttft_ms, now_s=at_s)
+    after = predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=10.4)
+    for old, new in zip(before, after, strict=True):
+        assert new.ttft_factor == pytest.approx(math.sqrt(2))
+        assert new.ttft_ms == pytest.approx(old.ttft_ms * math.sqrt(2))
+        assert new.ttft_p90_ms == pytest.approx(old.ttft_p90_ms * math.sqrt(2))
+        assert (new.tpot_ms, new.tpot_p90_ms) == (old.tpot_ms, old.tpot_p90_ms)
+    predictor.observe_first_token(POOL, after[0], 2 * before[0].ttft_ms, now_s=10.5)  # same error, corrected
+    assert predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=10.6)[0].ttft_factor == pytest.approx(
+        math.sqrt(2)
+    )
+    # one engine second is four wall seconds at time scale 0.25: still corrected at 14.0, not at 15.0
+    assert predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=14.0)[0].ttft_factor != 1.0
+    assert predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=15.0)[0].ttft_factor == 1.0
+    status = predictor.status()["pools"][POOL]
+    assert status["ttft_recent_factor"] == 1.0
