@@ -106,8 +106,8 @@ class TargetModel:
 
     `mean_json`/`p90_json` are XGBoost JSON models (the persisted form, compiled for prediction).
     `p90_offset` is the conformal shift added to the p90's log-ratio; `p90_floor` the log of the
-    least p90 / mean ratio (module docstring; at most 0: the p90 is at least the mean). `heldout` scores this
-    model and `prior_heldout` the prior on the same held-out slice at training time.
+    least p90 / mean ratio (module docstring; at most 0: the p90 is at least the mean). `heldout`
+    scores this model and `prior_heldout` the prior on the same held-out slice at training time.
     """
 
     target: Target
@@ -120,6 +120,11 @@ class TargetModel:
     prior_heldout: AccuracyScore | None = None
     p90_floor: float = 0.0
 
+    @property
+    def p90_least_ratio(self) -> float:
+        """The least p90 / mean ratio served (1: the p90 is at least the mean)."""
+        return math.exp(max(self.p90_floor, 0.0))
+
     def forest(self) -> CompiledForest:
         return CompiledForest.compile([self.mean_json, self.p90_json])
 
@@ -129,8 +134,7 @@ def predict_ms(model: TargetModel, rows: FloatArray) -> tuple[Float64Array, Floa
     z = model.forest().predict(rows).astype(np.float64)
     prior = rows[:, PRIOR_COLUMN[model.target]].astype(np.float64)
     mean_ms: Float64Array = prior * np.exp(z[:, 0])
-    least = mean_ms * math.exp(max(model.p90_floor, 0.0))
-    p90_ms: Float64Array = np.maximum(prior * np.exp(z[:, 1] + model.p90_offset), least)
+    p90_ms: Float64Array = np.maximum(prior * np.exp(z[:, 1] + model.p90_offset), mean_ms * model.p90_least_ratio)
     return mean_ms, p90_ms
 
 
@@ -227,7 +231,7 @@ class PoolModel:
             models_json += (model.mean_json, model.p90_json)
             slots += (SLOT_OF[target, Quantity.MEAN], SLOT_OF[target, Quantity.P90])
             offsets += (0.0, model.p90_offset)
-            floors.append(math.exp(max(model.p90_floor, 0.0)))
+            floors.append(model.p90_least_ratio)
         slot_array = np.array(slots, dtype=np.intp)
         return cls(
             version=version,

@@ -239,9 +239,8 @@ class LatencyPredictor:
     def observe_first_token(self, pool: str, predicted: Prediction, ttft_ms: float, now_s: float | None = None) -> None:
         """A streamed request's first token, `ttft_ms` after its dispatch, as soon as it is relayed:
         corrects the pool's next TTFT predictions (recent.py). O(1)."""
-        uncorrected_ms = predicted.ttft_ms / predicted.ttft_factor if predicted.ttft_factor > 0 else 0.0
         now = time.monotonic() if now_s is None else now_s
-        self._state(pool).recent_ttft.add(now, ttft_ms, uncorrected_ms)
+        self._state(pool).recent_ttft.add(now, ttft_ms, predicted.ttft_ms / predicted.ttft_factor)
 
     def _adapt_p90(self, state: _PoolState, index: int, missed: bool) -> None:
         """Adaptive conformal inference (Gibbs & Candes, 2021): after each outcome the p90's log
