@@ -25,7 +25,7 @@ each endpoint's requests offline through the simulated engine's own scheduler an
    nearly the same arrivals and prompt tokens as the request's own: the futures a forecaster that
    knows the recent rate cannot tell apart. If the spread stays, knowing the rate is not enough.
 
-None of it uses gateway code: they measure the workload, not the predictor.
+None of it uses gateway code: it measures the workload, not the predictor.
 """
 
 from __future__ import annotations
@@ -176,9 +176,8 @@ def _rate_matched_shifts(trace: Trace, index: int) -> list[float]:
     starts = starts[np.abs(starts - t_r) >= MATCH_MIN_SHIFT_S]
     if len(starts) == 0:
         return []
-    count, tokens = _present(trace, starts)
-    own_count, own_tokens = _present(trace, np.array([t_r]))
-    distance = np.abs(np.log1p(count) - np.log1p(own_count[0])) + np.abs(np.log1p(tokens) - np.log1p(own_tokens[0]))
+    count, tokens = np.log1p(_present(trace, np.append(starts, t_r)))  # the request's own present last
+    distance = np.abs(count[:-1] - count[-1]) + np.abs(tokens[:-1] - tokens[-1])
     chosen: list[float] = []
     for i in np.argsort(distance, kind="stable"):  # nearest first, at least a horizon's tenth apart
         if all(abs(starts[i] - t_r - c) >= HORIZON_S / 10 for c in chosen):
