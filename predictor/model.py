@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
@@ -107,7 +107,9 @@ class TargetModel:
     `mean_json`/`p90_json` are XGBoost JSON models (the persisted form, compiled for prediction).
     `p90_offset` is the conformal shift added to the p90's log-ratio; `p90_floor` the log of the
     least p90 / mean ratio (module docstring; at most 0: the p90 is at least the mean). `heldout`
-    scores this model and `prior_heldout` the prior on the same held-out slice at training time.
+    scores this model and `prior_heldout` the prior on the same held-out slice at training time;
+    `heldout_mean_ms` keeps its mean predictions there (in the training worker only, not saved) so
+    the judge of `trainer.py` compares errors without predicting the slice a second time.
     """
 
     target: Target
@@ -119,6 +121,7 @@ class TargetModel:
     heldout: AccuracyScore | None = None
     prior_heldout: AccuracyScore | None = None
     p90_floor: float = 0.0
+    heldout_mean_ms: Float64Array | None = field(default=None, compare=False, repr=False)
 
     @property
     def p90_least_ratio(self) -> float:
@@ -181,6 +184,7 @@ def train_target(
         heldout=AccuracyScore.of(raw_mean, raw_p90, held_actual),
         prior_heldout=AccuracyScore.of(prior, prior, held_actual),
         p90_floor=floor,
+        heldout_mean_ms=raw_mean,
     )
 
 

@@ -38,7 +38,7 @@ import multiprocessing
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal
 
@@ -92,7 +92,7 @@ def run_train_job(job: TrainJob) -> TrainOutcome:
             continue
         decisions[target] = _judge(challenger, job.incumbent.get(target), job.heldout)
         if decisions[target] is Decision.TRAINED:
-            chosen[target] = challenger
+            chosen[target] = replace(challenger, heldout_mean_ms=None)  # judged: the served model needs none
     changed = any(d is Decision.TRAINED for d in decisions.values())
     model = PoolModel.assemble(job.version, chosen) if changed else None
     return TrainOutcome(job.pool, model, decisions, time.perf_counter() - started)
@@ -106,7 +106,10 @@ def _judge(challenger: TargetModel, incumbent: TargetModel | None, heldout: Samp
     if score is None or score.samples < MIN_HELDOUT_TO_COMPARE:
         return Decision.TRAINED
     rows, actual = usable(heldout, challenger.target)
-    challenger_ape = absolute_percentage_errors(predict_ms(challenger, rows)[0], actual)
+    predicted = challenger.heldout_mean_ms  # train_target predicted the slice already
+    if predicted is None:
+        predicted = predict_ms(challenger, rows)[0]
+    challenger_ape = absolute_percentage_errors(predicted, actual)
     if incumbent is None:
         prior_ape = absolute_percentage_errors(rows[:, PRIOR_COLUMN[challenger.target]], actual)
         return Decision.KEPT_PRIOR if worse_beyond_noise(challenger_ape, prior_ape) else Decision.TRAINED

@@ -40,10 +40,14 @@ class Outcome:
     queued_ms: float = 0.0
     prediction: dict[str, float] = field(default_factory=dict)  # ttft, ttft_p90, tpot, tpot_p90 (ms)
     prediction_source: str = ""
+    engine: dict[str, float] = field(default_factory=dict)  # the engine's own timings (engine seconds), if sent
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.ttft_s is not None
+
+
+_ENGINE_TIMINGS = ("arrival_s", "queue_s", "ttft_s", "tpot_s", "preemptions")
 
 
 def _prediction(header: str | None) -> tuple[dict[str, float], str]:
@@ -93,6 +97,9 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, headers: d
                     out.completion_tokens = int(usage.get("completion_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = int(details.get("cached_tokens") or 0)
+                    metrics = chunk.get("metrics")  # the simulated engine's per-request timings
+                    if isinstance(metrics, dict):
+                        out.engine = {k: float(metrics[k]) for k in _ENGINE_TIMINGS if k in metrics}
     except (TimeoutError, aiohttp.ClientError) as exc:
         out.code = type(exc).__name__
     end = time.perf_counter()
@@ -161,6 +168,7 @@ def outcome_rows(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
             "e2e_s": o.e2e_s,
             "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens, "endpoint": o.endpoint,
             "queued_ms": o.queued_ms, "prediction": o.prediction, "prediction_source": o.prediction_source,
+            "engine": o.engine,
         }
         for o in outcomes
     ]

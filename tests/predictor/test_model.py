@@ -8,7 +8,7 @@ import pytest
 from predictor.accuracy import mape_pct, p90_coverage
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
-from predictor.model import SLOT_OF, PoolModel, predict_ms, train_target
+from predictor.model import SLOT_OF, PoolModel, predict_ms, train_target, usable
 from predictor.types import Feature, Quantity, Target
 from tests.predictor.synthetic import TPOT_NOISE_SIGMA, TTFT_NOISE_SIGMA, samples
 
@@ -44,6 +44,15 @@ def test_models_learn_what_the_prior_misses(data: tuple[Samples, Samples, Sample
         assert (p90_ms >= mean_ms).all()
         assert model.heldout is not None and model.heldout.samples == 400
         assert model.prior_heldout is not None and model.prior_heldout.mape_pct > model.heldout.mape_pct
+
+
+def test_training_keeps_its_heldout_predictions_for_the_judge(data: tuple[Samples, Samples, Samples]) -> None:
+    """The judge compares held-out errors from what training predicted, not from a second pass."""
+    train, heldout, _ = data
+    model = train_target(train, heldout, Target.TPOT, XGB, min_samples=100, conformal_p90=True)
+    assert model is not None and model.heldout_mean_ms is not None
+    rows, _ = usable(heldout, Target.TPOT)
+    np.testing.assert_allclose(model.heldout_mean_ms, predict_ms(model, rows)[0])
 
 
 def test_log_ratio_target_extrapolates_with_the_prior(data: tuple[Samples, Samples, Samples]) -> None:

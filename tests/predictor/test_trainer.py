@@ -42,6 +42,7 @@ def test_first_training_replaces_the_prior(world: dict[str, Samples]) -> None:
     assert outcome.decisions == {Target.TTFT: Decision.TRAINED, Target.TPOT: Decision.TRAINED}
     assert outcome.model is not None and outcome.model.version == 1
     assert set(outcome.model.targets) == set(Target)
+    assert all(m.heldout_mean_ms is None for m in outcome.model.targets.values())  # judged, then dropped
 
 
 def test_too_few_samples_changes_nothing(world: dict[str, Samples]) -> None:
