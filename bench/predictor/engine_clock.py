@@ -24,7 +24,6 @@ Like `floor.py`, none of it uses gateway code.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import pickle
@@ -38,7 +37,6 @@ import numpy as np
 import numpy.typing as npt
 
 from backends.sim.config import EngineConfig, build_engine_config
-from backends.sim.kv_cache import KVCacheManager
 from backends.sim.perf_model import StepTimer
 from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
@@ -109,50 +107,33 @@ def _first_token_alone(scheduler: Scheduler, step_time: StepTimer, now_s: float,
     return target.first_token_s - target.arrival_s if target.first_token_s is not None else float("nan")
 
 
-def present_only_ttft(trace: EngineTrace, config: EngineConfig, sampled: npt.NDArray[np.int64]) -> Array:
-    """TTFT of each sampled request from the engine's exact state at its arrival, nothing after it
-    (the replay of `floor.replay` on the engine's arrivals, deep-copied at each sampled arrival)."""
-    kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
+def present_only_ttft(trace: EngineTrace, config: EngineConfig,
+                      sampled: npt.NDArray[np.int64]) -> tuple[Array, Array, Array]:
+    """The replay on the engine's arrivals (TTFT, TPOT of every request), and the TTFT of each
+    sampled request from the engine's exact state at its arrival with nothing after it (deep-copied
+    there; NaN for the others)."""
     step_time = StepTimer(config.preset)
-    token = itertools.count(1)
-    requests = [
-        Request(str(i), [next(token) for _ in range(int(p))], [0] * int(o), "length", float(a), int(o))
-        for i, (a, p, o) in enumerate(zip(trace.engine_arrival_s, trace.prompt, trace.output, strict=True))
-    ]
     wanted = set(sampled.tolist())
-    out = np.full(len(requests), np.nan)
-    now, k = 0.0, 0
-    while k < len(requests) or scheduler.has_work():
-        if not scheduler.has_work():
-            now = max(now, requests[k].arrival_s)
-        while k < len(requests) and requests[k].arrival_s <= now:
-            scheduler.add(requests[k])
-            if k in wanted:
-                scheduler.stats.clear()
-                copy, target = pickle.loads(pickle.dumps((scheduler, requests[k]), protocol=5))
-                out[k] = _first_token_alone(copy, step_time, now, target)
-            k += 1
-        step = scheduler.schedule(now)
-        if step.empty:
-            if k == len(requests):
-                break
-            now = max(now, requests[k].arrival_s)
-            continue
-        now += step_time([(n, c) for _, n, c in step.prefills], len(step.decodes), step.decode_context_sum)
-        scheduler.complete_step(step, now)
-        scheduler.stats.clear()
-    return out
+    alone = np.full(len(trace.prompt), np.nan)
+
+    def copy_and_run_on(scheduler: Scheduler, request: Request, now_s: float) -> None:
+        index = int(request.request_id)
+        if index in wanted:
+            scheduler.stats.clear()  # the finished requests it lists would be copied too
+            copy, target = pickle.loads(pickle.dumps((scheduler, request), protocol=5))
+            alone[index] = _first_token_alone(copy, step_time, now_s, target)
+
+    ttft, tpot = replay(trace.engine_arrival_s, trace.prompt, trace.output, config, copy_and_run_on)
+    return ttft, tpot, alone
 
 
 def analyse_endpoint(name: str, endpoint: str, trace: EngineTrace, sampled_per_endpoint: int) -> dict[str, Any]:
     config = build_engine_config(PRESET)
     keep = trace.measured
-    on_engine_ttft, on_engine_tpot = replay(trace.engine_arrival_s, trace.prompt, trace.output, config)
-    on_sent_ttft, _ = replay(trace.sent_s, trace.prompt, trace.output, config)
     candidates = np.flatnonzero(keep)
     picks = candidates[np.linspace(0, len(candidates) - 1, min(sampled_per_endpoint, len(candidates))).astype(int)]
-    alone = present_only_ttft(trace, config, picks)
+    on_engine_ttft, on_engine_tpot, alone = present_only_ttft(trace, config, picks)
+    on_sent_ttft, _ = replay(trace.sent_s, trace.prompt, trace.output, config)
     picked = np.zeros(len(keep), dtype=bool)
     picked[picks] = True
     return {

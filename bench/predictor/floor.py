@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +75,14 @@ class Trace:
 
 
 def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.NDArray[np.int64],
-           config: EngineConfig) -> tuple[Array, Array]:
+           config: EngineConfig, on_arrival: Callable[[Scheduler, Request, float], None] | None = None,
+           ) -> tuple[Array, Array]:
     """(TTFT, TPOT) in seconds of every request when these arrivals meet one fresh engine: the
     simulated engine's loop without its clock (a step starts when the last one ended, or at the
-    arrival that wakes an idle engine; a request arriving mid-step waits for the next)."""
+    arrival that wakes an idle engine; a request arriving mid-step waits for the next).
+
+    `on_arrival(scheduler, request, now)` sees the engine as each request joins its queue (request
+    ids are the indices of the inputs), e.g. to copy its state there (engine_clock.py)."""
     kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
     step_time = StepTimer(config.preset)
@@ -94,6 +99,8 @@ def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.ND
             now = max(now, pending[k].arrival_s)
         while k < len(pending) and pending[k].arrival_s <= now:
             scheduler.add(pending[k])
+            if on_arrival is not None:
+                on_arrival(scheduler, pending[k], now)
             k += 1
         step = scheduler.schedule(now)
         if step.empty:
