@@ -191,10 +191,12 @@ def render(results: list[dict[str, Any]], raw_path: Path) -> str:
         "- *Present-only twin*: the engine's exact state at arrival, nothing arriving after. A predictor that "
         "mirrored the engine exactly (a twin of its scheduler fed what the gateway dispatched and relayed) "
         "would start from this error and learn the future's share on top. Median log(twin / engine): "
-        + ", ".join(f"{r['endpoint']} {r['alone_bias']:+.3f}" for r in results)
-        + " (about 0: the future moves the first token both ways. Arrivals that share its last prefill step "
-        "lengthen that step; with the KV pool full, the most recently admitted request is preempted first, so "
-        "later arrivals shield it).",
+        + ", ".join(f"{r['run']} {r['endpoint']} {r['alone_bias']:+.3f}" for r in results)
+        + " (about 0 where the replay holds: the future moves the first token both ways. Arrivals that share "
+        "its last prefill step lengthen that step; with the KV pool full, the most recently admitted request "
+        "is preempted first, so later arrivals shield it). Where the replay on the engine's arrivals is itself "
+        "off by more than a percent, the twin starts from a state the engine was not in, and its figure "
+        "overstates the error.",
         "",
     ]
     return "\n".join(lines)
