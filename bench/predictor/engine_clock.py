@@ -185,7 +185,7 @@ def render(results: list[dict[str, Any]], raw_path: Path) -> str:
     lines += [
         "",
         "- *Host lag*: the engine's TTFT against the client's; what the testbed's shared CPUs add after dispatch.",
-        "- *Replay on engine arrivals*: the engine is its arrivals and nothing else (the replay reproduces it).",
+        "- *Replay on engine arrivals*: where it reproduces the engine, the engine is its arrivals and nothing else.",
         "- *Replay on send times*: moving each arrival by the host's sub-millisecond jitter moves TTFT this "
         "much: which step a request joins decides a whole step of its TTFT, and every later step shifts with it.",
         "- *Present-only twin*: the engine's exact state at arrival, nothing arriving after. A predictor that "
