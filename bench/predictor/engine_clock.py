@@ -41,7 +41,7 @@ from backends.sim.perf_model import StepTimer
 from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
 from bench.predictor import report
-from bench.predictor.floor import PRESET, Array, replay
+from bench.predictor.floor import PRESET, Array, mean_ape, replay, run_step
 
 SAMPLED_PER_ENDPOINT = 150  # present-only twins per endpoint (each deep-copies the engine: ~1 s)
 
@@ -63,18 +63,13 @@ class EngineTrace:
 
 def engine_traces(run: dict[str, Any], args: dict[str, Any]) -> dict[str, EngineTrace]:
     """Per endpoint, the run's served rows that carry engine timings."""
-    ts = float(args.get("time_scale", 1.0))
+    ts = float(args["time_scale"])
     rows = run["rows"]
-    horizon = max(r["scheduled_s"] for r in rows)
-    first, last = args["skip_warmup_s"] / ts, horizon - args["skip_cooldown_s"] / ts  # as report.summarize
+    first, last = report.measured_window(rows, args)
     served = [r for r in rows if r["status"] == 200 and r["ttft_s"] and r.get("engine") and r["prediction"]]
     found: dict[str, EngineTrace] = {}
     for endpoint in sorted({r["endpoint"] for r in served}):
         mine = sorted((r for r in served if r["endpoint"] == endpoint), key=lambda r: r["engine"]["arrival_s"])
-
-        def col(values: list[float]) -> Array:
-            return np.array(values, dtype=np.float64)
-
         arrival = col([r["engine"]["arrival_s"] for r in mine])
         sent = col([r["scheduled_s"] + r["late_s"] for r in mine]) * ts
         found[endpoint] = EngineTrace(
@@ -91,19 +86,21 @@ def engine_traces(run: dict[str, Any], args: dict[str, Any]) -> dict[str, Engine
     return found
 
 
+def col(values: list[float]) -> Array:
+    return np.array(values, dtype=np.float64)
+
+
 def _ape(predicted: Array, actual: Array, keep: npt.NDArray[np.bool_]) -> float:
-    ok = keep & np.isfinite(predicted) & np.isfinite(actual) & (actual > 0)
-    return float(100 * np.mean(np.abs(predicted[ok] - actual[ok]) / actual[ok])) if ok.any() else float("nan")
+    return 100 * mean_ape(predicted, actual, keep)
 
 
 def _first_token_alone(scheduler: Scheduler, step_time: StepTimer, now_s: float, target: Request) -> float:
     """Run a copy of the engine on from `now_s`, nothing arriving, until `target`'s first token."""
     while scheduler.has_work() and target.first_token_s is None:
-        step = scheduler.schedule(now_s)
-        if step.empty:
+        end_s = run_step(scheduler, step_time, now_s)
+        if end_s is None:
             break
-        now_s += step_time([(n, c) for _, n, c in step.prefills], len(step.decodes), step.decode_context_sum)
-        scheduler.complete_step(step, now_s)
+        now_s = end_s
     return target.first_token_s - target.arrival_s if target.first_token_s is not None else float("nan")
 
 

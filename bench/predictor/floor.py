@@ -102,14 +102,13 @@ def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.ND
             if on_arrival is not None:
                 on_arrival(scheduler, pending[k], now)
             k += 1
-        step = scheduler.schedule(now)
-        if step.empty:
+        end = run_step(scheduler, step_time, now)
+        if end is None:
             if k == len(pending):
                 break
             now = max(now, pending[k].arrival_s)
             continue
-        now += step_time([(n, c) for _, n, c in step.prefills], len(step.decodes), step.decode_context_sum)
-        scheduler.complete_step(step, now)
+        now = end
     ttft = np.array([r.first_token_s - r.arrival_s if r.first_token_s is not None else np.nan for r in requests])
     tpot = np.array([
         (r.last_token_s - r.first_token_s) / (r.num_output - 1)
@@ -117,6 +116,16 @@ def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.ND
         for r in requests
     ])
     return ttft, tpot
+
+
+def run_step(scheduler: Scheduler, step_time: StepTimer, now_s: float) -> float | None:
+    """Schedule, time and complete one step starting at `now_s`; its end, or None with nothing to run."""
+    step = scheduler.schedule(now_s)
+    if step.empty:
+        return None
+    end_s = now_s + step_time([(n, c) for _, n, c in step.prefills], len(step.decodes), step.decode_context_sum)
+    scheduler.complete_step(step, end_s)
+    return end_s
 
 
 def traces(run: dict[str, Any], pool: str, time_scale: float) -> dict[str, Trace]:
@@ -140,7 +149,8 @@ def traces(run: dict[str, Any], pool: str, time_scale: float) -> dict[str, Trace
     return found
 
 
-def _ape(predicted: Array, actual: Array, keep: npt.NDArray[np.bool_]) -> float:
+def mean_ape(predicted: Array, actual: Array, keep: npt.NDArray[np.bool_]) -> float:
+    """Mean absolute percentage error (a fraction) over the kept, finite pairs; NaN when none."""
     ok = keep & np.isfinite(predicted) & np.isfinite(actual) & (actual > 0)
     return float(np.mean(np.abs(predicted[ok] - actual[ok]) / actual[ok])) if ok.any() else float("nan")
 
@@ -155,7 +165,7 @@ def measured(trace: Trace, warmup_s: float, cooldown_s: float) -> npt.NDArray[np
 def replay_error(trace: Trace, config: EngineConfig, keep: npt.NDArray[np.bool_]) -> tuple[float, float]:
     """MAPE of the exact-arrival replay against what was measured (TTFT, TPOT)."""
     ttft, tpot = replay(trace.arrival_s, trace.prompt, trace.output, config)
-    return _ape(ttft, trace.ttft_s, keep), _ape(tpot, trace.tpot_s, keep)
+    return mean_ape(ttft, trace.ttft_s, keep), mean_ape(tpot, trace.tpot_s, keep)
 
 
 def _fitting_shifts(trace: Trace, index: int) -> list[float]:

@@ -79,13 +79,21 @@ def accuracy(rows: list[dict[str, Any]], time_scale: float, source: str | None =
     }
 
 
+def measured_window(rows: list[dict[str, Any]], args: dict[str, Any]) -> tuple[float, float]:
+    """The send times (wall seconds) whose requests the statistics count: after the warm-up, before
+    the cool-down; a run too short for both keeps its middle half."""
+    ts = args["time_scale"]
+    horizon = max(r["scheduled_s"] for r in rows)
+    first, last = args["skip_warmup_s"] / ts, horizon - args["skip_cooldown_s"] / ts
+    if last - first < 0.3 * horizon:
+        first, last = 0.25 * horizon, 0.75 * horizon
+    return first, last
+
+
 def summarize(run: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
     ts = args["time_scale"]
     rows = run["rows"]
-    horizon = max(r["scheduled_s"] for r in rows)
-    first, last = args["skip_warmup_s"] / ts, horizon - args["skip_cooldown_s"] / ts  # wall seconds
-    if last - first < 0.3 * horizon:  # a short run: keep its middle half instead
-        first, last = 0.25 * horizon, 0.75 * horizon
+    first, last = measured_window(rows, args)
     ramp = [r for r in rows if r["scheduled_s"] < first]
     rows = [r for r in rows if first <= r["scheduled_s"] <= last]
     window_s = (last - first) * ts or 1.0  # engine seconds of measured arrivals
