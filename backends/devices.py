@@ -98,14 +98,11 @@ def allocate_devices(
             missing = [d for d in listed if d not in known]
             if missing:
                 raise PlanError(
-                    f"pool {req.pool!r}: devices {missing} do not exist on {inventory_source} "
-                    f"(it has {sorted(known)})"
+                    f"pool {req.pool!r}: devices {missing} do not exist on {inventory_source} (it has {sorted(known)})"
                 )
         for device in listed:
             if device in owner:
-                raise PlanError(
-                    f"pool {req.pool!r}: device {device} is already given to pool {owner[device]!r}"
-                )
+                raise PlanError(f"pool {req.pool!r}: device {device} is already given to pool {owner[device]!r}")
             owner[device] = req.pool
         result[req.pool] = _chunks(listed, req.per_replica)
     for req in requests:

@@ -189,8 +189,7 @@ def render_plan(
             lines.append(f"  {pool.name}/{static.role.value}-s{i}: {static.url} (static, not launched)")
         if by_pool.get(pool.name) and pool.devices is None and adapter.uses_devices:
             lines.append(
-                "  note: `devices` not set: devices are not managed, every replica sees all of the "
-                "host's devices"
+                "  note: `devices` not set: devices are not managed, every replica sees all of the host's devices"
             )
     return "\n".join(lines) + "\n"
 
@@ -208,8 +207,7 @@ def _render_replica(item: PlannedReplica) -> list[str]:
         head += f" (replay {replay})"
     head += f"  log {spec.log_path}"
     env = " ".join(
-        f"{name}={'<redacted>' if name in spec.secret_env else shlex.quote(value)}"
-        for name, value in spec.env.items()
+        f"{name}={'<redacted>' if name in spec.secret_env else shlex.quote(value)}" for name, value in spec.env.items()
     )
     command = shlex.join(spec.argv)
     lines = [head, f"    {'env ' + env + ' ' if env else ''}{command}"]

@@ -52,8 +52,15 @@ def limiter_gauges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             limit, remaining = row.get("capacity"), row.get("remaining")
         if row.get("kind") == "concurrency" and limit is not None:
             remaining = max(0.0, float(limit) - float(row.get("active", 0)))
-        out.append({"scope": row.get("scope", ""), "id": row.get("subject", ""), "dimension": dimension,
-                    "limit": limit or 0.0, "remaining": remaining or 0.0})
+        out.append(
+            {
+                "scope": row.get("scope", ""),
+                "id": row.get("subject", ""),
+                "dimension": dimension,
+                "limit": limit or 0.0,
+                "remaining": remaining or 0.0,
+            }
+        )
     return out
 
 

@@ -182,8 +182,12 @@ async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s
             ids.append(endpoint.id)
             if endpoint.kv_events_endpoint:
                 topic = fleet.pools[endpoint.pool].config.kv_events.topic
-                hub.ensure(endpoint.id, endpoint.kv_events_endpoint, topic=topic,
-                           replay_address=endpoint.kv_events_replay_endpoint)
+                hub.ensure(
+                    endpoint.id,
+                    endpoint.kv_events_endpoint,
+                    topic=topic,
+                    replay_address=endpoint.kv_events_replay_endpoint,
+                )
         router.forget_endpoints_except(ids)
         await asyncio.sleep(interval_s)
 
@@ -224,7 +228,6 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[appkeys.PIPELINE] = pipeline
     yield
-
 
 
 def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None:

@@ -73,7 +73,9 @@ class EngineTokenizer:
             body["prompt"] = facts.body["prompt"]
         try:
             async with self._session.post(
-                endpoint.base_url + "/tokenize", data=orjson.dumps(body), timeout=self._timeout,
+                endpoint.base_url + "/tokenize",
+                data=orjson.dumps(body),
+                timeout=self._timeout,
                 headers={"Content-Type": "application/json"},
             ) as response:
                 if response.status != 200:

@@ -103,9 +103,7 @@ class Rejected(GatewayError):
     """A policy's Rejection (429 rate limit, 429 quota, 503 SLO, ...), rendered as it says."""
 
     def __init__(self, rejection: Rejection) -> None:
-        super().__init__(
-            rejection.message, param=rejection.param, code=rejection.code, headers=rejection.headers
-        )
+        super().__init__(rejection.message, param=rejection.param, code=rejection.code, headers=rejection.headers)
         self.rejection = rejection
         self.status = rejection.status
         self.type = rejection.type
@@ -116,9 +114,7 @@ class Rejected(GatewayError):
 
 
 def error_response(error: GatewayError, extra_headers: Iterable[tuple[str, str]] = ()) -> web.Response:
-    response = web.Response(
-        status=error.status, body=orjson.dumps(error.body()), content_type="application/json"
-    )
+    response = web.Response(status=error.status, body=orjson.dumps(error.body()), content_type="application/json")
     for name, value in (*error.headers, *extra_headers):
         response.headers[name] = value
     return response

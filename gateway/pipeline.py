@@ -338,13 +338,15 @@ class Pipeline:
                     raise Rejected(miss.rejection) from None
                 model = self._note_fallback(walk, facts, model, following, trigger)
 
-    def _fallback(
-        self, policy: Policy, model: str, trigger: str, facts: RequestFacts, visited: set[str]
-    ) -> str | None:
+    def _fallback(self, policy: Policy, model: str, trigger: str, facts: RequestFacts, visited: set[str]) -> str | None:
         if not facts.allow_fallback or not trigger:
             return None
         following = choose_fallback(
-            policy, model, trigger, facts.principal, tried=visited,
+            policy,
+            model,
+            trigger,
+            facts.principal,
+            tried=visited,
             min_context_tokens=context_tokens(facts.prompt_tokens, facts.max_tokens),
         )
         if following is None or not self.fleet.pools_for_model(following):
@@ -475,7 +477,9 @@ class Pipeline:
             record.engine = endpoint.engine
             if self.metrics is not None:
                 self.metrics.observe_route(
-                    decision.reason, pool.name, prompt_tokens=facts.prompt_tokens,
+                    decision.reason,
+                    pool.name,
+                    prompt_tokens=facts.prompt_tokens,
                     estimated_hit_tokens=decision.cached_tokens_estimate,
                 )
             record.served_model = endpoint.served_model
@@ -668,9 +672,7 @@ class Pipeline:
             return found
 
         with walk.trace.span("slo_queue", model=model):
-            found = await self.slo.queue.wait_for(
-                routed[0].name, slo, facts.principal.priority, deadline_s, attempt
-            )
+            found = await self.slo.queue.wait_for(routed[0].name, slo, facts.principal.priority, deadline_s, attempt)
         walk.slo_queued_s = time.perf_counter() - started_s
         record.extra["slo_queue_ms"] = round(walk.slo_queued_s * 1000.0, 3)
         if found is None:
@@ -710,7 +712,6 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-
     def _upstream_error_response(
         self, exc: UpstreamRejected, walk: Walk, headers: list[tuple[str, str]]
     ) -> web.Response:
@@ -723,8 +724,14 @@ class Pipeline:
             parsed = None
         error = parsed.get("error") if isinstance(parsed, dict) else None
         if isinstance(error, dict) and "message" in error:
-            body = {"error": {"message": str(error.get("message")), "type": error.get("type") or
-                              "invalid_request_error", "param": error.get("param"), "code": error.get("code")}}
+            body = {
+                "error": {
+                    "message": str(error.get("message")),
+                    "type": error.get("type") or "invalid_request_error",
+                    "param": error.get("param"),
+                    "code": error.get("code"),
+                }
+            }
         else:
             message = error if isinstance(error, str) else exc.body[:500].decode("utf-8", "replace")
             body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
@@ -735,9 +742,7 @@ class Pipeline:
         return response
 
     # ------------------------------------------------------------------ account
-    def _account_soon(
-        self, facts: RequestFacts, model: str, ticket: Any, outcome: RelayOutcome, walk: Walk
-    ) -> None:
+    def _account_soon(self, facts: RequestFacts, model: str, ticket: Any, outcome: RelayOutcome, walk: Walk) -> None:
         """Accounting for a cancelled request: in its own task, so the cancellation cannot cut it."""
         self._fill_record(facts, model, outcome, walk)
         usage = outcome.usage

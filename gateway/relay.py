@@ -179,9 +179,7 @@ def _has_output(payload: bytes) -> bool:
 
 
 def _is_usage_chunk(event: bytes) -> bool:
-    return (b'"usage":{' in event or b'"usage": {' in event) and (
-        b'"choices":[]' in event or b'"choices": []' in event
-    )
+    return (b'"usage":{' in event or b'"usage": {' in event) and (b'"choices":[]' in event or b'"choices": []' in event)
 
 
 async def relay_stream(

@@ -60,7 +60,7 @@ async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
         print(
             "  try: curl -s " + base + "/chat/completions -H 'Authorization: Bearer $KEY' "
             "-H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}\'',
             flush=True,
         )
     ready_note = asyncio.get_running_loop().create_task(_announce_ready(app)) if banner else None

@@ -429,7 +429,10 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop), origin.host, origin.port, ssl=context,
+                    lambda: _Connection(loop),
+                    origin.host,
+                    origin.port,
+                    ssl=context,
                     server_hostname=origin.host if context else None,
                 )
         except TimeoutError:

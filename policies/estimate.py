@@ -128,9 +128,7 @@ class PromptEstimator:
         ids.extend(array("I", generation))
         return count, ids
 
-    async def completion(
-        self, prompt: str | Sequence[int], *, want_ids: bool = False
-    ) -> tuple[int, array[int] | None]:
+    async def completion(self, prompt: str | Sequence[int], *, want_ids: bool = False) -> tuple[int, array[int] | None]:
         if not isinstance(prompt, str):
             ids = array("I", prompt)
             return len(ids), ids if want_ids else None

@@ -116,6 +116,7 @@ def _line(lines: dict[Loc, int], loc: Loc) -> int:
 # ---------------------------------------------------------------------- ${ENV}
 def _resolve_env(value: Any, loc: Loc, env: Mapping[str, str], problems: list[tuple[Loc, str]]) -> Any:
     if isinstance(value, str):
+
         def substitute(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
             if name in env:

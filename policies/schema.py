@@ -342,8 +342,10 @@ class PoliciesConfig(_Strict):
                 identity = rule.identity(self.resolve_model)
                 if identity in seen:
                     problems.append(
-                        ((section, i), f"same identity {identity!r} as {section}[{seen[identity]}]; "
-                         "merge them or give each an id")
+                        (
+                            (section, i),
+                            f"same identity {identity!r} as {section}[{seen[identity]}]; merge them or give each an id",
+                        )
                     )
                 seen.setdefault(identity, i)
         problems.extend(self._slo_problems())
@@ -364,9 +366,7 @@ class PoliciesConfig(_Strict):
                 owner.setdefault(priority, name)
         return problems
 
-    def _match_problems(
-        self, path: tuple[str | int, ...], match: Match
-    ) -> list[tuple[tuple[str | int, ...], str]]:
+    def _match_problems(self, path: tuple[str | int, ...], match: Match) -> list[tuple[tuple[str | int, ...], str]]:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         if match.key is not None and match.key not in {k.id for k in self.keys}:
             problems.append(((*path, "key"), f"unknown key id {match.key!r}"))

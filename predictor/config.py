@@ -103,7 +103,9 @@ class PredictorSettings(_Strict):
         default=0.005, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
     )
     export_samples: int = Field(
-        default=2000, ge=0, le=100_000,
+        default=2000,
+        ge=0,
+        le=100_000,
         description="recent outcomes per pool kept for GET /admin/predictor/samples (0: none)",
     )
     prefill_rate_time_constant_s: float = Field(

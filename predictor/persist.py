@@ -135,8 +135,10 @@ class ModelStore:
             return None
         for samples in found:
             n = len(samples.rows)
-            if samples.rows.ndim != 2 or samples.rows.shape[1] != len(FEATURE_NAMES) or any(
-                len(getattr(samples, part)) != n for part in _SAMPLE_PARTS
+            if (
+                samples.rows.ndim != 2
+                or samples.rows.shape[1] != len(FEATURE_NAMES)
+                or any(len(getattr(samples, part)) != n for part in _SAMPLE_PARTS)
             ):
                 log.warning("predictor: skipping saved samples %s: inconsistent shapes", path)
                 return None

@@ -158,9 +158,7 @@ class LatencyPredictor:
         rates = [self._rates.rate_tps(endpoint) for endpoint in endpoints]
         output_tokens = self._output_tokens(request)
         now = time.monotonic() if now_s is None else now_s
-        rows = build_features(
-            request.input_tokens, output_tokens, endpoints, cached_tokens, state.prior, rates, now
-        )
+        rows = build_features(request.input_tokens, output_tokens, endpoints, cached_tokens, state.prior, rates, now)
         model = state.model  # read once: a swap during this call cannot mix two models
         latency = rows[:, _PRIOR_OF_SLOT].astype(np.float64) * self._prior_scale
         if model is not None:

@@ -168,9 +168,7 @@ class EngineAdapter(Protocol):
         `previous`'s values. Raises MetricsFormatError when it carries none of the load metrics."""
         ...
 
-    def shape_request(
-        self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None
-    ) -> dict[str, Any]:
+    def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
         """A copy of `body` this engine accepts: rejected fields removed, `priority` (tokenway scale)
         mapped to the engine's, or removed when the pool's engines do not schedule by priority.
         `api` is chat | completions | embeddings. Without `pool`, priority scheduling is assumed

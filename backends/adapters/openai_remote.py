@@ -74,9 +74,7 @@ class OpenAIRemoteAdapter:
     def parse_metrics(self, payload: Any, previous: EndpointStats | None = None) -> EndpointStats:
         return previous or EndpointStats()  # no metrics: load comes from gateway-side accounting
 
-    def shape_request(
-        self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None
-    ) -> dict[str, Any]:
+    def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
         accepted = ACCEPTED_FIELDS.get(api, ACCEPTED_FIELDS["chat"])
         return {k: v for k, v in body.items() if k in accepted}
 

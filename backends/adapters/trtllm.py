@@ -41,8 +41,15 @@ FREE_BLOCKS = ("trtllm_kv_cache_free_blocks",)
 USED_BLOCKS = ("trtllm_kv_cache_used_blocks",)
 TOKENS_PER_BLOCK = ("trtllm_kv_cache_tokens_per_block",)
 WANTED = frozenset(
-    RUNNING + WAITING + KV_UTILIZATION + REUSED_BLOCKS + MISSED_BLOCKS + MAX_BLOCKS + FREE_BLOCKS
-    + USED_BLOCKS + TOKENS_PER_BLOCK
+    RUNNING
+    + WAITING
+    + KV_UTILIZATION
+    + REUSED_BLOCKS
+    + MISSED_BLOCKS
+    + MAX_BLOCKS
+    + FREE_BLOCKS
+    + USED_BLOCKS
+    + TOKENS_PER_BLOCK
 )
 
 # Request models are `extra="forbid"`: any other field is a 400 (REFERENCE §3.4). These are the fields
@@ -264,9 +271,7 @@ class TrtllmAdapter:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def shape_request(
-        self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None
-    ) -> dict[str, Any]:
+    def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
         accepted = ACCEPTED_FIELDS.get(api, ACCEPTED_FIELDS["chat"])
         shaped = {k: v for k, v in body.items() if k in accepted}
         if api == "chat" and "max_completion_tokens" in body:

@@ -229,9 +229,7 @@ class VllmAdapter:
 
     # --- requests --------------------------------------------------------------------------------
 
-    def shape_request(
-        self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None
-    ) -> dict[str, Any]:
+    def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
         shaped = dict(body)  # vLLM accepts and logs unknown fields (REFERENCE §2.4)
         if "priority" in shaped:
             priority = clamp_priority(shaped.pop("priority"))

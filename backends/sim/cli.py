@@ -44,22 +44,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-events-config", default=None, help="vLLM KVEventsConfig JSON")
-    p.add_argument("--kv-events-format", choices=("tagged", "positional"), default=None,
-                   help="event shape: vLLM 0.33 tagged maps (default) or older positional arrays")
+    p.add_argument(
+        "--kv-events-format",
+        choices=("tagged", "positional"),
+        default=None,
+        help="event shape: vLLM 0.33 tagged maps (default) or older positional arrays",
+    )
     p.add_argument("--kv-transfer-config", default=None, help="vLLM KVTransferConfig JSON")
     p.add_argument("-tp", "--tensor-parallel-size", dest="tp", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--instances", type=int, default=1, help="engines on ports P..P+N-1")
     p.add_argument("--time-scale", type=float, default=1.0, help="simulated seconds per real second")
-    p.add_argument("--kv-transfer-bandwidth-gbps", type=float, default=25.0,
-                   help="PD link bandwidth in GB/s for KV pulls")
-    p.add_argument("--output-len-mean", type=float, default=200.0,
-                   help="mean of the natural output length when ignore_eos is off")
-    p.add_argument("--embedding-dim", type=int, default=256,
-                   help="length of /v1/embeddings vectors when a request names no dimensions")
-    p.add_argument("--startup-delay-s", type=float, default=0.0,
-                   help="real seconds to wait before listening (readiness tests)")
+    p.add_argument(
+        "--kv-transfer-bandwidth-gbps", type=float, default=25.0, help="PD link bandwidth in GB/s for KV pulls"
+    )
+    p.add_argument(
+        "--output-len-mean", type=float, default=200.0, help="mean of the natural output length when ignore_eos is off"
+    )
+    p.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=256,
+        help="length of /v1/embeddings vectors when a request names no dimensions",
+    )
+    p.add_argument(
+        "--startup-delay-s", type=float, default=0.0, help="real seconds to wait before listening (readiness tests)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -71,9 +82,7 @@ def split_known(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[
     non-flag tokens after it (its values), so ``--lora-modules a=b c=d`` is ignored whole.
     """
     option_strings = {s for action in parser._actions for s in action.option_strings}
-    flags_with_values = {
-        s for action in parser._actions if action.nargs != 0 for s in action.option_strings
-    }
+    flags_with_values = {s for action in parser._actions if action.nargs != 0 for s in action.option_strings}
     positionals: list[str] = []
     known: list[str] = []
     ignored: list[str] = []
@@ -161,8 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "tokenway-sim (vLLM %s API) preset %s: %d KV blocks of %d tokens, max_model_len %d, "
         "max_num_seqs %d, max_num_batched_tokens %d, time scale %g",
-        VLLM_VERSION, config.preset.name, config.num_gpu_blocks, config.block_size,
-        config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens, config.time_scale,
+        VLLM_VERSION,
+        config.preset.name,
+        config.num_gpu_blocks,
+        config.block_size,
+        config.max_model_len,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.time_scale,
     )
     with contextlib.suppress(ImportError):  # pragma: no cover - uvloop is a dependency on Linux
         import uvloop

@@ -116,8 +116,7 @@ def build_engine_config(
     if max_model_len is None:
         max_model_len = min(resolved.model.max_model_len, capacity)
     elif max_model_len > capacity and num_gpu_blocks_override:
-        log.warning("max_model_len %d capped to the %d tokens of %d overridden blocks",
-                    max_model_len, capacity, blocks)
+        log.warning("max_model_len %d capped to the %d tokens of %d overridden blocks", max_model_len, capacity, blocks)
         max_model_len = capacity
     elif max_model_len > capacity:
         raise ValueError(

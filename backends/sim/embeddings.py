@@ -33,8 +33,10 @@ def embed(token_ids: Sequence[int], dimensions: int, seed: int = 0) -> npt.NDArr
     if dimensions < 1:
         raise ValueError("dimensions must be >= 1")
     ids = np.asarray(token_ids, dtype=np.uint64).reshape(-1, 1)
-    salts = (np.arange(1, HASHES_PER_TOKEN + 1, dtype=np.uint64) + np.uint64(seed & (2**32 - 1)) * np.uint64(
-        HASHES_PER_TOKEN + 1)) * _GOLDEN
+    salts = (
+        np.arange(1, HASHES_PER_TOKEN + 1, dtype=np.uint64)
+        + np.uint64(seed & (2**32 - 1)) * np.uint64(HASHES_PER_TOKEN + 1)
+    ) * _GOLDEN
     hashed = _splitmix64(ids * _MIX2 + salts).ravel()  # wraps mod 2**64, as intended
     index = (hashed >> np.uint64(1)) % np.uint64(dimensions)
     sign = 1.0 - 2.0 * (hashed & np.uint64(1)).astype(np.float64)

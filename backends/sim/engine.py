@@ -51,9 +51,7 @@ class SimEngine:
         self.preset = config.preset
         self.instance_index = instance_index
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s)
         self.clock = SimClock(config.time_scale)
         self.step_time = perf_model.StepTimer(self.preset)
         self.metrics = EngineMetrics(config)
@@ -73,8 +71,7 @@ class SimEngine:
 
     async def start(self) -> None:
         if self.config.kv_events is not None:
-            self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size,
-                                              self.instance_index)
+            self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size, self.instance_index)
         self.kv.pool.record_events = self.publisher is not None
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
         self._task.add_done_callback(self._engine_died)
@@ -121,9 +118,16 @@ class SimEngine:
         arrival = self.clock.now()
         self._last_arrival_s = max(self._last_arrival_s, arrival)
         if pooling:
-            return Request(request_id=request_id or new_id(), prompt_ids=prompt_ids, output_ids=[],
-                           stop_reason_at_end="stop", arrival_s=arrival, max_tokens=0, cache_salt=cache_salt,
-                           pooling=True)
+            return Request(
+                request_id=request_id or new_id(),
+                prompt_ids=prompt_ids,
+                output_ids=[],
+                stop_reason_at_end="stop",
+                arrival_s=arrival,
+                max_tokens=0,
+                cache_salt=cache_salt,
+                pooling=True,
+            )
         limit = self.config.max_model_len - len(prompt_ids)
         budget = limit if max_tokens is None else min(max_tokens, limit)
         rng = text_gen.request_rng(prompt_ids, self.config.seed)
@@ -318,9 +322,9 @@ class SimEngine:
             self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
         ok = tokens > 0 and req.status is Status.PULLING
         transfer_s = (
-            perf_model.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt),
-                                          self.config.kv_transfer_bandwidth)
-            if ok else 0.0
+            perf_model.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self.config.kv_transfer_bandwidth)
+            if ok
+            else 0.0
         )
         done_s = started_s + transfer_s if ok else self.clock.now()
         req.kv_pull_s = done_s - started_s

@@ -163,8 +163,7 @@ async def _tokenize(request: web.Request) -> web.Response:
         ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
     else:
         raise BadRequest("Either 'prompt' or 'messages' is required", "prompt")
-    return _json({"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids,
-                  "token_strs": None})
+    return _json({"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids, "token_strs": None})
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -181,8 +180,9 @@ async def _kv_pull(request: web.Request) -> web.Response:
     req = engine.release_pin(str(body.get("remote_request_id", "")), body.get("remote_engine_id"))
     if req is None:
         raise BadRequest("unknown or expired remote request", "remote_request_id", status=404)
-    return _json({"num_tokens": req.num_prompt, "block_size": engine.config.block_size,
-                  "engine_id": engine.config.engine_id})
+    return _json(
+        {"num_tokens": req.num_prompt, "block_size": engine.config.block_size, "engine_id": engine.config.engine_id}
+    )
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.Response:
@@ -273,9 +273,7 @@ async def _generate(
     request: web.Request, engine: SimEngine, body: dict[str, Any], prompt_ids: list[int], chat: bool
 ) -> web.StreamResponse:
     config = engine.config
-    max_tokens = _int_field(body, "max_completion_tokens", "max_tokens") if chat else _int_field(
-        body, "max_tokens"
-    )
+    max_tokens = _int_field(body, "max_completion_tokens", "max_tokens") if chat else _int_field(body, "max_tokens")
     min_tokens = _int_field(body, "min_tokens") or 0
     _check_length(len(prompt_ids), max_tokens, config)
     _check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
@@ -300,17 +298,22 @@ async def _generate(
     try:
         if body.get("stream"):
             options = body.get("stream_options") or {}
-            return await _stream(request, engine, req, done, response_id, model_name, created, chat,
-                                 bool(options.get("include_usage")))
+            return await _stream(
+                request, engine, req, done, response_id, model_name, created, chat, bool(options.get("include_usage"))
+            )
         req.notify = FinishWaiter(req, done).step
         if not req.finished:
             await done
         text = text_gen.render(req.output_ids[: req.num_output])
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": req.finish_reason,
-                                  "stop_reason": None}
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": req.finish_reason, "stop_reason": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None,
-                                 "tool_calls": [], "reasoning_content": None}
+            choice["message"] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            }
         else:
             choice["text"] = text
         result: dict[str, Any] = {
@@ -334,8 +337,7 @@ async def _generate(
 def _check_blocks(prompt_len: int, config: EngineConfig, param: str) -> None:
     needed_blocks = -(-(prompt_len + 1) // config.block_size)
     if needed_blocks > config.num_gpu_blocks:
-        raise BadRequest(f"the prompt needs {needed_blocks} KV blocks; the engine has "
-                         f"{config.num_gpu_blocks}", param)
+        raise BadRequest(f"the prompt needs {needed_blocks} KV blocks; the engine has {config.num_gpu_blocks}", param)
 
 
 # --- embeddings ----------------------------------------------------------------------------------
@@ -355,13 +357,16 @@ def _embedding_inputs(body: dict[str, Any]) -> list[list[int]]:
         inputs = [tokenization.completion_prompt_ids(v) for v in value]
     elif isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         inputs = [[int(v) for v in value]]
-    elif isinstance(value, list) and value and all(
-        isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v) for v in value
+    elif (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v) for v in value)
     ):
         inputs = [[int(t) for t in v] for v in value]
     else:
-        raise BadRequest("'input' must be a string, a list of strings, a list of token ids or a list of "
-                         "token id lists", "input")
+        raise BadRequest(
+            "'input' must be a string, a list of strings, a list of token ids or a list of token id lists", "input"
+        )
     if any(not ids for ids in inputs):
         raise BadRequest("'input' cannot contain an empty input", "input")
     return inputs
@@ -376,8 +381,10 @@ async def _embeddings(request: web.Request) -> web.Response:
     dimensions = body.get("dimensions")
     if dimensions is None:
         dimensions = config.embedding_dim
-    elif isinstance(dimensions, bool) or not isinstance(dimensions, int) or not (
-        1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS
+    elif (
+        isinstance(dimensions, bool)
+        or not isinstance(dimensions, int)
+        or not (1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS)
     ):
         raise BadRequest(f"'dimensions' must be an integer from 1 to {MAX_EMBEDDING_DIMENSIONS}", "dimensions")
     encoding = body.get("encoding_format") or "float"
@@ -388,7 +395,9 @@ async def _embeddings(request: web.Request) -> web.Response:
             raise BadRequest(
                 f"This model's maximum context length is {config.max_model_len} tokens. However, you "
                 f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the "
-                "length of the input.", "input")
+                "length of the input.",
+                "input",
+            )
         _check_blocks(len(ids), config, "input")
     loop = asyncio.get_running_loop()
     requests: list[tuple[Request, asyncio.Future[None]]] = []
@@ -410,8 +419,13 @@ async def _embeddings(request: web.Request) -> web.Response:
     data: list[dict[str, Any]] = []
     for index, (req, _done) in enumerate(requests):
         vector = embeddings.embed(req.prompt_ids, dimensions, config.seed)
-        data.append({"index": index, "object": "embedding",
-                     "embedding": embeddings.encode_base64(vector) if encoding == "base64" else vector})
+        data.append(
+            {
+                "index": index,
+                "object": "embedding",
+                "embedding": embeddings.encode_base64(vector) if encoding == "base64" else vector,
+            }
+        )
     prompt_tokens = sum(req.num_prompt for req, _ in requests)
     result = {
         "id": f"embd-{new_id()}",
@@ -419,11 +433,14 @@ async def _embeddings(request: web.Request) -> web.Response:
         "created": int(time.time()),
         "model": str(body.get("model") or config.served_model_name),
         "data": data,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
-                  "prompt_tokens_details": None},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
     }
-    return web.Response(body=orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY),
-                        content_type="application/json")
+    return web.Response(body=orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
 
 
 def _usage(req: Request) -> dict[str, Any]:
@@ -448,19 +465,21 @@ async def _stream(
 ) -> web.StreamResponse:
     """Role chunk here; token chunks from the engine loop (sse.TokenWriter); the rest here once the
     request has finished."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    base = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model_name}
+    base = {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model_name,
+    }
 
     def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text is not None and not role:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                                      "finish_reason": finish_reason}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         if finish_reason is not None:

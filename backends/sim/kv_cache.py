@@ -47,9 +47,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = No
     return hashes
 
 
-def _chain_hashes(
-    out: list[int], parent: int, token_ids: Sequence[int], block_size: int, salt: str | None
-) -> None:
+def _chain_hashes(out: list[int], parent: int, token_ids: Sequence[int], block_size: int, salt: str | None) -> None:
     """Append the chained hashes of the full blocks of `token_ids` (`salt`: mixed into the first
     one, which is block 0 of the request) to `out`; `hash_block`'s bytes, built from one buffer."""
     data = array("I", token_ids).tobytes()
@@ -189,8 +187,7 @@ class KVCacheManager:
         bs = self.block_size
         first = len(hashes) * bs
         parent = hashes[-1] if hashes else NONE_HASH
-        _chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs,
-                      req.cache_salt if first == 0 else None)
+        _chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, req.cache_salt if first == 0 else None)
 
     def computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the request's tokens, leaving at least the last token
@@ -275,12 +272,14 @@ class KVCacheManager:
                 continue
             if index > run_start:  # one event per contiguous run of newly cached blocks
                 parent = hashes[run_start - 1] if run_start else None
-                pool.events.append(KVEvent(
-                    "stored",
-                    tuple(hashes[run_start:index]),
-                    parent,
-                    tuple(_tokens(req, run_start * bs, index * bs)),
-                ))
+                pool.events.append(
+                    KVEvent(
+                        "stored",
+                        tuple(hashes[run_start:index]),
+                        parent,
+                        tuple(_tokens(req, run_start * bs, index * bs)),
+                    )
+                )
             run_start = index + 1
         req.num_stored_blocks = full
 
@@ -292,4 +291,3 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset()
-

@@ -51,8 +51,15 @@ def _binds(endpoint: str) -> bool:
 def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
     if event.kind == "stored":
         if positional:
-            return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
-                    list(event.token_ids), block_size, None, "GPU"]
+            return [
+                "BlockStored",
+                list(event.block_hashes),
+                event.parent_block_hash,
+                list(event.token_ids),
+                block_size,
+                None,
+                "GPU",
+            ]
         return {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
@@ -67,8 +74,7 @@ def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
     if event.kind == "removed":
         if positional:
             return ["BlockRemoved", list(event.block_hashes), "GPU"]
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU",
-                "group_idx": 0}
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU", "group_idx": 0}
     return ["AllBlocksCleared"] if positional else {"type": "AllBlocksCleared"}
 
 
@@ -120,9 +126,7 @@ class KVEventPublisher:
             identity, start = frames[0], int.from_bytes(frames[-1], "big")
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    await self._replay.send_multipart(
-                        (identity, b"", self.topic, seq.to_bytes(8, "big"), payload)
-                    )
+                    await self._replay.send_multipart((identity, b"", self.topic, seq.to_bytes(8, "big"), payload))
             await self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:

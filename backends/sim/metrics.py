@@ -27,12 +27,74 @@ from backends.sim.config import EngineConfig
 from backends.sim.request import Request
 from backends.sim.scheduler import StepStats
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                         7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
@@ -147,9 +209,7 @@ class EngineMetrics:
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
@@ -168,38 +228,46 @@ class EngineMetrics:
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
         )
         self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
             ITERATION_TOKEN_BUCKETS,
         )
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
         self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             TOKEN_LATENCY_BUCKETS,
         )
         self.tpot = histogram(
             "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS,
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_LATENCY_BUCKETS,
         )
         self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.queue = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.inference = histogram(
-            "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.prefill = histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
         self.decode = histogram(
-            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
         cache_info = {
@@ -213,8 +281,9 @@ class EngineMetrics:
             "num_gpu_blocks": str(config.num_gpu_blocks),
             "prefix_caching_hash_algo": "xxhash",
         }
-        info = _Family("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge",
-                       {**cache_info, **labels})
+        info = _Family(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge", {**cache_info, **labels}
+        )
         info.series.append(({}, lambda: 1.0))
         families.append(info)
         self.registry.register(_Collector(families))

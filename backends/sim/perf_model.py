@@ -167,8 +167,20 @@ class StepTimer:
     contexts as (count, sum): what the engine calls every step. Same operations in the same order as
     `step_cost`, so the durations are bit-identical."""
 
-    __slots__ = ("_attn", "_comm", "_comm_bytes", "_compute_div", "_embed", "_kv_token_bytes",
-                 "_layer", "_memory_div", "_overhead", "_prefill_overhead", "_tp", "_weight_read")
+    __slots__ = (
+        "_attn",
+        "_comm",
+        "_comm_bytes",
+        "_compute_div",
+        "_embed",
+        "_kv_token_bytes",
+        "_layer",
+        "_memory_div",
+        "_overhead",
+        "_prefill_overhead",
+        "_tp",
+        "_weight_read",
+    )
 
     def __init__(self, preset: Preset) -> None:
         m = preset.model
@@ -186,8 +198,13 @@ class StepTimer:
         self._comm_bytes = 2.0 * (tp - 1) / tp if tp > 1 else 0.0
         self._comm: tuple[float, int, int, float, int] | None = None
         if tp > 1:
-            self._comm = (eff.allreduce_latency_s * math.log2(tp), m.hidden_size, m.dtype_bytes,
-                          hw.link_bandwidth, 2 * m.num_layers)
+            self._comm = (
+                eff.allreduce_latency_s * math.log2(tp),
+                m.hidden_size,
+                m.dtype_bytes,
+                hw.link_bandwidth,
+                2 * m.num_layers,
+            )
         overhead = eff.step_overhead_s
         prefill_overhead = eff.step_overhead_s + eff.prefill_overhead_s
         if tp > 1:

@@ -146,49 +146,124 @@ def _model(spec: ModelSpec) -> None:
 
 
 # https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (8.03B parameters)
-_model(ModelSpec(
-    "llama-3.1-8b", "meta-llama/Llama-3.1-8B", num_layers=32, hidden_size=4096, num_heads=32,
-    num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256, max_model_len=131072,
-    source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "llama-3.1-8b",
+        "meta-llama/Llama-3.1-8B",
+        num_layers=32,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_model_len=131072,
+        source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json",
+    )
+)
 # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (70.6B parameters)
-_model(ModelSpec(
-    "llama-3.1-70b", "meta-llama/Llama-3.1-70B", num_layers=80, hidden_size=8192, num_heads=64,
-    num_kv_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256, max_model_len=131072,
-    source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "llama-3.1-70b",
+        "meta-llama/Llama-3.1-70B",
+        num_layers=80,
+        hidden_size=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=128256,
+        max_model_len=131072,
+        source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json",
+    )
+)
 # https://huggingface.co/meta-llama/Llama-2-70b-hf/blob/main/config.json (69.0B parameters)
-_model(ModelSpec(
-    "llama-2-70b", "meta-llama/Llama-2-70b-hf", num_layers=80, hidden_size=8192, num_heads=64,
-    num_kv_heads=8, head_dim=128, intermediate_size=28672, vocab_size=32000, max_model_len=4096,
-    source="https://huggingface.co/meta-llama/Llama-2-70b-hf/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "llama-2-70b",
+        "meta-llama/Llama-2-70b-hf",
+        num_layers=80,
+        hidden_size=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=28672,
+        vocab_size=32000,
+        max_model_len=4096,
+        source="https://huggingface.co/meta-llama/Llama-2-70b-hf/blob/main/config.json",
+    )
+)
 # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json (7.61B parameters)
-_model(ModelSpec(
-    "qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", num_layers=28, hidden_size=3584, num_heads=28,
-    num_kv_heads=4, head_dim=128, intermediate_size=18944, vocab_size=152064, max_model_len=32768,
-    source="https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "qwen2.5-7b",
+        "Qwen/Qwen2.5-7B-Instruct",
+        num_layers=28,
+        hidden_size=3584,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=18944,
+        vocab_size=152064,
+        max_model_len=32768,
+        source="https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json",
+    )
+)
 # The next three exist because the calibration data measured them (splitwise_sim, DistServe).
 # https://huggingface.co/bigscience/bloom/blob/main/config.json (176B; MHA, 4h GELU MLP, tied head)
-_model(ModelSpec(
-    "bloom-176b", "bigscience/bloom", num_layers=70, hidden_size=14336, num_heads=112,
-    num_kv_heads=112, head_dim=128, intermediate_size=4 * 14336, vocab_size=250880, max_model_len=2048,
-    gated_ffn=False, tied_embeddings=True,
-    source="https://huggingface.co/bigscience/bloom/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "bloom-176b",
+        "bigscience/bloom",
+        num_layers=70,
+        hidden_size=14336,
+        num_heads=112,
+        num_kv_heads=112,
+        head_dim=128,
+        intermediate_size=4 * 14336,
+        vocab_size=250880,
+        max_model_len=2048,
+        gated_ffn=False,
+        tied_embeddings=True,
+        source="https://huggingface.co/bigscience/bloom/blob/main/config.json",
+    )
+)
 # https://huggingface.co/facebook/opt-13b/blob/main/config.json (12.9B; ReLU MLP, tied head)
-_model(ModelSpec(
-    "opt-13b", "facebook/opt-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40,
-    head_dim=128, intermediate_size=20480, vocab_size=50272, max_model_len=2048, gated_ffn=False,
-    tied_embeddings=True, source="https://huggingface.co/facebook/opt-13b/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "opt-13b",
+        "facebook/opt-13b",
+        num_layers=40,
+        hidden_size=5120,
+        num_heads=40,
+        num_kv_heads=40,
+        head_dim=128,
+        intermediate_size=20480,
+        vocab_size=50272,
+        max_model_len=2048,
+        gated_ffn=False,
+        tied_embeddings=True,
+        source="https://huggingface.co/facebook/opt-13b/blob/main/config.json",
+    )
+)
 # https://huggingface.co/facebook/opt-66b/blob/main/config.json (65.7B; ReLU MLP, tied head)
-_model(ModelSpec(
-    "opt-66b", "facebook/opt-66b", num_layers=64, hidden_size=9216, num_heads=72, num_kv_heads=72,
-    head_dim=128, intermediate_size=36864, vocab_size=50272, max_model_len=2048, gated_ffn=False,
-    tied_embeddings=True, source="https://huggingface.co/facebook/opt-66b/blob/main/config.json",
-))
+_model(
+    ModelSpec(
+        "opt-66b",
+        "facebook/opt-66b",
+        num_layers=64,
+        hidden_size=9216,
+        num_heads=72,
+        num_kv_heads=72,
+        head_dim=128,
+        intermediate_size=36864,
+        vocab_size=50272,
+        max_model_len=2048,
+        gated_ffn=False,
+        tied_embeddings=True,
+        source="https://huggingface.co/facebook/opt-66b/blob/main/config.json",
+    )
+)
 
 MODELS: Final = MappingProxyType(_MODELS)
 
@@ -232,7 +307,7 @@ _EFF_H200 = Efficiency(
     allreduce_latency_s=6.567e-06,
     tp_scaling=0.7785,
     tp_overhead_s=0.004389,
-    note='overheads from h100; device factors fitted on kernel sums',
+    note="overheads from h100; device factors fitted on kernel sums",
 )
 # END FITTED EFFICIENCY
 
@@ -246,54 +321,96 @@ def _hardware(spec: HardwareSpec) -> None:
 # NVIDIA A100 80GB SXM4 datasheet: 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s
 # (bidirectional, so 300 GB/s per direction).
 # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
-_hardware(HardwareSpec(
-    "a100", "NVIDIA A100 80GB SXM4", peak_flops=312e12, hbm_bandwidth=2.039e12, hbm_capacity=80 * GIB,
-    link_bandwidth=300e9, efficiency=_EFF_A100,
-    source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
-))
+_hardware(
+    HardwareSpec(
+        "a100",
+        "NVIDIA A100 80GB SXM4",
+        peak_flops=312e12,
+        hbm_bandwidth=2.039e12,
+        hbm_capacity=80 * GIB,
+        link_bandwidth=300e9,
+        efficiency=_EFF_A100,
+        source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+        "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+    )
+)
 # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB,
 # NVLink 900 GB/s bidirectional. https://www.nvidia.com/en-us/data-center/h100/
 # (same figures in ai-dynamo/aiconfigurator systems/h100_sxm.yaml).
-_hardware(HardwareSpec(
-    "h100", "NVIDIA H100 80GB SXM5", peak_flops=989e12, hbm_bandwidth=3.35e12, hbm_capacity=80 * GIB,
-    link_bandwidth=450e9, efficiency=_EFF_H100, source="https://www.nvidia.com/en-us/data-center/h100/",
-))
+_hardware(
+    HardwareSpec(
+        "h100",
+        "NVIDIA H100 80GB SXM5",
+        peak_flops=989e12,
+        hbm_bandwidth=3.35e12,
+        hbm_capacity=80 * GIB,
+        link_bandwidth=450e9,
+        efficiency=_EFF_H100,
+        source="https://www.nvidia.com/en-us/data-center/h100/",
+    )
+)
 # The power-capped H100 of the Splitwise paper (ISCA'24, Patel et al.): same silicon and datasheet,
 # lower sustained clocks, hence its own fitted compute efficiency.
-_hardware(HardwareSpec(
-    "h100-pcap", "NVIDIA H100 80GB SXM5, power-capped (Splitwise)", peak_flops=989e12,
-    hbm_bandwidth=3.35e12, hbm_capacity=80 * GIB, link_bandwidth=450e9, efficiency=_EFF_H100_PCAP,
-    source="https://www.nvidia.com/en-us/data-center/h100/ ; https://arxiv.org/abs/2311.18677",
-))
+_hardware(
+    HardwareSpec(
+        "h100-pcap",
+        "NVIDIA H100 80GB SXM5, power-capped (Splitwise)",
+        peak_flops=989e12,
+        hbm_bandwidth=3.35e12,
+        hbm_capacity=80 * GIB,
+        link_bandwidth=450e9,
+        efficiency=_EFF_H100_PCAP,
+        source="https://www.nvidia.com/en-us/data-center/h100/ ; https://arxiv.org/abs/2311.18677",
+    )
+)
 # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s.
 # https://www.nvidia.com/en-us/data-center/h200/  Kernel timings only (AIConfigurator): device factors
 # fitted on them, overheads from H100.
-_hardware(HardwareSpec(
-    "h200", "NVIDIA H200 141GB SXM", peak_flops=989e12, hbm_bandwidth=4.8e12, hbm_capacity=141 * GIB,
-    link_bandwidth=450e9, efficiency=_EFF_H200, source="https://www.nvidia.com/en-us/data-center/h200/",
-))
+_hardware(
+    HardwareSpec(
+        "h200",
+        "NVIDIA H200 141GB SXM",
+        peak_flops=989e12,
+        hbm_bandwidth=4.8e12,
+        hbm_capacity=141 * GIB,
+        link_bandwidth=450e9,
+        efficiency=_EFF_H200,
+        source="https://www.nvidia.com/en-us/data-center/h200/",
+    )
+)
 # NVIDIA H20 (Hopper, China export SKU): 148 TFLOPS FP16/BF16 dense, 96 GB HBM3 at 4.0 TB/s,
 # NVLink 900 GB/s. NVIDIA publishes no public datasheet page; figures as reported in the HGX H20
 # product brief, e.g. https://willitrunai.com/gpus/h20-96gb and SemiAnalysis (Nov 2023).
-_hardware(HardwareSpec(
-    "h20", "NVIDIA H20 96GB", peak_flops=148e12, hbm_bandwidth=4.0e12, hbm_capacity=96 * GIB,
-    link_bandwidth=450e9,
-    efficiency=replace(_EFF_H100, calibrated=False, note="H100 factors (same Hopper software stack)"),
-    source="https://willitrunai.com/gpus/h20-96gb",
-))
+_hardware(
+    HardwareSpec(
+        "h20",
+        "NVIDIA H20 96GB",
+        peak_flops=148e12,
+        hbm_bandwidth=4.0e12,
+        hbm_capacity=96 * GIB,
+        link_bandwidth=450e9,
+        efficiency=replace(_EFF_H100, calibrated=False, note="H100 factors (same Hopper software stack)"),
+        source="https://willitrunai.com/gpus/h20-96gb",
+    )
+)
 # Huawei Ascend 910B (as in Atlas 800I/800T A2): about 313 TFLOPS FP16 dense (the 910B3 bin; 910B1/B2
 # are rated higher), 64 GB HBM2e at about 1.6 TB/s, HCCS 392 GB/s (7 links x 56 GB/s) between the 8
 # NPUs of a node. Huawei's product pages give only node-level figures:
 # https://e.huawei.com/en/products/computing/ascend/atlas-800i-a2 ; per-chip figures as widely reported
 # (e.g. https://boardor.com/blog/huawei-ascend-910b-outperforms-h20-910c-approaches-h100). Uncalibrated:
 # A100-class factors (a 7 nm part with similar peak FLOP/s and a less mature kernel stack).
-_hardware(HardwareSpec(
-    "ascend-910b", "Huawei Ascend 910B 64GB", peak_flops=313e12, hbm_bandwidth=1.6e12,
-    hbm_capacity=64 * GIB, link_bandwidth=196e9,
-    efficiency=replace(_EFF_A100, calibrated=False, note="A100 factors (no public measurements)"),
-    source="https://e.huawei.com/en/products/computing/ascend/atlas-800i-a2",
-))
+_hardware(
+    HardwareSpec(
+        "ascend-910b",
+        "Huawei Ascend 910B 64GB",
+        peak_flops=313e12,
+        hbm_bandwidth=1.6e12,
+        hbm_capacity=64 * GIB,
+        link_bandwidth=196e9,
+        efficiency=replace(_EFF_A100, calibrated=False, note="A100 factors (no public measurements)"),
+        source="https://e.huawei.com/en/products/computing/ascend/atlas-800i-a2",
+    )
+)
 
 HARDWARE: Final = MappingProxyType(_HARDWARE)
 
@@ -319,9 +436,7 @@ def resolve_preset(name: str, tp: int | None = None) -> Preset:
     if model is None:
         raise UnknownPresetError(f"unknown model {match['model']!r}; known: {', '.join(sorted(MODELS))}")
     if hardware is None:
-        raise UnknownPresetError(
-            f"unknown hardware {match['hw']!r}; known: {', '.join(sorted(HARDWARE))}"
-        )
+        raise UnknownPresetError(f"unknown hardware {match['hw']!r}; known: {', '.join(sorted(HARDWARE))}")
     suffix_tp = int(match["tp"]) if match["tp"] else None
     if suffix_tp is not None and tp is not None and tp != suffix_tp and tp != 1:
         raise UnknownPresetError(f"preset {name!r} says tp={suffix_tp} but tp={tp} was given")

@@ -159,8 +159,10 @@ class Scheduler:
                 continue
             # one more token in a block it holds, filling none, needs no allocation (allocate_slots
             # would do nothing); anything else allocates, preempting from the back until it fits
-            in_held_block = num_new == 1 and context < len(req.blocks) * bs and (
-                not caching or (context + 1) // bs <= req.num_stored_blocks
+            in_held_block = (
+                num_new == 1
+                and context < len(req.blocks) * bs
+                and (not caching or (context + 1) // bs <= req.num_stored_blocks)
             )
             if not in_held_block:
                 scheduled = True

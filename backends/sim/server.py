@@ -52,9 +52,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start_instance(
-    config: EngineConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0
-) -> SimInstance:
+async def start_instance(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0) -> SimInstance:
     """Bind, start the engine, then listen. The caller owns `stop_instance`."""
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
@@ -80,12 +78,8 @@ async def start_instances(
     instances: list[SimInstance] = []
     try:
         for index in range(count):
-            engine_config = replace(config) if index == 0 else replace(
-                config, engine_id=f"{config.engine_id}-{index}"
-            )
-            instances.append(
-                await start_instance(engine_config, host, port + index if port else 0, index)
-            )
+            engine_config = replace(config) if index == 0 else replace(config, engine_id=f"{config.engine_id}-{index}")
+            instances.append(await start_instance(engine_config, host, port + index if port else 0, index))
     except BaseException:
         for instance in instances:
             await stop_instance(instance)
@@ -129,9 +123,7 @@ async def run_sim_engines(
             await stop_instance(instance)
 
 
-async def serve_forever(
-    config: EngineConfig, count: int, host: str, port: int, startup_delay_s: float = 0.0
-) -> None:
+async def serve_forever(config: EngineConfig, count: int, host: str, port: int, startup_delay_s: float = 0.0) -> None:
     """The CLI's main: optional startup delay, start, print readiness, run until cancelled."""
     if startup_delay_s > 0:
         await asyncio.sleep(startup_delay_s)

@@ -38,8 +38,17 @@ async def exhaust_and_go(url: str, prefix: str, policy_path: Path, tpm: int, rep
     who = policy.authenticate(KEY)
     assert who is not None
     admission = Admission(policy, FailoverStore(RedisStore.from_url(url, prefix=prefix)))
-    facts = RequestFacts(request_id="x", api="chat", body={}, requested_model="m", model="m", principal=who,
-                         prompt_tokens=tpm - 1, max_tokens=1, output_reservation=1)
+    facts = RequestFacts(
+        request_id="x",
+        api="chat",
+        body={},
+        requested_model="m",
+        model="m",
+        principal=who,
+        prompt_tokens=tpm - 1,
+        max_tokens=1,
+        output_reservation=1,
+    )
     started_at = time.time()
     ticket = await admission.admit(facts, "m")
     assert isinstance(ticket, Admitted), ticket
@@ -52,7 +61,13 @@ async def exhaust_and_go(url: str, prefix: str, policy_path: Path, tpm: int, rep
 
 
 def run(
-    replicas: int, *, tpm: int, duration_s: float, overload: float, workdir: Path, server: RedisServer,
+    replicas: int,
+    *,
+    tpm: int,
+    duration_s: float,
+    overload: float,
+    workdir: Path,
+    server: RedisServer,
     precheck: bool = True,
 ) -> dict[str, Any]:
     prefix = f"bench-accuracy-{replicas}-{precheck}-{int(time.time())}"
@@ -62,10 +77,26 @@ def run(
     offered_rps = overload * tpm / 60 / MEAN_ACTUAL_TOKENS
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.limiter.accuracy_worker", "--redis", server.url, "--prefix", prefix,
-             "--policy", str(policy_path), "--rate", str(offered_rps / replicas), "--duration", str(duration_s),
-             "--seed", str(i + 1)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "bench.limiter.accuracy_worker",
+                "--redis",
+                server.url,
+                "--prefix",
+                prefix,
+                "--policy",
+                str(policy_path),
+                "--rate",
+                str(offered_rps / replicas),
+                "--duration",
+                str(duration_s),
+                "--seed",
+                str(i + 1),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for i in range(replicas)
     ]
@@ -109,8 +140,15 @@ def main(tpm: int = 3_000_000, duration_s: float = 30.0, overload: float = 3.0) 
         server = RedisServer(Path(tmp))
         try:
             return [
-                run(n, tpm=tpm, duration_s=duration_s, overload=overload, workdir=Path(tmp), server=server,
-                    precheck=precheck)
+                run(
+                    n,
+                    tpm=tpm,
+                    duration_s=duration_s,
+                    overload=overload,
+                    workdir=Path(tmp),
+                    server=server,
+                    precheck=precheck,
+                )
                 for n in (1, 4)
                 for precheck in (True, False)
             ]

@@ -43,8 +43,17 @@ async def main() -> None:
 
     async def one(prompt: int, max_tokens: int, completion: int) -> None:
         nonlocal rejected
-        facts = RequestFacts(request_id="b", api="chat", body={}, requested_model="m", model="m", principal=who,
-                             prompt_tokens=prompt, max_tokens=max_tokens, output_reservation=max_tokens)
+        facts = RequestFacts(
+            request_id="b",
+            api="chat",
+            body={},
+            requested_model="m",
+            model="m",
+            principal=who,
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            output_reservation=max_tokens,
+        )
         result = await admission.admit(facts, "m")
         if not isinstance(result, Admitted):
             rejected += 1
@@ -66,9 +75,7 @@ async def main() -> None:
             break
         if delay > 0:
             await asyncio.sleep(delay)
-        task = asyncio.get_running_loop().create_task(
-            one(rng.randint(200, 800), 256, rng.randint(32, 256))
-        )
+        task = asyncio.get_running_loop().create_task(one(rng.randint(200, 800), 256, rng.randint(32, 256)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
     if tasks:

@@ -33,7 +33,8 @@ class RedisServer:
         self.socket = workdir / f"redis-{self.port}.sock"
         self.proc = subprocess.Popen(
             [*redis_argv(binary, self.port, workdir), "--unixsocket", str(self.socket), "--unixsocketperm", "700"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(host="127.0.0.1", port=self.port)
         for _ in range(200):

@@ -40,8 +40,17 @@ def _pct(values: list[float], q: float) -> float:
 def _facts(policy: Policy) -> RequestFacts:
     who = policy.authenticate(KEY)
     assert who is not None
-    return RequestFacts(request_id="b", api="chat", body={}, requested_model="m", model="m", principal=who,
-                        prompt_tokens=500, max_tokens=256, output_reservation=256)
+    return RequestFacts(
+        request_id="b",
+        api="chat",
+        body={},
+        requested_model="m",
+        model="m",
+        principal=who,
+        prompt_tokens=500,
+        max_tokens=256,
+        output_reservation=256,
+    )
 
 
 async def sequential(admission: Admission, facts: RequestFacts, iterations: int) -> dict[str, float]:
@@ -108,16 +117,29 @@ async def measure(url: str) -> list[dict[str, Any]]:
         facts = _facts(policy)
         buckets = len(policy.admission_plan(facts.principal, "m").buckets)
         memory = Admission(policy, MemoryStore())
-        rows.append({"store": "memory", "buckets": buckets, "label": label,
-                     **await sequential(memory, facts, 50_000),
-                     "throughput_rps": await concurrent(memory, facts, 100_000)})
+        rows.append(
+            {
+                "store": "memory",
+                "buckets": buckets,
+                "label": label,
+                **await sequential(memory, facts, 50_000),
+                "throughput_rps": await concurrent(memory, facts, 100_000),
+            }
+        )
         store = FailoverStore(RedisStore.from_url(url, prefix=f"bench-latency-{buckets}", timeout_s=1.0))
         shared = Admission(policy, store)
         await store.redis.client.config_resetstat()
-        row = {"store": "redis", "buckets": buckets, "label": label, **await sequential(shared, facts, 10_000),
-               "ping_p50_us": await ping_p50_us(store), **await script_us(store)}
-        unbatched = FailoverStore(RedisStore.from_url(url, prefix=f"bench-latency-{buckets}", timeout_s=1.0,
-                                                      batch=False))
+        row = {
+            "store": "redis",
+            "buckets": buckets,
+            "label": label,
+            **await sequential(shared, facts, 10_000),
+            "ping_p50_us": await ping_p50_us(store),
+            **await script_us(store),
+        }
+        unbatched = FailoverStore(
+            RedisStore.from_url(url, prefix=f"bench-latency-{buckets}", timeout_s=1.0, batch=False)
+        )
         baseline = Admission(policy, unbatched)
         piped: list[float] = []
         plain: list[float] = []

@@ -48,8 +48,12 @@ def ensure_tools() -> None:
     if missing:
         print(f"installing {missing} from Debian", flush=True)
         packages = [{"nginx": "nginx", "wrk": "wrk", "taskset": "util-linux"}[m] for m in missing]
-        subprocess.run(["apt-get", "install", "-y", "-q", *packages], check=True, env={**os.environ,
-                       "DEBIAN_FRONTEND": "noninteractive"}, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", *packages],
+            check=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            stdout=subprocess.DEVNULL,
+        )
 
 
 def nginx_bin() -> str:
@@ -135,8 +139,17 @@ def parse_wrk(text: str) -> tuple[float, dict[str, float], int]:
 
 def openloop(url: str, rate_rps: float, duration_s: float) -> tuple[float, float, float]:
     """(p50, p90, p99) ms of the open-loop probe at a fixed offered load, run on the load core."""
-    argv = ["taskset", "-c", LOAD_CORE, sys.executable, str(Path(__file__).with_name("openloop.py")), url, KEY,
-            str(rate_rps), str(duration_s)]
+    argv = [
+        "taskset",
+        "-c",
+        LOAD_CORE,
+        sys.executable,
+        str(Path(__file__).with_name("openloop.py")),
+        url,
+        KEY,
+        str(rate_rps),
+        str(duration_s),
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     p50, p90, p99, _ = out.stdout.split()
     return float(p50), float(p90), float(p99)
@@ -144,8 +157,17 @@ def openloop(url: str, rate_rps: float, duration_s: float) -> tuple[float, float
 
 def sequential(url: str, requests: int) -> tuple[float, float, float]:
     """(p50, p90, p99) ms of one request at a time on one connection, from the load core."""
-    argv = ["taskset", "-c", LOAD_CORE, sys.executable, str(Path(__file__).with_name("openloop.py")), "--sequential",
-            url, KEY, str(requests)]
+    argv = [
+        "taskset",
+        "-c",
+        LOAD_CORE,
+        sys.executable,
+        str(Path(__file__).with_name("openloop.py")),
+        "--sequential",
+        url,
+        KEY,
+        str(requests),
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     p50, p90, p99, _ = out.stdout.split()
     return float(p50), float(p90), float(p99)
@@ -153,8 +175,19 @@ def sequential(url: str, requests: int) -> tuple[float, float, float]:
 
 def wrk(url: str, connections: int, duration_s: float) -> tuple[float, dict[str, float], int]:
     script = Path(__file__).with_name("post.lua")
-    argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency",
-            "-s", str(script), url]
+    argv = [
+        "taskset",
+        "-c",
+        LOAD_CORE,
+        "wrk",
+        "-t1",
+        f"-c{connections}",
+        f"-d{duration_s:g}s",
+        "--latency",
+        "-s",
+        str(script),
+        url,
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TW_BENCH_KEY": KEY}, check=True)
     return parse_wrk(out.stdout)
 
@@ -169,14 +202,23 @@ class Target:
 
 def tokenway_config(workdir: Path, upstream_ports: list[int], port: int, extra: dict[str, Any]) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
-    policies = {"tenants": {"bench": {}}, "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
-                "models": {"bench-model": {}}}
+    policies = {
+        "tenants": {"bench": {}},
+        "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
+        "models": {"bench-model": {}},
+    }
     (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
     config = {
         "server": {"host": "127.0.0.1", "port": port, **extra.get("server", {})},
         "policies": "policies.yaml",
-        "pools": [{"name": "instant", "model": "bench-model", "engine": "vllm",
-                   "endpoints": [{"url": f"http://127.0.0.1:{p}"} for p in upstream_ports]}],
+        "pools": [
+            {
+                "name": "instant",
+                "model": "bench-model",
+                "engine": "vllm",
+                "endpoints": [{"url": f"http://127.0.0.1:{p}"} for p in upstream_ports],
+            }
+        ],
         **{k: v for k, v in extra.items() if k != "server"},
     }
     path = workdir / "gateway.yaml"
@@ -195,7 +237,8 @@ def tokenway_variants(otlp_url: str) -> dict[str, dict[str, Any]]:
         "tokenway (+ metrics, ledger, predictor)": {"telemetry": {"metrics": {"enabled": True}}},
         # two upstream endpoints: the scoring router (prefix index, load gate, scorers, picker) does real work
         "tokenway (+ metrics, ledger, predictor, 2 endpoints)": {
-            "telemetry": {"metrics": {"enabled": True}}, ENDPOINTS: 2,
+            "telemetry": {"metrics": {"enabled": True}},
+            ENDPOINTS: 2,
         },
         "tokenway (+ metrics, ledger, predictor, tracing 100%)": {
             "telemetry": {"metrics": {"enabled": True}, "otlp": {"endpoint": otlp_url, "sample_ratio": 1.0}},
@@ -232,7 +275,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-"))
     upstream_port, second_port = free_ports(2)
     upstream = start_nginx(
-        workdir, "upstream",
+        workdir,
+        "upstream",
         f"""server {{ listen 127.0.0.1:{upstream_port} reuseport; listen 127.0.0.1:{second_port} reuseport;
             location = /health {{ return 200 ''; }}
             location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
@@ -243,25 +287,68 @@ def main() -> int:
     targets: list[Target] = []
 
     p = free_port()
-    targets.append(Target("bare aiohttp pass-through", lambda p=p: subprocess.Popen(
-        ["taskset", "-c", PROXY_CORE, sys.executable, str(Path(__file__).with_name("passthrough.py")), str(p),
-         f"http://127.0.0.1:{upstream_port}"], env=env), p))
+    targets.append(
+        Target(
+            "bare aiohttp pass-through",
+            lambda p=p: subprocess.Popen(
+                [
+                    "taskset",
+                    "-c",
+                    PROXY_CORE,
+                    sys.executable,
+                    str(Path(__file__).with_name("passthrough.py")),
+                    str(p),
+                    f"http://127.0.0.1:{upstream_port}",
+                ],
+                env=env,
+            ),
+            p,
+        )
+    )
     p = free_port()
-    targets.append(Target("nginx proxy_pass", lambda p=p: start_nginx(
-        workdir, "proxy",
-        f"""upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 512; }}
+    targets.append(
+        Target(
+            "nginx proxy_pass",
+            lambda p=p: start_nginx(
+                workdir,
+                "proxy",
+                f"""upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 512; }}
             server {{ listen 127.0.0.1:{p}; location / {{ proxy_pass http://up; proxy_http_version 1.1;
             proxy_set_header Connection ""; }} }}""",
-        PROXY_CORE), p))
+                PROXY_CORE,
+            ),
+            p,
+        )
+    )
     otlp_port = free_port()
     otlp_sink = start_otlp_sink(otlp_port)
     for name, extra in tokenway_variants(f"http://127.0.0.1:{otlp_port}").items():
         p = free_port()
         ports = [upstream_port, second_port][: extra.pop(ENDPOINTS, 1)]
         config = tokenway_config(workdir / re.sub(r"\W+", "-", name), ports, p, extra)
-        targets.append(Target(name, lambda c=config: subprocess.Popen(
-            ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
-             "--config", str(c)], env=env, cwd=REPO), p))
+        targets.append(
+            Target(
+                name,
+                lambda c=config: subprocess.Popen(
+                    [
+                        "taskset",
+                        "-c",
+                        PROXY_CORE,
+                        sys.executable,
+                        "-m",
+                        "gateway.cli",
+                        "--log-level",
+                        "WARNING",
+                        "serve",
+                        "--config",
+                        str(c),
+                    ],
+                    env=env,
+                    cwd=REPO,
+                ),
+                p,
+            )
+        )
 
     if args.only:
         targets = [t for t in targets if re.search(args.only, t.name)]

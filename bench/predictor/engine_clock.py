@@ -104,8 +104,9 @@ def _first_token_alone(scheduler: Scheduler, step_time: StepTimer, now_s: float,
     return target.first_token_s - target.arrival_s if target.first_token_s is not None else float("nan")
 
 
-def present_only_ttft(trace: EngineTrace, config: EngineConfig,
-                      sampled: npt.NDArray[np.int64]) -> tuple[Array, Array, Array]:
+def present_only_ttft(
+    trace: EngineTrace, config: EngineConfig, sampled: npt.NDArray[np.int64]
+) -> tuple[Array, Array, Array]:
     """The replay on the engine's arrivals (TTFT, TPOT of every request), and the TTFT of each
     sampled request from the engine's exact state at its arrival with nothing after it (deep-copied
     there; NaN for the others)."""
@@ -134,7 +135,10 @@ def analyse_endpoint(name: str, endpoint: str, trace: EngineTrace, sampled_per_e
     picked = np.zeros(len(keep), dtype=bool)
     picked[picks] = True
     return {
-        "run": name, "endpoint": endpoint, "requests": int(keep.sum()), "sampled": int(picked.sum()),
+        "run": name,
+        "endpoint": endpoint,
+        "requests": int(keep.sum()),
+        "sampled": int(picked.sum()),
         "host_lag_ttft": _ape(trace.engine_ttft_s, trace.client_ttft_s, keep),
         "predictor_vs_client": _ape(trace.predicted_ttft_s, trace.client_ttft_s, keep),
         "predictor_vs_engine": _ape(trace.predicted_ttft_s, trace.engine_ttft_s, keep),
@@ -153,7 +157,8 @@ def analyse(raw: dict[str, Any], sampled_per_endpoint: int = SAMPLED_PER_ENDPOIN
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as workers:
         jobs = [
             workers.submit(analyse_endpoint, run["name"], endpoint, trace, sampled_per_endpoint)
-            for run in raw["runs"] if run["name"].startswith("azure") and run.get("mode") == "off"
+            for run in raw["runs"]
+            if run["name"].startswith("azure") and run.get("mode") == "off"
             for endpoint, trace in engine_traces(run, args).items()
         ]
         return [job.result() for job in jobs]

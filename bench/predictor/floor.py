@@ -74,9 +74,13 @@ class Trace:
     tpot_s: Array
 
 
-def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.NDArray[np.int64],
-           config: EngineConfig, on_arrival: Callable[[Scheduler, Request, float], None] | None = None,
-           ) -> tuple[Array, Array]:
+def replay(
+    trace_arrival_s: Array,
+    prompt: npt.NDArray[np.int64],
+    output: npt.NDArray[np.int64],
+    config: EngineConfig,
+    on_arrival: Callable[[Scheduler, Request, float], None] | None = None,
+) -> tuple[Array, Array]:
     """(TTFT, TPOT) in seconds of every request when these arrivals meet one fresh engine: the
     simulated engine's loop without its clock (a step starts when the last one ended, or at the
     arrival that wakes an idle engine; a request arriving mid-step waits for the next).
@@ -110,11 +114,14 @@ def replay(trace_arrival_s: Array, prompt: npt.NDArray[np.int64], output: npt.ND
             continue
         now = end
     ttft = np.array([r.first_token_s - r.arrival_s if r.first_token_s is not None else np.nan for r in requests])
-    tpot = np.array([
-        (r.last_token_s - r.first_token_s) / (r.num_output - 1)
-        if r.num_output > 1 and r.first_token_s is not None and r.last_token_s is not None else np.nan
-        for r in requests
-    ])
+    tpot = np.array(
+        [
+            (r.last_token_s - r.first_token_s) / (r.num_output - 1)
+            if r.num_output > 1 and r.first_token_s is not None and r.last_token_s is not None
+            else np.nan
+            for r in requests
+        ]
+    )
     return ttft, tpot
 
 
@@ -204,8 +211,9 @@ def _rate_matched_shifts(trace: Trace, index: int) -> list[float]:
     return chosen
 
 
-def future_spread(trace: Trace, config: EngineConfig, index: int,
-                  shifts: list[float] | None = None) -> tuple[Array, Array]:
+def future_spread(
+    trace: Trace, config: EngineConfig, index: int, shifts: list[float] | None = None
+) -> tuple[Array, Array]:
     """Request `index`'s (TTFT, TPOT) under its real future and borrowed ones: the arrivals of the
     `HORIZON_S` after t_r + shift, moved to start at t_r (`shifts`; default: the fixed ones that fit)."""
     arrival = trace.arrival_s
@@ -261,8 +269,9 @@ def analyse_run(run: dict[str, Any], args: dict[str, Any], pool: str, sampled: i
         replay_ttft.append(ttft_err)
         replay_tpot.append(tpot_err)
     trace = next(iter(per_endpoint.values()))  # borrowed futures on one endpoint (they are costly)
-    candidates = np.flatnonzero(measured(trace, warmup_s, cooldown_s)
-                                & (trace.arrival_s <= trace.arrival_s[-1] - HORIZON_S))  # whole real future
+    candidates = np.flatnonzero(
+        measured(trace, warmup_s, cooldown_s) & (trace.arrival_s <= trace.arrival_s[-1] - HORIZON_S)
+    )  # whole real future
     for index in candidates[np.linspace(0, len(candidates) - 1, min(sampled, len(candidates))).astype(int)]:
         ttfts, tpots = future_spread(trace, config, int(index))
         spread_ttft.append(_spread(ttfts))

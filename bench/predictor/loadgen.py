@@ -122,10 +122,17 @@ async def replay(
 ) -> list[Outcome]:
     """Send every request at `arrivals_s[i]` after the start; `keys[sheddable]` authenticates it."""
     bodies = [
-        orjson.dumps({
-            "model": model, "prompt": prompts.prompt(r, salt), "max_tokens": r.output_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
-        })
+        orjson.dumps(
+            {
+                "model": model,
+                "prompt": prompts.prompt(r, salt),
+                "max_tokens": r.output_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+                "temperature": 0,
+            }
+        )
         for r in requests
     ]
     outcomes = [Outcome(r.index, r.sheddable, r.input_tokens, r.output_tokens) for r in requests]
@@ -162,12 +169,24 @@ async def replay(
 def outcome_rows(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     return [
         {
-            "index": o.index, "sheddable": o.sheddable, "input_tokens": o.input_tokens,
-            "output_tokens": o.output_tokens, "scheduled_s": o.scheduled_s, "late_s": o.late_s,
-            "status": o.status, "code": o.code, "message": o.message, "ttft_s": o.ttft_s, "tpot_s": o.tpot_s,
+            "index": o.index,
+            "sheddable": o.sheddable,
+            "input_tokens": o.input_tokens,
+            "output_tokens": o.output_tokens,
+            "scheduled_s": o.scheduled_s,
+            "late_s": o.late_s,
+            "status": o.status,
+            "code": o.code,
+            "message": o.message,
+            "ttft_s": o.ttft_s,
+            "tpot_s": o.tpot_s,
             "e2e_s": o.e2e_s,
-            "completion_tokens": o.completion_tokens, "cached_tokens": o.cached_tokens, "endpoint": o.endpoint,
-            "queued_ms": o.queued_ms, "prediction": o.prediction, "prediction_source": o.prediction_source,
+            "completion_tokens": o.completion_tokens,
+            "cached_tokens": o.cached_tokens,
+            "endpoint": o.endpoint,
+            "queued_ms": o.queued_ms,
+            "prediction": o.prediction,
+            "prediction_source": o.prediction_source,
             "engine": o.engine,
         }
         for o in outcomes
@@ -197,10 +216,16 @@ async def closed_loop(
             while queue:
                 r, out = queue.pop()
                 out.scheduled_s = time.perf_counter() - t0
-                body = orjson.dumps({
-                    "model": model, "prompt": prompts.prompt(r, salt), "max_tokens": r.output_tokens,
-                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-                })
+                body = orjson.dumps(
+                    {
+                        "model": model,
+                        "prompt": prompts.prompt(r, salt),
+                        "max_tokens": r.output_tokens,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                        "ignore_eos": True,
+                    }
+                )
                 await _one(session, base_url + "/v1/completions", body, headers, out)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

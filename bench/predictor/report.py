@@ -1,6 +1,6 @@
 """Statistics, tables and plots of a predictor benchmark run (see run.py).
 
-    .venv/bin/python -m bench.predictor.report var/bench/predictor-raw.json   # re-render only
+.venv/bin/python -m bench.predictor.report var/bench/predictor-raw.json   # re-render only
 """
 
 from __future__ import annotations
@@ -63,8 +63,14 @@ def accuracy(rows: list[dict[str, Any]], time_scale: float, source: str | None =
         if actual_tpot:
             tpot_err.append(abs(p["tpot"] - actual_tpot) / actual_tpot)
             tpot_cov.append(actual_tpot <= p["tpot_p90"])
-        pairs.append((p["ttft"] * time_scale, actual_ttft * time_scale,
-                      p["tpot"] * time_scale, actual_tpot * time_scale if actual_tpot else None))
+        pairs.append(
+            (
+                p["ttft"] * time_scale,
+                actual_ttft * time_scale,
+                p["tpot"] * time_scale,
+                actual_tpot * time_scale if actual_tpot else None,
+            )
+        )
     return {
         "n": len(ttft_err),
         "ttft_mape": 100 * sum(ttft_err) / len(ttft_err) if ttft_err else None,
@@ -119,9 +125,15 @@ def summarize(run: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
     tpot = [r["tpot_s"] * 1000 * ts for r in served if r["tpot_s"]]
     queued = [r["queued_ms"] * ts for r in served if r["queued_ms"]]
     return {
-        "name": run["name"], "trace": run["trace"], "load": run["load"], "slo": run["slo"],
+        "name": run["name"],
+        "trace": run["trace"],
+        "load": run["load"],
+        "slo": run["slo"],
         "mode": run.get("mode", "on" if run["slo"] else "off"),
-        "rate": run["rate_wall"] / ts, "offered": len(rows), "served": len(served), "reasons": reasons,
+        "rate": run["rate_wall"] / ts,
+        "offered": len(rows),
+        "served": len(served),
+        "reasons": reasons,
         "attainment": share(rows),
         "attainment_interactive": share([r for r in rows if not r["sheddable"]]),
         "attainment_sheddable": share([r for r in rows if r["sheddable"]]),
@@ -130,7 +142,8 @@ def summarize(run: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
         "goodput_tps": sum(r["completion_tokens"] for r in good) / window_s,
         "ttft": [_pct(ttft, q) for q in (0.5, 0.9, 0.99)],
         "tpot": [_pct(tpot, q) for q in (0.5, 0.9, 0.99)],
-        "queued": len(queued), "queued_p50": _pct(queued, 0.5),
+        "queued": len(queued),
+        "queued_p50": _pct(queued, 0.5),
         "late_p99_ms": (_pct([r["late_s"] for r in rows], 0.99) or 0) * 1000,
         "accuracy": accuracy(rows, ts),
         "accuracy_model": accuracy(rows, ts, "model"),
@@ -199,8 +212,9 @@ def _plots(summaries: list[dict[str, Any]], out: Path) -> list[str]:
         pairs = s["accuracy"]["pairs"]
         label = f"{s['trace']} {int(s['load'] * 100)} %"
         marker = "x" if s["trace"] == "mooncake" else "."
-        axes[0].scatter([a for _, a, _, _ in pairs], [p for p, _, _, _ in pairs], s=4, alpha=0.35, label=label,
-                        marker=marker)
+        axes[0].scatter(
+            [a for _, a, _, _ in pairs], [p for p, _, _, _ in pairs], s=4, alpha=0.35, label=label, marker=marker
+        )
         tp = [(p, a) for _, _, p, a in pairs if a]
         axes[1].scatter([a for _, a in tp], [p for p, _ in tp], s=4, alpha=0.35, label=label, marker=marker)
     for ax, name in zip(axes, ("TTFT", "TPOT"), strict=True):
@@ -226,11 +240,19 @@ def _plots(summaries: list[dict[str, Any]], out: Path) -> list[str]:
         for k, label in enumerate(("off", "on")):
             rows = [next((s for s in azure if s["load"] == load and s["mode"] == label), None) for load in loads]
             xs = [i + (k - 0.5) * 2 * width for i in range(len(loads))]
-            axes[0].bar([x - width / 2 for x in xs], [100 * (r["attainment"] or 0) if r else 0 for r in rows],
-                        width=width, label=f"{label}: all requests")
-            axes[0].bar([x + width / 2 for x in xs],
-                        [100 * (r["attainment_interactive"] or 0) if r else 0 for r in rows],
-                        width=width, label=f"{label}: interactive tenant", alpha=0.6)
+            axes[0].bar(
+                [x - width / 2 for x in xs],
+                [100 * (r["attainment"] or 0) if r else 0 for r in rows],
+                width=width,
+                label=f"{label}: all requests",
+            )
+            axes[0].bar(
+                [x + width / 2 for x in xs],
+                [100 * (r["attainment_interactive"] or 0) if r else 0 for r in rows],
+                width=width,
+                label=f"{label}: interactive tenant",
+                alpha=0.6,
+            )
             axes[1].bar(xs, [r["goodput_rps"] if r else 0 for r in rows], width=width * 2, label=label)
         for ax in axes:
             ax.set_xticks(range(len(loads)), [f"{int(x * 100)} % load" for x in loads])
@@ -270,20 +292,25 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"(`predictor.prior.time_scale: {ts:g}`) and predicts wall time, converted the same way.",
         f"- Capacity: {capacity:.1f} req/s, the steady completion rate of a closed loop with "
         f"{args['engines'] * 320} Azure-conversation requests in flight (more than the engines batch) "
-        + ("(given on the command line)." if cap.get("given") else
-           f"(mean prompt {cap['mean_input']:.0f}, output {cap['mean_output']:.0f} tokens)."),
+        + (
+            "(given on the command line)."
+            if cap.get("given")
+            else f"(mean prompt {cap['mean_input']:.0f}, output {cap['mean_output']:.0f} tokens)."
+        ),
         f"- Workload: the Azure LLM inference 2023 conversation trace (arrivals and lengths; output capped at "
         "1,000 tokens; unique prompts), the same window for every mode of a load, arrivals rescaled to the load "
         f"and replayed open loop for {args['duration_s']:g} engine seconds, streamed, `ignore_eos`. "
         f"{args['sheddable_share']:.0%} of requests (seeded) come from a sheddable tenant. Statistics leave out "
         f"the first {args['skip_warmup_s']:g} s of arrivals (the fleet fills: at 70-90 % load a request lives "
         "5-60 s and the decode batch grows for about 30 s; see the ramp-up line under Accuracy)"
-        + (f" and the last {args['skip_cooldown_s']:g} s (those keep arriving so that the measured requests' "
-           "futures stay real: when a window's arrivals stop, the requests still running decode faster than in any "
-           "deployment, and their TPOT is a benchmark artefact no predictor should be scored on)"
-           if args["skip_cooldown_s"] else
-           "; the last arrivals stay in (they meet the fleet at its fullest: at 90 % load the trace's bursts "
-           "build a queue that peaks at the end of the window)")
+        + (
+            f" and the last {args['skip_cooldown_s']:g} s (those keep arriving so that the measured requests' "
+            "futures stay real: when a window's arrivals stop, the requests still running decode faster than in any "
+            "deployment, and their TPOT is a benchmark artefact no predictor should be scored on)"
+            if args["skip_cooldown_s"]
+            else "; the last arrivals stay in (they meet the fleet at its fullest: at 90 % load the trace's bursts "
+            "build a queue that peaks at the end of the window)"
+        )
         + f". Plus {args['mooncake_requests']} requests of whole "
         "Mooncake synthetic-trace conversations (long prompts sharing 512-token blocks: prefix-cache hits) at "
         f"{args['mooncake_load']:.0%} of capacity scaled by their work per request.",
@@ -339,8 +366,11 @@ def write(results: dict[str, Any], out: Path) -> None:
     if on_engine_clock:
         lines += [
             "On the engine's own clock (the simulated engine's per-request timings, which leave host delays out): "
-            + "; ".join(f"{s['name']} TTFT MAPE {_f(s['accuracy']['ttft_vs_engine_mape'])} %, the engine's TTFT "
-                        f"vs the client's {_f(s['accuracy']['host_lag_mape'])} %" for s in on_engine_clock)
+            + "; ".join(
+                f"{s['name']} TTFT MAPE {_f(s['accuracy']['ttft_vs_engine_mape'])} %, the engine's TTFT "
+                f"vs the client's {_f(s['accuracy']['host_lag_mape'])} %"
+                for s in on_engine_clock
+            )
             + ". The second is what the testbed's shared CPUs add after dispatch (see `predictor-engine-clock.md`).",
             "",
         ]
@@ -348,8 +378,11 @@ def write(results: dict[str, Any], out: Path) -> None:
     if ramp:
         lines += [
             "Ramp-up (the arrivals left out above, gate off), while the batch they decode in is still growing: "
-            + "; ".join(f"{100 * s['load']:.0f} % load TTFT MAPE {_f(s['accuracy_ramp']['ttft_mape'])} %, TPOT "
-                        f"{_f(s['accuracy_ramp']['tpot_mape'])} % ({s['accuracy_ramp']['n']} requests)" for s in ramp)
+            + "; ".join(
+                f"{100 * s['load']:.0f} % load TTFT MAPE {_f(s['accuracy_ramp']['ttft_mape'])} %, TPOT "
+                f"{_f(s['accuracy_ramp']['tpot_mape'])} % ({s['accuracy_ramp']['n']} requests)"
+                for s in ramp
+            )
             + ". A request dispatched then shares its decode with the requests arriving after it, more of them "
             "than the batch it sees at dispatch: its TPOT is underpredicted.",
             "",
@@ -421,8 +454,12 @@ def _pooled(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             return None
         return sum((s["accuracy"][key] or 0) * s["accuracy"][weight] for s in summaries) / total
 
-    return {"ttft_mape": mean("ttft_mape", "n"), "ttft_cov": mean("ttft_cov", "n"),
-            "tpot_mape": mean("tpot_mape", "tpot_n"), "tpot_cov": mean("tpot_cov", "tpot_n")}
+    return {
+        "ttft_mape": mean("ttft_mape", "n"),
+        "ttft_cov": mean("ttft_cov", "n"),
+        "tpot_mape": mean("tpot_mape", "tpot_n"),
+        "tpot_cov": mean("tpot_cov", "tpot_n"),
+    }
 
 
 if __name__ == "__main__":

@@ -85,8 +85,12 @@ def routing_with_latency(weight: float) -> dict[str, Any]:
 
 # mode -> (SLO classes, latency scorer); a gated mode may name its class's `compare` after a dash:
 # "on-p90", "on-mean", or "on-0.3" (compare: probability, min_probability 0.3)
-MODES: dict[str, tuple[bool, bool]] = {"off": (False, False), "on": (True, True), "scorer": (False, True),
-                                       "gate": (True, False)}
+MODES: dict[str, tuple[bool, bool]] = {
+    "off": (False, False),
+    "on": (True, True),
+    "scorer": (False, True),
+    "gate": (True, False),
+}
 
 
 def mode_parts(mode: str) -> tuple[bool, bool, dict[str, Any]]:
@@ -123,8 +127,11 @@ def start_bench_gateway(
     if latency:
         config["routing"] = routing_with_latency(args.latency_weight)
     return start_gateway(
-        workdir, pools=[static_pool("llama", MODEL, sims.urls, preset=PRESET)], policies=policies(slo_class),
-        **config, **sections,
+        workdir,
+        pools=[static_pool("llama", MODEL, sims.urls, preset=PRESET)],
+        policies=policies(slo_class),
+        **config,
+        **sections,
     )
 
 
@@ -156,18 +163,23 @@ def measure_capacity(sims: SimEngines, args: argparse.Namespace, workdir: Path) 
     gw = start_bench_gateway(workdir / "capacity", sims, args, workdir / "models-scratch", mode="off")
     try:
         started = time.perf_counter()
-        outcomes = asyncio.run(closed_loop(
-            gw.url, MODEL, requests, args.engines * 320, INTERACTIVE_KEY, PromptBuilder(7), "capacity"
-        ))
+        outcomes = asyncio.run(
+            closed_loop(gw.url, MODEL, requests, args.engines * 320, INTERACTIVE_KEY, PromptBuilder(7), "capacity")
+        )
         wall_s = time.perf_counter() - started
     finally:
         gw.stop()
     ends = sorted(o.scheduled_s + o.e2e_s for o in outcomes if o.ok)
-    steady = ends[len(ends) // 5: len(ends) * 4 // 5]
+    steady = ends[len(ends) // 5 : len(ends) * 4 // 5]
     rate_wall = (len(steady) - 1) / (steady[-1] - steady[0])
-    return {"rate_wall": rate_wall, "requests": len(outcomes), "ok": len(ends), "wall_s": wall_s,
-            "mean_input": sum(r.input_tokens for r in requests) / len(requests),
-            "mean_output": sum(r.output_tokens for r in requests) / len(requests)}
+    return {
+        "rate_wall": rate_wall,
+        "requests": len(outcomes),
+        "ok": len(ends),
+        "wall_s": wall_s,
+        "mean_input": sum(r.input_tokens for r in requests) / len(requests),
+        "mean_output": sum(r.output_tokens for r in requests) / len(requests),
+    }
 
 
 def run_one(
@@ -203,8 +215,17 @@ def run_one(
         samples = admin(gw, "/admin/predictor/samples")["pools"] if args.raw else {}
     finally:
         gw.stop()
-    return {"name": name, "mode": mode, "slo": mode_parts(mode)[0], "rate_wall": segments[-1][1], "wall_s": wall_s,
-            "rows": rows, "predictor_before": before, "predictor_after": status, "samples": samples}
+    return {
+        "name": name,
+        "mode": mode,
+        "slo": mode_parts(mode)[0],
+        "rate_wall": segments[-1][1],
+        "wall_s": wall_s,
+        "rows": rows,
+        "predictor_before": before,
+        "predictor_after": status,
+        "samples": samples,
+    }
 
 
 def main() -> None:
@@ -212,8 +233,12 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=0.25, help="engine seconds per wall second")
     parser.add_argument("--loads", default="0.5,0.7,0.9", help="shares of measured capacity")
-    parser.add_argument("--duration-s", type=float, default=90.0,
-                        help="engine seconds of arrivals per run (the last --skip-cooldown-s are not measured)")
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=90.0,
+        help="engine seconds of arrivals per run (the last --skip-cooldown-s are not measured)",
+    )
     parser.add_argument("--train-duration-s", type=float, default=60.0, help="per training load (50/70/90 %%)")
     parser.add_argument("--capacity-requests", type=int, default=1500)
     parser.add_argument("--capacity", type=float, default=None, help="skip the probe: engine-time req/s")
@@ -221,17 +246,29 @@ def main() -> None:
     parser.add_argument("--mooncake-requests", type=int, default=400)
     parser.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="engine-time TTFT objective")
     parser.add_argument("--tpot-slo-ms", type=float, default=75.0, help="engine-time TPOT objective")
-    parser.add_argument("--headroom", type=float, default=0.0,
-                        help="the gate's class is this much tighter than the objective measured")
+    parser.add_argument(
+        "--headroom", type=float, default=0.0, help="the gate's class is this much tighter than the objective measured"
+    )
     parser.add_argument("--sheddable-share", type=float, default=0.3)
     parser.add_argument("--latency-weight", type=float, default=2.0)
-    parser.add_argument("--modes", default="off,on,scorer",
-                        help="off, on (scorer + SLO gate); ablations at the top load: scorer (only), gate (only)")
-    parser.add_argument("--skip-warmup-s", type=float, default=30.0,
-                        help="engine seconds of each run's first arrivals left out of the statistics (ramp-up)")
-    parser.add_argument("--skip-cooldown-s", type=float, default=15.0,
-                        help="engine seconds of each run's last arrivals left out of the statistics: they keep "
-                             "the measured requests' futures real (when arrivals stop, running requests speed up)")
+    parser.add_argument(
+        "--modes",
+        default="off,on,scorer",
+        help="off, on (scorer + SLO gate); ablations at the top load: scorer (only), gate (only)",
+    )
+    parser.add_argument(
+        "--skip-warmup-s",
+        type=float,
+        default=30.0,
+        help="engine seconds of each run's first arrivals left out of the statistics (ramp-up)",
+    )
+    parser.add_argument(
+        "--skip-cooldown-s",
+        type=float,
+        default=15.0,
+        help="engine seconds of each run's last arrivals left out of the statistics: they keep "
+        "the measured requests' futures real (when arrivals stop, running requests speed up)",
+    )
     parser.add_argument("--predictor", type=json.loads, default={}, help="extra predictor settings (JSON)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--out", type=Path, default=report.RESULTS / "predictor.md")
@@ -243,8 +280,10 @@ def main() -> None:
     print(f"work directory {workdir}", file=sys.stderr)
     sims = start_sim(workdir, count=args.engines, preset=PRESET, served_model_name=MODEL, time_scale=args.time_scale)
     started = time.time()
-    results: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                               "runs": []}
+    results: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "runs": [],
+    }
     try:
         if args.capacity is None:
             print("capacity probe (closed loop)", file=sys.stderr)
@@ -258,15 +297,18 @@ def main() -> None:
 
         def window(start: int, load: float, duration_s: float) -> tuple[list[TraceRequest], float]:
             count = max(50, int(load * capacity * duration_s))
-            requests = with_sheddable_share(load_azure(count, start, MAX_CONTEXT, MAX_OUTPUT), args.sheddable_share,
-                                            seed=start)
+            requests = with_sheddable_share(
+                load_azure(count, start, MAX_CONTEXT, MAX_OUTPUT), args.sheddable_share, seed=start
+            )
             return requests, load * capacity_wall
 
         trained = workdir / "models-trained"
         training = [window(6000 + 3000 * k, load, args.train_duration_s) for k, load in enumerate((0.5, 0.7, 0.9))]
-        results["training"] = {k: v for k, v in run_one(
-            "train", sims, args, workdir, _empty(workdir), training, mode="off", seed=11
-        ).items() if k != "rows"}
+        results["training"] = {
+            k: v
+            for k, v in run_one("train", sims, args, workdir, _empty(workdir), training, mode="off", seed=11).items()
+            if k != "rows"
+        }
         shutil.copytree(workdir / "models-train", trained)
 
         azure_work = 0.0

@@ -65,9 +65,7 @@ def load_mooncake(requests: int, seed: int, max_total_tokens: int, max_output_to
     """About `requests` requests: whole conversations (grouped by first block), seeded, in order."""
     return [
         TraceRequest(r.index, r.arrival_s, r.input_tokens, r.output_tokens, r.hash_ids)
-        for r in replay_workload.load_mooncake(
-            require(MOONCAKE), requests, seed, max_total_tokens, max_output_tokens
-        )
+        for r in replay_workload.load_mooncake(require(MOONCAKE), requests, seed, max_total_tokens, max_output_tokens)
     ]
 
 

@@ -134,8 +134,13 @@ async def replay(plan: dict[str, Any]) -> list[Outcome]:
                 for r in plan["requests"]]  # fmt: skip
     bodies = [
         {
-            "model": plan["model"], "prompt": builder.prompt(r), "max_tokens": r.output_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "model": plan["model"],
+            "prompt": builder.prompt(r),
+            "max_tokens": r.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
         }
         for r in requests
     ]

@@ -84,11 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-aware", action="store_true", help="also run vllm-router --policy kv_aware")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--quick", action="store_true", help="smoke run: small subsets, two routers, one load")
-    p.add_argument("--out", type=Path, default=None, help="report path (default bench/results/replay.md; "
-                   "with --quick, the workdir)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report path (default bench/results/replay.md; with --quick, the workdir)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="logs and plans (default: a temp dir)")
-    p.add_argument("--report-only", action="store_true",
-                   help="rewrite the report and plot from --workdir's replay.json and results (no replay)")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="rewrite the report and plot from --workdir's replay.json and results (no replay)",
+    )
     return p
 
 

@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> int:
 
     traces = sources.traces_dir(REPO)
     if not (traces / "splitwise_sim" / "perf_model.csv").exists():
-        print(f"calibration data missing: expected {traces} (the shared traces folder beside the repo)",
-              file=sys.stderr)
+        print(
+            f"calibration data missing: expected {traces} (the shared traces folder beside the repo)", file=sys.stderr
+        )
         return 2
     rows = sources.splitwise_rows(traces) + sources.distserve_rows(traces)
     try:
@@ -40,8 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         print(block)
         if args.write_presets:
             text = PRESETS_PY.read_text()
-            new = re.sub(r"(# BEGIN FITTED EFFICIENCY\n).*?(# END FITTED EFFICIENCY)",
-                         lambda m: m[1] + block + "\n" + m[2], text, flags=re.S)
+            new = re.sub(
+                r"(# BEGIN FITTED EFFICIENCY\n).*?(# END FITTED EFFICIENCY)",
+                lambda m: m[1] + block + "\n" + m[2],
+                text,
+                flags=re.S,
+            )
             PRESETS_PY.write_text(new)
             print(f"wrote {PRESETS_PY.relative_to(REPO)}")
     scored = fit.score(rows, fitted)

@@ -28,8 +28,15 @@ from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
 from bench.sim_calibration.sources import Row
 
-PARAMS = ("compute", "bandwidth", "step_overhead_s", "prefill_overhead_s", "allreduce_latency_s",
-          "tp_scaling", "tp_overhead_s")
+PARAMS = (
+    "compute",
+    "bandwidth",
+    "step_overhead_s",
+    "prefill_overhead_s",
+    "allreduce_latency_s",
+    "tp_scaling",
+    "tp_overhead_s",
+)
 OVERHEADS = ("step_overhead_s", "prefill_overhead_s", "tp_overhead_s")
 LOWER = (0.05, 0.1, 0.0, 0.0, 0.0, 0.3, 0.0)
 UPPER = (1.0, 1.0, 0.1, 0.2, 2e-3, 1.0, 0.1)
@@ -148,8 +155,10 @@ def fit_all(rows: Sequence[Row], overheads_from: dict[str, str]) -> dict[str, Ef
         donor = overheads_from.get(hw)
         hw_rows = by_hw[hw]
         if donor is not None and all(r.device_only for r in hw_rows):
-            fitted[hw] = replace(fit_hardware(hw_rows, fixed=fitted[donor]),
-                                 note=f"overheads from {donor}; device factors fitted on kernel sums")
+            fitted[hw] = replace(
+                fit_hardware(hw_rows, fixed=fitted[donor]),
+                note=f"overheads from {donor}; device factors fitted on kernel sums",
+            )
         else:
             fitted[hw] = fit_hardware(hw_rows)
     return fitted

@@ -120,7 +120,9 @@ def load_tables(traces: Path, hardware: str) -> KernelTables:
 
 def _plain_attention(r: dict[str, object]) -> bool:
     return (
-        r["kv_cache_dtype"] == "bfloat16" and r["window_size"] == 0 and r["head_dim"] == 128
+        r["kv_cache_dtype"] == "bfloat16"
+        and r["window_size"] == 0
+        and r["head_dim"] == 128
         and r["kernel_source"] == "vllm_flash_attn_fa3"
     )
 
@@ -160,10 +162,20 @@ def decode_ms(t: KernelTables, m: ModelSpec, tp: int, batch: int, context: int) 
 
 
 CONFIGS = {
-    "h100": ["llama-3.1-8b@h100", "llama-3.1-8b-tp2@h100", "llama-3.1-70b-tp4@h100",
-             "llama-3.1-70b-tp8@h100", "qwen2.5-7b@h100"],
-    "h200": ["llama-3.1-8b@h200", "llama-3.1-70b-tp2@h200", "llama-3.1-70b-tp4@h200",
-             "llama-3.1-70b-tp8@h200", "qwen2.5-7b@h200"],
+    "h100": [
+        "llama-3.1-8b@h100",
+        "llama-3.1-8b-tp2@h100",
+        "llama-3.1-70b-tp4@h100",
+        "llama-3.1-70b-tp8@h100",
+        "qwen2.5-7b@h100",
+    ],
+    "h200": [
+        "llama-3.1-8b@h200",
+        "llama-3.1-70b-tp2@h200",
+        "llama-3.1-70b-tp4@h200",
+        "llama-3.1-70b-tp8@h200",
+        "qwen2.5-7b@h200",
+    ],
 }
 
 
@@ -177,13 +189,22 @@ def aiconfigurator_rows(traces: Path) -> list[Row]:
             if (m.num_heads // tp, max(1, m.num_kv_heads // tp)) not in tables.generation:
                 continue
             rows.extend(
-                Row("aiconfigurator", "prefill", name, 1, isl, 0, prefill_ms(tables, m, tp, isl) / 1e3,
-                    device_only=True)
+                Row(
+                    "aiconfigurator", "prefill", name, 1, isl, 0, prefill_ms(tables, m, tp, isl) / 1e3, device_only=True
+                )
                 for isl in (128, 512, 1024, 2048, 4096, 8192)
             )
             rows.extend(
-                Row("aiconfigurator", "decode", name, batch, 0, context,
-                    decode_ms(tables, m, tp, batch, context) / 1e3, device_only=True)
+                Row(
+                    "aiconfigurator",
+                    "decode",
+                    name,
+                    batch,
+                    0,
+                    context,
+                    decode_ms(tables, m, tp, batch, context) / 1e3,
+                    device_only=True,
+                )
                 for batch in (1, 8, 32, 128)
                 for context in (512, 2048, 8192)
             )

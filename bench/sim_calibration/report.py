@@ -57,7 +57,7 @@ def write(scored: Sequence[Scored], out_dir: Path, fitted: dict[str, Efficiency]
         "`python -m bench.sim_calibration --fit --write-presets` (refit, paste the factors into",
         "`backends/sim/presets.py`) or `python -m bench.sim_calibration` (score the presets as they are).",
         "",
-        "Errors are (predicted - measured) / measured per row; \"median |err|\" is the median of their",
+        'Errors are (predicted - measured) / measured per row; "median |err|" is the median of their',
         "absolute values. A prefill row is predicted as the simulated engine runs it: the batch of prompts",
         "goes through the vLLM V1 scheduler (chunked at the hardware's default `max_num_batched_tokens`)",
         "until every prompt has its first token, and the step times are summed; a kernel-sum row is one",
@@ -71,22 +71,31 @@ def write(scored: Sequence[Scored], out_dir: Path, fitted: dict[str, Efficiency]
     for kind, (n, median) in pooled(scored).items():
         verdict = "met" if median <= TARGET else "NOT met"
         lines.append(f"| {kind} | {n} | {median * 100:.1f} % | ≤ {TARGET * 100:.0f} % | {verdict} |")
-    lines += ["", "## By source", "",
-              "| source | kind | rows | median \\|err\\| | p90 \\|err\\| | median signed (bias) |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "## By source",
+        "",
+        "| source | kind | rows | median \\|err\\| | p90 \\|err\\| | median signed (bias) |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     groups: dict[tuple[str, str], list[Scored]] = defaultdict(list)
     for s in scored:
         groups[(s.row.source, s.row.kind)].append(s)
     for (source, kind), items in sorted(groups.items()):
         bias = statistics.median(s.error for s in items)
-        lines.append(f"| {source} | {kind} | {len(items)} | {_abs_median(items) * 100:.1f} % | "
-                     f"{_p90(items) * 100:.1f} % | {_pct(bias)} |")
+        lines.append(
+            f"| {source} | {kind} | {len(items)} | {_abs_median(items) * 100:.1f} % | "
+            f"{_p90(items) * 100:.1f} % | {_pct(bias)} |"
+        )
     lines += ["", "Sources:", ""]
     lines += [f"- **{name}**: {note}." for name, note in SOURCE_NOTES.items()]
-    lines += ["", "## By configuration", "",
-              "| source | preset | prefill rows | prefill median \\|err\\| | decode rows | "
-              "decode median \\|err\\| |",
-              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "## By configuration",
+        "",
+        "| source | preset | prefill rows | prefill median \\|err\\| | decode rows | decode median \\|err\\| |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     by_preset: dict[tuple[str, str], dict[str, list[Scored]]] = defaultdict(lambda: defaultdict(list))
     for s in scored:
         by_preset[(s.row.source, s.row.preset)][s.row.kind].append(s)
@@ -96,11 +105,16 @@ def write(scored: Sequence[Scored], out_dir: Path, fitted: dict[str, Efficiency]
             items = kinds.get(kind, [])
             cells += [str(len(items)), f"{_abs_median(items) * 100:.1f} %" if items else "-"]
         lines.append(f"| {source} | `{preset}` | {' | '.join(cells)} |")
-    lines += ["", "## Efficiency factors", "",
-              "Fitted per hardware by least squares on log(predicted/measured), soft-L1 loss, each source",
-              "weighted equally; kernel-sum rows constrain only the device factors.", "",
-              "| hardware | " + " | ".join(PARAMS) + " | calibrated | note |",
-              "| --- | " + " | ".join("---:" for _ in PARAMS) + " | --- | --- |"]
+    lines += [
+        "",
+        "## Efficiency factors",
+        "",
+        "Fitted per hardware by least squares on log(predicted/measured), soft-L1 loss, each source",
+        "weighted equally; kernel-sum rows constrain only the device factors.",
+        "",
+        "| hardware | " + " | ".join(PARAMS) + " | calibrated | note |",
+        "| --- | " + " | ".join("---:" for _ in PARAMS) + " | --- | --- |",
+    ]
     for name, hw in HARDWARE.items():
         eff = (fitted or {}).get(name, hw.efficiency)
         values = " | ".join(f"{_g(getattr(eff, p))}" for p in PARAMS)

@@ -65,9 +65,7 @@ def splitwise_rows(traces: Path) -> list[Row]:
             generated = round((float(rec["e2e_time"]) - prompt_ms) / token_ms) + 1
             generated = max(1, min(int(rec["token_size"]), generated))
             rows.append(Row("splitwise", "prefill", preset, batch, prompt, 0, prompt_ms / 1e3))
-            rows.append(
-                Row("splitwise", "decode", preset, batch, 0, prompt + generated // 2, token_ms / 1e3)
-            )
+            rows.append(Row("splitwise", "decode", preset, batch, 0, prompt + generated // 2, token_ms / 1e3))
     return rows
 
 

@@ -37,9 +37,11 @@ async def measure(engines: int, batch: int, seconds: float, time_scale: float) -
     for engine in fleet:
         await engine.stop()
     steps, cpu = steps1 - steps0, cpu1 - cpu0
-    return (f"{engines} engines x batch {batch:4d}: {steps / (wall1 - wall0):6.0f} steps/s, "
-            f"{cpu / steps * 1e6:6.1f} us CPU/step, {cpu / (steps * batch) * 1e6:6.2f} us CPU/token, "
-            f"{cpu / (wall1 - wall0):.2f} cores")
+    return (
+        f"{engines} engines x batch {batch:4d}: {steps / (wall1 - wall0):6.0f} steps/s, "
+        f"{cpu / steps * 1e6:6.1f} us CPU/step, {cpu / (steps * batch) * 1e6:6.2f} us CPU/token, "
+        f"{cpu / (wall1 - wall0):.2f} cores"
+    )
 
 
 async def main(args: argparse.Namespace) -> None:

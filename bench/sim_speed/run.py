@@ -64,15 +64,106 @@ VENV_BIN = Path(sys.executable).parent
 
 # Common English words, each one cl100k token with its leading space: ~1 prompt token per word.
 _WORDS = (
-    "time", "year", "people", "way", "day", "man", "thing", "woman", "life", "child", "world", "school", "state",
-    "family", "student", "group", "country", "problem", "hand", "part", "place", "case", "week", "company", "system",
-    "program", "question", "work", "government", "number", "night", "point", "home", "water", "room", "mother",
-    "area", "money", "story", "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business",
-    "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game", "line", "end",
-    "member", "law", "car", "city", "community", "name", "president", "team", "minute", "idea", "kid", "body",
-    "information", "back", "parent", "face", "others", "level", "office", "door", "health", "person", "art", "war",
-    "history", "party", "result", "change", "morning", "reason", "research", "girl", "guy", "moment", "air",
-    "teacher", "force", "education",
+    "time",
+    "year",
+    "people",
+    "way",
+    "day",
+    "man",
+    "thing",
+    "woman",
+    "life",
+    "child",
+    "world",
+    "school",
+    "state",
+    "family",
+    "student",
+    "group",
+    "country",
+    "problem",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "company",
+    "system",
+    "program",
+    "question",
+    "work",
+    "government",
+    "number",
+    "night",
+    "point",
+    "home",
+    "water",
+    "room",
+    "mother",
+    "area",
+    "money",
+    "story",
+    "fact",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "eye",
+    "job",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "father",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+    "car",
+    "city",
+    "community",
+    "name",
+    "president",
+    "team",
+    "minute",
+    "idea",
+    "kid",
+    "body",
+    "information",
+    "back",
+    "parent",
+    "face",
+    "others",
+    "level",
+    "office",
+    "door",
+    "health",
+    "person",
+    "art",
+    "war",
+    "history",
+    "party",
+    "result",
+    "change",
+    "morning",
+    "reason",
+    "research",
+    "girl",
+    "guy",
+    "moment",
+    "air",
+    "teacher",
+    "force",
+    "education",
 )
 
 
@@ -124,7 +215,9 @@ def _percentile(values: list[float], q: float) -> float:
 async def one_request(session: aiohttp.ClientSession, url: str, instance: int, spec: Spec) -> Result:
     body = {
         "messages": [{"role": "user", "content": spec.prompt}],
-        "max_tokens": spec.max_tokens, "ignore_eos": True, "stream": True,
+        "max_tokens": spec.max_tokens,
+        "ignore_eos": True,
+        "stream": True,
         "stream_options": {"include_usage": True},
     }
     start = time.monotonic()
@@ -132,8 +225,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, instance: int, s
     events = 0
     tail = b""
     try:
-        async with session.post(url + "/v1/chat/completions", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(
+            url + "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as resp:
             if resp.status != 200:
                 await resp.read()
                 return Result(instance, False, 0, 0, 0, 0, 0, 0)
@@ -153,8 +247,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, instance: int, s
             break
     metrics = usage.get("metrics") or {}
     tokens = int((usage.get("usage") or {}).get("completion_tokens", 0))
-    return Result(instance, tokens > 0, (first or end) - start, end - start, float(metrics.get("ttft_s", 0.0)),
-                  float(metrics.get("e2e_s", 0.0)), float(metrics.get("tpot_s", 0.0)), tokens)
+    return Result(
+        instance,
+        tokens > 0,
+        (first or end) - start,
+        end - start,
+        float(metrics.get("ttft_s", 0.0)),
+        float(metrics.get("e2e_s", 0.0)),
+        float(metrics.get("tpot_s", 0.0)),
+        tokens,
+    )
 
 
 async def open_loop(urls: list[str], specs: list[Spec]) -> list[Result]:
@@ -220,10 +322,25 @@ def _core_busy_s() -> list[float]:
 
 class Fleet:
     def __init__(self, args: argparse.Namespace) -> None:
-        command = [sys.executable, str(WORKER), "--instances", str(args.instances), "--time-scale",
-                   str(args.time_scale), "--preset", args.preset, "--src", args.src or str(REPO)]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=(lambda: _pin(0)) if args.pin else None)
+        command = [
+            sys.executable,
+            str(WORKER),
+            "--instances",
+            str(args.instances),
+            "--time-scale",
+            str(args.time_scale),
+            "--preset",
+            args.preset,
+            "--src",
+            args.src or str(REPO),
+        ]
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=(lambda: _pin(0)) if args.pin else None,
+        )
         ready = self._read()
         self.urls: list[str] = ready["ready"]
         self.sim_path: str = ready.get("sim", "?")
@@ -251,16 +368,21 @@ class Fleet:
             self.proc.kill()
 
 
-def summarize(args: argparse.Namespace, before: dict[str, Any], after: dict[str, Any], results: list[Result],
-              client_cpu_s: float) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, before: dict[str, Any], after: dict[str, Any], results: list[Result], client_cpu_s: float
+) -> dict[str, Any]:
     wall = after["wall_s"] - before["wall_s"]
     cpu = after["cpu_s"] - before["cpu_s"]
     scale = args.time_scale
-    tokens = sum(b["generation_tokens"] - a["generation_tokens"] for a, b in zip(before["engines"], after["engines"],
-                                                                                 strict=True))
+    tokens = sum(
+        b["generation_tokens"] - a["generation_tokens"]
+        for a, b in zip(before["engines"], after["engines"], strict=True)
+    )
     steps = sum(b["steps"] - a["steps"] for a, b in zip(before["engines"], after["engines"], strict=True))
-    lags = [((wall * scale) - (b["sim_now_s"] - a["sim_now_s"])) / scale
-            for a, b in zip(before["engines"], after["engines"], strict=True)]
+    lags = [
+        ((wall * scale) - (b["sim_now_s"] - a["sim_now_s"])) / scale
+        for a, b in zip(before["engines"], after["engines"], strict=True)
+    ]
     ok = [r for r in results if r.ok]
     cores = [round((b - a) / wall, 3) for a, b in zip(before["cores_busy_s"], after["cores_busy_s"], strict=True)]
     excess_ttft = [(r.wall_ttft_s - r.sim_ttft_s / scale) * 1e3 for r in ok]
@@ -285,7 +407,8 @@ def summarize(args: argparse.Namespace, before: dict[str, Any], after: dict[str,
         "cpu_ms_per_request": round(cpu * 1e3 / len(ok), 3) if ok else float("nan"),
         "cpu_us_per_step": round(cpu * 1e6 / steps, 1) if steps else float("nan"),
         "gc_collections_per_s": round((after.get("gc_collections", 0) - before.get("gc_collections", 0)) / wall, 1)
-        if wall else 0.0,
+        if wall
+        else 0.0,
         "lag_ms_per_wall_s_mean": round(statistics.fmean(lags) / wall * 1e3, 1) if wall else 0.0,
         "lag_ms_per_wall_s_max": round(max(lags) / wall * 1e3, 1) if wall else 0.0,
         "excess_ttft_ms": {f"p{q}": round(_percentile(excess_ttft, q / 100), 2) for q in (50, 90, 99)},
@@ -297,17 +420,26 @@ def summarize(args: argparse.Namespace, before: dict[str, Any], after: dict[str,
 
 
 ROWS = (
-    ("requests", "requests"), ("generated_tokens", "generated tokens"), ("wall_s", "window (wall s)"),
-    ("tokens_per_wall_s", "tokens / wall s"), ("max_concurrency_est", "mean concurrent streams"),
-    ("engine_cpu_util", "fleet CPU (cores)"), ("cpu_ms_per_1k_tokens", "CPU ms / 1k tokens"),
-    ("cpu_ms_per_request", "CPU ms / request"), ("cpu_us_per_step", "CPU us / engine step"),
+    ("requests", "requests"),
+    ("generated_tokens", "generated tokens"),
+    ("wall_s", "window (wall s)"),
+    ("tokens_per_wall_s", "tokens / wall s"),
+    ("max_concurrency_est", "mean concurrent streams"),
+    ("engine_cpu_util", "fleet CPU (cores)"),
+    ("cpu_ms_per_1k_tokens", "CPU ms / 1k tokens"),
+    ("cpu_ms_per_request", "CPU ms / request"),
+    ("cpu_us_per_step", "CPU us / engine step"),
     ("gc_collections_per_s", "GC collections / s"),
     ("lag_ms_per_wall_s_mean", "clock lag ms / wall s (mean)"),
     ("lag_ms_per_wall_s_max", "clock lag ms / wall s (max)"),
-    ("excess_ttft_ms.p50", "client excess TTFT p50 ms"), ("excess_ttft_ms.p99", "client excess TTFT p99 ms"),
-    ("excess_e2e_ms.p50", "client excess e2e p50 ms"), ("excess_e2e_ms.p99", "client excess e2e p99 ms"),
-    ("sim_ttft_ms_p50", "simulated TTFT p50 ms"), ("sim_tpot_ms_p50", "simulated TPOT p50 ms"),
-    ("client_cpu_s", "client CPU s"), ("cores_busy", "busy fraction of each core (fleet on 0)"),
+    ("excess_ttft_ms.p50", "client excess TTFT p50 ms"),
+    ("excess_ttft_ms.p99", "client excess TTFT p99 ms"),
+    ("excess_e2e_ms.p50", "client excess e2e p50 ms"),
+    ("excess_e2e_ms.p99", "client excess e2e p99 ms"),
+    ("sim_ttft_ms_p50", "simulated TTFT p50 ms"),
+    ("sim_tpot_ms_p50", "simulated TPOT p50 ms"),
+    ("client_cpu_s", "client CPU s"),
+    ("cores_busy", "busy fraction of each core (fleet on 0)"),
     ("foreign_cores", "other CPU use (cores; should be ~0)"),
 )
 
@@ -321,8 +453,7 @@ def _get(data: dict[str, Any], key: str) -> Any:
 
 
 def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
-    lines = ["| metric | " + " | ".join(name for name, _ in runs) + " |",
-             "| --- |" + " ---: |" * len(runs)]
+    lines = ["| metric | " + " | ".join(name for name, _ in runs) + " |", "| --- |" + " ---: |" * len(runs)]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(str(_get(data, key)) for _, data in runs) + " |")
     if len(runs) == 2:
@@ -334,8 +465,9 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
 async def _warm_up(urls: list[str]) -> None:
     async with aiohttp.ClientSession() as session:
         specs = make_specs(len(urls), 0.0, 64, 4, seed=99)
-        await asyncio.gather(*(one_request(session, url, i, spec) for i, (url, spec) in
-                               enumerate(zip(urls, specs, strict=True))))
+        await asyncio.gather(
+            *(one_request(session, url, i, spec) for i, (url, spec) in enumerate(zip(urls, specs, strict=True)))
+        )
 
 
 def _run_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -361,10 +493,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _pin(1)
         _run_loop(_warm_up(fleet.urls))
         if args.profile:
-            profiler = subprocess.Popen([str(VENV_BIN / "py-spy"), "record", "-p", str(fleet.proc.pid), "-f", "raw",
-                                         *(["--native"] if args.native else []),
-                                         "-r", "200", "-o", args.profile, *([] if args.native else ["--nonblocking"])],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            profiler = subprocess.Popen(
+                [
+                    str(VENV_BIN / "py-spy"),
+                    "record",
+                    "-p",
+                    str(fleet.proc.pid),
+                    "-f",
+                    "raw",
+                    *(["--native"] if args.native else []),
+                    "-r",
+                    "200",
+                    "-o",
+                    args.profile,
+                    *([] if args.native else ["--nonblocking"]),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             time.sleep(1.0)
         before = fleet.mark()
         before["cores_busy_s"] = _core_busy_s()
@@ -407,9 +553,11 @@ def run_ab(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             one.src = src
             summary = run(one)
             runs[label].append(summary)
-            print(f"[{index + 1}/{args.repeat}] {label}: {summary['cpu_ms_per_1k_tokens']} CPU ms / 1k tokens, "
-                  f"lag {summary['lag_ms_per_wall_s_mean']} ms/s, other load {summary['foreign_cores']} cores",
-                  flush=True)
+            print(
+                f"[{index + 1}/{args.repeat}] {label}: {summary['cpu_ms_per_1k_tokens']} CPU ms / 1k tokens, "
+                f"lag {summary['lag_ms_per_wall_s_mean']} ms/s, other load {summary['foreign_cores']} cores",
+                flush=True,
+            )
     return runs
 
 
@@ -426,8 +574,9 @@ def main() -> None:
     parser.add_argument("--output-mean", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--src", default=None, help="directory with the `backends` package to benchmark")
-    parser.add_argument("--baseline", default=None,
-                        help="directory with an older `backends`: run it and this tree alternately")
+    parser.add_argument(
+        "--baseline", default=None, help="directory with an older `backends`: run it and this tree alternately"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="with --baseline: runs of each")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin fleet/client to CPUs 0/1")
     parser.add_argument("--profile", default=None, help="py-spy raw (collapsed) profile of the fleet to this file")

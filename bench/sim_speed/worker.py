@@ -35,15 +35,16 @@ def _snapshot(instances: list[Any], started: float) -> dict[str, Any]:
         engine = instance.engine
         labels = {"model_name": engine.config.served_model_name, "engine": "0"}
         registry = engine.metrics.registry
-        engines.append({
-            "sim_now_s": engine.clock.now(),
-            "steps": engine.steps,
-            "generation_tokens": registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0,
-            "prompt_tokens": registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0,
-        })
+        engines.append(
+            {
+                "sim_now_s": engine.clock.now(),
+                "steps": engine.steps,
+                "generation_tokens": registry.get_sample_value("vllm:generation_tokens_total", labels) or 0.0,
+                "prompt_tokens": registry.get_sample_value("vllm:prompt_tokens_total", labels) or 0.0,
+            }
+        )
     collections = sum(generation["collections"] for generation in gc.get_stats())
-    return {"wall_s": time.monotonic() - started, "cpu_s": _cpu_s(), "gc_collections": collections,
-            "engines": engines}
+    return {"wall_s": time.monotonic() - started, "cpu_s": _cpu_s(), "gc_collections": collections, "engines": engines}
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -55,8 +56,7 @@ async def _main(args: argparse.Namespace) -> None:
     instances = await start_instances(config, args.instances, "127.0.0.1", 0)
     import backends.sim
 
-    print(json.dumps({"ready": [i.url for i in instances], "sim": str(Path(backends.sim.__file__).parent)}),
-          flush=True)
+    print(json.dumps({"ready": [i.url for i in instances], "sim": str(Path(backends.sim.__file__).parent)}), flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

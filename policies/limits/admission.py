@@ -160,8 +160,13 @@ class Admission:
             return
         outcome = done.result()
         settlement = Settlement(
-            charge.ticket_id, outcome.source, [-c for c in charge.bucket_costs], -charge.cost_usd,
-            outcome.budget_periods, 0.0, getattr(getattr(self.store, "local", None), "generation", 0),
+            charge.ticket_id,
+            outcome.source,
+            [-c for c in charge.bucket_costs],
+            -charge.cost_usd,
+            outcome.budget_periods,
+            0.0,
+            getattr(getattr(self.store, "local", None), "generation", 0),
         )
         self._background(self.store.apply(plan, settlement))
 
@@ -201,7 +206,10 @@ class Admission:
         for budget, spent, pid in zip(plan.budgets, outcome.budget_spent, outcome.budget_periods, strict=True):
             if not budget.shadow and spent + charge.cost_usd > budget.limit_usd * scale:
                 return rejections.budget_exhausted(
-                    model, budget, spent_usd=spent, cost_usd=charge.cost_usd,
+                    model,
+                    budget,
+                    spent_usd=spent,
+                    cost_usd=charge.cost_usd,
                     resets_at_s=buckets.period_end_s(budget.period, pid),
                 )
         worst: Rejection | None = None
@@ -281,8 +289,13 @@ class Admission:
                 for spec, reserved in zip(plan.buckets, ticket.bucket_costs, strict=True)
             ]
             settlement = Settlement(
-                ticket.ticket_id, ticket.source, deltas, actual_usd - ticket.cost_usd if plan.budgets else 0.0,
-                ticket.budget_periods, actual_usd, ticket.generation,
+                ticket.ticket_id,
+                ticket.source,
+                deltas,
+                actual_usd - ticket.cost_usd if plan.budgets else 0.0,
+                ticket.budget_periods,
+                actual_usd,
+                ticket.generation,
             )
             await self._apply(plan, settlement, now)
         except Exception:
@@ -297,8 +310,13 @@ class Admission:
         if ticket.source == "none" or ticket.plan is None:
             return
         settlement = Settlement(
-            ticket.ticket_id, ticket.source, [-c for c in ticket.bucket_costs], -ticket.cost_usd,
-            ticket.budget_periods, 0.0, ticket.generation,
+            ticket.ticket_id,
+            ticket.source,
+            [-c for c in ticket.bucket_costs],
+            -ticket.cost_usd,
+            ticket.budget_periods,
+            0.0,
+            ticket.generation,
         )
         try:
             await self._apply(ticket.plan, settlement, now)

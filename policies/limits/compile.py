@@ -126,8 +126,7 @@ class LimitIndex:
         matching = [
             rule
             for rule in rules
-            if getattr(rule, dimension) is not None
-            and all(subject[k] == v for k, v in self._matches[id(rule)].items())
+            if getattr(rule, dimension) is not None and all(subject[k] == v for k, v in self._matches[id(rule)].items())
         ]
         fields = [set(self._matches[id(rule)]) for rule in matching]
         return [

@@ -38,6 +38,7 @@ SWEEP_EVERY = 4096
 
 class FailoverStore:
     may_suspend = True
+
     def __init__(
         self,
         redis: RedisStore,
@@ -55,8 +56,13 @@ class FailoverStore:
         self._flushing: asyncio.Task[None] | None = None
         self._ops = 0
         self._offset_s = 0.0  # Redis TIME - local clock, from the latest reply
-        self.stats = {"redis_errors": 0, "precheck_rejections": 0, "local_admissions": 0, "replayed": 0,
-                      "dropped_settlements": 0}
+        self.stats = {
+            "redis_errors": 0,
+            "precheck_rejections": 0,
+            "local_admissions": 0,
+            "replayed": 0,
+            "dropped_settlements": 0,
+        }
 
     # ------------------------------------------------------------------ reserve
     async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome:

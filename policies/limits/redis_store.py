@@ -51,9 +51,7 @@ class RedisStore:
         self.pipeline = AutoPipeline(client, (self._reserve, self._settle), batch=batch)
 
     @classmethod
-    def from_url(
-        cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True
-    ) -> RedisStore:
+    def from_url(cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True) -> RedisStore:
         """A client for the hot path: short timeouts and no client-side retries (the breaker decides)."""
         client = Redis.from_url(
             url,

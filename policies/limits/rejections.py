@@ -40,7 +40,13 @@ def _amount(x: float) -> str:
 
 
 def rate_limited(
-    model: str, spec: BucketSpec | LeaseSpec, *, capacity: float, used: float, requested: float, wait_s: float,
+    model: str,
+    spec: BucketSpec | LeaseSpec,
+    *,
+    capacity: float,
+    used: float,
+    requested: float,
+    wait_s: float,
     headers: Headers,
 ) -> Rejection:
     kind = spec.kind if isinstance(spec, BucketSpec) else "requests"

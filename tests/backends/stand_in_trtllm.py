@@ -42,7 +42,8 @@ def main() -> int:
             print(f"answered starting {hits['starting']}", flush=True)
             return web.json_response(
                 {"error": {"type": "ServiceUnavailableError", "code": "starting", "message": "starting"}},
-                status=503, headers={"x-trtllm-server-state": "starting", "retry-after": "1"},
+                status=503,
+                headers={"x-trtllm-server-state": "starting", "retry-after": "1"},
             )
         return await handler(request)
 

@@ -81,9 +81,12 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: st
 
 async def chat(endpoint: Endpoint) -> int:
     body = {"model": endpoint.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    async with aiohttp.ClientSession() as session, session.post(
-        endpoint.base_url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)
-    ) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            endpoint.base_url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=30)
+        ) as response,
+    ):
         await response.read()
         return response.status
 

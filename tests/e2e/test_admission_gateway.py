@@ -60,8 +60,11 @@ def doc(limits: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, A
                 "price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0},
                 "fallbacks": [{"model": QWEN, "triggers": ["rate_limited", "budget_exhausted"]}],
             },
-            QWEN: {"context_length": 16384, "default_max_tokens": 64,
-                   "price": {"input_per_mtok": 1.0, "output_per_mtok": 2.0}},
+            QWEN: {
+                "context_length": 16384,
+                "default_max_tokens": 64,
+                "price": {"input_per_mtok": 1.0, "output_per_mtok": 2.0},
+            },
         },
         "limits": limits or [],
         **extra,
@@ -77,8 +80,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimEngin
         yield llama, qwen
 
 
-def gateway(workdir: Path, engines: tuple[SimEngines, SimEngines], policies: dict[str, Any],
-            **sections: Any) -> Gateway:
+def gateway(
+    workdir: Path, engines: tuple[SimEngines, SimEngines], policies: dict[str, Any], **sections: Any
+) -> Gateway:
     llama, qwen = engines
     pools = [static_pool("llama", LLAMA, llama.urls), static_pool("qwen", QWEN, qwen.urls)]
     return start_gateway(workdir, pools=pools, policies=policies, **sections)
@@ -90,7 +94,10 @@ def client(gw: Gateway, key: str = TEST_KEY, max_retries: int = 0) -> openai.Ope
 
 def chat(gw: Gateway, key: str = TEST_KEY, model: str = LLAMA, max_retries: int = 0, **extra: Any) -> Any:
     return client(gw, key, max_retries).chat.completions.with_raw_response.create(
-        model=model, messages=MESSAGES, max_tokens=extra.pop("max_tokens", 8), **extra  # type: ignore[arg-type]
+        model=model,
+        messages=MESSAGES,
+        max_tokens=extra.pop("max_tokens", 8),
+        **extra,  # type: ignore[arg-type]
     )
 
 
@@ -103,8 +110,10 @@ def require_admission(response: Any) -> None:
 def test_over_limit_on_the_expensive_model_is_served_by_the_cheaper_one(
     tmp_path: Path, engines: tuple[SimEngines, SimEngines]
 ) -> None:
-    limits = [{"scope": "key_model", "match": {"model": LLAMA}, "rpm": 1},
-              {"scope": "key_model", "match": {"model": QWEN}, "rpm": 100}]
+    limits = [
+        {"scope": "key_model", "match": {"model": LLAMA}, "rpm": 1},
+        {"scope": "key_model", "match": {"model": QWEN}, "rpm": 100},
+    ]
     gw = gateway(tmp_path / "gw", engines, doc(limits))
     with running(gw):
         first = chat(gw)
@@ -115,7 +124,10 @@ def test_over_limit_on_the_expensive_model_is_served_by_the_cheaper_one(
         assert second.headers["x-tokenway-fallback"] == f"{LLAMA}->{QWEN};reason=rate_limited"
         assert second.headers["x-ratelimit-limit-requests"] == "100"  # re-admitted at qwen's limits
         stream = client(gw).chat.completions.with_raw_response.create(
-            model=LLAMA, messages=MESSAGES, max_tokens=4, stream=True  # type: ignore[arg-type]
+            model=LLAMA,
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,  # type: ignore[arg-type]
         )
         assert stream.headers["x-ratelimit-limit-requests"] == "100"  # streamed responses carry them too
         assert "x-ratelimit-remaining-requests" in stream.headers

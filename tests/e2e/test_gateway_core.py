@@ -56,7 +56,9 @@ def client(gateway: Gateway, key: str = TEST_KEY, **kwargs: Any) -> openai.OpenA
 def test_chat_non_streamed_sync(fleet: tuple[Gateway, SimEngines]) -> None:
     gateway, _ = fleet
     raw = client(gateway).chat.completions.with_raw_response.create(
-        model="gpt-4o-mini", messages=MESSAGES, max_tokens=12  # type: ignore[arg-type]
+        model="gpt-4o-mini",
+        messages=MESSAGES,
+        max_tokens=12,  # type: ignore[arg-type]
     )
     completion = raw.parse()
     assert completion.choices[0].message.content
@@ -81,7 +83,10 @@ async def test_chat_streamed_async_with_usage(fleet: tuple[Gateway, SimEngines])
     gateway, _ = fleet
     async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0) as aclient:
         stream = await aclient.chat.completions.create(
-            model="llama-3.1-8b", messages=MESSAGES, max_tokens=16, stream=True,  # type: ignore[arg-type]
+            model="llama-3.1-8b",
+            messages=MESSAGES,
+            max_tokens=16,
+            stream=True,  # type: ignore[arg-type]
             stream_options={"include_usage": True},
         )
         text, usage = "", None
@@ -99,7 +104,10 @@ def test_stream_without_usage_gets_no_usage_chunk(fleet: tuple[Gateway, SimEngin
     gateway, _ = fleet
     chunks = list(
         client(gateway).chat.completions.create(
-            model="llama-3.1-8b", messages=MESSAGES, max_tokens=8, stream=True  # type: ignore[arg-type]
+            model="llama-3.1-8b",
+            messages=MESSAGES,
+            max_tokens=8,
+            stream=True,  # type: ignore[arg-type]
         )
     )
     assert chunks and all(c.usage is None for c in chunks)
@@ -176,7 +184,9 @@ def test_malformed_bodies_get_400(fleet: tuple[Gateway, SimEngines], payload: by
     import urllib.request
 
     request = urllib.request.Request(
-        gateway.base_url + "/chat/completions", data=payload, method="POST",
+        gateway.base_url + "/chat/completions",
+        data=payload,
+        method="POST",
         headers={"Authorization": f"Bearer {TEST_KEY}", "Content-Type": "application/json"},
     )
     with pytest.raises(urllib.error.HTTPError) as caught:
@@ -192,7 +202,10 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b", time_scale=1)
     gateway = gateway_factory(pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc())
     stream = client(gateway).chat.completions.create(
-        model="llama-3.1-8b", messages=MESSAGES, max_tokens=2000, stream=True,  # type: ignore[arg-type]
+        model="llama-3.1-8b",
+        messages=MESSAGES,
+        max_tokens=2000,
+        stream=True,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
     )
     for received, _ in enumerate(stream, start=1):
@@ -215,7 +228,8 @@ def test_body_too_large_gets_413(
 ) -> None:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b")
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(),
         server={"max_body_bytes": 4096},
     )
     big = [{"role": "user", "content": "x" * 10_000}]
@@ -232,7 +246,8 @@ def test_slow_clients_and_huge_headers_are_cut_off_without_harming_others(
 ) -> None:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b")
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(),
         server={"request_read_timeout_s": 1.0, "max_header_bytes": 2048},
     )
     # a client that never finishes its headers
@@ -242,7 +257,7 @@ def test_slow_clients_and_huge_headers_are_cut_off_without_harming_others(
     slow_body = socket.create_connection(("127.0.0.1", gateway.port))
     slow_body.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 500\r\nAuthorization: Bearer " + TEST_KEY.encode() + b"\r\n\r\n{\"model\""
+        b"Content-Length: 500\r\nAuthorization: Bearer " + TEST_KEY.encode() + b'\r\n\r\n{"model"'
     )
     # meanwhile, others are served
     assert client(gateway).chat.completions.create(model="llama-3.1-8b", messages=MESSAGES, max_tokens=2).choices
@@ -270,12 +285,17 @@ def test_sigterm_drains_in_flight_streams(
 ) -> None:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b", time_scale=2)
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(),
         server={"drain_timeout_s": 30},
     )
     stream = client(gateway).chat.completions.create(
-        model="llama-3.1-8b", messages=MESSAGES, max_tokens=60, stream=True,  # type: ignore[arg-type]
-        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        model="llama-3.1-8b",
+        messages=MESSAGES,
+        max_tokens=60,
+        stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
     )
     first = next(iter(stream))
     assert first is not None
@@ -312,7 +332,9 @@ def test_openai_client_retries_our_503_until_a_backend_is_ready(
     ports = free_ports(1)
     url = f"http://127.0.0.1:{ports[0]}"
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", [url])], policies=policies_doc(), wait_ready=False,
+        pools=[static_pool("llama", "llama-3.1-8b", [url])],
+        policies=policies_doc(),
+        wait_ready=False,
         backends={"health_interval_s": 0.2},
     )
     status, body = http_get(gateway.url + "/readyz")
@@ -322,8 +344,14 @@ def test_openai_client_retries_our_503_until_a_backend_is_ready(
     assert caught.value.status_code == 503
     assert caught.value.response.headers["retry-after"] == "1"
     assert caught.value.response.json()["error"]["code"] == "no_healthy_backend"
-    engines = start_sim(tmp_path, count=1, served_model_name="llama-3.1-8b", args=["--startup-delay-s", "1.5"],
-                        port=ports[0], wait=False)
+    engines = start_sim(
+        tmp_path,
+        count=1,
+        served_model_name="llama-3.1-8b",
+        args=["--startup-delay-s", "1.5"],
+        port=ports[0],
+        wait=False,
+    )
     try:
         raw = client(gateway, max_retries=8).chat.completions.with_raw_response.create(
             model="llama-3.1-8b", messages=MESSAGES, max_tokens=2
@@ -340,7 +368,8 @@ def test_retry_moves_the_request_to_another_endpoint_when_one_refuses(
     first = sim_factory(count=1, served_model_name="llama-3.1-8b")
     second = sim_factory(count=1, served_model_name="llama-3.1-8b")
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", [first.urls[0], second.urls[0]])], policies=policies_doc(),
+        pools=[static_pool("llama", "llama-3.1-8b", [first.urls[0], second.urls[0]])],
+        policies=policies_doc(),
         backends={"health_interval_s": 600, "ejection": {"consecutive_failures": 100}},
         routing={"pools": {"llama": {"router": "round-robin"}}},  # blind to load: it will pick the dead one
     )

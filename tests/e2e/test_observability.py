@@ -24,8 +24,12 @@ from tests.support.procs import REPO, TEST_KEY, Gateway, SimEngines, http_get, p
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "Tell me about tokens."}]
-MODELS = {"llama-3.1-8b": {"aliases": ["gpt-4o-mini"], "price": {"input_per_mtok": 2.0, "output_per_mtok": 8.0,
-                                                                 "cached_input_per_mtok": 0.5}}}
+MODELS = {
+    "llama-3.1-8b": {
+        "aliases": ["gpt-4o-mini"],
+        "price": {"input_per_mtok": 2.0, "output_per_mtok": 8.0, "cached_input_per_mtok": 0.5},
+    }
+}
 
 
 def samples(gateway: Gateway) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -47,7 +51,8 @@ def test_metrics_after_traffic(
 ) -> None:
     engines = sim_factory(count=2, served_model_name="llama-3.1-8b")
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(models=MODELS),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(models=MODELS),
         ledger={"dir": str(tmp_path / "usage")},
     )
     client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
@@ -92,14 +97,18 @@ async def test_traces_reach_an_otlp_receiver(
 ) -> None:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b")
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(models=MODELS),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(models=MODELS),
         telemetry={"otlp": {"endpoint": receiver.url, "metrics_interval_s": 0.5}},
         ledger={"dir": str(tmp_path / "usage")},
     )
     parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0) as client:
         stream = await client.chat.completions.create(
-            model="llama-3.1-8b", messages=MESSAGES, max_tokens=4, stream=True,  # type: ignore[arg-type]
+            model="llama-3.1-8b",
+            messages=MESSAGES,
+            max_tokens=4,
+            stream=True,  # type: ignore[arg-type]
             extra_headers={"traceparent": parent},
         )
         assert [chunk async for chunk in stream]  # consumed to the end: the trace completes
@@ -145,7 +154,8 @@ def test_ledger_survives_kill_9_under_load(
     usage_dir = tmp_path / "usage"
     interval_ms = 100
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(models=MODELS),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(models=MODELS),
         ledger={"dir": str(usage_dir), "commit_interval_ms": interval_ms},
     )
     done: list[tuple[str, float]] = []
@@ -178,7 +188,8 @@ def test_report_totals_equal_the_records(
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b")
     usage_dir = tmp_path / "usage"
     gateway = gateway_factory(
-        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], policies=policies_doc(models=MODELS),
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)],
+        policies=policies_doc(models=MODELS),
         ledger={"dir": str(usage_dir)},
     )
     client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
@@ -186,16 +197,33 @@ def test_report_totals_equal_the_records(
         client.chat.completions.create(model="llama-3.1-8b", messages=MESSAGES, max_tokens=3 + i)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gateway.base_url, api_key="bad", max_retries=0).chat.completions.create(
-            model="llama-3.1-8b", messages=MESSAGES  # type: ignore[arg-type]
+            model="llama-3.1-8b",
+            messages=MESSAGES,  # type: ignore[arg-type]
         )
     assert gateway.stop() == 0  # clean shutdown: everything flushed and fsynced
     records = list(iter_entries(usage_dir))
     assert len(records) == 6
     assert {r["status"] for r in records} == {"ok", "rejected"}
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "usage", "report", "--dir", str(usage_dir), "--since", "1h",
-         "--by", "tenant,model", "--format", "json"],
-        capture_output=True, text=True, cwd=REPO, check=True,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "usage",
+            "report",
+            "--dir",
+            str(usage_dir),
+            "--since",
+            "1h",
+            "--by",
+            "tenant,model",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
     )
     report: dict[str, Any] = json.loads(out.stdout)
     rows = report["groups"]

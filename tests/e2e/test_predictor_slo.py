@@ -80,12 +80,19 @@ def policies(on_miss: str, **slo: Any) -> dict[str, Any]:
 
 def gateway(workdir: Path, pools: list[dict[str, Any]], policy: dict[str, Any], **sections: Any) -> Gateway:
     predictor = {
-        "worker": "thread", "prior": {"time_scale": TIME_SCALE}, "recent_ttft_window_s": 0,
+        "worker": "thread",
+        "prior": {"time_scale": TIME_SCALE},
+        "recent_ttft_window_s": 0,
         **sections.pop("predictor", {}),
     }
     return start_gateway(
-        workdir, pools=pools, policies=policy, predictor=predictor,
-        backends={"scrape_interval_s": 0.05}, ledger={"enabled": False}, **sections,
+        workdir,
+        pools=pools,
+        policies=policy,
+        predictor=predictor,
+        backends={"scrape_interval_s": 0.05},
+        ledger={"enabled": False},
+        **sections,
     )
 
 
@@ -100,19 +107,28 @@ def client(gw: Gateway, key: str = TEST_KEY, max_retries: int = 0) -> openai.Ope
     return openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=max_retries, timeout=60)
 
 
-def chat(gw: Gateway, key: str = TEST_KEY, *, max_retries: int = 0, headers: dict[str, str] | None = None,
-         **extra: Any) -> Any:
+def chat(
+    gw: Gateway, key: str = TEST_KEY, *, max_retries: int = 0, headers: dict[str, str] | None = None, **extra: Any
+) -> Any:
     return client(gw, key, max_retries).chat.completions.with_raw_response.create(
-        model=extra.pop("model", LLAMA), messages=MESSAGES, max_tokens=extra.pop("max_tokens", 64),  # type: ignore[arg-type]
-        extra_headers={"x-tokenway-debug": "1", **(headers or {})}, **extra,
+        model=extra.pop("model", LLAMA),
+        messages=MESSAGES,
+        max_tokens=extra.pop("max_tokens", 64),  # type: ignore[arg-type]
+        extra_headers={"x-tokenway-debug": "1", **(headers or {})},
+        **extra,
     )
 
 
 def stream(gw: Gateway, key: str = OTHER_KEY, max_tokens: int = 16, **extra: Any) -> Any:
     """A streamed request (the predictor learns from streams); its raw response, fully consumed."""
     response = client(gw, key).chat.completions.with_raw_response.create(
-        model=LLAMA, messages=MESSAGES, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
-        extra_headers={"x-tokenway-debug": "1"}, extra_body={"ignore_eos": True}, **extra,
+        model=LLAMA,
+        messages=MESSAGES,
+        max_tokens=max_tokens,
+        stream=True,  # type: ignore[arg-type]
+        extra_headers={"x-tokenway-debug": "1"},
+        extra_body={"ignore_eos": True},
+        **extra,
     )
     assert list(response.parse())  # consumed to the end: the gateway observes TTFT and TPOT
     return response
@@ -175,8 +191,13 @@ def warm(gw: Gateway) -> None:
 def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_after_restart(
     tmp_path: Path, engines: dict[str, SimEngines]
 ) -> None:
-    settings = {"min_samples": 10, "retrain_min_new_samples": 10, "retrain_interval_s": 0.2,
-                "model_dir": str(tmp_path / "models"), "recent_ttft_window_s": 3600}
+    settings = {
+        "min_samples": 10,
+        "retrain_min_new_samples": 10,
+        "retrain_interval_s": 0.2,
+        "model_dir": str(tmp_path / "models"),
+        "recent_ttft_window_s": 3600,
+    }
     pools = [static_pool("llama", LLAMA, engines["pair"].urls)]
     gw = gateway(tmp_path / "gw1", pools, policies("reject"), predictor=settings)
     with running(gw):
@@ -241,7 +262,10 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
 
     def load(i: int) -> None:  # straight to the engine: the gateway sees it only in scraped metrics
         chunks = direct.chat.completions.create(
-            model=LLAMA, messages=long_prompt, max_tokens=1200, stream=True,  # type: ignore[arg-type]
+            model=LLAMA,
+            messages=long_prompt,
+            max_tokens=1200,
+            stream=True,  # type: ignore[arg-type]
             extra_body={"ignore_eos": True},
         )
         assert list(chunks)  # the whole generation ran on the engine

@@ -86,7 +86,9 @@ def test_requests_sharing_a_prefix_go_to_its_holder(fleet: tuple[Gateway, SimEng
     assert cached_tokens(first) == 0
     for i in range(1, 6):
         raw = sync_client(gateway).chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages(prefix, f"Question {i}?"), max_tokens=4,
+            model=MODEL,
+            messages=messages(prefix, f"Question {i}?"),
+            max_tokens=4,
             extra_headers={"x-tokenway-debug": "1"},
         )
         completion = raw.parse()

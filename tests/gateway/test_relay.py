@@ -78,7 +78,7 @@ async def upstream() -> AsyncIterator[tuple[Upstream, str]]:
 
 
 def target(url: str, public: str = "public-name") -> UpstreamTarget:
-    body = b"{\"stream\": true}"
+    body = b'{"stream": true}'
     return UpstreamTarget(url=url, headers={}, body=body, served_model="engine-name", public_model=public)
 
 
@@ -92,8 +92,14 @@ async def relay_through(url: str, *, wants_usage: bool) -> tuple[bytes, RelayOut
             ticket = inflight.begin(5)
             try:
                 await relay_stream(
-                    session, request, target(url), ticket, outcome,
-                    client_wants_usage=wants_usage, response_headers=[("x-extra", "1")], prompt_tokens=5,
+                    session,
+                    request,
+                    target(url),
+                    ticket,
+                    outcome,
+                    client_wants_usage=wants_usage,
+                    response_headers=[("x-extra", "1")],
+                    prompt_tokens=5,
                 )
             finally:
                 ticket.end()
@@ -113,8 +119,9 @@ async def relay_through(url: str, *, wants_usage: bool) -> tuple[bytes, RelayOut
     return body, outcome, inflight
 
 
-@pytest.mark.parametrize("wants_usage", [pytest.param(True, id="client-asked-usage"),
-                                         pytest.param(False, id="client-did-not-ask")])
+@pytest.mark.parametrize(
+    "wants_usage", [pytest.param(True, id="client-asked-usage"), pytest.param(False, id="client-did-not-ask")]
+)
 async def test_stream_relays_events_and_learns_usage(upstream: tuple[Upstream, str], wants_usage: bool) -> None:
     _, url = upstream
     body, outcome, inflight = await relay_through(url, wants_usage=wants_usage)
@@ -134,7 +141,7 @@ async def test_failure_after_first_byte_becomes_one_error_event(upstream: tuple[
     body, outcome, _ = await relay_through(url, wants_usage=False)
     events = [e for e in body.split(b"\n\n") if e]
     assert outcome.broken
-    error = orjson.loads(events[-1][len(b"data: "):])
+    error = orjson.loads(events[-1][len(b"data: ") :])
     assert error["error"]["code"] == "upstream_error"
     assert b"[DONE]" not in body
 
@@ -208,8 +215,14 @@ async def test_client_disconnect_closes_the_upstream(upstream: tuple[Upstream, s
     async def handler(request: web.Request) -> web.StreamResponse:
         async with UpstreamClient(read_timeout_s=10) as session:
             await relay_stream(
-                session, request, target(url), InFlight().begin(1), outcome,
-                client_wants_usage=False, response_headers=[], prompt_tokens=1,
+                session,
+                request,
+                target(url),
+                InFlight().begin(1),
+                outcome,
+                client_wants_usage=False,
+                response_headers=[],
+                prompt_tokens=1,
             )
         assert outcome.response is not None
         return outcome.response

@@ -80,9 +80,7 @@ def test_queue_wakes_highest_priority_first_and_times_out() -> None:
         queue.notify("p")
         await asyncio.gather(low, high)
         started = time.perf_counter()
-        timed_out = await SloQueue(recheck_s=0.01).wait_for(
-            "p", slo, 0, time.perf_counter() + 0.05, lambda: None
-        )
+        timed_out = await SloQueue(recheck_s=0.01).wait_for("p", slo, 0, time.perf_counter() + 0.05, lambda: None)
         return order, timed_out, time.perf_counter() - started
 
     order, timed_out, waited_s = asyncio.run(scenario())
@@ -95,7 +93,11 @@ def test_slo_miss_is_a_503_with_retry_after() -> None:
     raised = slo_miss(miss, Slo(200.0, 30.0), "llama", REASON_SHED)
     rejection = raised.rejection
     assert (rejection.status, rejection.type, rejection.code, rejection.reason) == (
-        503, "server_error", "slo_unattainable", "shed")
+        503,
+        "server_error",
+        "slo_unattainable",
+        "shed",
+    )
     assert dict(rejection.headers) == {"retry-after": "3", "retry-after-ms": "3000"}
     assert "TTFT <= 200 ms, TPOT <= 30 ms" in rejection.message and not raised.fallback
     fallback = slo_miss(Miss("fallback", miss.closest), Slo(200.0, None), "llama", "slo_unattainable")

@@ -68,7 +68,7 @@ def fixed(answer: bytes, *, close: bool = False) -> Script:
     return script
 
 
-OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 BODY = b'{"model":"m"}'
 
 
@@ -92,7 +92,7 @@ async def test_content_length_answer_and_keep_alive_reuse(serve: Callable[[Scrip
 
 
 async def test_chunked_answer_split_anywhere(serve: Callable[[Script], Awaitable[Server]]) -> None:
-    events = [b"data: {\"a\":1}\n\n", b"data: {\"b\":22}\n\n", b"data: [DONE]\n\n"]
+    events = [b'data: {"a":1}\n\n', b'data: {"b":22}\n\n', b"data: [DONE]\n\n"]
     wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
     for event in events:
         wire += f"{len(event):x};ext=1\r\n".encode() + event + b"\r\n"

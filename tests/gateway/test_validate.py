@@ -21,15 +21,25 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         pytest.param("chat", {"model": "m", "messages": []}, "messages", id="empty-messages"),
         pytest.param("chat", {"model": "m", "messages": "hi"}, "messages", id="messages-not-array"),
         pytest.param("chat", {"model": "m", "messages": ["hi"]}, "messages[0]", id="message-not-object"),
-        pytest.param("chat", {"model": "m", "messages": [{"role": "boss", "content": "x"}]}, "messages[0].role",
-                     id="bad-role"),
-        pytest.param("chat", {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content",
-                     id="missing-content"),
-        pytest.param("chat", {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content",
-                     id="content-wrong-type"),
+        pytest.param(
+            "chat", {"model": "m", "messages": [{"role": "boss", "content": "x"}]}, "messages[0].role", id="bad-role"
+        ),
+        pytest.param(
+            "chat", {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", id="missing-content"
+        ),
+        pytest.param(
+            "chat",
+            {"model": "m", "messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+            id="content-wrong-type",
+        ),
         pytest.param("chat", {**CHAT, "stream": "yes"}, "stream", id="stream-not-bool"),
-        pytest.param("chat", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options",
-                     id="stream-options-without-stream"),
+        pytest.param(
+            "chat",
+            {**CHAT, "stream_options": {"include_usage": True}},
+            "stream_options",
+            id="stream-options-without-stream",
+        ),
         pytest.param("chat", {**CHAT, "max_tokens": 0}, "max_tokens", id="max-tokens-zero"),
         pytest.param("chat", {**CHAT, "max_tokens": "10"}, "max_tokens", id="max-tokens-string"),
         pytest.param("chat", {**CHAT, "max_tokens": True}, "max_tokens", id="max-tokens-bool"),
@@ -58,8 +68,13 @@ def test_bad_bodies_name_the_field(api: Any, body: Any, param: str | None) -> No
         pytest.param("chat", {**CHAT, "stream": True, "stream_options": {"include_usage": True}}, id="chat-stream"),
         pytest.param(
             "chat",
-            {"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": []},
-                                        {"role": "user", "content": [{"type": "text", "text": "x"}]}]},
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "assistant", "content": None, "tool_calls": []},
+                    {"role": "user", "content": [{"type": "text", "text": "x"}]},
+                ],
+            },
             id="chat-parts-and-tool-calls",
         ),
         pytest.param("completions", {"model": "m", "prompt": "hello"}, id="completion-text"),

@@ -78,7 +78,12 @@ def test_check_context() -> None:
     rejection = check_context(p, "a", 3000, 2000)
     assert rejection is not None
     assert (rejection.status, rejection.type, rejection.code, rejection.param, rejection.reason) == (
-        400, "invalid_request_error", "context_length_exceeded", "messages", "context_too_long")
+        400,
+        "invalid_request_error",
+        "context_length_exceeded",
+        "messages",
+        "context_too_long",
+    )
     assert "maximum context length is 4096 tokens" in rejection.message
     assert "5000 tokens (3000 in the messages, 2000 in the completion)" in rejection.message
     assert check_context(p, "a", 4096, None) is not None  # no room left for a single token

@@ -13,6 +13,7 @@ def test_price_uses_cached_input_price_and_defaults_it_to_input() -> None:
     p = policy()
     # big: input $10/M, cached $1/M, output $30/M; small: input $1/M (cached defaults to it), output $2/M
     assert price_usd(p, "big", Usage(1000, 100, cached_tokens=600)) == pytest.approx(
-        400 * 10e-6 + 600 * 1e-6 + 100 * 30e-6)
+        400 * 10e-6 + 600 * 1e-6 + 100 * 30e-6
+    )
     assert price_usd(p, "small", Usage(1000, 100, cached_tokens=600)) == pytest.approx(1000 * 1e-6 + 100 * 2e-6)
     assert price_usd(p, "unpriced", Usage(1000, 100)) == 0.0

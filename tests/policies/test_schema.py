@@ -38,31 +38,51 @@ def problems(data: dict[str, Any]) -> list[str]:
     [
         ({"keys": [{"id": "k", "tenant": "nope", "sha256": hash_key("x")}]}, "keys.0.tenant: unknown tenant 'nope'"),
         ({"limits": [{"scope": "key", "match": {"key": "zz"}, "rpm": 1}]}, "limits.0.match.key: unknown key id 'zz'"),
-        ({"budgets": [{"scope": "model", "match": {"model": "zz"}, "usd_per_day": 1}]},
-         "budgets.0.match.model: unknown model 'zz'"),
-        ({"limits": [{"scope": "key", "rpm": 1}, {"scope": "key", "tpm": 5}]},
-         "limits.1: same identity 'key' as limits[0]"),
+        (
+            {"budgets": [{"scope": "model", "match": {"model": "zz"}, "usd_per_day": 1}]},
+            "budgets.0.match.model: unknown model 'zz'",
+        ),
+        (
+            {"limits": [{"scope": "key", "rpm": 1}, {"scope": "key", "tpm": 5}]},
+            "limits.1: same identity 'key' as limits[0]",
+        ),
         ({"models": {"a": {"fallbacks": ["a"]}}}, "models.a.fallbacks.0.model: a model cannot fall back to itself"),
         ({"models": {"a": {"fallbacks": ["zz"]}}}, "models.a.fallbacks.0.model: unknown model 'zz'"),
-        ({"limits": [{"scope": "tenant", "match": {"model": "a"}, "rpm": 1}]},
-         "limits.0: Value error, scope 'tenant' cannot match on model (expected tenant)"),
+        (
+            {"limits": [{"scope": "tenant", "match": {"model": "a"}, "rpm": 1}]},
+            "limits.0: Value error, scope 'tenant' cannot match on model (expected tenant)",
+        ),
         ({"limits": [{"scope": "key"}]}, "limits.0: Value error, expected at least one of rpm"),
-        ({"limits": [{"scope": "key", "tpm": 1, "weights": {"input": 1}}]},
-         "weights are only read with count: weighted"),
+        (
+            {"limits": [{"scope": "key", "tpm": 1, "weights": {"input": 1}}]},
+            "weights are only read with count: weighted",
+        ),
         ({"budgets": [{"scope": "global"}]}, "budgets.0: Value error, expected usd_per_day and/or usd_per_month"),
     ],
-    ids=["key-tenant", "match-key", "match-model", "duplicate-identity", "self-fallback", "unknown-fallback",
-         "scope-match", "no-dimension", "stray-weights", "no-amount"],
+    ids=[
+        "key-tenant",
+        "match-key",
+        "match-model",
+        "duplicate-identity",
+        "self-fallback",
+        "unknown-fallback",
+        "scope-match",
+        "no-dimension",
+        "stray-weights",
+        "no-amount",
+    ],
 )
 def test_problems_name_their_key_path(extra: dict[str, Any], expected: str) -> None:
     assert any(expected in p for p in problems(doc(**extra))), problems(doc(**extra))
 
 
 def test_all_reference_problems_are_reported_together() -> None:
-    found = problems(doc(
-        keys=[{"id": "k", "tenant": "nope", "sha256": hash_key("x")}],
-        limits=[{"scope": "tenant", "match": {"tenant": "ghost"}, "rpm": 1}],
-    ))
+    found = problems(
+        doc(
+            keys=[{"id": "k", "tenant": "nope", "sha256": hash_key("x")}],
+            limits=[{"scope": "tenant", "match": {"tenant": "ghost"}, "rpm": 1}],
+        )
+    )
     assert len(found) == 2
 
 

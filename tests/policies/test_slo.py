@@ -54,8 +54,12 @@ def prediction(
         pytest.param(FAST, (None, None), (200.0, 20.0, "fallback"), id="class"),
         pytest.param(FAST, (100.0, None), (100.0, 20.0, "fallback"), id="header-tightens"),
         pytest.param(FAST, (500.0, 50.0), (200.0, 20.0, "fallback"), id="header-cannot-loosen"),
-        pytest.param(Slo(ttft_ms=300.0, tpot_ms=None, on_miss="reject", class_name="t"), (None, 15.0),
-                     (300.0, 15.0, "reject"), id="header-adds-a-target"),
+        pytest.param(
+            Slo(ttft_ms=300.0, tpot_ms=None, on_miss="reject", class_name="t"),
+            (None, 15.0),
+            (300.0, 15.0, "reject"),
+            id="header-adds-a-target",
+        ),
         pytest.param(None, (80.0, None), (80.0, None, "proceed"), id="header-only-proceeds"),
     ],
 )
@@ -134,26 +138,53 @@ def slo(on_miss: Any = "fallback", **kw: Any) -> Slo:
 @pytest.mark.parametrize(
     ("the_slo", "predictions", "priority", "floors", "expected"),
     [
-        pytest.param(slo(), [prediction("a", 100), prediction("b", 300)], 0, {}, Meet(frozenset({"a"})),
-                     id="meets-on-one"),
-        pytest.param(slo(), [prediction("a", 100), prediction("b", 120)], 0, {}, Meet(frozenset({"a", "b"})),
-                     id="meets-on-both"),
-        pytest.param(slo(), [prediction("a", 100), prediction("b", 120)], 0, {"a": 9.0},
-                     Meet(frozenset({"b"})), id="running-tpot-slo-excludes-a"),
-        pytest.param(slo(compare="p90"), [prediction("a", 100), prediction("b", 120)], 0, {"a": 12.0},
-                     Meet(frozenset({"b"})), id="running-tpot-slo-excludes-a-p90"),
-        pytest.param(slo("fallback"), [prediction("a", 300), prediction("b", 400)], 0, {}, "fallback",
-                     id="miss-fallback"),
+        pytest.param(
+            slo(), [prediction("a", 100), prediction("b", 300)], 0, {}, Meet(frozenset({"a"})), id="meets-on-one"
+        ),
+        pytest.param(
+            slo(), [prediction("a", 100), prediction("b", 120)], 0, {}, Meet(frozenset({"a", "b"})), id="meets-on-both"
+        ),
+        pytest.param(
+            slo(),
+            [prediction("a", 100), prediction("b", 120)],
+            0,
+            {"a": 9.0},
+            Meet(frozenset({"b"})),
+            id="running-tpot-slo-excludes-a",
+        ),
+        pytest.param(
+            slo(compare="p90"),
+            [prediction("a", 100), prediction("b", 120)],
+            0,
+            {"a": 12.0},
+            Meet(frozenset({"b"})),
+            id="running-tpot-slo-excludes-a-p90",
+        ),
+        pytest.param(
+            slo("fallback"), [prediction("a", 300), prediction("b", 400)], 0, {}, "fallback", id="miss-fallback"
+        ),
         pytest.param(slo("queue"), [prediction("a", 300), prediction("b", 400)], 0, {}, "queue", id="miss-queue"),
         pytest.param(slo("reject"), [prediction("a", 300)], 0, {}, "reject", id="miss-reject"),
         pytest.param(slo("proceed"), [prediction("a", 300)], 0, {}, "proceed", id="miss-proceed"),
         pytest.param(slo("queue"), [prediction("a", 300)], -2, {}, "shed", id="sheddable-shed-not-queued"),
         pytest.param(slo("fallback"), [prediction("a", 300)], -1, {}, "shed", id="low-shed-not-fallen-back"),
         pytest.param(slo("proceed"), [prediction("a", 300)], -2, {}, "shed", id="sheddable-shed-header-only"),
-        pytest.param(slo("queue"), [prediction("a", 300), prediction("b", 400, running=0)], 0, {},
-                     Meet(frozenset({"b"}), idle_only=True), id="idle-endpoint-admits-on-a-miss"),
-        pytest.param(slo("reject"), [prediction("a", 300, running=0)], -2, {},
-                     Meet(frozenset({"a"}), idle_only=True), id="idle-endpoint-admits-sheddable-too"),
+        pytest.param(
+            slo("queue"),
+            [prediction("a", 300), prediction("b", 400, running=0)],
+            0,
+            {},
+            Meet(frozenset({"b"}), idle_only=True),
+            id="idle-endpoint-admits-on-a-miss",
+        ),
+        pytest.param(
+            slo("reject"),
+            [prediction("a", 300, running=0)],
+            -2,
+            {},
+            Meet(frozenset({"a"}), idle_only=True),
+            id="idle-endpoint-admits-sheddable-too",
+        ),
     ],
 )
 def test_decide(
@@ -185,11 +216,15 @@ def test_probability_miss_names_the_likeliest_endpoint() -> None:
     assert verdict.retry_after_s() == 1
 
 
-@pytest.mark.parametrize(("excess_ms", "seconds"), [(0.0, 1), (10.0, 1), (1001.0, 2), (10**6, 60)],
-                         ids=["meets-ttft", "floor", "ceil", "cap"])
+@pytest.mark.parametrize(
+    ("excess_ms", "seconds"),
+    [(0.0, 1), (10.0, 1), (1001.0, 2), (10**6, 60)],
+    ids=["meets-ttft", "floor", "ceil", "cap"],
+)
 def test_retry_after_bounds(excess_ms: float, seconds: int) -> None:
-    verdict = decide(slo("reject", ttft_ms=200.0, tpot_ms=1.0, compare="p90"),
-                     [prediction("a", (200 + excess_ms) / 1.5)], priority=0)
+    verdict = decide(
+        slo("reject", ttft_ms=200.0, tpot_ms=1.0, compare="p90"), [prediction("a", (200 + excess_ms) / 1.5)], priority=0
+    )
     assert isinstance(verdict, Miss) and verdict.retry_after_s() == seconds
 
 
@@ -259,21 +294,35 @@ def test_class_compare_settings_compile() -> None:
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        pytest.param({"tenants": {"t": {"slo_class": "nope"}}}, "tenants.t.slo_class: unknown slo class 'nope'",
-                     id="unknown-class"),
-        pytest.param({"slo_classes": {"a": {"ttft_ms": 1, "priorities": ["low"]},
-                                      "b": {"ttft_ms": 1, "priorities": ["high", "low"]}}},
-                     "slo_classes.b.priorities[1]: priority 'low' already has class 'a'", id="priority-twice"),
-        pytest.param({"slo_classes": {"a": {"on_miss": "queue"}}}, "expected ttft_ms and/or tpot_ms",
-                     id="no-target"),
-        pytest.param({"slo_classes": {"a": {"ttft_ms": 100, "max_queue_ms": 50}}},
-                     "max_queue_ms only applies to on_miss: queue", id="stray-max-queue"),
+        pytest.param(
+            {"tenants": {"t": {"slo_class": "nope"}}},
+            "tenants.t.slo_class: unknown slo class 'nope'",
+            id="unknown-class",
+        ),
+        pytest.param(
+            {
+                "slo_classes": {
+                    "a": {"ttft_ms": 1, "priorities": ["low"]},
+                    "b": {"ttft_ms": 1, "priorities": ["high", "low"]},
+                }
+            },
+            "slo_classes.b.priorities[1]: priority 'low' already has class 'a'",
+            id="priority-twice",
+        ),
+        pytest.param({"slo_classes": {"a": {"on_miss": "queue"}}}, "expected ttft_ms and/or tpot_ms", id="no-target"),
+        pytest.param(
+            {"slo_classes": {"a": {"ttft_ms": 100, "max_queue_ms": 50}}},
+            "max_queue_ms only applies to on_miss: queue",
+            id="stray-max-queue",
+        ),
         pytest.param({"slo_classes": {"a": {"ttft_ms": -1}}}, "greater than 0", id="negative"),
         pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "on_miss": "panic"}}}, "fallback", id="unknown-action"),
-        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "compare": "p90", "min_probability": 0.3}}},
-                     "min_probability only applies to compare: probability", id="stray-min-probability"),
-        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "min_probability": 1}}}, "less than 1",
-                     id="certainty"),
+        pytest.param(
+            {"slo_classes": {"a": {"ttft_ms": 10, "compare": "p90", "min_probability": 0.3}}},
+            "min_probability only applies to compare: probability",
+            id="stray-min-probability",
+        ),
+        pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "min_probability": 1}}}, "less than 1", id="certainty"),
         pytest.param({"slo_classes": {"a": {"ttft_ms": 10, "compare": "p99"}}}, "probability", id="unknown-compare"),
     ],
 )

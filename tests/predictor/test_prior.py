@@ -118,8 +118,13 @@ def test_a_time_scaled_engine_is_predicted_in_wall_time() -> None:
     real = LatencyPrior.for_pool(pool_config(), PriorSettings())
     fast = LatencyPrior.for_pool(pool_config(), PriorSettings(time_scale=4.0))
     assert fast.id != real.id and real.id.endswith(f"tokens={real.max_num_batched_tokens}")  # saved models differ
-    load = {"running": 12, "waiting": 2, "inflight_requests": 14, "inflight_prefill_tokens": 3000,
-            "inflight_decode_tokens": 20000}
+    load = {
+        "running": 12,
+        "waiting": 2,
+        "inflight_requests": 14,
+        "inflight_prefill_tokens": 3000,
+        "inflight_decode_tokens": 20000,
+    }
     engine = real.estimate(1500, 200, 300, **load, prefill_rate_tps=8000.0, since_last_token_ms=8.0)
     wall = fast.estimate(1500, 200, 300, **load, prefill_rate_tps=32000.0, since_last_token_ms=2.0)
     assert wall.ttft_ms == pytest.approx(engine.ttft_ms / 4, rel=1e-9)

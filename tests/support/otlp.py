@@ -76,5 +76,3 @@ async def receiver() -> AsyncIterator[Receiver]:
     found.url = f"http://127.0.0.1:{port}"
     yield found
     await runner.cleanup()
-
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,18 +31,38 @@ TEST_KEY = "sk-tokenway-test-0001"
 OTHER_KEY = "sk-tokenway-test-0002"
 
 
+# Ports are drawn below Linux's ephemeral range (32768-60999): a client that polls a port in that range
+# before its server binds can be handed the same port as its own source and connect to itself (TCP
+# simultaneous open), reading its own request back as the "response".
+_PORT_LOW, _PORT_HIGH = 20000, 32000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing is bound to now, outside the ephemeral range (see above)."""
+    for _ in range(1000):
+        port = random.randrange(_PORT_LOW, _PORT_HIGH)
+        if _port_free(port):
+            return port
+    raise RuntimeError("no free port found")
 
 
 def redis_argv(binary: str, port: int, workdir: str | Path) -> list[str]:
     """redis-server on 127.0.0.1:`port` with no persistence, started in `workdir`: redis-server loads
     a dump.rdb from its directory at start, so a test's server starts in a fresh, empty one (a stray
     dump in the checkout once leaked another test's keys into a test that counts keys)."""
-    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir)]
+    return [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
 
 
 def free_ports(count: int) -> list[int]:
@@ -149,8 +170,20 @@ def start_sim(
 ) -> SimEngines:
     ports = list(range(port, port + count)) if port is not None else free_ports(count)
     argv = [
-        sys.executable, "-m", "backends.sim", "--preset", preset, "--host", "127.0.0.1",
-        "--port", str(ports[0]), "--instances", str(count), "--time-scale", str(time_scale), *args,
+        sys.executable,
+        "-m",
+        "backends.sim",
+        "--preset",
+        preset,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(ports[0]),
+        "--instances",
+        str(count),
+        "--time-scale",
+        str(time_scale),
+        *args,
     ]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
@@ -242,7 +275,10 @@ def start_gateway(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=_env(),
         )
     gateway = Gateway(proc, port, config_path, log_path, workdir)
     try:

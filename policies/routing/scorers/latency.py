@@ -73,9 +73,7 @@ class LatencyScorer:
         if not targeted and not any(c.id in floors for c in candidates):
             return relative
         return [
-            0.0
-            if p is None
-            else self._tiered(p, rel, facts.slo_ttft_ms, _min(facts.slo_tpot_ms, floors.get(c.id)))
+            0.0 if p is None else self._tiered(p, rel, facts.slo_ttft_ms, _min(facts.slo_tpot_ms, floors.get(c.id)))
             for c, p, rel in zip(candidates, found, relative, strict=True)
         ]
 

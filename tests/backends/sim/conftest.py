@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,15 +27,8 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[SimInstance]:
         yield instances[0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def chat_body(text: str, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "ignore_eos": True,
-            **extra}
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "ignore_eos": True, **extra}
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -60,6 +52,7 @@ async def scrape(http: aiohttp.ClientSession, base_url: str) -> dict[tuple[str, 
 def metric(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
     return sum(
-        value for (sample_name, sample_labels), value in samples.items()
+        value
+        for (sample_name, sample_labels), value in samples.items()
         if sample_name == name and all(dict(sample_labels).get(k) == v for k, v in labels.items())
     )

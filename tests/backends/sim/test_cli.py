@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,23 +12,13 @@ from pathlib import Path
 import pytest
 
 from backends.sim.cli import _parser, split_known
+from tests.support.procs import free_ports
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _free_ports(count: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for p in range(base, base + count):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return int(base)
-    raise RuntimeError("no free ports")
+    return free_ports(count)[0]
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -41,8 +30,20 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 def test_unknown_flags_and_their_values_are_ignored() -> None:
-    argv = ["serve", "some/model", "--port", "9", "--lora-modules", "a=b", "c=d", "--enforce-eager",
-            "--seed=3", "-tp", "2", "--trust-remote-code"]
+    argv = [
+        "serve",
+        "some/model",
+        "--port",
+        "9",
+        "--lora-modules",
+        "a=b",
+        "c=d",
+        "--enforce-eager",
+        "--seed=3",
+        "-tp",
+        "2",
+        "--trust-remote-code",
+    ]
     positionals, known, ignored = split_known(argv, _parser())
     assert positionals == ["serve", "some/model"]
     assert known == ["--port", "9", "--seed=3", "-tp", "2"]
@@ -54,12 +55,36 @@ def test_serves_as_a_drop_in_for_vllm_serve(tmp_path: Path) -> None:
     port = _free_ports(4)  # two HTTP ports, then the two instances' KV-event ports: one free run, no overlap
     events_port = port + 2
     argv = [
-        sys.executable, "-m", "backends.sim", "serve", "llama-3.1-8b@h100", "--host", "127.0.0.1",
-        "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "4096",
-        "--block-size", "16", "--gpu-memory-utilization", "0.9", "--enable-prefix-caching", "-tp", "1",
-        "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}"}),
-        "--enforce-eager", "--disable-log-requests", "--instances", "2", "--time-scale", "50",
-        "--startup-delay-s", "0.5",
+        sys.executable,
+        "-m",
+        "backends.sim",
+        "serve",
+        "llama-3.1-8b@h100",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "4096",
+        "--block-size",
+        "16",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--enable-prefix-caching",
+        "-tp",
+        "1",
+        "--kv-events-config",
+        json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}"}),
+        "--enforce-eager",
+        "--disable-log-requests",
+        "--instances",
+        "2",
+        "--time-scale",
+        "50",
+        "--startup-delay-s",
+        "0.5",
     ]
     log = tmp_path / "sim.log"
     with log.open("wb") as out:
@@ -93,7 +118,10 @@ def test_serves_as_a_drop_in_for_vllm_serve(tmp_path: Path) -> None:
 def test_a_model_that_does_not_fit_exits_with_an_error(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "backends.sim", "--preset", "llama-3.1-70b@h100", "--port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=30,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 1
     assert "no memory left" in result.stderr

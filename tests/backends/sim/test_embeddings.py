@@ -32,8 +32,9 @@ async def test_openai_client_gets_unit_vectors_and_exact_usage(engine: SimInstan
         assert len(vector) == 256 and math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-5)
         assert one.usage.prompt_tokens == one.usage.total_tokens == len(encode("The quick brown fox"))
 
-        batch = await client.embeddings.create(model=model, input=["The quick brown fox", "Stock markets fell"],
-                                               dimensions=64, encoding_format="float")
+        batch = await client.embeddings.create(
+            model=model, input=["The quick brown fox", "Stock markets fell"], dimensions=64, encoding_format="float"
+        )
         assert [d.index for d in batch.data] == [0, 1] and all(len(d.embedding) == 64 for d in batch.data)
         assert batch.usage.prompt_tokens == len(encode("The quick brown fox")) + len(encode("Stock markets fell"))
         again = await client.embeddings.create(model=model, input="The quick brown fox", encoding_format="float")
@@ -44,8 +45,11 @@ async def test_openai_client_gets_unit_vectors_and_exact_usage(engine: SimInstan
 
 
 async def test_similar_texts_are_closer_than_unrelated_ones(engine: SimInstance, http: aiohttp.ClientSession) -> None:
-    texts = ["The quick brown fox jumps over the lazy dog", "The quick brown fox jumped over the lazy cat",
-             "Inflation fears sent stock markets sharply lower on Tuesday"]
+    texts = [
+        "The quick brown fox jumps over the lazy dog",
+        "The quick brown fox jumped over the lazy cat",
+        "Inflation fears sent stock markets sharply lower on Tuesday",
+    ]
     data = await post_json(http, engine.url + "/v1/embeddings", {"input": texts})
     a, b, c = (np.asarray(d["embedding"]) for d in data["data"])
     assert float(a @ b) > 0.5 > abs(float(a @ c))
@@ -57,8 +61,9 @@ async def test_base64_is_float32_little_endian_of_the_float_answer(
 ) -> None:
     url = engine.url + "/v1/embeddings"
     floats = (await post_json(http, url, {"input": "same text", "dimensions": 32}))["data"][0]["embedding"]
-    encoded = (await post_json(http, url, {"input": "same text", "dimensions": 32,
-                                           "encoding_format": "base64"}))["data"][0]["embedding"]
+    encoded = (await post_json(http, url, {"input": "same text", "dimensions": 32, "encoding_format": "base64"}))[
+        "data"
+    ][0]["embedding"]
     raw = base64.b64decode(encoded)
     assert list(struct.unpack("<32f", raw)) == pytest.approx(floats, abs=1e-7)
     expected = embeddings.embed(encode("same text"), 32, engine.engine.config.seed)
@@ -81,7 +86,8 @@ async def test_embeddings_run_as_prefill_only_requests(engine: SimInstance, http
     assert delta(short, after, "vllm:prompt_tokens_total") == data["usage"]["prompt_tokens"] > 1000
     # A 1.5k-token prompt takes longer to prefill than a 1-token one, in simulated time.
     assert delta(short, after, "vllm:e2e_request_latency_seconds_sum") > 2 * delta(
-        before, short, "vllm:e2e_request_latency_seconds_sum")
+        before, short, "vllm:e2e_request_latency_seconds_sum"
+    )
     assert metric(after, "vllm:kv_cache_usage_perc") == 0.0 and metric(after, "vllm:num_requests_running") == 0
 
 

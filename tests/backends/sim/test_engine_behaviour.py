@@ -30,9 +30,7 @@ async def test_cached_prefix_gives_a_smaller_ttft(engine: SimInstance, http: aio
     assert metric(samples, "vllm:prefix_cache_queries_total") == 2 * cold["usage"]["prompt_tokens"]
 
 
-async def test_appending_the_answer_hits_the_cache_through_it(
-    engine: SimInstance, http: aiohttp.ClientSession
-) -> None:
+async def test_appending_the_answer_hits_the_cache_through_it(engine: SimInstance, http: aiohttp.ClientSession) -> None:
     url = engine.url + "/v1/chat/completions"
     turn1 = [{"role": "user", "content": LONG_PROMPT}]
     first = await post_json(http, url, {"messages": turn1, "max_tokens": 64, "ignore_eos": True})
@@ -71,9 +69,7 @@ async def test_exhausted_kv_blocks_cause_preemptions(engine: SimInstance, http: 
     assert metric(samples, "vllm:kv_cache_usage_perc") == 0.0
 
 
-async def test_a_client_that_disconnects_is_aborted_and_freed(
-    engine: SimInstance, http: aiohttp.ClientSession
-) -> None:
+async def test_a_client_that_disconnects_is_aborted_and_freed(engine: SimInstance, http: aiohttp.ClientSession) -> None:
     body = chat_body(LONG_PROMPT, max_tokens=5000, stream=True)
     async with http.post(engine.url + "/v1/chat/completions", json=body) as resp:
         await resp.content.readuntil(b"\n\n")  # the role chunk

@@ -135,9 +135,7 @@ async def test_token_writer_frames_each_step_and_holds_tokens_while_the_client_l
     transport.buffered = 0
     req.num_output = 4
     writer.step()
-    assert [_chunk_text(w) for w in transport.writes] == [
-        text_gen.render(ids[:1]), text_gen.render(ids[1:4])
-    ]
+    assert [_chunk_text(w) for w in transport.writes] == [text_gen.render(ids[:1]), text_gen.render(ids[1:4])]
     transport.closing = True
     req.num_output = 5
     writer.step()
@@ -152,10 +150,14 @@ def test_message_cache_gives_chat_prompt_ids() -> None:
     conversations: list[tuple[list[dict[str, Any]], Any]] = [
         ([{"role": "user", "content": "Hello there"}], None),
         ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}], None),
-        ([{"role": "user", "content": [{"type": "text", "text": "part"}, {"type": "image_url"}]},
-          {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"name": "f"}}]},
-          {"role": "tool", "name": "f", "content": "42"}],
-         [{"type": "function", "function": {"name": "f"}}]),
+        (
+            [
+                {"role": "user", "content": [{"type": "text", "text": "part"}, {"type": "image_url"}]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"name": "f"}}]},
+                {"role": "tool", "name": "f", "content": "42"},
+            ],
+            [{"type": "function", "function": {"name": "f"}}],
+        ),
         ([{"content": "no role"}, {"role": "user", "content": "word " * 300}], None),
     ]
     for _ in range(2):
@@ -182,8 +184,13 @@ def test_histograms_render_as_prometheus_client_would() -> None:
     metrics.record_step(stats, 0)
 
     registry = CollectorRegistry()
-    reference = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                          ["model_name", "engine"], buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+    reference = Histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        ["model_name", "engine"],
+        buckets=TOKEN_LATENCY_BUCKETS,
+        registry=registry,
+    )
     for value in values:
         reference.labels("meta-llama/Llama-3.1-8B", "0").observe(value)
 

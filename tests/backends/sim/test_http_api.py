@@ -13,12 +13,21 @@ from backends.tokenization import chat_prompt_ids, completion_prompt_ids
 from tests.backends.sim.conftest import chat_body, metric, post_json, scrape
 
 REQUIRED_METRICS = (
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_count", "vllm:cache_config_info",
-    "vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_sum",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:cache_config_info",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_queue_time_seconds_sum",
     "vllm:request_time_per_output_token_seconds_count",
 )
 
@@ -27,8 +36,9 @@ async def test_chat_completion_reports_exact_usage_and_simulated_timings(
     engine: SimInstance, http: aiohttp.ClientSession
 ) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    data = await post_json(http, engine.url + "/v1/chat/completions",
-                           {"messages": messages, "max_tokens": 12, "ignore_eos": True})
+    data = await post_json(
+        http, engine.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "ignore_eos": True}
+    )
     assert data["object"] == "chat.completion"
     assert data["usage"]["prompt_tokens"] == len(chat_prompt_ids(messages))
     assert data["usage"]["completion_tokens"] == 12
@@ -40,8 +50,9 @@ async def test_chat_completion_reports_exact_usage_and_simulated_timings(
 
 
 async def test_completion_with_token_id_prompt(engine: SimInstance, http: aiohttp.ClientSession) -> None:
-    data = await post_json(http, engine.url + "/v1/completions",
-                           {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "ignore_eos": True})
+    data = await post_json(
+        http, engine.url + "/v1/completions", {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3, "ignore_eos": True}
+    )
     assert data["object"] == "text_completion"
     assert data["usage"]["prompt_tokens"] == 5 and data["usage"]["completion_tokens"] == 3
     text_prompt = await post_json(http, engine.url + "/v1/completions", {"prompt": "one two", "max_tokens": 2})
@@ -126,9 +137,7 @@ async def test_api_key_guards_v1_only(http: aiohttp.ClientSession) -> None:
                 assert resp.status == 200
 
 
-async def test_metrics_parse_and_carry_vllm_names_and_labels(
-    engine: SimInstance, http: aiohttp.ClientSession
-) -> None:
+async def test_metrics_parse_and_carry_vllm_names_and_labels(engine: SimInstance, http: aiohttp.ClientSession) -> None:
     await post_json(http, engine.url + "/v1/chat/completions", chat_body("metrics please", max_tokens=4))
     samples = await scrape(http, engine.url)
     names = {name for name, _ in samples}

@@ -14,7 +14,8 @@ import zmq.asyncio
 from backends.sim.kv_cache import hash_blocks
 from backends.sim.server import run_sim_engines
 from backends.tokenization import chat_prompt_ids
-from tests.backends.sim.conftest import free_port, post_json
+from tests.backends.sim.conftest import post_json
+from tests.support.procs import free_port
 
 
 async def _collect(sub: zmq.asyncio.Socket, until: Any, timeout_s: float = 5.0) -> list[list[bytes]]:
@@ -28,8 +29,13 @@ async def _collect(sub: zmq.asyncio.Socket, until: Any, timeout_s: float = 5.0) 
 @pytest.mark.parametrize("shape", ["tagged", "positional"])
 async def test_block_stored_events_match_the_prompt_blocks(shape: str, http: aiohttp.ClientSession) -> None:
     port = free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
-              "topic": "kv", "format": shape}
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": "kv",
+        "format": shape,
+    }
     async with run_sim_engines(time_scale=20, kv_events_config=config) as (instance,):
         sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -37,8 +43,9 @@ async def test_block_stored_events_match_the_prompt_blocks(shape: str, http: aio
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         await asyncio.sleep(0.3)  # let the subscription reach the publisher
         messages = [{"role": "user", "content": "event " * 100}]
-        await post_json(http, instance.url + "/v1/chat/completions",
-                        {"messages": messages, "max_tokens": 2, "ignore_eos": True})
+        await post_json(
+            http, instance.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 2, "ignore_eos": True}
+        )
         expected = hash_blocks(chat_prompt_ids(messages), 16)
 
         def stored(msgs: list[list[bytes]]) -> list[Any]:
@@ -81,18 +88,25 @@ async def test_reset_prefix_cache_publishes_all_blocks_cleared(http: aiohttp.Cli
         await asyncio.sleep(0.3)
         async with http.post(instance.url + "/reset_prefix_cache") as resp:
             assert resp.status == 200
-        (_topic, _seq, payload), = await _collect(sub, lambda m: len(m) == 1)
+        ((_topic, _seq, payload),) = await _collect(sub, lambda m: len(m) == 1)
         sub.close()
     assert msgpack.unpackb(payload)[1] == [{"type": "AllBlocksCleared"}]
 
 
 async def test_replay_returns_buffered_batches_then_the_end_marker(http: aiohttp.ClientSession) -> None:
     port, replay_port = free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
-              "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"}
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv",
+    }
     async with run_sim_engines(time_scale=20, kv_events_config=config) as (instance,):
-        await post_json(http, instance.url + "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "replay " * 60}], "max_tokens": 2})
+        await post_json(
+            http,
+            instance.url + "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "replay " * 60}], "max_tokens": 2},
+        )
         dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(f"tcp://127.0.0.1:{replay_port}")

@@ -15,15 +15,21 @@ async def test_openai_client_chat_stream_and_completions(engine: SimInstance) ->
         assert [m.id for m in models.data] == [model]
 
         chat = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5,
+            model=model,
+            messages=[{"role": "user", "content": "Say hi"}],
+            max_tokens=5,
             extra_body={"ignore_eos": True},
         )
         assert chat.usage is not None and chat.usage.completion_tokens == 5
         assert chat.choices[0].message.content
 
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Stream hi"}], max_tokens=4, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=model,
+            messages=[{"role": "user", "content": "Stream hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         pieces, usage = [], None
         async for chunk in stream:
@@ -33,8 +39,9 @@ async def test_openai_client_chat_stream_and_completions(engine: SimInstance) ->
                 usage = chunk.usage
         assert usage is not None and usage.completion_tokens == 4 and "".join(pieces)
 
-        completion = await client.completions.create(model=model, prompt="Once upon", max_tokens=3,
-                                                      extra_body={"ignore_eos": True})
+        completion = await client.completions.create(
+            model=model, prompt="Once upon", max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert completion.usage is not None and completion.usage.completion_tokens == 3
 
         try:

@@ -40,7 +40,8 @@ def test_tp_flag_applies_when_the_name_has_no_suffix() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-3.1-8b", "gpt-9@h100", "llama-3.1-8b@tpu", "llama-3.1-8b-tp5@h100"],
+    "name",
+    ["llama-3.1-8b", "gpt-9@h100", "llama-3.1-8b@tpu", "llama-3.1-8b-tp5@h100"],
     ids=["no-hardware", "unknown-model", "unknown-hardware", "tp-not-dividing-heads"],
 )
 def test_bad_preset_names_are_rejected(name: str) -> None:

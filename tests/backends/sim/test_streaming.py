@@ -35,8 +35,10 @@ async def test_streamed_text_equals_the_plain_answer(http: aiohttp.ClientSession
         completion = {"prompt": "Once upon a time", "max_tokens": 50, "ignore_eos": True}
         plain_text = (await post_json(http, url + "/v1/completions", completion))["choices"][0]["text"]
         # HTTP/1.0: not chunked, raw SSE bytes (the body has no end but the socket's: read to [DONE])
-        async with (aiohttp.ClientSession(version=aiohttp.HttpVersion10) as http10,
-                    http10.post(url + "/v1/completions", json={**completion, "stream": True}) as resp):
+        async with (
+            aiohttp.ClientSession(version=aiohttp.HttpVersion10) as http10,
+            http10.post(url + "/v1/completions", json={**completion, "stream": True}) as resp,
+        ):
             assert "Transfer-Encoding" not in resp.headers
             raw = b""
             async for data in resp.content.iter_any():
@@ -58,8 +60,11 @@ async def test_many_concurrent_streams_through_the_openai_client() -> None:
 
         async def one(i: int) -> int:
             stream = await clients[i % 2].chat.completions.create(
-                model="meta-llama/Llama-3.1-8B", messages=[{"role": "user", "content": f"stream {i}"}],
-                max_tokens=40, stream=True, extra_body={"ignore_eos": True},
+                model="meta-llama/Llama-3.1-8B",
+                messages=[{"role": "user", "content": f"stream {i}"}],
+                max_tokens=40,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
             pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
             return len("".join(pieces).split())

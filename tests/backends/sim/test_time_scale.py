@@ -12,8 +12,9 @@ async def _workload(http: aiohttp.ClientSession, time_scale: float) -> tuple[lis
     async with run_sim_instances("llama-3.1-8b@h100", time_scale=time_scale) as (url,):
         timings = []
         for i in range(3):
-            data = await post_json(http, url + "/v1/chat/completions",
-                                   chat_body(f"question {i} " + "about scaling " * 60, max_tokens=6))
+            data = await post_json(
+                http, url + "/v1/chat/completions", chat_body(f"question {i} " + "about scaling " * 60, max_tokens=6)
+            )
             timings.append(data["metrics"])
         samples = await scrape(http, url)
     return timings, metric(samples, "vllm:time_to_first_token_seconds_sum")

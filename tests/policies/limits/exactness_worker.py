@@ -58,8 +58,14 @@ async def main() -> None:
             max_tokens = rng.randint(50, 400)
             plan.append(
                 RequestFacts(
-                    request_id=f"{args.seed}-{c}-{r}", api="chat", body={}, requested_model="big", model="big",
-                    principal=who, prompt_tokens=rng.randint(50, 300), max_tokens=max_tokens,
+                    request_id=f"{args.seed}-{c}-{r}",
+                    api="chat",
+                    body={},
+                    requested_model="big",
+                    model="big",
+                    principal=who,
+                    prompt_tokens=rng.randint(50, 300),
+                    max_tokens=max_tokens,
                     output_reservation=max_tokens,
                 )
             )

@@ -26,8 +26,12 @@ def test_drained(used: float, updated: float, now: float, rate: float, expected:
 
 @pytest.mark.parametrize(
     ("used", "cost", "capacity", "rate", "expected"),
-    [(0.0, 10.0, 100.0, 1.0, 0.0), (95.0, 10.0, 100.0, 1.0, 5.0), (150.0, 10.0, 100.0, 2.0, 30.0),
-     (0.0, 101.0, 100.0, 1.0, math.inf)],
+    [
+        (0.0, 10.0, 100.0, 1.0, 0.0),
+        (95.0, 10.0, 100.0, 1.0, 5.0),
+        (150.0, 10.0, 100.0, 2.0, 30.0),
+        (0.0, 101.0, 100.0, 1.0, math.inf),
+    ],
     ids=["fits", "short", "in-debt", "never"],
 )
 def test_wait(used: float, cost: float, capacity: float, rate: float, expected: float) -> None:
@@ -41,8 +45,12 @@ def test_reset_is_time_until_full() -> None:
 
 @pytest.mark.parametrize(
     "moment",
-    [datetime(2024, 2, 29, 23, 59, 59, tzinfo=UTC), datetime(2024, 3, 1, tzinfo=UTC),
-     datetime(2025, 12, 31, 12, tzinfo=UTC), datetime(2026, 1, 1, tzinfo=UTC)],
+    [
+        datetime(2024, 2, 29, 23, 59, 59, tzinfo=UTC),
+        datetime(2024, 3, 1, tzinfo=UTC),
+        datetime(2025, 12, 31, 12, tzinfo=UTC),
+        datetime(2026, 1, 1, tzinfo=UTC),
+    ],
     ids=["leap-day", "march", "new-years-eve", "new-year"],
 )
 def test_periods_follow_the_utc_calendar(moment: datetime) -> None:

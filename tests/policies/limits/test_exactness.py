@@ -37,10 +37,26 @@ def test_four_replicas_never_overshoot_and_leak_nothing(tmp_path: Path, redis_ur
     control = redis.Redis.from_url(redis_url)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.policies.limits.exactness_worker", "--redis", redis_url,
-             "--prefix", redis_prefix, "--policy", str(policy_path), "--clients", str(CLIENTS),
-             "--requests", str(REQUESTS), "--seed", str(i + 1)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "tests.policies.limits.exactness_worker",
+                "--redis",
+                redis_url,
+                "--prefix",
+                redis_prefix,
+                "--policy",
+                str(policy_path),
+                "--clients",
+                str(CLIENTS),
+                "--requests",
+                str(REQUESTS),
+                "--seed",
+                str(i + 1),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for i in range(REPLICAS)
     ]

@@ -110,8 +110,12 @@ async def test_fail_closed_answers_503_until_redis_is_back(
     for _ in range(3):
         no = await adm.admit(facts(who), "big")
         assert isinstance(no, Rejection)
-        assert (no.status, no.type, no.code, no.reason) == (503, "server_error", "limiter_unavailable",
-                                                            "limiter_unavailable")
+        assert (no.status, no.type, no.code, no.reason) == (
+            503,
+            "server_error",
+            "limiter_unavailable",
+            "limiter_unavailable",
+        )
         assert header(no.headers, "retry-after") == "1"
     own_redis.start()
     await asyncio.sleep(OPEN_S * 1.5)

@@ -35,8 +35,12 @@ async def admit_with_fallback(
 
 @pytest.fixture
 def rate_policy() -> Policy:
-    return policy(limits=[{"scope": "key_model", "match": {"model": "big"}, "rpm": 1},
-                          {"scope": "key_model", "match": {"model": "small"}, "rpm": 5}])
+    return policy(
+        limits=[
+            {"scope": "key_model", "match": {"model": "big"}, "rpm": 1},
+            {"scope": "key_model", "match": {"model": "small"}, "rpm": 5},
+        ]
+    )
 
 
 async def test_over_limit_on_the_expensive_model_runs_on_the_cheaper_one(

@@ -9,8 +9,18 @@ from policies.limits.headers import go_duration, ratelimit_headers, retry_header
 
 @pytest.mark.parametrize(
     ("seconds", "expected"),
-    [(0, "0s"), (0.012, "12ms"), (0.0001, "1ms"), (1, "1s"), (1.146, "1.146s"), (1.5, "1.5s"),
-     (179.56, "2m59.56s"), (360, "6m0s"), (3600, "1h0m0s"), (3723.5, "1h2m3.5s")],
+    [
+        (0, "0s"),
+        (0.012, "12ms"),
+        (0.0001, "1ms"),
+        (1, "1s"),
+        (1.146, "1.146s"),
+        (1.5, "1.5s"),
+        (179.56, "2m59.56s"),
+        (360, "6m0s"),
+        (3600, "1h0m0s"),
+        (3723.5, "1h2m3.5s"),
+    ],
 )
 def test_go_duration(seconds: float, expected: str) -> None:
     assert go_duration(seconds) == expected

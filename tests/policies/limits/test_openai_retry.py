@@ -35,13 +35,20 @@ async def front() -> AsyncIterator[tuple[str, dict[str, list[float]]]]:
         if isinstance(result, Rejection):
             seen["rejected"].append(time.monotonic())
             error = {"error": {"message": result.message, "type": result.type, "param": None, "code": result.code}}
-            return web.Response(status=result.status, body=orjson.dumps(error), headers=dict(result.headers),
-                                content_type="application/json")
+            return web.Response(
+                status=result.status,
+                body=orjson.dumps(error),
+                headers=dict(result.headers),
+                content_type="application/json",
+            )
         seen["admitted"].append(time.monotonic())
         await admission.settle(result, Usage(50, body["max_tokens"]), model="big")
         used = body["max_tokens"]
         completion = {
-            "id": "c1", "object": "chat.completion", "created": 0, "model": "big",
+            "id": "c1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "big",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 50, "completion_tokens": used, "total_tokens": 50 + used},
         }
@@ -66,7 +73,9 @@ async def test_the_openai_client_waits_for_the_refill_and_succeeds(
     messages = [{"role": "user", "content": "hi"}]
     await client.chat.completions.create(model="big", messages=messages, max_tokens=6000)  # type: ignore[arg-type]
     response = await client.chat.completions.with_raw_response.create(
-        model="big", messages=messages, max_tokens=6000  # type: ignore[arg-type]
+        model="big",
+        messages=messages,
+        max_tokens=6000,  # type: ignore[arg-type]
     )
     assert response.parse().choices[0].message.content == "ok"
     assert response.retries_taken == 1  # one 429, then it fit: the client waited as long as we said

@@ -89,9 +89,13 @@ async def test_fail_open_charges_are_pushed_once(store: RedisStore) -> None:
 
 @pytest.mark.parametrize(
     "moment",
-    [datetime(2024, 2, 29, 23, 59, 59, tzinfo=UTC), datetime(2024, 3, 1, tzinfo=UTC),
-     datetime(2025, 12, 31, 23, 59, tzinfo=UTC), datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC),
-     datetime(2100, 3, 1, tzinfo=UTC)],
+    [
+        datetime(2024, 2, 29, 23, 59, 59, tzinfo=UTC),
+        datetime(2024, 3, 1, tzinfo=UTC),
+        datetime(2025, 12, 31, 23, 59, tzinfo=UTC),
+        datetime(2026, 1, 1, 0, 0, 1, tzinfo=UTC),
+        datetime(2100, 3, 1, tzinfo=UTC),
+    ],
     ids=["leap-day", "march", "new-years-eve", "new-year", "2100"],
 )
 async def test_lua_calendar_matches_python(store: RedisStore, moment: datetime) -> None:

@@ -18,7 +18,13 @@ from tests.policies.routing.factories import NOW_S, candidate, context, endpoint
 
 def prediction(endpoint_id: str, ttft_ms: float, tpot_ms: float, p90: float = 1.0) -> Prediction:
     return Prediction(
-        endpoint_id, ttft_ms, tpot_ms, ttft_ms * p90, tpot_ms * p90, "prior", "prior",
+        endpoint_id,
+        ttft_ms,
+        tpot_ms,
+        ttft_ms * p90,
+        tpot_ms * p90,
+        "prior",
+        "prior",
         np.zeros(NUM_FEATURES, dtype=np.float32),
     )
 
@@ -43,12 +49,20 @@ def ctx(
     ("predicted", "slo", "expected"),
     [
         # both meet: 0.5 + 0.5 rel, rel = 1 for the fastest, 0.8 * 105/185 + 0.2 for the other
-        pytest.param([(100, 10), (180, 10)], {"ttft_slo": 200}, [1.0, 0.5 + 0.5 * (0.8 * 105 / 185 + 0.2)],
-                     id="fastest-wins-among-those-that-meet"),
+        pytest.param(
+            [(100, 10), (180, 10)],
+            {"ttft_slo": 200},
+            [1.0, 0.5 + 0.5 * (0.8 * 105 / 185 + 0.2)],
+            id="fastest-wins-among-those-that-meet",
+        ),
         # a miss of 50 % scores 0.5/1.5, below every endpoint that meets, however slow that one is
         pytest.param([(190, 10), (300, 10)], {"ttft_slo": 200}, [1.0, 1 / 3], id="meets-outranks-misses"),
-        pytest.param([(10, 10), (190, 10), (300, 10)], {"ttft_slo": 200},
-                     [1.0, 0.5 + 0.5 * (0.8 * 15 / 195 + 0.2), 1 / 3], id="a-slow-meet-still-outranks-a-miss"),
+        pytest.param(
+            [(10, 10), (190, 10), (300, 10)],
+            {"ttft_slo": 200},
+            [1.0, 0.5 + 0.5 * (0.8 * 15 / 195 + 0.2), 1 / 3],
+            id="a-slow-meet-still-outranks-a-miss",
+        ),
         pytest.param([(100, 10)], {"ttft_slo": 200, "tpot_slo": 20}, [1.0], id="both-targets"),
         # TPOT target missed by 50 % with TTFT fine: excess 0.2*0.5 / 1.0 = 0.1 -> 0.5/1.1
         pytest.param([(100, 30)], {"ttft_slo": 200, "tpot_slo": 20}, [0.5 / 1.1], id="tpot-miss-drops-tier"),
@@ -68,8 +82,9 @@ def test_latency_scores(
 
 def test_running_tpot_slo_protects_requests_without_an_slo() -> None:
     # no SLO of its own, but e0 serves a request whose TPOT SLO is 12 ms: 15 ms there would break it
-    scores = LatencyScorer().score(ctx([(50, 15), (80, 15)], floors={"e0": 12.0}), [
-        candidate(endpoint("e0")), candidate(endpoint("e1"))])
+    scores = LatencyScorer().score(
+        ctx([(50, 15), (80, 15)], floors={"e0": 12.0}), [candidate(endpoint("e0")), candidate(endpoint("e1"))]
+    )
     assert scores[0] < 0.5 < scores[1]
 
 
@@ -79,8 +94,11 @@ def test_saturated_candidates_score_zero() -> None:
     assert LatencyScorer().score(ctx([(10, 1), (100, 10)], ttft_slo=200), cands)[0] == 0.0
 
 
-@pytest.mark.parametrize("params", [{"ttft_weight": -1}, {"ttft_weight": 0, "tpot_weight": 0}, {"smoothing_ms": 0}],
-                         ids=["negative-weight", "zero-weights", "zero-smoothing"])
+@pytest.mark.parametrize(
+    "params",
+    [{"ttft_weight": -1}, {"ttft_weight": 0, "tpot_weight": 0}, {"smoothing_ms": 0}],
+    ids=["negative-weight", "zero-weights", "zero-smoothing"],
+)
 def test_latency_rejects_bad_params(params: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         LatencyScorer(**params)
