@@ -1,6 +1,7 @@
 """Analytic TTFT/TPOT prior from the pool's model and hardware, used before a model exists.
 
-The step-time physics is the simulated engine's roofline (`backends.sim.perf_model.step_cost`):
+The step-time physics is the roofline the simulated engine runs on (`backends.perf.roofline.step_cost`),
+over the same presets, so recalibrating the simulator moves this prior too:
 
     step_s = max(compute_s, memory_s) + comm_s + overhead_s
     compute_s = k_token·tokens + k_sampled·sequences + k_attention·attention_pairs
@@ -37,9 +38,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from backends.config import PoolConfig
-from backends.sim.config import batch_defaults
-from backends.sim.perf_model import step_cost
-from backends.sim.presets import DEFAULT_PRESET, Preset, resolve_preset
+from backends.perf.capacity import batch_defaults
+from backends.perf.presets import DEFAULT_PRESET, Preset, resolve_preset
+from backends.perf.roofline import step_cost
 from predictor.config import PriorSettings
 
 PRIOR_VERSION = 1  # bump when the formula changes: saved models learnt a correction to the old one

@@ -18,8 +18,8 @@ import logging
 import os
 import sys
 
+from backends.perf.presets import DEFAULT_PRESET, is_preset_name, preset_names
 from backends.sim.config import VLLM_VERSION, build_engine_config
-from backends.sim.presets import DEFAULT_PRESET, is_preset_name, preset_names
 from backends.sim.server import serve_forever
 
 log = logging.getLogger("tokenway.sim")

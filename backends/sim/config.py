@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.sim import perf_model
-from backends.sim.presets import GIB, Preset, resolve_preset
+from backends.perf.capacity import batch_defaults, num_gpu_blocks
+from backends.perf.presets import Preset, resolve_preset
 
 log = logging.getLogger("tokenway.sim")
 
@@ -37,16 +37,6 @@ class KVEventsConfig:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         config = cls(**known)
         return config if config.enable_kv_cache_events else None
-
-
-def batch_defaults(preset: Preset) -> tuple[int, int]:
-    """vLLM's (max_num_seqs, max_num_batched_tokens) by device memory (get_batch_defaults)."""
-    memory_gib = preset.hardware.hbm_capacity / GIB
-    if memory_gib >= 160:
-        return 1024, 16384
-    if memory_gib >= 70 and preset.hardware.name != "a100":
-        return 1024, 8192
-    return 256, 2048
 
 
 @dataclass(slots=True)
@@ -108,10 +98,7 @@ def build_engine_config(
     default_seqs, default_tokens = batch_defaults(resolved)
     seqs = max_num_seqs or default_seqs
     batched = max_num_batched_tokens or default_tokens
-    if num_gpu_blocks_override:
-        blocks = num_gpu_blocks_override
-    else:
-        blocks = perf_model.num_gpu_blocks(resolved, block_size, gpu_memory_utilization, batched, seqs)
+    blocks = num_gpu_blocks_override or num_gpu_blocks(resolved, block_size, gpu_memory_utilization, batched, seqs)
     capacity = blocks * block_size
     if max_model_len is None:
         max_model_len = min(resolved.model.max_model_len, capacity)

@@ -1,6 +1,6 @@
 """One simulated engine: the step loop that turns schedules into simulated time and visible tokens.
 
-Loop: schedule a step (scheduler.py), price it (perf_model.py), sleep until its simulated end is
+Loop: schedule a step (scheduler.py), price it (roofline.py), sleep until its simulated end is
 due (clock.py), then reveal its tokens, update metrics, publish KV events and call the `notify` of
 the requests that changed (a stream's notify writes its new tokens to the socket, sse.py; the others
 wake their handler once finished). Tokens therefore appear only when their step ends, and TTFT, TPOT
@@ -29,7 +29,8 @@ from typing import Any
 
 import aiohttp
 
-from backends.sim import perf_model, text_gen
+from backends.perf import roofline
+from backends.sim import text_gen
 from backends.sim.clock import MIN_SLEEP_S, SimClock
 from backends.sim.config import EngineConfig
 from backends.sim.kv_cache import KVCacheManager
@@ -53,7 +54,7 @@ class SimEngine:
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s)
         self.clock = SimClock(config.time_scale)
-        self.step_time = perf_model.StepTimer(self.preset)
+        self.step_time = roofline.StepTimer(self.preset)
         self.metrics = EngineMetrics(config)
         self.publisher: KVEventPublisher | None = None
         self.advertised_host = "127.0.0.1"
@@ -322,7 +323,7 @@ class SimEngine:
             self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
         ok = tokens > 0 and req.status is Status.PULLING
         transfer_s = (
-            perf_model.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self.config.kv_transfer_bandwidth)
+            roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self.config.kv_transfer_bandwidth)
             if ok
             else 0.0
         )

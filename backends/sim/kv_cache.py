@@ -8,59 +8,22 @@
   first, and a request's tail blocks are freed ahead of its head (vLLM frees in reverse order).
 - Usage = 1 - free/total, evictable cached blocks counting as free (`vllm:kv_cache_usage_perc`).
 
-Hashes: xxh3_64 over (parent hash as 8 little-endian bytes ++ the block's token ids as uint32), the
-first parent being ``xxh3_64(b"tokenway-sim-none-hash")``; a request's ``cache_salt`` is mixed into
-block 0 only (vLLM's extra_keys). The 64-bit ints are what KV events publish.
+Hashes: `backends/block_hash.py` (shared with the router, which reproduces them from requests).
 
 Every store, eviction and reset is recorded as a `KVEvent` for the KV-event publisher to drain.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
-import xxhash
+from backends.block_hash import NONE_HASH, chain_hashes
 
 if TYPE_CHECKING:
     from backends.sim.request import Request
-
-NONE_HASH: Final = xxhash.xxh3_64_intdigest(b"tokenway-sim-none-hash")
-
-
-def hash_block(parent: int, token_ids: Sequence[int], salt: str | None = None) -> int:
-    """The chained 64-bit hash of one full block."""
-    data = parent.to_bytes(8, "little") + array("I", token_ids).tobytes()
-    if salt:
-        data += b"\x00salt\x00" + salt.encode()
-    return xxhash.xxh3_64_intdigest(data)
-
-
-def hash_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-    """Hashes of every full block of `token_ids` (what a router can recompute from the events)."""
-    hashes: list[int] = []
-    num_blocks = len(token_ids) // block_size
-    _chain_hashes(hashes, NONE_HASH, token_ids[: num_blocks * block_size], block_size, salt)
-    return hashes
-
-
-def _chain_hashes(out: list[int], parent: int, token_ids: Sequence[int], block_size: int, salt: str | None) -> None:
-    """Append the chained hashes of the full blocks of `token_ids` (`salt`: mixed into the first
-    one, which is block 0 of the request) to `out`; `hash_block`'s bytes, built from one buffer."""
-    data = array("I", token_ids).tobytes()
-    step = 4 * block_size
-    digest = xxhash.xxh3_64_intdigest
-    start = 0
-    if salt and len(data) >= step:
-        parent = hash_block(parent, token_ids[:block_size], salt)
-        out.append(parent)
-        start = step
-    for offset in range(start, len(data) - step + 1, step):
-        parent = digest(parent.to_bytes(8, "little") + data[offset : offset + step])
-        out.append(parent)
 
 
 def _tokens(req: Request, start: int, end: int) -> list[int]:
@@ -187,7 +150,7 @@ class KVCacheManager:
         bs = self.block_size
         first = len(hashes) * bs
         parent = hashes[-1] if hashes else NONE_HASH
-        _chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, req.cache_salt if first == 0 else None)
+        chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, req.cache_salt if first == 0 else None)
 
     def computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the request's tokens, leaving at least the last token

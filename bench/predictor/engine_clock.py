@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from backends.perf.roofline import StepTimer
 from backends.sim.config import EngineConfig, build_engine_config
-from backends.sim.perf_model import StepTimer
 from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
 from bench.predictor import report

@@ -18,10 +18,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from backends.block_hash import hash_blocks
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
-from backends.sim.kv_cache import hash_blocks
 from backends.types import Endpoint, EndpointState, EndpointStats
 from policies.routing import build_router
 from policies.types import Principal, RequestFacts

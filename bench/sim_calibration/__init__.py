@@ -1,6 +1,6 @@
 """Calibration of the simulated engine's performance model against measured GPU timings.
 
 Run ``python -m bench.sim_calibration --fit --write-presets`` from the repository root to refit the
-efficiency factors in backends/sim/presets.py, or without flags to score the presets as they are.
+efficiency factors in backends/perf/presets.py, or without flags to score the presets as they are.
 Either way it writes bench/results/sim-calibration.md and sim-calibration.png.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 from bench.sim_calibration import fit, report, sources
 
 REPO = Path(__file__).resolve().parents[2]
-PRESETS_PY = REPO / "backends" / "sim" / "presets.py"
+PRESETS_PY = REPO / "backends" / "perf" / "presets.py"
 VARIABLES = {"a100": "_EFF_A100", "h100": "_EFF_H100", "h100-pcap": "_EFF_H100_PCAP", "h200": "_EFF_H200"}
 
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 from scipy.optimize import least_squares
 
-from backends.sim import perf_model
-from backends.sim.config import batch_defaults
+from backends.perf import roofline
+from backends.perf.capacity import batch_defaults
+from backends.perf.presets import Efficiency, Preset, resolve_preset
 from backends.sim.kv_cache import KVCacheManager
-from backends.sim.presets import Efficiency, Preset, resolve_preset
 from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
 from bench.sim_calibration.sources import Row
@@ -79,12 +79,12 @@ def prefill_schedule(preset_name: str, batch: int, prompt: int) -> tuple[StepWor
 
 def predict(row: Row, preset: Preset) -> float:
     if row.kind == "decode":
-        cost = perf_model.step_cost(preset, (), [row.context] * row.batch)
+        cost = roofline.step_cost(preset, (), [row.context] * row.batch)
         return cost.device_s if row.device_only else cost.total_s
     if row.device_only:  # a kernel sum of one step
-        return perf_model.step_cost(preset, [(row.prompt, 0)] * row.batch, ()).device_s
+        return roofline.step_cost(preset, [(row.prompt, 0)] * row.batch, ()).device_s
     return sum(
-        perf_model.step_time_s(preset, chunks, decodes)
+        roofline.step_time_s(preset, chunks, decodes)
         for chunks, decodes in prefill_schedule(row.preset, row.batch, row.prompt)
     )
 

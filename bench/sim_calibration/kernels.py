@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.sim.presets import ModelSpec, resolve_preset
+from backends.perf.presets import ModelSpec, resolve_preset
 from bench.sim_calibration.sources import Row
 
 SYSTEMS = {"h100": "h100_sxm", "h200": "h200_sxm"}

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from backends.sim.presets import HARDWARE, Efficiency
+from backends.perf.presets import HARDWARE, Efficiency
 from bench.sim_calibration.fit import PARAMS, Scored
 
 TARGET = 0.15
@@ -52,10 +52,10 @@ def write(scored: Sequence[Scored], out_dir: Path, fitted: dict[str, Efficiency]
     _plot(scored, plot_path)
     lines: list[str] = ["# Simulated engine calibration", ""]
     lines += [
-        "How close `backends/sim`'s performance model (`perf_model.step_time_s`) is to measured step",
+        "How close the simulated engine's performance model (`backends/perf/roofline.step_time_s`) is to measured step",
         "times, for the same model, hardware, TP, batch and prompt/context sizes. Reproduce with",
         "`python -m bench.sim_calibration --fit --write-presets` (refit, paste the factors into",
-        "`backends/sim/presets.py`) or `python -m bench.sim_calibration` (score the presets as they are).",
+        "`backends/perf/presets.py`) or `python -m bench.sim_calibration` (score the presets as they are).",
         "",
         'Errors are (predicted - measured) / measured per row; "median |err|" is the median of their',
         "absolute values. A prefill row is predicted as the simulated engine runs it: the batch of prompts",

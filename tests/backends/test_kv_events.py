@@ -12,6 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from backends.block_hash import hash_blocks
 from backends.kv_events import (
     RESET_GAP,
     RESET_RESTART,
@@ -25,7 +26,6 @@ from backends.kv_events import (
     decode_frames,
     decode_payload,
 )
-from backends.sim.kv_cache import hash_blocks
 from backends.sim.server import run_sim_engines
 from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint

@@ -12,11 +12,12 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends import tokenization
-from backends.sim import perf_model, text_gen
+from backends.block_hash import NONE_HASH, hash_block, hash_blocks
+from backends.perf import roofline
+from backends.perf.presets import preset_names, resolve_preset
+from backends.sim import text_gen
 from backends.sim.config import build_engine_config
-from backends.sim.kv_cache import NONE_HASH, hash_block, hash_blocks
 from backends.sim.metrics import TOKEN_LATENCY_BUCKETS, EngineMetrics
-from backends.sim.presets import preset_names, resolve_preset
 from backends.sim.prompt_cache import MessageIdsCache
 from backends.sim.request import Request, Status
 from backends.sim.scheduler import StepStats
@@ -27,11 +28,11 @@ def test_step_timer_is_bit_identical_to_step_time_s() -> None:
     rng = random.Random(3)
     for name in preset_names():
         preset = resolve_preset(name)
-        timer = perf_model.StepTimer(preset)
+        timer = roofline.StepTimer(preset)
         for _ in range(200):
             chunks = [(rng.randint(1, 8192), rng.randint(0, 30000)) for _ in range(rng.randint(0, 3))]
             contexts = [rng.randint(1, 60000) for _ in range(rng.choice((0, 1, 7, 300)))]
-            assert timer(chunks, len(contexts), sum(contexts)) == perf_model.step_time_s(preset, chunks, contexts)
+            assert timer(chunks, len(contexts), sum(contexts)) == roofline.step_time_s(preset, chunks, contexts)
 
 
 def test_hash_blocks_chains_hash_block() -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from backends.sim.kv_cache import NONE_HASH, KVCacheManager, hash_block, hash_blocks
+from backends.block_hash import NONE_HASH, hash_block, hash_blocks
+from backends.sim.kv_cache import KVCacheManager
 from backends.sim.request import Request
 
 

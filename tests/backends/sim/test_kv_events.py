@@ -11,7 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.sim.kv_cache import hash_blocks
+from backends.block_hash import hash_blocks
 from backends.sim.server import run_sim_engines
 from backends.tokenization import chat_prompt_ids
 from tests.backends.sim.conftest import post_json

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.sim.presets import HARDWARE, MODELS, UnknownPresetError, is_preset_name, resolve_preset
+from backends.perf.presets import HARDWARE, MODELS, UnknownPresetError, is_preset_name, resolve_preset
 
 
 @pytest.mark.parametrize(

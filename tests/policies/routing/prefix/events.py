@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from backends.block_hash import hash_blocks
 from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
-from backends.sim.kv_cache import hash_blocks
 
 
 def engine_hashes(ids: list[int], block: int = 16, salt: str | None = None) -> list[int]:

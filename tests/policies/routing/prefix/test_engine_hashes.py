@@ -1,6 +1,6 @@
 import pytest
 
-from backends.sim.kv_cache import hash_blocks
+from backends.block_hash import hash_blocks
 from policies.routing.prefix.engine_hashes import ENGINE_HASHERS
 from policies.routing.prefix.hashing import token_bytes
 from tests.policies.routing.factories import token_ids

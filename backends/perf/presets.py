@@ -78,7 +78,7 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """Fitted factors that turn datasheet peaks into step times (see perf_model.step_time_s).
+    """Fitted factors that turn datasheet peaks into step times (see roofline.step_time_s).
 
     - `compute`: achieved fraction of peak dense FLOP/s on the matmuls and attention of a step.
     - `bandwidth`: achieved fraction of peak HBM bandwidth when streaming weights and KV.

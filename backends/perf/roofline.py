@@ -1,4 +1,4 @@
-"""How long one engine step takes, and how much KV a device holds: the simulated GPU.
+"""How long one engine step takes on a preset: the roofline shared by the simulated engine and the prior.
 
 A step of a vLLM-style engine runs every scheduled token through the model once: prefill chunks
 (many new tokens of one request, after `context_before` tokens already in its KV cache) and decode
@@ -17,8 +17,9 @@ tokens (one per running request, after `context` tokens). Its duration is a roof
 - overhead: fixed per step, larger when the step carries prefill (eager kernels, no CUDA graph) and
   growing with log2(TP) (the host coordinates more workers).
 
-Everything here is a pure function of a `Preset` (no clocks, no asyncio), so the latency predictor can
-use it as an analytic prior and the calibration benchmark can fit it.
+Everything here is a pure function of a `Preset` (no clocks, no asyncio): the simulated engine prices
+its steps with it, the latency predictor derives its analytic prior from it, and the calibration
+benchmark fits it, so recalibrating the simulator is visibly a change to the prior.
 """
 
 from __future__ import annotations
@@ -27,11 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from backends.sim.presets import GIB, Preset
-
-# Memory vLLM's profiler sees besides weights and KV: CUDA context, NCCL buffers, cuBLAS workspaces
-# and CUDA graphs. About 1.5-3 GiB on Hopper in practice; one constant keeps the estimate simple.
-NON_TORCH_BYTES = int(2.0 * GIB)
+from backends.perf.capacity import kv_bytes_per_token, kv_bytes_per_token_per_device
+from backends.perf.presets import Preset
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,62 +49,6 @@ class StepCost:
     @property
     def total_s(self) -> float:
         return self.device_s + self.overhead_s
-
-
-def kv_bytes_per_token(preset: Preset) -> int:
-    """Bytes of K and V one token occupies across the whole model (all layers, all TP ranks).
-
-    This is what a PD transfer moves per prompt token.
-    """
-    m = preset.model
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype_bytes
-
-
-def kv_bytes_per_token_per_device(preset: Preset) -> int:
-    """Bytes per token on one device: KV heads are split over TP, replicated when TP > KV heads."""
-    m = preset.model
-    heads_per_device = max(1, math.ceil(m.num_kv_heads / preset.tp))
-    return 2 * m.num_layers * heads_per_device * m.head_dim * m.dtype_bytes
-
-
-def weight_bytes_per_device(preset: Preset) -> int:
-    return preset.model.weight_bytes // preset.tp
-
-
-def activation_peak_bytes(preset: Preset, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """vLLM's profile run peak beyond weights: hidden states and MLP intermediates of a full token
-    budget, plus float32 logits for every sequence of a full batch."""
-    m = preset.model
-    per_token = (4 * m.hidden_size + 2 * m.intermediate_size // preset.tp) * m.dtype_bytes
-    logits = max_num_seqs * m.vocab_size * 4
-    return max_num_batched_tokens * per_token + logits
-
-
-def num_gpu_blocks(
-    preset: Preset,
-    block_size: int = 16,
-    gpu_memory_utilization: float = 0.9,
-    max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 256,
-) -> int:
-    """KV blocks vLLM would allocate: (capacity x utilisation - weights - activations - non-torch)
-    per device over the per-device bytes of one block. Raises ValueError when the model does not fit,
-    as vLLM refuses to start ("No available memory for the cache blocks")."""
-    hw = preset.hardware
-    budget = int(hw.hbm_capacity * gpu_memory_utilization)
-    free = (
-        budget
-        - weight_bytes_per_device(preset)
-        - activation_peak_bytes(preset, max_num_batched_tokens, max_num_seqs)
-        - NON_TORCH_BYTES
-    )
-    block_bytes = block_size * kv_bytes_per_token_per_device(preset)
-    if free < block_bytes:
-        raise ValueError(
-            f"{preset.name}: no memory left for KV cache blocks "
-            f"({free / GIB:.1f} GiB after weights at gpu_memory_utilization={gpu_memory_utilization})"
-        )
-    return free // block_bytes
 
 
 def step_cost(
