@@ -1,6 +1,6 @@
 """gateway.yaml: the schema of the gateway process and how it is loaded.
 
-Sections owned by other rooms (pools, backends, routing, predictor, telemetry, ledger) are validated
+Sections owned by other rooms (pools, backends, routing, flow_control, predictor, telemetry, ledger) are validated
 by those rooms' own pydantic models; this module composes them. Loading resolves `${ENV}` references
 (secrets never live in YAML) and relative paths (against the config file's folder), and turns
 validation failures into one message naming the file, the key path and what was expected.
@@ -62,6 +62,7 @@ class GatewaySettings(_Strict):
     backends: dict[str, Any] = Field(default_factory=dict)
     pools: list[PoolConfig] = Field(default_factory=list)
     routing: dict[str, Any] = Field(default_factory=dict)
+    flow_control: dict[str, Any] = Field(default_factory=dict)
     predictor: dict[str, Any] = Field(default_factory=dict)
     telemetry: dict[str, Any] = Field(default_factory=dict)
     ledger: dict[str, Any] = Field(default_factory=dict)

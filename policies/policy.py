@@ -104,6 +104,11 @@ class Policy:
         found = self._slo_by_tenant.get(principal.tenant)
         return found if found is not None else self._slo_by_priority.get(principal.priority)
 
+    def tenant_weight(self, tenant: str) -> float:
+        """The tenant's weight in a saturated pool (flow control), 1 for a tenant the policy lacks."""
+        found = self.config.tenants.get(tenant)
+        return found.weight if found is not None else 1.0
+
     def admission_plan(self, principal: Principal, model: str) -> Plan:
         """Every bucket, lease and budget that applies to `principal` calling `model` (cached)."""
         return self.limits.plan(principal, model)

@@ -17,16 +17,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from policies.flow.schema import FlowPolicy
+
 PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
 PRIORITY_VALUES: dict[str, int] = {"critical": 2, "high": 1, "normal": 0, "low": -1, "sheddable": -2}
 
-Trigger = Literal["rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable"]
+Trigger = Literal[
+    "rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable", "queue_timeout"
+]
 TRIGGERS: tuple[str, ...] = (
     "rate_limited",
     "budget_exhausted",
     "upstream_error",
     "context_too_long",
     "slo_unattainable",
+    "queue_timeout",
 )
 Scope = Literal["key", "tenant", "model", "key_model", "global"]
 MissAction = Literal["fallback", "queue", "reject", "proceed"]
@@ -73,6 +78,7 @@ class TenantConfig(_Strict):
     priority: PriorityName = "normal"
     allow_fallback: bool = True
     slo_class: str | None = Field(default=None, description="latency SLO of its requests (slo_classes)")
+    weight: float = Field(default=1.0, gt=0, description="its share of a saturated pool, relative to others'")
 
 
 class KeyConfig(_Strict):
@@ -101,7 +107,7 @@ class PriceConfig(_Strict):
 
 
 def _all_triggers() -> list[Trigger]:
-    return ["rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable"]
+    return list(TRIGGERS)  # type: ignore[arg-type]
 
 
 class FallbackConfig(_Strict):
@@ -288,6 +294,7 @@ class PoliciesConfig(_Strict):
     limits: list[LimitConfig] = Field(default_factory=list)
     budgets: list[BudgetConfig] = Field(default_factory=list)
     slo_classes: dict[str, SloClassConfig] = Field(default_factory=dict)
+    flow_control: FlowPolicy = Field(default_factory=FlowPolicy)
 
     @model_validator(mode="after")
     def _references(self) -> PoliciesConfig:

@@ -84,6 +84,10 @@ class LengthSettings(_Strict):
     half_life_samples: float = Field(default=500.0, gt=0, description="weight halves every N samples")
     min_samples: int = Field(default=20, ge=1, description="fewer samples: fall back to the model's estimate")
     default_output_tokens: int = Field(default=256, ge=1, description="used by predict() with no estimate")
+    drift_rate: float = Field(
+        default=0.1, ge=0, le=1, description="weight of each completion in the drift correction (0: off)"
+    )
+    drift_max_factor: float = Field(default=8.0, ge=1, description="the correction stays within [1/x, x]")
 
 
 class PredictorSettings(_Strict):

@@ -9,6 +9,16 @@ buckets (4 per doubling, ±9 % resolution, 1 to 2**20 tokens): O(1) memory per k
 sum. The weight of a sample halves every `half_life_samples` newer samples of the same key, so
 estimates follow a tenant whose usage changes. Keys live in an LRU bounded by `max_keys`. A key with
 too few samples falls back to the model-wide estimate (every tenant's completions of that model).
+
+Drift correction (DriftSched: Palaniappan, arXiv 2606.02982, corrects admission-time estimates online
+by their recent bias against observed completions). The histogram is deliberately slow (hundreds of
+samples per half-life), so when a tenant's outputs change, or a new tenant borrows the model-wide
+estimate, its median is wrong for a long while, and always in the same direction. `predict` therefore
+multiplies the median by exp(bias), where the bias is an exponential moving average (rate
+`drift_rate`) of log(observed / median) over the key's recent completions, kept within
+[1/`drift_max_factor`, `drift_max_factor`]. Completions that stopped at their own `max_tokens` say
+only "at least that many" and are not learnt from. `LengthAccuracy` keeps the mean absolute error of
+the raw and the corrected predictions, so the correction's worth is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -28,6 +38,18 @@ _NUM_BUCKETS = _BUCKETS_PER_DOUBLING * _MAX_DOUBLINGS + 1
 _BUCKET_VALUE = 2.0 ** (np.arange(_NUM_BUCKETS) / _BUCKETS_PER_DOUBLING)
 _RENORMALISE_ABOVE = 1e100
 _ALL_TENANTS = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPrediction:
+    """One request's predicted completion tokens: `raw_tokens` the histogram's median, `tokens` after
+    the drift correction (both within the request's max_tokens); `uncapped_raw` before the cap (what
+    the drift is learnt against); `max_tokens` the request's own limit, if any."""
+
+    raw_tokens: float
+    tokens: float
+    uncapped_raw: float
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +103,30 @@ class _DecayedHistogram:
         )
 
 
+class LengthAccuracy:
+    """Mean absolute error (tokens) of the raw and the drift-corrected predictions."""
+
+    __slots__ = ("abs_error_corrected", "abs_error_raw", "samples")
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.abs_error_raw = 0.0
+        self.abs_error_corrected = 0.0
+
+    def record(self, predicted: OutputPrediction, observed: int) -> None:
+        self.samples += 1
+        self.abs_error_raw += abs(observed - predicted.raw_tokens)
+        self.abs_error_corrected += abs(observed - predicted.tokens)
+
+    def status(self) -> dict[str, float | int | None]:
+        n = self.samples
+        return {
+            "samples": n,
+            "mae_raw_tokens": round(self.abs_error_raw / n, 2) if n else None,
+            "mae_corrected_tokens": round(self.abs_error_corrected / n, 2) if n else None,
+        }
+
+
 class OutputLengthEstimator:
     """Completion-length estimates per (tenant, model), bounded in memory (module docstring)."""
 
@@ -88,11 +134,30 @@ class OutputLengthEstimator:
         self.settings = settings
         self._decay = 0.5 ** (1.0 / settings.half_life_samples)
         self._keys: OrderedDict[tuple[str, str], _DecayedHistogram] = OrderedDict()
+        self._bias: OrderedDict[tuple[str, str], float] = OrderedDict()  # EMA of log(observed / median)
+        self._max_log = math.log(settings.drift_max_factor)
+        self.accuracy = LengthAccuracy()
 
-    def observe(self, tenant: str, model: str, completion_tokens: int) -> None:
-        """Record one finished request's completion tokens (skip requests that were cut short)."""
+    def predict(self, tenant: str, model: str, max_tokens: int | None = None) -> OutputPrediction:
+        """The request's completion tokens: the median (else `default_output_tokens`), corrected for
+        the key's drift, within `max_tokens`."""
+        estimate = self.estimate(tenant, model)
+        raw = float(estimate.p50_tokens if estimate is not None else self.settings.default_output_tokens)
+        corrected = raw * math.exp(self._bias.get((tenant, model), 0.0))
+        if max_tokens is not None:
+            return OutputPrediction(min(raw, max_tokens), min(corrected, max_tokens), raw, max_tokens)
+        return OutputPrediction(raw, corrected, raw)
+
+    def observe(
+        self, tenant: str, model: str, completion_tokens: int, predicted: OutputPrediction | None = None
+    ) -> None:
+        """Record one finished request's completion tokens (skip requests that were cut short);
+        with the prediction made for it, learn the drift and score both predictions."""
         if completion_tokens < 0:
             return
+        if predicted is not None:
+            self.accuracy.record(predicted, completion_tokens)
+            self._learn_drift((tenant, model), predicted, completion_tokens)
         for key in ((tenant, model), (_ALL_TENANTS, model)):
             histogram = self._keys.get(key)
             if histogram is None:
@@ -102,6 +167,21 @@ class OutputLengthEstimator:
             else:
                 self._keys.move_to_end(key)
             histogram.add(completion_tokens)
+
+    def _learn_drift(self, key: tuple[str, str], predicted: OutputPrediction, observed: int) -> None:
+        rate = self.settings.drift_rate
+        if rate <= 0 or (predicted.max_tokens is not None and observed >= predicted.max_tokens):
+            return  # off, or stopped by its own limit: it says only "at least that many"
+        error = math.log(max(observed, 1) / max(predicted.uncapped_raw, 1.0))
+        bias = self._bias.pop(key, 0.0)
+        bias += rate * (error - bias)
+        self._bias[key] = min(max(bias, -self._max_log), self._max_log)
+        while len(self._bias) > self.settings.max_keys:
+            self._bias.popitem(last=False)
+
+    def drift_factor(self, tenant: str, model: str) -> float:
+        """The correction `predict` applies to this key's median now."""
+        return math.exp(self._bias.get((tenant, model), 0.0))
 
     def estimate(self, tenant: str, model: str) -> LengthEstimate | None:
         """The tenant's estimate, else the model-wide one, else None (fewer than `min_samples`)."""

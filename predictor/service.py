@@ -30,7 +30,7 @@ from predictor.accuracy import AccuracyScore, OnlineAccuracy
 from predictor.buffers import Samples, StratifiedBuffer
 from predictor.config import PredictorSettings
 from predictor.features import build_features
-from predictor.length import LengthEstimate, OutputLengthEstimator
+from predictor.length import LengthEstimate, OutputLengthEstimator, OutputPrediction
 from predictor.model import PRIOR_COLUMN, SLOT_OF, SLOTS, PoolModel
 from predictor.persist import ModelStore
 from predictor.prior import LatencyPrior
@@ -260,9 +260,16 @@ class LatencyPredictor:
         state.p90_shift[index] = shift
         state.p90_scale[index] = math.exp(shift)
 
-    def observe_output(self, tenant: str, model: str, completion_tokens: int) -> None:
-        """A finished request's completion tokens, for output-length estimates."""
-        self.lengths.observe(tenant, model, completion_tokens)
+    def output_tokens_prediction(self, tenant: str, model: str, max_tokens: int | None = None) -> OutputPrediction:
+        """One request's completion tokens, raw and corrected for the key's drift (length.py)."""
+        return self.lengths.predict(tenant, model, max_tokens)
+
+    def observe_output(
+        self, tenant: str, model: str, completion_tokens: int, predicted: OutputPrediction | None = None
+    ) -> None:
+        """A finished request's completion tokens, for output-length estimates (and, with the
+        prediction made for it, their drift correction)."""
+        self.lengths.observe(tenant, model, completion_tokens, predicted)
 
     def _due(self, state: _PoolState, now_s: float) -> bool:
         return (
@@ -475,6 +482,7 @@ class LatencyPredictor:
             "online_training": self.settings.online_training,
             "worker": self._worker.kind,
             "pools": pools,
+            "output_length": self.lengths.accuracy.status(),
         }
 
 

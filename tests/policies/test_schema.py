@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from policies.policy import hash_key
-from policies.schema import LimitConfig, PoliciesConfig, ReferenceErrors
+from policies.schema import TRIGGERS, LimitConfig, PoliciesConfig, ReferenceErrors
 
 
 def doc(**extra: Any) -> dict[str, Any]:
@@ -89,7 +89,7 @@ def test_all_reference_problems_are_reported_together() -> None:
 def test_fallback_shorthand_means_every_trigger() -> None:
     config = PoliciesConfig.model_validate(doc(models={"a": {"fallbacks": ["b"]}, "b": {}}))
     (step,) = config.models["a"].fallbacks
-    assert step.model == "b" and "context_too_long" in step.triggers and len(step.triggers) == 5
+    assert step.model == "b" and "context_too_long" in step.triggers and len(step.triggers) == len(TRIGGERS)
 
 
 def test_rule_identity_defaults_to_scope_and_match_with_aliases_resolved() -> None:

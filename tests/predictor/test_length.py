@@ -60,3 +60,40 @@ def test_zero_length_completions_count_and_negative_ones_do_not() -> None:
     estimator.observe("t", "m", 0)
     estimate = estimator.estimate("t", "m")
     assert estimate is not None and estimate.p50_tokens == 1
+
+
+def test_drift_correction_follows_a_shift_the_histogram_lags_and_lowers_the_error() -> None:
+    estimator = OutputLengthEstimator(LengthSettings(half_life_samples=500, min_samples=5, drift_rate=0.1))
+    for _ in range(400):
+        estimator.observe("t", "m", 100, estimator.predict("t", "m"))
+    assert estimator.drift_factor("t", "m") == pytest.approx(1.0, abs=0.1)
+    before = estimator.accuracy.status()  # the first few borrowed the default (256): raw erred more
+    assert before["mae_corrected_tokens"] <= before["mae_raw_tokens"]  # type: ignore[operator]
+    for _ in range(100):  # the tenant's outputs quadruple; the slow histogram still answers ~100
+        estimator.observe("t", "m", 400, estimator.predict("t", "m"))
+    prediction = estimator.predict("t", "m")
+    assert prediction.raw_tokens < 250 < prediction.tokens <= 450
+    after = estimator.accuracy.status()
+    assert after["mae_corrected_tokens"] < after["mae_raw_tokens"]  # type: ignore[operator]
+
+
+def test_drift_is_not_learnt_from_completions_cut_by_their_own_limit() -> None:
+    estimator = OutputLengthEstimator(LengthSettings(min_samples=1, drift_rate=0.5))
+    for _ in range(200):
+        estimator.observe("t", "m", 300)
+    for _ in range(20):
+        estimator.observe("t", "m", 20, estimator.predict("t", "m", max_tokens=20))  # stopped at max_tokens
+    assert estimator.drift_factor("t", "m") == 1.0
+    capped = estimator.predict("t", "m", max_tokens=20)
+    assert capped.raw_tokens == capped.tokens == 20
+
+
+def test_drift_factor_is_bounded_and_off_at_rate_zero() -> None:
+    bounded = OutputLengthEstimator(LengthSettings(min_samples=1, drift_rate=1.0, drift_max_factor=4.0))
+    bounded.observe("t", "m", 10)
+    bounded.observe("t", "m", 100_000, bounded.predict("t", "m"))
+    assert bounded.drift_factor("t", "m") == pytest.approx(4.0)
+    off = OutputLengthEstimator(LengthSettings(min_samples=1, drift_rate=0.0))
+    off.observe("t", "m", 10)
+    off.observe("t", "m", 1000, off.predict("t", "m"))
+    assert off.drift_factor("t", "m") == 1.0

@@ -1,0 +1,1 @@
+"""Flow control's waiting room (the decisions it applies are `policies/flow/`)."""

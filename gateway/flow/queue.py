@@ -1,0 +1,424 @@
+"""The waiting room: one per pool, the only place a request waits in the gateway.
+
+A request asks `hold(pool, request, ready)`. `ready()` is the caller's gate: it returns a value (the
+route to dispatch on, say) when the request may go now, or a `Blocked` saying why not. With nobody
+waiting in the pool and `ready()` answering a value, the request goes at once (work-conserving: the
+room costs one call then). Otherwise it waits, and each time capacity may have freed on the pool
+(`notify`: a request ended, a first token, a replica became ready) the room offers the turn in flow
+order (`policies.flow.order`: band, then virtual counter, then arrival or predicted cost): the first
+request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
+full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round). The
+head of the room also rechecks every `recheck_s`, since load that is scraped and predictions move
+with time too.
+
+One grant at a time: a granted request dispatches when its task next runs, so the next round waits
+until then (`call_soon` after it resumes), when its load is visible to the next `ready()`.
+
+Bounds: a request leaves at its deadline (`QueueRejected` queue_timeout), when its client goes away
+(the task is cancelled: it leaves at once, nothing stays held), or when a higher band needs its place
+(queue_shed); a request that finds no room is refused (queue_full). Every exit carries a retry-after
+from the room's drain rate.
+
+The same call serves any "hold until the pool has capacity or a deadline": a cold start's wait for a
+replica is `hold` with a `ready()` that answers a value once one is ready, and `notify(pool)` when it
+is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic
+
+from gateway.flow.types import (
+    REASON_QUEUE_FULL,
+    REASON_QUEUE_TIMEOUT,
+    REASON_SHED,
+    Blocked,
+    FlowRequest,
+    QueueRejected,
+    Ready,
+    T,
+)
+from policies.flow import bounds, order, vtc
+from policies.flow.bands import BANDS, band_name
+from policies.flow.counters import Counters
+from policies.flow.share import ServiceWindow, fair_share_ratios
+
+_TRIES_PER_ROUND: Final = 4  # requests offered the turn per round before waiting for the next event
+_GRANT_TIMEOUT_S: Final = 1.0  # a grant whose task never resumed stops blocking the room after this
+
+WaitObserver = Callable[[str, int, str, float], None]  # (pool, band, tenant, seconds waited)
+
+
+@dataclass(slots=True, eq=False)
+class _Entry(Generic[T]):
+    seq: int
+    request: FlowRequest
+    ready: Ready[T]
+    future: asyncio.Future[T]
+    enqueued_s: float
+    blocked: Blocked | None = None
+
+    @property
+    def band(self) -> int:
+        return self.request.band
+
+    @property
+    def cost_tokens(self) -> float:
+        return self.request.cost_tokens
+
+
+@dataclass(slots=True, eq=False)
+class _Room:
+    pool: str
+    bands: dict[int, dict[str, list[_Entry[Any]]]] = field(default_factory=dict)
+    entries: dict[int, _Entry[Any]] = field(default_factory=dict)
+    body_bytes: int = 0
+    granted: _Entry[Any] | None = None
+    granted_s: float = 0.0
+    recheck: asyncio.TimerHandle | None = None
+    drain: bounds.DrainRate = field(default_factory=bounds.DrainRate)
+    tags: dict[str, int] = field(default_factory=dict)
+    dispatched: int = 0
+    waited: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Lease:
+    """A dispatched request's fairness account: `finished` corrects its tenant's counter with the real
+    cost (once) and tells the room capacity may have freed."""
+
+    queue: FlowQueue
+    pool: str
+    band: int
+    tenant: str
+    weight: float
+    cost_tokens: float
+    queued_s: float  # time it waited in the room (0: it went at once)
+    _done: bool = False
+
+    def finished(self, actual_cost_tokens: float | None) -> None:
+        """The request ended; `actual_cost_tokens` None when unknown (the prediction stands)."""
+        if self._done:
+            return
+        self._done = True
+        if actual_cost_tokens is not None:
+            delta = vtc.correction(self.cost_tokens, actual_cost_tokens, self.weight)
+            if delta:
+                self.queue.counters.charge(self.pool, self.band, self.tenant, delta, dispatch=False)
+                self.queue.share(self.pool).add(self.tenant, delta * self.weight, self.queue.now())
+        self.queue.notify(self.pool)
+
+
+class FlowQueue:
+    def __init__(
+        self,
+        counters: Counters,
+        *,
+        room_size: Callable[[str], tuple[int, int]] = lambda pool: (1024, 64 * 1024 * 1024),
+        shortest_job_first: Callable[[], bool] = lambda: False,
+        fair: Callable[[], bool] = lambda: True,
+        weights: Callable[[str], float] = lambda tenant: 1.0,
+        recheck_s: float = 0.05,
+        share_window_s: float = 60.0,
+        on_wait: WaitObserver | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.counters = counters
+        self.room_size = room_size
+        self.shortest_job_first = shortest_job_first
+        self.fair = fair
+        self.weights = weights
+        self.recheck_s = recheck_s
+        self.share_window_s = share_window_s
+        self.on_wait = on_wait
+        self.now = now
+        self._rooms: dict[str, _Room] = {}
+        self._shares: dict[str, ServiceWindow] = {}
+        self._seq = itertools.count(1)
+
+    # --- entry ------------------------------------------------------------------------------------
+
+    async def hold(self, pool: str, request: FlowRequest, ready: Ready[T]) -> tuple[T, Lease]:
+        """Wait until `ready()` answers a value in flow order; (that value, the dispatch's lease).
+        Raises `QueueRejected` (full, timed out, shed); a cancelled caller leaves at once."""
+        room = self._room(pool)
+        now = self.now()
+        blocked: Blocked | None = None
+        if not room.entries and room.granted is None:
+            verdict = ready()
+            if not isinstance(verdict, Blocked):
+                self._observe_wait(pool, request, 0.0)
+                return verdict, self._dispatch(room, request, queued_s=0.0, waited=False)
+            blocked = verdict
+        entry = self._enter(room, request, ready, now, blocked)
+        try:
+            async with asyncio.timeout(max(request.deadline_s - now, 0.0)):
+                value = await entry.future
+        except TimeoutError:
+            future = entry.future
+            if not (future.done() and not future.cancelled()):
+                self._leave(room, entry)
+                raise self._rejection(room, entry, REASON_QUEUE_TIMEOUT) from None
+            if future.exception() is not None:  # shed as the deadline struck
+                raise future.exception() from None  # type: ignore[misc]
+            value = future.result()  # granted as the deadline struck: it goes
+        except asyncio.CancelledError:
+            if room.granted is entry:
+                self._ungrant(room)
+            else:
+                self._leave(room, entry)
+            raise
+        waited_s = self.now() - entry.enqueued_s
+        asyncio.get_running_loop().call_soon(self._resumed, room, entry)
+        self._observe_wait(pool, request, waited_s)
+        return value, self._dispatch(room, request, queued_s=waited_s, waited=True)
+
+    def notify(self, pool: str) -> None:
+        """Capacity may have freed on `pool` (a request ended, a first token, a replica is ready)."""
+        room = self._rooms.get(pool)
+        if room is not None and room.entries:
+            self._round(room)
+
+    def waiting_with(self, pool: str, tag: str) -> int:
+        """Requests of `tag` waiting in `pool` now."""
+        room = self._rooms.get(pool)
+        return room.tags.get(tag, 0) if room is not None else 0
+
+    def depth(self, pool: str, band: int | None = None) -> int:
+        room = self._rooms.get(pool)
+        if room is None:
+            return 0
+        if band is None:
+            return len(room.entries)
+        return sum(len(v) for v in room.bands.get(band, {}).values())
+
+    def share(self, pool: str) -> ServiceWindow:
+        found = self._shares.get(pool)
+        if found is None:
+            found = self._shares[pool] = ServiceWindow(self.share_window_s)
+        return found
+
+    def fair_share_ratios(self, pool: str) -> dict[str, float]:
+        service = self.share(pool).totals(self.now())
+        return fair_share_ratios(service, {t: self.weights(t) for t in service})
+
+    # --- waiting ------------------------------------------------------------------------------------
+
+    def _room(self, pool: str) -> _Room:
+        found = self._rooms.get(pool)
+        if found is None:
+            found = self._rooms[pool] = _Room(pool)
+        return found
+
+    def _counter(self, pool: str) -> Callable[[int, str], float]:
+        counters = self.counters
+        return lambda band, tenant: counters.value(pool, band, tenant)
+
+    def _enter(
+        self, room: _Room, request: FlowRequest, ready: Ready[T], now: float, blocked: Blocked | None
+    ) -> _Entry[T]:
+        if request.deadline_s <= now:
+            self._count_rejection(room, REASON_QUEUE_TIMEOUT)
+            self._observe_wait(room.pool, request, 0.0)
+            retry_s = self._retry_after(room, request, 1.0)
+            raise QueueRejected(REASON_QUEUE_TIMEOUT, waited_s=0.0, retry_after_s=retry_s, blocked=blocked)
+        max_queued, max_bytes = self.room_size(room.pool)
+        held = [
+            bounds.Held(e.seq, e.request.band, e.request.tenant, e.request.body_bytes) for e in room.entries.values()
+        ]
+        shed = bounds.shed_for(
+            held,
+            self._counter(room.pool),
+            band=request.band,
+            body_bytes=request.body_bytes,
+            max_queued=max_queued,
+            max_queued_bytes=max_bytes,
+        )
+        if shed is None:
+            self._count_rejection(room, REASON_QUEUE_FULL)
+            self._observe_wait(room.pool, request, 0.0)
+            raise QueueRejected(
+                REASON_QUEUE_FULL, waited_s=0.0, retry_after_s=self._retry_after(room, request, 1.0), blocked=None
+            )
+        for seq in shed:
+            victim = room.entries[seq]
+            self._leave(room, victim)
+            if not victim.future.done():
+                victim.future.set_exception(self._rejection(room, victim, REASON_SHED))
+        tenants = room.bands.setdefault(request.band, {})
+        own = tenants.get(request.tenant)
+        if not own:  # returning after idling in this band: no banked credit
+            floor = vtc.band_floor(
+                {t: self.counters.value(room.pool, request.band, t) for t, w in tenants.items() if w},
+                (t for t, w in tenants.items() if w),
+                self.counters.last_served(room.pool, request.band),
+            )
+            self.counters.lift(room.pool, request.band, request.tenant, floor)
+            own = tenants[request.tenant] = []
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        entry: _Entry[T] = _Entry(next(self._seq), request, ready, future, now, blocked)
+        others = bool(room.entries)
+        own.append(entry)
+        room.entries[entry.seq] = entry
+        room.body_bytes += request.body_bytes
+        if request.tag:
+            room.tags[request.tag] = room.tags.get(request.tag, 0) + 1
+        room.waited += 1
+        self.counters.watch(room.pool, request.band, True)
+        if others:
+            self._round(room)  # it may go before those already waiting
+        else:
+            self._arm_recheck(room)  # alone, and `ready()` just said no
+        return entry
+
+    def _leave(self, room: _Room, entry: _Entry[Any]) -> None:
+        """Take `entry` out of the room (idempotent); the turn passes on if it was the head."""
+        if room.entries.pop(entry.seq, None) is None:
+            return
+        request = entry.request
+        room.body_bytes -= request.body_bytes
+        if request.tag:
+            left = room.tags.get(request.tag, 0) - 1
+            if left > 0:
+                room.tags[request.tag] = left
+            else:
+                room.tags.pop(request.tag, None)
+        tenants = room.bands.get(request.band, {})
+        own = tenants.get(request.tenant)
+        if own is not None:
+            own.remove(entry)
+            if not own:
+                del tenants[request.tenant]
+        if not tenants:
+            room.bands.pop(request.band, None)
+            self.counters.watch(room.pool, request.band, False)
+        if not room.entries and room.recheck is not None:
+            room.recheck.cancel()
+            room.recheck = None
+        if room.entries and room.granted is None:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._round, room)
+
+    def _round(self, room: _Room) -> None:
+        """Offer the turn in flow order until one goes, the pool is full, or the round's tries are spent."""
+        if room.granted is not None:
+            if self.now() - room.granted_s < _GRANT_TIMEOUT_S:
+                return
+            room.granted = None  # its task never resumed (a stuck loop?): stop waiting on it
+        counter = self._counter(room.pool)
+        sjf, fair = self.shortest_job_first(), self.fair()
+        skip: set[int] = set()
+        for _ in range(_TRIES_PER_ROUND):
+            entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair)
+            if entry is None:
+                break
+            verdict = entry.ready()
+            if isinstance(verdict, Blocked):
+                entry.blocked = verdict
+                if verdict is Blocked.POOL:
+                    break
+                skip.add(entry.seq)
+                continue
+            self._leave(room, entry)
+            room.granted, room.granted_s = entry, self.now()
+            room.drain.record(room.granted_s)
+            entry.future.set_result(verdict)
+            return
+        self._arm_recheck(room)
+
+    def _arm_recheck(self, room: _Room) -> None:
+        if room.recheck is None and room.entries:
+            loop = asyncio.get_running_loop()
+            room.recheck = loop.call_later(self.recheck_s, self._recheck, room)
+
+    def _recheck(self, room: _Room) -> None:
+        room.recheck = None
+        if room.entries:
+            self._round(room)
+
+    def _resumed(self, room: _Room, entry: _Entry[Any]) -> None:
+        """A granted request's task ran (it dispatched): the next round may begin."""
+        if room.granted is entry:
+            room.granted = None
+        if room.entries:
+            self._round(room)
+
+    def _ungrant(self, room: _Room) -> None:
+        """A granted request was cancelled before it ran: its turn goes to the next one."""
+        room.granted = None
+        if room.entries:
+            asyncio.get_running_loop().call_soon(self._round, room)
+
+    # --- dispatch and exits ---------------------------------------------------------------------------
+
+    def _dispatch(self, room: _Room, request: FlowRequest, *, queued_s: float, waited: bool) -> Lease:
+        """Charge the dispatch to its tenant's counter. A request that never waited comes from a
+        tenant with nothing waiting: it is lifted to the band's floor first (a waiting one was lifted
+        when it arrived)."""
+        pool, band, tenant = room.pool, request.band, request.tenant
+        if not waited:
+            self.counters.lift(pool, band, tenant, self.counters.last_served(pool, band))
+        self.counters.charge(pool, band, tenant, vtc.charge(request.cost_tokens, request.weight), dispatch=True)
+        self.share(pool).add(tenant, request.cost_tokens, self.now())
+        room.dispatched += 1
+        return Lease(self, pool, band, tenant, request.weight, request.cost_tokens, queued_s)
+
+    def _rejection(self, room: _Room, entry: _Entry[Any], reason: str) -> QueueRejected:
+        waited_s = self.now() - entry.enqueued_s
+        self._count_rejection(room, reason)
+        self._observe_wait(room.pool, entry.request, waited_s)
+        return QueueRejected(
+            reason,
+            waited_s=waited_s,
+            retry_after_s=self._retry_after(room, entry.request, max(waited_s, 1.0)),
+            blocked=entry.blocked,
+        )
+
+    def _retry_after(self, room: _Room, request: FlowRequest, unknown_s: float) -> int:
+        ahead = sum(len(es) for band, tenants in room.bands.items() if band <= request.band for es in tenants.values())
+        return bounds.retry_after_s(ahead, room.drain.per_s(self.now()), unknown_s=unknown_s)
+
+    def _count_rejection(self, room: _Room, reason: str) -> None:
+        room.rejected[reason] = room.rejected.get(reason, 0) + 1
+
+    def _observe_wait(self, pool: str, request: FlowRequest, seconds: float) -> None:
+        if self.on_wait is not None:
+            self.on_wait(pool, request.band, request.tenant, seconds)
+
+    # --- status -------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Per pool: who waits (per band and tenant), the oldest wait, drain rate, the counters."""
+        now = self.now()
+        pools: dict[str, Any] = {}
+        for pool, room in self._rooms.items():
+            bands: dict[str, Any] = {}
+            for band in range(len(BANDS)):
+                tenants = room.bands.get(band, {})
+                bands[band_name(band)] = {
+                    "waiting": {t: len(es) for t, es in tenants.items()},
+                    "counters_age_s": _finite(self.counters.age_s(pool, band)),
+                }
+            oldest = min((e.enqueued_s for e in room.entries.values()), default=None)
+            pools[pool] = {
+                "waiting": len(room.entries),
+                "waiting_bytes": room.body_bytes,
+                "oldest_wait_ms": round((now - oldest) * 1000.0, 1) if oldest is not None else None,
+                "drain_per_s": round(room.drain.per_s(now), 3),
+                "dispatched": room.dispatched,
+                "waited": room.waited,
+                "rejected": dict(room.rejected),
+                "bands": bands,
+                "fair_share_ratio": {t: round(r, 4) for t, r in self.fair_share_ratios(pool).items()},
+            }
+        return {"counters": self.counters.status(), "pools": pools}
+
+
+def _finite(value: float) -> float | None:
+    return None if value == float("inf") else round(value, 4)

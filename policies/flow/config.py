@@ -1,0 +1,75 @@
+"""gateway.yaml's `flow_control` section: when a pool counts as saturated, and how much may wait.
+
+```yaml
+flow_control:
+  enabled: true                  # false: only requests the SLO gate sends to wait ever wait
+  saturation:                    # every pool, unless its own entry below overrides a field
+    max_engine_waiting: 5        # requests waiting inside one engine
+    max_kv_usage_ratio: 0.8
+    max_inflight: null           # the gateway's own in-flight requests per endpoint
+    max_predicted_ttft_ms: null  # the pool's TTFT threshold
+  max_queued: 1024               # per pool, requests waiting in the gateway
+  max_queued_bytes: 67108864     # per pool, their request bodies
+  pools:
+    llama: {saturation: {max_engine_waiting: 0}, max_queued: 256}
+```
+
+Tenant weights and per-band waiting limits are policy (policies.yaml `flow_control`), hot-reloaded;
+this section describes the machines.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.flow.saturation import SaturationLimits
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SaturationConfig(_Strict):
+    max_engine_waiting: int | None = Field(default=5, ge=0, description="waiting requests in one engine")
+    max_kv_usage_ratio: float | None = Field(default=0.8, gt=0, le=1, description="KV-cache usage of one engine")
+    max_inflight: int | None = Field(default=None, ge=1, description="gateway's own in-flight requests per endpoint")
+    max_predicted_ttft_ms: float | None = Field(default=None, gt=0, description="the pool's TTFT threshold")
+    max_stats_age_s: float = Field(default=2.0, gt=0, description="older engine metrics are not read")
+
+
+class PoolFlowConfig(_Strict):
+    saturation: SaturationConfig | None = Field(default=None, description="fields set here override the defaults")
+    max_queued: int | None = Field(default=None, ge=1)
+    max_queued_bytes: int | None = Field(default=None, ge=1024)
+
+
+class FlowSettings(_Strict):
+    enabled: bool = Field(default=True, description="hold requests while their pool is saturated")
+    saturation: SaturationConfig = Field(default_factory=SaturationConfig)
+    max_queued: int = Field(default=1024, ge=1, description="requests waiting per pool")
+    max_queued_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="their bodies, per pool")
+    recheck_ms: float = Field(default=50.0, gt=0, description="the head of a waiting room rechecks this often")
+    counters_refresh_ms: float = Field(
+        default=100.0, gt=0, description="Redis counters: re-read this often while requests wait"
+    )
+    share_window_s: float = Field(default=60.0, gt=0, description="window of tokenway_fair_share_ratio")
+    pools: dict[str, PoolFlowConfig] = Field(default_factory=dict)
+
+    def limits(self, pool: str, max_num_seqs: int | None = None) -> SaturationLimits:
+        """The pool's saturation limits: its own fields over the defaults; all off when disabled."""
+        if not self.enabled:
+            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, max_num_seqs)
+        merged = self.saturation.model_dump()
+        override = self.pools.get(pool)
+        if override is not None and override.saturation is not None:
+            merged.update({k: getattr(override.saturation, k) for k in override.saturation.model_fields_set})
+        return SaturationLimits(**merged, max_num_seqs=max_num_seqs)
+
+    def room(self, pool: str) -> tuple[int, int]:
+        """(max_queued, max_queued_bytes) of the pool's waiting room."""
+        override = self.pools.get(pool)
+        count = override.max_queued if override is not None and override.max_queued is not None else self.max_queued
+        size = self.max_queued_bytes
+        if override is not None and override.max_queued_bytes is not None:
+            size = override.max_queued_bytes
+        return count, size

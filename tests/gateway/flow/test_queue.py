@@ -1,0 +1,193 @@
+"""The waiting room with a stand-in pool of N slots: fast path, flow order, bounds, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from gateway.flow.queue import FlowQueue, Lease
+from gateway.flow.types import REASON_QUEUE_FULL, REASON_QUEUE_TIMEOUT, REASON_SHED, Blocked, FlowRequest, QueueRejected
+from policies.flow.bands import band_rank
+from policies.flow.counters import MemoryCounters
+
+NORMAL, LOW, HIGH = band_rank(0), band_rank(-1), band_rank(1)
+POOL = "p"
+
+
+class Slots:
+    """A pool with `free` batch slots: a request may go while one is free; it takes it when it runs."""
+
+    def __init__(self, queue: FlowQueue, free: int) -> None:
+        self.queue = queue
+        self.free = free
+        self.order: list[str] = []
+
+    def ready(self) -> str | Blocked:
+        return "go" if self.free > 0 else Blocked.POOL
+
+    async def run(self, request: FlowRequest, ready: Callable[[], object] | None = None) -> Lease:
+        _, lease = await self.queue.hold(POOL, request, ready or self.ready)  # type: ignore[arg-type]
+        self.free -= 1  # dispatched: the slot is taken before the task next yields
+        self.order.append(request.request_id)
+        return lease
+
+    def release(self, count: int = 1) -> None:
+        self.free += count
+        self.queue.notify(POOL)
+
+
+def request(name: str, tenant: str, *, band: int = NORMAL, cost: float = 100.0, weight: float = 1.0,
+            wait_s: float = 30.0, body_bytes: int = 0, tag: str = "") -> FlowRequest:  # fmt: skip
+    return FlowRequest(name, tenant, band, cost, weight, time.monotonic() + wait_s, body_bytes, tag)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+async def test_an_open_pool_dispatches_at_once_and_charges_the_tenant() -> None:
+    counters = MemoryCounters()
+    queue = FlowQueue(counters)
+    slots = Slots(queue, free=1)
+    lease = await slots.run(request("r1", "a", cost=300.0, weight=3.0))
+    assert lease.queued_s == 0.0 and queue.depth(POOL) == 0
+    assert counters.value(POOL, NORMAL, "a") == 100.0  # 300 tokens / weight 3
+    lease.finished(actual_cost_tokens=600.0)
+    assert counters.value(POOL, NORMAL, "a") == 200.0  # corrected to the real cost
+    lease.finished(actual_cost_tokens=9000.0)  # once only
+    assert counters.value(POOL, NORMAL, "a") == 200.0
+
+
+async def test_while_saturated_a_light_tenant_goes_before_a_flood_and_bands_before_both() -> None:
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    tasks = [asyncio.create_task(slots.run(request(f"a{i}", "a"))) for i in range(10)]
+    await until(lambda: queue.depth(POOL) == 10)
+    slots.release(3)  # a is served three times (one at a time, each visible to the next check)
+    await until(lambda: len(slots.order) == 3)
+    tasks.append(asyncio.create_task(slots.run(request("b0", "b"))))
+    tasks.append(asyncio.create_task(slots.run(request("b1", "b"))))
+    tasks.append(asyncio.create_task(slots.run(request("low", "c", band=LOW))))
+    tasks.append(asyncio.create_task(slots.run(request("high", "a", band=HIGH))))
+    await until(lambda: queue.depth(POOL) == 11)
+    for _ in range(11):
+        slots.release()
+        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+    await asyncio.gather(*tasks)
+    # high first; b came back after idling at a's level and then alternates with a by counter; low last
+    assert slots.order[3:] == ["high", "b0", "a3", "b1", "a4", "a5", "a6", "a7", "a8", "a9", "low"]
+
+
+async def test_weights_share_a_backlog() -> None:
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    tasks = [asyncio.create_task(slots.run(request(f"h{i}", "heavy", weight=3.0))) for i in range(40)]
+    tasks += [asyncio.create_task(slots.run(request(f"l{i}", "light", weight=1.0))) for i in range(40)]
+    await until(lambda: queue.depth(POOL) == 80)
+    for _ in range(40):
+        slots.release()
+        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+    served = slots.order[:40]
+    assert sum(name.startswith("h") for name in served) == 30  # 3 : 1
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert queue.depth(POOL) == 0
+
+
+async def test_a_request_blocked_for_its_own_reason_passes_the_turn() -> None:
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    picky = asyncio.create_task(slots.run(request("picky", "a", wait_s=0.3), ready=lambda: Blocked.REQUEST))
+    easy = asyncio.create_task(slots.run(request("easy", "b")))
+    await until(lambda: queue.depth(POOL) == 2)
+    slots.release()
+    await easy
+    assert slots.order == ["easy"]
+    with pytest.raises(QueueRejected) as info:
+        await picky
+    assert info.value.reason == REASON_QUEUE_TIMEOUT and info.value.blocked is Blocked.REQUEST
+
+
+async def test_timeout_answers_with_retry_after_and_leaves_nothing_behind() -> None:
+    waits: list[tuple[str, int, str, float]] = []
+    queue = FlowQueue(MemoryCounters(), on_wait=lambda *row: waits.append(row))
+    slots = Slots(queue, free=0)
+    with pytest.raises(QueueRejected) as info:
+        await slots.run(request("r", "a", wait_s=0.05))
+    assert info.value.reason == REASON_QUEUE_TIMEOUT and info.value.blocked is Blocked.POOL
+    assert info.value.retry_after_s >= 1 and info.value.waited_s > 0
+    assert queue.depth(POOL) == 0 and queue.status()["pools"][POOL]["rejected"] == {REASON_QUEUE_TIMEOUT: 1}
+    assert waits and waits[0][:3] == (POOL, NORMAL, "a")
+
+
+async def test_a_cancelled_waiter_leaves_at_once_and_is_never_charged() -> None:
+    counters = MemoryCounters()
+    queue = FlowQueue(counters, recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    gone = asyncio.create_task(slots.run(request("gone", "a", body_bytes=1000, tag="interactive")))
+    await until(lambda: queue.depth(POOL) == 1)
+    assert queue.waiting_with(POOL, "interactive") == 1
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    room = queue.status()["pools"][POOL]
+    assert (room["waiting"], room["waiting_bytes"], queue.waiting_with(POOL, "interactive")) == (0, 0, 0)
+    assert counters.value(POOL, NORMAL, "a") == 0.0
+    slots.release()
+    assert (await slots.run(request("next", "b"))).queued_s == 0.0  # the room is open again
+
+
+async def test_a_grant_cancelled_before_it_ran_passes_to_the_next() -> None:
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    first = asyncio.create_task(slots.run(request("first", "a")))
+    second = asyncio.create_task(slots.run(request("second", "b")))
+    await until(lambda: queue.depth(POOL) == 2)
+    slots.free = 1
+    queue.notify(POOL)  # grants "first" ...
+    first.cancel()  # ... whose client leaves before its task runs
+    await second
+    assert slots.order == ["second"]
+    assert first.cancelled()
+
+
+async def test_full_room_sheds_lower_bands_first_and_refuses_a_newcomer_of_the_lowest() -> None:
+    queue = FlowQueue(MemoryCounters(), room_size=lambda pool: (2, 10**6), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    low = [asyncio.create_task(slots.run(request(f"low{i}", "c", band=LOW))) for i in range(2)]
+    await until(lambda: queue.depth(POOL) == 2)
+    with pytest.raises(QueueRejected) as refused:
+        await slots.run(request("low2", "c", band=LOW))
+    assert refused.value.reason == REASON_QUEUE_FULL
+    normal = asyncio.create_task(slots.run(request("normal", "a")))
+    with pytest.raises(QueueRejected) as shed:
+        await low[1]  # the newest of the lowest band makes room
+    assert shed.value.reason == REASON_SHED
+    await until(lambda: queue.depth(POOL) == 2)
+    slots.release(2)
+    await normal
+    await low[0]
+    assert slots.order == ["normal", "low0"]
+
+
+async def test_a_returning_tenant_is_lifted_to_the_waiting_minimum() -> None:
+    counters = MemoryCounters()
+    queue = FlowQueue(counters, recheck_s=10.0)
+    slots = Slots(queue, free=1)
+    counters.charge(POOL, NORMAL, "busy", 5000.0, dispatch=True)
+    await slots.run(request("b0", "busy"))
+    waiting = asyncio.create_task(slots.run(request("b1", "busy")))
+    await until(lambda: queue.depth(POOL) == 1)
+    back = asyncio.create_task(slots.run(request("r0", "returning")))
+    await until(lambda: queue.depth(POOL) == 2)
+    assert counters.value(POOL, NORMAL, "returning") == counters.value(POOL, NORMAL, "busy")
+    slots.release(2)
+    await asyncio.gather(waiting, back)
+    assert slots.order[1:] == ["b1", "r0"]  # equal counters, as many waiting: the earlier arrival first
