@@ -24,22 +24,18 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from backends import tokenization
-from backends.sim import embeddings, prompt_cache, text_gen
-from backends.sim.config import VLLM_VERSION, EngineConfig
+from backends.protocols import anthropic
+from backends.sim import agent_api, embeddings, generation, prompt_cache, text_gen, validation
+from backends.sim.config import VLLM_VERSION
 from backends.sim.engine import SimEngine
 from backends.sim.request import Request, new_id
 from backends.sim.sse import ChunkTemplate, FinishWaiter, TokenWriter
+from backends.sim.validation import BadRequest
 
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 CREATED_KEY = web.AppKey("created", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -58,6 +54,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as exc:
+        if request.path.startswith("/v1/messages"):
+            return _json(anthropic.error_body(exc.status, exc.message), status=exc.status)
         return error_response(exc.status, exc.message, exc.param)
 
 
@@ -101,6 +99,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/internal/kv_pull", _kv_pull)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    agent_api.add_routes(app, engine)
     return app
 
 
@@ -144,21 +143,14 @@ async def _load(request: web.Request) -> web.Response:
     return _json({"server_load": len(s.running) + s.num_waiting})
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"Invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("The request body must be a JSON object")
-    return body
+_read_json = validation.read_json
 
 
 async def _tokenize(request: web.Request) -> web.Response:
     body = await _read_json(request)
     config = request.app[ENGINE_KEY].config
     if "messages" in body:
-        ids = prompt_cache.chat_prompt_ids(_messages(body), body.get("tools"))
+        ids = prompt_cache.chat_prompt_ids(validation.messages(body), body.get("tools"))
     elif "prompt" in body:
         ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
     else:
@@ -193,15 +185,6 @@ async def _reset_prefix_cache(request: web.Request) -> web.Response:
 # --- generation ----------------------------------------------------------------------------------
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    if not all(isinstance(m, dict) for m in messages):
-        raise BadRequest("each message must be an object", "messages")
-    return messages
-
-
 def _single_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
@@ -212,60 +195,45 @@ def _single_prompt(prompt: Any) -> str | list[int]:
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
 
 
-def _int_field(body: dict[str, Any], *names: str) -> int | None:
-    for name in names:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise BadRequest(f"'{name}' must be an integer", name)
-        if value < (0 if name.startswith("min") else 1):
-            raise BadRequest(f"'{name}' must be at least {0 if name.startswith('min') else 1}", name)
-        return value
-    return None
-
-
-def _check_common(body: dict[str, Any], config: EngineConfig) -> None:
-    model = body.get("model")
-    if model is not None and model not in config.served_model_names and model != config.model:
-        raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
-    n = body.get("n", 1)
-    if n != 1:
-        raise BadRequest("the simulated engine supports only n=1", "n")
-
-
-def _check_length(prompt_len: int, max_tokens: int | None, config: EngineConfig) -> None:
-    limit = config.max_model_len
-    if prompt_len >= limit:
-        raise BadRequest(
-            f"This model's maximum context length is {limit} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-            "messages",
-        )
-    if max_tokens is not None and prompt_len + max_tokens > limit:
-        raise BadRequest(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
-            f"({max_tokens} > {limit} - {prompt_len}).",
-            "max_tokens",
-        )
-
-
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    _check_common(body, engine.config)
-    prompt_ids = prompt_cache.chat_prompt_ids(_messages(body), body.get("tools"))
+    validation.check_common(body, engine.config)
+    prompt_ids = prompt_cache.chat_prompt_ids(validation.messages(body), body.get("tools"))
+    if not generation.read_spec(body, chat=True).plain:
+        return await generation.generate(
+            request,
+            engine,
+            body,
+            prompt_ids,
+            api="chat",
+            response_id=_response_id(request, "chatcmpl"),
+            model_name=str(body.get("model") or engine.config.served_model_name),
+        )
     return await _generate(request, engine, body, prompt_ids, chat=True)
+
+
+def _response_id(request: web.Request, prefix: str) -> str:
+    return f"{prefix}-{request.headers.get('X-Request-Id') or new_id()}"
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    _check_common(body, engine.config)
+    validation.check_common(body, engine.config)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
     prompt_ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
+    if not generation.read_spec(body, chat=False).plain:
+        return await generation.generate(
+            request,
+            engine,
+            body,
+            prompt_ids,
+            api="completions",
+            response_id=_response_id(request, "cmpl"),
+            model_name=str(body.get("model") or engine.config.served_model_name),
+        )
     return await _generate(request, engine, body, prompt_ids, chat=False)
 
 
@@ -273,10 +241,14 @@ async def _generate(
     request: web.Request, engine: SimEngine, body: dict[str, Any], prompt_ids: list[int], chat: bool
 ) -> web.StreamResponse:
     config = engine.config
-    max_tokens = _int_field(body, "max_completion_tokens", "max_tokens") if chat else _int_field(body, "max_tokens")
-    min_tokens = _int_field(body, "min_tokens") or 0
-    _check_length(len(prompt_ids), max_tokens, config)
-    _check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
+    max_tokens = (
+        validation.int_field(body, "max_completion_tokens", "max_tokens")
+        if chat
+        else validation.int_field(body, "max_tokens")
+    )
+    min_tokens = validation.int_field(body, "min_tokens") or 0
+    validation.check_length(len(prompt_ids), max_tokens, config)
+    validation.check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params")
@@ -322,7 +294,7 @@ async def _generate(
             "created": created,
             "model": model_name,
             "choices": [choice],
-            "usage": _usage(req),
+            "usage": validation.usage(req),
             "prompt_logprobs": None,
             "kv_transfer_params": engine.kv_transfer_params(req) if req.remote_decode else None,
             "metrics": req.timings(),
@@ -334,12 +306,6 @@ async def _generate(
             engine.abort(req)
 
 
-def _check_blocks(prompt_len: int, config: EngineConfig, param: str) -> None:
-    needed_blocks = -(-(prompt_len + 1) // config.block_size)
-    if needed_blocks > config.num_gpu_blocks:
-        raise BadRequest(f"the prompt needs {needed_blocks} KV blocks; the engine has {config.num_gpu_blocks}", param)
-
-
 # --- embeddings ----------------------------------------------------------------------------------
 
 MAX_EMBEDDING_DIMENSIONS = 65536
@@ -349,7 +315,7 @@ def _embedding_inputs(body: dict[str, Any]) -> list[list[int]]:
     """Token ids of each input: a string, a list of strings, a list of ids, a list of id lists, or
     vLLM's chat-style `messages` (one input)."""
     if "input" not in body and "messages" in body:
-        return [prompt_cache.chat_prompt_ids(_messages(body))]
+        return [prompt_cache.chat_prompt_ids(validation.messages(body))]
     value = body.get("input")
     if isinstance(value, str):
         inputs = [tokenization.completion_prompt_ids(value)]
@@ -376,7 +342,7 @@ async def _embeddings(request: web.Request) -> web.Response:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     config = engine.config
-    _check_common(body, config)
+    validation.check_common(body, config)
     inputs = _embedding_inputs(body)
     dimensions = body.get("dimensions")
     if dimensions is None:
@@ -398,7 +364,7 @@ async def _embeddings(request: web.Request) -> web.Response:
                 "length of the input.",
                 "input",
             )
-        _check_blocks(len(ids), config, "input")
+        validation.check_blocks(len(ids), config, "input")
     loop = asyncio.get_running_loop()
     requests: list[tuple[Request, asyncio.Future[None]]] = []
     for ids in inputs:
@@ -441,15 +407,6 @@ async def _embeddings(request: web.Request) -> web.Response:
         },
     }
     return web.Response(body=orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY), content_type="application/json")
-
-
-def _usage(req: Request) -> dict[str, Any]:
-    return {
-        "prompt_tokens": req.num_prompt,
-        "completion_tokens": req.num_output,
-        "total_tokens": req.num_prompt + req.num_output,
-        "prompt_tokens_details": {"cached_tokens": req.num_cached_tokens or 0},
-    }
 
 
 async def _stream(
@@ -507,6 +464,6 @@ async def _stream(
         data["kv_transfer_params"] = engine.kv_transfer_params(req)
     tail = event(data)
     if include_usage:
-        tail += event({**base, "choices": [], "usage": _usage(req), "metrics": timings})
+        tail += event({**base, "choices": [], "usage": validation.usage(req), "metrics": timings})
     await response.write_eof(tail + b"data: [DONE]\n\n")
     return response

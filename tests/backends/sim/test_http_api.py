@@ -122,7 +122,7 @@ async def test_unknown_model_and_bad_bodies(engine: SimInstance, http: aiohttp.C
         assert resp.status == 404
     async with http.post(engine.url + "/v1/chat/completions", data=b"{not json") as resp:
         assert resp.status == 400
-    async with http.post(engine.url + "/v1/chat/completions", json={**chat_body("x"), "n": 2}) as resp:
+    async with http.post(engine.url + "/v1/chat/completions", json={**chat_body("x"), "n": 99}) as resp:
         assert resp.status == 400
 
 
