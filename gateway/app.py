@@ -23,6 +23,9 @@ from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__, appkeys
 from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
+from gateway.apis.config import ApisSettings
+from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
+from gateway.apis.store import make_response_store
 from gateway.engine_tokens import EngineTokenizer
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
@@ -47,7 +50,7 @@ log = logging.getLogger("tokenway.app")
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
-    app = web.Application(client_max_size=settings.server.max_body_bytes)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[not_found_middleware])
     app[appkeys.SETTINGS] = settings
     app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
     app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
@@ -58,7 +61,9 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
+    app.cleanup_ctx.append(_response_store_ctx)
     setup_routes(app, admin_routes())
+    setup_api_routes(app)
     return app
 
 
@@ -228,6 +233,21 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[appkeys.PIPELINE] = pipeline
     yield
+
+
+async def _response_store_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Stored responses (Responses API): in memory, or in Redis when `state` says so."""
+    settings = app[appkeys.SETTINGS]
+    config = validate_section(settings, "apis", ApisSettings).response_store
+    state = settings.state
+    store = None
+    if config.enabled:
+        redis_url = state.redis_url if state.backend == "redis" else None
+        store = make_response_store(config, redis_url, state.key_prefix)
+    app[RESPONSE_STORE] = store
+    yield
+    if store is not None:
+        await store.close()
 
 
 def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None:

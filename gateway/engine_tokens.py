@@ -42,7 +42,7 @@ class EngineTokenizer:
 
     async def annotate(self, facts: RequestFacts, pool: Pool) -> None:
         """Put the engine's ids in `facts.attrs["engine_token_ids"]` when they can be had."""
-        if facts.api == "embeddings" or not self.needed(pool):
+        if facts.api not in ("chat", "completions") or not self.needed(pool):
             return
         key = (pool.name, xxhash.xxh3_64_intdigest(canonical_prompt_bytes(facts.body)))
         ids = self._cache.get(key)

@@ -25,6 +25,7 @@ from backends.adapters.registry import get_adapter
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
+from gateway.apis.base import ApiCall
 from gateway.components import AdmissionPort, RecordSink
 from gateway.engine_tokens import EngineTokenizer
 from gateway.errors import (
@@ -117,6 +118,7 @@ class Walk:
     prediction: Prediction | None = None  # for the endpoint that served, made before it ran
     slo: Slo | None = None  # the effective latency SLO, None without one
     slo_queued_s: float = 0.0  # time spent in the SLO queue before dispatch
+    call: ApiCall | None = None  # the per-request pieces of a Responses / Messages request
 
 
 @dataclass(slots=True)
@@ -141,12 +143,12 @@ class Pipeline:
     _background: set[asyncio.Task[None]] = field(default_factory=set, init=False)
 
     # ------------------------------------------------------------------ entry
-    async def handle(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
+    async def handle(self, request: web.Request, api: ApiKind, call: ApiCall | None = None) -> web.StreamResponse:
         arrived_s = time.perf_counter()
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         record = RequestRecord(request_id=request_id, api=api, started_at_unix_s=time.time())
         trace = self.start_trace(request_id, request.headers) if self.start_trace else NOOP_TRACE
-        walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)])
+        walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)], call=call)
         try:
             return await self._walk(request, api, walk)
         except GatewayError as error:
@@ -155,7 +157,7 @@ class Pipeline:
             record.error_code = error.code or error.type
             if isinstance(error, Rejected):
                 record.reject_reason = error.reason
-            return error_response(error, walk.headers)
+            return call.render_error(error, walk.headers) if call else error_response(error, walk.headers)
         except asyncio.CancelledError:
             record.status = "aborted"
             record.http_status = 499
@@ -163,7 +165,8 @@ class Pipeline:
         except Exception as exc:  # a bug must still answer in OpenAI's shape and leave a record
             log.exception("request %s failed unexpectedly", request_id)
             record.status, record.http_status, record.error_code = "error", 500, "internal_error"
-            return error_response(GatewayError(f"internal error: {type(exc).__name__}"), walk.headers)
+            internal = GatewayError(f"internal error: {type(exc).__name__}")
+            return call.render_error(internal, walk.headers) if call else error_response(internal, walk.headers)
         finally:
             record.duration_s = time.perf_counter() - arrived_s
             self._finish(walk)
@@ -221,7 +224,7 @@ class Pipeline:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-        body = validate_body(api, parsed)
+        body = walk.call.parse(parsed) if walk.call is not None else validate_body(api, parsed)
         policy: Policy = self.policies.current
         with walk.trace.span("auth"):
             principal = self.authenticate(request, policy)
@@ -233,6 +236,8 @@ class Pipeline:
             raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
         if not (principal.may_use(model) or principal.may_use(requested)):
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
+        if walk.call is not None:
+            await walk.call.prepare(body, principal)
         facts = await self._facts(request, api, body, principal, requested, model, walk)
         return await self._serve(request, facts, walk)
 
@@ -249,7 +254,11 @@ class Pipeline:
         stream = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        if api == "chat":
+        if walk.call is not None:
+            prompt_tokens, ids = await walk.call.estimate(self.estimator, body)
+            max_tokens = walk.call.max_tokens(body)
+            options = {}
+        elif api == "chat":
             prompt_tokens, ids = await self.estimator.chat(body["messages"], body.get("tools"), want_ids=True)
         elif api == "completions":
             prompt = body["prompt"]
@@ -401,7 +410,7 @@ class Pipeline:
         return self.shape_body(endpoint, body, facts.api)
 
     def _target(
-        self, facts: RequestFacts, endpoint: Endpoint, body: dict[str, Any], model: str, walk: Walk
+        self, facts: RequestFacts, endpoint: Endpoint, body: dict[str, Any], model: str, walk: Walk, path: str = ""
     ) -> UpstreamTarget:
         headers = {"Content-Type": "application/json", "x-request-id": facts.request_id}
         if endpoint.api_key:
@@ -410,7 +419,7 @@ class Pipeline:
         if traceparent:
             headers["traceparent"] = traceparent
         return UpstreamTarget(
-            url=endpoint.base_url + _API_PATHS[facts.api],
+            url=endpoint.base_url + (path or _API_PATHS[facts.api]),
             headers=headers,
             body=orjson.dumps(body),
             served_model=endpoint.served_model,
@@ -418,7 +427,7 @@ class Pipeline:
         )
 
     async def _prefill_leg(
-        self, facts: RequestFacts, decision: RouteDecision, body: dict[str, Any], model: str, walk: Walk
+        self, facts: RequestFacts, decision: RouteDecision, body: dict[str, Any], model: str, walk: Walk, path: str = ""
     ) -> dict[str, Any] | None:
         """Run the PD prefill leg; the decode leg's body, or None when the decode endpoint must prefill.
 
@@ -430,7 +439,7 @@ class Pipeline:
         adapter = get_adapter(decision.endpoint.engine)
         load = prefill.inflight.begin(decision.uncached_prefill_tokens(facts.prompt_tokens))
         try:
-            leg = self._target(facts, prefill, adapter.prefill_leg_body(body), model, walk)
+            leg = self._target(facts, prefill, adapter.prefill_leg_body(body), model, walk, path)
             with walk.trace.span("prefill", endpoint=prefill.id):
                 answer = await call_json(self.upstream, leg)
             decode_body = adapter.decode_leg_body(body, answer)
@@ -491,13 +500,18 @@ class Pipeline:
             router.on_dispatch(facts, decision)
             if self.predictor is not None and (facts.stream or PREDICTIONS_ATTR in facts.attrs):
                 walk.prediction = self._predict(facts, pool, decision, model)  # streams show TTFT: learnable
-            body = self._upstream_body(facts, endpoint)
+            call, path = walk.call, ""
+            if call is not None:  # another API: its body for this endpoint (native or chat)
+                path, upstream_api, body = call.upstream(endpoint, decision.prefill_endpoint is not None)
+                body = self.shape_body(endpoint, body, upstream_api)
+            else:
+                body = self._upstream_body(facts, endpoint)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
-                decode_body = await self._prefill_leg(facts, decision, body, model, walk)
+                decode_body = await self._prefill_leg(facts, decision, body, model, walk, path)
                 if decode_body is not None:
                     body, local_prefill = decode_body, 0
-            target = self._target(facts, endpoint, body, model, walk)
+            target = self._target(facts, endpoint, body, model, walk, path)
             headers = [
                 *walk.headers,
                 *getattr(ticket, "headers", ()),
@@ -511,6 +525,8 @@ class Pipeline:
                 headers.append(("x-tokenway-prediction", _prediction_header(walk.prediction)))
             if walk.slo_queued_s:
                 headers.append(("x-tokenway-slo-queued-ms", f"{walk.slo_queued_s * 1000:.0f}"))
+            if call is not None:
+                headers = call.response_headers(headers)
             running_slo = self.slo.running.begin(endpoint.id, walk.slo.tpot_ms) if walk.slo is not None else None
             load = endpoint.inflight.begin(local_prefill)
             outcome = RelayOutcome()
@@ -529,9 +545,15 @@ class Pipeline:
                             client_wants_usage=facts.include_usage,
                             response_headers=headers,
                             prompt_tokens=facts.prompt_tokens + facts.output_reservation,
+                            codec=call.stream_codec(
+                                model, facts.prompt_tokens + facts.output_reservation, facts.prompt_tokens
+                            )
+                            if call is not None
+                            else None,
                         )
                     else:
-                        outcome = await relay_unary(self.upstream, target, load)
+                        transform = partial(call.unary, public_model=model) if call is not None else None
+                        outcome = await relay_unary(self.upstream, target, load, transform)
                     if outcome.first_token_at_s is not None:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - walk.arrived_s)
                         walk.trace.event("first_token", at_unix_s=at)
@@ -718,6 +740,9 @@ class Pipeline:
         """An engine's 4xx, passed on in OpenAI's error shape (engines differ: normalise)."""
         walk.record.status = "error"
         walk.record.http_status = exc.status
+        if walk.call is not None:
+            walk.record.error_code = "upstream_4xx"
+            return walk.call.upstream_error(exc.status, exc.body, headers)
         try:
             parsed = orjson.loads(exc.body)
         except orjson.JSONDecodeError:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -95,6 +95,29 @@ def _model_swap(target: UpstreamTarget) -> tuple[bytes, bytes] | None:
     )
 
 
+class StreamCodec(Protocol):
+    """How the relay reads one API's stream (`gateway/apis/streams.py`): the bookkeeping of
+    `_relay_events` in that API's terms, and its own error event after the first byte."""
+
+    def begin(self) -> bytes: ...
+
+    def events(
+        self, events: list[bytes], outcome: RelayOutcome, ticket: LoadTicket, swap: tuple[bytes, bytes] | None
+    ) -> bytes: ...
+
+    def broken(self, message: str) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+
+async def _hold(codec: StreamCodec) -> None:
+    """Await what a codec must finish before its next bytes go out (a stored response)."""
+    hold: Callable[[], Awaitable[None] | None] | None = getattr(codec, "hold", None)
+    pending = hold() if hold is not None else None
+    if pending is not None:
+        await pending
+
+
 async def _post(client: UpstreamClient, target: UpstreamTarget) -> Response:
     try:
         response = await client.post(target.url, target.headers, target.body)
@@ -138,8 +161,14 @@ async def call_json(client: UpstreamClient, target: UpstreamTarget) -> dict[str,
     return parsed
 
 
-async def relay_unary(client: UpstreamClient, target: UpstreamTarget, ticket: LoadTicket) -> RelayOutcome:
-    """Forward a non-streamed request; the answer is returned, unsent, with its usage read."""
+async def relay_unary(
+    client: UpstreamClient,
+    target: UpstreamTarget,
+    ticket: LoadTicket,
+    transform: Callable[[dict[str, Any]], tuple[bytes, Usage | None]] | None = None,
+) -> RelayOutcome:
+    """Forward a non-streamed request; the answer is returned, unsent, with its usage read.
+    `transform` writes another API's answer (and reads its usage) from the parsed one."""
     data = await _read_all(await _post(client, target))
     now = time.perf_counter()
     outcome = RelayOutcome(first_token_at_s=now, last_token_at_s=now)
@@ -147,7 +176,10 @@ async def relay_unary(client: UpstreamClient, target: UpstreamTarget, ticket: Lo
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise RetryableUpstream("upstream answered invalid JSON") from exc
-    if isinstance(parsed, dict):
+    if isinstance(parsed, dict) and transform is not None:
+        outcome.body_json = parsed
+        data, outcome.usage = transform(parsed)
+    elif isinstance(parsed, dict):
         outcome.body_json = parsed
         outcome.usage = _usage_from(parsed.get("usage"))
         metrics = parsed.get("metrics")
@@ -192,6 +224,7 @@ async def relay_stream(
     client_wants_usage: bool,
     response_headers: list[tuple[str, str]],
     prompt_tokens: int,
+    codec: StreamCodec | None = None,
 ) -> None:
     """Relay an SSE stream to the client as it arrives, filling `outcome` as it goes.
 
@@ -207,6 +240,10 @@ async def relay_stream(
     pending = b""
     try:
         await client.prepare(request)
+        if codec is not None:
+            head = codec.begin()
+            if head:
+                await client.write(head)
         while True:
             try:
                 data = await upstream.next_chunk()
@@ -215,19 +252,32 @@ async def relay_stream(
             except (UpstreamConnectionError, TimeoutError) as exc:
                 outcome.broken = True
                 outcome.error_detail = f"{type(exc).__name__}: {exc}"
-                await client.write(sse_error_event(UpstreamError(f"the upstream stream failed: {exc}")))
+                message = f"the upstream stream failed: {exc}"
+                await client.write(codec.broken(message) if codec else sse_error_event(UpstreamError(message)))
                 break
             pending += data
             if b"\n\n" not in pending:
                 continue
             *events, pending = pending.split(b"\n\n")
-            out = _relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
+            if codec is not None:
+                out = codec.events(events, outcome, ticket, swap)
+                await _hold(codec)
+            else:
+                out = _relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
         if pending.strip() and not outcome.broken:
-            out = _relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
+            if codec is not None:
+                out = codec.events([pending], outcome, ticket, swap)
+            else:
+                out = _relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
+        if codec is not None and not outcome.broken:
+            tail = codec.end()
+            await _hold(codec)
+            if tail:
+                await client.write(tail)
         await client.write_eof()
     except ConnectionResetError:  # the client went away (aiohttp's write error subclasses it)
         outcome.aborted = True

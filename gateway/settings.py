@@ -63,6 +63,7 @@ class GatewaySettings(_Strict):
     pools: list[PoolConfig] = Field(default_factory=list)
     routing: dict[str, Any] = Field(default_factory=dict)
     flow_control: dict[str, Any] = Field(default_factory=dict)
+    apis: dict[str, Any] = Field(default_factory=dict)  # gateway/apis/config.py
     predictor: dict[str, Any] = Field(default_factory=dict)
     telemetry: dict[str, Any] = Field(default_factory=dict)
     ledger: dict[str, Any] = Field(default_factory=dict)

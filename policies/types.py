@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-ApiKind = Literal["chat", "completions", "embeddings"]
+ApiKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
 
 @dataclass(frozen=True, slots=True)

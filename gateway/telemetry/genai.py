@@ -46,6 +46,8 @@ OPERATION_BY_API: Final[dict[str, str]] = {
     "chat": "chat",
     "completions": "text_completion",
     "embeddings": "embeddings",
+    "responses": "chat",
+    "messages": "chat",
 }
 
 # semconv advised buckets (TPOT extended downwards)

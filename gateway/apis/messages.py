@@ -1,0 +1,117 @@
+"""POST /v1/messages (Anthropic Messages) as an `ApiCall`, and /v1/messages/count_tokens.
+
+Natively to engines that serve /v1/messages (vLLM), as chat completions elsewhere. Every error
+under /v1/messages is Anthropic's (`{"type": "error", "error": {"type", "message"}, "request_id"}`,
+`overloaded_error` for 503 / 529); the gateway's `x-ratelimit-*` headers are also written as
+`anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}` (reset as an RFC 3339 instant).
+count_tokens is answered by the gateway's own count (the same rendering as the prompt it admits),
+without an engine call and without charging the buckets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends.protocols import anthropic
+from backends.protocols.errors import ProtocolError
+from backends.types import Endpoint
+from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
+from gateway.apis.responses import _chat_usage
+from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.relay import StreamCodec
+from policies.estimate import PromptEstimator
+from policies.types import ApiKind, Principal, Usage
+
+
+def anthropic_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    headers = list(headers)
+    return [*headers, *anthropic.ratelimit_headers(headers, time.time())]
+
+
+def anthropic_error(error: GatewayError, headers: Iterable[tuple[str, str]], request_id: str | None) -> web.Response:
+    kind = anthropic.error_type(error.status)
+    if error.status == 429 and error.type == "insufficient_quota":
+        kind = "rate_limit_error"
+    payload = anthropic.error_body(error.status, error.message, request_id, kind)
+    return json_response(error.status, payload, anthropic_headers([*error.headers, *headers]))
+
+
+def _request_id(headers: Iterable[tuple[str, str]]) -> str | None:
+    return next((v for k, v in headers if k == "x-request-id"), None)
+
+
+def translate(body: Any, *, count_only: bool = False) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return anthropic.to_chat(body, count_only=count_only)
+    except ProtocolError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+
+
+class MessagesCall:
+    api: ApiKind = "messages"
+
+    def __init__(self) -> None:
+        self.body: dict[str, Any] = {}
+        self.chat: dict[str, Any] = {}
+        self.native = False
+
+    def parse(self, parsed: Any) -> dict[str, Any]:
+        self.chat = translate(parsed)
+        self.body = dict(parsed)
+        stream = parsed.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidRequest("stream: must be a boolean", param="stream")
+        return self.body
+
+    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
+        return None
+
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any]) -> tuple[int, Sequence[int] | None]:
+        return await estimator.chat(self.chat["messages"], self.chat.get("tools"), want_ids=True)
+
+    def max_tokens(self, body: dict[str, Any]) -> int | None:
+        return int(body["max_tokens"])
+
+    def upstream(self, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+        self.native = endpoint.engine in NATIVE_ENGINES and not pd
+        if self.native:
+            return "/v1/messages", "messages", {**self.body, "model": endpoint.served_model}
+        return "/v1/chat/completions", "chat", {**self.chat, "model": endpoint.served_model}
+
+    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec:
+        if self.native:
+            return NativeMessages(reserved_tokens)
+        return MessagesFromChat(self.body, public_model, reserved_tokens, prompt_tokens)
+
+    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
+        if self.native:
+            message = dict(parsed)
+            message["model"] = public_model
+            return orjson.dumps(message), messages_usage(message.get("usage"))
+        message = anthropic.from_chat(parsed, self.body, model=public_model)
+        return orjson.dumps(message), _chat_usage(parsed.get("usage"))
+
+    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return anthropic_headers(headers)
+
+    def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
+        headers = list(headers)
+        return anthropic_error(error, headers, _request_id(headers))
+
+    def upstream_error(self, status: int, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        headers = list(headers)
+        message, kind, _code = engine_message(body)
+        anthropic_kind = kind if kind in set(anthropic._ERROR_TYPES.values()) else None
+        payload = anthropic.error_body(status, message, _request_id(headers), anthropic_kind)
+        return json_response(status, payload, headers)
+
+    async def finished(self) -> None:
+        return None

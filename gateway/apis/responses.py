@@ -1,0 +1,226 @@
+"""POST /v1/responses as an `ApiCall`, and GET / DELETE /v1/responses/{id}.
+
+The gateway owns the conversation: `previous_response_id` is looked up in its own store (per API
+key; another key's id is a 404 like an unknown one) and the engine gets the whole conversation as
+`input` with `store: false` — engine-side stores are per replica, and the next turn may be routed
+anywhere. Natively to engines that serve /v1/responses; as chat completions elsewhere, with the
+answer and the stream translated back (`backends.protocols.responses`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends.protocols import responses
+from backends.protocols.errors import ProtocolError
+from backends.types import Endpoint
+from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
+from gateway.apis.store import ResponseStore
+from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
+from gateway.errors import GatewayError, InvalidRequest, error_response
+from gateway.relay import StreamCodec
+from policies.estimate import PromptEstimator
+from policies.types import ApiKind, Principal, Usage
+
+
+class PreviousResponseNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "previous_response_not_found"
+
+
+class ResponseNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+def _check(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", param="input")
+    for name in ("stream", "store", "background"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise InvalidRequest(f"'{name}' must be a boolean", param=name)
+    if body.get("background"):
+        raise InvalidRequest("'background' responses are not supported", param="background")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidRequest("'previous_response_id' must be a non-empty string", param="previous_response_id")
+    if body.get("conversation") is not None:
+        raise InvalidRequest("'conversation' is not supported; use previous_response_id", param="conversation")
+    return body
+
+
+class ResponsesCall:
+    api: ApiKind = "responses"
+
+    def __init__(self, store: ResponseStore | None) -> None:
+        self.store = store
+        self.body: dict[str, Any] = {}
+        self.prior: list[dict[str, Any]] = []
+        self.chat: dict[str, Any] = {}
+        self.principal: Principal | None = None
+        self.native = False
+        self.final: dict[str, Any] | None = None
+        self._stored = False
+
+    def _translate(self) -> dict[str, Any]:
+        try:
+            return responses.to_chat(self.body, self.prior)
+        except ProtocolError as exc:
+            raise InvalidRequest(exc.message, param=exc.param) from None
+
+    def parse(self, parsed: Any) -> dict[str, Any]:
+        self.body = _check(parsed)
+        self.chat = self._translate()  # every item checked before anything is admitted
+        return self.body
+
+    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
+        self.principal = principal
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return
+        entry = await self.store.get(principal.key_id, previous) if self.store is not None else None
+        if entry is None:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{previous}' not found.", param="previous_response_id"
+            )
+        self.prior = list(entry.get("items") or ())
+        self.chat = self._translate()
+
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any]) -> tuple[int, Sequence[int] | None]:
+        return await estimator.chat(self.chat["messages"], self.chat.get("tools"), want_ids=True)
+
+    def max_tokens(self, body: dict[str, Any]) -> int | None:
+        value = body.get("max_output_tokens")
+        return value if isinstance(value, int) else None
+
+    def upstream(self, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+        self.native = endpoint.engine in NATIVE_ENGINES and not pd
+        if self.native:
+            native = {k: v for k, v in self.body.items() if k != "previous_response_id"}
+            native["model"] = endpoint.served_model
+            native["store"] = False
+            if self.prior:
+                native["input"] = [*self.prior, *responses.input_items(self.body.get("input"))]
+            return "/v1/responses", "responses", native
+        chat = dict(self.chat)
+        chat["model"] = endpoint.served_model
+        return "/v1/chat/completions", "chat", chat
+
+    def _keep(self, response: dict[str, Any]) -> Awaitable[None] | None:
+        self.final = response
+        return self._store_now() if self.store is not None else None
+
+    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec:
+        previous = self.body.get("previous_response_id")
+        if self.native:
+            return _Holding(NativeResponses(reserved_tokens, previous), self._keep)
+        return _Holding(ResponsesFromChat(self.body, public_model, reserved_tokens, previous), self._keep)
+
+    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
+        if self.native:
+            response = dict(parsed)
+            response["model"] = public_model
+            usage = responses_usage(response.get("usage"))
+        else:
+            response = responses.from_chat(parsed, self.body, model=public_model)
+            usage = _chat_usage(parsed.get("usage"))
+        response["previous_response_id"] = self.body.get("previous_response_id")
+        response["store"] = self.body.get("store", True)
+        self.final = response
+        return orjson.dumps(response), usage
+
+    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return headers
+
+    def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
+        return error_response(error, headers)
+
+    def upstream_error(self, status: int, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        message, kind, code = engine_message(body)
+        payload = {"error": {"message": message, "type": kind or "invalid_request_error", "param": None, "code": code}}
+        return json_response(status, payload, headers)
+
+    async def _store_now(self) -> None:
+        if self._stored or self.final is None or self.store is None or self.principal is None:
+            return
+        if self.body.get("store") is False or self.final.get("status") not in ("completed", "incomplete"):
+            return
+        self._stored = True
+        items = [*self.prior, *responses.conversation_items(self.body, self.final)]
+        await self.store.put(self.principal.key_id, str(self.final["id"]), {"response": self.final, "items": items})
+
+    async def finished(self) -> None:
+        await self._store_now()
+
+
+def _chat_usage(usage: Any) -> Usage | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return Usage(
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+class _Holding:
+    """A responses codec whose final response is stored before the last event is written (the
+    client may send its next turn the moment it reads that event)."""
+
+    def __init__(self, inner: NativeResponses | ResponsesFromChat, keep: Any) -> None:
+        self.inner = inner
+        self.keep = keep
+        self._pending: Awaitable[None] | None = None
+        self._kept = False
+
+    def begin(self) -> bytes:
+        return self.inner.begin()
+
+    def _check_final(self) -> None:
+        if not self._kept and self.inner.final is not None:
+            self._kept = True
+            self._pending = self.keep(self.inner.final)
+
+    def events(self, events: list[bytes], outcome: Any, ticket: Any, swap: tuple[bytes, bytes] | None) -> bytes:
+        out = self.inner.events(events, outcome, ticket, swap)
+        self._check_final()
+        return out
+
+    def broken(self, message: str) -> bytes:
+        return self.inner.broken(message)
+
+    def end(self) -> bytes:
+        out = self.inner.end()
+        self._check_final()
+        return out
+
+    def hold(self) -> Awaitable[None] | None:
+        pending, self._pending = self._pending, None
+        return pending
+
+
+async def get_response(store: ResponseStore | None, principal: Principal, response_id: str) -> web.Response:
+    entry = await store.get(principal.key_id, response_id) if store is not None else None
+    if entry is None:
+        return error_response(ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id"))
+    return web.Response(body=orjson.dumps(entry["response"]), content_type="application/json")
+
+
+async def delete_response(store: ResponseStore | None, principal: Principal, response_id: str) -> web.Response:
+    deleted = await store.delete(principal.key_id, response_id) if store is not None else False
+    if not deleted:
+        return error_response(ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id"))
+    body = {"id": response_id, "object": "response.deleted", "deleted": True}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
