@@ -274,3 +274,13 @@ def test_previous_response_id_across_replicas_sharing_redis(tmp_path: Path, engi
             assert follow.previous_response_id == call.id and follow.output_text
             with pytest.raises(openai.NotFoundError):
                 _openai(second, OTHER_KEY).responses.retrieve(call.id)
+
+
+@pytest.mark.parametrize("model", ["native", "chat"])
+def test_langchain_chat_openai_on_the_responses_api(gateway: Gateway, model: str) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        model=model, base_url=gateway.base_url, api_key=TEST_KEY, use_responses_api=True, max_retries=0
+    )
+    reply = llm.invoke("Say hello")
+    assert reply.text and reply.usage_metadata is not None and reply.usage_metadata["output_tokens"] > 0

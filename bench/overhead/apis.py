@@ -1,0 +1,200 @@
+"""Gateway CPU per request by API: chat completions vs Responses vs Anthropic Messages, native
+pass-through (a vLLM-kind pool), in one run on one gateway process.
+
+The instant upstream (nginx `return 200`) answers each path with a fixed body of its API; tokenway
+runs with telemetry off (the first variant of `run.py`), pinned to core 0, wrk on core 1. Per API
+and connection count: RPS and the gateway's CPU microseconds per request, and the ratio to chat
+completions' (target: at most 1.10). Results: bench/results/overhead-apis.md.
+
+    .venv/bin/python -m bench.overhead.apis [--duration 8] [--connections 8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.overhead.run import (
+    COMPLETION,
+    KEY,
+    LOAD_CORE,
+    PROXY_CORE,
+    RESULTS,
+    cpu_seconds,
+    ensure_tools,
+    parse_wrk,
+    start_nginx,
+    tokenway_config,
+)
+from tests.support.procs import free_port, free_ports, http_get, wait_http
+
+REPO = Path(__file__).resolve().parents[2]
+RESPONSE = json.dumps(
+    {
+        "id": "resp_bench",
+        "object": "response",
+        "created_at": 1700000000,
+        "status": "completed",
+        "model": "bench-model",
+        "output": [
+            {
+                "id": "msg_bench",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Hello!", "annotations": []}],
+            }
+        ],
+        "usage": {
+            "input_tokens": 24,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 2,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 26,
+        },
+    },
+    separators=(",", ":"),
+)
+MESSAGE = json.dumps(
+    {
+        "id": "msg_bench",
+        "type": "message",
+        "role": "assistant",
+        "model": "bench-model",
+        "content": [{"type": "text", "text": "Hello!"}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 24, "output_tokens": 2},
+    },
+    separators=(",", ":"),
+)
+SYSTEM, USER = "You are a helpful assistant.", "Say hello in one word."
+REQUESTS = {
+    "chat completions": (
+        "/v1/chat/completions",
+        {
+            "model": "bench-model",
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+            "max_tokens": 8,
+        },
+    ),
+    "responses": (
+        "/v1/responses",
+        {"model": "bench-model", "instructions": SYSTEM, "input": USER, "max_output_tokens": 8},
+    ),
+    "responses (store: false)": (
+        "/v1/responses",
+        {"model": "bench-model", "instructions": SYSTEM, "input": USER, "max_output_tokens": 8, "store": False},
+    ),
+    "messages": (
+        "/v1/messages",
+        {"model": "bench-model", "system": SYSTEM, "messages": [{"role": "user", "content": USER}], "max_tokens": 8},
+    ),
+}
+
+
+def wrk(url: str, body: dict[str, object], connections: int, duration_s: float) -> tuple[float, float, int]:
+    argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency"]
+    argv += ["-s", str(Path(__file__).with_name("post_body.lua")), url]
+    env = {**os.environ, "TW_BENCH_KEY": KEY, "TW_BENCH_BODY": json.dumps(body)}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
+    rps, pct, errors = parse_wrk(out.stdout)
+    return rps, pct["50"], errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--connections", default="8,32")
+    parser.add_argument("--rounds", type=int, default=2, help="APIs alternate this many times (drift averages out)")
+    parser.add_argument("--out", default=str(RESULTS / "overhead-apis.md"))
+    args = parser.parse_args()
+    connections = [int(c) for c in args.connections.split(",")]
+    ensure_tools()
+    workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-apis-"))
+    upstream_port = free_ports(1)[0]
+    upstream = start_nginx(
+        workdir,
+        "upstream",
+        f"""server {{ listen 127.0.0.1:{upstream_port};
+            location = /health {{ return 200 ''; }}
+            location = /v1/responses {{ default_type application/json; return 200 '{RESPONSE}'; }}
+            location = /v1/messages {{ default_type application/json; return 200 '{MESSAGE}'; }}
+            location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
+        LOAD_CORE,
+    )
+    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    port = free_port()
+    off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
+    config = tokenway_config(workdir / "gw", [upstream_port], port, off)
+    argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING"]
+    gateway = subprocess.Popen(
+        [*argv, "serve", "--config", str(config)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    url = f"http://127.0.0.1:{port}"
+    results: dict[tuple[str, int], list[tuple[float, float, float, int]]] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while http_get(url + "/readyz")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for _round in range(args.rounds):
+            for c in connections:
+                for name, (path, body) in REQUESTS.items():
+                    wrk(url + path, body, c, args.warmup)
+                    before = cpu_seconds(gateway.pid)
+                    rps, p50, errors = wrk(url + path, body, c, args.duration)
+                    cpu_us = (cpu_seconds(gateway.pid) - before) / max(rps * args.duration, 1) * 1e6
+                    results.setdefault((name, c), []).append((rps, p50, cpu_us, errors))
+                    print(f"{name} c={c}: {rps:,.0f} rps, {cpu_us:.0f} us CPU/request, errors={errors}", flush=True)
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+        upstream.terminate()
+        upstream.wait(10)
+    write(results, connections, Path(args.out), args)
+    return 0
+
+
+def write(
+    results: dict[tuple[str, int], list[tuple[float, float, float, int]]],
+    connections: list[int],
+    out: Path,
+    args: argparse.Namespace,
+) -> None:
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    lines = [
+        "# Gateway overhead by API",
+        "",
+        f"Generated by `python -m bench.overhead.apis` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: one "
+        f"tokenway process (auth, telemetry off) pinned to core {PROXY_CORE}, wrk and the instant upstream (nginx, "
+        f"a fixed answer per API) on core {LOAD_CORE}; {args.duration:g} s per point, the APIs alternating "
+        f"{args.rounds} times. Native pass-through (a vLLM-kind pool). CPU = the gateway's user + system time "
+        "per request.",
+        "",
+        "| API | connections | RPS | p50 ms | gateway CPU µs / request | CPU vs chat | errors |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in connections:
+        chat_cpu = mean([r[2] for r in results[("chat completions", c)]])
+        for name in REQUESTS:
+            rows = results[(name, c)]
+            cpu = mean([r[2] for r in rows])
+            lines.append(
+                f"| {name} | {c} | {mean([r[0] for r in rows]):,.0f} | {mean([r[1] for r in rows]):.2f} | {cpu:.0f} | "
+                f"{cpu / chat_cpu:.2f}x | {sum(r[3] for r in rows)} |"
+            )
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
