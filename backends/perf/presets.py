@@ -115,6 +115,7 @@ class HardwareSpec:
     link_bandwidth: float  # bytes/s per direction between devices of one TP group
     efficiency: Efficiency
     source: str = ""
+    pcie_bandwidth: float = 32e9  # bytes/s per direction between host memory and one device (peak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +320,7 @@ def _hardware(spec: HardwareSpec) -> None:
 
 
 # NVIDIA A100 80GB SXM4 datasheet: 312 TFLOPS BF16 dense, 2,039 GB/s HBM2e, 80 GB, NVLink 600 GB/s
-# (bidirectional, so 300 GB/s per direction).
+# (bidirectional, so 300 GB/s per direction), PCIe Gen4 64 GB/s (32 GB/s per direction).
 # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
 _hardware(
     HardwareSpec(
@@ -332,10 +333,12 @@ _hardware(
         efficiency=_EFF_A100,
         source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
         "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+        pcie_bandwidth=32e9,
     )
 )
 # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense (1,979 with sparsity), 3.35 TB/s HBM3, 80 GB,
-# NVLink 900 GB/s bidirectional. https://www.nvidia.com/en-us/data-center/h100/
+# NVLink 900 GB/s bidirectional, PCIe Gen5 128 GB/s (64 GB/s per direction).
+# https://www.nvidia.com/en-us/data-center/h100/
 # (same figures in ai-dynamo/aiconfigurator systems/h100_sxm.yaml).
 _hardware(
     HardwareSpec(
@@ -347,6 +350,7 @@ _hardware(
         link_bandwidth=450e9,
         efficiency=_EFF_H100,
         source="https://www.nvidia.com/en-us/data-center/h100/",
+        pcie_bandwidth=64e9,
     )
 )
 # The power-capped H100 of the Splitwise paper (ISCA'24, Patel et al.): same silicon and datasheet,
@@ -361,9 +365,11 @@ _hardware(
         link_bandwidth=450e9,
         efficiency=_EFF_H100_PCAP,
         source="https://www.nvidia.com/en-us/data-center/h100/ ; https://arxiv.org/abs/2311.18677",
+        pcie_bandwidth=64e9,
     )
 )
-# NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s.
+# NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141 GB, NVLink 900 GB/s, PCIe Gen5
+# 128 GB/s.
 # https://www.nvidia.com/en-us/data-center/h200/  Kernel timings only (AIConfigurator): device factors
 # fitted on them, overheads from H100.
 _hardware(
@@ -376,10 +382,11 @@ _hardware(
         link_bandwidth=450e9,
         efficiency=_EFF_H200,
         source="https://www.nvidia.com/en-us/data-center/h200/",
+        pcie_bandwidth=64e9,
     )
 )
 # NVIDIA H20 (Hopper, China export SKU): 148 TFLOPS FP16/BF16 dense, 96 GB HBM3 at 4.0 TB/s,
-# NVLink 900 GB/s. NVIDIA publishes no public datasheet page; figures as reported in the HGX H20
+# NVLink 900 GB/s, PCIe Gen5 x16. NVIDIA publishes no public datasheet page; figures as reported in the HGX H20
 # product brief, e.g. https://willitrunai.com/gpus/h20-96gb and SemiAnalysis (Nov 2023).
 _hardware(
     HardwareSpec(
@@ -391,6 +398,7 @@ _hardware(
         link_bandwidth=450e9,
         efficiency=replace(_EFF_H100, calibrated=False, note="H100 factors (same Hopper software stack)"),
         source="https://willitrunai.com/gpus/h20-96gb",
+        pcie_bandwidth=64e9,
     )
 )
 # Huawei Ascend 910B (as in Atlas 800I/800T A2): about 313 TFLOPS FP16 dense (the 910B3 bin; 910B1/B2
@@ -409,6 +417,7 @@ _hardware(
         link_bandwidth=196e9,
         efficiency=replace(_EFF_A100, calibrated=False, note="A100 factors (no public measurements)"),
         source="https://e.huawei.com/en/products/computing/ascend/atlas-800i-a2",
+        pcie_bandwidth=32e9,  # PCIe 4.0 x16 assumed: Huawei's public pages give no per-chip host link
     )
 )
 

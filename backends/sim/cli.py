@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 
+from backends.perf import loading
 from backends.perf.presets import DEFAULT_PRESET, is_preset_name, preset_names
 from backends.sim.config import VLLM_VERSION, build_engine_config
 from backends.sim.server import serve_forever
@@ -70,6 +71,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--startup-delay-s", type=float, default=0.0, help="real seconds to wait before listening (readiness tests)"
+    )
+    p.add_argument(
+        "--simulate-startup",
+        action="store_true",
+        help="listen only after loading the weights at the load bandwidth plus --init-s (simulated seconds)",
+    )
+    p.add_argument(
+        "--load-bandwidth-gbps",
+        type=float,
+        default=None,
+        help=f"GB/s from storage for start-up and level-2 wake-ups (default {loading.DEFAULT_LOAD_BANDWIDTH / 1e9:g})",
+    )
+    p.add_argument(
+        "--init-s", type=float, default=None, help=f"start-up beyond the weights (default {loading.DEFAULT_INIT_S:g})"
+    )
+    p.add_argument("--load-format", default="auto", help="vLLM's; 'dummy' loads no weights (start-up is init only)")
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="vLLM's sleep mode; /sleep, /wake_up, /is_sleeping also need VLLM_SERVER_DEV_MODE=1",
     )
     p.add_argument("--log-level", default="INFO")
     return p
@@ -163,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             kv_transfer_bandwidth_gbps=args.kv_transfer_bandwidth_gbps,
             api_key=args.api_key,
             embedding_dim=args.embedding_dim,
+            enable_sleep_mode=args.enable_sleep_mode,
+            simulate_startup=args.simulate_startup,
+            load_bandwidth_gbps=args.load_bandwidth_gbps,
+            init_s=args.init_s,
+            load_format=args.load_format,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.perf import loading
 from backends.perf.capacity import batch_defaults, num_gpu_blocks
 from backends.perf.presets import Preset, resolve_preset
 
@@ -61,6 +63,10 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     api_key: str | None = None
     embedding_dim: int = 256  # /v1/embeddings vectors when the request names no `dimensions`
+    enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode
+    server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: development routes (/sleep, /wake_up, ...)
+    load_bandwidth: float = loading.DEFAULT_LOAD_BANDWIDTH  # bytes/s: start-up and level-2 wake reloads
+    startup_s: float = 0.0  # simulated seconds from launch to listening (0: start at once)
 
     @property
     def served_model_name(self) -> str:
@@ -88,8 +94,18 @@ def build_engine_config(
     kv_transfer_bandwidth_gbps: float = 25.0,
     api_key: str | None = None,
     embedding_dim: int = 256,
+    enable_sleep_mode: bool = False,
+    server_dev_mode: bool | None = None,
+    simulate_startup: bool = False,
+    load_bandwidth_gbps: float | None = None,
+    init_s: float | None = None,
+    load_format: str = "auto",
 ) -> EngineConfig:
     """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
+
+    `server_dev_mode` None reads ``VLLM_SERVER_DEV_MODE`` as vLLM does. With `simulate_startup` the
+    engine listens only after `loading.startup_s` simulated seconds (weights at the load bandwidth,
+    none with `load_format="dummy"`, plus `init_s`); without it, at once, as tests want.
 
     Raises ValueError where vLLM would refuse to start (model does not fit, max_model_len over
     the KV capacity).
@@ -117,6 +133,15 @@ def build_engine_config(
     else:
         events = KVEventsConfig.from_json(kv_events_config)
     transfer = json.loads(kv_transfer_config) if isinstance(kv_transfer_config, str) else kv_transfer_config
+    load_bandwidth = loading.DEFAULT_LOAD_BANDWIDTH if load_bandwidth_gbps is None else load_bandwidth_gbps * 1e9
+    if load_bandwidth <= 0:
+        raise ValueError("the load bandwidth must be > 0")
+    startup = 0.0
+    if simulate_startup:
+        init = loading.DEFAULT_INIT_S if init_s is None else init_s
+        startup = loading.startup_s(resolved, load_bandwidth, init, load_weights=load_format != "dummy")
+    if server_dev_mode is None:
+        server_dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     config = EngineConfig(
         preset=resolved,
         model=model_id,
@@ -136,6 +161,10 @@ def build_engine_config(
         kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
         api_key=api_key,
         embedding_dim=embedding_dim,
+        enable_sleep_mode=enable_sleep_mode,
+        server_dev_mode=server_dev_mode,
+        load_bandwidth=load_bandwidth,
+        startup_s=startup,
     )
     if transfer:
         extra = transfer.get("kv_connector_extra_config") or {}

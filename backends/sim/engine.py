@@ -38,6 +38,7 @@ from backends.sim.kv_events import KVEventPublisher
 from backends.sim.metrics import EngineMetrics
 from backends.sim.request import Request, Status, new_id
 from backends.sim.scheduler import Scheduler
+from backends.sim.sleep import SleepMode
 
 log = logging.getLogger("tokenway.sim")
 
@@ -67,6 +68,11 @@ class SimEngine:
         self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
         self.steps = 0
         self.metrics.state_source = self._state
+        # Asleep (sleep.py): the loop runs no step; queued requests wait for the wake-up.
+        self.paused = False
+        self._drained = asyncio.Event()  # set whenever the loop finds nothing to run
+        self.sleep_mode = SleepMode(self)
+        self.metrics.sleep_level_source = self.sleep_mode.state_level
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -195,6 +201,42 @@ class SimEngine:
         self._flush_events()
         return ok
 
+    # --- sleep mode (sleep.py drives these) ------------------------------------------------------
+
+    def abort_all(self, pulling_only: bool = False) -> int:
+        """Abort every request in the engine (or only the PD decode legs waiting for their KV) and
+        tell their handlers; returns how many."""
+        s = self.scheduler
+        victims = list(s.pulling) if pulling_only else [*s.running, *s.waiting, *s.pulling]
+        now = self.clock.now()
+        for req in victims:
+            s.abort(req, now)
+        self._record(0)
+        for req in victims:
+            if req.notify is not None:
+                req.notify()
+        return len(victims)
+
+    async def wait_drained(self) -> None:
+        """Return once no request is running, queued or fetching KV."""
+        s = self.scheduler
+        while s.running or s.waiting or s.pulling or s.pulls_done:
+            self._drained.clear()
+            self._wakeup.set()
+            await self._drained.wait()
+
+    def discard_kv(self) -> bool:
+        """Drop the whole KV cache as sleep does: running requests go back to the queue to be
+        recomputed, PD pins are released, every cached block is forgotten (AllBlocksCleared)."""
+        self.scheduler.requeue_running()
+        self.scheduler.drop_pins()
+        self._record(0)
+        return self.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wakeup.set()
+
     # --- the loop --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -211,7 +253,7 @@ class SimEngine:
             now = clock.next_start()
             if clock.idle:
                 now = max(now, self._last_arrival_s)  # woken by an arrival: start at it
-            has_work = scheduler.running or scheduler.waiting or scheduler.pulls_done
+            has_work = not self.paused and (scheduler.running or scheduler.waiting or scheduler.pulls_done)
             step = scheduler.schedule(now) if has_work else None
             prefills = step.prefills if step is not None else None
             decodes = step.decodes if step is not None else None
@@ -233,6 +275,7 @@ class SimEngine:
                     await clock.sleep_step()
                     continue
                 clock.go_idle()
+                self._drained.set()
                 await self._idle_wait()
                 continue
             assert step is not None and decodes is not None

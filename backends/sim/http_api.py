@@ -25,7 +25,7 @@ from aiohttp.typedefs import Middleware
 
 from backends import tokenization
 from backends.protocols import anthropic
-from backends.sim import agent_api, embeddings, generation, prompt_cache, text_gen, validation
+from backends.sim import agent_api, embeddings, generation, prompt_cache, sleep, text_gen, validation
 from backends.sim.config import VLLM_VERSION
 from backends.sim.engine import SimEngine
 from backends.sim.request import Request, new_id
@@ -100,6 +100,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/internal/kv_pull", _kv_pull)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     agent_api.add_routes(app, engine)
+    sleep.install(app, engine)  # vLLM's sleep routes, with VLLM_SERVER_DEV_MODE and --enable-sleep-mode
     return app
 
 

@@ -51,6 +51,10 @@ TTFT_BUCKETS = (
     640.0,
     2560.0,
 )
+# vllm:engine_sleep_state's series, by sleep level (vllm/v1/metrics/loggers.py)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+# vllm/entrypoints/serve/dev/sleep/metrics.py
+SLEEP_OPERATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)
 TOKEN_LATENCY_BUCKETS = (
     0.01,
     0.025,
@@ -183,6 +187,8 @@ class EngineMetrics:
         self._state = (0, 0, 0.0)
         # Where the state gauges come from at scrape time; set_state's values until the engine sets it.
         self.state_source: Callable[[], tuple[int, int, float]] = lambda: self._state
+        # 0 awake, else the sleep level (sleep.py); one-hot over SLEEP_STATES at scrape time.
+        self.sleep_level_source: Callable[[], int] = lambda: 0
 
         def gauge(name: str, doc: str, index: int) -> None:
             family = _Family(name, doc, "gauge", labels)
@@ -286,7 +292,37 @@ class EngineMetrics:
         )
         info.series.append(({}, lambda: 1.0))
         families.append(info)
+        sleep_state = _Family(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            "gauge",
+            labels,
+        )
+        for level, state in enumerate(SLEEP_STATES):
+            sleep_state.series.append(({"sleep_state": state}, self._sleep_state_reader(level)))
+        families.append(sleep_state)
+        self.sleep_operations: dict[str, _Histogram] = {}
+        if config.enable_sleep_mode and config.server_dev_mode:  # vLLM exports it with the sleep routes
+            operations = _Family(
+                "vllm:sleep_mode_operation_duration_seconds",
+                "Duration of one sleep-mode operation.",
+                "histogram",
+                labels,
+            )
+            for operation in ("sleep", "wake"):
+                self.sleep_operations[operation] = _Histogram(SLEEP_OPERATION_BUCKETS)
+                operations.series.append(({"operation": operation}, self.sleep_operations[operation]))
+            families.append(operations)
         self.registry.register(_Collector(families))
+
+    def _sleep_state_reader(self, level: int) -> Callable[[], float]:
+        return lambda: float(self.sleep_level_source() == level)
+
+    def observe_sleep_operation(self, operation: str, seconds: float) -> None:
+        histogram = self.sleep_operations.get(operation)
+        if histogram is not None:
+            histogram.observe(seconds)
 
     def record_step(self, stats: StepStats, step_tokens: int) -> None:
         if step_tokens:

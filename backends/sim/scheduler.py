@@ -127,6 +127,15 @@ class Scheduler:
         self._finish(req, "abort", now_s, release=False)
         return True
 
+    def requeue_running(self) -> int:
+        """Preempt every running request by recompute (the KV cache is going away), keeping their
+        order at the head of the queue; returns how many."""
+        running, self.running = self.running, []
+        step = Step()
+        for req in reversed(running):
+            self._preempt(req, step)
+        return len(running)
+
     def finish_pull(self, req: Request, done_s: float, ok: bool) -> None:
         """Record that a PD decode leg's KV transfer ends at `done_s` (takes effect at that step)."""
         self.pulls_done.append((done_s, req, ok))
@@ -363,6 +372,13 @@ class Scheduler:
             return None
         self.kv.free(entry[0])
         return entry[0]
+
+    def drop_pins(self) -> int:
+        """Free every pinned prefill leg's blocks (their decode legs will recompute)."""
+        pinned, self.pinned = self.pinned, {}
+        for req, _ in pinned.values():
+            self.kv.free(req)
+        return len(pinned)
 
     def expire_pins(self, now_s: float) -> int:
         if not self.pinned:

@@ -53,17 +53,29 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 async def start_instance(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, index: int = 0) -> SimInstance:
-    """Bind, start the engine, then listen. The caller owns `stop_instance`."""
+    """Bind, come up (`config.startup_s` simulated seconds: weights and initialisation), start the
+    engine, then listen. The caller owns `stop_instance`."""
     sock = _bind(host, port)
-    bound_port = sock.getsockname()[1]
-    engine = SimEngine(config, instance_index=index)
-    engine.advertised_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    engine.advertised_port = bound_port
-    await engine.start()
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.SockSite(runner, sock)
-    await site.start()
+    try:
+        if config.startup_s > 0:
+            log.info("loading %s: ready in %.1f s simulated", config.preset.name, config.startup_s)
+            await asyncio.sleep(config.startup_s / config.time_scale)
+        bound_port = sock.getsockname()[1]
+        engine = SimEngine(config, instance_index=index)
+        engine.advertised_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        engine.advertised_port = bound_port
+        await engine.start()
+        try:
+            runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+            await runner.setup()
+            site = web.SockSite(runner, sock)
+            await site.start()
+        except BaseException:
+            await engine.stop()
+            raise
+    except BaseException:
+        sock.close()
+        raise
     return SimInstance(engine, runner, host, bound_port)
 
 
@@ -75,16 +87,21 @@ async def stop_instance(instance: SimInstance) -> None:
 async def start_instances(
     config: EngineConfig, count: int, host: str = "127.0.0.1", port: int = 0
 ) -> list[SimInstance]:
-    instances: list[SimInstance] = []
+    """Start `count` engines side by side (their start-ups overlap, as separate processes' would)."""
+    configs = [
+        replace(config) if i == 0 else replace(config, engine_id=f"{config.engine_id}-{i}") for i in range(count)
+    ]
+    tasks = [asyncio.ensure_future(start_instance(c, host, port + i if port else 0, i)) for i, c in enumerate(configs)]
     try:
-        for index in range(count):
-            engine_config = replace(config) if index == 0 else replace(config, engine_id=f"{config.engine_id}-{index}")
-            instances.append(await start_instance(engine_config, host, port + index if port else 0, index))
+        return list(await asyncio.gather(*tasks))
     except BaseException:
-        for instance in instances:
-            await stop_instance(instance)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                await stop_instance(task.result())
         raise
-    return instances
 
 
 @contextlib.asynccontextmanager
