@@ -71,7 +71,7 @@ async def main() -> None:
             )
         plans.append(plan)
     out: Results = {"admitted": [], "rejected": []}
-    control = aioredis.Redis.from_url(args.redis)
+    control = aioredis.Redis.from_url(args.redis, socket_timeout=120)  # blpop below waits up to 60 s
     await control.lpush(f"{args.prefix}:ready", args.seed)
     await control.blpop([f"{args.prefix}:go"], timeout=60)
     await asyncio.gather(*(client(adm, plan, random.Random(args.seed * 1000 + i), out) for i, plan in enumerate(plans)))

@@ -34,7 +34,8 @@ def test_four_replicas_never_overshoot_and_leak_nothing(tmp_path: Path, redis_ur
     }
     policy_path = tmp_path / "policies.yaml"
     policy_path.write_text(yaml.safe_dump(doc))
-    control = redis.Redis.from_url(redis_url)
+    # blocking pops below wait up to 60 s: longer than redis-py 8's default 5 s socket timeout
+    control = redis.Redis.from_url(redis_url, socket_timeout=120)
     procs = [
         subprocess.Popen(
             [
