@@ -13,9 +13,9 @@ and the engine with ``--enable-sleep-mode``; otherwise they answer 404.
   (`backends/perf/loading.py`). The engine is awake when no tag is left asleep.
 - ``GET /is_sleeping`` → ``{"is_sleeping": bool}``.
 
-While asleep, or going to sleep, the routes that need the weights (chat, completions, embeddings)
-answer 503 with vLLM's ``ModelSleepingError`` body; `/tokenize`, `/v1/models`, `/health` and
-`/metrics` keep working. `vllm:engine_sleep_state` (``awake``, ``weights_offloaded``, ``discard_all``)
+While asleep, or going to sleep, the routes that need the weights (chat, completions, embeddings,
+responses, messages) answer 503 with vLLM's ``ModelSleepingError`` body; `/tokenize`, `/v1/models`,
+`/health` and `/metrics` keep working. `vllm:engine_sleep_state` (``awake``, ``weights_offloaded``, ``discard_all``)
 is exported by `metrics.py`; each operation's simulated duration goes to
 `vllm:sleep_mode_operation_duration_seconds{operation}`. Durations are simulated seconds, slept in
 real time divided by the engine's time scale.
@@ -42,7 +42,9 @@ log = logging.getLogger("tokenway.sim")
 TAGS: Final = ("weights", "kv_cache")
 MODES: Final = ("abort", "wait", "keep")
 # Routes that run the model: refused while the weights are away.
-PROTECTED_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+PROTECTED_PATHS: Final = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"}
+)
 SLEEPING_MESSAGE: Final = "Model is currently in sleep mode. Please wake it up first with a POST request to /wake_up"
 
 

@@ -107,6 +107,8 @@ async def test_sleep_refuses_generation_until_woken(
         assert (await resp.json())["error"]["type"] == "ModelSleepingError"
     async with http.post(url + "/v1/embeddings", json={"input": "hello"}) as resp:
         assert resp.status == 503
+    async with http.post(url + "/v1/responses", json={"input": "hello"}) as resp:
+        assert resp.status == 503
     async with http.post(url + "/tokenize", json={"prompt": "hello"}) as resp:
         assert resp.status == 200
     async with http.get(url + "/health") as resp:
