@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backends.discovery.config import DiscoveryConfig
 from backends.types import Role
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
@@ -80,6 +81,9 @@ class PoolConfig(_Strict):
         default=None, description="launched replicas per PD role (instead of `replicas`)"
     )
     endpoints: list[StaticEndpointConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = Field(
+        default=None, description="endpoints found at run time (Kubernetes EndpointSlices), see backends/discovery"
+    )
     # launch spec
     host: str = "127.0.0.1"
     port_base: int | None = None
@@ -129,8 +133,8 @@ class PoolConfig(_Strict):
             raise ValueError("give either `replicas` or `roles`, not both")
         if self.engine == "openai" and self.launched_replicas:
             raise ValueError("engine `openai` is a remote API: list it under `endpoints`, not replicas")
-        if not self.launched_replicas and not self.endpoints:
-            raise ValueError("a pool needs launched replicas (`replicas`/`roles`) or static `endpoints`")
+        if not self.launched_replicas and not self.endpoints and self.discovery is None:
+            raise ValueError("a pool needs launched replicas (`replicas`/`roles`), static `endpoints` or `discovery`")
         return self
 
     @property

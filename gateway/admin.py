@@ -19,7 +19,11 @@ def _json(data: object, status: int = 200) -> web.Response:
 async def backends(request: web.Request) -> web.Response:
     """Pools and endpoints: state, load, KV usage, restarts, the log tail of failed replicas."""
     stats_max_age_s = request.app[appkeys.BACKENDS].stats_max_age_s
-    return _json(fleet_status(request.app[appkeys.FLEET], stats_max_age_s=stats_max_age_s))
+    status = fleet_status(request.app[appkeys.FLEET], stats_max_age_s=stats_max_age_s)
+    discovery = request.app.get(appkeys.DISCOVERY)
+    if discovery is not None:
+        status["discovery"] = discovery.status()
+    return _json(status)
 
 
 async def status(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from aiohttp import web
 from backends import health, monitor
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings
+from backends.discovery.service import Discovery
 from backends.fleet import Fleet
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
@@ -136,12 +137,28 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     supervisor = Supervisor(backends)
     app[appkeys.SUPERVISOR] = supervisor
     await supervisor.start(fleet, app[appkeys.SESSION])
+    discovery: Discovery | None = None
+    if any(pool.config.discovery is not None for pool in fleet.pools.values()):
+        discovery = Discovery.for_fleet(fleet, lambda pool: _fleet_changed(app))
+        await discovery.start()
+    app[appkeys.DISCOVERY] = discovery
     watch = asyncio.get_running_loop().create_task(monitor.run(fleet, app[appkeys.SESSION], backends))
     yield
     watch.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watch
+    if discovery is not None:
+        await discovery.stop()
     await supervisor.stop()
+
+
+def _fleet_changed(app: web.Application) -> None:
+    """Discovery added or removed endpoints: forget routing state of those that left, and let the
+    new ones' ids be metric label values."""
+    fleet = app[appkeys.FLEET]
+    if appkeys.ROUTER in app:
+        app[appkeys.ROUTER].forget_endpoints_except([e.id for e in fleet.endpoints()])
+    _allow_labels(app[appkeys.METRICS], app[appkeys.POLICIES].current, fleet)
 
 
 async def _predictor_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -6,6 +6,7 @@ import aiohttp
 from aiohttp import web
 
 from backends.config import BackendsSettings
+from backends.discovery.service import Discovery
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.ledger.writer import LedgerWriter
@@ -27,6 +28,7 @@ UPSTREAM = web.AppKey("upstream", UpstreamClient)  # relayed requests
 FLEET = web.AppKey("fleet", Fleet)
 BACKENDS = web.AppKey("backends_settings", BackendsSettings)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
+DISCOVERY: web.AppKey[Discovery | None] = web.AppKey("discovery")  # None: no pool discovers endpoints
 PIPELINE = web.AppKey("pipeline", Pipeline)
 ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
 ROUTER = web.AppKey("router", ScoringRouter)

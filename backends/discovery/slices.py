@@ -1,0 +1,97 @@
+"""EndpointSlices as the API server sends them (plain JSON dicts) -> the addresses a pool should use.
+
+Pure functions, no client: the watch hands over raw objects and these decide. An address is used
+when its slice's endpoint is `ready` (the pod passes its readiness probe) and not `terminating`;
+a `serving` but terminating endpoint finishes what it has but takes nothing new (the gateway
+drains it). A slice without the configured port contributes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from backends.discovery.config import KubernetesDiscoveryConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """One usable engine address of a pool, as discovered."""
+
+    url: str  # "http://10.0.3.7:8000"
+    name: str  # stable name for the endpoint id: the pod's name, else the address
+    host: str  # the IP (for a KV-event socket on the same pod)
+    zone: str | None = None
+
+
+def slice_name(obj: Mapping[str, Any]) -> str:
+    metadata = obj.get("metadata") or {}
+    return str(metadata.get("name") or "")
+
+
+def resource_version(obj: Mapping[str, Any]) -> str | None:
+    metadata = obj.get("metadata") or {}
+    value = metadata.get("resourceVersion")
+    return str(value) if value else None
+
+
+def _port(obj: Mapping[str, Any], wanted: int | str | None) -> int | None:
+    ports = [p for p in obj.get("ports") or [] if isinstance(p, Mapping)]
+    if isinstance(wanted, str):
+        for p in ports:
+            if p.get("name") == wanted and isinstance(p.get("port"), int):
+                return int(p["port"])
+        return None
+    if isinstance(wanted, int):
+        return wanted  # a number is the target port, listed or not
+    numbered = [p for p in ports if isinstance(p.get("port"), int)]
+    return int(numbered[0]["port"]) if len(numbered) == 1 else None
+
+
+def addresses_of(obj: Mapping[str, Any], config: KubernetesDiscoveryConfig) -> list[Address]:
+    """The ready, non-terminating addresses of one EndpointSlice on the configured port."""
+    if obj.get("addressType") not in ("IPv4", "IPv6"):
+        return []  # FQDN slices are deprecated and carry no pod addresses
+    port = _port(obj, config.port)
+    if port is None:
+        return []
+    found = []
+    for endpoint in obj.get("endpoints") or []:
+        if not isinstance(endpoint, Mapping):
+            continue
+        conditions = endpoint.get("conditions") or {}
+        # `ready` unset means ready (the API's own reading); terminating endpoints take nothing new
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        addresses = [a for a in endpoint.get("addresses") or [] if isinstance(a, str) and a]
+        if not addresses:
+            continue
+        host = addresses[0]  # all addresses of one endpoint are the same pod: the first is canonical
+        ref = endpoint.get("targetRef") or {}
+        name = ref.get("name") if isinstance(ref, Mapping) and ref.get("kind") == "Pod" else None
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        zone = endpoint.get("zone")
+        found.append(
+            Address(
+                url=f"{config.scheme}://{netloc}",
+                name=str(name) if name else netloc.replace("[", "").replace("]", ""),
+                host=host,
+                zone=str(zone) if isinstance(zone, str) else None,
+            )
+        )
+    return found
+
+
+def desired_addresses(slices: Iterable[Mapping[str, Any]], config: KubernetesDiscoveryConfig) -> dict[str, Address]:
+    """Every usable address across the slices, by URL (a pod listed in two slices counts once),
+    at most `config.max_endpoints` of them (in a stable order, so every gateway replica keeps the
+    same ones)."""
+    by_url: dict[str, Address] = {}
+    for obj in slices:
+        for address in addresses_of(obj, config):
+            by_url.setdefault(address.url, address)
+    if len(by_url) <= config.max_endpoints:
+        return by_url
+    kept = sorted(by_url)[: config.max_endpoints]
+    return {url: by_url[url] for url in kept}
