@@ -11,8 +11,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY . /src
 # `plot` adds matplotlib for `tokenway usage report --plot`; `k8s` the client for EndpointSlice
-# discovery (deploy/k8s); `epp` gRPC and Envoy's types for `tokenway epp`
-RUN pip install ".[plot,k8s,epp]" \
+# discovery (deploy/k8s)
+RUN pip install ".[plot,k8s]" \
     && useradd --system --uid 10001 --home-dir /var/lib/tokenway tokenway \
     && mkdir -p /var/lib/tokenway/usage /etc/tokenway \
     && chown -R tokenway /var/lib/tokenway

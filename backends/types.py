@@ -60,12 +60,42 @@ class InFlight:
     `prefill_tokens` are uncached prompt tokens not yet prefilled (released at the first token);
     `decode_tokens` are the context tokens of requests in decode (prompt + expected output), a proxy
     for KV occupancy. Use `begin`/`first_token`/`end` through a `LoadTicket` so releases are exact.
+
+    With several gateway replicas sharing state (gateway/replicas), the three totals also hold what
+    the other replicas report having on the endpoint (`remote_*`, replaced as their reports come and
+    go): routing reads one number either way; `local_requests` is this process's own share.
     """
 
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     last_token_s: float = 0.0  # monotonic time a token from this endpoint was last relayed (0 = never)
+    remote_requests: int = 0
+    remote_prefill_tokens: int = 0
+    remote_decode_tokens: int = 0
+
+    @property
+    def local_requests(self) -> int:
+        return self.requests - self.remote_requests
+
+    def local(self) -> tuple[int, int, int]:
+        """(requests, prefill tokens, decode tokens) of this process alone."""
+        return (
+            self.requests - self.remote_requests,
+            self.prefill_tokens - self.remote_prefill_tokens,
+            self.decode_tokens - self.remote_decode_tokens,
+        )
+
+    def set_remote(self, requests: int, prefill_tokens: int, decode_tokens: int) -> None:
+        """Replace the other replicas' share of the totals."""
+        self.requests += requests - self.remote_requests
+        self.prefill_tokens += prefill_tokens - self.remote_prefill_tokens
+        self.decode_tokens += decode_tokens - self.remote_decode_tokens
+        self.remote_requests, self.remote_prefill_tokens, self.remote_decode_tokens = (
+            requests,
+            prefill_tokens,
+            decode_tokens,
+        )
 
     def begin(self, prefill_tokens: int) -> LoadTicket:
         self.requests += 1

@@ -44,6 +44,12 @@ async def reload(request: web.Request) -> web.Response:
     return _json(result.as_dict(), status=200 if result.ok else 422)
 
 
+async def replicas(request: web.Request) -> web.Response:
+    """This replica's id, what it published and read, and its peers (age, batches, gaps, load)."""
+    bus = request.app[appkeys.REPLICAS]
+    return _json(bus.status() if bus is not None else {"sharing": False})
+
+
 def limiter_gauges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Limiter snapshot rows in the gauges' shape: scope, id, dimension, limit, remaining."""
     out = []
@@ -111,4 +117,5 @@ def admin_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/admin/predictor", predictor),
         ("GET", "/admin/predictor/samples", predictor_samples),
         ("POST", "/admin/reload", reload),
+        ("GET", "/admin/replicas", replicas),
     ]

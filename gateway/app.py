@@ -32,6 +32,7 @@ from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
 from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
+from gateway.replicas.bus import ReplicaBus
 from gateway.routes import METRICS_RENDER, setup_routes
 from gateway.settings import GatewaySettings, validate_section
 from gateway.telemetry.config import TelemetryConfig
@@ -61,10 +62,13 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_fleet_ctx)
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
+    app.cleanup_ctx.append(_replicas_ctx)
     app.cleanup_ctx.append(_pipeline_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
     setup_routes(app, admin_routes())
     setup_api_routes(app)
+    if settings.state.shares_routing:
+        app.on_response_prepare.append(_name_replica)
     return app
 
 
@@ -194,6 +198,29 @@ async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
             await sync
     if hub is not None:
         await hub.close()
+
+
+async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Replicas that act as one (`state: redis`): publish this one's dispatches and load, fold in
+    the others' (gateway/replicas). Responses name the replica that served them."""
+    state = app[appkeys.SETTINGS].state
+    bus: ReplicaBus | None = None
+    if state.shares_routing:
+        assert state.redis_url is not None
+        bus = ReplicaBus(state.replicas, state.redis_url, state.key_prefix, app[appkeys.FLEET], app[appkeys.ROUTER])
+        app[appkeys.ROUTER].dispatch_listener = bus.dispatched
+        await bus.start()
+    app[appkeys.REPLICAS] = bus
+    yield
+    if bus is not None:
+        app[appkeys.ROUTER].dispatch_listener = None
+        await bus.stop()
+
+
+async def _name_replica(request: web.Request, response: web.StreamResponse) -> None:
+    bus = request.app[appkeys.REPLICAS]
+    if bus is not None:
+        response.headers["x-tokenway-replica"] = bus.replica_id
 
 
 async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s: float = 1.0) -> None:

@@ -12,6 +12,7 @@ from backends.supervisor import Supervisor
 from gateway.ledger.writer import LedgerWriter
 from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
+from gateway.replicas.bus import ReplicaBus
 from gateway.settings import GatewaySettings
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
@@ -39,3 +40,4 @@ PREDICTOR: web.AppKey[LatencyPredictor | None] = web.AppKey("predictor")  # None
 POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy (hot-reloaded)
 POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
+REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replicas do not share routing state

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backends.config import PoolConfig
+from gateway.replicas.config import ReplicasSettings
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -53,6 +54,13 @@ class StateSettings(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
     key_prefix: str = "tokenway"
+    replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
+
+    @property
+    def shares_routing(self) -> bool:
+        """Whether replicas publish and fold routing state (on by default with Redis)."""
+        share = self.replicas.share
+        return self.backend == "redis" and self.redis_url is not None and (share is None or share)
 
 
 class GatewaySettings(_Strict):

@@ -130,10 +130,11 @@ class PoolDiscovery:
             self.on_change(self.pool)
 
     async def _drain(self, url: str, endpoint: Endpoint) -> None:
-        """Wait for the requests this gateway has on it to finish (bounded), then let it go."""
+        """Wait for the requests this gateway has on it to finish (bounded; other replicas drain their
+        own), then let it go."""
         deadline_s = time.monotonic() + self.config.drain_timeout_s
         try:
-            while endpoint.inflight.requests > 0 and time.monotonic() < deadline_s:  # noqa: ASYNC110
+            while endpoint.inflight.local_requests > 0 and time.monotonic() < deadline_s:  # noqa: ASYNC110
                 await asyncio.sleep(DRAIN_POLL_S)
         finally:
             self._drains.pop(url, None)

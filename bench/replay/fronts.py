@@ -9,6 +9,7 @@ vllm-router (PyPI `vllm-router`, a Rust binary) runs from `bench/.venv-vllm-rout
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,6 +41,8 @@ class RouterSpec:
     routing: dict[str, Any] = field(default_factory=dict)  # tokenway: the routing: section
     args: tuple[str, ...] = ()  # vllm-router: extra argv
     note: str = ""
+    replicas: int = 1  # tokenway: gateway replicas behind haproxy (TCP round robin) when > 1
+    state: dict[str, Any] = field(default_factory=dict)  # tokenway: the state: section (redis for sharing)
 
 
 def tokenway_routers(seed: int) -> list[RouterSpec]:
@@ -74,13 +77,21 @@ class Front:
     proc: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    behind: list[Front] = field(default_factory=list)  # the replicas a balancer front spreads over
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pids(self) -> list[int]:
+        """Every process of this front (CPU accounting): the balancer and each replica."""
+        return [self.proc.pid, *(p for f in self.behind for p in f.pids)]
+
     def stop(self) -> None:
         stop_process(self.proc, timeout_s=30)
+        for front in self.behind:
+            front.stop()
 
 
 def _env() -> dict[str, str]:
@@ -106,6 +117,8 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: fl
 
 
 def start_tokenway(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
+    if spec.replicas > 1:
+        return start_tokenway_replicas(spec, fleet, workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     policies = {
@@ -125,6 +138,8 @@ def start_tokenway(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
         "routing": spec.routing,
         "backends": {"health_interval_s": 5.0},
     }
+    if spec.state:
+        config["state"] = spec.state
     (workdir / "policies.yaml").write_text(yaml.safe_dump(policies, sort_keys=False))
     config_path = workdir / "gateway.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -152,6 +167,27 @@ def _wait_all_ready(front: Front, *, precise: bool, timeout_s: float = 30.0) -> 
             return
         time.sleep(0.1)
     raise RuntimeError("tokenway endpoints did not all become ready")
+
+
+def start_tokenway_replicas(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
+    """`spec.replicas` tokenway processes with the same config (their own state each, or one Redis
+    when `spec.state` says so) behind Debian's haproxy in TCP round-robin mode."""
+    from tests.support.haproxy import start_haproxy
+
+    replicas = []
+    try:
+        for i in range(spec.replicas):
+            state = dict(spec.state)
+            if state.get("backend") == "redis":
+                state["replicas"] = {**state.get("replicas", {}), "id": f"r{i}"}
+            one = dataclasses.replace(spec, replicas=1, state=state)
+            replicas.append(start_tokenway(one, fleet, workdir / f"replica-{i}"))
+        balancer = start_haproxy(workdir / "haproxy", [r.port for r in replicas])
+    except Exception:
+        for front in replicas:
+            front.stop()
+        raise
+    return Front(spec, balancer.proc, balancer.port, balancer.log_path, behind=replicas)
 
 
 def start_vllm_router(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:

@@ -143,7 +143,7 @@ def replay(
         plan_path.write_text(json.dumps(plan))
         before = fleet_mod.snapshot(fleet)
         cpu_before = fleet_mod.host_cpu_busy_s()
-        procs_before = (fleet_mod.process_cpu_s(fleet.proc.pid), fleet_mod.process_cpu_s(front.proc.pid))
+        procs_before = (fleet_mod.process_cpu_s(fleet.proc.pid), sum(map(fleet_mod.process_cpu_s, front.pids)))
         children_before = os.times()
         loadgen = subprocess.Popen(
             [sys.executable, "-m", "bench.replay.loadgen", str(plan_path), str(results_path)],
@@ -153,7 +153,7 @@ def replay(
             raise RuntimeError(f"load generator failed for {label} (exit {loadgen.returncode})")
         cpu_after = fleet_mod.host_cpu_busy_s()
         children_after = os.times()
-        procs_after = (fleet_mod.process_cpu_s(fleet.proc.pid), fleet_mod.process_cpu_s(front.proc.pid))
+        procs_after = (fleet_mod.process_cpu_s(fleet.proc.pid), sum(map(fleet_mod.process_cpu_s, front.pids)))
         CPU_LOG.append({"label": label, "engines_cpu_s": procs_after[0] - procs_before[0],
                         "router_cpu_s": procs_after[1] - procs_before[1],
                         "loadgen_cpu_s": children_after.children_user + children_after.children_system

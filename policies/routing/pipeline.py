@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +187,8 @@ class ScoringRouter:
     rng: random.Random
     pd_counters: dict[str, PDCounters] = field(default_factory=dict)
     predictor: LatencyPredictor | None = None  # makes the latency scorer's and the SLO gate's predictions
+    # told of every dispatch after it is recorded (gateway replicas share them); must not block
+    dispatch_listener: Callable[[RequestFacts, RouteDecision, str | None], None] | None = None
     _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
 
     # -- Router ---------------------------------------------------------------------------------
@@ -266,6 +268,14 @@ class ScoringRouter:
         self.sessions.pin(key, decision.endpoint.id)
         if decision.pd_reason is not None:
             self._count_pd(decision, routing.pd)
+        if self.dispatch_listener is not None:
+            self.dispatch_listener(facts, decision, key)
+
+    def on_remote_dispatch(self, endpoint: Endpoint, keys: Sequence[int], session: str | None) -> None:
+        """Another gateway replica sent a prompt with these block keys (and session) to `endpoint`."""
+        self.index.record_remote(endpoint, keys)
+        if session is not None:
+            self.sessions.pin(session, endpoint.id)
 
     # -- KV events and reporting ------------------------------------------------------------------
 

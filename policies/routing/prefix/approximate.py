@@ -76,7 +76,10 @@ class ApproximatePrefixIndex:
 
     def record(self, facts: RequestFacts, endpoint: Endpoint) -> None:
         """The request was dispatched to `endpoint`: its prompt's blocks are (about to be) cached there."""
-        keys = self.blocks(facts).keys
+        self.record_keys(endpoint, self.blocks(facts).keys)
+
+    def record_keys(self, endpoint: Endpoint, keys: Sequence[int]) -> None:
+        """Record block keys on `endpoint` (a dispatch of this gateway, or one another replica reported)."""
         if not keys:
             return
         endpoint_id = endpoint.id

@@ -71,6 +71,15 @@ class PrefixIndex:
         if self.precise is not None:
             self.precise.record(facts, endpoint, now_s)
 
+    def record_remote(self, endpoint: Endpoint, keys: Sequence[int]) -> None:
+        """Another gateway replica dispatched a prompt with these approximate block keys to `endpoint`."""
+        if self.approximate is not None:
+            self.approximate.record_keys(endpoint, keys)
+
+    def dispatched_keys(self, facts: RequestFacts) -> list[int]:
+        """The approximate block keys this request records at dispatch (what replicas share)."""
+        return list(self.approximate.blocks(facts).keys) if self.approximate is not None else []
+
     # KV-event callbacks (`backends.kv_events.KvEventHub(on_batch=..., on_reset=...)`).
     def on_kv_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
         if self.precise is not None:

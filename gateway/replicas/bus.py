@@ -1,0 +1,295 @@
+"""The replicas' shared stream: publish this replica's batches, fold in everyone else's.
+
+Hot path: `dispatched` (the router's dispatch listener) appends one tuple to a bounded deque and
+returns; nothing per request touches Redis. Two tasks do the rest:
+
+- the publisher wakes every `publish_interval_ms`, and when something changed (a dispatch, or this
+  replica's load on a shared endpoint) or a heartbeat is due, appends one batch to the stream
+  (`XADD ... MAXLEN ~ stream_max_len`): its full load report and the block keys and session of
+  every dispatch since the last batch;
+- the reader blocks on `XREAD` from the last entry it saw, skips its own entries, replaces each
+  peer's load report, records their dispatches in the prefix index and session table, and drops
+  peers silent for `ttl_s`.
+
+A starting replica first replays the stream's last `bootstrap_entries` entries (index and
+sessions only: old load reports are stale by definition), so a fresh replica routes with the
+fleet's memory rather than from nothing. If Redis is away, batches are dropped (counted), the
+reader retries, and peers' loads expire: each replica falls back to its own view. Lost entries only
+age out (LRU eviction of index keys, the next report of loads); nothing accumulates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from backends.fleet import Fleet
+from backends.types import Endpoint
+from gateway.replicas.config import ReplicasSettings
+from gateway.replicas.view import RemoteLoads
+from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, decode, encode
+from policies.routing.pipeline import ScoringRouter
+from policies.routing.types import RouteDecision
+from policies.types import RequestFacts
+
+log = logging.getLogger("tokenway.replicas")
+
+READ_COUNT = 1000
+READ_BLOCK_MS = 1000
+RETRY_S = 0.5
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+class ReplicaBus:
+    def __init__(
+        self,
+        settings: ReplicasSettings,
+        redis_url: str,
+        key_prefix: str,
+        fleet: Fleet,
+        router: ScoringRouter,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.replica_id = settings.id or default_replica_id()
+        self.stream = f"{key_prefix}:replicas"
+        self.fleet = fleet
+        self.router = router
+        self.clock = clock
+        self.remote = RemoteLoads(settings.ttl_s, self._shared_endpoint)
+        self._redis_url = redis_url
+        self._pending: deque[tuple[str, RequestFacts, str | None]] = deque(maxlen=settings.max_pending_dispatches)
+        self._writer: aioredis.Redis | None = None
+        self._reader: aioredis.Redis | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._shared: dict[str, Endpoint] = {}
+        self._sequence = 0
+        # counters for /admin/replicas
+        self.batches_published = 0
+        self.dispatches_published = 0
+        self.dispatches_dropped = 0
+        self.publish_errors = 0
+        self.batches_read = 0
+        self.dispatches_applied = 0
+        self.malformed = 0
+        self.read_errors = 0
+        self.bootstrapped = 0
+        self.last_error: str | None = None
+
+    # -- hot path ----------------------------------------------------------------------------------
+
+    def dispatched(self, facts: RequestFacts, decision: RouteDecision, session: str | None) -> None:
+        """The router's dispatch listener: one append, nothing else (keys are read at the flush)."""
+        pending = self._pending
+        if not decision.endpoint.launched:
+            if len(pending) == pending.maxlen:
+                self.dispatches_dropped += 1
+            pending.append((decision.endpoint.id, facts, session))
+        prefill = decision.prefill_endpoint
+        if prefill is not None and not prefill.launched:
+            if len(pending) == pending.maxlen:
+                self.dispatches_dropped += 1
+            pending.append((prefill.id, facts, None))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._writer = aioredis.Redis.from_url(self._redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._reader = aioredis.Redis.from_url(
+            self._redis_url, socket_timeout=READ_BLOCK_MS / 1000 + 5.0, socket_connect_timeout=2.0
+        )
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._publish_loop(), name="replicas publish"),
+            loop.create_task(self._read_loop(), name="replicas read"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        for client in (self._writer, self._reader):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        # what this replica believed of the others goes with it
+        for endpoint_id in list(self._shared):
+            endpoint = self._shared.get(endpoint_id)
+            if endpoint is not None:
+                endpoint.inflight.set_remote(0, 0, 0)
+
+    # -- publishing --------------------------------------------------------------------------------
+
+    def _refresh_shared(self) -> dict[str, Endpoint]:
+        self._shared = {e.id: e for e in self.fleet.endpoints() if not e.launched}
+        return self._shared
+
+    def _shared_endpoint(self, endpoint_id: str) -> Endpoint | None:
+        endpoint = self._shared.get(endpoint_id)
+        if endpoint is None:
+            endpoint = self._refresh_shared().get(endpoint_id)
+        return endpoint
+
+    def _local_loads(self) -> list[Load]:
+        loads = []
+        for endpoint_id, endpoint in sorted(self._refresh_shared().items()):
+            requests, prefill, decode_tokens = endpoint.inflight.local()
+            if requests or prefill or decode_tokens:
+                loads.append((endpoint_id, max(requests, 0), max(prefill, 0), max(decode_tokens, 0)))
+        return loads
+
+    def _take_dispatches(self) -> list[Dispatch]:
+        taken: list[Dispatch] = []
+        index = self.router.index
+        limit = self.settings.max_keys_per_dispatch
+        pending = self._pending
+        while pending:
+            endpoint_id, facts, session = pending.popleft()
+            taken.append((endpoint_id, index.dispatched_keys(facts)[:limit], session))
+        return taken
+
+    async def _publish_loop(self) -> None:
+        interval_s = self.settings.publish_interval_ms / 1000.0
+        reported: list[Load] | None = None
+        reported_at_s = float("-inf")
+        while True:
+            await asyncio.sleep(interval_s)
+            now_s = self.clock()
+            loads = self._local_loads()
+            report = loads != reported or now_s - reported_at_s >= self.settings.heartbeat_s
+            dispatches = self._take_dispatches()
+            if not report and not dispatches:
+                continue
+            batch = Batch(self.replica_id, self._sequence, loads if report else None, dispatches)
+            try:
+                assert self._writer is not None
+                await self._writer.xadd(
+                    self.stream, {"b": encode(batch)}, maxlen=self.settings.stream_max_len, approximate=True
+                )
+            except (RedisError, OSError) as exc:
+                self.publish_errors += 1
+                self.dispatches_dropped += len(dispatches)
+                self._note_error(f"publish: {exc}")
+                continue
+            self._sequence += 1
+            self.batches_published += 1
+            self.dispatches_published += len(dispatches)
+            if report:
+                reported, reported_at_s = loads, now_s
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    async def _bootstrap(self) -> str:
+        """Replay the stream's recent dispatches; the id to read on from."""
+        assert self._reader is not None
+        if self.settings.bootstrap_entries == 0:
+            return "$"
+        try:
+            entries: Any = await self._reader.xrevrange(self.stream, count=self.settings.bootstrap_entries)
+        except (RedisError, OSError) as exc:
+            self._note_error(f"bootstrap: {exc}")
+            return "$"
+        self._refresh_shared()
+        for _entry_id, fields in reversed(entries):
+            if self._apply(fields, self.clock(), live=False):
+                self.bootstrapped += 1
+        return _text(entries[0][0]) if entries else "0-0"
+
+    async def _read_loop(self) -> None:
+        last_id = await self._bootstrap()
+        while True:
+            try:
+                assert self._reader is not None
+                response: Any = await self._reader.xread({self.stream: last_id}, count=READ_COUNT, block=READ_BLOCK_MS)
+            except (RedisError, OSError) as exc:
+                self.read_errors += 1
+                self._note_error(f"read: {exc}")
+                self.remote.expire(self.clock())
+                await asyncio.sleep(RETRY_S)
+                continue
+            now_s = self.clock()
+            for _stream, entries in response or []:
+                for entry_id, fields in entries:
+                    last_id = _text(entry_id)
+                    self._apply(fields, now_s, live=True)
+            self.remote.expire(now_s)
+
+    def _apply(self, fields: Any, now_s: float, *, live: bool) -> bool:
+        data = fields.get(b"b", fields.get("b")) if isinstance(fields, dict) else None
+        if not isinstance(data, bytes):
+            self.malformed += 1
+            return False
+        try:
+            batch = decode(data)
+        except MalformedBatch:
+            self.malformed += 1
+            return False
+        if batch.replica == self.replica_id:
+            return False
+        if live:
+            self.batches_read += 1
+            self.remote.heard(batch.replica, batch.sequence, now_s)
+            if batch.loads is not None:
+                self.remote.report(batch.replica, batch.loads)
+        for endpoint_id, keys, session in batch.dispatches:
+            endpoint = self._shared_endpoint(endpoint_id)
+            if endpoint is not None:
+                self.router.on_remote_dispatch(endpoint, keys, session)
+                self.dispatches_applied += 1
+        return True
+
+    def _note_error(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("replicas: %s", message)
+        self.last_error = message
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now_s = self.clock()
+        return {
+            "replica": self.replica_id,
+            "stream": self.stream,
+            "batches_published": self.batches_published,
+            "dispatches_published": self.dispatches_published,
+            "dispatches_dropped": self.dispatches_dropped,
+            "publish_errors": self.publish_errors,
+            "batches_read": self.batches_read,
+            "dispatches_applied": self.dispatches_applied,
+            "bootstrapped_entries": self.bootstrapped,
+            "malformed": self.malformed,
+            "read_errors": self.read_errors,
+            "expired_peers": self.remote.expired,
+            "last_error": self.last_error,
+            "peers": {
+                replica: {
+                    "age_s": round(now_s - peer.seen_s, 3),
+                    "sequence": peer.sequence,
+                    "batches": peer.batches,
+                    "gaps": peer.gaps,
+                    "endpoints_loaded": len(peer.loads),
+                    "requests": sum(load[0] for load in peer.loads.values()),
+                }
+                for replica, peer in self.remote.peers.items()
+            },
+        }
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,52 @@
+"""Stream entries round-trip, and a malformed one is refused whole (it comes from a shared store)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from gateway.replicas.wire import Batch, MalformedBatch, decode, encode
+
+
+def test_round_trip() -> None:
+    batch = Batch("gw0", 7, [("p/e0", 3, 120, 4000)], [("p/e0", [1, 2**64 - 1], "p\x00s1"), ("p/e1", [], None)])
+    assert decode(encode(batch)) == batch
+    no_report = Batch("gw1", 0, None, [])
+    assert decode(encode(no_report)).loads is None
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [1, 2],
+        {"r": "gw", "q": "1"},
+        {"r": 3, "q": 1},
+        {"r": "gw", "q": 1, "l": [["e", -1, 0, 0]]},
+        {"r": "gw", "q": 1, "l": [["e", 1, 0]]},
+        {"r": "gw", "q": 1, "l": "e"},
+        {"r": "gw", "q": 1, "d": [["e", [-1], None]]},
+        {"r": "gw", "q": 1, "d": [["e", ["k"], None]]},
+        {"r": "gw", "q": 1, "d": [["e", [1], 5]]},
+        {"r": "gw", "q": 1, "d": [[1, [1], None]]},
+    ],
+    ids=[
+        "not-a-map",
+        "sequence-type",
+        "replica-type",
+        "negative-load",
+        "short-load",
+        "loads-type",
+        "negative-key",
+        "key-type",
+        "session-type",
+        "endpoint-type",
+    ],
+)
+def test_malformed(doc: object) -> None:
+    with pytest.raises(MalformedBatch):
+        decode(msgpack.packb(doc))
+
+
+def test_garbage_bytes() -> None:
+    with pytest.raises(MalformedBatch):
+        decode(b"\xc1\xc1\xc1")
