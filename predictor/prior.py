@@ -7,7 +7,7 @@ over the same presets, so recalibrating the simulator moves this prior too:
     compute_s = k_token·tokens + k_sampled·sequences + k_attention·attention_pairs
     memory_s  = weights_s + k_kv·(kv_read_tokens + tokens)
     comm_s    = comm_base_s + comm_token_s·tokens          (TP > 1)
-    overhead_s = step_overhead_s + prefill_overhead_s·[step carries prefill]
+    overhead_s = step_overhead_s + prefill_overhead_s·[step carries prefill] + sequence_overhead_s·sequences
 
 `Roofline.from_preset` recovers these coefficients by probing `step_cost` at a few points (each part
 is affine in the step's aggregates), so the prior uses exactly the sim's quantities as plain float
@@ -21,7 +21,8 @@ running decodes are scheduled first, then waiting prefills FCFS in chunks of the
     steps    = ceil(work / max(B - D, 64))
     steady(n)= mean step of n decodes while prompts arrive at the endpoint's recent prefill rate
                (fluid fixed point, see `_steady_step_s`; a plain decode step when the rate is 0)
-    TTFT     = steps · step(work/steps prefill tokens + D decodes)          chunked prefill
+    TTFT     = frontend                                                    API server, both ways
+             + steps · step(work/steps prefill tokens + D decodes)          chunked prefill
              + max(0, steady(D) - since_last_token)  (else steady(D)/2)    the step in progress
              + excess · output / (2·D) · step(D decodes)                    waiting for a batch slot
                where excess = max(0, D + waiting + 1 - S)
@@ -33,8 +34,9 @@ learns those as a correction (a log-ratio over this prior, see model.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
 from backends.config import PoolConfig
@@ -43,7 +45,7 @@ from backends.perf.presets import DEFAULT_PRESET, Preset, resolve_preset
 from backends.perf.roofline import step_cost
 from predictor.config import PriorSettings
 
-PRIOR_VERSION = 1  # bump when the formula changes: saved models learnt a correction to the old one
+PRIOR_VERSION = 2  # bump when the formula changes: saved models learnt a correction to the old one
 _PROBE_CONTEXT = 1024
 _MIN_PREFILL_CHUNK = 64
 _FIXED_POINT_ITERATIONS = 4
@@ -62,6 +64,8 @@ class Roofline:
     comm_token_s: float
     step_overhead_s: float
     prefill_overhead_s: float
+    frontend_s: float = 0.0  # per request, before the first token (Efficiency.frontend_s)
+    sequence_overhead_s: float = 0.0  # per scheduled sequence per step (Efficiency.sequence_overhead_s)
 
     @classmethod
     def from_preset(cls, preset: Preset) -> Roofline:
@@ -86,8 +90,10 @@ class Roofline:
             k_kv_s=k_kv,
             comm_base_s=a.comm_s - comm_token,
             comm_token_s=comm_token,
-            step_overhead_s=a.overhead_s,
+            step_overhead_s=a.overhead_s - preset.efficiency.sequence_overhead_s,
             prefill_overhead_s=c.overhead_s - a.overhead_s,
+            frontend_s=preset.efficiency.frontend_s,
+            sequence_overhead_s=preset.efficiency.sequence_overhead_s,
         )
 
     def step_s(
@@ -98,7 +104,7 @@ class Roofline:
         memory = self.weights_s + self.k_kv_s * (kv_read_tokens + tokens)
         roof = compute if compute > memory else memory
         overhead = self.step_overhead_s + self.prefill_overhead_s if has_prefill else self.step_overhead_s
-        return roof + self.comm_base_s + self.comm_token_s * tokens + overhead
+        return roof + self.comm_base_s + self.comm_token_s * tokens + overhead + self.sequence_overhead_s * sequences
 
 
 class PriorEstimate(NamedTuple):
@@ -132,10 +138,16 @@ class LatencyPrior:
 
     @property
     def id(self) -> str:
-        """Identifies this prior in saved models (a model only fits the prior it was trained over)."""
+        """Identifies this prior in saved models (a model only fits the prior it was trained over).
+
+        It carries a digest of the roofline's coefficients, so recalibrating the presets
+        (`backends/perf/presets.py`) retires models trained over the old physics as a formula change does.
+        """
         scale = f"|x{self.time_scale:g}" if self.time_scale != 1.0 else ""
+        physics = hashlib.sha256(repr(astuple(self.roofline)).encode()).hexdigest()[:8]
         return (
-            f"{self.preset_name}|v{PRIOR_VERSION}|seqs={self.max_num_seqs}|tokens={self.max_num_batched_tokens}{scale}"
+            f"{self.preset_name}|v{PRIOR_VERSION}|r{physics}|seqs={self.max_num_seqs}"
+            f"|tokens={self.max_num_batched_tokens}{scale}"
         )
 
     @classmethod
@@ -207,7 +219,7 @@ class LatencyPrior:
             prefill_kv_read + decode_ctx,
             True,
         )
-        ttft_s = steps * prefill_step
+        ttft_s = self.roofline.frontend_s + steps * prefill_step
         if decoding > 0 or inflight_prefill_tokens > 0:  # arriving mid-step: wait for its end
             step_now = self._steady_step_s(decoding, decode_ctx, prefill_rate_tps, input_tokens)
             if since_last_token_ms >= 0:  # steps run back to back: this one began at the last token

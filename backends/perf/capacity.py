@@ -76,6 +76,6 @@ def batch_defaults(preset: Preset) -> tuple[int, int]:
     memory_gib = preset.hardware.hbm_capacity / GIB
     if memory_gib >= 160:
         return 1024, 16384
-    if memory_gib >= 70 and preset.hardware.name != "a100":
+    if memory_gib >= 70 and not preset.hardware.name.startswith("a100"):
         return 1024, 8192
     return 256, 2048

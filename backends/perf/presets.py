@@ -4,12 +4,12 @@ A preset name composes a model and a hardware: ``MODEL[-tpN]@HW``, e.g. ``llama-
 ``llama-3.1-70b-tp4@h100``. Shapes come from each model's Hugging Face ``config.json``; peak dense
 BF16 FLOP/s, HBM bandwidth and capacity from the vendor datasheets (cited next to each entry).
 
-The datasheet numbers are peaks. What a real serving stack reaches is a fraction of them, plus fixed
-costs per step (kernel launches, scheduling, sampling) and per all-reduce. Those fractions and costs
-are the `Efficiency` of a hardware entry; they are fitted by ``bench/sim_calibration`` against
-measured prefill and decode timings and pasted here, with the fit's error, so the simulator says how
-close it is. Hardware without measured data borrows the factors of its nearest calibrated sibling
-(``calibrated=False``).
+The datasheet numbers are peaks. What a real serving stack reaches is a fraction of them, plus host
+costs per step and per scheduled sequence, per all-reduce, and per request in the API server. Those
+fractions and costs are the `Efficiency` of a hardware entry; ``bench/sim_calibration`` fits them to
+published serving runs of vLLM (replayed through the simulator's scheduler) and pastes them here,
+with the errors in bench/results/sim-calibration.md. Hardware without public runs borrows the factors
+of its nearest sibling, or keeps older ones (``calibrated=False``).
 """
 
 from __future__ import annotations
@@ -80,15 +80,23 @@ class ModelSpec:
 class Efficiency:
     """Fitted factors that turn datasheet peaks into step times (see roofline.step_time_s).
 
-    - `compute`: achieved fraction of peak dense FLOP/s on the matmuls and attention of a step.
+    - `compute`: achieved fraction of peak dense FLOP/s on the matmuls of a step.
+    - `attention`: the same for attention (QK^T and PV); None: `compute`. Attention kernels over long
+      contexts run at their own efficiency, far from the GEMMs' on some stacks.
     - `bandwidth`: achieved fraction of peak HBM bandwidth when streaming weights and KV.
     - `step_overhead_s`: fixed cost of every step (launches, scheduler, sampling, detokenising).
     - `prefill_overhead_s`: extra fixed cost of a step that carries prefill tokens (no CUDA graph).
+    - `sequence_overhead_s`: host cost per scheduled sequence per step (preparing inputs, sampling,
+      processing and streaming outputs): what makes large batches slower than their kernels.
     - `allreduce_latency_s`: latency of one all-reduce per doubling of the TP group (two per layer).
     - `tp_scaling`: exponent of the speed-up of compute over TP (1 = perfect; measured prefills scale
       worse, as each device's matmuls get smaller and less efficient).
     - `tp_overhead_s`: host cost per step per doubling of TP (broadcasting the schedule to the TP
       workers and gathering their results).
+    - `frontend_s`: latency a request spends outside the engine's steps before its first token
+      reaches the client (HTTP, chat template and tokenisation, the hop to the engine core, and
+      detokenising and streaming the first token back). It adds to TTFT only; later tokens are
+      pipelined behind the steps.
     - `calibrated`: whether these numbers were fitted on this hardware's own measurements.
     """
 
@@ -99,8 +107,15 @@ class Efficiency:
     allreduce_latency_s: float
     tp_scaling: float = 1.0
     tp_overhead_s: float = 0.0
+    frontend_s: float = 0.0
+    attention: float | None = None
+    sequence_overhead_s: float = 0.0
     calibrated: bool = True
     note: str = ""
+
+    @property
+    def attention_efficiency(self) -> float:
+        return self.compute if self.attention is None else self.attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +225,39 @@ _model(
         source="https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/config.json",
     )
 )
+# The Qwen3 dense models exist because public vLLM benchmarks measured them (bench/sim_calibration).
+# https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json (8.19B parameters)
+_model(
+    ModelSpec(
+        "qwen3-8b",
+        "Qwen/Qwen3-8B",
+        num_layers=36,
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        max_model_len=40960,
+        source="https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json",
+    )
+)
+# https://huggingface.co/Qwen/Qwen3-14B/blob/main/config.json (14.8B parameters)
+_model(
+    ModelSpec(
+        "qwen3-14b",
+        "Qwen/Qwen3-14B",
+        num_layers=40,
+        hidden_size=5120,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=17408,
+        vocab_size=151936,
+        max_model_len=40960,
+        source="https://huggingface.co/Qwen/Qwen3-14B/blob/main/config.json",
+    )
+)
 # The next three exist because the calibration data measured them (splitwise_sim, DistServe).
 # https://huggingface.co/bigscience/bloom/blob/main/config.json (176B; MHA, 4h GELU MLP, tied head)
 _model(
@@ -274,22 +322,26 @@ MODELS: Final = MappingProxyType(_MODELS)
 
 # BEGIN FITTED EFFICIENCY
 _EFF_A100 = Efficiency(
-    compute=0.5905,
-    bandwidth=0.7355,
-    step_overhead_s=0.01005,
-    prefill_overhead_s=0.01226,
+    compute=0.5663,
+    bandwidth=0.7446,
+    step_overhead_s=0.0,
+    prefill_overhead_s=0.0,
     allreduce_latency_s=0.0,
     tp_scaling=0.8917,
     tp_overhead_s=0.006262,
+    frontend_s=0.003528,
+    sequence_overhead_s=0.0003326,
 )
 _EFF_H100 = Efficiency(
-    compute=0.7093,
-    bandwidth=0.7635,
-    step_overhead_s=0.006331,
-    prefill_overhead_s=0.00571,
+    compute=0.3536,
+    bandwidth=0.675,
+    step_overhead_s=0.0,
+    prefill_overhead_s=0.0,
     allreduce_latency_s=7.023e-06,
     tp_scaling=0.7035,
     tp_overhead_s=0.004389,
+    frontend_s=0.003528,
+    sequence_overhead_s=0.0001817,
 )
 _EFF_H100_PCAP = Efficiency(
     compute=0.5503,
@@ -299,16 +351,46 @@ _EFF_H100_PCAP = Efficiency(
     allreduce_latency_s=4.373e-05,
     tp_scaling=0.644,
     tp_overhead_s=0.0,
+    frontend_s=0.0,
+    sequence_overhead_s=0.0,
 )
 _EFF_H200 = Efficiency(
-    compute=0.7333,
-    bandwidth=0.7193,
-    step_overhead_s=0.006331,
-    prefill_overhead_s=0.00571,
+    compute=0.3536,
+    bandwidth=0.675,
+    step_overhead_s=0.0,
+    prefill_overhead_s=0.0,
     allreduce_latency_s=6.567e-06,
     tp_scaling=0.7785,
     tp_overhead_s=0.004389,
-    note="overheads from h100; device factors fitted on kernel sums",
+    frontend_s=0.003528,
+    sequence_overhead_s=0.0001817,
+    note="H100 factors (same Hopper chip and stack); checked on vLLM CI's batch-8 latency",
+)
+_EFF_H20 = Efficiency(
+    compute=0.7093,
+    bandwidth=0.7635,
+    step_overhead_s=0.006331,
+    prefill_overhead_s=0.00571,
+    allreduce_latency_s=7.023e-06,
+    tp_scaling=0.7035,
+    tp_overhead_s=0.004389,
+    frontend_s=0.0,
+    sequence_overhead_s=0.0,
+    calibrated=False,
+    note="no public H20 run found: the 2024 H100 fit (kernel sums, 2023-24 engines), unchanged",
+)
+_EFF_ASCEND_910B = Efficiency(
+    compute=0.6366,
+    bandwidth=0.7446,
+    step_overhead_s=0.0,
+    prefill_overhead_s=0.0,
+    allreduce_latency_s=0.0,
+    tp_scaling=0.8917,
+    tp_overhead_s=0.006262,
+    frontend_s=0.003528,
+    attention=0.1105,
+    sequence_overhead_s=0.0003326,
+    note="prefill (GEMM, attention) fitted on vLLM-Ascend 0.9.1; decode and host factors from a100",
 )
 # END FITTED EFFICIENCY
 
@@ -329,6 +411,21 @@ _hardware(
         peak_flops=312e12,
         hbm_bandwidth=2.039e12,
         hbm_capacity=80 * GIB,
+        link_bandwidth=300e9,
+        efficiency=_EFF_A100,
+        source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+        "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf",
+        pcie_bandwidth=32e9,
+    )
+)
+# NVIDIA A100 40GB SXM4: the same chip with 1,555 GB/s of HBM2 and 40 GB (same datasheet).
+_hardware(
+    HardwareSpec(
+        "a100-40gb",
+        "NVIDIA A100 40GB SXM4",
+        peak_flops=312e12,
+        hbm_bandwidth=1.555e12,
+        hbm_capacity=40 * GIB,
         link_bandwidth=300e9,
         efficiency=_EFF_A100,
         source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
@@ -396,7 +493,7 @@ _hardware(
         hbm_bandwidth=4.0e12,
         hbm_capacity=96 * GIB,
         link_bandwidth=450e9,
-        efficiency=replace(_EFF_H100, calibrated=False, note="H100 factors (same Hopper software stack)"),
+        efficiency=_EFF_H20,
         source="https://willitrunai.com/gpus/h20-96gb",
         pcie_bandwidth=64e9,
     )
@@ -415,7 +512,7 @@ _hardware(
         hbm_bandwidth=1.6e12,
         hbm_capacity=64 * GIB,
         link_bandwidth=196e9,
-        efficiency=replace(_EFF_A100, calibrated=False, note="A100 factors (no public measurements)"),
+        efficiency=_EFF_ASCEND_910B,
         source="https://e.huawei.com/en/products/computing/ascend/atlas-800i-a2",
         pcie_bandwidth=32e9,  # PCIe 4.0 x16 assumed: Huawei's public pages give no per-chip host link
     )

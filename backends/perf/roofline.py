@@ -85,7 +85,8 @@ def step_cost(
 
     linear_flops = 2.0 * m.layer_params * tokens + 2.0 * m.embedding_params * sampled
     attn_flops = 4.0 * m.num_layers * m.num_heads * m.head_dim * attn_pairs
-    compute_s = (linear_flops + attn_flops) / (tp**eff.tp_scaling * hw.peak_flops * eff.compute)
+    peak = tp**eff.tp_scaling * hw.peak_flops
+    compute_s = linear_flops / (peak * eff.compute) + attn_flops / (peak * eff.attention_efficiency)
 
     kv_token_bytes = kv_bytes_per_token_per_device(preset)
     weight_read = (m.layer_params + m.embedding_params) * m.dtype_bytes / tp
@@ -101,6 +102,7 @@ def step_cost(
     overhead_s = eff.step_overhead_s + (eff.prefill_overhead_s if prefill_tokens else 0.0)
     if tp > 1:
         overhead_s += eff.tp_overhead_s * math.log2(tp)
+    overhead_s += eff.sequence_overhead_s * sampled
     return StepCost(compute_s, memory_s, comm_s, overhead_s)
 
 
@@ -111,6 +113,7 @@ class StepTimer:
 
     __slots__ = (
         "_attn",
+        "_attn_div",
         "_comm",
         "_comm_bytes",
         "_compute_div",
@@ -120,6 +123,7 @@ class StepTimer:
         "_memory_div",
         "_overhead",
         "_prefill_overhead",
+        "_sequence_overhead",
         "_tp",
         "_weight_read",
     )
@@ -133,7 +137,10 @@ class StepTimer:
         self._layer = 2.0 * m.layer_params
         self._embed = 2.0 * m.embedding_params
         self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
-        self._compute_div: float = tp**eff.tp_scaling * hw.peak_flops * eff.compute
+        peak = tp**eff.tp_scaling * hw.peak_flops
+        self._compute_div: float = peak * eff.compute
+        self._attn_div: float = peak * eff.attention_efficiency
+        self._sequence_overhead = eff.sequence_overhead_s
         self._kv_token_bytes = kv_bytes_per_token_per_device(preset)
         self._weight_read = (m.layer_params + m.embedding_params) * m.dtype_bytes / tp
         self._memory_div = hw.hbm_bandwidth * eff.bandwidth
@@ -170,7 +177,9 @@ class StepTimer:
         if tokens == 0:
             return 0.0
         sampled = len(prefill_chunks) + num_decodes
-        compute_s = (self._layer * tokens + self._embed * sampled + self._attn * attn_pairs) / self._compute_div
+        compute_s = (self._layer * tokens + self._embed * sampled) / self._compute_div + (
+            self._attn * attn_pairs
+        ) / self._attn_div
         memory_s = (self._weight_read + (kv_read_tokens + tokens) * self._kv_token_bytes) / self._memory_div
         comm_s = 0.0
         if self._comm is not None:
@@ -178,6 +187,7 @@ class StepTimer:
             ring_bytes = self._comm_bytes * tokens * hidden * dtype_bytes
             comm_s = count * (latency + ring_bytes / link)
         overhead_s = self._prefill_overhead if prefill_tokens else self._overhead
+        overhead_s += self._sequence_overhead * sampled
         return max(compute_s, memory_s) + comm_s + overhead_s
 
 

@@ -159,6 +159,18 @@ class SimEngine:
         )
 
     def submit(self, req: Request) -> None:
+        """Queue the request; it reaches the scheduler after the preset's frontend latency (the API
+        server's share of TTFT: parsing, tokenising, the hop to the engine core)."""
+        delay = self.preset.efficiency.frontend_s
+        if delay <= 0:
+            self._enqueue(req)
+            return
+        self._last_arrival_s = max(self._last_arrival_s, req.arrival_s + delay)
+        asyncio.get_running_loop().call_later(delay / self.config.time_scale, self._enqueue, req)
+
+    def _enqueue(self, req: Request) -> None:
+        if req.finished:  # aborted while still in the frontend
+            return
         self.scheduler.add(req)
         self._wakeup.set()
 

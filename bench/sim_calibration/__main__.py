@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from pathlib import Path
 
-from bench.sim_calibration import fit, report, sources
+from backends.perf.presets import HARDWARE, Efficiency
+from bench.sim_calibration import fit, report, serving, sources
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS_PY = REPO / "backends" / "perf" / "presets.py"
-VARIABLES = {"a100": "_EFF_A100", "h100": "_EFF_H100", "h100-pcap": "_EFF_H100_PCAP", "h200": "_EFF_H200"}
+# every variable of the fitted block, by hardware (the block is rewritten whole)
+VARIABLES = {
+    "a100": "_EFF_A100",
+    "h100": "_EFF_H100",
+    "h100-pcap": "_EFF_H100_PCAP",
+    "h200": "_EFF_H200",
+    "h20": "_EFF_H20",
+    "ascend-910b": "_EFF_ASCEND_910B",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_calibration")
-    parser.add_argument("--fit", action="store_true", help="fit the efficiency factors")
+    parser.add_argument("--fit", action="store_true", help="fit the serving factors to the public runs")
     parser.add_argument("--write-presets", action="store_true", help="paste the fit into presets.py")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
@@ -35,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, FileNotFoundError) as exc:
         print(f"skipping the aiconfigurator kernel sums: {exc}", file=sys.stderr)
 
-    fitted = fit.fit_all(rows, overheads_from={"h200": "h100"}) if args.fit else None
+    fitted = serving.fit_all() if args.fit else None
     if fitted is not None:
-        block = "\n".join(fit.python_literal(VARIABLES[hw], eff) for hw, eff in sorted(fitted.items()))
+        current: dict[str, Efficiency] = {hw: spec.efficiency for hw, spec in HARDWARE.items()}
+        block = "\n".join(
+            fit.python_literal(variable, fitted.get(hw, current[hw])) for hw, variable in VARIABLES.items()
+        )
         print(block)
         if args.write_presets:
             text = PRESETS_PY.read_text()
@@ -48,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
                 flags=re.S,
             )
             PRESETS_PY.write_text(new)
+            subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(PRESETS_PY)], check=False)
             print(f"wrote {PRESETS_PY.relative_to(REPO)}")
+    checked = serving.check_all(fitted)
     scored = fit.score(rows, fitted)
-    markdown, plot = report.write(scored, args.out, fitted)
+    markdown, plot = report.write(checked, scored, args.out, fitted)
     print(f"wrote {markdown.relative_to(REPO)} and {plot.relative_to(REPO)}")
-    summary = report.pooled(scored)
-    for kind, (n, median) in summary.items():
-        print(f"{kind}: {n} rows, median absolute error {median:.1%}")
+    target = [c for c in checked if not c.excluded]
+    within = sum(abs(c.error) <= report.TARGET for c in target)
+    print(f"public serving runs: {within} of {len(target)} fitted metrics within {report.TARGET:.0%}")
     return 0
 
 

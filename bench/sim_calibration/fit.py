@@ -1,24 +1,17 @@
-"""Fit each hardware's `Efficiency` to its measured rows, and score presets against all rows.
+"""Score the step-time measurements (kernel sums, 2023-24 engines) and print fitted factors.
 
-The objective is the log of predicted/measured per row (a relative error, symmetric in over- and
-under-prediction) under a soft-L1 loss, so that a few broken measurements (splitwise's batch-64
-prefills at TP 2 finish faster than batch 32) cannot drag the fit. Each source gets the same total
-weight, so 1,260 splitwise rows do not drown 60 kernel-sum rows. Rows that are kernel sums
-(`device_only`) constrain only the device part of the model (compute, bandwidth, TP scaling,
-all-reduce), never the overheads; a hardware whose only data are kernel sums takes its overheads
-from `overheads_from`.
+These rows time single steps: AIConfigurator's kernel sums inside vLLM 0.24 (device time only), and
+the end-to-end prefill and decode timings of splitwise's and DistServe's engines. They are scored
+against the presets as a cross-check; the factors themselves are fitted on public serving runs of
+current vLLM (`serving.py`), because kernels alone run faster than a serving engine's steps and the
+older engines' host costs are several times vLLM V1's.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
-
-import numpy as np
-from scipy.optimize import least_squares
+from dataclasses import dataclass, fields
 
 from backends.perf import roofline
 from backends.perf.capacity import batch_defaults
@@ -28,19 +21,19 @@ from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
 from bench.sim_calibration.sources import Row
 
+# the factors `python_literal` writes, in the order of the results table
 PARAMS = (
     "compute",
+    "attention",
     "bandwidth",
     "step_overhead_s",
     "prefill_overhead_s",
+    "sequence_overhead_s",
+    "frontend_s",
     "allreduce_latency_s",
     "tp_scaling",
     "tp_overhead_s",
 )
-OVERHEADS = ("step_overhead_s", "prefill_overhead_s", "tp_overhead_s")
-LOWER = (0.05, 0.1, 0.0, 0.0, 0.0, 0.3, 0.0)
-UPPER = (1.0, 1.0, 0.1, 0.2, 2e-3, 1.0, 0.1)
-START = (0.5, 0.7, 0.005, 0.01, 2e-5, 0.8, 0.005)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,73 +98,18 @@ def score(rows: Sequence[Row], efficiency_by_hw: dict[str, Efficiency] | None = 
     return out
 
 
-def fit_hardware(rows: Sequence[Row], fixed: Efficiency | None = None) -> Efficiency:
-    """Least-squares factors for one hardware. With `fixed`, its overheads are kept (for data that
-    cannot see overheads)."""
-    presets = {name: resolve_preset(name) for name in {r.preset for r in rows}}
-    per_source = Counter(r.source for r in rows)
-    weights = np.array([1.0 / math.sqrt(per_source[r.source]) for r in rows])
-    measured = np.array([r.measured_s for r in rows])
-    free = [p for p in PARAMS if not (fixed is not None and p in OVERHEADS)]
-
-    def efficiency(x: Sequence[float] | np.ndarray) -> Efficiency:
-        values: dict[str, float] = {p: float(v) for p, v in zip(free, x, strict=True)}
-        if fixed is not None:
-            values.update({p: getattr(fixed, p) for p in OVERHEADS})
-        return Efficiency(
-            compute=values["compute"],
-            bandwidth=values["bandwidth"],
-            step_overhead_s=values["step_overhead_s"],
-            prefill_overhead_s=values["prefill_overhead_s"],
-            allreduce_latency_s=values["allreduce_latency_s"],
-            tp_scaling=values["tp_scaling"],
-            tp_overhead_s=values["tp_overhead_s"],
-        )
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        eff = efficiency(x)
-        predicted = np.array([predict(r, presets[r.preset].with_efficiency(eff)) for r in rows])
-        return weights * np.log(predicted / measured)
-
-    index = [PARAMS.index(p) for p in free]
-    result = least_squares(
-        residuals,
-        [START[i] for i in index],
-        bounds=([LOWER[i] for i in index], [UPPER[i] for i in index]),
-        loss="soft_l1",
-        f_scale=0.05,
-    )
-    return efficiency(result.x)
-
-
-def fit_all(rows: Sequence[Row], overheads_from: dict[str, str]) -> dict[str, Efficiency]:
-    """Fit every hardware that has rows; kernel-sum-only hardware borrows overheads (in order)."""
-    by_hw: dict[str, list[Row]] = {}
-    for row in rows:
-        by_hw.setdefault(row.preset.split("@", 1)[1], []).append(row)
-    fitted: dict[str, Efficiency] = {}
-    order = sorted(by_hw, key=lambda hw: hw in overheads_from)
-    for hw in order:
-        donor = overheads_from.get(hw)
-        hw_rows = by_hw[hw]
-        if donor is not None and all(r.device_only for r in hw_rows):
-            fitted[hw] = replace(
-                fit_hardware(hw_rows, fixed=fitted[donor]),
-                note=f"overheads from {donor}; device factors fitted on kernel sums",
-            )
-        else:
-            fitted[hw] = fit_hardware(hw_rows)
-    return fitted
-
-
 def python_literal(name: str, eff: Efficiency) -> str:
     """The factors as the statement pasted into presets.py (one keyword per line)."""
     lines = [f"{name} = Efficiency("]
     for f in fields(Efficiency):
         value = getattr(eff, f.name)
         if f.name in PARAMS:
+            if value is None:
+                continue
             rounded = float(f"{value:.4g}") if abs(value) >= 1e-9 else 0.0
             lines.append(f"    {f.name}={rounded!r},")
+        elif f.name == "calibrated" and not value:
+            lines.append("    calibrated=False,")
         elif f.name == "note" and value:
             lines.append(f"    note={value!r},")
     lines.append(")")

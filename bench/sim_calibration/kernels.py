@@ -161,6 +161,12 @@ def decode_ms(t: KernelTables, m: ModelSpec, tp: int, batch: int, context: int) 
     return m.num_layers * layer + t.gemm_ms(batch, m.vocab_size // tp, m.hidden_size)
 
 
+PREFILL_LENGTHS = (128, 512, 1024, 2048, 4096, 8192, 16384)  # context attention is measured to 16k
+# (batch, context): short contexts at every batch, long ones (>= 16k, measured to 64k) at batch 1 and 8
+DECODE_POINTS = (
+    *((batch, context) for batch in (1, 8, 32, 128) for context in (512, 2048, 8192)),
+    *((batch, context) for batch in (1, 8) for context in (16_383, 32_767, 65_535)),
+)
 CONFIGS = {
     "h100": [
         "llama-3.1-8b@h100",
@@ -192,7 +198,7 @@ def aiconfigurator_rows(traces: Path) -> list[Row]:
                 Row(
                     "aiconfigurator", "prefill", name, 1, isl, 0, prefill_ms(tables, m, tp, isl) / 1e3, device_only=True
                 )
-                for isl in (128, 512, 1024, 2048, 4096, 8192)
+                for isl in PREFILL_LENGTHS
             )
             rows.extend(
                 Row(
@@ -205,7 +211,6 @@ def aiconfigurator_rows(traces: Path) -> list[Row]:
                     decode_ms(tables, m, tp, batch, context) / 1e3,
                     device_only=True,
                 )
-                for batch in (1, 8, 32, 128)
-                for context in (512, 2048, 8192)
+                for batch, context in DECODE_POINTS
             )
     return rows

@@ -113,7 +113,7 @@ def chat(
     return client(gw, key, max_retries).chat.completions.with_raw_response.create(
         model=extra.pop("model", LLAMA),
         messages=MESSAGES,
-        max_tokens=extra.pop("max_tokens", 64),  # type: ignore[arg-type]
+        max_tokens=extra.pop("max_tokens", 128),  # type: ignore[arg-type]
         extra_headers={"x-tokenway-debug": "1", **(headers or {})},
         **extra,
     )
@@ -165,7 +165,7 @@ class Occupier:
     """One long streamed request holding the narrow engine's only batch slot, through `gw` (so the
     gateway's in-flight accounting sees it at once)."""
 
-    def __init__(self, gw: Gateway, max_tokens: int = 300, settle_s: float = 0.3) -> None:
+    def __init__(self, gw: Gateway, max_tokens: int = 900, settle_s: float = 0.3) -> None:
         self._thread = threading.Thread(target=stream, args=(gw, OTHER_KEY, max_tokens), daemon=True)
         self._settle_s = settle_s
 
@@ -312,20 +312,20 @@ def test_on_miss_fallback_serves_the_fallback_model(tmp_path: Path, engines: dic
 def test_on_miss_queue_waits_for_capacity_then_serves_or_times_out(
     tmp_path: Path, engines: dict[str, SimEngines]
 ) -> None:
-    # the occupier has ~100 tokens (~0.3 s) left; the prior, not knowing, expects half of the new
-    # request's 400 (~1.2 s, p90 ~1.8 s) before the slot frees: over 1 s, so it queues, and the
+    # the occupier has ~100 tokens (~0.35 s) left; the prior, not knowing, expects half of the new
+    # request's 800 (~1.4 s, p90 more) before the slot frees: over 1 s, so it queues, and the
     # occupier ending wakes it well within its TTFT objective
     gw = gateway(tmp_path / "gw", narrow_pools(engines), policies("queue", max_queue_ms=5000, ttft_ms=1000))
     with running(gw):
         warm(gw)
         with Occupier(gw, max_tokens=150, settle_s=0.15):
-            response = chat(gw, max_tokens=400)
+            response = chat(gw, max_tokens=800)
         assert response.parse().model == LLAMA and response.headers.get("x-tokenway-fallback") is None
         assert float(response.headers["x-tokenway-slo-queued-ms"]) > 0  # it waited, then ran where it was sent
     gw_short = gateway(tmp_path / "gw-short", narrow_pools(engines), policies("queue", max_queue_ms=300))
     with running(gw_short):
         warm(gw_short)
-        with Occupier(gw_short, max_tokens=300), pytest.raises(openai.InternalServerError) as info:
+        with Occupier(gw_short), pytest.raises(openai.InternalServerError) as info:
             chat(gw_short)
         assert info.value.status_code == 503 and info.value.code == "slo_unattainable"
         assert "Waited" in info.value.message and info.value.response.headers["retry-after"].isdigit()

@@ -28,14 +28,16 @@ def test_roofline_coefficients_reproduce_the_sim_step_time(preset_name: str) -> 
         assert ours == pytest.approx(step_time_s(preset, chunks, decodes), rel=1e-9)
 
 
-def test_idle_endpoint_prior_is_one_prefill_and_one_decode_step() -> None:
+def test_idle_endpoint_prior_is_the_frontend_one_prefill_and_one_decode_step() -> None:
     preset = resolve_preset("llama-3.1-8b@h100")
     prior = LatencyPrior.for_pool(pool_config(), PriorSettings())
     est = prior.estimate(
         2000, 500, 100, running=0, waiting=0, inflight_requests=0, inflight_prefill_tokens=0, inflight_decode_tokens=0
     )
     assert est.prefill_steps == 1
-    assert est.ttft_ms == pytest.approx(prefill_time_s(preset, 2000, 500) * 1e3, rel=1e-9)
+    frontend = preset.efficiency.frontend_s
+    assert frontend > 0
+    assert est.ttft_ms == pytest.approx((frontend + prefill_time_s(preset, 2000, 500)) * 1e3, rel=1e-9)
     assert est.tpot_ms == pytest.approx(decode_step_time_s(preset, 1, 2000 + 50) * 1e3, rel=1e-9)
 
 

@@ -12,6 +12,7 @@ import statistics
 import aiohttp
 import pytest
 
+from backends.perf.roofline import prefill_time_s
 from backends.sim.server import SimInstance
 from tests.backends.sim.conftest import chat_body, metric, post_json, scrape
 
@@ -83,3 +84,14 @@ async def test_a_client_that_disconnects_is_aborted_and_freed(engine: SimInstanc
     assert metric(samples, "vllm:request_success_total", finished_reason="abort") == 1
     assert metric(samples, "vllm:num_requests_running") == 0
     assert engine.engine.kv.usage == 0.0
+
+
+async def test_an_idle_engines_ttft_is_the_frontend_and_one_prefill_step(
+    engine: SimInstance, http: aiohttp.ClientSession
+) -> None:
+    preset = engine.engine.preset
+    frontend = preset.efficiency.frontend_s
+    assert frontend > 0
+    data = await post_json(http, engine.url + "/v1/completions", {"prompt": "one two three", "max_tokens": 2})
+    prompt = data["usage"]["prompt_tokens"]
+    assert data["metrics"]["ttft_s"] == pytest.approx(frontend + prefill_time_s(preset, prompt), rel=1e-6)
