@@ -9,6 +9,15 @@
   and their real cost is charged to Redis budgets once, under a marker; Redis tickets whose
   settlement failed are replayed from a bounded queue, and the script's ticket check makes a replay
   of an already-applied settlement a no-op.
+- Ambiguous failures: an error from a reservation (a timeout above all) does not say whether the
+  script ran, or will run once a stalled Redis resumes. Before the policy decides, the ticket is
+  voided (`void.lua`: refunded if it ran, refused if it runs later), inline when the breaker still
+  lets calls through, else from the replay queue; a reservation that succeeds on a retry after a
+  successful void is used as usual. So neither a fail-open local admission nor a fail-closed 503
+  leaves a charge, a lease or a ticket behind in Redis.
+- Replay does not wait for the next request: while anything is queued a task retries it, paced by
+  the breaker. Any success after local admissions (not only the breaker closing) discards the local
+  buckets, so a later short failure starts from what Redis reported since, never from stale numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from redis.exceptions import RedisError
 from policies.limits.breaker import CircuitBreaker
 from policies.limits.memory_store import MemoryStore
 from policies.limits.mirror import Mirror
-from policies.limits.redis_store import RedisStore
+from policies.limits.redis_store import RedisStore, VoidedTicket
 from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -34,6 +43,9 @@ log = logging.getLogger(__name__)
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
 PENDING_MAX = 10_000
 SWEEP_EVERY = 4096
+REPLAY_PAUSE_S = 0.05  # between replay attempts while the breaker lets probes through
+
+Payload = Settlement | Charge  # what a queued operation carries: a settlement, or a charge to void
 
 
 class FailoverStore:
@@ -52,7 +64,7 @@ class FailoverStore:
         self.mirror = mirror or Mirror()
         self.local = MemoryStore(source="local", seed=self.mirror.seed, clock=lambda: self.store_now())
         self._clock = clock
-        self._pending: deque[tuple[str, Plan, Settlement]] = deque(maxlen=PENDING_MAX)
+        self._pending: deque[tuple[str, Plan, Payload]] = deque(maxlen=PENDING_MAX)
         self._flushing: asyncio.Task[None] | None = None
         self._ops = 0
         self._offset_s = 0.0  # Redis TIME - local clock, from the latest reply
@@ -62,6 +74,8 @@ class FailoverStore:
             "local_admissions": 0,
             "replayed": 0,
             "dropped_settlements": 0,
+            "voided": 0,  # ambiguous reservations made void (undone if they ran)
+            "voided_undone": 0,  # ... of which Redis had run (a stall after the send)
         }
 
     # ------------------------------------------------------------------ reserve
@@ -79,21 +93,51 @@ class FailoverStore:
                 self.stats["precheck_rejections"] += 1
                 return early
         if self.breaker.allow():
-            try:
-                outcome = await self.redis.reserve(plan, charge, now_s)
-            except STORE_ERRORS as exc:
-                self._failed(exc)
-            else:
-                if now_s is None:
-                    self._offset_s = outcome.now_s - self._clock()
-                self._succeeded()
-                self.mirror.record(plan, charge, outcome)
+            outcome = await self._reserve_redis(plan, charge, now_s)
+            if outcome is not None:
                 return outcome
         if not settings.fail_open:
             raise StoreUnavailable("rate limiter store unavailable", self.breaker.retry_after_s())
         self.local.scale = 1.0 / settings.replicas
         self.stats["local_admissions"] += 1
         return self.local.reserve_now(plan, charge, store_now_s)
+
+    async def _reserve_redis(self, plan: Plan, charge: Charge, now_s: float | None) -> Outcome | None:
+        """Redis's answer, or None when it failed; a failed reservation is voided before returning."""
+        for attempt in range(2):
+            try:
+                outcome = await self.redis.reserve(plan, charge, now_s)
+            except VoidedTicket:  # only a reused ticket id gets here: take a fresh one
+                charge.ticket_id = _retry_id(charge.ticket_id)
+                continue
+            except STORE_ERRORS as exc:
+                self._failed(exc)
+                if not await self._void(plan, charge, now_s, inline=attempt == 0):
+                    return None
+                charge.ticket_id = _retry_id(charge.ticket_id)  # Redis answered the void: retry once
+                continue
+            if now_s is None:
+                self._offset_s = outcome.now_s - self._clock()
+            self._succeeded()
+            self.mirror.record(plan, charge, outcome)
+            return outcome
+        return None
+
+    async def _void(self, plan: Plan, charge: Charge, now_s: float | None, *, inline: bool) -> bool:
+        """Undo a reservation whose outcome is unknown. True when done now (Redis answered); else it
+        waits in the replay queue, which is safe in any order (a late reservation is refused)."""
+        self.stats["voided"] += 1
+        if inline and self.breaker.allow():
+            try:
+                undone = await self.redis.void(plan, charge, now_s)
+            except STORE_ERRORS as exc:
+                self._failed(exc)
+            else:
+                self.stats["voided_undone"] += int(undone)
+                self._succeeded()
+                return True
+        self._queue("void", plan, charge)
+        return False
 
     def store_now(self, now_s: float | None = None) -> float:
         """The store's clock: the caller's `now_s` (tests), else the local clock corrected to Redis TIME."""
@@ -122,16 +166,19 @@ class FailoverStore:
         else:
             self._succeeded()
 
-    def _queue(self, op: str, plan: Plan, settlement: Settlement) -> None:
+    def _queue(self, op: str, plan: Plan, payload: Payload) -> None:
         if len(self._pending) == PENDING_MAX:
             self.stats["dropped_settlements"] += 1  # the oldest goes: its reservation drains on its own
-        self._pending.append((op, plan, settlement))
+        self._pending.append((op, plan, payload))
+        self._replay_soon()
 
-    async def _call(self, op: str, plan: Plan, settlement: Settlement, now_s: float | None) -> None:
-        if op == "settle":
-            await self.redis.apply(plan, settlement, now_s)
+    async def _call(self, op: str, plan: Plan, payload: Payload, now_s: float | None) -> None:
+        if isinstance(payload, Charge):
+            self.stats["voided_undone"] += int(await self.redis.void(plan, payload, now_s))
+        elif op == "settle":
+            await self.redis.apply(plan, payload, now_s)
         else:
-            await self.redis.charge_budgets(plan, settlement, now_s)
+            await self.redis.charge_budgets(plan, payload, now_s)
 
     # ------------------------------------------------------------------ health
     def _failed(self, exc: BaseException) -> None:
@@ -144,21 +191,35 @@ class FailoverStore:
     def _succeeded(self) -> None:
         if self.breaker.success():
             log.warning("redis limiter store back: shared limiting resumes")
+        if self.local.holds_state():  # a local episode is over, however short: forget its numbers
             self.local.clear()
+        self._replay_soon()
+
+    def _replay_soon(self) -> None:
         if self._pending and (self._flushing is None or self._flushing.done()):
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        """Replay queued settlements; each is idempotent in Redis, so a lost reply costs nothing."""
+        """Replay queued operations until none is left; each is idempotent in Redis, so a lost reply
+        costs nothing. Paced by the breaker: while it is open, wait for its next probe."""
         while self._pending:
-            op, plan, settlement = self._pending[0]
+            if not self.breaker.allow():
+                await asyncio.sleep(max(REPLAY_PAUSE_S, self.breaker.retry_after_s()))
+                continue
+            op, plan, payload = self._pending[0]
             try:
-                await self._call(op, plan, settlement, None)
+                await self._call(op, plan, payload, None)
             except STORE_ERRORS as exc:
                 self._failed(exc)
-                return
-            self._pending.popleft()
+                await asyncio.sleep(REPLAY_PAUSE_S)
+                continue
+            if self._pending and self._pending[0][2] is payload:
+                self._pending.popleft()
             self.stats["replayed"] += 1
+            if self.breaker.success():
+                log.warning("redis limiter store back: shared limiting resumes")
+            if self.local.holds_state():
+                self.local.clear()
 
     async def drain(self) -> None:
         """Wait for a replay in progress (tests, shutdown)."""
@@ -181,6 +242,12 @@ class FailoverStore:
             "breaker": self.breaker.state,
             "breaker_trips": self.breaker.trips,
             "consecutive_failures": self.breaker.consecutive_failures,
-            "pending_settlements": len(self._pending),
+            "pending_settlements": sum(1 for op, _, _ in self._pending if op != "void"),
+            "pending_voids": sum(1 for op, _, _ in self._pending if op == "void"),
             **self.stats,
         }
+
+
+def _retry_id(ticket_id: str) -> str:
+    """A fresh ticket id for a retry (the voided one can never be reserved again)."""
+    return ticket_id + "r"

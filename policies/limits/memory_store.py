@@ -3,6 +3,11 @@
 All of a reservation is decided and written without an await, so on one event loop it is atomic
 with no lock. It is also the fail-open fallback of the Redis store, where it holds this replica's
 share (`scale` = 1/replicas) seeded from the last state Redis reported.
+
+Like the Redis store it keeps the open tickets: reserving a ticket twice charges it once, and a
+settlement of a ticket it does not hold (never reserved, settled already, or reserved before a
+`clear`) changes nothing. Open tickets are bounded by the requests in flight; one never settled
+(a bug) is forgotten after the ticket TTL.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from typing import Any
 
 from policies.limits import buckets
 from policies.limits.concurrency import LeaseTable
-from policies.limits.types import BucketSpec, BudgetSpec, Charge, LeaseSpec, Outcome, Plan, Settlement
+from policies.limits.types import (
+    BucketSpec,
+    BudgetSpec,
+    Charge,
+    LeaseSpec,
+    Outcome,
+    Plan,
+    Settlement,
+    ticket_ttl_s,
+)
 
 # (spec, now_s) -> global `used` of a bucket / `spent` of a budget's current period, when known.
 SeedFn = Callable[[BucketSpec | BudgetSpec, float], float | None]
@@ -57,14 +71,15 @@ class MemoryStore:
         self._budgets: dict[str, _Budget] = {}
         self._leases = LeaseTable()
         self._lease_specs: dict[str, LeaseSpec] = {}
+        self._tickets: dict[str, float] = {}  # open ticket -> expiry (s)
         self._sweep_every = sweep_every
         self._ops = 0
 
     async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome:
         return self.reserve_now(plan, charge, self._clock() if now_s is None else now_s)
 
-    async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
-        self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
+    async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
+        return self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
 
     def reserve_now(self, plan: Plan, charge: Charge, now_s: float) -> Outcome:
         """All-or-nothing: check every bucket, lease and budget, then write all or none."""
@@ -72,7 +87,8 @@ class MemoryStore:
         self._ops += 1
         if self._ops % self._sweep_every == 0:
             self.sweep(now_s)
-        ok = True
+        again = charge.ticket_id in self._tickets
+        ok = not again
         states: list[_Bucket] = []
         used: list[float] = []
         for spec, cost in zip(plan.buckets, charge.bucket_costs, strict=True):
@@ -103,7 +119,10 @@ class MemoryStore:
             periods.append(budget.period)
             if not budget_spec.shadow and budget.spent_usd + charge.cost_usd > budget_spec.limit_usd * scale:
                 ok = False
+        if again:  # reserved before: report the state, charge nothing
+            return Outcome(True, now_s, used, active, spent, periods, self.source, scale)
         if ok:
+            self._tickets[charge.ticket_id] = now_s + ticket_ttl_s(plan.settings.lease_ttl_s)
             for state, cost in zip(states, charge.bucket_costs, strict=True):
                 state.used += cost
             expires_at_s = now_s + plan.settings.lease_ttl_s
@@ -113,7 +132,10 @@ class MemoryStore:
                 budget.spent_usd += charge.cost_usd
         return Outcome(ok, now_s, used, active, spent, periods, self.source, scale)
 
-    def apply_now(self, plan: Plan, settlement: Settlement, now_s: float) -> None:
+    def apply_now(self, plan: Plan, settlement: Settlement, now_s: float) -> bool:
+        """Settle an open ticket; False (and nothing changed) for a ticket this store does not hold."""
+        if self._tickets.pop(settlement.ticket_id, None) is None:
+            return False
         for spec, delta in zip(plan.buckets, settlement.bucket_deltas, strict=True):
             state = self._buckets.get(spec.key)
             if state is None:
@@ -129,6 +151,7 @@ class MemoryStore:
                 budget = self._budgets.get(budget_spec.key)
                 if budget is not None and budget.period == pid:
                     budget.spent_usd = max(0.0, budget.spent_usd + settlement.budget_delta_usd)
+        return True
 
     def _bucket(self, spec: BucketSpec, now_s: float, scale: float) -> _Bucket:
         state = self._buckets.get(spec.key)
@@ -158,6 +181,8 @@ class MemoryStore:
             if budget.period != buckets.period_id(budget.spec.period, now_s):
                 del self._budgets[key]
         self._leases.sweep(now_s)
+        for ticket in [t for t, expires_at_s in self._tickets.items() if expires_at_s <= now_s]:
+            del self._tickets[ticket]
         for key in [k for k in self._lease_specs if self._leases.active(k, now_s) == 0]:
             del self._lease_specs[key]
 
@@ -167,6 +192,11 @@ class MemoryStore:
         self._budgets.clear()
         self._leases.clear()
         self._lease_specs.clear()
+        self._tickets.clear()
+
+    def holds_state(self) -> bool:
+        """Anything counted here (the fail-open store: an outage, however short, left numbers)."""
+        return bool(self._buckets or self._budgets or self._tickets)
 
     def status(self) -> dict[str, Any]:
         return {"store": self.source, "buckets": len(self._buckets), "budgets": len(self._budgets)}

@@ -7,6 +7,10 @@ with skewed clocks still drain buckets identically. Calls made in the same event
 pipelined write (`AutoPipeline`), which also reloads the scripts after a NOSCRIPT (Redis restart,
 failover, SCRIPT FLUSH).
 
+Reservations are idempotent by ticket id: reserving a ticket twice charges it once, and a ticket
+voided (`void`, after a reply was lost) can no longer be reserved, so a reservation that runs in Redis
+after its caller gave up on it is refused or undone whichever order the two arrive in.
+
 This class talks to Redis only; failure handling (breaker, fail-open, replay) is `FailoverStore`'s.
 """
 
@@ -19,9 +23,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from policies.limits.autopipeline import AutoPipeline, Script
-from policies.limits.types import Charge, Outcome, Plan, Settlement
+from policies.limits.types import Charge, Outcome, Plan, Settlement, ticket_ttl_s
 
 MARKER_TTL_S = 86_400  # fail-open charges replayed after an outage are deduplicated this long
+
+
+class VoidedTicket(Exception):
+    """The ticket was voided before its reservation ran (a caller retried a ticket it gave up on)."""
 
 
 def _script(name: str) -> Script:
@@ -46,9 +54,11 @@ class RedisStore:
         self.prefix = prefix
         self._tag = "{" + prefix + "}:"
         self._tickets = self._tag + "tickets"
+        self._voided = self._tag + "voided"
         self._reserve = _script("reserve.lua")
         self._settle = _script("settle.lua")
-        self.pipeline = AutoPipeline(client, (self._reserve, self._settle), batch=batch)
+        self._void = _script("void.lua")
+        self.pipeline = AutoPipeline(client, (self._reserve, self._settle, self._void), batch=batch)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True) -> RedisStore:
@@ -88,7 +98,9 @@ class RedisStore:
             enc.reserve_plan,
             " ".join(map(repr, charge.bucket_costs)),
         ]
-        reply = await self.pipeline.call(self._reserve, enc.keys, args)
+        reply = await self.pipeline.call(self._reserve, enc.reserve_keys, args)
+        if reply[0] == b"v":
+            raise VoidedTicket(charge.ticket_id)
         nb, nl, nu = len(plan.buckets), len(plan.leases), len(plan.budgets)
         i = 2
         used = [float(v) for v in reply[i : i + nb]]
@@ -99,6 +111,22 @@ class RedisStore:
         i += nu
         periods = [int(v) for v in reply[i : i + nu]]
         return Outcome(reply[0] == b"1", float(reply[1]), used, active, spent, periods, self.source)
+
+    async def void(self, plan: Plan, charge: Charge, now_s: float | None = None) -> bool:
+        """Make sure `charge` holds nothing in Redis, whether or not its reservation ran (or will).
+        True when a reservation was found and undone."""
+        enc = self._encoded(plan)
+        ttl_s = ticket_ttl_s(plan.settings.lease_ttl_s)
+        args = [
+            _now_arg(now_s),
+            charge.ticket_id,
+            repr(ttl_s),
+            repr(ttl_s),
+            repr(charge.cost_usd),
+            enc.settle_plan,
+            " ".join(map(repr, charge.bucket_costs)),
+        ]
+        return bool(int(await self.pipeline.call(self._void, enc.reserve_keys, args)))
 
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Settle a ticket Redis reserved. False when it was settled before (or had expired)."""
@@ -135,7 +163,7 @@ class RedisStore:
 class _Encoded:
     """A plan as the scripts take it: key names and the space-separated static parameters."""
 
-    __slots__ = ("budget_keys", "keys", "marker_plan", "reserve_plan", "settle_plan")
+    __slots__ = ("budget_keys", "keys", "marker_plan", "reserve_keys", "reserve_plan", "settle_plan")
 
     def __init__(self, store: RedisStore, plan: Plan) -> None:
         tag = store._tag
@@ -143,6 +171,7 @@ class _Encoded:
         lease_keys = [tag + "c:" + lease.key for lease in plan.leases]
         self.budget_keys = [tag + "u:" + budget.key for budget in plan.budgets]
         self.keys = [store._tickets, *bucket_keys, *lease_keys, *self.budget_keys]
+        self.reserve_keys = [store._tickets, store._voided, *bucket_keys, *lease_keys, *self.budget_keys]
         counts = [str(len(plan.buckets)), str(len(plan.leases)), str(len(plan.budgets))]
         reserve = list(counts)
         for spec in plan.buckets:
@@ -155,8 +184,3 @@ class _Encoded:
         periods = [budget.period for budget in plan.budgets]
         self.settle_plan = " ".join([*counts, *(repr(spec.rate_per_s) for spec in plan.buckets), *periods])
         self.marker_plan = " ".join(["0", "0", str(len(plan.budgets)), *periods])
-
-
-def ticket_ttl_s(lease_ttl_s: float) -> float:
-    """How long an unsettled ticket stays settleable: past any lease, and at least an hour."""
-    return max(3600.0, 2.0 * lease_ttl_s)

@@ -3,15 +3,21 @@
 -- script is one EVALSHA on one slot, also on Redis Cluster. Time is Redis's own (TIME) unless the
 -- caller passes one (tests).
 --
--- KEYS: [1] tickets zset, then nb bucket hashes {u, t}, nl lease zsets, nu budget hashes {p, s}
+-- KEYS: [1] tickets zset [2] voided zset, then nb bucket hashes {u, t}, nl lease zsets, nu budget
+--       hashes {p, s}
 -- ARGV: [1] now ('' = TIME) [2] ticket id [3] lease ttl s [4] ticket ttl s [5] cost usd
 --       [6] the plan, space-separated: nb nl nu, per bucket capacity rate/s shadow(0|1),
 --           per lease capacity shadow, per budget limit-usd period(day|month) shadow
 --       [7] the bucket costs, space-separated
 -- (The plan string is built once per plan by the caller: fewer, cached arguments are cheaper to
 -- send than one argument per number.)
--- Returns: {admitted 0|1, now, used x nb, active x nl, spent x nu, period x nu}, all as strings;
+-- Returns: {admitted 0|1|v, now, used x nb, active x nl, spent x nu, period x nu}, all as strings;
 -- the state is the one decided on, before this request's charge.
+--
+-- Idempotent by ticket id: a ticket already reserved is not charged again (its state is reported as
+-- it is, admitted 1), and a ticket voided before this script ran (void.lua, sent by a caller whose
+-- reply timed out) is refused, admitted 'v': a reservation that runs late, after its caller gave up,
+-- changes nothing.
 
 local function fmt(x) return string.format('%.17g', x) end
 
@@ -46,15 +52,21 @@ for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
 local costs = {}
 for tok in string.gmatch(ARGV[7], '%S+') do costs[#costs + 1] = tonumber(tok) end
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
+local base = 2 -- keys before the first bucket
 
 local ok = 1
+if redis.call('ZSCORE', KEYS[2], ticket) then
+  ok = 'v'
+elseif redis.call('ZSCORE', KEYS[1], ticket) then
+  ok = 'again'
+end
 local out = {}
 local used, rates = {}, {}
 local a = 4
 for i = 1, nb do
   local cap, rate, shadow = tonumber(plan[a]), tonumber(plan[a + 1]), plan[a + 2]
   a = a + 3
-  local st = redis.call('HMGET', KEYS[1 + i], 'u', 't')
+  local st = redis.call('HMGET', KEYS[base + i], 'u', 't')
   local u = tonumber(st[1]) or 0
   local t = tonumber(st[2]) or now
   if now > t then
@@ -62,44 +74,44 @@ for i = 1, nb do
     if u < 0 then u = 0 end
   end
   used[i], rates[i] = u, rate
-  if shadow == '0' and u + costs[i] > cap then ok = 0 end
+  if ok == 1 and shadow == '0' and u + costs[i] > cap then ok = 0 end
 end
 local active = {}
 for i = 1, nl do
-  local key = KEYS[1 + nb + i]
+  local key = KEYS[base + nb + i]
   local cap, shadow = tonumber(plan[a]), plan[a + 1]
   a = a + 2
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local n = redis.call('ZCARD', key)
   active[i] = n
-  if shadow == '0' and n + 1 > cap then ok = 0 end
+  if ok == 1 and shadow == '0' and n + 1 > cap then ok = 0 end
 end
 local spent, periods, kinds = {}, {}, {}
 for i = 1, nu do
   local limit, kind, shadow = tonumber(plan[a]), plan[a + 1], plan[a + 2]
   a = a + 3
   local pid = period_id(kind, now)
-  local st = redis.call('HMGET', KEYS[1 + nb + nl + i], 'p', 's')
+  local st = redis.call('HMGET', KEYS[base + nb + nl + i], 'p', 's')
   local s = 0
   if tonumber(st[1]) == pid then s = tonumber(st[2]) or 0 end
   spent[i], periods[i], kinds[i] = s, pid, kind
-  if shadow == '0' and s + cost_usd > limit then ok = 0 end
+  if ok == 1 and shadow == '0' and s + cost_usd > limit then ok = 0 end
 end
 
 if ok == 1 then
   for i = 1, nb do
     local u = used[i] + costs[i]
-    local key = KEYS[1 + i]
+    local key = KEYS[base + i]
     redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
     redis.call('PEXPIRE', key, math.ceil(u / rates[i] * 1000) + 1000)
   end
   for i = 1, nl do
-    local key = KEYS[1 + nb + i]
+    local key = KEYS[base + nb + i]
     redis.call('ZADD', key, now + lease_ttl, ticket)
     redis.call('PEXPIRE', key, math.ceil(lease_ttl * 1000) + 1000)
   end
   for i = 1, nu do
-    local key = KEYS[1 + nb + nl + i]
+    local key = KEYS[base + nb + nl + i]
     redis.call('HSET', key, 'p', periods[i], 's', fmt(spent[i] + cost_usd))
     redis.call('EXPIRE', key, kinds[i] == 'day' and 172800 or 2764800)
   end
@@ -108,6 +120,7 @@ if ok == 1 then
   redis.call('ZADD', KEYS[1], now + ticket_ttl, ticket)
 end
 
+if ok == 'again' then ok = 1 end
 out[1] = tostring(ok)
 out[2] = fmt(now)
 for i = 1, nb do out[#out + 1] = fmt(used[i]) end

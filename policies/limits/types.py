@@ -177,3 +177,8 @@ class StoreUnavailable(Exception):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def ticket_ttl_s(lease_ttl_s: float) -> float:
+    """How long an unsettled ticket stays settleable: past any lease, and at least an hour."""
+    return max(3600.0, 2.0 * lease_ttl_s)

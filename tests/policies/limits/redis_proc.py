@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -53,6 +57,24 @@ class RedisProcess:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
+
+    @contextlib.contextmanager
+    def stalled(self, seconds: float) -> Iterator[None]:
+        """SIGSTOP the server now and SIGCONT it `seconds` later (from a timer: the body may await).
+
+        A stopped server is a stall, not a crash: commands already sent wait in its socket buffer and
+        run when it resumes, after their callers' timeouts. (CLIENT PAUSE is no stand-in: a paused
+        server drops the commands of a client that disconnected meanwhile.)
+        """
+        assert self.proc is not None
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.join()
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)

@@ -131,16 +131,15 @@ async def test_a_settlement_lost_in_an_outage_is_replayed_exactly_once(
     who = principal(adm.policy)
     ticket = await adm.admit(facts(who, prompt_tokens=100, max_tokens=1000), "big")
     assert isinstance(ticket, Admitted) and ticket.source == "redis"
-    # Redis stalls: the settle times out on our side but Redis runs it once the pause ends, so
-    # its reply is lost although it was applied - the case a naive replay would count twice.
-    own_redis.client().client_pause(400, all=True)
-    await adm.settle(ticket, Usage(prompt_tokens=100, completion_tokens=10), model="big")
-    assert store.status()["pending_settlements"] == 1
-    await asyncio.sleep(0.5)
+    # Redis stalls: the settle times out on our side but Redis runs it once it resumes, so its
+    # reply is lost although it was applied - the case a naive replay would count twice.
+    with own_redis.stalled(0.4):
+        await adm.settle(ticket, Usage(prompt_tokens=100, completion_tokens=10), model="big")
+        assert store.status()["pending_settlements"] == 1
+    await store.drain()  # replayed without waiting for another request
+    assert store.status()["pending_settlements"] == 0 and store.stats["replayed"] == 1
     again = await adm.admit(facts(who, prompt_tokens=100, max_tokens=1000), "big")
     assert isinstance(again, Admitted) and again.source == "redis"
-    await store.drain()
-    assert store.status()["pending_settlements"] == 0 and store.stats["replayed"] == 1
     used = float(own_redis.client().hget(store.redis.key("b", "key|tpd|k1"), "u") or 0)
     assert used == pytest.approx(110 + 1100, abs=15.0)  # refunded 990 once (twice would leave 220)
 

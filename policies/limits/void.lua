@@ -1,0 +1,89 @@
+-- tokenway: void a reservation whose outcome the caller does not know (its reply timed out or the
+-- connection broke after the command was sent). Order-independent: the ticket is recorded as voided
+-- first, so a reservation that runs after this script is refused by reserve.lua; a reservation that
+-- ran before is undone here (every bucket and budget refunded, every lease released). Idempotent: a
+-- second void finds the ticket gone and changes nothing; a settled ticket is gone too, so voiding it
+-- is harmless.
+--
+-- KEYS: [1] tickets zset [2] voided zset, then nb bucket hashes, nl lease zsets, nu budget hashes
+-- ARGV: [1] now ('' = TIME) [2] ticket id [3] voided ttl s [4] ticket ttl s (as reserve.lua got it)
+--       [5] cost usd reserved [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget
+--       period(day|month) [7] bucket costs reserved, space-separated
+-- Returns 1 when a reservation was undone, 0 when there was none (not run yet, settled, or voided).
+
+local function fmt(x) return string.format('%.17g', x) end
+
+local function period_id(kind, now)
+  local days = math.floor(now / 86400)
+  if kind == 'day' then return days end
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  if m <= 2 then y = y + 1 end
+  return y * 12 + m - 1
+end
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local ticket = ARGV[2]
+local voided_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local cost_usd = tonumber(ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZADD', KEYS[2], now + voided_ttl, ticket)
+redis.call('PEXPIRE', KEYS[2], math.ceil(voided_ttl * 1000) + 1000)
+local expires = redis.call('ZSCORE', KEYS[1], ticket)
+if not expires then return 0 end
+redis.call('ZREM', KEYS[1], ticket)
+local reserved_at = tonumber(expires) - ticket_ttl
+
+local plan = {}
+for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
+local costs = {}
+for tok in string.gmatch(ARGV[7], '%S+') do costs[#costs + 1] = tonumber(tok) end
+local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
+local base = 2
+
+for i = 1, nb do
+  local key = KEYS[base + i]
+  local rate = tonumber(plan[3 + i])
+  local st = redis.call('HMGET', key, 'u', 't')
+  if st[1] then
+    local u = tonumber(st[1]) or 0
+    local t = tonumber(st[2]) or now
+    if now > t then
+      u = u - (now - t) * rate
+      if u < 0 then u = 0 end
+    end
+    u = u - costs[i]
+    if u < 0 then u = 0 end
+    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
+    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+  end
+end
+for i = 1, nl do
+  redis.call('ZREM', KEYS[base + nb + i], ticket)
+end
+if cost_usd ~= 0 then
+  for i = 1, nu do
+    local key = KEYS[base + nb + nl + i]
+    local kind = plan[3 + nb + i]
+    local st = redis.call('HMGET', key, 'p', 's')
+    -- the budget period the reservation charged: the one current when it ran
+    if tonumber(st[1]) == period_id(kind, reserved_at) then
+      local s = (tonumber(st[2]) or 0) - cost_usd
+      if s < 0 then s = 0 end
+      redis.call('HSET', key, 's', fmt(s))
+    end
+  end
+end
+return 1
