@@ -153,11 +153,22 @@ class PoolConfig(_Strict):
 
 
 class EjectionSettings(_Strict):
-    """Passive health: consecutive connect errors / 5xx eject an endpoint for a cooldown."""
+    """Passive health: consecutive connect errors / 5xx eject an endpoint for a cooldown.
+
+    As Envoy's outlier detection caps ejections (`max_ejection_percent`) so that a fault everyone
+    shares (an overload, a client's poison request) cannot empty the pool: past the cap, or for the
+    last endpoint still in, an ejection is withheld and the endpoint keeps serving.
+    """
 
     consecutive_failures: int = Field(default=3, ge=1, description="failures in a row that eject")
     cooldown_s: float = Field(default=5.0, gt=0, description="first ejection; doubles per failed probe")
     max_cooldown_s: float = Field(default=60.0, gt=0)
+    max_ejection_percent: float = Field(
+        default=50.0,
+        ge=0,
+        le=100,
+        description="most of a pool's endpoints (per role) ejected at once; one may always go, the last never",
+    )
 
 
 class BackendsSettings(_Strict):

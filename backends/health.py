@@ -8,6 +8,12 @@ endpoint's cooldown is over, sends one half-open probe that decides: success bri
 READY, failure ejects it again with a doubled cooldown (up to a maximum).
 
 Launched replicas in STARTING, DRAINING or DEAD belong to the supervisor; health never touches them.
+
+Overload must not become an outage. An ejection is withheld when it would put more of the pool's
+endpoints (of the same role) out than `max_ejection_percent`, or the last one still in (Envoy's
+outlier detection caps ejections the same way); one endpoint may always go. A failed health probe
+of an endpoint that answered requests or relayed a token within the last few probe intervals does
+not count: an engine busy serving is alive, however slowly its health route answers.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from backends.adapters.base import Probe
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings, EjectionSettings
 from backends.endpoint_tasks import EndpointTasks
-from backends.fleet import Fleet
+from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 
 log = logging.getLogger(__name__)
@@ -31,18 +37,58 @@ log = logging.getLogger(__name__)
 DEFAULT_EJECTION = EjectionSettings()
 
 
-def report_success(endpoint: Endpoint) -> None:
+def report_success(endpoint: Endpoint, now_s: float | None = None) -> None:
     """An upstream answer that was not a server error: the failure streak ends."""
     endpoint.consecutive_failures = 0
+    endpoint.answered_at_s = time.monotonic() if now_s is None else now_s
 
 
-def report_failure(endpoint: Endpoint, now_s: float, ejection: EjectionSettings = DEFAULT_EJECTION) -> bool:
-    """A connect error or 5xx from the endpoint. Returns True when this failure ejected it."""
+def report_failure(
+    endpoint: Endpoint, now_s: float, ejection: EjectionSettings = DEFAULT_EJECTION, pool: Pool | None = None
+) -> bool:
+    """A connect error or 5xx from the endpoint. Returns True when this failure ejected it
+    (`pool`, when given, caps ejections: see the module docstring)."""
     endpoint.consecutive_failures += 1
     if endpoint.state is EndpointState.READY and endpoint.consecutive_failures >= ejection.consecutive_failures:
-        eject(endpoint, now_s, ejection, f"{endpoint.consecutive_failures} consecutive failures")
-        return True
+        return eject_capped(endpoint, pool, now_s, ejection, f"{endpoint.consecutive_failures} consecutive failures")
     return False
+
+
+def may_eject(endpoint: Endpoint, pool: Pool | None, ejection: EjectionSettings) -> bool:
+    """Whether ejecting this READY endpoint keeps its pool within `max_ejection_percent`: among the
+    endpoints of its role that health manages (ready or ejected), at most that share out (at least one
+    may go), and never the last one in."""
+    if pool is None:
+        return True
+    peers = [
+        e
+        for e in pool.endpoints
+        if e.role is endpoint.role and e.state in (EndpointState.READY, EndpointState.UNHEALTHY)
+    ]
+    ready = sum(1 for e in peers if e.state is EndpointState.READY)
+    if ready <= 1:
+        return False
+    ejected = len(peers) - ready
+    allowed = max(1, int(len(peers) * ejection.max_ejection_percent / 100.0))
+    return ejected + 1 <= allowed
+
+
+def eject_capped(endpoint: Endpoint, pool: Pool | None, now_s: float, ejection: EjectionSettings, why: str) -> bool:
+    """Eject unless the cap says no; True when ejected. A withheld ejection is logged once."""
+    if may_eject(endpoint, pool, ejection):
+        eject(endpoint, now_s, ejection, why)
+        return True
+    reason = f"ejection withheld ({why}): max_ejection_percent {ejection.max_ejection_percent:g} of the pool"
+    if endpoint.state_reason != reason:
+        log.warning("endpoint %s not ejected (%s): the pool keeps it serving", endpoint.id, why)
+        endpoint.state_reason = reason
+    return False
+
+
+def recently_serving(endpoint: Endpoint, now_s: float, window_s: float) -> bool:
+    """An answer or a relayed token from the endpoint within `window_s` (monotonic clock)."""
+    last_s = max(endpoint.answered_at_s, endpoint.inflight.last_token_s)
+    return last_s > 0.0 and 0.0 <= now_s - last_s <= window_s
 
 
 def eject(endpoint: Endpoint, now_s: float, ejection: EjectionSettings, why: str) -> None:
@@ -113,12 +159,19 @@ class HealthChecker:
             interval_s = min(interval_s, self.settings.health_interval_s)  # static, not yet answered
         return now_s - self._last_probe_s.get(endpoint.id, float("-inf")) >= interval_s
 
-    async def check(self, endpoint: Endpoint, session: aiohttp.ClientSession) -> None:
+    async def check(self, endpoint: Endpoint, session: aiohttp.ClientSession, pool: Pool | None = None) -> None:
         self._last_probe_s[endpoint.id] = self.clock()
         verdict = await probe(endpoint, session, self.settings.health_timeout_s)
-        self.apply(endpoint, verdict, self.clock())
+        self.apply(endpoint, verdict, self.clock(), pool)
 
-    def apply(self, endpoint: Endpoint, verdict: Probe, now_s: float) -> None:
+    @property
+    def alive_window_s(self) -> float:
+        """How recently an endpoint must have served for a failed probe not to count: the span over
+        which failed probes would eject it."""
+        settings = self.settings
+        return max(settings.health_interval_s, settings.health_timeout_s) * settings.ejection.consecutive_failures
+
+    def apply(self, endpoint: Endpoint, verdict: Probe, now_s: float, pool: Pool | None = None) -> None:
         ejection = self.settings.ejection
         if endpoint.launched and endpoint.state not in (EndpointState.READY, EndpointState.UNHEALTHY):
             return  # the supervisor moved it on (restart, drain) while the probe was in flight
@@ -133,18 +186,22 @@ class HealthChecker:
             if verdict is Probe.FAILING:
                 eject(endpoint, now_s, ejection, "not answering its health check")
         elif endpoint.state is EndpointState.READY:
+            if recently_serving(endpoint, now_s, self.alive_window_s):
+                self._active_failures[endpoint.id] = 0  # busy, not dead: it is answering requests
+                return
             count = self._active_failures.get(endpoint.id, 0) + 1
             self._active_failures[endpoint.id] = count
             if count >= ejection.consecutive_failures:
                 self._active_failures[endpoint.id] = 0
-                eject(endpoint, now_s, ejection, f"{count} failed health checks")
+                eject_capped(endpoint, pool, now_s, ejection, f"{count} failed health checks")
 
     def tick(self, fleet: Fleet, session: aiohttp.ClientSession) -> None:
         """Start the probes that are due; each runs as its own task so a slow one delays no other."""
         now_s = self.clock()
-        for endpoint in fleet.endpoints():
-            if self.due(endpoint, now_s):
-                self._tasks.start(endpoint.id, self.check(endpoint, session))
+        for pool in fleet.pools.values():
+            for endpoint in pool.endpoints:
+                if self.due(endpoint, now_s):
+                    self._tasks.start(endpoint.id, self.check(endpoint, session, pool))
 
     async def close(self) -> None:
         await self._tasks.close()

@@ -154,6 +154,7 @@ class Endpoint:
     stats: EndpointStats = field(default_factory=EndpointStats)
     inflight: InFlight = field(default_factory=InFlight)
     consecutive_failures: int = 0
+    answered_at_s: float = 0.0  # monotonic time of the last upstream answer that was not a failure
     ejected_until_s: float = 0.0
     restarts: int = 0
     launched: bool = False  # True when the supervisor owns the process

@@ -33,7 +33,7 @@ from gateway.ledger.config import LedgerConfig
 from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
-from gateway.routes import METRICS_RENDER, setup_routes
+from gateway.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.settings import GatewaySettings, validate_section
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
@@ -84,6 +84,7 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.TRACING] = tracing
     app[appkeys.LEDGER] = ledger
     app[METRICS_RENDER] = metrics.render if telemetry.metrics.enabled else (lambda: b"")
+    app[METRICS_TOKEN] = telemetry.metrics.token or None
     if ledger is not None:
         metrics.set_ledger_stats(ledger.stats)
     yield
@@ -250,7 +251,7 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
         return get_adapter(endpoint.engine).shape_request(body, api, fleet.pools[endpoint.pool].config)
 
     def report_failure(endpoint: Endpoint, now_s: float) -> None:
-        health.report_failure(endpoint, now_s, ejection)
+        health.report_failure(endpoint, now_s, ejection, fleet.pools.get(endpoint.pool))
 
     metrics = app[appkeys.METRICS]
     metrics_on = validate_section(settings, "telemetry", TelemetryConfig).metrics.enabled

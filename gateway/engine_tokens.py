@@ -3,8 +3,9 @@
 The precise index matches the blocks an engine reports in its KV events, so it needs the ids that
 engine computes: its tokenizer and chat template, not ours. The simulated engine shares our tokenizer
 (`backends/tokenization.py`), so its pools skip this. For real engines the ids of a prompt are asked
-once from any ready endpoint of the pool and kept in a bounded LRU keyed by a hash of the canonical
-prompt; a miss or an error simply leaves the request to the approximate index.
+once from any ready endpoint of the pool and kept in an LRU keyed by a hash of the canonical prompt,
+bounded in entries and in tokens held (4 bytes each), so long prompts cannot grow it past
+`max_tokens`; a miss or an error simply leaves the request to the approximate index.
 """
 
 from __future__ import annotations
@@ -28,10 +29,18 @@ ENGINES_WITH_TOKENIZE = frozenset({"vllm", "vllm-ascend"})
 
 
 class EngineTokenizer:
-    def __init__(self, session: aiohttp.ClientSession, max_entries: int = 20_000, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        max_entries: int = 20_000,
+        timeout_s: float = 2.0,
+        max_tokens: int = 4_000_000,
+    ) -> None:
         self._session = session
         self._cache: OrderedDict[tuple[str, int], array[int]] = OrderedDict()
         self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self.tokens = 0
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.errors = 0
         self._turn = 0
@@ -50,9 +59,12 @@ class EngineTokenizer:
             ids = await self._fetch(facts, pool)
             if ids is None:
                 return
-            self._cache[key] = ids
-            if len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+            if len(ids) <= self.max_tokens // 4:  # one huge prompt must not flush everything else
+                self._cache[key] = ids
+                self.tokens += len(ids)
+                while len(self._cache) > self.max_entries or self.tokens > self.max_tokens:
+                    _, evicted = self._cache.popitem(last=False)
+                    self.tokens -= len(evicted)
         else:
             self._cache.move_to_end(key)
         facts.attrs["engine_token_ids"] = ids

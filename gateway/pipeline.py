@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +19,16 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from backends.adapters.registry import get_adapter
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
+from gateway import intake
 from gateway.apis.base import ApiCall
 from gateway.components import AdmissionPort, RecordSink
+from gateway.engine_errors import openai_error
 from gateway.engine_tokens import EngineTokenizer
 from gateway.errors import (
     GatewayError,
@@ -145,7 +147,7 @@ class Pipeline:
     # ------------------------------------------------------------------ entry
     async def handle(self, request: web.Request, api: ApiKind, call: ApiCall | None = None) -> web.StreamResponse:
         arrived_s = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = intake.request_id(request.headers)
         record = RequestRecord(request_id=request_id, api=api, started_at_unix_s=time.time())
         trace = self.start_trace(request_id, request.headers) if self.start_trace else NOOP_TRACE
         walk = Walk(record, trace, arrived_s, [("x-request-id", request_id)], call=call)
@@ -191,23 +193,15 @@ class Pipeline:
                 return await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+        except RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+            raise InvalidRequest(f"the request body could not be read: {str(exc).strip()}") from exc
         except TimeoutError as exc:
             raise _RequestTimeout(
                 f"the request body did not arrive within {self.server.request_read_timeout_s:g}s"
             ) from exc
 
-    @staticmethod
-    def _presented_key(request: web.Request) -> str | None:
-        auth = request.headers.get("Authorization")
-        if auth:
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-        key = request.headers.get("x-api-key")
-        return key.strip() if key else None
-
     def authenticate(self, request: web.Request, policy: Policy) -> Principal:
-        key = self._presented_key(request)
+        key = intake.presented_key(request.headers)
         if key is None:
             raise InvalidApiKey(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
@@ -743,23 +737,7 @@ class Pipeline:
         if walk.call is not None:
             walk.record.error_code = "upstream_4xx"
             return walk.call.upstream_error(exc.status, exc.body, headers)
-        try:
-            parsed = orjson.loads(exc.body)
-        except orjson.JSONDecodeError:
-            parsed = None
-        error = parsed.get("error") if isinstance(parsed, dict) else None
-        if isinstance(error, dict) and "message" in error:
-            body = {
-                "error": {
-                    "message": str(error.get("message")),
-                    "type": error.get("type") or "invalid_request_error",
-                    "param": error.get("param"),
-                    "code": error.get("code"),
-                }
-            }
-        else:
-            message = error if isinstance(error, str) else exc.body[:500].decode("utf-8", "replace")
-            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+        body = openai_error(exc.status, exc.body)
         walk.record.error_code = str(body["error"]["code"] or "upstream_4xx")
         response = web.Response(status=exc.status, body=orjson.dumps(body), content_type="application/json")
         for name, value in headers:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -10,13 +9,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import appkeys
+from gateway import access, appkeys
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from policies.types import ApiKind
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS_RENDER: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics_render", object)  # type: ignore[arg-type]
 START_TIME: web.AppKey[float] = web.AppKey("start_time", float)
+METRICS_TOKEN: web.AppKey[str | None] = web.AppKey("metrics_token", object)  # type: ignore[arg-type]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -63,21 +63,22 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    token = request.app[METRICS_TOKEN]
+    if token and not access.token_matches(request.headers, token):
+        return error_response(InvalidApiKey("metrics token required (telemetry.metrics.token)"))
     render = request.app[METRICS_RENDER]
     return web.Response(body=render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def admin_guard(handler: Handler) -> Handler:
-    """Admin routes need the admin token; without one configured, only loopback callers get in."""
+    """Admin routes need the admin token; without one configured, only direct loopback callers get in;
+    state-changing calls from another site's page never do (gateway/access.py)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         token = request.app[appkeys.SETTINGS].server.admin_token
-        if token:
-            presented = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(presented.encode(), token.encode()):
-                return error_response(InvalidApiKey("admin token required"))
-        elif request.remote not in ("127.0.0.1", "::1", None):
-            return error_response(InvalidApiKey("admin API is loopback-only without server.admin_token"))
+        refusal = access.admin_refusal(request.method, request.headers, request.remote, token)
+        if refusal is not None:
+            return error_response(refusal)
         return await handler(request)
 
     return guarded

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from backends.errors import PlanError
 from gateway import appkeys
+from gateway.access import exposure_problem
 from gateway.app import create_app
 from gateway.settings import ConfigError, GatewaySettings
 from policies.loader import PolicyFileError
@@ -39,6 +40,10 @@ def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunne
 
 async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
     """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines."""
+    problem = exposure_problem(settings.server.host, settings.server.admin_token)
+    if problem is not None:  # checked before anything starts (engines included)
+        print(f"tokenway: {problem}", file=sys.stderr, flush=True)
+        return 2
     app = create_app(settings)
     runner = make_runner(app, settings)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from backends.config import PoolConfig
 from gateway.replicas.config import ReplicasSettings
@@ -48,6 +48,11 @@ class ServerSettings(_Strict):
     gc_young_threshold: int = Field(
         default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
     )
+
+    @field_validator("admin_token")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None  # `${TOKENWAY_ADMIN_TOKEN:-}` unset: no token (and no start beyond loopback)
 
 
 class StateSettings(_Strict):

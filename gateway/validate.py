@@ -1,8 +1,16 @@
 """Minimal validation of the OpenAI request shapes the gateway must understand to do its job.
 
 Only what admission, routing and accounting read is checked here (model, messages/prompt/input,
-stream, stream_options, max_tokens, n); everything else passes through for the engine to judge.
-Hand-written checks over the parsed dict: no per-request pydantic on the hot path.
+stream, stream_options, max_tokens, n), plus what an engine would fail on instead of rejecting
+(token ids outside int32, sampling parameters outside OpenAI's documented ranges) and what the
+gateway keeps (`model` and `metadata` within bounded sizes); everything else passes through for the
+engine to judge. Hand-written checks over the parsed dict: no per-request pydantic on the hot path.
+
+Ranges (OpenAI API reference): temperature [0, 2], top_p [0, 1], n [1, 128], presence_penalty and
+frequency_penalty [-2, 2], top_logprobs [0, 20] (with `logprobs: true`), completions `logprobs`
+[0, 20] (OpenAI documents 5; vLLM's default `max_logprobs` is 20, and the gateway refuses nothing an
+engine behind it accepts), best_of [1, 20] and >= n, metadata at most 16 pairs of strings (keys up
+to 64 characters, values up to 512).
 """
 
 from __future__ import annotations
@@ -14,10 +22,69 @@ from gateway.errors import InvalidRequest
 from policies.types import ApiKind
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_TOKEN_ID = 2**31 - 1  # engines hold ids as int32: anything above is no token of any vocabulary
+MAX_MODEL_CHARS = 256
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+_RANGES: tuple[tuple[str, float, float], ...] = (
+    ("temperature", 0.0, 2.0),
+    ("top_p", 0.0, 1.0),
+    ("presence_penalty", -2.0, 2.0),
+    ("frequency_penalty", -2.0, 2.0),
+)
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
+def _int_in(body: Mapping[str, Any], field: str, low: int, high: int) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not _is_int(value) or not low <= value <= high:
+        raise InvalidRequest(f"'{field}' must be an integer from {low} to {high}, got {value!r}", param=field)
+    return int(value)
+
+
+def _check_sampling(api: ApiKind, body: Mapping[str, Any]) -> None:
+    for field, low, high in _RANGES:
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise InvalidRequest(f"'{field}' must be a number", param=field)
+        if not low <= value <= high:  # NaN fails too
+            raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
+    n = _int_in(body, "n", 1, 128)
+    if api == "chat":
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
+        if _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    elif api == "completions":
+        _int_in(body, "logprobs", 0, 20)
+        best_of = _int_in(body, "best_of", 1, 20)
+        if best_of is not None and best_of < (n or 1):
+            raise InvalidRequest(f"'best_of' ({best_of}) must be at least 'n' ({n})", param="best_of")
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidRequest(
+                f"'metadata' keys are strings of at most {MAX_METADATA_KEY_CHARS} characters and values strings "
+                f"of at most {MAX_METADATA_VALUE_CHARS}",
+                param="metadata",
+            )
 
 
 def _positive_int(body: Mapping[str, Any], field: str) -> int | None:
@@ -61,22 +128,28 @@ def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:
-        if all(_is_int(t) and t >= 0 for t in prompt):
+        if all(_is_token_id(t) for t in prompt):
             return
         if all(isinstance(p, str) for p in prompt):
             return
-    raise InvalidRequest("'prompt' must be a string, an array of strings or an array of token ids", param="prompt")
+    raise InvalidRequest(
+        f"'prompt' must be a string, an array of strings or an array of token ids (0 to {MAX_TOKEN_ID})",
+        param="prompt",
+    )
 
 
 def _check_input(value: Any) -> None:
     if isinstance(value, str) and value:
         return
     if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value) or all(_is_int(v) for v in value):
+        if all(isinstance(v, str) for v in value) or all(_is_token_id(v) for v in value):
             return
-        if all(isinstance(v, list) and all(_is_int(t) for t in v) for v in value):
+        if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
             return
-    raise InvalidRequest("'input' must be a non-empty string or array of strings/token ids", param="input")
+    raise InvalidRequest(
+        f"'input' must be a non-empty string or array of strings/token ids (token ids from 0 to {MAX_TOKEN_ID})",
+        param="input",
+    )
 
 
 def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
@@ -86,6 +159,8 @@ def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise InvalidRequest(f"'model' must be at most {MAX_MODEL_CHARS} characters", param="model")
     if api == "chat":
         _check_messages(body.get("messages"))
     elif api == "completions":
@@ -110,11 +185,8 @@ def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
             raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
     _positive_int(body, "max_tokens")
     _positive_int(body, "max_completion_tokens")
-    _positive_int(body, "n")
-    for field in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        value = body.get(field)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise InvalidRequest(f"'{field}' must be a number", param=field)
+    _check_sampling(api, body)
+    _check_metadata(body.get("metadata"))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string", param="user")

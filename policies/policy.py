@@ -77,8 +77,12 @@ class Policy:
         }
 
     def authenticate(self, api_key: str) -> Principal | None:
-        """The principal of a presented key, or None. The digest comparison is constant-time."""
-        digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+        """The principal of a presented key, or None. The digest comparison is constant-time. A key
+        that is not valid text (undecodable header bytes) is no key."""
+        try:
+            digest = hashlib.sha256(api_key.encode("utf-8")).digest()
+        except UnicodeEncodeError:
+            return None
         entry = self._keys.get(digest.hex())
         if entry is None or not hmac.compare_digest(entry.digest, digest):
             return None

@@ -9,6 +9,10 @@ requests through the scheduler; vectors from `embeddings.py`), GET /health, /pin
 
 A client that disconnects cancels its handler (aiohttp ``handler_cancellation``); the handler then
 aborts the request in the engine, which frees its blocks at once and counts it as ``abort``.
+
+Prompts in bodies over ``OFFLOAD_BODY_BYTES`` are tokenized in a worker thread (tiktoken releases the
+GIL), as vLLM's API server tokenizes off its engine loop: a burst of long prompts must not stop
+/health and /metrics from answering, or a gateway would take a busy engine for a dead one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ ENGINE_KEY = web.AppKey("engine", SimEngine)
 CREATED_KEY = web.AppKey("created", int)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OFFLOAD_BODY_BYTES = 32 * 1024
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
@@ -147,13 +152,31 @@ async def _load(request: web.Request) -> web.Response:
 _read_json = validation.read_json
 
 
+def _long(request: web.Request) -> bool:
+    return (request.content_length or 0) > OFFLOAD_BODY_BYTES
+
+
+async def _chat_ids(request: web.Request, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+    """Chat prompt ids: through the message cache on the loop, or (long bodies) uncached in a thread
+    (the cache is the loop's; both give the same ids)."""
+    if _long(request):
+        return await asyncio.to_thread(tokenization.chat_prompt_ids, messages, tools)
+    return prompt_cache.chat_prompt_ids(messages, tools)
+
+
+async def _completion_ids(request: web.Request, prompt: str | list[int]) -> list[int]:
+    if _long(request) and isinstance(prompt, str):
+        return await asyncio.to_thread(tokenization.completion_prompt_ids, prompt)
+    return tokenization.completion_prompt_ids(prompt)
+
+
 async def _tokenize(request: web.Request) -> web.Response:
     body = await _read_json(request)
     config = request.app[ENGINE_KEY].config
     if "messages" in body:
-        ids = prompt_cache.chat_prompt_ids(validation.messages(body), body.get("tools"))
+        ids = await _chat_ids(request, validation.messages(body), body.get("tools"))
     elif "prompt" in body:
-        ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
+        ids = await _completion_ids(request, _single_prompt(body["prompt"]))
     else:
         raise BadRequest("Either 'prompt' or 'messages' is required", "prompt")
     return _json({"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids, "token_strs": None})
@@ -200,7 +223,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     validation.check_common(body, engine.config)
-    prompt_ids = prompt_cache.chat_prompt_ids(validation.messages(body), body.get("tools"))
+    prompt_ids = await _chat_ids(request, validation.messages(body), body.get("tools"))
     if not generation.read_spec(body, chat=True).plain:
         return await generation.generate(
             request,
@@ -224,7 +247,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     validation.check_common(body, engine.config)
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
-    prompt_ids = tokenization.completion_prompt_ids(_single_prompt(body["prompt"]))
+    prompt_ids = await _completion_ids(request, _single_prompt(body["prompt"]))
     if not generation.read_spec(body, chat=False).plain:
         return await generation.generate(
             request,
@@ -312,11 +335,12 @@ async def _generate(
 MAX_EMBEDDING_DIMENSIONS = 65536
 
 
-def _embedding_inputs(body: dict[str, Any]) -> list[list[int]]:
+def _embedding_inputs(body: dict[str, Any], cached: bool = True) -> list[list[int]]:
     """Token ids of each input: a string, a list of strings, a list of ids, a list of id lists, or
-    vLLM's chat-style `messages` (one input)."""
+    vLLM's chat-style `messages` (one input). `cached` False: off the loop, without the cache."""
     if "input" not in body and "messages" in body:
-        return [prompt_cache.chat_prompt_ids(validation.messages(body))]
+        chat_ids = prompt_cache.chat_prompt_ids if cached else tokenization.chat_prompt_ids
+        return [chat_ids(validation.messages(body))]
     value = body.get("input")
     if isinstance(value, str):
         inputs = [tokenization.completion_prompt_ids(value)]
@@ -336,6 +360,11 @@ def _embedding_inputs(body: dict[str, Any]) -> list[list[int]]:
         )
     if any(not ids for ids in inputs):
         raise BadRequest("'input' cannot contain an empty input", "input")
+    vocab = tokenization.encoding().n_vocab
+    for ids in inputs:  # as vLLM: an id outside the vocabulary is the client's error, not the engine's
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"Token id {bad} is out of vocabulary", "input")
     return inputs
 
 
@@ -344,7 +373,7 @@ async def _embeddings(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     config = engine.config
     validation.check_common(body, config)
-    inputs = _embedding_inputs(body)
+    inputs = await asyncio.to_thread(_embedding_inputs, body, False) if _long(request) else _embedding_inputs(body)
     dimensions = body.get("dimensions")
     if dimensions is None:
         dimensions = config.embedding_dim

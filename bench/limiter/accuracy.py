@@ -100,7 +100,7 @@ def run(
         )
         for i in range(replicas)
     ]
-    control = redis.Redis.from_url(server.url)
+    control = redis.Redis.from_url(server.url, socket_timeout=None)  # BLPOP waits longer than the default
     for _ in procs:
         if control.blpop([f"{prefix}:ready"], timeout=120) is None:
             raise RuntimeError("a worker did not start")

@@ -62,7 +62,7 @@ async def main() -> None:
         await asyncio.sleep(0.02 + rng.random() * 0.18)  # the upstream call
         await admission.settle(result, Usage(prompt, completion), model="m")
 
-    control = aioredis.Redis.from_url(args.redis)
+    control = aioredis.Redis.from_url(args.redis, socket_timeout=None)  # BLPOP waits longer than the default
     await control.lpush(f"{args.prefix}:ready", args.seed)
     await control.blpop([f"{args.prefix}:go"], timeout=120)
     start = time.monotonic()

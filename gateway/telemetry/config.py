@@ -4,6 +4,7 @@
 telemetry:
   metrics:
     enabled: true            # GET /metrics
+    token: ${METRICS_TOKEN}  # optional: /metrics then needs `Authorization: Bearer <token>`
     labels:
       key_id: false          # add a key_id label to token/cost counters (one series per key)
       max_values: 200        # distinct values per label before new ones fold into "other"
@@ -36,6 +37,9 @@ class MetricLabelsConfig(_Strict):
 class MetricsConfig(_Strict):
     enabled: bool = True
     labels: MetricLabelsConfig = Field(default_factory=MetricLabelsConfig)
+    token: str | None = Field(
+        default=None, description="bearer token GET /metrics requires (it names tenants and models); use ${ENV}"
+    )
 
 
 class OtlpConfig(_Strict):

@@ -3,7 +3,8 @@
 Tenants, models, pools and endpoints are bounded by configuration, but some values reach a label
 from the client (an unknown model name on a 404, say). A guard passes values from its allow-list
 (when one is set) or, without one, the first `max_values` distinct values; everything else becomes
-`OTHER`. Values are also cut to `MAX_VALUE_CHARS`.
+`OTHER`. Values are cut to `MAX_VALUE_CHARS` before anything else, so the memo of values seen is
+bounded in bytes too (at most 4 x `max_values` entries of at most `MAX_VALUE_CHARS` characters).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class LabelGuard:
         self._seen = {}
 
     def __call__(self, value: str) -> str:
+        if len(value) > MAX_VALUE_CHARS:
+            value = value[:MAX_VALUE_CHARS]
         found = self._seen.get(value)
         if found is not None:
             return found
@@ -39,7 +42,7 @@ class LabelGuard:
         if self._allowed is not None:
             admitted = value if value in self._allowed or value == "" else OTHER
         elif len(self._seen) < self._max_values:
-            admitted = value[:MAX_VALUE_CHARS]
+            admitted = value
         else:
             admitted = OTHER
         if admitted == OTHER:

@@ -1,10 +1,31 @@
-"""Session affinity table: session key -> the endpoint that served the session last (bounded LRU)."""
+"""Session affinity table: session key -> the endpoint that served the session last (bounded LRU).
+
+Keys come from the client (`x-session-id`, the body's `user`), so the table is bounded in entries
+(`max_sessions`) and in bytes per entry: a key longer than MAX_SESSION_KEY_CHARS is kept as a 128-bit
+hash of its bytes (the same session still maps to the same pin).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import xxhash
+
 from policies.types import RequestFacts
+
+MAX_SESSION_KEY_CHARS = 64
+
+
+def bounded_key(key: str) -> str:
+    """`key` itself when short and valid text, else '#' + its 128-bit hash (32 hex characters)."""
+    if len(key) <= MAX_SESSION_KEY_CHARS:
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        else:
+            return key
+    return "#" + xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogateescape"))
 
 
 def session_key(facts: RequestFacts, pool: str, use_user_field: bool) -> str | None:
@@ -15,7 +36,7 @@ def session_key(facts: RequestFacts, pool: str, use_user_field: bool) -> str | N
         user = facts.body.get("user")
         if isinstance(user, str) and user:
             key = user
-    return f"{pool}\x00{key}" if key else None
+    return f"{pool}\x00{bounded_key(key)}" if key else None
 
 
 class SessionTable:

@@ -11,7 +11,7 @@ import pytest
 from backends import health
 from backends.adapters.base import Probe
 from backends.config import BackendsSettings, EjectionSettings
-from backends.fleet import Fleet
+from backends.fleet import Fleet, Pool
 from backends.health import HealthChecker, report_failure, report_success
 from backends.types import Endpoint, EndpointState
 from tests.backends.builders import eventually, pool
@@ -149,3 +149,59 @@ async def test_remote_api_health_uses_models_with_its_key() -> None:
 
 async def wait_for_state(e: Endpoint, state: EndpointState) -> None:
     await eventually(lambda: e.state is state, f"{e.id} to be {state.value}")
+
+
+def pool_of(count: int) -> Pool:
+    p = Pool(pool(endpoints=[{"url": f"http://127.0.0.1:{1000 + i}"} for i in range(count)]))
+    p.endpoints = [endpoint(id=f"p/both-{i}") for i in range(count)]
+    return p
+
+
+@pytest.mark.parametrize(
+    ("count", "percent", "ejectable"),
+    [
+        pytest.param(1, 50.0, 0, id="the-only-endpoint-stays"),
+        pytest.param(2, 50.0, 1, id="one-of-two"),
+        pytest.param(2, 0.0, 1, id="one-may-always-go"),
+        pytest.param(4, 50.0, 2, id="half-of-four"),
+        pytest.param(4, 100.0, 3, id="never-the-last"),
+        pytest.param(10, 10.0, 1, id="envoy-default-ten-percent"),
+    ],
+)
+def test_ejections_are_capped_so_the_pool_never_empties(count: int, percent: float, ejectable: int) -> None:
+    ejection = EjectionSettings(consecutive_failures=1, max_ejection_percent=percent)
+    p = pool_of(count)
+    for e in p.endpoints:  # every endpoint fails at once (an overload, a poison request)
+        report_failure(e, 0.0, ejection, p)
+    out = [e for e in p.endpoints if e.state is EndpointState.UNHEALTHY]
+    assert len(out) == ejectable
+    assert p.has_ready
+    kept = [e for e in p.endpoints if e.state is EndpointState.READY]
+    assert all("withheld" in e.state_reason for e in kept[: count - ejectable - 1])
+
+
+def test_the_cap_also_holds_for_failed_health_checks() -> None:
+    checker = HealthChecker(BackendsSettings(ejection=EjectionSettings(consecutive_failures=1)))
+    p = pool_of(2)
+    for e in p.endpoints:
+        checker.apply(e, Probe.FAILING, 0.0, p)
+    assert [e.state for e in p.endpoints].count(EndpointState.READY) == 1
+
+
+def test_a_failed_probe_of_an_endpoint_busy_serving_does_not_count() -> None:
+    clock = Clock()
+    settings = BackendsSettings(ejection=EjectionSettings(consecutive_failures=2), health_interval_s=1.0)
+    checker = HealthChecker(settings, clock)
+    streaming, answering, idle = endpoint(id="p/a"), endpoint(id="p/b"), endpoint(id="p/c")
+    for _ in range(5):  # health checks time out while tokens flow and requests are answered
+        clock.now_s += 1.0
+        streaming.inflight.last_token_s = clock.now_s - 0.5
+        report_success(answering, clock.now_s - 0.5)
+        for e in (streaming, answering, idle):
+            checker.apply(e, Probe.STARTING, clock.now_s)
+    assert streaming.state is EndpointState.READY and answering.state is EndpointState.READY
+    assert idle.state is EndpointState.UNHEALTHY
+    clock.now_s += 100.0  # silent since: failed probes count again
+    checker.apply(streaming, Probe.STARTING, clock.now_s)
+    checker.apply(streaming, Probe.STARTING, clock.now_s)
+    assert streaming.state is EndpointState.UNHEALTHY

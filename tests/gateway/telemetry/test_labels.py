@@ -39,3 +39,12 @@ def test_allow_replaces_the_list_and_forgets_seen_values() -> None:
     assert guard("b") == OTHER
     guard.allow(["a", "b"])
     assert guard("b") == "b"
+
+
+def test_the_memo_of_seen_values_is_bounded_in_bytes() -> None:
+    """Client strings (a 100 KB model name on a 404) must not be kept whole as memo keys."""
+    guard = LabelGuard(2)
+    for i in range(1000):
+        guard(f"{i:04d}" + "x" * 100_000)
+    assert all(len(key) <= MAX_VALUE_CHARS for key in guard._seen)
+    assert len(guard._seen) <= 4 * 2

@@ -28,3 +28,28 @@ def test_table_is_bounded_lru() -> None:
     assert (table.get("a"), table.get("b"), table.get("c"), len(table)) == ("e0", None, "e2", 2)
     table.pin(None, "e3")
     assert table.get(None) is None
+
+
+@pytest.mark.parametrize(
+    ("header", "user"),
+    [
+        pytest.param("s" * 100_000, None, id="long-header"),
+        pytest.param(None, "u" * 100_000, id="long-user"),
+        pytest.param("bad-\udcff-bytes", None, id="undecodable"),
+    ],
+)
+def test_long_or_undecodable_session_keys_are_kept_as_a_fixed_size_hash(header: str | None, user: str | None) -> None:
+    key = session_key(facts(session_key=header, user=user), "p", True)
+    assert key is not None and len(key) == len("p\x00#") + 32
+    key.encode("utf-8")  # storable, loggable
+    assert session_key(facts(session_key=header, user=user), "p", True) == key  # same session, same pin
+    other = session_key(facts(session_key=(header or user or "") + "x"), "p", True)
+    assert other != key
+
+
+def test_the_table_is_bounded_in_bytes_for_any_client_keys() -> None:
+    table = SessionTable(max_sessions=100)
+    for i in range(1000):
+        table.pin(session_key(facts(user=f"{i}-" + "u" * 100_000), "p", True), "e0")
+    assert len(table) == 100
+    assert sum(len(k) for k in table._pins) <= 100 * (len("p\x00#") + 32)
