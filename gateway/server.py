@@ -18,6 +18,7 @@ from backends.errors import PlanError
 from gateway import appkeys
 from gateway.access import exposure_problem
 from gateway.app import create_app
+from gateway.half_close import GatewayRunner
 from gateway.settings import ConfigError, GatewaySettings
 from policies.loader import PolicyFileError
 
@@ -27,7 +28,7 @@ READY_WAIT_POLLS = 150  # the ready banner waits up to 30 s (0.2 s polls) for st
 
 def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunner:
     server = settings.server
-    return web.AppRunner(
+    return GatewayRunner(  # answers clients that half-close (gateway/half_close.py)
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler: upstream closes at once
         access_log=None,

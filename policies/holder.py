@@ -4,6 +4,9 @@ A reload parses and compiles the whole file first and swaps `current` only when 
 in-flight requests keep the policy they started with and a bad file changes nothing but
 `last_error` (reported on /admin/status). Bucket counters live in the store under keys derived from
 each rule's identity, so rules that did not change keep their counts across a reload.
+
+The file is read once per load, and only once it is complete (`settled_file.read_settled`): what a
+reload compares, checks and loads are the same bytes, and a file caught half-written waits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from policies.loader import PolicyFileError, load_policy
 from policies.policy import Policy
+from policies.settled_file import UnsettledFile, read_settled
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,9 @@ class PolicyHolder:
     def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> PolicyHolder:
         """Load at startup; raises `PolicyFileError` (startup must not run without a valid policy)."""
         path = Path(path)
-        holder = cls(load_policy(path, env), path=path, env=env)
-        holder._last_text = _read(path)
+        text = _read_complete(path)
+        holder = cls(load_policy(path, env, text=text), path=path, env=env)
+        holder._last_text = text
         return holder
 
     @property
@@ -69,9 +74,10 @@ class PolicyHolder:
         """Re-read the file; swap in the new policy if valid, else keep the old one and record why."""
         if self.path is None:
             return ReloadResult(False, False, ("no policies file to reload",), self.loaded_at_unix_s, self.generation)
-        text = _read(self.path)
+        text: str | None = None
         try:
-            policy = load_policy(self.path, self.env)
+            text = _read_complete(self.path)
+            policy = load_policy(self.path, self.env, text=text)
         except PolicyFileError as exc:
             self.last_error = tuple(exc.messages)
             self.last_error_at_unix_s = time.time()
@@ -102,8 +108,12 @@ class PolicyHolder:
         }
 
 
-def _read(path: Path) -> str | None:
+def _read_complete(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
-    except OSError:
-        return None
+        return read_settled(path)
+    except OSError as exc:
+        raise PolicyFileError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise PolicyFileError([f"{path}: not UTF-8 text: {exc.reason} at byte {exc.start}"]) from None
+    except UnsettledFile as exc:
+        raise PolicyFileError([str(exc)]) from None

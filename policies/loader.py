@@ -35,17 +35,20 @@ class PolicyFileError(Exception):
         self.messages = messages
 
 
-def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> PoliciesConfig:
+def load_config(path: str | Path, env: Mapping[str, str] | None = None, *, text: str | None = None) -> PoliciesConfig:
+    """The file's configuration; `text` is its content when the caller has read it already (a reload
+    reads once, so what it checks is what it loads)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PolicyFileError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    if text is None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PolicyFileError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     return parse_config(text, str(path), env)
 
 
-def load_policy(path: str | Path, env: Mapping[str, str] | None = None) -> Policy:
-    return Policy(load_config(path, env), source=str(path))
+def load_policy(path: str | Path, env: Mapping[str, str] | None = None, *, text: str | None = None) -> Policy:
+    return Policy(load_config(path, env, text=text), source=str(path))
 
 
 def check_file(path: str | Path, env: Mapping[str, str] | None = None) -> list[str]:

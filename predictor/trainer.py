@@ -26,6 +26,8 @@ worker process p99 2.3-2.9 ms, max 4-7 ms, 810-840 ticks/s (idle: p99 0.7 ms, 86
 process costs a spawn at `start()` (~1-2 s, off the loop), pickling the samples (a few MB, done by
 the executor's feeder thread) and returns a ready `PoolModel` (compiled arrays) by pickle.
 `worker: thread` remains for tests and small deployments: no process start, one copy of XGBoost.
+The worker process ends with the gateway, also when the gateway is killed with SIGKILL
+(`backends.lifeline`: parent-death signal and a watchdog on the parent's pid).
 `xgboost.threads` (OpenMP threads per training, default 1) leaves the other cores to the loop.
 """
 
@@ -35,6 +37,7 @@ import asyncio
 import functools
 import math
 import multiprocessing
+import os
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal
 
+from backends.lifeline import die_with_parent
 from predictor.accuracy import absolute_percentage_errors
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
@@ -144,7 +148,12 @@ class TrainingWorker:
         if self._executor is not None:
             return
         if self.kind == "process":
-            self._executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=die_with_parent,
+                initargs=(os.getpid(),),
+            )
             await asyncio.get_running_loop().run_in_executor(self._executor, _warm_up)
         else:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="predictor-train")

@@ -284,10 +284,8 @@ class Admission:
             ticket.actual_cost_usd = actual_usd
             if ticket.source == "none":
                 return
-            deltas = [
-                spec.actual_cost(prompt, cached, completion) - reserved
-                for spec, reserved in zip(plan.buckets, ticket.bucket_costs, strict=True)
-            ]
+            actual = [spec.actual_cost(prompt, cached, completion) for spec in plan.buckets]
+            deltas = [cost - reserved for cost, reserved in zip(actual, ticket.bucket_costs, strict=True)]
             settlement = Settlement(
                 ticket.ticket_id,
                 ticket.source,
@@ -296,6 +294,7 @@ class Admission:
                 ticket.budget_periods,
                 actual_usd,
                 ticket.generation,
+                actual,
             )
             await self._apply(plan, settlement, now)
         except Exception:

@@ -148,8 +148,8 @@ class FailoverStore:
         if settlement.source == "local":
             if settlement.generation == self.local.generation:
                 self.local.apply_now(plan, settlement, self.store_now(now_s))
-            if plan.budgets and settlement.actual_cost_usd > 0.0:
-                await self._send("charge", plan, settlement, now_s)
+            if (plan.budgets and settlement.actual_cost_usd > 0.0) or any(settlement.actual_bucket_costs):
+                await self._send("charge", plan, settlement, now_s)  # what it cost, counted everywhere
             return
         self.mirror.settled(plan, settlement)
         await self._send("settle", plan, settlement, now_s)

@@ -144,30 +144,43 @@ class RedisStore:
         return bool(int(await self.pipeline.call(self._settle, enc.keys, args)))
 
     async def charge_budgets(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
-        """Charge the real cost of a request admitted locally while Redis was down, exactly once."""
+        """Charge the real cost of a request admitted locally while Redis was down, exactly once: to
+        the budgets, and (`settlement.actual_bucket_costs`) to the shared buckets, where it stands as
+        debt if the replicas' shares together went past the limit."""
         enc = self._encoded(plan)
+        with_buckets = len(settlement.actual_bucket_costs) == len(plan.buckets) and any(settlement.actual_bucket_costs)
         args = [
             _now_arg(now_s),
             settlement.ticket_id,
             "m",
             MARKER_TTL_S,
             repr(settlement.actual_cost_usd),
-            enc.marker_plan,
-            "",
+            enc.charge_plan if with_buckets else enc.marker_plan,
+            " ".join(map(repr, settlement.actual_bucket_costs)) if with_buckets else "",
             " ".join(map(str, settlement.budget_periods)),
         ]
-        keys = [self._tag + "m:" + settlement.ticket_id, *enc.budget_keys]
+        buckets = enc.bucket_keys if with_buckets else []
+        keys = [self._tag + "m:" + settlement.ticket_id, *buckets, *enc.budget_keys]
         return bool(int(await self.pipeline.call(self._settle, keys, args)))
 
 
 class _Encoded:
     """A plan as the scripts take it: key names and the space-separated static parameters."""
 
-    __slots__ = ("budget_keys", "keys", "marker_plan", "reserve_keys", "reserve_plan", "settle_plan")
+    __slots__ = (
+        "bucket_keys",
+        "budget_keys",
+        "charge_plan",
+        "keys",
+        "marker_plan",
+        "reserve_keys",
+        "reserve_plan",
+        "settle_plan",
+    )
 
     def __init__(self, store: RedisStore, plan: Plan) -> None:
         tag = store._tag
-        bucket_keys = [tag + "b:" + spec.key for spec in plan.buckets]
+        self.bucket_keys = bucket_keys = [tag + "b:" + spec.key for spec in plan.buckets]
         lease_keys = [tag + "c:" + lease.key for lease in plan.leases]
         self.budget_keys = [tag + "u:" + budget.key for budget in plan.budgets]
         self.keys = [store._tickets, *bucket_keys, *lease_keys, *self.budget_keys]
@@ -184,3 +197,5 @@ class _Encoded:
         periods = [budget.period for budget in plan.budgets]
         self.settle_plan = " ".join([*counts, *(repr(spec.rate_per_s) for spec in plan.buckets), *periods])
         self.marker_plan = " ".join(["0", "0", str(len(plan.budgets)), *periods])
+        rates = [repr(spec.rate_per_s) for spec in plan.buckets]
+        self.charge_plan = " ".join([str(len(plan.buckets)), "0", str(len(plan.budgets)), *rates, *periods])

@@ -169,6 +169,9 @@ class Settlement:
     budget_periods: list[int]
     actual_cost_usd: float  # fail-open tickets push this to Redis once it is back
     generation: int = 0  # local store generation at admit (fail-open tickets only)
+    # what the request really cost in each bucket (plan order): fail-open tickets push it to the
+    # shared buckets too, so what a replica admitted on its own is counted everywhere afterwards
+    actual_bucket_costs: list[float] = field(default_factory=list)
 
 
 class StoreUnavailable(Exception):
