@@ -41,9 +41,7 @@ def final_response(data: bytes) -> tuple[int, bytes]:
 
 
 @pytest.fixture
-def pair(
-    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
-) -> tuple[Gateway, SimEngines]:
+def pair(sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]) -> tuple[Gateway, SimEngines]:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b", time_scale=1)
     gateway = gateway_factory(pools=[static_pool("llama", "llama-3.1-8b", engines.urls)])
     return gateway, engines
