@@ -95,6 +95,11 @@ class Policy:
     def model_config(self, model: str) -> ModelConfig | None:
         return self.config.models.get(model)
 
+    def engine_fields(self, principal: Principal) -> tuple[str, ...]:
+        """The engine-control fields the caller's tenant may set (`tenants.<t>.engine_fields`)."""
+        tenant = self.config.tenants.get(principal.tenant)
+        return tuple(tenant.engine_fields) if tenant is not None else ()
+
     def fallbacks(self, model: str) -> tuple[FallbackConfig, ...]:
         """The model's fallback chain, targets resolved to model names."""
         return self._fallbacks.get(model, ())

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from policies.engine_fields import ENGINE_CONTROL_FIELDS
 from policies.flow.schema import FlowPolicy
 
 PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
@@ -79,6 +80,18 @@ class TenantConfig(_Strict):
     allow_fallback: bool = True
     slo_class: str | None = Field(default=None, description="latency SLO of its requests (slo_classes)")
     weight: float = Field(default=1.0, gt=0, description="its share of a saturated pool, relative to others'")
+    engine_fields: list[str] = Field(
+        default_factory=list,
+        description="engine-control request fields its clients may set (policies/engine_fields.py); none by default",
+    )
+
+    @field_validator("engine_fields")
+    @classmethod
+    def _known_engine_fields(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - ENGINE_CONTROL_FIELDS)
+        if unknown:
+            raise ValueError(f"not engine-control fields: {unknown} (known: {sorted(ENGINE_CONTROL_FIELDS)})")
+        return value
 
 
 class KeyConfig(_Strict):

@@ -27,6 +27,7 @@ from policies.limits import buckets, rejections
 from policies.limits.headers import Headers, ratelimit_headers
 from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
 from policies.policy import Policy
+from policies.reservation import output_reservation
 from policies.types import Rejection, RequestFacts, Usage
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,11 @@ class Admission:
         """Reserve `facts.prompt_tokens` + the output reservation, one request, one lease and the cost
         estimate in every bucket of (key, tenant, model, key x model, global) at once, or none.
         `now` (epoch s) overrides the store's clock (tests)."""
-        plan = self._policies.current.admission_plan(facts.principal, model)
+        policy = self._policies.current
+        plan = policy.admission_plan(facts.principal, model)
         prompt_tokens = facts.prompt_tokens
-        output_tokens = _output_tokens(facts, model, plan)
+        model_config = policy.model_config(model)
+        output_tokens = _output_tokens(facts, model, plan, model_config.context_length if model_config else None)
         if not (plan.buckets or plan.leases or plan.budgets):
             self.counters["admitted"] += 1
             return Admitted((), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
@@ -340,13 +343,19 @@ class Admission:
         await self.store.close()
 
 
-def _output_tokens(facts: RequestFacts, model: str, plan: Plan) -> int:
-    """The output reservation: max_tokens x n, else this model's default (a fallback model may differ)."""
+def _output_tokens(facts: RequestFacts, model: str, plan: Plan, context_length: int | None) -> int:
+    """The output reservation: max_tokens x n, else this model's (a fallback model's may differ:
+    its default, `min_tokens` and `ignore_eos` against its context; policies/reservation.py)."""
     if facts.api == "embeddings":
         return 0
     if facts.max_tokens is None and model != facts.model:
-        n = facts.body.get("n") if isinstance(facts.body, dict) else None
-        return plan.default_max_tokens * (n if isinstance(n, int) and n > 0 else 1)
+        return output_reservation(
+            facts.body if isinstance(facts.body, dict) else {},
+            max_tokens=None,
+            estimate_tokens=plan.default_max_tokens,
+            context_length=context_length,
+            prompt_tokens=facts.prompt_tokens,
+        )
     if facts.output_reservation > 0:
         return facts.output_reservation
     if facts.max_tokens is not None:
