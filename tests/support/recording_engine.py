@@ -1,16 +1,18 @@
 """An OpenAI-compatible engine that records every request body it receives (tests only).
 
-    python -m tests.support.recording_engine --port P [--bad-sse] [--fail-on FIELD]
+    python -m tests.support.recording_engine --port P [--bad-sse] [--fail-on FIELD] [--slow-tokenize S]
 
 Serves /health, /metrics (vLLM's load metrics, all zero), /v1/models and /v1/chat/completions
 (a fixed two-token answer, streamed or not, with usage). `GET /_bodies` returns the bodies received.
 `--bad-sse` sends one malformed event in every stream; `--fail-on FIELD` answers 500 to any request
-whose body has FIELD (a request that crashes the engine whatever endpoint it reaches).
+whose body has FIELD (a request that crashes the engine whatever endpoint it reaches);
+`--slow-tokenize S` makes `POST /tokenize` (vLLM's, for precise prefix routing) take S seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from typing import Any
 
@@ -68,6 +70,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    await asyncio.sleep(request.app[OPTIONS].slow_tokenize)
+    return web.Response(
+        body=orjson.dumps({"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3]}), content_type="application/json"
+    )
+
+
 async def bodies(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(request.app[BODIES]), content_type="application/json")
 
@@ -91,12 +100,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bad-sse", action="store_true")
     parser.add_argument("--fail-on", default="")
+    parser.add_argument("--slow-tokenize", type=float, default=0.0)
     options = parser.parse_args()
     app = web.Application()
     app[BODIES] = []
     app[OPTIONS] = options
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/_bodies", bodies)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
