@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from backends.autoscale.config import AutoscaleConfig, ShareConfig
 from backends.discovery.config import DiscoveryConfig
 from backends.types import Role
 
@@ -115,6 +116,13 @@ class PoolConfig(_Strict):
         description="engine-specific settings merged into the adapter's: trtllm-serve --config YAML "
         "(LlmArgs), vllm-ascend --additional-config",
     )
+    autoscale: AutoscaleConfig | None = Field(default=None, description="elastic replicas (docs/autoscaling.md)")
+    share: ShareConfig | None = Field(default=None, description="take turns on `devices` with other pools")
+    migrate_streams: bool | None = Field(
+        default=None,
+        description="continue a stream on another replica when its own dies or is stopped mid-stream "
+        "(default: on for launched pools)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -133,9 +141,55 @@ class PoolConfig(_Strict):
             raise ValueError("give either `replicas` or `roles`, not both")
         if self.engine == "openai" and self.launched_replicas:
             raise ValueError("engine `openai` is a remote API: list it under `endpoints`, not replicas")
-        if not self.launched_replicas and not self.endpoints and self.discovery is None:
-            raise ValueError("a pool needs launched replicas (`replicas`/`roles`), static `endpoints` or `discovery`")
+        if self.autoscale is not None:
+            self._check_autoscale(self.autoscale)
+        elif self.share is not None:
+            raise ValueError("`share` needs `autoscale` (sharing pools sleep and wake their replicas)")
+        if not self.launched_replicas and not self.endpoints and self.discovery is None and self.autoscale is None:
+            raise ValueError(
+                "a pool needs launched replicas (`replicas`/`roles`, or `autoscale`), static `endpoints` or `discovery`"
+            )
         return self
+
+    def _check_autoscale(self, autoscale: AutoscaleConfig) -> None:
+        if self.engine == "openai":
+            raise ValueError("engine `openai` is a remote API: it cannot be autoscaled")
+        if self.roles is not None and autoscale.roles is None:
+            raise ValueError("a prefill/decode pool's `autoscale` needs `roles` bounds per role")
+        if self.roles is None and autoscale.roles is not None:
+            raise ValueError("`autoscale.roles` needs `roles` (a prefill/decode pool)")
+        for role, count in self.initial_roles().items():
+            low, high = autoscale.bounds(role)
+            if count > high:
+                raise ValueError(f"{count} initial {role} replicas but autoscale allows at most {high}")
+        if self.share is not None and not isinstance(self.devices, list):
+            raise ValueError("`share` needs the shared `devices` listed")
+
+    def initial_roles(self) -> dict[str, int]:
+        """Launched replicas per role at start ("both" for an ordinary pool); an autoscaled pool starts
+        at least its `min_replicas`."""
+        counts: dict[str, int] = {"both": self.replicas}
+        if self.roles is not None:
+            counts = {str(role): int(n) for role, n in self.roles.items()}
+        if self.autoscale is not None:
+            for role in list(counts):
+                low, high = self.autoscale.bounds(role)
+                counts[role] = min(max(counts[role], low), max(high, counts[role]))
+        return counts
+
+    def slots(self, role: str) -> int:
+        """Replica slots (ids, ports) planned for `role`: the initial count, or the autoscaler's maximum."""
+        initial = self.initial_roles().get(role, 0)
+        if self.autoscale is None:
+            return initial
+        return max(initial, self.autoscale.bounds(role)[1])
+
+    @property
+    def migrates_streams(self) -> bool:
+        """Whether a stream cut by its replica continues on another (default: on for launched pools)."""
+        if self.migrate_streams is not None:
+            return self.migrate_streams
+        return self.engine != "openai"
 
     @property
     def launched_replicas(self) -> int:
@@ -150,6 +204,11 @@ class PoolConfig(_Strict):
     def disaggregated(self) -> bool:
         roles = {e.role for e in self.endpoints} | set((self.roles or {}).keys())
         return Role.PREFILL in roles or "prefill" in roles
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the autoscaler sizes this pool's launched replicas."""
+        return self.autoscale is not None
 
 
 class EjectionSettings(_Strict):

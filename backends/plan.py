@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from backends.adapters.base import EngineAdapter, LaunchSpec, ReplicaPlan
+from backends.autoscale.sleep import sleep_problem, with_sleep_mode
 from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings, PoolConfig
 from backends.devices import DeviceRequest, allocate_devices, detect_devices
@@ -38,12 +39,9 @@ class PlannedReplica:
 
 
 def replica_slots(pool: PoolConfig) -> list[tuple[Role, int]]:
-    """The launched replicas of a pool in a fixed order: `both` ones, then prefill, then decode."""
-    slots = [(Role.BOTH, i) for i in range(pool.replicas)]
-    roles = pool.roles or {}
-    for role in (Role.PREFILL, Role.DECODE):
-        slots += [(role, i) for i in range(roles.get(role.value, 0))]  # type: ignore[call-overload]
-    return slots
+    """The launched replicas of a pool in a fixed order: `both` ones, then prefill, then decode. An
+    autoscaled pool has a slot for every replica it may run (`max_replicas` per role)."""
+    return [(role, i) for role in (Role.BOTH, Role.PREFILL, Role.DECODE) for i in range(pool.slots(role.value))]
 
 
 def plan_replicas(
@@ -56,12 +54,17 @@ def plan_replicas(
     """Every launched replica of `pools`, with devices and ports allocated. Raises PlanError (naming
     the pool) when an adapter refuses the pool or devices/ports cannot be allocated."""
     launched = [(pool, get_adapter(pool.engine)) for pool in pools]
-    launched = [(pool, adapter) for pool, adapter in launched if adapter.launches and pool.launched_replicas]
+    launched = [
+        (pool, adapter) for pool, adapter in launched if adapter.launches and (pool.launched_replicas or pool.elastic)
+    ]
     _check_names(pools)
     for pool, adapter in launched:
         problems = adapter.validate(pool)
         if pool.roles and not adapter.supports_pd:
             problems.append(f"engine `{adapter.kind}` has no prefill/decode disaggregation")
+        sleep = sleep_problem(pool)
+        if sleep is not None:
+            problems.append(sleep)
         if problems:
             raise PlanError(f"pool {pool.name!r} ({adapter.kind}): " + "; ".join(problems))
 
@@ -109,8 +112,26 @@ def plan_replicas(
                 run_dir=settings.run_dir,
                 hash_seed=settings.hash_seed,
             )
-            planned.append(PlannedReplica(pool, adapter, replica, adapter.launch_spec(pool, replica)))
+            planned.append(PlannedReplica(pool, adapter, replica, launch_spec(adapter, pool, replica)))
     return planned
+
+
+def launch_spec(adapter: EngineAdapter, pool: PoolConfig, replica: ReplicaPlan) -> LaunchSpec:
+    """The adapter's process for `replica`, with sleep mode switched on where the pool sleeps."""
+    return with_sleep_mode(adapter.launch_spec(pool, replica), pool)
+
+
+def device_inventory(
+    pools: Sequence[PoolConfig], settings: BackendsSettings, detect: InventoryProbe = detect_devices
+) -> tuple[tuple[int, ...] | None, str]:
+    """This host's devices for the pools' engines (`backends.devices`, else the first engine's tool)
+    and where the list came from (for messages)."""
+    if settings.devices != "auto":
+        return tuple(settings.devices), "backends.devices"
+    adapters = [get_adapter(pool.engine) for pool in pools]
+    tools = [a.device_tool for p, a in zip(pools, adapters, strict=True) if p.devices == "auto" and a.device_tool]
+    tool = tools[0] if tools else next((a.device_tool for a in adapters if a.launches and a.device_tool), None)
+    return (detect(tool) if tool else None), (f"this host ({tool})" if tool else "this host")
 
 
 def _check_names(pools: Sequence[PoolConfig]) -> None:
@@ -125,13 +146,14 @@ def _allocate_devices(
     launched: Sequence[tuple[PoolConfig, EngineAdapter]], settings: BackendsSettings, detect: InventoryProbe
 ) -> dict[str, list[tuple[int, ...]]]:
     requests = []
-    tools: list[str] = []
-    for pool, adapter in launched:
+    elastic: set[int] = set()  # devices listed by autoscaled pools: theirs, given at each launch
+    for pool, _adapter in launched:
         if pool.devices is None:
             continue
         explicit = None if pool.devices == "auto" else tuple(pool.devices)
-        if explicit is None and adapter.device_tool:
-            tools.append(adapter.device_tool)
+        if pool.elastic:
+            elastic.update(explicit or ())
+            continue
         requests.append(
             DeviceRequest(
                 pool=pool.name,
@@ -143,13 +165,9 @@ def _allocate_devices(
         )
     if not requests:
         return {}
-    inventory: tuple[int, ...] | None
-    if settings.devices != "auto":
-        inventory, source = tuple(settings.devices), "backends.devices"
-    else:
-        tool = tools[0] if tools else next((a.device_tool for _, a in launched if a.device_tool), None)
-        inventory = detect(tool) if tool else None
-        source = f"this host ({tool})" if tool else "this host"
+    inventory, source = device_inventory([pool for pool, _ in launched], settings, detect)
+    if inventory is not None and elastic:
+        inventory = tuple(d for d in inventory if d not in elastic)
     return allocate_devices(requests, inventory, source)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
 import time
 import weakref
@@ -30,7 +31,7 @@ import aiohttp
 from backends.adapters.base import EngineAdapter, Probe
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
-from backends.plan import PlannedReplica, plan_replicas
+from backends.plan import PlannedReplica, launch_spec, plan_replicas
 from backends.ports import is_port_free
 from backends.process import EngineProcess, describe_exit, tail_lines
 from backends.types import Endpoint, EndpointState, EndpointStats
@@ -122,6 +123,10 @@ class Supervisor:
             fleet.pools[item.pool.name].endpoints.append(endpoint)
             replica = Replica(item, endpoint)
             self.replicas[endpoint.id] = replica
+            if item.pool.elastic:  # the autoscaler launches it, on devices it assigns
+                endpoint.state, endpoint.state_reason = EndpointState.STOPPED, "not started"
+                replica.settled.set()
+                continue
             replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint.id}")
         if planned:
             self._register_atexit()
@@ -176,6 +181,32 @@ class Supervisor:
         replica.failure = None
         replica.settled = asyncio.Event()
         replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint_id}")
+
+    def launch(self, endpoint_id: str, devices: tuple[int, ...] = ()) -> None:
+        """Start a stopped replica (an autoscaled slot) on `devices`; readiness is tracked as for any
+        replica (`wait_ready`). Its id and port are the slot's own."""
+        replica = self._replica(endpoint_id)
+        if replica.task is not None and not replica.task.done():
+            raise RuntimeError(f"replica {endpoint_id!r} is already running")
+        planned = replica.planned
+        plan = dataclasses.replace(planned.replica, devices=devices)
+        replica.planned = dataclasses.replace(
+            planned, replica=plan, spec=launch_spec(planned.adapter, planned.pool, plan)
+        )
+        replica.endpoint.devices = devices
+        replica.stopping = False
+        replica.crash_times_s.clear()
+        replica.failure = None
+        replica.settled = asyncio.Event()
+        replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint_id}")
+        self._register_atexit()
+
+    async def park(self, endpoint_id: str, reason: str = "scaled down") -> None:
+        """Stop one replica now (the caller drained it) and leave its slot STOPPED, devices freed."""
+        replica = self._replica(endpoint_id)
+        await self._stop_replica(replica, 0.0)
+        replica.endpoint.state, replica.endpoint.state_reason = EndpointState.STOPPED, reason
+        replica.endpoint.devices = ()
 
     def failures(self) -> list[ReplicaFailure]:
         return [r.failure for r in self.replicas.values() if r.failure is not None]

@@ -18,6 +18,8 @@ class EndpointState(StrEnum):
     DRAINING = "draining"  # finishing in-flight requests before a stop; takes no new ones
     UNHEALTHY = "unhealthy"  # ejected by passive/active checks; a half-open probe may bring it back
     DEAD = "dead"  # process exited (launched endpoints) or crash-looping
+    SLEEPING = "sleeping"  # launched, asleep (vLLM sleep mode): weights off the device, wakes in seconds
+    STOPPED = "stopped"  # an autoscaled slot with no process: scaled down, or never started
 
 
 class Role(StrEnum):

@@ -236,6 +236,11 @@ class LatencyPrior:
         tpot_s = self._steady_step_s(batch, batch_ctx, prefill_rate_tps, input_tokens)
         return PriorEstimate(batch, batch_ctx, float(steps), ttft_s * 1e3 / scale, tpot_s * 1e3 / scale)
 
+    def steady_step_s(self, decodes: float, decode_ctx: float, prefill_rate_tps: float, prompt_tokens: float) -> float:
+        """Mean engine step (engine seconds) of `decodes` requests over `decode_ctx` context tokens
+        while prompts of `prompt_tokens` arrive at `prefill_rate_tps` (engine time)."""
+        return self._steady_step_s(decodes, decode_ctx, prefill_rate_tps, prompt_tokens)
+
     def _steady_step_s(self, decodes: float, decode_ctx: float, prefill_rate_tps: float, prompt_tokens: float) -> float:
         """Mean step of `decodes` requests while prompts arrive at `prefill_rate_tps` tokens/s.
 

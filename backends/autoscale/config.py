@@ -1,0 +1,112 @@
+"""`autoscale:` and `share:` of a pool in gateway.yaml (pydantic: configuration only).
+
+    pools:
+      - name: llama-8b
+        model: llama-3.1-8b
+        engine: vllm
+        autoscale: {min_replicas: 0, max_replicas: 4, idle_s: 300, max_held: 64, max_hold_s: 120}
+
+An autoscaled pool launches `replicas` (clamped into [min_replicas, max_replicas]) at start and
+keeps `max_replicas` slots (ids, ports) planned, so a replica started later keeps the id and port a
+restart would give it. Devices come from the host's budget when a replica starts (`devices: auto`,
+or the pool's own list), not at plan time.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SleepConfig(_Strict):
+    """Scale down by putting replicas to sleep instead of stopping them (vLLM's sleep mode).
+
+    Level 1 offloads the weights to host memory (a wake copies them back over PCIe: seconds); level 2
+    discards them (a wake reloads them from storage, without the engine's initialisation)."""
+
+    level: Literal[1, 2] = 1
+
+
+class RoleBounds(_Strict):
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> RoleBounds:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas is larger than max_replicas")
+        return self
+
+
+class AutoscaleConfig(_Strict):
+    """How the planner sizes one pool (docs/autoscaling.md explains each signal)."""
+
+    min_replicas: int = Field(default=0, ge=0)
+    max_replicas: int = Field(default=1, ge=0, description="launched slots planned (ids, ports)")
+    roles: dict[Literal["prefill", "decode"], RoleBounds] | None = Field(
+        default=None, description="per-role bounds of a prefill/decode pool (instead of min/max_replicas)"
+    )
+    interval_s: float = Field(default=5.0, gt=0, description="a planning pass every interval")
+    idle_s: float = Field(default=300.0, ge=0, description="no request for this long: down to min_replicas")
+    max_held: int = Field(default=64, ge=0, description="requests held while a replica starts or wakes")
+    max_hold_s: float = Field(default=120.0, ge=0, description="longest a request is held for a start")
+    target_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="share of a replica's token velocity at the SLO to plan for"
+    )
+    hysteresis: float = Field(
+        default=0.15, ge=0, lt=1, description="scale down only when utilisation is this far below target"
+    )
+    kv_target: float = Field(default=0.85, gt=0, le=1, description="KV cache share in use to plan for")
+    scale_up_cooldown_s: float = Field(default=0.0, ge=0, description="least time between two scale-ups")
+    scale_down_cooldown_s: float = Field(
+        default=60.0, ge=0, description="least time after any scale event before a scale-down"
+    )
+    stabilization_s: float = Field(
+        default=60.0, ge=0, description="a scale-down goes only to the largest need of this window"
+    )
+    priority: int = Field(default=0, description="larger first when pools share the device budget")
+    sleep: SleepConfig | None = Field(default=None, description="sleep instead of stopping (vLLM sleep mode)")
+    ttft_slo_ms: float = Field(default=2000.0, gt=0, description="the TTFT a replica's prefill velocity keeps")
+    tpot_slo_ms: float = Field(default=100.0, gt=0, description="the TPOT a replica's decode velocity keeps")
+    startup_s: float | None = Field(
+        default=None, gt=0, description="start-up time before one is measured (default: an estimate)"
+    )
+    convert_roles: bool = Field(
+        default=True, description="PD pools: move devices between roles when one role's need lasts"
+    )
+    forecast_alpha: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of the newest rate")
+    forecast_beta: float = Field(default=0.3, ge=0, le=1, description="EWMA weight of the newest trend")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.roles is None:
+            if self.min_replicas > self.max_replicas:
+                raise ValueError("min_replicas is larger than max_replicas")
+            if self.max_replicas < 1:
+                raise ValueError("max_replicas must be at least 1")
+        elif not any(b.max_replicas for b in self.roles.values()):
+            raise ValueError("roles: some role needs max_replicas >= 1")
+        return self
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(min, max) replicas of `role` ("both" for an ordinary pool)."""
+        if self.roles is None:
+            return self.min_replicas, self.max_replicas
+        found = self.roles.get(role)  # type: ignore[call-overload]
+        return (found.min_replicas, found.max_replicas) if found is not None else (0, 0)
+
+
+class ShareConfig(_Strict):
+    """Pools that list the same `devices` and `share:` take turns on them: at most `max_awake` of
+    those pools' replicas are awake per device; a request for a sleeping one wakes it and sleeps the
+    least recently used awake one once its requests have drained."""
+
+    max_awake: int = Field(default=1, ge=1)
+    min_awake_s: float = Field(
+        default=2.0, ge=0, description="a woken replica keeps its place this long while it has traffic"
+    )

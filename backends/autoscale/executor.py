@@ -1,0 +1,394 @@
+"""The executor: carries the planner's decisions out on the autoscaled pools' replicas.
+
+Per pool and role it compares the desired count with the active replicas (ready, starting, waking)
+and acts, each action one task per replica (a replica does one thing at a time):
+
+- up: return a replica that is draining for a scale-down (it never left), else wake a sleeping one
+  whose devices are free (seconds), else start a stopped slot on free devices (a cold start);
+- down: cancel a start that is not ready yet, else drain the ready replica with the fewest requests
+  in flight: the router stops sending it requests (DRAINING: no new requests, no PD legs), the
+  requests it runs finish — for at most the pool's `drain_timeout_s`; a drain that runs out is
+  counted and logged, and the replica is then stopped only if its streams can move to another
+  replica (`migrate_streams`), else it waits for them (never an abort) — then it sleeps (pools with
+  `autoscale.sleep`) or stops.
+
+Every start and wake is timed (`LeadTimes`: the planner's lead, the cold-start hold's estimate) and
+every action is an `Event` in a bounded log (`/admin/pools`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from backends.autoscale import sleep as sleep_mode
+from backends.autoscale.devices import DeviceBudget, group_of
+from backends.autoscale.startup import LeadTimes
+from backends.autoscale.types import PoolPlan, RoleState
+from backends.config import BackendsSettings, PoolConfig
+from backends.fleet import Fleet
+from backends.plan import device_inventory
+from backends.supervisor import Supervisor
+from backends.types import Endpoint, EndpointState, Role
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_EVENTS_KEPT = 256
+_FAILED_SLOT_PAUSE_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing the executor did (or could not do)."""
+
+    at_unix_s: float
+    pool: str
+    role: str
+    # start | ready | wake | awake | drain | undrain | sleep | stop | drain_timeout | fail | blocked
+    action: str
+    endpoint: str
+    detail: str = ""
+
+
+class Executor:
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        fleet: Fleet,
+        settings: BackendsSettings,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_ready: Callable[[str], None] | None = None,
+    ) -> None:
+        self.supervisor = supervisor
+        self.fleet = fleet
+        self.settings = settings
+        self.clock = clock
+        self.on_ready = on_ready  # a replica of this pool began serving (wakes held requests)
+        self.session = session
+        self.lead = LeadTimes()
+        self.events: deque[Event] = deque(maxlen=_EVENTS_KEPT)
+        self.drain_timeouts: dict[str, int] = {}
+        self.scale_events: dict[tuple[str, str], int] = {}  # (pool, up|down) -> count
+        self.awake_since_s: dict[str, float] = {}
+        self.last_used_s: dict[str, float] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._op_kind: dict[str, str] = {}
+        self._began: dict[str, float] = {}
+        self._reserved: dict[str, tuple[int, ...]] = {}
+        self._retiring: set[str] = set()  # drains still waiting for requests (may be undone)
+        self._failed_at: dict[str, float] = {}
+        self.budget = DeviceBudget()
+        self._owns_session = False
+
+    @property
+    def pools(self) -> list[PoolConfig]:
+        return [p.config for p in self.fleet.pools.values() if p.config.elastic]
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Build the device budget and launch every autoscaled pool's initial replicas."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+            self._owns_session = True
+        configs = [p.config for p in self.fleet.pools.values()]
+        inventory, _source = device_inventory(configs, self.settings)
+        fixed = {d for e in self.fleet.endpoints() if not self._elastic(e) for d in e.devices}
+        self.budget = DeviceBudget.build(configs, inventory, fixed)
+        for pool in self.pools:
+            assert pool.autoscale is not None
+            self.lead.guess(pool.name, pool.autoscale.startup_s or self.lead.startup_s(pool.name))
+            for role, count in pool.initial_roles().items():
+                for _ in range(count):
+                    self._scale_up(pool, Role(role), "initial replicas")
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self._owns_session and self.session is not None:
+            await self.session.close()
+        self.session = None
+
+    # --- what the planner reads ------------------------------------------------------------------
+
+    def role_state(self, pool: str, role: Role) -> RoleState:
+        counts = {"ready": 0, "starting": 0, "draining": 0, "sleeping": 0, "stopped": 0}
+        for endpoint in self._endpoints(pool, role):
+            counts[self._phase(endpoint)] += 1
+        return RoleState(**counts)
+
+    def capacity(self) -> dict[str, int]:
+        return self.budget.capacity()
+
+    def devices_per_replica(self, pool: str) -> int:
+        return self.budget.per_replica.get(pool, 1)
+
+    def note_request(self, pool: str, now_s: float) -> None:
+        self.last_used_s[pool] = now_s
+
+    def expected_ready_in_s(self, pool: str) -> float | None:
+        """Seconds until a replica of `pool` starting or waking now should serve; None when none is."""
+        best: float | None = None
+        for endpoint in self.fleet.pools[pool].endpoints:
+            kind = self._op_kind.get(endpoint.id)
+            if kind not in ("start", "wake"):
+                continue
+            began = self._began.get(endpoint.id, self.clock())
+            total = self.lead.startup_s(pool) if kind == "start" else self.lead.wake_s(pool)
+            left = max(total - (self.clock() - began), 0.0)
+            best = left if best is None else min(best, left)
+        return best
+
+    # --- carrying plans out ----------------------------------------------------------------------
+
+    def apply(self, plans: Sequence[PoolPlan]) -> None:
+        """Start the actions that move each pool towards its desired replicas (returns at once)."""
+        for plan in plans:
+            pool = self.fleet.pools[plan.pool].config
+            for role_plan in plan.roles:
+                role = Role(role_plan.role)
+                active = self.role_state(pool.name, role).active
+                for _ in range(role_plan.desired - active):
+                    if not self._scale_up(pool, role, plan.reason):
+                        break
+                for _ in range(active - role_plan.desired):
+                    if not self._scale_down(pool, role, plan.reason):
+                        break
+
+    def _scale_up(self, pool: PoolConfig, role: Role, reason: str) -> bool:
+        endpoints = list(self._endpoints(pool.name, role))
+        for endpoint in endpoints:  # a replica draining for a scale-down goes back to serving
+            if endpoint.id in self._retiring and self._busy(endpoint.id):
+                self._retiring.discard(endpoint.id)
+                self._cancel(endpoint.id)
+                endpoint.state, endpoint.state_reason = EndpointState.READY, ""
+                self._event(pool, role, "undrain", endpoint, reason)
+                self._count(pool.name, "up")
+                return True
+        every = list(self.fleet.endpoints())
+        for endpoint in endpoints:
+            sleeping = self._phase(endpoint) == "sleeping" and not self._busy(endpoint.id)
+            if sleeping and self.budget.can_wake(endpoint, every, self._reserved):
+                self._run(endpoint, "wake", self._wake(pool, role, endpoint, reason))
+                self._count(pool.name, "up")
+                return True
+        now = self.clock()
+        for endpoint in endpoints:
+            if self._phase(endpoint) != "stopped" or self._busy(endpoint.id):
+                continue
+            if now - self._failed_at.get(endpoint.id, float("-inf")) < _FAILED_SLOT_PAUSE_S:
+                continue
+            devices = self.budget.place(pool, every, self._reserved)
+            if devices is None:
+                self._event(pool, role, "blocked", endpoint, f"no free devices in {group_of(pool)}")
+                return False
+            self._reserved[endpoint.id] = devices
+            self._run(endpoint, "start", self._start(pool, role, endpoint, devices, reason))
+            self._count(pool.name, "up")
+            return True
+        return False
+
+    def _scale_down(self, pool: PoolConfig, role: Role, reason: str) -> bool:
+        endpoints = list(self._endpoints(pool.name, role))
+        starting = [e for e in endpoints if self._op_kind.get(e.id) == "start"]
+        if starting:  # a start not ready yet holds no requests: cancel it
+            endpoint = starting[-1]
+            self._cancel(endpoint.id)
+            self._run(endpoint, "stop", self._stop(pool, role, endpoint, "start cancelled: " + reason))
+            self._count(pool.name, "down")
+            return True
+        ready = [e for e in endpoints if e.state is EndpointState.READY and not self._busy(e.id)]
+        if not ready:
+            return False
+        endpoint = min(ready, key=lambda e: (e.inflight.requests, e.id))
+        self._retiring.add(endpoint.id)
+        self._run(endpoint, "drain", self._retire(pool, role, endpoint, reason))
+        self._count(pool.name, "down")
+        return True
+
+    # --- the actions -----------------------------------------------------------------------------
+
+    async def _start(
+        self, pool: PoolConfig, role: Role, endpoint: Endpoint, devices: tuple[int, ...], why: str
+    ) -> None:
+        began = self.clock()
+        self._event(pool, role, "start", endpoint, f"devices {list(devices) or '-'}: {why}")
+        try:
+            self.supervisor.launch(endpoint.id, devices)
+            failures = await self.supervisor.wait_ready(endpoint_ids=[endpoint.id])
+        finally:
+            self._reserved.pop(endpoint.id, None)
+        if failures or endpoint.state is not EndpointState.READY:
+            self._failed_at[endpoint.id] = self.clock()
+            detail = str(failures[0]) if failures else f"state {endpoint.state.value}"
+            self._event(pool, role, "fail", endpoint, detail)
+            return
+        took = self.clock() - began
+        self.lead.observe_start(pool.name, took)
+        self.awake_since_s[pool.name] = self.clock()
+        self._event(pool, role, "ready", endpoint, f"started in {took:.2f} s")
+        self._ready(pool.name)
+
+    async def _wake(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
+        began = self.clock()
+        self._reserved[endpoint.id] = endpoint.devices
+        self._event(pool, role, "wake", endpoint, why)
+        endpoint.state, endpoint.state_reason = EndpointState.STARTING, "waking"
+        try:
+            ok = await self._post(endpoint, sleep_mode.WAKE_PATH, pool.ready_timeout_s)
+        finally:
+            self._reserved.pop(endpoint.id, None)
+        if not ok:
+            self._event(pool, role, "fail", endpoint, "wake_up failed: stopping it")
+            await self.supervisor.park(endpoint.id, "wake-up failed")
+            return
+        took = self.clock() - began
+        self.lead.observe_wake(pool.name, took)
+        endpoint.stats.scraped_at_s = 0.0  # its cache is empty: wait for a fresh scrape's numbers
+        endpoint.state, endpoint.state_reason = EndpointState.READY, ""
+        self.awake_since_s[pool.name] = self.clock()
+        self._event(pool, role, "awake", endpoint, f"woke in {took:.2f} s")
+        self._ready(pool.name)
+
+    async def _retire(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
+        """Drain, then sleep or stop (module docstring)."""
+        endpoint.state, endpoint.state_reason = EndpointState.DRAINING, "draining (scale-down)"
+        self._event(pool, role, "drain", endpoint, f"{endpoint.inflight.requests} in flight: {why}")
+        deadline_s = self.clock() + pool.drain_timeout_s
+        timed_out = False
+        # The relay updates InFlight without notifying anyone: polling is the contract.
+        while endpoint.inflight.requests > 0 and endpoint.state is EndpointState.DRAINING:
+            if not timed_out and self.clock() >= deadline_s:
+                timed_out = True
+                self.drain_timeouts[pool.name] = self.drain_timeouts.get(pool.name, 0) + 1
+                moving = pool.migrates_streams
+                detail = f"{endpoint.inflight.requests} requests still running after {pool.drain_timeout_s:g} s; " + (
+                    "stopping it: its streams continue on another replica" if moving else "waiting for them"
+                )
+                log.warning("autoscale: drain of %s timed out: %s", endpoint.id, detail)
+                self._event(pool, role, "drain_timeout", endpoint, detail)
+                if moving:
+                    break
+            await asyncio.sleep(_POLL_S)
+        self._retiring.discard(endpoint.id)
+        if endpoint.state is not EndpointState.DRAINING:
+            return  # it crashed and the supervisor took over meanwhile
+        if sleep_mode.sleeps(pool) and endpoint.inflight.requests == 0:
+            level = sleep_mode.sleep_level(pool)
+            endpoint.state_reason = "going to sleep"
+            if await self._post(endpoint, sleep_mode.sleep_path(level), pool.ready_timeout_s):
+                endpoint.state, endpoint.state_reason = EndpointState.SLEEPING, f"asleep (level {level})"
+                self._event(pool, role, "sleep", endpoint, f"level {level}")
+                return
+            self._event(pool, role, "fail", endpoint, "sleep failed: stopping it")
+        await self._stop(pool, role, endpoint, why)
+
+    async def _stop(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
+        await self.supervisor.park(endpoint.id, "scaled down")
+        self._event(pool, role, "stop", endpoint, why)
+
+    async def _post(self, endpoint: Endpoint, path: str, timeout_s: float) -> bool:
+        assert self.session is not None
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        try:
+            async with self.session.post(
+                endpoint.base_url + path, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("autoscale: POST %s%s failed: %s", endpoint.id, path, exc)
+            return False
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def _busy(self, endpoint_id: str) -> bool:
+        return endpoint_id in self._tasks
+
+    def _run(self, endpoint: Endpoint, kind: str, work: Coroutine[Any, Any, None]) -> None:
+        """One action on one replica as its own task (`_busy` until it ends)."""
+        self._op_kind[endpoint.id] = kind
+        self._began[endpoint.id] = self.clock()
+
+        async def tracked() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("autoscale: %s of %s failed", kind, endpoint.id)
+
+        task = asyncio.get_running_loop().create_task(tracked(), name=f"autoscale {kind} {endpoint.id}")
+        self._tasks[endpoint.id] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            if self._tasks.get(endpoint.id) is finished:
+                del self._tasks[endpoint.id]
+                self._op_kind.pop(endpoint.id, None)
+
+        task.add_done_callback(done)
+
+    def _cancel(self, endpoint_id: str) -> None:
+        task = self._tasks.pop(endpoint_id, None)
+        if task is not None:
+            task.cancel()
+        self._op_kind.pop(endpoint_id, None)
+        self._reserved.pop(endpoint_id, None)
+
+    def _ready(self, pool: str) -> None:
+        if self.on_ready is not None:
+            self.on_ready(pool)
+
+    def _phase(self, endpoint: Endpoint) -> str:
+        kind = self._op_kind.get(endpoint.id)
+        if kind in ("start", "wake"):
+            return "starting"
+        if endpoint.id in self._retiring or endpoint.state is EndpointState.DRAINING:
+            return "draining"
+        state = endpoint.state
+        if state is EndpointState.READY or state is EndpointState.UNHEALTHY:
+            return "ready"
+        if state is EndpointState.STARTING:
+            return "starting"
+        if state is EndpointState.SLEEPING:
+            return "sleeping"
+        return "stopped"
+
+    def _endpoints(self, pool: str, role: Role) -> Iterable[Endpoint]:
+        return (e for e in self.fleet.pools[pool].endpoints if e.launched and e.role is role)
+
+    def _elastic(self, endpoint: Endpoint) -> bool:
+        return self.fleet.pools[endpoint.pool].config.elastic
+
+    def _count(self, pool: str, direction: str) -> None:
+        key = (pool, direction)
+        self.scale_events[key] = self.scale_events.get(key, 0) + 1
+
+    def _event(self, pool: PoolConfig, role: Role, action: str, endpoint: Endpoint, detail: str) -> None:
+        self.events.append(Event(time.time(), pool.name, role.value, action, endpoint.id, detail))
+        log.info("autoscale %s %s %s: %s", action, endpoint.id, role.value, detail)
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `condition` until true or `timeout_s` (tests and the benchmark)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(_POLL_S)
+    return True

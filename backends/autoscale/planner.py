@@ -1,0 +1,166 @@
+"""The planner: how many replicas each role of a pool wants, as a pure function of its signals.
+
+Per role, every `interval_s` (docs/autoscaling.md has the worked example):
+
+    lead      = wake_s when a sleeping replica can wake, else startup_s; plus interval_s
+    demand    = max(level, forecast(lead)) of the arriving prefill and decode token rates
+    load      = replica-equivalents of work at the SLO velocity:
+                both:    max(prefill demand / prefill velocity, decode demand / decode velocity)
+                prefill: prefill demand / prefill velocity      decode: decode demand / decode velocity
+    backlog   = queued prompt tokens / (prefill velocity · lead)  (clear the queue once new replicas run)
+    need      = max(load / target_utilization + backlog, kv_usage · ready / kv_target)
+    up        = ceil(need)                         scale up when above the current count
+    down      = ceil(load / (target · (1 - hysteresis)) + backlog), no lower than the largest `down` of
+                the last stabilization_s, and only scale_down_cooldown_s after any scale event
+    floor     = 1 while requests are held, queued or in flight, or arrived within idle_s
+    wanted    = clamp(·, min_replicas, max_replicas)
+
+The forecast looks ahead by the lead time so a replica starts before the load needs it; only a rising
+trend moves demand (a falling one waits for the measured level). The device budget across pools is
+applied afterwards (`backends.autoscale.budget`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from backends.autoscale.config import AutoscaleConfig
+from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan, RoleSignals
+
+_EPSILON = 1e-9
+
+
+def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemory) -> PoolPlan:
+    """The pool's wanted replicas per role before the device budget (`desired` = `wanted` here)."""
+    now = signals.now_s
+    lead_s = _lead_s(signals) + policy.interval_s
+    prefill_demand = max(signals.prefill.level, signals.prefill.ahead(lead_s))
+    decode_demand = max(signals.decode.level, signals.decode.ahead(lead_s))
+    busy = (
+        signals.held > 0
+        or signals.queued_requests > 0
+        or signals.inflight > 0
+        or now - signals.last_request_s < policy.idle_s
+    )
+    window_start = now - policy.stabilization_s
+    history = tuple(entry for entry in memory.history if entry[0] >= window_start)
+    past_down: dict[str, int] = {}
+    for _at, needs in history:
+        for name, value in needs:
+            past_down[name] = max(past_down.get(name, 0), value)
+    roles: list[RolePlan] = []
+    reasons: list[str] = []
+    downs: list[tuple[str, int]] = []
+    scaled_up = scaled_down = False
+    for role in signals.roles:
+        load = _load(role, prefill_demand, decode_demand)
+        backlog = _backlog(signals, role, lead_s)
+        need_rate = load / policy.target_utilization + backlog
+        need_kv = role.kv_usage * role.replicas.ready / policy.kv_target
+        need = max(need_rate, need_kv)
+        up = math.ceil(need - _EPSILON)
+        down = math.ceil(load / (policy.target_utilization * (1 - policy.hysteresis)) + backlog - _EPSILON)
+        down = max(down, math.ceil(need_kv - _EPSILON))
+        low, high = policy.bounds(role.role)
+        floor = 1 if busy and high > 0 and _serves(signals, role) else 0
+        current = role.replicas.active
+        downs.append((role.role, max(down, floor)))
+        why = _describe(role, prefill_demand, decode_demand, load, backlog, need_kv, policy)
+        if up > current or (current < max(low, floor)):
+            target = max(up, floor, low)
+            if current > 0 and now - memory.last_up_s < policy.scale_up_cooldown_s:
+                wanted, why = current, f"{why}; scale-up cooldown"
+            else:
+                wanted = target
+        elif max(down, floor) < current:
+            stable = max(down, floor, past_down.get(role.role, 0))
+            since_event = now - max(memory.last_up_s, memory.last_down_s)
+            if not busy and low == 0:
+                wanted, why = 0, f"idle {policy.idle_s:g} s"
+            elif since_event < policy.scale_down_cooldown_s:
+                wanted, why = current, f"{why}; scale-down cooldown"
+            elif stable >= current:
+                wanted, why = current, f"{why}; stabilising ({policy.stabilization_s:g} s window)"
+            else:
+                wanted = stable
+        else:
+            wanted = current
+        wanted = min(max(wanted, low), high)
+        if wanted > current:
+            scaled_up = True
+        elif wanted < current:
+            scaled_down = True
+        roles.append(RolePlan(role.role, current, round(need, 3), wanted, wanted))
+        reasons.append(f"{role.role} {current}->{wanted}: {why}" if len(signals.roles) > 1 else why)
+    history = (*history, (now, tuple(downs)))
+    memory = PlannerMemory(
+        last_up_s=now if scaled_up else memory.last_up_s,
+        last_down_s=now if scaled_down else memory.last_down_s,
+        history=history,
+    )
+    return PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory)
+
+
+def _lead_s(signals: PoolSignals) -> float:
+    """How long until a replica asked for now serves: a wake when one sleeps, else a start."""
+    sleeping = sum(r.replicas.sleeping for r in signals.roles)
+    return signals.wake_s if sleeping and signals.wake_s > 0 else signals.startup_s
+
+
+def _load(role: RoleSignals, prefill_demand: float, decode_demand: float) -> float:
+    prefill = prefill_demand / role.prefill_velocity if role.prefill_velocity > 0 else 0.0
+    decode = decode_demand / role.decode_velocity if role.decode_velocity > 0 else 0.0
+    if role.role == "prefill":
+        return prefill
+    if role.role == "decode":
+        return decode
+    return max(prefill, decode)
+
+
+def _backlog(signals: PoolSignals, role: RoleSignals, lead_s: float) -> float:
+    """Extra replicas that clear the queued prompt tokens within the lead time."""
+    if role.role == "decode" or role.prefill_velocity <= 0 or signals.queued_tokens <= 0:
+        return 0.0
+    return signals.queued_tokens / (role.prefill_velocity * max(lead_s, 1.0))
+
+
+def _serves(signals: PoolSignals, role: RoleSignals) -> bool:
+    """Whether this role must run for the pool to serve at all (a PD pool needs its decoders)."""
+    return role.role != "prefill" or signals.role("decode") is None
+
+
+def _describe(
+    role: RoleSignals,
+    prefill_demand: float,
+    decode_demand: float,
+    load: float,
+    backlog: float,
+    need_kv: float,
+    policy: AutoscaleConfig,
+) -> str:
+    parts = []
+    if role.role != "decode":
+        parts.append(f"prefill {prefill_demand:.0f}/{role.prefill_velocity:.0f} tok/s")
+    if role.role != "prefill":
+        parts.append(f"decode {decode_demand:.0f}/{role.decode_velocity:.0f} tok/s")
+    text = " ".join(parts) + f" = {load:.2f} replicas at {policy.target_utilization:g}"
+    if backlog > 0:
+        text += f", queue +{backlog:.2f}"
+    if need_kv > load / policy.target_utilization + backlog:
+        text += f", KV {role.kv_usage:.0%} needs {need_kv:.2f}"
+    return text
+
+
+def replay(
+    inputs: Sequence[PoolSignals], policy: AutoscaleConfig, memory: PlannerMemory | None = None
+) -> list[PoolPlan]:
+    """Plan a recorded sequence of one pool's signals, carrying memory from pass to pass (the
+    benchmark's and the tests' way to check decisions offline)."""
+    memory = memory or PlannerMemory()
+    plans = []
+    for signals in inputs:
+        plan = plan_pool(signals, policy, memory)
+        memory = plan.memory
+        plans.append(plan)
+    return plans
