@@ -159,7 +159,7 @@ class PoolConfig(_Strict):
         if self.roles is None and autoscale.roles is not None:
             raise ValueError("`autoscale.roles` needs `roles` (a prefill/decode pool)")
         for role, count in self.initial_roles().items():
-            low, high = autoscale.bounds(role)
+            _low, high = autoscale.bounds(role)
             if count > high:
                 raise ValueError(f"{count} initial {role} replicas but autoscale allows at most {high}")
         if self.share is not None and not isinstance(self.devices, list):

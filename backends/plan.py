@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from backends.adapters.base import EngineAdapter, LaunchSpec, ReplicaPlan
-from backends.autoscale.sleep import sleep_problem, with_sleep_mode
 from backends.adapters.registry import get_adapter
+from backends.autoscale.sleep import sleep_problem, with_sleep_mode
 from backends.config import BackendsSettings, PoolConfig
 from backends.devices import DeviceRequest, allocate_devices, detect_devices
 from backends.errors import PlanError

@@ -96,7 +96,7 @@ class AutoscaleConfig(_Strict):
     def bounds(self, role: str) -> tuple[int, int]:
         """(min, max) replicas of `role` ("both" for an ordinary pool)."""
         if self.roles is None:
-            return self.min_replicas, self.max_replicas
+            return (self.min_replicas, self.max_replicas) if role == "both" else (0, 0)
         found = self.roles.get(role)  # type: ignore[call-overload]
         return (found.min_replicas, found.max_replicas) if found is not None else (0, 0)
 

@@ -317,6 +317,11 @@ class Executor:
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
+    @property
+    def settled(self) -> bool:
+        """No action in progress (tests and the benchmark wait for it)."""
+        return not self._tasks
+
     def _busy(self, endpoint_id: str) -> bool:
         return endpoint_id in self._tasks
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from backends.autoscale.config import AutoscaleConfig, RoleBounds
@@ -131,7 +133,10 @@ def test_scale_up_cooldown() -> None:
 
 def test_prefill_decode_roles_are_sized_apart() -> None:
     policy = AutoscaleConfig(
-        roles={"prefill": RoleBounds(min_replicas=0, max_replicas=4), "decode": RoleBounds(min_replicas=1, max_replicas=4)}
+        roles={
+            "prefill": RoleBounds(min_replicas=0, max_replicas=4),
+            "decode": RoleBounds(min_replicas=1, max_replicas=4),
+        }
     )
     roles = (
         RoleSignals("prefill", RoleState(ready=1), 2000.0, 0.0),
@@ -165,5 +170,5 @@ def test_closed_loop_follows_its_own_decisions() -> None:
         plan = plan_pool(signals(5.0 * i, load, ready=ready), POLICY, memory)
         memory, ready = plan.memory, plan.roles[0].wanted
         seen.append(ready)
-    changes = [b for a, b in zip(seen, seen[1:], strict=False) if a != b]
+    changes = [b for a, b in itertools.pairwise(seen) if a != b]
     assert changes == [5, 1]
