@@ -154,6 +154,8 @@ class PoolConfig(_Strict):
     def _check_autoscale(self, autoscale: AutoscaleConfig) -> None:
         if self.engine == "openai":
             raise ValueError("engine `openai` is a remote API: it cannot be autoscaled")
+        if self.discovery is not None:
+            raise ValueError("`autoscale` sizes launched replicas; a pool with `discovery` is sized by its cluster")
         if self.roles is not None and autoscale.roles is None:
             raise ValueError("a prefill/decode pool's `autoscale` needs `roles` bounds per role")
         if self.roles is None and autoscale.roles is not None:

@@ -75,7 +75,7 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
     fleet, ex = await executor([elastic_pool("a")], devices=[4, 5])
     endpoints = fleet.pools["a"].endpoints
     assert [e.id for e in endpoints] == ["a/both-0", "a/both-1", "a/both-2"]  # every slot, one launched
-    await eventually(lambda: states(fleet, "a") == ["ready", "stopped", "stopped"], "the initial replica", 60)
+    await eventually(lambda: states(fleet, "a") == ["ready", "stopped", "stopped"] and ex.settled, "ready", 60)
     assert endpoints[0].devices == (4,)
     assert ex.lead.measured("a")["starts_s"]  # the launch was timed
 
@@ -86,7 +86,7 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
     assert ex.role_state("a", Role.BOTH).active == 2
 
     ex.apply([plan("a", 1)])
-    await eventually(lambda: states(fleet, "a").count("ready") == 1, "a scale-down", 60)
+    await eventually(lambda: states(fleet, "a").count("ready") == 1 and ex.settled, "a scale-down", 60)
     await eventually(lambda: states(fleet, "a").count("stopped") == 2, "the drained replica stopped", 60)
     stopped = [e for e in endpoints if e.state is EndpointState.STOPPED]
     assert all(e.devices == () for e in stopped)
@@ -126,6 +126,6 @@ async def test_sleep_frees_the_device_and_wake_takes_it_back(executor: Callable[
     ex.apply([plan("o", 0)])
     await eventually(lambda: guest.state is EndpointState.STOPPED and ex.settled, "the guest stopped", 30)
     ex.apply([plan("s", 1)])
-    await eventually(lambda: asleep.state is EndpointState.READY, "awake again", 30)
+    await eventually(lambda: asleep.state is EndpointState.READY and ex.settled, "awake again", 30)
     assert ex.lead.measured("s")["wakes_s"]
     assert [ev.action for ev in ex.events if ev.pool == "s"][-2:] == ["wake", "awake"]
