@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint install bench clean
+.PHONY: run test lint unit install bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,16 +18,19 @@ run: $(STAMP)
 	@echo "demo API key: tw-demo-key-0000   (tenant 'demo'; see config/policies.yaml)"
 	$(BIN)/tokenway serve --config config/gateway.yaml
 
-test: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/lint-imports
-	$(BIN)/mypy --strict gateway policies predictor backends
+test: lint
 	$(BIN)/python -m pytest -q
 
+# ruff (lint and format), the rooms' import contract, mypy --strict: what CI and pre-commit check.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy --strict gateway policies predictor backends
+
+# The tests that start no process and need no Redis (seconds): for the edit-test loop.
+unit: $(STAMP)
+	TOKENWAY_UNIT=1 $(BIN)/python -m pytest -q -m "not e2e and not redis" -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info

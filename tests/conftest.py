@@ -21,6 +21,41 @@ from tests.support.procs import Gateway, SimEngines, free_port, redis_argv, star
 
 BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
 
+# Fixtures that start a process (or need a Redis server): a test using one is `e2e` (or `redis`), so
+# `make unit` (`-m "not e2e and not redis"`) leaves it out without each test saying so.
+_PROCESS_FIXTURES = frozenset({"sim_factory", "gateway_factory"})
+_REDIS_FIXTURES = frozenset({"redis_url", "redis_prefix"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if "e2e" in item.path.parts or names & _PROCESS_FIXTURES:
+            item.add_marker(pytest.mark.e2e)
+        if names & _REDIS_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _unit_tests_start_no_process() -> Iterator[None]:
+    """Under `make unit` (TOKENWAY_UNIT=1) starting a process fails the test that tried, naming the
+    marker it lacks: the fast loop stays fast, and the selection stays honest."""
+    if os.environ.get("TOKENWAY_UNIT") != "1":
+        yield
+        return
+    import _posixsubprocess  # what subprocess and multiprocessing's spawn both fork through
+
+    real = _posixsubprocess.fork_exec
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a unit test started a process: mark it `pytest.mark.e2e` (make unit leaves those out)")
+
+    _posixsubprocess.fork_exec = refuse
+    try:
+        yield
+    finally:
+        _posixsubprocess.fork_exec = real
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
     """asyncio's loop for async tests; also uvloop (what the gateway runs on, whose transports are not

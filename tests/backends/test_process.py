@@ -16,6 +16,8 @@ import pytest
 from backends.adapters.base import LaunchSpec
 from backends.process import EngineProcess, describe_exit, tail_lines
 
+pytestmark = pytest.mark.e2e  # starts real processes
+
 
 def alive(pid: int) -> bool:
     try:

@@ -70,7 +70,7 @@ def test_prior_predicts_before_any_model() -> None:
     assert predictor.predict(POOL, request, [], []) == []
 
 
-@pytest.mark.parametrize("worker", ["thread", "process"])
+@pytest.mark.parametrize("worker", ["thread", pytest.param("process", marks=pytest.mark.e2e)])
 async def test_training_runs_off_loop_then_the_model_is_swapped_in(worker: str) -> None:
     predictor = _predictor(worker=worker)
     rng = np.random.default_rng(21)

@@ -66,7 +66,7 @@ def test_a_challenger_worse_than_the_incumbent_is_not_served(world: dict[str, Sa
     assert outcome.model is None
 
 
-@pytest.mark.parametrize("kind", ["thread", "process"])
+@pytest.mark.parametrize("kind", ["thread", pytest.param("process", marks=pytest.mark.e2e)])
 async def test_worker_runs_jobs_off_the_loop(kind: str, world: dict[str, Samples]) -> None:
     worker = TrainingWorker(kind)  # type: ignore[arg-type]
     await worker.start()

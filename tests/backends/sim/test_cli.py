@@ -14,6 +14,8 @@ import pytest
 from backends.sim.cli import _parser, split_known
 from tests.support.procs import free_ports
 
+pytestmark = pytest.mark.e2e  # starts real processes
+
 REPO = Path(__file__).resolve().parents[3]
 
 

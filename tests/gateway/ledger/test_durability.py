@@ -14,6 +14,8 @@ import pytest
 
 from gateway.ledger.reader import ReadStats, iter_entries, ledger_files
 
+pytestmark = pytest.mark.e2e  # starts real processes
+
 REPO = Path(__file__).resolve().parents[3]
 PROC = Path(__file__).with_name("_writer_proc.py")
 
