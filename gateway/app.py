@@ -28,17 +28,23 @@ from gateway.apis.config import ApisSettings
 from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.engine_tokens import EngineTokenizer
+from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
-from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
+from gateway.request import Director, Hook, Hooks
+from gateway.request.accounting import Accounting
+from gateway.request.dispatch import Dispatch
+from gateway.request.intake import Intake
 from gateway.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.settings import GatewaySettings, validate_section
+from gateway.slo import SloHook
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream import UpstreamClient
+from policies.estimate import PromptEstimator
 from policies.holder import PolicyHolder, ReloadResult
 from policies.limits.admission import Admission
 from policies.limits.factory import make_store
@@ -63,7 +69,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_replicas_ctx)
-    app.cleanup_ctx.append(_pipeline_ctx)
+    app.cleanup_ctx.append(_director_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
     setup_routes(app, admin_routes())
     setup_api_routes(app)
@@ -242,10 +248,12 @@ async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s
         await asyncio.sleep(interval_s)
 
 
-async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The walk of a request and the hooks plugged into it (the features: one line each)."""
     settings = app[appkeys.SETTINGS]
     fleet = app[appkeys.FLEET]
     ejection = app[appkeys.BACKENDS].ejection
+    predictor = app[appkeys.PREDICTOR]
 
     def shape_body(endpoint: Endpoint, body: dict[str, Any], api: Any) -> dict[str, Any]:
         return get_adapter(endpoint.engine).shape_request(body, api, fleet.pools[endpoint.pool].config)
@@ -258,25 +266,37 @@ async def _pipeline_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger = app[appkeys.LEDGER]
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
-    pipeline = Pipeline(
+    hook_list: list[Hook] = []
+    if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
+        hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
+    hook_list.append(SloHook(predictor=predictor))  # the SLO gate, its queue, running TPOT SLOs
+    if predictor is not None:
+        hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
+    hooks = Hooks(hook_list)
+    sinks = [sink for sink in (metrics if metrics_on else None, ledger) if sink is not None]
+    accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks)
+    dispatch = Dispatch(
         server=settings.server,
-        policies=app[appkeys.POLICIES],
         fleet=fleet,
         upstream=app[appkeys.UPSTREAM],
-        routers={name: app[appkeys.ROUTER] for name in fleet.pools},  # one router; per-pool config inside
-        admission=app[appkeys.ADMISSION],
+        router=app[appkeys.ROUTER],  # one router: per-pool pipelines inside it
+        hooks=hooks,
+        accounting=accounting,
+        metrics=metrics if metrics_on else None,
+        shape_body=shape_body,
         report_success=health.report_success,
         report_failure=report_failure,
-        shape_body=shape_body,
-        sinks=[sink for sink in (metrics if metrics_on else None, ledger) if sink is not None],
-        start_trace=app[appkeys.TRACING].start_request,
-        metrics=metrics if metrics_on else None,
-        predictor=app[appkeys.PREDICTOR],
-        engine_tokens=EngineTokenizer(app[appkeys.SESSION])
-        if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise"
-        else None,
     )
-    app[appkeys.PIPELINE] = pipeline
+    intake = Intake(settings.server, app[appkeys.POLICIES], fleet, PromptEstimator(), lengths=predictor)
+    app[appkeys.DIRECTOR] = Director(
+        intake=intake,
+        dispatch=dispatch,
+        accounting=accounting,
+        hooks=hooks,
+        policies=app[appkeys.POLICIES],
+        fleet=fleet,
+        start_trace=app[appkeys.TRACING].start_request,
+    )
     yield
 
 

@@ -10,9 +10,9 @@ from backends.discovery.service import Discovery
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.ledger.writer import LedgerWriter
-from gateway.pipeline import Pipeline
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
+from gateway.request import Director
 from gateway.settings import GatewaySettings
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
@@ -30,7 +30,7 @@ FLEET = web.AppKey("fleet", Fleet)
 BACKENDS = web.AppKey("backends_settings", BackendsSettings)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 DISCOVERY: web.AppKey[Discovery | None] = web.AppKey("discovery")  # None: no pool discovers endpoints
-PIPELINE = web.AppKey("pipeline", Pipeline)
+DIRECTOR = web.AppKey("director", Director)  # the walk of every API request
 ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
 ROUTER = web.AppKey("router", ScoringRouter)
 METRICS = web.AppKey("metrics", GatewayMetrics)

@@ -1,25 +1,27 @@
-"""The parts the request pipeline calls, as small protocols: the pipeline never asks which kind it
+"""The parts the walk of a request calls, as small protocols: the walk never asks which kind it
 holds. (Tracing's protocol and its no-op live in `gateway.telemetry.tracing`.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from gateway.record import RequestRecord
-from policies.types import RequestFacts, Usage
+from policies.limits.admission import Admitted
+from policies.types import Rejection, RequestFacts, Usage
 
 
 class AdmissionPort(Protocol):
-    """`policies.limits.admission.Admission`'s contract as the pipeline uses it."""
+    """`policies.limits.admission.Admission`'s contract as the walk uses it: `admit`, then exactly one
+    of `settle` or `release` per `Admitted` ticket."""
 
-    async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> Any: ...
+    async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> Admitted | Rejection: ...
 
     async def settle(
-        self, ticket: Any, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
     ) -> None: ...
 
-    async def release(self, ticket: Any) -> None: ...
+    async def release(self, ticket: Admitted) -> None: ...
 
 
 class RecordSink(Protocol):

@@ -6,6 +6,9 @@ engine computes: its tokenizer and chat template, not ours. The simulated engine
 once from any ready endpoint of the pool and kept in an LRU keyed by a hash of the canonical prompt,
 bounded in entries and in tokens held (4 bytes each), so long prompts cannot grow it past
 `max_tokens`; a miss or an error simply leaves the request to the approximate index.
+
+A hook of the walk (`prepare`, before routing on each model of the chain): a fallback model's pool
+may run another engine, so the ids are asked for again, or dropped, per model.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import aiohttp
 import orjson
 import xxhash
 
-from backends.fleet import Pool
+from backends.fleet import Fleet, Pool
+from gateway.request import Hook, RequestContext
 from policies.routing.prefix.hashing import canonical_prompt_bytes
 from policies.types import RequestFacts
 
@@ -28,15 +32,17 @@ ENGINES_SHARING_OUR_TOKENIZER = frozenset({"sim"})
 ENGINES_WITH_TOKENIZE = frozenset({"vllm", "vllm-ascend"})
 
 
-class EngineTokenizer:
+class EngineTokenizer(Hook):
     def __init__(
         self,
         session: aiohttp.ClientSession,
+        fleet: Fleet,
         max_entries: int = 20_000,
         timeout_s: float = 2.0,
         max_tokens: int = 4_000_000,
     ) -> None:
         self._session = session
+        self._fleet = fleet
         self._cache: OrderedDict[tuple[str, int], array[int]] = OrderedDict()
         self.max_entries = max_entries
         self.max_tokens = max_tokens
@@ -49,16 +55,22 @@ class EngineTokenizer:
         engine = pool.config.engine
         return engine not in ENGINES_SHARING_OUR_TOKENIZER and engine in ENGINES_WITH_TOKENIZE
 
-    async def annotate(self, facts: RequestFacts, pool: Pool) -> None:
-        """Put the engine's ids in `facts.attrs["engine_token_ids"]` when they can be had."""
+    async def prepare(self, ctx: RequestContext) -> None:
+        """The engine's own ids into the routing inputs, for the model about to be routed."""
+        pools = self._fleet.pools_for_model(ctx.model)
+        assert ctx.routing is not None
+        ctx.routing.use_engine_token_ids(await self.token_ids(ctx.facts, pools[0]) if pools else None)
+
+    async def token_ids(self, facts: RequestFacts, pool: Pool) -> array[int] | None:
+        """The ids `pool`'s engine computes for this prompt, when they can be had (None: use ours)."""
         if facts.api not in ("chat", "completions") or not self.needed(pool):
-            return
+            return None
         key = (pool.name, xxhash.xxh3_64_intdigest(canonical_prompt_bytes(facts.body)))
         ids = self._cache.get(key)
         if ids is None:
             ids = await self._fetch(facts, pool)
             if ids is None:
-                return
+                return None
             if len(ids) <= self.max_tokens // 4:  # one huge prompt must not flush everything else
                 self._cache[key] = ids
                 self.tokens += len(ids)
@@ -67,7 +79,7 @@ class EngineTokenizer:
                     self.tokens -= len(evicted)
         else:
             self._cache.move_to_end(key)
-        facts.attrs["engine_token_ids"] = ids
+        return ids
 
     async def _fetch(self, facts: RequestFacts, pool: Pool) -> array[int] | None:
         ready = pool.ready_endpoints()

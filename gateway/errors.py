@@ -1,18 +1,25 @@
-"""The gateway's exception tree, one class per row of the error catalogue (DESIGN.md §6).
+"""The gateway's exception tree, one class per row of the error catalogue (README "Errors").
 
-    GatewayError                       any failure rendered to the client in OpenAI's error shape
-    ├── InvalidRequest        400      malformed JSON, missing/invalid field (param names it)
+    GatewayError              500      any failure rendered to the client in its API's error shape
+    ├── InvalidRequest        400      malformed JSON, missing/invalid field or header (param names it)
     │   └── ContextLengthExceeded 400  prompt + max_tokens over the model's context
-    ├── InvalidApiKey         401
-    ├── ModelNotAllowed       403
-    ├── ModelNotFound         404
-    ├── RequestTooLarge       413
-    ├── Rejected              4xx/5xx  a policy decision's Rejection (rate limits, budgets, SLO)
-    ├── NoHealthyBackend      503
-    └── UpstreamError         502      upstream failed after retries and fallbacks
+    ├── InvalidApiKey         401      missing or unknown key
+    ├── ModelNotAllowed       403      the key may not use the model
+    ├── ModelNotFound         404      no pool serves the model
+    ├── RequestTimeout        408      the body did not arrive within request_read_timeout_s
+    ├── RequestTooLarge       413      the body is over max_body_bytes
+    ├── Rejected              4xx/5xx  a policy decision's Rejection: rate limits (429), budgets
+    │                                  (429), the limiter store down (503), an SLO miss (503)
+    ├── EngineRejected        4xx      the engine's own 4xx, normalised to the error shape
+    ├── NoHealthyBackend      503      no endpoint of the model could take the request
+    ├── UpstreamError         502      the upstream failed after retries and fallbacks
+    └── InternalError         500      a bug: still answered in the error shape, still recorded
 
-Upstream aiohttp errors are mapped into `UpstreamError` at the relay boundary; policies return
-`Rejection` values (they cannot import this room) which `Rejected` wraps.
+Translation at the boundaries: the relay maps the upstream client's errors into `RetryableUpstream`
+/ `UpstreamRejected` (`gateway/relay.py`), which the dispatch stage turns into this tree; policies
+return `Rejection` values (they cannot import this room) which `Rejected` wraps. "Not here, instead"
+— a rejection the model's fallback chain may still turn into an answer — travels as a
+`gateway.request.detour.Detour` carrying one of these errors.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Iterable
 import orjson
 from aiohttp import web
 
+from gateway.engine_errors import openai_error
 from policies.types import Rejection
 
 
@@ -81,6 +89,12 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class RequestTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
@@ -97,6 +111,25 @@ class UpstreamError(GatewayError):
     status = 502
     type = "server_error"
     code = "upstream_error"
+
+
+class InternalError(GatewayError):
+    code = "internal_error"
+
+
+class EngineRejected(GatewayError):
+    """The engine answered 4xx before streaming: its error passed on in OpenAI's shape, whatever the
+    engine sent (`gateway/engine_errors.py` normalises and bounds it)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        error = openai_error(status, body)["error"]
+        super().__init__(str(error["message"]), param=error["param"], code=error["code"])
+        self.status = status
+        self.type = str(error["type"])
+
+    @property
+    def reason(self) -> str:
+        return self.code or "upstream_4xx"
 
 
 class Rejected(GatewayError):

@@ -5,7 +5,7 @@ whatever the outcome (success, error, rejection, client abort).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Status = Literal["ok", "error", "rejected", "aborted"]
@@ -47,7 +47,10 @@ class RequestRecord:
     upstream_attempts: int = 0
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    slo_class: str | None = None  # the SLO class that applied, when one did
+    slo_idle_admit: bool = False  # no endpoint met the SLO; an idle one admitted it anyway
+    slo_queue_ms: float | None = None  # time spent in the SLO queue, when it waited
+    engine_metrics: dict[str, Any] | None = None  # the engine's own per-request timings (the simulator's)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

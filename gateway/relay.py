@@ -1,4 +1,4 @@
-"""Upstream call and relay (DESIGN.md §2 step 8): one POST on the shared upstream client
+"""Upstream call and relay: one POST on the shared upstream client
 (`gateway/upstream.py`), the answer passed back as received.
 
 Streams are relayed event by event without re-serialising them: the only edits are a byte-level

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import access, appkeys
 from gateway.errors import GatewayError, InvalidApiKey, error_response
+from gateway.request.intake import authenticate
 from policies.types import ApiKind
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -25,17 +26,16 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def inference(api: ApiKind) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[appkeys.PIPELINE].handle(request, api)
+        return await request.app[appkeys.DIRECTOR].handle(request, api)
 
     return handler
 
 
 async def list_models(request: web.Request) -> web.Response:
     """Models the calling key may use, in OpenAI's list shape (public names and their aliases)."""
-    pipeline = request.app[appkeys.PIPELINE]
-    policy = pipeline.policies.current
+    policy = request.app[appkeys.POLICIES].current
     try:
-        principal = pipeline.authenticate(request, policy)
+        principal = authenticate(request, policy)
     except GatewayError as error:
         return error_response(error)
     names: list[str] = []

@@ -1,19 +1,22 @@
-"""The SLO gate's I/O side (DESIGN.md §2 step 7): headers in, waiting, 503s out.
+"""The SLO hook: the gateway's side of the SLO gate (policies/slo.py decides, this module waits and answers).
 
-The decision itself is `policies.slo.decide`, a pure function; this module holds what it needs
-around it in the gateway:
+`SloHook` follows every request with an SLO through the walk:
 
-- `parse_slo_headers`: `x-slo-ttft-ms` / `x-slo-tpot-ms` as positive finite milliseconds, else a
-  400 `invalid_request_error` naming the header (a silently ignored typo would be an SLO the
-  client believes it has).
+- prepare: lets routing see the running TPOT SLOs (`RouteRequest.running_tpot_slo_ms`), so the
+  latency scorer protects requests already running, and names the SLO class in the record;
+- gate: decides over the routing decision's predictions (`policies.slo.decide`; it predicts the
+  chosen endpoint itself when the router made none), re-routes among the endpoints that meet the
+  SLO, waits in `SloQueue` when the class says `queue`, and answers a miss with a `Detour`: a 503
+  `slo_unattainable` with an honest retry-after, or the model's fallback chain for `on_miss:
+  fallback`;
+- dispatched / ended: keeps `RunningTpotSlos` and wakes the pool's queue whenever a request there
+  ends (whatever its SLO: capacity freed is capacity freed).
+
 - `RunningTpotSlos`: per endpoint, the tightest TPOT SLO of the requests in flight there (updated
-  at dispatch and end; O(distinct SLO values) per end). The pure decision and the latency scorer
-  read its `floors` mapping, live, so a new request never slows those requests past their SLO.
+  at dispatch and end; O(distinct SLO values) per end). The decision and the latency scorer read its
+  `floors` mapping, live, so a new request never slows those requests past their SLO.
 - `SloQueue`: a bounded wait for capacity, head of line by priority then arrival: when a request on
   the pool ends, the first waiter re-routes and decides again, and passes the turn on if served.
-- `slo_miss`: the `Rejection` of a miss (503 `server_error`/`slo_unattainable` with retry-after, as
-  the error catalogue says), raised as `SloMiss` so the pipeline can release the reservation and,
-  for `on_miss: fallback`, walk the model's chain with trigger `slo_unattainable`.
 """
 
 from __future__ import annotations
@@ -22,18 +25,17 @@ import asyncio
 import bisect
 import contextlib
 import itertools
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final, Protocol, TypeVar
 
-from gateway.errors import InvalidRequest
-from policies.slo import Miss, Slo
+from backends.types import Endpoint
+from gateway.errors import Rejected
+from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
+from policies.slo import Meet, Miss, Slo, decide
 from policies.types import Rejection
-
-SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
-SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
+from predictor.types import Prediction, RequestShape
 
 # record.reject_reason values (the metrics count shed, queue_full and queue_timeout as shed outcomes)
 REASON_UNATTAINABLE: Final = "slo_unattainable"
@@ -43,36 +45,26 @@ REASON_QUEUE_FULL: Final = "queue_full"
 REASON_QUEUE_TIMEOUT: Final = "queue_timeout"
 
 _RECHECK_S: Final = 0.05
-_MAX_SLO_MS: Final = 86_400_000.0  # a day: anything longer is a typo, not an objective
 
 T = TypeVar("T")
 
 
-def parse_slo_headers(headers: Mapping[str, str]) -> tuple[float | None, float | None]:
-    """(ttft_ms, tpot_ms) from the request headers, None where absent; 400 when malformed."""
-    return _header_ms(headers, SLO_TTFT_HEADER), _header_ms(headers, SLO_TPOT_HEADER)
+class PredictsLatency(Protocol):
+    """`predictor.service.LatencyPredictor.predict`, all the gate needs of the predictor."""
 
-
-def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
-    if not (0 < value <= _MAX_SLO_MS):  # NaN fails too
-        raise InvalidRequest(
-            f"Invalid '{name}' header {raw[:40]!r}: expected a positive number of milliseconds "
-            f"(at most {_MAX_SLO_MS:.0f}).",
-            param=name,
-        )
-    return value
+    def predict(
+        self,
+        pool: str,
+        request: RequestShape,
+        endpoints: Sequence[Endpoint],
+        cached_tokens: Sequence[int],
+        now_s: float | None = None,
+    ) -> list[Prediction]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class RunningSlo:
-    """One dispatched request's entry in `RunningTpotSlos` (hand it back to `end`)."""
+    """One dispatched request's entry in `RunningTpotSlos` (equal values end equal entries)."""
 
     endpoint_id: str
     tpot_ms: float
@@ -192,18 +184,9 @@ class SloQueue:
                 del self._waiters[pool]
 
 
-class SloMiss(Exception):
-    """No endpoint meets the request's SLO and the policy says not to proceed: reject with
-    `rejection`, or first try the model's fallback chain when `fallback`."""
-
-    def __init__(self, rejection: Rejection, fallback: bool = False) -> None:
-        super().__init__(rejection.message)
-        self.rejection = rejection
-        self.fallback = fallback
-
-
-def slo_miss(miss: Miss, slo: Slo, model: str, reason: str, *, waited_ms: float | None = None) -> SloMiss:
-    """The 503 of a miss (`reason` is the record's reject_reason), with an honest retry-after."""
+def slo_miss(miss: Miss, slo: Slo, model: str, reason: str, *, waited_ms: float | None = None) -> Detour:
+    """The 503 of a miss (`reason` is the record's reject_reason), with an honest retry-after; a
+    Detour so the walk releases the reservation and, for `on_miss: fallback`, tries the chain."""
     retry_s = miss.retry_after_s()
     targets = ", ".join(
         f"{name} <= {value:g} ms" for name, value in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms)) if value
@@ -235,17 +218,115 @@ def slo_miss(miss: Miss, slo: Slo, model: str, reason: str, *, waited_ms: float 
         headers=(("retry-after", str(retry_s)), ("retry-after-ms", str(retry_s * 1000))),
         reason=reason,
     )
-    return SloMiss(rejection, fallback=miss.action == "fallback")
+    return Detour(reason, Rejected(rejection), fallback=miss.action == "fallback")
 
 
 @dataclass(slots=True)
-class SloGate:
-    """The gateway's SLO state: running TPOT SLOs per endpoint and the wait queue."""
+class SloHook(Hook):
+    """The SLO gate as a hook of the walk (see the module docstring)."""
 
+    predictor: PredictsLatency | None = None  # predicts the chosen endpoint when the router made none
     running: RunningTpotSlos = field(default_factory=RunningTpotSlos)
     queue: SloQueue = field(default_factory=SloQueue)
 
-    def ended(self, pool: str, running: RunningSlo | None) -> None:
-        """A request on `pool` finished (or failed): drop its TPOT SLO, wake the pool's waiters."""
-        self.running.end(running)
-        self.queue.notify(pool)
+    async def prepare(self, ctx: RequestContext) -> None:
+        slo = ctx.facts.slo
+        if slo is None:
+            return
+        assert ctx.routing is not None
+        ctx.routing.running_tpot_slo_ms = self.running.floors
+        if slo.class_name:
+            ctx.record.slo_class = slo.class_name
+
+    async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
+        slo = ctx.facts.slo
+        if slo is None:
+            return routed
+        verdict = self._verdict(ctx, slo, routed)
+        routed = self._restrict(routed, verdict, reroute)
+        if isinstance(verdict, Meet) and verdict.idle_only:
+            ctx.record.slo_idle_admit = True  # none meets it; an idle endpoint always admits
+        if not isinstance(verdict, Miss) or verdict.action == "proceed":
+            return routed
+        if verdict.action != "queue":
+            raise slo_miss(verdict, slo, ctx.model, REASON_SHED if verdict.action == "shed" else REASON_UNATTAINABLE)
+        if self.queue.queued(slo.class_name) >= slo.max_queued:
+            raise slo_miss(verdict, slo, ctx.model, REASON_QUEUE_FULL)
+        return await self._wait(ctx, slo, routed, verdict, reroute)
+
+    def dispatched(self, ctx: RequestContext) -> None:
+        slo = ctx.facts.slo
+        if slo is not None and ctx.routed is not None:
+            self.running.begin(ctx.routed.endpoint.id, slo.tpot_ms)
+
+    def ended(self, ctx: RequestContext) -> None:
+        """A request on the pool finished (or failed): drop its TPOT SLO, wake the pool's queue."""
+        routed = ctx.routed
+        if routed is None:
+            return
+        slo = ctx.facts.slo
+        if slo is not None and slo.tpot_ms is not None:
+            self.running.end(RunningSlo(routed.endpoint.id, slo.tpot_ms))
+        self.queue.notify(routed.pool.name)
+
+    async def _wait(self, ctx: RequestContext, slo: Slo, routed: Routed, verdict: Miss, reroute: Reroute) -> Routed:
+        started_s = time.perf_counter()
+        deadline_s = started_s + slo.max_queue_ms / 1000.0
+        if slo.ttft_ms is not None:  # past the TTFT objective, waiting cannot help any more
+            deadline_s = min(deadline_s, ctx.arrived_s + slo.ttft_ms / 1000.0)
+        last: list[Miss] = [verdict]
+
+        def attempt() -> Routed | None:
+            found = reroute(())
+            if found is None:
+                return None
+            again = self._verdict(ctx, slo, found)
+            if isinstance(again, Miss):
+                last[0] = again
+                return None
+            return self._restrict(found, again, reroute)
+
+        with ctx.trace.span("slo_queue", model=ctx.model):
+            try:
+                found = await self.queue.wait_for(
+                    routed.pool.name, slo, ctx.facts.principal.priority, deadline_s, attempt
+                )
+            finally:
+                waited_s = time.perf_counter() - started_s
+                ctx.gate_wait_s += waited_s
+                ctx.record.slo_queue_ms = round(waited_s * 1000.0, 3)
+        if found is None:
+            raise slo_miss(last[0], slo, ctx.model, REASON_QUEUE_TIMEOUT, waited_ms=waited_s * 1000.0)
+        ctx.record.reject_reason = REASON_QUEUED
+        return found
+
+    def _verdict(self, ctx: RequestContext, slo: Slo, routed: Routed) -> Meet | Miss | None:
+        """Decide over the router's predictions (or the chosen endpoint's alone, for routers that
+        make none); None when nothing can be predicted (predictor disabled): proceed."""
+        decision = routed.decision
+        made = decision.predictions
+        if made is None or decision.endpoint.id not in made:
+            if self.predictor is None:
+                return None
+            facts = ctx.facts
+            shape = RequestShape(facts.prompt_tokens, facts.max_tokens, facts.principal.tenant, ctx.model)
+            prediction = self.predictor.predict(
+                routed.pool.name, shape, [decision.endpoint], [decision.cached_tokens_estimate]
+            )[0]
+            made = decision.predictions = {decision.endpoint.id: prediction}
+        return decide(
+            slo,
+            made.values(),
+            priority=ctx.facts.principal.priority,
+            running_tpot_slo_ms=self.running.floors,
+            elapsed_ms=(time.perf_counter() - ctx.arrived_s) * 1000.0,
+        )
+
+    @staticmethod
+    def _restrict(routed: Routed, verdict: Meet | Miss | None, reroute: Reroute) -> Routed:
+        """When the router's choice misses the SLO but others meet it, route again among those."""
+        if not isinstance(verdict, Meet) or routed.endpoint.id in verdict.endpoint_ids:
+            return routed
+        made = routed.decision.predictions or {}
+        missing = [endpoint_id for endpoint_id in made if endpoint_id not in verdict.endpoint_ids]
+        return reroute(missing) or routed

@@ -1,4 +1,4 @@
-"""Prompt-token estimation for admission and routing (DESIGN.md §2 step 4, §7).
+"""Prompt-token estimation for admission and routing.
 
 Tokenization is the largest per-request cost of the gateway, so each distinct message is encoded
 once: ids are cached by a 64-bit xxhash of (role, text) in a bounded LRU whose budget is counted in

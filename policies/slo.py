@@ -1,4 +1,4 @@
-"""The SLO gate's decision (DESIGN.md §2 step 7): can some endpoint meet this request's latency SLO?
+"""The SLO gate's decision: can some endpoint meet this request's latency SLO?
 
 Pure functions of (the request's effective SLO, the candidates' predictions, the tightest TPOT SLO
 already running on each endpoint, the caller's priority). The gateway does the I/O around it:
@@ -44,14 +44,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Final, Literal
+from typing import Literal
 
 from policies.schema import DEFAULT_MAX_QUEUE_MS, DEFAULT_MIN_PROBABILITY, MissAction, SloClassConfig
 from predictor.types import Feature, Prediction, Target
-
-# `facts.attrs` key of the live mapping endpoint id -> tightest TPOT SLO (ms) of the requests running
-# there; the gateway keeps it (gateway/slo.py), the latency scorer reads it.
-RUNNING_TPOT_SLO_ATTR: Final = "_running_tpot_slo_ms"
 
 Compare = Literal["probability", "p90", "mean"]
 Action = Literal["fallback", "queue", "reject", "shed", "proceed"]

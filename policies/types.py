@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # policies.slo imports the predictor room; the facts only carry its value
+    from policies.slo import Slo
 
 ApiKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
@@ -23,12 +26,15 @@ class Principal:
         return self.allowed_models is None or model in self.allowed_models
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RequestFacts:
-    """What the gateway knows about one request before it runs; built once, read by every decision.
+    """What the gateway knows about one request before it runs; built once by the gateway's intake,
+    read by every decision, never changed (what routing learns per request travels in
+    `policies.routing.types.RouteRequest`, what it decided in `RouteDecision`).
 
     `body` is the client's parsed JSON (the one parse of the request); forwarding copies it shallowly.
     `model` is the public model after alias resolution; `requested_model` is what the client sent.
+    `output_reservation` is `policies.reservation.output_reservation` for `model`.
     """
 
     request_id: str
@@ -47,10 +53,15 @@ class RequestFacts:
     cache_salt: str | None = None
     allow_fallback: bool = True  # tenant policy and the per-request opt-out combined
     debug: bool = False
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    arrived_at_s: float = 0.0
-    attrs: dict[str, Any] = field(default_factory=dict)  # decision annotations (reasons, scores)
+    slo: Slo | None = None  # the effective latency SLO: the caller's class tightened by its headers
+
+    @property
+    def slo_ttft_ms(self) -> float | None:
+        return self.slo.ttft_ms if self.slo is not None else None
+
+    @property
+    def slo_tpot_ms(self) -> float | None:
+        return self.slo.tpot_ms if self.slo is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +79,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A decision's "no", in the terms of the error catalogue (DESIGN.md §6); the gateway renders it.
+    """A decision's "no", in the terms of the error catalogue (README, "Errors"); the gateway renders it.
 
     `type`/`code` follow OpenAI's error shape; `headers` carry retry-after, x-ratelimit-*, and
     x-should-retry as the catalogue prescribes.

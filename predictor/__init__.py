@@ -1,4 +1,4 @@
-"""The predictor room: how long would this request take on that endpoint (DESIGN.md §1).
+"""The predictor room: how long would this request take on that endpoint (docs/architecture.md).
 
 `service.LatencyPredictor` is the facade the gateway holds; `types` is the vocabulary (feature
 layout, `RequestShape`, `Prediction`); `config.PredictorSettings` is gateway.yaml's `predictor:`.

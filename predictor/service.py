@@ -1,4 +1,4 @@
-"""`LatencyPredictor`: the one object the gateway holds (DESIGN.md §2 steps 4, 6, 7, 9).
+"""`LatencyPredictor`: the one object the gateway holds.
 
 - `predict` (hot path, sync): features for all candidates of a request in one pass, the prior, and
   the pool's compiled model if it has one; one vectorised evaluation for all candidates.

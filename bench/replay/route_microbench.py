@@ -24,6 +24,7 @@ from backends.fleet import Pool
 from backends.kv_events import BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from backends.types import Endpoint, EndpointState, EndpointStats
 from policies.routing import build_router
+from policies.routing.types import RouteRequest
 from policies.types import Principal, RequestFacts
 
 PRINCIPAL = Principal(key_id="k", tenant="t", allowed_models=None, priority=0)
@@ -99,11 +100,12 @@ def run(mode: str, engine: str, requests: int, prompt_tokens: int, endpoints: in
             prompt_tokens=len(ids),
             prompt_token_ids=ids,
         )
+        request = RouteRequest(facts)
         t0 = time.perf_counter()
-        decision = router.route(facts, pool, 2.0)
+        decision = router.route(request, pool, 2.0)
         t1 = time.perf_counter()
         assert decision is not None
-        router.on_dispatch(facts, decision)
+        router.on_dispatch(request, decision)
         t2 = time.perf_counter()
         route_us.append((t1 - t0) * 1e6)
         dispatch_us.append((t2 - t1) * 1e6)

@@ -4,6 +4,6 @@
 Each API is one `ApiCall` per request (`base.py`): how the client's body is read and estimated,
 what is sent to an endpoint (the body as is where the engine serves the API, a chat completions
 request elsewhere), how the stream and the answer come back, and how errors are written. The
-request pipeline calls these few methods; translations themselves are pure functions in
+walk of a request (`gateway/request/`) calls these few methods; translations themselves are pure functions in
 `backends.protocols`.
 """

@@ -1,6 +1,6 @@
 """`ApiCall`: the per-request pieces of an API that is not chat / completions / embeddings.
 
-The pipeline creates nothing API-specific itself: it asks the call to read the body (`parse`,
+The walk of a request creates nothing API-specific itself: it asks the call to read the body (`parse`,
 then `prepare` once the caller is known), to count the prompt (`estimate`), to say what to send
 to the chosen endpoint (`upstream`: natively where the engine serves the API, else a chat
 completions request), how to read the answer (`stream_codec`, `unary`) and how to write errors

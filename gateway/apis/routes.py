@@ -19,6 +19,7 @@ from gateway.apis.messages import MessagesCall, anthropic_error, translate
 from gateway.apis.responses import ResponsesCall, delete_response, get_response
 from gateway.apis.store import ResponseStore
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, error_response
+from gateway.request.intake import authenticate
 from gateway.routes import START_TIME
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,19 +44,18 @@ def _request_id(request: web.Request) -> str:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     call = ResponsesCall(request.app[RESPONSE_STORE])
-    response = await request.app[appkeys.PIPELINE].handle(request, "responses", call)
+    response = await request.app[appkeys.DIRECTOR].handle(request, "responses", call)
     await call.finished()
     return response
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    return await request.app[appkeys.PIPELINE].handle(request, "messages", MessagesCall())
+    return await request.app[appkeys.DIRECTOR].handle(request, "messages", MessagesCall())
 
 
 async def _principal_or_error(request: web.Request, anthropic_shape: bool = False) -> web.Response | object:
-    pipeline = request.app[appkeys.PIPELINE]
     try:
-        return pipeline.authenticate(request, pipeline.policies.current)
+        return authenticate(request, request.app[appkeys.POLICIES].current)
     except GatewayError as error:
         headers = [("x-request-id", _request_id(request))]
         if anthropic_shape:
@@ -83,7 +83,8 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     principal = await _principal_or_error(request, anthropic_shape=True)
     if isinstance(principal, web.Response):
         return principal
-    pipeline = request.app[appkeys.PIPELINE]
+    policy = request.app[appkeys.POLICIES].current
+    estimator = request.app[appkeys.DIRECTOR].intake.estimator
     try:
         raw = await request.read()
         try:
@@ -91,12 +92,12 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
         chat = translate(parsed, count_only=True)
-        model = pipeline.policies.current.resolve_model(str(parsed.get("model")))
+        model = policy.resolve_model(str(parsed.get("model")))
         if not request.app[appkeys.FLEET].pools_for_model(model):
             raise ModelNotFound(
                 f"The model '{parsed.get('model')}' does not exist or is not served here.", param="model"
             )
-        tokens, _ids = await pipeline.estimator.chat(chat["messages"], chat.get("tools"))
+        tokens, _ids = await estimator.chat(chat["messages"], chat.get("tools"))
     except GatewayError as error:
         return anthropic_error(error, headers, request_id)
     return web.json_response({"input_tokens": tokens}, headers=dict(headers))
@@ -107,8 +108,7 @@ async def retrieve_model(request: web.Request) -> web.StreamResponse:
     principal = await _principal_or_error(request)
     if isinstance(principal, web.Response):
         return principal
-    pipeline = request.app[appkeys.PIPELINE]
-    policy = pipeline.policies.current
+    policy = request.app[appkeys.POLICIES].current
     name = request.match_info["model"]
     model = policy.resolve_model(name)
     served = bool(request.app[appkeys.FLEET].pools_for_model(model))

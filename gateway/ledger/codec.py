@@ -9,7 +9,8 @@ requested_model, model, served_model, fallback_from, fallback_reason, pool, endp
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
 duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed, and
-`extra` when the record carries any.
+`extra` when the record carries any of: slo_class, slo_idle_admit, slo_queue_ms, engine (the
+engine's own per-request timings).
 """
 
 from __future__ import annotations
@@ -60,9 +61,23 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         "pd_reason": r.pd_reason,
         "kv_transfer_failed": r.kv_transfer_failed,
     }
-    if r.extra:
-        entry["extra"] = r.extra
+    extra = _extra(r)
+    if extra:
+        entry["extra"] = extra
     return entry
+
+
+def _extra(r: RequestRecord) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if r.slo_class:
+        extra["slo_class"] = r.slo_class
+    if r.slo_idle_admit:
+        extra["slo_idle_admit"] = True
+    if r.slo_queue_ms is not None:
+        extra["slo_queue_ms"] = r.slo_queue_ms
+    if r.engine_metrics:
+        extra["engine"] = r.engine_metrics
+    return extra
 
 
 def encode(record: RequestRecord) -> bytes:

@@ -109,7 +109,7 @@ class LedgerWriter:
         self.append_line(codec.encode(record))
 
     def observe(self, record: RequestRecord) -> None:
-        """`append` under the name the pipeline's record sinks are called by."""
+        """`append` under the name the walk's record sinks are called by."""
         self.append(record)
 
     def append_line(self, line: bytes) -> None:

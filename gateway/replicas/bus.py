@@ -39,8 +39,8 @@ from gateway.replicas.config import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
 from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, decode, encode
 from policies.routing.pipeline import ScoringRouter
+from policies.routing.prefix.hashing import HashedPrompt
 from policies.routing.types import RouteDecision
-from policies.types import RequestFacts
 
 log = logging.getLogger("tokenway.replicas")
 
@@ -71,7 +71,7 @@ class ReplicaBus:
         self.clock = clock
         self.remote = RemoteLoads(settings.ttl_s, self._shared_endpoint)
         self._redis_url = redis_url
-        self._pending: deque[tuple[str, RequestFacts, str | None]] = deque(maxlen=settings.max_pending_dispatches)
+        self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(maxlen=settings.max_pending_dispatches)
         self._writer: aioredis.Redis | None = None
         self._reader: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -91,18 +91,18 @@ class ReplicaBus:
 
     # -- hot path ----------------------------------------------------------------------------------
 
-    def dispatched(self, facts: RequestFacts, decision: RouteDecision, session: str | None) -> None:
+    def dispatched(self, prompt: HashedPrompt, decision: RouteDecision, session: str | None) -> None:
         """The router's dispatch listener: one append, nothing else (keys are read at the flush)."""
         pending = self._pending
         if not decision.endpoint.launched:
             if len(pending) == pending.maxlen:
                 self.dispatches_dropped += 1
-            pending.append((decision.endpoint.id, facts, session))
+            pending.append((decision.endpoint.id, prompt, session))
         prefill = decision.prefill_endpoint
         if prefill is not None and not prefill.launched:
             if len(pending) == pending.maxlen:
                 self.dispatches_dropped += 1
-            pending.append((prefill.id, facts, None))
+            pending.append((prefill.id, prompt, None))
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -160,8 +160,8 @@ class ReplicaBus:
         limit = self.settings.max_keys_per_dispatch
         pending = self._pending
         while pending:
-            endpoint_id, facts, session = pending.popleft()
-            taken.append((endpoint_id, index.dispatched_keys(facts)[:limit], session))
+            endpoint_id, prompt, session = pending.popleft()
+            taken.append((endpoint_id, index.dispatched_keys(prompt)[:limit], session))
         return taken
 
     async def _publish_loop(self) -> None:

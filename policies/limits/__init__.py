@@ -1,1 +1,1 @@
-"""Token-aware admission: buckets, budgets and concurrency leases in memory or Redis (DESIGN.md §2.5)."""
+"""Token-aware admission: buckets, budgets and concurrency leases in memory or Redis."""

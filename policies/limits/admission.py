@@ -348,19 +348,15 @@ def _output_tokens(facts: RequestFacts, model: str, plan: Plan, context_length: 
     its default, `min_tokens` and `ignore_eos` against its context; policies/reservation.py)."""
     if facts.api == "embeddings":
         return 0
-    if facts.max_tokens is None and model != facts.model:
-        return output_reservation(
-            facts.body if isinstance(facts.body, dict) else {},
-            max_tokens=None,
-            estimate_tokens=plan.default_max_tokens,
-            context_length=context_length,
-            prompt_tokens=facts.prompt_tokens,
-        )
-    if facts.output_reservation > 0:
-        return facts.output_reservation
-    if facts.max_tokens is not None:
-        return facts.max_tokens
-    return plan.default_max_tokens
+    if model == facts.model and facts.output_reservation > 0:
+        return facts.output_reservation  # the gateway's, which knows what the tenant's requests use
+    return output_reservation(
+        facts.body if isinstance(facts.body, dict) else {},
+        max_tokens=facts.max_tokens,
+        estimate_tokens=plan.default_max_tokens,
+        context_length=context_length,
+        prompt_tokens=facts.prompt_tokens,
+    )
 
 
 def _success_headers(plan: Plan, costs: list[float], outcome: Outcome) -> Headers:

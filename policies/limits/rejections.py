@@ -1,4 +1,4 @@
-"""The admission's "no" in the terms of the error catalogue (DESIGN.md §6), worded like OpenAI's own
+"""The admission's "no" in the terms of the error catalogue (README, "Errors"), worded like OpenAI's own
 429s ("Rate limit reached for gpt-4o-mini in organization … on tokens per min (TPM): Limit 50000,
 Used 47949, Requested 3006. Please try again in 1.146s.") and naming the rule that said no.
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from backends.fleet import Pool
-from policies.routing.types import REASON_LOAD, REASON_ONLY, RouteDecision
-from policies.types import RequestFacts
+from policies.routing.types import REASON_LOAD, REASON_ONLY, RouteDecision, RouteRequest
 
 
 class LeastInflightRouter:
@@ -18,7 +17,7 @@ class LeastInflightRouter:
         self._turn = 0
 
     def route(
-        self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
+        self, request: RouteRequest, pool: Pool, now_s: float, exclude: Collection[str] = ()
     ) -> RouteDecision | None:
         candidates = pool.servable(exclude)
         if not candidates:
@@ -30,5 +29,5 @@ class LeastInflightRouter:
             endpoint=candidates[best], reason=REASON_LOAD if n > 1 else REASON_ONLY, decided_at_s=now_s
         )
 
-    def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
+    def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
         return None

@@ -1,11 +1,12 @@
 """The scoring router: per pool, filters -> weighted scorers -> picker, over a shared prefix index.
 
-    route(facts, pool, now_s, exclude):
+    route(request, pool, now_s, exclude):
       candidates  = ready endpoints of the pool not in `exclude` (decode/mixed ones in a PD pool),
                     each with the prefix index's cached-token estimate; stale stats -> saturated
       saturated   are dropped unless every candidate is (then: reason `fallback`)
       predictions with a predictor, when the pipeline has the `latency` scorer or the request an
-                  SLO: every candidate in one call, into facts.attrs (`routing/predictions.py`)
+                  SLO: every candidate in one call (`routing/predictions.py`), read by the scorer
+                  and carried by the decision
       filters     run in order; one that would leave nothing is skipped (reason `fallback`)
       total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
       picker      chooses from the totals
@@ -31,9 +32,9 @@ from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
 from policies.routing.config import PDConfig, PipelineConfig, RoutingConfig
 from policies.routing.pd import decide_pd, is_disaggregated
-from policies.routing.predictions import PREDICTIONS_ATTR, predict_candidates
+from policies.routing.predictions import predict_candidates
 from policies.routing.prefix.engine_hashes import EngineHasher
-from policies.routing.prefix.hashing import prompt_tokens_of
+from policies.routing.prefix.hashing import HashedPrompt, prompt_tokens_of
 from policies.routing.prefix.index import IndexReport, PrefixIndex
 from policies.routing.session import SessionTable, session_key
 from policies.routing.types import (
@@ -49,9 +50,9 @@ from policies.routing.types import (
     RouteContext,
     RouteDecision,
     Router,
+    RouteRequest,
     Scorer,
 )
-from policies.types import RequestFacts
 from predictor.service import LatencyPredictor
 
 log = logging.getLogger(__name__)
@@ -188,36 +189,34 @@ class ScoringRouter:
     pd_counters: dict[str, PDCounters] = field(default_factory=dict)
     predictor: LatencyPredictor | None = None  # makes the latency scorer's and the SLO gate's predictions
     # told of every dispatch after it is recorded (gateway replicas share them); must not block
-    dispatch_listener: Callable[[RequestFacts, RouteDecision, str | None], None] | None = None
+    dispatch_listener: Callable[[HashedPrompt, RouteDecision, str | None], None] | None = None
     _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
 
     # -- Router ---------------------------------------------------------------------------------
 
     def route(
-        self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
+        self, request: RouteRequest, pool: Pool, now_s: float, exclude: Collection[str] = ()
     ) -> RouteDecision | None:
         routing = self._routing(pool.name)
         if routing.baseline is not None:
-            return routing.baseline.route(facts, pool, now_s, exclude)
+            return routing.baseline.route(request, pool, now_s, exclude)
         assert routing.pipeline is not None
         ready = [e for e in pool.endpoints if e.state is EndpointState.READY and e.id not in exclude]
         pd = is_disaggregated(pool)
         serving = [e for e in ready if e.role is not Role.PREFILL] if pd else ready
         if not serving:
             return None
+        facts = request.facts
         ctx = RouteContext(
             facts=facts,
             now_s=now_s,
             prompt_tokens=prompt_tokens_of(facts),
             session_endpoint_id=self.sessions.get(session_key(facts, pool.name, self.config.session.use_user_field)),
+            running_tpot_slo_ms=request.running_tpot_slo_ms,
         )
-        candidates = self._candidates(facts, serving, now_s)
-        if self.predictor is not None and (
-            routing.pipeline.uses_latency or facts.slo_ttft_ms is not None or facts.slo_tpot_ms is not None
-        ):
-            facts.attrs[PREDICTIONS_ATTR] = predict_candidates(
-                self.predictor, pool.name, pool.config.model, ctx, candidates
-            )
+        candidates = self._candidates(request, serving, now_s)
+        if self.predictor is not None and (routing.pipeline.uses_latency or facts.slo is not None):
+            ctx.predictions = predict_candidates(self.predictor, pool.name, pool.config.model, ctx, candidates)
         choice = routing.pipeline.choose(ctx, candidates, self.rng)
         chosen = choice.chosen
         decision = RouteDecision(
@@ -225,6 +224,7 @@ class ScoringRouter:
             reason=decision_reason(ctx, choice, candidates, routing.pipeline.uses_session),
             cached_tokens_estimate=chosen.cached_tokens,
             decided_at_s=now_s,
+            predictions=ctx.predictions,
         )
         debug = facts.debug
         if debug:
@@ -243,7 +243,7 @@ class ScoringRouter:
             outcome = decide_pd(
                 ctx,
                 chosen,
-                self._candidates(facts, prefill_eps, now_s) if prefill_eps else [],
+                self._candidates(request, prefill_eps, now_s) if prefill_eps else [],
                 choose_prefill,
                 routing.pd,
             )
@@ -255,21 +255,21 @@ class ScoringRouter:
                 decision.scores.update(prefill_choice[0].debug_scores(prefix="prefill:"))
         return decision
 
-    def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
+    def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
         routing = self._routing(decision.endpoint.pool)
         if routing.baseline is not None:
-            routing.baseline.on_dispatch(facts, decision)
+            routing.baseline.on_dispatch(request, decision)
             return
         now_s = decision.decided_at_s
-        self.index.record(facts, decision.endpoint, now_s)
+        self.index.record(request.prompt, decision.endpoint, now_s)
         if decision.prefill_endpoint is not None:
-            self.index.record(facts, decision.prefill_endpoint, now_s)
-        key = session_key(facts, decision.endpoint.pool, self.config.session.use_user_field)
+            self.index.record(request.prompt, decision.prefill_endpoint, now_s)
+        key = session_key(request.facts, decision.endpoint.pool, self.config.session.use_user_field)
         self.sessions.pin(key, decision.endpoint.id)
         if decision.pd_reason is not None:
             self._count_pd(decision, routing.pd)
         if self.dispatch_listener is not None:
-            self.dispatch_listener(facts, decision, key)
+            self.dispatch_listener(request.prompt, decision, key)
 
     def on_remote_dispatch(self, endpoint: Endpoint, keys: Sequence[int], session: str | None) -> None:
         """Another gateway replica sent a prompt with these block keys (and session) to `endpoint`."""
@@ -312,8 +312,8 @@ class ScoringRouter:
             self._pools[pool_name] = routing
         return routing
 
-    def _candidates(self, facts: RequestFacts, endpoints: Sequence[Endpoint], now_s: float) -> list[Candidate]:
-        cached = self.index.lookup(facts, endpoints, now_s)
+    def _candidates(self, request: RouteRequest, endpoints: Sequence[Endpoint], now_s: float) -> list[Candidate]:
+        cached = self.index.lookup(request.prompt, endpoints, now_s)
         max_age_s = self.config.max_stats_age_s
         unscraped_pool = all(e.stats.scraped_at_s == 0.0 for e in endpoints)
         return [
@@ -340,6 +340,52 @@ class ScoringRouter:
             )
 
 
+# What the router can hand a component, by the names components declare in `consumes`: endpoint state
+# every pool has, and what exists only when it is configured (the prefix index, the predictor).
+ALWAYS_AVAILABLE = frozenset(
+    {
+        "inflight",
+        "inflight.prefill_tokens",
+        "inflight.decode_tokens",
+        "stats.running",
+        "stats.waiting",
+        "stats.kv_usage_ratio",
+        "endpoint.max_model_len",
+        "session",
+        "slo",
+        "running-tpot-slo",
+    }
+)
+CONFIGURED = frozenset({"prefix-index", "predictions"})
+
+
+def check_consumes(config: RoutingConfig, *, predictor: bool) -> list[str]:
+    """Every configured component's declared inputs against what the router will have.
+
+    An unknown name is a component bug (ValueError at start-up); an input that is known but not
+    configured (the `latency` scorer without a predictor, `prefix-cache` with the index off) is
+    returned as a warning: the component then scores every endpoint alike."""
+    available = set(ALWAYS_AVAILABLE)
+    if config.prefix_index.mode != "off":
+        available.add("prefix-index")
+    if predictor:
+        available.add("predictions")
+    pipelines = {"default": config.default, **{f"pools.{name}": config.pipeline_for(name) for name in config.pools}}
+    pipelines["pd.prefill"] = config.pd.prefill  # unknown names only: it runs in PD pools alone
+    warnings: list[str] = []
+    for where, pipeline in pipelines.items():
+        if pipeline.router != "scoring":
+            continue
+        specs = [("filter", f) for f in pipeline.filters] + [("scorer", s) for s in pipeline.scorers]
+        for kind, spec in specs:
+            for name in getattr(registry.build(kind, spec.type, spec.params), "consumes", ()):
+                if name not in ALWAYS_AVAILABLE and name not in CONFIGURED:
+                    raise ValueError(f"routing.{where}: {kind} {spec.type!r} consumes unknown input {name!r}")
+                if name not in available and where != "pd.prefill":
+                    warnings.append(f"routing.{where}: {kind} {spec.type!r} needs {name!r}, which is not configured")
+    return warnings
+
+
 def build_router(
     config: RoutingConfig | Mapping[str, Any] | None = None,
     *,
@@ -360,6 +406,8 @@ def build_router(
         cfg = config
     else:
         cfg = RoutingConfig.model_validate(dict(config))
+    for warning in check_consumes(cfg, predictor=predictor is not None):
+        log.warning("%s: it scores every endpoint alike", warning)
     return ScoringRouter(
         config=cfg,
         index=PrefixIndex(cfg.prefix_index, engine_hashers=engine_hashers),

@@ -1,11 +1,11 @@
-"""Where a request's latency predictions live while it is routed, and the one call that makes them.
+"""The one call that makes a request's latency predictions while it is routed.
 
 When the router has a predictor and the request needs predictions (its pool's pipeline has the
 `latency` scorer, or the request carries an SLO for the gateway's SLO gate), `ScoringRouter.route`
-predicts every candidate in one batched call before the pipeline runs and leaves the predictions in
-`facts.attrs[PREDICTIONS_ATTR]` (endpoint id -> `predictor.types.Prediction`). The latency scorer
-and the SLO gate read them there, and the gateway reuses the serving endpoint's prediction as the
-training sample's features instead of predicting twice.
+predicts every candidate in one batched call before the pipeline runs: the latency scorer reads them
+in `RouteContext.predictions`, the decision carries them (`RouteDecision.predictions`) to the SLO
+gate, and the gateway reuses the serving endpoint's prediction as the training sample's features
+instead of predicting twice.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from policies.routing.types import Candidate, RouteContext
 from predictor.service import LatencyPredictor
 from predictor.types import Prediction, RequestShape
-
-PREDICTIONS_ATTR = "_predictions_by_endpoint"
 
 
 def predict_candidates(

@@ -1,21 +1,32 @@
 """Routing vocabulary: the router contract the gateway calls, the decision it gets back, and the small
 protocols the scoring pipeline is built from (filters, scorers, pickers).
 
-A router is synchronous and side-effect free in `route` (a pure function of request facts, the
-pool's endpoints as they are now, and its own state); `on_dispatch` records what was sent where
-(prefix-index insertions, session pins) once the gateway has committed to the decision.
+A router is synchronous and side-effect free in `route` (a function of the request's routing
+inputs, the pool's endpoints as they are now, and its own state: it changes none of them beyond the
+request's own hash memo); `on_dispatch` records what was sent where (prefix-index insertions,
+session pins) once the gateway has committed to the decision.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from types import MappingProxyType
+from typing import Final, Protocol
 
 from backends.fleet import Pool
 from backends.types import Endpoint
+from policies.routing.prefix.hashing import HashedPrompt
 from policies.types import RequestFacts
+from predictor.types import Prediction
+
+NO_RUNNING_SLOS: Final[Mapping[str, float]] = MappingProxyType({})
+
+
+def _no_running_slos() -> Mapping[str, float]:
+    return NO_RUNNING_SLOS
+
 
 # Metric label values of `RouteDecision.reason`.
 REASON_PREFIX_HIT = "prefix-hit"  # chosen endpoint holds the longest cached prefix of the prompt
@@ -33,6 +44,29 @@ PD_PREFILL_BUSY = "prefill-busy"  # every prefill endpoint's backlog is over the
 
 
 @dataclass(slots=True)
+class RouteRequest:
+    """What a router reads of one request: its facts and what the gateway learnt for routing it.
+
+    `running_tpot_slo_ms` (endpoint id -> the tightest TPOT SLO of the requests running there, a
+    live mapping kept by the gateway's SLO hook) lets the latency scorer protect running requests.
+    `prompt` holds the engine's own token ids when the gateway asked for them, and the prompt's
+    block hashes once computed.
+    """
+
+    facts: RequestFacts
+    running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)
+    prompt: HashedPrompt = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt = HashedPrompt(self.facts)
+
+    def use_engine_token_ids(self, token_ids: Sequence[int] | None) -> None:
+        """Hash the engine's own ids from now on (None: the gateway's); a change starts a new memo."""
+        if token_ids is not self.prompt.engine_token_ids:
+            self.prompt = HashedPrompt(self.facts, token_ids)
+
+
+@dataclass(slots=True)
 class RouteDecision:
     endpoint: Endpoint  # serves the request (the decode endpoint in a disaggregated pool)
     reason: str  # metrics label: prefix-hit | load | session | only | fallback
@@ -42,6 +76,14 @@ class RouteDecision:
     pd_reason: str | None = None  # disaggregated pools: why (not) disaggregated; None elsewhere
     decided_at_s: float = 0.0  # `now_s` of the route call (speculative index entries start here)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # endpoint id -> scorer -> score
+    # every candidate's latency prediction when the router made them (the latency scorer or an SLO),
+    # by endpoint id: the SLO gate decides over them and the predictor learns from the chosen one's
+    predictions: Mapping[str, Prediction] | None = None
+
+    @property
+    def prediction(self) -> Prediction | None:
+        """The serving endpoint's prediction, when the router made one."""
+        return self.predictions.get(self.endpoint.id) if self.predictions is not None else None
 
     @property
     def disaggregated(self) -> bool:
@@ -67,12 +109,12 @@ class RouteDecision:
 
 class Router(Protocol):
     def route(
-        self, facts: RequestFacts, pool: Pool, now_s: float, exclude: Collection[str] = ()
+        self, request: RouteRequest, pool: Pool, now_s: float, exclude: Collection[str] = ()
     ) -> RouteDecision | None:
         """Choose an endpoint among the pool's ready ones not in `exclude`; None when there is none."""
         ...
 
-    def on_dispatch(self, facts: RequestFacts, decision: RouteDecision) -> None:
+    def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
         """The gateway sent the request as decided: update indexes and affinities."""
         ...
 
@@ -106,6 +148,8 @@ class RouteContext:
     now_s: float
     prompt_tokens: int
     session_endpoint_id: str | None = None  # where the request's session is pinned, if anywhere
+    predictions: Mapping[str, Prediction] | None = None  # by endpoint id, when the router made them
+    running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)  # see `RouteRequest`
 
     def uncached_tokens(self, candidate: Candidate) -> int:
         return max(self.prompt_tokens - candidate.cached_tokens, 0)

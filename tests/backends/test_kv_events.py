@@ -30,7 +30,7 @@ from backends.sim.server import run_sim_engines
 from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint
 from policies.routing.pipeline import ScoringRouter, build_router
-from tests.policies.routing.factories import endpoint, facts, pool, token_ids
+from tests.policies.routing.factories import endpoint, pool, request, token_ids
 
 PROMPT = token_ids(64)  # 4 blocks of 16
 HASHES = hash_blocks(PROMPT, 16)
@@ -184,12 +184,12 @@ async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tupl
     await pub.send_multipart(frames(1, stored_array(2, 4)))  # older positional arrays, chained
     await pub.send_multipart(frames(2, {"type": "Ignored"}, topic=b"other-topic"))  # filtered by topic
     await rec.until(lambda: len(rec.batches) == 2)
-    d = router.route(facts(PROMPT), pool(eps), 0.0)
+    d = router.route(request(PROMPT), pool(eps), 0.0)
     assert d is not None and (d.endpoint.id, d.reason, d.cached_tokens_estimate) == ("a", "prefix-hit", 63)
 
     await pub.send_multipart(frames(2, ["BlockRemoved", HASHES[:1], "GPU"]))
     await rec.until(lambda: len(rec.batches) == 3)
-    d = router.route(facts(PROMPT), pool(eps), 0.0)
+    d = router.route(request(PROMPT), pool(eps), 0.0)
     assert d is not None and d.reason == "load" and d.cached_tokens_estimate == 0
     assert (sub.stats.batches, sub.stats.gaps, rec.resets) == (3, 0, [])
     await stop(sub, task)
@@ -283,7 +283,7 @@ async def test_simulated_engine_events_drive_routing() -> None:
             assert resp.status == 200
         await rec.until(lambda: bool(rec.batches))
         ids = chat_prompt_ids(messages)
-        d = router.route(facts(ids), pool(endpoints()), rec.batches[-1].received_at_s)
+        d = router.route(request(ids), pool(endpoints()), rec.batches[-1].received_at_s)
         assert d is not None and d.endpoint.id == "a" and d.reason == "prefix-hit"
         assert d.cached_tokens_estimate == len(ids) // 16 * 16
         await stop(sub, task)

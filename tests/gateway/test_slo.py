@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, Rejected
+from gateway.request.intake import parse_slo_headers
 from gateway.slo import (
     REASON_QUEUE_TIMEOUT,
     REASON_SHED,
     RunningTpotSlos,
     SloQueue,
-    parse_slo_headers,
     slo_miss,
 )
 from policies.slo import EndpointCheck, Miss, Slo
@@ -91,7 +91,8 @@ def test_queue_wakes_highest_priority_first_and_times_out() -> None:
 def test_slo_miss_is_a_503_with_retry_after() -> None:
     miss = Miss("shed", EndpointCheck("e1", ttft_excess_ms=2300.0, tpot_excess_ms=0.0, idle=False))
     raised = slo_miss(miss, Slo(200.0, 30.0), "llama", REASON_SHED)
-    rejection = raised.rejection
+    assert isinstance(raised.error, Rejected) and raised.trigger == "shed"
+    rejection = raised.error.rejection
     assert (rejection.status, rejection.type, rejection.code, rejection.reason) == (
         503,
         "server_error",
@@ -103,15 +104,15 @@ def test_slo_miss_is_a_503_with_retry_after() -> None:
     fallback = slo_miss(Miss("fallback", miss.closest), Slo(200.0, None), "llama", "slo_unattainable")
     assert fallback.fallback
     timeout = slo_miss(Miss("queue", miss.closest), Slo(200.0, None), "llama", REASON_QUEUE_TIMEOUT, waited_ms=812)
-    assert timeout.rejection.message.startswith("Waited 812 ms")
+    assert timeout.error.message.startswith("Waited 812 ms")
 
 
 def test_slo_miss_message_says_how_likely_the_closest_endpoint_was() -> None:
     likely = EndpointCheck("e1", ttft_excess_ms=-20.0, tpot_excess_ms=4.0, idle=False, probability=0.31)
-    message = slo_miss(Miss("reject", likely), Slo(200.0, 30.0), "llama", "slo_unattainable").rejection.message
+    message = slo_miss(Miss("reject", likely), Slo(200.0, 30.0), "llama", "slo_unattainable").error.message
     assert "(closest endpoint: 31% likely to meet it; TPOT 4.0 ms over)" in message
     p90 = slo_miss(Miss("reject", likely), Slo(200.0, 30.0, compare="p90"), "llama", "slo_unattainable")
-    assert "likely" not in p90.rejection.message and "TPOT 4.0 ms over" in p90.rejection.message
+    assert "likely" not in p90.error.message and "TPOT 4.0 ms over" in p90.error.message
 
 
 def test_queue_is_head_of_line_one_attempt_per_event() -> None:

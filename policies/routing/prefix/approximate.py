@@ -18,9 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from backends.types import Endpoint
-from policies.routing.prefix.hashing import PromptBlocks, prompt_blocks, seed_of
+from policies.routing.prefix.hashing import HashedPrompt, PromptBlocks, prompt_blocks, seed_of
 from policies.routing.prefix.owners import OwnerMap, SlotMap, leading_matches
-from policies.types import RequestFacts
 
 # Heap per tracked block, tables included: 143 B measured on CPython 3.11 (tracemalloc, 80k entries:
 # OrderedDict slot and link node, the key int, the owner-map slot), rounded up for dict growth steps.
@@ -54,15 +53,16 @@ class ApproximatePrefixIndex:
 
     # -- request side --------------------------------------------------------------------------
 
-    def blocks(self, facts: RequestFacts) -> PromptBlocks:
+    def blocks(self, prompt: HashedPrompt) -> PromptBlocks:
+        facts = prompt.facts
         seed = seed_of("approximate", facts.model, facts.cache_salt)
-        blocks = prompt_blocks(facts, self.block_tokens, seed, self.max_prefix_tokens, namespace="approximate")
+        blocks = prompt_blocks(prompt, self.block_tokens, seed, self.max_prefix_tokens, namespace="approximate")
         assert blocks is not None  # text fallback always yields blocks
         return blocks
 
-    def lookup(self, facts: RequestFacts, endpoints: Sequence[Endpoint]) -> list[int]:
+    def lookup(self, prompt: HashedPrompt, endpoints: Sequence[Endpoint]) -> list[int]:
         """Estimated cached prompt tokens on each endpoint (same order)."""
-        blocks = self.blocks(facts)
+        blocks = self.blocks(prompt)
         if not blocks.keys:
             return [0] * len(endpoints)
         mask = self._slots.mask_of(e.id for e in endpoints)
@@ -74,9 +74,9 @@ class ApproximatePrefixIndex:
             out.append(blocks.cached_tokens(n) if n else 0)
         return out
 
-    def record(self, facts: RequestFacts, endpoint: Endpoint) -> None:
+    def record(self, prompt: HashedPrompt, endpoint: Endpoint) -> None:
         """The request was dispatched to `endpoint`: its prompt's blocks are (about to be) cached there."""
-        self.record_keys(endpoint, self.blocks(facts).keys)
+        self.record_keys(endpoint, self.blocks(prompt).keys)
 
     def record_keys(self, endpoint: Endpoint, keys: Sequence[int]) -> None:
         """Record block keys on `endpoint` (a dispatch of this gateway, or one another replica reported)."""

@@ -16,7 +16,7 @@ import functools
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -25,8 +25,6 @@ from xxhash import xxh3_64_intdigest
 from policies.types import RequestFacts
 
 BYTES_PER_TOKEN_ESTIMATE = 4
-PROMPT_BLOCKS_ATTR = "_routing_prompt_blocks"  # per-request cache in RequestFacts.attrs (reused by candidates)
-TOKEN_BYTES_ATTR = "_routing_token_bytes"  # the ids as uint32 bytes, shared by every block size
 
 if array("I").itemsize != 4:  # pragma: no cover - every mainstream platform
     raise ImportError("array('I') must be 4 bytes")
@@ -110,33 +108,45 @@ class PromptBlocks:
         return max(min(matched_blocks * self.tokens_per_block, self.prompt_tokens - 1), 0)
 
 
+@dataclass(slots=True)
+class HashedPrompt:
+    """One request's prompt as the prefix indexes see it, and the hashes computed from it so far.
+
+    `engine_token_ids` are the engine's own ids (from its /tokenize, for engines whose tokenizer the
+    gateway does not share); without them the gateway's ids (`facts.prompt_token_ids`) are used. The
+    memo fields hold what was hashed, once per request: every candidate, a retry and `on_dispatch`
+    reuse it. A new `HashedPrompt` starts a new memo (a fallback model's engines may count otherwise).
+    """
+
+    facts: RequestFacts
+    engine_token_ids: Sequence[int] | None = None
+    token_bytes: tuple[int, bytes] | None = field(default=None, repr=False)  # (ids converted, their bytes)
+    blocks: dict[tuple[str, int], PromptBlocks | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def token_ids(self) -> Sequence[int] | None:
+        """Token ids as the engine counts them: the engine's own when known, else the gateway's."""
+        return self.engine_token_ids if self.engine_token_ids is not None else self.facts.prompt_token_ids
+
+
 def prompt_tokens_of(facts: RequestFacts) -> int:
     if facts.prompt_tokens:
         return facts.prompt_tokens
     return len(facts.prompt_token_ids) if facts.prompt_token_ids is not None else 0
 
 
-def engine_token_ids(facts: RequestFacts) -> Sequence[int] | None:
-    """Token ids as the engine counts them: `attrs["engine_token_ids"]` (from the engine's /tokenize,
-    set by the gateway for engines whose tokenizer it does not share), else the gateway's own ids."""
-    ids = facts.attrs.get("engine_token_ids")
-    if ids is not None:
-        return ids  # type: ignore[no-any-return]
-    return facts.prompt_token_ids
-
-
-def prompt_token_bytes(facts: RequestFacts, ids: Sequence[int], max_tokens: int) -> bytes:
+def prompt_token_bytes(prompt: HashedPrompt, ids: Sequence[int], max_tokens: int) -> bytes:
     """`token_bytes` of the first `max_tokens` ids, converted once per request (the costliest step)."""
-    cached: tuple[int, bytes] | None = facts.attrs.get(TOKEN_BYTES_ATTR)
+    cached = prompt.token_bytes
     if cached is not None and cached[0] >= max_tokens:
         return cached[1][: max_tokens * 4]
     data = token_bytes(ids[:max_tokens])
-    facts.attrs[TOKEN_BYTES_ATTR] = (max_tokens, data)
+    prompt.token_bytes = (max_tokens, data)
     return data
 
 
 def prompt_blocks(
-    facts: RequestFacts,
+    prompt: HashedPrompt,
     block_tokens: int,
     seed: int,
     max_prefix_tokens: int,
@@ -144,20 +154,21 @@ def prompt_blocks(
     namespace: str,
     require_ids: bool = False,
 ) -> PromptBlocks | None:
-    """Block keys of the request's prompt, computed once per (namespace, block size) and cached in
-    `facts.attrs`, so every candidate, a retry and `on_dispatch` reuse them.
+    """Block keys of the request's prompt, computed once per (namespace, block size) and kept in
+    `prompt.blocks`, so every candidate, a retry and `on_dispatch` reuse them.
 
     None when `require_ids` and the request has no token ids (the precise index cannot match text).
     """
-    cache: dict[tuple[str, int], PromptBlocks | None] = facts.attrs.setdefault(PROMPT_BLOCKS_ATTR, {})
+    cache = prompt.blocks
     cache_key = (namespace, block_tokens)
     if cache_key in cache:
         return cache[cache_key]
     max_blocks = max(max_prefix_tokens // block_tokens, 1)
-    ids = engine_token_ids(facts)
+    ids = prompt.token_ids
+    facts = prompt.facts
     result: PromptBlocks | None
     if ids is not None:
-        keys = chain_hashes(prompt_token_bytes(facts, ids, max_prefix_tokens), block_tokens * 4, seed, max_blocks)
+        keys = chain_hashes(prompt_token_bytes(prompt, ids, max_prefix_tokens), block_tokens * 4, seed, max_blocks)
         result = PromptBlocks(keys, block_tokens, len(ids), exact=True)
     elif require_ids:
         result = None

@@ -15,8 +15,8 @@ from backends.types import Endpoint
 from policies.routing.config import PrefixIndexConfig
 from policies.routing.prefix.approximate import ApproximatePrefixIndex
 from policies.routing.prefix.engine_hashes import ENGINE_HASHERS, EngineHasher
+from policies.routing.prefix.hashing import HashedPrompt
 from policies.routing.prefix.precise import PrecisePrefixIndex
-from policies.types import RequestFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,32 +53,32 @@ class PrefixIndex:
                 else engine_hashers,
             )
 
-    def lookup(self, facts: RequestFacts, endpoints: Sequence[Endpoint], now_s: float) -> list[int]:
+    def lookup(self, prompt: HashedPrompt, endpoints: Sequence[Endpoint], now_s: float) -> list[int]:
         """Estimated cached prompt tokens on each endpoint (same order)."""
         if self.approximate is None or not endpoints:
             return [0] * len(endpoints)
         if self.precise is None:
-            return self.approximate.lookup(facts, endpoints)
-        precise = self.precise.lookup(facts, endpoints, now_s)
+            return self.approximate.lookup(prompt, endpoints)
+        precise = self.precise.lookup(prompt, endpoints, now_s)
         if all(v is not None for v in precise):
             return [v or 0 for v in precise]
-        approx = self.approximate.lookup(facts, endpoints)
+        approx = self.approximate.lookup(prompt, endpoints)
         return [a if p is None else p for p, a in zip(precise, approx, strict=True)]
 
-    def record(self, facts: RequestFacts, endpoint: Endpoint, now_s: float) -> None:
+    def record(self, prompt: HashedPrompt, endpoint: Endpoint, now_s: float) -> None:
         if self.approximate is not None:
-            self.approximate.record(facts, endpoint)
+            self.approximate.record(prompt, endpoint)
         if self.precise is not None:
-            self.precise.record(facts, endpoint, now_s)
+            self.precise.record(prompt, endpoint, now_s)
 
     def record_remote(self, endpoint: Endpoint, keys: Sequence[int]) -> None:
         """Another gateway replica dispatched a prompt with these approximate block keys to `endpoint`."""
         if self.approximate is not None:
             self.approximate.record_keys(endpoint, keys)
 
-    def dispatched_keys(self, facts: RequestFacts) -> list[int]:
+    def dispatched_keys(self, prompt: HashedPrompt) -> list[int]:
         """The approximate block keys this request records at dispatch (what replicas share)."""
-        return list(self.approximate.blocks(facts).keys) if self.approximate is not None else []
+        return list(self.approximate.blocks(prompt).keys) if self.approximate is not None else []
 
     # KV-event callbacks (`backends.kv_events.KvEventHub(on_batch=..., on_reset=...)`).
     def on_kv_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:

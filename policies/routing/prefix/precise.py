@@ -44,16 +44,14 @@ from backends.kv_events import (
 from backends.types import Endpoint
 from policies.routing.prefix.engine_hashes import EngineHasher
 from policies.routing.prefix.hashing import (
-    PROMPT_BLOCKS_ATTR,
+    HashedPrompt,
     PromptBlocks,
-    engine_token_ids,
     prompt_blocks,
     prompt_token_bytes,
     seed_of,
     token_bytes,
 )
 from policies.routing.prefix.owners import OwnerMap, SlotMap, leading_matches
-from policies.types import RequestFacts
 
 _MEDIUM_BITS = {"GPU": 1, "CPU": 2, "DISK": 4, "STORAGE": 4}
 _OTHER_MEDIUM = 8
@@ -247,28 +245,29 @@ class PrecisePrefixIndex:
             return st.block_tokens
         return endpoint.stats.block_size or self.default_block_tokens
 
-    def blocks(self, facts: RequestFacts, endpoint: Endpoint) -> PromptBlocks | None:
+    def blocks(self, prompt: HashedPrompt, endpoint: Endpoint) -> PromptBlocks | None:
         """Keys of the request as `endpoint` would store them; None without token ids."""
         block_tokens = self.block_tokens(endpoint)
         hasher = self.engine_hashers.get(endpoint.engine)
+        salt = prompt.facts.cache_salt
         if hasher is None:
-            seed = seed_of("precise", None, facts.cache_salt)
+            seed = seed_of("precise", None, salt)
             return prompt_blocks(
-                facts, block_tokens, seed, self.max_prefix_tokens, namespace="precise", require_ids=True
+                prompt, block_tokens, seed, self.max_prefix_tokens, namespace="precise", require_ids=True
             )
-        cache: dict[tuple[str, int], PromptBlocks | None] = facts.attrs.setdefault(PROMPT_BLOCKS_ATTR, {})
+        cache = prompt.blocks
         cache_key = ("engine:" + endpoint.engine, block_tokens)
         if cache_key not in cache:
-            ids = engine_token_ids(facts)
+            ids = prompt.token_ids
             if ids is None:
                 cache[cache_key] = None
             else:
-                data = prompt_token_bytes(facts, ids, self.max_prefix_tokens)
-                keys = hasher(data, block_tokens, facts.cache_salt)
+                data = prompt_token_bytes(prompt, ids, self.max_prefix_tokens)
+                keys = hasher(data, block_tokens, salt)
                 cache[cache_key] = PromptBlocks(keys, block_tokens, len(ids), exact=True)
         return cache[cache_key]
 
-    def lookup(self, facts: RequestFacts, endpoints: Sequence[Endpoint], now_s: float) -> list[int | None]:
+    def lookup(self, prompt: HashedPrompt, endpoints: Sequence[Endpoint], now_s: float) -> list[int | None]:
         """Cached prompt tokens per endpoint (same order); None where precise data is not trustworthy."""
         self._purge_spec(now_s)
         out: list[int | None] = [None] * len(endpoints)
@@ -279,7 +278,7 @@ class PrecisePrefixIndex:
                 engine = endpoint.engine if endpoint.engine in self.engine_hashers else ""
                 groups.setdefault((self.block_tokens(endpoint), engine), []).append(i)
         for indexes in groups.values():
-            blocks = self.blocks(facts, endpoints[indexes[0]])
+            blocks = self.blocks(prompt, endpoints[indexes[0]])
             if blocks is None:
                 continue
             slots = [self._endpoints[endpoints[i].id].slot for i in indexes]
@@ -299,12 +298,12 @@ class PrecisePrefixIndex:
                 out[i] = blocks.cached_tokens(n) if n else 0
         return out
 
-    def record(self, facts: RequestFacts, endpoint: Endpoint, now_s: float) -> None:
+    def record(self, prompt: HashedPrompt, endpoint: Endpoint, now_s: float) -> None:
         """Dispatched: add speculative entries for the blocks the engine will store, and expect an event."""
         st = self._state(endpoint.id)
         self._check_restart(endpoint)
         self._purge_spec(now_s)
-        blocks = self.blocks(facts, endpoint)
+        blocks = self.blocks(prompt, endpoint)
         if blocks is None or not blocks.keys:
             return
         bit = 1 << st.slot

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.routing.predictions import PREDICTIONS_ATTR
 from policies.routing.types import Candidate, RouteContext
-from policies.slo import RUNNING_TPOT_SLO_ATTR
 from predictor.types import Prediction
 
 
@@ -38,9 +36,9 @@ class LatencyScorer:
     with no predictions (predictor disabled) every candidate scores 1, leaving the decision to the
     other scorers.
 
-    Reads: `facts.attrs[PREDICTIONS_ATTR]` (made by the router in one batched call for all
-    candidates, see routing/predictions.py), `facts.slo_ttft_ms`/`slo_tpot_ms`, and the gateway's
-    `facts.attrs[RUNNING_TPOT_SLO_ATTR]`.
+    Reads: `ctx.predictions` (made by the router in one batched call for all candidates, see
+    routing/predictions.py), `facts.slo_ttft_ms`/`slo_tpot_ms`, and `ctx.running_tpot_slo_ms`
+    (kept by the gateway's SLO hook).
 
     Not in the default pipeline yet: alone (no SLO class) it lifted attainment at 90 % load from
     82.9 % to 88.0 % at the tight SLO and from 92.2 % to 96.8 % at the loose one (78.0 % to 87.2 %
@@ -63,10 +61,10 @@ class LatencyScorer:
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[float]:
         facts = ctx.facts
-        predictions: Mapping[str, Prediction] | None = facts.attrs.get(PREDICTIONS_ATTR)
+        predictions = ctx.predictions
         if not predictions:
             return [1.0] * len(candidates)
-        floors: Mapping[str, float] = facts.attrs.get(RUNNING_TPOT_SLO_ATTR) or {}
+        floors = ctx.running_tpot_slo_ms
         found = [None if c.saturated else predictions.get(c.id) for c in candidates]
         relative = self._relative(found)
         targeted = facts.slo_ttft_ms is not None or facts.slo_tpot_ms is not None

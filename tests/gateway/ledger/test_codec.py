@@ -31,10 +31,11 @@ def test_one_line_with_the_stable_v1_fields() -> None:
 
 def test_extra_is_kept_and_unknown_types_become_strings() -> None:
     record = make_record(1)
-    record.extra = {"engine": {"queue_s": 0.01}, "odd": object()}
+    record.engine_metrics = {"queue_s": 0.01, "odd": object()}
+    record.slo_class = "interactive"
     entry = codec.decode(codec.encode(record))
-    assert entry["extra"]["engine"] == {"queue_s": 0.01}
-    assert isinstance(entry["extra"]["odd"], str)
+    assert entry["extra"]["engine"]["queue_s"] == 0.01 and entry["extra"]["slo_class"] == "interactive"
+    assert isinstance(entry["extra"]["engine"]["odd"], str)
 
 
 @pytest.mark.parametrize("line", [b"[1,2]\n", b'"text"\n', b"{not json}\n"], ids=["list", "string", "garbage"])

@@ -60,7 +60,7 @@ async def front() -> AsyncIterator[tuple[str, dict[str, list[float]]]]:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     yield f"http://127.0.0.1:{port}/v1", seen
     await runner.cleanup()
 

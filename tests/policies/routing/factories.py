@@ -7,7 +7,9 @@ from typing import Any
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, EndpointStats, InFlight, Role
-from policies.routing.types import Candidate, RouteContext
+from policies.routing.prefix.hashing import HashedPrompt
+from policies.routing.types import Candidate, RouteContext, RouteRequest
+from policies.slo import Slo
 from policies.types import Principal, RequestFacts
 
 NOW_S = 1000.0
@@ -78,6 +80,7 @@ def facts(
     max_tokens: int | None = None,
     debug: bool = False,
     request_id: str = "r",
+    slo: Slo | None = None,
 ) -> RequestFacts:
     payload: dict[str, Any] = dict(body or {"model": model, "messages": [{"role": "user", "content": "hi"}]})
     if user is not None:
@@ -95,7 +98,18 @@ def facts(
         session_key=session_key,
         cache_salt=cache_salt,
         debug=debug,
+        slo=slo,
     )
+
+
+def request(ids: list[int] | None = None, **kwargs: Any) -> RouteRequest:
+    """What a router reads: `facts(...)` and a fresh hash memo."""
+    return RouteRequest(facts(ids, **kwargs))
+
+
+def prompt(ids: list[int] | None = None, **kwargs: Any) -> HashedPrompt:
+    """What a prefix index reads: `facts(...)` and a fresh hash memo."""
+    return HashedPrompt(facts(ids, **kwargs))
 
 
 def candidate(e: Endpoint, cached_tokens: int = 0, saturated: bool = False) -> Candidate:

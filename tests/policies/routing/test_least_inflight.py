@@ -1,7 +1,7 @@
 import pytest
 
 from policies.routing.least_inflight import LeastInflightRouter
-from tests.policies.routing.factories import NOW_S, endpoint, facts, pool
+from tests.policies.routing.factories import NOW_S, endpoint, pool, request
 
 
 @pytest.mark.parametrize(
@@ -13,12 +13,12 @@ from tests.policies.routing.factories import NOW_S, endpoint, facts, pool
 )
 def test_least_inflight(requests: list[int], allowed: set[str]) -> None:
     eps = [endpoint(f"e{i}", requests=r) for i, r in enumerate(requests)]
-    d = LeastInflightRouter().route(facts([1]), pool(eps), NOW_S)
+    d = LeastInflightRouter().route(request([1]), pool(eps), NOW_S)
     assert d is not None and d.endpoint.id in allowed and d.reason == "load"
 
 
 def test_ties_rotate() -> None:
     router = LeastInflightRouter()
     p = pool([endpoint("a"), endpoint("b")])
-    seen = {router.route(facts([1]), p, NOW_S).endpoint.id for _ in range(4)}  # type: ignore[union-attr]
+    seen = {router.route(request([1]), p, NOW_S).endpoint.id for _ in range(4)}  # type: ignore[union-attr]
     assert seen == {"a", "b"}

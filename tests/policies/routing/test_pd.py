@@ -12,7 +12,7 @@ from backends.types import Endpoint, Role
 from policies.routing.config import PDConfig
 from policies.routing.pd import decide_pd, is_disaggregated
 from policies.routing.pipeline import build_router
-from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, facts, pool, token_ids
+from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request, token_ids
 
 
 def pd_pool(eps: list[Endpoint]) -> Pool:
@@ -67,13 +67,13 @@ def test_is_disaggregated(roles: list[Role], expected: bool) -> None:
 def test_router_disaggregates_a_long_new_prompt_and_keeps_the_follow_up_local() -> None:
     r = build_router({"seed": 3})
     eps = pd_endpoints()
-    first = facts(token_ids(4096))
+    first = request(token_ids(4096))
     d = r.route(first, pd_pool(eps), NOW_S)
     assert d is not None and d.pd_reason == "disaggregated" and d.disaggregated
     assert d.endpoint.role is Role.DECODE and d.prefill_endpoint is not None and d.prefill_endpoint.role is Role.PREFILL
     assert d.uncached_prefill_tokens(4096) == 4096
     r.on_dispatch(first, d)
-    follow_up = facts(token_ids(4096) + token_ids(200, start=5))
+    follow_up = request(token_ids(4096) + token_ids(200, start=5))
     d2 = r.route(follow_up, pd_pool(eps), NOW_S)
     assert d2 is not None and d2.endpoint is d.endpoint and d2.reason == "prefix-hit"
     assert (d2.pd_reason, d2.prefill_endpoint) == ("few-uncached", None)
@@ -84,17 +84,19 @@ def test_router_picks_the_prefill_endpoint_holding_the_prefix() -> None:
     r = build_router({"seed": 3, "pd": {"min_uncached_tokens": 256}})
     eps = pd_endpoints()
     system = token_ids(8192)
-    r.index.record(facts(system), eps[1], NOW_S)  # prefill-1 prefilled this system prompt before
-    f = facts(system + token_ids(1024, start=9), debug=True)
+    r.index.record(request(system).prompt, eps[1], NOW_S)  # prefill-1 prefilled this system prompt before
+    f = request(system + token_ids(1024, start=9), debug=True)
     d = r.route(f, pd_pool(eps), NOW_S)
     assert d is not None and d.prefill_endpoint is eps[1]
-    assert d.prefill_cached_tokens_estimate == 8192 and d.uncached_prefill_tokens(f.prompt_tokens) == 1024
+    assert d.prefill_cached_tokens_estimate == 8192 and d.uncached_prefill_tokens(f.facts.prompt_tokens) == 1024
     assert "prefill:prefill-1=[" in d.debug_header()
 
 
 def test_no_ready_prefill_endpoint_prefills_on_decode() -> None:
     eps = pd_endpoints()
-    d = build_router({"seed": 3}).route(facts(token_ids(4096)), pd_pool(eps), NOW_S, exclude={"prefill-0", "prefill-1"})
+    d = build_router({"seed": 3}).route(
+        request(token_ids(4096)), pd_pool(eps), NOW_S, exclude={"prefill-0", "prefill-1"}
+    )
     assert d is not None and d.endpoint.role is Role.DECODE and d.pd_reason == "no-prefill-endpoint"
 
 
@@ -103,7 +105,7 @@ def test_warns_when_a_pd_pool_never_disaggregates(caplog: pytest.LogCaptureFixtu
     eps = pd_endpoints()
     with caplog.at_level(logging.WARNING, logger="policies.routing.pipeline"):
         for i in range(7):
-            f = facts(token_ids(2048, start=i + 1))
+            f = request(token_ids(2048, start=i + 1))
             d = r.route(f, pd_pool(eps), NOW_S)
             assert d is not None
             r.on_dispatch(f, d)

@@ -4,14 +4,14 @@ import tracemalloc
 import pytest
 
 from policies.routing.prefix.approximate import ApproximatePrefixIndex
-from tests.policies.routing.factories import endpoint, facts, token_ids
+from tests.policies.routing.factories import endpoint, prompt, token_ids
 
 
 def test_records_and_matches_shared_prefix() -> None:
     index = ApproximatePrefixIndex(block_tokens=64)
     a, b = endpoint("a"), endpoint("b")
-    index.record(facts(token_ids(1000)), a)
-    follow_up = facts(token_ids(640) + token_ids(300, start=3))
+    index.record(prompt(token_ids(1000)), a)
+    follow_up = prompt(token_ids(640) + token_ids(300, start=3))
     assert index.lookup(follow_up, [a, b]) == [640, 0]
 
 
@@ -26,8 +26,8 @@ def test_records_and_matches_shared_prefix() -> None:
 def test_namespaces(salt: str | None, model: str, hit: bool) -> None:
     index = ApproximatePrefixIndex(block_tokens=64)
     a = endpoint("a")
-    index.record(facts(token_ids(1000)), a)
-    cached = index.lookup(facts(token_ids(1000), cache_salt=salt, model=model), [a])[0]
+    index.record(prompt(token_ids(1000)), a)
+    cached = index.lookup(prompt(token_ids(1000), cache_salt=salt, model=model), [a])[0]
     assert (cached > 0) is hit
 
 
@@ -42,7 +42,7 @@ def test_namespaces(salt: str | None, model: str, hit: bool) -> None:
 def test_capacity_from_engine_stats(num_gpu_blocks: int | None, block_size: int | None, expected_capacity: int) -> None:
     index = ApproximatePrefixIndex(block_tokens=64, default_capacity_tokens=500_000, max_capacity_tokens=4_000_000)
     e = endpoint("a", num_gpu_blocks=num_gpu_blocks, block_size=block_size)
-    index.record(facts(token_ids(128)), e)
+    index.record(prompt(token_ids(128)), e)
     assert index.stats()["a"].capacity_blocks == expected_capacity
 
 
@@ -50,10 +50,10 @@ def test_lru_evicts_tail_first_and_oldest_prompt_first() -> None:
     index = ApproximatePrefixIndex(block_tokens=64)
     e = endpoint("a", num_gpu_blocks=32, block_size=16)  # 512 tokens = 8 blocks
     old, new = token_ids(384, start=1), token_ids(384, start=2)  # 6 blocks each
-    index.record(facts(old), e)
-    index.record(facts(new), e)
-    assert index.lookup(facts(new), [e]) == [383]
-    assert index.lookup(facts(old), [e]) == [128]  # its head (2 blocks) survived, its tail went first
+    index.record(prompt(old), e)
+    index.record(prompt(new), e)
+    assert index.lookup(prompt(new), [e]) == [383]
+    assert index.lookup(prompt(old), [e]) == [128]  # its head (2 blocks) survived, its tail went first
 
 
 def test_memory_stays_bounded_under_unique_prompts() -> None:
@@ -64,7 +64,7 @@ def test_memory_stays_bounded_under_unique_prompts() -> None:
     tracemalloc.start()
     try:
         for i, ids in enumerate(prompts):
-            index.record(facts(ids), eps[i % 4])
+            index.record(prompt(ids), eps[i % 4])
             if i == 499:
                 gc.collect()
                 half_way = tracemalloc.get_traced_memory()[0]
@@ -81,7 +81,7 @@ def test_memory_stays_bounded_under_unique_prompts() -> None:
 def test_forget_and_retain() -> None:
     index = ApproximatePrefixIndex(block_tokens=64)
     a, b = endpoint("a"), endpoint("b")
-    f = facts(token_ids(640))
+    f = prompt(token_ids(640))
     index.record(f, a)
     index.record(f, b)
     index.retain(["b"])

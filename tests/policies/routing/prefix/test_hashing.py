@@ -9,7 +9,7 @@ from policies.routing.prefix.hashing import (
     seed_of,
     token_bytes,
 )
-from tests.policies.routing.factories import facts, token_ids
+from tests.policies.routing.factories import prompt, token_ids
 
 
 def keys_of(ids: list[int], seed: int = 1, block: int = 16) -> list[int]:
@@ -75,7 +75,7 @@ def test_cached_tokens(matched: int, expected: int) -> None:
 
 
 def test_prompt_blocks_cached_per_request() -> None:
-    f = facts(token_ids(256))
+    f = prompt(token_ids(256))
     first = prompt_blocks(f, 16, 1, 10_000, namespace="n")
     assert first is not None and len(first.keys) == 16 and first.exact
     assert prompt_blocks(f, 16, 1, 10_000, namespace="n") is first
@@ -83,9 +83,9 @@ def test_prompt_blocks_cached_per_request() -> None:
 
 def test_text_fallback_without_token_ids() -> None:
     body = {"messages": [{"role": "user", "content": "x" * 1000}], "tools": [{"type": "function"}]}
-    blocks = prompt_blocks(facts(None, body=body), 16, 1, 10_000, namespace="n")
+    blocks = prompt_blocks(prompt(None, body=body), 16, 1, 10_000, namespace="n")
     assert blocks is not None and not blocks.exact and len(blocks.keys) == len(canonical_prompt_bytes(body)) // 64
-    assert prompt_blocks(facts(None, body=body), 16, 1, 10_000, namespace="p", require_ids=True) is None
+    assert prompt_blocks(prompt(None, body=body), 16, 1, 10_000, namespace="p", require_ids=True) is None
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import pytest
 from backends.kv_events import RESET_GAP
 from policies.routing.config import PrefixIndexConfig
 from policies.routing.prefix.index import PrefixIndex
-from tests.policies.routing.factories import NOW_S, endpoint, facts, token_ids
+from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored
 
 PROMPT = token_ids(640)
@@ -20,33 +20,33 @@ PROMPT = token_ids(640)
 def test_modes_after_dispatch(mode: str, expected: list[int]) -> None:
     index = PrefixIndex(PrefixIndexConfig(mode=mode))  # type: ignore[arg-type]
     a, b = endpoint("a", engine="vllm"), endpoint("b", engine="vllm")
-    index.record(facts(PROMPT), a, NOW_S)
-    assert index.lookup(facts(PROMPT), [a, b], NOW_S) == expected
+    index.record(prompt(PROMPT), a, NOW_S)
+    assert index.lookup(prompt(PROMPT), [a, b], NOW_S) == expected
 
 
 def test_precise_overrides_approximate_where_events_are_alive() -> None:
     index = PrefixIndex(PrefixIndexConfig(mode="precise"))
     a, b = endpoint("a", engine="vllm"), endpoint("b", engine="vllm")
-    index.record(facts(PROMPT), a, NOW_S)  # approximate believes `a` holds it
+    index.record(prompt(PROMPT), a, NOW_S)  # approximate believes `a` holds it
     index.on_kv_batch("a", batch(stored(PROMPT), removed(PROMPT, [0]), at_s=NOW_S))  # the engine says it does not
     index.on_kv_batch("b", batch(stored(PROMPT), at_s=NOW_S))
-    assert index.lookup(facts(PROMPT), [a, b], NOW_S) == [0, 639]
+    assert index.lookup(prompt(PROMPT), [a, b], NOW_S) == [0, 639]
 
 
 def test_precise_falls_back_to_approximate_after_gap() -> None:
     index = PrefixIndex(PrefixIndexConfig(mode="precise", resync_s=30.0))
     a = endpoint("a", engine="vllm")
     index.on_kv_batch("a", batch(stored(PROMPT), at_s=NOW_S))
-    index.record(facts(PROMPT), a, NOW_S)
+    index.record(prompt(PROMPT), a, NOW_S)
     index.on_kv_reset("a", RESET_GAP, NOW_S)
     report = index.report(NOW_S + 1)
     assert report.precise_alive == {"a": False}
-    assert index.lookup(facts(PROMPT), [a], NOW_S + 1) == [639]  # approximate, warm from dispatch
+    assert index.lookup(prompt(PROMPT), [a], NOW_S + 1) == [639]  # approximate, warm from dispatch
 
 
 def test_report_counts_memory() -> None:
     index = PrefixIndex(PrefixIndexConfig(mode="precise"))
-    index.record(facts(PROMPT), endpoint("a"), NOW_S)
+    index.record(prompt(PROMPT), endpoint("a"), NOW_S)
     index.on_kv_batch("b", batch(stored(PROMPT), at_s=NOW_S))
     report = index.report(NOW_S)
     assert report.approximate_entries == 10 and report.precise_blocks == 80 and report.memory_bytes > 0

@@ -3,7 +3,7 @@ import pytest
 from backends.kv_events import RESET_GAP, RESET_RESTART
 from policies.routing.prefix.engine_hashes import ENGINE_HASHERS
 from policies.routing.prefix.precise import PrecisePrefixIndex, salt_from_extra_keys
-from tests.policies.routing.factories import NOW_S, endpoint, facts, token_ids
+from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, removed, stored
 
 PROMPT = token_ids(160)  # 10 blocks of 16
@@ -38,7 +38,7 @@ def test_follows_events(engine: str, events: list[object], expected_cached: int)
     idx = index()
     e = endpoint("a", engine=engine)
     idx.apply("a", batch(*events))  # type: ignore[arg-type]
-    assert idx.lookup(facts(PROMPT), [e], NOW_S) == [expected_cached]
+    assert idx.lookup(prompt(PROMPT), [e], NOW_S) == [expected_cached]
 
 
 def test_orphan_blocks_only_matchable_by_engine_hash() -> None:
@@ -48,12 +48,12 @@ def test_orphan_blocks_only_matchable_by_engine_hash() -> None:
         idx.apply(name, batch(stored(PROMPT, first_block=0)))
         idx.apply(name, batch(cleared()))
         idx.apply(name, batch(stored(PROMPT[:32]), stored(PROMPT, first_block=2)))
-    assert idx.lookup(facts(PROMPT), [sim, vllm], NOW_S) == [159, 159]
+    assert idx.lookup(prompt(PROMPT), [sim, vllm], NOW_S) == [159, 159]
     fresh = index()
     fresh.apply("vllm", batch(stored(PROMPT, first_block=2)))  # parent never seen
     fresh.apply("sim", batch(stored(PROMPT, first_block=2)))
     assert fresh.stats(NOW_S)["vllm"].orphans == 8
-    assert fresh.lookup(facts(PROMPT), [sim, vllm], NOW_S) == [0, 0]  # block 0 unknown either way
+    assert fresh.lookup(prompt(PROMPT), [sim, vllm], NOW_S) == [0, 0]  # block 0 unknown either way
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_orphan_blocks_only_matchable_by_engine_hash() -> None:
 def test_cache_salt(engine: str, publish_salt: bool, request_salt: str | None, expected: int) -> None:
     idx = index()
     idx.apply("a", batch(stored(PROMPT, salt="s1", publish_salt=publish_salt)))
-    assert idx.lookup(facts(PROMPT, cache_salt=request_salt), [endpoint("a", engine=engine)], NOW_S) == [expected]
+    assert idx.lookup(prompt(PROMPT, cache_salt=request_salt), [endpoint("a", engine=engine)], NOW_S) == [expected]
 
 
 def test_speculative_entries_cover_the_gap_until_ttl(engine: str) -> None:
@@ -77,18 +77,18 @@ def test_speculative_entries_cover_the_gap_until_ttl(engine: str) -> None:
     a, b = endpoint("a", engine=engine), endpoint("b", engine=engine)
     idx.apply("a", batch())
     idx.apply("b", batch())
-    idx.record(facts(PROMPT), a, NOW_S)
-    assert idx.lookup(facts(PROMPT), [a, b], NOW_S + 1.0) == [159, 0]
-    assert idx.lookup(facts(PROMPT), [a, b], NOW_S + 2.5) == [0, 0]
+    idx.record(prompt(PROMPT), a, NOW_S)
+    assert idx.lookup(prompt(PROMPT), [a, b], NOW_S + 1.0) == [159, 0]
+    assert idx.lookup(prompt(PROMPT), [a, b], NOW_S + 2.5) == [0, 0]
 
 
 def test_event_confirms_speculative_entry(engine: str) -> None:
     idx = index(speculative_ttl_s=2.0)
     a = endpoint("a", engine=engine)
     idx.apply("a", batch())
-    idx.record(facts(PROMPT), a, NOW_S)
+    idx.record(prompt(PROMPT), a, NOW_S)
     idx.apply("a", batch(stored(PROMPT), at_s=NOW_S + 0.5))
-    assert idx.lookup(facts(PROMPT), [a], NOW_S + 10.0) == [159]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S + 10.0) == [159]
     assert idx.stats(NOW_S)["a"].speculative == 0
 
 
@@ -107,19 +107,19 @@ def test_alive(events_seen: bool, dispatch_at_s: float | None, lookup_at_s: floa
     if events_seen:
         idx.apply("a", batch())
     if dispatch_at_s is not None:
-        idx.record(facts(PROMPT), a, dispatch_at_s)
+        idx.record(prompt(PROMPT), a, dispatch_at_s)
     assert idx.alive("a", lookup_at_s) is alive
-    assert (idx.lookup(facts(PROMPT), [a], lookup_at_s)[0] is None) is not alive
+    assert (idx.lookup(prompt(PROMPT), [a], lookup_at_s)[0] is None) is not alive
 
 
 def test_events_resume_after_timeout() -> None:
     idx = index(events_timeout_s=10.0)
     a = endpoint("a", engine="vllm")
     idx.apply("a", batch())
-    idx.record(facts(PROMPT), a, NOW_S)
+    idx.record(prompt(PROMPT), a, NOW_S)
     assert not idx.alive("a", NOW_S + 20)
     idx.apply("a", batch(stored(PROMPT), at_s=NOW_S + 21))
-    assert idx.lookup(facts(PROMPT), [a], NOW_S + 21) == [159]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S + 21) == [159]
 
 
 @pytest.mark.parametrize(
@@ -135,16 +135,16 @@ def test_reset(reason: str, alive_right_after: bool) -> None:
     idx.apply("a", batch(stored(PROMPT)))
     idx.reset("a", reason, NOW_S)
     assert idx.alive("a", NOW_S + 1) is alive_right_after
-    assert idx.lookup(facts(PROMPT), [a], NOW_S + 31) == [0]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S + 31) == [0]
 
 
 def test_supervisor_restart_clears_blocks() -> None:
     idx = index()
     a = endpoint("a", engine="vllm")
     idx.apply("a", batch(stored(PROMPT)))
-    assert idx.lookup(facts(PROMPT), [a], NOW_S) == [159]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S) == [159]
     a.restarts += 1
-    assert idx.lookup(facts(PROMPT), [a], NOW_S) == [0]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S) == [0]
 
 
 def test_block_size_from_events_beats_stats() -> None:
@@ -152,14 +152,14 @@ def test_block_size_from_events_beats_stats() -> None:
     a = endpoint("a", engine="vllm", block_size=16)
     idx.apply("a", batch(stored(PROMPT, block=32)))
     assert idx.block_tokens(a) == 32
-    assert idx.lookup(facts(PROMPT), [a], NOW_S) == [159]
+    assert idx.lookup(prompt(PROMPT), [a], NOW_S) == [159]
 
 
 def test_without_token_ids_precise_has_no_answer() -> None:
     idx = index()
     a = endpoint("a", engine="vllm")
     idx.apply("a", batch(stored(PROMPT)))
-    assert idx.lookup(facts(None), [a], NOW_S) == [None]
+    assert idx.lookup(prompt(None), [a], NOW_S) == [None]
 
 
 def test_tracked_blocks_bounded_per_endpoint() -> None:
@@ -169,8 +169,8 @@ def test_tracked_blocks_bounded_per_endpoint() -> None:
     assert idx.stats(NOW_S)["a"].blocks == 2 * 50  # engine-hash and token keys of the 50 newest blocks
     recent, old = token_ids(160, start=20), token_ids(160, start=1)
     a = endpoint("a", engine="vllm")
-    assert idx.lookup(facts(recent), [a], NOW_S) == [159]
-    assert idx.lookup(facts(old), [a], NOW_S) == [0]
+    assert idx.lookup(prompt(recent), [a], NOW_S) == [159]
+    assert idx.lookup(prompt(old), [a], NOW_S) == [0]
 
 
 @pytest.mark.parametrize(
@@ -191,4 +191,4 @@ def test_forget() -> None:
     a = endpoint("a", engine="vllm")
     idx.apply("a", batch(stored(PROMPT)))
     idx.retain([])
-    assert idx.entries() == 0 and idx.lookup(facts(PROMPT), [a], NOW_S) == [None]
+    assert idx.entries() == 0 and idx.lookup(prompt(PROMPT), [a], NOW_S) == [None]

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from policies.routing.pipeline import build_router
-from policies.routing.predictions import PREDICTIONS_ATTR, predict_candidates
+from policies.routing.predictions import predict_candidates
 from policies.routing.scorers.latency import LatencyScorer
 from policies.routing.types import RouteContext
-from policies.slo import RUNNING_TPOT_SLO_ATTR
+from policies.slo import Slo
 from predictor.config import PredictorSettings
 from predictor.service import LatencyPredictor
 from predictor.types import NUM_FEATURES, Prediction
-from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, facts, pool
+from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request
 
 
 def prediction(endpoint_id: str, ttft_ms: float, tpot_ms: float, p90: float = 1.0) -> Prediction:
@@ -36,12 +36,11 @@ def ctx(
     tpot_slo: float | None = None,
     floors: dict[str, float] | None = None,
 ) -> RouteContext:
-    c = context()
-    c.facts.slo_ttft_ms, c.facts.slo_tpot_ms = ttft_slo, tpot_slo
+    c = context(slo=Slo(ttft_slo, tpot_slo) if ttft_slo is not None or tpot_slo is not None else None)
     if predicted is not None:
-        c.facts.attrs[PREDICTIONS_ATTR] = {f"e{i}": prediction(f"e{i}", t, u) for i, (t, u) in enumerate(predicted)}
+        c.predictions = {f"e{i}": prediction(f"e{i}", t, u) for i, (t, u) in enumerate(predicted)}
     if floors is not None:
-        c.facts.attrs[RUNNING_TPOT_SLO_ATTR] = floors
+        c.running_tpot_slo_ms = floors
     return c
 
 
@@ -122,20 +121,19 @@ def test_router_with_the_latency_scorer_prefers_the_endpoint_with_headroom() -> 
     )
     loaded = endpoint("loaded", running=60, waiting=4, requests=64, prefill_tokens=30_000, decode_tokens=120_000)
     free = endpoint("free", running=2, requests=2, decode_tokens=4_000)
-    request = facts(list(range(800)))
-    request.slo_ttft_ms = 500.0
-    decision = router.route(request, pool([loaded, free]), NOW_S)
+    routed = request(list(range(800)), slo=Slo(500.0, None))
+    decision = router.route(routed, pool([loaded, free]), NOW_S)
     assert decision is not None and decision.endpoint.id == "free"
-    made = request.attrs[PREDICTIONS_ATTR]
-    assert set(made) == {"loaded", "free"} and made["loaded"].ttft_ms > made["free"].ttft_ms
+    made = decision.predictions
+    assert made is not None and set(made) == {"loaded", "free"} and made["loaded"].ttft_ms > made["free"].ttft_ms
 
 
 def test_router_predicts_for_an_slo_even_without_the_latency_scorer() -> None:
     eps = [endpoint("a"), endpoint("b")]
-    plain, with_slo = facts(list(range(100))), facts(list(range(100)))
-    with_slo.slo_tpot_ms = 50.0
+    plain, with_slo = request(list(range(100))), request(list(range(100)), slo=Slo(None, 50.0))
     router = build_router({"seed": 1}, predictor=LatencyPredictor(PredictorSettings(online_training=False), {}))
-    router.route(plain, pool(eps), NOW_S)
-    router.route(with_slo, pool(eps), NOW_S)
-    assert PREDICTIONS_ATTR not in plain.attrs  # nothing would read them
-    assert set(with_slo.attrs[PREDICTIONS_ATTR]) == {"a", "b"}  # the SLO gate will
+    plain_decision = router.route(plain, pool(eps), NOW_S)
+    slo_decision = router.route(with_slo, pool(eps), NOW_S)
+    assert plain_decision is not None and plain_decision.predictions is None  # nothing would read them
+    assert slo_decision is not None and slo_decision.predictions is not None
+    assert set(slo_decision.predictions) == {"a", "b"}  # the SLO gate will

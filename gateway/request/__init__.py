@@ -1,0 +1,11 @@
+"""The walk of a request: intake → director (the fallback chain) → dispatch → accounting, with
+features plugged in as hooks (`hooks.py`). This package imports no hook module: the app factory
+(`gateway/app.py`) builds the hook list and hands it in.
+"""
+
+from gateway.request.context import RequestContext, Routed
+from gateway.request.detour import Detour
+from gateway.request.director import Director
+from gateway.request.hooks import Hook, Hooks, Reroute
+
+__all__ = ["Detour", "Director", "Hook", "Hooks", "RequestContext", "Reroute", "Routed"]

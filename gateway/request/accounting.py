@@ -1,0 +1,177 @@
+"""Accounting: every reservation ended exactly once, every record filled and handed over once.
+
+`Reservation` is admission's ticket for one model, spent by one of `settle` (the request reached an
+engine: charge what it used) or `release` (it never did: undo it all); a second call is a no-op, so
+no path can end it twice, and the director's one `finally` ends any reservation a path left open.
+A cancelled request (the client went away) ends its reservation in a task of its own, which the
+cancellation cannot cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from gateway.components import AdmissionPort, RecordSink
+from gateway.errors import EngineRejected, GatewayError, Rejected
+from gateway.relay import RelayOutcome
+from gateway.request.context import RequestContext
+from gateway.request.hooks import Hooks
+from policies.holder import PolicyHolder
+from policies.limits.admission import Admitted
+from policies.pricing import price_usd
+from policies.types import Usage
+
+log = logging.getLogger("tokenway.request")
+
+
+class Reservation:
+    """One admitted reservation on one model; `settle` or `release` ends it, once."""
+
+    __slots__ = ("_admission", "_background", "ended", "model", "ticket")
+
+    def __init__(self, admission: AdmissionPort, ticket: Admitted, model: str, background: set[asyncio.Task[None]]):
+        self._admission = admission
+        self._background = background
+        self.ticket = ticket
+        self.model = model
+        self.ended = False
+
+    async def settle(self, usage: Usage | None, counted_output_tokens: int) -> None:
+        """Charge what was used. A cancellation while the store answers does not cut it short."""
+        if not self.ended:
+            await asyncio.shield(self._spawn(self._settle(usage, counted_output_tokens)))
+
+    async def release(self) -> None:
+        """Undo it all (nothing reached an engine); shielded like `settle`."""
+        if not self.ended:
+            await asyncio.shield(self._spawn(self._admission.release(self.ticket)))
+
+    def settle_soon(self, usage: Usage | None, counted_output_tokens: int) -> None:
+        """`settle` from a cancelled request, which may not await: in a task of its own."""
+        if not self.ended:
+            self._spawn(self._settle(usage, counted_output_tokens))
+
+    def release_soon(self) -> None:
+        if not self.ended:
+            self._spawn(self._admission.release(self.ticket))
+
+    def _settle(self, usage: Usage | None, counted_output_tokens: int) -> Coroutine[Any, Any, None]:
+        return self._admission.settle(self.ticket, usage, model=self.model, charged_output_tokens=counted_output_tokens)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        self.ended = True  # from here on the store's answer is this task's business alone
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+
+class Accounting:
+    def __init__(self, admission: AdmissionPort, policies: PolicyHolder, sinks: Sequence[RecordSink], hooks: Hooks):
+        self.admission = admission
+        self.policies = policies
+        self.sinks = tuple(sinks)
+        self.hooks = hooks
+        self.background: set[asyncio.Task[None]] = set()  # settlements of cancelled requests
+
+    def reserve(self, ctx: RequestContext, ticket: Admitted) -> Reservation:
+        ctx.reservation = Reservation(self.admission, ticket, ctx.model, self.background)
+        return ctx.reservation
+
+    async def release(self, ctx: RequestContext) -> None:
+        if ctx.reservation is not None:
+            await ctx.reservation.release()
+        ctx.reservation = None
+
+    async def settle(self, ctx: RequestContext) -> None:
+        """The request was served (or its stream broke or its client left mid-stream): charge what it used."""
+        outcome = ctx.outcome
+        assert outcome is not None and ctx.reservation is not None
+        with ctx.trace.span("accounting"):
+            self.fill(ctx, outcome)
+            await ctx.reservation.settle(outcome.usage, outcome.counted_completion_tokens)
+
+    async def settle_unused(self, ctx: RequestContext, error: GatewayError) -> None:
+        """The engine refused the request (its own 4xx): it ran nothing, charge nothing but the request."""
+        self.failed(ctx, error)
+        assert ctx.reservation is not None
+        with ctx.trace.span("accounting"):
+            await ctx.reservation.settle(Usage(), 0)
+
+    def failed(self, ctx: RequestContext, error: GatewayError) -> None:
+        """The answer is `error`: the record says so (a policy's no, a client's mistake, a failure)."""
+        record = ctx.record
+        record.http_status = error.status
+        if isinstance(error, EngineRejected):  # the engine refused what it was sent
+            record.status, record.error_code = "error", error.reason
+            return
+        record.status = "rejected" if error.status < 500 or isinstance(error, Rejected) else "error"
+        record.error_code = error.code or error.type
+        if isinstance(error, Rejected):
+            record.reject_reason = error.reason
+
+    def aborted(self, ctx: RequestContext) -> None:
+        """The client went away (the walk was cancelled): end what is open without awaiting."""
+        record = ctx.record
+        record.status, record.http_status = "aborted", 499
+        reservation = ctx.reservation
+        if reservation is None or reservation.ended:
+            return
+        outcome = ctx.outcome
+        if outcome is None:  # nothing reached an engine
+            reservation.release_soon()
+            return
+        outcome.aborted = True
+        self.fill(ctx, outcome)
+        reservation.settle_soon(outcome.usage, outcome.counted_completion_tokens)
+
+    async def close_open(self, ctx: RequestContext) -> None:
+        """A path that ended without settling (a bug's exception) releases what it held."""
+        if ctx.reservation is not None and not ctx.reservation.ended:
+            if ctx.outcome is not None:
+                await ctx.reservation.settle(ctx.outcome.usage, ctx.outcome.counted_completion_tokens)
+            else:
+                await ctx.reservation.release()
+
+    def fill(self, ctx: RequestContext, outcome: RelayOutcome) -> None:
+        facts, record = ctx.facts, ctx.record
+        record.stream = facts.stream
+        usage = outcome.usage
+        if usage is not None:
+            record.usage_source = "engine"
+        elif outcome.counted_completion_tokens or outcome.aborted or outcome.broken:
+            usage = Usage(prompt_tokens=facts.prompt_tokens, completion_tokens=outcome.counted_completion_tokens)
+            record.usage_source = "counted"
+        if usage is not None:
+            record.prompt_tokens = usage.prompt_tokens
+            record.completion_tokens = usage.completion_tokens
+            record.cached_tokens = usage.cached_tokens
+            record.cost_usd = price_usd(self.policies.current, ctx.model, usage)
+        if outcome.first_token_at_s is not None and facts.stream:
+            record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
+            if outcome.last_token_at_s is not None and record.completion_tokens > 1:
+                record.tpot_s = (outcome.last_token_at_s - outcome.first_token_at_s) / (record.completion_tokens - 1)
+        if outcome.engine_metrics:
+            record.engine_metrics = outcome.engine_metrics
+        if outcome.aborted:
+            record.status = "aborted"
+            record.http_status = 499
+        elif outcome.broken:
+            record.status = "error"
+            record.error_code = "upstream_error"
+
+    def finish(self, ctx: RequestContext) -> None:
+        """The request is over: hooks see its record, then every sink, once."""
+        record = ctx.record
+        record.duration_s = time.perf_counter() - ctx.arrived_s
+        self.hooks.finished(ctx)
+        for sink in self.sinks:
+            try:
+                sink.observe(record)
+            except Exception:  # a broken sink must not break the others or the response
+                log.exception("record sink %s failed", type(sink).__name__)
+        ctx.trace.end(record)

@@ -1,0 +1,77 @@
+"""One request's state as it walks: what the director, its stages and the hooks read and write.
+
+Typed fields, no string-keyed side channel: a hook that needs per-request state names it here (and
+says which phase writes it), so every reader sees its type and where it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from backends.fleet import Pool
+from backends.types import Endpoint
+from gateway.errors import GatewayError
+from gateway.record import RequestRecord
+from gateway.relay import RelayOutcome
+from gateway.telemetry.tracing import RequestTrace
+from policies.routing.types import RouteDecision, RouteRequest
+from policies.types import RequestFacts
+from predictor.types import Prediction
+
+if TYPE_CHECKING:
+    from gateway.apis.base import ApiCall
+    from gateway.request.accounting import Reservation
+    from gateway.request.apis import ApiSpec
+
+
+@dataclass(slots=True)
+class Routed:
+    """A routing decision on one pool: where the request would go."""
+
+    pool: Pool
+    decision: RouteDecision
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.decision.endpoint
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Written by the stage (or phase) each comment names; read by anything after it."""
+
+    http: web.Request
+    api: ApiSpec
+    record: RequestRecord  # filled as the request walks, handed to the sinks once (accounting)
+    trace: RequestTrace
+    arrived_s: float  # perf_counter at arrival
+    headers: list[tuple[str, str]]  # carried by every answer: x-request-id, x-tokenway-fallback
+    call: ApiCall | None = None  # a translated API's per-request pieces (Responses, Messages)
+    _facts: RequestFacts | None = field(default=None, repr=False)  # intake
+    routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
+    model: str = ""  # director: the model of the chain being tried
+    reservation: Reservation | None = None  # director: admission's ticket for `model`
+    routed: Routed | None = None  # dispatch: the attempt committed to (after the gate phase)
+    prediction: Prediction | None = None  # dispatched hooks: the serving endpoint's, made before it ran
+    gate_wait_s: float = 0.0  # gate hooks: time the request was held before dispatch (queues)
+    outcome: RelayOutcome | None = None  # dispatch: the upstream call under way or done (None: none began)
+
+    @property
+    def facts(self) -> RequestFacts:
+        """The request's frozen facts (intake builds them first: anything later may read them)."""
+        assert self._facts is not None, "intake has not run"
+        return self._facts
+
+    @property
+    def has_facts(self) -> bool:
+        return self._facts is not None
+
+    def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
+        """`error` in the shape of the API the client called."""
+        if self.call is not None:
+            return self.call.render_error(error, headers)
+        return self.api.render_error(error, headers)

@@ -1,0 +1,310 @@
+"""Dispatch: one model's attempt at serving the request.
+
+route → gate hooks → dispatched hooks → PD prefill leg → relay, and again on another endpoint of the
+model when the upstream fails before the first byte (`server.upstream_retries` times). When no
+endpoint could serve, a `Detour` with trigger `upstream_error` hands the request back to the
+director's fallback chain. Sent is settled: from the moment a relay begins, the request's
+reservation is charged with what it used, whatever happens next.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends.adapters.registry import get_adapter
+from backends.errors import PdError
+from backends.fleet import Fleet, Pool
+from backends.types import Endpoint
+from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
+from gateway.relay import (
+    RelayOutcome,
+    RetryableUpstream,
+    UpstreamRejected,
+    UpstreamTarget,
+    call_json,
+    relay_stream,
+    relay_unary,
+)
+from gateway.request.accounting import Accounting
+from gateway.request.context import RequestContext, Routed
+from gateway.request.detour import Detour
+from gateway.request.hooks import Hooks
+from gateway.settings import ServerSettings
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.upstream import UpstreamClient
+from policies.routing.types import RouteDecision, Router
+from policies.types import ApiKind
+from predictor.types import Prediction
+
+log = logging.getLogger("tokenway.request")
+
+BodyShaper = Callable[[Endpoint, dict[str, Any], ApiKind], dict[str, Any]]
+
+
+def _identity_shape(endpoint: Endpoint, body: dict[str, Any], api: ApiKind) -> dict[str, Any]:
+    return body
+
+
+def _no_report(endpoint: Endpoint) -> None:
+    return None
+
+
+def _no_failure(endpoint: Endpoint, now_s: float) -> None:
+    return None
+
+
+class Dispatch:
+    def __init__(
+        self,
+        *,
+        server: ServerSettings,
+        fleet: Fleet,
+        upstream: UpstreamClient,
+        router: Router,
+        hooks: Hooks,
+        accounting: Accounting,
+        metrics: GatewayMetrics | None = None,
+        shape_body: BodyShaper = _identity_shape,
+        report_success: Callable[[Endpoint], None] = _no_report,
+        report_failure: Callable[[Endpoint, float], None] = _no_failure,
+    ) -> None:
+        self.server = server
+        self.fleet = fleet
+        self.upstream = upstream
+        self.router = router
+        self.hooks = hooks
+        self.accounting = accounting
+        self.metrics = metrics
+        self.shape_body = shape_body
+        self.report_success = report_success
+        self.report_failure = report_failure
+
+    async def serve(self, ctx: RequestContext) -> web.StreamResponse:
+        """Serve on `ctx.model` (its reservation held), or raise `Detour("upstream_error")`."""
+        pools = self.fleet.pools_for_model(ctx.model)
+        exclude: set[str] = set()
+        last_detail = ""
+        attempts = 0
+        for _ in range(1 + self.server.upstream_retries):
+            with ctx.trace.span("routing", model=ctx.model):
+                routed = self.route(ctx, pools, exclude)
+            if routed is None:
+                break
+
+            def reroute(more: Collection[str], pools: Sequence[Pool] = pools) -> Routed | None:
+                return self.route(ctx, pools, exclude.union(more))
+
+            routed = await self.hooks.gate(ctx, routed, reroute)
+            attempts += 1
+            try:
+                return await self._attempt(ctx, routed)
+            except RetryableUpstream as exc:
+                endpoint = routed.endpoint
+                self.report_failure(endpoint, time.monotonic())
+                exclude.add(endpoint.id)
+                last_detail = exc.detail
+                ctx.outcome = None  # nothing reached the client: this attempt is not charged
+                if self.metrics is not None:
+                    self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}" if exc.status else "connect")
+                log.warning("upstream %s failed before the first byte: %s", endpoint.id, exc.detail)
+        if attempts == 0:
+            error: NoHealthyBackend | UpstreamError = NoHealthyBackend(
+                f"No healthy endpoint can serve '{ctx.model}' right now.",
+                headers=[("retry-after", str(self.server.retry_after_s))],
+            )
+        else:
+            error = UpstreamError(f"The upstream failed for '{ctx.model}': {last_detail}")
+        raise Detour("upstream_error", error)
+
+    def route(self, ctx: RequestContext, pools: Sequence[Pool], exclude: Collection[str]) -> Routed | None:
+        assert ctx.routing is not None
+        now = time.monotonic()
+        for pool in pools:
+            decision = self.router.route(ctx.routing, pool, now, exclude)
+            if decision is not None:
+                return Routed(pool, decision)
+        return None
+
+    async def _attempt(self, ctx: RequestContext, routed: Routed) -> web.StreamResponse:
+        facts, record = ctx.facts, ctx.record
+        decision = routed.decision
+        endpoint = decision.endpoint
+        ctx.routed = routed
+        self._note_route(ctx, routed)
+        assert ctx.routing is not None
+        self.router.on_dispatch(ctx.routing, decision)
+        self.hooks.dispatched(ctx)
+        call = ctx.call
+        try:
+            path = ctx.api.upstream_path
+            if call is not None:  # a translated API: its body for this endpoint (native, or chat)
+                path, upstream_api, body = call.upstream(endpoint, decision.prefill_endpoint is not None)
+                body = self.shape_body(endpoint, body, upstream_api)
+            else:
+                body = self._upstream_body(ctx, endpoint)
+            local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
+            if decision.prefill_endpoint is not None:
+                decode_body = await self._prefill_leg(ctx, decision, body, path)
+                if decode_body is not None:
+                    body, local_prefill = decode_body, 0
+            target = self._target(ctx, endpoint, body, path)
+            headers = self._response_headers(ctx, decision)
+            if call is not None:
+                headers = call.response_headers(headers)
+            load = endpoint.inflight.begin(local_prefill)
+            outcome = ctx.outcome = RelayOutcome()
+            if facts.stream and self.hooks.want_first_token:
+                outcome.on_first_token = partial(self.hooks.first_token, ctx)
+            record.gateway_overhead_s = time.perf_counter() - ctx.arrived_s
+            try:
+                with ctx.trace.span("upstream", endpoint=endpoint.id, model=ctx.model):
+                    if facts.stream:
+                        await relay_stream(
+                            self.upstream,
+                            ctx.http,
+                            target,
+                            load,
+                            outcome,
+                            client_wants_usage=facts.include_usage,
+                            response_headers=headers,
+                            prompt_tokens=facts.prompt_tokens + facts.output_reservation,
+                            codec=call.stream_codec(
+                                ctx.model, facts.prompt_tokens + facts.output_reservation, facts.prompt_tokens
+                            )
+                            if call is not None
+                            else None,
+                        )
+                    else:
+                        transform = partial(call.unary, public_model=ctx.model) if call is not None else None
+                        outcome = ctx.outcome = await relay_unary(self.upstream, target, load, transform)
+                    if outcome.first_token_at_s is not None:
+                        at = record.started_at_unix_s + (outcome.first_token_at_s - ctx.arrived_s)
+                        ctx.trace.event("first_token", at_unix_s=at)
+            except UpstreamRejected as exc:
+                self.report_success(endpoint)
+                if self.metrics is not None:
+                    self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}")
+                ctx.outcome = None
+                error = EngineRejected(exc.status, exc.body)
+                await self.accounting.settle_unused(ctx, error)
+                if call is not None:  # in the API's own error shape, from the engine's
+                    ctx.record.error_code = "upstream_4xx"
+                    return call.upstream_error(exc.status, exc.body, headers)
+                return ctx.render_error(error, headers)
+            finally:
+                load.end()
+        finally:
+            self.hooks.ended(ctx)
+        self.report_success(endpoint)
+        await self.accounting.settle(ctx)
+        response = outcome.response
+        assert response is not None
+        if not facts.stream:
+            for name, value in headers:
+                response.headers[name] = value
+        return response
+
+    def _note_route(self, ctx: RequestContext, routed: Routed) -> None:
+        record, decision, pool = ctx.record, routed.decision, routed.pool
+        endpoint = decision.endpoint
+        record.pool, record.endpoint, record.route_reason = pool.name, endpoint.id, decision.reason
+        record.engine = endpoint.engine
+        record.served_model = endpoint.served_model
+        record.pd_reason = decision.pd_reason
+        record.prefill_endpoint = decision.prefill_endpoint.id if decision.prefill_endpoint is not None else ""
+        if self.metrics is not None:
+            self.metrics.observe_route(
+                decision.reason,
+                pool.name,
+                prompt_tokens=ctx.facts.prompt_tokens,
+                estimated_hit_tokens=decision.cached_tokens_estimate,
+            )
+            if record.upstream_attempts:
+                self.metrics.observe_retry(pool.name)
+        record.upstream_attempts += 1
+
+    def _response_headers(self, ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
+        assert ctx.reservation is not None
+        headers = [
+            *ctx.headers,
+            *ctx.reservation.ticket.headers,
+            ("x-tokenway-model", ctx.model),
+            ("x-tokenway-endpoint", decision.endpoint.id),
+        ]
+        if ctx.facts.debug:
+            headers.append(("x-tokenway-route", decision.debug_header()))
+            if ctx.prediction is not None:
+                headers.append(("x-tokenway-prediction", _prediction_header(ctx.prediction)))
+        if ctx.gate_wait_s:
+            headers.append(("x-tokenway-slo-queued-ms", f"{ctx.gate_wait_s * 1000:.0f}"))
+        return headers
+
+    def _upstream_body(self, ctx: RequestContext, endpoint: Endpoint) -> dict[str, Any]:
+        """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
+        facts = ctx.facts
+        body = dict(facts.body)
+        body["model"] = endpoint.served_model
+        if facts.stream:
+            body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
+        return self.shape_body(endpoint, body, facts.api)
+
+    def _target(self, ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any], path: str) -> UpstreamTarget:
+        headers = {"Content-Type": "application/json", "x-request-id": ctx.facts.request_id}
+        if endpoint.api_key:
+            headers["Authorization"] = f"Bearer {endpoint.api_key}"
+        traceparent = ctx.trace.traceparent()
+        if traceparent:
+            headers["traceparent"] = traceparent
+        return UpstreamTarget(
+            url=endpoint.base_url + path,
+            headers=headers,
+            body=orjson.dumps(body),
+            served_model=endpoint.served_model,
+            public_model=ctx.model,
+        )
+
+    async def _prefill_leg(
+        self, ctx: RequestContext, decision: RouteDecision, body: dict[str, Any], path: str
+    ) -> dict[str, Any] | None:
+        """Run the PD prefill leg; the decode leg's body, or None when the decode endpoint must prefill.
+
+        A failed prefill leg (refused, 5xx, 4xx, no transfer params) is a KV-transfer failure: counted,
+        and the request continues as prefill + decode on the decode endpoint.
+        """
+        prefill = decision.prefill_endpoint
+        assert prefill is not None
+        adapter = get_adapter(decision.endpoint.engine)
+        load = prefill.inflight.begin(decision.uncached_prefill_tokens(ctx.facts.prompt_tokens))
+        try:
+            leg = self._target(ctx, prefill, adapter.prefill_leg_body(body), path)
+            with ctx.trace.span("prefill", endpoint=prefill.id):
+                answer = await call_json(self.upstream, leg)
+            decode_body = adapter.decode_leg_body(body, answer)
+        except (RetryableUpstream, UpstreamRejected, PdError) as exc:
+            if isinstance(exc, RetryableUpstream):
+                self.report_failure(prefill, time.monotonic())
+            ctx.record.kv_transfer_failed = True
+            log.warning("PD prefill leg on %s failed, decoding endpoint prefills: %s", prefill.id, exc)
+            return None
+        finally:
+            load.end()
+        self.report_success(prefill)
+        if "kv_transfer_params" not in decode_body and "disaggregated_params" not in decode_body:
+            ctx.record.kv_transfer_failed = True
+            return None
+        return decode_body
+
+
+def _prediction_header(p: Prediction) -> str:
+    """`x-tokenway-prediction` (debug): what the predictor expected of the serving endpoint, in ms."""
+    return (
+        f"ttft={p.ttft_ms:.2f};ttft_p90={p.ttft_p90_ms:.2f};tpot={p.tpot_ms:.3f};tpot_p90={p.tpot_p90_ms:.3f};"
+        f"source={p.source};version={p.model_version}"
+    )

@@ -1,0 +1,198 @@
+"""Intake: from the HTTP request to the request's frozen facts.
+
+read (size limit, read deadline) → one orjson parse → validate (the API's own checks) → authenticate
+→ resolve the model (alias, allow-list, served here) → estimate (prompt tokens, output reservation,
+the effective SLO). Every failure is a 4xx from the error tree; nothing after intake re-reads the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from typing import Final, Protocol
+
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from backends.fleet import Fleet
+from gateway import intake as headers_intake
+from gateway.errors import (
+    InvalidApiKey,
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    RequestTimeout,
+    RequestTooLarge,
+)
+from gateway.request.context import RequestContext
+from gateway.settings import ServerSettings
+from policies.estimate import PromptEstimator
+from policies.holder import PolicyHolder
+from policies.policy import Policy
+from policies.reservation import output_reservation
+from policies.slo import effective_slo
+from policies.types import Principal, RequestFacts
+from predictor.length import LengthEstimate
+
+SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
+SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
+_MAX_SLO_MS: Final = 86_400_000.0  # a day: anything longer is a typo, not an objective
+_DEFAULT_MAX_TOKENS: Final = 1024  # a model without a policies.yaml entry
+
+
+class OutputLengths(Protocol):
+    """What this tenant's requests to this model really generate (`predictor.service.LatencyPredictor`)."""
+
+    def output_tokens_estimate(self, tenant: str, model: str) -> LengthEstimate | None: ...
+
+
+def authenticate(request: web.Request, policy: Policy) -> Principal:
+    key = headers_intake.presented_key(request.headers)
+    if key is None:
+        raise InvalidApiKey(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+        )
+    principal = policy.authenticate(key)
+    if principal is None:
+        raise InvalidApiKey("Incorrect API key provided.")
+    return principal
+
+
+def parse_slo_headers(headers: Mapping[str, str]) -> tuple[float | None, float | None]:
+    """(ttft_ms, tpot_ms) from `x-slo-ttft-ms` / `x-slo-tpot-ms`, None where absent; a 400 naming the
+    header when malformed (a silently ignored typo would be an SLO the client believes it has)."""
+    return _header_ms(headers, SLO_TTFT_HEADER), _header_ms(headers, SLO_TPOT_HEADER)
+
+
+def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= _MAX_SLO_MS):  # NaN fails too
+        raise InvalidRequest(
+            f"Invalid '{name}' header {raw[:40]!r}: expected a positive number of milliseconds "
+            f"(at most {_MAX_SLO_MS:.0f}).",
+            param=name,
+        )
+    return value
+
+
+class Intake:
+    def __init__(
+        self,
+        server: ServerSettings,
+        policies: PolicyHolder,
+        fleet: Fleet,
+        estimator: PromptEstimator,
+        lengths: OutputLengths | None = None,
+    ) -> None:
+        self.server = server
+        self.policies = policies
+        self.fleet = fleet
+        self.estimator = estimator
+        self.lengths = lengths
+
+    async def read(self, ctx: RequestContext) -> RequestFacts:
+        request, record = ctx.http, ctx.record
+        raw = await self._read_body(request)
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        call = ctx.call
+        body = call.parse(parsed) if call is not None else ctx.api.validate(parsed)
+        policy = self.policies.current
+        with ctx.trace.span("auth"):
+            principal = authenticate(request, policy)
+        record.tenant, record.key_id = principal.tenant, principal.key_id
+        requested: str = body["model"]
+        model = policy.resolve_model(requested)
+        record.requested_model, record.model = requested, model
+        if not self.fleet.pools_for_model(model):
+            raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
+        if not (principal.may_use(model) or principal.may_use(requested)):
+            raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
+        if call is not None:
+            await call.prepare(body, principal)  # work that needs the caller (a stored conversation)
+        return await self._estimate(ctx, policy, body, principal, requested, model)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.server.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+        try:
+            if request.content.is_eof():  # small bodies arrive with the headers: no timer needed
+                return await request.read()
+            async with asyncio.timeout(self.server.request_read_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes") from exc
+        except RequestPayloadError as exc:  # e.g. a Content-Encoding the body does not match
+            raise InvalidRequest(f"the request body could not be read: {str(exc).strip()}") from exc
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.server.request_read_timeout_s:g}s"
+            ) from exc
+
+    async def _estimate(
+        self,
+        ctx: RequestContext,
+        policy: Policy,
+        body: dict[str, object],
+        principal: Principal,
+        requested: str,
+        model: str,
+    ) -> RequestFacts:
+        headers = ctx.http.headers
+        ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
+        options = body.get("stream_options")
+        if ctx.call is not None:
+            prompt_tokens, ids = await ctx.call.estimate(self.estimator, body)
+            max_tokens = ctx.call.max_tokens(body)
+            options = None
+        else:
+            prompt_tokens, ids = await ctx.api.count(self.estimator, body)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # type: ignore[assignment]
+        assert max_tokens is None or isinstance(max_tokens, int)  # validated
+        model_config = policy.model_config(model)
+        estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
+        if max_tokens is None and self.lengths is not None and ctx.api.generates:
+            typical = self.lengths.output_tokens_estimate(principal.tenant, model)
+            if typical is not None:  # what this tenant's requests to this model really use (p90)
+                estimate_tokens = min(estimate_tokens, max(1, typical.p90_tokens))
+        session_key = headers.get("x-session-id") or body.get("user")
+        cache_salt = body.get("cache_salt")
+        opt_out = headers.get("x-tokenway-no-fallback", "").lower() in ("1", "true", "yes")
+        return RequestFacts(
+            request_id=ctx.record.request_id,
+            api=ctx.api.kind,
+            body=body,
+            requested_model=requested,
+            model=model,
+            principal=principal,
+            stream=bool(body.get("stream")),
+            include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            prompt_tokens=prompt_tokens,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
+            output_reservation=output_reservation(
+                body,
+                max_tokens=max_tokens,
+                estimate_tokens=estimate_tokens,
+                context_length=model_config.context_length if model_config else None,
+                prompt_tokens=prompt_tokens,
+            )
+            if ctx.api.generates
+            else 0,
+            session_key=session_key if isinstance(session_key, str) else None,
+            cache_salt=cache_salt if isinstance(cache_salt, str) else None,
+            allow_fallback=principal.allow_fallback and not opt_out,
+            debug=headers.get("x-tokenway-debug") == "1",
+            slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms),
+        )
