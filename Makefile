@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/mypy --strict gateway policies predictor backends
+	$(BIN)/mypy --strict gateway policies predictor backends tests bench
 
 # The tests that start no process and need no Redis (seconds): for the edit-test loop.
 unit: $(STAMP)

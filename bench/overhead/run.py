@@ -290,7 +290,7 @@ def main() -> int:
     targets.append(
         Target(
             "bare aiohttp pass-through",
-            lambda p=p: subprocess.Popen(
+            lambda p=p: subprocess.Popen(  # type: ignore[misc]
                 [
                     "taskset",
                     "-c",
@@ -309,7 +309,7 @@ def main() -> int:
     targets.append(
         Target(
             "nginx proxy_pass",
-            lambda p=p: start_nginx(
+            lambda p=p: start_nginx(  # type: ignore[misc]
                 workdir,
                 "proxy",
                 f"""upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 512; }}
@@ -329,7 +329,7 @@ def main() -> int:
         targets.append(
             Target(
                 name,
-                lambda c=config: subprocess.Popen(
+                lambda c=config: subprocess.Popen(  # type: ignore[misc]
                     [
                         "taskset",
                         "-c",

@@ -452,7 +452,7 @@ def _pooled(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         total = n if weight == "n" else tn
         if not total:
             return None
-        return sum((s["accuracy"][key] or 0) * s["accuracy"][weight] for s in summaries) / total
+        return float(sum((s["accuracy"][key] or 0) * s["accuracy"][weight] for s in summaries) / total)
 
     return {
         "ttft_mape": mean("ttft_mape", "n"),

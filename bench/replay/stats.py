@@ -114,4 +114,4 @@ def capacity_from_burst(outcomes: Sequence[dict[str, Any]], time_scale: float, s
         raise RuntimeError("capacity burst: no request succeeded")
     start = min(o["scheduled_s"] + o["late_s"] for o in outcomes)
     k = max(1, int(share * len(done)))
-    return k / ((done[k - 1] - start) * time_scale)
+    return float(k / ((done[k - 1] - start) * time_scale))

@@ -15,6 +15,7 @@ import sys
 import time
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 
 def main() -> int:
@@ -36,7 +37,7 @@ def main() -> int:
     hits = {"starting": 0}
 
     @web.middleware
-    async def starting(request: web.Request, handler: web.RequestHandler) -> web.StreamResponse:
+    async def starting(request: web.Request, handler: Handler) -> web.StreamResponse:
         if time.monotonic() < ready_at:
             hits["starting"] += 1
             print(f"answered starting {hits['starting']}", flush=True)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.config import PoolConfig
+from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet
 from backends.types import EndpointState, Role
 
@@ -15,8 +15,10 @@ def pd_fleet() -> Fleet:
                 model="m",
                 engine="vllm",
                 endpoints=[
-                    {"url": "http://p:1", "role": "prefill", "kv_events_replay_endpoint": "tcp://p:5558"},
-                    {"url": "http://d:1", "role": "decode"},
+                    StaticEndpointConfig.model_validate(
+                        {"url": "http://p:1", "role": "prefill", "kv_events_replay_endpoint": "tcp://p:5558"}
+                    ),
+                    StaticEndpointConfig.model_validate({"url": "http://d:1", "role": "decode"}),
                 ],
             )
         ]

@@ -44,7 +44,7 @@ def test_consecutive_failures_eject_for_a_cooldown() -> None:
     assert not report_failure(e, 100.0, EJECTION)
     assert e.state is EndpointState.READY
     assert report_failure(e, 100.0, EJECTION)
-    assert e.state is EndpointState.UNHEALTHY
+    assert e.state is EndpointState.UNHEALTHY  # type: ignore[comparison-overlap]
     assert e.ejected_until_s == 105.0
     assert "3 consecutive failures" in e.state_reason
 
@@ -97,7 +97,7 @@ def test_active_checks_eject_after_the_same_threshold_and_leave_supervised_state
     checker.apply(e, Probe.FAILING, 0.0)
     assert e.state is EndpointState.READY
     checker.apply(e, Probe.FAILING, 0.0)
-    assert e.state is EndpointState.UNHEALTHY
+    assert e.state is EndpointState.UNHEALTHY  # type: ignore[comparison-overlap]
     launched = endpoint(state=EndpointState.STARTING, launched=True)
     assert not checker.due(launched, 0.0)
     checker.apply(launched, Probe.READY, 0.0)  # a probe that was in flight when the supervisor restarted it

@@ -98,7 +98,7 @@ async def test_three_replicas_sigkill_one_is_restarted_while_the_pool_serves(lau
     assert [e.id for e in endpoints] == ["llm/both-0", "llm/both-1", "llm/both-2"]
     assert all(e.state is EndpointState.READY and e.launched for e in endpoints)
     victim = endpoints[1]
-    old_pid = supervisor.replicas[victim.id].process.pid  # type: ignore[union-attr]
+    old_pid = supervisor.replicas[victim.id].process.pid
     port = victim.base_url
 
     os.kill(old_pid, signal.SIGKILL)
@@ -107,7 +107,7 @@ async def test_three_replicas_sigkill_one_is_restarted_while_the_pool_serves(lau
     await until(lambda: victim.state is EndpointState.READY, what="the restart")
 
     assert victim.restarts == 1
-    assert supervisor.replicas[victim.id].process.pid != old_pid  # type: ignore[union-attr]
+    assert supervisor.replicas[victim.id].process.pid != old_pid
     assert (victim.id, victim.base_url) == ("llm/both-1", port)  # stable identity
     assert len(fleet.pools["llm"].endpoints) == 3  # no duplicate endpoint on restart
     assert await chat(victim) == 200
@@ -138,7 +138,7 @@ async def test_never_ready_times_out_with_a_clear_message_while_others_serve(lau
     reason = failures[0].reason
     assert reason.startswith("not ready after 1s (pool 'slow' ready_timeout_s)")
     assert "/health never answered ready" in reason
-    assert not supervisor.replicas["slow/both-0"].process.alive  # type: ignore[union-attr]
+    assert not supervisor.replicas["slow/both-0"].process.alive
     assert fleet.pools["slow"].endpoints[0].state is EndpointState.DEAD
     fast = fleet.pools["fast"].endpoints[0]
     assert fast.state is EndpointState.READY and await chat(fast) == 200
@@ -153,11 +153,11 @@ async def test_drain_waits_for_in_flight_requests_then_stops(launched: Any) -> N
     await until(lambda: endpoint.state is EndpointState.DRAINING, what="draining")
     await asyncio.sleep(0.2)
     assert not drain.done()  # still one request in flight
-    assert supervisor.replicas[endpoint.id].process.alive  # type: ignore[union-attr]
+    assert supervisor.replicas[endpoint.id].process.alive
     ticket.end()
     await asyncio.wait_for(drain, 30)
     assert endpoint.state is EndpointState.DEAD and endpoint.state_reason == "stopped"
-    assert not supervisor.replicas[endpoint.id].process.alive  # type: ignore[union-attr]
+    assert not supervisor.replicas[endpoint.id].process.alive
 
 
 async def test_drain_timeout_bounds_the_wait(launched: Any) -> None:

@@ -95,9 +95,9 @@ def client(gw: Gateway, key: str = TEST_KEY, max_retries: int = 0) -> openai.Ope
 def chat(gw: Gateway, key: str = TEST_KEY, model: str = LLAMA, max_retries: int = 0, **extra: Any) -> Any:
     return client(gw, key, max_retries).chat.completions.with_raw_response.create(
         model=model,
-        messages=MESSAGES,
+        messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=extra.pop("max_tokens", 8),
-        **extra,  # type: ignore[arg-type]
+        **extra,
     )
 
 
@@ -125,9 +125,9 @@ def test_over_limit_on_the_expensive_model_is_served_by_the_cheaper_one(
         assert second.headers["x-ratelimit-limit-requests"] == "100"  # re-admitted at qwen's limits
         stream = client(gw).chat.completions.with_raw_response.create(
             model=LLAMA,
-            messages=MESSAGES,
+            messages=MESSAGES,  # type: ignore[arg-type]
             max_tokens=4,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
         )
         assert stream.headers["x-ratelimit-limit-requests"] == "100"  # streamed responses carry them too
         assert "x-ratelimit-remaining-requests" in stream.headers

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from backends import tokenization
 from tests.support.procs import (
@@ -30,7 +31,10 @@ from tests.support.procs import (
 
 pytestmark = pytest.mark.e2e
 
-MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a colour."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Name a colour."},
+]
 MODELS = {"llama-3.1-8b": {"aliases": ["gpt-4o-mini"]}, "qwen2.5-7b": {}}
 
 
@@ -58,7 +62,7 @@ def test_chat_non_streamed_sync(fleet: tuple[Gateway, SimEngines]) -> None:
     raw = client(gateway).chat.completions.with_raw_response.create(
         model="gpt-4o-mini",
         messages=MESSAGES,
-        max_tokens=12,  # type: ignore[arg-type]
+        max_tokens=12,
     )
     completion = raw.parse()
     assert completion.choices[0].message.content
@@ -86,7 +90,7 @@ async def test_chat_streamed_async_with_usage(fleet: tuple[Gateway, SimEngines])
             model="llama-3.1-8b",
             messages=MESSAGES,
             max_tokens=16,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
             stream_options={"include_usage": True},
         )
         text, usage = "", None
@@ -107,7 +111,7 @@ def test_stream_without_usage_gets_no_usage_chunk(fleet: tuple[Gateway, SimEngin
             model="llama-3.1-8b",
             messages=MESSAGES,
             max_tokens=8,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
         )
     )
     assert chunks and all(c.usage is None for c in chunks)
@@ -145,7 +149,7 @@ def test_errors_raise_the_right_exception(
 ) -> None:
     gateway, _ = fleet
     with pytest.raises(error) as caught:
-        client(gateway, key).chat.completions.create(model=model, messages=MESSAGES, extra_body=body)  # type: ignore[arg-type]
+        client(gateway, key).chat.completions.create(model=model, messages=MESSAGES, extra_body=body)
     assert isinstance(caught.value, openai.APIStatusError)
     assert caught.value.response.headers.get("x-request-id")
     payload = caught.value.response.json()
@@ -205,7 +209,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(
         model="llama-3.1-8b",
         messages=MESSAGES,
         max_tokens=2000,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     for received, _ in enumerate(stream, start=1):
@@ -293,7 +297,7 @@ def test_sigterm_drains_in_flight_streams(
         model="llama-3.1-8b",
         messages=MESSAGES,
         max_tokens=60,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
         extra_body={"ignore_eos": True},
         stream_options={"include_usage": True},
     )
@@ -357,7 +361,7 @@ def test_openai_client_retries_our_503_until_a_backend_is_ready(
             model="llama-3.1-8b", messages=MESSAGES, max_tokens=2
         )
         assert raw.parse().choices
-        assert raw.retries_taken >= 1  # type: ignore[attr-defined]
+        assert raw.retries_taken >= 1
     finally:
         engines.stop()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.ledger.reader import iter_entries
@@ -23,7 +24,7 @@ from tests.support.procs import REPO, TEST_KEY, Gateway, SimEngines, http_get, p
 
 pytestmark = pytest.mark.e2e
 
-MESSAGES = [{"role": "user", "content": "Tell me about tokens."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about tokens."}]
 MODELS = {
     "llama-3.1-8b": {
         "aliases": ["gpt-4o-mini"],
@@ -65,7 +66,7 @@ def test_metrics_after_traffic(
     streamed = list(client.chat.completions.create(model="llama-3.1-8b", messages=MESSAGES, max_tokens=4, stream=True))
     assert streamed
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=MESSAGES)  # type: ignore[arg-type]
+        client.chat.completions.create(model="nope", messages=MESSAGES)
     found = samples(gateway)
     for name in (
         "gen_ai_client_token_usage_sum",
@@ -108,7 +109,7 @@ async def test_traces_reach_an_otlp_receiver(
             model="llama-3.1-8b",
             messages=MESSAGES,
             max_tokens=4,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
             extra_headers={"traceparent": parent},
         )
         assert [chunk async for chunk in stream]  # consumed to the end: the trace completes
@@ -198,7 +199,7 @@ def test_report_totals_equal_the_records(
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=gateway.base_url, api_key="bad", max_retries=0).chat.completions.create(
             model="llama-3.1-8b",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
         )
     assert gateway.stop() == 0  # clean shutdown: everything flushed and fsynced
     records = list(iter_entries(usage_dir))

@@ -88,7 +88,8 @@ def backends_status(gateway: Gateway) -> dict[str, Any]:
 
 
 def endpoints_of(gateway: Gateway, pool: str) -> list[dict[str, Any]]:
-    return next(p for p in backends_status(gateway)["pools"] if p["name"] == pool)["endpoints"]
+    found: list[dict[str, Any]] = next(p for p in backends_status(gateway)["pools"] if p["name"] == pool)["endpoints"]
+    return found
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_sigkill_one_launched_replica_under_load(launched_gateway: Gateway) -> N
 
         def restarted() -> bool:
             now = next(e for e in endpoints_of(gateway, "llm") if e["id"] == victim["id"])
-            return now["restarts"] == 1 and now["state"] == "ready"
+            return bool(now["restarts"] == 1 and now["state"] == "ready")
 
         until(restarted, "the killed replica to be restarted")
         load.wait_for(20)

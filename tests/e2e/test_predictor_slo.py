@@ -112,8 +112,8 @@ def chat(
 ) -> Any:
     return client(gw, key, max_retries).chat.completions.with_raw_response.create(
         model=extra.pop("model", LLAMA),
-        messages=MESSAGES,
-        max_tokens=extra.pop("max_tokens", 128),  # type: ignore[arg-type]
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=extra.pop("max_tokens", 128),
         extra_headers={"x-tokenway-debug": "1", **(headers or {})},
         **extra,
     )
@@ -123,9 +123,9 @@ def stream(gw: Gateway, key: str = OTHER_KEY, max_tokens: int = 16, **extra: Any
     """A streamed request (the predictor learns from streams); its raw response, fully consumed."""
     response = client(gw, key).chat.completions.with_raw_response.create(
         model=LLAMA,
-        messages=MESSAGES,
+        messages=MESSAGES,  # type: ignore[arg-type]
         max_tokens=max_tokens,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
         extra_headers={"x-tokenway-debug": "1"},
         extra_body={"ignore_eos": True},
         **extra,
@@ -263,9 +263,9 @@ def test_routing_prefers_the_endpoint_with_predicted_headroom(tmp_path: Path, en
     def load(i: int) -> None:  # straight to the engine: the gateway sees it only in scraped metrics
         chunks = direct.chat.completions.create(
             model=LLAMA,
-            messages=long_prompt,
+            messages=long_prompt,  # type: ignore[arg-type]
             max_tokens=1200,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
             extra_body={"ignore_eos": True},
         )
         assert list(chunks)  # the whole generation ran on the engine

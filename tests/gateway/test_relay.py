@@ -192,6 +192,7 @@ async def test_unary_swaps_model_and_reads_usage(upstream: tuple[Upstream, str])
         outcome = await relay_unary(session, target(url), inflight.begin(5))
     assert outcome.usage is not None and outcome.usage.prompt_tokens == 5
     assert outcome.response is not None
+    assert isinstance(outcome.response, web.Response) and outcome.response.body is not None
     assert orjson.loads(outcome.response.body)["model"] == "public-name"  # type: ignore[arg-type]
 
 

@@ -80,7 +80,11 @@ def test_queue_wakes_highest_priority_first_and_times_out() -> None:
         queue.notify("p")
         await asyncio.gather(low, high)
         started = time.perf_counter()
-        timed_out = await SloQueue(recheck_s=0.01).wait_for("p", slo, 0, time.perf_counter() + 0.05, lambda: None)
+
+        def never() -> str | None:
+            return None
+
+        timed_out = await SloQueue(recheck_s=0.01).wait_for("p", slo, 0, time.perf_counter() + 0.05, never)
         return order, timed_out, time.perf_counter() - started
 
     order, timed_out, waited_s = asyncio.run(scenario())

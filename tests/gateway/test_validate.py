@@ -58,7 +58,8 @@ def test_bad_bodies_name_the_field(api: Any, body: Any, param: str | None) -> No
         validate_body(api, body)
     assert caught.value.status == 400
     assert caught.value.param == param
-    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+    error = caught.value.body()["error"]
+    assert isinstance(error, dict) and error["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from backends import tokenization
 from policies.estimate import PromptEstimator
 
-MESSAGES = [
+MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a careful assistant. " * 20},
     {"role": "user", "content": "What is the capital of France?"},
     {"role": "assistant", "content": "Paris."},

@@ -29,7 +29,7 @@ class Slots:
         return "go" if self.free > 0 else Blocked.POOL
 
     async def run(self, request: FlowRequest, ready: Callable[[], object] | None = None) -> Lease:
-        _, lease = await self.queue.hold(POOL, request, ready or self.ready)  # type: ignore[arg-type]
+        _, lease = await self.queue.hold(POOL, request, ready or self.ready)
         self.free -= 1  # dispatched: the slot is taken before the task next yields
         self.order.append(request.request_id)
         return lease

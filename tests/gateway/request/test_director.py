@@ -190,13 +190,13 @@ class Phases(Hook):
     def _count(self, phase: str) -> None:
         self.calls[phase] = self.calls.get(phase, 0) + 1
 
-    def dispatched(self, ctx: object) -> None:  # type: ignore[override]
+    def dispatched(self, ctx: object) -> None:
         self._count("dispatched")
 
-    def ended(self, ctx: object) -> None:  # type: ignore[override]
+    def ended(self, ctx: object) -> None:
         self._count("ended")
 
-    def finished(self, ctx: object) -> None:  # type: ignore[override]
+    def finished(self, ctx: object) -> None:
         self._count("finished")
 
 

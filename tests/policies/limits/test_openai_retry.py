@@ -74,8 +74,8 @@ async def test_the_openai_client_waits_for_the_refill_and_succeeds(
     await client.chat.completions.create(model="big", messages=messages, max_tokens=6000)  # type: ignore[arg-type]
     response = await client.chat.completions.with_raw_response.create(
         model="big",
-        messages=messages,
-        max_tokens=6000,  # type: ignore[arg-type]
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=6000,
     )
     assert response.parse().choices[0].message.content == "ok"
     assert response.retries_taken == 1  # one 429, then it fit: the client waited as long as we said
