@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from policies.policy import hash_key
+from tests.support.procs import free_port, redis_argv
 
-from policies.policy import hash_key  # noqa: E402
-from tests.support.procs import free_port, redis_argv  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 KEY = "sk-bench-limiter"
 RESULTS = REPO / "bench" / "results"

@@ -1,2 +1,2 @@
 """How much host CPU the simulated engine spends per generated token, and whether it keeps up with
-wall-clock time (`python bench/sim_speed/run.py`)."""
+wall-clock time (`python -m bench.sim_speed.run`)."""

@@ -3,7 +3,7 @@
 Each engine gets `batch` requests with long outputs, so every step is a decode step of that batch;
 the CPU time of the process over a few seconds of wall time, divided by the steps and tokens.
 
-    .venv/bin/python bench/sim_speed/engine_loop.py [--engines 8] [--batch 1 4 16 64] [--src OLD_TREE]
+    .venv/bin/python -m bench.sim_speed.engine_loop [--engines 8] [--batch 1 4 16 64] [--src OLD_TREE]
 """
 
 from __future__ import annotations

@@ -23,16 +23,16 @@ Reported, over the window from the first arrival to the last response:
 - how busy each core was, and how much of that was neither the fleet nor the client ("other CPU
   use": on a shared machine, a run with much of it is noisy; CPU per token is the robust figure).
 
-    .venv/bin/python bench/sim_speed/run.py [--mode open --rate 100 --duration 15] [--json out.json]
-    .venv/bin/python bench/sim_speed/run.py --baseline /tmp/old-tree --repeat 3   # old vs this, alternately
-    .venv/bin/python bench/sim_speed/run.py --src /tmp/old-tree --json before.json  # one tree only
-    .venv/bin/python bench/sim_speed/run.py --compare before.json after.json
-    .venv/bin/python bench/sim_speed/run.py --profile prof.txt [--native]  # py-spy profile of the fleet
-    .venv/bin/python bench/sim_speed/pyspy_top.py prof.txt
+    .venv/bin/python -m bench.sim_speed.run [--mode open --rate 100 --duration 15] [--json out.json]
+    .venv/bin/python -m bench.sim_speed.run --baseline /tmp/old-tree --repeat 3   # old vs this, alternately
+    .venv/bin/python -m bench.sim_speed.run --src /tmp/old-tree --json before.json  # one tree only
+    .venv/bin/python -m bench.sim_speed.run --compare before.json after.json
+    .venv/bin/python -m bench.sim_speed.run --profile prof.txt [--native]  # py-spy profile of the fleet
+    .venv/bin/python -m bench.sim_speed.pyspy_top prof.txt
 
 An old tree is a directory holding a `backends` package, e.g.
 ``mkdir /tmp/old && git archive <commit> backends | tar -x -C /tmp/old``. Results of this work:
-`results/RESULTS.md`.
+`bench/results/sim-speed/RESULTS.md`.
 """
 
 from __future__ import annotations
