@@ -31,7 +31,7 @@ def _recording_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    Scheduler.schedule = _recording_schedule  # type: ignore[method-assign]
+    Scheduler.schedule = _recording_schedule
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,

@@ -204,4 +204,4 @@ def test_a_failed_probe_of_an_endpoint_busy_serving_does_not_count() -> None:
     clock.now_s += 100.0  # silent since: failed probes count again
     checker.apply(streaming, Probe.STARTING, clock.now_s)
     checker.apply(streaming, Probe.STARTING, clock.now_s)
-    assert streaming.state is EndpointState.UNHEALTHY
+    assert streaming.state is EndpointState.UNHEALTHY  # type: ignore[comparison-overlap]
