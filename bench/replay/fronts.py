@@ -91,6 +91,7 @@ class Front:
     def stop(self) -> None:
         stop_process(self.proc, timeout_s=30)
         for front in self.behind:
+            _save_replicas_status(front)
             front.stop()
 
 
@@ -169,6 +170,20 @@ def _wait_all_ready(front: Front, *, precise: bool, timeout_s: float = 30.0) -> 
     raise RuntimeError("tokenway endpoints did not all become ready")
 
 
+def _save_replicas_status(front: Front) -> None:
+    """Keep a replica's /admin/replicas (published, folded, dropped, gaps) beside its log."""
+    with (
+        contextlib.suppress(urllib.error.URLError, OSError),
+        urllib.request.urlopen(front.url + "/admin/replicas", timeout=5) as response,
+    ):
+        front.log_path.with_name("replicas.json").write_bytes(response.read())
+    with (
+        contextlib.suppress(urllib.error.URLError, OSError),
+        urllib.request.urlopen(front.url + "/metrics", timeout=5) as response,
+    ):
+        front.log_path.with_name("metrics.txt").write_bytes(response.read())
+
+
 def start_tokenway_replicas(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
     """`spec.replicas` tokenway processes with the same config (their own state each, or one Redis
     when `spec.state` says so) behind Debian's haproxy in TCP round-robin mode."""
@@ -180,6 +195,7 @@ def start_tokenway_replicas(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Fr
             state = dict(spec.state)
             if state.get("backend") == "redis":
                 state["replicas"] = {**state.get("replicas", {}), "id": f"r{i}"}
+                state["key_prefix"] = state.get("key_prefix", "tokenway")  # one limiter for all three
             one = dataclasses.replace(spec, replicas=1, state=state)
             replicas.append(start_tokenway(one, fleet, workdir / f"replica-{i}"))
         balancer = start_haproxy(workdir / "haproxy", [r.port for r in replicas])

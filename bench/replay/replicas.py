@@ -6,8 +6,9 @@
 Same fleet, same arrivals, one after another (caches emptied between): `1 replica` (the default
 scoring pipeline, approximate index, state in memory), `3 replicas, shared` (three processes with
 `state: redis` sharing routing state through the replicas' stream, haproxy in TCP round-robin
-mode in front) and `3 replicas, not shared` (the same three with `state: memory`: each knows only
-its own dispatches). Targets: shared within 10 % of one replica on p90 TTFT and cache hit rate.
+mode in front) and `3 replicas, not shared` (the same three, limits still in Redis, with
+`state.replicas.share: false`: each knows only its own dispatches and load). Targets: shared
+within 10 % of one replica on p90 TTFT and cache hit rate.
 
 Writes `bench/results/replay-replicas.md`; raw results stay in `--workdir`.
 """
@@ -43,7 +44,9 @@ def specs(seed: int, redis_url: str, prefix: str) -> list[RouterSpec]:
         ),
         RouterSpec(
             "3 replicas, not shared", "tokenway", {"seed": seed}, replicas=3,
-            note="the same three with `state: memory`: each routes on its own dispatches only",
+            state={**shared, "replicas": {"share": False}},
+            note="the same three, limits still in Redis, `state.replicas.share: false`: each routes on its own "
+            "dispatches and load only",
         ),
     ]  # fmt: skip
 
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"tokenway-bench:{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     summaries: list[RunSummary] = []
+    host_load: dict[str, tuple[float, float]] = {}
+    holder_share: dict[str, float] = {}
     fleet = fleet_mod.start_fleet(
         workdir / "fleet", engines=args.engines, preset=args.preset, time_scale=args.time_scale, served_model=MODEL
     )
@@ -95,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         arrivals = [a / workload.time_scale for a in scaled_arrivals(workload.requests, rate)]
         for spec in specs(args.seed, args.redis_url, prefix):
             label = f"mooncake {args.load:.0%} {spec.name}"
+            load_before = os.getloadavg()[0]
             outcomes, hit, per_engine, wall_s, cpu_busy = replay(
                 spec, fleet, workload.requests, arrivals, label=label, workdir=workdir, seed=args.seed
             )
+            host_load[spec.name] = (load_before, os.getloadavg()[0])
+            holder_share[spec.name] = follow_ups_on_holder(workload.requests, outcomes)
             summary = summarize(
                 trace="mooncake", load=args.load, router=spec.name, offered_rps=rate, outcomes=outcomes,
                 wall_s=wall_s, time_scale=workload.time_scale, cache_hit_rate=hit, per_engine=per_engine,
@@ -122,12 +130,37 @@ def main(argv: list[str] | None = None) -> int:
         "mean_prompt_tokens": sum(r.input_tokens for r in workload.requests) / len(workload.requests),
         "infinite_cache_hit_ratio": infinite_cache_hit_ratio(workload.requests),
         "specs": [{"name": s.name, "note": s.note} for s in specs(args.seed, args.redis_url, prefix)],
+        "host_load": host_load,
+        "holder_share": holder_share,
     }
     (workdir / "replicas.json").write_text(json.dumps({"meta": meta, "runs": [s.row() for s in summaries]}, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(meta, summaries))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def follow_ups_on_holder(requests: list[Any], outcomes: list[dict[str, Any]]) -> float:
+    """Share of follow-up requests (sharing at least 4 blocks with an earlier one) served by the
+    endpoint that served the earlier request they share the longest prefix with."""
+    endpoint = {o["index"]: o.get("endpoint") for o in outcomes}
+    seen: list[Any] = []
+    same = total = 0
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        best, best_len = None, 0
+        for earlier in seen:
+            n = 0
+            for a, b in zip(earlier.hash_ids, request.hash_ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = earlier, n
+        if best is not None and best_len >= 4:
+            total += 1
+            same += endpoint.get(best.index) == endpoint.get(request.index)
+        seen.append(request)
+    return same / total if total else float("nan")
 
 
 def _clean_redis(url: str, prefix: str) -> None:
@@ -155,14 +188,21 @@ def markdown(meta: dict[str, Any], runs: list[RunSummary]) -> str:
         "caches emptied between. TTFT is what the engines measured (simulated seconds); cache hit = the engines' "
         "own prefix-cache hits / queries (tokens).",
         "",
-        "| front | TTFT p50 | p90 | p99 | client TTFT p90 | cache hit | p90 vs 1 | hit vs 1 | requests per engine "
-        "| ok |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "`on holder` = share of follow-up turns (4+ blocks shared with an earlier request) served where that "
+        "earlier request was; `host load` = the 1-minute load average before / after the row (2 cores; other "
+        "processes on this machine move it, and with it every latency).",
+        "",
+        "| front | TTFT p50 | p90 | p99 | client TTFT p90 | cache hit | on holder | p90 vs 1 | hit vs 1 | "
+        "requests per engine | host load | ok |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
+    load = meta.get("host_load", {})
+    holder = meta.get("holder_share", {})
     lines += [
         f"| {s.router} | {s.ttft_p50_s:.2f} | {s.ttft_p90_s:.2f} | {s.ttft_p99_s:.2f} | "
-        f"{s.client_ttft_p90_s:.2f} | {s.cache_hit_rate:.1%} | {s.ttft_p90_s / base.ttft_p90_s:.2f}x | "
-        f"{s.cache_hit_rate / base.cache_hit_rate:.2f}x | {' '.join(map(str, s.per_engine))} | "
+        f"{s.client_ttft_p90_s:.2f} | {s.cache_hit_rate:.1%} | {holder.get(s.router, float('nan')):.0%} | "
+        f"{s.ttft_p90_s / base.ttft_p90_s:.2f}x | {s.cache_hit_rate / base.cache_hit_rate:.2f}x | "
+        f"{' '.join(map(str, s.per_engine))} | {'/'.join(f'{x:.1f}' for x in load.get(s.router, ()))} | "
         f"{s.ok}/{s.requests} |"
         for s in runs
     ]

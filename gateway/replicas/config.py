@@ -14,7 +14,11 @@ class ReplicasSettings(BaseModel):
     id: str | None = Field(
         default=None, description="this replica's name in shared state; default host-pid-random (use ${POD_NAME})"
     )
-    publish_interval_ms: float = Field(default=20.0, gt=0, description="batches go out at most this often")
+    publish_interval_ms: float = Field(
+        default=2.0,
+        gt=0,
+        description="batches go out at most this often: load reports this late make prefix holders look busy",
+    )
     heartbeat_s: float = Field(default=1.0, gt=0, description="the load report is repeated this often unchanged")
     ttl_s: float = Field(
         default=3.0, gt=0, description="a replica silent this long no longer counts (its load ages out)"
