@@ -18,14 +18,16 @@ from backends.types import Role
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
 
-# Engine defaults that depend on the kind; filled in when a pool omits them, so every launch passes
-# them explicitly (the engines' own defaults are unstable across versions and hardware).
-DEFAULT_BLOCK_SIZE_BY_ENGINE: dict[str, int] = {
+# KV block size when a pool omits it. None = the engine chooses and tokenway reads the size it chose
+# from its metrics (`vllm:cache_config_info`, TRT-LLM's `tokensPerBlock`): vLLM's attention backends
+# accept different sizes per device (the CPU backend only multiples of 32, REFERENCE §8), and
+# vllm-ascend overrides the value anyway (§4).
+DEFAULT_BLOCK_SIZE_BY_ENGINE: dict[str, int | None] = {
     "sim": 16,
-    "vllm": 16,  # vllm/config/cache.py; the attention backend may pick another when unset (REFERENCE §2.1)
+    "vllm": None,
     "trtllm": 32,  # kv_cache_config.tokens_per_block, tensorrt_llm/llmapi/llm_args.py (REFERENCE §3.1)
-    "vllm-ascend": 128,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py (§4)
-    "openai": 16,  # unused: a remote API has no visible KV cache
+    "vllm-ascend": None,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py (§4)
+    "openai": None,  # a remote API has no visible KV cache
 }
 # Startup deadlines: big models download, load, compile and capture graphs for many minutes.
 DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
@@ -92,8 +94,17 @@ class PoolConfig(_Strict):
     tensor_parallel: int = Field(default=1, ge=1)
     pipeline_parallel: int = Field(default=1, ge=1)
     max_model_len: int | None = Field(default=None, ge=16)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    block_size: int = Field(default=16, ge=1, description="KV block size in tokens; default per engine")
+    gpu_memory_utilization: float | None = Field(
+        default=None, gt=0, le=1, description="passed only when set (vLLM: of total memory; TRT-LLM: of free)"
+    )
+    block_size: int | None = Field(
+        default=None, ge=1, description="KV block size in tokens; default per engine (vLLM: the engine's choice)"
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="directory (or tokenizer.json) of the model's tokenizer and chat template; default: "
+        "`engine_model` when it is a local directory. Also passed to the engine as its tokenizer",
+    )
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)

@@ -17,8 +17,12 @@ digests are reduced to their low 64 bits exactly as vLLM does for ints.
 The subscriber tracks sequence numbers: a gap is repaired through the engine's replay socket (ROUTER;
 we send the first missing seq as 8 bytes and read batches until seq -1) when one is configured, and
 otherwise reported through `on_reset(endpoint_id, "gap")` so the consumer can stop trusting its
-state; a sequence that goes backwards means the engine restarted (`on_reset(..., "restart")`).
-ZMQ reconnects by itself, so an engine that restarts on the same address is picked up again.
+state; a sequence that goes backwards with a newer timestamp means the engine restarted
+(`on_reset(..., "restart")`), with an older or equal one it is a batch already replayed (dropped).
+When the subscription starts, the replay socket is asked for everything it still buffers, so a
+gateway started after the engine already holds blocks knows them at once instead of waiting for the
+engine's next `BlockStored`. ZMQ reconnects by itself, so an engine that restarts on the same address
+is picked up again.
 
 No imports from the other rooms: consumers pass plain callbacks.
 """
@@ -207,6 +211,8 @@ class SubscriberStats:
     events: int = 0
     gaps: int = 0
     replayed_batches: int = 0
+    catch_ups: int = 0  # start-up replays that delivered at least one batch
+    duplicates: int = 0  # live batches already delivered by a replay
     resets: int = 0
     decode_errors: int = 0
     last_seq: int | None = None
@@ -232,6 +238,8 @@ class KvEventSubscriber:
     context: zmq.asyncio.Context | None = None
     stats: SubscriberStats = field(default_factory=SubscriberStats)
     _expected_seq: int | None = field(default=None, init=False)
+    _replayed_end: int = field(default=0, init=False)  # 1 + the highest seq a replay delivered
+    _replayed_ts: float = field(default=float("-inf"), init=False)  # the newest ts a replay delivered
     _stop: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     async def run(self) -> None:
@@ -248,6 +256,12 @@ class KvEventSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
+            if self.replay_address:
+                # Live batches published meanwhile queue on the SUB socket and are deduplicated.
+                before = self.stats.replayed_batches
+                await self._replay(0, None, strict=False)
+                if self.stats.replayed_batches > before:
+                    self.stats.catch_ups += 1
             while not self._stop.is_set():
                 ready = dict(await poller.poll(timeout=200))
                 if sock not in ready:
@@ -273,6 +287,9 @@ class KvEventSubscriber:
         if expected is None:
             if batch.seq > 0 and self.replay_address:
                 await self._replay(0, batch.seq, strict=False)
+        elif batch.seq < min(expected, self._replayed_end) and batch.ts <= self._replayed_ts:
+            self.stats.duplicates += 1  # published while a replay delivered it
+            return
         elif batch.seq < expected:
             log.info("kv events from %s: seq went back %d -> %d (restart)", self.endpoint_id, expected, batch.seq)
             self._reset(RESET_RESTART)
@@ -305,12 +322,14 @@ class KvEventSubscriber:
             except Exception:
                 log.exception("kv events from %s: reset consumer failed", self.endpoint_id)
 
-    async def _replay(self, first_seq: int, until_seq: int, *, strict: bool = True) -> bool:
-        """Fetch batches [first_seq, until_seq) from the replay socket and deliver them in order.
+    async def _replay(self, first_seq: int, until_seq: int | None, *, strict: bool = True) -> bool:
+        """Fetch batches [first_seq, until_seq) from the replay socket and deliver them in order
+        (`until_seq` None: everything the engine still buffers).
 
-        True when every missing batch arrived. `strict=False` (catching up after subscribing late)
-        accepts a buffer that starts after `first_seq`: older events are gone either way. A DEALER with
-        an empty delimiter frame can read the several replies a ROUTER streams (a REQ would take one).
+        True when every missing batch arrived (None: when the engine answered). `strict=False`
+        (catching up after subscribing late) accepts a buffer that starts after `first_seq`: older
+        events are gone either way. A DEALER with an empty delimiter frame can read the several
+        replies a ROUTER streams (a REQ would take one).
         """
         assert self.replay_address is not None
         ctx = self.context or zmq.asyncio.Context.instance()
@@ -318,6 +337,7 @@ class KvEventSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.replay_address)
         got = first_seq
+        finished = False
         try:
             await sock.send_multipart([b"", first_seq.to_bytes(8, "big", signed=True)])
             while True:
@@ -333,8 +353,9 @@ class KvEventSubscriber:
                     self.stats.decode_errors += 1
                     break
                 if seq == END_OF_REPLAY:
+                    finished = True
                     break
-                if seq < got or seq >= until_seq:
+                if seq < got or (until_seq is not None and seq >= until_seq):
                     continue
                 if seq > got:
                     if strict:
@@ -346,11 +367,13 @@ class KvEventSubscriber:
                     self.stats.decode_errors += 1
                     break
                 self.stats.replayed_batches += 1
+                self._replayed_end = max(self._replayed_end, seq + 1)
+                self._replayed_ts = max(self._replayed_ts, batch.ts)
                 self._deliver(batch)
                 got = seq + 1
         finally:
             sock.close(linger=0)
-        return got >= until_seq
+        return finished if until_seq is None else got >= until_seq
 
 
 class KvEventHub:

@@ -1,10 +1,13 @@
 """One engine process: spawned in its own process group, tied to the gateway's life, logged to a file.
 
 Why a process group: engines fork workers (vLLM's engine core, TRT-LLM's MPI ranks); signalling the
-group stops them all. Why PR_SET_PDEATHSIG (Linux): if the gateway is SIGKILLed, no cleanup code runs,
-and the kernel is the only one left to tell the engine; it then gets SIGTERM, which vLLM and
-trtllm-serve handle by shutting their own workers down. The signal is tied to the thread that
-spawned the child, here the event loop's.
+group stops them all. When the leader dies on its own (a crash, `kill -9` of vLLM's API server), its
+workers live on in the group holding their ZMQ ports (and, on a GPU, the GPU memory), and a restart
+fails with `Address already in use`: `reap_group` kills what is left before anything is restarted.
+Why PR_SET_PDEATHSIG (Linux): if the gateway is SIGKILLed, no cleanup code runs, and the kernel is
+the only one left to tell the engine; it then gets SIGTERM, which vLLM and trtllm-serve handle by
+shutting their own workers down (checked against the real vLLM: `make test-vllm`). The signal is
+tied to the thread that spawned the child, here the event loop's.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import sys
 import time
@@ -67,6 +71,68 @@ def tail_lines(path: str | None, count: int, max_bytes: int = 64 * 1024) -> tupl
         lines = lines[starts[-1] + 1 :]
     lines = [line for line in lines if not line.startswith(_ARGV_MARKER)]
     return tuple(lines[-count:])
+
+
+# A Python exception line as a traceback ends it, possibly behind a process prefix vLLM adds
+# ("(EngineCore pid=7) ValueError: ..."): the engine's own summary ("... See root cause above") says
+# only that an error happened; the lines before it say which.
+_ERROR_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\)\s+)?"  # vLLM's process prefix: "(EngineCore pid=7) "
+    r"(?:[A-Z]+ \S+ \S+ \[[^\]]+\]\s+)?"  # its log prefix: "ERROR 12-01 17:45:07 [core.py:1510] "
+    r"((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b.*)$"
+)
+_SUMMARY_ONLY = ("See root cause above", "check the stack trace above")
+
+
+def error_lines(path: str | None, count: int = 5, max_bytes: int = 256 * 1024) -> tuple[str, ...]:
+    """The distinct exception lines (`ValueError: ...`) the latest run wrote, first to last, without
+    the engine's generic summaries; at most `count`, the earliest kept (the root cause comes first)."""
+    found: list[str] = []
+    for line in tail_lines(path, 1_000_000, max_bytes):
+        match = _ERROR_LINE.match(line.strip())
+        if match is None:
+            continue
+        text = match.group(1)
+        if any(marker in text for marker in _SUMMARY_ONLY) or text in found:
+            continue
+        found.append(text)
+    return tuple(found[:count])
+
+
+def crash_tail(path: str | None, count: int) -> tuple[str, ...]:
+    """What an operator needs from a crashed engine's log: its exception lines, then the last lines.
+
+    The last lines of vLLM's output end with the engine's summary ("See root cause above"); the real
+    error sits above them, so the error lines are put first when the tail does not show them."""
+    tail = tail_lines(path, count)
+    errors = [line for line in error_lines(path) if not any(line in t for t in tail)]
+    if not errors:
+        return tail
+    return (*(f"error: {line}" for line in errors), "...", *tail)
+
+
+def group_has_live_members(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that is not a zombie. Zombies are skipped: an orphan
+    is reaped by whoever adopted it, and a container's init may be slow to do that or never do."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -154,6 +220,28 @@ class EngineProcess:
         code = await self.wait()
         self.signal_group(signal.SIGKILL)  # workers that outlived their leader
         return code
+
+    def group_alive(self) -> bool:
+        """True while any live process of the group (workers the leader left behind) exists."""
+        return group_has_live_members(self.pid)
+
+    async def reap_group(self, grace_s: float, timeout_s: float = 30.0) -> bool:
+        """After the leader exited: SIGTERM what is left of the group, SIGKILL it after `grace_s`, and
+        wait until the group is empty (at most `timeout_s`). True when nothing is left."""
+        await self.wait()
+        loop = asyncio.get_running_loop()
+        if not self.group_alive():
+            return True
+        self.signal_group(signal.SIGTERM)
+        deadline_s = loop.time() + grace_s
+        # Nothing notifies about grandchildren (they are not ours to wait for): polling is the contract.
+        while self.group_alive() and loop.time() < deadline_s:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        self.signal_group(signal.SIGKILL)
+        deadline_s = loop.time() + timeout_s
+        while self.group_alive() and loop.time() < deadline_s:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        return not self.group_alive()
 
     def kill_now(self, grace_s: float = 2.0) -> None:
         """Synchronous stop for interpreter exit (no event loop): SIGTERM, short wait, SIGKILL."""

@@ -9,7 +9,9 @@ message. Stopping drains first: no new requests (DRAINING), in-flight ones finis
 `drain_timeout_s`, then SIGTERM, then SIGKILL after `term_grace_s`.
 
 Endpoint ids are stable across restarts ("<pool>/<role>-<index>"), and so are ports and devices, so
-routing state keyed by endpoint survives a restart.
+routing state keyed by endpoint survives a restart. Before a restart the dead replica's whole process
+group is killed and its ports must be free again: workers a crashed leader leaves behind keep its
+ports (and GPU memory), and a restart into them would fail and loop.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.plan import PlannedReplica, launch_spec, plan_replicas
 from backends.ports import is_port_free
-from backends.process import EngineProcess, describe_exit, tail_lines
+from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
 from backends.types import Endpoint, EndpointState, EndpointStats
 
 log = logging.getLogger(__name__)
@@ -336,8 +338,20 @@ class Supervisor:
         exits = len(replica.crash_times_s)
         endpoint.state = EndpointState.DEAD
         endpoint.pid = None
-        endpoint.log_tail = tail_lines(endpoint.log_path, self.settings.log_tail_lines)
+        endpoint.log_tail = crash_tail(endpoint.log_path, self.settings.log_tail_lines)
         how = describe_exit(process.returncode)
+        errors = error_lines(endpoint.log_path, count=1)
+        if errors:
+            how += f": {errors[0]}"
+        endpoint.state_reason = f"exited ({how}); stopping what is left of its process group"
+        if not await process.reap_group(min(self.settings.term_grace_s, 5.0)):
+            self._fail(replica, f"exited ({how}); not restarting: processes of its group survived SIGKILL")
+            return
+        busy = await self._wait_ports_free(replica)
+        if busy:
+            ports = ", ".join(map(str, busy))
+            self._fail(replica, f"exited ({how}); not restarting: port(s) {ports} stay in use by another process")
+            return
         if exits >= self.settings.crash_loop_restarts:
             self._fail(
                 replica,
@@ -351,11 +365,21 @@ class Supervisor:
         await asyncio.sleep(backoff_s)
         endpoint.restarts += 1
 
+    async def _wait_ports_free(self, replica: Replica, timeout_s: float = 30.0) -> list[int]:
+        """Wait until the replica's ports can be bound again; the ones still busy after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + timeout_s
+        while True:
+            busy = busy_ports(replica)
+            if not busy or loop.time() >= deadline_s:
+                return busy
+            await asyncio.sleep(0.2)
+
     def _fail(self, replica: Replica, reason: str) -> None:
         endpoint = replica.endpoint
         endpoint.state = EndpointState.DEAD
         endpoint.pid = None
-        endpoint.log_tail = tail_lines(endpoint.log_path, self.settings.log_tail_lines)
+        endpoint.log_tail = crash_tail(endpoint.log_path, self.settings.log_tail_lines)
         endpoint.state_reason = reason
         replica.failure = ReplicaFailure(endpoint.id, reason, endpoint.log_path, endpoint.log_tail)
         replica.settled.set()
@@ -405,3 +429,15 @@ class Supervisor:
 
         self._atexit = kill
         atexit.register(kill)
+
+
+def replica_ports(replica: Replica) -> list[int]:
+    """The ports a replica's engine binds: HTTP, KV-event publisher and replay, KV-transfer channel."""
+    plan = replica.planned.replica
+    ports = [plan.port, plan.kv_events_port, plan.kv_events_replay_port, plan.kv_transfer_port]
+    return [p for p in ports if p is not None]
+
+
+def busy_ports(replica: Replica) -> list[int]:
+    host = replica.planned.replica.host
+    return [p for p in replica_ports(replica) if not is_port_free(host, p)]

@@ -6,6 +6,7 @@ only backends' background tasks and the gateway's dispatch accounting write them
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -46,6 +47,12 @@ class EndpointStats:
     preemptions: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # vLLM >= 0.32: waiting requests per reason ("capacity", "deferred"); empty when not reported
+    waiting_by_reason: Mapping[str, int] = field(default_factory=dict)
+    prompt_tokens: float = 0.0  # counter: prompt tokens the engine processed
+    prompt_tokens_cached: float = 0.0  # counter: of those, served from the prefix cache
+    # "awake" | "weights_offloaded" | "discard_all" | "asleep"; None when the engine does not say
+    sleep_state: str | None = None
     scraped_at_s: float = 0.0
 
     @property

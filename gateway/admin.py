@@ -23,6 +23,9 @@ async def backends(request: web.Request) -> web.Response:
     discovery = request.app.get(appkeys.DISCOVERY)
     if discovery is not None:
         status["discovery"] = discovery.status()
+    estimator = request.app[appkeys.DIRECTOR].intake.estimator
+    for pool in status["pools"]:  # how each pool's prompts are counted, and how often that matched
+        pool["tokenizer"] = estimator.describe(pool["model"])
     return _json(status)
 
 

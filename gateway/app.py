@@ -27,7 +27,7 @@ from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.apis.config import ApisSettings
 from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
-from gateway.engine_tokens import EngineTokenizer
+from gateway.engine_tokens import EngineTokenizer, build_counters
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
@@ -266,6 +266,8 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     ledger = app[appkeys.LEDGER]
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
+    estimator = PromptEstimator()
+    build_counters(fleet, estimator, app[appkeys.SESSION])  # reads tokenizer files once, at start-up
     hook_list: list[Hook] = []
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
         hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
@@ -274,7 +276,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     hooks = Hooks(hook_list)
     sinks = [sink for sink in (metrics if metrics_on else None, ledger) if sink is not None]
-    accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks)
+    accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks, audit=estimator.audit)
     dispatch = Dispatch(
         server=settings.server,
         fleet=fleet,
@@ -287,7 +289,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         report_success=health.report_success,
         report_failure=report_failure,
     )
-    intake = Intake(settings.server, app[appkeys.POLICIES], fleet, PromptEstimator(), lengths=predictor)
+    intake = Intake(settings.server, app[appkeys.POLICIES], fleet, estimator, lengths=predictor)
     app[appkeys.DIRECTOR] = Director(
         intake=intake,
         dispatch=dispatch,

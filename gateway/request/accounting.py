@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gateway.components import AdmissionPort, RecordSink
@@ -71,7 +71,15 @@ class Reservation:
 
 
 class Accounting:
-    def __init__(self, admission: AdmissionPort, policies: PolicyHolder, sinks: Sequence[RecordSink], hooks: Hooks):
+    def __init__(
+        self,
+        admission: AdmissionPort,
+        policies: PolicyHolder,
+        sinks: Sequence[RecordSink],
+        hooks: Hooks,
+        audit: Callable[[str, int, int, str], None] | None = None,  # counted vs engine prompt tokens
+    ):
+        self.audit = audit
         self.admission = admission
         self.policies = policies
         self.sinks = tuple(sinks)
@@ -143,6 +151,8 @@ class Accounting:
         usage = outcome.usage
         if usage is not None:
             record.usage_source = "engine"
+            if self.audit is not None and ctx.model == facts.model:  # a fallback counts with another tokenizer
+                self.audit(facts.model, facts.prompt_tokens, usage.prompt_tokens, facts.prompt_tokens_source)
         elif outcome.counted_completion_tokens or outcome.aborted or outcome.broken:
             usage = Usage(prompt_tokens=facts.prompt_tokens, completion_tokens=outcome.counted_completion_tokens)
             record.usage_source = "counted"

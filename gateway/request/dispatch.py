@@ -240,6 +240,8 @@ class Dispatch:
         ]
         if ctx.facts.debug:
             headers.append(("x-tokenway-route", decision.debug_header()))
+            source = ctx.facts.prompt_tokens_source
+            headers.append(("x-tokenway-prompt-tokens", f"{ctx.facts.prompt_tokens};source={source}"))
             if ctx.prediction is not None:
                 headers.append(("x-tokenway-prediction", _prediction_header(ctx.prediction)))
         if ctx.gate_wait_s:

@@ -153,11 +153,14 @@ class Intake:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         options = body.get("stream_options")
         if ctx.call is not None:
+            # Responses / Messages count their translated chat with cl100k: exact for the sim only.
             prompt_tokens, ids = await ctx.call.estimate(self.estimator, body)
+            tokens_source = self.estimator.cl100k_source(model)
             max_tokens = ctx.call.max_tokens(body)
             options = None
         else:
-            prompt_tokens, ids = await ctx.api.count(self.estimator, body)
+            # The model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate.
+            prompt_tokens, ids, tokens_source = await self.estimator.count(ctx.api.kind, body, model)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # type: ignore[assignment]
         assert max_tokens is None or isinstance(max_tokens, int)  # validated
         model_config = policy.model_config(model)
@@ -195,4 +198,5 @@ class Intake:
             allow_fallback=principal.allow_fallback and not opt_out,
             debug=headers.get("x-tokenway-debug") == "1",
             slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms),
+            prompt_tokens_source=tokens_source,
         )

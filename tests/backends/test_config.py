@@ -10,9 +10,9 @@ from tests.backends.builders import pool
 
 @pytest.mark.parametrize(
     ("engine", "block_size", "ready_timeout_s"),
-    [("vllm", 16, 1200.0), ("trtllm", 32, 1800.0), ("vllm-ascend", 128, 1800.0), ("sim", 16, 120.0)],
+    [("vllm", None, 1200.0), ("trtllm", 32, 1800.0), ("vllm-ascend", None, 1800.0), ("sim", 16, 120.0)],
 )
-def test_engine_defaults(engine: str, block_size: int, ready_timeout_s: float) -> None:
+def test_engine_defaults(engine: str, block_size: int | None, ready_timeout_s: float) -> None:
     p = pool(engine=engine)
     assert (p.block_size, p.ready_timeout_s) == (block_size, ready_timeout_s)
 

@@ -213,11 +213,21 @@ async def test_gap_without_replay_resets(publisher: tuple[zmq.asyncio.Socket, st
     await stop(sub, task)
 
 
-async def serve_replay(router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]]) -> None:
+async def poll_until(done: Callable[[], bool]) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        while not done():  # noqa: ASYNC110 - stats change without an event to wait on
+            await asyncio.sleep(0.01)
+
+
+async def serve_replay(
+    router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]], served: list[int] | None = None
+) -> None:
     """vLLM 0.33's replay server: [id, "", start] -> [id, "", topic, seq, payload]... then [id, "", "", -1, ""]."""
     while True:
         identity, _empty, start_frame = await router_sock.recv_multipart()
         start_seq = int.from_bytes(start_frame, "big")
+        if served is not None:
+            served.append(start_seq)
         for seq in sorted(buffer):
             if seq >= start_seq:
                 await router_sock.send_multipart([identity, b"", *buffer[seq]])
@@ -229,7 +239,37 @@ async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socke
     replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     replay.setsockopt(zmq.LINGER, 0)
     replay.bind("tcp://127.0.0.1:*")
-    buffer = {seq: frames(seq, stored_map(seq, seq + 1)) for seq in range(4)}
+    buffer: dict[int, list[bytes]] = {}  # empty when the subscription starts: nothing to catch up
+    served: list[int] = []
+    server = asyncio.get_running_loop().create_task(serve_replay(replay, buffer, served))
+    rec = Recorder()
+    sub = KvEventSubscriber(
+        "a", address, rec.on_batch, rec.on_reset, replay_address=str(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+    )
+    task = await start(sub, pub)
+    try:
+        await poll_until(lambda: served == [0])  # the start-up catch-up found nothing
+        buffer.update({seq: frames(seq, stored_map(seq, seq + 1)) for seq in range(4)})
+        await pub.send_multipart(buffer[0])
+        await pub.send_multipart(buffer[3])  # 1 and 2 missed: fetched from the replay socket
+        await rec.until(lambda: len(rec.batches) == 4)
+        assert [b.seq for b in rec.batches] == [0, 1, 2, 3]
+        assert (rec.resets, sub.stats.gaps, sub.stats.replayed_batches) == ([], 1, 2)
+    finally:
+        await stop(sub, task)
+        server.cancel()
+        replay.close(0)
+
+
+async def test_a_late_subscription_catches_up_through_replay_at_once(
+    publisher: tuple[zmq.asyncio.Socket, str],
+) -> None:
+    """The engine already holds blocks when the gateway subscribes: they are known before its next event."""
+    pub, address = publisher
+    replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    buffer = {seq: frames(seq, stored_map(seq, seq + 1)) for seq in range(3)}
     server = asyncio.get_running_loop().create_task(serve_replay(replay, buffer))
     rec = Recorder()
     sub = KvEventSubscriber(
@@ -237,11 +277,13 @@ async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socke
     )
     task = await start(sub, pub)
     try:
-        await pub.send_multipart(buffer[0])
-        await pub.send_multipart(buffer[3])  # 1 and 2 missed: fetched from the replay socket
+        await poll_until(lambda: sub.stats.catch_ups == 1)  # no live batch was needed
+        assert [b.seq for b in rec.batches] == [0, 1, 2]
+        await pub.send_multipart(buffer[2])  # published while the replay ran: already delivered
+        await pub.send_multipart(frames(3, stored_map(3, 4)))
         await rec.until(lambda: len(rec.batches) == 4)
         assert [b.seq for b in rec.batches] == [0, 1, 2, 3]
-        assert (rec.resets, sub.stats.gaps, sub.stats.replayed_batches) == ([], 1, 2)
+        assert (rec.resets, sub.stats.duplicates, sub.stats.gaps) == ([], 1, 0)
     finally:
         await stop(sub, task)
         server.cancel()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends.adapters.base import LaunchSpec
-from backends.process import EngineProcess, describe_exit, tail_lines
+from backends.process import EngineProcess, crash_tail, describe_exit, error_lines, tail_lines
 
 pytestmark = pytest.mark.e2e  # starts real processes
 
@@ -134,3 +134,48 @@ def test_engine_dies_with_a_sigkilled_gateway(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+FIXTURES = Path(__file__).with_name("fixtures")
+
+
+def test_error_lines_find_the_root_cause_above_vllms_summary() -> None:
+    # A real vLLM 0.32 CPU start with --block-size 16: the last lines end at "See root cause above".
+    log = str(FIXTURES / "vllm_0_32_cpu_crash.log")
+    assert tail_lines(log, 30)[-3].endswith("See root cause above. Failed core proc(s): {}")
+    assert error_lines(log) == ("ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).",)
+
+
+def test_crash_tail_puts_the_error_lines_before_the_last_lines() -> None:
+    log = str(FIXTURES / "vllm_0_32_cpu_crash.log")
+    shown = crash_tail(log, 30)
+    assert shown[:2] == ("error: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).", "...")
+    assert shown[2:] == tail_lines(log, 30)
+
+
+def test_crash_tail_is_the_plain_tail_when_it_shows_the_error(tmp_path: Path) -> None:
+    log = tmp_path / "e.log"
+    log.write_text(
+        "starting\nTraceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
+    )
+    assert crash_tail(str(log), 5) == tail_lines(str(log), 5)
+    assert error_lines(str(log)) == ("OSError: [Errno 98] Address already in use",)
+
+
+async def test_reap_group_kills_workers_the_leader_left_behind(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        worker = os.fork()
+        if worker == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stuck worker: only SIGKILL stops it
+            time.sleep(600)
+        print(worker, flush=True)
+        os._exit(0)
+    """)
+    log = tmp_path / "e.log"
+    process = await EngineProcess.spawn(LaunchSpec(argv=(sys.executable, "-c", script), log_path=str(log)))
+    await process.wait()
+    worker = int(log.read_text().strip().splitlines()[-1])
+    assert alive(worker) and process.group_alive()
+    assert await process.reap_group(grace_s=0.2)
+    assert not alive(worker) and not process.group_alive()

@@ -272,3 +272,23 @@ async def test_kv_event_sockets_per_replica(launched: Any) -> None:
     ports = {int(a.rsplit(":", 1)[1]) for pair in addresses for a in pair if a}
     assert len(ports) == 4  # a publisher and a replay socket per replica, none shared
     assert not any(is_port_free("127.0.0.1", port) for port in ports)  # the engines bound them
+
+
+async def test_a_crashed_leader_s_orphaned_worker_is_killed_before_the_restart(launched: Any) -> None:
+    """vLLM's API server killed with SIGKILL leaves EngineCore alive in its group holding the ZMQ port
+    (REFERENCE §8): the restart waits until the group is gone and the port free, instead of looping."""
+    stand_in = [sys.executable, str(Path(__file__).with_name("stand_in_forking_engine.py"))]
+    forking = pool(name="fork", model="m", engine="vllm", engine_bin=stand_in, replicas=1, ready_timeout_s=60,
+                   kv_events={"enabled": True, "replay": False})  # fmt: skip
+    fleet, supervisor = await launched([forking], crash_loop_restarts=2)
+    assert await supervisor.wait_ready(60) == []
+    endpoint = fleet.pools["fork"].endpoints[0]
+    leader = supervisor.replicas[endpoint.id].process
+    assert leader is not None
+    log_text = await asyncio.to_thread(Path(endpoint.log_path or "").read_text)
+    worker = int(log_text.split("worker ")[1].split()[0])
+
+    os.kill(leader.pid, signal.SIGKILL)
+    await until(lambda: endpoint.restarts == 1 and endpoint.state is EndpointState.READY, what="the restart")
+    assert await asyncio.to_thread(_gone, worker), "the old worker outlived its leader"
+    assert supervisor.replicas[endpoint.id].failure is None  # no crash loop on `Address already in use`

@@ -4,10 +4,12 @@ A prompt is cut into fixed blocks; block i's key is xxh3-64 of its bytes seeded 
 (the first seeded by model and cache_salt), so a key stands for the whole prefix up to its block and
 equal keys mean equal prefixes. Only full blocks are hashed, as engines cache only full blocks.
 
-Token ids, when the gateway has them (the same tokenizer and chat rendering as the simulated engine),
-are hashed as little-endian uint32 so block boundaries coincide with the engine's. Without ids the
-canonical prompt text is hashed in blocks of `4 x block_tokens` UTF-8 bytes (~4 bytes per token) and
-cached-token estimates are approximate.
+Token ids, when the gateway has them, are hashed as little-endian uint32 so block boundaries coincide
+with the engine's: they are the engine's own ids when the prompt was counted with the model's
+tokenizer, the engine's /tokenize or the simulated engine's tokenizer (`policies/estimate.py`), and
+cl100k ids otherwise, which the precise index does not use (they cannot match the engine's blocks).
+Without ids the canonical prompt text is hashed in blocks of `4 x block_tokens` UTF-8 bytes (~4 bytes
+per token) and cached-token estimates are approximate.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import orjson
 from xxhash import xxh3_64_intdigest
 
+from policies.estimate import SOURCE_ESTIMATE
 from policies.types import RequestFacts
 
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -128,6 +131,13 @@ class HashedPrompt:
         """Token ids as the engine counts them: the engine's own when known, else the gateway's."""
         return self.engine_token_ids if self.engine_token_ids is not None else self.facts.prompt_token_ids
 
+    @property
+    def exact_token_ids(self) -> Sequence[int] | None:
+        """`token_ids` unless they are only the cl100k estimate's (the precise index cannot match those)."""
+        if self.engine_token_ids is None and self.facts.prompt_tokens_source == SOURCE_ESTIMATE:
+            return None
+        return self.token_ids
+
 
 def prompt_tokens_of(facts: RequestFacts) -> int:
     if facts.prompt_tokens:
@@ -164,7 +174,7 @@ def prompt_blocks(
     if cache_key in cache:
         return cache[cache_key]
     max_blocks = max(max_prefix_tokens // block_tokens, 1)
-    ids = prompt.token_ids
+    ids = prompt.exact_token_ids if require_ids else prompt.token_ids
     facts = prompt.facts
     result: PromptBlocks | None
     if ids is not None:

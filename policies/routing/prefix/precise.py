@@ -258,7 +258,7 @@ class PrecisePrefixIndex:
         cache = prompt.blocks
         cache_key = ("engine:" + endpoint.engine, block_tokens)
         if cache_key not in cache:
-            ids = prompt.token_ids
+            ids = prompt.exact_token_ids
             if ids is None:
                 cache[cache_key] = None
             else:

@@ -15,7 +15,7 @@ def test_launch_spec_golden() -> None:
     assert list(spec.argv) == [
         sys.executable, "-m", "backends.sim", "serve", "llama-3.1-8b", "--served-model-name", "llama-3.1-8b",
         "--host", "127.0.0.1", "--port", "8100", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-        "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+        "--block-size", "16", "--enable-prompt-tokens-details", "--enable-prefix-caching",
         "--scheduling-policy", "priority", "--preset", "llama-3.1-8b@h100", "--time-scale", "10",
     ]  # fmt: skip
     assert dict(spec.env) == {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1"}

@@ -27,8 +27,7 @@ def test_launch_spec_golden_8b() -> None:
     ]  # fmt: skip
     assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "0"}
     assert yaml.safe_load(spec.files["var/run/engines/p.both-0.trtllm.yaml"]) == {
-        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 32,
-                            "free_gpu_memory_fraction": 0.9, "event_buffer_max_size": 0},
+        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 32, "event_buffer_max_size": 0},
         "enable_iter_perf_stats": True,
         "return_perf_metrics": True,
         "scheduler_config": {"waiting_queue_policy": "priority"},
@@ -54,8 +53,8 @@ def test_launch_spec_golden_pd_decode_tp2_with_engine_config() -> None:
     ]  # fmt: skip
     assert dict(spec.env) == {"CUDA_VISIBLE_DEVICES": "2,3"}
     assert yaml.safe_load(spec.files["/run/p.decode-0.trtllm.yaml"]) == {
-        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 32, "free_gpu_memory_fraction": 0.9,
-                            "event_buffer_max_size": 16384, "host_cache_size": 1000000},
+        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 32, "event_buffer_max_size": 16384,
+                            "host_cache_size": 1000000},
         "enable_iter_perf_stats": True,
         "return_perf_metrics": True,
         "cache_transceiver_config": {"backend": "UCX", "max_tokens_in_buffer": 8192},

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from backends.adapters.base import Probe
-from backends.adapters.vllm import VLLM
+from backends.adapters.vllm import VLLM, zmq_bind_host
 from backends.errors import MetricsFormatError
 from backends.types import EndpointStats, Role
 from tests.backends.builders import fixture_text, pool, replica
@@ -23,8 +23,8 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
             {"model": "llama-3.1-8b", "engine": "vllm", "engine_model": "meta-llama/Llama-3.1-8B-Instruct"},
             {"devices": (2,)},
             ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--served-model-name", "llama-3.1-8b",
-             "--host", "127.0.0.1", "--port", "8100", *BASE, "--gpu-memory-utilization", "0.9",
-             "--block-size", "16", "--enable-prefix-caching", "--scheduling-policy", "priority"],
+             "--host", "127.0.0.1", "--port", "8100", *BASE,
+             "--enable-prompt-tokens-details", "--enable-prefix-caching", "--scheduling-policy", "priority"],
             {"CUDA_VISIBLE_DEVICES": "2", "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1"},
             id="8b-one-gpu",
         ),
@@ -38,8 +38,8 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
             ["vllm", "serve", "meta-llama/Llama-3.1-70B-Instruct", "--served-model-name", "llama-3.1-70b",
              "--host", "0.0.0.0", "--port", "9000", "--tensor-parallel-size", "4",
              "--pipeline-parallel-size", "1", "--max-model-len", "32768", "--gpu-memory-utilization", "0.92",
-             "--block-size", "32", "--no-enable-prefix-caching", "--max-num-seqs", "256",
-             "--max-num-batched-tokens", "8192", "--enforce-eager"],
+             "--block-size", "32", "--enable-prompt-tokens-details", "--no-enable-prefix-caching",
+             "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--enforce-eager"],
             {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1",
              "VLLM_API_KEY": "sk-secret", "HF_HUB_OFFLINE": "1"},
             id="70b-tp4-all-options",
@@ -49,9 +49,10 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
              "topic": "kv@p"}, "lora_modules": {"sql": "/loras/sql", "chat": "/loras/chat"}},
             {"kv_events_port": 5557, "hash_seed": "42"},
             ["vllm", "serve", "m", "--served-model-name", "served", "--host", "127.0.0.1", "--port", "8100",
-             *BASE, "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+             *BASE, "--enable-prompt-tokens-details", "--enable-prefix-caching",
              "--scheduling-policy", "priority", "--kv-events-config",
-             '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","topic":"kv@p"}',
+             '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://[::ffff:127.0.0.1]:5557",'
+             '"topic":"kv@p"}',
              "--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat"],
             {"PYTHONHASHSEED": "42", "VLLM_NO_USAGE_STATS": "1"},
             id="kv-events-and-lora",
@@ -60,7 +61,7 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
             {"model": "m", "engine": "vllm", "roles": {"prefill": 1, "decode": 1}},
             {"role": Role.PREFILL, "kv_transfer_port": 5600, "devices": (0,)},
             ["vllm", "serve", "m", "--served-model-name", "m", "--host", "127.0.0.1", "--port", "8100", *BASE,
-             "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+             "--enable-prompt-tokens-details", "--enable-prefix-caching",
              "--scheduling-policy", "priority", "--kv-transfer-config",
              '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
             {"CUDA_VISIBLE_DEVICES": "0", "PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1",
@@ -72,8 +73,7 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
              "priority_scheduling": False},
             {},
             ["python", "-m", "backends.sim", "serve", "m", "--served-model-name", "m", "--host", "127.0.0.1",
-             "--port", "8100", *BASE, "--gpu-memory-utilization", "0.9", "--block-size", "16",
-             "--enable-prefix-caching"],
+             "--port", "8100", *BASE, "--enable-prompt-tokens-details", "--enable-prefix-caching"],
             {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1"},
             id="engine-bin-override",
         ),
@@ -116,7 +116,8 @@ def test_kv_events_replay_socket() -> None:
     r = replica(kv_events_port=5557, kv_events_replay_port=5657)
     spec = VLLM.launch_spec(p, r)
     config = json.loads(spec.argv[spec.argv.index("--kv-events-config") + 1])
-    assert config["replay_endpoint"] == "tcp://*:5657"  # a ROUTER the subscriber asks for missed batches (§2.6)
+    # a ROUTER the subscriber asks for missed batches (§2.6), bound on the engine's host only
+    assert config["replay_endpoint"] == "tcp://[::ffff:127.0.0.1]:5657"
     assert VLLM.kv_events_replay_endpoint(p, r) == "tcp://127.0.0.1:5657"
     assert VLLM.kv_events_replay_endpoint(p, replica(kv_events_port=5557)) is None
 
@@ -140,6 +141,7 @@ def test_parse_metrics_0_33_names() -> None:
     assert stats == EndpointStats(
         running=12, waiting=4, kv_usage_ratio=0.375, prefix_cache_hits_tokens=8000.0,
         prefix_cache_queries_tokens=16000.0, preemptions=3.0, block_size=16, num_gpu_blocks=27579,
+        waiting_by_reason={"capacity": 3, "deferred": 0}, prompt_tokens=16000.0, sleep_state="awake",
     )  # fmt: skip
 
 
@@ -213,3 +215,64 @@ def test_decode_leg_body_passes_prefill_params_verbatim() -> None:
     assert VLLM.decode_leg_body(body, {"kv_transfer_params": params}) == {**body, "kv_transfer_params": params}
     # No params from P: D prefills itself.
     assert VLLM.decode_leg_body(body, {"choices": []}) == body
+
+
+@pytest.mark.parametrize(
+    ("host", "bind"),
+    [
+        pytest.param("127.0.0.1", "[::ffff:127.0.0.1]", id="loopback-only"),
+        pytest.param("localhost", "[::ffff:127.0.0.1]", id="localhost"),
+        pytest.param("10.0.0.5", "[::ffff:10.0.0.5]", id="one-interface"),
+        pytest.param("0.0.0.0", "*", id="every-interface"),
+        pytest.param("::", "*", id="every-interface-v6"),
+        pytest.param("::1", "[::1]", id="v6-loopback"),
+        pytest.param("gpu-node-1", None, id="host-name"),
+        pytest.param("2001:db8:1:2:3:4:5:6", None, id="v6-without-double-colon"),
+    ],
+)
+def test_kv_event_sockets_bind_the_engines_host_only(host: str, bind: str | None) -> None:
+    # vLLM binds an endpoint only when it contains `*` or `::`; `tcp://127.0.0.1:P` would connect out (§8).
+    assert zmq_bind_host(host) == bind
+    p = pool(engine="vllm", host=host, kv_events={"enabled": True})
+    problems = VLLM.validate(p)
+    assert bool(problems) == (bind is None)
+    if bind is not None:
+        spec = VLLM.launch_spec(p, replica(host=host, kv_events_port=5557))
+        config = json.loads(spec.argv[spec.argv.index("--kv-events-config") + 1])
+        assert config["endpoint"] == f"tcp://{bind}:5557"
+        assert "*" in config["endpoint"] or "::" in config["endpoint"]
+
+
+def test_defaults_a_real_build_rejects_are_not_passed() -> None:
+    # --block-size 16 kills vLLM's CPU attention (multiples of 32 only, §8); 0.9 is not 0.32's 0.92 default.
+    spec = VLLM.launch_spec(pool(engine="vllm"), replica())
+    assert "--block-size" not in spec.argv and "--gpu-memory-utilization" not in spec.argv
+    assert "--enable-prompt-tokens-details" in spec.argv  # else usage has no cached_tokens (§8)
+    spec = VLLM.launch_spec(pool(engine="vllm", block_size=32, tokenizer="/models/tok"), replica())
+    assert spec.argv[spec.argv.index("--block-size") + 1] == "32"
+    assert spec.argv[spec.argv.index("--tokenizer") + 1] == "/models/tok"
+
+
+def test_parse_metrics_of_a_real_0_32_cpu_engine() -> None:
+    stats = VLLM.parse_metrics(fixture_text("vllm_0_32_cpu_metrics.txt"))
+    assert (stats.block_size, stats.num_gpu_blocks) == (128, 16384)  # the engine chose 128 on CPU
+    assert stats.waiting_by_reason == {"capacity": 0, "deferred": 0}
+    assert stats.sleep_state == "awake"
+    assert stats.prompt_tokens_cached > 0 and stats.prompt_tokens_cached == stats.prefix_cache_hits_tokens
+
+
+@pytest.mark.parametrize(
+    ("values", "state"),
+    [
+        pytest.param((1, 0, 0), "awake", id="awake"),
+        pytest.param((0, 1, 0), "weights_offloaded", id="level-1"),
+        pytest.param((0, 0, 1), "discard_all", id="level-2"),
+        pytest.param((0, 0, 0), "asleep", id="asleep-unknown-level"),
+    ],
+)
+def test_sleep_state(values: tuple[int, int, int], state: str) -> None:
+    names = ("awake", "weights_offloaded", "discard_all")
+    text = "vllm:num_requests_running 0\n" + "".join(
+        f'vllm:engine_sleep_state{{engine="0",sleep_state="{n}"}} {v}\n' for n, v in zip(names, values, strict=True)
+    )
+    assert VLLM.parse_metrics(text).sleep_state == state

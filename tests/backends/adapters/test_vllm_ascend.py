@@ -16,8 +16,8 @@ def test_launch_spec_golden_tp8_on_npus() -> None:
     assert list(spec.argv) == [
         "vllm", "serve", "Qwen/Qwen2.5-72B-Instruct", "--served-model-name", "qwen", "--host", "127.0.0.1",
         "--port", "8100", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "1",
-        "--max-model-len", "32768", "--gpu-memory-utilization", "0.9", "--block-size", "128",
-        "--enable-prefix-caching", "--scheduling-policy", "priority",
+        "--max-model-len", "32768", "--enable-prompt-tokens-details", "--enable-prefix-caching",
+        "--scheduling-policy", "priority",
         "--additional-config", '{"torchair_graph_config":{"enabled":true}}',
     ]  # fmt: skip
     assert dict(spec.env) == {
@@ -26,8 +26,10 @@ def test_launch_spec_golden_tp8_on_npus() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in spec.env
 
 
-def test_block_size_defaults_to_128() -> None:
-    assert pool(engine="vllm-ascend").block_size == 128  # refresh_block_size (§4)
+def test_block_size_is_left_to_the_engine() -> None:
+    # refresh_block_size forces 128 with prefix caching (§4); the real size is read from the metrics
+    spec = VLLM_ASCEND.launch_spec(pool(engine="vllm-ascend"), replica())
+    assert "--block-size" not in spec.argv
 
 
 def test_mooncake_pd_config_per_role() -> None:

@@ -1,0 +1,65 @@
+"""Counting with the model's own tokenizer: cached per prompt, off the loop when long, exact ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backends.model_tokenizer import ModelTokenizer
+from policies.estimate import SOURCE_ESTIMATE, SOURCE_MODEL, PromptEstimator
+from policies.model_count import ModelTokenizerCounter
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer.load(tiny_model_dir)
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("api", "body"),
+    [
+        pytest.param("chat", {"messages": [{"role": "user", "content": "東京の天気は"}]}, id="chat-cjk"),
+        pytest.param("chat", {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, id="chat-tools"),
+        pytest.param("completions", {"prompt": "Once upon a time, ünïcödé"}, id="completion"),
+        pytest.param("completions", {"prompt": [3, 4, 5]}, id="completion-ids"),
+    ],
+)
+async def test_counts_equal_the_model_tokenizer(api: str, body: dict[str, object], tokenizer: ModelTokenizer) -> None:
+    counted = await ModelTokenizerCounter(tokenizer).count(api, body)
+    if api == "chat":
+        expected = tokenizer.chat_ids(body["messages"], body.get("tools"))  # type: ignore[arg-type]
+    else:
+        expected = tokenizer.completion_ids(body["prompt"])  # type: ignore[arg-type]
+    assert counted is not None and counted.source == SOURCE_MODEL
+    assert counted.tokens == len(expected) and list(counted.ids or ()) == expected
+
+
+async def test_batches_and_embeddings_count_each_text_with_special_tokens(tokenizer: ModelTokenizer) -> None:
+    counter = ModelTokenizerCounter(tokenizer)
+    each = [len(tokenizer.completion_ids(t)) for t in ("a b", "c d e")]
+    batch = await counter.count("completions", {"prompt": ["a b", "c d e"]})
+    embeddings = await counter.count("embeddings", {"input": ["a b", "c d e"]})
+    assert batch is not None and embeddings is not None
+    assert batch.tokens == embeddings.tokens == sum(each) and batch.ids is None
+
+
+async def test_repeated_prompts_hit_the_cache_and_long_ones_are_counted_off_loop(tokenizer: ModelTokenizer) -> None:
+    counter = ModelTokenizerCounter(tokenizer, offload_chars=50)
+    long = {"messages": [{"role": "user", "content": "def f(x): return x " * 100}]}
+    first = await counter.count("chat", long)
+    second = await counter.count("chat", long)
+    assert first == second and counter.describe()["cache_hits"] == 1
+
+
+async def test_what_it_cannot_render_falls_through_to_the_next_counter(tokenizer: ModelTokenizer) -> None:
+    estimator = PromptEstimator()
+    counter = ModelTokenizerCounter(tokenizer)
+    estimator.configure("m", [counter])
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    assert (await estimator.count("chat", image, "m")).source == SOURCE_ESTIMATE
+    assert counter.unsupported == 1
+    assert (await estimator.count("chat", {"messages": [{"role": "user", "content": "hi"}]}, "m")).source == "model"
