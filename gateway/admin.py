@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import asdict
 from typing import Any
 
 import orjson
@@ -26,6 +28,20 @@ async def backends(request: web.Request) -> web.Response:
     estimator = request.app[appkeys.DIRECTOR].intake.estimator
     for pool in status["pools"]:  # how each pool's prompts are counted, and how often that matched
         pool["tokenizer"] = estimator.describe(pool["model"])
+    hub = request.app[appkeys.KV_HUB]
+    if hub is not None:  # precise mode: each endpoint's KV-event subscription and what the index holds
+        subscriptions = hub.stats()
+        index = request.app[appkeys.ROUTER].index.precise
+        blocks = index.stats(time.monotonic()) if index is not None else {}
+        for pool in status["pools"]:
+            for endpoint in pool["endpoints"]:
+                sub = subscriptions.get(endpoint["id"])
+                if sub is not None:
+                    endpoint["kv_events"] = asdict(sub)
+                held = blocks.get(endpoint["id"])
+                if held is not None:
+                    endpoint["precise_index"] = {"blocks": held.blocks, "speculative": held.speculative,
+                                                 "alive": held.alive}  # fmt: skip
     return _json(status)
 
 

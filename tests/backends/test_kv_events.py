@@ -180,7 +180,7 @@ async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tupl
     eps = endpoints()
     router.on_kv_batch("b", KvEventBatch(seq=0, ts=0.0, events=[]))  # b publishes too, holds nothing
 
-    await pub.send_multipart(frames(0, stored_map(0, 2)))  # vLLM 0.33 maps
+    await pub.send_multipart(frames(0, stored_map(0, 2)))  # vLLM's tagged maps (0.32 sends these)
     await pub.send_multipart(frames(1, stored_array(2, 4)))  # older positional arrays, chained
     await pub.send_multipart(frames(2, {"type": "Ignored"}, topic=b"other-topic"))  # filtered by topic
     await rec.until(lambda: len(rec.batches) == 2)
@@ -222,7 +222,7 @@ async def poll_until(done: Callable[[], bool]) -> None:
 async def serve_replay(
     router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]], served: list[int] | None = None
 ) -> None:
-    """vLLM 0.33's replay server: [id, "", start] -> [id, "", topic, seq, payload]... then [id, "", "", -1, ""]."""
+    """vLLM's replay server (0.32 as observed): [id, "", start] -> [id, "", topic, seq, payload]... then [id, "", "", -1, ""]."""
     while True:
         identity, _empty, start_frame = await router_sock.recv_multipart()
         start_seq = int.from_bytes(start_frame, "big")

