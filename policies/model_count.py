@@ -5,7 +5,9 @@ cl100k path does; they are cached per prompt instead (retries, fallbacks, repeat
 precise index's lookups all reuse them), keyed by a 64-bit xxhash of exactly what changes the
 rendering, in the client's own key order (a tool's `parameters` are rendered as sent). Prompts
 longer than `offload_chars` are rendered and encoded in a worker thread: `tokenizers` releases the
-GIL, so the event loop keeps serving.
+GIL, so the event loop keeps serving. The threshold is lower than cl100k's: the whole conversation is
+encoded each time, and `tokenizers` runs several times slower than tiktoken per character
+(bench/results/prompt-count.md).
 
 A request this renderer does not reproduce exactly (images, a per-request template) returns None,
 and the estimator asks the next counter (the engine's /tokenize, then the labelled estimate).
@@ -58,7 +60,7 @@ class ModelTokenizerCounter:
         tokenizer: ModelTokenizer,
         *,
         cache_max_tokens: int = 2_000_000,
-        offload_chars: int = 16_384,
+        offload_chars: int = 2_048,
         executor: Executor | None = None,
     ) -> None:
         self.tokenizer = tokenizer

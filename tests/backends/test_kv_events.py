@@ -222,7 +222,8 @@ async def poll_until(done: Callable[[], bool]) -> None:
 async def serve_replay(
     router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]], served: list[int] | None = None
 ) -> None:
-    """vLLM's replay server (0.32 as observed): [id, "", start] -> [id, "", topic, seq, payload]... then [id, "", "", -1, ""]."""
+    """vLLM's replay server (0.32 as observed): [id, "", start] -> [id, "", topic, seq, payload]...
+    then [id, "", "", -1, ""]."""
     while True:
         identity, _empty, start_frame = await router_sock.recv_multipart()
         start_seq = int.from_bytes(start_frame, "big")

