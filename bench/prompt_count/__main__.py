@@ -133,7 +133,9 @@ async def _hit(count: Count, text: str, chars: int, repeats: int) -> float:
 def _pool_config() -> Any:
     from backends.config import PoolConfig
 
-    return PoolConfig(name="p", model="m", engine="vllm", endpoints=[{"url": "http://127.0.0.1:1"}])
+    return PoolConfig.model_validate(
+        {"name": "p", "model": "m", "engine": "vllm", "endpoints": [{"url": "http://127.0.0.1:1"}]}
+    )
 
 
 def write(rows: list[dict[str, Any]], repeats: int) -> None:

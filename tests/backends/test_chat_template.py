@@ -1,3 +1,4 @@
+# mypy: disable-error-code="arg-type,index"
 """Chat templates rendered as vLLM renders them (its content-format detection, message and tool
 preparation, Hugging Face's Jinja environment); the real-vLLM suite checks the counts end to end."""
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ class _Fixed:
     def __init__(self, source: str, tokens: int | None) -> None:
         self.source, self.tokens, self.calls = source, tokens, 0
 
-    async def count(self, api: str, body: dict[str, object]) -> PromptCount | None:
+    async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None:
         self.calls += 1
         return None if self.tokens is None else PromptCount(self.tokens, None, self.source)
 
@@ -77,7 +78,7 @@ class _Fixed:
         return {"source": self.source}
 
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
 
 async def test_counters_are_tried_in_order_and_cl100k_is_the_labelled_last_resort() -> None:

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="union-attr,operator"
 """A real `vllm serve` launched and supervised by tokenway: one engine, shared by this module's tests.
 
 In order: the engine's metrics and the tokenizer as /admin/backends shows them; cached input billed
@@ -25,6 +26,7 @@ import openai
 import pytest
 
 from backends.process import group_has_live_members
+from policies.policy import hash_key
 from tests.real_vllm.conftest import (
     MODEL,
     START_TIMEOUT_S,
@@ -35,7 +37,7 @@ from tests.real_vllm.conftest import (
     ledger_entries,
     wait_for,
 )
-from tests.support.procs import TEST_KEY, Gateway, hash_key, start_gateway
+from tests.support.procs import TEST_KEY, Gateway, start_gateway
 
 pytestmark = pytest.mark.e2e
 

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="union-attr,operator"
 """A real `vllm serve` the gateway did not launch (a static endpoint), and launched engines that fail
 or lose their gateway.
 
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from backends.process import group_has_live_members
+from policies.policy import hash_key
 from tests.real_vllm.conftest import (
     MODEL,
     START_TIMEOUT_S,
@@ -32,7 +34,7 @@ from tests.real_vllm.conftest import (
     launched_pool,
     wait_for,
 )
-from tests.support.procs import TEST_KEY, Gateway, free_port, hash_key, http_get, start_gateway
+from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, start_gateway
 
 pytestmark = pytest.mark.e2e
 
