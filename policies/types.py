@@ -47,7 +47,7 @@ class RequestFacts:
     include_usage: bool = False  # the client asked for stream usage itself
     prompt_tokens: int = 0
     prompt_token_ids: Sequence[int] | None = None  # when counted locally (chat/completions): array('I')
-    prompt_tokens_source: str = "estimate"  # model | engine | sim | estimate (policies/estimate.py)
+    prompt_tokens_source: str = ""  # model | engine | sim | estimate (policies/estimate.py); "" unknown
     max_tokens: int | None = None
     output_reservation: int = 0
     session_key: str | None = None
