@@ -10,6 +10,11 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# Envoy's generated types for `tokenway epp`, beside the environment: xds-protos also ships old
+	@# copies of opentelemetry-proto's modules that would replace the real ones (gateway/epp/protos.py)
+	rm -rf $(VENV)/xds-protos
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/xds-protos 'xds-protos>=1.62'
+	cd $(VENV)/xds-protos && for d in *; do case "$$d" in envoy|xds|udpa|validate|xds_protos-*) ;; *) rm -rf "$$d";; esac; done
 	@touch $(STAMP)
 
 install: $(STAMP)

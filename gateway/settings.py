@@ -80,6 +80,7 @@ class GatewaySettings(_Strict):
     predictor: dict[str, Any] = Field(default_factory=dict)
     telemetry: dict[str, Any] = Field(default_factory=dict)
     ledger: dict[str, Any] = Field(default_factory=dict)
+    epp: dict[str, Any] = Field(default_factory=dict)  # `tokenway epp` (gateway/epp/config.py)
     source: str = Field(default="<memory>", exclude=True)
 
     def resolve_path(self, path: str) -> Path:

@@ -23,7 +23,9 @@ from policies.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ["sim", "vllm-gpu"]
+OVERLAYS = ["sim", "vllm-gpu"]  # the HTTP gateway in front of engines
+EPP_OVERLAY = "gie-epp"  # tokenway as an InferencePool's endpoint picker (no HTTP gateway)
+CRDS = {"InferencePool", "HTTPRoute"}  # not in Kubernetes' own schemas: checked field by field below
 KUBERNETES_VERSION = "1.32"  # the oldest minor still supported upstream when this was written
 
 
@@ -50,6 +52,48 @@ def test_every_object_is_valid_kubernetes(rendered: tuple[str, list[dict[str, An
     _, docs = rendered
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_epp_overlay_is_valid_and_wires_the_pool_to_the_picker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = kustomize(K8S / "overlays" / EPP_OVERLAY)
+    for doc in docs:
+        if doc["kind"] not in CRDS:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "tokenway-gateway") not in kinds  # Envoy is the data plane here
+    pool = one(docs, "InferencePool", "llama-8b")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert set(pool["spec"]) == {"selector", "targetPorts", "endpointPickerRef"}
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["failureMode"] in ("FailOpen", "FailClose")
+    service = one(docs, "Service", picker["name"])
+    grpc_port = next(p for p in service["spec"]["ports"] if p["port"] == picker["port"]["number"])
+    assert grpc_port.get("appProtocol") == "http2"
+    epp = one(docs, "Deployment", "tokenway-epp")["spec"]["template"]["spec"]
+    container = epp["containers"][0]
+    assert container["args"][:1] == ["epp"]
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+    settings_doc = yaml.safe_load(one(docs, "ConfigMap", "tokenway-config")["data"]["gateway.yaml"])
+    assert settings_doc["epp"]["port"] == 9002 == picker["port"]["number"]
+    # tokenway discovers exactly the pods the InferencePool selects, on its target port
+    kube = settings_doc["pools"][0]["discovery"]["kubernetes"]
+    engines_service = one(docs, "Service", kube["service"])
+    assert engines_service["spec"]["selector"] == pool["spec"]["selector"]["matchLabels"]
+    target = next(p for p in engines_service["spec"]["ports"] if p["name"] == kube["port"])
+    assert target["port"] == pool["spec"]["targetPorts"][0]["number"]
+    route = one(docs, "HTTPRoute", "llama-8b")
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    assert (backend["group"], backend["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+    assert backend["name"] == pool["metadata"]["name"]
+    (tmp_path / "gateway.yaml").write_text(one(docs, "ConfigMap", "tokenway-config")["data"]["gateway.yaml"])
+    (tmp_path / "policies.yaml").write_text(one(docs, "ConfigMap", "tokenway-config")["data"]["policies.yaml"])
+    monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "t")
+    settings = load_settings(tmp_path / "gateway.yaml")
+    from gateway.epp.config import EppSettings
+    from gateway.settings import validate_section
+
+    assert validate_section(settings, "epp", EppSettings).port == 9002
 
 
 def test_the_validator_rejects_an_unknown_field() -> None:

@@ -1,0 +1,151 @@
+"""The ext_proc state machine with Envoy-shaped messages and a fake decider: the order and shape of
+the responses the endpoint-picker protocol requires, and settlement exactly once however it ends."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from gateway.epp import protocol
+from gateway.epp.exchange import Exchange, Picked, Refused
+from gateway.epp.protos import envoy
+
+E = envoy()
+
+
+@dataclass
+class FakeFollower:
+    chunks: list[bytes] = field(default_factory=list)
+    finished: list[tuple[bool, str | None]] = field(default_factory=list)
+    status: int | None = None
+
+    def response_headers(self, status: int, headers: dict[str, str]) -> list[tuple[str, str]]:
+        self.status = status
+        return [("x-tokenway-endpoint", "p/e0")]
+
+    def body_chunk(self, chunk: bytes, end_of_stream: bool) -> bytes:
+        self.chunks.append(chunk)
+        return chunk.upper()
+
+    def finish(self, complete: bool, served: str | None) -> None:
+        self.finished.append((complete, served))
+
+
+@dataclass
+class FakeDecider:
+    outcome: Picked | Refused
+    seen: list[tuple[dict[str, str], bytes, Sequence[str] | None]] = field(default_factory=list)
+
+    async def decide(self, headers: dict[str, str], body: bytes, subset: Sequence[str] | None) -> Picked | Refused:
+        self.seen.append((headers, body, subset))
+        return self.outcome
+
+
+def headers_message(headers: dict[str, str], *, end_of_stream: bool = False, subset: list[str] | None = None) -> Any:
+    values = [E.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    message = E.ext_proc.ProcessingRequest(
+        request_headers=E.ext_proc.HttpHeaders(headers=E.base.HeaderMap(headers=values), end_of_stream=end_of_stream)
+    )
+    if subset is not None:
+        message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: subset})
+    return message
+
+
+def body_message(body: bytes, end_of_stream: bool) -> Any:
+    return E.ext_proc.ProcessingRequest(request_body=E.ext_proc.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+def response_headers_message(status: str) -> Any:
+    header = E.base.HeaderValue(key=":status", raw_value=status.encode())
+    return E.ext_proc.ProcessingRequest(
+        response_headers=E.ext_proc.HttpHeaders(headers=E.base.HeaderMap(headers=[header]))
+    )
+
+
+def response_body_message(body: bytes, end_of_stream: bool, served: str | None = None) -> Any:
+    message = E.ext_proc.ProcessingRequest(response_body=E.ext_proc.HttpBody(body=body, end_of_stream=end_of_stream))
+    if served:
+        message.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update({protocol.SERVED: served})
+    return message
+
+
+def destination(response: Any) -> tuple[str, str]:
+    header = {
+        o.header.key: o.header.raw_value.decode()
+        for o in response.request_headers.response.header_mutation.set_headers
+    }[protocol.DESTINATION]
+    meta = response.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields[protocol.DESTINATION]
+    return header, meta.string_value
+
+
+async def test_picked_request_and_followed_response() -> None:
+    follower = FakeFollower()
+    decider = FakeDecider(Picked(["10.0.0.1:8000", "10.0.0.2:8000"], b'{"model":"served"}', follower))
+    exchange = Exchange(E, decider, max_body_bytes=1 << 20)
+    assert await exchange.on(headers_message({":path": "/v1/chat/completions", "authorization": "Bearer k"},
+                                             subset=["10.0.0.1:8000", "10.0.0.2:8000"])) == []  # fmt: skip
+    assert await exchange.on(body_message(b'{"model":', False)) == []
+    first, second = await exchange.on(body_message(b'"public"}', True))
+    assert destination(first) == ("10.0.0.1:8000,10.0.0.2:8000",) * 2  # header and metadata agree
+    assert first.request_headers.response.clear_route_cache
+    streamed = second.request_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b'{"model":"served"}', True)
+    headers, body, subset = decider.seen[0]
+    assert body == b'{"model":"public"}' and headers["authorization"] == "Bearer k"
+    assert subset == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    [answer] = await exchange.on(response_headers_message("200"))
+    added = answer.response_headers.response.header_mutation.set_headers
+    assert [(o.header.key, o.header.raw_value) for o in added] == [("x-tokenway-endpoint", b"p/e0")]
+    assert follower.status == 200
+    [chunk] = await exchange.on(response_body_message(b"data: a\n\n", False))
+    assert chunk.response_body.response.body_mutation.streamed_response.body == b"DATA: A\n\n"
+    [last] = await exchange.on(response_body_message(b"", True, served="10.0.0.2:8000"))
+    assert last.response_body.response.body_mutation.streamed_response.end_of_stream
+    assert follower.finished == [(True, "10.0.0.2:8000")]
+    exchange.close()
+    assert follower.finished == [(True, "10.0.0.2:8000")]  # exactly once
+
+
+async def test_a_cut_stream_settles_once_on_close() -> None:
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b"{}", follower)), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/completions"}))
+    await exchange.on(body_message(b"{}", True))
+    await exchange.on(response_headers_message("200"))
+    await exchange.on(response_body_message(b"data: x\n\n", False))
+    exchange.close()
+    exchange.close()
+    assert follower.finished == [(False, None)]
+
+
+async def test_refused_is_an_immediate_response() -> None:
+    refused = Refused(429, b'{"error":{}}', [("retry-after", "2")], details="rate_limited")
+    exchange = Exchange(E, FakeDecider(refused), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/chat/completions"}))
+    [answer] = await exchange.on(body_message(b"{}", True))
+    immediate = answer.immediate_response
+    assert immediate.status.code == 429 and immediate.body == b'{"error":{}}' and immediate.details == "rate_limited"
+    assert ("retry-after", b"2") in [(o.header.key, o.header.raw_value) for o in immediate.headers.set_headers]
+    assert exchange.refused is refused
+
+
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one-chunk", "three-chunks"])
+async def test_a_body_over_the_limit_is_a_413(chunks: int) -> None:
+    decider = FakeDecider(Refused(500, b""))
+    exchange = Exchange(E, decider, max_body_bytes=10)
+    await exchange.on(headers_message({":path": "/v1/chat/completions"}))
+    answers: list[Any] = []
+    for i in range(chunks):
+        answers += await exchange.on(body_message(b"x" * (11 // chunks + 1), i == chunks - 1))
+    assert [a.immediate_response.status.code for a in answers] == [413]
+    assert decider.seen == []
+
+
+async def test_a_request_without_body_is_decided_on_its_headers() -> None:
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.9:80"], b"", follower)), max_body_bytes=10)
+    [answer] = await exchange.on(headers_message({":path": "/v1/models", ":method": "GET"}, end_of_stream=True))
+    assert destination(answer)[0] == "10.0.0.9:80"

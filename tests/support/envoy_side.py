@@ -1,0 +1,123 @@
+"""Envoy's side of the endpoint-picker protocol, for tests: an ext_proc client in
+FULL_DUPLEX_STREAMED mode plus the router that sends the request where the picker said.
+
+Per request it does what Envoy's ext_proc filter and router do with an InferencePool backend: one
+`Process` stream; the request headers, then the body in chunks; it waits for the headers response
+(the picked `x-gateway-destination-endpoint`, as a header and as dynamic metadata) and the body
+response (the body to send); it POSTs that body to the first endpoint over real HTTP; and it shows
+the picker the response (headers, then each body chunk, answered one by one, then the end of
+stream with `x-gateway-destination-endpoint-served` in the metadata context), keeping what the
+picker passes on. An immediate response ends the exchange with that answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import grpc
+
+from gateway.epp import protocol
+from gateway.epp.protos import Envoy, envoy
+
+
+@dataclass
+class Answer:
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)  # what the picker added (request and response)
+    endpoint: str | None = None  # the endpoint Envoy sent the request to
+    metadata_endpoint: str | None = None  # the same, from the dynamic metadata
+    immediate: bool = False
+    forwarded_body: bytes = b""  # the request body the picker had Envoy send
+
+
+class EnvoySide:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.envoy: Envoy = envoy()
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = self.envoy.ext_proc_grpc.ExternalProcessorStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _headers(self, headers: dict[str, str], end_of_stream: bool, subset: Sequence[str] | None) -> Any:
+        e = self.envoy
+        values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        message = e.ext_proc.ProcessingRequest(
+            request_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values), end_of_stream=end_of_stream)
+        )
+        if subset is not None:
+            message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: list(subset)})
+        return message
+
+    async def request(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        *,
+        subset: Sequence[str] | None = None,
+        cut_after_chunks: int | None = None,
+        session: aiohttp.ClientSession,
+    ) -> Answer:
+        e = self.envoy
+        call = self.stub.Process()
+        try:
+            await call.write(self._headers({":method": "POST", ":path": path, **headers}, False, subset))
+            half = max(len(body) // 2, 1)
+            for i, piece in enumerate((body[:half], body[half:])):
+                await call.write(e.ext_proc.ProcessingRequest(request_body=e.ext_proc.HttpBody(body=piece, end_of_stream=i == 1)))
+            first = await call.read()
+            if first.WhichOneof("response") == "immediate_response":
+                immediate = first.immediate_response
+                added = {o.header.key: o.header.raw_value.decode() for o in immediate.headers.set_headers}
+                return Answer(immediate.status.code, immediate.body, added, immediate=True)
+            assert first.WhichOneof("response") == "request_headers", first
+            added = {
+                o.header.key: o.header.raw_value.decode() for o in first.request_headers.response.header_mutation.set_headers
+            }
+            lb = first.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields
+            metadata_endpoint = lb[protocol.DESTINATION].string_value
+            endpoint = added[protocol.DESTINATION].split(",")[0]
+            second = await call.read()
+            assert second.WhichOneof("response") == "request_body", second
+            forwarded = second.request_body.response.body_mutation.streamed_response.body
+            answer = Answer(0, b"", added, endpoint, metadata_endpoint, forwarded_body=forwarded)
+            async with session.post(
+                f"http://{endpoint}{path}", data=forwarded, headers={"content-type": "application/json"}
+            ) as upstream:
+                answer.status = upstream.status
+                response_headers = {":status": str(upstream.status), "content-type": upstream.headers.get("content-type", "")}
+                values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in response_headers.items()]
+                await call.write(
+                    e.ext_proc.ProcessingRequest(response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values)))
+                )
+                headers_answer = await call.read()
+                for o in headers_answer.response_headers.response.header_mutation.set_headers:
+                    answer.headers[o.header.key] = o.header.raw_value.decode()
+                chunks = 0
+                out = bytearray()
+                async for chunk in upstream.content.iter_any():
+                    await call.write(e.ext_proc.ProcessingRequest(response_body=e.ext_proc.HttpBody(body=chunk)))
+                    passed = await call.read()
+                    out += passed.response_body.response.body_mutation.streamed_response.body
+                    chunks += 1
+                    if cut_after_chunks is not None and chunks >= cut_after_chunks:
+                        call.cancel()  # the client went away: Envoy ends the ext_proc stream
+                        answer.body = bytes(out)
+                        return answer
+                last = e.ext_proc.ProcessingRequest(response_body=e.ext_proc.HttpBody(body=b"", end_of_stream=True))
+                last.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update({protocol.SERVED: endpoint})
+                await call.write(last)
+                passed = await call.read()
+                out += passed.response_body.response.body_mutation.streamed_response.body
+                answer.body = bytes(out)
+            await call.done_writing()
+            return answer
+        finally:
+            if not call.done():
+                call.cancel()
