@@ -28,6 +28,27 @@ def _serve(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+def _epp(args: argparse.Namespace) -> int:
+    try:
+        from gateway.epp.app import create_epp_app
+    except ImportError as exc:
+        print(f"tokenway: the endpoint picker needs grpcio and Envoy's types: {exc}", file=sys.stderr)
+        return 2
+    from gateway.server import run
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
+        return 2
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if updates:
+        settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
+    if args.grpc_port is not None:
+        settings = settings.model_copy(update={"epp": {**settings.epp, "port": args.grpc_port}})
+    return run(settings, app_factory=create_epp_app)
+
+
 def _keys_create(args: argparse.Namespace) -> int:
     from policies.policy import hash_key
 
@@ -103,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.set_defaults(func=_serve)
+
+    epp = sub.add_parser("epp", help="serve as a Gateway API Inference Extension endpoint picker (Envoy ext_proc)")
+    epp.add_argument("--config", default="config/gateway.yaml")
+    epp.add_argument("--host", help="the HTTP port's host (health, metrics, admin)")
+    epp.add_argument("--port", type=int, help="the HTTP port")
+    epp.add_argument("--grpc-port", type=int, help="the ext_proc gRPC port (default epp.port, 9002)")
+    epp.set_defaults(func=_epp)
 
     sim = sub.add_parser("sim", help="run simulated vLLM-compatible engines", add_help=False)
     sim.set_defaults(func=None)

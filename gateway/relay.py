@@ -97,7 +97,7 @@ def _model_swap(target: UpstreamTarget) -> tuple[bytes, bytes] | None:
 
 class StreamCodec(Protocol):
     """How the relay reads one API's stream (`gateway/apis/streams.py`): the bookkeeping of
-    `_relay_events` in that API's terms, and its own error event after the first byte."""
+    `relay_events` in that API's terms, and its own error event after the first byte."""
 
     def begin(self) -> bytes: ...
 
@@ -263,14 +263,14 @@ async def relay_stream(
                 out = codec.events(events, outcome, ticket, swap)
                 await _hold(codec)
             else:
-                out = _relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
+                out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
         if pending.strip() and not outcome.broken:
             if codec is not None:
                 out = codec.events([pending], outcome, ticket, swap)
             else:
-                out = _relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
+                out = relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
         if codec is not None and not outcome.broken:
@@ -291,7 +291,7 @@ async def relay_stream(
             upstream.release()
 
 
-def _relay_events(
+def relay_events(
     events: list[bytes],
     outcome: RelayOutcome,
     ticket: LoadTicket,

@@ -11,6 +11,7 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -39,13 +40,16 @@ def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunne
     )
 
 
-async def serve(settings: GatewaySettings, *, banner: bool = True) -> int:
+AppFactory = Callable[[GatewaySettings], web.Application]
+
+
+async def serve(settings: GatewaySettings, *, banner: bool = True, app_factory: AppFactory = create_app) -> int:
     """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines."""
     problem = exposure_problem(settings.server.host, settings.server.admin_token)
     if problem is not None:  # checked before anything starts (engines included)
         print(f"tokenway: {problem}", file=sys.stderr, flush=True)
         return 2
-    app = create_app(settings)
+    app = app_factory(settings)
     runner = make_runner(app, settings)
     try:
         await runner.setup()
@@ -114,12 +118,12 @@ async def _announce_ready(app: web.Application) -> None:
     print(f"tokenway ready: pools {', '.join(ready) or '(none)'} serving{note}", flush=True)
 
 
-def run(settings: GatewaySettings) -> int:
+def run(settings: GatewaySettings, app_factory: AppFactory = create_app) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(serve(settings))
+        return asyncio.run(serve(settings, app_factory=app_factory))
     if sys.version_info >= (3, 12):
-        return uvloop.run(serve(settings))
+        return uvloop.run(serve(settings, app_factory=app_factory))
     uvloop.install()
-    return asyncio.run(serve(settings))
+    return asyncio.run(serve(settings, app_factory=app_factory))

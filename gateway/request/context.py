@@ -44,7 +44,7 @@ class Routed:
 class RequestContext:
     """Written by the stage (or phase) each comment names; read by anything after it."""
 
-    http: web.Request
+    http: web.Request | None  # None in the endpoint picker: Envoy holds the client's connection
     api: ApiSpec
     record: RequestRecord  # filled as the request walks, handed to the sinks once (accounting)
     trace: RequestTrace

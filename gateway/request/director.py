@@ -100,7 +100,7 @@ class Director:
         tried = {facts.model}
         while True:
             try:
-                await self._admit(ctx)
+                await self.admit(ctx)
                 await self.hooks.prepare(ctx)
                 return await self.dispatch.serve(ctx)
             except Detour as detour:
@@ -110,7 +110,8 @@ class Director:
                     raise detour.error from None
                 self._fall_back(ctx, following, detour.trigger)
 
-    async def _admit(self, ctx: RequestContext) -> None:
+    async def admit(self, ctx: RequestContext) -> None:
+        """Reserve on `ctx.model` (the context must fit), or raise the Detour that says why not."""
         facts, model = ctx.facts, ctx.model
         policy = self.policies.current
         rejection: Rejection | None = check_context(policy, model, facts.prompt_tokens, facts.max_tokens)

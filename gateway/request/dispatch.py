@@ -136,11 +136,7 @@ class Dispatch:
         facts, record = ctx.facts, ctx.record
         decision = routed.decision
         endpoint = decision.endpoint
-        ctx.routed = routed
-        self._note_route(ctx, routed)
-        assert ctx.routing is not None
-        self.router.on_dispatch(ctx.routing, decision)
-        self.hooks.dispatched(ctx)
+        self.commit(ctx, routed)
         call = ctx.call
         try:
             path = ctx.api.upstream_path
@@ -148,14 +144,14 @@ class Dispatch:
                 path, upstream_api, body = call.upstream(endpoint, decision.prefill_endpoint is not None)
                 body = self.shape_body(endpoint, body, upstream_api)
             else:
-                body = self._upstream_body(ctx, endpoint)
+                body = self.upstream_body(ctx, endpoint)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
                 decode_body = await self._prefill_leg(ctx, decision, body, path)
                 if decode_body is not None:
                     body, local_prefill = decode_body, 0
             target = self._target(ctx, endpoint, body, path)
-            headers = self._response_headers(ctx, decision)
+            headers = self.response_headers(ctx, decision)
             if call is not None:
                 headers = call.response_headers(headers)
             load = endpoint.inflight.begin(local_prefill)
@@ -168,7 +164,7 @@ class Dispatch:
                     if facts.stream:
                         await relay_stream(
                             self.upstream,
-                            ctx.http,
+                            _client_request(ctx),
                             target,
                             load,
                             outcome,
@@ -211,6 +207,15 @@ class Dispatch:
                 response.headers[name] = value
         return response
 
+    def commit(self, ctx: RequestContext, routed: Routed) -> None:
+        """The walk goes with `routed`: the record, the router (prefix index, session) and the
+        dispatched hooks hear of it. (The endpoint picker commits here and lets Envoy send.)"""
+        ctx.routed = routed
+        self._note_route(ctx, routed)
+        assert ctx.routing is not None
+        self.router.on_dispatch(ctx.routing, routed.decision)
+        self.hooks.dispatched(ctx)
+
     def _note_route(self, ctx: RequestContext, routed: Routed) -> None:
         record, decision, pool = ctx.record, routed.decision, routed.pool
         endpoint = decision.endpoint
@@ -230,7 +235,7 @@ class Dispatch:
                 self.metrics.observe_retry(pool.name)
         record.upstream_attempts += 1
 
-    def _response_headers(self, ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
+    def response_headers(self, ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
         assert ctx.reservation is not None
         headers = [
             *ctx.headers,
@@ -248,7 +253,7 @@ class Dispatch:
             headers.append(("x-tokenway-slo-queued-ms", f"{ctx.gate_wait_s * 1000:.0f}"))
         return headers
 
-    def _upstream_body(self, ctx: RequestContext, endpoint: Endpoint) -> dict[str, Any]:
+    def upstream_body(self, ctx: RequestContext, endpoint: Endpoint) -> dict[str, Any]:
         """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
         facts = ctx.facts
         body = dict(facts.body)
@@ -310,3 +315,8 @@ def _prediction_header(p: Prediction) -> str:
         f"ttft={p.ttft_ms:.2f};ttft_p90={p.ttft_p90_ms:.2f};tpot={p.tpot_ms:.3f};tpot_p90={p.tpot_p90_ms:.3f};"
         f"source={p.source};version={p.model_version}"
     )
+
+
+def _client_request(ctx: RequestContext) -> web.Request:
+    assert ctx.http is not None, "only the HTTP gateway relays (the endpoint picker lets Envoy do it)"
+    return ctx.http

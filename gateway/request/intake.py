@@ -48,8 +48,9 @@ class OutputLengths(Protocol):
     def output_tokens_estimate(self, tenant: str, model: str) -> LengthEstimate | None: ...
 
 
-def authenticate(request: web.Request, policy: Policy) -> Principal:
-    key = headers_intake.presented_key(request.headers)
+def authenticate(request: web.Request | Mapping[str, str], policy: Policy) -> Principal:
+    """The caller's principal from its headers (an aiohttp request's, or the endpoint picker's)."""
+    key = headers_intake.presented_key(request.headers if isinstance(request, web.Request) else request)
     if key is None:
         raise InvalidApiKey(
             "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
@@ -99,8 +100,12 @@ class Intake:
         self.lengths = lengths
 
     async def read(self, ctx: RequestContext) -> RequestFacts:
-        request, record = ctx.http, ctx.record
-        raw = await self._read_body(request)
+        assert ctx.http is not None
+        return await self.facts(ctx, await self._read_body(ctx.http), ctx.http.headers)
+
+    async def facts(self, ctx: RequestContext, raw: bytes, headers: Mapping[str, str]) -> RequestFacts:
+        """The facts of a body already read (`read`, or the endpoint picker's, which Envoy sent)."""
+        record = ctx.record
         try:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -109,7 +114,7 @@ class Intake:
         body = call.parse(parsed) if call is not None else ctx.api.validate(parsed)
         policy = self.policies.current
         with ctx.trace.span("auth"):
-            principal = authenticate(request, policy)
+            principal = authenticate(headers, policy)
         record.tenant, record.key_id = principal.tenant, principal.key_id
         requested: str = body["model"]
         model = policy.resolve_model(requested)
@@ -120,7 +125,7 @@ class Intake:
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
         if call is not None:
             await call.prepare(body, principal)  # work that needs the caller (a stored conversation)
-        return await self._estimate(ctx, policy, body, principal, requested, model)
+        return await self._estimate(ctx, headers, policy, body, principal, requested, model)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.server.max_body_bytes
@@ -143,13 +148,13 @@ class Intake:
     async def _estimate(
         self,
         ctx: RequestContext,
+        headers: Mapping[str, str],
         policy: Policy,
         body: dict[str, object],
         principal: Principal,
         requested: str,
         model: str,
     ) -> RequestFacts:
-        headers = ctx.http.headers
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         options = body.get("stream_options")
         if ctx.call is not None:

@@ -1,0 +1,57 @@
+"""`tokenway epp`: the gateway's app (pools, discovery, policies, admission, router, predictor,
+hooks, metrics, ledger, admin API on the HTTP port) plus the ext_proc gRPC listener Envoy calls.
+
+The HTTP port keeps `/healthz`, `/readyz`, `/metrics` and `/admin/*` (and would serve the OpenAI API
+too, for clients that bypass the data plane); the decisions on both ports share one router, one
+limiter and one predictor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from gateway import appkeys
+from gateway.app import create_app
+from gateway.epp.config import EppSettings
+from gateway.epp.decide import EppDecider
+from gateway.epp.protos import envoy
+from gateway.epp.server import EppServer
+from gateway.settings import GatewaySettings, validate_section
+
+EPP_SERVER = web.AppKey("epp_server", EppServer)
+EPP_DECIDER = web.AppKey("epp_decider", EppDecider)
+
+
+def create_epp_app(settings: GatewaySettings) -> web.Application:
+    app = create_app(settings)
+    app.cleanup_ctx.append(_epp_ctx)
+    return app
+
+
+async def _epp_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = validate_section(app[appkeys.SETTINGS], "epp", EppSettings)
+    director = app[appkeys.DIRECTOR]
+    fleet = app[appkeys.FLEET]
+    decider = EppDecider(
+        intake=director.intake,
+        director=director,
+        dispatch=director.dispatch,
+        accounting=director.accounting,
+        hooks=director.hooks,
+        fleet=fleet,
+        start_trace=app[appkeys.TRACING].start_request,
+    )
+
+    def ready() -> bool:
+        return bool(fleet.pools) and all(pool.has_ready for pool in fleet.pools.values())
+
+    server = EppServer(
+        envoy(), decider, host=config.host, port=config.port, ready=ready, max_body_bytes=config.max_body_bytes
+    )
+    app[EPP_SERVER], app[EPP_DECIDER] = server, decider
+    await server.start()
+    print(f"tokenway endpoint picker (ext_proc gRPC) on {config.host}:{server.port}", flush=True)
+    yield
+    await server.stop(config.grace_s)

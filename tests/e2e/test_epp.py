@@ -1,0 +1,248 @@
+"""`tokenway epp` end to end: a gRPC client playing Envoy's side of the endpoint-picker protocol
+(tests/support/envoy_side.py: ext_proc in FULL_DUPLEX_STREAMED mode, and the router that sends the
+request where the picker said) against `tokenway epp` and real simulated engines.
+
+What a Gateway API Inference Extension gateway relies on: the pick comes as the header and the
+dynamic metadata, with the same value; the body Envoy sends on carries the engine's model name and
+asks for usage; the response is followed (usage read, the usage chunk the client did not ask for
+dropped, the public model name restored); refusals are immediate responses in OpenAI's error shape
+with the protocol's statuses (401/404/429/503); the data plane's subset hint is obeyed; a stream cut
+by the client settles its reservation exactly once; the gRPC health services answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.envoy_side import Answer, EnvoySide
+from tests.support.procs import (
+    OTHER_KEY,
+    TEST_KEY,
+    Gateway,
+    SimEngines,
+    _env,
+    free_port,
+    http_get,
+    metric_total,
+    policies_doc,
+    running,
+    start_sim,
+    static_pool,
+    wait_http,
+)
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "llama-3.1-8b"
+PATH = "/v1/chat/completions"
+EnvoyPair = tuple[EnvoySide, aiohttp.ClientSession]
+
+
+@dataclass
+class Picker:
+    gateway: Gateway  # the HTTP side (health, metrics, admin)
+    grpc_port: int
+    engines: SimEngines
+
+    @property
+    def hosts(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.engines.ports]
+
+
+@pytest.fixture(scope="module")
+def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
+    workdir = tmp_path_factory.mktemp("epp")
+    engines = start_sim(workdir, count=2, served_model_name="engine-llama")
+    http_port, grpc_port = free_port(), free_port()
+    policies = policies_doc(limits=[{"scope": "key", "match": {"key": "k2"}, "rpm": 1}])
+    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
+    pool = static_pool("pool", MODEL, engines.urls, served_model_name="engine-llama")
+    config = {
+        "server": {"host": "127.0.0.1", "port": http_port, "drain_timeout_s": 2},
+        "policies": "policies.yaml",
+        "pools": [pool],
+        "epp": {"host": "127.0.0.1", "port": grpc_port},
+        "backends": {"health_interval_s": 0.2},
+        "predictor": {"enabled": False},
+    }
+    config_path = workdir / "gateway.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = workdir / "epp.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=_env(),
+        )
+    gateway = Gateway(proc, http_port, config_path, log_path, workdir)
+    with running(engines, gateway):
+        try:
+            wait_http(gateway.url + "/readyz", proc=proc, timeout_s=60)
+        except Exception:
+            raise RuntimeError(gateway.log()[-3000:]) from None
+        yield Picker(gateway, grpc_port, engines)
+
+
+@pytest.fixture
+async def envoy(picker: Picker) -> AsyncIterator[EnvoyPair]:
+    side = EnvoySide(f"127.0.0.1:{picker.grpc_port}")
+    async with aiohttp.ClientSession() as session:
+        yield side, session
+    await side.close()
+
+
+def chat(content: str, **extra: Any) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], **extra})
+
+
+def auth(key: str = TEST_KEY) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", "content-type": "application/json"}
+
+
+def events(answer: Answer) -> list[dict[str, Any]]:
+    return [json.loads(block[6:]) for block in answer.body.split(b"\n\n") if block.startswith(b"data: {")]
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def _leases_active(picker: Picker) -> float:
+    status, text = http_get(picker.gateway.url + "/admin/status")
+    assert status == 200, text
+    return float(sum(row.get("active", 0) for row in json.loads(text)["limits"] if row.get("kind") == "lease"))
+
+
+def _inflight(picker: Picker) -> int:
+    _, text = http_get(picker.gateway.url + "/admin/backends")
+    return sum(e["inflight_requests"] for p in json.loads(text)["pools"] for e in p["endpoints"])
+
+
+async def test_a_stream_is_picked_and_followed(picker: Picker, envoy: EnvoyPair) -> None:
+    side, session = envoy
+    answer = await side.request(PATH, auth(), chat("hello there", max_tokens=12, stream=True), session=session)
+    assert answer.status == 200
+    assert answer.endpoint in picker.hosts and answer.metadata_endpoint == answer.endpoint  # header = metadata
+    forwarded = json.loads(answer.forwarded_body)
+    assert forwarded["model"] == "engine-llama"  # the engine's name, not the public one
+    assert forwarded["stream_options"] == {"include_usage": True}
+    chunks = events(answer)
+    assert chunks and all(c["model"] == MODEL for c in chunks)  # the public name back for the client
+    assert all(c.get("usage") is None for c in chunks)  # the usage chunk the client did not ask for: dropped
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert answer.headers["x-tokenway-endpoint"].startswith("pool/")
+    assert answer.headers["x-request-id"]
+    with_usage = await side.request(
+        PATH,
+        auth(),
+        chat("hello again", max_tokens=7, stream=True, stream_options={"include_usage": True}),
+        session=session,
+    )
+    usage = [c["usage"] for c in events(with_usage) if c.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == 7
+
+
+async def test_a_unary_answer_is_read_and_renamed(picker: Picker, envoy: EnvoyPair) -> None:
+    side, session = envoy
+    before = metric_total(picker.gateway.url, "tokenway_requests_total", status="ok")
+    answer = await side.request(PATH, auth(), chat("one answer", max_tokens=5), session=session)
+    body = json.loads(answer.body)
+    assert answer.status == 200 and body["model"] == MODEL and body["usage"]["completion_tokens"] == 5
+    await _until(lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="ok") >= before + 1)
+
+
+async def test_requests_sharing_a_prefix_go_to_its_holder(picker: Picker, envoy: EnvoyPair) -> None:
+    side, session = envoy
+    prefix = " ".join(f"{uuid.uuid4().hex[:6]}-{i}" for i in range(300))
+    first = await side.request(PATH, auth(), chat(prefix + " first?", max_tokens=4), session=session)
+    for i in range(3):
+        again = await side.request(PATH, auth(), chat(prefix + f" question {i}?", max_tokens=4), session=session)
+        assert again.endpoint == first.endpoint
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "code"),
+    [
+        ({"content-type": "application/json"}, chat("hi"), 401, "invalid_api_key"),
+        (
+            auth(),
+            orjson.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model_not_found",
+        ),
+        (auth(), b"{not json", 400, None),
+    ],
+    ids=["no-key", "unknown-model", "bad-json"],
+)
+async def test_refusals_are_immediate_responses_in_openai_shape(
+    envoy: EnvoyPair, headers: dict[str, str], body: bytes, status: int, code: str | None
+) -> None:
+    side, session = envoy
+    answer = await side.request(PATH, headers, body, session=session)
+    assert answer.immediate and answer.status == status
+    error = json.loads(answer.body)["error"]
+    assert error["message"] and (code is None or error["code"] == code)
+
+
+async def test_rate_limited_is_a_429_with_retry_after(envoy: EnvoyPair) -> None:
+    side, session = envoy
+    answers = [await side.request(PATH, auth(OTHER_KEY), chat("x", max_tokens=2), session=session) for _ in range(3)]
+    limited = [a for a in answers if a.immediate]
+    assert limited and all(a.status == 429 and "retry-after" in a.headers for a in limited)
+    assert json.loads(limited[0].body)["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_the_subset_hint_is_obeyed(picker: Picker, envoy: EnvoyPair) -> None:
+    side, session = envoy
+    only = picker.hosts[1]
+    for _ in range(3):
+        answer = await side.request(PATH, auth(), chat("anywhere", max_tokens=2), subset=[only], session=session)
+        assert answer.endpoint == only
+    none = await side.request(PATH, auth(), chat("nowhere", max_tokens=2), subset=["10.9.9.9:80"], session=session)
+    assert none.immediate and none.status == 503
+
+
+async def test_a_cut_stream_settles_exactly_once(picker: Picker, envoy: EnvoyPair) -> None:
+    side, session = envoy
+    before = metric_total(picker.gateway.url, "tokenway_requests_total", status="aborted")
+    body = chat("a long answer", max_tokens=2000, stream=True, ignore_eos=True)
+    answers = await asyncio.gather(
+        *(side.request(PATH, auth(), body, cut_after_chunks=3, session=session) for _ in range(4))
+    )
+    assert all(a.status == 200 for a in answers)
+    await _until(lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="aborted") >= before + 4)
+    await _until(lambda: _inflight(picker) == 0)
+    assert _leases_active(picker) == 0  # every concurrency lease returned, none twice (never negative)
+
+
+async def test_grpc_health_services(picker: Picker) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_manifest_path() -> None:
+    assert (Path(__file__).resolve().parents[2] / "deploy/k8s/overlays/gie-epp/inference-pool.yaml").is_file()
