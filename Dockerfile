@@ -11,8 +11,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY . /src
 # `plot` adds matplotlib for `tokenway usage report --plot`; `k8s` the client for EndpointSlice
-# discovery (deploy/k8s)
-RUN pip install ".[plot,k8s]" \
+# discovery (deploy/k8s); `epp` gRPC for `tokenway epp`, whose Envoy types (xds-protos) go beside the
+# environment: they would overwrite opentelemetry-proto's modules (gateway/epp/protos.py)
+ENV TOKENWAY_XDS_PROTOS=/opt/xds-protos
+RUN pip install ".[plot,k8s,epp]" \
+    && pip install --no-deps --target /opt/xds-protos "xds-protos>=1.62" \
+    && cd /opt/xds-protos && find . -maxdepth 1 -mindepth 1 ! -name envoy ! -name xds ! -name udpa ! -name validate \
+       ! -name 'xds_protos-*' -exec rm -rf {} + && cd / \
     && useradd --system --uid 10001 --home-dir /var/lib/tokenway tokenway \
     && mkdir -p /var/lib/tokenway/usage /etc/tokenway \
     && chown -R tokenway /var/lib/tokenway

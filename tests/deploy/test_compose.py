@@ -108,7 +108,7 @@ def test_dockerfile_builds_the_cli_image() -> None:
     text = (REPO / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.M)
     assert re.search(r'^ENTRYPOINT \["tokenway"\]', text, re.M)
-    assert 'pip install ".[plot,k8s]"' in text  # the Kubernetes image discovers engines too
+    assert 'pip install ".[plot,k8s,epp]"' in text  # the Kubernetes image discovers engines and serves EPP
     assert re.search(r"^EXPOSE 8080\b", text, re.M)
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'tokenway = "gateway.cli:main"' in pyproject, "the entrypoint is the project's console script"
