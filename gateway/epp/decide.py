@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, LoadTicket
@@ -128,7 +129,7 @@ class EppDecider:
     async def _walk(
         self, ctx: RequestContext, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None
     ) -> Picked:
-        facts = ctx._facts = await self.intake.facts(ctx, body, headers)
+        facts = ctx._facts = await self.intake.facts(ctx, body, CIMultiDictProxy(CIMultiDict(headers)))
         ctx.model = facts.model
         ctx.routing = RouteRequest(facts)
         await self.director.admit(ctx)

@@ -48,7 +48,9 @@ class EnvoySide:
         e = self.envoy
         values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
         message = e.ext_proc.ProcessingRequest(
-            request_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values), end_of_stream=end_of_stream)
+            request_headers=e.ext_proc.HttpHeaders(
+                headers=e.base.HeaderMap(headers=values), end_of_stream=end_of_stream
+            )
         )
         if subset is not None:
             message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: list(subset)})
@@ -70,7 +72,9 @@ class EnvoySide:
             await call.write(self._headers({":method": "POST", ":path": path, **headers}, False, subset))
             half = max(len(body) // 2, 1)
             for i, piece in enumerate((body[:half], body[half:])):
-                await call.write(e.ext_proc.ProcessingRequest(request_body=e.ext_proc.HttpBody(body=piece, end_of_stream=i == 1)))
+                await call.write(
+                    e.ext_proc.ProcessingRequest(request_body=e.ext_proc.HttpBody(body=piece, end_of_stream=i == 1))
+                )
             first = await call.read()
             if first.WhichOneof("response") == "immediate_response":
                 immediate = first.immediate_response
@@ -78,7 +82,8 @@ class EnvoySide:
                 return Answer(immediate.status.code, immediate.body, added, immediate=True)
             assert first.WhichOneof("response") == "request_headers", first
             added = {
-                o.header.key: o.header.raw_value.decode() for o in first.request_headers.response.header_mutation.set_headers
+                o.header.key: o.header.raw_value.decode()
+                for o in first.request_headers.response.header_mutation.set_headers
             }
             lb = first.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields
             metadata_endpoint = lb[protocol.DESTINATION].string_value
@@ -91,10 +96,15 @@ class EnvoySide:
                 f"http://{endpoint}{path}", data=forwarded, headers={"content-type": "application/json"}
             ) as upstream:
                 answer.status = upstream.status
-                response_headers = {":status": str(upstream.status), "content-type": upstream.headers.get("content-type", "")}
+                response_headers = {
+                    ":status": str(upstream.status),
+                    "content-type": upstream.headers.get("content-type", ""),
+                }
                 values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in response_headers.items()]
                 await call.write(
-                    e.ext_proc.ProcessingRequest(response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values)))
+                    e.ext_proc.ProcessingRequest(
+                        response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values))
+                    )
                 )
                 headers_answer = await call.read()
                 for o in headers_answer.response_headers.response.header_mutation.set_headers:

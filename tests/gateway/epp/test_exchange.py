@@ -74,8 +74,7 @@ def response_body_message(body: bytes, end_of_stream: bool, served: str | None =
 
 def destination(response: Any) -> tuple[str, str]:
     header = {
-        o.header.key: o.header.raw_value.decode()
-        for o in response.request_headers.response.header_mutation.set_headers
+        o.header.key: o.header.raw_value.decode() for o in response.request_headers.response.header_mutation.set_headers
     }[protocol.DESTINATION]
     meta = response.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields[protocol.DESTINATION]
     return header, meta.string_value
