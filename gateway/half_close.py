@@ -15,16 +15,21 @@ has started, its own writes are the probes (a stream's chunks). HTTP/1.0 clients
 request simply runs to its end. End-of-file on an idle connection, or in the middle of a request
 body, closes the connection as before.
 
-Hooked in by `GatewayRunner` (an `AppRunner` whose connections use `AnsweringHandler`).
+Hooked in by `GatewayRunner` (an `AppRunner` whose connections use `AnsweringHandler`), which also
+keeps aiohttp's server log for the gateway's faults: a client's malformed request (bad header bytes,
+a body that is not the encoding it claims) is answered 400 and logged at debug level, not as an error
+with a traceback that any client could flood the log with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from aiohttp import HttpVersion11, web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_DELAYS_S = (0.05, 0.2, 1.0, 3.0, 10.0)  # then every 30 s while the answer has not started
@@ -86,8 +91,29 @@ class _AnsweringServer(web.Server):
         return AnsweringHandler(self, loop=self._loop, **self._kwargs)
 
 
+class ClientFaults(logging.Filter):
+    """Demote aiohttp's log records about a client's malformed request to debug level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError | RequestPayloadError) and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.exc_info, record.exc_text = None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_CLIENT_FAULTS = ClientFaults()
+
+
 class GatewayRunner(web.AppRunner):
     """An AppRunner whose connections answer half-closed clients (module docstring)."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        server_log = logging.getLogger("aiohttp.server")
+        if _CLIENT_FAULTS not in server_log.filters:
+            server_log.addFilter(_CLIENT_FAULTS)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

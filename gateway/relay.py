@@ -65,8 +65,9 @@ class RelayOutcome:
     last_token_at_s: float | None = None
     engine_metrics: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
-    aborted: bool = False  # client went away
+    aborted: bool = False  # client went away before the answer was whole
     broken: bool = False  # upstream failed after the first byte
+    done_sent: bool = False  # a stream's `data: [DONE]` was written: the client has the whole answer
     error_detail: str | None = None
     response: web.StreamResponse | None = None  # for non-streamed answers: not yet sent
     body_json: dict[str, Any] | None = field(default=None, repr=False)
@@ -238,6 +239,7 @@ async def relay_stream(
         client.headers[name] = value
     outcome.response = client
     pending = b""
+    clean = False
     try:
         await client.prepare(request)
         if codec is not None:
@@ -266,6 +268,7 @@ async def relay_stream(
                 out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
+                outcome.done_sent = outcome.done_sent or _DONE in out
         if pending.strip() and not outcome.broken:
             if codec is not None:
                 out = codec.events([pending], outcome, ticket, swap)
@@ -273,19 +276,21 @@ async def relay_stream(
                 out = relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
+                outcome.done_sent = outcome.done_sent or _DONE in out
         if codec is not None and not outcome.broken:
             tail = codec.end()
             await _hold(codec)
             if tail:
                 await client.write(tail)
         await client.write_eof()
+        clean = True
     except ConnectionResetError:  # the client went away (aiohttp's write error subclasses it)
-        outcome.aborted = True
+        outcome.aborted = not outcome.done_sent  # after [DONE] it had the whole answer: served
     except asyncio.CancelledError:
-        outcome.aborted = True
+        outcome.aborted = not outcome.done_sent
         raise
     finally:
-        if outcome.aborted or outcome.broken:
+        if not clean or outcome.broken:
             upstream.close()  # drop the connection: the engine sees the disconnect and aborts
         else:
             upstream.release()

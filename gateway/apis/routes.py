@@ -3,18 +3,19 @@
 `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`, `POST /v1/messages`,
 `POST /v1/messages/count_tokens`, `GET /v1/models/{id}`; `not_found_middleware` turns aiohttp's
 plain-text 404 / 405 into OpenAI's error shape with an `x-request-id` (Anthropic's under
-/v1/messages).
+/v1/messages), and a body that cannot be read (not the `Content-Encoding` it claims) into a 400 on
+every route, whichever handler read it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from gateway import appkeys
+from gateway import appkeys, intake
 from gateway.apis.messages import MessagesCall, anthropic_error, translate
 from gateway.apis.responses import ResponsesCall, delete_response, get_response
 from gateway.apis.store import ResponseStore
@@ -39,7 +40,7 @@ class MethodNotAllowed(GatewayError):
 
 
 def _request_id(request: web.Request) -> str:
-    return request.headers.get("x-request-id") or os.urandom(16).hex()
+    return intake.request_id(request.headers)  # a client's, when short visible ASCII
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -133,6 +134,8 @@ async def not_found_middleware(request: web.Request, handler: Handler) -> web.St
             f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))})."
         )
         error.headers.append(("Allow", ", ".join(sorted(exc.allowed_methods))))
+    except RequestPayloadError as exc:  # the client's body, not the gateway: 400
+        error = InvalidRequest(f"the request body could not be read: {str(exc).strip()}")
     request_id = _request_id(request)
     if request.path.startswith("/v1/messages"):
         return anthropic_error(error, [("x-request-id", request_id)], request_id)

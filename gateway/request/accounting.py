@@ -123,17 +123,20 @@ class Accounting:
             record.reject_reason = error.reason
 
     def aborted(self, ctx: RequestContext) -> None:
-        """The client went away (the walk was cancelled): end what is open without awaiting."""
+        """The client went away (the walk was cancelled): end what is open without awaiting. A stream
+        whose [DONE] had gone out was served: its client has the whole answer, whoever closed first."""
         record = ctx.record
-        record.status, record.http_status = "aborted", 499
+        outcome = ctx.outcome
+        delivered = outcome is not None and outcome.done_sent
+        if not delivered:
+            record.status, record.http_status = "aborted", 499
         reservation = ctx.reservation
         if reservation is None or reservation.ended:
             return
-        outcome = ctx.outcome
         if outcome is None:  # nothing reached an engine
             reservation.release_soon()
             return
-        outcome.aborted = True
+        outcome.aborted = not delivered
         self.fill(ctx, outcome)
         reservation.settle_soon(outcome.usage, outcome.counted_completion_tokens)
 

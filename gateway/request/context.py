@@ -52,6 +52,7 @@ class RequestContext:
     headers: list[tuple[str, str]]  # carried by every answer: x-request-id, x-tokenway-fallback
     call: ApiCall | None = None  # a translated API's per-request pieces (Responses, Messages)
     _facts: RequestFacts | None = field(default=None, repr=False)  # intake
+    engine_fields: tuple[str, ...] = ()  # intake: engine-control fields the caller's tenant may set
     routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
     model: str = ""  # director: the model of the chain being tried
     reservation: Reservation | None = None  # director: admission's ticket for `model`
@@ -59,6 +60,8 @@ class RequestContext:
     prediction: Prediction | None = None  # dispatched hooks: the serving endpoint's, made before it ran
     gate_wait_s: float = 0.0  # gate hooks: time the request was held before dispatch (queues)
     outcome: RelayOutcome | None = None  # dispatch: the upstream call under way or done (None: none began)
+    # dispatch: endpoints that answered this request 5xx; counted against them only if another serves it
+    answered_5xx: list[Endpoint] = field(default_factory=list)
 
     @property
     def facts(self) -> RequestFacts:

@@ -22,6 +22,7 @@ from backends.adapters.registry import get_adapter
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
+from gateway.engine_control import engine_body
 from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
 from gateway.relay import (
     RelayOutcome,
@@ -104,16 +105,25 @@ class Dispatch:
             routed = await self.hooks.gate(ctx, routed, reroute)
             attempts += 1
             try:
-                return await self._attempt(ctx, routed)
+                response = await self._attempt(ctx, routed)
             except RetryableUpstream as exc:
                 endpoint = routed.endpoint
-                self.report_failure(endpoint, time.monotonic())
+                if exc.status:  # the engine answered 5xx: the endpoint's fault only if another serves it
+                    ctx.answered_5xx.append(endpoint)
+                else:  # no answer at all: that is the endpoint's
+                    self.report_failure(endpoint, time.monotonic())
                 exclude.add(endpoint.id)
                 last_detail = exc.detail
                 ctx.outcome = None  # nothing reached the client: this attempt is not charged
                 if self.metrics is not None:
                     self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}" if exc.status else "connect")
                 log.warning("upstream %s failed before the first byte: %s", endpoint.id, exc.detail)
+                continue
+            if ctx.outcome is not None:  # served (an engine's 4xx is the request's fault, not theirs)
+                for failed in ctx.answered_5xx:  # they answered 5xx to what another endpoint served
+                    self.report_failure(failed, time.monotonic())
+            ctx.answered_5xx.clear()
+            return response
         if attempts == 0:
             error: NoHealthyBackend | UpstreamError = NoHealthyBackend(
                 f"No healthy endpoint can serve '{ctx.model}' right now.",
@@ -142,7 +152,7 @@ class Dispatch:
             path = ctx.api.upstream_path
             if call is not None:  # a translated API: its body for this endpoint (native, or chat)
                 path, upstream_api, body = call.upstream(endpoint, decision.prefill_endpoint is not None)
-                body = self.shape_body(endpoint, body, upstream_api)
+                body = self.shape_body(endpoint, self._engine_body(ctx, body), upstream_api)
             else:
                 body = self.upstream_body(ctx, endpoint)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
@@ -256,11 +266,16 @@ class Dispatch:
     def upstream_body(self, ctx: RequestContext, endpoint: Endpoint) -> dict[str, Any]:
         """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
         facts = ctx.facts
-        body = dict(facts.body)
+        body = self._engine_body(ctx, facts.body)
         body["model"] = endpoint.served_model
         if facts.stream:
             body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
         return self.shape_body(endpoint, body, facts.api)
+
+    def _engine_body(self, ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
+        """A copy of `body` whose engine-control fields are the policy's: a client's dropped unless its
+        tenant may set them, the scheduling priority from its tier (gateway/engine_control.py)."""
+        return engine_body(body, ctx.facts.principal, ctx.engine_fields)
 
     def _target(self, ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any], path: str) -> UpstreamTarget:
         headers = {"Content-Type": "application/json", "x-request-id": ctx.facts.request_id}
@@ -295,7 +310,9 @@ class Dispatch:
                 answer = await call_json(self.upstream, leg)
             decode_body = adapter.decode_leg_body(body, answer)
         except (RetryableUpstream, UpstreamRejected, PdError) as exc:
-            if isinstance(exc, RetryableUpstream):
+            if isinstance(exc, RetryableUpstream) and exc.status:
+                ctx.answered_5xx.append(prefill)  # counted only if the decode endpoint then serves it
+            elif isinstance(exc, RetryableUpstream):
                 self.report_failure(prefill, time.monotonic())
             ctx.record.kv_transfer_failed = True
             log.warning("PD prefill leg on %s failed, decoding endpoint prefills: %s", prefill.id, exc)

@@ -28,6 +28,7 @@ from gateway.errors import (
 )
 from gateway.request.context import RequestContext
 from gateway.settings import ServerSettings
+from policies.engine_fields import client_body
 from policies.estimate import PromptEstimator
 from policies.holder import PolicyHolder
 from policies.policy import Policy
@@ -116,6 +117,8 @@ class Intake:
         with ctx.trace.span("auth"):
             principal = authenticate(headers, policy)
         record.tenant, record.key_id = principal.tenant, principal.key_id
+        ctx.engine_fields = policy.engine_fields(principal)
+        body, _ = client_body(body, ctx.engine_fields)  # engine-control fields: the policy's call
         requested: str = body["model"]
         model = policy.resolve_model(requested)
         record.requested_model, record.model = requested, model

@@ -126,6 +126,20 @@ def test_credentials_that_are_not_text_get_401(
     assert openai_error(parsed)["code"] == "invalid_api_key"
 
 
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("/v1/messages/count_tokens", 400), ("/v1/responses", 400), ("/admin/reload", 200)],  # reload reads no body
+)
+def test_every_route_answers_a_body_that_is_not_its_encoding_with_400(
+    fleet: tuple[Gateway, SimEngines], path: str, expected: int
+) -> None:
+    gateway, _ = fleet
+    token = ADMIN_TOKEN if path.startswith("/admin") else TEST_KEY
+    headers = {"Authorization": f"Bearer {token}", "Content-Encoding": "deflate", "Content-Type": "application/json"}
+    status, _, parsed = call(gateway, "POST", path, headers, orjson.dumps(CHAT))
+    assert status == expected, parsed
+
+
 def test_a_body_that_is_not_the_gzip_it_claims_gets_400(fleet: tuple[Gateway, SimEngines]) -> None:
     gateway, _ = fleet
     status, _, parsed = post_chat(gateway, {"Authorization": f"Bearer {TEST_KEY}", "Content-Encoding": "gzip"})
