@@ -73,6 +73,7 @@ class ChatOptions:
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default; its Responses renderer passes true
     documents: Any = None
     template_kwargs: Mapping[str, Any] | None = None
 
@@ -84,6 +85,7 @@ class ChatOptions:
         return cls(
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
             continue_final_message=bool(body.get("continue_final_message", False)),
+            add_special_tokens=bool(body.get("add_special_tokens", False)),
             documents=body.get("documents"),
             template_kwargs=kwargs if isinstance(kwargs, Mapping) else None,
         )
@@ -163,7 +165,8 @@ class ModelTokenizer:
     def chat_ids(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None, options: ChatOptions | None = None
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, tools, options), add_special_tokens=False)
+        options = options or ChatOptions()
+        return self.encode(self.render_chat(messages, tools, options), add_special_tokens=options.add_special_tokens)
 
     def completion_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

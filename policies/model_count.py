@@ -33,6 +33,7 @@ _CHAT_KEYS = (
     "tools",
     "add_generation_prompt",
     "continue_final_message",
+    "add_special_tokens",
     "chat_template_kwargs",
     "documents",
 )

@@ -10,7 +10,7 @@ accounting — is the walk every API shares.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -19,7 +19,7 @@ from aiohttp import web
 from backends.types import Endpoint
 from gateway.errors import GatewayError
 from gateway.relay import StreamCodec
-from policies.estimate import PromptEstimator
+from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, Usage
 
 # Engines whose own server speaks the Responses and Messages APIs (vLLM's /v1/responses and
@@ -38,8 +38,9 @@ class ApiCall(Protocol):
         """Work that needs the caller (a stored conversation); GatewayError to refuse."""
         ...
 
-    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any]) -> tuple[int, Sequence[int] | None]:
-        """Prompt tokens and, when counted locally, their ids (prefix routing)."""
+    async def estimate(self, estimator: PromptEstimator, model: str) -> PromptCount:
+        """Prompt tokens (and their ids, for prefix routing) of the chat the engine renders this
+        request as, counted as `model`'s engine counts them (its own tokenizer where one is known)."""
         ...
 
     def max_tokens(self, body: dict[str, Any]) -> int | None: ...

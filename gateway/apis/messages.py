@@ -11,7 +11,7 @@ without an engine call and without charging the buckets.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -25,7 +25,7 @@ from gateway.apis.responses import _chat_usage
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.relay import StreamCodec
-from policies.estimate import PromptEstimator
+from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, Usage
 
 
@@ -74,8 +74,8 @@ class MessagesCall:
     async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
         return None
 
-    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any]) -> tuple[int, Sequence[int] | None]:
-        return await estimator.chat(self.chat["messages"], self.chat.get("tools"), want_ids=True)
+    async def estimate(self, estimator: PromptEstimator, model: str) -> PromptCount:
+        return await estimator.count("chat", self.chat, model)
 
     def max_tokens(self, body: dict[str, Any]) -> int | None:
         return int(body["max_tokens"])

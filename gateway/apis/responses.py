@@ -9,7 +9,7 @@ answer and the stream translated back (`backends.protocols.responses`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 import orjson
@@ -23,7 +23,7 @@ from gateway.apis.store import ResponseStore
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import GatewayError, InvalidRequest, error_response
 from gateway.relay import StreamCodec
-from policies.estimate import PromptEstimator
+from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, Usage
 
 
@@ -97,8 +97,10 @@ class ResponsesCall:
         self.prior = list(entry.get("items") or ())
         self.chat = self._translate()
 
-    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any]) -> tuple[int, Sequence[int] | None]:
-        return await estimator.chat(self.chat["messages"], self.chat.get("tools"), want_ids=True)
+    async def estimate(self, estimator: PromptEstimator, model: str) -> PromptCount:
+        # vLLM's Responses renderer tokenizes the rendered chat with the tokenizer's special tokens
+        # (a second BOS where the template writes one too): count as it does.
+        return await estimator.count("chat", {**self.chat, "add_special_tokens": True}, model)
 
     def max_tokens(self, body: dict[str, Any]) -> int | None:
         value = body.get("max_output_tokens")

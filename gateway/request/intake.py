@@ -161,9 +161,8 @@ class Intake:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         options = body.get("stream_options")
         if ctx.call is not None:
-            # Responses / Messages count their translated chat with cl100k: exact for the sim only.
-            prompt_tokens, ids = await ctx.call.estimate(self.estimator, body)
-            tokens_source = self.estimator.cl100k_source(model)
+            # Responses / Messages count the chat they are rendered as, with the model's own counter.
+            prompt_tokens, ids, tokens_source = await ctx.call.estimate(self.estimator, model)
             max_tokens = ctx.call.max_tokens(body)
             options = None
         else:

@@ -41,6 +41,17 @@ def test_options_that_change_the_prompt(tiny_model_dir: Path) -> None:
         ChatOptions.of({"chat_template": "{{ messages }}"})  # a per-request template: ask the engine
 
 
+def test_add_special_tokens_puts_the_tokenizers_bos_before_the_templates(tiny_model_dir: Path) -> None:
+    """A chat request's `add_special_tokens: true` (and vLLM's Responses renderer, which always
+    passes it) tokenizes the rendered template with the tokenizer's BOS too: two BOS tokens."""
+    tok = ModelTokenizer.load(tiny_model_dir)
+    bos = tok.tokenizer.token_to_id(BOS)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tok.chat_ids(messages)
+    special = tok.chat_ids(messages, options=ChatOptions.of({"add_special_tokens": True}))
+    assert special == [bos, *plain]
+
+
 def test_named_templates_pick_tool_use_when_tools_are_given(model_copy: Path) -> None:
     config = json.loads((model_copy / "tokenizer_config.json").read_text())
     config["chat_template"] = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools"}]

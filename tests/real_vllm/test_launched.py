@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -214,6 +215,26 @@ def test_the_gateways_prompt_count_equals_the_engines(gateway: Gateway, case: st
         headers, response = dict(raw.headers), raw.parse()
     counted, source = headers["x-tokenway-prompt-tokens"].split(";source=")
     assert (int(counted), source) == (response.usage.prompt_tokens, "model")
+
+
+def test_responses_and_messages_count_their_prompt_as_the_engine_does(gateway: Gateway) -> None:
+    """The Responses and Anthropic Messages APIs pass natively to vLLM; the gateway counts the chat
+    they render as with the model's own tokenizer, so admission sees the engine's number."""
+    raw = client(gateway).responses.with_raw_response.create(
+        model=MODEL, instructions="Réponds en français.", input="東京の天気は 😀", max_output_tokens=2,
+        extra_headers={"x-tokenway-debug": "1"},
+    )  # fmt: skip
+    counted, source = raw.headers["x-tokenway-prompt-tokens"].split(";source=")
+    assert (int(counted), source) == (raw.parse().usage.input_tokens, "model")
+    anthropic_client = anthropic.Anthropic(base_url=gateway.url, api_key=TEST_KEY, max_retries=0, timeout=300)
+    reply = anthropic_client.messages.with_raw_response.create(
+        model=MODEL, system="Be terse.", max_tokens=2, extra_headers={"x-tokenway-debug": "1"},
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Größe? ünïcödé"}]}],
+    )  # fmt: skip
+    counted, source = reply.headers["x-tokenway-prompt-tokens"].split(";source=")
+    usage = reply.parse().usage
+    engine_prompt = usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    assert (int(counted), source) == (engine_prompt, "model")
 
 
 def test_no_prompt_was_counted_differently_from_the_engine(gateway: Gateway) -> None:
