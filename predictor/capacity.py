@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from predictor.prior import LatencyPrior
 
 _SEARCH_STEPS = 40
-_FIXED_POINT_STEPS = 8
+_FIXED_POINT_STEPS = 16
 _MIN_CHUNK = 64
 
 

@@ -30,8 +30,8 @@ def test_the_velocity_keeps_the_objective_it_was_computed_for() -> None:
     p = prior()
     v = replica_velocity(p, MIX, ttft_slo_ms=1000, tpot_slo_ms=30)
     step_ms = p.steady_step_s(v.batch, v.batch * (1155 + 211 / 2), v.requests_per_s * 1155, 1155) * 1e3
-    assert step_ms <= 30.0 * 1.001  # within the fixed point's tolerance
-    assert v.batch == pytest.approx(v.requests_per_s * 211 * step_ms / 1e3, rel=0.01)  # Little's law
+    assert step_ms <= 30.0 * 1.02  # within the fixed point's tolerance
+    assert v.batch == pytest.approx(v.requests_per_s * 211 * step_ms / 1e3, rel=0.02)  # Little's law
 
 
 def test_roles() -> None:
