@@ -22,6 +22,7 @@ from aiohttp import web
 
 from backends.types import LoadTicket
 from gateway.errors import UpstreamError, sse_error_event
+from gateway.migrate import MAX_MIGRATIONS, Resume, Resumed, Splice, sent_text, stream_identity
 from gateway.upstream import Response, UpstreamClient, UpstreamConnectionError
 from policies.types import Usage
 
@@ -73,6 +74,8 @@ class RelayOutcome:
     body_json: dict[str, Any] | None = field(default=None, repr=False)
     # called with first_token_at_s as the first token is relayed (the predictor learns of it then)
     on_first_token: Callable[[float], None] | None = field(default=None, repr=False)
+    migrations: int = 0  # times the stream continued on another replica after its own cut it
+    migrated_to: list[str] = field(default_factory=list)  # those replicas
 
 
 def _usage_from(obj: Any) -> Usage | None:
@@ -226,11 +229,13 @@ async def relay_stream(
     response_headers: list[tuple[str, str]],
     prompt_tokens: int,
     codec: StreamCodec | None = None,
+    resume: Resume | None = None,
 ) -> None:
     """Relay an SSE stream to the client as it arrives, filling `outcome` as it goes.
 
     `outcome` is the caller's so that it stays readable when the client's disconnect cancels this
-    coroutine: the caller accounts what was generated and re-raises.
+    coroutine: the caller accounts what was generated and re-raises. With `resume` (plain streams),
+    a stream its replica cuts continues on another one, spliced in (`gateway/migrate.py`).
     """
     upstream = await _post(upstream_client, target)
     swap = _model_swap(target)
@@ -240,6 +245,7 @@ async def relay_stream(
     outcome.response = client
     pending = b""
     clean = False
+    moving = _Moving() if resume is not None and codec is None else None
     try:
         await client.prepare(request)
         if codec is not None:
@@ -247,16 +253,30 @@ async def relay_stream(
             if head:
                 await client.write(head)
         while True:
+            cut: str | None = None
             try:
                 data = await upstream.next_chunk()
                 if not data:
-                    break
+                    if moving is None or moving.finished:
+                        break
+                    cut = "the upstream ended the stream early"
             except (UpstreamConnectionError, TimeoutError) as exc:
-                outcome.broken = True
-                outcome.error_detail = f"{type(exc).__name__}: {exc}"
-                message = f"the upstream stream failed: {exc}"
-                await client.write(codec.broken(message) if codec else sse_error_event(UpstreamError(message)))
-                break
+                cut = f"{type(exc).__name__}: {exc}"
+            if cut is not None:
+                resumed = None
+                if moving is not None and resume is not None and outcome.migrations < MAX_MIGRATIONS:
+                    upstream.close()
+                    resumed = await resume(sent_text(moving.sent, moving.api), outcome.counted_completion_tokens)
+                if resumed is None:
+                    outcome.broken = True
+                    outcome.error_detail = cut
+                    message = f"the upstream stream failed: {cut}"
+                    await client.write(codec.broken(message) if codec else sse_error_event(UpstreamError(message)))
+                    break
+                assert moving is not None
+                upstream, pending = resumed.response, b""
+                moving.continued(resumed, outcome)
+                continue
             pending += data
             if b"\n\n" not in pending:
                 continue
@@ -265,6 +285,8 @@ async def relay_stream(
                 out = codec.events(events, outcome, ticket, swap)
                 await _hold(codec)
             else:
+                if moving is not None:
+                    events = moving.relaying(events)
                 out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
@@ -294,6 +316,50 @@ async def relay_stream(
             upstream.close()  # drop the connection: the engine sees the disconnect and aborts
         else:
             upstream.release()
+        if moving is not None:
+            moving.end()
+
+
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "', b"data: [DONE]")
+
+
+class _Moving:
+    """A stream's migration state: what was sent (to continue after it), whether it finished, the
+    splice of the continuation under way and its load tickets."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.finished = False
+        self.identity: tuple[str, int] | None = None
+        self.splice: Splice | None = None
+        self.api = "chat"
+        self.tickets: list[LoadTicket] = []
+
+    def relaying(self, events: list[bytes]) -> list[bytes]:
+        if self.splice is not None:
+            events = self.splice.events(events)
+        for event in events:
+            if not event.startswith(b"data:"):
+                continue
+            if any(marker in event for marker in _FINISHED):
+                self.finished = True
+            if self.identity is None and not event.startswith(b"data: [DONE]"):
+                self.identity = stream_identity(event)
+                if b'"object":"text_completion"' in event or b'"object": "text_completion"' in event:
+                    self.api = "completions"
+            self.sent.append(event)
+        return events
+
+    def continued(self, resumed: Resumed, outcome: RelayOutcome) -> None:
+        self.splice = Splice(self.identity, outcome.counted_completion_tokens, resumed.prompt_tokens, resumed.api)
+        self.api = resumed.api
+        self.tickets.append(resumed.ticket)
+        outcome.migrations += 1
+        outcome.migrated_to.append(resumed.endpoint_id)
+
+    def end(self) -> None:
+        for ticket in self.tickets:
+            ticket.end()
 
 
 def relay_events(

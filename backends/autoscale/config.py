@@ -79,6 +79,13 @@ class AutoscaleConfig(_Strict):
     convert_roles: bool = Field(
         default=True, description="PD pools: move devices between roles when one role's need lasts"
     )
+    planner: Literal["tokens", "hpa"] = Field(
+        default="tokens",
+        description="tokens: token velocity (the default); hpa: a Kubernetes-HPA-shaped baseline on requests running",
+    )
+    hpa_target_running: float = Field(
+        default=32.0, gt=0, description="hpa planner: requests running (and waiting) per replica to aim for"
+    )
     forecast_alpha: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of the newest rate")
     forecast_beta: float = Field(default=0.3, ge=0, le=1, description="EWMA weight of the newest trend")
 

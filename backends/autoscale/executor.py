@@ -68,13 +68,15 @@ class Executor:
         *,
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_ready: Callable[[str], None] | None = None,
+        on_change: Callable[[str, str], None] | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.fleet = fleet
         self.settings = settings
         self.clock = clock
-        self.on_ready = on_ready  # a replica of this pool began serving (wakes held requests)
+        # (pool, action) after a replica began serving (ready, awake: held requests may go) or
+        # gave its devices back (sleep, stop: another pool may use them now)
+        self.on_change = on_change
         self.session = session
         self.lead = LeadTimes()
         self.events: deque[Event] = deque(maxlen=_EVENTS_KEPT)
@@ -242,7 +244,6 @@ class Executor:
         self.lead.observe_start(pool.name, took)
         self.awake_since_s[pool.name] = self.clock()
         self._event(pool, role, "ready", endpoint, f"started in {took:.2f} s")
-        self._ready(pool.name)
 
     async def _wake(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
         began = self.clock()
@@ -263,7 +264,6 @@ class Executor:
         endpoint.state, endpoint.state_reason = EndpointState.READY, ""
         self.awake_since_s[pool.name] = self.clock()
         self._event(pool, role, "awake", endpoint, f"woke in {took:.2f} s")
-        self._ready(pool.name)
 
     async def _retire(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
         """Drain, then sleep or stop (module docstring)."""
@@ -355,10 +355,6 @@ class Executor:
         self._op_kind.pop(endpoint_id, None)
         self._reserved.pop(endpoint_id, None)
 
-    def _ready(self, pool: str) -> None:
-        if self.on_ready is not None:
-            self.on_ready(pool)
-
     def _phase(self, endpoint: Endpoint) -> str:
         kind = self._op_kind.get(endpoint.id)
         if kind in ("start", "wake"):
@@ -387,6 +383,11 @@ class Executor:
     def _event(self, pool: PoolConfig, role: Role, action: str, endpoint: Endpoint, detail: str) -> None:
         self.events.append(Event(time.time(), pool.name, role.value, action, endpoint.id, detail))
         log.info("autoscale %s %s %s: %s", action, endpoint.id, role.value, detail)
+        if self.on_change is not None and action in ("ready", "awake", "sleep", "stop"):
+            try:
+                self.on_change(pool.name, action)
+            except Exception:
+                log.exception("autoscale: on_change failed")
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:

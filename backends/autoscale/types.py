@@ -39,6 +39,7 @@ class RoleSignals:
     decode_velocity: float  # output tokens/s one replica sustains within the SLO (0 = none)
     kv_usage: float = 0.0  # mean KV cache share in use over its ready replicas
     engine_waiting: int = 0  # requests waiting inside its engines
+    engine_running: int = 0  # requests running inside its engines
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,21 @@ async def _chat_ids(request: web.Request, messages: list[dict[str, Any]], tools:
     return prompt_cache.chat_prompt_ids(messages, tools)
 
 
+async def _chat_prompt(request: web.Request, body: dict[str, Any]) -> list[int]:
+    """A chat request's prompt ids. With vLLM's `continue_final_message` (and `add_generation_prompt:
+    false`) the last message, an assistant's, is continued: its text follows the assistant header
+    without the end-of-message footer, so generation picks up where it stops."""
+    messages = validation.messages(body)
+    if not body.get("continue_final_message"):
+        return await _chat_ids(request, messages, body.get("tools"))
+    if body.get("add_generation_prompt", True):
+        raise BadRequest("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    if not messages or messages[-1].get("role") != "assistant":
+        raise BadRequest("`continue_final_message` needs the last message to be the assistant's", "messages")
+    head = await _chat_ids(request, messages[:-1], body.get("tools"))  # ends with the assistant header
+    return [*head, *tokenization.encode(tokenization.message_text(messages[-1]))]
+
+
 async def _completion_ids(request: web.Request, prompt: str | list[int]) -> list[int]:
     if _long(request) and isinstance(prompt, str):
         return await asyncio.to_thread(tokenization.completion_prompt_ids, prompt)
@@ -223,7 +238,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     validation.check_common(body, engine.config)
-    prompt_ids = await _chat_ids(request, validation.messages(body), body.get("tools"))
+    prompt_ids = await _chat_prompt(request, body)
     if not generation.read_spec(body, chat=True).plain:
         return await generation.generate(
             request,

@@ -1,0 +1,285 @@
+"""The autoscaler: gathers each autoscaled pool's signals, plans, shares the budget, acts.
+
+One pass every `interval_s` (the shortest of the autoscaled pools'), and at once when a request is
+held for a pool with nothing serving, or a device was freed (a cold start or a model switch should
+not wait for the next tick):
+
+    traffic (gateway/autoscale/traffic.py) -> forecasts (backends/autoscale/forecast.py)
+    velocities at the SLO (predictor/capacity.py) + replicas, KV, queue -> PoolSignals
+    plan_pool per pool -> share_budget across pools -> Executor.apply
+
+What it decided, why, and the signals it decided on are kept (bounded) for `/admin/pools`, the
+metrics and the benchmark's recorded inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from backends.autoscale.budget import Claim, share_budget
+from backends.autoscale.devices import group_of
+from backends.autoscale.executor import Executor
+from backends.autoscale.forecast import Forecast
+from backends.autoscale.planners import PLANNERS
+from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RoleSignals
+from backends.fleet import Fleet, Pool
+from backends.types import EndpointState, Role
+from gateway.autoscale.traffic import PoolTraffic
+from predictor.capacity import replica_velocity
+from predictor.config import PriorSettings
+from predictor.prior import LatencyPrior
+
+log = logging.getLogger("tokenway.autoscale")
+
+_DECISIONS_KEPT = 32
+_SIGNALS_KEPT = 64
+_MIN_PASS_GAP_S = 0.1
+
+QueuedSource = Callable[[str], tuple[int, float]]  # pool -> (requests waiting, their prompt tokens)
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        fleet: Fleet,
+        executor: Executor,
+        prior: PriorSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fleet = fleet
+        self.executor = executor
+        self.clock = clock
+        self.pools: list[Pool] = [p for p in fleet.pools.values() if p.config.elastic]
+        self.traffic: dict[str, PoolTraffic] = {p.name: PoolTraffic() for p in self.pools}
+        self.forecasts: dict[str, tuple[Forecast, Forecast]] = {p.name: (Forecast(), Forecast()) for p in self.pools}
+        self.memory: dict[str, PlannerMemory] = {p.name: PlannerMemory() for p in self.pools}
+        self.plans: dict[str, PoolPlan] = {}
+        self.signals: dict[str, deque[PoolSignals]] = {p.name: deque(maxlen=_SIGNALS_KEPT) for p in self.pools}
+        self.decisions: dict[str, deque[dict[str, Any]]] = {p.name: deque(maxlen=_DECISIONS_KEPT) for p in self.pools}
+        self.priors = {p.name: LatencyPrior.for_pool(p.config, prior or PriorSettings()) for p in self.pools}
+        self.held: Callable[[str], int] = lambda pool: 0
+        self.queued: QueuedSource = lambda pool: (0, 0.0)
+        self.interval_s = min((p.config.autoscale.interval_s for p in self.pools if p.config.autoscale), default=5.0)
+        self._poke = asyncio.Event()
+        self._last_pass_s = float("-inf")
+        self._last_sample_s: float | None = None
+        self.passes = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pools)
+
+    # --- what the gateway tells it ---------------------------------------------------------------
+
+    def arrived(self, pool: str, prompt_tokens: int, max_output: int | None) -> None:
+        traffic = self.traffic.get(pool)
+        if traffic is not None:
+            now = self.clock()
+            traffic.arrived(prompt_tokens, max_output, now)
+            self.executor.note_request(pool, now)
+
+    def finished(
+        self, pool: str, prompt_tokens: int, cached_tokens: int, output_tokens: int, tpot_ms: float | None, batch: int
+    ) -> None:
+        traffic = self.traffic.get(pool)
+        if traffic is None:
+            return
+        traffic.finished(prompt_tokens, cached_tokens, output_tokens)
+        if tpot_ms and batch:
+            context = batch * (prompt_tokens + output_tokens / 2)
+            traffic.calibration.observe(self.priors[pool], tpot_ms, batch, context)
+
+    def poke(self) -> None:
+        """Plan now (a request is held, a device was freed)."""
+        self._poke.set()
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), timeout=self.interval_s)
+            self._poke.clear()
+            gap = _MIN_PASS_GAP_S - (self.clock() - self._last_pass_s)
+            if gap > 0:
+                await asyncio.sleep(gap)
+                self._poke.clear()
+            try:
+                self.tick()
+            except Exception:  # one bad pass must not end autoscaling
+                log.exception("autoscale: planning pass failed")
+
+    def tick(self) -> list[PoolPlan]:
+        now = self.clock()
+        self._last_pass_s = now
+        self.passes += 1
+        dt = None if self._last_sample_s is None else now - self._last_sample_s
+        self._last_sample_s = now
+        claims: list[Claim] = []
+        for pool in self.pools:
+            signals = self._signals(pool, now, dt)
+            self.signals[pool.name].append(signals)
+            policy = pool.config.autoscale
+            assert policy is not None
+            plan = PLANNERS[policy.planner](signals, policy, self.memory[pool.name])
+            self.memory[pool.name] = plan.memory
+            minimums = {r.role: policy.bounds(r.role)[0] for r in signals.roles}
+            min_awake = pool.config.share.min_awake_s if pool.config.share is not None else 0.0
+            claims.append(Claim(plan, signals, policy.priority, minimums, min_awake))
+        plans = share_budget(claims, self.executor.capacity())
+        for plan in plans:
+            previous = self.plans.get(plan.pool)
+            if previous is None or [r.desired for r in previous.roles] != [r.desired for r in plan.roles]:
+                self.decisions[plan.pool].append(
+                    {
+                        "at_unix_s": round(time.time(), 3),
+                        "current": {r.role: r.current for r in plan.roles},
+                        "desired": {r.role: r.desired for r in plan.roles},
+                        "reason": plan.reason,
+                    }
+                )
+            self.plans[plan.pool] = plan
+        self.executor.apply(plans)
+        return plans
+
+    def _signals(self, pool: Pool, now: float, dt: float | None) -> PoolSignals:
+        config = pool.config
+        policy = config.autoscale
+        assert policy is not None
+        traffic = self.traffic[pool.name]
+        prefill_tokens, decode_tokens, _requests = traffic.take()
+        prefill, decode = self.forecasts[pool.name]
+        if dt is not None and dt > 0:
+            alpha, beta = policy.forecast_alpha, policy.forecast_beta
+            prefill = prefill.update(prefill_tokens / dt, now, alpha, beta)
+            decode = decode.update(decode_tokens / dt, now, alpha, beta)
+            self.forecasts[pool.name] = (prefill, decode)
+        roles = []
+        for role in _roles(pool):
+            ready = [e for e in pool.endpoints if e.launched and e.role is role and e.state is EndpointState.READY]
+            kv_tokens = next((e.stats.kv_capacity_tokens for e in ready if e.stats.kv_capacity_tokens), None)
+            velocity = replica_velocity(
+                self.priors[pool.name],
+                traffic.mix,
+                ttft_slo_ms=policy.ttft_slo_ms,
+                tpot_slo_ms=policy.tpot_slo_ms,
+                role=role.value,
+                kv_tokens=kv_tokens,
+                factor=traffic.calibration.factor,
+            )
+            kv = sum(e.stats.kv_usage_ratio for e in ready) / len(ready) if ready else 0.0
+            roles.append(
+                RoleSignals(
+                    role.value,
+                    self.executor.role_state(pool.name, role),
+                    velocity.prefill_tps,
+                    velocity.decode_tps,
+                    kv_usage=round(kv, 4),
+                    engine_waiting=sum(e.stats.waiting for e in ready),
+                    engine_running=sum(e.stats.running for e in ready),
+                )
+            )
+        held = self.held(pool.name)
+        queued, queued_tokens = self.queued(pool.name)
+        engine_waiting = sum(r.engine_waiting for r in roles)
+        queued_tokens += engine_waiting * traffic.mix.prompt_tokens
+        lead = self.executor.lead
+        return PoolSignals(
+            pool=pool.name,
+            now_s=now,
+            prefill=prefill,
+            decode=decode,
+            roles=tuple(roles),
+            queued_requests=queued + held,
+            queued_tokens=queued_tokens,
+            held=held,
+            inflight=sum(e.inflight.requests for e in pool.endpoints),
+            last_request_s=traffic.last_request_s,
+            startup_s=lead.startup_s(pool.name),
+            wake_s=lead.wake_s(pool.name),
+            devices_per_replica=self.executor.devices_per_replica(pool.name),
+            device_group=group_of(config),
+            awake_since_s=self.executor.awake_since_s.get(pool.name, float("-inf")),
+        )
+
+    # --- what operators see ----------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """`GET /admin/pools`: per pool, current vs desired per role, why, and what happened."""
+        pools = []
+        for pool in self.pools:
+            name = pool.name
+            plan = self.plans.get(name)
+            traffic = self.traffic[name]
+            prefill, decode = self.forecasts[name]
+            last = self.signals[name][-1] if self.signals[name] else None
+            roles = {}
+            for role in _roles(pool):
+                state = self.executor.role_state(name, role)
+                role_plan = plan.role(role.value) if plan is not None else None
+                signals = last.role(role.value) if last is not None else None
+                roles[role.value] = {
+                    "current": state.active,
+                    "desired": role_plan.desired if role_plan else None,
+                    "wanted": role_plan.wanted if role_plan else None,
+                    "need": role_plan.need if role_plan else None,
+                    "replicas": asdict(state),
+                    "velocity_tps": {
+                        "prefill": round(signals.prefill_velocity, 1) if signals else None,
+                        "decode": round(signals.decode_velocity, 1) if signals else None,
+                    },
+                    "kv_usage": signals.kv_usage if signals else None,
+                }
+            pools.append(
+                {
+                    "name": name,
+                    "model": pool.config.model,
+                    "reason": plan.reason if plan else "not planned yet",
+                    "roles": roles,
+                    "forecast_tps": {
+                        "prefill": {"level": round(prefill.level, 1), "trend": round(prefill.trend, 2)},
+                        "decode": {"level": round(decode.level, 1), "trend": round(decode.trend, 2)},
+                    },
+                    "mix": {
+                        "prompt_tokens": round(traffic.mix.prompt_tokens, 1),
+                        "output_tokens": round(traffic.mix.output_tokens, 1),
+                    },
+                    "calibration": round(traffic.calibration.factor, 3),
+                    "held": self.held(name),
+                    "startup_s": round(self.executor.lead.startup_s(name), 3),
+                    "wake_s": round(self.executor.lead.wake_s(name), 3),
+                    "measured": self.executor.lead.measured(name),
+                    "drain_timeouts": self.executor.drain_timeouts.get(name, 0),
+                    "scale_events": {
+                        "up": self.executor.scale_events.get((name, "up"), 0),
+                        "down": self.executor.scale_events.get((name, "down"), 0),
+                    },
+                    "decisions": list(self.decisions[name]),
+                    "events": [asdict(e) for e in self.executor.events if e.pool == name][-_DECISIONS_KEPT:],
+                }
+            )
+        return {
+            "interval_s": self.interval_s,
+            "passes": self.passes,
+            "capacity": self.executor.capacity(),
+            "pools": pools,
+        }
+
+    def recorded(self, pool: str) -> list[dict[str, Any]]:
+        """The last signals planned on (the planner tests' recorded inputs)."""
+        return [asdict(s) for s in self.signals.get(pool, ())]
+
+
+def _roles(pool: Pool) -> list[Role]:
+    config = pool.config
+    if config.roles is not None:
+        return [Role(r) for r in ("prefill", "decode") if config.autoscale and config.autoscale.bounds(r)[1]]
+    return [Role.BOTH]

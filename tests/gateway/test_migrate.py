@@ -1,0 +1,77 @@
+"""Continuing a cut stream: the continuation request and the splice of its events (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.migrate import Splice, can_migrate, continuation_body, sent_text, stream_identity
+
+
+def chunk(content: str | None = None, *, role: str | None = None, finish: str | None = None, cid: str = "a") -> bytes:
+    delta: dict[str, Any] = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    body = {"id": cid, "object": "chat.completion.chunk", "created": 7, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return b"data: " + orjson.dumps(body)
+
+
+def usage_chunk(prompt: int, completion: int, cid: str = "b") -> bytes:
+    body = {"id": cid, "object": "chat.completion.chunk", "created": 9, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": prompt}}}  # fmt: skip
+    return b"data: " + orjson.dumps(body)
+
+
+def test_what_can_move() -> None:
+    assert can_migrate({"messages": [], "stream": True}, "chat")
+    assert can_migrate({"prompt": "x"}, "completions")
+    assert not can_migrate({"messages": [], "n": 2}, "chat")
+    assert not can_migrate({"messages": [], "tools": [{"type": "function"}]}, "chat")
+    assert not can_migrate({"messages": [], "logprobs": True}, "chat")
+    assert not can_migrate({"input": "x"}, "responses")
+
+
+def test_chat_continues_the_assistant_message_with_the_budget_left() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
+    out = continuation_body(body, "chat", "Hello th", 3)
+    assert out is not None
+    assert out["messages"][-1] == {"role": "assistant", "content": "Hello th"}
+    assert out["continue_final_message"] is True and out["add_generation_prompt"] is False
+    assert out["max_tokens"] == 47
+    assert body["max_tokens"] == 50 and len(body["messages"]) == 1  # the original is untouched
+    assert continuation_body({**body, "max_tokens": 3}, "chat", "abc", 3) is None  # nothing left
+    assert continuation_body(body, "chat", "", 0) == body  # nothing sent yet: the same request
+
+
+def test_completions_continue_the_prompt() -> None:
+    out = continuation_body({"prompt": ["Once"], "max_tokens": 10, "min_tokens": 4}, "completions", " upon", 2)
+    assert out == {"prompt": "Once upon", "max_tokens": 8, "min_tokens": 2}
+    assert continuation_body({"prompt": [1, 2, 3]}, "completions", "x", 1) is None  # token-id prompts stay
+
+
+def test_sent_text_and_identity() -> None:
+    events = [chunk(role="assistant", content=""), chunk("Hel"), chunk("lo"), b"data: [DONE]"]
+    assert sent_text(events, "chat") == "Hello"
+    completion = b"data: " + orjson.dumps({"id": "c", "object": "text_completion", "choices": [{"text": "ab"}]})
+    assert sent_text([completion], "completions") == "ab"
+    assert stream_identity(events[1]) == ("a", 7)
+
+
+def test_splice_reads_as_the_original_stream() -> None:
+    splice = Splice(("a", 7), sent_tokens=2, prompt_tokens=100, api="chat")
+    out = splice.events([chunk(role="assistant", content="", cid="b"), chunk("lo", cid="b"),
+                         chunk(finish="stop", cid="b"), usage_chunk(130, 5), b"data: [DONE]"])  # fmt: skip
+    parsed = [orjson.loads(e[5:]) for e in out[:-1]]
+    assert len(out) == 4  # the continuation's role-only opening is dropped
+    assert {p["id"] for p in parsed} == {"a"} and {p["created"] for p in parsed} == {7}
+    assert parsed[0]["choices"][0]["delta"] == {"content": "lo"}
+    usage = parsed[-1]["usage"]
+    assert usage["prompt_tokens"] == 100  # the recomputed prefix is not billed
+    assert usage["completion_tokens"] == 7 and usage["total_tokens"] == 107
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 100
+    assert out[-1] == b"data: [DONE]"
