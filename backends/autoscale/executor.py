@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 _EVENTS_KEPT = 256
 _FAILED_SLOT_PAUSE_S = 60.0
+# A prefill replica's last KV blocks are read by decode replicas after its prefill legs answered:
+# give those pulls time before the process goes (vLLM's NIXL holds blocks for the decode side).
+_PD_HANDOFF_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +288,8 @@ class Executor:
                 if moving:
                     break
             await asyncio.sleep(_POLL_S)
+        if role is Role.PREFILL and endpoint.state is EndpointState.DRAINING:
+            await asyncio.sleep(_PD_HANDOFF_GRACE_S)
         self._retiring.discard(endpoint.id)
         if endpoint.state is not EndpointState.DRAINING:
             return  # it crashed and the supervisor took over meanwhile

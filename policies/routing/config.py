@@ -91,6 +91,21 @@ def _default_prefill_pipeline() -> PipelineConfig:
     )
 
 
+class ConvertibleConfig(_Strict):
+    """Decode replicas that prefill when the prefill replicas are backed up (convertible decoders)."""
+
+    backlog_tokens: int = Field(
+        default=8192,
+        ge=0,
+        description="prefill on the decode endpoint when the chosen prefill endpoint has more pending: "
+        "about a prefill replica's velocity x the TTFT objective (docs/autoscaling.md)",
+    )
+    max_kv_usage: float = Field(default=0.8, ge=0, le=1, description="...if the decode endpoint's KV use is at most")
+    max_pending_prefill_tokens: int = Field(
+        default=4096, ge=0, description="...and its own pending prefill is at most this (decode keeps its TPOT)"
+    )
+
+
 class PDConfig(_Strict):
     """Disaggregated pools (endpoints with roles prefill/decode): when a separate prefill pays off."""
 
@@ -100,6 +115,9 @@ class PDConfig(_Strict):
     )
     max_prefill_backlog_tokens: int | None = Field(
         default=None, ge=0, description="prefill locally when the chosen prefill endpoint has more pending"
+    )
+    convertible: ConvertibleConfig | None = Field(
+        default=None, description="decode endpoints with headroom prefill during a prefill backlog"
     )
     prefill: PipelineConfig = Field(default_factory=_default_prefill_pipeline)
     warn_after_requests: int = Field(

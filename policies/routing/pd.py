@@ -8,7 +8,14 @@ holds the request for all of its output, and its cache decides how much prefill 
     no ready prefill endpoint        -> prefill on the decode endpoint   (no-prefill-endpoint)
     else choose a prefill endpoint by prefix and prefill load (the PD prefill pipeline);
     its pending prefill > max_prefill_backlog_tokens -> prefill locally  (prefill-busy)
+    convertible, its pending prefill > backlog_tokens and the decode endpoint has headroom
+      (KV use <= max_kv_usage, own pending prefill <= max_pending_prefill_tokens)
+                                                     -> prefill locally  (prefill-backlog)
     else                                             -> two legs          (disaggregated)
+
+Convertible decoders (TokenScale, arXiv 2512.03416): during a prefill burst a decode replica with
+headroom prefills instead of queueing the prompt behind a backed-up prefill replica, while the
+autoscaler starts (or converts) prefill replicas for a burst that lasts.
 
 A short uncached remainder costs less to compute in place than to transfer (an extra hop and a KV
 copy), which is why a conversation's follow-up turns usually stay on their decode endpoint.
@@ -22,8 +29,9 @@ from dataclasses import dataclass
 
 from backends.fleet import Pool
 from backends.types import Role
-from policies.routing.config import PDConfig
+from policies.routing.config import ConvertibleConfig, PDConfig
 from policies.routing.types import (
+    PD_CONVERTED,
     PD_DISABLED,
     PD_DISAGGREGATED,
     PD_FEW_UNCACHED,
@@ -62,6 +70,18 @@ def decide_pd(
         return PDOutcome(None, PD_NO_PREFILL)
     prefill = choose_prefill(others)
     limit = config.max_prefill_backlog_tokens
-    if limit is not None and prefill.endpoint.inflight.prefill_tokens > limit:
+    backlog = prefill.endpoint.inflight.prefill_tokens
+    if limit is not None and backlog > limit:
         return PDOutcome(None, PD_PREFILL_BUSY)
+    convertible = config.convertible
+    if convertible is not None and backlog > convertible.backlog_tokens and _headroom(decode, convertible):
+        return PDOutcome(None, PD_CONVERTED)
     return PDOutcome(prefill, PD_DISAGGREGATED)
+
+
+def _headroom(decode: Candidate, convertible: ConvertibleConfig) -> bool:
+    endpoint = decode.endpoint
+    return (
+        endpoint.stats.kv_usage_ratio <= convertible.max_kv_usage
+        and endpoint.inflight.prefill_tokens <= convertible.max_pending_prefill_tokens
+    )

@@ -41,6 +41,7 @@ PD_DISAGGREGATED = "disaggregated"  # prefill leg on `prefill_endpoint`, decode 
 PD_FEW_UNCACHED = "few-uncached"  # uncached tokens on the decode endpoint under the threshold
 PD_NO_PREFILL = "no-prefill-endpoint"  # no ready prefill endpoint: prefill and decode on `endpoint`
 PD_PREFILL_BUSY = "prefill-busy"  # every prefill endpoint's backlog is over the limit
+PD_CONVERTED = "prefill-backlog"  # prefill backed up, the decode endpoint had headroom: it prefilled
 
 
 @dataclass(slots=True)

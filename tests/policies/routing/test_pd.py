@@ -113,3 +113,25 @@ def test_warns_when_a_pd_pool_never_disaggregates(caplog: pytest.LogCaptureFixtu
     assert len(warnings) == 1
     counters = r.report(NOW_S).pd["pd"]
     assert (counters.served, counters.disaggregated, counters.warned) == (7, 0, True)
+
+
+@pytest.mark.parametrize(
+    ("backlog", "decode_kv", "decode_pending", "expected"),
+    [
+        pytest.param(4_000, 0.2, 0, "disaggregated", id="prefill-keeps-up"),
+        pytest.param(20_000, 0.2, 0, "prefill-backlog", id="backlog-and-headroom"),
+        pytest.param(20_000, 0.95, 0, "disaggregated", id="decode-kv-full"),
+        pytest.param(20_000, 0.2, 9_000, "disaggregated", id="decode-already-prefilling"),
+    ],
+)
+def test_convertible_decoders_prefill_during_a_backlog(
+    backlog: int, decode_kv: float, decode_pending: int, expected: str
+) -> None:
+    from policies.routing.config import ConvertibleConfig
+
+    config = PDConfig(convertible=ConvertibleConfig(backlog_tokens=8192))
+    decode_endpoint = endpoint("decode", prefill_tokens=decode_pending)
+    decode_endpoint.stats.kv_usage_ratio = decode_kv
+    prefills = [candidate(endpoint("prefill-a", prefill_tokens=backlog))]
+    outcome = decide_pd(context(4000), candidate(decode_endpoint, 0), prefills, lambda options: options[0], config)
+    assert outcome.reason == expected
