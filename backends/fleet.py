@@ -46,6 +46,14 @@ class Pool:
         """Whether the pool can serve: a ready endpoint that decodes (a prefill-only one cannot)."""
         return any(e.state is EndpointState.READY and e.role is not Role.PREFILL for e in self.endpoints)
 
+    @property
+    def can_serve(self) -> bool:
+        """Whether a request for the pool will be served: a ready endpoint, or an autoscaled pool that
+        starts or wakes one on demand (scaled to zero, not failed)."""
+        if self.has_ready:
+            return True
+        return self.config.elastic and any(e.launched and e.state is not EndpointState.DEAD for e in self.endpoints)
+
 
 class Fleet:
     """Pools by name and by public model name."""

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from backends.status import fleet_status
 from gateway import appkeys
+from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
 
 
@@ -43,6 +44,17 @@ async def backends(request: web.Request) -> web.Response:
                     endpoint["precise_index"] = {"blocks": held.blocks, "speculative": held.speculative,
                                                  "alive": held.alive}  # fmt: skip
     return _json(status)
+
+
+async def pools(request: web.Request) -> web.Response:
+    """Autoscaled pools: current vs desired replicas per role, the reason, the last decisions and
+    actions, learnt start-up times (`?signals=POOL` adds the planner's recorded inputs)."""
+    autoscaler = request.app[AUTOSCALER]
+    body = autoscaler.status()
+    pool = request.query.get("signals")
+    if pool:
+        body["signals"] = autoscaler.recorded(pool)
+    return _json(body)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -137,4 +149,5 @@ def admin_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/admin/predictor/samples", predictor_samples),
         ("POST", "/admin/reload", reload),
         ("GET", "/admin/replicas", replicas),
+        ("GET", "/admin/pools", pools),
     ]

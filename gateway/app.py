@@ -27,6 +27,7 @@ from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.apis.config import ApisSettings
 from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
+from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.engine_tokens import EngineTokenizer, build_counters
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
@@ -66,6 +67,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx)
     app.cleanup_ctx.append(_fleet_ctx)
+    app.cleanup_ctx.append(autoscale_ctx)  # elastic pools: the planner, its executor, the cold-start hold
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_replicas_ctx)
@@ -270,6 +272,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     estimator = PromptEstimator()
     build_counters(fleet, estimator, app[appkeys.SESSION])  # reads tokenizer files once, at start-up
     hook_list: list[Hook] = []
+    hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, cold starts held; streams moved
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
         hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
     hook_list.append(SloHook(predictor=predictor))  # the SLO gate, its queue, running TPOT SLOs

@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from gateway.settings import ConfigError, load_settings
 
@@ -98,6 +99,7 @@ def _pools_status(args: argparse.Namespace) -> int:
     import urllib.request
 
     from backends.status import format_status
+    from gateway.autoscale.status import format_pools
 
     headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
     request = urllib.request.Request(args.url.rstrip("/") + "/admin/backends", headers=headers)
@@ -107,10 +109,21 @@ def _pools_status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"tokenway: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
+    autoscale: dict[str, Any] = {}
+    request = urllib.request.Request(args.url.rstrip("/") + "/admin/pools", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            autoscale = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        autoscale = {}  # an older gateway without /admin/pools
+    if autoscale.get("pools"):
+        status["autoscale"] = autoscale
     if args.json:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
+        if autoscale.get("pools"):
+            print(format_pools(autoscale))
     return 0
 
 

@@ -23,12 +23,12 @@ the `Resume` the walk gives it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
 
-from backends.types import LoadTicket
+from backends.types import Endpoint, LoadTicket
 from gateway.upstream import Response
 
 MAX_MIGRATIONS: Final = 2  # continuations per stream (a second cut moves it again, then it ends)
@@ -185,3 +185,40 @@ class Splice:
             return False
         delta = choices[0].get("delta") or {}
         return bool(delta.get("role")) and not delta.get("content") and not choices[0].get("finish_reason")
+
+
+@dataclass(slots=True)
+class Resumer:
+    """The `Resume` of one stream: where its continuation goes and how it is sent.
+
+    `route(avoid)` picks another ready endpoint of the stream's pool (the router, as for any
+    request, minus the endpoints that cut it); `send(endpoint, body)` opens the continuation there
+    (the dispatch's body shaping, headers and upstream client); `RetryableUpstream`-style failures
+    surface as a None answer, and the next endpoint is tried (twice at most)."""
+
+    body: Mapping[str, Any]
+    api: str
+    prompt_tokens: int
+    first_endpoint: str
+    route: Callable[[frozenset[str]], Endpoint | None]
+    send: Callable[[Endpoint, dict[str, Any]], Awaitable[Response | None]]
+    avoid: set[str] = field(default_factory=set)
+
+    async def __call__(self, text: str, sent_tokens: int) -> Resumed | None:
+        self.avoid.add(self.first_endpoint)
+        body = continuation_body(self.body, self.api, text, sent_tokens)
+        if body is None:
+            return None
+        for _ in range(2):
+            endpoint = self.route(frozenset(self.avoid))
+            if endpoint is None:
+                return None
+            self.avoid.add(endpoint.id)
+            ticket = endpoint.inflight.begin(self.prompt_tokens + sent_tokens)
+            response = await self.send(endpoint, body)
+            if response is None:
+                ticket.end()
+                continue
+            ticket.first_token(self.prompt_tokens + sent_tokens)
+            return Resumed(response, ticket, endpoint.id, self.prompt_tokens, self.api)
+        return None

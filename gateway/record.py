@@ -51,6 +51,8 @@ class RequestRecord:
     slo_idle_admit: bool = False  # no endpoint met the SLO; an idle one admitted it anyway
     slo_queue_ms: float | None = None  # time spent in the SLO queue, when it waited
     engine_metrics: dict[str, Any] | None = None  # the engine's own per-request timings (the simulator's)
+    cold_start_ms: float | None = None  # held while a replica of its pool started or woke
+    migrations: int = 0  # times its stream continued on another replica after its own cut it
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -145,6 +145,9 @@ async def _post(client: UpstreamClient, target: UpstreamTarget) -> Response:
     return response
 
 
+open_stream = _post  # a streamed call whose answer the caller reads (a stream's continuation)
+
+
 async def _read_all(response: Response) -> bytes:
     async with response:
         try:

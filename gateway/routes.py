@@ -54,9 +54,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """200 only when every configured pool has a ready endpoint; the body says which are not."""
+    """200 only when every configured pool has a ready endpoint (or, autoscaled, can start one on
+    demand); the body says which are not."""
     fleet = request.app[appkeys.FLEET]
-    pools = {name: pool.has_ready for name, pool in fleet.pools.items()}
+    pools = {name: pool.can_serve for name, pool in fleet.pools.items()}
     not_ready = sorted(name for name, ready in pools.items() if not ready)
     status = 200 if not not_ready else 503
     return _json({"ready": not not_ready, "pools": pools, "not_ready": not_ready}, status=status)

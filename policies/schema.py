@@ -24,7 +24,13 @@ PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
 PRIORITY_VALUES: dict[str, int] = {"critical": 2, "high": 1, "normal": 0, "low": -1, "sheddable": -2}
 
 Trigger = Literal[
-    "rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable", "queue_timeout"
+    "rate_limited",
+    "budget_exhausted",
+    "upstream_error",
+    "context_too_long",
+    "slo_unattainable",
+    "queue_timeout",
+    "cold_start",
 ]
 TRIGGERS: tuple[str, ...] = (
     "rate_limited",
@@ -33,6 +39,7 @@ TRIGGERS: tuple[str, ...] = (
     "context_too_long",
     "slo_unattainable",
     "queue_timeout",
+    "cold_start",
 )
 Scope = Literal["key", "tenant", "model", "key_model", "global"]
 MissAction = Literal["fallback", "queue", "reject", "proceed"]

@@ -60,7 +60,12 @@ class Autoscaler:
         self.pools: list[Pool] = [p for p in fleet.pools.values() if p.config.elastic]
         self.traffic: dict[str, PoolTraffic] = {p.name: PoolTraffic() for p in self.pools}
         self.forecasts: dict[str, tuple[Forecast, Forecast]] = {p.name: (Forecast(), Forecast()) for p in self.pools}
-        self.memory: dict[str, PlannerMemory] = {p.name: PlannerMemory() for p in self.pools}
+        # launching the initial replicas is the first scale-up: the scale-down cooldown counts from it
+        started = clock()
+        self.memory: dict[str, PlannerMemory] = {
+            p.name: PlannerMemory(last_up_s=started if any(p.config.initial_roles().values()) else float("-inf"))
+            for p in self.pools
+        }
         self.plans: dict[str, PoolPlan] = {}
         self.signals: dict[str, deque[PoolSignals]] = {p.name: deque(maxlen=_SIGNALS_KEPT) for p in self.pools}
         self.decisions: dict[str, deque[dict[str, Any]]] = {p.name: deque(maxlen=_DECISIONS_KEPT) for p in self.pools}

@@ -24,12 +24,14 @@ from backends.fleet import Fleet, Pool
 from backends.types import Endpoint
 from gateway.engine_control import engine_body
 from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
+from gateway.migrate import Resumer, can_migrate
 from gateway.relay import (
     RelayOutcome,
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTarget,
     call_json,
+    open_stream,
     relay_stream,
     relay_unary,
 )
@@ -39,7 +41,7 @@ from gateway.request.detour import Detour
 from gateway.request.hooks import Hooks
 from gateway.settings import ServerSettings
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.upstream import UpstreamClient
+from gateway.upstream import Response, UpstreamClient
 from policies.routing.types import RouteDecision, Router
 from policies.types import ApiKind
 from predictor.types import Prediction
@@ -186,6 +188,7 @@ class Dispatch:
                             )
                             if call is not None
                             else None,
+                            resume=self._resumer(ctx, routed, path),
                         )
                     else:
                         transform = partial(call.unary, public_model=ctx.model) if call is not None else None
@@ -263,10 +266,34 @@ class Dispatch:
             headers.append(("x-tokenway-slo-queued-ms", f"{ctx.gate_wait_s * 1000:.0f}"))
         return headers
 
-    def upstream_body(self, ctx: RequestContext, endpoint: Endpoint) -> dict[str, Any]:
-        """The client's body for this endpoint: served model name, stream usage on, engine shaping."""
+    def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:
+        """How a plain stream continues on another replica of its pool if its own cuts it
+        (`gateway/migrate.py`); None where the pool or the request does not allow it."""
+        facts, pool = ctx.facts, routed.pool
+        if ctx.call is not None or not pool.config.migrates_streams or not can_migrate(facts.body, facts.api):
+            return None
+
+        def route(avoid: frozenset[str]) -> Endpoint | None:
+            found = self.route(ctx, [pool], avoid)
+            return found.endpoint if found is not None else None
+
+        async def send(endpoint: Endpoint, body: dict[str, Any]) -> Response | None:
+            target = self._target(ctx, endpoint, self.upstream_body(ctx, endpoint, body), path)
+            try:
+                return await open_stream(self.upstream, target)
+            except (RetryableUpstream, UpstreamRejected) as exc:
+                log.warning("stream continuation on %s failed: %s", endpoint.id, exc)
+                return None
+
+        return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send)
+
+    def upstream_body(
+        self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The client's body (or `client_body`, a continuation of it) for this endpoint: served
+        model name, stream usage on, engine shaping."""
         facts = ctx.facts
-        body = self._engine_body(ctx, facts.body)
+        body = self._engine_body(ctx, facts.body if client_body is None else client_body)
         body["model"] = endpoint.served_model
         if facts.stream:
             body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}

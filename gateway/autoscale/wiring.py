@@ -1,0 +1,60 @@
+"""The autoscaler's place in the app: built after the fleet, before the walk; stopped before the
+fleet's replicas are (`gateway/app.py` appends `autoscale_ctx` and adds the hook it returns)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from backends.autoscale.executor import Executor
+from gateway import appkeys
+from gateway.autoscale.hold import ColdStart
+from gateway.autoscale.hook import ElasticHook
+from gateway.autoscale.loop import Autoscaler
+from gateway.settings import validate_section
+from gateway.telemetry.pools import PoolMetrics
+from predictor.config import PredictorSettings
+
+AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
+ELASTIC_HOOK = web.AppKey("elastic_hook", ElasticHook)
+
+
+async def autoscale_ctx(app: web.Application) -> AsyncIterator[None]:
+    fleet = app[appkeys.FLEET]
+    executor = Executor(app[appkeys.SUPERVISOR], fleet, app[appkeys.BACKENDS], session=app[appkeys.SESSION])
+    prior = validate_section(app[appkeys.SETTINGS], "predictor", PredictorSettings).prior
+    autoscaler = Autoscaler(fleet, executor, prior)
+    app[AUTOSCALER] = autoscaler
+    metrics = PoolMetrics(app[appkeys.METRICS])  # stream migrations are counted in every pool
+    metrics.set_status(autoscaler.status)
+    lead = executor.lead
+    cold = ColdStart(
+        fleet,
+        executor.expected_ready_in_s,
+        lead.startup_s,
+        on_hold=lambda pool: autoscaler.poke(),
+        on_wait=metrics.observe_cold_start,
+    )
+    autoscaler.held = cold.held
+
+    def changed(pool: str, action: str) -> None:
+        if action in ("ready", "awake"):
+            cold.notify(pool)
+        else:  # devices were given back: another pool may take them now
+            autoscaler.poke()
+
+    executor.on_change = changed
+    app[ELASTIC_HOOK] = ElasticHook(fleet, autoscaler, cold, metrics)
+    if not autoscaler.enabled:
+        yield
+        return
+    executor.start()
+    task = asyncio.get_running_loop().create_task(autoscaler.run(), name="autoscaler")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await executor.close()

@@ -1,0 +1,179 @@
+"""Elastic pools end to end: a real gateway launching simulated engines on simulated devices.
+
+A pool at zero replicas holds its first request while a replica starts (the answer says how long,
+and the learnt start-up time), refuses what is past `max_held` with 503 and retry-after, scales back
+to zero once idle, and with `sleep` wakes from sleep instead of starting cold. Behaviour only: every
+wait is "until this happens" with a generous ceiling.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.support.procs import TEST_KEY, Gateway, http_get, metric_total, start_gateway
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "llama-3.1-8b"
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+def elastic_pool(**autoscale: Any) -> dict[str, Any]:
+    sleep = autoscale.pop("sleep", None)
+    policy = {"min_replicas": 0, "max_replicas": 2, "idle_s": 6, "interval_s": 0.5, "max_hold_s": 60,
+              "scale_down_cooldown_s": 0, "stabilization_s": 0, "startup_s": 5, **autoscale}  # fmt: skip
+    if sleep:
+        policy["sleep"] = {"level": 1}
+    return {
+        "name": "llama",
+        "model": MODEL,
+        "engine": "sim",
+        "preset": "llama-3.1-8b@h100",
+        "replicas": 0,
+        "devices": "auto",
+        "ready_timeout_s": 60,
+        "drain_timeout_s": 10,
+        "extra_args": ["--simulate-startup", "--time-scale", "10"],  # 13 s of loading, 1.3 s of wall time
+        "autoscale": policy,
+    }
+
+
+@pytest.fixture
+def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]:
+    pool = elastic_pool(**getattr(request, "param", {}))
+    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    gw = start_gateway(tmp_path, pools=[pool], backends=backends)
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def pools(gw: Gateway) -> dict[str, Any]:
+    status, body = http_get(gw.url + "/admin/pools")
+    assert status == 200, body
+    data: dict[str, Any] = json.loads(body)
+    return data["pools"][0]
+
+
+def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def chat(gw: Gateway) -> httpx.Response:
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+    return raw.http_response
+
+
+def test_a_pool_at_zero_holds_its_first_request_through_a_cold_start(gateway: Gateway) -> None:
+    status, _ = http_get(gateway.url + "/readyz")
+    assert status == 200  # at zero replicas it can still serve: it starts one on demand
+    assert pools(gateway)["roles"]["both"]["current"] == 0
+    response = chat(gateway)
+    assert response.status_code == 200
+    held_ms = float(response.headers["x-tokenway-cold-start-ms"])
+    assert held_ms > 0
+    response = chat(gateway)  # warm now: no hold (the pool idles out only after idle_s)
+    assert "x-tokenway-cold-start-ms" not in response.headers
+    status_now = pools(gateway)
+    actions = [e["action"] for e in status_now["events"]]
+    assert actions[:2] == ["start", "ready"]
+    assert status_now["measured"]["starts_s"]  # the launch was timed: the learnt start-up time
+    assert metric_total(gateway.url, "tokenway_cold_start_wait_seconds_count") == 1
+    replicas = metric_total(gateway.url, "tokenway_pool_replicas", state="ready")
+    assert replicas == 1
+    # idle for idle_s: back to zero, stopped, devices freed
+    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2, "the scale-down to zero")
+    assert [e["action"] for e in pools(gateway)["events"]][-2:] == ["drain", "stop"]
+
+
+@pytest.mark.parametrize("gateway", [{"max_held": 1}], indirect=True)
+def test_past_max_held_the_answer_is_503_with_retry_after(gateway: Gateway) -> None:
+    first: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: first.append(chat(gateway)))
+    holder.start()
+    until(lambda: pools(gateway)["held"] == 1, "the first request to be held")
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"].isdigit()
+    assert "cold_start" in refused.value.response.text
+    holder.join(120)
+    assert first and first[0].status_code == 200
+
+
+@pytest.mark.parametrize("gateway", [{"sleep": True}], indirect=True)
+def test_an_idle_pool_sleeps_and_wakes_instead_of_starting_cold(gateway: Gateway) -> None:
+    assert chat(gateway).status_code == 200  # a cold start
+    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["sleeping"] == 1, "the replica to sleep")
+    assert http_get(gateway.url + "/readyz")[0] == 200
+    response = chat(gateway)
+    assert response.status_code == 200
+    assert "x-tokenway-cold-start-ms" in response.headers
+    actions = [e["action"] for e in pools(gateway)["events"]]
+    assert actions[-2:] == ["wake", "awake"] or actions[-3:-1] == ["wake", "awake"]
+    assert pools(gateway)["measured"]["wakes_s"]
+
+
+def stream_story(gw: Gateway, out: list[str], max_tokens: int = 1500) -> None:
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
+    try:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A long story, please."}],
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        finish = None
+        for chunk in stream:
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+        out.append(finish or "cut")
+    except Exception as exc:
+        out.append(repr(exc))
+
+
+@pytest.mark.parametrize(
+    "drain_timeout_s", [pytest.param(60, id="drain-completes"), pytest.param(0.3, id="drain-times-out")]
+)
+def test_scale_down_drains_and_never_cuts_a_stream(tmp_path: Path, drain_timeout_s: float) -> None:
+    pool = elastic_pool(min_replicas=1, idle_s=600)
+    pool.update(replicas=2, drain_timeout_s=drain_timeout_s, extra_args=["--time-scale", "1"])
+    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    # no scale-down in the first seconds (the cooldown counts from the launch): the streams begin first
+    pool["autoscale"]["scale_down_cooldown_s"] = 8
+    # streams alternate between the two replicas, so the one drained has two in flight
+    routing = {"pools": {"llama": {"router": "round-robin"}}}
+    gw = start_gateway(tmp_path, pools=[pool], backends=backends, routing=routing)
+    try:
+        until(lambda: pools(gw)["roles"]["both"]["replicas"]["ready"] == 2, "both replicas")
+        finishes: list[str] = []
+        threads = [threading.Thread(target=stream_story, args=(gw, finishes)) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        until(lambda: any(e["action"] == "drain" for e in pools(gw)["events"]), "a scale-down to begin")
+        for thread in threads:
+            thread.join(120)
+        assert finishes == ["length"] * 4  # every stream ended as asked, none aborted
+        until(lambda: pools(gw)["roles"]["both"]["replicas"]["stopped"] == 1, "the drained replica to stop")
+        status = pools(gw)
+        drain = next(e for e in status["events"] if e["action"] == "drain")
+        assert drain["detail"].startswith("2 in flight")
+        assert status["drain_timeouts"] == (1 if drain_timeout_s < 1 else 0)  # then its streams moved
+    finally:
+        gw.stop()
