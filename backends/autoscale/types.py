@@ -52,7 +52,7 @@ class PoolSignals:
     decode: Forecast  # arriving output tokens/s (expected)
     roles: tuple[RoleSignals, ...]
     queued_requests: int = 0  # waiting in the gateway (flow queue and cold-start hold)
-    queued_tokens: float = 0.0  # their prompt tokens, plus the engines' waiting ones
+    queued_tokens: float = 0.0  # their prompt tokens, plus those dispatched and not yet prefilled
     held: int = 0  # of those, held for a replica to start or wake
     inflight: int = 0  # requests running on the pool's replicas
     last_request_s: float = NEVER  # the last arrival

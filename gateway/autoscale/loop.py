@@ -60,8 +60,12 @@ class Autoscaler:
         self.pools: list[Pool] = [p for p in fleet.pools.values() if p.config.elastic]
         self.traffic: dict[str, PoolTraffic] = {p.name: PoolTraffic() for p in self.pools}
         self.forecasts: dict[str, tuple[Forecast, Forecast]] = {p.name: (Forecast(), Forecast()) for p in self.pools}
-        # launching the initial replicas is the first scale-up: the scale-down cooldown counts from it
+        # launching the initial replicas is the first scale-up: the scale-down cooldown and the idle
+        # time count from it
         started = clock()
+        for pool in self.pools:
+            if any(pool.config.initial_roles().values()):
+                self.traffic[pool.name].last_request_s = started
         self.memory: dict[str, PlannerMemory] = {
             p.name: PlannerMemory(last_up_s=started if any(p.config.initial_roles().values()) else float("-inf"))
             for p in self.pools
@@ -194,8 +198,8 @@ class Autoscaler:
             )
         held = self.held(pool.name)
         queued, queued_tokens = self.queued(pool.name)
-        engine_waiting = sum(r.engine_waiting for r in roles)
-        queued_tokens += engine_waiting * traffic.mix.prompt_tokens
+        # the backlog: prompt tokens waiting in the gateway, plus those dispatched and not yet prefilled
+        queued_tokens += sum(e.inflight.prefill_tokens for e in pool.endpoints)
         lead = self.executor.lead
         return PoolSignals(
             pool=pool.name,

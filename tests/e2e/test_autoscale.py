@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.procs import TEST_KEY, Gateway, http_get, metric_total, start_gateway
+from tests.support.procs import TEST_KEY, Gateway, http_get, metric_total, policies_doc, start_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -175,5 +175,43 @@ def test_scale_down_drains_and_never_cuts_a_stream(tmp_path: Path, drain_timeout
         drain = next(e for e in status["events"] if e["action"] == "drain")
         assert drain["detail"].startswith("2 in flight")
         assert status["drain_timeouts"] == (1 if drain_timeout_s < 1 else 0)  # then its streams moved
+    finally:
+        gw.stop()
+
+
+def test_models_sharing_a_device_take_turns(tmp_path: Path) -> None:
+    """Two models on one device, at most one awake: a request for the sleeping one wakes it and puts
+    the other to sleep once its requests are done; switching back is a wake, not a cold start."""
+    share = {"max_awake": 1, "min_awake_s": 0}
+    first, second = elastic_pool(sleep=True, max_replicas=1), elastic_pool(sleep=True, max_replicas=1)
+    first.update(name="llama", replicas=1, devices=[0], share=share)
+    second.update(name="qwen", model="qwen2.5-7b", preset="qwen2.5-7b@h100", devices=[0], share=share)
+    policies = policies_doc(models={MODEL: {}, "qwen2.5-7b": {}}, tenants={"t1": {}, "t2": {}})
+    backends = {"devices": [0], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    gw = start_gateway(tmp_path, pools=[first, second], policies=policies, backends=backends)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
+
+    def ask(model: str) -> httpx.Response:
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+        return raw.http_response
+
+    def awake() -> dict[str, int]:
+        _, body = http_get(gw.url + "/admin/pools")
+        return {p["name"]: p["roles"]["both"]["current"] for p in json.loads(body)["pools"]}
+
+    try:
+        until(lambda: awake() == {"llama": 1, "qwen": 0}, "llama awake")
+        assert ask(MODEL).status_code == 200
+        response = ask("qwen2.5-7b")  # llama sleeps, qwen starts (its first time: cold)
+        assert response.status_code == 200 and "x-tokenway-cold-start-ms" in response.headers
+        assert awake() == {"llama": 0, "qwen": 1}
+        response = ask(MODEL)  # qwen sleeps, llama wakes
+        assert response.status_code == 200
+        switch_ms = float(response.headers["x-tokenway-cold-start-ms"])
+        assert switch_ms > 0
+        _, body = http_get(gw.url + "/admin/pools")
+        llama = next(p for p in json.loads(body)["pools"] if p["name"] == "llama")
+        assert [e["action"] for e in llama["events"]][-4:] == ["drain", "sleep", "wake", "awake"]
+        assert awake() == {"llama": 1, "qwen": 0}
     finally:
         gw.stop()
