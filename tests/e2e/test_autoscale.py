@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -61,8 +60,8 @@ def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]
 def pools(gw: Gateway) -> dict[str, Any]:
     status, body = http_get(gw.url + "/admin/pools")
     assert status == 200, body
-    data: dict[str, Any] = json.loads(body)
-    return data["pools"][0]
+    found: dict[str, Any] = json.loads(body)["pools"][0]
+    return found
 
 
 def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
@@ -72,7 +71,7 @@ def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> 
         time.sleep(0.05)
 
 
-def chat(gw: Gateway) -> httpx.Response:
+def chat(gw: Gateway) -> Any:
     client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
     return raw.http_response
@@ -102,7 +101,7 @@ def test_a_pool_at_zero_holds_its_first_request_through_a_cold_start(gateway: Ga
 
 @pytest.mark.parametrize("gateway", [{"max_held": 1}], indirect=True)
 def test_past_max_held_the_answer_is_503_with_retry_after(gateway: Gateway) -> None:
-    first: list[httpx.Response] = []
+    first: list[Any] = []
     holder = threading.Thread(target=lambda: first.append(chat(gateway)))
     holder.start()
     until(lambda: pools(gateway)["held"] == 1, "the first request to be held")
@@ -191,7 +190,7 @@ def test_models_sharing_a_device_take_turns(tmp_path: Path) -> None:
     gw = start_gateway(tmp_path, pools=[first, second], policies=policies, backends=backends)
     client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
 
-    def ask(model: str) -> httpx.Response:
+    def ask(model: str) -> Any:
         raw = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
         return raw.http_response
 

@@ -41,9 +41,10 @@ def test_chat_continues_the_assistant_message_with_the_budget_left() -> None:
     out = continuation_body(body, "chat", "Hello th", 3)
     assert out is not None
     assert out["messages"][-1] == {"role": "assistant", "content": "Hello th"}
+    assert len(out["messages"]) == 2
     assert out["continue_final_message"] is True and out["add_generation_prompt"] is False
     assert out["max_tokens"] == 47
-    assert body["max_tokens"] == 50 and len(body["messages"]) == 1  # the original is untouched
+    assert body["max_tokens"] == 50 and body["messages"] == [{"role": "user", "content": "hi"}]  # untouched
     assert continuation_body({**body, "max_tokens": 3}, "chat", "abc", 3) is None  # nothing left
     assert continuation_body(body, "chat", "", 0) == body  # nothing sent yet: the same request
 
