@@ -64,10 +64,12 @@ def pools(gw: Gateway) -> dict[str, Any]:
     return found
 
 
-def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
+def until(
+    predicate: Callable[[], bool], what: str, timeout_s: float = 90.0, explain: Callable[[], str] = lambda: ""
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what} {explain()}"
         time.sleep(0.05)
 
 
@@ -118,7 +120,11 @@ def test_past_max_held_the_answer_is_503_with_retry_after(gateway: Gateway) -> N
 @pytest.mark.parametrize("gateway", [{"sleep": True}], indirect=True)
 def test_an_idle_pool_sleeps_and_wakes_instead_of_starting_cold(gateway: Gateway) -> None:
     assert chat(gateway).status_code == 200  # a cold start
-    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["sleeping"] == 1, "the replica to sleep")
+    until(
+        lambda: pools(gateway)["roles"]["both"]["replicas"]["sleeping"] == 1,
+        "the replica to sleep",
+        explain=lambda: str(pools(gateway)["events"]),
+    )
     assert http_get(gateway.url + "/readyz")[0] == 200
     response = chat(gateway)
     assert response.status_code == 200

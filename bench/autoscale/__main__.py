@@ -1,0 +1,3 @@
+from bench.autoscale.run import main
+
+main()

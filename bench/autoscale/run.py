@@ -1,0 +1,321 @@
+"""Elastic pools, side by side: a bursty day compressed against a simulated budget of 8 GPUs.
+
+    .venv/bin/python -m bench.autoscale [--day-s 240] [--modes static-peak,tokens,...] [--quick]
+
+Two models (Llama-3.1-8B, chat: Azure's conversation trace; Qwen2.5-7B, code: Azure's code trace,
+used in working hours only) on simulated H100s (`max_num_seqs` 8, the engines at half speed, start-up
+from the weights at 4 GB/s plus 2 s, all in simulated seconds) replay the same arrivals through a
+fresh gateway per mode:
+
+    static-peak     replicas for the peak (6 + 2)          static-mean   replicas for the mean (2 + 1)
+    hpa             the HPA-shaped baseline (requests running per replica vs a target)
+    tokens          tokenway's planner, scale-down by stopping
+    tokens-sleep    tokenway's planner, scale-down by sleeping (level 1)
+
+then three short experiments: `kill -9` of a replica under streaming load with and without stream
+migration; a prefill/decode pool under a prefill burst with fixed roles and with convertible
+decoders; two models sharing one GPU (switch time). Results: bench/results/autoscale.md and .png
+(report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.autoscale import report
+from bench.autoscale.client import Outcome, Sample, bodies, replay, sample_replicas
+from bench.autoscale.workload import Arrival, Burst, ModelLoad, diurnal, offered, schedule, working_hours
+from policies.policy import hash_key
+from tests.support.procs import Gateway, http_get, start_gateway
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+KEY = "sk-bench-autoscale"
+CHAT, CODE = "llama-3.1-8b", "qwen2.5-7b"
+TIME_SCALE = 0.5
+SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.060
+DEVICES = list(range(8))
+ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), "--simulate-startup", "--load-bandwidth-gbps", "4", "--init-s", "2"]
+INTERVAL_S, STABILIZATION_S = 2.0, 20.0
+
+
+def loads(scale: float = 1.0) -> list[ModelLoad]:
+    return [
+        ModelLoad(CHAT, "conv", 3.0 * scale, diurnal, Burst(0.58, 0.66, 5.0)),
+        ModelLoad(CODE, "code", 1.5 * scale, working_hours),
+    ]
+
+
+def pool(name: str, model: str, preset: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "name": name, "model": model, "engine": "sim", "preset": preset, "devices": "auto",
+        "max_num_seqs": 8, "max_model_len": 8192, "extra_args": list(ENGINE_ARGS),
+        "ready_timeout_s": 120, "drain_timeout_s": 30, **fields,
+    }  # fmt: skip
+
+
+def autoscale(planner: str, low: int, high: int, *, sleep: bool = False, priority: int = 0) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "planner": planner, "min_replicas": low, "max_replicas": high, "interval_s": INTERVAL_S,
+        "stabilization_s": STABILIZATION_S, "scale_down_cooldown_s": 10, "idle_s": 15, "priority": priority,
+        "ttft_slo_ms": SLO_TTFT_S * 1000, "tpot_slo_ms": SLO_TPOT_S * 1000, "max_hold_s": 60,
+        "hpa_target_running": 6,
+    }  # fmt: skip
+    if sleep:
+        config["sleep"] = {"level": 1}
+    return config
+
+
+def mode_pools(mode: str) -> list[dict[str, Any]]:
+    chat_preset, code_preset = "llama-3.1-8b@h100", "qwen2.5-7b@h100"
+    if mode == "static-peak":
+        return [pool("chat", CHAT, chat_preset, replicas=6), pool("code", CODE, code_preset, replicas=2)]
+    if mode == "static-mean":
+        return [pool("chat", CHAT, chat_preset, replicas=2), pool("code", CODE, code_preset, replicas=1)]
+    planner = "hpa" if mode == "hpa" else "tokens"
+    sleep = mode == "tokens-sleep"
+    return [
+        pool("chat", CHAT, chat_preset, replicas=1, autoscale=autoscale(planner, 1, 6, sleep=sleep, priority=1)),
+        pool("code", CODE, code_preset, replicas=0, autoscale=autoscale(planner, 0, 3, sleep=sleep)),
+    ]
+
+
+def policies() -> dict[str, Any]:
+    return {
+        "tenants": {"bench": {}},
+        "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
+        "models": {CHAT: {"default_max_tokens": 256}, CODE: {"default_max_tokens": 256}},
+    }
+
+
+def gateway(workdir: Path, pools: list[dict[str, Any]], **sections: Any) -> Gateway:
+    backends = {"devices": DEVICES, "log_dir": str(workdir / "logs"), "run_dir": str(workdir / "run")}
+    return start_gateway(
+        workdir,
+        pools=pools,
+        policies=policies(),
+        backends={**backends, **sections.pop("backends", {})},
+        predictor={"enabled": False, "prior": {"time_scale": TIME_SCALE}},
+        ledger={"enabled": False},
+        ready_timeout_s=180,
+        **sections,
+    )
+
+
+def wait_replicas(gw: Gateway, want: int, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, body = http_get(gw.url + "/admin/backends")
+        ready = sum(1 for p in json.loads(body)["pools"] for e in p["endpoints"] if e["state"] == "ready")
+        if ready >= want:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {ready} of {want} replicas ready")
+        time.sleep(0.5)
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    outcomes: list[Outcome]
+    samples: list[Sample]
+    pools: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+async def run_mode(mode: str, arrivals: list[Arrival], day_s: float, workdir: Path) -> ModeRun:
+    pools = mode_pools(mode)
+    initial = sum(p.get("replicas", 0) for p in pools)
+    gw = gateway(workdir / mode, pools)
+    try:
+        wait_replicas(gw, initial)
+        payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
+        stop = asyncio.Event()
+        started = time.perf_counter()
+        sampler = asyncio.create_task(sample_replicas(gw.url, started, stop))
+        outcomes = await replay(gw.url, KEY, arrivals, payloads, timeout_s=day_s)
+        stop.set()
+        samples = await sampler
+        _, body = http_get(gw.url + "/admin/pools")
+        return ModeRun(mode, outcomes, samples, json.loads(body), time.perf_counter() - started)
+    finally:
+        gw.stop()
+
+
+# --- kill -9 with and without migration ------------------------------------------------------------
+
+
+async def run_kill(migrate: bool, workdir: Path, seconds: float = 30.0, rate: float = 4.0) -> dict[str, Any]:
+    chat = pool("chat", CHAT, "llama-3.1-8b@h100", replicas=3, migrate_streams=migrate)
+    chat["extra_args"] = ["--time-scale", str(TIME_SCALE)]
+    gw = gateway(workdir / f"kill-{migrate}", [chat])
+    try:
+        wait_replicas(gw, 3)
+        arrivals = [Arrival(i, i / rate, CHAT, 1000, 128) for i in range(int(seconds * rate))]
+        payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
+
+        async def killer() -> str:
+            await asyncio.sleep(seconds / 2)
+            _, body = http_get(gw.url + "/admin/backends")
+            endpoints = json.loads(body)["pools"][0]["endpoints"]
+            victim = max(endpoints, key=lambda e: e["inflight_requests"])
+            os.killpg(victim["pid"], signal.SIGKILL)
+            return f"{victim['id']} ({victim['inflight_requests']} in flight)"
+
+        kill = asyncio.create_task(killer())
+        outcomes = await replay(gw.url, KEY, arrivals, payloads, timeout_s=120)
+        return {"migrate": migrate, "killed": await kill, "streams": len(outcomes), "outcomes": outcomes}
+    finally:
+        gw.stop()
+
+
+# --- convertible decoders ----------------------------------------------------------------------------
+
+
+def pd_pool(convertible: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    base = pool("pd", CODE, "qwen2.5-7b@h100", roles={"prefill": 1, "decode": 3})
+    base["kv_transfer"] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    base["extra_args"] = ["--time-scale", str(TIME_SCALE)]
+    routing: dict[str, Any] = {"pd": {"min_uncached_tokens": 256}}
+    if convertible:
+        bounds = {"prefill": {"min_replicas": 1, "max_replicas": 3}, "decode": {"min_replicas": 1, "max_replicas": 3}}
+        base["autoscale"] = {**autoscale("tokens", 0, 0), "roles": bounds}
+        for key in ("min_replicas", "max_replicas"):
+            base["autoscale"].pop(key)
+        routing["pd"]["convertible"] = {"backlog_tokens": 4096}
+    return base, {"pools": {"pd": routing}}
+
+
+async def run_pd(convertible: bool, workdir: Path, seconds: float = 90.0) -> dict[str, Any]:
+    pd, routing = pd_pool(convertible)
+    gw = gateway(workdir / f"pd-{convertible}", [pd], routing=routing, backends={"devices": [0, 1, 2, 3]})
+    try:
+        wait_replicas(gw, 4)
+        load = [ModelLoad(CODE, "code", 3.0, lambda f: 1.0, Burst(0.3, 0.7, 3.0), max_output_tokens=32)]
+        arrivals = schedule(load, seconds, seed=3)
+        payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
+        stop = asyncio.Event()
+        started = time.perf_counter()
+        sampler = asyncio.create_task(sample_replicas(gw.url, started, stop))
+        outcomes = await replay(gw.url, KEY, arrivals, payloads, timeout_s=seconds, debug=True)
+        stop.set()
+        samples = await sampler
+        _, body = http_get(gw.url + "/admin/pools")
+        local = sum(o.pd == "prefill-backlog" for o in outcomes)
+        return {
+            "convertible": convertible,
+            "outcomes": outcomes,
+            "samples": samples,
+            "pools": json.loads(body),
+            "local_prefills": local,
+        }
+    finally:
+        gw.stop()
+
+
+# --- two models on one GPU -------------------------------------------------------------------------------
+
+
+async def run_share(workdir: Path, seconds: float = 60.0) -> dict[str, Any]:
+    share = {"max_awake": 1, "min_awake_s": 1.0}
+    sleepy = autoscale("tokens", 0, 1, sleep=True)
+    chat = pool("chat", CHAT, "llama-3.1-8b@h100", replicas=1, devices=[0], share=share, autoscale=sleepy)
+    code = pool("code", CODE, "qwen2.5-7b@h100", replicas=0, devices=[0], share=share, autoscale=dict(sleepy))
+    gw = gateway(workdir / "share", [chat, code], backends={"devices": [0]})
+    try:
+        wait_replicas(gw, 1)
+        # alternating 10 s phases of each model, 1 request/s
+        arrivals = [Arrival(i, float(i), CHAT if (i // 10) % 2 == 0 else CODE, 800, 32) for i in range(int(seconds))]
+        payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
+        outcomes = await replay(gw.url, KEY, arrivals, payloads, timeout_s=120)
+        _, body = http_get(gw.url + "/admin/pools")
+        return {"outcomes": outcomes, "pools": json.loads(body)}
+    finally:
+        gw.stop()
+
+
+# --- main ----------------------------------------------------------------------------------------------------
+
+
+MODES = ("static-peak", "static-mean", "hpa", "tokens", "tokens-sleep")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    day_s = args.day_s
+    arrivals = schedule(loads(args.scale), day_s, seed=args.seed)
+    modes = [m for m in (args.modes.split(",") if args.modes else MODES) if m]
+    began = time.time()
+    runs: list[ModeRun] = []
+    with tempfile.TemporaryDirectory(prefix="tw-autoscale-") as tmp:
+        workdir = Path(tmp)
+        for mode in modes:
+            print(f"[autoscale] {mode}: {len(arrivals)} requests over {day_s:g} s", flush=True)
+            runs.append(await run_mode(mode, arrivals, day_s, workdir))
+        extras: dict[str, Any] = {}
+        if not args.skip_extras:
+            print("[autoscale] kill -9 under load, with and without migration", flush=True)
+            extras["kill"] = [await run_kill(True, workdir), await run_kill(False, workdir)]
+            print("[autoscale] prefill/decode: fixed roles, convertible decoders", flush=True)
+            extras["pd"] = [await run_pd(False, workdir), await run_pd(True, workdir)]
+            print("[autoscale] two models on one GPU", flush=True)
+            extras["share"] = await run_share(workdir)
+    meta = {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
+        "minutes": round((time.time() - began) / 60, 1),
+        "host": f"{platform.node()} ({os.cpu_count()} CPUs)",
+        "day_s": day_s,
+        "requests": len(arrivals),
+        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+        "time_scale": TIME_SCALE,
+        "interval_s": INTERVAL_S,
+        "stabilization_s": STABILIZATION_S,
+    }
+    curve = offered(loads(args.scale), day_s, 1.0)
+    raw = RESULTS / "autoscale-raw.json"
+    raw.write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "runs": [
+                    {
+                        "mode": r.mode,
+                        "outcomes": [o.row() for o in r.outcomes],
+                        "samples": [asdict(s) for s in r.samples],
+                        "pools": r.pools,
+                    }
+                    for r in runs
+                ],
+            },
+            default=str,
+        )
+    )
+    report.write(RESULTS, meta, runs, curve, extras)
+    print(f"[autoscale] wrote {RESULTS / 'autoscale.md'}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--day-s", type=float, default=240.0, help="wall seconds the day is compressed into")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's arrival rate")
+    parser.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
+    parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
+    args = parser.parse_args()
+    if args.quick:
+        args.day_s, args.modes, args.skip_extras = 60.0, args.modes or "static-peak,tokens", True
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
