@@ -37,7 +37,7 @@ from bench.autoscale import report
 from bench.autoscale.client import Outcome, Sample, bodies, replay, sample_replicas
 from bench.autoscale.workload import Arrival, Burst, ModelLoad, diurnal, offered, schedule, working_hours
 from policies.policy import hash_key
-from tests.support.procs import Gateway, http_get, start_gateway
+from tests.support.procs import Gateway, free_port, http_get, start_gateway
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 KEY = "sk-bench-autoscale"
@@ -98,8 +98,14 @@ def policies() -> dict[str, Any]:
     }
 
 
+def ports() -> dict[str, int]:
+    """Port bases of our own (the defaults are shared by every gateway on this host)."""
+    names = ("port_base", "kv_events_port_base", "kv_events_replay_port_base", "kv_transfer_port_base")
+    return {name: free_port() for name in names}
+
+
 def gateway(workdir: Path, pools: list[dict[str, Any]], **sections: Any) -> Gateway:
-    backends = {"devices": DEVICES, "log_dir": str(workdir / "logs"), "run_dir": str(workdir / "run")}
+    backends = {"devices": DEVICES, "log_dir": str(workdir / "logs"), "run_dir": str(workdir / "run"), **ports()}
     return start_gateway(
         workdir,
         pools=pools,

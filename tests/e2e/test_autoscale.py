@@ -18,9 +18,16 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support.procs import TEST_KEY, Gateway, http_get, metric_total, policies_doc, start_gateway
+from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, metric_total, policies_doc, start_gateway
 
 pytestmark = pytest.mark.e2e
+
+
+def ports() -> dict[str, int]:
+    """Port bases of our own (the defaults are shared by every gateway on this host)."""
+    return {name: free_port() for name in ("port_base", "kv_events_port_base", "kv_events_replay_port_base",
+                                            "kv_transfer_port_base")}  # fmt: skip
+
 
 MODEL = "llama-3.1-8b"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -49,7 +56,7 @@ def elastic_pool(**autoscale: Any) -> dict[str, Any]:
 @pytest.fixture
 def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]:
     pool = elastic_pool(**getattr(request, "param", {}))
-    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports()}
     gw = start_gateway(tmp_path, pools=[pool], backends=backends)
     try:
         yield gw
@@ -159,7 +166,7 @@ def stream_story(gw: Gateway, out: list[str], max_tokens: int = 1500) -> None:
 def test_scale_down_drains_and_never_cuts_a_stream(tmp_path: Path, drain_timeout_s: float) -> None:
     pool = elastic_pool(min_replicas=1, idle_s=600)
     pool.update(replicas=2, drain_timeout_s=drain_timeout_s, extra_args=["--time-scale", "1"])
-    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports()}
     # no scale-down in the first seconds (the cooldown counts from the launch): the streams begin first
     pool["autoscale"]["scale_down_cooldown_s"] = 8
     # streams alternate between the two replicas, so the one drained has two in flight
@@ -192,7 +199,7 @@ def test_models_sharing_a_device_take_turns(tmp_path: Path) -> None:
     first.update(name="llama", replicas=1, devices=[0], share=share)
     second.update(name="qwen", model="qwen2.5-7b", preset="qwen2.5-7b@h100", devices=[0], share=share)
     policies = policies_doc(models={MODEL: {}, "qwen2.5-7b": {}}, tenants={"t1": {}, "t2": {}})
-    backends = {"devices": [0], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
+    backends = {"devices": [0], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports()}
     gw = start_gateway(tmp_path, pools=[first, second], policies=policies, backends=backends)
     client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
 

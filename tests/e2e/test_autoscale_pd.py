@@ -18,6 +18,13 @@ from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, start_ga
 
 pytestmark = pytest.mark.e2e
 
+
+def ports() -> dict[str, int]:
+    """Port bases of our own (the defaults are shared by every gateway on this host)."""
+    return {name: free_port() for name in ("port_base", "kv_events_port_base", "kv_events_replay_port_base",
+                                            "kv_transfer_port_base")}  # fmt: skip
+
+
 MODEL = "llama-3.1-8b"
 
 
@@ -53,8 +60,8 @@ def roles(gw: Gateway) -> dict[str, int]:
 
 def test_prefill_burst_converts_a_decoder(tmp_path: Path) -> None:
     backends = {
-        "devices": [0, 1, 2], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"),
-        "kv_transfer_port_base": free_port(), "ready_poll_interval_s": 0.1,
+        "devices": [0, 1, 2], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports(),
+        "ready_poll_interval_s": 0.1,
     }  # fmt: skip
     routing = {"pools": {"pd": {"pd": {"min_uncached_tokens": 64, "convertible": {"backlog_tokens": 1500}}}}}
     gw = start_gateway(

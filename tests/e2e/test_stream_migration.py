@@ -19,9 +19,16 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support.procs import TEST_KEY, Gateway, http_get, metric_total, policies_doc, start_gateway
+from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, metric_total, policies_doc, start_gateway
 
 pytestmark = pytest.mark.e2e
+
+
+def ports() -> dict[str, int]:
+    """Port bases of our own (the defaults are shared by every gateway on this host)."""
+    return {name: free_port() for name in ("port_base", "kv_events_port_base", "kv_events_replay_port_base",
+                                            "kv_transfer_port_base")}  # fmt: skip
+
 
 MODEL = "llama-3.1-8b"
 STREAMS = 6
@@ -96,7 +103,7 @@ def test_streams_cut_by_a_kill(tmp_path: Path, migrate: bool) -> None:
         tmp_path,
         pools=[pool(migrate)],
         policies=policies_doc(models={MODEL: {"default_max_tokens": 1024}}),
-        backends={"log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")},
+        backends={"log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports()},
     )
     try:
         client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
