@@ -195,7 +195,10 @@ def test_models_sharing_a_device_take_turns(tmp_path: Path) -> None:
     """Two models on one device, at most one awake: a request for the sleeping one wakes it and puts
     the other to sleep once its requests are done; switching back is a wake, not a cold start."""
     share = {"max_awake": 1, "min_awake_s": 0}
-    first, second = elastic_pool(sleep=True, max_replicas=1), elastic_pool(sleep=True, max_replicas=1)
+    # idle_s beyond the test: the turns come from the shared device, not from idling (on a loaded host
+    # an idle_s shorter than the start-up puts llama to sleep before the first look)
+    turns = {"sleep": True, "max_replicas": 1, "idle_s": 600}
+    first, second = elastic_pool(**turns), elastic_pool(**turns)
     first.update(name="llama", replicas=1, devices=[0], share=share)
     second.update(name="qwen", model="qwen2.5-7b", preset="qwen2.5-7b@h100", devices=[0], share=share)
     policies = policies_doc(models={MODEL: {}, "qwen2.5-7b": {}}, tenants={"t1": {}, "t2": {}})
