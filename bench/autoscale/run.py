@@ -4,7 +4,7 @@
 
 Two models (Llama-3.1-8B, chat: Azure's conversation trace; Qwen2.5-7B, code: Azure's code trace,
 used in working hours only) on simulated H100s (`max_num_seqs` 8, the engines at half speed, start-up
-from the weights at 4 GB/s plus 2 s, all in simulated seconds) replay the same arrivals through a
+from the weights at 8 GB/s plus 1 s, all in simulated seconds) replay the same arrivals through a
 fresh gateway per mode:
 
     static-peak     replicas for the peak (6 + 2)          static-mean   replicas for the mean (2 + 1)
@@ -45,7 +45,9 @@ CHAT, CODE = "llama-3.1-8b", "qwen2.5-7b"
 TIME_SCALE = 0.5
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.060
 DEVICES = list(range(8))
-ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), "--simulate-startup", "--load-bandwidth-gbps", "4", "--init-s", "2"]
+LOAD_GBPS, INIT_S = 8.0, 1.0  # start-up, simulated: the weights from the page cache, a short init
+STARTUP_ARGS = ["--simulate-startup", "--load-bandwidth-gbps", f"{LOAD_GBPS:g}", "--init-s", f"{INIT_S:g}"]
+ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), *STARTUP_ARGS]
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
 
 
@@ -285,6 +287,8 @@ async def main_async(args: argparse.Namespace) -> None:
         "time_scale": TIME_SCALE,
         "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S,
+        "load_gbps": LOAD_GBPS,
+        "init_s": INIT_S,
     }
     curve = offered(loads(args.scale), day_s, 1.0)
     raw = RESULTS / "autoscale-raw.json"
@@ -315,6 +319,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's arrival rate")
     parser.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=7)
+
     parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
     args = parser.parse_args()
