@@ -1,11 +1,16 @@
 """Latency probes: what one request pays for crossing a proxy, without wrk's queueing.
 
+    python -m bench.overhead.openloop URL KEY RATE DURATION_S
+    python -m bench.overhead.openloop --sequential URL KEY REQUESTS
+
 Closed-loop load (wrk with N connections) keeps N requests in flight, so its latency is N / RPS:
 it measures throughput. Two probes measure the crossing itself; each hits the upstream directly and
 through each proxy, so its own client-side cost cancels in the difference:
 
 - open loop: requests start at a fixed, light rate whatever the answers (the proxy sits idle between
-  them, so each request also pays for waking it);
+  them, so each request also pays for waking it). The schedule is the benchmarks' open loop
+  (`bench.loadgen.open_loop`); the request is not theirs: a tiny unary chat completion timed to its
+  last byte, with nothing parsed, since only the difference with and without a proxy counts;
 - sequential: one connection, each request sent the moment the previous answer arrived, from a
   raw-socket client (the path's own latency: no queueing, no idle wake-ups, ~no client cost).
 """
@@ -19,6 +24,8 @@ import time
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from bench.loadgen import open_loop
 
 BODY = (
     b'{"model":"bench-model","messages":[{"role":"system","content":"You are a helpful assistant."},'
@@ -47,16 +54,8 @@ async def probe(url: str, key: str, rate_rps: float, duration_s: float) -> list[
         for _ in range(50):  # warm the connection pool
             await one(session)
         latencies.clear()
-        tasks = []
-        loop = asyncio.get_running_loop()
-        start = loop.time()
         n = int(rate_rps * duration_s)
-        for i in range(n):
-            delay = start + i / rate_rps - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(session)))
-        await asyncio.gather(*tasks)
+        await open_loop([i / rate_rps for i in range(n)], lambda _: one(session))
     if errors:
         print(f"open-loop probe: {errors} non-200 answers", file=sys.stderr)
     return latencies

@@ -40,8 +40,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench import loadgen
 from bench.predictor import report
-from bench.predictor.loadgen import closed_loop, outcome_rows, replay
 from bench.predictor.workload import (
     PromptBuilder,
     TraceRequest,
@@ -135,6 +135,29 @@ def start_bench_gateway(
     )
 
 
+def shots_of(
+    requests: list[TraceRequest], arrivals: list[float], prompts: PromptBuilder, salt: str, *, debug: bool = True
+) -> list[loadgen.Shot]:
+    """Streamed completions of the trace's lengths; `KEYS[sheddable]` authenticates each, and the
+    debug header asks for the gateway's prediction (the accuracy columns)."""
+    return [
+        loadgen.Shot(
+            at,
+            loadgen.completion_body(MODEL, prompts.prompt(r, salt), r.output_tokens),
+            loadgen.bearer(KEYS[r.sheddable], debug=debug),
+        )
+        for r, at in zip(requests, arrivals, strict=True)
+    ]
+
+
+def outcome_rows(requests: list[TraceRequest], outcomes: list[loadgen.Outcome]) -> list[dict[str, Any]]:
+    """The report's rows: each outcome with its trace request's tenant and lengths."""
+    return [
+        {**o.row(), "sheddable": r.sheddable, "input_tokens": r.input_tokens, "output_tokens": r.output_tokens}
+        for r, o in zip(requests, outcomes, strict=True)
+    ]
+
+
 def admin(gw: Gateway, path: str) -> Any:
     with urllib.request.urlopen(gw.url + path, timeout=10) as response:
         return json.loads(response.read())
@@ -163,9 +186,8 @@ def measure_capacity(sims: SimEngines, args: argparse.Namespace, workdir: Path) 
     gw = start_bench_gateway(workdir / "capacity", sims, args, workdir / "models-scratch", mode="off")
     try:
         started = time.perf_counter()
-        outcomes = asyncio.run(
-            closed_loop(gw.url, MODEL, requests, args.engines * 320, INTERACTIVE_KEY, PromptBuilder(7), "capacity")
-        )
+        shots = shots_of(requests, [0.0] * len(requests), PromptBuilder(7), "capacity", debug=False)
+        outcomes = asyncio.run(loadgen.closed_loop(gw.url, shots, args.engines * 320, label="capacity"))
         wall_s = time.perf_counter() - started
     finally:
         gw.stop()
@@ -208,8 +230,9 @@ def run_one(
     try:
         before = admin(gw, "/admin/predictor")
         started = time.perf_counter()
-        outcomes = asyncio.run(replay(gw.url, MODEL, requests, arrivals, KEYS, PromptBuilder(seed), name, name))
-        rows = outcome_rows(outcomes)
+        shots = shots_of(requests, arrivals, PromptBuilder(seed), name)
+        outcomes = asyncio.run(loadgen.replay(gw.url, shots, label=name, timeout_s=600))
+        rows = outcome_rows(requests, outcomes)
         wall_s = time.perf_counter() - started
         status = admin(gw, "/admin/predictor")
         samples = admin(gw, "/admin/predictor/samples")["pools"] if args.raw else {}

@@ -5,7 +5,7 @@
 
 One `backends.sim` process runs `--engines` simulated `llama-3.1-8b@h100` engines (prefix caching,
 KV events on). For every (trace, load, router) a fresh router process is started in front of them,
-the engines' caches are emptied (`POST /reset_prefix_cache`), and the load generator (its own
+the engines' caches are emptied (`POST /reset_prefix_cache`), and the load generator (`bench.loadgen` in its own
 process, aiohttp, open loop, streaming) replays the same requests at the same arrival times.
 
 Time: the engines run on a simulated clock `--time-scale` times the wall clock (below 1: slower
@@ -38,10 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen import Shot, bearer, completion_body, write_plan
 from bench.replay import fleet as fleet_mod
 from bench.replay import fronts, report
 from bench.replay.stats import RunSummary, capacity_from_burst, queue_p90, summarize
 from bench.replay.workload import (
+    PromptBuilder,
     TraceRequest,
     infinite_cache_hit_ratio,
     load_azure,
@@ -130,23 +132,19 @@ def replay(
     run_dir = _run_dir(workdir, label)
     front = fronts.start_front(spec, fleet, run_dir)
     try:
-        plan = {
-            "url": front.url, "model": fleet.served_model, "seed": seed, "label": label,
-            "api_key": fronts.API_KEY,
-            "requests": [
-                {"index": r.index, "arrival_s": a, "input_tokens": r.input_tokens, "output_tokens": r.output_tokens,
-                 "hash_ids": list(r.hash_ids)}
-                for r, a in zip(requests, arrivals_real_s, strict=True)
-            ],
-        }  # fmt: skip
+        prompts = PromptBuilder(seed)
+        shots = [
+            Shot(at, completion_body(fleet.served_model, prompts.prompt(r), r.output_tokens), bearer(fronts.API_KEY))
+            for r, at in zip(requests, arrivals_real_s, strict=True)
+        ]
         plan_path, results_path = run_dir / "plan.json", run_dir / "results.json"
-        plan_path.write_text(json.dumps(plan))
+        write_plan(plan_path, front.url, shots, label=label)
         before = fleet_mod.snapshot(fleet)
         cpu_before = fleet_mod.host_cpu_busy_s()
         procs_before = (fleet_mod.process_cpu_s(fleet.proc.pid), sum(map(fleet_mod.process_cpu_s, front.pids)))
         children_before = os.times()
         loadgen = subprocess.Popen(
-            [sys.executable, "-m", "bench.replay.loadgen", str(plan_path), str(results_path)],
+            [sys.executable, "-m", "bench.loadgen", str(plan_path), str(results_path)],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
         if loadgen.wait() != 0:
@@ -164,7 +162,7 @@ def replay(
         front.stop()
     outcomes: list[dict[str, Any]] = json.loads(results_path.read_text())
     starts = [o["scheduled_s"] + o["late_s"] for o in outcomes]
-    ends = [s + o["client_e2e_s"] for s, o in zip(starts, outcomes, strict=True)]
+    ends = [s + o["e2e_s"] for s, o in zip(starts, outcomes, strict=True)]
     wall_s = max(ends) - min(starts)
     total = cpu_after[1] - cpu_before[1]
     cpu_busy = (cpu_after[0] - cpu_before[0]) / total if total > 0 else float("nan")

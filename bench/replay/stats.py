@@ -67,9 +67,9 @@ def summarize(
 ) -> RunSummary:
     ok = [o for o in outcomes if o["ok"]]
     ttft = [o["engine"].get("ttft_s", float("nan")) for o in ok]
-    client_ttft = [o["client_ttft_s"] * time_scale for o in ok]
+    client_ttft = [o["ttft_s"] * time_scale for o in ok]
     tpot = [o["engine"].get("tpot_s", 0.0) * 1000 for o in ok if o["completion_tokens"] > 1]
-    client_tpot = [o["client_tpot_s"] * time_scale * 1000 for o in ok if o["completion_tokens"] > 1]
+    client_tpot = [o["tpot_s"] * time_scale * 1000 for o in ok if o["tpot_s"]]
     sim_s = max(wall_s * time_scale, 1e-9)
     tokens = sum(o["completion_tokens"] for o in ok)
     return RunSummary(
@@ -109,7 +109,7 @@ def capacity_from_burst(outcomes: Sequence[dict[str, Any]], time_scale: float, s
     """Completed requests per simulated second while the fleet was saturated by an all-at-once burst:
     `share` of the requests over the time their `share`-quantile finished (the tail, when the fleet
     drains with little left to batch, is left out)."""
-    done = sorted(o["scheduled_s"] + o["late_s"] + o["client_e2e_s"] for o in outcomes if o["ok"])
+    done = sorted(o["scheduled_s"] + o["late_s"] + o["e2e_s"] for o in outcomes if o["ok"])
     if not done:
         raise RuntimeError("capacity burst: no request succeeded")
     start = min(o["scheduled_s"] + o["late_s"] for o in outcomes)
