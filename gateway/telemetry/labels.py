@@ -30,6 +30,15 @@ class LabelGuard:
         self._allowed = frozenset(allowed) if allowed is not None else None
         self._seen = {}
 
+    def __len__(self) -> int:
+        """Values in the memo (admitted and refused): at most 4 x `max_values`."""
+        return len(self._seen)
+
+    @property
+    def memo_chars(self) -> int:
+        """Characters held by the memo's keys: at most `len(self)` x `MAX_VALUE_CHARS`."""
+        return sum(map(len, self._seen))
+
     def __call__(self, value: str) -> str:
         if len(value) > MAX_VALUE_CHARS:
             value = value[:MAX_VALUE_CHARS]

@@ -92,7 +92,7 @@ class GatewayMetrics:
         labels_cfg = self.config.labels
         self._key_id_labels = labels_cfg.key_id
         self.guards: dict[str, LabelGuard] = {name: LabelGuard(labels_cfg.max_values) for name in _GUARDED_LABELS}
-        self._series: dict[tuple[object, ...], _RecordSeries] = {}
+        self._series: dict[tuple[object, ...], _RecordSeries] = {}  # label tuple -> children, a shortcut
 
         genai_labels = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
                         "gen_ai_response_model", "pool")  # fmt: skip
@@ -385,6 +385,11 @@ class GatewayMetrics:
         self._series.clear()
 
     # -- exposition ----------------------------------------------------------------------------
+
+    @property
+    def cached_series(self) -> int:
+        """Entries of the per-record series shortcut (bounded: cleared when it reaches its cap)."""
+        return len(self._series)
 
     def render(self) -> bytes:
         """The Prometheus text exposition for `GET /metrics` (content type `CONTENT_TYPE`)."""

@@ -131,7 +131,13 @@ class RedisCounters:
         return time.monotonic() - found.heard_at_s
 
     def status(self) -> dict[str, object]:
-        return {"store": self.source, "calls": self.calls, "errors": self.errors, "dropped": self.dropped}
+        return {
+            "store": self.source,
+            "calls": self.calls,
+            "errors": self.errors,
+            "dropped": self.dropped,
+            "pending": len(self._calls),  # Redis calls sent and not yet answered
+        }
 
     async def close(self) -> None:
         if self._refresher is not None:

@@ -47,6 +47,11 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._pins)
 
+    @property
+    def key_chars(self) -> int:
+        """Characters held by the session keys (each a bounded `session_key`): memory, not count."""
+        return sum(map(len, self._pins))
+
     def get(self, key: str | None) -> str | None:
         return self._pins.get(key) if key is not None else None
 

@@ -82,7 +82,9 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
     ex.apply([plan("a", 3)])
     await eventually(lambda: states(fleet, "a").count("ready") == 2 and ex.settled, "a second replica", 60)
     assert sorted(e.devices for e in endpoints if e.state is EndpointState.READY) == [(4,), (5,)]
-    assert [ev.action for ev in ex.events].count("blocked") >= 1  # the third found no free device
+    blocked = [ev for ev in ex.events if ev.action == "blocked"]
+    assert blocked, "the third replica found no free device"
+    assert {(ev.endpoint, ev.detail) for ev in blocked} == {("a/both-2", "no free devices in auto")}
     assert ex.role_state("a", Role.BOTH).active == 2
 
     ex.apply([plan("a", 1)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from typing import Any
 
@@ -181,7 +182,8 @@ async def test_unreachable_collector_does_not_fail_requests_or_shutdown() -> Non
     assert not tracing.enabled
 
 
-def test_disabled_tracing_is_a_shared_noop() -> None:
+async def test_disabled_tracing_is_a_shared_noop() -> None:
+    before = set(threading.enumerate())
     tracing = Tracing(OtlpConfig(endpoint=None))
     assert not tracing.enabled
     trace = tracing.start_request("r", {"content-type": "application/json"})
@@ -190,7 +192,8 @@ def test_disabled_tracing_is_a_shared_noop() -> None:
         span.event("first_token")
     assert trace.traceparent() is None
     trace.end(finished_record("r"))
-    assert tracing._tracer_provider is None and tracing._metrics_pusher is None
+    assert not set(threading.enumerate()) - before  # no exporter, no processor, no pusher thread
+    await asyncio.wait_for(tracing.shutdown(timeout_s=1.0), 5)  # nothing to flush or stop
 
 
 @pytest.mark.parametrize(

@@ -26,12 +26,12 @@ async def test_two_replicas_see_each_others_charges(redis_url: str, redis_prefix
     try:
         one.charge("pool", 2, "a", 300.0, dispatch=True)
         assert one.value("pool", 2, "a") == 300.0  # visible locally at once, before Redis answers
-        await until(lambda: one.status()["calls"] == 1 and not one._calls)
+        await until(lambda: one.status()["calls"] == 1 and not one.status()["pending"])
         two.watch("pool", 2, True)  # requests wait on replica two: it re-reads the band
         await until(lambda: two.value("pool", 2, "a") == 300.0)
         two.charge("pool", 2, "b", 50.0, dispatch=True)
         two.charge("pool", 2, "a", -100.0, dispatch=False)  # a correction made on the other replica
-        await until(lambda: not two._calls)
+        await until(lambda: not two.status()["pending"])
         one.charge("pool", 2, "c", 1.0, dispatch=True)  # any reply brings the whole band
         await until(lambda: one.value("pool", 2, "b") == 50.0 and one.value("pool", 2, "a") == 200.0)
         assert one.last_served("pool", 2) == 0.0  # c's counter before its charge
@@ -48,10 +48,10 @@ async def test_a_lift_is_kept_until_redis_has_it_and_never_lowers(redis_url: str
         store.charge("pool", 2, "busy", 1000.0, dispatch=True)
         store.lift("pool", 2, "back", 1000.0)
         assert store.value("pool", 2, "back") == 1000.0  # ordering sees the lift at once
-        await until(lambda: not store._calls)
+        await until(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "back") == 1000.0  # and after Redis answered
         store.lift("pool", 2, "back", 10.0)  # a lower floor changes nothing
-        await until(lambda: not store._calls)
+        await until(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "back") == 1000.0
     finally:
         await store.close()
@@ -62,7 +62,7 @@ async def test_an_unreachable_redis_keeps_changes_local() -> None:
     try:
         store.charge("pool", 2, "a", 40.0, dispatch=True)
         store.lift("pool", 2, "b", 10.0)
-        await until(lambda: not store._calls)
+        await until(lambda: not store.status()["pending"])
         assert store.status()["errors"] == 2
         assert store.value("pool", 2, "a") == 40.0 and store.value("pool", 2, "b") == 10.0
         assert store.age_s("pool", 2) == float("inf")  # never heard from Redis
