@@ -124,7 +124,9 @@ async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
     holder = PolicyHolder.from_file(settings.resolve_path(settings.policies))
     app[appkeys.POLICIES] = holder
     state = settings.state
-    store = make_store(state.redis_url if state.backend == "redis" else None, prefix=state.key_prefix)
+    store = make_store(
+        state.redis_url if state.backend == "redis" else None, prefix=state.key_prefix, timeout_s=state.redis_timeout_s
+    )
     admission = Admission(holder, store)
     app[appkeys.ADMISSION] = admission
 

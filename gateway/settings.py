@@ -59,6 +59,13 @@ class StateSettings(_Strict):
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
     key_prefix: str = "tokenway"
+    redis_timeout_s: float = Field(
+        default=0.1,
+        gt=0,
+        le=30,
+        description="bound on each admission call to Redis (connect and read); a call past it counts "
+        "as a store failure for the breaker and `store_failure`",
+    )
     replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
 
     @property
