@@ -15,12 +15,12 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway import appkeys, intake
+from gateway import appkeys
 from gateway.apis.messages import MessagesCall, anthropic_error, translate
 from gateway.apis.responses import ResponsesCall, delete_response, get_response
 from gateway.apis.store import ResponseStore
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, error_response
-from gateway.request.intake import authenticate
+from gateway.request.intake import authenticate, request_id
 from gateway.routes import START_TIME
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -40,7 +40,7 @@ class MethodNotAllowed(GatewayError):
 
 
 def _request_id(request: web.Request) -> str:
-    return intake.request_id(request.headers)  # a client's, when short visible ASCII
+    return request_id(request.headers)  # the walk's safe reader: never echoes undecodable or long ids
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,6 @@ from typing import Any
 from aiohttp import web
 
 from backends.fleet import Fleet
-from gateway import intake as headers_intake
 from gateway.apis.base import ApiCall
 from gateway.errors import GatewayError, InternalError, Rejected
 from gateway.record import RequestRecord
@@ -30,6 +29,7 @@ from gateway.request.detour import Detour
 from gateway.request.dispatch import Dispatch
 from gateway.request.hooks import Hooks
 from gateway.request.intake import Intake
+from gateway.request.intake import request_id as request_id_of
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.holder import PolicyHolder
@@ -87,7 +87,7 @@ class Director:
 
     def _arrive(self, request: web.Request, api: ApiSpec) -> RequestContext:
         arrived_s = time.perf_counter()
-        request_id = headers_intake.request_id(request.headers)  # kept when it is safe to echo
+        request_id = request_id_of(request.headers)  # kept when it is safe to echo
         record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())
         trace = self.start_trace(request_id, request.headers) if self.start_trace else NOOP_TRACE
         return RequestContext(request, api, record, trace, arrived_s, [("x-request-id", request_id)])

@@ -3,12 +3,20 @@
 read (size limit, read deadline) → one orjson parse → validate (the API's own checks) → authenticate
 → resolve the model (alias, allow-list, served here) → estimate (prompt tokens, output reservation,
 the effective SLO). Every failure is a 4xx from the error tree; nothing after intake re-reads the body.
+
+Headers are read safely: values reach aiohttp as bytes and come out as `str` with undecodable bytes
+kept as lone surrogates, which fail the moment anything encodes them (a digest, a log line, a ledger
+record, a forwarded header). So every header read here is either checked (an API key with such bytes
+is simply not a key: 401) or replaced (a request id that is not short visible ASCII gets a generated
+one). Session keys are bounded where they are kept (`policies/routing/session.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import re
 from collections.abc import Mapping
 from typing import Final, Protocol
 
@@ -17,7 +25,6 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from backends.fleet import Fleet
-from gateway import intake as headers_intake
 from gateway.errors import (
     InvalidApiKey,
     InvalidRequest,
@@ -41,6 +48,9 @@ SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
 _MAX_SLO_MS: Final = 86_400_000.0  # a day: anything longer is a typo, not an objective
 _DEFAULT_MAX_TOKENS: Final = 1024  # a model without a policies.yaml entry
+MAX_REQUEST_ID_CHARS: Final = 128
+_REQUEST_ID: Final = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+INVALID_KEY: Final = "\x00invalid"  # no stored key can hash to this: keys never contain NUL
 
 
 class OutputLengths(Protocol):
@@ -49,9 +59,47 @@ class OutputLengths(Protocol):
     def output_tokens_estimate(self, tenant: str, model: str) -> LengthEstimate | None: ...
 
 
+def encodable(value: str) -> bool:
+    """True when `value` is valid text (no undecodable bytes smuggled in as surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's `x-request-id` when it is 1-128 visible ASCII characters, else a generated one
+    (it is echoed in a response header, forwarded to the engine and written to the ledger)."""
+    presented = headers.get("x-request-id")
+    if presented and _REQUEST_ID.fullmatch(presented):
+        return presented
+    return os.urandom(16).hex()
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The API key of `Authorization: Bearer KEY` or `x-api-key: KEY`, or None when none is given.
+
+    A key that is not valid text cannot match any stored digest: it is returned as a marker that
+    authenticates nobody, so the caller answers 401 like any wrong key.
+    """
+    auth = headers.get("Authorization")
+    key: str | None = None
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            key = token.strip()
+    if key is None:
+        raw = headers.get("x-api-key")
+        key = raw.strip() if raw else None
+    if key is not None and not encodable(key):
+        return INVALID_KEY
+    return key or None
+
+
 def authenticate(request: web.Request | Mapping[str, str], policy: Policy) -> Principal:
     """The caller's principal from its headers (an aiohttp request's, or the endpoint picker's)."""
-    key = headers_intake.presented_key(request.headers if isinstance(request, web.Request) else request)
+    key = presented_key(request.headers if isinstance(request, web.Request) else request)
     if key is None:
         raise InvalidApiKey(
             "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."

@@ -205,6 +205,30 @@ def test_a_request_id_that_is_not_short_ascii_is_replaced_and_recorded(
     assert len(found) == 1 and found[0]["status"] == "ok"
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        pytest.param("GET", "/v1/models/llama-3.1-8b", None, id="retrieve-model"),
+        pytest.param("GET", "/v1/no-such-route", None, id="unknown-url"),
+        pytest.param("POST", "/v1/messages/count_tokens", orjson.dumps({"model": "llama-3.1-8b"}), id="count-tokens"),
+        pytest.param("GET", "/v1/responses/resp_missing", None, id="stored-response"),
+    ],
+)
+def test_the_api_routes_outside_the_walk_replace_a_bad_request_id_too(
+    fleet: tuple[Gateway, SimEngines], method: str, path: str, body: bytes | None
+) -> None:
+    gateway, _ = fleet
+    headers = {
+        "Authorization": f"Bearer {TEST_KEY}",
+        "x-request-id": NOT_TEXT + "abc",
+        "Content-Type": "application/json",
+    }
+    status, answered, parsed = call(gateway, method, path, headers, body)
+    assert 200 <= status < 500, parsed
+    replaced = answered["x-request-id"]
+    assert len(replaced) == 32 and replaced.isascii(), replaced
+
+
 def test_a_good_request_id_is_kept(fleet: tuple[Gateway, SimEngines]) -> None:
     gateway, _ = fleet
     status, headers, _ = post_chat(gateway, {"Authorization": f"Bearer {TEST_KEY}", "x-request-id": "req_Ab-9.x:1"})
