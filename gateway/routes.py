@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway import access, appkeys
 from gateway.errors import GatewayError, InvalidApiKey, error_response
+from gateway.request.apis import APIS
 from gateway.request.intake import authenticate
 from policies.types import ApiKind
 
@@ -24,7 +25,9 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
-def inference(api: ApiKind) -> Handler:
+def inference(kind: ApiKind) -> Handler:
+    api = APIS[kind]  # looked up once, not per request
+
     async def handler(request: web.Request) -> web.StreamResponse:
         return await request.app[appkeys.DIRECTOR].handle(request, api)
 

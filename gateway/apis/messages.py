@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -23,10 +24,11 @@ from backends.types import Endpoint
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.responses import _chat_usage
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import EngineRejected, GatewayError, InvalidRequest
 from gateway.relay import StreamCodec
+from gateway.request.apis import UnaryTransform
 from policies.estimate import PromptCount, PromptEstimator
-from policies.types import ApiKind, Principal, Usage
+from policies.types import ApiKind, Principal, RequestFacts, Usage
 
 
 def anthropic_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -56,7 +58,8 @@ def translate(body: Any, *, count_only: bool = False) -> dict[str, Any]:
 
 
 class MessagesCall:
-    api: ApiKind = "messages"
+    kind: ApiKind = "messages"
+    generates = True
 
     def __init__(self) -> None:
         self.body: dict[str, Any] = {}
@@ -74,13 +77,16 @@ class MessagesCall:
     async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
         return None
 
-    async def estimate(self, estimator: PromptEstimator, model: str) -> PromptCount:
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
         return await estimator.count("chat", self.chat, model)
 
     def max_tokens(self, body: dict[str, Any]) -> int | None:
         return int(body["max_tokens"])
 
-    def upstream(self, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return False  # the API's own stream carries usage in its last event (the codec writes it)
+
+    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
         self.native = endpoint.engine in NATIVE_ENGINES and not pd
         if self.native:
             return "/v1/messages", "messages", {**self.body, "model": endpoint.served_model}
@@ -90,6 +96,9 @@ class MessagesCall:
         if self.native:
             return NativeMessages(reserved_tokens)
         return MessagesFromChat(self.body, public_model, reserved_tokens, prompt_tokens)
+
+    def unary_transform(self, public_model: str) -> UnaryTransform:
+        return partial(self.unary, public_model=public_model)
 
     def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
         if self.native:
@@ -106,7 +115,8 @@ class MessagesCall:
         headers = list(headers)
         return anthropic_error(error, headers, _request_id(headers))
 
-    def upstream_error(self, status: int, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        status = error.status
         headers = list(headers)
         message, kind, _code = engine_message(body)
         anthropic_kind = kind if kind in set(anthropic._ERROR_TYPES.values()) else None

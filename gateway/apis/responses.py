@@ -10,6 +10,7 @@ answer and the stream translated back (`backends.protocols.responses`).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -21,10 +22,11 @@ from backends.types import Endpoint
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.store import ResponseStore
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
-from gateway.errors import GatewayError, InvalidRequest, error_response
+from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
 from gateway.relay import StreamCodec
+from gateway.request.apis import UnaryTransform
 from policies.estimate import PromptCount, PromptEstimator
-from policies.types import ApiKind, Principal, Usage
+from policies.types import ApiKind, Principal, RequestFacts, Usage
 
 
 class PreviousResponseNotFound(GatewayError):
@@ -61,7 +63,8 @@ def _check(body: Any) -> dict[str, Any]:
 
 
 class ResponsesCall:
-    api: ApiKind = "responses"
+    kind: ApiKind = "responses"
+    generates = True
 
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
@@ -97,7 +100,7 @@ class ResponsesCall:
         self.prior = list(entry.get("items") or ())
         self.chat = self._translate()
 
-    async def estimate(self, estimator: PromptEstimator, model: str) -> PromptCount:
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
         # vLLM's Responses renderer tokenizes the rendered chat with the tokenizer's special tokens
         # (a second BOS where the template writes one too): count as it does.
         return await estimator.count("chat", {**self.chat, "add_special_tokens": True}, model)
@@ -106,7 +109,10 @@ class ResponsesCall:
         value = body.get("max_output_tokens")
         return value if isinstance(value, int) else None
 
-    def upstream(self, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        return False  # the API's own stream carries usage in its last event (the codec writes it)
+
+    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
         self.native = endpoint.engine in NATIVE_ENGINES and not pd
         if self.native:
             native = {k: v for k, v in self.body.items() if k != "previous_response_id"}
@@ -129,6 +135,9 @@ class ResponsesCall:
             return _Holding(NativeResponses(reserved_tokens, previous), self._keep)
         return _Holding(ResponsesFromChat(self.body, public_model, reserved_tokens, previous), self._keep)
 
+    def unary_transform(self, public_model: str) -> UnaryTransform:
+        return partial(self.unary, public_model=public_model)
+
     def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
         if self.native:
             response = dict(parsed)
@@ -148,7 +157,8 @@ class ResponsesCall:
     def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
         return error_response(error, headers)
 
-    def upstream_error(self, status: int, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        status = error.status
         message, kind, code = engine_message(body)
         payload = {"error": {"message": message, "type": kind or "invalid_request_error", "param": None, "code": code}}
         return json_response(status, payload, headers)

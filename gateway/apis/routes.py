@@ -45,13 +45,13 @@ def _request_id(request: web.Request) -> str:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     call = ResponsesCall(request.app[RESPONSE_STORE])
-    response = await request.app[appkeys.DIRECTOR].handle(request, "responses", call)
+    response = await request.app[appkeys.DIRECTOR].handle(request, call)
     await call.finished()
     return response
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    return await request.app[appkeys.DIRECTOR].handle(request, "messages", MessagesCall())
+    return await request.app[appkeys.DIRECTOR].handle(request, MessagesCall())
 
 
 async def _principal_or_error(request: web.Request, anthropic_shape: bool = False) -> web.Response | object:

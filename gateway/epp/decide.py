@@ -39,7 +39,7 @@ from gateway.errors import EngineRejected, GatewayError, InvalidRequest, NoHealt
 from gateway.record import RequestRecord
 from gateway.relay import RelayOutcome, relay_events
 from gateway.request.accounting import Accounting
-from gateway.request.apis import APIS, ApiSpec
+from gateway.request.apis import APIS, Api
 from gateway.request.context import RequestContext, Routed
 from gateway.request.detour import Detour
 from gateway.request.director import Director
@@ -121,7 +121,7 @@ class EppDecider:
             await self.accounting.close_open(ctx)
             return self._refuse(ctx, GatewayError(f"internal error: {type(exc).__name__}"))
 
-    def _arrive(self, headers: Mapping[str, str], api: ApiSpec, request_id: str) -> RequestContext:
+    def _arrive(self, headers: Mapping[str, str], api: Api, request_id: str) -> RequestContext:
         record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())
         trace: RequestTrace = self.start_trace(request_id, headers) if self.start_trace else NOOP_TRACE
         return RequestContext(None, api, record, trace, time.perf_counter(), [("x-request-id", request_id)])

@@ -1,90 +1,148 @@
-"""The API kinds the gateway serves, one `ApiSpec` each: how a body is checked and counted, where it
-goes upstream, and how an error is rendered to that API's clients.
+"""The API a client called, as the walk sees it: one `Api` per request, asked at every step that
+depends on the API — never "which kind is this?".
 
-The walk asks the spec, never which kind it holds, so a new API surface (another vendor's request
-shape) is a new spec — its validation, its token count, its error shape — and one entry in `APIS`.
+An `Api` reads and checks the body (`parse`, then `prepare` once the caller is known), counts the
+prompt (`estimate`), writes what goes to the chosen endpoint (`upstream`), reads the answer back
+(`stream_codec`, `unary_transform`) and writes errors in its clients' shape (`render_error`,
+`engine_error`). Admission, routing, hooks, fallbacks and accounting are the walk every API shares.
+
+The APIs the engines speak as they are (chat completions, completions, embeddings) are `NativeApi`
+values in `APIS`: stateless, so one object serves every request of its kind and chat pays nothing for
+the generality (a new such API is one entry). An API the gateway translates per request (OpenAI
+Responses, Anthropic Messages: `gateway/apis/`) is an object its route builds for each request,
+holding that request's translation; it plugs into the same walk through this protocol, and the walk
+imports none of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, InternalError, error_response
+from backends.types import Endpoint
+from gateway.errors import EngineRejected, GatewayError, error_response
+from gateway.relay import StreamCodec
 from gateway.validate import validate_body
-from policies.estimate import PromptEstimator
-from policies.types import ApiKind
+from policies.estimate import PromptCount, PromptEstimator
+from policies.types import ApiKind, Principal, RequestFacts, Usage
 
-Counted = tuple[int, Sequence[int] | None]  # (prompt tokens, their ids when counted locally)
+UnaryTransform = Callable[[dict[str, Any]], tuple[bytes, Usage | None]]
+
+
+class Api(Protocol):
+    @property
+    def kind(self) -> ApiKind: ...
+
+    @property
+    def generates(self) -> bool:
+        """Produces output tokens (so has an output reservation, TTFT, TPOT)."""
+        ...
+
+    def parse(self, parsed: Any) -> dict[str, Any]:
+        """The validated body of the parsed JSON (InvalidRequest names the field)."""
+        ...
+
+    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
+        """Work that needs the caller (a stored conversation); GatewayError to refuse."""
+        ...
+
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
+        """Prompt tokens (and their ids, for prefix routing) as `model`'s engine counts them."""
+        ...
+
+    def max_tokens(self, body: dict[str, Any]) -> int | None: ...
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        """The client asked for a usage chunk at the end of its stream."""
+        ...
+
+    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+        """(path, the API the body is written in, body) for this endpoint (before engine shaping)."""
+        ...
+
+    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec | None:
+        """How to rewrite the engine's stream for the client; None: relayed as it is."""
+        ...
+
+    def unary_transform(self, public_model: str) -> UnaryTransform | None:
+        """How to rewrite the engine's answer for the client; None: relayed as it is."""
+        ...
+
+    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The gateway's response headers as this API writes them (Anthropic's rate-limit names)."""
+        ...
+
+    def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response: ...
+
+    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        """The engine's own 4xx (`error`, normalised from its `body`) in this API's shape."""
+        ...
+
+
+def native_body(facts: RequestFacts, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `body` (the client's, or a stream's continuation of it) for `endpoint`: its served
+    model name, and stream usage on (the gateway reads usage whether or not the client wants it)."""
+    body = dict(body)
+    body["model"] = endpoint.served_model
+    if facts.stream:
+        body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
+    return body
 
 
 @dataclass(frozen=True, slots=True)
-class ApiSpec:
+class NativeApi:
+    """An API the engines serve as the client sent it: checked, counted, passed on."""
+
     kind: ApiKind
-    upstream_path: str  # the engine route the request is relayed to
-    validate: Callable[[Any], dict[str, Any]]  # parsed JSON -> the body, or raise InvalidRequest
-    count: Callable[[PromptEstimator, dict[str, Any]], Awaitable[Counted]]  # prompt tokens (and ids)
-    render_error: Callable[[GatewayError, Iterable[tuple[str, str]]], web.Response] = error_response
-    generates: bool = True  # produces output tokens (so has an output reservation, TTFT, TPOT)
+    path: str  # the engine route the request is relayed to
+    generates: bool = True
+
+    def parse(self, parsed: Any) -> dict[str, Any]:
+        return validate_body(self.kind, parsed)
+
+    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
+        return None
+
+    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
+        # the model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate
+        return await estimator.count(self.kind, body, model)
+
+    def max_tokens(self, body: dict[str, Any]) -> int | None:
+        value = body.get("max_completion_tokens") or body.get("max_tokens")
+        assert value is None or isinstance(value, int)  # validated
+        return value
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        options = body.get("stream_options")
+        return isinstance(options, dict) and bool(options.get("include_usage"))
+
+    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+        return self.path, self.kind, native_body(facts, endpoint, facts.body)
+
+    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec | None:
+        return None
+
+    def unary_transform(self, public_model: str) -> UnaryTransform | None:
+        return None
+
+    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return headers
+
+    def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
+        return error_response(error, headers)
+
+    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        return error_response(error, headers)
 
 
-async def _count_chat(estimator: PromptEstimator, body: dict[str, Any]) -> Counted:
-    tokens, ids = await estimator.chat(body["messages"], body.get("tools"), want_ids=True)
-    return tokens, ids
-
-
-async def _count_completion(estimator: PromptEstimator, body: dict[str, Any]) -> Counted:
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return await estimator.texts(prompt), None
-    tokens, ids = await estimator.completion(prompt, want_ids=True)
-    return tokens, ids
-
-
-async def _count_embeddings(estimator: PromptEstimator, body: dict[str, Any]) -> Counted:
-    value = body["input"]
-    if isinstance(value, str):
-        return await estimator.texts([value]), None
-    if value and isinstance(value[0], str):
-        return await estimator.texts(value), None
-    if value and isinstance(value[0], list):
-        return sum(len(v) for v in value), None
-    return len(value), None
-
-
-def _validator(kind: ApiKind) -> Callable[[Any], dict[str, Any]]:
-    def validate(parsed: Any) -> dict[str, Any]:
-        return validate_body(kind, parsed)
-
-    return validate
-
-
-async def _counted_by_call(estimator: PromptEstimator, body: dict[str, Any]) -> Counted:
-    raise InternalError("this API is counted by its per-request ApiCall (gateway/apis/)")
-
-
-def _validated_by_call(parsed: Any) -> dict[str, Any]:
-    raise InternalError("this API is validated by its per-request ApiCall (gateway/apis/)")
-
-
-def _translated(kind: ApiKind) -> ApiSpec:
-    """An API whose every request brings an `ApiCall` (gateway/apis/base.py) that parses, counts,
-    writes the upstream body and renders errors for it: the spec only names the kind."""
-    return ApiSpec(kind, "", _validated_by_call, _counted_by_call)
-
-
-APIS: Mapping[str, ApiSpec] = MappingProxyType(
+APIS: Mapping[str, NativeApi] = MappingProxyType(
     {
-        "chat": ApiSpec("chat", "/v1/chat/completions", _validator("chat"), _count_chat),
-        "completions": ApiSpec("completions", "/v1/completions", _validator("completions"), _count_completion),
-        "embeddings": ApiSpec(
-            "embeddings", "/v1/embeddings", _validator("embeddings"), _count_embeddings, generates=False
-        ),
-        "responses": _translated("responses"),
-        "messages": _translated("messages"),
+        "chat": NativeApi("chat", "/v1/chat/completions"),
+        "completions": NativeApi("completions", "/v1/completions"),
+        "embeddings": NativeApi("embeddings", "/v1/embeddings", generates=False),
     }
 )

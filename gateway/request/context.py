@@ -23,9 +23,8 @@ from policies.types import RequestFacts
 from predictor.types import Prediction
 
 if TYPE_CHECKING:
-    from gateway.apis.base import ApiCall
     from gateway.request.accounting import Reservation
-    from gateway.request.apis import ApiSpec
+    from gateway.request.apis import Api
 
 
 @dataclass(slots=True)
@@ -45,12 +44,11 @@ class RequestContext:
     """Written by the stage (or phase) each comment names; read by anything after it."""
 
     http: web.Request | None  # None in the endpoint picker: Envoy holds the client's connection
-    api: ApiSpec
+    api: Api  # the API the client called (shared for native kinds, per request for translated ones)
     record: RequestRecord  # filled as the request walks, handed to the sinks once (accounting)
     trace: RequestTrace
     arrived_s: float  # perf_counter at arrival
     headers: list[tuple[str, str]]  # carried by every answer: x-request-id, x-tokenway-fallback
-    call: ApiCall | None = None  # a translated API's per-request pieces (Responses, Messages)
     _facts: RequestFacts | None = field(default=None, repr=False)  # intake
     engine_fields: tuple[str, ...] = ()  # intake: engine-control fields the caller's tenant may set
     routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
@@ -75,6 +73,4 @@ class RequestContext:
 
     def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
         """`error` in the shape of the API the client called."""
-        if self.call is not None:
-            return self.call.render_error(error, headers)
         return self.api.render_error(error, headers)

@@ -13,17 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from backends.fleet import Fleet
-from gateway.apis.base import ApiCall
 from gateway.errors import GatewayError, InternalError, Rejected
 from gateway.record import RequestRecord
 from gateway.request.accounting import Accounting
-from gateway.request.apis import APIS, ApiSpec
+from gateway.request.apis import APIS, Api
 from gateway.request.context import RequestContext
 from gateway.request.detour import Detour
 from gateway.request.dispatch import Dispatch
@@ -52,7 +51,6 @@ class Director:
         policies: PolicyHolder,
         fleet: Fleet,
         start_trace: StartTrace | None = None,
-        apis: Mapping[str, ApiSpec] = APIS,
     ) -> None:
         self.intake = intake
         self.dispatch = dispatch
@@ -61,12 +59,11 @@ class Director:
         self.policies = policies
         self.fleet = fleet
         self.start_trace = start_trace
-        self.apis = apis
 
-    async def handle(self, request: web.Request, api: str, call: ApiCall | None = None) -> web.StreamResponse:
-        """Serve one request of API kind `api`; a translated API (`gateway/apis/`) brings its `call`."""
-        ctx = self._arrive(request, self.apis[api])
-        ctx.call = call
+    async def handle(self, request: web.Request, api: Api | str) -> web.StreamResponse:
+        """Serve one request of `api`: a native kind's name (`APIS`), or the object of an API the
+        gateway translates, built for this request (`gateway/apis/`)."""
+        ctx = self._arrive(request, APIS[api] if isinstance(api, str) else api)
         try:
             ctx._facts = await self.intake.read(ctx)
             return await self._chain(ctx)
@@ -85,7 +82,7 @@ class Director:
         finally:
             self.accounting.finish(ctx)
 
-    def _arrive(self, request: web.Request, api: ApiSpec) -> RequestContext:
+    def _arrive(self, request: web.Request, api: Api) -> RequestContext:
         arrived_s = time.perf_counter()
         request_id = request_id_of(request.headers)  # kept when it is safe to echo
         record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())

@@ -36,6 +36,7 @@ from gateway.relay import (
     relay_unary,
 )
 from gateway.request.accounting import Accounting
+from gateway.request.apis import NativeApi, native_body
 from gateway.request.context import RequestContext, Routed
 from gateway.request.detour import Detour
 from gateway.request.hooks import Hooks
@@ -149,23 +150,18 @@ class Dispatch:
         decision = routed.decision
         endpoint = decision.endpoint
         self.commit(ctx, routed)
-        call = ctx.call
+        api = ctx.api
         try:
-            path = ctx.api.upstream_path
-            if call is not None:  # a translated API: its body for this endpoint (native, or chat)
-                path, upstream_api, body = call.upstream(endpoint, decision.prefill_endpoint is not None)
-                body = self.shape_body(endpoint, self._engine_body(ctx, body), upstream_api)
-            else:
-                body = self.upstream_body(ctx, endpoint)
+            # a translated API writes the engine's own API where it has it, else chat completions
+            path, upstream_api, body = api.upstream(facts, endpoint, decision.prefill_endpoint is not None)
+            body = self.shape_body(endpoint, self._engine_body(ctx, body), upstream_api)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
                 decode_body = await self._prefill_leg(ctx, decision, body, path)
                 if decode_body is not None:
                     body, local_prefill = decode_body, 0
             target = self._target(ctx, endpoint, body, path)
-            headers = self.response_headers(ctx, decision)
-            if call is not None:
-                headers = call.response_headers(headers)
+            headers = api.response_headers(self.response_headers(ctx, decision))
             load = endpoint.inflight.begin(local_prefill)
             outcome = ctx.outcome = RelayOutcome()
             if facts.stream and self.hooks.want_first_token:
@@ -183,15 +179,13 @@ class Dispatch:
                             client_wants_usage=facts.include_usage,
                             response_headers=headers,
                             prompt_tokens=facts.prompt_tokens + facts.output_reservation,
-                            codec=call.stream_codec(
+                            codec=api.stream_codec(
                                 ctx.model, facts.prompt_tokens + facts.output_reservation, facts.prompt_tokens
-                            )
-                            if call is not None
-                            else None,
+                            ),
                             resume=self._resumer(ctx, routed, path),
                         )
                     else:
-                        transform = partial(call.unary, public_model=ctx.model) if call is not None else None
+                        transform = api.unary_transform(ctx.model)
                         outcome = ctx.outcome = await relay_unary(self.upstream, target, load, transform)
                     if outcome.first_token_at_s is not None:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - ctx.arrived_s)
@@ -203,10 +197,7 @@ class Dispatch:
                 ctx.outcome = None
                 error = EngineRejected(exc.status, exc.body)
                 await self.accounting.settle_unused(ctx, error)
-                if call is not None:  # in the API's own error shape, from the engine's
-                    ctx.record.error_code = "upstream_4xx"
-                    return call.upstream_error(exc.status, exc.body, headers)
-                return ctx.render_error(error, headers)
+                return api.engine_error(error, exc.body, headers)  # in the API's own error shape
             finally:
                 load.end()
         finally:
@@ -270,7 +261,8 @@ class Dispatch:
         """How a plain stream continues on another replica of its pool if its own cuts it
         (`gateway/migrate.py`); None where the pool or the request does not allow it."""
         facts, pool = ctx.facts, routed.pool
-        if ctx.call is not None or not pool.config.migrates_streams or not can_migrate(facts.body, facts.api):
+        native = isinstance(ctx.api, NativeApi)  # a translated API's stream is not continued
+        if not native or not pool.config.migrates_streams or not can_migrate(facts.body, facts.api):
             return None
 
         def route(avoid: frozenset[str]) -> Endpoint | None:
@@ -290,14 +282,13 @@ class Dispatch:
     def upstream_body(
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """The client's body (or `client_body`, a continuation of it) for this endpoint: served
-        model name, stream usage on, engine shaping."""
-        facts = ctx.facts
-        body = self._engine_body(ctx, facts.body if client_body is None else client_body)
-        body["model"] = endpoint.served_model
-        if facts.stream:
-            body["stream_options"] = {**(facts.body.get("stream_options") or {}), "include_usage": True}
-        return self.shape_body(endpoint, body, facts.api)
+        """The body `endpoint` gets for this request (the endpoint picker's: Envoy sends it), or for
+        `client_body`, a native stream's continuation of it (`gateway/migrate.py`)."""
+        if client_body is None:
+            _path, upstream_api, body = ctx.api.upstream(ctx.facts, endpoint, False)
+        else:
+            body, upstream_api = native_body(ctx.facts, endpoint, client_body), ctx.facts.api
+        return self.shape_body(endpoint, self._engine_body(ctx, body), upstream_api)
 
     def _engine_body(self, ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
         """A copy of `body` whose engine-control fields are the policy's: a client's dropped unless its

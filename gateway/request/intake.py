@@ -159,8 +159,8 @@ class Intake:
             parsed = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-        call = ctx.call
-        body = call.parse(parsed) if call is not None else ctx.api.validate(parsed)
+        api = ctx.api
+        body = api.parse(parsed)
         policy = self.policies.current
         with ctx.trace.span("auth"):
             principal = authenticate(headers, policy)
@@ -174,8 +174,7 @@ class Intake:
             raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
         if not (principal.may_use(model) or principal.may_use(requested)):
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
-        if call is not None:
-            await call.prepare(body, principal)  # work that needs the caller (a stored conversation)
+        await api.prepare(body, principal)  # work that needs the caller (a stored conversation)
         return await self._estimate(ctx, headers, policy, body, principal, requested, model)
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -207,17 +206,8 @@ class Intake:
         model: str,
     ) -> RequestFacts:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
-        options = body.get("stream_options")
-        if ctx.call is not None:
-            # Responses / Messages count the chat they are rendered as, with the model's own counter.
-            prompt_tokens, ids, tokens_source = await ctx.call.estimate(self.estimator, model)
-            max_tokens = ctx.call.max_tokens(body)
-            options = None
-        else:
-            # The model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate.
-            prompt_tokens, ids, tokens_source = await self.estimator.count(ctx.api.kind, body, model)
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")  # type: ignore[assignment]
-        assert max_tokens is None or isinstance(max_tokens, int)  # validated
+        prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
+        max_tokens = ctx.api.max_tokens(body)
         model_config = policy.model_config(model)
         estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
         if max_tokens is None and self.lengths is not None and ctx.api.generates:
@@ -235,7 +225,7 @@ class Intake:
             model=model,
             principal=principal,
             stream=bool(body.get("stream")),
-            include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            include_usage=ctx.api.include_usage(body),
             prompt_tokens=prompt_tokens,
             prompt_token_ids=ids,
             max_tokens=max_tokens,
