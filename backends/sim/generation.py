@@ -19,6 +19,7 @@ import orjson
 from aiohttp import hdrs, web
 
 from backends.protocols import anthropic, responses
+from backends.protocols.responses_stream import ResponsesStream
 from backends.sim import outputs, validation
 from backends.sim.engine import SimEngine
 from backends.sim.outputs import Choice, OutputSpec, SpecError
@@ -49,7 +50,7 @@ class ChatEncoder:
 
 class ResponsesEncoder:
     def __init__(self, original: Mapping[str, Any], model: str, response_id: str) -> None:
-        self.stream = responses.ResponsesStream(original, model, response_id)
+        self.stream = ResponsesStream(original, model, response_id)
 
     def start(self) -> bytes:
         return self.stream.start()

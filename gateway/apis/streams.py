@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from backends.protocols import anthropic, responses
+from backends.protocols import anthropic
+from backends.protocols.responses_stream import ResponsesStream
 from backends.protocols.sse import split_event, typed_event
 from backends.types import LoadTicket
 from gateway.relay import RelayOutcome
@@ -234,7 +235,7 @@ class ResponsesFromChat(_FromChat):
         self, request: Mapping[str, Any], model: str, reserved_tokens: int, previous_response_id: str | None
     ) -> None:
         super().__init__(reserved_tokens)
-        self.stream = responses.ResponsesStream({**request, "previous_response_id": previous_response_id}, model)
+        self.stream = ResponsesStream({**request, "previous_response_id": previous_response_id}, model)
 
     @property
     def final(self) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import pytest
 
 from backends.protocols import responses
 from backends.protocols.errors import ProtocolError
+from backends.protocols.responses_stream import ResponsesStream
 from backends.protocols.sse import split_event
 
 
@@ -111,7 +112,7 @@ def test_from_chat_text_tools_usage_and_length() -> None:
 
 
 def test_stream_text_then_tool_call() -> None:
-    stream = responses.ResponsesStream({"input": "q"}, "m", "resp_s")
+    stream = ResponsesStream({"input": "q"}, "m", "resp_s")
     raw = stream.start()
     raw += stream.feed({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     raw += stream.feed({"choices": [{"delta": {"content": "Hel"}}]})
@@ -148,7 +149,7 @@ def test_stream_text_then_tool_call() -> None:
 
 
 def test_stream_failure() -> None:
-    stream = responses.ResponsesStream({"input": "q"}, "m")
+    stream = ResponsesStream({"input": "q"}, "m")
     stream.start()
     event = _events(stream.fail("engine went away"))[0]
     assert event["type"] == "response.failed"
