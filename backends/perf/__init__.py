@@ -2,6 +2,6 @@
 step-time roofline and KV capacity.
 
 The simulated engine (`backends/sim`) runs on these, and the latency predictor's prior is computed
-from them, so neither imports the other: recalibrating the simulator (`presets.py`'s fitted factors)
+from them, so neither imports the other: recalibrating the simulator (`hardware.py`'s fitted factors)
 is a change to the prior that the import contract can see.
 """

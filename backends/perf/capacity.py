@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from backends.perf.presets import GIB, Preset
+from backends.perf.hardware import GIB
+from backends.perf.presets import Preset
 
 # Memory vLLM's profiler sees besides weights and KV: CUDA context, NCCL buffers, cuBLAS workspaces
 # and CUDA graphs. About 1.5-3 GiB on Hopper in practice; one constant keeps the estimate simple.

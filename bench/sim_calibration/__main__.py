@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from backends.perf.presets import HARDWARE, Efficiency
+from backends.perf.hardware import HARDWARE, Efficiency
 from bench.sim_calibration import fit, report, serving, sources
 
 REPO = Path(__file__).resolve().parents[2]
-PRESETS_PY = REPO / "backends" / "perf" / "presets.py"
+HARDWARE_PY = REPO / "backends" / "perf" / "hardware.py"  # holds the fitted block
 # every variable of the fitted block, by hardware (the block is rewritten whole)
 VARIABLES = {
     "a100": "_EFF_A100",
@@ -27,7 +27,7 @@ VARIABLES = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_calibration")
     parser.add_argument("--fit", action="store_true", help="fit the serving factors to the public runs")
-    parser.add_argument("--write-presets", action="store_true", help="paste the fit into presets.py")
+    parser.add_argument("--write-presets", action="store_true", help="paste the fit into backends/perf/hardware.py")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
 
@@ -53,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(block)
         if args.write_presets:
-            text = PRESETS_PY.read_text()
+            text = HARDWARE_PY.read_text()
             new = re.sub(
                 r"(# BEGIN FITTED EFFICIENCY\n).*?(# END FITTED EFFICIENCY)",
                 lambda m: m[1] + block + "\n" + m[2],
                 text,
                 flags=re.S,
             )
-            PRESETS_PY.write_text(new)
-            subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(PRESETS_PY)], check=False)
-            print(f"wrote {PRESETS_PY.relative_to(REPO)}")
+            HARDWARE_PY.write_text(new)
+            subprocess.run([sys.executable, "-m", "ruff", "format", "-q", str(HARDWARE_PY)], check=False)
+            print(f"wrote {HARDWARE_PY.relative_to(REPO)}")
     checked = serving.check_all(fitted)
     scored = fit.score(rows, fitted)
     markdown, plot = report.write(checked, scored, args.out, fitted)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 
 from backends.perf import roofline
 from backends.perf.capacity import batch_defaults
-from backends.perf.presets import Efficiency, Preset, resolve_preset
+from backends.perf.hardware import Efficiency
+from backends.perf.presets import Preset, resolve_preset
 from backends.sim.kv_cache import KVCacheManager
 from backends.sim.request import Request
 from backends.sim.scheduler import Scheduler
@@ -99,7 +100,7 @@ def score(rows: Sequence[Row], efficiency_by_hw: dict[str, Efficiency] | None = 
 
 
 def python_literal(name: str, eff: Efficiency) -> str:
-    """The factors as the statement pasted into presets.py (one keyword per line)."""
+    """The factors as the statement pasted into backends/perf/hardware.py (one keyword per line)."""
     lines = [f"{name} = Efficiency("]
     for f in fields(Efficiency):
         value = getattr(eff, f.name)

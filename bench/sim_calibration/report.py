@@ -7,7 +7,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from backends.perf.presets import HARDWARE, Efficiency, resolve_preset
+from backends.perf.hardware import HARDWARE, Efficiency
+from backends.perf.presets import resolve_preset
 from bench.sim_calibration.fit import PARAMS, Scored
 from bench.sim_calibration.public import SOURCES
 from bench.sim_calibration.scenarios import Workload, evaluate, schedule
@@ -67,7 +68,7 @@ def write(
         "own scheduler with the same workload, and the run's mean TTFT, mean TPOT and duration are",
         "compared (`bench/sim_calibration/scenarios.py`). Reproduce with `python -m bench.sim_calibration`",
         "(score the presets as they are) or `python -m bench.sim_calibration --fit --write-presets`",
-        "(refit the serving factors and paste them into `backends/perf/presets.py`).",
+        "(refit the serving factors and paste them into `backends/perf/hardware.py`).",
         "",
         f"**{met} of {len(target)} fitted metrics are within {TARGET * 100:.0f} %** of the published figure "
         f"(target: all of them); every run and metric is listed below with its source.",

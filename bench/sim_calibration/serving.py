@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares
 
-from backends.perf.presets import Efficiency, Preset, resolve_preset
+from backends.perf.hardware import Efficiency
+from backends.perf.presets import Preset, resolve_preset
 from bench.sim_calibration import scenarios
 from bench.sim_calibration.public import MEASUREMENTS, Measurement
 

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.perf.presets import HARDWARE, MODELS, UnknownPresetError, is_preset_name, resolve_preset
+from backends.perf.hardware import HARDWARE
+from backends.perf.presets import MODELS, UnknownPresetError, is_preset_name, resolve_preset
 
 
 @pytest.mark.parametrize(
