@@ -33,6 +33,7 @@ class Policy:
         self.config = config
         self.source = source
         self._keys: dict[str, _KeyEntry] = {}
+        self._principals: dict[str, Principal] = {}
         for key in config.keys:
             if key.disabled:
                 continue
@@ -52,6 +53,7 @@ class Policy:
                 allow_fallback=tenant.allow_fallback,
             )
             self._keys[key.sha256] = _KeyEntry(bytes.fromhex(key.sha256), principal)
+            self._principals[key.id] = principal
         self._aliases: dict[str, str] = {}
         for name, model in config.models.items():
             self._aliases[name] = name
@@ -107,6 +109,18 @@ class Policy:
     def price(self, model: str) -> Price:
         """USD per token of `model` (zero for a model without a price)."""
         return self._prices.get(model) or Price()
+
+    def batch_price_factor(self, model: str) -> float:
+        """The share of `model`'s price a batch line pays (its `price.batch_factor`, else `batch.price_factor`)."""
+        config = self.config.models.get(model)
+        if config is not None and config.price.batch_factor is not None:
+            return config.price.batch_factor
+        return self.config.batch.price_factor
+
+    def principal_of(self, key_id: str) -> Principal | None:
+        """The principal of a key by its id (batch lines run as the key that created the batch); None
+        when the key is gone or disabled."""
+        return self._principals.get(key_id)
 
     def slo_class(self, principal: Principal) -> Slo | None:
         """The caller's SLO class: its tenant's `slo_class`, else the class claiming its priority."""

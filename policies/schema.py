@@ -124,6 +124,9 @@ class PriceConfig(_Strict):
     input_per_mtok: float = Field(default=0.0, ge=0)
     cached_input_per_mtok: float | None = Field(default=None, ge=0, description="defaults to input")
     output_per_mtok: float = Field(default=0.0, ge=0)
+    batch_factor: float | None = Field(
+        default=None, ge=0, le=1, description="batch lines pay this share of the price (default: batch.price_factor)"
+    )
 
 
 def _all_triggers() -> list[Trigger]:
@@ -305,6 +308,13 @@ class AdmissionConfig(_Strict):
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
 
 
+class BatchPolicy(_Strict):
+    """What batch work (the Batch API's lines) pays: `price_factor` times the model's price, unless the
+    model's `price.batch_factor` says otherwise (OpenAI's batch discount is 50 %)."""
+
+    price_factor: float = Field(default=0.5, ge=0, le=1)
+
+
 class PoliciesConfig(_Strict):
     version: Literal[1] = 1
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -315,6 +325,7 @@ class PoliciesConfig(_Strict):
     budgets: list[BudgetConfig] = Field(default_factory=list)
     slo_classes: dict[str, SloClassConfig] = Field(default_factory=dict)
     flow_control: FlowPolicy = Field(default_factory=FlowPolicy)
+    batch: BatchPolicy = Field(default_factory=BatchPolicy)
 
     @model_validator(mode="after")
     def _references(self) -> PoliciesConfig:

@@ -54,6 +54,7 @@ class RequestFacts:
     cache_salt: str | None = None
     allow_fallback: bool = True  # tenant policy and the per-request opt-out combined
     debug: bool = False
+    batch_id: str | None = None  # a line of this batch (Batch API): lowest priority, the batch price
     slo: Slo | None = None  # the effective latency SLO: the caller's class tightened by its headers
 
     @property

@@ -77,6 +77,7 @@ class Admitted:
     shadow_exceeded: tuple[str, ...] = ()  # shadow rules this request went over
     settled: bool = False
     actual_cost_usd: float | None = None  # set by settle
+    price_factor: float = 1.0  # a batch line's share of the price (both the estimate and the actual)
 
 
 class Admission:
@@ -110,11 +111,14 @@ class Admission:
         prompt_tokens = facts.prompt_tokens
         model_config = policy.model_config(model)
         output_tokens = _output_tokens(facts, model, plan, model_config.context_length if model_config else None)
+        factor = policy.batch_price_factor(model) if facts.batch_id else 1.0
         if not (plan.buckets or plan.leases or plan.budgets):
             self.counters["admitted"] += 1
-            return Admitted((), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+            return Admitted(
+                (), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens, price_factor=factor
+            )
         costs = [spec.reserve_cost(prompt_tokens, output_tokens) for spec in plan.buckets]
-        cost_usd = plan.price.cost_usd(prompt_tokens, 0, output_tokens) if plan.budgets else 0.0
+        cost_usd = plan.price.cost_usd(prompt_tokens, 0, output_tokens) * factor if plan.budgets else 0.0
         never = self._never_fits(plan, model, costs, cost_usd, now)
         if never is not None:
             self.counters[never.reason] += 1
@@ -144,6 +148,7 @@ class Admission:
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
             shadow_exceeded=shadow,
+            price_factor=factor,
         )
 
     async def _reserve(self, plan: Plan, charge: Charge, now: float | None) -> Outcome:
@@ -283,7 +288,7 @@ class Admission:
             if plan is None:
                 return
             price = plan.price if model == ticket.model else self._policies.current.price(model)
-            actual_usd = price.cost_usd(prompt, cached, completion)
+            actual_usd = price.cost_usd(prompt, cached, completion) * ticket.price_factor
             ticket.actual_cost_usd = actual_usd
             if ticket.source == "none":
                 return

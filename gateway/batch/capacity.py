@@ -1,0 +1,112 @@
+"""Where batch lines run right now, and how many more may start: the runner's one question.
+
+`BatchLoad` counts this process's batch lines: per endpoint once routed (the walk's batch gate puts
+them there), per model while they are still on their way (read, counted, admitted). `BatchCapacity`
+answers "may batch run now on this pool, and how many lines" from the endpoints' state, the lines
+already placed and the interactive requests waiting for the pool (`policies.batch.spare`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from backends.fleet import Fleet
+from policies.batch.spare import SpareLimits, pool_spare_slots
+
+Waiting = Callable[[str], int]  # pool -> interactive requests waiting for it in the gateway
+
+
+def _nobody_waits(pool: str) -> int:
+    return 0
+
+
+@dataclass(slots=True)
+class _Line:
+    model: str
+    endpoint: str | None = None  # where it runs now (None: not routed, or between attempts)
+    routed: bool = False
+
+
+@dataclass(slots=True)
+class BatchLoad:
+    """This process's batch lines: on their way to a model's pools, or running on an endpoint."""
+
+    by_endpoint: Counter[str] = field(default_factory=Counter)
+    on_the_way: Counter[str] = field(default_factory=Counter)  # model -> started, not routed yet
+    _lines: dict[str, _Line] = field(default_factory=dict)  # request id -> line
+
+    def started(self, request_id: str, model: str) -> None:
+        self._lines[request_id] = _Line(model)
+        self.on_the_way[model] += 1
+
+    def is_batch(self, request_id: str) -> bool:
+        return request_id in self._lines
+
+    def placed(self, request_id: str, endpoint_id: str) -> None:
+        """The walk routed the line to `endpoint_id` (each attempt)."""
+        line = self._lines.get(request_id)
+        if line is None:
+            return
+        if not line.routed:
+            line.routed = True
+            self._arrived(line.model)
+        self.left(request_id)
+        line.endpoint = endpoint_id
+        self.by_endpoint[endpoint_id] += 1
+
+    def left(self, request_id: str) -> None:
+        """The line's attempt on its endpoint ended."""
+        line = self._lines.get(request_id)
+        if line is None or line.endpoint is None:
+            return
+        self.by_endpoint[line.endpoint] -= 1
+        if self.by_endpoint[line.endpoint] <= 0:
+            del self.by_endpoint[line.endpoint]
+        line.endpoint = None
+
+    def finished(self, request_id: str) -> None:
+        line = self._lines.get(request_id)
+        if line is None:
+            return
+        self.left(request_id)
+        if not line.routed:
+            self._arrived(line.model)
+        del self._lines[request_id]
+
+    def _arrived(self, model: str) -> None:
+        self.on_the_way[model] -= 1
+        if self.on_the_way[model] <= 0:
+            del self.on_the_way[model]
+
+    def running_on(self, endpoint_id: str) -> int:
+        return self.by_endpoint.get(endpoint_id, 0)
+
+    @property
+    def lines(self) -> int:
+        return len(self._lines)
+
+
+@dataclass(slots=True)
+class BatchCapacity:
+    fleet: Fleet
+    limits: SpareLimits
+    load: BatchLoad = field(default_factory=BatchLoad)
+    waiting: Waiting = _nobody_waits
+    now: Callable[[], float] = time.monotonic
+
+    def pool_slots(self, pool_name: str) -> int:
+        """May batch run now on this pool: how many more lines it takes (0: not now)."""
+        pool = self.fleet.pools.get(pool_name)
+        if pool is None:
+            return 0
+        return pool_spare_slots(
+            pool.servable(), self.limits, self.now(), self.load.by_endpoint, self.waiting(pool_name)
+        )
+
+    def model_slots(self, model: str) -> int:
+        """Lines of `model` that may start now: its pools' free slots less the lines on their way."""
+        slots = sum(self.pool_slots(pool.name) for pool in self.fleet.pools_for_model(model))
+        return max(slots - self.load.on_the_way.get(model, 0), 0)

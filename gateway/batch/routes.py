@@ -1,0 +1,409 @@
+"""The Files and Batch APIs: `/v1/files*` and `/v1/batches*`, in OpenAI's shapes.
+
+Files and batches belong to the API key that made them: another key's id answers 404 exactly as an
+unknown one does (nothing leaks, not even existence). Storage is bounded per tenant (files, bytes,
+batches; `batch.tenant` in gateway.yaml). A batch input file is checked line by line as it is
+uploaded (`gateway.batch.jsonl`): a file with bad lines is refused with a 400 whose `error.errors`
+lists them (line, code, message, param).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import orjson
+from aiohttp import BodyPartReader, web
+
+from gateway.batch.jsonl import LineError, scan_file
+from gateway.batch.objects import (
+    COMPLETION_WINDOW,
+    ENDPOINTS,
+    BatchMeta,
+    FileMeta,
+    file_object,
+    new_batch_id,
+    new_file_id,
+    page,
+)
+from gateway.batch.service import BATCH, BatchService
+from gateway.batch.store import QuotaExceeded
+from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTooLarge, error_response
+from policies.types import Principal
+
+_READ: Final = 1 << 16
+_FORM_FIELD_BYTES: Final = 1024
+_MIN_EXPIRY_S, _MAX_EXPIRY_S = 3600, 2_592_000
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class QuotaError(GatewayError):
+    """The tenant's batch storage is full: retrying will not help until something is deleted."""
+
+    status = 429
+    type = "invalid_request_error"
+    code = "storage_quota_exceeded"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers=[("x-should-retry", "false")])
+
+
+class InvalidBatchFile(InvalidRequest):
+    code = "invalid_batch_file"
+
+    def __init__(self, message: str, errors: Sequence[LineError], count: int) -> None:
+        super().__init__(message, param="file")
+        self.errors = [e.as_dict() for e in errors]
+        self.count = count
+
+    def body(self) -> dict[str, object]:
+        body = super().body()
+        error = body["error"]
+        assert isinstance(error, dict)
+        error["errors"] = self.errors
+        error["error_count"] = self.count
+        return body
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get("x-request-id") or os.urandom(16).hex()
+
+
+def _principal(request: web.Request, service: BatchService) -> Principal:
+    auth = request.headers.get("Authorization")
+    key: str | None = None
+    if auth:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            key = token.strip()
+    if key is None and request.headers.get("x-api-key"):
+        key = request.headers["x-api-key"].strip()
+    if not key:
+        raise InvalidApiKey(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+        )
+    principal = service.policies.current.authenticate(key)
+    if principal is None:
+        raise InvalidApiKey("Incorrect API key provided.")
+    return principal
+
+
+def _json(payload: Any, request_id: str, status: int = 200) -> web.Response:
+    response = web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+    response.headers["x-request-id"] = request_id
+    return response
+
+
+def _handler(work: Any) -> Any:
+    """Authenticate, run, and answer any GatewayError in OpenAI's shape with the request id."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        request_id = _request_id(request)
+        service = request.app[BATCH]
+        try:
+            if service is None:
+                raise NotFound("The Files and Batch APIs are disabled on this gateway (batch.enabled: false).")
+            principal = _principal(request, service)
+            answer: web.StreamResponse = await work(request, service, principal, request_id)
+            return answer
+        except GatewayError as error:
+            return error_response(error, [("x-request-id", request_id)])
+
+    return handle
+
+
+T = TypeVar("T")
+
+
+def _paginate(
+    request: web.Request, items: list[T], ids: Iterable[str], default: int, most: int
+) -> tuple[list[T], bool]:
+    query = request.query
+    raw = query.get("limit")
+    try:
+        limit = int(raw) if raw is not None else default
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to {most}, got {raw!r}", param="limit")
+    start = 0
+    after = query.get("after")
+    if after:
+        index = {item_id: i for i, item_id in enumerate(ids)}.get(after)
+        start = index + 1 if index is not None else len(items)
+    return items[start : start + limit], start + limit < len(items)
+
+
+# --- files ------------------------------------------------------------------------------------------
+async def _create_file(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    settings = service.settings
+    limit = settings.max_file_bytes
+    if request.content_length is not None and request.content_length > limit + _READ:
+        raise RequestTooLarge(f"the file exceeds the limit of {limit} bytes", code="file_too_large")
+    if not request.content_type.startswith("multipart/"):
+        raise InvalidRequest("upload the file as multipart/form-data with fields 'file' and 'purpose'", param="file")
+    scratch = service.store.scratch()
+    path = scratch / f"upload-{os.urandom(8).hex()}"
+    try:
+        form, filename, size = await _read_upload(request, path, limit)
+        purpose = form.get("purpose")
+        if purpose != "batch":
+            raise InvalidRequest(
+                f"'purpose' must be 'batch' (got {purpose!r}): this gateway keeps batch files only", param="purpose"
+            )
+        if filename is None:
+            raise InvalidRequest("the form has no 'file' part", param="file")
+        ttl_s = _expiry(form, settings.file_ttl_s)
+        scan, spans = await asyncio.to_thread(scan_file, path, settings.max_lines)
+        if not scan.ok:
+            raise InvalidBatchFile(scan.summary(), scan.errors, scan.error_count)
+        now = int(time.time())
+        meta = FileMeta(
+            id=new_file_id(),
+            owner=principal.key_id,
+            tenant=principal.tenant,
+            filename=filename,
+            purpose="batch",
+            bytes=size,
+            created_at=now,
+            expires_at=int(now + ttl_s),
+            lines=scan.lines,
+            urls=scan.urls,
+            models=scan.models,
+        )
+        tenant = settings.tenant
+        try:
+            await service.store.add_file(meta, path, spans, limits=(tenant.max_files, tenant.max_bytes))
+        except QuotaExceeded as exc:
+            raise QuotaError(f"{exc}; delete files to make room") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(path.unlink)
+    return _json(file_object(meta), request_id)
+
+
+async def _read_upload(request: web.Request, path: Path, limit: int) -> tuple[dict[str, str], str | None, int]:
+    """Stream the multipart form: the file part to `path` (at most `limit` bytes), the small fields
+    into a dict."""
+    reader = await request.multipart()
+    form: dict[str, str] = {}
+    filename: str | None = None
+    size = 0
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader):
+            raise InvalidRequest("nested multipart forms are not supported", param="file")
+        name = part.name
+        if name == "file" and filename is None:
+            filename = part.filename or "upload.jsonl"
+            with open(path, "wb") as fh:  # noqa: ASYNC230 - 64 KiB writes between network reads
+                while chunk := await part.read_chunk(_READ):
+                    size += len(chunk)
+                    if size > limit:
+                        raise RequestTooLarge(f"the file exceeds the limit of {limit} bytes", code="file_too_large")
+                    fh.write(chunk)
+            continue
+        data = b""
+        while chunk := await part.read_chunk(_FORM_FIELD_BYTES):
+            data += chunk
+            if len(data) > _FORM_FIELD_BYTES:
+                raise InvalidRequest(f"the form field {name!r} is too long", param=str(name))
+        if name:
+            form[str(name)] = data.decode("utf-8", "replace")
+    return form, filename, size
+
+
+def _expiry(form: dict[str, str], default_s: float) -> float:
+    anchor = form.get("expires_after[anchor]")
+    seconds = form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return default_s
+    if anchor != "created_at":
+        raise InvalidRequest("'expires_after.anchor' must be 'created_at'", param="expires_after.anchor")
+    try:
+        value = int(seconds or "")
+    except ValueError:
+        value = 0
+    if not _MIN_EXPIRY_S <= value <= _MAX_EXPIRY_S:
+        raise InvalidRequest(
+            f"'expires_after.seconds' must be from {_MIN_EXPIRY_S} to {_MAX_EXPIRY_S}", param="expires_after.seconds"
+        )
+    return float(value)
+
+
+async def _owned_file(service: BatchService, principal: Principal, file_id: str) -> FileMeta:
+    meta = await service.store.get_file(file_id)
+    if meta is None or meta.owner != principal.key_id:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    return meta
+
+
+async def _list_files(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    files = await service.store.list_files(principal.key_id)
+    purpose = request.query.get("purpose")
+    if purpose:
+        files = [f for f in files if f.purpose == purpose]
+    order = request.query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"'order' must be 'asc' or 'desc', got {order!r}", param="order")
+    if order == "asc":
+        files.reverse()
+    chunk, more = _paginate(request, files, (f.id for f in files), 10_000, 10_000)
+    return _json(page([file_object(f) for f in chunk], more), request_id)
+
+
+async def _get_file(request: web.Request, service: BatchService, principal: Principal, request_id: str) -> web.Response:
+    meta = await _owned_file(service, principal, request.match_info["file_id"])
+    return _json(file_object(meta), request_id)
+
+
+async def _file_content(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.StreamResponse:
+    meta = await _owned_file(service, principal, request.match_info["file_id"])
+    response = web.StreamResponse(headers={"Content-Type": "application/jsonl", "x-request-id": request_id})
+    response.content_length = meta.bytes
+    await response.prepare(request)
+    async for chunk in service.store.content(meta.id):
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+async def _delete_file(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    meta = await _owned_file(service, principal, request.match_info["file_id"])
+    user = await service.batch_reading(meta.id)
+    if user is not None:
+        raise InvalidRequest(
+            f"The file {meta.id} is the input of batch {user}, which has not finished; cancel it first.",
+            param="file_id",
+        )
+    await service.store.delete_file(meta.id)
+    return _json({"id": meta.id, "object": "file", "deleted": True}, request_id)
+
+
+# --- batches ----------------------------------------------------------------------------------------
+async def _create_batch(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+    if body.get("completion_window") != COMPLETION_WINDOW:
+        raise InvalidRequest(
+            f"'completion_window' must be '{COMPLETION_WINDOW}', got {body.get('completion_window')!r}",
+            param="completion_window",
+        )
+    metadata = _metadata(body.get("metadata"))
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise InvalidRequest("'input_file_id' is required", param="input_file_id")
+    meta_file = await service.store.get_file(file_id)
+    if meta_file is None or meta_file.owner != principal.key_id:
+        raise NotFound(f"No such File object: {file_id}", param="input_file_id")
+    if meta_file.purpose != "batch":
+        raise InvalidRequest(
+            f"The file {file_id} has purpose '{meta_file.purpose}', not 'batch'.", param="input_file_id"
+        )
+    await service.make_room(principal.tenant)
+    now = int(time.time())
+    meta = BatchMeta(
+        id=new_batch_id(),
+        owner=principal.key_id,
+        tenant=principal.tenant,
+        endpoint=str(endpoint),
+        input_file_id=file_id,
+        created_at=now,
+        expires_at=int(now + service.settings.completion_window_s),
+        total=meta_file.lines,
+        metadata=metadata,
+    )
+    await service.store.add_batch(meta)
+    service.wake()
+    return _json(await service.render(meta), request_id)
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16:
+        raise InvalidRequest("'metadata' must be an object of at most 16 string pairs", param="metadata")
+    for key, item in value.items():
+        if not isinstance(item, str) or len(key) > 64 or len(item) > 512:
+            raise InvalidRequest(
+                "'metadata' keys are strings of at most 64 characters, values strings of at most 512", param="metadata"
+            )
+    return dict(value)
+
+
+async def _owned_batch(service: BatchService, principal: Principal, batch_id: str) -> BatchMeta:
+    meta = await service.store.get_batch(batch_id)
+    if meta is None or meta.owner != principal.key_id:
+        raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+    return meta
+
+
+async def _list_batches(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    batches = await service.store.list_batches(principal.key_id)
+    chunk, more = _paginate(request, batches, (b.id for b in batches), 20, 100)
+    return _json(page([await service.render(b) for b in chunk], more), request_id)
+
+
+async def _get_batch(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    meta = await _owned_batch(service, principal, request.match_info["batch_id"])
+    return _json(await service.render(meta), request_id)
+
+
+async def _cancel_batch(
+    request: web.Request, service: BatchService, principal: Principal, request_id: str
+) -> web.Response:
+    meta = await _owned_batch(service, principal, request.match_info["batch_id"])
+    if meta.status not in ("cancelling", "cancelled"):
+        moved = await service.store.update_batch(
+            meta.id, {"validating", "in_progress"}, status="cancelling", cancelling_at=int(time.time())
+        )
+        if moved is None:
+            current = await service.store.get_batch(meta.id)
+            status = current.status if current is not None else meta.status
+            raise InvalidRequest(f"The batch {meta.id} is {status} and can no longer be cancelled.", param="batch_id")
+        meta = moved
+        service.wake()
+    return _json(await service.render(meta), request_id)
+
+
+def setup_batch_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/files", _handler(_create_file))
+    app.router.add_get("/v1/files", _handler(_list_files))
+    app.router.add_get("/v1/files/{file_id}", _handler(_get_file))
+    app.router.add_delete("/v1/files/{file_id}", _handler(_delete_file))
+    app.router.add_get("/v1/files/{file_id}/content", _handler(_file_content))
+    app.router.add_post("/v1/batches", _handler(_create_batch))
+    app.router.add_get("/v1/batches", _handler(_list_batches))
+    app.router.add_get("/v1/batches/{batch_id}", _handler(_get_batch))
+    app.router.add_post("/v1/batches/{batch_id}/cancel", _handler(_cancel_batch))

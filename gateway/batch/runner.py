@@ -1,0 +1,381 @@
+"""The batch runner: a background task of each gateway process that moves batches along.
+
+Each tick (`runner.tick_s`, or at once when a line ends or a batch arrives) it walks the batches
+that are not finished:
+
+- validating → in_progress, or failed with the lines at fault (a url other than the batch's
+  endpoint, a model that is not served or not allowed for the key);
+- in_progress: while the pools of its models have spare capacity (`BatchCapacity`: nobody waits
+  for them, their engines neither queue nor run short of KV, few batch lines run there), claim
+  lines and run each through the request walk (`RunLine`); when every line is recorded,
+  finalizing → completed; past `expires_at`, expired;
+- cancelling: its lines still running here are stopped, and once no replica holds any, cancelled.
+
+The batches share the free capacity in turn (round robin, rotating which goes first). A line's
+answer is recorded (durably, before it counts) or the line goes back to be claimed later: rate
+limited, over budget, no spare capacity, a 503 — "not now" is never a failure. A janitor drops
+expired files and finished batches past their retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+import orjson
+
+from gateway.batch.capacity import BatchCapacity
+from gateway.batch.config import BatchSettings
+from gateway.batch.finalize import write_outputs
+from gateway.batch.lines import LineAnswer, LineRequest, RunLine, classify, retry_after_s
+from gateway.batch.objects import BatchMeta
+from gateway.batch.results import LineResult, answered, unanswered
+from gateway.batch.store import BatchStore
+from policies.holder import PolicyHolder
+from policies.types import Principal
+
+log = logging.getLogger("tokenway.batch")
+
+_JANITOR_EVERY_S: Final = 60.0
+_FINALIZE_LOCK_S: Final = 600.0
+
+
+class BatchObserver(Protocol):
+    """Metrics of the runner (`gateway.batch.metrics.BatchMetrics`)."""
+
+    def line(self, outcome: str) -> None: ...
+
+    def deferred(self, reason: str) -> None: ...
+
+
+class _NoObserver:
+    def line(self, outcome: str) -> None:
+        return None
+
+    def deferred(self, reason: str) -> None:
+        return None
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        settings: BatchSettings,
+        policies: PolicyHolder,
+        capacity: BatchCapacity,
+        run_line: RunLine,
+        *,
+        observer: BatchObserver | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.policies = policies
+        self.capacity = capacity
+        self.run_line = run_line
+        self.observer: BatchObserver = observer or _NoObserver()
+        self.clock = clock
+        self._tasks: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch -> line -> its task
+        self._attempts: dict[tuple[str, int], int] = {}  # upstream failures of lines not recorded yet
+        self._models: dict[str, list[str]] = {}  # batch -> the models its lines use (resolved)
+        self._wake = asyncio.Event()
+        self._main: asyncio.Task[None] | None = None
+        self._turn = 0
+        self._renewed_s = 0.0
+        self._janitor_s = 0.0
+
+    # --- life ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._main = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
+
+    async def stop(self) -> None:
+        """Stop taking lines and stop the running ones (their lines are claimed again later, here
+        after a restart or at once by another replica)."""
+        if self._main is not None:
+            self._main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._main
+        tasks = [task for lines in self._tasks.values() for task in lines.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def lines_in_flight(self) -> int:
+        return sum(len(lines) for lines in self._tasks.values())
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self.tick()
+                if time.monotonic() >= self._janitor_s:
+                    self._janitor_s = time.monotonic() + _JANITOR_EVERY_S
+                    await self.janitor()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch runner tick failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.runner.tick_s)
+
+    # --- one tick -----------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        now = self.clock()
+        runnable: list[BatchMeta] = []
+        for batch_id in await self.store.active_batches():
+            meta = await self.store.get_batch(batch_id)
+            if meta is None:
+                continue
+            if meta.status == "validating":
+                meta = await self._validate(meta)
+                if meta is None or meta.status != "in_progress":
+                    continue
+            if meta.status == "in_progress":
+                if now >= meta.expires_at:
+                    await self._end(meta, "expired")
+                elif (await self.store.counts(meta.id)).recorded >= meta.total:
+                    await self._finalize(meta, "completed")
+                else:
+                    runnable.append(meta)
+            elif meta.status == "cancelling":
+                await self._end(meta, "cancelled")
+            elif meta.status == "finalizing":
+                await self._finalize(meta, "completed")
+        await self._renew()
+        await self._schedule(runnable)
+
+    async def _validate(self, meta: BatchMeta) -> BatchMeta | None:
+        """The input file against the batch: its urls, and its models for the key that made it."""
+        policy = self.policies.current
+        fleet = self.capacity.fleet
+        errors: list[dict[str, Any]] = []
+        models: list[str] = []
+        file = await self.store.get_file(meta.input_file_id)
+        principal = policy.principal_of(meta.owner)
+        if file is None:
+            errors.append(
+                _error("file_not_found", None, f"The input file {meta.input_file_id} no longer exists.", None)
+            )
+        elif principal is None:
+            errors.append(
+                _error("invalid_api_key", None, "The API key that created this batch is no longer valid.", None)
+            )
+        else:
+            for url, line in sorted(file.urls.items(), key=lambda item: item[1]):
+                if url != meta.endpoint:
+                    message = f"The url {url!r} does not match the batch's endpoint {meta.endpoint!r}."
+                    errors.append(_error("invalid_url", line, message, "url"))
+            for name, line in sorted(file.models.items(), key=lambda item: item[1]):
+                model = policy.resolve_model(name)
+                if not fleet.pools_for_model(model):
+                    message = f"The model '{name}' does not exist or is not served here."
+                    errors.append(_error("model_not_found", line, message, "body.model"))
+                elif not (principal.may_use(model) or principal.may_use(name)):
+                    errors.append(
+                        _error("model_not_allowed", line, f"This key may not use the model '{name}'.", "body.model")
+                    )
+                elif model not in models:
+                    models.append(model)
+        now = int(self.clock())
+        if errors:
+            return await self.store.update_batch(meta.id, {"validating"}, status="failed", failed_at=now, errors=errors)
+        assert file is not None
+        self._models[meta.id] = models
+        single = next(iter(file.models)) if len(file.models) == 1 else None
+        return await self.store.update_batch(
+            meta.id, {"validating"}, status="in_progress", in_progress_at=now, model=single
+        )
+
+    def _models_of(self, meta: BatchMeta, models: dict[str, int]) -> list[str]:
+        found = self._models.get(meta.id)
+        if found is None:
+            policy = self.policies.current
+            found = self._models[meta.id] = list(dict.fromkeys(policy.resolve_model(m) for m in models))
+        return found
+
+    async def _schedule(self, batches: list[BatchMeta]) -> None:
+        free = self.settings.runner.max_lines_in_flight - self.lines_in_flight
+        if free <= 0 or not batches:
+            return
+        self._turn = (self._turn + 1) % len(batches)
+        ordered = batches[self._turn :] + batches[: self._turn]
+        for position, meta in enumerate(ordered):
+            if free <= 0:
+                return
+            file = await self.store.get_file(meta.input_file_id)
+            if file is None:
+                continue
+            models = self._models_of(meta, file.models)
+            spare = sum(self.capacity.model_slots(model) for model in models)
+            if spare <= 0:
+                self.observer.deferred("no_spare_capacity")
+                continue
+            share = math.ceil(min(spare, free) / (len(ordered) - position))
+            indices = await self.store.claim(meta.id, share, self.settings.runner.lease_s)
+            if not indices:
+                continue
+            free -= len(indices)
+            principal = self.policies.current.principal_of(meta.owner)
+            raws = await self.store.read_lines(meta.input_file_id, indices)
+            for index, raw in zip(indices, raws, strict=True):
+                self._launch(meta, index, orjson.loads(raw), principal)
+
+    def _launch(self, meta: BatchMeta, index: int, line: dict[str, Any], principal: Principal | None) -> None:
+        body: dict[str, Any] = line["body"]
+        model = self.policies.current.resolve_model(str(body.get("model")))
+        request_id = f"{meta.id}-{index}-{os.urandom(4).hex()}"
+        self.capacity.load.started(request_id, model)
+        task = asyncio.get_running_loop().create_task(
+            self._line(meta, index, str(line["custom_id"]), body, principal, request_id)
+        )
+        self._tasks.setdefault(meta.id, {})[index] = task
+
+    # --- one line -----------------------------------------------------------------------------------
+    async def _line(
+        self,
+        meta: BatchMeta,
+        index: int,
+        custom_id: str,
+        body: dict[str, Any],
+        principal: Principal | None,
+        request_id: str,
+    ) -> None:
+        key = (meta.id, index)
+        try:
+            if principal is None:
+                result = unanswered(
+                    index, custom_id, "invalid_api_key", "The API key that created this batch is no longer valid."
+                )
+                await self._record(meta, result, "error")
+                return
+            request = LineRequest(meta.id, index, custom_id, meta.api, body, principal, request_id)
+            try:
+                answer = await self.run_line(request)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batch %s line %d failed in the gateway", meta.id, index)
+                answer = LineAnswer(
+                    500, b'{"error":{"message":"internal error","type":"server_error"}}', {}, "internal_error"
+                )
+            verdict = classify(answer)
+            if verdict == "later":
+                await self._defer(meta, index, answer, answer.code or f"http_{answer.status}")
+                return
+            if verdict == "retry":
+                attempts = self._attempts[key] = self._attempts.get(key, 0) + 1
+                if attempts < self.settings.runner.max_attempts:
+                    await self._defer(meta, index, answer, "upstream_error", backoff=attempts)
+                    return
+            result = answered(index, custom_id, answer.status, request_id, answer.body)
+            await self._record(meta, result, "ok" if result.ok else "error")
+        except asyncio.CancelledError:
+            await asyncio.shield(self._give_back(meta.id, index))
+            raise
+        except Exception:
+            log.exception("batch %s line %d could not be recorded: it runs again later", meta.id, index)
+            await self._give_back(meta.id, index, self.settings.runner.retry_max_s)
+        finally:
+            self.capacity.load.finished(request_id)
+            lines = self._tasks.get(meta.id)
+            if lines is not None:
+                lines.pop(index, None)
+                if not lines:
+                    del self._tasks[meta.id]
+            self.wake()
+
+    async def _record(self, meta: BatchMeta, result: LineResult, outcome: str) -> None:
+        recorded = await self.store.record(meta.id, [result])
+        self._attempts.pop((meta.id, result.index), None)
+        self.observer.line(outcome if recorded[0] else "duplicate")
+
+    async def _defer(self, meta: BatchMeta, index: int, answer: LineAnswer, reason: str, backoff: int = 0) -> None:
+        runner = self.settings.runner
+        delay = retry_after_s(answer) or runner.retry_min_s * (2**backoff)
+        await self.store.defer(meta.id, [index], min(max(delay, runner.retry_min_s), runner.retry_max_s))
+        self.observer.deferred(reason)
+
+    async def _give_back(self, batch_id: str, index: int, delay_s: float = 0.0) -> None:
+        with contextlib.suppress(Exception):
+            await self.store.defer(batch_id, [index], delay_s)
+
+    async def _renew(self) -> None:
+        """Keep this replica's claims alive while their lines run (Redis; a no-op on disk)."""
+        lease_s = self.settings.runner.lease_s
+        if time.monotonic() - self._renewed_s < lease_s / 3:
+            return
+        self._renewed_s = time.monotonic()
+        for batch_id, lines in list(self._tasks.items()):
+            await self.store.renew(batch_id, list(lines), lease_s)
+
+    # --- the end of a batch -------------------------------------------------------------------------
+    async def _end(self, meta: BatchMeta, ending: str) -> None:
+        """Stop the batch's lines here; finalize once no replica holds any."""
+        for task in list(self._tasks.get(meta.id, {}).values()):
+            task.cancel()
+        if await self.store.held(meta.id) > 0:
+            return
+        await self._finalize(meta, ending)
+
+    async def _finalize(self, meta: BatchMeta, ending: str) -> None:
+        name = f"finalize:{meta.id}"
+        if not await self.store.lock(name, _FINALIZE_LOCK_S):
+            return  # another replica is at it
+        try:
+            now = int(self.clock())
+            if ending == "completed" and meta.status == "in_progress":
+                moved = await self.store.update_batch(meta.id, {"in_progress"}, status="finalizing", finalizing_at=now)
+                if moved is None:
+                    return
+                meta = moved
+            output_id, error_id = await write_outputs(self.store, meta, ending, self.settings.file_ttl_s)
+            stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[ending]
+            done = await self.store.update_batch(
+                meta.id,
+                {"in_progress", "finalizing", "cancelling"},
+                status=ending,
+                output_file_id=output_id,
+                error_file_id=error_id,
+                **{stamp: int(self.clock())},
+            )
+            if done is not None:
+                await self.store.drop_progress(meta.id)
+                self._forget(meta.id)
+                log.info("batch %s %s", meta.id, ending)
+        finally:
+            await self.store.unlock(name)
+
+    def _forget(self, batch_id: str) -> None:
+        self._models.pop(batch_id, None)
+        for key in [k for k in self._attempts if k[0] == batch_id]:
+            del self._attempts[key]
+
+    # --- retention ----------------------------------------------------------------------------------
+    async def janitor(self) -> None:
+        """Drop files past their expiry (unless an unfinished batch reads them) and finished batches
+        past `batch_ttl_s`."""
+        now = self.clock()
+        in_use = set()
+        for batch_id in await self.store.active_batches():
+            meta = await self.store.get_batch(batch_id)
+            if meta is not None:
+                in_use.add(meta.input_file_id)
+        for file_id in await self.store.expired_files(now):
+            if file_id not in in_use:
+                await self.store.delete_file(file_id)
+        for batch_id in await self.store.expired_batches(now - self.settings.batch_ttl_s):
+            await self.store.delete_batch(batch_id)
+
+
+def _error(code: str, line: int | None, message: str, param: str | None) -> dict[str, Any]:
+    return {"code": code, "line": line, "message": message, "param": param}

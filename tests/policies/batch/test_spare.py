@@ -1,0 +1,85 @@
+"""Spare capacity for batch work: per endpoint (load, batch cap, prediction) and per pool (free slots)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.types import Endpoint, EndpointState, EndpointStats
+from policies.batch.spare import (
+    REASON_BATCH_CAP,
+    REASON_ENGINE_QUEUE,
+    REASON_INFLIGHT,
+    REASON_INTERACTIVE_WAITING,
+    REASON_KV_USAGE,
+    REASON_NOT_READY,
+    REASON_PREDICTED_TPOT,
+    REASON_PREDICTED_TTFT,
+    LinePrediction,
+    Objectives,
+    SpareLimits,
+    endpoint_spare,
+    pool_spare_slots,
+    tightest,
+)
+
+NOW = 1000.0
+LIMITS = SpareLimits(max_lines_per_endpoint=4, max_engine_waiting=0, max_kv_usage_ratio=0.6, max_endpoint_inflight=10)
+
+
+def endpoint(
+    name: str = "e0",
+    *,
+    waiting: int = 0,
+    kv: float = 0.1,
+    inflight: int = 0,
+    age_s: float | None = 0.1,
+    state: EndpointState = EndpointState.READY,
+) -> Endpoint:
+    stats = EndpointStats(waiting=waiting, kv_usage_ratio=kv, scraped_at_s=NOW - age_s if age_s else 0.0)
+    e = Endpoint(id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=state, stats=stats)
+    e.inflight.requests = inflight
+    return e
+
+
+@pytest.mark.parametrize(
+    ("e", "batch_lines", "waiting", "expected"),
+    [
+        pytest.param(endpoint(), 0, 0, None, id="idle"),
+        pytest.param(endpoint(), 0, 1, REASON_INTERACTIVE_WAITING, id="interactive-waiting"),
+        pytest.param(endpoint(state=EndpointState.DRAINING), 0, 0, REASON_NOT_READY, id="draining"),
+        pytest.param(endpoint(), 4, 0, REASON_BATCH_CAP, id="batch-cap"),
+        pytest.param(endpoint(), 3, 0, None, id="under-batch-cap"),
+        pytest.param(endpoint(waiting=1), 0, 0, REASON_ENGINE_QUEUE, id="engine-queue"),
+        pytest.param(endpoint(waiting=1, age_s=5.0), 0, 0, None, id="stale-queue-not-read"),
+        pytest.param(endpoint(kv=0.7), 0, 0, REASON_KV_USAGE, id="kv-full"),
+        pytest.param(endpoint(inflight=10), 0, 0, REASON_INFLIGHT, id="inflight-cap"),
+    ],
+)
+def test_endpoint_load(e: Endpoint, batch_lines: int, waiting: int, expected: str | None) -> None:
+    assert endpoint_spare(e, LIMITS, NOW, batch_lines, interactive_waiting=waiting) == expected
+
+
+@pytest.mark.parametrize(
+    ("predicted", "objectives", "expected"),
+    [
+        pytest.param(None, Objectives(1000, 50), None, id="no-prediction"),
+        pytest.param(LinePrediction(400, 20), Objectives(1000, 50), None, id="within-headroom"),
+        pytest.param(LinePrediction(600, 20), Objectives(1000, 50), REASON_PREDICTED_TTFT, id="ttft-over-half"),
+        pytest.param(LinePrediction(400, 30), Objectives(1000, 50), REASON_PREDICTED_TPOT, id="tpot-over-half"),
+        pytest.param(LinePrediction(9000, 900), Objectives(), None, id="no-objectives"),
+    ],
+)
+def test_endpoint_prediction(predicted: LinePrediction | None, objectives: Objectives, expected: str | None) -> None:
+    assert endpoint_spare(endpoint(), LIMITS, NOW, 0, predicted=predicted, objectives=objectives) == expected
+
+
+def test_pool_slots_count_free_batch_slots_of_endpoints_with_room() -> None:
+    endpoints = [endpoint("a"), endpoint("b", waiting=2), endpoint("c")]
+    running = {"p/a": 1, "p/c": 4}
+    assert pool_spare_slots(endpoints, LIMITS, NOW, running) == 3  # a: 4 - 1; b queues; c is at its cap
+    assert pool_spare_slots(endpoints, LIMITS, NOW, running, interactive_waiting=1) == 0
+
+
+def test_tightest_objectives() -> None:
+    assert tightest([Objectives(1000, None), Objectives(500, 80), Objectives(None, 40)]) == Objectives(500, 40)
+    assert tightest(iter([])) == Objectives()
