@@ -104,6 +104,7 @@ class DiskBatchStore:
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
         self._locks: set[str] = set()
+        self._saving = asyncio.Lock()
         for tmp in self.tmp_dir.iterdir():  # uploads a crash left half-written
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -277,8 +278,9 @@ class DiskBatchStore:
         await self._save(meta)
 
     async def _save(self, meta: BatchMeta) -> None:
-        data = orjson.dumps(meta.to_dict())
-        await asyncio.to_thread(_write_atomic, self.batches_dir / f"{meta.id}.json", data, self.fsync)
+        async with self._saving:  # one write at a time: the last one holds the latest state
+            data = orjson.dumps(meta.to_dict())
+            await asyncio.to_thread(_write_atomic, self.batches_dir / f"{meta.id}.json", data, self.fsync)
 
     async def get_batch(self, batch_id: str) -> BatchMeta | None:
         return self._batches.get(batch_id)

@@ -92,6 +92,9 @@ class Counts:
     def recorded(self) -> int:
         return self.completed + self.failed
 
+    def as_list(self) -> list[int]:
+        return [self.completed, self.failed, self.input_tokens, self.cached_tokens, self.output_tokens]
+
     def add(self, ok: bool, usage: tuple[int, int, int]) -> None:
         if ok:
             self.completed += 1
@@ -126,6 +129,7 @@ class BatchMeta:
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None  # validation errors: {code, line, message, param}
+    final_counts: list[int] | None = None  # a finished batch's Counts (its per-line records are gone)
     seq: int = 0
 
     @property

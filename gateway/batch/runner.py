@@ -89,6 +89,7 @@ class BatchRunner:
         self._turn = 0
         self._renewed_s = 0.0
         self._janitor_s = 0.0
+        self.statuses: dict[str, int] = {}  # unfinished batches by status, as of the last tick
 
     # --- life ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,10 +133,12 @@ class BatchRunner:
     async def tick(self) -> None:
         now = self.clock()
         runnable: list[BatchMeta] = []
+        statuses: dict[str, int] = {}
         for batch_id in await self.store.active_batches():
             meta = await self.store.get_batch(batch_id)
             if meta is None:
                 continue
+            statuses[meta.status] = statuses.get(meta.status, 0) + 1
             if meta.status == "validating":
                 meta = await self._validate(meta)
                 if meta is None or meta.status != "in_progress":
@@ -151,6 +154,7 @@ class BatchRunner:
                 await self._end(meta, "cancelled")
             elif meta.status == "finalizing":
                 await self._finalize(meta, "completed")
+        self.statuses = statuses
         await self._renew()
         await self._schedule(runnable)
 
@@ -339,6 +343,7 @@ class BatchRunner:
                     return
                 meta = moved
             output_id, error_id = await write_outputs(self.store, meta, ending, self.settings.file_ttl_s)
+            counts = await self.store.counts(meta.id)
             stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[ending]
             done = await self.store.update_batch(
                 meta.id,
@@ -346,6 +351,7 @@ class BatchRunner:
                 status=ending,
                 output_file_id=output_id,
                 error_file_id=error_id,
+                final_counts=counts.as_list(),
                 **{stamp: int(self.clock())},
             )
             if done is not None:

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.batch.config import BatchSettings
-from gateway.batch.objects import BatchMeta, batch_object
+from gateway.batch.objects import BatchMeta, Counts, batch_object
 from gateway.batch.store import BatchStore
 from gateway.errors import GatewayError
 from policies.holder import PolicyHolder
@@ -37,7 +37,9 @@ class BatchService:
     wake: Callable[[], None] = _no_wake
 
     async def render(self, meta: BatchMeta) -> dict[str, Any]:
-        return batch_object(meta, await self.store.counts(meta.id))
+        frozen = meta.final_counts
+        counts = Counts(*frozen) if frozen is not None else await self.store.counts(meta.id)
+        return batch_object(meta, counts)
 
     async def make_room(self, tenant: str) -> None:
         """Room for one more batch of `tenant`: under its active bound (else 429), and under its kept

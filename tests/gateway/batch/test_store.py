@@ -38,12 +38,16 @@ async def store(opener: Opener) -> AsyncIterator[BatchStore]:
 
 def lines(n: int) -> list[bytes]:
     return [
-        orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}})
+        orjson.dumps(
+            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "x"}}
+        )
         for i in range(n)
     ]
 
 
-async def add_file(store: BatchStore, n: int, *, owner: str = "k1", tenant: str = "t1", limits: tuple[int, int] = (0, 0)) -> FileMeta:
+async def add_file(
+    store: BatchStore, n: int, *, owner: str = "k1", tenant: str = "t1", limits: tuple[int, int] = (0, 0)
+) -> FileMeta:
     rows = lines(n)
     content = b"\n".join(rows) + b"\n"
     path = store.scratch() / f"in-{new_file_id()}"
@@ -183,8 +187,7 @@ async def test_a_torn_record_is_cut_off_at_start_up(tmp_path: Path) -> None:
     await store.record(batch.id, [result(0)])
     await store.close()
     wal = tmp_path / "b" / "batches" / f"{batch.id}.wal"
-    with open(wal, "ab") as fh:
-        fh.write(result(1).record()[:-7])  # the crash came mid-write
+    wal.write_bytes(wal.read_bytes() + result(1).record()[:-7])  # the crash came mid-write
     store = DiskBatchStore(tmp_path / "b")
     try:
         assert (await store.counts(batch.id)).completed == 1

@@ -36,7 +36,9 @@ def endpoint(
     state: EndpointState = EndpointState.READY,
 ) -> Endpoint:
     stats = EndpointStats(waiting=waiting, kv_usage_ratio=kv, scraped_at_s=NOW - age_s if age_s else 0.0)
-    e = Endpoint(id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=state, stats=stats)
+    e = Endpoint(
+        id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=state, stats=stats
+    )
     e.inflight.requests = inflight
     return e
 
