@@ -28,6 +28,8 @@ from gateway.apis.config import ApisSettings
 from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
+from gateway.batch.routes import setup_batch_routes
+from gateway.batch.setup import batch_ctx, batch_gate
 from gateway.engine_tokens import EngineTokenizer, build_counters
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
@@ -73,8 +75,10 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_replicas_ctx)
     app.cleanup_ctx.append(_director_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
+    app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
     setup_routes(app, admin_routes())
     setup_api_routes(app)
+    setup_batch_routes(app)
     if settings.state.shares_routing:
         app.on_response_prepare.append(_name_replica)
     return app
@@ -277,7 +281,11 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, cold starts held; streams moved
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
         hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
-    hook_list.append(SloHook(predictor=predictor))  # the SLO gate, its queue, running TPOT SLOs
+    slo_hook = SloHook(predictor=predictor)
+    gate = batch_gate(app, fleet, slo_hook.queue.waiting, predictor)
+    if gate is not None:
+        hook_list.append(gate)  # batch lines only on spare capacity (before any gate that holds requests)
+    hook_list.append(slo_hook)  # the SLO gate, its queue, running TPOT SLOs
     if predictor is not None:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     hooks = Hooks(hook_list)

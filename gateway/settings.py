@@ -84,6 +84,7 @@ class GatewaySettings(_Strict):
     routing: dict[str, Any] = Field(default_factory=dict)
     flow_control: dict[str, Any] = Field(default_factory=dict)
     apis: dict[str, Any] = Field(default_factory=dict)  # gateway/apis/config.py
+    batch: dict[str, Any] = Field(default_factory=dict)  # gateway/batch/config.py
     predictor: dict[str, Any] = Field(default_factory=dict)
     telemetry: dict[str, Any] = Field(default_factory=dict)
     ledger: dict[str, Any] = Field(default_factory=dict)

@@ -130,6 +130,10 @@ class SloQueue:
     def queued(self, slo_class: str) -> int:
         return self._queued.get(slo_class, 0)
 
+    def waiting(self, pool: str) -> int:
+        """Requests waiting for an endpoint of `pool` now (batch work backs off while any do)."""
+        return len(self._waiters.get(pool, ()))
+
     def notify(self, pool: str) -> None:
         """Capacity may have freed on `pool`: wake its first waiter."""
         waiters = self._waiters.get(pool)

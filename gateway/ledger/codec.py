@@ -8,9 +8,9 @@ v1 fields: v, ts (finish, unix s), started (arrival, unix s), request_id, api, t
 requested_model, model, served_model, fallback_from, fallback_reason, pool, endpoint,
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
-duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed, and
-`extra` when the record carries any of: slo_class, slo_idle_admit, slo_queue_ms, engine (the
-engine's own per-request timings).
+duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
+`batch_id` on the records of batch lines (Batch API), and `extra` when the record carries any of:
+slo_class, slo_idle_admit, slo_queue_ms, engine (the engine's own per-request timings).
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         "pd_reason": r.pd_reason,
         "kv_transfer_failed": r.kv_transfer_failed,
     }
+    if r.batch_id is not None:
+        entry["batch_id"] = r.batch_id
     extra = _extra(r)
     if extra:
         entry["extra"] = extra

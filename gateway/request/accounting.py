@@ -163,7 +163,7 @@ class Accounting:
             record.prompt_tokens = usage.prompt_tokens
             record.completion_tokens = usage.completion_tokens
             record.cached_tokens = usage.cached_tokens
-            record.cost_usd = price_usd(self.policies.current, ctx.model, usage)
+            record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=facts.batch_id is not None)
         if outcome.first_token_at_s is not None and facts.stream:
             record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
             if outcome.last_token_at_s is not None and record.completion_tokens > 1:

@@ -43,7 +43,7 @@ class Routed:
 class RequestContext:
     """Written by the stage (or phase) each comment names; read by anything after it."""
 
-    http: web.Request | None  # None in the endpoint picker: Envoy holds the client's connection
+    http: web.Request | None  # None: in the endpoint picker (Envoy holds the client's connection), or a batch line
     api: Api  # the API the client called (shared for native kinds, per request for translated ones)
     record: RequestRecord  # filled as the request walks, handed to the sinks once (accounting)
     trace: RequestTrace

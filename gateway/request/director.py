@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +33,7 @@ from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.holder import PolicyHolder
 from policies.routing.types import RouteRequest
-from policies.types import Rejection
+from policies.types import Principal, Rejection, RequestFacts
 
 log = logging.getLogger("tokenway.request")
 
@@ -64,8 +64,23 @@ class Director:
         """Serve one request of `api`: a native kind's name (`APIS`), or the object of an API the
         gateway translates, built for this request (`gateway/apis/`)."""
         ctx = self._arrive(request, APIS[api] if isinstance(api, str) else api)
+        return await self._walk(ctx, lambda: self.intake.read(ctx))
+
+    async def serve_line(
+        self, api: Api | str, body: object, principal: Principal, *, request_id: str, batch_id: str
+    ) -> web.StreamResponse:
+        """Serve a request made inside the gateway — a batch line — on the same walk as any other:
+        admission, routing, hooks, fallbacks, accounting and its one record. There is no HTTP
+        request: the body is already parsed, the caller known, and the answer is returned, not sent."""
+        spec = APIS[api] if isinstance(api, str) else api
+        record = RequestRecord(request_id=request_id, api=spec.kind, started_at_unix_s=time.time())
+        trace = self.start_trace(request_id, {}) if self.start_trace else NOOP_TRACE
+        ctx = RequestContext(None, spec, record, trace, time.perf_counter(), [("x-request-id", request_id)])
+        return await self._walk(ctx, lambda: self.intake.line(ctx, body, principal, batch_id))
+
+    async def _walk(self, ctx: RequestContext, intake: Callable[[], Awaitable[RequestFacts]]) -> web.StreamResponse:
         try:
-            ctx._facts = await self.intake.read(ctx)
+            ctx._facts = await intake()
             return await self._chain(ctx)
         except GatewayError as error:
             self.accounting.failed(ctx, error)

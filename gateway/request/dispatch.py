@@ -170,6 +170,7 @@ class Dispatch:
             try:
                 with ctx.trace.span("upstream", endpoint=endpoint.id, model=ctx.model):
                     if facts.stream:
+                        assert ctx.http is not None, "a request made inside the gateway is not streamed"
                         await relay_stream(
                             self.upstream,
                             _client_request(ctx),

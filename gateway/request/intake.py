@@ -18,7 +18,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 from aiohttp import web
@@ -165,6 +165,25 @@ class Intake:
         with ctx.trace.span("auth"):
             principal = authenticate(headers, policy)
         record.tenant, record.key_id = principal.tenant, principal.key_id
+        body, requested, model = await self._resolve(ctx, policy, body, principal)
+        return await self._estimate(ctx, headers, policy, body, principal, requested, model)
+
+    async def line(self, ctx: RequestContext, parsed: object, principal: Principal, batch_id: str) -> RequestFacts:
+        """The facts of a request made inside the gateway: a batch line, its body already parsed, its
+        caller the key that created the batch. It has no latency objective (the batch's window is
+        its deadline) and carries its batch id: admission prices it at the batch price."""
+        body = ctx.api.parse(parsed)
+        policy = self.policies.current
+        ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
+        ctx.record.batch_id = batch_id
+        body, requested, model = await self._resolve(ctx, policy, body, principal)
+        return await self._estimate(ctx, {}, policy, body, principal, requested, model, batch_id=batch_id)
+
+    async def _resolve(
+        self, ctx: RequestContext, policy: Policy, body: dict[str, Any], principal: Principal
+    ) -> tuple[dict[str, Any], str, str]:
+        """(body as the policy lets it through, requested, public model): served here and allowed."""
+        record = ctx.record
         ctx.engine_fields = policy.engine_fields(principal)
         body, _ = client_body(body, ctx.engine_fields)  # engine-control fields: the policy's call
         requested: str = body["model"]
@@ -174,8 +193,8 @@ class Intake:
             raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
         if not (principal.may_use(model) or principal.may_use(requested)):
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
-        await api.prepare(body, principal)  # work that needs the caller (a stored conversation)
-        return await self._estimate(ctx, headers, policy, body, principal, requested, model)
+        await ctx.api.prepare(body, principal)  # work that needs the caller (a stored conversation)
+        return body, requested, model
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.server.max_body_bytes
@@ -204,6 +223,8 @@ class Intake:
         principal: Principal,
         requested: str,
         model: str,
+        *,
+        batch_id: str | None = None,
     ) -> RequestFacts:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
@@ -242,6 +263,7 @@ class Intake:
             cache_salt=cache_salt if isinstance(cache_salt, str) else None,
             allow_fallback=principal.allow_fallback and not opt_out,
             debug=headers.get("x-tokenway-debug") == "1",
-            slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms),
+            slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms) if batch_id is None else None,
             prompt_tokens_source=tokens_source,
+            batch_id=batch_id,
         )
