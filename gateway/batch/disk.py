@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, TypeVar
 
 import orjson
 
@@ -55,6 +55,14 @@ class _Progress:
     counts: Counts = field(default_factory=Counts)
     held: int = 0
     wal: IO[bytes] | None = None
+
+
+M = TypeVar("M", FileMeta, BatchMeta)
+
+
+def _copy(meta: M) -> M:
+    """Records leave the store as copies: a caller's changes never reach it behind its back."""
+    return type(meta).from_dict(meta.to_dict())
 
 
 def _write_atomic(path: Path, data: bytes, fsync: bool) -> None:
@@ -197,7 +205,7 @@ class DiskBatchStore:
                 f"(limits: {max_files} files, {max_bytes} bytes)"
             )
         meta.seq = self._next_seq()
-        self._files[meta.id] = meta  # reserved now: a concurrent upload sees it in the quota
+        self._files[meta.id] = _copy(meta)  # reserved now: a concurrent upload sees it in the quota
         self._count(meta, 1)
         try:
             await asyncio.to_thread(self._write_file, meta, content, array("Q", spans))
@@ -220,10 +228,12 @@ class DiskBatchStore:
         self._spans[meta.id] = spans
 
     async def get_file(self, file_id: str) -> FileMeta | None:
-        return self._files.get(file_id)
+        found = self._files.get(file_id)
+        return _copy(found) if found is not None else None
 
     async def list_files(self, owner: str) -> list[FileMeta]:
-        return sorted((f for f in self._files.values() if f.owner == owner), key=lambda f: f.seq, reverse=True)
+        mine = (_copy(f) for f in self._files.values() if f.owner == owner)
+        return sorted(mine, key=lambda f: f.seq, reverse=True)
 
     async def delete_file(self, file_id: str) -> bool:
         meta = self._files.pop(file_id, None)
@@ -274,7 +284,7 @@ class DiskBatchStore:
     # --- batches ------------------------------------------------------------------------------------
     async def add_batch(self, meta: BatchMeta) -> None:
         meta.seq = self._next_seq()
-        self._batches[meta.id] = meta
+        self._batches[meta.id] = _copy(meta)
         await self._save(meta)
 
     async def _save(self, meta: BatchMeta) -> None:
@@ -283,13 +293,15 @@ class DiskBatchStore:
             await asyncio.to_thread(_write_atomic, self.batches_dir / f"{meta.id}.json", data, self.fsync)
 
     async def get_batch(self, batch_id: str) -> BatchMeta | None:
-        return self._batches.get(batch_id)
+        found = self._batches.get(batch_id)
+        return _copy(found) if found is not None else None
 
     async def list_batches(self, owner: str) -> list[BatchMeta]:
-        return sorted((b for b in self._batches.values() if b.owner == owner), key=lambda b: b.seq, reverse=True)
+        mine = (_copy(b) for b in self._batches.values() if b.owner == owner)
+        return sorted(mine, key=lambda b: b.seq, reverse=True)
 
     async def tenant_batches(self, tenant: str) -> list[BatchMeta]:
-        return sorted((b for b in self._batches.values() if b.tenant == tenant), key=lambda b: b.seq)
+        return sorted((_copy(b) for b in self._batches.values() if b.tenant == tenant), key=lambda b: b.seq)
 
     async def update_batch(self, batch_id: str, when: Collection[str], **changes: Any) -> BatchMeta | None:
         meta = self._batches.get(batch_id)
@@ -300,7 +312,7 @@ class DiskBatchStore:
         if meta.status == "in_progress" and batch_id not in self._progress:
             self._progress[batch_id] = self._read_progress(meta)
         await self._save(meta)
-        return meta
+        return _copy(meta)
 
     async def delete_batch(self, batch_id: str) -> None:
         self._batches.pop(batch_id, None)
