@@ -130,6 +130,7 @@ class BatchMeta:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None  # validation errors: {code, line, message, param}
     final_counts: list[int] | None = None  # a finished batch's Counts (its per-line records are gone)
+    output_ttl_s: float | None = None  # output_expires_after.seconds (None: batch.file_ttl_s)
     seq: int = 0
 
     @property

@@ -317,6 +317,7 @@ async def _create_batch(
             param="completion_window",
         )
     metadata = _metadata(body.get("metadata"))
+    output_ttl_s = _output_expiry(body.get("output_expires_after"))
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str) or not file_id:
         raise InvalidRequest("'input_file_id' is required", param="input_file_id")
@@ -339,10 +340,25 @@ async def _create_batch(
         expires_at=int(now + service.settings.completion_window_s),
         total=meta_file.lines,
         metadata=metadata,
+        output_ttl_s=output_ttl_s,
     )
     await service.store.add_batch(meta)
     service.wake()
     return _json(await service.render(meta), request_id)
+
+
+def _output_expiry(value: Any) -> float | None:
+    if value is None:
+        return None
+    seconds = value.get("seconds") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("anchor") != "created_at":
+        raise InvalidRequest("'output_expires_after.anchor' must be 'created_at'", param="output_expires_after.anchor")
+    if not isinstance(seconds, int) or not _MIN_EXPIRY_S <= seconds <= _MAX_EXPIRY_S:
+        raise InvalidRequest(
+            f"'output_expires_after.seconds' must be from {_MIN_EXPIRY_S} to {_MAX_EXPIRY_S}",
+            param="output_expires_after.seconds",
+        )
+    return float(seconds)
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

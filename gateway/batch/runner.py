@@ -342,7 +342,8 @@ class BatchRunner:
                 if moved is None:
                     return
                 meta = moved
-            output_id, error_id = await write_outputs(self.store, meta, ending, self.settings.file_ttl_s)
+            ttl_s = meta.output_ttl_s or self.settings.file_ttl_s
+            output_id, error_id = await write_outputs(self.store, meta, ending, ttl_s)
             counts = await self.store.counts(meta.id)
             stamp = {"completed": "completed_at", "expired": "expired_at", "cancelled": "cancelled_at"}[ending]
             done = await self.store.update_batch(

@@ -93,6 +93,11 @@ def wait_batch(
     raise AssertionError(f"batch {batch_id} never got there: {last}")
 
 
+def counts(batch: Any) -> Any:
+    assert batch.request_counts is not None
+    return batch.request_counts
+
+
 def rows(c: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -194,7 +199,7 @@ def test_an_oversized_file_is_refused(gateway: Gateway) -> None:
 def test_batch_validation_cancel_and_pagination(gateway: Gateway) -> None:
     c = client(gateway)
     with pytest.raises(openai.BadRequestError):
-        c.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")  # type: ignore[arg-type]
+        c.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")
     file = c.files.create(file=("in.jsonl", chat_lines(2)), purpose="batch")
     with pytest.raises(openai.BadRequestError):
         c.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="48h")  # type: ignore[arg-type]
@@ -261,14 +266,18 @@ def test_a_batch_survives_a_kill_9_and_a_graceful_restart(slow_engine: SimEngine
         batch = c.batches.create(
             input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"run": "restart"}
         )
-        assert batch.status == "validating" and batch.request_counts.total == 36
+        assert batch.status == "validating" and counts(batch).total == 36
         for how, at_least in ((signal.SIGKILL, 6), (signal.SIGTERM, 14)):
-            mid = wait_batch(lambda: current[0], batch.id, lambda b, n=at_least: b.request_counts.completed >= n)
-            assert mid.status == "in_progress" and mid.request_counts.completed < 36, mid
+
+            def far_enough(b: Any, n: int = at_least) -> bool:
+                return bool(counts(b).completed >= n)
+
+            mid = wait_batch(lambda: current[0], batch.id, far_enough)
+            assert mid.status == "in_progress" and counts(mid).completed < 36, mid
             current[0].stop(how)
             current[0] = start_gateway(workdir, **config)  # same directory: var/batch holds the progress
             again = client(current[0]).batches.retrieve(batch.id)
-            assert again.request_counts.completed >= mid.request_counts.completed  # nothing recorded is lost
+            assert counts(again).completed >= counts(mid).completed  # nothing recorded is lost
         done = wait_batch(lambda: current[0], batch.id, lambda b: b.status in FINISHED)
         assert done.status == "completed" and done.error_file_id is None
         assert done.request_counts.completed == 36 and done.request_counts.failed == 0

@@ -38,6 +38,12 @@ def test_extra_is_kept_and_unknown_types_become_strings() -> None:
     assert isinstance(entry["extra"]["engine"]["odd"], str)
 
 
+def test_a_batch_lines_record_names_its_batch() -> None:
+    record = make_record(2)
+    record.batch_id = "batch_abc"
+    assert codec.decode(codec.encode(record))["batch_id"] == "batch_abc"
+
+
 @pytest.mark.parametrize("line", [b"[1,2]\n", b'"text"\n', b"{not json}\n"], ids=["list", "string", "garbage"])
 def test_decode_rejects_what_is_not_an_object(line: bytes) -> None:
     with pytest.raises((ValueError, orjson.JSONDecodeError)):

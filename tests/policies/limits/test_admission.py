@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from policies.limits.admission import Admitted
@@ -284,3 +286,22 @@ async def test_snapshot_reports_buckets_and_budgets(make_admission: AdmissionFac
     assert bucket["remaining"] == pytest.approx(1_000_000 - 1100, abs=2)
     assert budget["spent_usd"] == pytest.approx(100 * 10e-6 + 1000 * 30e-6)
     assert adm.status()["decisions"] == {"admitted": 1}
+
+
+async def test_a_batch_line_reserves_and_spends_its_batch_price(make_admission: AdmissionFactory) -> None:
+    # big: $10 / M input, $30 / M output; batch lines pay half by default, big's own factor overrides
+    p = policy(budgets=[{"scope": "tenant", "usd_per_day": 0.05}])
+    adm = make_admission(p)
+    who = principal(p)
+    (spec,) = p.admission_plan(who, "big").budgets
+    line = dataclasses.replace(facts(who, prompt_tokens=1000, max_tokens=1000), batch_id="batch_1")
+    ticket = admitted(await adm.admit(line, "big", now=T0))
+    assert ticket.cost_usd == pytest.approx(0.02)  # half of 1000 x 10e-6 + 1000 x 30e-6
+    await adm.settle(ticket, Usage(prompt_tokens=1000, completion_tokens=500), model="big", now=T0)
+    assert ticket.actual_cost_usd == pytest.approx(0.5 * (1000 * 10e-6 + 500 * 30e-6))
+    assert await budget_spent(adm, spec) == pytest.approx(ticket.actual_cost_usd)
+    cheaper = policy(
+        batch={"price_factor": 0.5}, models={"big": {"price": {"input_per_mtok": 10.0, "batch_factor": 0.2}}}
+    )
+    assert cheaper.batch_price_factor("big") == 0.2
+    assert p.batch_price_factor("small") == 0.5

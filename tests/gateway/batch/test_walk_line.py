@@ -1,0 +1,121 @@
+"""A batch line on the walk, in process: `Director.serve_line` and the batch gate, with the walk's own
+invariants (one record, every reservation ended once, every load ticket ended)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+from aiohttp import web
+
+from backends.sim.server import run_sim_instances
+from gateway.batch.capacity import BatchCapacity
+from gateway.batch.gate import BatchGate
+from gateway.batch.lines import NO_SPARE_CAPACITY, LineRequest, classify
+from gateway.batch.walk import LOWEST_PRIORITY, walk_runner
+from policies.batch.spare import SpareLimits
+from policies.holder import PolicyHolder
+from tests.gateway.request.walk import KEY, ScriptedPredictor, Walk, build, chat_request, fleet, policy
+
+LIMITS = SpareLimits(max_lines_per_endpoint=2, max_kv_usage_ratio=None)
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[str]]:
+    async with run_sim_instances("llama-3.1-8b@h100", 2, time_scale=50.0, served_model_names=["llama-3.1-8b"]) as urls:
+        yield urls
+
+
+def line(request_id: str = "batch_1-0-x", model: str = "big") -> LineRequest:
+    principal = policy().authenticate(KEY)
+    assert principal is not None
+    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "ignore_eos": True}
+    return LineRequest("batch_1", 0, "c0", "chat", body, principal, request_id)
+
+
+def gated(urls: list[str], waiting: int = 0, predictor: ScriptedPredictor | None = None) -> tuple[Walk, BatchCapacity]:
+    the_fleet = fleet({"big": urls})
+    capacity = BatchCapacity(the_fleet, LIMITS, waiting=lambda pool: waiting)
+    gate = BatchGate(capacity, PolicyHolder(policy()), predictor)
+    return build(the_fleet, hooks=[gate]), capacity
+
+
+def assert_invariants(walk: Walk, requests: int) -> None:
+    assert all(len(how) == 1 for how in walk.admission.ends().values())
+    assert walk.endpoints_idle()
+    assert len(walk.records.records) == requests
+
+
+async def test_a_line_walks_like_a_request_and_its_record_names_the_batch(engines: list[str]) -> None:
+    walk, capacity = gated(engines[:1])
+    request = line()
+    capacity.load.started(request.request_id, "big")
+    answer = await walk_runner(walk.director, None)(request)
+    assert answer.status == 200 and classify(answer) == "done"
+    assert orjson.loads(answer.body)["object"] == "chat.completion"
+    (record,) = walk.records.records
+    assert (record.request_id, record.batch_id, record.status, record.key_id) == (
+        request.request_id,
+        "batch_1",
+        "ok",
+        "k",
+    )
+    assert record.slo_class is None  # a batch line has no latency objective
+    assert walk.admission.ends() == {"big-1": ["settle"]}
+    capacity.load.finished(request.request_id)
+    assert capacity.load.lines == 0 and not capacity.load.by_endpoint
+    assert_invariants(walk, 1)
+    await walk.upstream.close()
+
+
+async def test_the_line_runs_at_the_lowest_priority(engines: list[str]) -> None:
+    seen: list[int] = []
+
+    class Spy(BatchGate):
+        async def gate(self, ctx, routed, reroute):  # type: ignore[no-untyped-def]
+            seen.append(ctx.facts.principal.priority)
+            assert ctx.facts.batch_id == "batch_1" and ctx.http is None
+            return routed
+
+    the_fleet = fleet({"big": engines[:1]})
+    walk = build(the_fleet, hooks=[Spy(BatchCapacity(the_fleet, LIMITS), PolicyHolder(policy()))])
+    assert (await walk_runner(walk.director, None)(line())).status == 200
+    assert seen == [LOWEST_PRIORITY]
+    await walk.upstream.close()
+
+
+async def test_no_spare_capacity_is_a_503_the_runner_reads_as_later(engines: list[str]) -> None:
+    walk, _capacity = gated(engines[:1], waiting=1)  # an interactive request waits for the pool
+    answer = await walk_runner(walk.director, None)(line())
+    assert answer.status == 503 and answer.code == NO_SPARE_CAPACITY and classify(answer) == "later"
+    (record,) = walk.records.records
+    assert (record.status, record.reject_reason) == ("rejected", NO_SPARE_CAPACITY)
+    assert walk.admission.ends() == {"big-1": ["release"]}  # nothing was sent: nothing is charged
+    assert_invariants(walk, 1)
+    response = await walk.director.handle(chat_request(), "chat")  # interactive requests never meet the gate
+    assert isinstance(response, web.Response) and response.status == 200
+    await walk.upstream.close()
+
+
+async def test_a_full_endpoint_sends_the_line_to_another(engines: list[str]) -> None:
+    walk, capacity = gated(engines)
+    capacity.load.by_endpoint["big/both-s0"] = LIMITS.max_lines_per_endpoint  # the first is at its batch cap
+    answer = await walk_runner(walk.director, None)(line())
+    assert answer.status == 200
+    assert walk.records.records[0].endpoint == "big/both-s1"
+    capacity.load.by_endpoint["big/both-s1"] = LIMITS.max_lines_per_endpoint
+    refused = await walk_runner(walk.director, None)(line("batch_1-1-y"))
+    assert refused.status == 503 and refused.code == NO_SPARE_CAPACITY
+    assert_invariants(walk, 2)
+    await walk.upstream.close()
+
+
+async def test_a_busy_prediction_keeps_the_line_away(engines: list[str]) -> None:
+    busy, _ = gated(engines[:1], predictor=ScriptedPredictor(60.0))  # over half of the 100 ms objective
+    answer = await walk_runner(busy.director, None)(line())
+    assert answer.status == 503 and answer.code == NO_SPARE_CAPACITY
+    idle, _ = gated(engines[:1], predictor=ScriptedPredictor(20.0))
+    assert (await walk_runner(idle.director, None)(line())).status == 200
+    await busy.upstream.close()
+    await idle.upstream.close()
