@@ -140,6 +140,9 @@ class DiskBatchStore:
         for batch in self._batches.values():
             if batch.status in ("in_progress", "finalizing", "cancelling"):
                 self._progress[batch.id] = self._read_progress(batch)
+            elif batch.finished:  # a crash after the final record, before the log was dropped
+                with contextlib.suppress(FileNotFoundError):
+                    self._wal_path(batch.id).unlink()
 
     def _read_progress(self, batch: BatchMeta) -> _Progress:
         state = bytearray(batch.total)
