@@ -418,13 +418,13 @@ class DiskBatchStore:
 
     async def _write_loop(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            pending, self._pending = self._pending, []
-            if not pending:
+            if not self._pending:  # checked before waiting: a wake-up set while writing is not lost
                 if self._closing:
                     return
+                self._wake.clear()
+                await self._wake.wait()
                 continue
+            pending, self._pending = self._pending, []
             try:
                 await asyncio.to_thread(self._append, pending)
             except Exception as exc:

@@ -82,6 +82,7 @@ class BatchRunner:
         self.observer: BatchObserver = observer or _NoObserver()
         self.clock = clock
         self._tasks: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch -> line -> its task
+        self._background: set[asyncio.Task[None]] = set()  # claims given back by `_never_ran`
         self._attempts: dict[tuple[str, int], int] = {}  # upstream failures of lines not recorded yet
         self._models: dict[str, list[str]] = {}  # batch -> the models its lines use (resolved)
         self._wake = asyncio.Event()
@@ -106,6 +107,7 @@ class BatchRunner:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -243,6 +245,22 @@ class BatchRunner:
             self._line(meta, index, str(line["custom_id"]), body, principal, request_id)
         )
         self._tasks.setdefault(meta.id, {})[index] = task
+        task.add_done_callback(lambda done: self._never_ran(meta.id, index, request_id, done))
+
+    def _never_ran(self, batch_id: str, index: int, request_id: str, task: asyncio.Task[None]) -> None:
+        """A task cancelled before its first step never enters `_line` (nor its `finally`): its
+        claim goes back and its slot is freed here, or the batch would wait for it for ever."""
+        lines = self._tasks.get(batch_id)
+        if lines is None or lines.get(index) is not task:
+            return  # `_line` ran and cleaned up
+        del lines[index]
+        if not lines:
+            del self._tasks[batch_id]
+        self.capacity.load.finished(request_id)
+        giving = asyncio.get_running_loop().create_task(self._give_back(batch_id, index))
+        self._background.add(giving)
+        giving.add_done_callback(self._background.discard)
+        self.wake()
 
     # --- one line -----------------------------------------------------------------------------------
     async def _line(

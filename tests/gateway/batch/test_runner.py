@@ -233,6 +233,26 @@ async def test_cancel_stops_the_lines_and_lists_the_unrun_ones(tmp_path: Path) -
         assert h.capacity.load.lines == 0
 
 
+async def test_a_line_cancelled_before_its_first_step_gives_its_claim_back(tmp_path: Path) -> None:
+    h = Harness(tmp_path)  # the runner is not started: the test drives its ticks
+    batch = await create(h.store, await upload(h.store, tmp_path, 3))
+    await h.runner.tick()  # validates, claims and launches: the line tasks have not run a step yet
+    tasks = [task for lines in h.runner._tasks.values() for task in lines.values()]
+    assert tasks and await h.store.held(batch.id) == len(tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await eventually(lambda: h.store.held(batch.id), lambda n: n == 0)
+    assert h.walk.calls == [] and h.runner.lines_in_flight == 0 and h.capacity.load.lines == 0
+    await h.runner.start()
+    try:
+        done = await h.until(batch.id, "completed")
+        assert done.final_counts is not None and done.final_counts[0] == 3
+    finally:
+        await h.runner.stop()
+        await h.store.close()
+
+
 async def test_an_expired_batch_keeps_what_ran(tmp_path: Path) -> None:
     async with Harness(tmp_path) as h:
         batch = await create(h.store, await upload(h.store, tmp_path, 3), expires_in_s=-1)
@@ -287,7 +307,8 @@ async def test_a_restart_mid_batch_runs_every_line_once_in_the_output(tmp_path: 
 
 
 async def eventually(read: Callable[[], Any], ok: Callable[[Any], bool], timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.005)):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if ok(await read()):
             return
         await asyncio.sleep(0.005)
