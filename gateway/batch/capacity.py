@@ -45,6 +45,11 @@ class BatchLoad:
     def is_batch(self, request_id: str) -> bool:
         return request_id in self._lines
 
+    def routed(self, request_id: str) -> bool:
+        """The walk's batch gate has placed this line on an endpoint (at least once)."""
+        line = self._lines.get(request_id)
+        return line is not None and line.routed
+
     def placed(self, request_id: str, endpoint_id: str) -> None:
         """The walk routed the line to `endpoint_id` (each attempt)."""
         line = self._lines.get(request_id)

@@ -15,6 +15,12 @@ The batches share the free capacity in turn (round robin, rotating which goes fi
 answer is recorded (durably, before it counts) or the line goes back to be claimed later: rate
 limited, over budget, no spare capacity, a 503 — "not now" is never a failure. A janitor drops
 expired files and finished batches past their retention.
+
+When the walk's batch gate finds no spare capacity for a model (its check at routing sees what the
+runner's cannot: the line's own predicted latency), the model backs off: no line of it is taken
+for `retry_min_s`, doubling at each refusal up to `retry_max_s`, and then a single line probes.
+Without it every free slot would send a line through the whole walk to be refused, again and again,
+and that walk costs the interactive requests' gateway its CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import orjson
@@ -33,7 +40,7 @@ import orjson
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.config import BatchSettings
 from gateway.batch.finalize import write_outputs
-from gateway.batch.lines import LineAnswer, LineRequest, RunLine, classify, retry_after_s
+from gateway.batch.lines import NO_SPARE_CAPACITY, LineAnswer, LineRequest, RunLine, classify, retry_after_s
 from gateway.batch.objects import BatchMeta
 from gateway.batch.results import LineResult, answered, unanswered
 from gateway.batch.store import BatchStore
@@ -62,6 +69,13 @@ class _NoObserver:
         return None
 
 
+@dataclass(slots=True)
+class _Cold:
+    until_s: float  # no line of the model is taken before (monotonic)
+    refusals: int  # in a row
+    probe: str | None = None  # the request id of the line trying again
+
+
 class BatchRunner:
     def __init__(
         self,
@@ -83,6 +97,7 @@ class BatchRunner:
         self.clock = clock
         self._tasks: dict[str, dict[int, asyncio.Task[None]]] = {}  # batch -> line -> its task
         self._background: set[asyncio.Task[None]] = set()  # claims given back by `_never_ran`
+        self._cold: dict[str, _Cold] = {}  # model -> its back-off, while the batch gate refuses its lines
         self._attempts: dict[tuple[str, int], int] = {}  # upstream failures of lines not recorded yet
         self._models: dict[str, list[str]] = {}  # batch -> the models its lines use (resolved)
         self._wake = asyncio.Event()
@@ -222,11 +237,18 @@ class BatchRunner:
             if file is None:
                 continue
             models = self._models_of(meta, file.models)
-            spare = sum(self.capacity.model_slots(model) for model in models)
+            now = time.monotonic()
+            warm = [model for model in models if self._warm(model, now)]
+            if not warm:
+                self.observer.deferred("backing_off")
+                continue
+            spare = sum(self.capacity.model_slots(model) for model in warm)
             if spare <= 0:
                 self.observer.deferred("no_spare_capacity")
                 continue
             share = math.ceil(min(spare, free) / (len(ordered) - position))
+            if any(model in self._cold for model in warm):
+                share = 1  # after a refusal, one line probes before the rest follow
             indices = await self.store.claim(meta.id, share, self.settings.runner.lease_s)
             if not indices:
                 continue
@@ -241,11 +263,44 @@ class BatchRunner:
         model = self.policies.current.resolve_model(str(body.get("model")))
         request_id = f"{meta.id}-{index}-{os.urandom(4).hex()}"
         self.capacity.load.started(request_id, model)
+        cold = self._cold.get(model)
+        if cold is not None and cold.probe is None:
+            cold.probe = request_id
         task = asyncio.get_running_loop().create_task(
-            self._line(meta, index, str(line["custom_id"]), body, principal, request_id)
+            self._line(meta, index, str(line["custom_id"]), body, principal, request_id, model)
         )
         self._tasks.setdefault(meta.id, {})[index] = task
         task.add_done_callback(lambda done: self._never_ran(meta.id, index, request_id, done))
+
+    def _warm(self, model: str, now: float) -> bool:
+        """May lines of `model` be taken: no back-off, or its time is up and no probe is out (a
+        probe that got an endpoint ends the back-off at once, before its answer)."""
+        cold = self._cold.get(model)
+        if cold is None:
+            return True
+        if cold.probe is not None:
+            load = self.capacity.load
+            if load.routed(cold.probe):
+                del self._cold[model]
+                return True
+            if load.is_batch(cold.probe):
+                return False  # still on its way
+            cold.probe = None  # it ended unrouted without an answer (cancelled): another one may go
+        return cold.until_s <= now
+
+    def _spare_seen(self, model: str, found: bool) -> None:
+        """The batch gate placed a line of `model` (`found`) or refused it: clear or extend its back-off.
+        Refusals of lines taken before the back-off began do not extend it."""
+        if found:
+            self._cold.pop(model, None)
+            return
+        now = time.monotonic()
+        cold = self._cold.get(model)
+        if cold is not None and cold.until_s > now:
+            return
+        refusals = cold.refusals if cold is not None else 0
+        runner = self.settings.runner
+        self._cold[model] = _Cold(now + min(runner.retry_min_s * 2**refusals, runner.retry_max_s), refusals + 1)
 
     def _never_ran(self, batch_id: str, index: int, request_id: str, task: asyncio.Task[None]) -> None:
         """A task cancelled before its first step never enters `_line` (nor its `finally`): its
@@ -271,6 +326,7 @@ class BatchRunner:
         body: dict[str, Any],
         principal: Principal | None,
         request_id: str,
+        model: str,
     ) -> None:
         key = (meta.id, index)
         try:
@@ -290,6 +346,7 @@ class BatchRunner:
                 answer = LineAnswer(
                     500, b'{"error":{"message":"internal error","type":"server_error"}}', {}, "internal_error"
                 )
+            self._spare_seen(model, answer.code != NO_SPARE_CAPACITY)
             verdict = classify(answer)
             if verdict == "later":
                 await self._defer(meta, index, answer, answer.code or f"http_{answer.status}")

@@ -19,7 +19,7 @@ from gateway.batch.capacity import BatchCapacity, BatchLoad
 from gateway.batch.config import BatchSettings
 from gateway.batch.disk import DiskBatchStore
 from gateway.batch.jsonl import scan_file
-from gateway.batch.lines import LineAnswer, LineRequest
+from gateway.batch.lines import NO_SPARE_CAPACITY, LineAnswer, LineRequest
 from gateway.batch.objects import BatchMeta, FileMeta, new_batch_id, new_file_id
 from gateway.batch.runner import BatchRunner
 from policies.holder import PolicyHolder
@@ -215,6 +215,31 @@ async def test_no_line_starts_while_interactive_requests_wait(tmp_path: Path) ->
         assert h.walk.calls == []
         h.waiting = 0
         await h.until(batch.id, "completed")
+
+
+async def test_a_model_backs_off_while_the_batch_gate_refuses_its_lines(tmp_path: Path) -> None:
+    refusing = True
+
+    def script(line: LineRequest) -> LineAnswer:
+        if refusing:
+            body = b'{"error":{"code":"batch_no_spare_capacity"}}'
+            return LineAnswer(503, body, {"retry-after": "0"}, NO_SPARE_CAPACITY)
+        return ok(line)
+
+    runner = SETTINGS.runner.model_copy(update={"retry_min_s": 2.0, "retry_max_s": 30.0})
+    settings = SETTINGS.model_copy(update={"runner": runner})
+    async with Harness(tmp_path, script, settings=settings) as h:
+        batch = await create(h.store, await upload(h.store, tmp_path, 60))
+        await eventually(lambda: asyncio.sleep(0, len(h.walk.calls)), lambda n: n > 0)
+        await eventually(lambda: h.store.held(batch.id), lambda n: n == 0)  # the first round was refused
+        first_round = len(h.walk.calls)
+        for _ in range(20):
+            await h.runner.tick()
+        assert first_round <= 2 * runner.max_lines_per_endpoint  # what the free slots took at once
+        assert len(h.walk.calls) == first_round  # and nothing more while the model backs off
+        refusing = False
+        done = await h.until(batch.id, "completed")  # a probe finds room, then the rest follow
+        assert done.final_counts is not None and done.final_counts[0] == 60
 
 
 async def test_cancel_stops_the_lines_and_lists_the_unrun_ones(tmp_path: Path) -> None:
