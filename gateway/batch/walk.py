@@ -29,7 +29,7 @@ def walk_runner(director: Director, responses: ResponseStore | None) -> RunLine:
         call = ResponsesCall(responses) if line.api == "responses" else None
         principal = dataclasses.replace(line.principal, priority=LOWEST_PRIORITY)
         answer = await director.serve_line(
-            line.api, line.body, principal, request_id=line.request_id, batch_id=line.batch_id, call=call
+            call or line.api, line.body, principal, request_id=line.request_id, batch_id=line.batch_id
         )
         if call is not None:
             await call.finished()  # a stored response (store: true) is kept, as for a live request
