@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway import appkeys
 from gateway.app import create_app
+from gateway.epp import protocol
 from gateway.epp.config import EppSettings
 from gateway.epp.decide import EppDecider
 from gateway.epp.protos import envoy
@@ -48,7 +49,13 @@ async def _epp_ctx(app: web.Application) -> AsyncIterator[None]:
         return bool(fleet.pools) and all(pool.has_ready for pool in fleet.pools.values())
 
     server = EppServer(
-        envoy(), decider, host=config.host, port=config.port, ready=ready, max_body_bytes=config.max_body_bytes
+        envoy(),
+        decider,
+        host=config.host,
+        port=config.port,
+        ready=ready,
+        max_body_bytes=config.max_body_bytes,
+        request_mode=protocol.MODE_BY_NAME[config.request_body_mode],
     )
     app[EPP_SERVER], app[EPP_DECIDER] = server, decider
     await server.start()

@@ -5,7 +5,9 @@
        only among the endpoints the data plane allows (`x-gateway-destination-endpoint-subset`)
     -> gate hooks (the SLO gate may queue, or refuse) -> commit (record, prefix index, session,
        dispatched hooks) -> Picked: the endpoint as `ip:port`, the body Envoy sends on (the served
-       model name, stream usage on, engine shaping)
+       model name, stream usage on, engine shaping, the client's engine-control fields dropped unless
+       its tenant may set them, the tier's priority), or the client's own bytes when none of that
+       changed anything
 
 and then `Following` watches the response Envoy streams back: the SSE events as the HTTP gateway's
 relay reads them (first token for the hooks and the predictor, usage, tokens counted, the usage
@@ -151,14 +153,19 @@ class EppDecider:
         routed = await self.hooks.gate(ctx, routed, reroute)
         self.dispatch.commit(ctx, routed)
         endpoint = routed.endpoint
-        upstream = orjson.dumps(self.dispatch.upstream_body(ctx, endpoint))
+        upstream_body = self.dispatch.upstream_body(ctx, endpoint)
+        # Envoy forwards only what the picker sends back: the walk's body, engine-control fields as
+        # policy allows. One the walk left as it was (nothing dropped, renamed or added) goes byte for byte.
+        changed = bool(ctx.dropped_fields) or upstream_body != facts.body
+        upstream = orjson.dumps(upstream_body) if changed else body
         local_prefill = max(facts.prompt_tokens - routed.decision.cached_tokens_estimate, 0)
         follower = Following(
             self, ctx, endpoint.inflight.begin(local_prefill), self.dispatch.response_headers(ctx, routed.decision)
         )
         ctx.record.gateway_overhead_s = time.perf_counter() - ctx.arrived_s
         self.open += 1
-        return Picked([host_port(endpoint)], upstream, follower, headers=[("x-request-id", ctx.record.request_id)])
+        added = [("x-request-id", ctx.record.request_id)]
+        return Picked([host_port(endpoint)], upstream, follower, headers=added, body_changed=changed)
 
     def _refuse(self, ctx: RequestContext, error: GatewayError) -> Refused:
         self.accounting.failed(ctx, error)

@@ -12,9 +12,17 @@ From the Gateway API Inference Extension's protocol (docs/proposals/004-endpoint
 - on the response, `{"envoy.lb": {"x-gateway-destination-endpoint-served": "ip:port"}}` in the
   request's metadata context names the endpoint that really served (after Envoy's retries).
 
-Bodies are exchanged in FULL_DUPLEX_STREAMED mode, which the protocol requires: the request body is
-collected to its end, then the headers response and one body response carrying the (rewritten)
-body are sent in that order; response body chunks are answered one by one with the bytes to pass on.
+Bodies: the Inference Extension's gateways configure ext_proc with `FULL_DUPLEX_STREAMED` bodies
+(and trailers `SEND`, which that mode requires): the request body is collected to its end, then the
+headers response and one body response carrying the body to send on go back in that order (in this
+mode the body Envoy forwards is only what the picker sends back, and Envoy drops `content-length`
+itself); response body chunks are answered one by one with the bytes to pass on. A data plane
+configured with `BUFFERED` request bodies (Envoy waits for the headers response before it sends the
+body) gets its headers answered at once and the pick, the body mutation (only when the body changed)
+and the new `content-length` in the body response, as processing_mode.proto asks of a processor in
+that mode. Envoy announces its modes in the first message (`protocol_config`); `epp.request_body_mode`
+says which to assume when it does not. Other request body modes cannot carry a pick made from the
+body and are refused.
 """
 
 from __future__ import annotations
@@ -72,12 +80,46 @@ def _header_options(envoy: Envoy, headers: Iterable[tuple[str, str]]) -> list[An
     ]
 
 
-def picked(envoy: Envoy, endpoints: Sequence[str], headers: Iterable[tuple[str, str]] = ()) -> Any:
-    """The request-headers response naming the picked endpoints (header and dynamic metadata)."""
+# ProcessingMode.BodySendMode (envoy/extensions/filters/http/ext_proc/v3/processing_mode.proto)
+NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED = 0, 1, 2, 3, 4
+MODE_NAMES = {
+    NONE: "NONE",
+    STREAMED: "STREAMED",
+    BUFFERED: "BUFFERED",
+    BUFFERED_PARTIAL: "BUFFERED_PARTIAL",
+    FULL_DUPLEX_STREAMED: "FULL_DUPLEX_STREAMED",
+}
+MODE_BY_NAME = {name: mode for mode, name in MODE_NAMES.items()}
+CONTENT_LENGTH = "content-length"
+
+
+def body_modes(message: Any) -> tuple[int, int] | None:
+    """(request, response) body modes Envoy announced in `protocol_config` (its first message), or
+    None where it sent none (older Envoys)."""
+    if not message.HasField("protocol_config"):
+        return None
+    config = message.protocol_config
+    return int(config.request_body_mode), int(config.response_body_mode)
+
+
+def _destination(envoy: Envoy, endpoints: Sequence[str]) -> tuple[str, Any]:
     value = ",".join(endpoints)
-    mutation = envoy.ext_proc.HeaderMutation(set_headers=_header_options(envoy, [(DESTINATION, value), *headers]))
     metadata = envoy.struct.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION: value}})
+    return value, metadata
+
+
+def picked(
+    envoy: Envoy, endpoints: Sequence[str], headers: Iterable[tuple[str, str]] = (), *, body_changed: bool = False
+) -> Any:
+    """The request-headers response naming the picked endpoints (header and dynamic metadata);
+    FULL_DUPLEX_STREAMED: the body follows in its own response. A changed body's length is not the
+    client's: `content-length` goes (Envoy removes it too in this mode)."""
+    value, metadata = _destination(envoy, endpoints)
+    mutation = envoy.ext_proc.HeaderMutation(
+        set_headers=_header_options(envoy, [(DESTINATION, value), *headers]),
+        remove_headers=[CONTENT_LENGTH] if body_changed else [],
+    )
     return envoy.ext_proc.ProcessingResponse(
         request_headers=envoy.ext_proc.HeadersResponse(
             response=envoy.ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=True)
@@ -86,9 +128,42 @@ def picked(envoy: Envoy, endpoints: Sequence[str], headers: Iterable[tuple[str, 
     )
 
 
-def request_body(envoy: Envoy, body: bytes) -> Any:
-    """The request-body response: the whole (rewritten) body, in one streamed piece."""
-    return envoy.ext_proc.ProcessingResponse(request_body=_streamed(envoy, body, True))
+def request_body(envoy: Envoy, body: bytes, end_of_stream: bool = True) -> Any:
+    """FULL_DUPLEX_STREAMED: the request-body response, the whole body to send on in one piece."""
+    return envoy.ext_proc.ProcessingResponse(request_body=_streamed(envoy, body, end_of_stream))
+
+
+def headers_continue(envoy: Envoy) -> Any:
+    """BUFFERED: the request headers answered before the body comes (the pick goes with the body)."""
+    return envoy.ext_proc.ProcessingResponse(
+        request_headers=envoy.ext_proc.HeadersResponse(response=envoy.ext_proc.CommonResponse())
+    )
+
+
+def picked_with_body(
+    envoy: Envoy,
+    endpoints: Sequence[str],
+    headers: Iterable[tuple[str, str]],
+    body: bytes,
+    *,
+    body_changed: bool,
+) -> Any:
+    """BUFFERED: the request-body response carrying the pick (header, metadata) and, only when the body
+    changed, the new body with its `content-length` (the processor's duty in this mode: a mismatch is
+    a local reply from Envoy)."""
+    value, metadata = _destination(envoy, endpoints)
+    added = [(DESTINATION, value), *headers]
+    if body_changed:
+        added.append((CONTENT_LENGTH, str(len(body))))
+    common = envoy.ext_proc.CommonResponse(
+        header_mutation=envoy.ext_proc.HeaderMutation(set_headers=_header_options(envoy, added)),
+        clear_route_cache=True,
+    )
+    if body_changed:
+        common.body_mutation.CopyFrom(envoy.ext_proc.BodyMutation(body=body))
+    return envoy.ext_proc.ProcessingResponse(
+        request_body=envoy.ext_proc.BodyResponse(response=common), dynamic_metadata=metadata
+    )
 
 
 def response_headers(envoy: Envoy, headers: Iterable[tuple[str, str]] = ()) -> Any:
@@ -99,8 +174,28 @@ def response_headers(envoy: Envoy, headers: Iterable[tuple[str, str]] = ()) -> A
     return envoy.ext_proc.ProcessingResponse(response_headers=envoy.ext_proc.HeadersResponse(response=common))
 
 
-def response_body(envoy: Envoy, body: bytes, end_of_stream: bool) -> Any:
-    return envoy.ext_proc.ProcessingResponse(response_body=_streamed(envoy, body, end_of_stream))
+def response_body(envoy: Envoy, body: bytes, end_of_stream: bool, *, mode: int, original: bytes = b"") -> Any:
+    """A response-body chunk answered: FULL_DUPLEX_STREAMED sends on exactly `body`; the other modes
+    keep the chunk (`original`) when it is unchanged and replace it otherwise, BUFFERED with the new
+    `content-length` (its headers are still held; STREAMED has Envoy drop it)."""
+    if mode == FULL_DUPLEX_STREAMED:
+        return envoy.ext_proc.ProcessingResponse(response_body=_streamed(envoy, body, end_of_stream))
+    common = envoy.ext_proc.CommonResponse()
+    if body != original:
+        mutation = envoy.ext_proc.BodyMutation(body=body) if body else envoy.ext_proc.BodyMutation(clear_body=True)
+        common.body_mutation.CopyFrom(mutation)
+        if mode == BUFFERED:
+            length = _header_options(envoy, [(CONTENT_LENGTH, str(len(body)))])
+            common.header_mutation.CopyFrom(envoy.ext_proc.HeaderMutation(set_headers=length))
+    return envoy.ext_proc.ProcessingResponse(response_body=envoy.ext_proc.BodyResponse(response=common))
+
+
+def trailers(envoy: Envoy, *, request: bool) -> Any:
+    """Trailers (FULL_DUPLEX_STREAMED sends them, the end of that side) answered unchanged."""
+    answer = envoy.ext_proc.TrailersResponse()
+    if request:
+        return envoy.ext_proc.ProcessingResponse(request_trailers=answer)
+    return envoy.ext_proc.ProcessingResponse(response_trailers=answer)
 
 
 def _streamed(envoy: Envoy, body: bytes, end_of_stream: bool) -> Any:

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.epp.exchange import Decider, Exchange
+from gateway.epp.protocol import FULL_DUPLEX_STREAMED
 from gateway.epp.protos import Envoy
 
 log = logging.getLogger("tokenway.epp")
@@ -33,15 +34,16 @@ READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 class ExternalProcessor:
     """The servicer (duck-typed: grpc only looks for a `Process` method)."""
 
-    def __init__(self, envoy: Envoy, decider: Decider, max_body_bytes: int) -> None:
+    def __init__(self, envoy: Envoy, decider: Decider, max_body_bytes: int, request_mode: int) -> None:
         self.envoy = envoy
         self.decider = decider
         self.max_body_bytes = max_body_bytes
+        self.request_mode = request_mode
         self.streams = 0
         self.open_streams = 0
 
     async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:  # gRPC's method name
-        exchange = Exchange(self.envoy, self.decider, self.max_body_bytes)
+        exchange = Exchange(self.envoy, self.decider, self.max_body_bytes, self.request_mode)
         self.streams += 1
         self.open_streams += 1
         try:
@@ -65,8 +67,9 @@ class EppServer:
         port: int,
         ready: Callable[[], bool],
         max_body_bytes: int,
+        request_mode: int = FULL_DUPLEX_STREAMED,
     ) -> None:
-        self.processor = ExternalProcessor(envoy, decider, max_body_bytes)
+        self.processor = ExternalProcessor(envoy, decider, max_body_bytes, request_mode)
         self.health = health.aio.HealthServicer()
         self._ready = ready
         self._envoy = envoy

@@ -51,6 +51,7 @@ class RequestContext:
     headers: list[tuple[str, str]]  # carried by every answer: x-request-id, x-tokenway-fallback
     _facts: RequestFacts | None = field(default=None, repr=False)  # intake
     engine_fields: tuple[str, ...] = ()  # intake: engine-control fields the caller's tenant may set
+    dropped_fields: tuple[str, ...] = ()  # intake: the client's engine-control fields it dropped
     routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
     model: str = ""  # director: the model of the chain being tried
     reservation: Reservation | None = None  # director: admission's ticket for `model`

@@ -185,7 +185,7 @@ class Intake:
         """(body as the policy lets it through, requested, public model): served here and allowed."""
         record = ctx.record
         ctx.engine_fields = policy.engine_fields(principal)
-        body, _ = client_body(body, ctx.engine_fields)  # engine-control fields: the policy's call
+        body, ctx.dropped_fields = client_body(body, ctx.engine_fields)  # engine-control fields: policy's
         requested: str = body["model"]
         model = policy.resolve_model(requested)
         record.requested_model, record.model = requested, model

@@ -1,5 +1,6 @@
 """Envoy's side of the endpoint-picker protocol, for tests: an ext_proc client in
-FULL_DUPLEX_STREAMED mode plus the router that sends the request where the picker said.
+FULL_DUPLEX_STREAMED mode (or, `buffered=True`, BUFFERED request and response bodies, announced in
+`protocol_config` as Envoy does) plus the router that sends the request where the picker said.
 
 Per request it does what Envoy's ext_proc filter and router do with an InferencePool backend: one
 `Process` stream; the request headers, then the body in chunks; it waits for the headers response
@@ -8,6 +9,10 @@ response (the body to send); it POSTs that body to the first endpoint over real 
 the picker the response (headers, then each body chunk, answered one by one, then the end of
 stream with `x-gateway-destination-endpoint-served` in the metadata context), keeping what the
 picker passes on. An immediate response ends the exchange with that answer.
+
+BUFFERED: the headers response comes first (without a pick), then the whole body goes in one message
+and its answer carries the pick, and a body mutation and `content-length` only when the body
+changed; the response body is shown whole and sent on as the answer's mutation says.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class Answer:
     metadata_endpoint: str | None = None  # the same, from the dynamic metadata
     immediate: bool = False
     forwarded_body: bytes = b""  # the request body the picker had Envoy send
+    body_mutated: bool = False  # the picker replaced the request body (BUFFERED: a body mutation)
+    removed: list[str] = field(default_factory=list)  # request headers the picker removed
 
 
 class EnvoySide:
@@ -44,7 +51,9 @@ class EnvoySide:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _headers(self, headers: dict[str, str], end_of_stream: bool, subset: Sequence[str] | None) -> Any:
+    def _headers(
+        self, headers: dict[str, str], end_of_stream: bool, subset: Sequence[str] | None, buffered: bool = False
+    ) -> Any:
         e = self.envoy
         values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
         message = e.ext_proc.ProcessingRequest(
@@ -52,6 +61,9 @@ class EnvoySide:
                 headers=e.base.HeaderMap(headers=values), end_of_stream=end_of_stream
             )
         )
+        mode = protocol.BUFFERED if buffered else protocol.FULL_DUPLEX_STREAMED
+        message.protocol_config.request_body_mode = mode
+        message.protocol_config.response_body_mode = mode
         if subset is not None:
             message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: list(subset)})
         return message
@@ -65,7 +77,10 @@ class EnvoySide:
         subset: Sequence[str] | None = None,
         cut_after_chunks: int | None = None,
         session: aiohttp.ClientSession,
+        buffered: bool = False,
     ) -> Answer:
+        if buffered:
+            return await self._buffered(path, headers, body, subset=subset, session=session)
         e = self.envoy
         call = self.stub.Process()
         try:
@@ -92,6 +107,8 @@ class EnvoySide:
             assert second.WhichOneof("response") == "request_body", second
             forwarded = second.request_body.response.body_mutation.streamed_response.body
             answer = Answer(0, b"", added, endpoint, metadata_endpoint, forwarded_body=forwarded)
+            answer.body_mutated = forwarded != body
+            answer.removed = list(first.request_headers.response.header_mutation.remove_headers)
             async with session.post(
                 f"http://{endpoint}{path}", data=forwarded, headers={"content-type": "application/json"}
             ) as upstream:
@@ -131,3 +148,69 @@ class EnvoySide:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def _buffered(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        *,
+        subset: Sequence[str] | None,
+        session: aiohttp.ClientSession,
+    ) -> Answer:
+        e = self.envoy
+        call = self.stub.Process()
+        try:
+            await call.write(self._headers({":method": "POST", ":path": path, **headers}, False, subset, True))
+            first = await call.read()
+            if first.WhichOneof("response") == "immediate_response":
+                return _immediate(first)
+            assert first.WhichOneof("response") == "request_headers", first
+            assert not first.request_headers.response.header_mutation.set_headers  # the pick waits for the body
+            await call.write(
+                e.ext_proc.ProcessingRequest(request_body=e.ext_proc.HttpBody(body=body, end_of_stream=True))
+            )
+            second = await call.read()
+            if second.WhichOneof("response") == "immediate_response":
+                return _immediate(second)
+            assert second.WhichOneof("response") == "request_body", second
+            common = second.request_body.response
+            added = {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+            lb = second.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields
+            endpoint = added[protocol.DESTINATION].split(",")[0]
+            mutated = common.body_mutation.WhichOneof("mutation") == "body"
+            forwarded = common.body_mutation.body if mutated else body
+            answer = Answer(0, b"", added, endpoint, lb[protocol.DESTINATION].string_value, forwarded_body=forwarded)
+            answer.body_mutated = mutated
+            length = int(added.get("content-length", len(body)))
+            assert length == len(forwarded), "the content-length Envoy sends on must match the body"
+            async with session.post(
+                f"http://{endpoint}{path}", data=forwarded, headers={"content-type": "application/json"}
+            ) as upstream:
+                answer.status = upstream.status
+                values = [e.base.HeaderValue(key=":status", raw_value=str(upstream.status).encode())]
+                await call.write(
+                    e.ext_proc.ProcessingRequest(
+                        response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values))
+                    )
+                )
+                headers_answer = await call.read()
+                for o in headers_answer.response_headers.response.header_mutation.set_headers:
+                    answer.headers[o.header.key] = o.header.raw_value.decode()
+                whole = await upstream.read()
+            last = e.ext_proc.ProcessingRequest(response_body=e.ext_proc.HttpBody(body=whole, end_of_stream=True))
+            last.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update({protocol.SERVED: endpoint})
+            await call.write(last)
+            passed = (await call.read()).response_body.response
+            answer.body = passed.body_mutation.body if passed.body_mutation.WhichOneof("mutation") == "body" else whole
+            await call.done_writing()
+            return answer
+        finally:
+            if not call.done():
+                call.cancel()
+
+
+def _immediate(message: Any) -> Answer:
+    immediate = message.immediate_response
+    added = {o.header.key: o.header.raw_value.decode() for o in immediate.headers.set_headers}
+    return Answer(immediate.status.code, immediate.body, added, immediate=True)

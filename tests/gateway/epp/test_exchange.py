@@ -44,11 +44,19 @@ class FakeDecider:
         return self.outcome
 
 
-def headers_message(headers: dict[str, str], *, end_of_stream: bool = False, subset: list[str] | None = None) -> Any:
+def headers_message(
+    headers: dict[str, str],
+    *,
+    end_of_stream: bool = False,
+    subset: list[str] | None = None,
+    modes: tuple[int, int] | None = None,
+) -> Any:
     values = [E.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
     message = E.ext_proc.ProcessingRequest(
         request_headers=E.ext_proc.HttpHeaders(headers=E.base.HeaderMap(headers=values), end_of_stream=end_of_stream)
     )
+    if modes is not None:  # Envoy's protocol_config, in the first message of the stream
+        message.protocol_config.request_body_mode, message.protocol_config.response_body_mode = modes
     if subset is not None:
         message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: subset})
     return message
@@ -148,3 +156,84 @@ async def test_a_request_without_body_is_decided_on_its_headers() -> None:
     exchange = Exchange(E, FakeDecider(Picked(["10.0.0.9:80"], b"", follower)), max_body_bytes=10)
     [answer] = await exchange.on(headers_message({":path": "/v1/models", ":method": "GET"}, end_of_stream=True))
     assert destination(answer)[0] == "10.0.0.9:80"
+
+
+def set_headers(common: Any) -> dict[str, str]:
+    return {o.header.key: o.header.raw_value.decode() for o in common.header_mutation.set_headers}
+
+
+@pytest.mark.parametrize("changed", [True, False], ids=["changed", "unchanged"])
+async def test_full_duplex_drops_the_clients_content_length_only_for_a_changed_body(changed: bool) -> None:
+    picked = Picked(["10.0.0.1:8000"], b'{"model":"m"}', FakeFollower(), body_changed=changed)
+    exchange = Exchange(E, FakeDecider(picked), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/chat/completions", "content-length": "30"}))
+    first, second = await exchange.on(body_message(b'{"model":"m","priority":2}', True))
+    removed = list(first.request_headers.response.header_mutation.remove_headers)
+    assert removed == (["content-length"] if changed else [])
+    assert second.request_body.response.body_mutation.streamed_response.body == b'{"model":"m"}'
+
+
+BUFFERED = (protocol.BUFFERED, protocol.BUFFERED)
+
+
+async def test_buffered_the_pick_and_the_changed_body_come_with_the_body_response() -> None:
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b'{"model":"m"}', follower)), max_body_bytes=1 << 20)
+    [first] = await exchange.on(headers_message({":path": "/v1/chat/completions"}, modes=BUFFERED))
+    assert first.WhichOneof("response") == "request_headers"  # answered at once: Envoy waits for it
+    assert not first.request_headers.response.header_mutation.set_headers and not first.HasField("dynamic_metadata")
+    [second] = await exchange.on(body_message(b'{"model":"m","kv_transfer_params":{}}', True))
+    common = second.request_body.response
+    assert set_headers(common) == {protocol.DESTINATION: "10.0.0.1:8000", "content-length": "13"}
+    assert common.body_mutation.body == b'{"model":"m"}' and common.clear_route_cache
+    lb = second.dynamic_metadata.fields[protocol.LB_NAMESPACE].struct_value.fields
+    assert lb[protocol.DESTINATION].string_value == "10.0.0.1:8000"
+    await exchange.on(response_headers_message("200"))
+    [answer] = await exchange.on(response_body_message(b"whole answer", True))
+    passed = answer.response_body.response
+    assert passed.body_mutation.body == b"WHOLE ANSWER" and set_headers(passed) == {"content-length": "12"}
+    assert follower.finished == [(True, None)]
+
+
+async def test_buffered_an_unchanged_body_is_not_mutated() -> None:
+    picked = Picked(["10.0.0.1:8000"], b'{"model":"m"}', FakeFollower(), body_changed=False)
+    exchange = Exchange(E, FakeDecider(picked), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/chat/completions"}, modes=BUFFERED))
+    [second] = await exchange.on(body_message(b'{"model":"m"}', True))
+    common = second.request_body.response
+    assert common.body_mutation.WhichOneof("mutation") is None
+    assert set_headers(common) == {protocol.DESTINATION: "10.0.0.1:8000"}  # no content-length: the client's holds
+
+
+async def test_the_configured_mode_is_assumed_when_envoy_announces_none() -> None:
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b"{}", FakeFollower())), 1 << 20, protocol.BUFFERED)
+    [first] = await exchange.on(headers_message({":path": "/v1/chat/completions"}))
+    assert first.WhichOneof("response") == "request_headers"
+
+
+@pytest.mark.parametrize("mode", [protocol.NONE, protocol.STREAMED, protocol.BUFFERED_PARTIAL])
+async def test_a_request_body_mode_that_cannot_carry_the_pick_is_refused(mode: int) -> None:
+    decider = FakeDecider(Picked(["10.0.0.1:8000"], b"{}", FakeFollower()))
+    exchange = Exchange(E, decider, max_body_bytes=1 << 20)
+    [answer] = await exchange.on(headers_message({":path": "/v1/chat/completions"}, modes=(mode, mode)))
+    assert answer.immediate_response.status.code == 500 and b"FULL_DUPLEX_STREAMED" in answer.immediate_response.body
+    assert decider.seen == []
+
+
+async def test_trailers_end_the_request_and_the_response() -> None:
+    """FULL_DUPLEX_STREAMED needs trailers SEND: a body can end with trailers instead of end_of_stream."""
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b"{}", follower)), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/chat/completions"}))
+    assert await exchange.on(body_message(b"{}", False)) == []
+    trailers = E.ext_proc.ProcessingRequest(request_trailers=E.ext_proc.HttpTrailers())
+    picked, body, answered = await exchange.on(trailers)
+    assert destination(picked)[0] == "10.0.0.1:8000"
+    assert not body.request_body.response.body_mutation.streamed_response.end_of_stream  # the trailers end it
+    assert answered.WhichOneof("response") == "request_trailers"
+    await exchange.on(response_headers_message("200"))
+    await exchange.on(response_body_message(b"data: x\n\n", False))
+    held, done = await exchange.on(E.ext_proc.ProcessingRequest(response_trailers=E.ext_proc.HttpTrailers()))
+    assert held.WhichOneof("response") == "response_body" and done.WhichOneof("response") == "response_trailers"
+    assert follower.chunks == [b"data: x\n\n", b""]  # the follower was asked for what it still held
+    assert follower.finished == [(True, None)]

@@ -1,0 +1,181 @@
+"""Clients never steer the engine through the endpoint picker either: `tokenway epp` against a real
+simulated engine, with a gRPC client playing Envoy (tests/support/envoy_side.py) in both request
+body modes a data plane may configure (FULL_DUPLEX_STREAMED, the Inference Extension's; BUFFERED).
+
+Envoy sends the engine only the body the picker gives back, so the picker must give back the walk's
+body: a client's `kv_transfer_params` / `disaggregated_params` / `priority` / ... dropped (an SSRF and
+a queue jump otherwise), the tenant's tier as the engine priority, a trusted tenant's named extras
+kept; and with a changed body the client's `content-length` must not survive (removed in
+FULL_DUPLEX_STREAMED, set to the new length in BUFFERED). A body the walk left as it was goes on byte
+for byte, without a body mutation. The pool serves the public model name (no rename), so a clean
+body really is the client's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+
+from policies.policy import hash_key
+from tests.support.envoy_side import Answer, EnvoySide
+from tests.support.procs import TEST_KEY, Gateway, _env, free_port, running, start_sim, static_pool, wait_http
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "llama-3.1-8b"
+PATH = "/v1/chat/completions"
+TRUSTED_KEY = "sk-tokenway-trusted-epp1"
+SHED_KEY = "sk-tokenway-shed-epp001"
+HOSTILE = {
+    "kv_transfer_params": {
+        "do_remote_prefill": True,
+        "remote_host": "10.9.8.7",
+        "remote_port": 5600,
+        "remote_engine_id": "evil",
+        "remote_block_ids": [[1, 2, 3]],
+    },
+    "disaggregated_params": {"request_type": "generation_only"},
+    "cache_salt": "my-salt",
+    "request_id": "engine-id-clash",
+    "vllm_xargs": {"kv_cache_report_mode": "full"},
+    "priority": 2,
+}
+MODES = pytest.mark.parametrize("buffered", [False, True], ids=["full-duplex", "buffered"])
+
+
+@dataclass
+class Picker:
+    gateway: Gateway
+    grpc_port: int
+
+
+@pytest.fixture(scope="module")
+def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
+    workdir = tmp_path_factory.mktemp("epp-engine-control")
+    engines = start_sim(workdir, count=1, served_model_name=MODEL)
+    http_port, grpc_port = free_port(), free_port()
+    policies = {
+        "tenants": {
+            "t1": {},
+            "trusted": {"engine_fields": ["cache_salt", "priority"]},
+            "batch": {"priority": "sheddable"},
+        },
+        "keys": [
+            {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
+            {"id": "k2", "tenant": "trusted", "sha256": hash_key(TRUSTED_KEY)},
+            {"id": "k3", "tenant": "batch", "sha256": hash_key(SHED_KEY)},
+        ],
+        "models": {MODEL: {}},
+    }
+    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
+    config = {
+        "server": {"host": "127.0.0.1", "port": http_port, "drain_timeout_s": 2},
+        "policies": "policies.yaml",
+        "pools": [static_pool("pool", MODEL, engines.urls)],
+        "epp": {"host": "127.0.0.1", "port": grpc_port},
+        "backends": {"health_interval_s": 0.2},
+        "predictor": {"enabled": False},
+    }
+    config_path = workdir / "gateway.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log_path = workdir / "epp.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=_env(),
+        )
+    gateway = Gateway(proc, http_port, config_path, log_path, workdir)
+    with running(engines, gateway):
+        try:
+            wait_http(gateway.url + "/readyz", proc=proc, timeout_s=60)
+        except Exception:
+            raise RuntimeError(gateway.log()[-3000:]) from None
+        yield Picker(gateway, grpc_port)
+
+
+@pytest.fixture
+async def envoy(picker: Picker) -> AsyncIterator[tuple[EnvoySide, aiohttp.ClientSession]]:
+    side = EnvoySide(f"127.0.0.1:{picker.grpc_port}")
+    async with aiohttp.ClientSession() as session:
+        yield side, session
+    await side.close()
+
+
+def chat(**extra: Any) -> bytes:
+    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
+
+
+async def send(
+    envoy: tuple[EnvoySide, aiohttp.ClientSession], key: str, body: bytes, *, buffered: bool
+) -> tuple[Answer, dict[str, Any]]:
+    side, session = envoy
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json", "content-length": str(len(body))}
+    answer = await side.request(PATH, headers, body, session=session, buffered=buffered)
+    assert not answer.immediate and answer.status == 200, (answer.status, answer.body[:300])
+    return answer, json.loads(answer.forwarded_body)
+
+
+def assert_length_handled(answer: Answer, *, buffered: bool) -> None:
+    """A changed body's length is not the client's: Envoy must not send the client's content-length."""
+    if buffered:
+        assert answer.headers["content-length"] == str(len(answer.forwarded_body))
+    else:
+        assert "content-length" in answer.removed
+
+
+@MODES
+async def test_engine_control_fields_from_a_client_never_reach_the_engine(
+    envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
+) -> None:
+    answer, forwarded = await send(envoy, TEST_KEY, chat(**HOSTILE), buffered=buffered)
+    leaked = sorted(set(HOSTILE) & set(forwarded))
+    assert leaked == [], f"engine-control fields Envoy would send the engine: {leaked}"
+    assert answer.body_mutated
+    assert forwarded["messages"] == [{"role": "user", "content": "hi"}] and forwarded["max_tokens"] == 4
+    assert_length_handled(answer, buffered=buffered)
+    assert json.loads(answer.body)["usage"]["completion_tokens"] == 4  # the engine served the cleaned body
+
+
+@MODES
+async def test_the_engine_priority_is_the_tenants_tier(
+    envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
+) -> None:
+    answer, forwarded = await send(envoy, SHED_KEY, chat(priority=2), buffered=buffered)  # sheddable asks critical
+    assert forwarded["priority"] == 2  # sheddable (-2) on vLLM's scale (lower runs first): last, not first
+    assert_length_handled(answer, buffered=buffered)
+    _, unasked = await send(envoy, SHED_KEY, chat(), buffered=buffered)
+    assert unasked["priority"] == 2  # the tier's priority is set even when the client names none
+
+
+@MODES
+async def test_a_clean_body_goes_on_as_the_client_sent_it(
+    envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
+) -> None:
+    body = b'{"model": "llama-3.1-8b",  "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+    answer, _ = await send(envoy, TEST_KEY, body, buffered=buffered)
+    assert answer.forwarded_body == body  # byte for byte (its spacing too): nothing to change
+    assert not answer.body_mutated and "content-length" not in answer.removed
+    assert "content-length" not in answer.headers
+
+
+@MODES
+async def test_a_trusted_tenant_keeps_the_extras_its_policy_names(
+    envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
+) -> None:
+    answer, forwarded = await send(envoy, TRUSTED_KEY, chat(**HOSTILE), buffered=buffered)
+    assert forwarded["cache_salt"] == "my-salt"
+    assert forwarded["priority"] == -2  # its own priority 2 (critical), on vLLM's scale
+    assert not {"kv_transfer_params", "disaggregated_params", "vllm_xargs", "request_id"} & set(forwarded)
+    assert_length_handled(answer, buffered=buffered)
