@@ -108,7 +108,6 @@ class EngineTokenizeCounter:
         # `max_tokens`, and one huge prompt is not cached at all rather than flush the rest.
         self._cache = _IdCache(max_tokens, max_entries)
         self.max_tokens = max_tokens
-        self.tokens = 0
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.calls = 0
         self.errors = 0
@@ -119,6 +118,7 @@ class EngineTokenizeCounter:
             "source": self.source,
             "pool": self.pool.name,
             "cache_entries": len(self._cache),
+            "cache_tokens": self._cache.tokens,
             "calls": self.calls,
             "errors": self.errors,
         }

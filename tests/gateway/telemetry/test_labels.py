@@ -48,3 +48,19 @@ def test_the_memo_of_seen_values_is_bounded_in_bytes() -> None:
     for i in range(1000):
         guard(f"{i:04d}" + "x" * 100_000)
     assert len(guard) == 4 * 2 and guard.memo_chars == 4 * 2 * MAX_VALUE_CHARS  # cut before remembered
+
+
+def test_a_flood_of_client_values_leaves_the_memo_at_its_bound_and_the_labels_right() -> None:
+    """First come, first labelled: after 20,000 distinct client-chosen values (all long), the memo
+    holds 4 x the cap, each key cut; the values admitted before keep their own label, every later
+    one is OTHER, and each was counted as folded."""
+    guard = LabelGuard(5)
+    admitted = [guard(f"tenant-{i}") for i in range(5)]
+    assert admitted == [f"tenant-{i}" for i in range(5)]
+    for i in range(20_000):
+        assert guard(f"junk-{i}-" + "q" * (200 + i % 400)) == OTHER
+    assert len(guard) == 4 * 5
+    assert guard.memo_chars == 5 * len("tenant-0") + 15 * MAX_VALUE_CHARS  # entries x bytes
+    assert [guard(f"tenant-{i}") for i in range(5)] == admitted  # still their own series
+    assert guard("junk-3-" + "q" * 203) == OTHER  # a remembered refusal
+    assert guard.overflowed == 20_000

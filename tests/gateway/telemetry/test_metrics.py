@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from backends.types import Endpoint, EndpointState, Role
 from gateway.record import RequestRecord
 from gateway.telemetry.config import MetricLabelsConfig, MetricsConfig
-from gateway.telemetry.labels import OTHER
+from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER
 from gateway.telemetry.metrics import GatewayMetrics
 from policies.policy import Policy
 from policies.pricing import price_usd
@@ -238,6 +238,34 @@ def test_allow_list_folds_unknown_models_without_using_capacity() -> None:
     _, s = parse(metrics)
     assert value(s, "tokenway_requests_total", model="llama-3.1-8b", tenant="acme") == 1
     assert value(s, "tokenway_requests_total", model=OTHER, tenant=OTHER) == 1
+
+
+def test_a_flood_of_client_chosen_model_names_keeps_the_memo_bounded_and_counts_right() -> None:
+    """404s for models nobody serves carry the client's model name to the `model` label: 3,000
+    distinct long names leave the guard's memo at its bound (entries, and each key cut), fold into
+    OTHER, and every request is still counted, the served model's exactly."""
+    metrics = GatewayMetrics(MetricsConfig(labels=MetricLabelsConfig(max_values=8)))
+    metrics.allow_label_values(models=["llama-3.1-8b", "llama"], tenants=["acme"])
+    for i in range(3000):
+        junk = f"gpt-{i}-" + "z" * 200
+        metrics.observe(
+            ok_record(
+                request_id=f"j{i}", requested_model=junk, model=junk, status="rejected", http_status=404,
+                error_code="model_not_found", pool="", endpoint="", completion_tokens=0, cost_usd=0.0,
+            )
+        )  # fmt: skip
+        if i % 100 == 0:
+            metrics.observe(ok_record(request_id=f"ok{i}"))
+    guard = metrics.guards["model"]
+    assert len(guard) == 4 * 8  # the two served names and 30 refusals remembered, then no more
+    assert guard.memo_chars == len("llama-3.1-8b") + len("llama") + 30 * MAX_VALUE_CHARS  # each key cut
+    _, s = parse(metrics)
+    models = {v for (n, labels) in s for k, v in labels if n == "tokenway_requests_total" and k == "model"}
+    assert models == {"llama-3.1-8b", OTHER}
+    assert value(s, "tokenway_requests_total", model="llama-3.1-8b", status="ok") == 30
+    assert value(s, "tokenway_requests_total", model=OTHER, http_status="404") == 3000
+    assert value(s, "tokenway_requests_total") == 3030
+    assert guard("llama-3.1-8b") == "llama-3.1-8b"  # the flood took nothing from the served model
 
 
 def test_key_id_label_only_when_configured() -> None:
