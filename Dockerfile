@@ -1,6 +1,9 @@
 # tokenway: the gateway and its simulated engine in one image.
 #   docker build -t tokenway .
-#   docker run -p 8080:8080 tokenway serve --config /etc/tokenway/gateway.yaml
+#   docker run -p 8080:8080 -e TOKENWAY_ADMIN_TOKEN=$(openssl rand -hex 16) tokenway
+#                                  # simulated GPUs, demo key tw-demo-key-0000, console at /ui with that token
+# The image ships deploy/image/gateway.yaml and config/policies.yaml as /etc/tokenway/; mount your own
+# over them (docker compose does). State (ledger, keys database, models) lives under /var/lib/tokenway.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -20,6 +23,7 @@ RUN pip install ".[plot,k8s,epp]" \
        ! -name 'xds_protos-*' -exec rm -rf {} + && cd / \
     && useradd --system --uid 10001 --home-dir /var/lib/tokenway tokenway \
     && mkdir -p /var/lib/tokenway/usage /etc/tokenway \
+    && cp deploy/image/gateway.yaml config/policies.yaml /etc/tokenway/ \
     && chown -R tokenway /var/lib/tokenway
 
 USER tokenway

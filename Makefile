@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make run PORT=8081` when 8080 is taken
 run: $(STAMP)
 	@echo "demo API key: tw-demo-key-0000   (tenant 'demo'; see config/policies.yaml)"
-	$(BIN)/tokenway serve --config config/gateway.yaml
+	$(BIN)/tokenway serve --config config/gateway.yaml $(if $(PORT),--port $(PORT))
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -83,7 +83,7 @@ def fleet_status(fleet: Fleet, now_s: float | None = None, stats_max_age_s: floa
     return {"pools": pools}
 
 
-_COLUMNS = ("endpoint", "state", "run", "wait", "kv", "inflight", "restarts", "age", "url")
+_COLUMNS = ("endpoint", "state", "run", "wait", "kv", "inflight", "restarts", "stats_age", "url")
 
 
 def format_status(status: dict[str, Any], show_log_tail: bool = True) -> str:

@@ -13,6 +13,7 @@ from backends.status import fleet_status
 from gateway import appkeys
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
+from policies.limits.compile import SPEND_RULE_ID
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -85,6 +86,8 @@ def limiter_gauges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Limiter snapshot rows in the gauges' shape: scope, id, dimension, limit, remaining."""
     out = []
     for row in rows:
+        if row.get("rule") == SPEND_RULE_ID:  # a key's spend counter, not a limit
+            continue
         if row.get("kind") == "budget":
             dimension = f"usd_per_{row.get('period', '')}"
             limit, remaining = row.get("limit_usd"), row.get("remaining_usd")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -24,12 +24,14 @@ from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__, appkeys
 from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
+from gateway.admin_keys import key_routes, own_key
 from gateway.apis.config import ApisSettings
 from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
+from gateway.checks import config_findings, errors
 from gateway.engine_tokens import EngineTokenizer, build_counters
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
@@ -41,7 +43,7 @@ from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
 from gateway.request.intake import Intake
 from gateway.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
-from gateway.settings import GatewaySettings, validate_section
+from gateway.settings import GatewaySettings, StateSettings, validate_section
 from gateway.slo import SloHook
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
@@ -49,6 +51,10 @@ from gateway.telemetry.tracing import Tracing
 from gateway.upstream import UpstreamClient
 from policies.estimate import PromptEstimator
 from policies.holder import PolicyHolder, ReloadResult
+from policies.keys.directory import KeyDirectory
+from policies.keys.redis_store import RedisDirectoryStore
+from policies.keys.sqlite_store import SqliteDirectoryStore
+from policies.keys.store import DirectoryStore, MemoryDirectoryStore
 from policies.limits.admission import Admission
 from policies.limits.factory import make_store
 from policies.policy import Policy
@@ -76,7 +82,9 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_director_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
     app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
-    setup_routes(app, admin_routes())
+    setup_routes(app, admin_routes() + key_routes())
+    app.router.add_get("/v1/key", own_key)
+    app.router.add_get("/key/info", own_key)  # LiteLLM's name for the same question
     setup_api_routes(app)
     setup_batch_routes(app)
     if settings.state.shares_routing:
@@ -123,10 +131,20 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The hot-reloaded policy (file watch + SIGHUP + POST /admin/reload) and the admission store."""
+    """The hot-reloaded policy (file watch + SIGHUP + POST /admin/reload), the directory of keys made
+    through the admin API, and the admission store."""
     settings = app[appkeys.SETTINGS]
-    holder = PolicyHolder.from_file(settings.resolve_path(settings.policies))
+    directory = KeyDirectory(directory_store(settings.state))
+    await directory.start()
+    try:
+        holder = PolicyHolder.from_file(
+            settings.resolve_path(settings.policies), check=_cross_check(settings), directory=directory
+        )
+    except Exception:
+        await directory.stop()
+        raise
     app[appkeys.POLICIES] = holder
+    app[appkeys.DIRECTORY] = directory
     state = settings.state
     store = make_store(
         state.redis_url if state.backend == "redis" else None, prefix=state.key_prefix, timeout_s=state.redis_timeout_s
@@ -142,9 +160,39 @@ async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.POLICY_WATCHER] = watcher
     watcher.start()
     app[appkeys.METRICS].set_limiter_gauges(lambda: limiter_gauges(admission.snapshot()))
+
+    def directory_changed() -> None:
+        if appkeys.FLEET in app:
+            _allow_labels(app[appkeys.METRICS], holder.current, app[appkeys.FLEET])
+
+    directory.on_change(directory_changed)
     yield
     await watcher.stop()
     await admission.close()
+    await directory.stop()
+
+
+def directory_store(state: StateSettings) -> DirectoryStore:
+    """Where keys made through the admin API live: Redis with `state: redis`, else the SQLite file."""
+    if state.backend == "redis" and state.redis_url:
+        return RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
+    if state.keys_db:
+        return SqliteDirectoryStore(state.keys_db)
+    return MemoryDirectoryStore()
+
+
+def _cross_check(settings: GatewaySettings) -> Callable[[Policy], list[str]]:
+    """At start-up and on every reload: what breaks between gateway.yaml and the policy. Errors
+    refuse the policy (a start-up error stops the gateway); warnings are logged."""
+
+    def check(policy: Policy) -> list[str]:
+        found = config_findings(settings, policy.config, policy.source)
+        for finding in found:
+            if finding.severity == "warning":
+                log.warning("%s", finding)
+        return [str(f) for f in errors(found)]
+
+    return check
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -337,8 +385,10 @@ def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None
     for name, config in policy.config.models.items():
         models.add(name)
         models.update(config.aliases)
+    directory = policy.directory
+    api_tenants = list(directory.tenants) if directory is not None else []
     metrics.allow_label_values(
-        tenants=policy.config.tenants.keys(),
+        tenants=[*policy.config.tenants.keys(), *api_tenants],
         models=sorted(models),
         pools=fleet.pools.keys(),
         endpoints=[e.id for e in fleet.endpoints()],

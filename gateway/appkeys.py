@@ -19,6 +19,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream import UpstreamClient
 from policies.holder import PolicyHolder
+from policies.keys.directory import KeyDirectory
 from policies.limits.admission import Admission
 from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import ScoringRouter
@@ -43,3 +44,4 @@ POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy
 POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
 REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replicas do not share routing state
+DIRECTORY = web.AppKey("directory", KeyDirectory)  # keys and tenants made through the admin API

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -50,22 +49,6 @@ def _epp(args: argparse.Namespace) -> int:
     return run(settings, app_factory=create_epp_app)
 
 
-def _keys_create(args: argparse.Namespace) -> int:
-    from policies.policy import hash_key
-
-    key = "tw-" + secrets.token_urlsafe(32)
-    key_id = args.id or f"{args.tenant}-{secrets.token_hex(3)}"
-    print(f"API key (shown once, store it now): {key}")
-    print("\nPaste under `keys:` in policies.yaml:\n")
-    print(f"  - id: {key_id}")
-    print(f"    tenant: {args.tenant}")
-    print(f"    sha256: {hash_key(key)}")
-    if args.models:
-        models = ", ".join(m.strip() for m in args.models.split(",") if m.strip())
-        print(f"    models: [{models}]")
-    return 0
-
-
 def _policies_check(args: argparse.Namespace) -> int:
     from policies.loader import check_file
 
@@ -77,20 +60,49 @@ def _policies_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from gateway.checks import check_files
+
+    unset: list[str] = []
+    findings = check_files(args.config, probe=not args.no_probe, unset=unset if args.allow_unset else None)
+    for finding in findings:
+        print(finding, file=sys.stderr if finding.severity == "error" else sys.stdout)
+    errors = sum(1 for f in findings if f.severity == "error")
+    warnings = len(findings) - errors
+    if not findings:
+        print(f"{args.config}: ok")
+    else:
+        print(f"{args.config}: {errors} error(s), {warnings} warning(s)")
+    return 1 if errors or (args.strict and warnings) else 0
+
+
 def _pools_plan(args: argparse.Namespace) -> int:
+    """The launch plan of one or more gateway.yaml files; unset ${VAR}s stay as placeholders."""
     from backends.config import BackendsSettings
     from backends.errors import PlanError
     from backends.plan import render_plan
     from gateway.settings import validate_section
 
-    try:
-        settings = load_settings(args.config)
-        backends = validate_section(settings, "backends", BackendsSettings)
-        print(render_plan(list(settings.pools), backends))
-    except (ConfigError, PlanError) as exc:
-        print(f"tokenway: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    paths = [*(args.config or []), *args.files] or ["config/gateway.yaml"]
+    status = 0
+    for n, path in enumerate(paths):
+        unset: list[str] = []
+        if len(paths) > 1:
+            print(("\n" if n else "") + f"# === {path}")
+        try:
+            settings = load_settings(path, unset)
+            backends = validate_section(settings, "backends", BackendsSettings)
+            for item in unset:
+                where, _, name = item.partition(": ")
+                print(
+                    f"warning: {path}: {where}: environment variable {name} is not set; shown as ${{{name}}}",
+                    file=sys.stderr,
+                )
+            print(render_plan(list(settings.pools), backends))
+        except (ConfigError, PlanError) as exc:
+            print(f"tokenway: {exc}", file=sys.stderr)
+            status = 2
+    return status
 
 
 def _pools_status(args: argparse.Namespace) -> int:
@@ -148,12 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run simulated vLLM-compatible engines", add_help=False)
     sim.set_defaults(func=None)
 
-    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
-    create = keys.add_parser("create", help="make a new key; prints it once and its YAML entry")
-    create.add_argument("--tenant", required=True)
-    create.add_argument("--models", help="comma-separated allowed models")
-    create.add_argument("--id", help="key id (default: <tenant>-<random>)")
-    create.set_defaults(func=_keys_create)
+    from gateway.cli_keys import add_parsers as add_key_parsers
+
+    add_key_parsers(sub)
+
+    check = sub.add_parser("check", help="validate gateway.yaml with its policies.yaml; print every problem")
+    check.add_argument("--config", default="config/gateway.yaml")
+    check.add_argument("--no-probe", action="store_true", help="do not connect to static endpoints")
+    check.add_argument("--strict", action="store_true", help="warnings fail the check too")
+    check.add_argument("--allow-unset", action="store_true", help="unset ${VAR}s are warnings (CI without secrets)")
+    check.set_defaults(func=_check)
 
     policies = sub.add_parser("policies", help="policies.yaml").add_subparsers(dest="policies_command", required=True)
     check = policies.add_parser("check", help="validate a policies file; print every problem")
@@ -162,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pools = sub.add_parser("pools", help="engine pools").add_subparsers(dest="pools_command", required=True)
     plan = pools.add_parser("plan", help="print every replica's command line and environment; launch nothing")
-    plan.add_argument("--config", default="config/gateway.yaml")
+    plan.add_argument("files", nargs="*", help="gateway.yaml files (also --config, repeatable)")
+    plan.add_argument("--config", action="append", help="a gateway.yaml (default config/gateway.yaml)")
     plan.set_defaults(func=_pools_plan)
     status = pools.add_parser("status", help="pools, endpoints, state, load of a running gateway")
     status.add_argument("--url", default="http://127.0.0.1:8080")
@@ -184,7 +201,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_pipe()
+    return code
+
+
+def _closed_pipe() -> int:
+    """The reader of our stdout went away (`tokenway pools status | head`): stop quietly, as `cat` does.
+
+    stdout is pointed at /dev/null so the interpreter's own flush at exit cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
 
 
 if __name__ == "__main__":  # pragma: no cover

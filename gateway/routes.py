@@ -57,13 +57,28 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """200 only when every configured pool has a ready endpoint (or, autoscaled, can start one on
-    demand); the body says which are not."""
+    """200 when the pools `server.ready_when` names have a ready endpoint (every pool, the default
+    pool, or any one) or, autoscaled, can start one on demand; the body lists each pool's readiness
+    and those that are not ready."""
     fleet = request.app[appkeys.FLEET]
+    server = request.app[appkeys.SETTINGS].server
     pools = {name: pool.can_serve for name, pool in fleet.pools.items()}
     not_ready = sorted(name for name, ready in pools.items() if not ready)
-    status = 200 if not not_ready else 503
-    return _json({"ready": not not_ready, "pools": pools, "not_ready": not_ready}, status=status)
+    ready = ready_by_rule(pools, server.ready_when, server.default_pool)
+    body = {"ready": ready, "ready_when": server.ready_when, "pools": pools, "not_ready": not_ready}
+    return _json(body, status=200 if ready else 503)
+
+
+def ready_by_rule(pools: dict[str, bool], rule: str, default_pool: str | None) -> bool:
+    """Readiness of the gateway from its pools' (in configuration order) under `ready_when`."""
+    if not pools:
+        return True
+    if rule == "any_pool":
+        return any(pools.values())
+    if rule == "default_pool":
+        name = default_pool if default_pool is not None else next(iter(pools))
+        return pools.get(name, False)
+    return all(pools.values())
 
 
 async def metrics(request: web.Request) -> web.Response:

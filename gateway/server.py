@@ -7,9 +7,11 @@ benchmarks can build the app without a process around it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
@@ -49,30 +51,27 @@ async def serve(settings: GatewaySettings, *, banner: bool = True, app_factory: 
     if problem is not None:  # checked before anything starts (engines included)
         print(f"tokenway: {problem}", file=sys.stderr, flush=True)
         return 2
+    try:  # the port first: nothing (no engine) starts when it is taken
+        sock = listen_socket(settings.server.host, settings.server.port)
+    except OSError as exc:
+        print(f"tokenway: {port_problem(settings.server.host, settings.server.port, exc)}", file=sys.stderr, flush=True)
+        return 2
     app = app_factory(settings)
     runner = make_runner(app, settings)
     try:
         await runner.setup()
     except (PolicyFileError, PlanError, ConfigError) as exc:  # a bad file stops start-up with its message
         print(f"tokenway: {exc}", file=sys.stderr, flush=True)
+        sock.close()
         await runner.cleanup()
         return 2
-    site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=2048, reuse_address=True)
+    site = web.SockSite(runner, sock)
     await site.start()
     if settings.server.gc_young_threshold:
         tune_gc(settings.server.gc_young_threshold)
     host, port = runner.addresses[0][:2]
     if banner:
-        base = f"http://{host}:{port}/v1"
-        print(f"tokenway listening on {base}", flush=True)
-        pools = app[appkeys.FLEET].pools
-        model = next(iter(pools.values())).config.model if pools else "MODEL"
-        print(
-            "  try: curl -s " + base + "/chat/completions -H 'Authorization: Bearer $KEY' "
-            "-H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}\'',
-            flush=True,
-        )
+        print_banner(app, host, port)
     ready_note = asyncio.get_running_loop().create_task(_announce_ready(app)) if banner else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -84,6 +83,57 @@ async def serve(settings: GatewaySettings, *, banner: bool = True, app_factory: 
         ready_note.cancel()
     await runner.cleanup()
     return 0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else starts (raises OSError when it cannot be)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def port_problem(host: str, port: int, exc: OSError) -> str:
+    """What to tell an operator whose port cannot be opened, and how to pick another."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another tokenway or server is listening there).\n"
+            f"  pick another: tokenway serve --port {port + 1}   or   make run PORT={port + 1}"
+        )
+    if exc.errno == errno.EACCES:
+        return f"no permission to listen on {host}:{port} (ports below 1024 need privileges); try --port 8080"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+DEMO_KEY = "tw-demo-key-0000"  # config/policies.yaml's demo key (only its digest is in the file)
+
+
+def print_banner(app: web.Application, host: str, port: int) -> None:
+    """Where the gateway listens and a curl that works as pasted: with the demo key when the running
+    policy accepts it, else reading the key from $TOKENWAY_KEY (double quotes, so the shell expands it)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
+    base = f"http://{shown}:{port}/v1"
+    print(f"tokenway listening on {base}", flush=True)
+    pools = app[appkeys.FLEET].pools
+    model = next(iter(pools.values())).config.model if pools else "MODEL"
+    policy = app[appkeys.POLICIES].current
+    key = DEMO_KEY if policy.authenticate(DEMO_KEY) is not None else "$TOKENWAY_KEY"
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}'
+    print(
+        f'  try: curl -s {base}/chat/completions -H "Authorization: Bearer {key}" '
+        f"-H 'Content-Type: application/json' -d '{body}'",
+        flush=True,
+    )
+    if key != DEMO_KEY:
+        print("       (export TOKENWAY_KEY=<an API key>; `tokenway keys create` makes one)", flush=True)
 
 
 def tune_gc(young_threshold: int) -> None:

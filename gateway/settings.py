@@ -45,6 +45,11 @@ class ServerSettings(_Strict):
     upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
     admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
     retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
+    ready_when: Literal["all_pools", "default_pool", "any_pool"] = Field(
+        default="all_pools",
+        description="/readyz is 200 when every pool, the default pool, or at least one pool has a ready endpoint",
+    )
+    default_pool: str | None = Field(default=None, description="the pool `ready_when: default_pool` watches; first")
     gc_young_threshold: int = Field(
         default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
     )
@@ -67,6 +72,12 @@ class StateSettings(_Strict):
         "as a store failure for the breaker and `store_failure`",
     )
     replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
+
+    keys_db: str | None = Field(
+        default="var/keys.sqlite3",
+        description="with backend memory: the SQLite file of keys and tenants made through the admin API "
+        "(null: kept in memory only); with redis they live in Redis",
+    )
 
     @property
     def shares_routing(self) -> bool:
@@ -99,8 +110,12 @@ class GatewaySettings(_Strict):
         return Path(self.source).parent / p
 
 
-def resolve_env(value: Any, where: str = "") -> Any:
-    """Replace `${NAME}` / `${NAME:-default}` in every string of a parsed YAML tree."""
+def resolve_env(value: Any, where: str = "", unset: list[str] | None = None) -> Any:
+    """Replace `${NAME}` / `${NAME:-default}` in every string of a parsed YAML tree.
+
+    An unset variable without a default is an error, unless `unset` is given (dry runs such as
+    `tokenway pools plan`): then the reference stays as written, a placeholder, and `unset` collects
+    `key.path: NAME` for the warning."""
     if isinstance(value, str):
 
         def sub(match: re.Match[str]) -> str:
@@ -110,13 +125,16 @@ def resolve_env(value: Any, where: str = "") -> Any:
                 return found
             if default is not None:
                 return default
+            if unset is not None:
+                unset.append(f"{where or '<root>'}: {name}")
+                return match.group(0)
             raise ConfigError(f"{where or '<root>'}: environment variable {name} is not set")
 
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
-        return {k: resolve_env(v, f"{where}.{k}" if where else str(k)) for k, v in value.items()}
+        return {k: resolve_env(v, f"{where}.{k}" if where else str(k), unset) for k, v in value.items()}
     if isinstance(value, list):
-        return [resolve_env(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [resolve_env(v, f"{where}[{i}]", unset) for i, v in enumerate(value)]
     return value
 
 
@@ -138,8 +156,11 @@ def _short(value: Any) -> str:
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_yaml_model(path: str | Path, model: type[M], extra: dict[str, Any] | None = None) -> M:
-    """Read a YAML file into a pydantic model with precise errors (file, key path, expectation)."""
+def load_yaml_model(
+    path: str | Path, model: type[M], extra: dict[str, Any] | None = None, unset: list[str] | None = None
+) -> M:
+    """Read a YAML file into a pydantic model with precise errors (file, key path, expectation).
+    `unset`: see `resolve_env` (unset variables kept as placeholders and listed there)."""
     path = str(path)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -153,7 +174,7 @@ def load_yaml_model(path: str | Path, model: type[M], extra: dict[str, Any] | No
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     try:
-        raw = resolve_env(raw)
+        raw = resolve_env(raw, unset=unset)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     try:
@@ -162,8 +183,8 @@ def load_yaml_model(path: str | Path, model: type[M], extra: dict[str, Any] | No
         raise ConfigError(format_validation_error(path, exc)) from exc
 
 
-def load_settings(path: str | Path) -> GatewaySettings:
-    return load_yaml_model(path, GatewaySettings, {"source": str(path)})
+def load_settings(path: str | Path, unset: list[str] | None = None) -> GatewaySettings:
+    return load_yaml_model(path, GatewaySettings, {"source": str(path)}, unset)
 
 
 def validate_section(settings: GatewaySettings, section: str, model: type[M]) -> M:

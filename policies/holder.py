@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policies.keys.directory import KeyDirectory
 from policies.loader import PolicyFileError, load_policy
 from policies.policy import Policy
 from policies.settled_file import UnsettledFile, read_settled
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ReloadResult:
     ok: bool
-    changed: bool  # the file's content differed from the running policy's
+    changed: bool  # the new policy differs from the running one (then, and only then, generation moves)
     errors: tuple[str, ...] = ()
     loaded_at_unix_s: float = 0.0
     generation: int = 0
@@ -55,14 +56,25 @@ class PolicyHolder:
     last_error: tuple[str, ...] = ()
     last_error_at_unix_s: float | None = None
     env: Mapping[str, str] | None = None
+    # What else a policy must agree with (the pools of gateway.yaml, keys made through the API): the
+    # problems that make it unusable, one message each; a policy with any is refused like a bad file.
+    check: Callable[[Policy], list[str]] | None = None
+    directory: KeyDirectory | None = None  # keys and tenants made through the admin API
     _last_text: str | None = None
 
     @classmethod
-    def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> PolicyHolder:
+    def from_file(
+        cls,
+        path: str | Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        check: Callable[[Policy], list[str]] | None = None,
+        directory: KeyDirectory | None = None,
+    ) -> PolicyHolder:
         """Load at startup; raises `PolicyFileError` (startup must not run without a valid policy)."""
         path = Path(path)
         text = _read_complete(path)
-        holder = cls(load_policy(path, env, text=text), path=path, env=env)
+        holder = cls(_load(path, env, check, directory, text), path=path, env=env, check=check, directory=directory)
         holder._last_text = text
         return holder
 
@@ -77,21 +89,22 @@ class PolicyHolder:
         text: str | None = None
         try:
             text = _read_complete(self.path)
-            policy = load_policy(self.path, self.env, text=text)
+            policy = _load(self.path, self.env, self.check, self.directory, text)
         except PolicyFileError as exc:
             self.last_error = tuple(exc.messages)
             self.last_error_at_unix_s = time.time()
             log.error("policies reload rejected, keeping generation %d:\n%s", self.generation, exc)
             return ReloadResult(False, text != self._last_text, self.last_error, self.loaded_at_unix_s, self.generation)
-        changed = text != self._last_text
-        self.current = policy  # the atomic swap: readers see the old or the new policy, never a mix
         self._last_text = text
-        self.generation += 1
-        self.loaded_at_unix_s = time.time()
         self.last_error = ()
         self.last_error_at_unix_s = None
+        if policy.config == self.current.config:  # same rules (also when only comments changed)
+            return ReloadResult(True, False, (), self.loaded_at_unix_s, self.generation)
+        self.current = policy  # the atomic swap: readers see the old or the new policy, never a mix
+        self.generation += 1
+        self.loaded_at_unix_s = time.time()
         log.info("policies reloaded from %s (generation %d)", self.path, self.generation)
-        return ReloadResult(True, changed, (), self.loaded_at_unix_s, self.generation)
+        return ReloadResult(True, True, (), self.loaded_at_unix_s, self.generation)
 
     async def reload_async(self) -> ReloadResult:
         """`reload` in a worker thread, so parsing a large file never stalls the event loop."""
@@ -106,6 +119,22 @@ class PolicyHolder:
             "last_error": list(self.last_error) or None,
             "last_error_at_unix_s": self.last_error_at_unix_s,
         }
+
+
+def _load(
+    path: Path,
+    env: Mapping[str, str] | None,
+    check: Callable[[Policy], list[str]] | None,
+    directory: KeyDirectory | None,
+    text: str,
+) -> Policy:
+    policy = load_policy(path, env, text=text, directory=directory)
+    problems = list(check(policy)) if check is not None else []
+    if directory is not None:
+        problems += [f"{path}: {p}" for p in directory.conflicts(policy.config)]
+    if problems:
+        raise PolicyFileError(problems)
+    return policy
 
 
 def _read_complete(path: Path) -> str:

@@ -20,6 +20,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from policies.policy import Policy
+
+if typing.TYPE_CHECKING:
+    from policies.keys.directory import KeyDirectory
 from policies.schema import PoliciesConfig, ReferenceErrors, format_path
 
 Loc = tuple[str | int, ...]
@@ -47,8 +50,14 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, *, text:
     return parse_config(text, str(path), env)
 
 
-def load_policy(path: str | Path, env: Mapping[str, str] | None = None, *, text: str | None = None) -> Policy:
-    return Policy(load_config(path, env, text=text), source=str(path))
+def load_policy(
+    path: str | Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    text: str | None = None,
+    directory: KeyDirectory | None = None,
+) -> Policy:
+    return Policy(load_config(path, env, text=text), source=str(path), directory=directory)
 
 
 def check_file(path: str | Path, env: Mapping[str, str] | None = None) -> list[str]:

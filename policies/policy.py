@@ -9,12 +9,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from policies.limits.compile import LimitIndex, price_of
 from policies.limits.types import Plan, Price
 from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.slo import Slo
 from policies.types import Principal
+
+if TYPE_CHECKING:  # the directory imports this module (it compiles principals against a Policy)
+    from policies.keys.directory import KeyDirectory
 
 
 def hash_key(api_key: str) -> str:
@@ -29,9 +33,11 @@ class _KeyEntry:
 
 
 class Policy:
-    def __init__(self, config: PoliciesConfig, source: str = "<memory>") -> None:
+    def __init__(self, config: PoliciesConfig, source: str = "<memory>", directory: KeyDirectory | None = None) -> None:
         self.config = config
         self.source = source
+        self.directory = directory  # keys made through the admin API, consulted after the file's
+        track = config.admission.track_key_spend
         self._keys: dict[str, _KeyEntry] = {}
         self._principals: dict[str, Principal] = {}
         for key in config.keys:
@@ -51,6 +57,7 @@ class Policy:
                 allowed_models=frozenset(allowed) if allowed is not None else None,
                 priority=priority,
                 allow_fallback=tenant.allow_fallback,
+                track_spend=track,
             )
             self._keys[key.sha256] = _KeyEntry(bytes.fromhex(key.sha256), principal)
             self._principals[key.id] = principal
@@ -69,6 +76,7 @@ class Policy:
         self._prices: dict[str, Price] = {name: price_of(model) for name, model in config.models.items()}
         self.limits = LimitIndex(config)
         slo_classes = {name: Slo.from_config(name, c) for name, c in config.slo_classes.items()}
+        self._slo_classes = slo_classes
         self._slo_by_tenant = {
             name: slo_classes[t.slo_class] for name, t in config.tenants.items() if t.slo_class is not None
         }
@@ -85,10 +93,20 @@ class Policy:
             digest = hashlib.sha256(api_key.encode("utf-8")).digest()
         except UnicodeEncodeError:
             return None
-        entry = self._keys.get(digest.hex())
-        if entry is None or not hmac.compare_digest(entry.digest, digest):
+        hex_digest = digest.hex()
+        entry = self._keys.get(hex_digest)
+        if entry is None:
+            return self.directory.authenticate(digest, hex_digest, self) if self.directory is not None else None
+        if not hmac.compare_digest(entry.digest, digest):
             return None
         return entry.principal
+
+    def file_principal(self, key_id: str) -> Principal | None:
+        """The principal of a policies.yaml key by id (the admin API's view of file keys)."""
+        for entry in self._keys.values():
+            if entry.principal.key_id == key_id:
+                return entry.principal
+        return None
 
     def resolve_model(self, name: str) -> str:
         """Public model name for a name or alias (unknown names resolve to themselves)."""
@@ -125,6 +143,8 @@ class Policy:
     def slo_class(self, principal: Principal) -> Slo | None:
         """The caller's SLO class: its tenant's `slo_class`, else the class claiming its priority."""
         found = self._slo_by_tenant.get(principal.tenant)
+        if found is None and principal.slo_class is not None:
+            found = self._slo_classes.get(principal.slo_class)
         return found if found is not None else self._slo_by_priority.get(principal.priority)
 
     def tenant_weight(self, tenant: str) -> float:

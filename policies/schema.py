@@ -306,6 +306,10 @@ class AdmissionConfig(_Strict):
         default=True, description="reject from the last state Redis reported, without a round trip"
     )
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    track_key_spend: bool = Field(
+        default=False,
+        description="count every file key's spend per day and month (keys made through the admin API always are)",
+    )
 
 
 class BatchPolicy(_Strict):

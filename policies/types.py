@@ -13,14 +13,45 @@ ApiKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
 
 @dataclass(frozen=True, slots=True)
+class OwnLimits:
+    """Limits and budgets set on one key or tenant made through the admin API (not policies.yaml).
+
+    Each set value is the most specific rule of its scope and dimension, so it overrides the file's
+    rules for every key (or tenant) of that dimension; unset values leave the file's rules in force."""
+
+    rpm: int | None = None
+    rpd: int | None = None
+    tpm: int | None = None
+    tpd: int | None = None
+    max_concurrent: int | None = None
+    usd_per_day: float | None = None
+    usd_per_month: float | None = None
+
+    def value(self, dimension: str) -> float | None:
+        found = getattr(self, dimension, None)
+        return None if found is None else float(found)
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
-    """The authenticated caller: one API key of one tenant."""
+    """The authenticated caller: one API key of one tenant.
+
+    Keys made through the admin API carry their own and their tenant's limits (`key_limits`,
+    `tenant_limits`); `revision` changes whenever those do, so compiled admission plans of the old
+    ones are never reused. `track_spend` adds day and month spend counters for the key (never
+    enforced) where no budget of its own counts them, so the key's standing can report spend."""
 
     key_id: str
     tenant: str
     allowed_models: frozenset[str] | None  # None = every model
     priority: int  # higher runs first; < 0 is sheddable
     allow_fallback: bool = True
+    key_limits: OwnLimits | None = None
+    tenant_limits: OwnLimits | None = None
+    revision: int = 0
+    track_spend: bool = False
+    slo_class: str | None = None  # an API-made tenant's SLO class (file tenants': policy.slo_class)
+    source: str = "file"  # file | api
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models

@@ -13,14 +13,14 @@ import contextlib
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gateway.ledger.config import LedgerConfig
-from gateway.ledger.reader import ReadStats, iter_entries
-from gateway.ledger.report import FORMATS, ReportError, build_report, render
+from gateway.ledger.reader import ReadStats, files_in_window, iter_entries
+from gateway.ledger.report import FORMATS, ReportBuilder, ReportError, render
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -64,6 +64,9 @@ def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:
     report.add_argument("--plot", metavar="PNG", default=None, help="also draw spend over time per group")
     report.add_argument("--dir", default=None, help="ledger directory (default: ledger.dir of --config)")
     report.add_argument("--config", default=None, help="gateway.yaml to read ledger.dir from")
+    report.add_argument(
+        "--progress", choices=("auto", "on", "off"), default="auto", help="progress bar on stderr (auto: on a terminal)"
+    )
     report.set_defaults(func=run_usage)
     return usage
 
@@ -88,18 +91,42 @@ def run_usage(args: argparse.Namespace) -> int:
         print(f"warning: {message}", file=sys.stderr)
 
     try:
-        entries = list(iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, stats=stats, warn=warn))
-        report = build_report(entries, by)
-        sys.stdout.write(render(report, args.format))
+        builder = ReportBuilder(by)
+        series = None
         if args.plot:
-            from gateway.ledger.plot import plot_spend
+            from gateway.ledger.plot import SpendSeries
 
-            out = plot_spend(entries, by, args.plot)
+            series = SpendSeries(by)
+        with _progress(directory, since_s, args.progress) as on_bytes:
+            for entry in iter_entries(
+                directory, since_unix_s=since_s, until_unix_s=until_s, stats=stats, warn=warn, on_bytes=on_bytes
+            ):
+                builder.add(entry)
+                if series is not None:
+                    series.add(entry)
+        sys.stdout.write(render(builder.report(), args.format))
+        if series is not None:
+            out = series.draw(args.plot)
             print(f"wrote {out}", file=sys.stderr)
     except (ReportError, RuntimeError) as exc:
         print(f"tokenway usage report: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+@contextlib.contextmanager
+def _progress(directory: Path, since_s: float | None, mode: str) -> Iterator[Callable[[int], None] | None]:
+    """A byte-counting progress bar on stderr while the ledger is read: shown when stderr is a
+    terminal (`--progress auto`), always (`on`) or never (`off`)."""
+    show = mode == "on" or (mode == "auto" and sys.stderr.isatty())
+    if not show:
+        yield None
+        return
+    from tqdm import tqdm
+
+    total = sum(p.stat().st_size for p in files_in_window(directory, since_s))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="reading ledger", file=sys.stderr, leave=False) as bar:
+        yield bar.update
 
 
 def _ledger_dir(args: argparse.Namespace) -> Path:

@@ -1,8 +1,14 @@
 """Spend over time per group, drawn to a PNG (`tokenway usage report --plot out.png`).
 
 Two panels share the time axis: spend per time bucket and cumulative spend, one line per group (the
-`top` most expensive groups; the rest are summed as "other"). matplotlib is imported only here, with
-the Agg backend, so the gateway never loads it and headless machines can draw.
+`top` most expensive groups; the rest are summed as "other") and, when there is more than one
+group, an `all` line: the total of every record. Records without a value for a group field are the
+group "(none)" (e.g. requests rejected before authentication have no tenant).
+
+`SpendSeries` aggregates while the report streams: spend per group and time bucket, with buckets
+that widen as the data's span grows (1 min, 5 min, ... 1 day; at most about 60 per line), so memory
+is groups x 60 numbers whatever the row count. matplotlib is imported only to draw, with the Agg
+backend, so the gateway never loads it and headless machines can draw.
 """
 
 from __future__ import annotations
@@ -16,13 +22,106 @@ from typing import Any
 from gateway.ledger.report import group_key, resolve_fields
 
 BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400)
+TARGET_POINTS = 60
+NONE_LABEL = "(none)"
+ALL_LABEL = "all"
 
 
-def choose_bucket_s(span_s: float, target_points: int = 60) -> int:
+def choose_bucket_s(span_s: float, target_points: int = TARGET_POINTS) -> int:
     for bucket in BUCKETS_S:
         if span_s / bucket <= target_points:
             return bucket
     return BUCKETS_S[-1]
+
+
+class SpendSeries:
+    """USD per (group, time bucket), from entries added one at a time."""
+
+    def __init__(self, by: Sequence[str], bucket_s: int | None = None) -> None:
+        self.fields = resolve_fields(by)
+        self._fixed_bucket = bucket_s is not None
+        self.bucket_s = bucket_s or BUCKETS_S[0]
+        self.series: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        self.start_s: float | None = None
+        self.end_s: float | None = None
+
+    def label(self, entry: dict[str, Any]) -> str:
+        values = group_key(entry, self.fields)
+        return " / ".join(v or NONE_LABEL for v in values) or ALL_LABEL
+
+    def add(self, entry: dict[str, Any]) -> None:
+        ts = float(entry["ts"])
+        self.start_s = ts if self.start_s is None else min(self.start_s, ts)
+        self.end_s = ts if self.end_s is None else max(self.end_s, ts)
+        if not self._fixed_bucket and (self.end_s - self.start_s) / self.bucket_s > TARGET_POINTS:
+            self._widen(choose_bucket_s(self.end_s - self.start_s))
+        slot = int(ts // self.bucket_s) * self.bucket_s
+        self.series[self.label(entry)][slot] += float(entry.get("cost_usd") or 0.0)
+
+    def _widen(self, bucket_s: int) -> None:
+        self.bucket_s = bucket_s
+        for group, slots in self.series.items():
+            merged: dict[int, float] = defaultdict(float)
+            for slot, cost in slots.items():
+                merged[int(slot // bucket_s) * bucket_s] += cost
+            self.series[group] = merged
+
+    def slots(self) -> list[int]:
+        if self.start_s is None or self.end_s is None:
+            return []
+        first = int(self.start_s // self.bucket_s) * self.bucket_s
+        last = int(self.end_s // self.bucket_s) * self.bucket_s
+        return list(range(first, last + self.bucket_s, self.bucket_s))
+
+    def lines(self, top: int = 8) -> dict[str, list[float]]:
+        """Per-bucket spend of the `top` groups, "other" for the rest, and "all" (with > 1 group)."""
+        slots = self.slots()
+        totals = {group: sum(values.values()) for group, values in self.series.items()}
+        keep = sorted(totals, key=lambda g: -totals[g])[:top]
+        out: dict[str, list[float]] = {group: [self.series[group].get(s, 0.0) for s in slots] for group in keep}
+        rest = [g for g in totals if g not in keep]
+        if rest:
+            out["other"] = [sum(self.series[g].get(s, 0.0) for g in rest) for s in slots]
+        if len(totals) > 1:
+            out[ALL_LABEL] = [sum(self.series[g].get(s, 0.0) for g in totals) for s in slots]
+        return out
+
+    def draw(self, out_path: str | Path, *, top: int = 8, title: str | None = None) -> Path:
+        try:
+            import matplotlib
+        except ImportError as exc:  # matplotlib is the `plot` extra
+            raise RuntimeError("--plot needs matplotlib: pip install 'tokenway[plot]'") from exc
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        out = Path(out_path)
+        fig, (ax_rate, ax_cum) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+        slots = self.slots()
+        if slots:
+            times = [datetime.fromtimestamp(s, UTC) for s in slots]
+            for group, per_bucket in self.lines(top).items():
+                cumulative, running = [], 0.0
+                for value in per_bucket:
+                    running += value
+                    cumulative.append(running)
+                style: dict[str, Any] = {"color": "black", "linewidth": 2.0} if group == ALL_LABEL else {}
+                ax_rate.step(times, per_bucket, where="post", label=group, **style)
+                ax_cum.plot(times, cumulative, label=group, **style)
+            ax_rate.set_ylabel(f"USD per {_bucket_label(self.bucket_s)}")
+            ax_rate.legend(loc="upper left", fontsize="small", title=", ".join(self.fields) or None)
+        else:
+            ax_rate.text(0.5, 0.5, "no usage in the selected window", ha="center", va="center",
+                         transform=ax_rate.transAxes)  # fmt: skip
+        ax_cum.set_ylabel("cumulative USD")
+        ax_cum.set_xlabel("time (UTC)")
+        for ax in (ax_rate, ax_cum):
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(title or f"tokenway spend by {', '.join(self.fields) or 'total'}")
+        fig.autofmt_xdate()
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
 
 
 def plot_spend(
@@ -34,54 +133,10 @@ def plot_spend(
     top: int = 8,
     title: str | None = None,
 ) -> Path:
-    try:
-        import matplotlib
-    except ImportError as exc:  # matplotlib is the `plot` extra
-        raise RuntimeError("--plot needs matplotlib: pip install 'tokenway[plot]'") from exc
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fields = resolve_fields(by)
-    points = [(float(e["ts"]), " / ".join(group_key(e, fields)) or "all", float(e.get("cost_usd") or 0.0))
-              for e in entries]  # fmt: skip
-    out = Path(out_path)
-    fig, (ax_rate, ax_cum) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    if points:
-        start_s, end_s = min(p[0] for p in points), max(p[0] for p in points)
-        bucket = bucket_s or choose_bucket_s(end_s - start_s)
-        totals: dict[str, float] = defaultdict(float)
-        for _, group, cost in points:
-            totals[group] += cost
-        keep = set(sorted(totals, key=lambda g: -totals[g])[:top])
-        series: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-        for ts, group, cost in points:
-            series[group if group in keep else "other"][int(ts // bucket) * bucket] += cost
-        first, last = int(start_s // bucket) * bucket, int(end_s // bucket) * bucket
-        slots = list(range(first, last + bucket, bucket))
-        times = [datetime.fromtimestamp(s, UTC) for s in slots]
-        for group in sorted(series, key=lambda g: -sum(series[g].values())):
-            per_bucket = [series[group].get(s, 0.0) for s in slots]
-            cumulative, running = [], 0.0
-            for value in per_bucket:
-                running += value
-                cumulative.append(running)
-            ax_rate.step(times, per_bucket, where="post", label=group)
-            ax_cum.plot(times, cumulative, label=group)
-        ax_rate.set_ylabel(f"USD per {_bucket_label(bucket)}")
-        ax_rate.legend(loc="upper left", fontsize="small", title=", ".join(fields) or None)
-    else:
-        ax_rate.text(0.5, 0.5, "no usage in the selected window", ha="center", va="center",
-                     transform=ax_rate.transAxes)  # fmt: skip
-    ax_cum.set_ylabel("cumulative USD")
-    ax_cum.set_xlabel("time (UTC)")
-    for ax in (ax_rate, ax_cum):
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(title or f"tokenway spend by {', '.join(fields) or 'total'}")
-    fig.autofmt_xdate()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    series = SpendSeries(by, bucket_s)
+    for entry in entries:
+        series.add(entry)
+    return series.draw(out_path, top=top, title=title)
 
 
 def _bucket_label(bucket_s: int) -> str:

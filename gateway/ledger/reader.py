@@ -55,8 +55,11 @@ def iter_entries(
     prefix: str | None = None,
     stats: ReadStats | None = None,
     warn: Warn | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Ledger entries (dicts, see codec.py) with `since <= ts < until`."""
+    """Ledger entries (dicts, see codec.py) with `since <= ts < until`, one at a time (nothing is
+    kept: the caller aggregates). `on_bytes(n)` is told every few thousand lines how many bytes were
+    read since its last call (a progress bar)."""
     stats = stats if stats is not None else ReadStats()
     since_day = datetime.fromtimestamp(since_unix_s, UTC).strftime("%Y%m%d") if since_unix_s is not None else None
 
@@ -70,7 +73,31 @@ def iter_entries(
             continue
         stats.files += 1
         with path.open("rb") as f:
-            yield from _file_entries(path, f, since_unix_s, until_unix_s, stats, warning)
+            lines: Iterable[bytes] = f if on_bytes is None else _counted(f, on_bytes)
+            yield from _file_entries(path, lines, since_unix_s, until_unix_s, stats, warning)
+
+
+def files_in_window(directory: str | Path, since_unix_s: float | None, prefix: str | None = None) -> list[Path]:
+    """The files `iter_entries` opens for a window starting at `since_unix_s` (to size a progress bar)."""
+    since_day = datetime.fromtimestamp(since_unix_s, UTC).strftime("%Y%m%d") if since_unix_s is not None else None
+    out = []
+    for path in ledger_files(directory, prefix):
+        m = _FILE_RE.match(path.name)
+        if since_day is None or m is None or m["day"] >= since_day:
+            out.append(path)
+    return out
+
+
+def _counted(lines: Iterable[bytes], on_bytes: Callable[[int], None], every: int = 4096) -> Iterator[bytes]:
+    pending = 0
+    for n, line in enumerate(lines, start=1):
+        pending += len(line)
+        if n % every == 0:
+            on_bytes(pending)
+            pending = 0
+        yield line
+    if pending:
+        on_bytes(pending)
 
 
 def _file_entries(

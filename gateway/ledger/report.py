@@ -1,22 +1,27 @@
 """Usage report: ledger entries grouped by fields, with requests, tokens, cost, CPM and TTFT spread.
 
-CPM is cost per million tokens, input (cached included) plus output. TTFT percentiles use linear
-interpolation between ranks (numpy's default) over the requests that had a first token. Group
-fields are ledger fields (codec.py), plus `key` (= key_id), `backend` (= pool), and the time buckets
-`day` and `hour` (UTC) of the finish time.
+Entries stream through `ReportBuilder.add` one at a time: a group holds counters and a bounded
+quantile sketch (sketch.py), never its rows, so a report over ten million rows needs the memory of
+its groups, not of its rows. `requests` counts every record; `served` those that ran (status ok),
+`rejected` those turned away before an engine (limits, budgets, SLO), `errors` failures and client
+aborts. CPM is cost per million tokens, input (cached included) plus output. TTFT percentiles are
+over the requests that had a first token: numpy's linear interpolation between ranks while a group
+has up to 10,000 of them, within 1 % above. Group fields are ledger fields (codec.py), plus `key`
+(= key_id), `backend` (= pool), and the time buckets `day` and `hour` (UTC) of the finish time.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
+
+from gateway.ledger.sketch import QuantileSketch, percentile
 
 Format = Literal["table", "csv", "json"]
 FORMATS: tuple[Format, ...] = ("table", "csv", "json")
@@ -31,9 +36,13 @@ GROUPABLE = frozenset(
     }
 )  # fmt: skip
 METRIC_COLUMNS = (
-    "requests", "errors", "input_tokens", "cached_input_tokens", "output_tokens", "cost_usd", "cpm_usd",
-    "ttft_p50_ms", "ttft_p90_ms",
+    "requests", "served", "rejected", "errors", "input_tokens", "cached_input_tokens", "output_tokens",
+    "cost_usd", "cpm_usd", "ttft_p50_ms", "ttft_p90_ms",
 )  # fmt: skip
+# decimals of the money and latency columns in table and csv output (json keeps full precision)
+DECIMALS = {"cost_usd": 6, "cpm_usd": 4, "ttft_p50_ms": 1, "ttft_p90_ms": 1}
+
+__all__ = ["METRIC_COLUMNS", "Report", "ReportBuilder", "ReportError", "build_report", "percentile", "render"]
 
 
 class ReportError(ValueError):
@@ -57,16 +66,23 @@ def resolve_fields(by: Sequence[str]) -> list[str]:
 @dataclass(slots=True)
 class GroupTotals:
     requests: int = 0
+    served: int = 0
+    rejected: int = 0
     errors: int = 0
     input_tokens: int = 0
     cached_input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
-    ttfts_s: list[float] = field(default_factory=list)
+    ttfts_s: QuantileSketch = field(default_factory=QuantileSketch)
 
     def add(self, entry: dict[str, Any]) -> None:
         self.requests += 1
-        if entry.get("status") in ("error", "aborted"):
+        status = entry.get("status")
+        if status == "ok":
+            self.served += 1
+        elif status == "rejected":
+            self.rejected += 1
+        elif status in ("error", "aborted"):
             self.errors += 1
         self.input_tokens += int(entry.get("input_tokens") or 0)
         self.cached_input_tokens += int(entry.get("cached_input_tokens") or 0)
@@ -74,16 +90,18 @@ class GroupTotals:
         self.cost_usd += float(entry.get("cost_usd") or 0.0)
         ttft = entry.get("ttft_s")
         if isinstance(ttft, int | float):
-            self.ttfts_s.append(float(ttft))
+            self.ttfts_s.add(float(ttft))
 
     def merge(self, other: GroupTotals) -> None:
         self.requests += other.requests
+        self.served += other.served
+        self.rejected += other.rejected
         self.errors += other.errors
         self.input_tokens += other.input_tokens
         self.cached_input_tokens += other.cached_input_tokens
         self.output_tokens += other.output_tokens
         self.cost_usd += other.cost_usd
-        self.ttfts_s.extend(other.ttfts_s)
+        self.ttfts_s.merge(other.ttfts_s)
 
     @property
     def cpm_usd(self) -> float | None:
@@ -91,10 +109,11 @@ class GroupTotals:
         return self.cost_usd / tokens * 1e6 if tokens else None
 
     def metrics(self) -> dict[str, float | int | None]:
-        ttfts = sorted(self.ttfts_s)
-        p50, p90 = percentile(ttfts, 0.5), percentile(ttfts, 0.9)
+        p50, p90 = self.ttfts_s.quantile(0.5), self.ttfts_s.quantile(0.9)
         return {
             "requests": self.requests,
+            "served": self.served,
+            "rejected": self.rejected,
             "errors": self.errors,
             "input_tokens": self.input_tokens,
             "cached_input_tokens": self.cached_input_tokens,
@@ -129,28 +148,32 @@ def group_key(entry: dict[str, Any], by: Sequence[str]) -> tuple[str, ...]:
     return tuple(values)
 
 
-def build_report(entries: Iterable[dict[str, Any]], by: Sequence[str]) -> Report:
-    fields = resolve_fields(by)
-    groups: dict[tuple[str, ...], GroupTotals] = {}
-    for entry in entries:
-        key = group_key(entry, fields)
-        totals = groups.get(key)
+class ReportBuilder:
+    """Entries in, one at a time; `report()` at the end. Memory: the groups, never the rows."""
+
+    def __init__(self, by: Sequence[str]) -> None:
+        self.fields = resolve_fields(by)
+        self.groups: dict[tuple[str, ...], GroupTotals] = {}
+
+    def add(self, entry: dict[str, Any]) -> None:
+        key = group_key(entry, self.fields) if self.fields else ()
+        totals = self.groups.get(key)
         if totals is None:
-            totals = groups[key] = GroupTotals()
+            totals = self.groups[key] = GroupTotals()
         totals.add(entry)
-    total = GroupTotals()
-    for totals in groups.values():
-        total.merge(totals)
-    return Report(fields, groups, total)
+
+    def report(self) -> Report:
+        total = GroupTotals()
+        for totals in self.groups.values():
+            total.merge(totals)
+        return Report(self.fields, self.groups, total)
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    rank = (len(sorted_values) - 1) * q
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
+def build_report(entries: Iterable[dict[str, Any]], by: Sequence[str]) -> Report:
+    builder = ReportBuilder(by)
+    for entry in entries:
+        builder.add(entry)
+    return builder.report()
 
 
 def render(report: Report, fmt: Format) -> str:
@@ -173,22 +196,27 @@ def _render_csv(report: Report) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow([*report.by, *METRIC_COLUMNS])
     for row in report.rows():
-        writer.writerow(["" if row[c] is None else row[c] for c in (*report.by, *METRIC_COLUMNS)])
+        writer.writerow([*(row[c] for c in report.by), *(_csv_cell(c, row[c]) for c in METRIC_COLUMNS)])
     total = report.total.metrics()
     label = ["TOTAL", *[""] * (len(report.by) - 1)] if report.by else []
-    writer.writerow([*label, *("" if total[c] is None else total[c] for c in METRIC_COLUMNS)])
+    writer.writerow([*label, *(_csv_cell(c, total[c]) for c in METRIC_COLUMNS)])
     return buf.getvalue()
+
+
+def _csv_cell(column: str, value: Any) -> Any:
+    """Money to the micro-dollar, CPM to a hundredth of a cent, latency to 0.1 ms."""
+    if value is None:
+        return ""
+    decimals = DECIMALS.get(column)
+    return f"{value:.{decimals}f}" if decimals is not None else value
 
 
 def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
-    if column == "cost_usd":
-        return f"{value:.6f}"
-    if column == "cpm_usd":
-        return f"{value:.4f}"
-    if column.endswith("_ms"):
-        return f"{value:.1f}"
+    decimals = DECIMALS.get(column)
+    if decimals is not None:
+        return f"{value:.{decimals}f}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value) if value != "" else "-"

@@ -33,8 +33,24 @@ from policies.types import Principal
 Rule = TypeVar("Rule", LimitConfig, BudgetConfig)
 
 SCOPES = ("key", "tenant", "model", "key_model", "global")
+# Rule identities of limits set through the admin API and of the key spend counters: '@' cannot
+# start a policies.yaml rule id, so their counters never mix with a file rule's.
+OWN_RULE_IDS = {"key": "@api-key", "tenant": "@api-tenant"}
+SPEND_RULE_ID = "@spend"
+UNLIMITED_USD = 1e300  # a spend counter's "limit": never reached, finite for the Redis scripts
+MAX_CACHED_PLANS = 100_000
 BUDGET_PERIODS: tuple[tuple[Period, str], ...] = (("day", "usd_per_day"), ("month", "usd_per_month"))
 TOKEN_DIMENSIONS = ("rpm", "rpd", "tpm", "tpd")
+
+
+def _spend_trackers(key_id: str, budgets: list[BudgetSpec]) -> list[BudgetSpec]:
+    """Shadow day and month counters of the key's spend, for the periods no key budget counts yet."""
+    counted = {b.period for b in budgets if b.scope == "key" and b.subject == key_id}
+    return [
+        BudgetSpec(f"{SPEND_RULE_ID}|{field}|{key_id}", SPEND_RULE_ID, "key", key_id, period, UNLIMITED_USD, True)
+        for period, field in BUDGET_PERIODS
+        if period not in counted
+    ]
 
 
 def price_of(model: ModelConfig | None) -> Price:
@@ -106,18 +122,21 @@ class LimitIndex:
                 fields["model"] = config.resolve_model(fields["model"])
             self._matches[id(rule)] = fields
             self._identities[id(rule)] = rule.identity(config.resolve_model)
-        self._plans: dict[tuple[str, str], Plan] = {}
+        self._plans: dict[tuple[str, str, int], Plan] = {}
+        self._track_all_keys = config.admission.track_key_spend
 
     @property
     def settings(self) -> StoreSettings:
         return self._settings
 
     def plan(self, principal: Principal, model: str) -> Plan:
-        cache_key = (principal.key_id, model)
+        cache_key = (principal.key_id, model, principal.revision)
         plan = self._plans.get(cache_key)
         if plan is None:
-            plan = self._build(principal.key_id, principal.tenant, model)
+            plan = self._build(principal, model)
             if model in self._config.models:  # unknown names must not grow the cache
+                if len(self._plans) >= MAX_CACHED_PLANS:  # API keys re-revised many times: start over
+                    self._plans.clear()
                 self._plans[cache_key] = plan
         return plan
 
@@ -135,18 +154,29 @@ class LimitIndex:
             if not any(_narrower(fields[j], fields[i]) for j in range(len(matching)) if j != i)
         ]
 
-    def _build(self, key_id: str, tenant: str, model: str) -> Plan:
+    def _build(self, principal: Principal, model: str) -> Plan:
+        key_id, tenant = principal.key_id, principal.tenant
         subject = {"key": key_id, "tenant": tenant, "model": model}
+        own = {"key": principal.key_limits, "tenant": principal.tenant_limits}
         bucket_specs: list[BucketSpec] = []
         lease_specs: list[LeaseSpec] = []
         budget_specs: list[BudgetSpec] = []
         for scope in SCOPES:
             who = _subject(scope, key_id, tenant, model)
+            mine = own.get(scope)
+            own_id = OWN_RULE_IDS.get(scope, "")
             for dimension in TOKEN_DIMENSIONS:
+                window_s = DIMENSION_WINDOW_S[dimension]
+                kind = DIMENSION_KIND[dimension]
+                value = mine.value(dimension) if mine is not None else None
+                if value is not None:  # the key's (tenant's) own: the most specific rule there is
+                    key = f"{own_id}|{dimension}|{who}"
+                    bucket_specs.append(
+                        BucketSpec(key, own_id, scope, who, dimension, kind, value, window_s, value / window_s, False)
+                    )
+                    continue
                 for rule in self._applicable(self._limits[scope], subject, dimension):
                     capacity = float(getattr(rule, dimension))
-                    window_s = DIMENSION_WINDOW_S[dimension]
-                    kind = DIMENSION_KIND[dimension]
                     w_in, w_cached, w_out = _weights(rule) if kind == "tokens" else (1.0, 1.0, 1.0)
                     identity = self._identities[id(rule)]
                     bucket_specs.append(
@@ -166,16 +196,29 @@ class LimitIndex:
                             w_output=w_out,
                         )
                     )
-            for limit in self._applicable(self._limits[scope], subject, "max_concurrent"):
-                identity = self._identities[id(limit)]
-                key = f"{identity}|max_concurrent|{who}"
-                lease_specs.append(LeaseSpec(key, identity, scope, who, limit.max_concurrent or 0, limit.shadow))
+            own_concurrent = mine.max_concurrent if mine is not None else None
+            if own_concurrent is not None:
+                lease_specs.append(
+                    LeaseSpec(f"{own_id}|max_concurrent|{who}", own_id, scope, who, own_concurrent, False)
+                )
+            else:
+                for limit in self._applicable(self._limits[scope], subject, "max_concurrent"):
+                    identity = self._identities[id(limit)]
+                    key = f"{identity}|max_concurrent|{who}"
+                    lease_specs.append(LeaseSpec(key, identity, scope, who, limit.max_concurrent or 0, limit.shadow))
             for period, field in BUDGET_PERIODS:
+                own_usd = mine.value(field) if mine is not None else None
+                if own_usd is not None:
+                    key = f"{own_id}|{field}|{who}"
+                    budget_specs.append(BudgetSpec(key, own_id, scope, who, period, own_usd, False))
+                    continue
                 for budget in self._applicable(self._budgets[scope], subject, field):
                     identity = self._identities[id(budget)]
                     limit_usd = float(getattr(budget, field))
                     key = f"{identity}|{field}|{who}"
                     budget_specs.append(BudgetSpec(key, identity, scope, who, period, limit_usd, budget.shadow))
+        if principal.track_spend or self._track_all_keys:
+            budget_specs += _spend_trackers(key_id, budget_specs)
         model_config = self._config.models.get(model)
         return Plan(
             model=model,

@@ -139,6 +139,18 @@ class FailoverStore:
         self._queue("void", plan, charge)
         return False
 
+    async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
+        """The plan's state in Redis; while Redis is unreachable, this replica's local share."""
+        if self.breaker.allow():
+            try:
+                outcome = await self.redis.peek(plan, now_s)
+            except STORE_ERRORS as exc:
+                self._failed(exc)
+            else:
+                self._succeeded()
+                return outcome
+        return self.local.peek_now(plan, self.store_now(now_s))
+
     def store_now(self, now_s: float | None = None) -> float:
         """The store's clock: the caller's `now_s` (tests), else the local clock corrected to Redis TIME."""
         return self._clock() + self._offset_s if now_s is None else now_s

@@ -132,6 +132,29 @@ class MemoryStore:
                 budget.spent_usd += charge.cost_usd
         return Outcome(ok, now_s, used, active, spent, periods, self.source, scale)
 
+    async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
+        return self.peek_now(plan, self._clock() if now_s is None else now_s)
+
+    def peek_now(self, plan: Plan, now_s: float) -> Outcome:
+        """The plan's state as it stands, creating and charging nothing."""
+        scale = self.scale
+        used = []
+        for spec in plan.buckets:
+            state = self._buckets.get(spec.key)
+            used.append(
+                0.0
+                if state is None
+                else buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
+            )
+        active = [self._leases.active(lease.key, now_s) for lease in plan.leases]
+        spent, periods = [], []
+        for budget_spec in plan.budgets:
+            pid = buckets.period_id(budget_spec.period, now_s)
+            budget = self._budgets.get(budget_spec.key)
+            spent.append(budget.spent_usd if budget is not None and budget.period == pid else 0.0)
+            periods.append(pid)
+        return Outcome(True, now_s, used, active, spent, periods, self.source, scale)
+
     def apply_now(self, plan: Plan, settlement: Settlement, now_s: float) -> bool:
         """Settle an open ticket; False (and nothing changed) for a ticket this store does not hold."""
         if self._tickets.pop(settlement.ticket_id, None) is None:

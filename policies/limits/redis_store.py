@@ -58,7 +58,8 @@ class RedisStore:
         self._reserve = _script("reserve.lua")
         self._settle = _script("settle.lua")
         self._void = _script("void.lua")
-        self.pipeline = AutoPipeline(client, (self._reserve, self._settle, self._void), batch=batch)
+        self._peek = _script("peek.lua")
+        self.pipeline = AutoPipeline(client, (self._reserve, self._settle, self._void, self._peek), batch=batch)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True) -> RedisStore:
@@ -127,6 +128,21 @@ class RedisStore:
             " ".join(map(repr, charge.bucket_costs)),
         ]
         return bool(int(await self.pipeline.call(self._void, enc.reserve_keys, args)))
+
+    async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
+        """The plan's buckets, leases and budgets as they stand, charging nothing."""
+        enc = self._encoded(plan)
+        reply = await self.pipeline.call(self._peek, enc.keys, [_now_arg(now_s), enc.reserve_plan])
+        nb, nl, nu = len(plan.buckets), len(plan.leases), len(plan.budgets)
+        i = 1
+        used = [float(v) for v in reply[i : i + nb]]
+        i += nb
+        active = [int(v) for v in reply[i : i + nl]]
+        i += nl
+        spent = [float(v) for v in reply[i : i + nu]]
+        i += nu
+        periods = [int(v) for v in reply[i : i + nu]]
+        return Outcome(True, float(reply[0]), used, active, spent, periods, self.source)
 
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Settle a ticket Redis reserved. False when it was settled before (or had expired)."""

@@ -250,3 +250,24 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     queried = {m for e in bare for m in re.findall(r"\b((?:tokenway|gen_ai)_[a-z0-9_]+)", e)}
     assert queried, "no metric found in the dashboard"
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
+
+
+def test_the_image_ships_a_default_config_that_runs_with_an_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.access import exposure_problem
+
+    text = (REPO / "Dockerfile").read_text()
+    copied = re.search(r"cp (\S+) (\S+) /etc/tokenway/", text)
+    assert copied, "the image copies a gateway.yaml and a policies.yaml into /etc/tokenway"
+    command = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))  # type: ignore[union-attr]
+    build_parser().parse_args(command)
+    assert command[command.index("--config") + 1] == "/etc/tokenway/gateway.yaml"
+    monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "t0ken")
+    settings = load_settings(REPO / copied[1])
+    assert (
+        settings.server.host == "0.0.0.0"
+        and exposure_problem(settings.server.host, settings.server.admin_token) is None
+    )
+    assert (REPO / copied[2]).name == settings.policies  # the policies file lands next to it, where it points
+    load_config(REPO / copied[2])
+    assert settings.pools and all(p.engine == "sim" for p in settings.pools)  # nothing else to install
+    assert settings.pools == load_settings(REPO / "config" / "gateway.yaml").pools  # `make run`'s, not a drifting copy

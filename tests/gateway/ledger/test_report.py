@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from gateway.ledger import codec
-from gateway.ledger.report import METRIC_COLUMNS, ReportError, build_report, percentile, render, resolve_fields
+from gateway.ledger.report import (
+    METRIC_COLUMNS,
+    ReportBuilder,
+    ReportError,
+    build_report,
+    percentile,
+    render,
+    resolve_fields,
+)
 from tests.gateway.ledger.records import make_record
 
 ENTRIES = [codec.decode(codec.encode(make_record(i))) for i in range(400)]
@@ -24,6 +32,7 @@ def test_totals_equal_the_sum_of_the_records() -> None:
     assert total["output_tokens"] == sum(e["output_tokens"] for e in ENTRIES)
     assert total["cost_usd"] == pytest.approx(sum(e["cost_usd"] for e in ENTRIES))
     assert total["errors"] == sum(1 for e in ENTRIES if e["status"] != "ok")
+    assert total["served"] + total["rejected"] + total["errors"] == total["requests"]
     rows = report.rows()
     assert sum(r["requests"] for r in rows) == total["requests"]
     assert sum(r["cost_usd"] for r in rows) == pytest.approx(total["cost_usd"])
@@ -81,7 +90,7 @@ def test_formats() -> None:
     assert sum(int(r[2]) for r in rows[1:-1]) == 400
 
     table = render(report, "table").splitlines()
-    assert table[0].split()[:4] == ["tenant", "model", "requests", "errors"]
+    assert table[0].split()[:6] == ["tenant", "model", "requests", "served", "rejected", "errors"]
     assert table[-1].startswith("TOTAL") and "400" in table[-1]
     assert len({len(line) for line in table[:2]}) == 1, "header and rule line up"
 
@@ -90,3 +99,36 @@ def test_empty_report_renders() -> None:
     report = build_report([], ["tenant"])
     assert "TOTAL" in render(report, "table")
     assert json.loads(render(report, "json"))["total"]["cpm_usd"] is None
+
+
+def test_rejections_are_counted_apart_from_served_requests() -> None:
+    statuses = ["ok", "ok", "rejected", "error", "aborted", "rejected"]
+    entries = [dict(ENTRIES[i], status=status) for i, status in enumerate(statuses)]
+    total = build_report(entries, []).total.metrics()
+    assert (total["requests"], total["served"], total["rejected"], total["errors"]) == (6, 2, 2, 2)
+
+
+def test_csv_rounds_money_and_latency() -> None:
+    entries = [dict(e, cost_usd=0.123456789, ttft_s=0.0123456) for e in ENTRIES[:3]]
+    rows = list(csv.reader(io.StringIO(render(build_report(entries, ["tenant"]), "csv"))))
+    header = rows[0]
+    row = dict(zip(header, rows[1], strict=True))
+    assert row["cost_usd"] == "0.123457" and row["ttft_p50_ms"] == "12.3"
+    assert len(row["cpm_usd"].split(".")[1]) == 4
+
+
+def test_percentiles_stay_within_one_percent_past_the_exact_range() -> None:
+    import random
+
+    rng = random.Random(7)
+    ttfts = [rng.lognormvariate(-2.0, 1.0) for _ in range(30_000)]
+    entries = [{"ts": 1.0, "status": "ok", "tenant": "a", "ttft_s": t} for t in ttfts]
+    builder = ReportBuilder(["tenant"])
+    for entry in entries:
+        builder.add(entry)
+    report = builder.report()
+    assert not report.groups[("a",)].ttfts_s.exact  # past 10,000 values: the sketch
+    exact = sorted(ttfts)
+    metrics = report.total.metrics()
+    assert metrics["ttft_p50_ms"] == pytest.approx(percentile(exact, 0.5) * 1000, rel=0.01)  # type: ignore[operator]
+    assert metrics["ttft_p90_ms"] == pytest.approx(percentile(exact, 0.9) * 1000, rel=0.01)  # type: ignore[operator]

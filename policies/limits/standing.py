@@ -1,0 +1,102 @@
+"""A caller's standing: every bucket, concurrency limit and budget that applies to its key, as they
+stand now (charging nothing), with its spend this day and month and the budget it has left.
+
+Shown to the caller (`GET /v1/key`) and to operators (`/admin/keys/{id}`, the console). A bucket
+shared by several models (a key's own limit) is listed once, with the models it covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from policies.limits import buckets
+from policies.limits.compile import SPEND_RULE_ID
+from policies.limits.types import Outcome, Plan
+from policies.policy import Policy
+from policies.types import Principal
+
+
+class Peekable(Protocol):
+    async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome: ...
+
+
+async def standing(store: Peekable, policy: Policy, principal: Principal, models: Iterable[str]) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {}
+    spend: dict[str, float | None] = {"day": None, "month": None}
+    left: dict[str, float | None] = {"day": None, "month": None}
+    for model in models:
+        if not principal.may_use(model):
+            continue
+        plan = policy.admission_plan(principal, model)
+        if not (plan.buckets or plan.leases or plan.budgets):
+            continue
+        outcome = await store.peek(plan)
+        scale = outcome.capacity_scale
+        for spec, used in zip(plan.buckets, outcome.bucket_used, strict=True):
+            capacity = spec.capacity * scale
+            row = rows.get(spec.key)
+            if row is None:
+                row = rows[spec.key] = {
+                    "kind": "bucket",
+                    "scope": spec.scope,
+                    "rule": spec.rule_id,
+                    "subject": spec.subject,
+                    "dimension": spec.dimension,
+                    "limit": capacity,
+                    "used": round(used, 3),
+                    "remaining": round(max(0.0, capacity - used), 3),
+                    "reset_s": round(buckets.reset_s(used, spec.rate_per_s * scale), 3),
+                    "shadow": spec.shadow,
+                    "models": [],
+                }
+            row["models"].append(model)
+        for lease, active in zip(plan.leases, outcome.lease_active, strict=True):
+            row = rows.get(lease.key)
+            if row is None:
+                row = rows[lease.key] = {
+                    "kind": "concurrency",
+                    "scope": lease.scope,
+                    "rule": lease.rule_id,
+                    "subject": lease.subject,
+                    "dimension": "max_concurrent",
+                    "limit": lease.capacity,
+                    "used": active,
+                    "remaining": max(0, lease.capacity - active),
+                    "shadow": lease.shadow,
+                    "models": [],
+                }
+            row["models"].append(model)
+        for budget, spent in zip(plan.budgets, outcome.budget_spent, strict=True):
+            if budget.scope == "key" and budget.subject == principal.key_id:
+                spend[budget.period] = spent
+            if budget.rule_id == SPEND_RULE_ID:
+                continue
+            remaining = max(0.0, budget.limit_usd * scale - spent)
+            if not budget.shadow:
+                current = left[budget.period]
+                left[budget.period] = remaining if current is None else min(current, remaining)
+            row = rows.get(budget.key)
+            if row is None:
+                row = rows[budget.key] = {
+                    "kind": "budget",
+                    "scope": budget.scope,
+                    "rule": budget.rule_id,
+                    "subject": budget.subject,
+                    "dimension": f"usd_per_{budget.period}",
+                    "limit": budget.limit_usd * scale,
+                    "used": round(spent, 6),
+                    "remaining": round(remaining, 6),
+                    "shadow": budget.shadow,
+                    "models": [],
+                }
+            row["models"].append(model)
+    return {
+        "spend_usd": {"day": _round(spend["day"]), "month": _round(spend["month"])},
+        "budget_left_usd": {"day": _round(left["day"]), "month": _round(left["month"])},
+        "limits": list(rows.values()),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

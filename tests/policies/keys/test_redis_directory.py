@@ -1,0 +1,65 @@
+"""Two directories sharing one Redis (two gateway replicas): a write on one is applied by the other
+through the announcement, and a missed announcement is repaired by the version poll."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+import yaml
+
+from policies.keys.directory import KeyDirectory
+from policies.keys.redis_store import RedisDirectoryStore
+from policies.loader import parse_config
+from policies.policy import Policy
+
+pytestmark = pytest.mark.redis
+
+POLICY = {"tenants": {"t": {}}, "models": {"m": {}}}
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def replica(redis_url: str, prefix: str) -> tuple[KeyDirectory, Policy]:
+    directory = KeyDirectory(RedisDirectoryStore.from_url(redis_url, prefix))
+    await directory.start()
+    return directory, Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+
+
+async def test_a_key_made_on_one_replica_works_and_dies_on_the_other(redis_url: str, redis_prefix: str) -> None:
+    a, pa = await replica(redis_url, redis_prefix)
+    b, pb = await replica(redis_url, redis_prefix)
+    try:
+        _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
+        await eventually(lambda: pb.authenticate(secret) is not None)
+        await a.revoke_key("k1")
+        await eventually(lambda: pb.authenticate(secret) is None)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_missed_announcement_is_repaired_by_the_poll(redis_url: str, redis_prefix: str) -> None:
+    a, pa = await replica(redis_url, redis_prefix)
+    b, pb = await replica(redis_url, redis_prefix)
+    try:
+        _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
+        await eventually(lambda: pb.authenticate(secret) is not None)
+        # a write announced nowhere (as if b's subscriber was reconnecting): only the version moves
+        store = RedisDirectoryStore.from_url(redis_url, redis_prefix)
+        store.channel += ":nobody-listens"
+        revoked = a.keys["k1"].model_copy(update={"revoked_at_unix_s": time.time()})
+        await store.write("key", "k1", revoked.model_dump_json())
+        await store.close()
+        await eventually(lambda: pb.authenticate(secret) is None)
+        assert b.stats["reloads"] >= 2
+    finally:
+        await a.stop()
+        await b.stop()
