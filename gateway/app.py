@@ -32,6 +32,9 @@ from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
 from gateway.checks import config_findings, errors
+from gateway.console.activity import ConsoleActivity
+from gateway.console.routes import console_admin_routes, console_routes
+from gateway.console.sessions import ConsoleSessions
 from gateway.engine_tokens import EngineTokenizer, build_counters
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
@@ -82,9 +85,12 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_director_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
     app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
-    setup_routes(app, admin_routes() + key_routes())
+    setup_routes(app, admin_routes() + key_routes() + console_admin_routes())
     app.router.add_get("/v1/key", own_key)
     app.router.add_get("/key/info", own_key)  # LiteLLM's name for the same question
+    for method, path, handler in console_routes():
+        app.router.add_route(method, path, handler)
+    app[appkeys.CONSOLE_SESSIONS] = ConsoleSessions()
     setup_api_routes(app)
     setup_batch_routes(app)
     if settings.state.shares_routing:
@@ -320,6 +326,8 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
 
     metrics = app[appkeys.METRICS]
     metrics_on = validate_section(settings, "telemetry", TelemetryConfig).metrics.enabled
+    holder = app[appkeys.POLICIES]
+    activity = app[appkeys.CONSOLE_ACTIVITY] = ConsoleActivity(lambda: holder.current)
     ledger = app[appkeys.LEDGER]
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
@@ -337,7 +345,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     if predictor is not None:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     hooks = Hooks(hook_list)
-    sinks = [sink for sink in (metrics if metrics_on else None, ledger) if sink is not None]
+    sinks = [sink for sink in (metrics if metrics_on else None, ledger, activity) if sink is not None]
     accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks, audit=estimator.audit)
     dispatch = Dispatch(
         server=settings.server,

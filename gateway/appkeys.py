@@ -10,6 +10,8 @@ from backends.discovery.service import Discovery
 from backends.fleet import Fleet
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
+from gateway.console.activity import ConsoleActivity
+from gateway.console.sessions import ConsoleSessions
 from gateway.ledger.writer import LedgerWriter
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
@@ -45,3 +47,5 @@ POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
 REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replicas do not share routing state
 DIRECTORY = web.AppKey("directory", KeyDirectory)  # keys and tenants made through the admin API
+CONSOLE_SESSIONS = web.AppKey("console_sessions", ConsoleSessions)  # logins of the web console
+CONSOLE_ACTIVITY = web.AppKey("console_activity", ConsoleActivity)  # the last hour and the live tail

@@ -10,6 +10,8 @@ import orjson
 from aiohttp import web
 
 from gateway import access, appkeys
+from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
+from gateway.console.sessions import CSRF_HEADER
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.request.apis import APIS
 from gateway.request.intake import authenticate
@@ -90,10 +92,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def admin_guard(handler: Handler) -> Handler:
-    """Admin routes need the admin token; without one configured, only direct loopback callers get in;
-    state-changing calls from another site's page never do (gateway/access.py)."""
+    """Admin routes need the admin token (or a console session cookie, whose state-changing calls
+    must also carry the console's header); without a token configured, only direct loopback callers
+    get in; state-changing calls from another site's page never do (gateway/access.py)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
+        sessions = request.app.get(appkeys.CONSOLE_SESSIONS)
+        if sessions is not None and sessions.valid(request.cookies.get(CONSOLE_COOKIE)):
+            if request.method not in ("GET", "HEAD") and request.headers.get(CSRF_HEADER) != "1":
+                return error_response(InvalidApiKey(f"console changes need the {CSRF_HEADER}: 1 header"))
+            return await handler(request)
         token = request.app[appkeys.SETTINGS].server.admin_token
         refusal = access.admin_refusal(request.method, request.headers, request.remote, token)
         if refusal is not None:

@@ -44,19 +44,29 @@ class SpendSeries:
         self.series: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         self.start_s: float | None = None
         self.end_s: float | None = None
+        self._labels: dict[tuple[str, ...], str] = {}
 
     def label(self, entry: dict[str, Any]) -> str:
-        values = group_key(entry, self.fields)
-        return " / ".join(v or NONE_LABEL for v in values) or ALL_LABEL
+        key = group_key(entry, self.fields)
+        found = self._labels.get(key)
+        if found is None:
+            found = self._labels[key] = " / ".join(v or NONE_LABEL for v in key) or ALL_LABEL
+        return found
 
     def add(self, entry: dict[str, Any]) -> None:
         ts = float(entry["ts"])
-        self.start_s = ts if self.start_s is None else min(self.start_s, ts)
-        self.end_s = ts if self.end_s is None else max(self.end_s, ts)
-        if not self._fixed_bucket and (self.end_s - self.start_s) / self.bucket_s > TARGET_POINTS:
-            self._widen(choose_bucket_s(self.end_s - self.start_s))
+        if self.start_s is None or self.end_s is None:
+            self.start_s = self.end_s = ts
+        elif ts > self.end_s:
+            self.end_s = ts
+            if not self._fixed_bucket and (ts - self.start_s) > TARGET_POINTS * self.bucket_s:
+                self._widen(choose_bucket_s(ts - self.start_s))
+        elif ts < self.start_s:
+            self.start_s = ts
+            if not self._fixed_bucket and (self.end_s - ts) > TARGET_POINTS * self.bucket_s:
+                self._widen(choose_bucket_s(self.end_s - ts))
         slot = int(ts // self.bucket_s) * self.bucket_s
-        self.series[self.label(entry)][slot] += float(entry.get("cost_usd") or 0.0)
+        self.series[self.label(entry)][slot] += entry.get("cost_usd") or 0.0
 
     def _widen(self, bucket_s: int) -> None:
         self.bucket_s = bucket_s

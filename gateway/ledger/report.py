@@ -84,13 +84,13 @@ class GroupTotals:
             self.rejected += 1
         elif status in ("error", "aborted"):
             self.errors += 1
-        self.input_tokens += int(entry.get("input_tokens") or 0)
-        self.cached_input_tokens += int(entry.get("cached_input_tokens") or 0)
-        self.output_tokens += int(entry.get("output_tokens") or 0)
-        self.cost_usd += float(entry.get("cost_usd") or 0.0)
+        self.input_tokens += entry.get("input_tokens") or 0
+        self.cached_input_tokens += entry.get("cached_input_tokens") or 0
+        self.output_tokens += entry.get("output_tokens") or 0
+        self.cost_usd += entry.get("cost_usd") or 0.0
         ttft = entry.get("ttft_s")
-        if isinstance(ttft, int | float):
-            self.ttfts_s.add(float(ttft))
+        if ttft is not None:
+            self.ttfts_s.add(ttft)
 
     def merge(self, other: GroupTotals) -> None:
         self.requests += other.requests
@@ -144,7 +144,7 @@ def group_key(entry: dict[str, Any], by: Sequence[str]) -> tuple[str, ...]:
             values.append(datetime.fromtimestamp(float(entry["ts"]), UTC).strftime(TIME_FIELDS[name]))
         else:
             value = entry.get(name)
-            values.append("" if value is None else str(value))
+            values.append(value if isinstance(value, str) else ("" if value is None else str(value)))
     return tuple(values)
 
 

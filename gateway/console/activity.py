@@ -1,0 +1,165 @@
+"""What the console's overview and live tail show: this replica's last hour, minute by minute, and
+its most recent requests (metadata only: no prompt or completion text ever reaches a record).
+
+A record sink like the metrics and the ledger: `observe` adds one finished request to the current
+minute's counters and to a bounded ring. Memory is 60 minute buckets and `tail_size` small dicts.
+SLO attainment counts requests of an SLO class: met when the observed TTFT (and TPOT) are within the
+class's targets, missed when not or when the request was turned away as `slo_unattainable`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.record import RequestRecord
+from policies.policy import Policy
+
+MINUTES = 60
+TAIL_SIZE = 200
+
+
+@dataclass(slots=True)
+class _Minute:
+    start_s: int
+    requests: int = 0
+    served: int = 0
+    rejected: int = 0
+    errors: int = 0
+    fallbacks: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    slo_requests: int = 0
+    slo_met: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "t": self.start_s,
+            "requests": self.requests,
+            "served": self.served,
+            "rejected": self.rejected,
+            "errors": self.errors,
+            "fallbacks": self.fallbacks,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cost_usd": round(self.cost_usd, 9),
+            "slo_requests": self.slo_requests,
+            "slo_met": self.slo_met,
+        }
+
+
+class ConsoleActivity:
+    def __init__(
+        self,
+        policy: Callable[[], Policy],
+        *,
+        tail_size: int = TAIL_SIZE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._policy = policy
+        self._clock = clock
+        self._minutes: deque[_Minute] = deque(maxlen=MINUTES)
+        self._tail: deque[dict[str, Any]] = deque(maxlen=tail_size)
+        self._seq = 0
+
+    def observe(self, record: RequestRecord) -> None:
+        now_s = record.started_at_unix_s + record.duration_s
+        start = int(now_s // 60) * 60
+        if not self._minutes or self._minutes[-1].start_s < start:
+            self._minutes.append(_Minute(start))
+        minute = self._minutes[-1] if self._minutes[-1].start_s == start else None
+        if minute is not None:  # a record older than the current minute (clock step) is only tailed
+            self._count(minute, record)
+        self._seq += 1
+        self._tail.append(
+            {
+                "seq": self._seq,
+                "ts": round(now_s, 3),
+                "request_id": record.request_id,
+                "tenant": record.tenant,
+                "key_id": record.key_id,
+                "api": record.api,
+                "requested_model": record.requested_model,
+                "model": record.model,
+                "fallback": f"{record.fallback_from}->{record.model}" if record.fallback_from else None,
+                "endpoint": record.endpoint,
+                "stream": record.stream,
+                "status": record.status,
+                "http_status": record.http_status,
+                "reason": record.reject_reason or record.error_code,
+                "input_tokens": record.prompt_tokens,
+                "output_tokens": record.completion_tokens,
+                "cost_usd": round(record.cost_usd, 9),
+                "ttft_ms": round(record.ttft_s * 1000.0, 1) if record.ttft_s is not None else None,
+                "duration_ms": round(record.duration_s * 1000.0, 1),
+            }
+        )
+
+    def _count(self, minute: _Minute, record: RequestRecord) -> None:
+        minute.requests += 1
+        if record.status == "ok":
+            minute.served += 1
+        elif record.status == "rejected":
+            minute.rejected += 1
+        else:
+            minute.errors += 1
+        if record.fallback_from:
+            minute.fallbacks += 1
+        minute.input_tokens += record.prompt_tokens
+        minute.output_tokens += record.completion_tokens
+        minute.cost_usd += record.cost_usd
+        met = self._slo_met(record)
+        if met is not None:
+            minute.slo_requests += 1
+            minute.slo_met += int(met)
+
+    def _slo_met(self, record: RequestRecord) -> bool | None:
+        name = record.extra.get("slo_class") if record.extra else None
+        if record.reject_reason == "slo_unattainable":
+            return False
+        if not name:
+            return None
+        slo = self._policy().config.slo_classes.get(str(name))
+        if slo is None or record.status != "ok":
+            return None if slo is None else False
+        if record.ttft_s is None:
+            return None  # not streamed: no first token observed, nothing to judge
+        if slo.ttft_ms is not None and record.ttft_s * 1000.0 > slo.ttft_ms:
+            return False
+        return not (slo.tpot_ms is not None and record.tpot_s is not None and record.tpot_s * 1000.0 > slo.tpot_ms)
+
+    def overview(self) -> dict[str, Any]:
+        """Per-minute counters of the last hour and their totals (rates per second over the span)."""
+        now_s = self._clock()
+        current = int(now_s // 60) * 60
+        horizon = current - (MINUTES - 1) * 60
+        seen = [m for m in self._minutes if m.start_s >= horizon]
+        by_start = {m.start_s: m for m in seen}
+        dense = [(by_start.get(t) or _Minute(t)).as_dict() for t in range(horizon, current + 60, 60)]  # a full hour
+        minutes = [m.as_dict() for m in seen]
+        total = {k: sum(m[k] for m in minutes) for k in minutes[0] if k != "t"} if minutes else {}
+        span_s = max(60.0, now_s - minutes[0]["t"]) if minutes else 60.0
+        tokens = total.get("input_tokens", 0) + total.get("output_tokens", 0)
+        requests = total.get("requests", 0)
+        summary = {
+            "window_s": round(span_s, 1),
+            "requests_per_s": requests / span_s if minutes else 0.0,
+            "tokens_per_s": tokens / span_s if minutes else 0.0,
+            "spend_per_hour_usd": total.get("cost_usd", 0.0) / span_s * 3600.0 if minutes else 0.0,
+            "cpm_usd": total["cost_usd"] / tokens * 1e6 if tokens else None,
+            "error_rate": total["errors"] / requests if requests else None,
+            "rejection_rate": total["rejected"] / requests if requests else None,
+            "fallback_rate": total["fallbacks"] / requests if requests else None,
+            "slo_attainment": total["slo_met"] / total["slo_requests"] if total.get("slo_requests") else None,
+            **{k: total.get(k, 0) for k in ("requests", "served", "rejected", "errors", "fallbacks")},
+        }
+        return {"summary": summary, "minutes": dense}
+
+    def tail(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest requests after sequence number `after`, newest first."""
+        rows = [row for row in self._tail if row["seq"] > after]
+        return list(reversed(rows))[:limit]

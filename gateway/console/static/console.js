@@ -1,0 +1,573 @@
+// tokenway console: one page per hash (#overview, #keys, ...) over the admin API.
+// The admin token is exchanged for an HttpOnly session cookie at login and never kept by this script.
+// Every value from the gateway is inserted with textContent (never as HTML).
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const page = $("page");
+  let timers = [];
+  let charts = [];
+
+  // ------------------------------------------------------------------ helpers
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === undefined || v === null || v === false) continue;
+      if (k === "class") node.className = v;
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v === true ? "" : v);
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined || child === false) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  class AuthError extends Error {}
+
+  async function api(method, path, body) {
+    const response = await fetch(path, {
+      method,
+      credentials: "same-origin",
+      headers: { "Content-Type": "application/json", "X-Tokenway-Console": "1" },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const text = await response.text();
+    let doc = null;
+    try { doc = text ? JSON.parse(text) : null; } catch (_) { doc = { raw: text }; }
+    if (response.status === 401) { showLogin(); throw new AuthError("logged out"); }
+    if (!response.ok) {
+      const message = doc && doc.error ? doc.error.message : `${response.status} ${response.statusText}`;
+      throw new Error(message);
+    }
+    return doc;
+  }
+
+  const fmt = {
+    num: (v, d = 0) => (v === null || v === undefined ? "–" : Number(v).toLocaleString(undefined, { maximumFractionDigits: d, minimumFractionDigits: d })),
+    usd: (v) => (v === null || v === undefined ? "–" : "$" + Number(v).toFixed(Math.abs(v) >= 1 ? 2 : 6)),
+    pct: (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %"),
+    ms: (v) => (v === null || v === undefined ? "–" : Number(v).toFixed(1) + " ms"),
+    time: (iso) => (iso ? iso.replace("T", " ").replace("Z", " UTC") : "–"),
+    limits: (obj) => Object.entries(obj || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "–",
+  };
+
+  function pill(text) { return el("span", { class: `pill ${text}` }, text); }
+
+  function table(columns, rows, opts = {}) {
+    const head = el("tr", {}, columns.map((c) => el("th", { class: c.num ? "num" : null }, c.label)));
+    const body = rows.map((row) => {
+      const tr = el("tr", { "data-id": opts.idOf ? opts.idOf(row) : null },
+        columns.map((c) => {
+          const value = c.render ? c.render(row) : row[c.key];
+          return el("td", { class: c.num ? "num" : null }, value === null || value === undefined ? "–" : value);
+        }));
+      return tr;
+    });
+    return el("table", { id: opts.id }, el("thead", {}, head), el("tbody", {}, body));
+  }
+
+  function stat(label, value, id) {
+    return el("div", { class: "stat", id }, el("div", { class: "label" }, label), el("div", { class: "value" }, value));
+  }
+
+  function every(ms, fn) { fn(); timers.push(setInterval(fn, ms)); }
+
+  function clearPage() {
+    for (const t of timers) clearInterval(t);
+    timers = [];
+    for (const c of charts) c.destroy();
+    charts = [];
+    page.replaceChildren();
+  }
+
+  function chart(container, title, xs, series, opts = {}) {
+    const palette = ["#2f5bd3", "#1f8a4c", "#c0392b", "#b7791f", "#7b3fb8", "#0f8b8d", "#d35400", "#546e7a", "#111"];
+    const width = Math.max(400, container.clientWidth || 560);
+    const plot = new uPlot({
+      title,
+      width,
+      height: opts.height || 220,
+      series: [{}, ...series.map((s, i) => ({
+        label: s.label, stroke: s.color || palette[i % palette.length], width: s.width || 1.5,
+        value: (u, v) => (v === null ? "–" : opts.value ? opts.value(v) : v),
+      }))],
+      axes: [{}, { size: opts.axisSize || 70, values: (u, ticks) => ticks.map((t) => (opts.axis ? opts.axis(t) : t)) }],
+      scales: { x: { time: true } },
+    }, [xs, ...series.map((s) => s.data)], container);
+    charts.push(plot);
+    return plot;
+  }
+
+  function form(fields, submitLabel, onSubmit, id) {
+    const inputs = {};
+    const node = el("form", { class: "inline", id }, fields.map((f) => {
+      const input = f.options
+        ? el("select", { name: f.name, id: `${id}-${f.name}` }, f.options.map((o) => el("option", { value: o }, o)))
+        : el("input", { name: f.name, id: `${id}-${f.name}`, placeholder: f.placeholder || "", type: f.type || "text", size: f.size || 10 });
+      inputs[f.name] = input;
+      return el("label", {}, f.label, input);
+    }), el("button", { type: "submit", id: `${id}-submit` }, submitLabel));
+    const error = el("p", { class: "error", role: "alert", id: `${id}-error` });
+    node.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      error.textContent = "";
+      const values = {};
+      for (const [name, input] of Object.entries(inputs)) if (input.value.trim() !== "") values[name] = input.value.trim();
+      try { await onSubmit(values, inputs); } catch (e) { if (!(e instanceof AuthError)) error.textContent = e.message; }
+    });
+    return el("div", {}, node, error);
+  }
+
+  const LIMIT_FIELDS = [
+    { name: "rpm", label: "RPM", type: "number", size: 6 },
+    { name: "tpm", label: "TPM", type: "number", size: 8 },
+    { name: "tpd", label: "TPD", type: "number", size: 9 },
+    { name: "max_concurrent", label: "Concurrent", type: "number", size: 5 },
+    { name: "usd_per_day", label: "USD / day", type: "number", size: 6 },
+    { name: "usd_per_month", label: "USD / month", type: "number", size: 6 },
+  ];
+
+  function limitsOf(values) {
+    const limits = {};
+    for (const f of LIMIT_FIELDS) if (values[f.name] !== undefined) limits[f.name] = Number(values[f.name]);
+    return limits;
+  }
+
+  function modelsOf(text) { return text ? text.split(",").map((m) => m.trim()).filter(Boolean) : undefined; }
+
+  function errorBox(e) { return el("p", { class: "error" }, e.message || String(e)); }
+
+  // ------------------------------------------------------------------ overview
+  async function overview() {
+    page.append(el("h1", {}, "Overview"), el("p", { class: "muted", id: "overview-window" }, "The last hour of this replica."));
+    const cards = el("div", { class: "cards", id: "overview-cards" });
+    const grid = el("div", { class: "charts" });
+    const c1 = el("div", { class: "card" }), c2 = el("div", { class: "card" }), c3 = el("div", { class: "card" });
+    grid.append(c1, c2, c3);
+    page.append(cards, grid);
+    every(5000, async () => {
+      const doc = await api("GET", "/admin/activity");
+      const s = doc.summary;
+      cards.replaceChildren(
+        stat("Requests / s", fmt.num(s.requests_per_s, 2), "stat-rps"),
+        stat("Tokens / s", fmt.num(s.tokens_per_s, 0), "stat-tps"),
+        stat("Spend / hour", fmt.usd(s.spend_per_hour_usd), "stat-spend"),
+        stat("CPM (USD / M tokens)", s.cpm_usd === null ? "–" : "$" + s.cpm_usd.toFixed(4), "stat-cpm"),
+        stat("Error rate", fmt.pct(s.error_rate), "stat-errors"),
+        stat("Rejected", fmt.pct(s.rejection_rate), "stat-rejected"),
+        stat("Fallback rate", fmt.pct(s.fallback_rate), "stat-fallbacks"),
+        stat("SLO attainment", fmt.pct(s.slo_attainment), "stat-slo"),
+      );
+      $("overview-window").textContent = `The last ${Math.round(s.window_s / 60)} min of this replica: ${fmt.num(s.requests)} requests.`;
+      for (const c of charts) c.destroy();
+      charts = [];
+      for (const c of [c1, c2, c3]) c.replaceChildren();
+      const m = doc.minutes;
+      const xs = m.map((r) => r.t);
+      chart(c1, "Requests per minute", xs, [
+        { label: "served", data: m.map((r) => r.served) },
+        { label: "rejected", data: m.map((r) => r.rejected) },
+        { label: "errors", data: m.map((r) => r.errors) },
+      ]);
+      chart(c2, "Tokens per minute", xs, [
+        { label: "input", data: m.map((r) => r.input_tokens) },
+        { label: "output", data: m.map((r) => r.output_tokens) },
+      ]);
+      chart(c3, "Spend per minute (USD)", xs, [{ label: "USD", data: m.map((r) => r.cost_usd) }],
+        { value: (v) => "$" + v.toFixed(6), axis: (t) => "$" + Number(t.toPrecision(2)), axisSize: 90 });
+    });
+  }
+
+  // ------------------------------------------------------------------ keys
+  async function keys() {
+    page.append(el("h1", {}, "API keys"));
+    const tenants = (await api("GET", "/admin/tenants")).data.map((t) => t.name);
+    const result = el("div", { id: "key-result" });
+    const createCard = el("div", { class: "card" }, el("h2", {}, "Create a key"),
+      form([
+        { name: "tenant", label: "Tenant", options: tenants },
+        { name: "id", label: "Id (optional)", placeholder: "tenant-xxxxxx", size: 14 },
+        { name: "models", label: "Models (comma)", placeholder: "all of the tenant's", size: 16 },
+        ...LIMIT_FIELDS,
+        { name: "expires_in", label: "Expires in", placeholder: "30d", size: 5 },
+        { name: "owner", label: "Owner", size: 10 },
+        { name: "team", label: "Team", size: 10 },
+        { name: "description", label: "Description", size: 18 },
+      ], "Create key", async (v, inputs) => {
+        const body = { tenant: v.tenant, limits: limitsOf(v), metadata: {} };
+        if (v.id) body.id = v.id;
+        if (v.models) body.models = modelsOf(v.models);
+        if (v.expires_in) body.expires_in = v.expires_in;
+        for (const k of ["owner", "team", "description"]) if (v[k]) body.metadata[k] = v[k];
+        const made = await api("POST", "/admin/keys", body);
+        for (const [name, input] of Object.entries(inputs)) if (input.tagName === "INPUT") input.value = "";
+        showSecret(result, made.key.id, made.secret, "created");
+        await refresh();
+      }, "create-key"), result);
+    const listCard = el("div", { class: "card" }, el("h2", {}, "Keys"));
+    const detail = el("div", { id: "key-detail" });
+    page.append(createCard, listCard, detail);
+
+    async function refresh() {
+      const doc = await api("GET", "/admin/keys?include_revoked=1");
+      const old = $("keys-table");
+      const node = table([
+        { label: "Id", render: (k) => k.source === "api" ? el("a", { href: "#", class: "key-link", onclick: (e) => { e.preventDefault(); showKey(k.id); } }, k.id) : k.id },
+        { label: "Tenant", key: "tenant" },
+        { label: "Source", key: "source" },
+        { label: "Status", render: (k) => pill(k.status) },
+        { label: "Models", render: (k) => (k.models || ["*"]).join(", ") },
+        { label: "Own limits", render: (k) => fmt.limits(k.limits) },
+        { label: "Last used", render: (k) => fmt.time(k.last_used_at) },
+        { label: "Owner", render: (k) => (k.metadata || {}).owner },
+        { label: "", render: (k) => k.source === "api" && k.status !== "revoked" ? keyActions(k) : "" },
+      ], doc.data, { id: "keys-table", idOf: (k) => k.id });
+      if (old) old.replaceWith(node); else listCard.append(node);
+    }
+
+    function keyActions(k) {
+      const revoke = el("button", { class: "small danger", "data-action": "revoke", onclick: async () => {
+        if (revoke.dataset.armed !== "1") { revoke.dataset.armed = "1"; revoke.textContent = "Confirm revoke"; return; }
+        await api("DELETE", `/admin/keys/${encodeURIComponent(k.id)}`);
+        detail.replaceChildren();
+        await refresh();
+      } }, "Revoke");
+      const rotate = el("button", { class: "small secondary", "data-action": "rotate", onclick: async () => {
+        const made = await api("POST", `/admin/keys/${encodeURIComponent(k.id)}/rotate`, { grace_s: 3600 });
+        showSecret(result, k.id, made.secret, "rotated (the old secret works for one more hour)");
+        await refresh();
+      } }, "Rotate");
+      return el("span", {}, rotate, " ", revoke);
+    }
+
+    async function showKey(id) {
+      const k = await api("GET", `/admin/keys/${encodeURIComponent(id)}`);
+      const standing = k.standing || { spend_usd: {}, budget_left_usd: {}, limits: [] };
+      detail.replaceChildren(el("div", { class: "card detail", id: "key-standing" },
+        el("h2", {}, `Key ${k.id}`),
+        el("div", { class: "kv" },
+          el("span", {}, "tenant ", el("b", {}, k.tenant)),
+          el("span", {}, "status ", pill(k.status)),
+          el("span", {}, "created ", el("b", {}, fmt.time(k.created_at))),
+          el("span", {}, "expires ", el("b", {}, fmt.time(k.expires_at))),
+          el("span", {}, "hint ", el("code", {}, k.hint || "")),
+          el("span", {}, "spend today ", el("b", { id: "key-spend-day" }, fmt.usd(standing.spend_usd.day))),
+          el("span", {}, "this month ", el("b", { id: "key-spend-month" }, fmt.usd(standing.spend_usd.month))),
+          el("span", {}, "budget left today ", el("b", {}, fmt.usd(standing.budget_left_usd.day))),
+        ),
+        limitsTable(standing.limits),
+        el("h2", {}, "Edit its own limits"),
+        form(LIMIT_FIELDS, "Save limits", async (v) => {
+          await api("PATCH", `/admin/keys/${encodeURIComponent(id)}`, { limits: limitsOf(v) });
+          await showKey(id);
+          await refresh();
+        }, "edit-key"),
+        el("button", { class: "small secondary", id: "key-refresh", onclick: () => showKey(id) }, "Refresh"),
+      ));
+    }
+
+    await refresh();
+  }
+
+  function showSecret(node, id, secret, what) {
+    node.replaceChildren(el("div", { class: "secret" },
+      el("div", {}, `Key ${id} ${what}. Its secret is shown once: copy it now.`),
+      el("code", { id: "new-secret" }, secret)));
+  }
+
+  function limitsTable(rows) {
+    return table([
+      { label: "Kind", key: "kind" },
+      { label: "Scope", key: "scope" },
+      { label: "Rule", key: "rule" },
+      { label: "Subject", key: "subject" },
+      { label: "Dimension", key: "dimension" },
+      { label: "Limit", num: true, render: (r) => fmt.num(r.limit ?? r.capacity ?? r.limit_usd, r.kind === "budget" ? 2 : 0) },
+      { label: "Remaining", num: true, render: (r) => fmt.num(r.remaining ?? r.remaining_usd ?? (r.capacity - (r.active || 0)), r.kind === "budget" ? 4 : 0) },
+      { label: "Used", render: (r) => usedBar(r) },
+      { label: "Reset", num: true, render: (r) => (r.reset_s === undefined ? null : r.reset_s.toFixed(1) + " s") },
+      { label: "Shadow", render: (r) => (r.shadow ? "yes" : "") },
+    ], rows || [], { id: "limits-table" });
+  }
+
+  function usedBar(r) {
+    const limit = r.limit ?? r.capacity ?? r.limit_usd;
+    const used = r.used ?? r.active ?? r.spent_usd ?? 0;
+    const share = limit ? Math.min(1, used / limit) : 0;
+    const bar = el("div", { class: "bar", title: `${used} of ${limit}` }, el("span", {}));
+    bar.firstChild.style.width = (100 * share).toFixed(1) + "%";
+    return bar;
+  }
+
+  // ------------------------------------------------------------------ tenants
+  async function tenantsPage() {
+    page.append(el("h1", {}, "Tenants"));
+    const listCard = el("div", { class: "card" }, el("h2", {}, "Tenants"));
+    page.append(el("div", { class: "card" }, el("h2", {}, "Create a tenant"), form([
+      { name: "name", label: "Name", size: 12 },
+      { name: "models", label: "Models (comma)", placeholder: "all", size: 16 },
+      { name: "priority", label: "Priority", options: ["normal", "critical", "high", "low", "sheddable"] },
+      ...LIMIT_FIELDS,
+      { name: "description", label: "Description", size: 18 },
+    ], "Create tenant", async (v, inputs) => {
+      const body = { name: v.name, priority: v.priority, limits: limitsOf(v), metadata: {} };
+      if (v.models) body.models = modelsOf(v.models);
+      if (v.description) body.metadata.description = v.description;
+      await api("POST", "/admin/tenants", body);
+      for (const input of Object.values(inputs)) if (input.tagName === "INPUT") input.value = "";
+      await refresh();
+    }, "create-tenant")), listCard);
+
+    async function refresh() {
+      const doc = await api("GET", "/admin/tenants");
+      const old = $("tenants-table");
+      const node = table([
+        { label: "Name", key: "name" },
+        { label: "Source", key: "source" },
+        { label: "Priority", key: "priority" },
+        { label: "Models", render: (t) => (t.models || ["*"]).join(", ") },
+        { label: "Fallback", render: (t) => (t.allow_fallback ? "allowed" : "no") },
+        { label: "SLO class", key: "slo_class" },
+        { label: "Own limits", render: (t) => fmt.limits(t.limits) },
+        { label: "", render: (t) => t.source === "api" ? el("button", { class: "small danger", onclick: async () => {
+          try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); await refresh(); }
+          catch (e) { if (!(e instanceof AuthError)) listCard.append(errorBox(e)); }
+        } }, "Delete") : "" },
+      ], doc.data, { id: "tenants-table", idOf: (t) => t.name });
+      if (old) old.replaceWith(node); else listCard.append(node);
+    }
+    await refresh();
+  }
+
+  // ------------------------------------------------------------------ usage
+  async function usagePage() {
+    page.append(el("h1", {}, "Spend and usage"), el("p", { class: "muted" }, "From this replica's usage ledger."));
+    const range = el("select", { id: "usage-range" }, ["1h", "6h", "24h", "7d", "30d"].map((r) => el("option", { value: r, selected: r === "24h" }, r)));
+    const by = el("select", { id: "usage-by" }, ["tenant", "key", "model", "tenant,model", "key,model"].map((b) => el("option", { value: b }, b)));
+    const go = el("button", { id: "usage-go" }, "Show");
+    const chartCard = el("div", { class: "card" });
+    const tableCard = el("div", { class: "card" });
+    page.append(el("div", { class: "toolbar" }, el("label", {}, "Range", range), el("label", {}, "Group by", by), go), chartCard, tableCard);
+    async function load() {
+      const doc = await api("GET", `/admin/usage?since=${encodeURIComponent(range.value)}&by=${encodeURIComponent(by.value)}`);
+      for (const c of charts) c.destroy();
+      charts = [];
+      chartCard.replaceChildren();
+      const slots = doc.series.slots;
+      const lines = Object.entries(doc.series.lines);
+      if (slots.length && lines.length) {
+        chart(chartCard, `Spend per ${doc.series.bucket_s / 60} min by ${doc.by.join(", ")}`, slots,
+          lines.map(([label, data]) => ({ label, data, width: label === "all" ? 2.5 : 1.5, color: label === "all" ? "#111" : undefined })),
+          { height: 280, value: (v) => "$" + v.toFixed(6), axis: (t) => "$" + Number(t.toPrecision(2)), axisSize: 90 });
+      } else {
+        chartCard.append(el("p", { class: "muted" }, "No usage in this range."));
+      }
+      const fields = doc.by.map((f) => ({ label: f, render: (r) => r[f] || "(none)" }));
+      tableCard.replaceChildren(table([
+        ...fields,
+        { label: "Requests", num: true, render: (r) => fmt.num(r.requests) },
+        { label: "Served", num: true, render: (r) => fmt.num(r.served) },
+        { label: "Rejected", num: true, render: (r) => fmt.num(r.rejected) },
+        { label: "Errors", num: true, render: (r) => fmt.num(r.errors) },
+        { label: "Input tok", num: true, render: (r) => fmt.num(r.input_tokens) },
+        { label: "Output tok", num: true, render: (r) => fmt.num(r.output_tokens) },
+        { label: "Cost", num: true, render: (r) => fmt.usd(r.cost_usd) },
+        { label: "CPM", num: true, render: (r) => (r.cpm_usd === null ? "–" : "$" + r.cpm_usd.toFixed(4)) },
+        { label: "TTFT p50", num: true, render: (r) => fmt.ms(r.ttft_p50_ms) },
+        { label: "TTFT p90", num: true, render: (r) => fmt.ms(r.ttft_p90_ms) },
+      ], [...doc.rows, { ...doc.total, ...Object.fromEntries(doc.by.map((f, i) => [f, i === 0 ? "TOTAL" : ""])) }], { id: "usage-table" }));
+    }
+    go.addEventListener("click", () => load().catch((e) => chartCard.replaceChildren(errorBox(e))));
+    await load();
+  }
+
+  // ------------------------------------------------------------------ limits
+  async function limitsPage() {
+    page.append(el("h1", {}, "Limits"), el("p", { class: "muted" }, "Every bucket, concurrency limit and budget this replica has touched, as it stands now."));
+    const status = el("div", { class: "kv", id: "policy-status" });
+    const card = el("div", { class: "card" });
+    page.append(status, card);
+    every(5000, async () => {
+      const doc = await api("GET", "/admin/status");
+      const p = doc.policy;
+      status.replaceChildren(
+        el("span", {}, "policy ", el("b", {}, p.path || "–")),
+        el("span", {}, "generation ", el("b", {}, p.generation)),
+        el("span", {}, "store ", el("b", {}, doc.admission.store)),
+        el("span", {}, "decisions ", el("b", {}, Object.entries(doc.admission.decisions || {}).map(([k, v]) => `${k} ${v}`).join(", ") || "–")),
+        p.last_error ? el("span", { class: "error" }, "last reload rejected: " + p.last_error.join("; ")) : null,
+      );
+      const rows = (doc.limits || []).filter((r) => r.rule !== "@spend").map((r) => ({
+        ...r,
+        limit: r.capacity ?? r.limit_usd,
+        used: r.used ?? r.active ?? r.spent_usd,
+        remaining: r.remaining ?? r.remaining_usd ?? (r.capacity - (r.active || 0)),
+        dimension: r.dimension || `usd_per_${r.period}`,
+      }));
+      card.replaceChildren(rows.length ? limitsTable(rows) : el("p", { class: "muted" }, "No limit has been used yet."));
+    });
+  }
+
+  // ------------------------------------------------------------------ pools
+  const KNOWN_POOL = new Set(["name", "model", "engine", "endpoints", "states", "ready", "total", "disaggregated"]);
+
+  function scalarFields(obj, known) {
+    return Object.entries(obj).filter(([k, v]) => !known.has(k) && (v === null || typeof v !== "object"));
+  }
+
+  async function poolsPage() {
+    page.append(el("h1", {}, "Pools and endpoints"));
+    const holder = el("div", { id: "pools" });
+    page.append(holder);
+    every(5000, async () => {
+      const doc = await api("GET", "/admin/backends");
+      let extra = {};
+      try {
+        const pools = await api("GET", "/admin/pools");  // autoscaling, when the gateway has it
+        for (const p of pools.pools || []) extra[p.name] = p;
+      } catch (e) { if (e instanceof AuthError) throw e; extra = {}; }
+      holder.replaceChildren(...doc.pools.map((pool) => {
+        const more = { ...(extra[pool.name] || {}) };
+        const merged = { ...more, ...pool };
+        const decisions = merged.decisions || merged.recent_decisions || merged.last_decisions;
+        return el("div", { class: "card", "data-pool": pool.name },
+          el("h2", {}, `${pool.name} `, el("span", { class: "muted" }, `${pool.model} · ${pool.engine}`)),
+          el("div", { class: "kv" },
+            el("span", {}, "ready ", el("b", {}, `${pool.ready}/${pool.total}`)),
+            pool.disaggregated ? el("span", {}, el("b", {}, "prefill/decode")) : null,
+            scalarFields(merged, KNOWN_POOL).map(([k, v]) => el("span", {}, `${k.replaceAll("_", " ")} `, el("b", {}, v === null ? "–" : String(v)))),
+          ),
+          table([
+            { label: "Endpoint", key: "id" },
+            { label: "State", render: (e) => pill(e.state + (e.stats_stale && e.state === "ready" ? " (stale)" : "")) },
+            { label: "Role", key: "role" },
+            { label: "Running", num: true, key: "running" },
+            { label: "Waiting", num: true, key: "waiting" },
+            { label: "KV usage", render: (e) => { const b = usedBar({ used: e.kv_usage_ratio, limit: 1 }); b.title = fmt.pct(e.kv_usage_ratio); return el("span", { class: "with-bar" }, b, fmt.pct(e.kv_usage_ratio)); } },
+            { label: "In flight", num: true, key: "inflight_requests" },
+            { label: "Restarts", num: true, key: "restarts" },
+            { label: "Stats age", num: true, render: (e) => (e.stats_age_s === null ? "–" : e.stats_age_s.toFixed(2) + " s") },
+            { label: "Reason", key: "reason" },
+            { label: "URL", key: "url" },
+          ], pool.endpoints),
+          Array.isArray(decisions) && decisions.length ? el("div", {}, el("h2", {}, "Recent decisions"),
+            el("ul", {}, decisions.slice(-10).map((d) => el("li", {}, typeof d === "object" ? Object.entries(d).map(([k, v]) => `${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`).join(" · ") : String(d))))) : null,
+        );
+      }));
+    });
+  }
+
+  // ------------------------------------------------------------------ predictor
+  async function predictorPage() {
+    page.append(el("h1", {}, "Predictor accuracy"));
+    const holder = el("div", {});
+    page.append(holder);
+    every(10000, async () => {
+      const doc = await api("GET", "/admin/predictor");
+      if (!doc.enabled) { holder.replaceChildren(el("p", { class: "muted" }, "The predictor is disabled (predictor.enabled: false).")); return; }
+      const rows = [];
+      for (const [pool, state] of Object.entries(doc.pools || {})) {
+        for (const [target, info] of Object.entries(state.targets || {})) {
+          const online = info.online || {};
+          rows.push({ pool, target, source: info.source, samples: info.samples, mape: online.mape_pct, coverage: online.p90_coverage,
+            total: online.total, age: info.model_age_s, version: state.model_version, factor: state.ttft_recent_factor });
+        }
+      }
+      holder.replaceChildren(el("div", { class: "card" }, table([
+        { label: "Pool", key: "pool" },
+        { label: "Target", key: "target" },
+        { label: "Source", key: "source" },
+        { label: "Samples", num: true, render: (r) => fmt.num(r.samples) },
+        { label: "Online MAPE", num: true, render: (r) => (r.mape === null || r.mape === undefined ? "–" : r.mape.toFixed(1) + " %") },
+        { label: "p90 coverage", num: true, render: (r) => fmt.pct(r.coverage) },
+        { label: "Scored", num: true, render: (r) => fmt.num(r.total) },
+        { label: "Model age", num: true, render: (r) => (r.age === null || r.age === undefined ? "–" : Math.round(r.age) + " s") },
+        { label: "Version", num: true, key: "version" },
+        { label: "TTFT factor", num: true, render: (r) => (r.target === "ttft" && r.factor !== undefined ? r.factor.toFixed(3) : null) },
+      ], rows, { id: "predictor-table" })));
+    });
+  }
+
+  // ------------------------------------------------------------------ live tail
+  async function tailPage() {
+    page.append(el("h1", {}, "Live tail"), el("p", { class: "muted" }, "This replica's newest requests (metadata only; never prompt text)."));
+    const card = el("div", { class: "card" });
+    page.append(card);
+    every(2000, async () => {
+      const doc = await api("GET", "/admin/activity");
+      card.replaceChildren(table([
+        { label: "Time", render: (r) => new Date(r.ts * 1000).toISOString().slice(11, 23) },
+        { label: "Request", key: "request_id" },
+        { label: "Tenant", key: "tenant" },
+        { label: "Key", key: "key_id" },
+        { label: "Model", render: (r) => r.requested_model + (r.model && r.model !== r.requested_model ? ` → ${r.model}` : "") },
+        { label: "Status", render: (r) => pill(r.status) },
+        { label: "HTTP", num: true, key: "http_status" },
+        { label: "Reason", key: "reason" },
+        { label: "Endpoint", key: "endpoint" },
+        { label: "In", num: true, render: (r) => fmt.num(r.input_tokens) },
+        { label: "Out", num: true, render: (r) => fmt.num(r.output_tokens) },
+        { label: "Cost", num: true, render: (r) => fmt.usd(r.cost_usd) },
+        { label: "TTFT", num: true, render: (r) => fmt.ms(r.ttft_ms) },
+        { label: "Duration", num: true, render: (r) => fmt.ms(r.duration_ms) },
+      ], doc.tail, { id: "tail-table" }));
+    });
+  }
+
+  // ------------------------------------------------------------------ routing and login
+  const PAGES = { overview, keys, tenants: tenantsPage, usage: usagePage, limits: limitsPage, pools: poolsPage, predictor: predictorPage, tail: tailPage };
+
+  async function route() {
+    const name = (location.hash || "#overview").slice(1);
+    const render = PAGES[name] || overview;
+    clearPage();
+    for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.getAttribute("href") === `#${name}`);
+    page.dataset.page = name;
+    try { await render(); } catch (e) { if (!(e instanceof AuthError)) page.append(errorBox(e)); }
+    page.dataset.ready = name;
+  }
+
+  function showLogin() {
+    clearPage();
+    $("nav").hidden = true;
+    $("logout").hidden = true;
+    $("login").hidden = false;
+    $("token").focus();
+  }
+
+  function showConsole() {
+    $("login").hidden = true;
+    $("nav").hidden = false;
+    $("logout").hidden = false;
+    route();
+  }
+
+  $("login-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    $("login-error").textContent = "";
+    const response = await fetch("/ui/login", {
+      method: "POST", credentials: "same-origin",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ token: $("token").value }),
+    });
+    $("token").value = "";
+    if (response.ok) showConsole();
+    else $("login-error").textContent = ((await response.json()).error || {}).message || "login failed";
+  });
+
+  $("logout").addEventListener("click", async () => {
+    await fetch("/ui/logout", { method: "POST", credentials: "same-origin" });
+    showLogin();
+  });
+
+  window.addEventListener("hashchange", () => { if ($("login").hidden) route(); });
+
+  (async () => {
+    const session = await (await fetch("/ui/session", { credentials: "same-origin" })).json();
+    if (!session.token_required) $("login-note").textContent = "No admin token is configured: the console answers loopback callers only. Log in with an empty token.";
+    if (session.authenticated) showConsole(); else showLogin();
+  })();
+})();

@@ -1,0 +1,135 @@
+"""The web console end to end in Debian's headless Chromium: log in with the admin token (which
+becomes an HttpOnly, SameSite=Strict cookie and never appears in a URL), create a key, use it with
+the openai client, see its spend appear, revoke it, see the next call fail; and every page renders."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support.browser import chromium, require_browser
+from tests.support.procs import Gateway, SimEngines, policies_doc, static_pool
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+LLAMA = "llama-3.1-8b"
+TOKEN = "console-test-admin-token"
+PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail")
+
+
+def wait(driver: Any, condition: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(condition)
+
+
+def by_css(selector: str) -> Callable[[Any], Any]:
+    from selenium.webdriver.common.by import By
+
+    def find(driver: Any) -> Any:
+        found = driver.find_elements(By.CSS_SELECTOR, selector)
+        return found[0] if found and found[0].is_displayed() else False
+
+    return find
+
+
+def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
+) -> None:
+    require_browser()
+    engines = sim_factory(count=1, time_scale=50, served_model_name=LLAMA)
+    policy = policies_doc(models={LLAMA: {"price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0}}})
+    gateway = gateway_factory(
+        pools=[static_pool("p", LLAMA, engines.urls)], policies=policy, server={"admin_token": TOKEN}
+    )
+    with chromium() as driver:
+        driver.get(gateway.url + "/ui")
+        wait(driver, by_css("#token")).send_keys("wrong")
+        wait(driver, by_css("#login-submit")).click()
+        assert "wrong admin token" in wait(driver, by_css("#login-error")).text
+        wait(driver, by_css("#token")).send_keys(TOKEN)
+        wait(driver, by_css("#login-submit")).click()
+        wait(driver, by_css("#nav"))
+        cookie = driver.get_cookie("tokenway_console")
+        assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        assert TOKEN not in driver.current_url and TOKEN not in cookie["value"]
+        assert driver.execute_script("return document.cookie") == ""  # invisible to page scripts
+
+        driver.get(gateway.url + "/ui#keys")
+        wait(driver, lambda d: d.find_element("id", "page").get_attribute("data-ready") == "keys")
+        wait(driver, by_css("#create-key-id")).send_keys("browser-key")
+        wait(driver, by_css("#create-key-rpm")).send_keys("100")
+        wait(driver, by_css("#create-key-owner")).send_keys("console-test")
+        wait(driver, by_css("#create-key-submit")).click()
+        secret = wait(driver, by_css("#new-secret")).text
+        assert secret.startswith("tw-")
+        wait(driver, by_css('tr[data-id="browser-key"]'))
+
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=secret, max_retries=0)
+        reply = client.chat.completions.create(
+            model=LLAMA, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8
+        )
+        assert reply.choices[0].message.content
+
+        wait(driver, by_css('tr[data-id="browser-key"] a.key-link')).click()
+        deadline = time.monotonic() + 30
+        while True:  # spend appears once the request is settled
+            spend = wait(driver, by_css("#key-spend-day")).text
+            if spend not in ("\u2013", "$0.000000"):  # the console shows an en dash for none
+                break
+            assert time.monotonic() < deadline, f"spend never appeared (shows {spend})"
+            wait(driver, by_css("#key-refresh")).click()
+            time.sleep(0.2)
+        assert float(spend.lstrip("$")) > 0
+
+        revoke = wait(driver, by_css('tr[data-id="browser-key"] button[data-action="revoke"]'))
+        revoke.click()
+        wait(driver, lambda d: "Confirm" in revoke.text)
+        revoke.click()
+        wait(driver, lambda d: "revoked" in d.find_element("css selector", 'tr[data-id="browser-key"]').text)
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+
+        for name in PAGES:
+            driver.get(gateway.url + f"/ui#{name}")
+            wait(driver, lambda d, n=name: d.find_element("id", "page").get_attribute("data-ready") == n)
+            errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
+            assert not errors, f"page {name}: {errors}"
+        # script errors only: the wrong login's 401 and a missing /admin/pools are answers, not faults
+        severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e.get("source") != "network"]
+        assert not severe, severe
+
+
+def test_the_admin_api_refuses_a_cookie_without_the_console_header(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
+) -> None:
+    import json
+    import urllib.request
+
+    engines = sim_factory(count=1, time_scale=50, served_model_name=LLAMA)
+    gateway = gateway_factory(
+        pools=[static_pool("p", LLAMA, engines.urls)], policies=policies_doc(), server={"admin_token": TOKEN}
+    )
+    login = urllib.request.Request(gateway.url + "/ui/login", data=json.dumps({"token": TOKEN}).encode(), method="POST")
+    with urllib.request.urlopen(login, timeout=10) as response:
+        cookie = response.headers["Set-Cookie"].split(";", 1)[0]
+    assert "HttpOnly" in response.headers["Set-Cookie"] and "SameSite=Strict" in response.headers["Set-Cookie"]
+
+    def call(method: str, path: str, headers: dict[str, str]) -> int:
+        request = urllib.request.Request(gateway.url + path, data=b"{}" if method != "GET" else None, method=method)
+        for name, value in headers.items():
+            request.add_header(name, value)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    assert call("GET", "/admin/keys", {"Cookie": cookie}) == 200
+    assert call("POST", "/admin/tenants", {"Cookie": cookie}) == 401  # a cross-site form cannot add the header
+    assert call("POST", "/admin/tenants", {"Cookie": cookie, "X-Tokenway-Console": "1"}) == 400  # in, then validated
+    assert call("GET", "/admin/keys", {}) == 401
