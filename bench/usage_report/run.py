@@ -208,9 +208,9 @@ def write_results(results: list[dict[str, float]]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["rows"] for r in results], [r["new_rss_mib"] for r in results], "o-", label="streaming report")
     ax.plot([r["rows"] for r in results], [r["plot_rss_mib"] for r in results], "^-", label="streaming, --plot")
-    old = [r for r in results if "old_rss_mib" in r]
-    if old:
-        ax.plot([r["rows"] for r in old], [r["old_rss_mib"] for r in old], "s--", label="former (rows in memory)")
+    former = [r for r in results if "old_rss_mib" in r]
+    if former:
+        ax.plot([r["rows"] for r in former], [r["old_rss_mib"] for r in former], "s--", label="former (rows in memory)")
     ax.axhline(100 / 1.048576, color="grey", linestyle=":", label="100 MB target")
     ax.set_xscale("log")
     ax.set_yscale("log")

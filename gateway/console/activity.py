@@ -63,7 +63,7 @@ class ConsoleActivity:
         self._policy = policy
         self._clock = clock
         self._minutes: deque[_Minute] = deque(maxlen=MINUTES)
-        self._tail: deque[dict[str, Any]] = deque(maxlen=tail_size)
+        self._tail: deque[tuple[int, RequestRecord]] = deque(maxlen=tail_size)
         self._seq = 0
 
     def observe(self, record: RequestRecord) -> None:
@@ -75,29 +75,7 @@ class ConsoleActivity:
         if minute is not None:  # a record older than the current minute (clock step) is only tailed
             self._count(minute, record)
         self._seq += 1
-        self._tail.append(
-            {
-                "seq": self._seq,
-                "ts": round(now_s, 3),
-                "request_id": record.request_id,
-                "tenant": record.tenant,
-                "key_id": record.key_id,
-                "api": record.api,
-                "requested_model": record.requested_model,
-                "model": record.model,
-                "fallback": f"{record.fallback_from}->{record.model}" if record.fallback_from else None,
-                "endpoint": record.endpoint,
-                "stream": record.stream,
-                "status": record.status,
-                "http_status": record.http_status,
-                "reason": record.reject_reason or record.error_code,
-                "input_tokens": record.prompt_tokens,
-                "output_tokens": record.completion_tokens,
-                "cost_usd": round(record.cost_usd, 9),
-                "ttft_ms": round(record.ttft_s * 1000.0, 1) if record.ttft_s is not None else None,
-                "duration_ms": round(record.duration_s * 1000.0, 1),
-            }
-        )
+        self._tail.append((self._seq, record))  # rendered when asked: nothing per request but the append
 
     def _count(self, minute: _Minute, record: RequestRecord) -> None:
         minute.requests += 1
@@ -161,5 +139,30 @@ class ConsoleActivity:
 
     def tail(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         """The newest requests after sequence number `after`, newest first."""
-        rows = [row for row in self._tail if row["seq"] > after]
-        return list(reversed(rows))[:limit]
+        rows = [_row(seq, record) for seq, record in reversed(self._tail) if seq > after]
+        return rows[:limit]
+
+
+def _row(seq: int, record: RequestRecord) -> dict[str, Any]:
+    finished_s = record.started_at_unix_s + record.duration_s
+    return {
+        "seq": seq,
+        "ts": round(finished_s, 3),
+        "request_id": record.request_id,
+        "tenant": record.tenant,
+        "key_id": record.key_id,
+        "api": record.api,
+        "requested_model": record.requested_model,
+        "model": record.model,
+        "fallback": f"{record.fallback_from}->{record.model}" if record.fallback_from else None,
+        "endpoint": record.endpoint,
+        "stream": record.stream,
+        "status": record.status,
+        "http_status": record.http_status,
+        "reason": record.reject_reason or record.error_code,
+        "input_tokens": record.prompt_tokens,
+        "output_tokens": record.completion_tokens,
+        "cost_usd": round(record.cost_usd, 9),
+        "ttft_ms": round(record.ttft_s * 1000.0, 1) if record.ttft_s is not None else None,
+        "duration_ms": round(record.duration_s * 1000.0, 1),
+    }

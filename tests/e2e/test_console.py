@@ -10,6 +10,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.browser import chromium, require_browser
 from tests.support.procs import Gateway, SimEngines, policies_doc, static_pool
@@ -18,6 +19,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 LLAMA = "llama-3.1-8b"
 TOKEN = "console-test-admin-token"
+COLOUR: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail")
 
 
@@ -35,6 +38,13 @@ def by_css(selector: str) -> Callable[[Any], Any]:
         return found[0] if found and found[0].is_displayed() else False
 
     return find
+
+
+def page_ready(name: str) -> Callable[[Any], bool]:
+    def ready(driver: Any) -> bool:
+        return bool(driver.find_element("id", "page").get_attribute("data-ready") == name)
+
+    return ready
 
 
 def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
@@ -60,7 +70,7 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
         assert driver.execute_script("return document.cookie") == ""  # invisible to page scripts
 
         driver.get(gateway.url + "/ui#keys")
-        wait(driver, lambda d: d.find_element("id", "page").get_attribute("data-ready") == "keys")
+        wait(driver, page_ready("keys"))
         wait(driver, by_css("#create-key-id")).send_keys("browser-key")
         wait(driver, by_css("#create-key-rpm")).send_keys("100")
         wait(driver, by_css("#create-key-owner")).send_keys("console-test")
@@ -70,37 +80,38 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
         wait(driver, by_css('tr[data-id="browser-key"]'))
 
         client = openai.OpenAI(base_url=gateway.base_url, api_key=secret, max_retries=0)
-        reply = client.chat.completions.create(
-            model=LLAMA, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8
-        )
+        reply = client.chat.completions.create(model=LLAMA, messages=COLOUR, max_tokens=8)
         assert reply.choices[0].message.content
 
         wait(driver, by_css('tr[data-id="browser-key"] a.key-link')).click()
+        read_spend = "const e = document.getElementById('key-spend-day'); return e ? e.textContent : null;"
         deadline = time.monotonic() + 30
-        while True:  # spend appears once the request is settled
-            spend = wait(driver, by_css("#key-spend-day")).text
-            if spend not in ("\u2013", "$0.000000"):  # the console shows an en dash for none
+        while True:  # spend appears once the request is settled; the panel re-renders on each refresh
+            spend = driver.execute_script(read_spend)
+            if spend not in (None, "\u2013", "$0.000000"):  # the console shows an en dash for none
                 break
             assert time.monotonic() < deadline, f"spend never appeared (shows {spend})"
-            wait(driver, by_css("#key-refresh")).click()
-            time.sleep(0.2)
+            driver.execute_script("const b = document.getElementById('key-refresh'); if (b) b.click();")
+            time.sleep(0.3)
         assert float(spend.lstrip("$")) > 0
 
         revoke = wait(driver, by_css('tr[data-id="browser-key"] button[data-action="revoke"]'))
         revoke.click()
         wait(driver, lambda d: "Confirm" in revoke.text)
         revoke.click()
-        wait(driver, lambda d: "revoked" in d.find_element("css selector", 'tr[data-id="browser-key"]').text)
+        row_text = "const r = document.querySelector('tr[data-id=\"browser-key\"]'); return r ? r.textContent : '';"
+        wait(driver, lambda d: "revoked" in d.execute_script(row_text))  # the table is rebuilt: read it afresh
         with pytest.raises(openai.AuthenticationError):
-            client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            client.chat.completions.create(model=LLAMA, messages=HI, max_tokens=4)
 
         for name in PAGES:
             driver.get(gateway.url + f"/ui#{name}")
-            wait(driver, lambda d, n=name: d.find_element("id", "page").get_attribute("data-ready") == n)
+            wait(driver, page_ready(name))
             errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
             assert not errors, f"page {name}: {errors}"
         # script errors only: the wrong login's 401 and a missing /admin/pools are answers, not faults
-        severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and e.get("source") != "network"]
+        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        severe = [e for e in logs if e["level"] == "SEVERE" and e.get("source") != "network"]
         assert not severe, severe
 
 

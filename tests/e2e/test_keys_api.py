@@ -17,6 +17,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.procs import REPO, Gateway, SimEngines, policies_doc, start_gateway, static_pool
 
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 LLAMA = "llama-3.1-8b"
 POLICY = policies_doc(models={LLAMA: {"price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0}}})
-MESSAGES = [{"role": "user", "content": "Name a colour."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
 
 
 def admin(gateway: Gateway, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:

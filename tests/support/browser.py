@@ -9,8 +9,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from selenium.webdriver.chrome.webdriver import WebDriver
 
 CHROMIUM = os.environ.get("TOKENWAY_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("TOKENWAY_CHROMEDRIVER", "/usr/bin/chromedriver")
@@ -38,7 +42,7 @@ def require_browser() -> None:
 
 
 @contextmanager
-def chromium(width: int = 1400, height: int = 1000) -> Iterator[object]:
+def chromium(width: int = 1400, height: int = 1000) -> Iterator[WebDriver]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

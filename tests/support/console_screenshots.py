@@ -15,13 +15,18 @@ import json
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
 
 from tests.support.browser import chromium
+
+if TYPE_CHECKING:
+    from selenium.webdriver.chrome.webdriver import WebDriver
+
 from tests.support.procs import REPO, policies_doc, running, start_gateway, start_sim, static_pool
 
 TOKEN = "screenshot-admin-token"
@@ -38,6 +43,13 @@ def admin(url: str, method: str, path: str, body: dict[str, Any] | None = None) 
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
+
+
+def page_ready(name: str) -> Callable[[WebDriver], bool]:
+    def ready(driver: WebDriver) -> bool:
+        return driver.find_element("id", "page").get_attribute("data-ready") == name
+
+    return ready
 
 
 def main() -> int:
@@ -111,9 +123,7 @@ def main() -> int:
             WebDriverWait(driver, 30).until(lambda d: d.find_element(By.ID, "nav").is_displayed())
             for name in PAGES:
                 driver.get(url + f"/ui#{name}")
-                WebDriverWait(driver, 30).until(
-                    lambda d, n=name: d.find_element(By.ID, "page").get_attribute("data-ready") == n
-                )
+                WebDriverWait(driver, 30).until(page_ready(name))
                 if name == "keys":
                     driver.find_element(By.CSS_SELECTOR, 'tr[data-id="acme-web"] a.key-link').click()
                     WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "key-standing"))

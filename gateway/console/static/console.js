@@ -26,8 +26,12 @@
   }
 
   class AuthError extends Error {}
+  class StaleError extends Error {}  // the page changed while a call was in flight: drop its answer
+  let pageGen = 0;
+  const quiet = (e) => e instanceof AuthError || e instanceof StaleError;
 
   async function api(method, path, body) {
+    const gen = pageGen;
     const response = await fetch(path, {
       method,
       credentials: "same-origin",
@@ -37,6 +41,7 @@
     const text = await response.text();
     let doc = null;
     try { doc = text ? JSON.parse(text) : null; } catch (_) { doc = { raw: text }; }
+    if (gen !== pageGen) throw new StaleError("page changed");
     if (response.status === 401) { showLogin(); throw new AuthError("logged out"); }
     if (!response.ok) {
       const message = doc && doc.error ? doc.error.message : `${response.status} ${response.statusText}`;
@@ -73,9 +78,17 @@
     return el("div", { class: "stat", id }, el("div", { class: "label" }, label), el("div", { class: "value" }, value));
   }
 
-  function every(ms, fn) { fn(); timers.push(setInterval(fn, ms)); }
+  // an event handler's failure shown on the page instead of an unhandled rejection
+  const guard = (fn) => async (...args) => { try { await fn(...args); } catch (e) { if (!quiet(e)) page.append(errorBox(e)); } };
+
+  function every(ms, fn) {
+    const run = () => fn().catch((e) => { if (!quiet(e)) page.append(errorBox(e)); });
+    run();
+    timers.push(setInterval(run, ms));
+  }
 
   function clearPage() {
+    pageGen += 1;
     for (const t of timers) clearInterval(t);
     timers = [];
     for (const c of charts) c.destroy();
@@ -116,7 +129,7 @@
       error.textContent = "";
       const values = {};
       for (const [name, input] of Object.entries(inputs)) if (input.value.trim() !== "") values[name] = input.value.trim();
-      try { await onSubmit(values, inputs); } catch (e) { if (!(e instanceof AuthError)) error.textContent = e.message; }
+      try { await onSubmit(values, inputs); } catch (e) { if (!quiet(e)) error.textContent = e.message; }
     });
     return el("div", {}, node, error);
   }
@@ -215,7 +228,7 @@
       const doc = await api("GET", "/admin/keys?include_revoked=1");
       const old = $("keys-table");
       const node = table([
-        { label: "Id", render: (k) => k.source === "api" ? el("a", { href: "#", class: "key-link", onclick: (e) => { e.preventDefault(); showKey(k.id); } }, k.id) : k.id },
+        { label: "Id", render: (k) => k.source === "api" ? el("a", { href: "#", class: "key-link", onclick: guard(async (e) => { e.preventDefault(); await showKey(k.id); }) }, k.id) : k.id },
         { label: "Tenant", key: "tenant" },
         { label: "Source", key: "source" },
         { label: "Status", render: (k) => pill(k.status) },
@@ -229,17 +242,17 @@
     }
 
     function keyActions(k) {
-      const revoke = el("button", { class: "small danger", "data-action": "revoke", onclick: async () => {
+      const revoke = el("button", { class: "small danger", "data-action": "revoke", onclick: guard(async () => {
         if (revoke.dataset.armed !== "1") { revoke.dataset.armed = "1"; revoke.textContent = "Confirm revoke"; return; }
         await api("DELETE", `/admin/keys/${encodeURIComponent(k.id)}`);
         detail.replaceChildren();
         await refresh();
-      } }, "Revoke");
-      const rotate = el("button", { class: "small secondary", "data-action": "rotate", onclick: async () => {
+      }) }, "Revoke");
+      const rotate = el("button", { class: "small secondary", "data-action": "rotate", onclick: guard(async () => {
         const made = await api("POST", `/admin/keys/${encodeURIComponent(k.id)}/rotate`, { grace_s: 3600 });
         showSecret(result, k.id, made.secret, "rotated (the old secret works for one more hour)");
         await refresh();
-      } }, "Rotate");
+      }) }, "Rotate");
       return el("span", {}, rotate, " ", revoke);
     }
 
@@ -265,7 +278,7 @@
           await showKey(id);
           await refresh();
         }, "edit-key"),
-        el("button", { class: "small secondary", id: "key-refresh", onclick: () => showKey(id) }, "Refresh"),
+        el("button", { class: "small secondary", id: "key-refresh", onclick: guard(() => showKey(id)) }, "Refresh"),
       ));
     }
 
@@ -332,13 +345,28 @@
         { label: "Fallback", render: (t) => (t.allow_fallback ? "allowed" : "no") },
         { label: "SLO class", key: "slo_class" },
         { label: "Own limits", render: (t) => fmt.limits(t.limits) },
-        { label: "", render: (t) => t.source === "api" ? el("button", { class: "small danger", onclick: async () => {
-          try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); await refresh(); }
-          catch (e) { if (!(e instanceof AuthError)) listCard.append(errorBox(e)); }
-        } }, "Delete") : "" },
+        { label: "", render: (t) => t.source === "api" ? el("span", {},
+          el("button", { class: "small secondary", "data-action": "edit", onclick: () => editTenant(t) }, "Edit limits"), " ",
+          el("button", { class: "small danger", "data-action": "delete", onclick: async () => {
+            try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); detail.replaceChildren(); await refresh(); }
+            catch (e) { if (!quiet(e)) detail.replaceChildren(errorBox(e)); }
+          } }, "Delete")) : "" },
       ], doc.data, { id: "tenants-table", idOf: (t) => t.name });
       if (old) old.replaceWith(node); else listCard.append(node);
     }
+
+    function editTenant(t) {
+      detail.replaceChildren(el("div", { class: "card detail", id: "tenant-edit" },
+        el("h2", {}, `Tenant ${t.name}: its own limits (now ${fmt.limits(t.limits)})`),
+        form(LIMIT_FIELDS, "Save limits", async (v) => {
+          await api("PATCH", `/admin/tenants/${encodeURIComponent(t.name)}`, { limits: limitsOf(v) });
+          detail.replaceChildren();
+          await refresh();
+        }, "edit-tenant")));
+    }
+
+    const detail = el("div", { id: "tenant-detail" });
+    page.append(detail);
     await refresh();
   }
 
@@ -380,7 +408,7 @@
         { label: "TTFT p90", num: true, render: (r) => fmt.ms(r.ttft_p90_ms) },
       ], [...doc.rows, { ...doc.total, ...Object.fromEntries(doc.by.map((f, i) => [f, i === 0 ? "TOTAL" : ""])) }], { id: "usage-table" }));
     }
-    go.addEventListener("click", () => load().catch((e) => chartCard.replaceChildren(errorBox(e))));
+    go.addEventListener("click", () => load().catch((e) => { if (!quiet(e)) chartCard.replaceChildren(errorBox(e)); }));
     await load();
   }
 
@@ -428,7 +456,7 @@
       try {
         const pools = await api("GET", "/admin/pools");  // autoscaling, when the gateway has it
         for (const p of pools.pools || []) extra[p.name] = p;
-      } catch (e) { if (e instanceof AuthError) throw e; extra = {}; }
+      } catch (e) { if (quiet(e)) throw e; extra = {}; }
       holder.replaceChildren(...doc.pools.map((pool) => {
         const more = { ...(extra[pool.name] || {}) };
         const merged = { ...more, ...pool };
@@ -526,8 +554,9 @@
     clearPage();
     for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.getAttribute("href") === `#${name}`);
     page.dataset.page = name;
-    try { await render(); } catch (e) { if (!(e instanceof AuthError)) page.append(errorBox(e)); }
-    page.dataset.ready = name;
+    const gen = pageGen;
+    try { await render(); } catch (e) { if (!quiet(e)) page.append(errorBox(e)); }
+    if (gen === pageGen) page.dataset.ready = name;
   }
 
   function showLogin() {

@@ -17,7 +17,7 @@ from policies.policy import Policy
 
 pytestmark = pytest.mark.redis
 
-POLICY = {"tenants": {"t": {}}, "models": {"m": {}}}
+POLICY: dict[str, dict[str, dict[str, str]]] = {"tenants": {"t": {}}, "models": {"m": {}}}
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
