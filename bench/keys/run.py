@@ -146,8 +146,9 @@ def main() -> int:
         "| --- | ---: |",
         *(f"| {name} | {value:.2f} |" for name, value in auth.items()),
         "",
-        f"An API key costs {ratio:.2f}x a file key: one more dictionary lookup (the file's is tried first), the",
-        "expiry check and the last-use stamp; both are dominated by hashing the presented key (SHA-256).",
+        f"An API key costs {ratio:.2f}x a file key here: after the file's table misses, the directory's lookup,",
+        "constant-time comparison, expiry check and last-use stamp (about 1 µs timed alone, one key repeated);",
+        "nothing waits on the store. Both stay far below the gateway's per-request cost.",
         "",
     ]
     (RESULTS / "keys-revoke.md").write_text("\n".join(lines))

@@ -60,8 +60,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tokenway-shots-"))
-    llama = start_sim(work, count=2, time_scale=20, served_model_name=LLAMA)
-    qwen = start_sim(work, count=1, time_scale=20, preset="qwen2.5-7b@h100", served_model_name=QWEN)
+    # real time (scale 1): the predictor's page shows what it would on real engines
+    llama = start_sim(work, count=2, time_scale=1, served_model_name=LLAMA)
+    qwen = start_sim(work, count=1, time_scale=1, preset="qwen2.5-7b@h100", served_model_name=QWEN)
     price = {"price": {"input_per_mtok": 0.10, "output_per_mtok": 0.20}}
     models = {
         LLAMA: {**price, "fallbacks": [{"model": QWEN, "triggers": ["rate_limited"]}]},
@@ -124,15 +125,24 @@ def main() -> int:
             for name in PAGES:
                 driver.get(url + f"/ui#{name}")
                 WebDriverWait(driver, 30).until(page_ready(name))
+                if name == "usage":  # the traffic above spans minutes: show the last hour
+                    driver.execute_script("document.getElementById('usage-range').value = '1h';")
+                    driver.find_element(By.ID, "usage-go").click()
                 if name == "keys":
                     driver.find_element(By.CSS_SELECTOR, 'tr[data-id="acme-web"] a.key-link').click()
                     WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "key-standing"))
                 time.sleep(1.5)  # charts draw after the first poll
-                height = driver.execute_script("return document.body.scrollHeight")
-                driver.set_window_size(1400, max(900, min(2400, int(height) + 40)))
+                height = int(driver.execute_script("return document.documentElement.scrollHeight"))
+                metrics = {
+                    "width": 1400,
+                    "height": max(700, min(1500, height)),
+                    "deviceScaleFactor": 1,
+                    "mobile": False,
+                }
+                driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)  # the whole page, not the window
                 time.sleep(0.5)
                 driver.save_screenshot(str(out / f"{name}.png"))
-                driver.set_window_size(1400, 1050)
+                driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
                 print(f"wrote {out / f'{name}.png'}")
     return 0
 

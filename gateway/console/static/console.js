@@ -108,7 +108,7 @@
         value: (u, v) => (v === null ? "–" : opts.value ? opts.value(v) : v),
       }))],
       axes: [{}, { size: opts.axisSize || 70, values: (u, ticks) => ticks.map((t) => (opts.axis ? opts.axis(t) : t)) }],
-      scales: { x: { time: true } },
+      scales: { x: opts.xRange ? { time: true, range: () => opts.xRange } : { time: true } },
     }, [xs, ...series.map((s) => s.data)], container);
     charts.push(plot);
     return plot;
@@ -387,9 +387,10 @@
       const slots = doc.series.slots;
       const lines = Object.entries(doc.series.lines);
       if (slots.length && lines.length) {
-        chart(chartCard, `Spend per ${doc.series.bucket_s / 60} min by ${doc.by.join(", ")}`, slots,
+        chart(chartCard, `Spend per ${bucketLabel(doc.series.bucket_s)} by ${doc.by.join(", ")}`, slots,
           lines.map(([label, data]) => ({ label, data, width: label === "all" ? 2.5 : 1.5, color: label === "all" ? "#111" : undefined })),
-          { height: 280, value: (v) => "$" + v.toFixed(6), axis: (t) => "$" + Number(t.toPrecision(2)), axisSize: 90 });
+          { height: 280, value: (v) => "$" + v.toFixed(6), axis: (t) => "$" + Number(t.toPrecision(2)), axisSize: 90,
+            xRange: [Math.min(doc.since, slots[0]), Math.max(doc.until, slots[slots.length - 1])] });
       } else {
         chartCard.append(el("p", { class: "muted" }, "No usage in this range."));
       }
@@ -412,6 +413,8 @@
     await load();
   }
 
+  function bucketLabel(s) { return s % 86400 === 0 ? `${s / 86400} d` : s % 3600 === 0 ? `${s / 3600} h` : `${s / 60} min`; }
+
   // ------------------------------------------------------------------ limits
   async function limitsPage() {
     page.append(el("h1", {}, "Limits"), el("p", { class: "muted" }, "Every bucket, concurrency limit and budget this replica has touched, as it stands now."));
@@ -421,13 +424,13 @@
     every(5000, async () => {
       const doc = await api("GET", "/admin/status");
       const p = doc.policy;
-      status.replaceChildren(
+      status.replaceChildren(...[
         el("span", {}, "policy ", el("b", {}, p.path || "–")),
         el("span", {}, "generation ", el("b", {}, p.generation)),
         el("span", {}, "store ", el("b", {}, doc.admission.store)),
         el("span", {}, "decisions ", el("b", {}, Object.entries(doc.admission.decisions || {}).map(([k, v]) => `${k} ${v}`).join(", ") || "–")),
         p.last_error ? el("span", { class: "error" }, "last reload rejected: " + p.last_error.join("; ")) : null,
-      );
+      ].filter(Boolean));
       const rows = (doc.limits || []).filter((r) => r.rule !== "@spend").map((r) => ({
         ...r,
         limit: r.capacity ?? r.limit_usd,
