@@ -72,7 +72,6 @@ class StateSettings(_Strict):
         "as a store failure for the breaker and `store_failure`",
     )
     replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
-
     keys_db: str | None = Field(
         default="var/keys.sqlite3",
         description="with backend memory: the SQLite file of keys and tenants made through the admin API "
