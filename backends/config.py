@@ -122,6 +122,11 @@ class PoolConfig(_Strict):
         description="engines schedule by request priority (vLLM --scheduling-policy priority, TRT-LLM "
         "waiting_queue_policy: priority); when false the gateway strips `priority` from requests",
     )
+    extra_request_fields: list[str] = Field(
+        default_factory=list,
+        description="engine openai: request fields forwarded besides OpenAI's documented ones (e.g. top_k, "
+        "guided_json for an OpenAI-compatible host that accepts them); ['*'] forwards every field",
+    )
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
         description="engine-specific settings merged into the adapter's: trtllm-serve --config YAML "
@@ -152,6 +157,10 @@ class PoolConfig(_Strict):
             raise ValueError("give either `replicas` or `roles`, not both")
         if self.engine == "openai" and self.launched_replicas:
             raise ValueError("engine `openai` is a remote API: list it under `endpoints`, not replicas")
+        if self.extra_request_fields and self.engine != "openai":
+            raise ValueError(
+                f"extra_request_fields only applies to engine `openai` ({self.engine!r} forwards what it accepts)"
+            )
         if self.autoscale is not None:
             self._check_autoscale(self.autoscale)
         elif self.share is not None:

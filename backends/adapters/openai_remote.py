@@ -3,7 +3,8 @@
 Nothing to launch and no metrics to scrape; health is `GET /v1/models` with the pool's key (hosted
 APIs have no `/health`), and requests are cut down to OpenAI's documented fields, because OpenAI
 answers 400 to unknown parameters and engine extras (`kv_transfer_params`, `priority`, ...) mean
-nothing there.
+nothing there. OpenAI-compatible hosts often accept more (`top_k`, `guided_json`, `repetition_penalty`):
+a pool lists those in `extra_request_fields` (or `['*']` to forward everything).
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ class OpenAIRemoteAdapter:
         return previous or EndpointStats()  # no metrics: load comes from gateway-side accounting
 
     def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
+        """OpenAI's documented fields plus the pool's `extra_request_fields` (`*`: everything); the
+        rest is dropped (the gateway names what was dropped in `x-tokenway-dropped-fields` on debug)."""
+        extra = pool.extra_request_fields if pool is not None else ()
+        if "*" in extra:
+            return dict(body)
         accepted = ACCEPTED_FIELDS.get(api, ACCEPTED_FIELDS["chat"])
-        return {k: v for k, v in body.items() if k in accepted}
+        return {k: v for k, v in body.items() if k in accepted or k in extra}
 
     def prefill_leg_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
         raise PdUnsupportedError("engine `openai` (remote API) has no prefill/decode disaggregation")

@@ -44,3 +44,26 @@ def test_no_pd() -> None:
         OPENAI_REMOTE.prefill_leg_body({})
     with pytest.raises(PdUnsupportedError):
         OPENAI_REMOTE.decode_leg_body({}, {})
+
+
+def test_a_pool_may_forward_more_fields_than_openai_documents() -> None:
+    from backends.config import PoolConfig, StaticEndpointConfig
+
+    body = {"model": "m", "messages": [], "top_k": 5, "guided_json": {"type": "object"}, "priority": 1}
+    hosted = PoolConfig(
+        name="h", model="m", engine="openai", endpoints=[StaticEndpointConfig(url="https://h.example")],
+        extra_request_fields=["top_k", "guided_json"],
+    )  # fmt: skip
+    assert set(OPENAI_REMOTE.shape_request(body, "chat", hosted)) == {"model", "messages", "top_k", "guided_json"}
+    everything = hosted.model_copy(update={"extra_request_fields": ["*"]})
+    assert OPENAI_REMOTE.shape_request(body, "chat", everything) == body
+    with pytest.raises(ValueError, match="only applies to engine `openai`"):
+        PoolConfig.model_validate(
+            {
+                "name": "v",
+                "model": "m",
+                "engine": "vllm",
+                "endpoints": [{"url": "http://v"}],
+                "extra_request_fields": ["x"],
+            }
+        )
