@@ -96,7 +96,7 @@ class ConsoleActivity:
             minute.slo_met += int(met)
 
     def _slo_met(self, record: RequestRecord) -> bool | None:
-        name = record.extra.get("slo_class") if record.extra else None
+        name = record.slo_class
         if record.reject_reason == "slo_unattainable":
             return False
         if not name:

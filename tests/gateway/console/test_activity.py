@@ -24,8 +24,8 @@ def record(i: int, **fields: object) -> RequestRecord:
 def test_counts_rates_and_slo_attainment() -> None:
     activity = ConsoleActivity(lambda: POLICY, clock=lambda: NOW)
     activity.observe(record(1, prompt_tokens=100, completion_tokens=20, cost_usd=0.5, ttft_s=0.05, stream=True,
-                            extra={"slo_class": "fast"}))  # fmt: skip
-    activity.observe(record(2, ttft_s=0.5, stream=True, extra={"slo_class": "fast"}))  # missed its 100 ms
+                            slo_class="fast"))  # fmt: skip
+    activity.observe(record(2, ttft_s=0.5, stream=True, slo_class="fast"))  # missed its 100 ms
     activity.observe(record(3, status="rejected", http_status=429, reject_reason="rate_limited"))
     activity.observe(record(4, fallback_from="big", model="small"))
     activity.observe(record(5, status="error", http_status=502, error_code="upstream_error"))
