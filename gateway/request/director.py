@@ -11,6 +11,7 @@ It names each stage and owns none of the features (those are hooks, `gateway/req
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -84,7 +85,8 @@ class Director:
             return await self._chain(ctx)
         except GatewayError as error:
             self.accounting.failed(ctx, error)
-            return ctx.render_error(error, ctx.headers)
+            # no model served it: an error never claims a fallback (x-tokenway-fallback)
+            return ctx.render_error(error, [h for h in ctx.headers if h[0] != "x-tokenway-fallback"])
         except asyncio.CancelledError:  # the client went away, at whatever await the walk was
             self.accounting.aborted(ctx)
             raise
@@ -110,6 +112,7 @@ class Director:
         ctx.model = facts.model
         ctx.routing = RouteRequest(facts)
         tried = {facts.model}
+        first: Detour | None = None  # the requested model's own "no"
         while True:
             try:
                 await self.admit(ctx)
@@ -117,9 +120,10 @@ class Director:
                 return await self.dispatch.serve(ctx)
             except Detour as detour:
                 await self.accounting.release(ctx)
+                first = first or detour
                 following = self._fallback(ctx, detour, tried)
                 if following is None:
-                    raise detour.error from None
+                    raise _answer(first, detour, facts.model, ctx.model) from None
                 self._fall_back(ctx, following, detour.trigger)
 
     async def admit(self, ctx: RequestContext) -> None:
@@ -162,3 +166,20 @@ class Director:
         record.model = ctx.model = following
         ctx.headers = [h for h in ctx.headers if h[0] != "x-tokenway-fallback"]
         ctx.headers.append(("x-tokenway-fallback", f"{record.fallback_from}->{following};reason={trigger}"))
+
+
+def _answer(first: Detour, last: Detour, requested: str, final: str) -> GatewayError:
+    """The error of a chain that ran out. When the requested model and its last fallback were both
+    refused by limits (429), the answer is the requested model's own refusal: it names the model the
+    client asked for, its limit and when it frees up, and says the fallbacks were refused too."""
+    if last is first:
+        return last.error
+    if (
+        isinstance(first.error, Rejected)
+        and isinstance(last.error, Rejected)
+        and first.error.status == 429 == last.error.status
+    ):
+        rejection = first.error.rejection
+        note = f" The fallback to {final} was refused too ({last.error.rejection.reason})."
+        return Rejected(dataclasses.replace(rejection, message=rejection.message + note))
+    return last.error
