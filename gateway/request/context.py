@@ -58,7 +58,7 @@ class RequestContext:
     routed: Routed | None = None  # dispatch: the attempt committed to (after the gate phase)
     prediction: Prediction | None = None  # dispatched hooks: the serving endpoint's, made before it ran
     gate_wait_s: float = 0.0  # gate hooks: time the request was held before dispatch (queues)
-    dropped_fields: tuple[str, ...] = ()  # dispatch: request fields the engine's adapter did not forward
+    unforwarded_fields: tuple[str, ...] = ()  # dispatch (on debug): request fields that did not reach the engine
     outcome: RelayOutcome | None = None  # dispatch: the upstream call under way or done (None: none began)
     # dispatch: endpoints that answered this request 5xx; counted against them only if another serves it
     answered_5xx: list[Endpoint] = field(default_factory=list)

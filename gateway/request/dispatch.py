@@ -154,7 +154,7 @@ class Dispatch:
         try:
             # a translated API writes the engine's own API where it has it, else chat completions
             path, upstream_api, body = api.upstream(facts, endpoint, decision.prefill_endpoint is not None)
-            body = self._shaped(ctx, endpoint, self._engine_body(ctx, body), upstream_api)
+            body = self._shaped(ctx, endpoint, body, self._engine_body(ctx, body), upstream_api)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
                 decode_body = await self._prefill_leg(ctx, decision, body, path)
@@ -250,8 +250,8 @@ class Dispatch:
         ]
         if ctx.facts.debug:
             headers.append(("x-tokenway-route", decision.debug_header()))
-            if ctx.dropped_fields:
-                headers.append(("x-tokenway-dropped-fields", ",".join(ctx.dropped_fields)))
+            if ctx.unforwarded_fields:
+                headers.append(("x-tokenway-dropped-fields", ",".join(ctx.unforwarded_fields)))
             source = ctx.facts.prompt_tokens_source
             headers.append(("x-tokenway-prompt-tokens", f"{ctx.facts.prompt_tokens};source={source}"))
             if ctx.prediction is not None:
@@ -291,14 +291,18 @@ class Dispatch:
             _path, upstream_api, body = ctx.api.upstream(ctx.facts, endpoint, False)
         else:
             body, upstream_api = native_body(ctx.facts, endpoint, client_body), ctx.facts.api
-        return self._shaped(ctx, endpoint, self._engine_body(ctx, body), upstream_api)
+        return self._shaped(ctx, endpoint, body, self._engine_body(ctx, body), upstream_api)
 
-    def _shaped(self, ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any], api: ApiKind) -> dict[str, Any]:
-        """The engine adapter's cut of `body`; on debug, the fields it left out are named in
-        `x-tokenway-dropped-fields` (e.g. `top_k` to a remote OpenAI pool without extra_request_fields)."""
+    def _shaped(
+        self, ctx: RequestContext, endpoint: Endpoint, sent: dict[str, Any], body: dict[str, Any], api: ApiKind
+    ) -> dict[str, Any]:
+        """The engine adapter's cut of `body`; on debug, the fields of `sent` (the client's body, or its
+        translation) that do not reach the engine are named in `x-tokenway-dropped-fields`: engine-control
+        fields the policy took out, and those the adapter does not forward (e.g. `top_k` to a remote
+        OpenAI pool without extra_request_fields). Fields the gateway adds itself are not named."""
         shaped = self.shape_body(endpoint, body, api)
         if ctx.facts.debug:
-            ctx.dropped_fields = tuple(sorted(k for k in body if k not in shaped))
+            ctx.unforwarded_fields = tuple(sorted({*ctx.dropped_fields, *(k for k in sent if k not in shaped)}))
         return shaped
 
     def _engine_body(self, ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:

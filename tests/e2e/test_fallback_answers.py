@@ -58,3 +58,20 @@ def test_fields_a_remote_openai_pool_is_not_sent_are_named_on_debug(
     assert answer.headers["x-tokenway-dropped-fields"] == "guided_json,repetition_penalty"  # top_k went through
     quiet = client.chat.completions.with_raw_response.create(model=LLAMA, messages=HI, max_tokens=4, extra_body=extra)
     assert "x-tokenway-dropped-fields" not in quiet.headers  # only when asked for
+
+
+def test_engine_control_fields_the_policy_drops_are_named_on_debug_and_the_gateways_own_are_not(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
+) -> None:
+    engines = sim_factory(count=1, time_scale=50, served_model_name=LLAMA)
+    gateway = gateway_factory(pools=[static_pool("local", LLAMA, engines.urls)], policies=policies_doc())
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=OTHER_KEY, max_retries=0)
+    answer = client.chat.completions.with_raw_response.create(
+        model=LLAMA,
+        messages=HI,
+        max_tokens=4,
+        extra_body={"cache_salt": "mine", "top_k": 5},  # vLLM takes top_k; cache_salt is the policy's
+        extra_headers={"x-tokenway-debug": "1"},
+    )
+    assert answer.parse().choices
+    assert answer.headers["x-tokenway-dropped-fields"] == "cache_salt"  # not priority, which tokenway set
