@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.browser import chromium, require_browser
-from tests.support.procs import Gateway, SimEngines, policies_doc, static_pool
+from tests.support.procs import TEST_KEY, Gateway, SimEngines, free_port, policies_doc, static_pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -144,3 +144,52 @@ def test_the_admin_api_refuses_a_cookie_without_the_console_header(
     assert call("POST", "/admin/tenants", {"Cookie": cookie}) == 401  # a cross-site form cannot add the header
     assert call("POST", "/admin/tenants", {"Cookie": cookie, "X-Tokenway-Console": "1"}) == 400  # in, then validated
     assert call("GET", "/admin/keys", {}) == 401
+
+
+def test_the_pools_page_shows_an_autoscaled_pools_replicas_and_decisions(
+    tmp_path: Any, gateway_factory: Callable[..., Gateway]
+) -> None:
+    """/admin/pools on the pools page: replicas current/desired per role, the planner's decisions and
+    the executor's actions, following a cold start from zero replicas."""
+    require_browser()
+    autoscale = {"min_replicas": 0, "max_replicas": 1, "idle_s": 600, "interval_s": 0.5, "max_hold_s": 120,
+                 "scale_down_cooldown_s": 0, "stabilization_s": 0, "startup_s": 5}  # fmt: skip
+    pool = {
+        "name": "elastic",
+        "model": LLAMA,
+        "engine": "sim",
+        "preset": "llama-3.1-8b@h100",
+        "replicas": 0,
+        "devices": "auto",
+        "ready_timeout_s": 90,
+        "extra_args": ["--time-scale", "10"],
+        "autoscale": autoscale,
+    }
+    ports = {name: free_port() for name in ("port_base", "kv_events_port_base", "kv_events_replay_port_base",
+                                            "kv_transfer_port_base")}  # fmt: skip
+    backends = {"devices": [0], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports}
+    gateway = gateway_factory(pools=[pool], backends=backends, server={"admin_token": TOKEN})
+    card_text = "const c = document.querySelector('[data-pool=\"elastic\"]'); return c ? c.textContent : '';"
+    with chromium() as driver:
+        driver.get(gateway.url + "/ui")
+        wait(driver, by_css("#token")).send_keys(TOKEN)
+        wait(driver, by_css("#login-submit")).click()
+        wait(driver, by_css("#nav"))
+        driver.get(gateway.url + "/ui#pools")
+        wait(driver, page_ready("pools"))
+        wait(driver, lambda d: "replicas current/desired 0/0" in d.execute_script(card_text), 60)
+        wait(driver, lambda d: "Recent decisions" in d.execute_script(card_text), 60)  # the first plan
+
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0, timeout=180)
+        reply = client.chat.completions.create(model=LLAMA, messages=COLOUR, max_tokens=8)  # held: cold start
+        assert reply.choices[0].message.content
+
+        wait(driver, lambda d: "replicas current/desired 1/1" in d.execute_script(card_text), 60)  # 5 s refresh
+        text = driver.execute_script(card_text)
+        assert "0 \u2192 1" in text  # the scale-up decision, current -> desired
+        assert "Recent actions" in text and "start both" in text and "ready both" in text
+        errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
+        assert not errors, errors
+        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        severe = [e for e in logs if e["level"] == "SEVERE" and e.get("source") != "network"]
+        assert not severe, severe

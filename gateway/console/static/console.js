@@ -443,7 +443,32 @@
   }
 
   // ------------------------------------------------------------------ pools
-  const KNOWN_POOL = new Set(["name", "model", "engine", "endpoints", "states", "ready", "total", "disaggregated"]);
+  const KNOWN_POOL = new Set(["name", "model", "engine", "endpoints", "states", "ready", "total", "disaggregated", "reason"]);
+
+  // /admin/pools (autoscaled pools): replicas current/desired per role, and what the planner decided
+  function replicaFields(auto) {
+    return Object.entries(auto.roles || {}).map(([role, r]) => el("span", { class: "replicas", "data-role": role },
+      `${role === "both" ? "" : role + " "}replicas current/desired `,
+      el("b", {}, `${r.current ?? "–"}/${r.desired ?? "–"}`)));
+  }
+
+  function perRole(counts) {
+    return Object.entries(counts || {}).map(([role, n]) => (role === "both" ? `${n}` : `${role} ${n}`)).join(", ");
+  }
+
+  function decisionList(auto) {
+    const decisions = Array.isArray(auto.decisions) ? auto.decisions : [];
+    const events = Array.isArray(auto.events) ? auto.events : [];
+    if (!decisions.length && !events.length) return null;
+    const when = (t) => new Date(t * 1000).toISOString().slice(11, 19);
+    return el("div", { class: "decisions" },
+      decisions.length ? el("h2", {}, "Recent decisions") : null,
+      decisions.length ? el("ul", { class: "pool-decisions" }, decisions.slice(-10).reverse().map((d) => el("li", {},
+        `${when(d.at_unix_s)} UTC: ${perRole(d.current)} → ${perRole(d.desired)}`, el("span", { class: "muted" }, ` · ${d.reason || ""}`)))) : null,
+      events.length ? el("h2", {}, "Recent actions") : null,
+      events.length ? el("ul", { class: "pool-events" }, events.slice(-10).reverse().map((e) => el("li", {},
+        `${when(e.at_unix_s)} UTC: ${e.action} ${e.role} ${e.endpoint}`, e.detail ? el("span", { class: "muted" }, ` · ${e.detail}`) : null))) : null);
+  }
 
   function scalarFields(obj, known) {
     return Object.entries(obj).filter(([k, v]) => !known.has(k) && (v === null || typeof v !== "object"));
@@ -461,14 +486,15 @@
         for (const p of pools.pools || []) extra[p.name] = p;
       } catch (e) { if (quiet(e)) throw e; extra = {}; }
       holder.replaceChildren(...doc.pools.map((pool) => {
-        const more = { ...(extra[pool.name] || {}) };
-        const merged = { ...more, ...pool };
-        const decisions = merged.decisions || merged.recent_decisions || merged.last_decisions;
+        const auto = extra[pool.name] || {};
+        const merged = { ...auto, ...pool };
         return el("div", { class: "card", "data-pool": pool.name },
           el("h2", {}, `${pool.name} `, el("span", { class: "muted" }, `${pool.model} · ${pool.engine}`)),
           el("div", { class: "kv" },
             el("span", {}, "ready ", el("b", {}, `${pool.ready}/${pool.total}`)),
             pool.disaggregated ? el("span", {}, el("b", {}, "prefill/decode")) : null,
+            ...replicaFields(auto),
+            auto.reason ? el("span", { class: "pool-reason" }, "autoscale ", el("b", {}, auto.reason)) : null,
             scalarFields(merged, KNOWN_POOL).map(([k, v]) => el("span", {}, `${k.replaceAll("_", " ")} `, el("b", {}, v === null ? "–" : String(v)))),
           ),
           table([
@@ -484,8 +510,7 @@
             { label: "Reason", key: "reason" },
             { label: "URL", key: "url" },
           ], pool.endpoints),
-          Array.isArray(decisions) && decisions.length ? el("div", {}, el("h2", {}, "Recent decisions"),
-            el("ul", {}, decisions.slice(-10).map((d) => el("li", {}, typeof d === "object" ? Object.entries(d).map(([k, v]) => `${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`).join(" · ") : String(d))))) : null,
+          decisionList(auto),
         );
       }));
     });
