@@ -7,7 +7,8 @@ room costs one call then). Otherwise it waits, and each time capacity may have f
 (`notify`: a request ended, a first token, a replica became ready) the room offers the turn in flow
 order (`policies.flow.order`: band, then virtual counter, then arrival or predicted cost): the first
 request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
-full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round). The
+full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round), and an exception
+(the gate's "not here, instead") takes that request out with it. The
 head of the room also rechecks every `recheck_s`, since load that is scraped and predictions move
 with time too.
 
@@ -318,7 +319,13 @@ class FlowQueue:
             entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair)
             if entry is None:
                 break
-            verdict = entry.ready()
+            try:
+                verdict = entry.ready()
+            except Exception as exc:  # the gate's own "no, instead" (a detour): it leaves with it
+                self._leave(room, entry)
+                if not entry.future.done():
+                    entry.future.set_exception(exc)
+                continue
             if isinstance(verdict, Blocked):
                 entry.blocked = verdict
                 if verdict is Blocked.POOL:

@@ -28,7 +28,7 @@ class Slots:
     def ready(self) -> str | Blocked:
         return "go" if self.free > 0 else Blocked.POOL
 
-    async def run(self, request: FlowRequest, ready: Callable[[], object] | None = None) -> Lease:
+    async def run(self, request: FlowRequest, ready: Callable[[], str | Blocked] | None = None) -> Lease:
         _, lease = await self.queue.hold(POOL, request, ready or self.ready)
         self.free -= 1  # dispatched: the slot is taken before the task next yields
         self.order.append(request.request_id)
@@ -191,3 +191,22 @@ async def test_a_returning_tenant_is_lifted_to_the_waiting_minimum() -> None:
     slots.release(2)
     await asyncio.gather(waiting, back)
     assert slots.order[1:] == ["b1", "r0"]  # equal counters, as many waiting: the earlier arrival first
+
+
+async def test_a_gate_that_raises_while_waiting_takes_that_request_out() -> None:
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+
+    def detour() -> str | Blocked:
+        if slots.free == 0:
+            return Blocked.POOL  # full for everyone
+        raise LookupError("shed: sheddable traffic goes first")  # room now, but not for this one
+
+    doomed = asyncio.create_task(slots.run(request("doomed", "a"), ready=detour))
+    other = asyncio.create_task(slots.run(request("other", "b")))
+    await until(lambda: queue.depth(POOL) == 2)
+    slots.release()
+    with pytest.raises(LookupError):
+        await doomed
+    await other
+    assert slots.order == ["other"] and queue.depth(POOL) == 0

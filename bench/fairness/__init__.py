@@ -1,0 +1,1 @@
+"""Fairness under saturation: FIFO, priority only and flow control side by side (`python -m bench.fairness`)."""

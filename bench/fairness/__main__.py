@@ -1,0 +1,3 @@
+from bench.fairness.run import main
+
+main()

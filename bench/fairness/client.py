@@ -1,0 +1,142 @@
+"""The benchmark's client: open-loop streamed chat completions, one record per request.
+
+TTFT is the wall time from sending to the first content chunk; usage comes from the stream's final
+usage chunk (`include_usage`). A request the gateway turns away records its status and error code;
+one that does not finish within `timeout_s` is cancelled (the client gives up, as users do) and
+counts as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.fairness.workload import MAX_TOKENS, Request
+
+
+@dataclass(slots=True)
+class Outcome:
+    index: int
+    tenant: str
+    gateway: int
+    sent_s: float  # since the schedule's start
+    offered_tokens: float = 0.0  # what it asked for: prompt + the output it will generate
+    late_s: float = 0.0
+    status: int = 0
+    code: str = ""
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queued_ms: float = 0.0
+    flow: str = ""  # x-tokenway-flow (debug): the gateway's cost and output predictions
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.ttft_s is not None and self.completion_tokens > 0
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def body(request: Request, model: str) -> bytes:
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": request.prompt}],
+            "max_tokens": MAX_TOKENS,
+            "min_tokens": request.output_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+
+
+async def send(session: aiohttp.ClientSession, url: str, key: str, data: bytes, out: Outcome, timeout_s: float) -> None:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-tokenway-debug": "1"}
+    start = time.perf_counter()
+    endpoint = url + "/v1/chat/completions"
+    try:
+        async with asyncio.timeout(timeout_s), session.post(endpoint, data=data, headers=headers) as resp:
+            out.status = resp.status
+            out.queued_ms = float(resp.headers.get("x-tokenway-queued-ms", 0) or 0)
+            out.flow = resp.headers.get("x-tokenway-flow", "")
+            if resp.status != 200:
+                try:
+                    out.code = str((orjson.loads(await resp.read()).get("error") or {}).get("code") or "")
+                except orjson.JSONDecodeError:
+                    out.code = "unparsable"
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                if "error" in chunk:
+                    out.code = "stream_error"
+                    break
+                if chunk.get("choices") and out.ttft_s is None and chunk["choices"][0].get("delta", {}).get("content"):
+                    out.ttft_s = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    out.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = int(details.get("cached_tokens") or 0)
+    except TimeoutError:
+        out.code = "client_timeout"
+    except aiohttp.ClientError as exc:
+        out.code = f"client_error:{type(exc).__name__}"
+    finally:
+        out.e2e_s = time.perf_counter() - start
+
+
+async def replay(
+    gateways: Sequence[str], model: str, keys: dict[str, str], requests: Sequence[Request], timeout_s: float
+) -> list[Outcome]:
+    """Send every request at its time (alternating gateways), whatever the answers; every outcome."""
+    connector = aiohttp.TCPConnector(limit=0)
+    outcomes: list[Outcome] = []
+    tasks: list[asyncio.Task[None]] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.perf_counter()
+        for request in requests:
+            delay = request.at_s - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            gateway = request.index % len(gateways)
+            out = Outcome(request.index, request.tenant, gateway, request.at_s, request.cost_tokens, max(-delay, 0.0))
+            outcomes.append(out)
+            call = send(session, gateways[gateway], keys[request.tenant], body(request, model), out, timeout_s)
+            tasks.append(asyncio.create_task(call))
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+async def closed_loop(
+    gateway: str, model: str, key: str, requests: Sequence[Request], concurrency: int, duration_s: float
+) -> tuple[float, list[Outcome]]:
+    """`concurrency` clients back to back for `duration_s`: (measured seconds, outcomes)."""
+    outcomes: list[Outcome] = []
+    pending = iter(requests)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+
+        async def worker() -> None:
+            while time.perf_counter() - start < duration_s:
+                request = next(pending, None)
+                if request is None:
+                    return
+                out = Outcome(request.index, request.tenant, 0, time.perf_counter() - start)
+                await send(session, gateway, key, body(request, model), out, timeout_s=duration_s * 2)
+                outcomes.append(out)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - start, outcomes

@@ -1,0 +1,216 @@
+"""Fairness under saturation, side by side: FIFO (no flow control), priority only, flow control, and
+flow control on two gateway replicas sharing Redis.
+
+    .venv/bin/python -m bench.fairness [--quick] [--time-scale 0.5] [--phase-s 120]
+
+1. Two simulated Llama-3.1-8B@H100 engines (one process; `--max-num-seqs 8` so that a few requests
+   per second saturate them; `--time-scale K` engine seconds per wall second, K < 1 keeps the
+   Python gateway, engines and client of this 2-vCPU machine from being the bottleneck).
+2. Capacity: a closed loop through a FIFO gateway, more in flight than the engines batch; steady
+   served tokens per second (uncached prompt + output) = the fleet's capacity.
+3. Three tenants (workload.py), rates as shares of that capacity: A (normal, weight 1) floods at 5x its
+   fair share, and its outputs triple halfway through the first phase (drift); B (normal, weight 2)
+   sends at its usual rate (0.3 of capacity) and in the second phase floods too; C (low) is batch
+   traffic. B's solo baseline: B's first phase alone.
+4. The same arrivals per mode, through fresh gateways (and freshly started engines); results in
+   bench/results/fairness.md and fairness.png (report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.fairness import report
+from bench.fairness.client import Outcome, closed_loop, replay
+from bench.fairness.workload import Phase, Request, TenantSpec, schedule
+from bench.replay.workload import PromptBuilder
+from policies.policy import hash_key
+from tests.support.procs import Gateway, SimEngines, http_get, start_gateway, start_sim, static_pool
+
+MODEL = "llama-3.1-8b"
+PRESET = "llama-3.1-8b@h100"
+MAX_NUM_SEQS = 8
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
+MODES: dict[str, dict[str, Any]] = {
+    "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
+    "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
+    "flow": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 1},
+    "flow-2": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 2},
+}
+
+
+def tenants(phase_s: float) -> list[TenantSpec]:
+    p1, p2 = phase_s, 2 * phase_s
+    return [
+        TenantSpec(
+            "A",
+            "sk-bench-fair-a",
+            "normal",
+            1.0,
+            300,
+            (Phase(0, p1 / 2, 5 / 3, 80), Phase(p1 / 2, p1, 5 / 3, 240), Phase(p1, p2, 5 / 3, 240)),
+        ),
+        TenantSpec("B", "sk-bench-fair-b", "normal", 2.0, 300, (Phase(0, p1, 0.3, 120), Phase(p1, p2, 2.0, 120))),
+        TenantSpec("C", "sk-bench-fair-c", "low", 1.0, 600, (Phase(0, p2, 0.4, 300),)),
+    ]
+
+
+def policy(specs: list[TenantSpec], fairness: str, phase_s: float) -> dict[str, Any]:
+    return {
+        "tenants": {s.name: {"priority": s.priority, "weight": s.weight} for s in specs},
+        "keys": [{"id": s.name.lower(), "tenant": s.name, "sha256": hash_key(s.key)} for s in specs],
+        "models": {MODEL: {"default_max_tokens": 1024}},
+        "flow_control": {
+            "fairness": fairness,
+            "bands": {
+                "normal": {"max_queue_ms": phase_s * 1000 / 8, "on_timeout": 429},
+                "low": {"max_queue_ms": phase_s * 1000 / 4, "on_timeout": 503},
+            },
+        },
+    }
+
+
+def start_gateways(
+    workdir: Path, engines: SimEngines, mode: dict[str, Any], specs: list[TenantSpec], args: argparse.Namespace
+) -> list[Gateway]:
+    sections: dict[str, Any] = {
+        "flow_control": mode["flow_control"],
+        "predictor": {"worker": "thread", "online_training": False, "prior": {"time_scale": args.time_scale}},
+        "backends": {"scrape_interval_s": 0.05},
+        "ledger": {"enabled": False},
+    }
+    if mode["replicas"] > 1:
+        prefix = f"tokenway-bench-fairness:{uuid.uuid4().hex[:8]}"
+        sections["state"] = {"backend": "redis", "redis_url": REDIS_URL, "key_prefix": prefix}
+    pools = [static_pool("llama", MODEL, engines.urls, max_num_seqs=MAX_NUM_SEQS)]
+    doc = policy(specs, mode["fairness"], args.phase_s)
+    return [start_gateway(workdir / f"gw{i}", pools=pools, policies=doc, **sections) for i in range(mode["replicas"])]
+
+
+def start_engines(workdir: Path, args: argparse.Namespace) -> SimEngines:
+    workdir.mkdir(parents=True, exist_ok=True)
+    extra = ["--max-num-seqs", str(MAX_NUM_SEQS), "--output-len-mean", "1"]
+    return start_sim(workdir, count=2, preset=PRESET, time_scale=args.time_scale, served_model_name=MODEL, args=extra)
+
+
+def admin(gateway: Gateway, path: str) -> Any:
+    status, text = http_get(gateway.url + path, timeout_s=10.0)
+    return orjson.loads(text) if status == 200 else {"error": status}
+
+
+def measure_capacity(workdir: Path, args: argparse.Namespace, prompts: PromptBuilder) -> float:
+    """Served tokens per second with more requests in flight than the engines batch."""
+    probe = TenantSpec("P", "sk-bench-fair-probe", "normal", 1.0, 300, (Phase(0, 10_000, 1.0, 150),))
+    requests = schedule([probe], 50.0, seed=args.seed, prompts=prompts, salt=f"probe-{uuid.uuid4().hex}")
+    engines = start_engines(workdir / "probe", args)
+    try:
+        mode = MODES["fifo"]
+        (gateway,) = start_gateways(workdir / "probe", engines, mode, [probe], args)
+        try:
+            elapsed, outcomes = asyncio.run(
+                closed_loop(gateway.url, MODEL, probe.key, requests, 4 * MAX_NUM_SEQS, args.probe_s)
+            )
+        finally:
+            gateway.stop()
+    finally:
+        engines.stop()
+    served = [o for o in outcomes if o.ok]
+    tokens = sum(o.prompt_tokens - o.cached_tokens + o.completion_tokens for o in served)
+    print(f"capacity: {tokens / elapsed:.0f} tokens/s ({len(served) / elapsed:.2f} req/s) over {elapsed:.0f} s")
+    return tokens / elapsed
+
+
+def run_mode(
+    name: str, workdir: Path, requests: list[Request], specs: list[TenantSpec], args: argparse.Namespace
+) -> dict[str, Any]:
+    mode = MODES[name] if name in MODES else MODES["flow"]
+    engines = start_engines(workdir / name, args)
+    try:
+        gateways = start_gateways(workdir / name, engines, mode, specs, args)
+        try:
+            keys = {s.name: s.key for s in specs}
+            started = time.time()
+            outcomes: list[Outcome] = asyncio.run(
+                replay([g.url for g in gateways], MODEL, keys, requests, args.timeout_s)
+            )
+            print(f"{name}: {len(outcomes)} requests in {time.time() - started:.0f} s")
+            statuses = [admin(g, "/admin/status").get("flow") for g in gateways]
+            predictor = [admin(g, "/admin/predictor").get("output_length") for g in gateways]
+        finally:
+            for g in gateways:
+                g.stop()
+    finally:
+        engines.stop()
+    return {"outcomes": [o.row() for o in outcomes], "flow_status": statuses, "output_length": predictor}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--time-scale", type=float, default=0.5)
+    parser.add_argument("--phase-s", type=float, default=120.0, help="length of each phase (two phases)")
+    parser.add_argument("--window-s", type=float, default=60.0, help="windows the shares are checked over")
+    parser.add_argument("--probe-s", type=float, default=25.0)
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--modes", default="fifo,priority,flow,flow-2")
+    parser.add_argument("--quick", action="store_true", help="short phases (smoke run; numbers are noisy)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fairness.md")
+    parser.add_argument("--raw", type=Path, default=None, help="also write every outcome here (JSON)")
+    parser.add_argument("--report-only", type=Path, default=None, help="re-render a raw JSON file")
+    args = parser.parse_args()
+    if args.quick:
+        args.phase_s, args.window_s, args.probe_s = 40.0, 20.0, 15.0
+    if args.report_only is not None:
+        raw = json.loads(args.report_only.read_text())
+        report.write(raw, args.out)
+        return
+    specs = tenants(args.phase_s)
+    prompts = PromptBuilder(args.seed)
+    with tempfile.TemporaryDirectory(prefix="tokenway-fairness-") as tmp:
+        workdir = Path(tmp)
+        capacity = measure_capacity(workdir, args, prompts)
+        requests = schedule(specs, capacity, seed=args.seed, prompts=prompts, salt=uuid.uuid4().hex)
+        solo = [r for r in requests if r.tenant == "B" and r.at_s < args.phase_s]
+        runs: dict[str, Any] = {"solo-B": run_mode("solo-B", workdir, solo, specs, args)}
+        for name in args.modes.split(","):
+            runs[name] = run_mode(name, workdir, requests, specs, args)
+    raw = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
+        "capacity_tokens_per_s": capacity,
+        "tenants": [
+            {
+                "name": s.name,
+                "priority": s.priority,
+                "weight": s.weight,
+                "prompt_tokens": s.prompt_tokens,
+                "phases": [vars_of(p) for p in s.phases],
+            }
+            for s in specs
+        ],
+        "runs": runs,
+    }
+    if args.raw is not None:
+        args.raw.write_text(json.dumps(raw))
+    report.write(raw, args.out)
+
+
+def vars_of(phase: Phase) -> dict[str, float]:
+    return {
+        "start_s": phase.start_s,
+        "end_s": phase.end_s,
+        "capacity_share": phase.capacity_share,
+        "mean_output_tokens": phase.mean_output_tokens,
+    }
