@@ -6,7 +6,7 @@ Open loop sends every request at its planned time, whatever the answers (a trace
 arrivals are the workload, so a slow server cannot slow them down); closed loop keeps N requests
 outstanding (a capacity probe). Both record, per request, what the client saw (wall seconds: TTFT =
 the first chunk carrying text, TPOT over the rest, end to end), what the server said about it (the
-status and error code, the `x-tokenway-endpoint` / `-prediction` / `-slo-queued-ms` debug headers)
+status and error code, the `x-tokenway-endpoint` / `-prediction` / `-queued-ms` debug headers)
 and what the engine reported (usage, cached prompt tokens, and the simulated engine's per-request
 `metrics` from the last chunk, in engine seconds).
 
@@ -84,7 +84,7 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     endpoint: str = ""  # x-tokenway-endpoint
-    queued_ms: float = 0.0  # x-tokenway-slo-queued-ms
+    queued_ms: float = 0.0  # x-tokenway-queued-ms
     prediction: dict[str, float] = field(default_factory=dict)  # x-tokenway-prediction: ttft, ttft_p90, tpot, tpot_p90
     prediction_source: str = ""
     engine: dict[str, float] = field(default_factory=dict)  # the simulated engine's `metrics`
@@ -135,7 +135,7 @@ async def send(session: aiohttp.ClientSession, url: str, shot: Shot, out: Outcom
             out.status = resp.status
             out.endpoint = resp.headers.get("x-tokenway-endpoint", "")
             out.prediction, out.prediction_source = parse_prediction(resp.headers.get("x-tokenway-prediction"))
-            out.queued_ms = float(resp.headers.get("x-tokenway-slo-queued-ms", 0) or 0)
+            out.queued_ms = float(resp.headers.get("x-tokenway-queued-ms", 0) or 0)
             if resp.status != 200:
                 raw = await resp.read()
                 try:

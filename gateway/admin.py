@@ -13,6 +13,7 @@ from backends.status import fleet_status
 from gateway import appkeys
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
+from policies.flow.saturation import saturation_reasons
 from policies.limits.compile import SPEND_RULE_ID
 
 
@@ -66,8 +67,22 @@ async def status(request: web.Request) -> web.Response:
             "policy": request.app[appkeys.POLICIES].status(),
             "admission": admission.status(),
             "limits": admission.snapshot(),
+            "flow": flow_status(request.app),
         }
     )
+
+
+def flow_status(app: web.Application) -> dict[str, Any]:
+    """Each pool's waiting room (who waits per band and tenant, drain rate, shares, counters) and
+    why each of its endpoints is saturated now (null: it could start a request)."""
+    found = app[appkeys.FLOW].status()
+    settings = app[appkeys.FLOW_SETTINGS]
+    now_s = time.monotonic()
+    for pool in app[appkeys.FLEET].pools.values():
+        room = found["pools"].setdefault(pool.name, {"waiting": 0})
+        limits = settings.limits(pool.name, pool.config.max_num_seqs)
+        room["saturation"] = saturation_reasons(pool.endpoints, limits, now_s)
+    return found
 
 
 async def reload(request: web.Request) -> web.Response:

@@ -36,6 +36,8 @@ from gateway.console.activity import ConsoleActivity
 from gateway.console.routes import console_admin_routes, console_routes
 from gateway.console.sessions import ConsoleSessions
 from gateway.engine_tokens import EngineTokenizer, build_counters
+from gateway.flow.hook import FlowHook
+from gateway.flow.queue import FlowQueue
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
@@ -49,10 +51,15 @@ from gateway.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.settings import GatewaySettings, StateSettings, validate_section
 from gateway.slo import SloHook
 from gateway.telemetry.config import TelemetryConfig
+from gateway.telemetry.flow import FlowMetrics
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream import UpstreamClient
 from policies.estimate import PromptEstimator
+from policies.flow.bands import band_name
+from policies.flow.config import FlowSettings
+from policies.flow.counters import Counters, MemoryCounters
+from policies.flow.redis_counters import RedisCounters
 from policies.holder import PolicyHolder, ReloadResult
 from policies.keys.directory import KeyDirectory
 from policies.keys.redis_store import RedisDirectoryStore
@@ -82,6 +89,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_predictor_ctx)
     app.cleanup_ctx.append(_routing_ctx)
     app.cleanup_ctx.append(_replicas_ctx)
+    app.cleanup_ctx.append(_flow_ctx)
     app.cleanup_ctx.append(_director_ctx)
     app.cleanup_ctx.append(_response_store_ctx)
     app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
@@ -104,6 +112,7 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     telemetry = validate_section(settings, "telemetry", TelemetryConfig)
     ledger_config = validate_section(settings, "ledger", LedgerConfig)
     metrics = GatewayMetrics(telemetry.metrics, version=__version__)
+    app[appkeys.FLOW_METRICS] = FlowMetrics(metrics)  # before the OTLP export reads the families
     tracing = Tracing(telemetry.otlp, metrics=metrics, version=__version__)
     ledger = open_ledger(ledger_config)
     app[appkeys.METRICS] = metrics
@@ -311,6 +320,36 @@ async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s
         await asyncio.sleep(interval_s)
 
 
+async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Flow control's waiting rooms and the virtual counters they order by (memory, or Redis when
+    `state` says so: replicas then share one fairness view)."""
+    settings = app[appkeys.SETTINGS]
+    flow = validate_section(settings, "flow_control", FlowSettings)
+    state = settings.state
+    counters: Counters = MemoryCounters()
+    if state.backend == "redis" and state.redis_url:
+        counters = RedisCounters.from_url(
+            state.redis_url, prefix=state.key_prefix, refresh_s=flow.counters_refresh_ms / 1000.0
+        )
+    holder = app[appkeys.POLICIES]
+    flow_metrics = app[appkeys.FLOW_METRICS]
+    queue = FlowQueue(
+        counters,
+        room_size=flow.room,
+        shortest_job_first=lambda: holder.current.config.flow_control.shortest_job_first,
+        fair=lambda: holder.current.config.flow_control.fairness == "vtc",
+        weights=lambda tenant: holder.current.tenant_weight(tenant),
+        recheck_s=flow.recheck_ms / 1000.0,
+        share_window_s=flow.share_window_s,
+        on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
+    )
+    flow_metrics.set_status(queue.status)
+    app[appkeys.FLOW_SETTINGS] = flow
+    app[appkeys.FLOW] = queue
+    yield
+    await counters.close()
+
+
 async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     """The walk of a request and the hooks plugged into it (the features: one line each)."""
     settings = app[appkeys.SETTINGS]
@@ -337,11 +376,14 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, cold starts held; streams moved
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
         hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
-    slo_hook = SloHook(predictor=predictor)
-    gate = batch_gate(app, fleet, slo_hook.queue.waiting, predictor)
+    queue = app[appkeys.FLOW]
+    slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # the SLO gate, running TPOT SLOs
+    gate = batch_gate(app, fleet, queue.depth, predictor)  # interactive requests held: the flow room
     if gate is not None:
         hook_list.append(gate)  # batch lines only on spare capacity (before any gate that holds requests)
-    hook_list.append(slo_hook)  # the SLO gate, its queue, running TPOT SLOs
+    hook_list.append(slo)
+    # flow control: every wait, in band / fair-share order; the SLO gate is one of its checks
+    hook_list.append(FlowHook(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=[slo]))
     if predictor is not None:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     hooks = Hooks(hook_list)

@@ -12,14 +12,17 @@ from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from gateway.console.activity import ConsoleActivity
 from gateway.console.sessions import ConsoleSessions
+from gateway.flow.queue import FlowQueue
 from gateway.ledger.writer import LedgerWriter
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
 from gateway.request import Director
 from gateway.settings import GatewaySettings
+from gateway.telemetry.flow import FlowMetrics
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream import UpstreamClient
+from policies.flow.config import FlowSettings
 from policies.holder import PolicyHolder
 from policies.keys.directory import KeyDirectory
 from policies.limits.admission import Admission
@@ -49,3 +52,6 @@ REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replic
 DIRECTORY = web.AppKey("directory", KeyDirectory)  # keys and tenants made through the admin API
 CONSOLE_SESSIONS = web.AppKey("console_sessions", ConsoleSessions)  # logins of the web console
 CONSOLE_ACTIVITY = web.AppKey("console_activity", ConsoleActivity)  # the last hour and the live tail
+FLOW = web.AppKey("flow", FlowQueue)  # flow control's waiting rooms, one per pool
+FLOW_SETTINGS = web.AppKey("flow_settings", FlowSettings)
+FLOW_METRICS = web.AppKey("flow_metrics", FlowMetrics)

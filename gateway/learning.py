@@ -6,8 +6,9 @@
 - first_token: the predictor hears of each first token as it is relayed, not when the request ends,
   so the last second's TTFT errors correct its next predictions (`predictor/recent.py`);
 - finished: a served request becomes a training sample (features at routing time, the observed TTFT
-  and TPOT) and an output-length sample. A request that waited in a gate (the SLO queue) learns its
-  TTFT from dispatch, not arrival: the wait is the gate's, not the engine's.
+  and TPOT) and an output-length sample (with the length flow control predicted for it, so that the
+  prediction's drift is corrected). A request that waited in a gate (flow control) learns its TTFT
+  from dispatch, not arrival: the wait is the gate's, not the engine's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class LearningHook(Hook):
             return
         facts = ctx.facts
         if record.usage_source == "engine" and facts.api != "embeddings":
-            self.predictor.observe_output(facts.principal.tenant, ctx.model, record.completion_tokens)
+            self.predictor.observe_output(
+                facts.principal.tenant, ctx.model, record.completion_tokens, ctx.output_prediction
+            )
         if prediction is None or record.ttft_s is None:
             return
         tpot_ms = record.tpot_s * 1000 if record.tpot_s is not None else None

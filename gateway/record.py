@@ -49,7 +49,7 @@ class RequestRecord:
     predicted_tpot_ms: float | None = None
     slo_class: str | None = None  # the SLO class that applied, when one did
     slo_idle_admit: bool = False  # no endpoint met the SLO; an idle one admitted it anyway
-    slo_queue_ms: float | None = None  # time spent in the SLO queue, when it waited
+    queue_ms: float | None = None  # time spent waiting in the gateway (flow control), when it waited
     engine_metrics: dict[str, Any] | None = None  # the engine's own per-request timings (the simulator's)
     cold_start_ms: float | None = None  # held while a replica of its pool started or woke
     migrations: int = 0  # times its stream continued on another replica after its own cut it

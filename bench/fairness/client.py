@@ -119,6 +119,16 @@ async def replay(
     return outcomes
 
 
+async def warm(gateways: Sequence[str], model: str, keys: dict[str, str]) -> None:
+    """One small request per tenant through each gateway, one at a time: first requests pay one-off
+    costs (tokenizer, connections) that are no part of what is measured."""
+    async with aiohttp.ClientSession() as session:
+        for url in gateways:
+            for tenant, key in keys.items():
+                request = Request(-1, tenant, 0.0, 8, 4, "Say hi.")
+                await send(session, url, key, body(request, model), Outcome(-1, tenant, 0, 0.0), timeout_s=60.0)
+
+
 async def closed_loop(
     gateway: str, model: str, key: str, requests: Sequence[Request], concurrency: int, duration_s: float
 ) -> tuple[float, list[Outcome]]:

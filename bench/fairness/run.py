@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from bench.fairness import report
-from bench.fairness.client import Outcome, closed_loop, replay
+from bench.fairness.client import Outcome, closed_loop, replay, warm
 from bench.fairness.workload import Phase, Request, TenantSpec, schedule
 from bench.replay.workload import PromptBuilder
 from policies.policy import hash_key
@@ -141,6 +141,7 @@ def run_mode(
         gateways = start_gateways(workdir / name, engines, mode, specs, args)
         try:
             keys = {s.name: s.key for s in specs}
+            asyncio.run(warm([g.url for g in gateways], MODEL, keys))
             started = time.time()
             outcomes: list[Outcome] = asyncio.run(
                 replay([g.url for g in gateways], MODEL, keys, requests, args.timeout_s)

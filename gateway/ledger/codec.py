@@ -10,7 +10,7 @@ prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
 duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
 `batch_id` on the records of batch lines (Batch API), and `extra` when the record carries any of:
-slo_class, slo_idle_admit, slo_queue_ms, engine (the engine's own per-request timings).
+slo_class, slo_idle_admit, queue_ms, engine (the engine's own per-request timings).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _extra(r: RequestRecord) -> dict[str, Any]:
         extra["slo_class"] = r.slo_class
     if r.slo_idle_admit:
         extra["slo_idle_admit"] = True
-    if r.slo_queue_ms is not None:
-        extra["slo_queue_ms"] = r.slo_queue_ms
+    if r.queue_ms is not None:
+        extra["queue_ms"] = r.queue_ms
     if r.engine_metrics:
         extra["engine"] = r.engine_metrics
     return extra

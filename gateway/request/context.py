@@ -20,6 +20,7 @@ from gateway.relay import RelayOutcome
 from gateway.telemetry.tracing import RequestTrace
 from policies.routing.types import RouteDecision, RouteRequest
 from policies.types import RequestFacts
+from predictor.length import OutputPrediction
 from predictor.types import Prediction
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class RequestContext:
     prediction: Prediction | None = None  # dispatched hooks: the serving endpoint's, made before it ran
     gate_wait_s: float = 0.0  # gate hooks: time the request was held before dispatch (queues)
     unforwarded_fields: tuple[str, ...] = ()  # dispatch (on debug): request fields that did not reach the engine
+    output_prediction: OutputPrediction | None = None  # gate hooks (flow control): learnt against at the end
     outcome: RelayOutcome | None = None  # dispatch: the upstream call under way or done (None: none began)
     # dispatch: endpoints that answered this request 5xx; counted against them only if another serves it
     answered_5xx: list[Endpoint] = field(default_factory=list)

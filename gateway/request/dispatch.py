@@ -257,7 +257,7 @@ class Dispatch:
             if ctx.prediction is not None:
                 headers.append(("x-tokenway-prediction", _prediction_header(ctx.prediction)))
         if ctx.gate_wait_s:
-            headers.append(("x-tokenway-slo-queued-ms", f"{ctx.gate_wait_s * 1000:.0f}"))
+            headers.append(("x-tokenway-queued-ms", f"{ctx.gate_wait_s * 1000:.0f}"))
         return headers
 
     def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:

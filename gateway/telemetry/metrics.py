@@ -44,7 +44,7 @@ from gateway.telemetry.state import (
 )
 
 # Reject reasons that mean "shed under load" rather than "over a limit".
-SHED_REASONS = frozenset({"shed", "load_shed", "queue_full", "queue_timeout", "overloaded"})
+SHED_REASONS = frozenset({"shed", "load_shed", "queue_full", "queue_timeout", "queue_shed", "overloaded"})
 
 GATEWAY_OVERHEAD_BUCKETS_S = (
     0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,

@@ -5,8 +5,9 @@ endpoint cannot when any of these holds (each limit optional):
 
 - the engine's waiting queue is over `max_engine_waiting`. The engine's own count is scraped (and
   lags); the gateway's in-flight count on the endpoint is exact but only its own, so the queue is
-  taken as the larger of the scraped `waiting` and what the in-flight requests leave over the
-  engine's batch size (`max_num_seqs`, when the pool states it);
+  taken as the larger of the scraped `waiting` and what the in-flight requests, this one included,
+  would leave over the engine's batch size (`max_num_seqs`, when the pool states it): with
+  `max_engine_waiting: 0` a request goes only while the batch has a free slot;
 - the engine's KV-cache usage is over `max_kv_usage_ratio`;
 - the gateway's own in-flight requests there reach `max_inflight`;
 - the request's predicted TTFT there is over `max_predicted_ttft_ms` (the pool's threshold; the
@@ -45,8 +46,9 @@ class SaturationLimits:
 
 
 def engine_waiting(endpoint: Endpoint, limits: SaturationLimits, now_s: float) -> int:
-    """Requests the engine holds unstarted: scraped, or implied by the gateway's own in-flight count."""
-    implied = endpoint.inflight.requests - limits.max_num_seqs if limits.max_num_seqs else 0
+    """Requests the engine would hold unstarted with one more: the scraped queue, or what the
+    gateway's own in-flight requests and this one leave over the batch size."""
+    implied = endpoint.inflight.requests + 1 - limits.max_num_seqs if limits.max_num_seqs else 0
     if endpoint.stats_age_s(now_s) > limits.max_stats_age_s:
         return max(implied, 0)
     return max(endpoint.stats.waiting, implied, 0)

@@ -322,7 +322,7 @@ def test_on_miss_queue_waits_for_capacity_then_serves_or_times_out(
         with Occupier(gw, max_tokens=150, settle_s=0.15):
             response = chat(gw, max_tokens=800)
         assert response.parse().model == LLAMA and response.headers.get("x-tokenway-fallback") is None
-        assert float(response.headers["x-tokenway-slo-queued-ms"]) > 0  # it waited, then ran where it was sent
+        assert float(response.headers["x-tokenway-queued-ms"]) > 0  # it waited, then ran where it was sent
     gw_short = gateway(tmp_path / "gw-short", narrow_pools(engines), policies("queue", max_queue_ms=300))
     with running(gw_short):
         warm(gw_short)
@@ -341,7 +341,7 @@ def test_on_miss_reject_is_an_early_503_with_retry_after_and_sheddable_is_shed(
         warm(gw)
         assert chat(gw).parse().model == LLAMA  # idle: it meets the SLO
         served_before = metric_total(engine, "vllm:request_success_total")
-        with Occupier(gw):
+        with Occupier(gw, max_tokens=1500):  # still running when the client retries after retry-after
             with pytest.raises(openai.InternalServerError) as info:
                 chat(gw)
             with pytest.raises(openai.InternalServerError):

@@ -1,10 +1,7 @@
-"""The SLO gate's gateway side: header parsing, running TPOT SLOs per endpoint, the wait queue, 503s."""
+"""The SLO gate's gateway side: header parsing, running TPOT SLOs per endpoint, 503s (its waits are
+flow control's: tests/gateway/flow/)."""
 
 from __future__ import annotations
-
-import asyncio
-import time
-from collections.abc import Callable
 
 import pytest
 
@@ -14,7 +11,6 @@ from gateway.slo import (
     REASON_QUEUE_TIMEOUT,
     REASON_SHED,
     RunningTpotSlos,
-    SloQueue,
     slo_miss,
 )
 from policies.slo import EndpointCheck, Miss, Slo
@@ -56,42 +52,6 @@ def test_running_tpot_slos_track_the_tightest_per_endpoint() -> None:
     assert running.floors == {}
 
 
-def test_queue_wakes_highest_priority_first_and_times_out() -> None:
-    async def scenario() -> tuple[list[str], str | None, float]:
-        queue = SloQueue(recheck_s=10.0)  # only notify wakes them
-        order: list[str] = []
-        slo = Slo(100.0, None, on_miss="queue", class_name="c")
-
-        def waiter(name: str) -> Callable[[], str | None]:
-            def attempt() -> str | None:
-                order.append(name)
-                return name
-
-            return attempt
-
-        deadline = time.perf_counter() + 5.0
-        low = asyncio.create_task(queue.wait_for("p", slo, 0, deadline, waiter("low")))
-        high = asyncio.create_task(queue.wait_for("p", slo, 2, deadline, waiter("high")))
-        await asyncio.sleep(0.01)
-        assert queue.queued("c") == 2
-        queue.notify("other-pool")
-        await asyncio.sleep(0.01)
-        assert order == []
-        queue.notify("p")
-        await asyncio.gather(low, high)
-        started = time.perf_counter()
-
-        def never() -> str | None:
-            return None
-
-        timed_out = await SloQueue(recheck_s=0.01).wait_for("p", slo, 0, time.perf_counter() + 0.05, never)
-        return order, timed_out, time.perf_counter() - started
-
-    order, timed_out, waited_s = asyncio.run(scenario())
-    assert order == ["high", "low"]
-    assert timed_out is None and waited_s >= 0.05
-
-
 def test_slo_miss_is_a_503_with_retry_after() -> None:
     miss = Miss("shed", EndpointCheck("e1", ttft_excess_ms=2300.0, tpot_excess_ms=0.0, idle=False))
     raised = slo_miss(miss, Slo(200.0, 30.0), "llama", REASON_SHED)
@@ -117,32 +77,3 @@ def test_slo_miss_message_says_how_likely_the_closest_endpoint_was() -> None:
     assert "(closest endpoint: 31% likely to meet it; TPOT 4.0 ms over)" in message
     p90 = slo_miss(Miss("reject", likely), Slo(200.0, 30.0, compare="p90"), "llama", "slo_unattainable")
     assert "likely" not in p90.error.message and "TPOT 4.0 ms over" in p90.error.message
-
-
-def test_queue_is_head_of_line_one_attempt_per_event() -> None:
-    async def scenario() -> list[str]:
-        queue = SloQueue(recheck_s=10.0)
-        slo = Slo(100.0, None, on_miss="queue", class_name="c")
-        attempts: list[str] = []
-        fits = {"big": False, "small": True}
-
-        def attempt(name: str) -> Callable[[], str | None]:
-            def run() -> str | None:
-                attempts.append(name)
-                return name if fits[name] else None
-
-            return run
-
-        deadline = time.perf_counter() + 5.0
-        big = asyncio.create_task(queue.wait_for("p", slo, 1, deadline, attempt("big")))
-        small = asyncio.create_task(queue.wait_for("p", slo, 0, deadline, attempt("small")))
-        await asyncio.sleep(0.01)
-        queue.notify("p")  # one event: the head (higher priority) tries, misses, nobody else tries
-        await asyncio.sleep(0.01)
-        assert attempts == ["big"] and not small.done()
-        fits["big"] = True
-        queue.notify("p")  # the head is served and passes the turn on
-        await asyncio.gather(big, small)
-        return attempts
-
-    assert asyncio.run(scenario()) == ["big", "big", "small"]

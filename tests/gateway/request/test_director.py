@@ -1,7 +1,7 @@
 """The walk's invariants, in process: every admitted reservation settled or released exactly once,
 every endpoint load ticket ended, exactly one record per request — when served, when the engine
-refuses, when a retry or a fallback serves, when the SLO gate rejects or its queue times out, and
-when the client goes away at any await of any of those."""
+refuses, when a retry or a fallback serves, when the SLO gate rejects or a request it holds in flow
+control's queue times out, and when the client goes away at any await of any of those."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from backends.sim.server import run_sim_instances
+from gateway.flow.hook import FlowHook
 from gateway.request import Hook
 from gateway.slo import SloHook
 from policies.types import Rejection
@@ -21,10 +22,12 @@ from tests.gateway.request.walk import (
     RecordingAdmission,
     ScriptedPredictor,
     Walk,
+    body_json,
     build,
     chat_request,
     fleet,
     handle_cancelled_at,
+    slo_gate,
 )
 from tests.support.procs import free_port
 
@@ -135,7 +138,7 @@ async def test_no_healthy_endpoint_is_a_503(engines: list[str]) -> None:
 
 
 async def test_slo_miss_rejects_with_a_503_and_releases(engines: list[str]) -> None:
-    walk = build(fleet({"small": engines[:1]}), hooks=[SloHook(predictor=ScriptedPredictor(5000.0))])
+    walk = build(fleet({"small": engines[:1]}), hooks=[*slo_gate(ScriptedPredictor(5000.0))])
     response = await walk.director.handle(chat_request("small", key=SLO_KEY), "chat")
     assert response.status == 503 and "retry-after" in response.headers
     (record,) = walk.records.records
@@ -145,9 +148,7 @@ async def test_slo_miss_rejects_with_a_503_and_releases(engines: list[str]) -> N
 
 
 async def test_slo_miss_falls_back_where_the_chain_allows(engines: list[str]) -> None:
-    walk = build(
-        fleet({"big": engines[:1], "small": engines[1:]}), hooks=[SloHook(predictor=ScriptedPredictor(5000.0, 1.0))]
-    )
+    walk = build(fleet({"big": engines[:1], "small": engines[1:]}), hooks=[*slo_gate(ScriptedPredictor(5000.0, 1.0))])
     response = await walk.director.handle(chat_request("big", key=SLO_KEY), "chat")
     # strict says reject, not fall back: the chain is not walked
     assert response.status == 503
@@ -157,27 +158,27 @@ async def test_slo_miss_falls_back_where_the_chain_allows(engines: list[str]) ->
 
 
 async def test_slo_queue_serves_once_an_endpoint_meets_it(engines: list[str]) -> None:
-    hook = SloHook(predictor=ScriptedPredictor(9000.0, 9000.0, 10.0))
-    walk = build(fleet({"small": engines[:1]}), hooks=[hook])
+    slo, flow = slo_gate(ScriptedPredictor(9000.0, 9000.0, 10.0))
+    walk = build(fleet({"small": engines[:1]}), hooks=[slo, flow])
     response = await walk.director.handle(chat_request("small", key=QUEUE_KEY), "chat")
-    assert response.status == 200 and "x-tokenway-slo-queued-ms" in response.headers
+    assert response.status == 200 and float(response.headers["x-tokenway-queued-ms"]) > 0
     (record,) = walk.records.records
-    assert record.reject_reason == "queued" and record.slo_queue_ms is not None and record.slo_queue_ms > 0
+    assert record.reject_reason == "queued" and record.queue_ms is not None and record.queue_ms > 0
     assert walk.admission.ends() == {"small-1": ["settle"]}
-    assert hook.queue.queued("patient") == 0
+    assert flow.queue.depth("small") == 0
     assert_invariants(walk, 1)
     await walk.upstream.close()
 
 
 async def test_slo_queue_times_out_with_a_503(engines: list[str]) -> None:
-    hook = SloHook(predictor=ScriptedPredictor(9000.0))
-    hook.queue.recheck_s = 0.01
-    walk = build(fleet({"small": engines[:1]}), hooks=[hook])
+    slo, flow = slo_gate(ScriptedPredictor(9000.0))
+    walk = build(fleet({"small": engines[:1]}), hooks=[slo, flow])
     response = await walk.director.handle(chat_request("small", key=QUEUE_KEY), "chat")
-    assert response.status == 503
+    assert response.status == 503 and float(response.headers["x-tokenway-queued-ms"]) > 0
+    assert body_json(response)["error"]["code"] == "slo_unattainable"
     (record,) = walk.records.records
-    assert record.reject_reason == "queue_timeout" and record.slo_queue_ms is not None
-    assert walk.admission.ends() == {"small-1": ["release"]} and hook.queue.queued("patient") == 0
+    assert record.reject_reason == "queue_timeout" and record.queue_ms is not None
+    assert walk.admission.ends() == {"small-1": ["release"]} and flow.queue.depth("small") == 0
     assert_invariants(walk, 1)
 
 
@@ -221,8 +222,8 @@ def _fallback(engines: list[str]) -> tuple[Walk, Callable[[], web.Request]]:
 
 
 def _queued(engines: list[str]) -> tuple[Walk, Callable[[], web.Request]]:
-    hook = SloHook(predictor=ScriptedPredictor(9000.0, 10.0))
-    return build(fleet({"small": engines[:1]}), hooks=[hook, Phases()]), lambda: chat_request(
+    slo, flow = slo_gate(ScriptedPredictor(9000.0, 10.0))
+    return build(fleet({"small": engines[:1]}), hooks=[slo, flow, Phases()]), lambda: chat_request(
         "small", key=QUEUE_KEY, stream=True
     )
 
@@ -255,5 +256,7 @@ async def test_client_abort_at_every_await_leaves_nothing_open(engines: list[str
     assert phases.get("dispatched", 0) == phases.get("ended", 0) and phases["finished"] == at
     for hook in walk.director.hooks.all:
         if isinstance(hook, SloHook):
-            assert not hook.running.floors and hook.queue.queued("patient") == 0
+            assert not hook.running.floors and not hook._misses
+        if isinstance(hook, FlowHook):
+            assert hook.queue.depth("small") == 0 and not hook._leases
     await walk.upstream.close()

@@ -20,14 +20,19 @@ from aiohttp.test_utils import make_mocked_request
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
+from gateway.flow.hook import FlowHook
+from gateway.flow.queue import FlowQueue
 from gateway.record import RequestRecord
 from gateway.request import Director, Hook, Hooks
 from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
 from gateway.request.intake import Intake
 from gateway.settings import ServerSettings
+from gateway.slo import PredictsLatency, SloHook
 from gateway.upstream import UpstreamClient
 from policies.estimate import PromptEstimator
+from policies.flow.config import FlowSettings
+from policies.flow.counters import MemoryCounters
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
 from policies.policy import Policy, hash_key
@@ -153,6 +158,13 @@ class ScriptedPredictor:
         return [Prediction(e.id, ttft_ms, 10.0, ttft_ms * 1.2, 12.0, "prior", "prior", row) for e in endpoints]
 
 
+def slo_gate(predictor: PredictsLatency, *, recheck_s: float = 0.01) -> tuple[SloHook, FlowHook]:
+    """The SLO gate and the flow control it waits in, as the app factory plugs them in."""
+    queue = FlowQueue(MemoryCounters(), recheck_s=recheck_s)
+    slo = SloHook(predictor=predictor, waiting=queue.waiting_with)
+    return slo, FlowHook(queue, FlowSettings(), PolicyHolder(policy()), checks=[slo])
+
+
 def fleet(pools: dict[str, list[str]], *, engine_model: str | None = None) -> Fleet:
     """Static pools (model name = pool name) whose endpoints are ready."""
     configs = [
@@ -247,6 +259,12 @@ def chat_request(
         **{name.replace("_", "-"): value for name, value in headers.items()},
     }
     return make_mocked_request("POST", "/v1/chat/completions", headers=all_headers, payload=payload)
+
+
+def body_json(response: web.StreamResponse) -> Any:
+    """The JSON body of an answer the walk returned whole (not streamed)."""
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+    return orjson.loads(response.body)
 
 
 class _CancelAt:

@@ -83,7 +83,7 @@ def test_endpoint_saturation(
 def test_engine_waiting_takes_the_larger_of_scraped_and_implied() -> None:
     limits = SaturationLimits(max_num_seqs=4)
     assert engine_waiting(endpoint(waiting=2, inflight=3), limits, NOW) == 2
-    assert engine_waiting(endpoint(waiting=2, inflight=9), limits, NOW) == 5
+    assert engine_waiting(endpoint(waiting=2, inflight=9), limits, NOW) == 6  # 9 + this one - 4
     assert engine_waiting(endpoint(waiting=2, inflight=9), SaturationLimits(), NOW) == 2  # batch size unknown
 
 

@@ -1,0 +1,216 @@
+"""Flow control as the walk's gate: the one place a request waits (gateway/flow/queue.py holds it).
+
+`FlowHook.gate` asks the pool's waiting room to hold the request until it may go, in flow order. Its
+`ready()` answers, each time it is asked:
+
+1. route again (the first time: the walk's own decision);
+2. saturation: if the chosen endpoint cannot start a request now, route among those that can; none
+   can → the pool is saturated (`Blocked.POOL`: nobody waiting there goes);
+3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
+   objective is not met yet, a `Detour` when its class says reject or fall back).
+
+A request that waited out its band's `max_queue_ms` gets what the band says (429, 503 or the
+model's fallback chain, trigger `queue_timeout`); one held by its own SLO gets the SLO's answer.
+
+The hook also keeps the fairness accounts: each dispatch charges its tenant's virtual counter with
+the predicted cost (uncached prompt + predicted output tokens, the latter corrected for drift), each
+attempt's end corrects it with the real cost and tells the room that capacity may have freed, as
+does each first token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.errors import Rejected
+from gateway.flow.queue import FlowQueue, Lease
+from gateway.flow.types import Blocked, FlowRequest, QueueRejected
+from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
+from policies.flow import vtc
+from policies.flow.bands import band_name, band_rank
+from policies.flow.config import FlowSettings
+from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
+from policies.flow.saturation import endpoint_saturation, open_endpoints
+from policies.holder import PolicyHolder
+from predictor.length import OutputPrediction
+
+REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
+
+
+class GateCheck(Protocol):
+    """A gate the waiting room asks before a request goes (the SLO gate): the routing decision to
+    use, `Blocked.REQUEST` while this request must wait, or raise a `Detour`. `deadline_s` may
+    shorten the request's wait; `last_wait_error` answers a request it kept waiting until the
+    deadline (None: the band's answer applies)."""
+
+    def check(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed | Blocked: ...
+
+    def deadline_s(self, ctx: RequestContext, deadline_s: float) -> float: ...
+
+    def last_wait_error(self, ctx: RequestContext, waited_s: float) -> Detour | None: ...
+
+
+class PredictsOutput(Protocol):
+    def output_tokens_prediction(self, tenant: str, model: str, max_tokens: int | None = None) -> OutputPrediction: ...
+
+
+@dataclass(slots=True)
+class FlowHook(Hook):
+    queue: FlowQueue
+    settings: FlowSettings
+    policies: PolicyHolder
+    predictor: PredictsOutput | None = None
+    checks: Sequence[GateCheck] = ()
+    now: Callable[[], float] = field(default=time.monotonic)
+    _leases: dict[int, Lease] = field(default_factory=dict)  # id(ctx) -> the dispatch it is charged for
+
+    async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
+        facts = ctx.facts
+        policy = self.policies.current
+        band = band_rank(facts.principal.priority)
+        band_policy = policy.config.flow_control.band(band_name(band))
+        output = self._output(ctx)
+        ctx.output_prediction = output
+        cost = vtc.request_cost(facts.prompt_tokens, routed.decision.cached_tokens_estimate, output.tokens)
+        deadline_s = self.now() + band_policy.max_queue_ms / 1000.0
+        for check in self.checks:
+            deadline_s = check.deadline_s(ctx, deadline_s)
+        slo = facts.slo
+        request = FlowRequest(
+            facts.request_id,
+            facts.principal.tenant,
+            band,
+            cost,
+            policy.tenant_weight(facts.principal.tenant),
+            deadline_s,
+            ctx.http.content_length or 0,
+            slo.class_name if slo is not None else "",
+        )
+        pending: list[Routed] = [routed]
+
+        def ready() -> Routed | Blocked:
+            candidate = pending.pop() if pending else reroute(())
+            if candidate is None:
+                return Blocked.POOL  # no endpoint at all right now (a replica may come back)
+            opened = self._open(candidate, reroute)
+            if isinstance(opened, Blocked):
+                return opened
+            for check in self.checks:
+                verdict = check.check(ctx, opened, reroute)
+                if isinstance(verdict, Blocked):
+                    return verdict
+                opened = verdict
+            return opened
+
+        pool = routed.pool.name
+        try:
+            found, lease = await self.queue.hold(pool, request, ready)
+        except QueueRejected as rejected:
+            self._waited(ctx, rejected.waited_s)
+            if rejected.waited_s:  # the error answer says how long it waited, too
+                ctx.headers.append(("x-tokenway-queued-ms", f"{rejected.waited_s * 1000:.0f}"))
+            raise self._detour(ctx, rejected, band_policy.on_timeout) from None
+        self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
+        self._leases[id(ctx)] = lease
+        if lease.queued_s:
+            self._waited(ctx, lease.queued_s)
+            ctx.record.reject_reason = REASON_QUEUED
+        if facts.debug:
+            ctx.headers.append(("x-tokenway-flow", self._debug(pool, request, output)))
+        return found
+
+    def first_token(self, ctx: RequestContext, at_s: float) -> None:
+        if ctx.routed is not None:
+            self.queue.notify(ctx.routed.pool.name)
+
+    def ended(self, ctx: RequestContext) -> None:
+        """An attempt ended: correct its tenant's counter with the real cost; capacity freed."""
+        if id(ctx) not in self._leases:
+            return
+        outcome = ctx.outcome
+        actual: float | None = 0.0  # nothing served: the charge is refunded
+        if outcome is not None:
+            usage = outcome.usage
+            if usage is not None:
+                actual = vtc.request_cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+            elif outcome.counted_completion_tokens:
+                actual = vtc.request_cost(ctx.facts.prompt_tokens, 0, outcome.counted_completion_tokens)
+            elif not outcome.aborted and not outcome.broken:
+                actual = None  # served, usage unknown: the prediction stands
+        self._end(ctx, actual)
+
+    def finished(self, ctx: RequestContext) -> None:
+        """A lease no attempt ended (cancelled between the grant and dispatch): nothing was served."""
+        self._end(ctx, 0.0)
+
+    def _end(self, ctx: RequestContext, actual_cost_tokens: float | None) -> None:
+        lease = self._leases.pop(id(ctx), None)
+        if lease is not None:
+            lease.finished(actual_cost_tokens)
+
+    # --- parts --------------------------------------------------------------------------------------
+
+    def _output(self, ctx: RequestContext) -> OutputPrediction:
+        facts = ctx.facts
+        if self.predictor is not None and facts.api != "embeddings":
+            return self.predictor.output_tokens_prediction(facts.principal.tenant, ctx.model, facts.max_tokens)
+        reserved = float(facts.output_reservation)
+        return OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+
+    def _open(self, routed: Routed, reroute: Reroute) -> Routed | Blocked:
+        """The routed endpoint if it can start a request now, else one that can, else Blocked.POOL."""
+        pool = routed.pool
+        limits = self.settings.limits(pool.name, pool.config.max_num_seqs)
+        now = self.now()
+        predicted = self._predicted_ttft(routed)
+        if endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None:
+            return routed
+        can = {e.id for e in open_endpoints(pool.servable(), limits, now, predicted)}
+        if not can:
+            return Blocked.POOL
+        again = reroute([e.id for e in pool.servable() if e.id not in can])
+        if again is None or again.endpoint.id not in can:
+            return Blocked.POOL
+        return again
+
+    @staticmethod
+    def _predicted_ttft(routed: Routed) -> dict[str, float]:
+        made = routed.decision.predictions
+        return {endpoint_id: p.ttft_ms for endpoint_id, p in made.items()} if made else {}
+
+    @staticmethod
+    def _waited(ctx: RequestContext, waited_s: float) -> None:
+        """The wait in the context (the walk's `x-tokenway-queued-ms`, the predictor's dispatch time)
+        and in the record (the ledger's `queue_ms`)."""
+        if not waited_s:
+            return
+        ctx.gate_wait_s += waited_s
+        ctx.record.queue_ms = round((ctx.record.queue_ms or 0.0) + waited_s * 1000.0, 3)
+
+    def _detour(self, ctx: RequestContext, rejected: QueueRejected, on_timeout: int | str) -> Detour:
+        if rejected.reason == REASON_QUEUE_TIMEOUT and rejected.blocked is Blocked.REQUEST:
+            for check in self.checks:
+                answer = check.last_wait_error(ctx, rejected.waited_s)
+                if answer is not None:
+                    return answer
+        status = on_timeout if isinstance(on_timeout, int) else 503
+        rejection = queue_rejection(
+            rejected.reason,
+            model=ctx.model,
+            band=band_name(band_rank(ctx.facts.principal.priority)),
+            waited_ms=rejected.waited_s * 1000.0,
+            retry_after_s=rejected.retry_after_s,
+            status=status if rejected.reason == REASON_QUEUE_TIMEOUT else 503,
+        )
+        fallback = on_timeout == "fallback" and rejected.reason == REASON_QUEUE_TIMEOUT
+        return Detour(rejected.reason, Rejected(rejection), fallback=fallback)
+
+    def _debug(self, pool: str, request: FlowRequest, output: OutputPrediction) -> str:
+        counter = self.queue.counters.value(pool, request.band, request.tenant)
+        return (
+            f"band={band_name(request.band)};cost={request.cost_tokens:.0f};output={output.tokens:.1f};"
+            f"raw={output.raw_tokens:.1f};counter={counter:.0f}"
+        )

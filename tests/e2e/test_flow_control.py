@@ -1,0 +1,266 @@
+"""Flow control through real gateway processes, simulated engines, Redis and the openai client.
+
+The engine batches one request at a time (`--max-num-seqs 1`, and the pool says so), and flow
+control holds everything the engine cannot start now (`max_engine_waiting: 0`), so every request
+beyond the one running waits in the gateway, in flow order. Conditions are polled on
+`/admin/status` (who waits), never timed.
+
+- a flooding tenant does not delay a light one beyond its share: the light tenant's request, sent
+  behind a queue of the flood, is served before the flood's queued requests;
+- a client that goes away while queued leaves at once: nothing waits, its concurrency slot is free,
+  its record says aborted;
+- a request that waits out its band's `max_queue_ms` is answered as the band says: 429 with
+  retry-after, 503 `queue_timeout`, or the model's fallback (`queue_timeout` trigger);
+- two gateway replicas sharing their virtual counters in Redis serve two backlogged tenants in the
+  ratio of their weights (within 15 %).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from policies.policy import hash_key
+from tests.support.procs import (
+    Gateway,
+    SimEngines,
+    http_get,
+    metric_total,
+    running,
+    start_gateway,
+    start_sim,
+    static_pool,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+LLAMA, QWEN = "llama-3.1-8b", "qwen2.5-7b"
+KEYS = {name: f"sk-flow-test-{name}" for name in ("flood", "light", "gone", "late", "bulk", "heavy", "slow", "hog")}
+MESSAGES = [{"role": "user", "content": "Count to ten."}]
+FLOW = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SimEngines]]:
+    workdir = tmp_path_factory.mktemp("flow-engines")
+    narrow = start_sim(workdir, count=1, served_model_name=LLAMA, time_scale=4.0, args=["--max-num-seqs", "1"])
+    qwen = start_sim(workdir, count=1, served_model_name=QWEN, preset="qwen2.5-7b@h100", time_scale=4.0)
+    with running(narrow, qwen):
+        yield {"narrow": narrow, "qwen": qwen}
+
+
+def policy(**extra: Any) -> dict[str, Any]:
+    tenants = {
+        "flood": {},
+        "light": {},
+        "gone": {"priority": "low"},  # behind every normal request
+        "late": {},
+        "bulk": {"priority": "low"},
+        "heavy": {"weight": 3},
+        "slow": {"weight": 1},
+        "hog": {"priority": "high"},  # ahead of normal and low, waits its band's default
+    }
+    return {
+        "tenants": tenants,
+        "keys": [{"id": name, "tenant": name, "sha256": hash_key(key)} for name, key in KEYS.items()],
+        "models": {LLAMA: {"fallbacks": [{"model": QWEN, "triggers": ["queue_timeout"]}]}, QWEN: {}},
+        **extra,
+    }
+
+
+def gateway(workdir: Path, engines: dict[str, SimEngines], doc: dict[str, Any], **sections: Any) -> Gateway:
+    pools = [
+        static_pool("llama", LLAMA, engines["narrow"].urls, max_num_seqs=1),
+        static_pool("qwen", QWEN, engines["qwen"].urls, preset="qwen2.5-7b@h100"),
+    ]
+    return start_gateway(
+        workdir,
+        pools=pools,
+        policies=doc,
+        flow_control=sections.pop("flow_control", FLOW),
+        predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 4.0}},
+        backends={"scrape_interval_s": 0.05},
+        ledger={"enabled": False},
+        **sections,
+    )
+
+
+def chat(gw: Gateway, tenant: str, max_tokens: int = 24, **options: Any) -> Any:
+    timeout = options.pop("timeout", 120)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=KEYS[tenant], max_retries=0, timeout=timeout)
+    return client.chat.completions.with_raw_response.create(
+        model=options.pop("model", LLAMA),
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+        extra_headers={"x-tokenway-debug": "1"},
+        **options,
+    )
+
+
+def flow_status(gw: Gateway) -> dict[str, Any]:
+    status, text = http_get(gw.url + "/admin/status")
+    assert status == 200, text
+    return orjson.loads(text)["flow"]  # type: ignore[no-any-return]
+
+
+def waiting(gw: Gateway, tenant: str | None = None, pool: str = "llama") -> int:
+    room = flow_status(gw)["pools"].get(pool)
+    if room is None:
+        return 0
+    if tenant is None:
+        return int(room["waiting"])
+    return sum(int(band["waiting"].get(tenant, 0)) for band in room["bands"].values())
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.02)
+
+
+class Done:
+    """Completion order of requests run in threads."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def run(self, label: str, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except BaseException as exc:  # collected, asserted by the test
+            self.errors.append(exc)
+            return
+        with self._lock:
+            self.order.append(label)
+
+
+def test_a_flooding_tenant_does_not_delay_a_light_one_beyond_its_share(
+    tmp_path: Path, engines: dict[str, SimEngines]
+) -> None:
+    gw = gateway(tmp_path / "gw", engines, policy())
+    done = Done()
+    with running(gw), ThreadPoolExecutor(max_workers=12) as pool:
+        chat(gw, "light", max_tokens=2)  # warm: the first request pays one-off costs
+        floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 150)) for i in range(8)]
+        until(lambda: waiting(gw, "flood") >= 5, what="the flood queued")
+        light = pool.submit(done.run, "light", lambda: chat(gw, "light"))
+        until(lambda: waiting(gw, "light") == 1 or light.done(), what="the light request arrived")
+        done_before = len(done.order)  # flood requests finished before it arrived
+        queued_before = waiting(gw, "flood")
+        light.result(timeout=120)
+        assert not done.errors and queued_before >= 3
+        # the light tenant went at the first turn after it arrived: behind at most the flood
+        # request running then and the one granted as it arrived, ahead of the flood's queue
+        assert done.order.index("light") <= done_before + 2, (done_before, done.order)
+        for future in floods:
+            future.result(timeout=120)
+        assert not done.errors and len(done.order) == 9
+        room = flow_status(gw)["pools"]["llama"]
+        assert room["waiting"] == 0 and room["rejected"] == {}
+        assert metric_total(gw.url, "tokenway_queue_wait_seconds_count", pool="llama", tenant="flood") == 8
+
+
+def test_a_client_that_goes_away_while_queued_leaves_and_releases_everything(
+    tmp_path: Path, engines: dict[str, SimEngines]
+) -> None:
+    limits = [{"scope": "tenant", "match": {"tenant": "gone"}, "max_concurrent": 1}]
+    gw = gateway(tmp_path / "gw", engines, policy(limits=limits))
+    with running(gw), ThreadPoolExecutor(max_workers=8) as pool:
+        chat(gw, "light", max_tokens=2)
+        floods = [pool.submit(chat, gw, "flood", 150) for _ in range(4)]
+        until(lambda: waiting(gw, "flood") >= 2, what="the flood queued")
+        with pytest.raises(openai.APITimeoutError):
+            chat(gw, "gone", timeout=1.0)  # queued behind the flood (a lower band); the client gives up
+        until(lambda: waiting(gw, "gone") == 0, what="the cancelled request left the queue")
+        until(lambda: metric_total(gw.url, "tokenway_requests_total", tenant="gone", status="aborted") == 1)
+        for future in floods:
+            future.result(timeout=120)
+        # its concurrency slot was given back: the next request of the tenant is admitted and served
+        assert chat(gw, "gone", max_tokens=2).parse().choices[0].message.content
+        _, text = http_get(gw.url + "/admin/status")
+        leases = [r for r in orjson.loads(text)["limits"] if r.get("kind") == "concurrency"]
+        assert all(r["active"] == 0 for r in leases)  # no lease left held (idle ones are dropped)
+
+
+def test_waiting_out_the_band_limit_is_a_429_a_503_or_a_fallback_as_the_band_says(
+    tmp_path: Path, engines: dict[str, SimEngines]
+) -> None:
+    bands = {
+        "normal": {"max_queue_ms": 300, "on_timeout": 429},
+        "low": {"max_queue_ms": 300, "on_timeout": 503},
+    }
+    doc = policy(flow_control={"bands": bands})
+    gw = gateway(tmp_path / "gw", engines, doc)
+    with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
+        chat(gw, "light", max_tokens=2)
+        occupiers = [pool.submit(chat, gw, "hog", 400) for _ in range(3)]  # the only batch slot, for a while
+        until(lambda: waiting(gw, "hog") >= 1, what="the pool saturated")
+        with pytest.raises(openai.RateLimitError) as limited:
+            chat(gw, "late")
+        assert limited.value.code == "rate_limit_exceeded"
+        assert limited.value.response.headers["retry-after"].isdigit()
+        assert "waited" in limited.value.message
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            chat(gw, "bulk")
+        assert unavailable.value.status_code == 503 and unavailable.value.code == "queue_timeout"
+        assert unavailable.value.response.headers["retry-after"].isdigit()
+        for occupier in occupiers:
+            occupier.result(timeout=120)
+    fallback = policy(flow_control={"bands": {"normal": {"max_queue_ms": 300, "on_timeout": "fallback"}}})
+    gw2 = gateway(tmp_path / "gw2", engines, fallback)
+    with running(gw2), ThreadPoolExecutor(max_workers=4) as pool:
+        chat(gw2, "light", max_tokens=2)
+        occupiers = [pool.submit(chat, gw2, "hog", 400) for _ in range(3)]
+        until(lambda: waiting(gw2, "hog") >= 1, what="the pool saturated")
+        served = chat(gw2, "late")
+        assert served.parse().model == QWEN
+        assert served.headers["x-tokenway-fallback"] == f"{LLAMA}->{QWEN};reason=queue_timeout"
+        assert float(served.headers["x-tokenway-queued-ms"]) >= 300
+        for occupier in occupiers:
+            occupier.result(timeout=120)
+
+
+@pytest.mark.redis
+def test_two_replicas_sharing_counters_serve_backlogged_tenants_by_weight(
+    tmp_path: Path, engines: dict[str, SimEngines], redis_url: str, redis_prefix: str
+) -> None:
+    state = {"backend": "redis", "redis_url": redis_url, "key_prefix": redis_prefix}
+    doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})  # the backlog is deep on purpose
+    replicas = [gateway(tmp_path / f"gw{i}", engines, doc, state=state) for i in range(2)]
+    served: dict[str, int] = {"heavy": 0, "slow": 0}
+    lock = threading.Lock()
+    stop = threading.Event()
+    measuring = threading.Event()
+
+    def client(tenant: str, gw: Gateway) -> None:
+        while not stop.is_set():
+            chat(gw, tenant, max_tokens=32)
+            if measuring.is_set():
+                with lock:
+                    served[tenant] += 1
+
+    with running(*replicas), ThreadPoolExecutor(max_workers=16) as pool:
+        for gw in replicas:
+            chat(gw, "slow", max_tokens=2)
+        # enough clients per tenant and replica that neither tenant's queue there runs dry
+        workers = [pool.submit(client, tenant, gw) for tenant in served for gw in replicas for _ in range(4)]
+        until(lambda: all(waiting(gw, "heavy") and waiting(gw, "slow") for gw in replicas), what="both backlogged")
+        measuring.set()
+        until(lambda: sum(served.values()) >= 80, timeout_s=180, what="80 requests served")
+        stop.set()
+        for worker in workers:
+            worker.result(timeout=120)
+    share = served["heavy"] / sum(served.values())
+    assert share == pytest.approx(0.75, rel=0.15), served
