@@ -99,6 +99,7 @@ def summarize(run: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
         "goodput_tokens_per_s": sum(cost(r) for r in served_rows) / max(horizon, 1e-9),
         "completed_per_s": len(served_rows) / max(horizon, 1e-9),
         "mae": length_mae(rows, end_s),
+        "counters_age_s": run.get("counters_age_s") or [],
     }
 
 

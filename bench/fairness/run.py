@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 
 from bench.fairness import report
@@ -126,10 +127,14 @@ def measure_capacity(workdir: Path, args: argparse.Namespace, prompts: PromptBui
             gateway.stop()
     finally:
         engines.stop()
-    served = [o for o in outcomes if o.ok]
+    # steady state only: completions after the batch filled and before the clients stopped sending
+    end_s = float(args.probe_s)
+    start_s = min(5.0, end_s / 3)
+    served = [o for o in outcomes if o.ok and start_s <= o.sent_s + o.e2e_s < end_s]
     tokens = sum(o.prompt_tokens - o.cached_tokens + o.completion_tokens for o in served)
-    print(f"capacity: {tokens / elapsed:.0f} tokens/s ({len(served) / elapsed:.2f} req/s) over {elapsed:.0f} s")
-    return tokens / elapsed
+    span_s = end_s - start_s
+    print(f"capacity: {tokens / span_s:.0f} tokens/s ({len(served) / span_s:.2f} req/s), {elapsed:.0f} s in all")
+    return tokens / span_s
 
 
 def run_mode(
@@ -143,9 +148,7 @@ def run_mode(
             keys = {s.name: s.key for s in specs}
             asyncio.run(warm([g.url for g in gateways], MODEL, keys))
             started = time.time()
-            outcomes: list[Outcome] = asyncio.run(
-                replay([g.url for g in gateways], MODEL, keys, requests, args.timeout_s)
-            )
+            outcomes, ages = asyncio.run(replay_sampled([g.url for g in gateways], keys, requests, args.timeout_s))
             print(f"{name}: {len(outcomes)} requests in {time.time() - started:.0f} s")
             statuses = [admin(g, "/admin/status").get("flow") for g in gateways]
             predictor = [admin(g, "/admin/predictor").get("output_length") for g in gateways]
@@ -154,7 +157,42 @@ def run_mode(
                 g.stop()
     finally:
         engines.stop()
-    return {"outcomes": [o.row() for o in outcomes], "flow_status": statuses, "output_length": predictor}
+    return {
+        "outcomes": [o.row() for o in outcomes],
+        "flow_status": statuses,
+        "output_length": predictor,
+        "counters_age_s": ages,
+    }
+
+
+async def replay_sampled(
+    urls: list[str], keys: dict[str, str], requests: list[Request], timeout_s: float
+) -> tuple[list[Outcome], list[float]]:
+    """The replay, and meanwhile every second each gateway's age of the shared counters it orders
+    the normal band by (the staleness of its fairness view; 0 in memory)."""
+    ages: list[float] = []
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        async with aiohttp.ClientSession() as session:
+            while not done.is_set():
+                for url in urls:
+                    try:
+                        async with session.get(url + "/admin/status") as resp:
+                            status = await resp.json()
+                        age = status["flow"]["pools"]["llama"]["bands"]["normal"]["counters_age_s"]
+                        if age is not None and status["flow"]["pools"]["llama"]["waiting"]:
+                            ages.append(float(age))
+                    except (aiohttp.ClientError, KeyError, TypeError):
+                        continue
+                await asyncio.sleep(1.0)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return await replay(urls, MODEL, keys, requests, timeout_s), ages
+    finally:
+        done.set()
+        await sampler
 
 
 def main() -> None:

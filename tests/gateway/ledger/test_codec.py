@@ -33,8 +33,10 @@ def test_extra_is_kept_and_unknown_types_become_strings() -> None:
     record = make_record(1)
     record.engine_metrics = {"queue_s": 0.01, "odd": object()}
     record.slo_class = "interactive"
+    record.queue_ms = 812.5  # it waited in flow control
     entry = codec.decode(codec.encode(record))
     assert entry["extra"]["engine"]["queue_s"] == 0.01 and entry["extra"]["slo_class"] == "interactive"
+    assert entry["extra"]["queue_ms"] == 812.5
     assert isinstance(entry["extra"]["engine"]["odd"], str)
 
 
