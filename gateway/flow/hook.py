@@ -86,7 +86,7 @@ class FlowHook(Hook):
             cost,
             policy.tenant_weight(facts.principal.tenant),
             deadline_s,
-            ctx.http.content_length or 0,
+            (ctx.http.content_length or 0) if ctx.http is not None else 0,  # the endpoint picker holds no body
             slo.class_name if slo is not None else "",
         )
         pending: list[Routed] = [routed]
