@@ -179,7 +179,8 @@ def test_a_client_that_goes_away_while_queued_leaves_and_releases_everything(
     gw = gateway(tmp_path / "gw", engines, policy(limits=limits))
     with running(gw), ThreadPoolExecutor(max_workers=8) as pool:
         chat(gw, "light", max_tokens=2)
-        floods = [pool.submit(chat, gw, "flood", 150) for _ in range(4)]
+        # long enough that the two or more queued ahead of it outlast its client's second of patience
+        floods = [pool.submit(chat, gw, "flood", 1000) for _ in range(4)]
         until(lambda: waiting(gw, "flood") >= 2, what="the flood queued")
         with pytest.raises(openai.APITimeoutError):
             chat(gw, "gone", timeout=1.0)  # queued behind the flood (a lower band); the client gives up
