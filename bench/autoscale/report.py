@@ -157,7 +157,7 @@ def write(
 
 def _targets(rows: list[dict[str, Any]]) -> list[str]:
     found = {r["mode"]: r for r in rows}
-    peak, hpa = found.get("static-peak"), found.get("hpa")
+    peak = found.get("static-peak")
     out = ["## Targets", ""]
     for name in ("tokens", "tokens-sleep"):
         mine = found.get(name)
@@ -169,11 +169,15 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
             f"static-peak GPU-seconds (target <= 60 %): "
             + ("met" if mine["attainment"] >= 0.95 and share <= 0.60 else "not met")
         )
-        if hpa is not None:
-            better = mine["attainment"] > hpa["attainment"] and mine["gpu_s"] <= hpa["gpu_s"]
+        hpas = [r for r in rows if r["mode"].startswith("hpa")]
+        if hpas:
+            # met when some HPA run held at least as many GPU-seconds and attained less
+            better = any(mine["attainment"] > h["attainment"] and mine["gpu_s"] <= h["gpu_s"] for h in hpas)
+            points = "; ".join(f"{h['mode']} {100 * h['attainment']:.1f} % at {h['gpu_s']:.0f} GPU-s" for h in hpas)
             out.append(
-                f"- {name} vs hpa: {100 * mine['attainment']:.1f} % vs {100 * hpa['attainment']:.1f} % at "
-                f"{mine['gpu_s']:.0f} vs {hpa['gpu_s']:.0f} GPU-s: " + ("met" if better else "not met")
+                f"- {name} vs the HPA-shaped baseline: {100 * mine['attainment']:.1f} % at {mine['gpu_s']:.0f} "
+                f"GPU-s against {points} (higher attainment than an HPA run with as many or more GPU-seconds): "
+                + ("met" if better else "not met")
             )
         out.append(f"- {name}: streams cut by a scale-down: {mine['cut']} (target 0)")
         if mine["cold_within"] is not None:
@@ -201,15 +205,15 @@ def _extras(extras: dict[str, Any], slo: dict[str, float], time_scale: float) ->
         out += ["## Convertible decoders: a prefill burst on a prefill/decode pool (4 GPUs)", "",
                 "Qwen2.5-7B, code-trace prompts (32 output tokens), 3 requests/s with a 3x burst in the middle "
                 "third; fixed roles 1 prefill + 3 decode against the planner with convertible decoders "
-                "(bounds 1-3 per role, the same 4 devices).", "",
+                "(bounds 1-3 per role, the same 4 devices). SLO attainment here on the client's clock (host lag "
+                "included): the decode replica's own TTFT leaves out the wait at the prefill replica.", "",
                 "| roles | SLO attainment | TTFT p50 / p99 s | GPU-s | prefilled on a decoder | role changes |",
                 "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
         for p in pds:
             outcomes = p["outcomes"]
             ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
-            rate = sum(met_engine(o, slo["ttft_s"], slo["tpot_s"], time_scale) for o in outcomes) / max(
-                len(outcomes), 1
-            )
+            # the client's clock: a decode replica's own TTFT leaves out the wait at the prefill replica
+            rate = sum(met(o, slo["ttft_s"], slo["tpot_s"]) for o in outcomes) / max(len(outcomes), 1)
             pools = p["pools"].get("pools") or []
             events = pools[0]["events"] if pools else []
             changes = ", ".join(f"{e['role']} {e['action']}" for e in events if e["action"] in ("start", "stop"))

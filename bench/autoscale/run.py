@@ -8,7 +8,7 @@ from the weights at 8 GB/s plus 1 s, all in simulated seconds) replay the same a
 fresh gateway per mode:
 
     static-peak     replicas for the peak (6 + 2)          static-mean   replicas for the mean (2 + 1)
-    hpa             the HPA-shaped baseline (requests running per replica vs a target)
+    hpa, hpa-4      the HPA-shaped baseline (requests running per replica vs a target: 6, 4)
     tokens          tokenway's planner, scale-down by stopping
     tokens-sleep    tokenway's planner, scale-down by sleeping (level 1)
 
@@ -66,12 +66,14 @@ def pool(name: str, model: str, preset: str, **fields: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def autoscale(planner: str, low: int, high: int, *, sleep: bool = False, priority: int = 0) -> dict[str, Any]:
+def autoscale(
+    planner: str, low: int, high: int, *, sleep: bool = False, priority: int = 0, hpa_target: float = 6
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "planner": planner, "min_replicas": low, "max_replicas": high, "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S, "scale_down_cooldown_s": 10, "idle_s": 15, "priority": priority,
         "ttft_slo_ms": SLO_TTFT_S * 1000, "tpot_slo_ms": SLO_TPOT_S * 1000, "max_hold_s": 60,
-        "hpa_target_running": 6,
+        "hpa_target_running": hpa_target,
     }  # fmt: skip
     if sleep:
         config["sleep"] = {"level": 1}
@@ -84,11 +86,13 @@ def mode_pools(mode: str) -> list[dict[str, Any]]:
         return [pool("chat", CHAT, chat_preset, replicas=6), pool("code", CODE, code_preset, replicas=2)]
     if mode == "static-mean":
         return [pool("chat", CHAT, chat_preset, replicas=2), pool("code", CODE, code_preset, replicas=1)]
-    planner = "hpa" if mode == "hpa" else "tokens"
+    planner = "hpa" if mode.startswith("hpa") else "tokens"
+    target = float(mode.removeprefix("hpa-")) if mode.startswith("hpa-") else 6.0
     sleep = mode == "tokens-sleep"
+    chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target)
     return [
-        pool("chat", CHAT, chat_preset, replicas=1, autoscale=autoscale(planner, 1, 6, sleep=sleep, priority=1)),
-        pool("code", CODE, code_preset, replicas=0, autoscale=autoscale(planner, 0, 3, sleep=sleep)),
+        pool("chat", CHAT, chat_preset, replicas=1, autoscale=chat_scale),
+        pool("code", CODE, code_preset, replicas=0, autoscale=autoscale(planner, 0, 3, sleep=sleep, hpa_target=target)),
     ]
 
 
@@ -255,7 +259,7 @@ async def run_share(workdir: Path, seconds: float = 60.0) -> dict[str, Any]:
 # --- main ----------------------------------------------------------------------------------------------------
 
 
-MODES = ("static-peak", "static-mean", "hpa", "tokens", "tokens-sleep")
+MODES = ("static-peak", "static-mean", "hpa", "hpa-4", "tokens", "tokens-sleep")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -305,6 +309,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     }
                     for r in runs
                 ],
+                "extras": _plain(extras),
             },
             default=str,
         )
@@ -313,13 +318,25 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"[autoscale] wrote {RESULTS / 'autoscale.md'}", flush=True)
 
 
+def _plain(value: Any) -> Any:
+    """The extras for the raw file: outcomes and samples as their rows."""
+    if isinstance(value, Outcome):
+        return value.row()
+    if isinstance(value, Sample):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--day-s", type=float, default=240.0, help="wall seconds the day is compressed into")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's arrival rate")
     parser.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=7)
-
     parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
     args = parser.parse_args()

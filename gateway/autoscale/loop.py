@@ -41,6 +41,7 @@ log = logging.getLogger("tokenway.autoscale")
 _DECISIONS_KEPT = 32
 _SIGNALS_KEPT = 64
 _MIN_PASS_GAP_S = 0.1
+_MIN_WINDOW_SHARE = 0.5  # a rate is measured over at least this share of the interval
 
 QueuedSource = Callable[[str], tuple[int, float]]  # pool -> (requests waiting, their prompt tokens)
 
@@ -130,8 +131,16 @@ class Autoscaler:
         now = self.clock()
         self._last_pass_s = now
         self.passes += 1
+        # A pass off the schedule (a held request, a freed device) can come a fraction of a second after
+        # the last: rates over so short a window are noise (a few Poisson arrivals over 0.1 s read as a
+        # burst, and the trend divides by the window). Such a pass plans on the forecast as it stands;
+        # its tokens stay counted for the next full window.
         dt = None if self._last_sample_s is None else now - self._last_sample_s
-        self._last_sample_s = now
+        fold = dt is None or dt >= self.interval_s * _MIN_WINDOW_SHARE
+        if fold:
+            self._last_sample_s = now
+        else:
+            dt = 0.0
         claims: list[Claim] = []
         for pool in self.pools:
             signals = self._signals(pool, now, dt)
@@ -164,9 +173,11 @@ class Autoscaler:
         policy = config.autoscale
         assert policy is not None
         traffic = self.traffic[pool.name]
-        prefill_tokens, decode_tokens, _requests = traffic.take()
         prefill, decode = self.forecasts[pool.name]
-        if dt is not None and dt > 0:
+        if dt is None:  # the first pass: no window to measure yet
+            traffic.take()
+        elif dt > 0:
+            prefill_tokens, decode_tokens, _requests = traffic.take()
             alpha, beta = policy.forecast_alpha, policy.forecast_beta
             prefill = prefill.update(prefill_tokens / dt, now, alpha, beta)
             decode = decode.update(decode_tokens / dt, now, alpha, beta)
