@@ -9,6 +9,8 @@ wait is "until this happens" with a generous ceiling.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +105,14 @@ def test_a_pool_at_zero_holds_its_first_request_through_a_cold_start(gateway: Ga
     assert metric_total(gateway.url, "tokenway_cold_start_wait_seconds_count") == 1
     replicas = metric_total(gateway.url, "tokenway_pool_replicas", state="ready")
     assert replicas == 1
+    assert metric_total(gateway.url, "tokenway_pool_desired_replicas") >= 1
+    # the operator's view: current vs desired, the reason, the learnt start-up, the decisions
+    shown = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "pools", "status", "--url", gateway.url],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "autoscale (a pass every" in shown and "desired" in shown
+    assert "start-up" in shown and "-> {'both': 1}" in shown
     # idle for idle_s: back to zero, stopped, devices freed
     until(lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2, "the scale-down to zero")
     assert [e["action"] for e in pools(gateway)["events"]][-2:] == ["drain", "stop"]
