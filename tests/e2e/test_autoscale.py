@@ -178,14 +178,15 @@ def test_scale_down_drains_and_never_cuts_a_stream(tmp_path: Path, drain_timeout
     pool.update(replicas=2, drain_timeout_s=drain_timeout_s, extra_args=["--time-scale", "1"])
     backends = {"devices": [0, 1], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports()}
     # no scale-down in the first seconds (the cooldown counts from the launch): the streams begin first
-    pool["autoscale"]["scale_down_cooldown_s"] = 8
+    # (on a loaded host the replicas can take most of that to be ready; the streams outlast it)
+    pool["autoscale"]["scale_down_cooldown_s"] = 15
     # streams alternate between the two replicas, so the one drained has two in flight
     routing = {"pools": {"llama": {"router": "round-robin"}}}
     gw = start_gateway(tmp_path, pools=[pool], backends=backends, routing=routing)
     try:
         until(lambda: pools(gw)["roles"]["both"]["replicas"]["ready"] == 2, "both replicas")
         finishes: list[str] = []
-        threads = [threading.Thread(target=stream_story, args=(gw, finishes)) for _ in range(4)]
+        threads = [threading.Thread(target=stream_story, args=(gw, finishes, 3000)) for _ in range(4)]
         for thread in threads:
             thread.start()
         until(lambda: any(e["action"] == "drain" for e in pools(gw)["events"]), "a scale-down to begin")
