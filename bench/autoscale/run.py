@@ -58,6 +58,12 @@ def loads(scale: float = 1.0) -> list[ModelLoad]:
     ]
 
 
+def burst_window(scale: float, day_s: float) -> tuple[float, float] | None:
+    """The chat burst's window in seconds (its ramp included)."""
+    burst = loads(scale)[0].burst
+    return None if burst is None else (burst.start * day_s, burst.end * day_s)
+
+
 def pool(name: str, model: str, preset: str, **fields: Any) -> dict[str, Any]:
     return {
         "name": name, "model": model, "engine": "sim", "preset": preset, "devices": "auto",
@@ -291,6 +297,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "time_scale": TIME_SCALE,
         "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S,
+        "burst_s": burst_window(args.scale, day_s),
         "load_gbps": LOAD_GBPS,
         "init_s": INIT_S,
     }
@@ -331,6 +338,33 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def rebuild(raw_path: Path) -> None:
+    """The report again from a raw file (after a change to report.py; nothing is re-run)."""
+    raw = json.loads(raw_path.read_text())
+    meta = raw["meta"]
+    meta.setdefault("burst_s", burst_window(1.0, meta["day_s"]))
+
+    def outcome(row: dict[str, Any]) -> Outcome:
+        return Outcome(**{k: v for k, v in row.items() if k != "tpot_s"})
+
+    def revive(value: Any) -> Any:
+        if isinstance(value, dict):
+            if "prompt_tokens" in value and "sent_s" in value:
+                return outcome(value)
+            if set(value) == {"at_s", "awake", "ready", "desired"}:
+                return Sample(**value)
+            return {k: revive(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [revive(v) for v in value]
+        return value
+
+    runs = [
+        ModeRun(r["mode"], [outcome(o) for o in r["outcomes"]], [Sample(**x) for x in r["samples"]], r["pools"])
+        for r in raw["runs"]
+    ]
+    report.write(RESULTS, meta, runs, offered(loads(), meta["day_s"], 1.0), revive(raw.get("extras") or {}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--day-s", type=float, default=240.0, help="wall seconds the day is compressed into")
@@ -339,7 +373,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the last raw file")
     args = parser.parse_args()
+    if args.report_only:
+        rebuild(RESULTS / "autoscale-raw.json")
+        return
     if args.quick:
         args.day_s, args.modes, args.skip_extras = 60.0, args.modes or "static-peak,tokens", True
     asyncio.run(main_async(args))
