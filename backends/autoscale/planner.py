@@ -53,6 +53,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
     reasons: list[str] = []
     downs: list[tuple[str, int]] = []
     scaled_up = scaled_down = False
+    wanted_before = dict(memory.wanted)
     for role in signals.roles:
         load = _load(role, prefill_demand, decode_demand)
         backlog = _backlog(signals, role, lead_s)
@@ -88,7 +89,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
             wanted = current
         wanted = min(max(wanted, low), high)
         if wanted > current:
-            scaled_up = True
+            scaled_up = scaled_up or wanted_before.get(role.role, current) < wanted
         elif wanted < current:
             scaled_down = True
         roles.append(RolePlan(role.role, current, round(need, 3), wanted, wanted))
@@ -98,6 +99,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         last_up_s=now if scaled_up else memory.last_up_s,
         last_down_s=now if scaled_down else memory.last_down_s,
         history=history,
+        wanted=tuple((r.role, r.wanted) for r in roles),
     )
     return PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory)
 

@@ -74,6 +74,9 @@ class PlannerMemory:
     last_down_s: float = NEVER
     # (time, per-role need at the scale-down threshold) of the stabilisation window, oldest first
     history: tuple[tuple[float, tuple[tuple[str, int], ...]], ...] = ()
+    # per role, the count the last pass wanted: a want the budget has not granted yet is one scale-up,
+    # not a new one every pass (which would hold the other roles' scale-down cooldown for ever)
+    wanted: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ def test_prefill_burst_converts_a_decoder(tmp_path: Path) -> None:
             worker.start()
         deadline = time.monotonic() + 120
         while roles(gw) != {"prefill": 2, "decode": 1}:
-            assert time.monotonic() < deadline, f"no conversion: {roles(gw)}"
+            assert time.monotonic() < deadline, f"no conversion: {http_get(gw.url + '/admin/pools')[1]}"
             time.sleep(0.2)
         stop.set()
         for worker in workers:

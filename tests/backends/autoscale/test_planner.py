@@ -172,3 +172,31 @@ def test_closed_loop_follows_its_own_decisions() -> None:
         seen.append(ready)
     changes = [b for a, b in itertools.pairwise(seen) if a != b]
     assert changes == [5, 1]
+
+
+def test_a_scale_up_the_budget_has_not_granted_does_not_hold_the_other_roles_cooldown() -> None:
+    """Prefill wants a device the decode role holds: its want, repeated every pass while ungranted,
+    is one scale-up event, so the decode role's scale-down cooldown ends and the device can move."""
+    policy = AutoscaleConfig(
+        roles={
+            "prefill": RoleBounds(min_replicas=1, max_replicas=2),
+            "decode": RoleBounds(min_replicas=1, max_replicas=2),
+        },
+        scale_down_cooldown_s=4,
+        stabilization_s=0,
+    )
+    roles = (
+        RoleSignals("prefill", RoleState(ready=1), 2000.0, 0.0),
+        RoleSignals("decode", RoleState(ready=2), 0.0, 1000.0),
+    )
+    memory = PlannerMemory(last_up_s=10.0)  # the launch counts as a scale event
+    decode_wanted = []
+    for i in range(20):  # a pass every 0.5 s; the budget never grants the prefill replica (current stays 1)
+        now = 10.0 + 0.5 * i
+        pool = PoolSignals("pd", now, Forecast(5000.0, 0.0, now), Forecast(10.0, 0.0, now), roles, last_request_s=now)
+        plan = plan_pool(pool, policy, memory)
+        memory = plan.memory
+        assert plan.role("prefill").wanted == 2  # type: ignore[union-attr]
+        decode_wanted.append(plan.role("decode").wanted)  # type: ignore[union-attr]
+    assert decode_wanted[0] == 2  # the cooldown after the prefill role's scale-up...
+    assert decode_wanted.index(1) == 8  # ...ends 4 s later: the decode role gives its device back
