@@ -341,6 +341,7 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         weights=lambda tenant: holder.current.tenant_weight(tenant),
         recheck_s=flow.recheck_ms / 1000.0,
         share_window_s=flow.share_window_s,
+        active_s=flow.reserve_active_s,
         on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
     )
     flow_metrics.set_status(queue.status)

@@ -16,13 +16,15 @@ from typing import Any
 
 import numpy as np
 
-MODES_ORDER = ("solo-B", "fifo", "priority", "flow", "flow-2")
+MODES_ORDER = ("solo-B", "fifo", "priority", "flow", "flow-reserve", "flow-2")
+FLOW_MODES = ("flow", "flow-reserve", "flow-2")
 LABELS = {
     "solo-B": "B alone",
     "fifo": "FIFO (no flow control)",
     "priority": "priority only",
     "flow": "flow control",
-    "flow-2": "flow control, 2 replicas",
+    "flow-reserve": "flow control + reserve",
+    "flow-2": "flow control + reserve, 2 replicas",
 }
 
 
@@ -75,7 +77,10 @@ def summarize(run: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
                 key = r["code"] or str(r["status"])
                 codes[key] = codes.get(key, 0) + 1
         ttft = [r["ttft_s"] for r in served]
-        phase1 = [r["ttft_s"] for r in served if r["sent_s"] < end_s / 2]
+        phase1_rows = [r for r in served if r["sent_s"] < end_s / 2]
+        phase1 = [r["ttft_s"] for r in phase1_rows]
+        queued1 = [r["queued_ms"] / 1000.0 for r in phase1_rows]
+        engine1 = [r["ttft_s"] - r["queued_ms"] / 1000.0 for r in phase1_rows]
         per_tenant[name] = {
             "sent": len(mine),
             "served": len(served),
@@ -85,6 +90,10 @@ def summarize(run: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
             "phase1_ttft_p50_s": pct(phase1, 50),
             "phase1_ttft_p99_s": pct(phase1, 99),
             "queued_p50_ms": pct([r["queued_ms"] for r in served], 50),
+            "phase1_waited": sum(1 for q in queued1 if q > 0) / len(queued1) if queued1 else None,
+            "phase1_queued_p50_s": pct(queued1, 50),
+            "phase1_queued_p99_s": pct(queued1, 99),
+            "phase1_after_queue_p99_s": pct(engine1, 99),
         }
     windows = []
     start = 0.0
@@ -189,7 +198,9 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         "phase 1 (drift); **B** (normal, weight 2) sends at its usual rate (0.3 of capacity) in phase 1 and "
         "floods in phase 2; **C** (low) is batch traffic. Flow control: `max_engine_waiting: 0`, "
         "normal band waits at most "
-        + f"{args['phase_s'] / 8:.0f} s (then 429), low {args['phase_s'] / 4:.0f} s (503).",
+        + f"{args['phase_s'] / 8:.0f} s (then 429), low {args['phase_s'] / 4:.0f} s (503); "
+        + f'"+ reserve": `reserve_slots: {raw.get("reserve_slots", "?")}` (of the 16 batch slots, kept for '
+        "tenants under their share of what is in flight, `policies/flow/reserve.py`).",
         "",
         f"![fairness]({plot_name})",
         "",
@@ -212,6 +223,21 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         if mode in summaries and solo_p99:
             b = summaries[mode]["tenants"].get("B", {}).get("phase1_ttft_p99_s")
             lines.append(f"- {LABELS[mode]}: {b / solo_p99:.2f}x" if b else f"- {LABELS[mode]}: -")
+    lines += [
+        "",
+        "Where B's phase-1 TTFT goes: the wait in the gateway's waiting room (`x-tokenway-queued-ms`) "
+        "and the rest (routing, prefill, first token):",
+        "",
+        "| mode | B requests that waited | wait p50 | wait p99 | rest p99 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode in MODES_ORDER:
+        b = summaries.get(mode, {}).get("tenants", {}).get("B")
+        if b and b.get("phase1_waited") is not None:
+            lines.append(
+                f"| {LABELS[mode]} | {b['phase1_waited']:.0%} | {_fmt_s(b['phase1_queued_p50_s'])} | "
+                f"{_fmt_s(b['phase1_queued_p99_s'])} | {_fmt_s(b['phase1_after_queue_p99_s'])} |"
+            )
     lines += [
         "",
         "## Service shares per window (normal band: A and B; fair = weighted max-min of what each asked)",
@@ -249,7 +275,7 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         "| mode | tenant | requests | raw MAE | corrected MAE | change |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for mode in ("flow", "flow-2"):
+    for mode in FLOW_MODES:
         for tenant, m in summaries.get(mode, {}).get("mae", {}).items():
             change = (m["corrected"] - m["raw"]) / m["raw"] if m["raw"] else 0.0
             lines.append(

@@ -1,5 +1,6 @@
-"""Fairness under saturation, side by side: FIFO (no flow control), priority only, flow control, and
-flow control on two gateway replicas sharing Redis.
+"""Fairness under saturation, side by side: FIFO (no flow control), priority only, flow control
+(strictly work-conserving), flow control with a slot reserve, and that on two gateway replicas
+sharing Redis.
 
     .venv/bin/python -m bench.fairness [--quick] [--time-scale 0.5] [--phase-s 120]
 
@@ -43,12 +44,18 @@ PRESET = "llama-3.1-8b@h100"
 MAX_NUM_SEQS = 8
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 REDIS_URL = "redis://127.0.0.1:6379/0"
+RESERVE_SLOTS = 4  # of the pool's 2 x 8 batch slots, kept for tenants under their share
 FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
+RESERVE_SECTION: dict[str, Any] = {
+    "enabled": True,
+    "saturation": {"max_engine_waiting": 0, "reserve_slots": RESERVE_SLOTS},
+}
 MODES: dict[str, dict[str, Any]] = {
     "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
     "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
     "flow": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 1},
-    "flow-2": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 2},
+    "flow-reserve": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 1},
+    "flow-2": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 2},
 }
 
 
@@ -203,7 +210,7 @@ def main() -> None:
     parser.add_argument("--probe-s", type=float, default=25.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--modes", default="fifo,priority,flow,flow-2")
+    parser.add_argument("--modes", default="fifo,priority,flow,flow-reserve,flow-2")
     parser.add_argument("--quick", action="store_true", help="short phases (smoke run; numbers are noisy)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness.md")
     parser.add_argument("--raw", type=Path, default=None, help="also write every outcome here (JSON)")
@@ -229,6 +236,7 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
         "capacity_tokens_per_s": capacity,
+        "reserve_slots": RESERVE_SLOTS,
         "tenants": [
             {
                 "name": s.name,

@@ -5,7 +5,9 @@
 
 1. route again (the first time: the walk's own decision);
 2. saturation: if the chosen endpoint cannot start a request now, route among those that can; none
-   can → the pool is saturated (`Blocked.POOL`: nobody waiting there goes);
+   can → the pool is saturated (`Blocked.POOL`: nobody waiting there goes); with a slot reserve
+   (`reserve_slots`), a tenant over its share may not take the pool's last free slots
+   (`Blocked.TENANT`: another tenant's request may);
 3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
    objective is not met yet, a `Detour` when its class says reject or fall back).
 
@@ -29,7 +31,7 @@ from gateway.errors import Rejected
 from gateway.flow.queue import FlowQueue, Lease
 from gateway.flow.types import Blocked, FlowRequest, QueueRejected
 from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
-from policies.flow import vtc
+from policies.flow import reserve, vtc
 from policies.flow.bands import band_name, band_rank
 from policies.flow.config import FlowSettings
 from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
@@ -95,7 +97,7 @@ class FlowHook(Hook):
             candidate = pending.pop() if pending else reroute(())
             if candidate is None:
                 return Blocked.POOL  # no endpoint at all right now (a replica may come back)
-            opened = self._open(candidate, reroute)
+            opened = self._open(candidate, reroute, request)
             if isinstance(opened, Blocked):
                 return opened
             for check in self.checks:
@@ -160,11 +162,17 @@ class FlowHook(Hook):
         reserved = float(facts.output_reservation)
         return OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
 
-    def _open(self, routed: Routed, reroute: Reroute) -> Routed | Blocked:
-        """The routed endpoint if it can start a request now, else one that can, else Blocked.POOL."""
+    def _open(self, routed: Routed, reroute: Reroute, request: FlowRequest) -> Routed | Blocked:
+        """The routed endpoint if it can start a request now, else one that can, else Blocked.POOL;
+        Blocked.TENANT when the slots left are the reserve and this tenant is over its share."""
         pool = routed.pool
         limits = self.settings.limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
+        if limits.reserve_slots and limits.max_num_seqs:
+            free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
+            active = self.queue.activity.active(pool.name)
+            if not reserve.may_take(request.tenant, request.band, request.weight, active, free, limits.reserve_slots):
+                return Blocked.TENANT
         predicted = self._predicted_ttft(routed)
         if endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None:
             return routed

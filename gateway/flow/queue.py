@@ -7,7 +7,8 @@ room costs one call then). Otherwise it waits, and each time capacity may have f
 (`notify`: a request ended, a first token, a replica became ready) the room offers the turn in flow
 order (`policies.flow.order`: band, then virtual counter, then arrival or predicted cost): the first
 request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
-full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round), and an exception
+full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round),
+`Blocked.TENANT` to the next tenant's (the slot reserve holds this one's back), and an exception
 (the gate's "not here, instead") takes that request out with it. The
 head of the room also rechecks every `recheck_s`, since load that is scraped and predictions move
 with time too.
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic
 
+from gateway.flow.activity import Activity
 from gateway.flow.types import (
     REASON_QUEUE_FULL,
     REASON_QUEUE_TIMEOUT,
@@ -108,6 +110,7 @@ class Lease:
         if self._done:
             return
         self._done = True
+        self.queue.activity.inflight(self.pool, self.tenant, self.band, self.weight, -1)
         if actual_cost_tokens is not None:
             delta = vtc.correction(self.cost_tokens, actual_cost_tokens, self.weight)
             if delta:
@@ -127,6 +130,7 @@ class FlowQueue:
         weights: Callable[[str], float] = lambda tenant: 1.0,
         recheck_s: float = 0.05,
         share_window_s: float = 60.0,
+        active_s: float = 60.0,
         on_wait: WaitObserver | None = None,
         now: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -139,6 +143,7 @@ class FlowQueue:
         self.share_window_s = share_window_s
         self.on_wait = on_wait
         self.now = now
+        self.activity = Activity(active_s, now=now)
         self._rooms: dict[str, _Room] = {}
         self._shares: dict[str, ServiceWindow] = {}
         self._seq = itertools.count(1)
@@ -271,6 +276,7 @@ class FlowQueue:
         if request.tag:
             room.tags[request.tag] = room.tags.get(request.tag, 0) + 1
         room.waited += 1
+        self.activity.waiting(room.pool, request.tenant, request.band, request.weight, 1)
         self.counters.watch(room.pool, request.band, True)
         if others:
             self._round(room)  # it may go before those already waiting
@@ -296,6 +302,7 @@ class FlowQueue:
             own.remove(entry)
             if not own:
                 del tenants[request.tenant]
+        self.activity.waiting(room.pool, request.tenant, request.band, request.weight, -1)
         if not tenants:
             room.bands.pop(request.band, None)
             self.counters.watch(room.pool, request.band, False)
@@ -315,8 +322,9 @@ class FlowQueue:
         counter = self._counter(room.pool)
         sjf, fair = self.shortest_job_first(), self.fair()
         skip: set[int] = set()
+        skip_tenants: set[str] = set()
         for _ in range(_TRIES_PER_ROUND):
-            entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair)
+            entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair, skip_tenants=skip_tenants)
             if entry is None:
                 break
             try:
@@ -330,6 +338,9 @@ class FlowQueue:
                 entry.blocked = verdict
                 if verdict is Blocked.POOL:
                     break
+                if verdict is Blocked.TENANT:
+                    skip_tenants.add(entry.request.tenant)
+                    continue
                 skip.add(entry.seq)
                 continue
             self._leave(room, entry)
@@ -374,6 +385,7 @@ class FlowQueue:
         self.counters.charge(pool, band, tenant, vtc.charge(request.cost_tokens, request.weight), dispatch=True)
         self.share(pool).add(tenant, request.cost_tokens, self.now())
         room.dispatched += 1
+        self.activity.inflight(pool, tenant, band, request.weight, 1)
         return Lease(self, pool, band, tenant, request.weight, request.cost_tokens, queued_s)
 
     def _rejection(self, room: _Room, entry: _Entry[Any], reason: str) -> QueueRejected:

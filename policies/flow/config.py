@@ -8,8 +8,10 @@ flow_control:
     max_kv_usage_ratio: 0.8
     max_inflight: null           # the gateway's own in-flight requests per endpoint
     max_predicted_ttft_ms: null  # the pool's TTFT threshold
+    reserve_slots: 0             # free batch slots kept for tenants under their share (0: none)
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
+  reserve_active_s: 60           # a tenant keeps its claim on the reserve this long after its last request
   pools:
     llama: {saturation: {max_engine_waiting: 0}, max_queued: 256}
 ```
@@ -35,6 +37,9 @@ class SaturationConfig(_Strict):
     max_inflight: int | None = Field(default=None, ge=1, description="gateway's own in-flight requests per endpoint")
     max_predicted_ttft_ms: float | None = Field(default=None, gt=0, description="the pool's TTFT threshold")
     max_stats_age_s: float = Field(default=2.0, gt=0, description="older engine metrics are not read")
+    reserve_slots: int = Field(
+        default=0, ge=0, description="free batch slots kept for tenants under their share (needs max_num_seqs)"
+    )
 
 
 class PoolFlowConfig(_Strict):
@@ -53,12 +58,15 @@ class FlowSettings(_Strict):
         default=100.0, gt=0, description="Redis counters: re-read this often while requests wait"
     )
     share_window_s: float = Field(default=60.0, gt=0, description="window of tokenway_fair_share_ratio")
+    reserve_active_s: float = Field(
+        default=60.0, gt=0, description="a tenant keeps its claim on the slot reserve this long after its last request"
+    )
     pools: dict[str, PoolFlowConfig] = Field(default_factory=dict)
 
     def limits(self, pool: str, max_num_seqs: int | None = None) -> SaturationLimits:
         """The pool's saturation limits: its own fields over the defaults; all off when disabled."""
         if not self.enabled:
-            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, max_num_seqs)
+            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs)
         merged = self.saturation.model_dump()
         override = self.pools.get(pool)
         if override is not None and override.saturation is not None:

@@ -8,7 +8,8 @@
    predicted cost (ties by arrival).
 
 `skip` holds requests the caller already found unable to go now for a reason of their own (an SLO no
-endpoint meets, say): they keep their place, and the next one in the same order is offered.
+endpoint meets, say), `skip_tenants` tenants none of whose requests can (the slot reserve): they keep
+their place, and the next one in the same order is offered.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def pick(
     sjf: bool = False,
     skip: Container[int] = (),
     fair: bool = True,
+    skip_tenants: Container[str] = (),
 ) -> W | None:
     """The next request to dispatch; None when nothing (not skipped) waits.
 
@@ -75,6 +77,8 @@ def pick(
         chosen: W | None = None
         chosen_key = (0.0, 0, 0)
         for tenant, waiting in tenants.items():
+            if tenant in skip_tenants:
+                continue
             candidate = tenant_candidate(waiting, sjf=sjf, skip=skip)
             if candidate is None:
                 continue

@@ -35,13 +35,15 @@ REASON_PREDICTED_TTFT: Final = "predicted_ttft"
 
 @dataclass(frozen=True, slots=True)
 class SaturationLimits:
-    """A pool's limits (None: not checked). `max_num_seqs` is the engine's batch size, when known."""
+    """A pool's limits (None: not checked). `max_num_seqs` is the engine's batch size, when known;
+    `reserve_slots` free slots are kept for tenants under their share (`reserve.py`)."""
 
     max_engine_waiting: int | None = 5
     max_kv_usage_ratio: float | None = 0.8
     max_inflight: int | None = None
     max_predicted_ttft_ms: float | None = None
     max_stats_age_s: float = 2.0
+    reserve_slots: int = 0  # policies.flow.reserve
     max_num_seqs: int | None = None
 
 

@@ -12,7 +12,9 @@ beyond the one running waits in the gateway, in flow order. Conditions are polle
 - a request that waits out its band's `max_queue_ms` is answered as the band says: 429 with
   retry-after, 503 `queue_timeout`, or the model's fallback (`queue_timeout` trigger);
 - two gateway replicas sharing their virtual counters in Redis serve two backlogged tenants in the
-  ratio of their weights (within 15 %).
+  ratio of their weights (within 15 %);
+- with a slot reserve, a flood over its share waits while the pool's last slot is free, and a light
+  tenant's request takes that slot at once.
 """
 
 from __future__ import annotations
@@ -265,3 +267,33 @@ def test_two_replicas_sharing_counters_serve_backlogged_tenants_by_weight(
             worker.result(timeout=120)
     share = served["heavy"] / sum(served.values())
     assert share == pytest.approx(0.75, rel=0.15), served
+
+
+def test_a_slot_reserve_keeps_the_last_slot_for_a_tenant_under_its_share(tmp_path: Path) -> None:
+    two = start_sim(tmp_path, count=1, served_model_name=LLAMA, time_scale=1.0, args=["--max-num-seqs", "2"])
+    section = {**FLOW, "pools": {"llama": {"saturation": {"reserve_slots": 1}}}}
+    doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
+    done = Done()
+    with running(two):
+        gw = start_gateway(
+            tmp_path / "gw",
+            pools=[static_pool("llama", LLAMA, two.urls, max_num_seqs=2)],
+            policies=doc,
+            flow_control=section,
+            predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
+            backends={"scrape_interval_s": 0.05},
+            ledger={"enabled": False},
+        )
+        with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
+            chat(gw, "light", max_tokens=2)  # the light tenant is active from now on
+            floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 600)) for i in range(3)]
+            # one flood request runs, the others wait although the engine has a slot free: the reserve
+            until(lambda: waiting(gw, "flood") == 2, what="the flood held off the reserve")
+            done.run("light", lambda: chat(gw, "light", max_tokens=8))
+            for future in floods:
+                future.result(timeout=120)
+            assert not done.errors, done.errors
+            # the light request took the reserved slot at once: it finished before any of the flood
+            assert done.order[0] == "light", done.order
+            room = flow_status(gw)["pools"]["llama"]
+            assert room["waiting"] == 0 and room["rejected"] == {}

@@ -210,3 +210,28 @@ async def test_a_gate_that_raises_while_waiting_takes_that_request_out() -> None
         await doomed
     await other
     assert slots.order == ["other"] and queue.depth(POOL) == 0
+
+
+async def test_a_tenant_held_by_the_reserve_passes_the_turn_to_another_tenant() -> None:
+    counters = MemoryCounters()
+    counters.charge(POOL, NORMAL, "b", 10_000.0, dispatch=True)  # b is far ahead: a comes first in order
+    queue = FlowQueue(counters, recheck_s=10.0)
+    slots = Slots(queue, free=0)
+
+    def held_tenant(request_tenant: str) -> Callable[[], str | Blocked]:
+        return lambda: Blocked.TENANT if request_tenant == "a" else slots.ready()
+
+    flood = [asyncio.create_task(slots.run(request(f"a{i}", "a"), held_tenant("a"))) for i in range(6)]
+    light = asyncio.create_task(slots.run(request("b0", "b"), held_tenant("b")))
+    await until(lambda: queue.depth(POOL) == 7)
+    assert queue.activity.active(POOL)["a"].waiting == 6
+    slots.release()  # more of a's requests than a round's tries: one answer skips all of them
+    lease = await light
+    assert slots.order == ["b0"] and queue.activity.active(POOL)["b"].inflight == 1
+    lease.finished(None)
+    seen = queue.activity.active(POOL)["b"]
+    assert seen.inflight == 0 and seen.waiting == 0  # still active: its claim lasts `active_s`
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+    assert queue.depth(POOL) == 0 and queue.activity.active(POOL)["a"].waiting == 0

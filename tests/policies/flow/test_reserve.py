@@ -1,0 +1,73 @@
+"""The slot reserve: free slots counted per pool, who may take the last ones."""
+
+from __future__ import annotations
+
+from backends.types import Endpoint, EndpointState, EndpointStats
+from policies.flow.reserve import Active, free_slots, may_take, within_share
+
+NOW = 1000.0
+NORMAL, LOW = 2, 3
+
+
+def endpoint(
+    name: str, *, inflight: int = 0, running: int = 0, waiting: int = 0, age_s: float | None = 0.1
+) -> Endpoint:
+    stats = EndpointStats(running=running, waiting=waiting, scraped_at_s=NOW - age_s if age_s else 0.0)
+    e = Endpoint(
+        id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=EndpointState.READY
+    )
+    e.stats = stats
+    e.inflight.requests = inflight
+    return e
+
+
+def test_free_slots_take_the_larger_of_own_inflight_and_fresh_engine_counts() -> None:
+    own = endpoint("a", inflight=6, running=2)  # the scrape lags what this gateway just sent
+    others = endpoint("b", inflight=1, running=5, waiting=1)  # requests from elsewhere
+    stale = endpoint("c", inflight=2, running=8, age_s=30.0)  # old metrics are not read
+    assert free_slots([own, others, stale], 8, NOW, 2.0) == 2 + 2 + 6
+    full = endpoint("d", inflight=9)
+    draining = endpoint("e")
+    draining.state = EndpointState.DRAINING
+    assert free_slots([full, draining], 8, NOW, 2.0) == 0
+
+
+def test_a_flood_over_its_share_is_held_off_the_reserve_a_light_tenant_is_not() -> None:
+    active = {"A": Active(NORMAL, 1.0, 14), "B": Active(NORMAL, 2.0, 0)}
+    assert not within_share("A", NORMAL, 1.0, active)
+    assert within_share("B", NORMAL, 2.0, active)
+    # B up to its weighted share of the band's in-flight requests (2/3 of 15 after it), not beyond
+    assert within_share("B", NORMAL, 2.0, {"A": Active(NORMAL, 1.0, 5), "B": Active(NORMAL, 2.0, 9)})
+    assert not within_share("B", NORMAL, 2.0, {"A": Active(NORMAL, 1.0, 4), "B": Active(NORMAL, 2.0, 11)})
+
+
+def test_a_tenant_alone_is_never_over_its_share() -> None:
+    assert within_share("A", NORMAL, 1.0, {"A": Active(NORMAL, 1.0, 15)})
+    assert within_share("A", NORMAL, 1.0, {})
+    # a lower band's activity does not count against it
+    assert within_share("A", NORMAL, 1.0, {"A": Active(NORMAL, 1.0, 15), "C": Active(LOW, 1.0, 0)})
+
+
+def test_a_lower_band_never_takes_the_reserve_while_a_higher_band_is_active() -> None:
+    active = {"B": Active(NORMAL, 2.0, 0), "C": Active(LOW, 1.0, 0)}
+    assert not within_share("C", LOW, 1.0, active)
+
+
+def test_may_take_outside_the_reserve_always() -> None:
+    active = {"A": Active(NORMAL, 1.0, 14), "B": Active(NORMAL, 2.0, 0)}
+    assert may_take("A", NORMAL, 1.0, active, free=3, reserve_slots=2)  # one of the unreserved slots
+    assert not may_take("A", NORMAL, 1.0, active, free=2, reserve_slots=2)
+    assert may_take("B", NORMAL, 2.0, active, free=1, reserve_slots=2)
+    assert may_take("A", NORMAL, 1.0, active, free=1, reserve_slots=0)  # no reserve: work-conserving
+
+
+def test_with_everyone_backlogged_nobody_is_left_to_keep_the_reserve_for() -> None:
+    at_share = {"A": Active(NORMAL, 1.0, 4, waiting=3), "B": Active(NORMAL, 2.0, 8, waiting=5)}
+    assert within_share("A", NORMAL, 1.0, at_share) and within_share("B", NORMAL, 2.0, at_share)
+    # or under it: flow order decides between backlogged tenants
+    b_under = {"A": Active(NORMAL, 1.0, 10, waiting=3), "B": Active(NORMAL, 2.0, 2, waiting=1)}
+    assert within_share("A", NORMAL, 1.0, b_under)
+    # a lower band may use it once the band above is all backlogged, not before
+    assert within_share("C", LOW, 1.0, {**at_share, "C": Active(LOW, 1.0, 0, waiting=2)})
+    resting = {"A": Active(NORMAL, 1.0, 12, waiting=0), "C": Active(LOW, 1.0, 0, waiting=2)}
+    assert not within_share("C", LOW, 1.0, resting)  # kept for A's next request
