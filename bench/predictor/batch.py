@@ -251,7 +251,7 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"{args['slo_headroom']}`, the rest the defaults (no engine queue, KV under 60 %, nobody waiting "
         "in the gateway for the pool).",
         "- Per load, **alone** replays the interactive window on a fresh gateway; **batch** replays the same "
-        "window beside the batch. **idle** runs the batch on an idle fleet.",
+        "window beside the batch." + (" **idle** runs the batch on an idle fleet." if results.get("idle") else ""),
         "",
         "## Interactive attainment, alone and beside the batch",
         "",
