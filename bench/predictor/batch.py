@@ -1,6 +1,6 @@
 """The SLO benchmark's batch row: interactive attainment with a large batch running beside it.
 
-    .venv/bin/python -m bench.predictor.batch [--loads 0.7] [--batch-lines 300] [--capacity 50.6]
+    .venv/bin/python -m bench.predictor.batch [--loads 0.8] [--batch-lines 300] [--capacity 15.4]
 
 Same fleet, workload and objectives as `bench.predictor.run` (2 simulated Llama-3.1-8B@H100 at
 `--time-scale 0.25`, the Azure conversation trace replayed open loop, TTFT <= 1 s and TPOT <= 75 ms in
@@ -351,9 +351,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=0.25)
-    parser.add_argument("--loads", default="0.7")
+    parser.add_argument("--loads", default="0.8")
     parser.add_argument("--duration-s", type=float, default=45.0, help="engine seconds of interactive arrivals")
-    parser.add_argument("--capacity", type=float, default=50.6, help="engine-time req/s (bench.predictor.run's probe)")
+    parser.add_argument("--capacity", type=float, default=15.4, help="engine req/s (bench.predictor.run)")
     parser.add_argument("--train-duration-s", type=float, default=20.0)
     parser.add_argument("--train-load", type=float, default=0.7)
     parser.add_argument("--batch-lines", type=int, default=300)
