@@ -23,6 +23,14 @@ class AdmissionPort(Protocol):
 
     async def release(self, ticket: Admitted) -> None: ...
 
+    def settle_soon(
+        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+    ) -> object:
+        """`settle` begun now and finished in the background (the walk does not wait for the store)."""
+
+    def release_soon(self, ticket: Admitted) -> object:
+        """`release` begun now and finished in the background."""
+
 
 class RecordSink(Protocol):
     """Receives every finished request exactly once (metrics, ledger)."""

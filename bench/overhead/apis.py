@@ -26,6 +26,7 @@ from bench.overhead.run import (
     LOAD_CORE,
     PROXY_CORE,
     RESULTS,
+    TOKENIZE_LOCATION,
     cpu_seconds,
     ensure_tools,
     parse_wrk,
@@ -124,7 +125,7 @@ def main() -> int:
         workdir,
         "upstream",
         f"""server {{ listen 127.0.0.1:{upstream_port};
-            location = /health {{ return 200 ''; }}
+            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
             location = /v1/responses {{ default_type application/json; return 200 '{RESPONSE}'; }}
             location = /v1/messages {{ default_type application/json; return 200 '{MESSAGE}'; }}
             location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",

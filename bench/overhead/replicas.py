@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.overhead.run import KEY, RESULTS, cpu_seconds, ensure_tools, start_nginx, tokenway_config
+from bench.overhead.run import (
+    KEY,
+    RESULTS,
+    TOKENIZE_LOCATION,
+    cpu_seconds,
+    ensure_tools,
+    start_nginx,
+    tokenway_config,
+)
 from gateway.replicas.config import ReplicasSettings
 from tests.support.haproxy import start_haproxy
 from tests.support.procs import _env, free_port, free_ports, http_get, stop_process, wait_http
@@ -207,7 +215,7 @@ def main() -> int:
         workdir,
         "upstream",
         f"""server {{ listen 127.0.0.1:{up1} reuseport; listen 127.0.0.1:{up2} reuseport;
-            location = /health {{ return 200 ''; }}
+            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
             location / {{ default_type application/json; return 200 '{_completion()}'; }} }}""",
         CORES,
     )

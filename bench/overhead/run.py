@@ -37,6 +37,11 @@ COMPLETION = (
     '"choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"finish_reason":"stop"}],'
     '"usage":{"prompt_tokens":24,"completion_tokens":2,"total_tokens":26}}'
 )
+# vLLM's POST /tokenize (REFERENCE §2.2): the gateway counts a vLLM pool's prompts with it and caches the
+# answer per prompt. Without it the instant upstream's 200 (a chat completion, no `tokens`) is an error
+# never cached, and every request would pay a second upstream round trip a real engine does not cost.
+TOKENIZE = '{"count":24,"max_model_len":8192,"tokens":[' + ",".join(str(i) for i in range(1, 25)) + "]}"
+TOKENIZE_LOCATION = f"location = /tokenize {{ default_type application/json; return 200 '{TOKENIZE}'; }}"
 PROXY_CORE, LOAD_CORE = "0", "1"
 ENDPOINTS = "_endpoints"  # a variant's number of upstream endpoints (ports of the same instant upstream)
 
@@ -279,7 +284,7 @@ def main() -> int:
         workdir,
         "upstream",
         f"""server {{ listen 127.0.0.1:{upstream_port} reuseport; listen 127.0.0.1:{second_port} reuseport;
-            location = /health {{ return 200 ''; }}
+            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
             location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
         LOAD_CORE,
     )

@@ -3,17 +3,17 @@
 `Reservation` is admission's ticket for one model, spent by one of `settle` (the request reached an
 engine: charge what it used) or `release` (it never did: undo it all); a second call is a no-op, so
 no path can end it twice, and the director's one `finally` ends any reservation a path left open.
-A cancelled request (the client went away) ends its reservation in a task of its own, which the
-cancellation cannot cut short.
+Either hands the ticket to admission without waiting for the store (`settle_soon`): the store's work
+is begun before it returns (for Redis, the script queued on the connection) and finished off the
+response's path, tracked by admission, so neither a slow store nor a cancelled request (the client
+went away) can delay the answer or cut the settlement short.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from gateway.components import AdmissionPort, RecordSink
 from gateway.errors import EngineRejected, GatewayError, Rejected
@@ -31,43 +31,33 @@ log = logging.getLogger("tokenway.request")
 class Reservation:
     """One admitted reservation on one model; `settle` or `release` ends it, once."""
 
-    __slots__ = ("_admission", "_background", "ended", "model", "ticket")
+    __slots__ = ("_admission", "ended", "model", "ticket")
 
-    def __init__(self, admission: AdmissionPort, ticket: Admitted, model: str, background: set[asyncio.Task[None]]):
+    def __init__(self, admission: AdmissionPort, ticket: Admitted, model: str):
         self._admission = admission
-        self._background = background
         self.ticket = ticket
         self.model = model
         self.ended = False
 
     async def settle(self, usage: Usage | None, counted_output_tokens: int) -> None:
-        """Charge what was used. A cancellation while the store answers does not cut it short."""
-        if not self.ended:
-            await asyncio.shield(self._spawn(self._settle(usage, counted_output_tokens)))
+        """Charge what was used (see `settle_soon`: nothing here waits)."""
+        self.settle_soon(usage, counted_output_tokens)
 
     async def release(self) -> None:
-        """Undo it all (nothing reached an engine); shielded like `settle`."""
-        if not self.ended:
-            await asyncio.shield(self._spawn(self._admission.release(self.ticket)))
+        """Undo it all (nothing reached an engine)."""
+        self.release_soon()
 
     def settle_soon(self, usage: Usage | None, counted_output_tokens: int) -> None:
-        """`settle` from a cancelled request, which may not await: in a task of its own."""
         if not self.ended:
-            self._spawn(self._settle(usage, counted_output_tokens))
+            self.ended = True
+            self._admission.settle_soon(
+                self.ticket, usage, model=self.model, charged_output_tokens=counted_output_tokens
+            )
 
     def release_soon(self) -> None:
         if not self.ended:
-            self._spawn(self._admission.release(self.ticket))
-
-    def _settle(self, usage: Usage | None, counted_output_tokens: int) -> Coroutine[Any, Any, None]:
-        return self._admission.settle(self.ticket, usage, model=self.model, charged_output_tokens=counted_output_tokens)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        self.ended = True  # from here on the store's answer is this task's business alone
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+            self.ended = True
+            self._admission.release_soon(self.ticket)
 
 
 class Accounting:
@@ -84,10 +74,9 @@ class Accounting:
         self.policies = policies
         self.sinks = tuple(sinks)
         self.hooks = hooks
-        self.background: set[asyncio.Task[None]] = set()  # settlements of cancelled requests
 
     def reserve(self, ctx: RequestContext, ticket: Admitted) -> Reservation:
-        ctx.reservation = Reservation(self.admission, ticket, ctx.model, self.background)
+        ctx.reservation = Reservation(self.admission, ticket, ctx.model)
         return ctx.reservation
 
     async def release(self, ctx: RequestContext) -> None:

@@ -34,7 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class Store(Protocol):
-    """Counts; decides nothing but fit. `may_suspend` False (memory) = calls never await I/O."""
+    """Counts; decides nothing but fit. `may_suspend` False (memory) = calls never await I/O.
+
+    Optional, used when a store has them: `apply_soon(plan, settlement, now_s)` starts a settlement
+    at once and returns what completes it (None when already done; it never raises, failures are
+    the store's to retry), and `abandon(plan, charge, now_s)` undoes a reservation whose caller gave
+    up while it was on its way, whether or not it ran."""
 
     may_suspend: bool
 
@@ -92,7 +97,13 @@ class Admission:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex() + "-"
         self._store_suspends = getattr(store, "may_suspend", True)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._apply_soon: Callable[[Plan, Settlement, float | None], asyncio.Future[Any] | None] | None = getattr(
+            store, "apply_soon", None
+        )
+        self._abandon: Callable[[Plan, Charge, float | None], Coroutine[Any, Any, Any]] | None = getattr(
+            store, "abandon", None
+        )
+        self._tasks: set[asyncio.Future[Any]] = set()  # settlements and undos still on their way
         self.counters: Counter[str] = Counter()
         self.shadow_counters: Counter[str] = Counter()
 
@@ -156,6 +167,12 @@ class Admission:
         cancels its handler): a reservation the store made anyway is undone, never leaked."""
         if not self._store_suspends:
             return await self.store.reserve(plan, charge, now)
+        if self._abandon is not None:  # awaited directly; on cancellation the store voids the ticket
+            try:
+                return await self.store.reserve(plan, charge, now)
+            except asyncio.CancelledError:
+                self._track(asyncio.ensure_future(self._abandon(plan, charge, now)))
+                raise
         task = asyncio.ensure_future(self.store.reserve(plan, charge, now))
         try:
             return await asyncio.shield(task)
@@ -176,25 +193,26 @@ class Admission:
             0.0,
             getattr(getattr(self.store, "local", None), "generation", 0),
         )
-        self._background(self.store.apply(plan, settlement))
+        self._start_apply(plan, settlement, None)
 
-    async def _apply(self, plan: Plan, settlement: Settlement, now: float | None) -> None:
-        """The store's settlement, completed even if the caller is cancelled meanwhile."""
-        if not self._store_suspends:
-            await self.store.apply(plan, settlement, now)
-            return
-        await asyncio.shield(self._background(self.store.apply(plan, settlement, now)))
+    def _start_apply(self, plan: Plan, settlement: Settlement, now: float | None) -> asyncio.Future[Any] | None:
+        """Begin the store's settlement now; what completes it is tracked (`drain`) and returned."""
+        if self._apply_soon is not None:
+            pending = self._apply_soon(plan, settlement, now)
+        else:
+            pending = asyncio.ensure_future(self.store.apply(plan, settlement, now))
+        if pending is not None:
+            self._track(pending)
+        return pending
 
-    def _background(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _track(self, pending: asyncio.Future[Any]) -> None:
+        self._tasks.add(pending)
+        pending.add_done_callback(self._tasks.discard)
 
     async def drain(self) -> None:
         """Wait for settlements still running in the background (tests, shutdown)."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.wait(list(self._tasks))
 
     def _never_fits(
         self, plan: Plan, model: str, costs: list[float], cost_usd: float, now: float | None
@@ -274,9 +292,25 @@ class Admission:
     ) -> None:
         """Reconcile with real usage and release the lease. `usage=None` (the stream broke before usage
         arrived) charges `charged_output_tokens` if counted, else the whole output reservation.
-        Idempotent; never raises (accounting must not fail a response that already went out)."""
+        Idempotent; never raises (accounting must not fail a response that already went out). Waits
+        for the store; a cancelled caller does not cut the settlement short."""
+        await self._settled(self.settle_soon(ticket, usage, model=model, charged_output_tokens=charged_output_tokens,
+                                             now=now))  # fmt: skip
+
+    def settle_soon(
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        now: float | None = None,
+    ) -> asyncio.Future[Any] | None:
+        """`settle` without waiting: the ticket is settled from now on (a second call is a no-op) and the
+        store's work is under way (for Redis, queued on the connection before this returns, so a
+        later reservation from this process runs after it); returns what completes it, if anything."""
         if not isinstance(ticket, Admitted) or ticket.settled:
-            return
+            return None
         ticket.settled = True
         try:
             if usage is not None:
@@ -286,12 +320,12 @@ class Admission:
                 completion = ticket.output_tokens if charged_output_tokens is None else charged_output_tokens
             plan = ticket.plan
             if plan is None:
-                return
+                return None
             price = plan.price if model == ticket.model else self._policies.current.price(model)
             actual_usd = price.cost_usd(prompt, cached, completion) * ticket.price_factor
             ticket.actual_cost_usd = actual_usd
             if ticket.source == "none":
-                return
+                return None
             actual = [spec.actual_cost(prompt, cached, completion) for spec in plan.buckets]
             deltas = [cost - reserved for cost, reserved in zip(actual, ticket.bucket_costs, strict=True)]
             settlement = Settlement(
@@ -304,18 +338,23 @@ class Admission:
                 ticket.generation,
                 actual,
             )
-            await self._apply(plan, settlement, now)
+            return self._start_apply(plan, settlement, now)
         except Exception:
             log.exception("settling ticket %s failed", ticket.ticket_id)
+            return None
 
     async def release(self, ticket: Admitted, now: float | None = None) -> None:
         """The request never reached an engine: undo the whole reservation, request count included."""
+        await self._settled(self.release_soon(ticket, now))
+
+    def release_soon(self, ticket: Admitted, now: float | None = None) -> asyncio.Future[Any] | None:
+        """`release` without waiting (see `settle_soon`)."""
         if not isinstance(ticket, Admitted) or ticket.settled:
-            return
+            return None
         ticket.settled = True
         ticket.actual_cost_usd = 0.0
         if ticket.source == "none" or ticket.plan is None:
-            return
+            return None
         settlement = Settlement(
             ticket.ticket_id,
             ticket.source,
@@ -326,9 +365,23 @@ class Admission:
             ticket.generation,
         )
         try:
-            await self._apply(ticket.plan, settlement, now)
+            return self._start_apply(ticket.plan, settlement, now)
         except Exception:
             log.exception("releasing ticket %s failed", ticket.ticket_id)
+            return None
+
+    async def _settled(self, pending: asyncio.Future[Any] | None) -> None:
+        """Wait for a settlement under way; the caller's cancellation leaves it running."""
+        if pending is None:
+            return
+        try:
+            await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if pending.cancelled():  # the store gave up on it (closing), not our caller
+                return
+            raise
+        except Exception:
+            log.exception("settlement failed")
 
     # ------------------------------------------------------------------ observability
     def snapshot(self) -> list[dict[str, Any]]:

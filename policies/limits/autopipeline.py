@@ -15,21 +15,17 @@ A flushed script cache (NOSCRIPT) is handled here: load the scripts, resend what
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from policies.limits.resp import Arg, EvalSha, Script
+
+__all__ = ["AutoPipeline", "Script"]
+
 MAX_BATCH = 512
-
-
-class Script:
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
-
 
 _Call = tuple[Script, Sequence[Any], Sequence[Any], "asyncio.Future[Any] | None"]
 _NO_FUTURE = None
@@ -62,6 +58,9 @@ class AutoPipeline:
             self._scheduled = True
             loop.call_soon(self._flush)
         return await future
+
+    async def send(self, evalsha: EvalSha, args: Sequence[Arg]) -> Any:
+        return await self.call(evalsha.script, evalsha.keys, evalsha.values(args))
 
     def _flush(self) -> None:
         self._scheduled = False

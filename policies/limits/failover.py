@@ -155,28 +155,59 @@ class FailoverStore:
         """The store's clock: the caller's `now_s` (tests), else the local clock corrected to Redis TIME."""
         return self._clock() + self._offset_s if now_s is None else now_s
 
+    async def abandon(self, plan: Plan, charge: Charge, now_s: float | None = None) -> None:
+        """The caller of `reserve` went away while Redis was answering (a client that disconnected):
+        void the ticket, which undoes the reservation if it ran and refuses it if it runs later. A
+        local admission never gets here (it is made without awaiting)."""
+        await self._void(plan, charge, now_s, inline=True)
+
     # ------------------------------------------------------------------ settle
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
+        pending = self.apply_soon(plan, settlement, now_s)
+        if pending is not None:
+            await pending
+
+    def apply_soon(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> asyncio.Future[None] | None:
+        """`apply` begun before this returns: the local state and the mirror are updated and the
+        script is queued on Redis's connection (so this process's next reservation runs after it).
+        The future completes once Redis answered or the settlement went to the replay queue; it never
+        fails. None: nothing left to wait for."""
         if settlement.source == "local":
             if settlement.generation == self.local.generation:
                 self.local.apply_now(plan, settlement, self.store_now(now_s))
             if (plan.budgets and settlement.actual_cost_usd > 0.0) or any(settlement.actual_bucket_costs):
-                await self._send("charge", plan, settlement, now_s)  # what it cost, counted everywhere
-            return
+                return self._send_soon("charge", plan, settlement, now_s)  # what it cost, counted everywhere
+            return None
         self.mirror.settled(plan, settlement)
-        await self._send("settle", plan, settlement, now_s)
+        return self._send_soon("settle", plan, settlement, now_s)
 
-    async def _send(self, op: str, plan: Plan, settlement: Settlement, now_s: float | None) -> None:
+    def _send_soon(
+        self, op: str, plan: Plan, settlement: Settlement, now_s: float | None
+    ) -> asyncio.Future[None] | None:
         if not self.breaker.allow():
             self._queue(op, plan, settlement)
-            return
-        try:
-            await self._call(op, plan, settlement, now_s)
-        except STORE_ERRORS as exc:
-            self._failed(exc)
-            self._queue(op, plan, settlement)
+            return None
+        reply: asyncio.Future[Any]
+        if op == "settle":
+            reply = self.redis.apply_future(plan, settlement, now_s)
         else:
-            self._succeeded()
+            reply = asyncio.ensure_future(self.redis.charge_budgets(plan, settlement, now_s))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            exc = None if reply.cancelled() else reply.exception()
+            if reply.cancelled() or isinstance(exc, STORE_ERRORS):  # not known to have run: replay it
+                if exc is not None:
+                    self._failed(exc)
+                self._queue(op, plan, settlement)
+            elif exc is not None:
+                log.error("%s of ticket %s failed", op, settlement.ticket_id, exc_info=exc)
+            else:
+                self._succeeded()
+            done.set_result(None)
+
+        reply.add_done_callback(answered)
+        return done
 
     def _queue(self, op: str, plan: Plan, payload: Payload) -> None:
         if len(self._pending) == PENDING_MAX:

@@ -81,6 +81,10 @@ class MemoryStore:
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         return self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
 
+    def apply_soon(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
+        """`Store.apply_soon`: done before it returns."""
+        self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
+
     def reserve_now(self, plan: Plan, charge: Charge, now_s: float) -> Outcome:
         """All-or-nothing: check every bucket, lease and budget, then write all or none."""
         scale = self.scale

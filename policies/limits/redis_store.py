@@ -16,16 +16,21 @@ This class talks to Redis only; failure handling (breaker, fail-open, replay) is
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from policies.limits.autopipeline import AutoPipeline, Script
+from policies.limits.resp import Arg, EvalSha, Pre, Script
+from policies.limits.scriptpipe import script_pipeline
 from policies.limits.types import Charge, Outcome, Plan, Settlement, ticket_ttl_s
 
 MARKER_TTL_S = 86_400  # fail-open charges replayed after an outage are deduplicated this long
+_MARKER_TTL = Pre(str(MARKER_TTL_S))
+_TICKET_MODE = Pre("z")
 
 
 class VoidedTicket(Exception):
@@ -40,8 +45,11 @@ def _flag(shadow: bool) -> str:
     return "1" if shadow else "0"
 
 
-def _now_arg(now_s: float | None) -> str:
-    return "" if now_s is None else repr(now_s)
+_REDIS_TIME = Pre("")  # the scripts read Redis's clock
+
+
+def _now_arg(now_s: float | None) -> Arg:
+    return _REDIS_TIME if now_s is None else repr(now_s)
 
 
 class RedisStore:
@@ -59,7 +67,7 @@ class RedisStore:
         self._settle = _script("settle.lua")
         self._void = _script("void.lua")
         self._peek = _script("peek.lua")
-        self.pipeline = AutoPipeline(client, (self._reserve, self._settle, self._void, self._peek), batch=batch)
+        self.pipeline = script_pipeline(client, (self._reserve, self._settle, self._void, self._peek), batch=batch)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "tokenway", timeout_s: float = 0.1, batch: bool = True) -> RedisStore:
@@ -74,6 +82,9 @@ class RedisStore:
         return cls(client, prefix=prefix, batch=batch)
 
     async def close(self) -> None:
+        close = getattr(self.pipeline, "close", None)
+        if close is not None:
+            await close()
         await self.client.aclose()
 
     def key(self, kind: str, name: str) -> str:
@@ -88,18 +99,17 @@ class RedisStore:
         return encoded
 
     async def reserve(self, plan: Plan, charge: Charge, now_s: float | None = None) -> Outcome:
-        settings = plan.settings
         enc = self._encoded(plan)
         args = [
             _now_arg(now_s),
             charge.ticket_id,
-            repr(settings.lease_ttl_s),
-            repr(ticket_ttl_s(settings.lease_ttl_s)),
+            enc.lease_ttl,
+            enc.ticket_ttl,
             repr(charge.cost_usd),
             enc.reserve_plan,
             " ".join(map(repr, charge.bucket_costs)),
         ]
-        reply = await self.pipeline.call(self._reserve, enc.reserve_keys, args)
+        reply = await self.pipeline.send(enc.reserve, args)
         if reply[0] == b"v":
             raise VoidedTicket(charge.ticket_id)
         nb, nl, nu = len(plan.buckets), len(plan.leases), len(plan.budgets)
@@ -117,22 +127,21 @@ class RedisStore:
         """Make sure `charge` holds nothing in Redis, whether or not its reservation ran (or will).
         True when a reservation was found and undone."""
         enc = self._encoded(plan)
-        ttl_s = ticket_ttl_s(plan.settings.lease_ttl_s)
         args = [
             _now_arg(now_s),
             charge.ticket_id,
-            repr(ttl_s),
-            repr(ttl_s),
+            enc.ticket_ttl,
+            enc.ticket_ttl,
             repr(charge.cost_usd),
             enc.settle_plan,
             " ".join(map(repr, charge.bucket_costs)),
         ]
-        return bool(int(await self.pipeline.call(self._void, enc.reserve_keys, args)))
+        return bool(int(await self.pipeline.send(enc.void, args)))
 
     async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
         """The plan's buckets, leases and budgets as they stand, charging nothing."""
         enc = self._encoded(plan)
-        reply = await self.pipeline.call(self._peek, enc.keys, [_now_arg(now_s), enc.reserve_plan])
+        reply = await self.pipeline.send(enc.peek, [_now_arg(now_s), enc.reserve_plan])
         nb, nl, nu = len(plan.buckets), len(plan.leases), len(plan.budgets)
         i = 1
         used = [float(v) for v in reply[i : i + nb]]
@@ -146,18 +155,22 @@ class RedisStore:
 
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Settle a ticket Redis reserved. False when it was settled before (or had expired)."""
+        return bool(int(await self.apply_future(plan, settlement, now_s)))
+
+    def apply_future(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> asyncio.Future[Any]:
+        """`apply`'s command queued now (before this returns); the future holds Redis's reply."""
         enc = self._encoded(plan)
         args = [
             _now_arg(now_s),
             settlement.ticket_id,
-            "z",
-            MARKER_TTL_S,
+            _TICKET_MODE,
+            _MARKER_TTL,
             repr(settlement.budget_delta_usd),
             enc.settle_plan,
             " ".join(map(repr, settlement.bucket_deltas)),
             " ".join(map(str, settlement.budget_periods)),
         ]
-        return bool(int(await self.pipeline.call(self._settle, enc.keys, args)))
+        return asyncio.ensure_future(self.pipeline.send(enc.settle, args))
 
     async def charge_budgets(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Charge the real cost of a request admitted locally while Redis was down, exactly once: to
@@ -165,13 +178,13 @@ class RedisStore:
         debt if the replicas' shares together went past the limit."""
         enc = self._encoded(plan)
         with_buckets = len(settlement.actual_bucket_costs) == len(plan.buckets) and any(settlement.actual_bucket_costs)
-        args = [
-            _now_arg(now_s),
+        args: list[Any] = [
+            "" if now_s is None else repr(now_s),
             settlement.ticket_id,
             "m",
             MARKER_TTL_S,
             repr(settlement.actual_cost_usd),
-            enc.charge_plan if with_buckets else enc.marker_plan,
+            (enc.charge_plan if with_buckets else enc.marker_plan).value,
             " ".join(map(repr, settlement.actual_bucket_costs)) if with_buckets else "",
             " ".join(map(str, settlement.budget_periods)),
         ]
@@ -181,17 +194,24 @@ class RedisStore:
 
 
 class _Encoded:
-    """A plan as the scripts take it: key names and the space-separated static parameters."""
+    """A plan as the scripts take it: key names, the space-separated static parameters, and the
+    commands' fixed parts encoded once (`EvalSha`, `Pre`)."""
 
     __slots__ = (
         "bucket_keys",
         "budget_keys",
         "charge_plan",
         "keys",
+        "lease_ttl",
         "marker_plan",
+        "peek",
+        "reserve",
         "reserve_keys",
         "reserve_plan",
+        "settle",
         "settle_plan",
+        "ticket_ttl",
+        "void",
     )
 
     def __init__(self, store: RedisStore, plan: Plan) -> None:
@@ -209,9 +229,15 @@ class _Encoded:
             reserve += (str(lease.capacity), _flag(lease.shadow))
         for budget in plan.budgets:
             reserve += (repr(budget.limit_usd), budget.period, _flag(budget.shadow))
-        self.reserve_plan = " ".join(reserve)
+        self.reserve_plan = Pre(" ".join(reserve))
         periods = [budget.period for budget in plan.budgets]
-        self.settle_plan = " ".join([*counts, *(repr(spec.rate_per_s) for spec in plan.buckets), *periods])
-        self.marker_plan = " ".join(["0", "0", str(len(plan.budgets)), *periods])
+        self.settle_plan = Pre(" ".join([*counts, *(repr(spec.rate_per_s) for spec in plan.buckets), *periods]))
+        self.marker_plan = Pre(" ".join(["0", "0", str(len(plan.budgets)), *periods]))
         rates = [repr(spec.rate_per_s) for spec in plan.buckets]
-        self.charge_plan = " ".join([str(len(plan.buckets)), "0", str(len(plan.budgets)), *rates, *periods])
+        self.charge_plan = Pre(" ".join([str(len(plan.buckets)), "0", str(len(plan.budgets)), *rates, *periods]))
+        self.lease_ttl = Pre(repr(plan.settings.lease_ttl_s))
+        self.ticket_ttl = Pre(repr(ticket_ttl_s(plan.settings.lease_ttl_s)))
+        self.reserve = EvalSha(store._reserve, self.reserve_keys, 7)
+        self.void = EvalSha(store._void, self.reserve_keys, 7)
+        self.settle = EvalSha(store._settle, self.keys, 8)
+        self.peek = EvalSha(store._peek, self.keys, 2)

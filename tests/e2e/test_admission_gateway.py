@@ -241,9 +241,10 @@ def test_four_gateways_sharing_redis_admit_exactly(
         probe = chat(gateways[0], key=OTHER_KEY, max_tokens=1)
         require_admission(probe)
         results = asyncio.run(_hammer([g.base_url for g in gateways], clients=120, requests=6))
+        stores = [_store_status(g) for g in gateways]  # in the message of a failure below
     served = [r for r in results if r[0] == 200]
     limited = [r for r in results if r[0] == 429]
-    assert served and limited and len(served) + len(limited) == len(results), {r[0] for r in results}
+    assert served and limited and len(served) + len(limited) == len(results), ({r[0] for r in results}, stores)
     client_r = own_redis.client()
     keys = [k.decode() for k in client_r.scan_iter(match="*:b:*tpd*")]
     assert len(keys) == 1
@@ -252,10 +253,18 @@ def test_four_gateways_sharing_redis_admit_exactly(
     assert used_raw is not None
     used_total = sum(r[1] for r in served) + probe.parse().usage.total_tokens
     reservation = max(r[2] for r in served)
-    assert used_total <= tpd + refill + reservation  # never beyond the limit by more than one reservation
+    assert used_total <= tpd + refill + reservation, stores  # never beyond the limit by more than one reservation
     assert used_total - refill <= float(used_raw) <= used_total + 1  # the reconciled usage, no reservation left
     tickets = [k for k in client_r.scan_iter(match="*:tickets")]
     assert all(client_r.zcard(k) == 0 for k in tickets)
+
+
+def _store_status(gw: Gateway) -> dict[str, Any]:
+    """The limiter store's counters (Redis errors, breaker trips, local fail-open admissions)."""
+    status, text = http_get(gw.url + "/admin/status", timeout_s=10)
+    admission = json.loads(text).get("admission", {}) if status == 200 else {}
+    keep = ("redis_errors", "breaker_trips", "local_admissions", "voided", "voided_undone", "replayed")
+    return {name: admission.get(name) for name in keep}
 
 
 async def _hammer(base_urls: list[str], clients: int, requests: int) -> list[tuple[int, int, int]]:

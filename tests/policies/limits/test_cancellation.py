@@ -1,5 +1,6 @@
 """A client that disconnects cancels its handler mid-admission (the gateway runs with handler
-cancellation on): a reservation Redis made anyway is undone, and a settlement under way completes."""
+cancellation on): a reservation Redis made anyway is undone, and a settlement under way completes.
+(A reservation cancelled before its connection opened is never sent: nothing to undo.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from policies.limits.admission import Admission, Admitted
 from policies.limits.failover import FailoverStore
 from policies.limits.redis_store import RedisStore
+from policies.limits.resp import command
+from policies.limits.scriptpipe import ScriptPipe
 from policies.types import Usage
 from tests.policies.limits.state import active_leases, bucket_used
 from tests.policies.limits.support import facts, policy, principal
@@ -31,6 +34,9 @@ async def admission(redis_url: str, redis_prefix: str) -> AsyncIterator[Admissio
 async def test_a_cancelled_admission_leaks_no_reservation(admission: Admission) -> None:
     plan = admission.policy.admission_plan(principal(admission.policy), "big")
     who = principal(admission.policy)
+    store = admission.store
+    assert isinstance(store, FailoverStore) and isinstance(store.redis.pipeline, ScriptPipe)
+    await store.redis.pipeline.submit(command(b"PING"), None)  # connected: a command goes out once queued
     task = asyncio.ensure_future(admission.admit(facts(who), "big", now=T0))
     await asyncio.sleep(0)  # the reservation is on its way to Redis
     task.cancel()
@@ -38,8 +44,6 @@ async def test_a_cancelled_admission_leaks_no_reservation(admission: Admission) 
         await task
     await asyncio.sleep(0.05)
     await admission.drain()
-    store = admission.store
-    assert isinstance(store, FailoverStore)
     assert await store.redis.client.exists(store.redis.key("b", plan.buckets[0].key))  # it was reserved...
     assert await bucket_used(admission, plan.buckets[0], T0) == 0.0  # ... and undone
     assert await active_leases(admission, plan.leases[0].key, T0) == 0
