@@ -59,7 +59,8 @@ class AutoPipeline:
             loop.call_soon(self._flush)
         return await future
 
-    async def send(self, evalsha: EvalSha, args: Sequence[Arg]) -> Any:
+    async def send(self, evalsha: EvalSha, args: Sequence[Arg], *, lazy: bool = False) -> Any:
+        """`call` with a pre-encoded command (`lazy`: `ScriptPipe`'s hint, no difference here)."""
         return await self.call(evalsha.script, evalsha.keys, evalsha.values(args))
 
     def _flush(self) -> None:

@@ -155,10 +155,13 @@ class RedisStore:
 
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Settle a ticket Redis reserved. False when it was settled before (or had expired)."""
-        return bool(int(await self.apply_future(plan, settlement, now_s)))
+        return bool(int(await self.apply_future(plan, settlement, now_s, lazy=False)))
 
-    def apply_future(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> asyncio.Future[Any]:
-        """`apply`'s command queued now (before this returns); the future holds Redis's reply."""
+    def apply_future(
+        self, plan: Plan, settlement: Settlement, now_s: float | None = None, *, lazy: bool = True
+    ) -> asyncio.Future[Any]:
+        """`apply`'s command queued now (before this returns); the future holds Redis's reply. `lazy`:
+        nobody waits for it, so it may wait (briefly) to share the next write (`ScriptPipe`)."""
         enc = self._encoded(plan)
         args = [
             _now_arg(now_s),
@@ -170,7 +173,7 @@ class RedisStore:
             " ".join(map(repr, settlement.bucket_deltas)),
             " ".join(map(str, settlement.budget_periods)),
         ]
-        return asyncio.ensure_future(self.pipeline.send(enc.settle, args))
+        return asyncio.ensure_future(self.pipeline.send(enc.settle, args, lazy=lazy))
 
     async def charge_budgets(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         """Charge the real cost of a request admitted locally while Redis was down, exactly once: to

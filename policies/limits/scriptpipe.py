@@ -7,7 +7,10 @@ one by one, a task per batch, the reply run through response callbacks. This con
 what the two scripts need. Callers hand it a complete RESP command (`EvalSha` caches the parts
 that do not change between requests, so a request encodes only its ticket id and numbers); `call`
 appends it to the next write, returns a future, and the write goes out once at the end of the
-event-loop turn, so the calls of one turn still share one write (as `AutoPipeline` did). Replies
+event-loop turn, so the calls of one turn still share one write (as `AutoPipeline` did). A lazy
+command (a settlement: nobody waits for its reply) does not ask for a write of its own: it goes out
+with the next reservation, or alone after a millisecond, so under load settlements cost no write
+and no wake-up of their own, and order is kept (what this process sends later runs after them). Replies
 come back in order on the one connection and go to their callers' futures in order; a reply of a
 caller that gave up is dropped.
 
@@ -42,6 +45,7 @@ from policies.limits.autopipeline import AutoPipeline
 from policies.limits.resp import Arg, EvalSha, Script, command
 
 MAX_WRITE = 512  # commands per write (a burst beyond it goes out in several)
+LAZY_S = 0.001  # the longest a lazy command waits for company before it is written alone
 
 
 class _Protocol(asyncio.Protocol):
@@ -112,6 +116,7 @@ class ScriptPipe:
         self._out: list[bytes] = []
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._lazy: asyncio.TimerHandle | None = None  # the write of lazy commands, if none comes sooner
         self._closed = False
         self.batches = 0  # writes of the batching mode
         self.calls = 0
@@ -126,11 +131,12 @@ class ScriptPipe:
         words += [_word(a) for a in args]
         return await self.submit(command(*words), script)
 
-    def send(self, evalsha: EvalSha, args: Sequence[Arg]) -> asyncio.Future[Any]:
-        return self.submit(evalsha.encode(args), evalsha.script)
+    def send(self, evalsha: EvalSha, args: Sequence[Arg], *, lazy: bool = False) -> asyncio.Future[Any]:
+        return self.submit(evalsha.encode(args), evalsha.script, lazy=lazy)
 
-    def submit(self, data: bytes, script: Script | None) -> asyncio.Future[Any]:
-        """Queue one encoded command; its reply (or error) resolves the future."""
+    def submit(self, data: bytes, script: Script | None, *, lazy: bool = False) -> asyncio.Future[Any]:
+        """Queue one encoded command; its reply (or error) resolves the future. `lazy` (a settlement,
+        which nobody waits for): it goes out with the next command that is not, or after `LAZY_S`."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.calls += 1
@@ -142,10 +148,10 @@ class ScriptPipe:
             self._waiting.append(entry)
             self._connect(loop)
             return future
-        self._push(entry, loop)
+        self._push(entry, loop, lazy)
         return future
 
-    def _push(self, entry: _Entry, loop: asyncio.AbstractEventLoop) -> None:
+    def _push(self, entry: _Entry, loop: asyncio.AbstractEventLoop, lazy: bool = False) -> None:
         entry[4] = loop.time() + self._timeout_s
         self._inflight.append(entry)
         self._out.append(entry[1])
@@ -153,12 +159,19 @@ class ScriptPipe:
             self._timer = loop.call_at(entry[4], self._check_timeout)
         if not self.batch:
             self._write()
-        elif not self._scheduled:
+        elif self._scheduled:
+            return
+        elif not lazy:
             self._scheduled = True
             loop.call_soon(self._write)
+        elif self._lazy is None:
+            self._lazy = loop.call_later(LAZY_S, self._write)
 
     def _write(self) -> None:
         self._scheduled = False
+        if self._lazy is not None:
+            self._lazy.cancel()
+            self._lazy = None
         out, self._out = self._out, []
         if not out or self._proto is None or self._proto.transport is None:
             return
@@ -221,7 +234,8 @@ class ScriptPipe:
     # ------------------------------------------------------------------ connection
     def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is not loop:  # first use, or a new event loop (tests): the old one is gone
-            self._proto, self._loop, self._connecting, self._timer = None, loop, None, None
+            self._proto, self._loop, self._connecting, self._timer, self._lazy = None, loop, None, None, None
+            self._scheduled = False
             self._inflight.clear()
             self._out = []
             self._waiting = [e for e in self._waiting if e[0].get_loop() is loop]

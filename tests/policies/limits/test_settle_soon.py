@@ -64,6 +64,7 @@ async def test_the_next_reservation_sees_a_settlement_not_waited_for(shared: Adm
     who = principal(shared.policy)
     plan = shared.policy.admission_plan(who, "big")
     tickets: list[Admitted] = []
+    writes = store.redis.pipeline.batches
     for i in range(20):
         ticket = await shared.admit(facts(who, prompt_tokens=100, max_tokens=1000), "big", now=T0)
         assert isinstance(ticket, Admitted) and ticket.source == "redis"
@@ -74,6 +75,9 @@ async def test_the_next_reservation_sees_a_settlement_not_waited_for(shared: Adm
         assert outcome.lease_active == [0]  # its lease went back before the probe's was taken
         await store.redis.apply(plan, Settlement(f"probe-{i}", "redis", [0.0], 0.0, outcome.budget_periods, 0.0))
     await shared.drain()
+    # per request: the reservation; the settlement, which waited and went out with the probe; the
+    # probe's own settlement (awaited here, so not held back)
+    assert store.redis.pipeline.batches - writes == 3 * 20
     assert shared.settle_soon(tickets[0], Usage(100, 10), model="big", now=T0) is None  # once only
 
 
