@@ -60,7 +60,7 @@ async def main() -> None:
             return
         admitted.append((time.time(), prompt + completion))
         await asyncio.sleep(0.02 + rng.random() * 0.18)  # the upstream call
-        await admission.settle(result, Usage(prompt, completion), model="m")
+        admission.settle_soon(result, Usage(prompt, completion), model="m")  # as the gateway does: not awaited
 
     control = aioredis.Redis.from_url(args.redis, socket_timeout=None)  # BLPOP waits longer than the default
     await control.lpush(f"{args.prefix}:ready", args.seed)

@@ -120,6 +120,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="regex over variant names (memory always runs)")
     parser.add_argument("--profile", default="", help="a folder: record a py-spy profile of each variant")
     parser.add_argument("--baseline", default="", help="another source tree: its memory and redis variants run too")
+    parser.add_argument("--baseline-label", default="", help="what the baseline tree is, for the results")
     parser.add_argument("--out", default=str(RESULTS / "overhead-store.md"))
     args = parser.parse_args()
     ensure_tools()
@@ -207,6 +208,16 @@ def write(
         f"{load0:.1f} at the start, {load1:.1f} at the end, on 2 cores shared with other work: absolute RPS "
         "moves with it; the ratios within a round, and CPU µs per request, much less.",
         "",
+        *(
+            [
+                f"Rows marked (baseline) are the memory and redis variants run from another source tree "
+                f"(`--baseline {args.baseline_label or args.baseline}`) in the same rounds, against the same "
+                "upstream and Redis.",
+                "",
+            ]
+            if args.baseline
+            else []
+        ),
         "| variant | RPS (median) | CPU µs / req (median) | RPS / memory (median of rounds) | "
         "memory CPU / variant CPU (median) | p50 ms | p99 ms | errors | Redis errors | admitted locally |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

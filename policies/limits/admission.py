@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 class Store(Protocol):
     """Counts; decides nothing but fit. `may_suspend` False (memory) = calls never await I/O.
 
-    Optional, used when a store has them: `apply_soon(plan, settlement, now_s)` starts a settlement
+    Optional, used when a store has them: `apply_soon(plan, settlement, now_s, lazy=)` starts a settlement
     at once and returns what completes it (None when already done; it never raises, failures are
     the store's to retry), and `abandon(plan, charge, now_s)` undoes a reservation whose caller gave
     up while it was on its way, whether or not it ran."""
@@ -97,9 +97,7 @@ class Admission:
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(6).hex() + "-"
         self._store_suspends = getattr(store, "may_suspend", True)
-        self._apply_soon: Callable[[Plan, Settlement, float | None], asyncio.Future[Any] | None] | None = getattr(
-            store, "apply_soon", None
-        )
+        self._apply_soon: Callable[..., asyncio.Future[Any] | None] | None = getattr(store, "apply_soon", None)
         self._abandon: Callable[[Plan, Charge, float | None], Coroutine[Any, Any, Any]] | None = getattr(
             store, "abandon", None
         )
@@ -195,10 +193,13 @@ class Admission:
         )
         self._start_apply(plan, settlement, None)
 
-    def _start_apply(self, plan: Plan, settlement: Settlement, now: float | None) -> asyncio.Future[Any] | None:
-        """Begin the store's settlement now; what completes it is tracked (`drain`) and returned."""
+    def _start_apply(
+        self, plan: Plan, settlement: Settlement, now: float | None, lazy: bool = True
+    ) -> asyncio.Future[Any] | None:
+        """Begin the store's settlement now; what completes it is tracked (`drain`) and returned.
+        `lazy`: nobody waits for it, so the store may hold it back briefly to share a write."""
         if self._apply_soon is not None:
-            pending = self._apply_soon(plan, settlement, now)
+            pending = self._apply_soon(plan, settlement, now, lazy=lazy)
         else:
             pending = asyncio.ensure_future(self.store.apply(plan, settlement, now))
         if pending is not None:
@@ -295,7 +296,7 @@ class Admission:
         Idempotent; never raises (accounting must not fail a response that already went out). Waits
         for the store; a cancelled caller does not cut the settlement short."""
         await self._settled(self.settle_soon(ticket, usage, model=model, charged_output_tokens=charged_output_tokens,
-                                             now=now))  # fmt: skip
+                                             now=now, lazy=False))  # fmt: skip
 
     def settle_soon(
         self,
@@ -305,6 +306,7 @@ class Admission:
         model: str,
         charged_output_tokens: int | None = None,
         now: float | None = None,
+        lazy: bool = True,
     ) -> asyncio.Future[Any] | None:
         """`settle` without waiting: the ticket is settled from now on (a second call is a no-op) and the
         store's work is under way (for Redis, queued on the connection before this returns, so a
@@ -338,16 +340,16 @@ class Admission:
                 ticket.generation,
                 actual,
             )
-            return self._start_apply(plan, settlement, now)
+            return self._start_apply(plan, settlement, now, lazy)
         except Exception:
             log.exception("settling ticket %s failed", ticket.ticket_id)
             return None
 
     async def release(self, ticket: Admitted, now: float | None = None) -> None:
         """The request never reached an engine: undo the whole reservation, request count included."""
-        await self._settled(self.release_soon(ticket, now))
+        await self._settled(self.release_soon(ticket, now, lazy=False))
 
-    def release_soon(self, ticket: Admitted, now: float | None = None) -> asyncio.Future[Any] | None:
+    def release_soon(self, ticket: Admitted, now: float | None = None, lazy: bool = True) -> asyncio.Future[Any] | None:
         """`release` without waiting (see `settle_soon`)."""
         if not isinstance(ticket, Admitted) or ticket.settled:
             return None
@@ -365,7 +367,7 @@ class Admission:
             ticket.generation,
         )
         try:
-            return self._start_apply(ticket.plan, settlement, now)
+            return self._start_apply(ticket.plan, settlement, now, lazy)
         except Exception:
             log.exception("releasing ticket %s failed", ticket.ticket_id)
             return None

@@ -15,6 +15,9 @@
   lets calls through, else from the replay queue; a reservation that succeeds on a retry after a
   successful void is used as usual. So neither a fail-open local admission nor a fail-closed 503
   leaves a charge, a lease or a ticket behind in Redis.
+- The breaker counts failures, not failed commands: the commands of one connection that timed out
+  (or one batch) share one exception, which counts once, so a single stall of Redis under load
+  cannot trip it by itself (each failed reservation is still voided and retried as above).
 - Replay does not wait for the next request: while anything is queued a task retries it, paced by
   the breaker. Any success after local admissions (not only the breaker closing) discards the local
   buckets, so a later short failure starts from what Redis reported since, never from stale numbers.
@@ -68,6 +71,7 @@ class FailoverStore:
         self._flushing: asyncio.Task[None] | None = None
         self._ops = 0
         self._offset_s = 0.0  # Redis TIME - local clock, from the latest reply
+        self._last_failure: BaseException | None = None
         self.stats = {
             "redis_errors": 0,
             "precheck_rejections": 0,
@@ -163,11 +167,13 @@ class FailoverStore:
 
     # ------------------------------------------------------------------ settle
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
-        pending = self.apply_soon(plan, settlement, now_s)
+        pending = self.apply_soon(plan, settlement, now_s, lazy=False)
         if pending is not None:
             await pending
 
-    def apply_soon(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> asyncio.Future[None] | None:
+    def apply_soon(
+        self, plan: Plan, settlement: Settlement, now_s: float | None = None, *, lazy: bool = True
+    ) -> asyncio.Future[None] | None:
         """`apply` begun before this returns: the local state and the mirror are updated and the
         script is queued on Redis's connection (so this process's next reservation runs after it).
         The future completes once Redis answered or the settlement went to the replay queue; it never
@@ -176,20 +182,20 @@ class FailoverStore:
             if settlement.generation == self.local.generation:
                 self.local.apply_now(plan, settlement, self.store_now(now_s))
             if (plan.budgets and settlement.actual_cost_usd > 0.0) or any(settlement.actual_bucket_costs):
-                return self._send_soon("charge", plan, settlement, now_s)  # what it cost, counted everywhere
+                return self._send_soon("charge", plan, settlement, now_s, lazy)  # what it cost, counted everywhere
             return None
         self.mirror.settled(plan, settlement)
-        return self._send_soon("settle", plan, settlement, now_s)
+        return self._send_soon("settle", plan, settlement, now_s, lazy)
 
     def _send_soon(
-        self, op: str, plan: Plan, settlement: Settlement, now_s: float | None
+        self, op: str, plan: Plan, settlement: Settlement, now_s: float | None, lazy: bool
     ) -> asyncio.Future[None] | None:
         if not self.breaker.allow():
             self._queue(op, plan, settlement)
             return None
         reply: asyncio.Future[Any]
         if op == "settle":
-            reply = self.redis.apply_future(plan, settlement, now_s)
+            reply = self.redis.apply_future(plan, settlement, now_s, lazy=lazy)
         else:
             reply = asyncio.ensure_future(self.redis.charge_budgets(plan, settlement, now_s))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -226,6 +232,9 @@ class FailoverStore:
     # ------------------------------------------------------------------ health
     def _failed(self, exc: BaseException) -> None:
         self.stats["redis_errors"] += 1
+        if exc is self._last_failure:  # one lost connection or batch, seen by each command on it
+            return
+        self._last_failure = exc
         was = self.breaker.state
         self.breaker.failure()
         if was != "open" and self.breaker.state == "open":

@@ -81,7 +81,7 @@ class MemoryStore:
     async def apply(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> bool:
         return self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
 
-    def apply_soon(self, plan: Plan, settlement: Settlement, now_s: float | None = None) -> None:
+    def apply_soon(self, plan: Plan, settlement: Settlement, now_s: float | None = None, *, lazy: bool = True) -> None:
         """`Store.apply_soon`: done before it returns."""
         self.apply_now(plan, settlement, self._clock() if now_s is None else now_s)
 

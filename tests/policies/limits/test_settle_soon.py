@@ -154,3 +154,29 @@ async def test_close_fails_calls_still_waiting_for_a_connection(redis_url: str, 
     await store.close()
     with pytest.raises(Exception, match="closed"):
         await asyncio.wait_for(call, 10)
+
+
+async def test_one_stall_counts_once_against_the_breaker(
+    own_redis: RedisProcess, stalling: Callable[[], Admission]
+) -> None:
+    """Ten reservations on one connection that times out fail with one error: the breaker (3 failures)
+    hears of it once, and once more for their voids, so a single stall cannot open it by itself."""
+    adm = stalling()
+    store = adm.store
+    assert isinstance(store, FailoverStore)
+    who = principal(adm.policy)
+    warm = await adm.admit(facts(who), "big")
+    assert isinstance(warm, Admitted)
+    adm.settle_soon(warm, Usage(100, 10), model="big")
+    await adm.drain()
+    with own_redis.stalled(0.6):
+        results = await asyncio.gather(*(adm.admit(facts(who), "big") for _ in range(10)))
+    assert store.stats["redis_errors"] >= 10
+    assert store.breaker.trips == 0 and store.breaker.state == "closed"
+    await asyncio.sleep(0.7)
+    await drained(adm)
+    served = [r for r in results if isinstance(r, Admitted)]
+    for ticket in served:
+        adm.settle_soon(ticket, Usage(100, 10), model="big")
+    await drained(adm)
+    assert leftovers(own_redis) == {"tickets": 0, "leases": 0}
