@@ -131,10 +131,11 @@ def main() -> None:
     lines += [
         "",
         "Reading: the memory store costs microseconds. With Redis, one round trip per admit and one per "
-        "settle is the whole cost; the script itself is tens of microseconds on the server, and the rest is "
-        "the client (redis-py) and the loopback socket. Going from 3 to 6 buckets adds about 6 µs of "
-        "script time per bucket. With requests in flight, pipelining the script calls of one loop turn "
-        "into one write roughly doubles the admissions one event loop sustains. "
+        "settle is the whole cost (the gateway waits for the admit only: its settle is queued and answered "
+        "in the background; here both are awaited); the script itself is tens of microseconds on the "
+        "server, and the rest is the client (the limiter's own pipelined connection, `ScriptPipe`) and the "
+        "loopback socket. Going from 3 to 6 buckets adds about 6 µs of script time per bucket. With "
+        "requests in flight, the script calls of one loop turn share one write. "
         "The p99 on this shared 2-vCPU VM is dominated by scheduling noise "
         "(other processes, including Redis, compete for the two cores).",
         "",
