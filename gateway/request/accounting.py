@@ -11,6 +11,7 @@ went away) can delay the answer or cut the settlement short.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,12 +41,14 @@ class Reservation:
         self.ended = False
 
     async def settle(self, usage: Usage | None, counted_output_tokens: int) -> None:
-        """Charge what was used (see `settle_soon`: nothing here waits)."""
+        """Charge what was used (see `settle_soon`: the store is not waited for)."""
         self.settle_soon(usage, counted_output_tokens)
+        await asyncio.sleep(0)  # one turn of the loop for what the settlement set off
 
     async def release(self) -> None:
         """Undo it all (nothing reached an engine)."""
         self.release_soon()
+        await asyncio.sleep(0)
 
     def settle_soon(self, usage: Usage | None, counted_output_tokens: int) -> None:
         if not self.ended:
