@@ -35,10 +35,11 @@ from policies.flow import reserve, vtc
 from policies.flow.bands import band_name, band_rank
 from policies.flow.config import FlowSettings
 from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
-from policies.flow.saturation import endpoint_saturation, open_endpoints
+from policies.flow.saturation import SaturationLimits, endpoint_saturation, open_endpoints
 from policies.holder import PolicyHolder
 from predictor.length import OutputPrediction
 
+_LIMITS_KEPT = 256
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -68,6 +69,9 @@ class FlowHook(Hook):
     checks: Sequence[GateCheck] = ()
     now: Callable[[], float] = field(default=time.monotonic)
     _leases: dict[int, Lease] = field(default_factory=dict)  # id(ctx) -> the dispatch it is charged for
+    # (pool, max_num_seqs) -> its limits under `_limits_of`: merging them is a pydantic dump, not per-request work
+    _limits: dict[tuple[str, int | None], SaturationLimits] = field(default_factory=dict)
+    _limits_of: FlowSettings | None = None
 
     async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
         facts = ctx.facts
@@ -166,7 +170,7 @@ class FlowHook(Hook):
         """The routed endpoint if it can start a request now, else one that can, else Blocked.POOL;
         Blocked.TENANT when the slots left are the reserve and this tenant is over its share."""
         pool = routed.pool
-        limits = self.settings.limits(pool.name, pool.config.max_num_seqs)
+        limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
         if limits.reserve_slots and limits.max_num_seqs:
             free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
@@ -183,6 +187,19 @@ class FlowHook(Hook):
         if again is None or again.endpoint.id not in can:
             return Blocked.POOL
         return again
+
+    def _pool_limits(self, pool: str, max_num_seqs: int | None) -> SaturationLimits:
+        """The pool's limits, merged once per settings object (a replaced `settings` starts afresh)."""
+        if self._limits_of is not self.settings:
+            self._limits.clear()
+            self._limits_of = self.settings
+        key = (pool, max_num_seqs)
+        found = self._limits.get(key)
+        if found is None:
+            if len(self._limits) >= _LIMITS_KEPT:
+                self._limits.clear()  # pools and settings come from config: this is only a bound
+            found = self._limits[key] = self.settings.limits(pool, max_num_seqs)
+        return found
 
     @staticmethod
     def _predicted_ttft(routed: Routed) -> dict[str, float]:

@@ -54,6 +54,10 @@ def _default_bands() -> dict[str, BandPolicy]:
     return {name: BandPolicy(max_queue_ms=ms) for name, ms in DEFAULT_BAND_QUEUE_MS.items()}
 
 
+# built once: `FlowPolicy.band` runs per request, and the models are frozen, so one set serves all
+_DEFAULT_BANDS: dict[str, BandPolicy] = _default_bands()
+
+
 class FlowPolicy(_Strict):
     fairness: Literal["vtc", "arrival"] = Field(
         default="vtc", description="inside a band: least virtual counter first (vtc) or arrival order"
@@ -65,4 +69,4 @@ class FlowPolicy(_Strict):
 
     def band(self, name: str) -> BandPolicy:
         found = self.bands.get(name)  # type: ignore[call-overload]
-        return found if found is not None else _default_bands()[name]
+        return found if found is not None else _DEFAULT_BANDS[name]
