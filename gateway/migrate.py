@@ -22,6 +22,8 @@ the `Resume` the walk gives it.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -194,7 +196,11 @@ class Resumer:
     `route(avoid)` picks another ready endpoint of the stream's pool (the router, as for any
     request, minus the endpoints that cut it); `send(endpoint, body)` opens the continuation there
     (the dispatch's body shaping, headers and upstream client); `RetryableUpstream`-style failures
-    surface as a None answer, and the next endpoint is tried (twice at most)."""
+    surface as a None answer, and the next endpoint is tried (twice at most). A pool whose other
+    replicas are all out of routing at the moment of the cut (a health probe that timed out on a busy
+    host, a replica still starting) is asked again for up to `wait_s` while `others(avoid)` says
+    the pool has an endpoint left to try: the client's stream stalls for that long instead of ending
+    with the error event."""
 
     body: Mapping[str, Any]
     api: str
@@ -202,7 +208,10 @@ class Resumer:
     first_endpoint: str
     route: Callable[[frozenset[str]], Endpoint | None]
     send: Callable[[Endpoint, dict[str, Any]], Awaitable[Response | None]]
+    others: Callable[[frozenset[str]], bool] = lambda avoid: False
     avoid: set[str] = field(default_factory=set)
+    wait_s: float = 10.0
+    poll_s: float = 0.2
 
     async def __call__(self, text: str, sent_tokens: int) -> Resumed | None:
         self.avoid.add(self.first_endpoint)
@@ -210,7 +219,7 @@ class Resumer:
         if body is None:
             return None
         for _ in range(2):
-            endpoint = self.route(frozenset(self.avoid))
+            endpoint = await self._routed()
             if endpoint is None:
                 return None
             self.avoid.add(endpoint.id)
@@ -222,3 +231,11 @@ class Resumer:
             ticket.first_token(self.prompt_tokens + sent_tokens)
             return Resumed(response, ticket, endpoint.id, self.prompt_tokens, self.api)
         return None
+
+    async def _routed(self) -> Endpoint | None:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            endpoint = self.route(frozenset(self.avoid))
+            if endpoint is not None or time.monotonic() >= deadline or not self.others(frozenset(self.avoid)):
+                return endpoint
+            await asyncio.sleep(self.poll_s)

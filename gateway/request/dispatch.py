@@ -280,7 +280,10 @@ class Dispatch:
                 log.warning("stream continuation on %s failed: %s", endpoint.id, exc)
                 return None
 
-        return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send)
+        def others(avoid: frozenset[str]) -> bool:
+            return any(e.id not in avoid for e in pool.endpoints)
+
+        return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send, others)
 
     def upstream_body(
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None

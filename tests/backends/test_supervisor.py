@@ -228,7 +228,7 @@ def test_engines_stop_when_the_gateway_gets_sigint(tmp_path: Path) -> None:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 2
         parent.send_signal(signal.SIGINT)
-        parent.wait(30)
+        parent.wait(120)  # a drain on a loaded host: what matters is that it ends and nothing outlives it
         for pid in pids:
             assert _gone(pid), f"engine {pid} outlived the gateway"
     finally:

@@ -6,7 +6,15 @@ from typing import Any
 
 import orjson
 
-from gateway.migrate import Splice, can_migrate, continuation_body, sent_text, stream_identity
+from backends.types import Endpoint
+from gateway.migrate import Resumer, Splice, can_migrate, continuation_body, sent_text, stream_identity
+
+CHAT: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "Tell me"}],
+    "max_tokens": 50,
+    "stream": True,
+}
 
 
 def chunk(content: str | None = None, *, role: str | None = None, finish: str | None = None, cid: str = "a") -> bytes:
@@ -76,3 +84,48 @@ def test_splice_reads_as_the_original_stream() -> None:
     assert usage["completion_tokens"] == 7 and usage["total_tokens"] == 107
     assert usage["prompt_tokens_details"]["cached_tokens"] == 100
     assert out[-1] == b"data: [DONE]"
+
+
+def _endpoint(name: str) -> Endpoint:
+    return Endpoint(id=name, pool="p", base_url="http://127.0.0.1:1", engine="sim", served_model="m")
+
+
+async def test_a_cut_waits_for_another_replica_to_come_back_into_routing() -> None:
+    # The other replica is out of routing for the first asks (a probe that timed out on a busy host):
+    # the continuation waits for it instead of ending the stream at once.
+    other = _endpoint("p/both-1")
+    asked: list[frozenset[str]] = []
+
+    def route(avoid: frozenset[str]) -> Endpoint | None:
+        asked.append(avoid)
+        return other if len(asked) >= 3 and other.id not in avoid else None
+
+    sent: list[str] = []
+
+    async def send(endpoint: Endpoint, body: dict[str, Any]) -> None:
+        sent.append(endpoint.id)
+        return None  # the continuation fails there too: the resumer gives up after trying it
+
+    resumer = Resumer(
+        CHAT, "chat", 10, "p/both-0", route, send, lambda avoid: other.id not in avoid, wait_s=30.0, poll_s=0.0
+    )
+    assert await resumer("Once upon", 2) is None
+    assert sent == ["p/both-1"]
+    assert asked[0] == frozenset({"p/both-0"})
+    assert len(asked) == 4  # two misses, the hit, then one more ask that finds nobody left to try
+    assert other.inflight.requests == 0  # the failed continuation's load ticket ended
+
+
+async def test_a_cut_with_no_replica_left_ends_at_once() -> None:
+    asked: list[frozenset[str]] = []
+
+    def route(avoid: frozenset[str]) -> Endpoint | None:
+        asked.append(avoid)
+        return None
+
+    async def send(endpoint: Endpoint, body: dict[str, Any]) -> None:
+        raise AssertionError("nothing to send to")
+
+    resumer = Resumer(CHAT, "chat", 10, "p/both-0", route, send, lambda avoid: False, wait_s=30.0, poll_s=0.0)
+    assert await resumer("Once upon", 2) is None
+    assert len(asked) == 1
