@@ -141,7 +141,8 @@ def keys_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def keys_update(args: argparse.Namespace) -> int:
+def _shared_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """What `keys update` and `tenants update` both change: limits (set or cleared), models, priority."""
     body: dict[str, Any] = {}
     if _limits(args):
         body["limits"] = _limits(args)
@@ -151,6 +152,11 @@ def keys_update(args: argparse.Namespace) -> int:
         body["models"] = _models(args.models) or None
     if args.priority:
         body["priority"] = args.priority
+    return body
+
+
+def keys_update(args: argparse.Namespace) -> int:
+    body = _shared_changes(args)
     if _metadata(args):
         body["metadata"] = _metadata(args)
     body.update(_expiry(args.expires))
@@ -217,15 +223,7 @@ def tenants_show(args: argparse.Namespace) -> int:
 
 
 def tenants_update(args: argparse.Namespace) -> int:
-    body: dict[str, Any] = {}
-    if _limits(args):
-        body["limits"] = _limits(args)
-    for name in args.clear or []:
-        body.setdefault("limits", {})[name] = None
-    if args.models is not None:
-        body["models"] = _models(args.models) or None
-    if args.priority:
-        body["priority"] = args.priority
+    body = _shared_changes(args)
     if args.slo_class:
         body["slo_class"] = args.slo_class
     _print(admin_call(args, "PATCH", f"/admin/tenants/{urllib.parse.quote(args.name)}", body))

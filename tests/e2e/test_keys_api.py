@@ -173,5 +173,7 @@ def test_the_cli_makes_lists_rotates_and_revokes_keys(
     assert rejected(gateway, secret) and not rejected(gateway, new_secret)
     assert cli("keys", "update", "cli-1", "--tpm", "1234").returncode == 0
     assert json.loads(cli("keys", "show", "cli-1").stdout)["limits"] == {"rpm": 50, "tpm": 1234}
+    assert cli("tenants", "update", "team-a", "--rpm", "77", "--clear", "tpm").returncode == 0
+    assert json.loads(cli("tenants", "show", "team-a").stdout)["limits"] == {"rpm": 77}
     assert cli("keys", "revoke", "cli-1").returncode == 0
     assert rejected(gateway, new_secret)
