@@ -23,7 +23,7 @@ LIMIT_FLAGS = ("rpm", "rpd", "tpm", "tpd", "max_concurrent", "usd_per_day", "usd
 
 
 class AdminError(Exception):
-    pass
+    """An admin API call the gateway refused or could not be reached for; the CLI prints it and exits 1."""
 
 
 def admin_call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
