@@ -31,7 +31,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -87,7 +87,9 @@ class BatchRunner:
         *,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.time,
+        usage_committed: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
+        self._usage_committed = usage_committed
         self.store = store
         self.settings = settings
         self.policies = policies
@@ -374,6 +376,10 @@ class BatchRunner:
             self.wake()
 
     async def _record(self, meta: BatchMeta, result: LineResult, outcome: str) -> None:
+        # The line's usage record reaches the ledger file before its result counts as done: a
+        # kill -9 in between would keep the answer (never re-run) and lose its only record.
+        if self._usage_committed is not None:
+            await self._usage_committed()
         recorded = await self.store.record(meta.id, [result])
         self._attempts.pop((meta.id, result.index), None)
         self.observer.line(outcome if recorded[0] else "duplicate")

@@ -74,6 +74,7 @@ async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
         capacity,
         walk_runner(app[appkeys.DIRECTOR], app[RESPONSE_STORE]),
         observer=metrics,
+        usage_committed=ledger.flush if (ledger := app[appkeys.LEDGER]) is not None else None,
     )
     metrics.register(app[appkeys.METRICS].registry, lambda: runner.lines_in_flight, lambda: runner.statuses)
     app[BATCH] = BatchService(store, settings, app[appkeys.POLICIES], runner.wake)
