@@ -177,6 +177,49 @@ async def send(session: aiohttp.ClientSession, url: str, shot: Shot, out: Outcom
             out.tpot_s = (last - first) / (out.completion_tokens - 1)
 
 
+@dataclass(slots=True)
+class ChatStream:
+    """What a streamed chat completion said, as far as it was read: a timeout that cuts the read keeps
+    what had come (the TTFT of a request that then timed out is still a TTFT)."""
+
+    error: bool = False  # the stream carried an error event
+    ttft_s: float | None = None  # to the first chunk with content
+    finish: str = ""  # the last finish reason
+    usage: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # the simulated engine's, beside the usage
+
+
+async def error_code(resp: aiohttp.ClientResponse) -> str:
+    """The `error.code` of a refused request's body ("unparsable" when it is not JSON)."""
+    try:
+        return str((orjson.loads(await resp.read()).get("error") or {}).get("code") or "")
+    except orjson.JSONDecodeError:
+        return "unparsable"
+
+
+async def read_chat_stream(resp: aiohttp.ClientResponse, start: float, seen: ChatStream) -> None:
+    """Reads a `/v1/chat/completions` stream line by line into `seen`, until its end or an error
+    event; `start` is the `perf_counter` the TTFT counts from. (The completions client above parses
+    less, to keep its own CPU small; the chat clients want the finish reason and every usage field.)"""
+    async for line in resp.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = orjson.loads(line[6:])
+        if "error" in chunk:
+            seen.error = True
+            return
+        for choice in chunk.get("choices") or ():
+            if seen.ttft_s is None and (choice.get("delta") or {}).get("content"):
+                seen.ttft_s = time.perf_counter() - start
+            if choice.get("finish_reason"):
+                seen.finish = str(choice["finish_reason"])
+        usage = chunk.get("usage")
+        if usage:
+            seen.usage = usage
+            metrics = chunk.get("metrics")
+            seen.metrics = metrics if isinstance(metrics, dict) else {}
+
+
 class Progress:
     """One status line on stderr, at most every few seconds."""
 

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 
 from bench.autoscale.workload import Arrival
+from bench.loadgen import ChatStream, error_code, read_chat_stream
 from bench.replay.workload import PromptBuilder, TraceRequest
 
 
@@ -91,6 +92,7 @@ async def send(
     if debug:
         headers["x-tokenway-debug"] = "1"
     start = time.perf_counter()
+    seen = ChatStream()
     try:
         async with (
             asyncio.timeout(timeout_s),
@@ -104,36 +106,21 @@ async def send(
                 if part.startswith("pd="):
                     out.pd = part[3:]
             if resp.status != 200:
-                try:
-                    out.code = str((orjson.loads(await resp.read()).get("error") or {}).get("code") or "")
-                except orjson.JSONDecodeError:
-                    out.code = "unparsable"
+                out.code = await error_code(resp)
                 return
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    out.code = "stream_error"
-                    break
-                for choice in chunk.get("choices") or ():
-                    if out.ttft_s is None and (choice.get("delta") or {}).get("content"):
-                        out.ttft_s = time.perf_counter() - start
-                    if choice.get("finish_reason"):
-                        out.finish = str(choice["finish_reason"])
-                usage = chunk.get("usage")
-                if usage:
-                    out.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    timings = chunk.get("metrics") or {}
-                    if isinstance(timings, dict) and "ttft_s" in timings:
-                        out.engine_ttft_s = float(timings["ttft_s"])
-                        out.engine_tpot_s = float(timings.get("tpot_s") or 0.0)
+            await read_chat_stream(resp, start, seen)
     except TimeoutError:
         out.code = "client_timeout"
     except aiohttp.ClientError as exc:
         out.code = f"client_error:{type(exc).__name__}"
     finally:
         out.e2e_s = time.perf_counter() - start
+        out.code = out.code or ("stream_error" if seen.error else "")
+        out.ttft_s, out.finish = seen.ttft_s, seen.finish
+        out.completion_tokens = int(seen.usage.get("completion_tokens") or 0)
+        if "ttft_s" in seen.metrics:
+            out.engine_ttft_s = float(seen.metrics["ttft_s"])
+            out.engine_tpot_s = float(seen.metrics.get("tpot_s") or 0.0)
 
 
 async def replay(

@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from bench.fairness.workload import MAX_TOKENS, Request
+from bench.loadgen import ChatStream, error_code, read_chat_stream
 
 
 @dataclass(slots=True)
@@ -63,38 +64,27 @@ async def send(session: aiohttp.ClientSession, url: str, key: str, data: bytes, 
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-tokenway-debug": "1"}
     start = time.perf_counter()
     endpoint = url + "/v1/chat/completions"
+    seen = ChatStream()
     try:
         async with asyncio.timeout(timeout_s), session.post(endpoint, data=data, headers=headers) as resp:
             out.status = resp.status
             out.queued_ms = float(resp.headers.get("x-tokenway-queued-ms", 0) or 0)
             out.flow = resp.headers.get("x-tokenway-flow", "")
             if resp.status != 200:
-                try:
-                    out.code = str((orjson.loads(await resp.read()).get("error") or {}).get("code") or "")
-                except orjson.JSONDecodeError:
-                    out.code = "unparsable"
+                out.code = await error_code(resp)
                 return
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = orjson.loads(line[6:])
-                if "error" in chunk:
-                    out.code = "stream_error"
-                    break
-                if chunk.get("choices") and out.ttft_s is None and chunk["choices"][0].get("delta", {}).get("content"):
-                    out.ttft_s = time.perf_counter() - start
-                usage = chunk.get("usage")
-                if usage:
-                    out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    out.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = int(details.get("cached_tokens") or 0)
+            await read_chat_stream(resp, start, seen)
     except TimeoutError:
         out.code = "client_timeout"
     except aiohttp.ClientError as exc:
         out.code = f"client_error:{type(exc).__name__}"
     finally:
         out.e2e_s = time.perf_counter() - start
+        out.code = out.code or ("stream_error" if seen.error else "")
+        out.ttft_s = seen.ttft_s
+        out.prompt_tokens = int(seen.usage.get("prompt_tokens") or 0)
+        out.completion_tokens = int(seen.usage.get("completion_tokens") or 0)
+        out.cached_tokens = int((seen.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def replay(

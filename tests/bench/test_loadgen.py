@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
 
@@ -97,3 +98,26 @@ def test_prediction_header() -> None:
     values, source = loadgen.parse_prediction("ttft=12.5;ttft_p90=20;tpot=8;tpot_p90=9.5;source=model")
     assert values == {"ttft": 12.5, "ttft_p90": 20.0, "tpot": 8.0, "tpot_p90": 9.5} and source == "model"
     assert loadgen.parse_prediction(None) == ({}, "")
+
+
+async def test_the_chat_stream_reader_keeps_ttft_finish_usage_and_the_engines_timings(engine: str) -> None:
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    seen = loadgen.ChatStream()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(engine + "/v1/chat/completions", data=body, headers=loadgen.bearer("none")) as resp:
+            assert resp.status == 200
+            await loadgen.read_chat_stream(resp, 0.0, seen)
+        missing = orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
+        async with session.post(engine + "/v1/chat/completions", data=missing, headers=loadgen.bearer("none")) as resp:
+            assert resp.status == 404 and await loadgen.error_code(resp) == "404"
+    assert not seen.error and seen.ttft_s is not None and seen.finish == "length"
+    assert seen.usage["completion_tokens"] == 6 and seen.metrics["ttft_s"] > 0
