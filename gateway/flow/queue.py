@@ -53,6 +53,7 @@ from policies.flow.share import ServiceWindow, fair_share_ratios
 
 _TRIES_PER_ROUND: Final = 4  # requests offered the turn per round before waiting for the next event
 _GRANT_TIMEOUT_S: Final = 1.0  # a grant whose task never resumed stops blocking the room after this
+_CREDITS_KEPT: Final = 4096  # held-back refunds, one per (pool, band, tenant); beyond it they land at once
 
 WaitObserver = Callable[[str, int, str, float], None]  # (pool, band, tenant, seconds waited)
 
@@ -65,6 +66,7 @@ class _Entry(Generic[T]):
     future: asyncio.Future[T]
     enqueued_s: float
     blocked: Blocked | None = None
+    floor: float | None = None  # the band's floor it was lifted to on arrival (None: its tenant was waiting)
 
     @property
     def band(self) -> int:
@@ -94,7 +96,8 @@ class _Room:
 @dataclass(slots=True)
 class Lease:
     """A dispatched request's fairness account: `finished` corrects its tenant's counter with the real
-    cost (once) and tells the room capacity may have freed."""
+    cost (once) and tells the room capacity may have freed. An overrun is charged at once; a refund is
+    held back until the tenant's next dispatch (`FlowQueue.hold_credit`): it ends as a slot frees."""
 
     queue: FlowQueue
     pool: str
@@ -113,8 +116,11 @@ class Lease:
         self.queue.activity.inflight(self.pool, self.tenant, self.band, self.weight, -1)
         if actual_cost_tokens is not None:
             delta = vtc.correction(self.cost_tokens, actual_cost_tokens, self.weight)
-            if delta:
+            if delta > 0:
                 self.queue.counters.charge(self.pool, self.band, self.tenant, delta, dispatch=False)
+            elif delta < 0:
+                self.queue.hold_credit(self.pool, self.band, self.tenant, delta)
+            if delta:
                 self.queue.share(self.pool).add(self.tenant, delta * self.weight, self.queue.now())
         self.queue.notify(self.pool)
 
@@ -146,6 +152,7 @@ class FlowQueue:
         self.activity = Activity(active_s, now=now)
         self._rooms: dict[str, _Room] = {}
         self._shares: dict[str, ServiceWindow] = {}
+        self._credits: dict[tuple[str, int, str], float] = {}  # refunds waiting for the tenant's next dispatch
         self._seq = itertools.count(1)
 
     # --- entry ------------------------------------------------------------------------------------
@@ -160,7 +167,8 @@ class FlowQueue:
             verdict = ready()
             if not isinstance(verdict, Blocked):
                 self._observe_wait(pool, request, 0.0)
-                return verdict, self._dispatch(room, request, queued_s=0.0, waited=False)
+                floor = self.counters.last_served(pool, request.band)  # nothing of its tenant waits
+                return verdict, self._dispatch(room, request, queued_s=0.0, floor=floor)
             blocked = verdict
         entry = self._enter(room, request, ready, now, blocked)
         try:
@@ -183,7 +191,7 @@ class FlowQueue:
         waited_s = self.now() - entry.enqueued_s
         asyncio.get_running_loop().call_soon(self._resumed, room, entry)
         self._observe_wait(pool, request, waited_s)
-        return value, self._dispatch(room, request, queued_s=waited_s, waited=True)
+        return value, self._dispatch(room, request, queued_s=waited_s, floor=entry.floor)
 
     def notify(self, pool: str) -> None:
         """Capacity may have freed on `pool` (a request ended, a first token, a replica is ready)."""
@@ -203,6 +211,18 @@ class FlowQueue:
         if band is None:
             return len(room.entries)
         return sum(len(v) for v in room.bands.get(band, {}).values())
+
+    def hold_credit(self, pool: str, band: int, tenant: str, credit: float) -> None:
+        """Keep a refund (≤ 0, ÷ weight) for the tenant's next dispatch in (pool, band). Tenants come
+        from configuration; the bound only keeps a misconfiguration from growing the table."""
+        key = (pool, band, tenant)
+        if key not in self._credits and len(self._credits) >= _CREDITS_KEPT:
+            self.counters.charge(pool, band, tenant, credit, dispatch=False)
+            return
+        self._credits[key] = self._credits.get(key, 0.0) + credit
+
+    def held_credit(self, pool: str, band: int, tenant: str) -> float:
+        return self._credits.get((pool, band, tenant), 0.0)
 
     def share(self, pool: str) -> ServiceWindow:
         found = self._shares.get(pool)
@@ -259,6 +279,7 @@ class FlowQueue:
                 victim.future.set_exception(self._rejection(room, victim, REASON_SHED))
         tenants = room.bands.setdefault(request.band, {})
         own = tenants.get(request.tenant)
+        floor: float | None = None
         if not own:  # returning after idling in this band: no banked credit
             floor = vtc.band_floor(
                 {t: self.counters.value(room.pool, request.band, t) for t, w in tenants.items() if w},
@@ -268,7 +289,7 @@ class FlowQueue:
             self.counters.lift(room.pool, request.band, request.tenant, floor)
             own = tenants[request.tenant] = []
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        entry: _Entry[T] = _Entry(next(self._seq), request, ready, future, now, blocked)
+        entry: _Entry[T] = _Entry(next(self._seq), request, ready, future, now, blocked, floor)
         others = bool(room.entries)
         own.append(entry)
         room.entries[entry.seq] = entry
@@ -375,14 +396,14 @@ class FlowQueue:
 
     # --- dispatch and exits ---------------------------------------------------------------------------
 
-    def _dispatch(self, room: _Room, request: FlowRequest, *, queued_s: float, waited: bool) -> Lease:
-        """Charge the dispatch to its tenant's counter. A request that never waited comes from a
-        tenant with nothing waiting: it is lifted to the band's floor first (a waiting one was lifted
-        when it arrived)."""
+    def _dispatch(self, room: _Room, request: FlowRequest, *, queued_s: float, floor: float | None) -> Lease:
+        """Charge the dispatch to its tenant's counter, less the refunds held back since the tenant's
+        last dispatch. A tenant coming back (`floor`: nothing of it was waiting when this request
+        came) is lifted to the band's floor, and its refunds never take it below that floor."""
         pool, band, tenant = room.pool, request.band, request.tenant
-        if not waited:
-            self.counters.lift(pool, band, tenant, self.counters.last_served(pool, band))
-        self.counters.charge(pool, band, tenant, vtc.charge(request.cost_tokens, request.weight), dispatch=True)
+        credit = self._credits.pop((pool, band, tenant), 0.0)
+        cost = vtc.charge(request.cost_tokens, request.weight)
+        self.counters.charge(pool, band, tenant, cost, dispatch=True, credit=credit, floor=floor)
         self.share(pool).add(tenant, request.cost_tokens, self.now())
         room.dispatched += 1
         self.activity.inflight(pool, tenant, band, request.weight, 1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from policies.flow import vtc
+
 
 class Counters(Protocol):
     def value(self, pool: str, band: int, tenant: str) -> float: ...
@@ -23,9 +25,21 @@ class Counters(Protocol):
         """Raise the tenant's counter to `floor` if below (a tenant returning after idling)."""
         ...
 
-    def charge(self, pool: str, band: int, tenant: str, delta: float, *, dispatch: bool) -> None:
-        """Add `delta` (a dispatch's cost ÷ weight, or an end-of-request correction); a dispatch also
-        becomes the band's last served counter (its value before the delta)."""
+    def charge(
+        self,
+        pool: str,
+        band: int,
+        tenant: str,
+        delta: float,
+        *,
+        dispatch: bool,
+        credit: float = 0.0,
+        floor: float | None = None,
+    ) -> None:
+        """Add `delta` (a dispatch's cost ÷ weight, or an end-of-request correction). A dispatch first
+        lifts the counter to `floor` (when given), then takes off `credit` (refunds held back since
+        the tenant's last dispatch, ≤ 0; never below `floor`), and that value becomes the band's last
+        served counter before the delta is added."""
         ...
 
     def watch(self, pool: str, band: int, waiting: bool) -> None:
@@ -75,9 +89,19 @@ class MemoryCounters:
         if values.get(tenant, 0.0) < floor:
             values[tenant] = floor
 
-    def charge(self, pool: str, band: int, tenant: str, delta: float, *, dispatch: bool) -> None:
+    def charge(
+        self,
+        pool: str,
+        band: int,
+        tenant: str,
+        delta: float,
+        *,
+        dispatch: bool,
+        credit: float = 0.0,
+        floor: float | None = None,
+    ) -> None:
         state = self._band(pool, band)
-        value = state.values.get(tenant, 0.0)
+        value = vtc.credited(state.values.get(tenant, 0.0), credit, floor)
         if dispatch:
             state.last_served = value
         state.values[tenant] = value + delta

@@ -2,11 +2,12 @@
 
 Each replica orders its own waiting room from a local view of every (pool, band) it serves; the view
 is changed at once by the replica's own dispatches and completions, so ordering never waits on
-Redis. Each change is also one small atomic script call (`vtc.lua`: lift, add, remember the last
-served) whose reply carries the band's counters as Redis holds them: the view is rebuilt from it, so
-every reply also brings in the other replicas' charges. While requests wait in a band the view is
-re-read every `refresh_s` as well, so an idle replica's changes arrive even when this one dispatches
-nothing. `age_s` is the time since the view last heard from Redis: the staleness of the shared part.
+Redis. Each change is also one small atomic script call (`vtc.lua`: lift, take off held-back
+refunds, remember the last served, add) whose reply carries the band's counters as Redis holds
+them: the view is rebuilt from it, so every reply also brings in the other replicas' charges.
+While requests wait in a band the view is re-read every `refresh_s` as well, so an idle replica's
+changes arrive even when this one dispatches nothing. `age_s` is the time since the view last
+heard from Redis: the staleness of the shared part.
 
 Changes that Redis has not acknowledged stay in the view as pending deltas (and lifts) on top of the
 last reply; a reply older than one already applied is ignored. A failed call keeps its delta locally
@@ -30,13 +31,26 @@ from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from policies.flow import vtc
 from policies.limits.autopipeline import AutoPipeline, Script
 
 log = logging.getLogger("tokenway.flow.counters")
 
 _TTL_MS = 86_400_000
 _MAX_PENDING_CALLS = 10_000  # beyond this many unanswered calls, changes stay local (counted)
-_READ_ONLY = ("", "", "0", "0", str(_TTL_MS))  # the script's arguments that change nothing
+_READ_ONLY = ("", "", "0", "0", str(_TTL_MS), "0")  # the script's arguments that change nothing
+
+
+def _args(tenant: str, floor: float | None, delta: float, dispatch: bool, credit: float) -> list[str]:
+    """`vtc.lua`'s arguments."""
+    return [
+        tenant,
+        "" if floor is None else repr(floor),
+        repr(delta),
+        "1" if dispatch else "0",
+        str(_TTL_MS),
+        repr(credit),
+    ]
 
 
 @dataclass(slots=True)
@@ -109,14 +123,32 @@ class RedisCounters:
         if view.value(tenant) >= floor:
             return
         view.lifts[tenant] = max(view.lifts.get(tenant, floor), floor)
-        self._send(pool, band, view, tenant, lift=floor, delta=0.0, dispatch=False)
+        self._send(pool, band, view, tenant, lift=floor, delta=0.0, args=_args(tenant, floor, 0.0, False, 0.0))
 
-    def charge(self, pool: str, band: int, tenant: str, delta: float, *, dispatch: bool) -> None:
+    def charge(
+        self,
+        pool: str,
+        band: int,
+        tenant: str,
+        delta: float,
+        *,
+        dispatch: bool,
+        credit: float = 0.0,
+        floor: float | None = None,
+    ) -> None:
         view = self._view(pool, band)
+        before = view.value(tenant)
+        lift = floor if floor is not None and floor > before else None
+        if lift is not None:
+            view.lifts[tenant] = max(view.lifts.get(tenant, lift), lift)
+        credited = vtc.credited(before, credit, floor)
         if dispatch:
-            view.last_served = view.value(tenant)
-        view.pending[tenant] = view.pending.get(tenant, 0.0) + delta
-        self._send(pool, band, view, tenant, lift=None, delta=delta, dispatch=dispatch)
+            view.last_served = credited
+        # the view's guess at what Redis will do (it clamps against its own counter, and its reply wins)
+        change = credited - view.value(tenant) + delta
+        view.pending[tenant] = view.pending.get(tenant, 0.0) + change
+        args = _args(tenant, floor, delta, dispatch, credit)
+        self._send(pool, band, view, tenant, lift=lift, delta=change, args=args)
 
     def watch(self, pool: str, band: int, waiting: bool) -> None:
         self._view(pool, band).watched = waiting
@@ -151,14 +183,14 @@ class RedisCounters:
     # --- Redis ---------------------------------------------------------------------------------
 
     def _send(
-        self, pool: str, band: int, view: _View, tenant: str, *, lift: float | None, delta: float, dispatch: bool
+        self, pool: str, band: int, view: _View, tenant: str, *, lift: float | None, delta: float, args: list[str]
     ) -> None:
+        """Send one script call; `lift` and `delta` are what the view holds pending until it answers."""
         if len(self._calls) >= _MAX_PENDING_CALLS:
             self.dropped += 1
             self._settle_locally(view, tenant, lift, delta)
             return
         self._seq += 1
-        args = [tenant, "" if lift is None else repr(lift), repr(delta), "1" if dispatch else "0", str(_TTL_MS)]
         call = self._call(pool, band, view, tenant, lift, delta, args, self._seq)
         try:
             task = asyncio.get_running_loop().create_task(call)

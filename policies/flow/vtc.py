@@ -10,7 +10,10 @@ Three rules keep the counters honest:
 - *charge at dispatch*: a dispatched request advances its tenant's counter by its predicted cost
   (uncached prompt tokens + predicted output tokens) ÷ weight, so the next decision already sees it;
 - *correct at the end*: when the request ends, the difference between its real and predicted cost
-  (÷ weight) is added, so a tenant whose outputs run longer than predicted is not favoured for long;
+  (÷ weight) is added, so a tenant whose outputs run longer than predicted is not favoured for long.
+  A refund (real cost below the prediction) is held back and credited at the tenant's next dispatch
+  instead: a request ends exactly when a batch slot frees, so a refund landing then would lower the
+  flooding tenant's counter at the one moment a waiting light tenant should win the slot;
 - *no banked credit*: a tenant with nothing waiting in the band that starts waiting again is lifted
   to the band's current minimum (the smallest counter among the tenants waiting there, or, with
   nobody waiting, the counter of the tenant served last). Idling earns no priority later; usage
@@ -38,6 +41,16 @@ def band_floor(counters: Mapping[str, float], waiting_tenants: Iterable[str], la
 def lifted(counter: float, floor: float) -> float:
     """A returning tenant's counter: never below the band's floor (no banked credit), never lowered."""
     return counter if counter >= floor else floor
+
+
+def credited(counter: float, credit: float, floor: float | None) -> float:
+    """A counter at dispatch: lifted to `floor` (a tenant coming back; None: it was waiting all along),
+    then `credit` (held-back refunds, ≤ 0) taken off, never below that floor (no banked credit)."""
+    if floor is None:
+        return counter + credit
+    value = counter if counter >= floor else floor
+    value += credit
+    return value if value >= floor else floor
 
 
 def charge(cost_tokens: float, weight: float) -> float:

@@ -235,3 +235,52 @@ async def test_a_tenant_held_by_the_reserve_passes_the_turn_to_another_tenant() 
         task.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
     assert queue.depth(POOL) == 0 and queue.activity.active(POOL)["a"].waiting == 0
+
+
+async def test_a_refund_lands_at_the_tenants_next_dispatch_not_when_its_slot_frees() -> None:
+    """A request ends exactly when a slot frees: a refund landing then would let the flood win it."""
+    counters = MemoryCounters()
+    queue = FlowQueue(counters, recheck_s=10.0)
+    slots = Slots(queue, free=1)
+    running = await slots.run(request("a0", "a", cost=1000.0))
+    flood = [asyncio.create_task(slots.run(request(f"a{i}", "a", cost=1000.0))) for i in range(1, 4)]
+    await until(lambda: queue.depth(POOL) == 3)
+    light = asyncio.create_task(slots.run(request("b0", "b", cost=1000.0)))
+    await until(lambda: queue.depth(POOL) == 4)
+    assert counters.value(POOL, NORMAL, "b") == counters.value(POOL, NORMAL, "a") == 1000.0  # lifted to a's
+    slots.free += 1
+    running.finished(actual_cost_tokens=100.0)  # a's output ran far shorter than predicted; its slot is free
+    await until(lambda: len(slots.order) == 2)
+    assert slots.order == ["a0", "b0"]  # the light tenant wins the freed slot
+    await light
+    assert counters.value(POOL, NORMAL, "a") == 1000.0 and queue.held_credit(POOL, NORMAL, "a") == -900.0
+    slots.release()
+    await until(lambda: len(slots.order) == 3)
+    assert slots.order[2] == "a1"
+    assert counters.value(POOL, NORMAL, "a") == 1100.0  # credited at its next dispatch: 1000 - 900 + 1000
+    assert queue.held_credit(POOL, NORMAL, "a") == 0.0
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)
+
+
+async def test_a_tenant_coming_back_keeps_no_refund_below_the_band_floor() -> None:
+    counters = MemoryCounters()
+    queue = FlowQueue(counters, recheck_s=10.0)
+    slots = Slots(queue, free=1)
+    light = await slots.run(request("b0", "b", cost=1000.0))
+    flood = [asyncio.create_task(slots.run(request(f"a{i}", "a", cost=1000.0))) for i in range(3)]
+    await until(lambda: queue.depth(POOL) == 3)
+    slots.free += 1
+    light.finished(actual_cost_tokens=100.0)  # a refund of 900 held for b's next dispatch
+    await until(lambda: slots.order == ["b0", "a0"])
+    back = asyncio.create_task(slots.run(request("b1", "b", cost=1000.0)))  # nothing of b waits: it comes back
+    await until(lambda: queue.depth(POOL) == 3)
+    slots.release()
+    await back
+    assert slots.order[2] == "b1"
+    # lifted to the floor (a's 1000), and the refund may not take it below: 1000 + 1000, not 100 + 1000
+    assert counters.value(POOL, NORMAL, "b") == 2000.0 and queue.held_credit(POOL, NORMAL, "b") == 0.0
+    for task in flood:
+        task.cancel()
+    await asyncio.gather(*flood, return_exceptions=True)

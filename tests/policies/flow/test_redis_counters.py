@@ -57,6 +57,23 @@ async def test_a_lift_is_kept_until_redis_has_it_and_never_lowers(redis_url: str
         await store.close()
 
 
+async def test_a_dispatch_takes_off_held_back_refunds_never_below_its_floor(redis_url: str, redis_prefix: str) -> None:
+    store = RedisCounters.from_url(redis_url, prefix=redis_prefix)
+    try:
+        store.charge("pool", 2, "a", 1000.0, dispatch=True)
+        store.charge("pool", 2, "a", 100.0, dispatch=True, credit=-300.0)  # waiting all along: all of it
+        assert store.value("pool", 2, "a") == 800.0  # the view at once
+        await until(lambda: not store.status()["pending"])
+        assert store.value("pool", 2, "a") == 800.0 and store.last_served("pool", 2) == 700.0
+        store.charge("pool", 2, "b", 100.0, dispatch=True, credit=-500.0, floor=600.0)  # coming back
+        assert store.value("pool", 2, "b") == 700.0
+        await until(lambda: not store.status()["pending"])
+        assert store.value("pool", 2, "b") == 700.0 and store.last_served("pool", 2) == 600.0
+        assert store.status()["errors"] == 0
+    finally:
+        await store.close()
+
+
 async def test_an_unreachable_redis_keeps_changes_local() -> None:
     store = RedisCounters.from_url("redis://127.0.0.1:1/0", prefix="tokenway-test-unreachable", timeout_s=0.05)
     try:

@@ -87,3 +87,14 @@ def test_cost_correction_moves_a_tenant_back_in_line() -> None:
     chosen = pick([(2, waiting)], lambda band, tenant: counters.value("p", band, tenant))
     assert chosen is not None and chosen.tenant == "b"
     assert counters.last_served("p", 2) == 0.0  # a correction is no dispatch
+
+
+def test_a_held_back_refund_is_credited_but_never_below_a_returning_tenants_floor() -> None:
+    assert vtc.credited(1000.0, -300.0, None) == 700.0  # waiting all along: the whole refund
+    assert vtc.credited(1000.0, -300.0, 800.0) == 800.0  # coming back: not below the floor
+    assert vtc.credited(100.0, -300.0, 800.0) == 800.0  # lifted first, the refund cannot undo the lift
+    assert vtc.credited(2000.0, -300.0, 800.0) == 1700.0
+    counters = MemoryCounters()
+    counters.charge("p", 2, "a", 1000.0, dispatch=True)
+    counters.charge("p", 2, "a", 500.0, dispatch=True, credit=-400.0, floor=800.0)
+    assert counters.last_served("p", 2) == 800.0 and counters.value("p", 2, "a") == 1300.0
