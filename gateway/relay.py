@@ -23,7 +23,8 @@ from aiohttp import web
 from backends.types import LoadTicket
 from gateway.errors import UpstreamError, sse_error_event
 from gateway.migrate import MAX_MIGRATIONS, Resume, Resumed, Splice, sent_text, stream_identity
-from gateway.upstream import Response, UpstreamClient, UpstreamConnectionError
+from gateway.upstream import Response, UpstreamClient
+from gateway.upstream_connection import UpstreamConnectionError
 from policies.types import Usage
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream import UpstreamClient, UpstreamConnectionError
+from gateway.upstream import UpstreamClient
+from gateway.upstream_connection import UpstreamConnectionError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 
