@@ -1,13 +1,10 @@
-"""The directory of keys and tenants made through the admin API, held in memory for the hot path.
+"""The directory of keys and tenants made through the admin API: their changes, checked, stored and
+applied, over the in-memory index the hot path reads (`policies/keys/index.py`).
 
-Authentication of such a key is one dictionary lookup by SHA-256 digest (after the file's keys),
-a constant-time comparison, an expiry check and a cached principal: the store (SQLite, Redis) is
-never touched per request. Writes go to the store first and then to the index, so what the API
-acknowledged survives a restart; with Redis every replica applies every write as its
-announcement arrives (`sync`), and a version poll repairs a missed one with a full reload.
-
-Principals are compiled against the running policy (a file tenant's models and priority, alias
-resolution) on first use after a change or a policy reload, and cached on the entry.
+Writes go to the store (SQLite, Redis) first and then to the index, so what the API acknowledged
+survives a restart; with Redis every replica applies every write as its announcement arrives, and a
+version poll repairs a missed one with a full reload (`policies/keys/follower.py`). Keys' last-use
+times are gathered in memory and written every few seconds.
 """
 
 from __future__ import annotations
@@ -15,16 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import hmac
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from policies.keys.follower import follow, poll
+from policies.keys.index import KeyIndex
 from policies.keys.records import (
     MAX_PREVIOUS_SECRETS,
     KeyCreate,
@@ -38,9 +35,7 @@ from policies.keys.records import (
     merged_limits,
     parse_expiry,
 )
-from policies.keys.store import DirectoryStore, Kind, Snapshot
-from policies.schema import PRIORITY_VALUES, PoliciesConfig, TenantConfig
-from policies.types import Principal
+from policies.keys.store import DirectoryStore, Kind
 
 if TYPE_CHECKING:
     from policies.policy import Policy
@@ -48,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SECRET_PREFIX = "tw-"
-POLL_INTERVAL_S = 0.5  # version poll of a shared store: the repair path when an announcement is lost
 FLUSH_INTERVAL_S = 10.0  # last-use times are written this often
 
 
@@ -61,40 +55,22 @@ class DirectoryError(Exception):
         self.param = param
 
 
-@dataclass(slots=True)
-class _Entry:
-    record: KeyRecord
-    digest: bytes
-    valid_until_s: float | None  # a rotated-out secret's grace deadline; None for the current one
-    policy: Policy | None = None  # the policy `principal` was compiled against
-    principal: Principal | None = None
-
-
-class KeyDirectory:
+class KeyDirectory(KeyIndex):
     def __init__(self, store: DirectoryStore, *, clock: Callable[[], float] = time.time) -> None:
+        super().__init__(clock=clock)
         self.store = store
-        self._clock = clock
-        self.keys: dict[str, KeyRecord] = {}
-        self.tenants: dict[str, TenantRecord] = {}
-        self._by_digest: dict[str, _Entry] = {}
-        self._used: dict[str, float] = {}  # key id -> last use not yet written to the store
         self.last_used: dict[str, float] = {}
-        self.version = 0
-        self._seen_version = 0  # the last announcement applied in order (shared stores)
-        self._compiles = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._listeners: list[Callable[[], None]] = []
-        self.stats = {"reloads": 0, "applied": 0, "sync_errors": 0}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Load everything, then follow the store (other replicas' writes) and save last-use times."""
-        self._replace(await self.store.load())
+        self.replace(await self.store.load())
         self.last_used = await self.store.last_used()
         loop = asyncio.get_running_loop()
         if self.store.changes() is not None:
-            self._tasks.append(loop.create_task(self._follow()))
-            self._tasks.append(loop.create_task(self._poll()))
+            self._tasks.append(loop.create_task(follow(self, self.store)))
+            self._tasks.append(loop.create_task(poll(self, self.store)))
         self._tasks.append(loop.create_task(self._flush_loop()))
 
     async def stop(self) -> None:
@@ -107,88 +83,6 @@ class KeyDirectory:
         with contextlib.suppress(Exception):
             await self.flush()
         await self.store.close()
-
-    def on_change(self, listener: Callable[[], None]) -> None:
-        """Called after any key or tenant changes (e.g. to widen the metrics' tenant allow-list)."""
-        self._listeners.append(listener)
-
-    # ------------------------------------------------------------------ the hot path
-    def authenticate(self, digest: bytes, hex_digest: str, policy: Policy) -> Principal | None:
-        entry = self._by_digest.get(hex_digest)
-        if entry is None or not hmac.compare_digest(entry.digest, digest):
-            return None
-        now_s = self._clock()
-        record = entry.record
-        if record.expires_at_unix_s is not None and now_s >= record.expires_at_unix_s:
-            return None
-        if entry.valid_until_s is not None and now_s >= entry.valid_until_s:
-            return None
-        if entry.policy is not policy:
-            entry.principal = self._compile(record, policy)
-            entry.policy = policy
-        if entry.principal is not None:
-            self._used[record.id] = now_s
-        return entry.principal
-
-    def _compile(self, record: KeyRecord, policy: Policy) -> Principal | None:
-        config = policy.config
-        file_tenant = config.tenants.get(record.tenant)
-        api_tenant = None if file_tenant is not None else self.tenants.get(record.tenant)
-        tenant: TenantConfig | TenantRecord | None = file_tenant or api_tenant
-        if tenant is None:
-            return None  # its tenant is gone: the key authenticates nothing until one exists again
-        allowed: set[str] | None = None
-        if tenant.models is not None:
-            allowed = {config.canonical_model(m) or m for m in tenant.models}
-        if record.models is not None:
-            narrowed = {config.canonical_model(m) or m for m in record.models}
-            allowed = narrowed if allowed is None else allowed & narrowed
-        self._compiles += 1
-        return Principal(
-            key_id=record.id,
-            tenant=record.tenant,
-            allowed_models=frozenset(allowed) if allowed is not None else None,
-            priority=PRIORITY_VALUES[record.priority or tenant.priority],
-            allow_fallback=tenant.allow_fallback,
-            key_limits=record.limits.own(),
-            tenant_limits=api_tenant.limits.own() if api_tenant is not None else None,
-            revision=self._compiles,
-            track_spend=True,
-            slo_class=api_tenant.slo_class if api_tenant is not None else None,
-            source="api",
-        )
-
-    def principal(self, key_id: str, policy: Policy) -> Principal | None:
-        """The principal of an API key by id, whatever its state (the console's standing view)."""
-        record = self.keys.get(key_id)
-        return self._compile(record, policy) if record is not None else None
-
-    # ------------------------------------------------------------------ checks against the file
-    def conflicts(self, config: PoliciesConfig) -> list[str]:
-        """What makes a policies file and this directory disagree: the same key id or tenant name in
-        both, and API keys whose tenant neither defines."""
-        file_keys = {k.id for k in config.keys}
-        problems = [
-            f"keys: id {key_id!r} is also a key made through the admin API; rename or revoke one"
-            for key_id in sorted(file_keys & set(self.keys))
-        ]
-        problems += [
-            f"tenants: {name!r} is also a tenant made through the admin API; delete one"
-            for name in sorted(set(config.tenants) & set(self.tenants))
-        ]
-        orphans: dict[str, list[str]] = {}
-        for record in self.keys.values():
-            if (
-                record.revoked_at_unix_s is None
-                and record.tenant not in config.tenants
-                and record.tenant not in self.tenants
-            ):
-                orphans.setdefault(record.tenant, []).append(record.id)
-        for tenant, ids in sorted(orphans.items()):
-            problems.append(
-                f"tenants: {tenant!r} is the tenant of API keys {', '.join(sorted(ids))}; keep it or revoke them"
-            )
-        return problems
 
     # ------------------------------------------------------------------ keys
     async def create_key(
@@ -291,12 +185,9 @@ class KeyDirectory:
         version = await self._store_write("key", record.id, record.model_dump_json())
         self._apply_key(record.id, record)
         self.version = max(self.version, version)
-        self._changed()
+        self.changed()
 
     # ------------------------------------------------------------------ tenants
-    def tenant_exists(self, name: str, policy: Policy) -> bool:
-        return name in policy.config.tenants or name in self.tenants
-
     async def create_tenant(self, payload: dict[str, Any], policy: Policy, known_models: Iterable[str]) -> TenantRecord:
         spec = _validated(TenantCreate, payload)
         if self.tenant_exists(spec.name, policy):
@@ -343,13 +234,13 @@ class KeyDirectory:
         version = await self._store_write("tenant", name, None)
         self._apply_tenant(name, None)
         self.version = max(self.version, version)
-        self._changed()
+        self.changed()
 
     async def _write_tenant(self, record: TenantRecord) -> None:
         version = await self._store_write("tenant", record.name, record.model_dump_json())
         self._apply_tenant(record.name, record)
         self.version = max(self.version, version)
-        self._changed()
+        self.changed()
 
     async def _store_write(self, kind: Kind, name: str, doc: str | None) -> int:
         try:
@@ -360,110 +251,8 @@ class KeyDirectory:
             log.warning("key store write failed: %s", exc)
             raise DirectoryError(503, f"the key store ({self.store.name}) is unavailable: {exc}") from exc
 
-    # ------------------------------------------------------------------ the index
-    def _apply_key(self, key_id: str, record: KeyRecord | None) -> None:
-        old = self.keys.pop(key_id, None)
-        if old is not None:
-            for digest in (old.sha256, *(p.sha256 for p in old.previous)):
-                entry = self._by_digest.get(digest)
-                if entry is not None and entry.record.id == key_id:
-                    del self._by_digest[digest]
-        if record is None:
-            return
-        self.keys[key_id] = record
-        if record.revoked_at_unix_s is not None:
-            return
-        self._by_digest[record.sha256] = _Entry(record, bytes.fromhex(record.sha256), None)
-        for previous in record.previous:
-            self._by_digest[previous.sha256] = _Entry(
-                record, bytes.fromhex(previous.sha256), previous.valid_until_unix_s
-            )
-
-    def _apply_tenant(self, name: str, record: TenantRecord | None) -> None:
-        if record is None:
-            self.tenants.pop(name, None)
-        else:
-            self.tenants[name] = record
-        for entry in self._by_digest.values():  # their principals carry the tenant's settings
-            if entry.record.tenant == name:
-                entry.policy = None
-
-    def _apply_doc(self, kind: Kind, name: str, doc: str | None) -> None:
-        try:
-            if kind == "key":
-                self._apply_key(name, KeyRecord.model_validate_json(doc) if doc is not None else None)
-            else:
-                self._apply_tenant(name, TenantRecord.model_validate_json(doc) if doc is not None else None)
-        except ValidationError as exc:
-            log.error("unreadable %s %r in the key store, ignored: %s", kind, name, exc)
-
-    def _replace(self, snapshot: Snapshot) -> None:
-        self.keys.clear()
-        self.tenants.clear()
-        self._by_digest.clear()
-        for name, doc in snapshot.docs["tenant"].items():
-            self._apply_doc("tenant", name, doc)
-        for name, doc in snapshot.docs["key"].items():
-            self._apply_doc("key", name, doc)
-        self.version = self._seen_version = snapshot.version
-        self.stats["reloads"] += 1
-        self._changed()
-
-    def _changed(self) -> None:
-        for listener in self._listeners:
-            try:
-                listener()
-            except Exception:
-                log.exception("directory listener failed")
-
-    # ------------------------------------------------------------------ following a shared store
-    async def _follow(self) -> None:
-        """Apply other replicas' writes as announced; a gap in the versions means a reload."""
-        while True:
-            changes = self.store.changes()
-            assert changes is not None
-            try:
-                async for change in changes:
-                    if change.version == 0:  # (re)subscribed: writes made meanwhile were not announced to us
-                        await self.reload()
-                        continue
-                    if change.version <= self._seen_version:
-                        continue  # our own write, already applied, or replayed
-                    if change.version != self._seen_version + 1:
-                        await self.reload()
-                        continue
-                    self._apply_doc(change.kind, change.name, await self.store.fetch(change.kind, change.name))
-                    self._seen_version = change.version
-                    self.version = max(self.version, change.version)
-                    self.stats["applied"] += 1
-                    self._changed()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.stats["sync_errors"] += 1
-                log.warning("key store subscription lost (%s); resubscribing", exc)
-                await asyncio.sleep(POLL_INTERVAL_S)
-
-    async def _poll(self) -> None:
-        """Reload when the store's version is ahead of what the announcements brought, twice in a
-        row (once may be an announcement still in flight)."""
-        behind = 0
-        while True:
-            await asyncio.sleep(POLL_INTERVAL_S)
-            try:
-                remote = await self.store.version()
-                behind = behind + 1 if remote != self._seen_version else 0
-                if behind >= 2:
-                    await self.reload()
-                    behind = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.stats["sync_errors"] += 1
-                log.debug("key store version poll failed: %s", exc)
-
     async def reload(self) -> None:
-        self._replace(await self.store.load())
+        self.replace(await self.store.load())
 
     # ------------------------------------------------------------------ last use
     async def _flush_loop(self) -> None:

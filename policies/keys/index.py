@@ -1,0 +1,198 @@
+"""The in-memory index of the keys and tenants made through the admin API: what the hot path reads.
+
+Authentication of such a key is one dictionary lookup by SHA-256 digest (after the file's keys),
+a constant-time comparison, an expiry check and a cached principal: the store is never touched per
+request. Principals are compiled against the running policy (a file tenant's models and priority,
+alias resolution) on first use after a change or a policy reload, and cached on the entry. The
+index changes only by applying stored documents (`apply_doc`, `replace`), whoever wrote them: this
+replica (`policies/keys/directory.py`) or another one (`policies/keys/follower.py`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from policies.keys.records import KeyRecord, TenantRecord
+from policies.keys.store import Kind, Snapshot
+from policies.schema import PRIORITY_VALUES, PoliciesConfig, TenantConfig
+from policies.types import Principal
+
+if TYPE_CHECKING:
+    from policies.policy import Policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Entry:
+    record: KeyRecord
+    digest: bytes
+    valid_until_s: float | None  # a rotated-out secret's grace deadline; None for the current one
+    policy: Policy | None = None  # the policy `principal` was compiled against
+    principal: Principal | None = None
+
+
+class KeyIndex:
+    """Keys by digest and tenants by name, as the store holds them; `KeyDirectory` adds the writes."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self.keys: dict[str, KeyRecord] = {}
+        self.tenants: dict[str, TenantRecord] = {}
+        self._by_digest: dict[str, _Entry] = {}
+        self._used: dict[str, float] = {}  # key id -> last use not yet written to the store
+        self.version = 0
+        self.seen_version = 0  # the last announcement applied in order (shared stores)
+        self._compiles = 0
+        self._listeners: list[Callable[[], None]] = []
+        self.stats = {"reloads": 0, "applied": 0, "sync_errors": 0}
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Called after any key or tenant changes (e.g. to widen the metrics' tenant allow-list)."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ the hot path
+    def authenticate(self, digest: bytes, hex_digest: str, policy: Policy) -> Principal | None:
+        entry = self._by_digest.get(hex_digest)
+        if entry is None or not hmac.compare_digest(entry.digest, digest):
+            return None
+        now_s = self._clock()
+        record = entry.record
+        if record.expires_at_unix_s is not None and now_s >= record.expires_at_unix_s:
+            return None
+        if entry.valid_until_s is not None and now_s >= entry.valid_until_s:
+            return None
+        if entry.policy is not policy:
+            entry.principal = self._compile(record, policy)
+            entry.policy = policy
+        if entry.principal is not None:
+            self._used[record.id] = now_s
+        return entry.principal
+
+    def _compile(self, record: KeyRecord, policy: Policy) -> Principal | None:
+        config = policy.config
+        file_tenant = config.tenants.get(record.tenant)
+        api_tenant = None if file_tenant is not None else self.tenants.get(record.tenant)
+        tenant: TenantConfig | TenantRecord | None = file_tenant or api_tenant
+        if tenant is None:
+            return None  # its tenant is gone: the key authenticates nothing until one exists again
+        allowed: set[str] | None = None
+        if tenant.models is not None:
+            allowed = {config.canonical_model(m) or m for m in tenant.models}
+        if record.models is not None:
+            narrowed = {config.canonical_model(m) or m for m in record.models}
+            allowed = narrowed if allowed is None else allowed & narrowed
+        self._compiles += 1
+        return Principal(
+            key_id=record.id,
+            tenant=record.tenant,
+            allowed_models=frozenset(allowed) if allowed is not None else None,
+            priority=PRIORITY_VALUES[record.priority or tenant.priority],
+            allow_fallback=tenant.allow_fallback,
+            key_limits=record.limits.own(),
+            tenant_limits=api_tenant.limits.own() if api_tenant is not None else None,
+            revision=self._compiles,
+            track_spend=True,
+            slo_class=api_tenant.slo_class if api_tenant is not None else None,
+            source="api",
+        )
+
+    def principal(self, key_id: str, policy: Policy) -> Principal | None:
+        """The principal of an API key by id, whatever its state (the console's standing view)."""
+        record = self.keys.get(key_id)
+        return self._compile(record, policy) if record is not None else None
+
+    # ------------------------------------------------------------------ checks against the file
+    def conflicts(self, config: PoliciesConfig) -> list[str]:
+        """What makes a policies file and this directory disagree: the same key id or tenant name in
+        both, and API keys whose tenant neither defines."""
+        file_keys = {k.id for k in config.keys}
+        problems = [
+            f"keys: id {key_id!r} is also a key made through the admin API; rename or revoke one"
+            for key_id in sorted(file_keys & set(self.keys))
+        ]
+        problems += [
+            f"tenants: {name!r} is also a tenant made through the admin API; delete one"
+            for name in sorted(set(config.tenants) & set(self.tenants))
+        ]
+        orphans: dict[str, list[str]] = {}
+        for record in self.keys.values():
+            if (
+                record.revoked_at_unix_s is None
+                and record.tenant not in config.tenants
+                and record.tenant not in self.tenants
+            ):
+                orphans.setdefault(record.tenant, []).append(record.id)
+        for tenant, ids in sorted(orphans.items()):
+            problems.append(
+                f"tenants: {tenant!r} is the tenant of API keys {', '.join(sorted(ids))}; keep it or revoke them"
+            )
+        return problems
+
+    def tenant_exists(self, name: str, policy: Policy) -> bool:
+        return name in policy.config.tenants or name in self.tenants
+
+    # ------------------------------------------------------------------ applying stored documents
+    def _apply_key(self, key_id: str, record: KeyRecord | None) -> None:
+        old = self.keys.pop(key_id, None)
+        if old is not None:
+            for digest in (old.sha256, *(p.sha256 for p in old.previous)):
+                entry = self._by_digest.get(digest)
+                if entry is not None and entry.record.id == key_id:
+                    del self._by_digest[digest]
+        if record is None:
+            return
+        self.keys[key_id] = record
+        if record.revoked_at_unix_s is not None:
+            return
+        self._by_digest[record.sha256] = _Entry(record, bytes.fromhex(record.sha256), None)
+        for previous in record.previous:
+            self._by_digest[previous.sha256] = _Entry(
+                record, bytes.fromhex(previous.sha256), previous.valid_until_unix_s
+            )
+
+    def _apply_tenant(self, name: str, record: TenantRecord | None) -> None:
+        if record is None:
+            self.tenants.pop(name, None)
+        else:
+            self.tenants[name] = record
+        for entry in self._by_digest.values():  # their principals carry the tenant's settings
+            if entry.record.tenant == name:
+                entry.policy = None
+
+    def apply_doc(self, kind: Kind, name: str, doc: str | None) -> None:
+        try:
+            if kind == "key":
+                self._apply_key(name, KeyRecord.model_validate_json(doc) if doc is not None else None)
+            else:
+                self._apply_tenant(name, TenantRecord.model_validate_json(doc) if doc is not None else None)
+        except ValidationError as exc:
+            log.error("unreadable %s %r in the key store, ignored: %s", kind, name, exc)
+
+    def replace(self, snapshot: Snapshot) -> None:
+        """Everything anew from a whole copy of the store (start-up, a reload)."""
+        self.keys.clear()
+        self.tenants.clear()
+        self._by_digest.clear()
+        for name, doc in snapshot.docs["tenant"].items():
+            self.apply_doc("tenant", name, doc)
+        for name, doc in snapshot.docs["key"].items():
+            self.apply_doc("key", name, doc)
+        self.version = self.seen_version = snapshot.version
+        self.stats["reloads"] += 1
+        self.changed()
+
+    def changed(self) -> None:
+        """Tells the listeners; a failing one is logged, never the writer's error."""
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("directory listener failed")
