@@ -249,9 +249,10 @@ class Following:
         self.load.first_token(self.outcome.usage.total_tokens if self.outcome.usage else 0)
         return data
 
-    def finish(self, complete: bool, served: str | None) -> None:
+    def finish(self, complete: bool, served: str | None, observed: bool = True) -> None:
         """The response ended (or Envoy cut the stream): the load, the hooks, the reservation, the
-        record, each exactly once (the exchange calls this once)."""
+        record, each exactly once (the exchange calls this once). Unobserved (no response body comes
+        to the picker), a 200 is charged its whole reservation: the only count there is."""
         ctx, accounting = self.ctx, self.decider.accounting
         self.decider.open -= 1
         self.load.end()
@@ -259,7 +260,10 @@ class Following:
         if served and ctx.routed is not None and served != host_port(ctx.routed.endpoint):
             ctx.record.endpoint = served  # Envoy retried elsewhere: the record names who served
         reservation = ctx.reservation
-        if not complete:
+        if not observed and self.status in (0, 200):
+            usage = reservation.settle_reserved() if reservation is not None else Usage(ctx.facts.prompt_tokens, 0)
+            accounting.unobserved(ctx, usage)
+        elif not complete:
             accounting.aborted(ctx)  # counts what was relayed, settles in a task of its own
         elif self.status != 200:
             error = EngineRejected(self.status, bytes(self._unary))

@@ -53,8 +53,10 @@ class Follower(Protocol):
         """The bytes to pass on for this chunk of the response body."""
         ...
 
-    def finish(self, complete: bool, served: str | None) -> None:
-        """The response ended (`complete`) or the stream was cut; must not block."""
+    def finish(self, complete: bool, served: str | None, observed: bool = True) -> None:
+        """The response ended (`complete`) or the stream was cut; must not block. `observed` False:
+        the data plane sends no response body here (`response_body_mode: NONE`), so its end and its
+        usage are never seen."""
         ...
 
 
@@ -173,14 +175,18 @@ class Exchange:
         self.refused = refused
         return protocol.immediate(self.envoy, refused.status, refused.body, refused.headers, refused.details)
 
-    def _finish(self, complete: bool) -> None:
+    def _finish(self, complete: bool, *, observed: bool = True) -> None:
         if self._finished or self._follower is None:
             return
         self._finished = True
-        self._follower.finish(complete, self._served)
+        self._follower.finish(complete, self._served, observed)
 
     def close(self) -> None:
-        """The stream is over, however it ended: settle what is still open."""
+        """The stream is over, however it ended: settle what is still open. With no response body
+        coming here (`NONE`), the stream's end is the only sign of the answer's (Envoy ends it with
+        the HTTP stream at the latest): it counts as served, charged as reserved."""
+        if self.response_mode == protocol.NONE:
+            self._finish(True, observed=False)
         self._finish(False)
 
 

@@ -62,6 +62,16 @@ class Reservation:
             self.ended = True
             self._admission.release_soon(self.ticket)
 
+    def settle_reserved(self) -> Usage:
+        """Charge the whole reservation (prompt + output reservation): for an answer the gateway
+        never sees (an endpoint picker whose data plane sends no response body), what was reserved
+        is the only count there is. Returns the usage charged."""
+        usage = Usage(prompt_tokens=self.ticket.prompt_tokens, completion_tokens=self.ticket.output_tokens)
+        if not self.ended:
+            self.ended = True
+            self._admission.settle_soon(self.ticket, None, model=self.model)
+        return usage
+
 
 class Accounting:
     def __init__(
@@ -168,6 +178,16 @@ class Accounting:
         elif outcome.broken:
             record.status = "error"
             record.error_code = "upstream_error"
+
+    def unobserved(self, ctx: RequestContext, usage: Usage) -> None:
+        """The answer went to the client without passing here: the record carries what was charged
+        for it (`usage_source: reserved`), not what the engine reported."""
+        record = ctx.record
+        record.stream = ctx.facts.stream
+        record.usage_source = "reserved"
+        record.prompt_tokens = usage.prompt_tokens
+        record.completion_tokens = usage.completion_tokens
+        record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=ctx.facts.batch_id is not None)
 
     def finish(self, ctx: RequestContext) -> None:
         """The request is over: hooks see its record, then every sink, once."""

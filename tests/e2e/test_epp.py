@@ -236,6 +236,27 @@ async def test_a_cut_stream_settles_exactly_once(picker: Picker, envoy: EnvoyPai
     assert _leases_active(picker) == 0  # every concurrency lease returned, none twice (never negative)
 
 
+async def test_a_response_the_picker_never_sees_is_charged_as_reserved(picker: Picker, envoy: EnvoyPair) -> None:
+    """`response_body_mode: NONE`: the answer passes the picker by; its stream's end counts as
+    served (not aborted), charged its whole reservation, the concurrency lease returned."""
+    side, session = envoy
+    url = picker.gateway.url
+
+    def output_tokens() -> float:
+        return metric_total(url, "tokenway_tokens_total", token_type="output")
+
+    ok_before = metric_total(url, "tokenway_requests_total", status="ok")
+    aborted_before = metric_total(url, "tokenway_requests_total", status="aborted")
+    out = output_tokens()
+    answer = await side.request(PATH, auth(), chat("hello", max_tokens=9), session=session, response_body=False)
+    assert answer.status == 200 and json.loads(answer.body)["choices"]
+    await _until(lambda: metric_total(url, "tokenway_requests_total", status="ok") >= ok_before + 1)
+    assert metric_total(url, "tokenway_requests_total", status="aborted") == aborted_before
+    assert output_tokens() - out == 9  # the output reservation (max_tokens), as no usage was seen
+    await _until(lambda: _inflight(picker) == 0)
+    assert _leases_active(picker) == 0
+
+
 async def test_grpc_health_services(picker: Picker) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -52,7 +52,12 @@ class EnvoySide:
         await self.channel.close()
 
     def _headers(
-        self, headers: dict[str, str], end_of_stream: bool, subset: Sequence[str] | None, buffered: bool = False
+        self,
+        headers: dict[str, str],
+        end_of_stream: bool,
+        subset: Sequence[str] | None,
+        buffered: bool = False,
+        response_body: bool = True,
     ) -> Any:
         e = self.envoy
         values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
@@ -63,7 +68,7 @@ class EnvoySide:
         )
         mode = protocol.BUFFERED if buffered else protocol.FULL_DUPLEX_STREAMED
         message.protocol_config.request_body_mode = mode
-        message.protocol_config.response_body_mode = mode
+        message.protocol_config.response_body_mode = mode if response_body else protocol.NONE
         if subset is not None:
             message.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update({protocol.SUBSET: list(subset)})
         return message
@@ -78,13 +83,18 @@ class EnvoySide:
         cut_after_chunks: int | None = None,
         session: aiohttp.ClientSession,
         buffered: bool = False,
+        response_body: bool = True,
     ) -> Answer:
+        """One request as Envoy plays it; `response_body=False`: `response_body_mode: NONE` (the
+        answer goes to the client without passing the picker, which sees only its headers)."""
         if buffered:
             return await self._buffered(path, headers, body, subset=subset, session=session)
         e = self.envoy
         call = self.stub.Process()
         try:
-            await call.write(self._headers({":method": "POST", ":path": path, **headers}, False, subset))
+            await call.write(
+                self._headers({":method": "POST", ":path": path, **headers}, False, subset, response_body=response_body)
+            )
             half = max(len(body) // 2, 1)
             for i, piece in enumerate((body[:half], body[half:])):
                 await call.write(
@@ -126,6 +136,10 @@ class EnvoySide:
                 headers_answer = await call.read()
                 for o in headers_answer.response_headers.response.header_mutation.set_headers:
                     answer.headers[o.header.key] = o.header.raw_value.decode()
+                if not response_body:  # the body goes to the client past the picker; the stream ends
+                    answer.body = await upstream.read()
+                    await call.done_writing()
+                    return answer
                 chunks = 0
                 out = bytearray()
                 async for chunk in upstream.content.iter_any():

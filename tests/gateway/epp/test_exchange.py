@@ -20,6 +20,7 @@ E = envoy()
 class FakeFollower:
     chunks: list[bytes] = field(default_factory=list)
     finished: list[tuple[bool, str | None]] = field(default_factory=list)
+    observed: list[bool] = field(default_factory=list)
     status: int | None = None
 
     def response_headers(self, status: int, headers: dict[str, str]) -> list[tuple[str, str]]:
@@ -30,8 +31,9 @@ class FakeFollower:
         self.chunks.append(chunk)
         return chunk.upper()
 
-    def finish(self, complete: bool, served: str | None) -> None:
+    def finish(self, complete: bool, served: str | None, observed: bool = True) -> None:
         self.finished.append((complete, served))
+        self.observed.append(observed)
 
 
 @dataclass
@@ -126,6 +128,21 @@ async def test_a_cut_stream_settles_once_on_close() -> None:
     exchange.close()
     exchange.close()
     assert follower.finished == [(False, None)]
+
+
+async def test_with_no_response_body_the_streams_end_is_the_answers() -> None:
+    """`response_body_mode: NONE`: the body never comes; the stream's end finishes the request as
+    served but unobserved (not as a cut stream), once."""
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b"{}", follower)), max_body_bytes=1 << 20)
+    modes = (protocol.FULL_DUPLEX_STREAMED, protocol.NONE)
+    await exchange.on(headers_message({":path": "/v1/completions"}, modes=modes))
+    await exchange.on(body_message(b"{}", True))
+    await exchange.on(response_headers_message("200"))
+    assert follower.finished == []  # the engine may still be answering
+    exchange.close()
+    exchange.close()
+    assert (follower.finished, follower.observed) == ([(True, None)], [False])
 
 
 async def test_refused_is_an_immediate_response() -> None:
