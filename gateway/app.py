@@ -329,7 +329,10 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     counters: Counters = MemoryCounters()
     if state.backend == "redis" and state.redis_url:
         counters = RedisCounters.from_url(
-            state.redis_url, prefix=state.key_prefix, refresh_s=flow.counters_refresh_ms / 1000.0
+            state.redis_url,
+            prefix=state.key_prefix,
+            refresh_s=flow.counters_refresh_ms / 1000.0,
+            flush_s=flow.counters_flush_ms / 1000.0,
         )
     holder = app[appkeys.POLICIES]
     flow_metrics = app[appkeys.FLOW_METRICS]

@@ -7,7 +7,8 @@ returns; nothing per request touches Redis. Two tasks do the rest:
   replica's load on a shared endpoint) or a heartbeat is due, appends one batch to the stream
   (`XADD ... MAXLEN ~ stream_max_len`): its full load report and the block keys and session of
   every dispatch since the last batch;
-- the reader blocks on `XREAD` from the last entry it saw, skips its own entries, replaces each
+- the reader blocks on `XREAD` from the last entry it saw, skips its own entries (by the entry's
+  `r` field, before decoding: under load most entries a replica reads are its own), replaces each
   peer's load report, records their dispatches in the prefix index and session table, and drops
   peers silent for `ttl_s`.
 
@@ -72,6 +73,7 @@ class ReplicaBus:
         self.remote = RemoteLoads(settings.ttl_s, self._shared_endpoint)
         self._redis_url = redis_url
         self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(maxlen=settings.max_pending_dispatches)
+        self._own = self.replica_id.encode()
         self._writer: aioredis.Redis | None = None
         self._reader: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -180,7 +182,10 @@ class ReplicaBus:
             try:
                 assert self._writer is not None
                 await self._writer.xadd(
-                    self.stream, {"b": encode(batch)}, maxlen=self.settings.stream_max_len, approximate=True
+                    self.stream,
+                    {"r": self._own, "b": encode(batch)},
+                    maxlen=self.settings.stream_max_len,
+                    approximate=True,
                 )
             except (RedisError, OSError) as exc:
                 self.publish_errors += 1
@@ -231,7 +236,12 @@ class ReplicaBus:
             self.remote.expire(now_s)
 
     def _apply(self, fields: Any, now_s: float, *, live: bool) -> bool:
-        data = fields.get(b"b", fields.get("b")) if isinstance(fields, dict) else None
+        if not isinstance(fields, dict):
+            self.malformed += 1
+            return False
+        if fields.get(b"r") == self._own:
+            return False  # ours: nothing to learn, and not worth decoding
+        data = fields.get(b"b", fields.get("b"))
         if not isinstance(data, bytes):
             self.malformed += 1
             return False

@@ -1,4 +1,5 @@
-"""The stream entries replicas exchange: one msgpack map per batch, under field `b`.
+"""The stream entries replicas exchange: one msgpack map per batch, under field `b` (field `r` holds
+the publisher's id as well, so a reader skips its own entries without decoding them).
 
     {"r": replica id, "q": sequence number,
      "l": [[endpoint id, requests, prefill tokens, decode tokens], ...]   # present: a full load report

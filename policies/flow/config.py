@@ -57,6 +57,9 @@ class FlowSettings(_Strict):
     counters_refresh_ms: float = Field(
         default=100.0, gt=0, description="Redis counters: re-read this often while requests wait"
     )
+    counters_flush_ms: float = Field(
+        default=5.0, gt=0, description="Redis counters: changes gather this long, then go out in one call per band"
+    )
     share_window_s: float = Field(default=60.0, gt=0, description="window of tokenway_fair_share_ratio")
     reserve_active_s: float = Field(
         default=60.0, gt=0, description="a tenant keeps its claim on the slot reserve this long after its last request"

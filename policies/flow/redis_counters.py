@@ -2,18 +2,26 @@
 
 Each replica orders its own waiting room from a local view of every (pool, band) it serves; the view
 is changed at once by the replica's own dispatches and completions, so ordering never waits on
-Redis. Each change is also one small atomic script call (`vtc.lua`: lift, take off held-back
-refunds, remember the last served, add) whose reply carries the band's counters as Redis holds
-them: the view is rebuilt from it, so every reply also brings in the other replicas' charges.
-While requests wait in a band the view is re-read every `refresh_s` as well, so an idle replica's
-changes arrive even when this one dispatches nothing. `age_s` is the time since the view last
-heard from Redis: the staleness of the shared part.
+Redis. The changes are not sent one by one: they gather per (pool, band) and tenant for `flush_s`
+and then go out as one atomic script call per band (`vtc_batch.lua`), at most one flush in flight
+at a time. A tenant's lifts, credits and charges fold into one map v -> max(v + add, floor) (a
+lift is a floor, a charge an add, a dispatch's credit both, and such maps compose), so the batch leaves Redis exactly where the calls
+one by one would have. The reply carries the band's counters as Redis holds them and the view is
+rebuilt from it, so every reply also brings in the other replicas' charges. While requests wait in
+a band the view is re-read every `refresh_s` as well, so an idle replica's changes arrive even when
+this one dispatches nothing. `age_s` is the time since the view last heard from Redis: the staleness
+of the shared part. The other replicas see this one's changes at most `flush_s` plus one round trip
+late (plus their own `refresh_s` when they dispatch nothing).
 
-Changes that Redis has not acknowledged stay in the view as pending deltas (and lifts) on top of the
-last reply; a reply older than one already applied is ignored. A failed call keeps its delta locally
-(the other replicas will not see it) and is counted; fairness degrades to per replica, requests never
-fail on it. Keys carry the `{prefix}` hash tag, like the limiter's, so one Redis Cluster slot holds
-them. Counters expire after a day without changes.
+Why batched: one call per change (a dispatch, its lift, its end-of-request correction) cost two or
+three Redis calls per request through redis-py, the largest Redis-specific cost on the request
+path after the admission reservation itself.
+
+Changes that Redis has not acknowledged stay in the view on top of the last reply. A failed call
+keeps its changes locally (the other replicas will not see them) and is counted; fairness degrades
+to per replica, requests never fail on it. Keys carry the `{prefix}` hash tag, like the limiter's,
+so one Redis Cluster slot holds them. Counters expire after a day without changes. Tables are keyed
+by configured pools and tenants only, so they are bounded by configuration.
 """
 
 from __future__ import annotations
@@ -22,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -31,72 +38,92 @@ from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from policies.flow import vtc
 from policies.limits.autopipeline import AutoPipeline, Script
 
 log = logging.getLogger("tokenway.flow.counters")
 
 _TTL_MS = 86_400_000
-_MAX_PENDING_CALLS = 10_000  # beyond this many unanswered calls, changes stay local (counted)
-_READ_ONLY = ("", "", "0", "0", str(_TTL_MS), "0")  # the script's arguments that change nothing
+_NO_FLOOR = float("-inf")
 
 
-def _args(tenant: str, floor: float | None, delta: float, dispatch: bool, credit: float) -> list[str]:
-    """`vtc.lua`'s arguments."""
-    return [
-        tenant,
-        "" if floor is None else repr(floor),
-        repr(delta),
-        "1" if dispatch else "0",
-        str(_TTL_MS),
-        repr(credit),
-    ]
+@dataclass(slots=True)
+class _Map:
+    """v -> max(v + add, floor): every tenant's changes since the batch began."""
+
+    add: float = 0.0
+    floor: float = _NO_FLOOR
+
+    def of(self, value: float) -> float:
+        value += self.add
+        return value if value >= self.floor else self.floor
+
+
+def _floor_arg(floor: float) -> str:
+    return "" if floor == _NO_FLOOR else repr(floor)
 
 
 @dataclass(slots=True)
 class _View:
-    snapshot: dict[str, float] = field(default_factory=dict)
+    snapshot: dict[str, float] = field(default_factory=dict)  # the band as the last reply had it
     last_served: float = 0.0
-    pending: dict[str, float] = field(default_factory=dict)  # sent, not yet answered
+    sent: dict[str, _Map] | None = None  # in flight, not yet answered
+    queued: dict[str, _Map] = field(default_factory=dict)  # not sent yet
+    queued_dispatch: tuple[str, float, float] | None = None  # the queued batch's last dispatch
+    read: bool = False  # a refresh asked for the band's counters
     local: dict[str, float] = field(default_factory=dict)  # failed to reach Redis: ours alone
-    lifts: dict[str, float] = field(default_factory=dict)  # floors sent, not yet answered
-    applied_seq: int = 0
     heard_at_s: float = 0.0
     watched: bool = False
 
     def value(self, tenant: str) -> float:
         value = self.snapshot.get(tenant, 0.0)
-        lift = self.lifts.get(tenant)
-        if lift is not None and lift > value:
-            value = lift
-        return value + self.pending.get(tenant, 0.0) + self.local.get(tenant, 0.0)
+        if self.sent is not None:
+            sent = self.sent.get(tenant)
+            if sent is not None:
+                value = sent.of(value)
+        queued = self.queued.get(tenant)
+        if queued is not None:
+            value = queued.of(value)
+        return value + self.local.get(tenant, 0.0)
+
+    def due(self) -> bool:
+        return bool(self.queued) or self.read
 
 
 class RedisCounters:
     source = "redis"
 
-    def __init__(self, client: Redis, *, prefix: str = "tokenway", refresh_s: float = 0.1) -> None:
+    def __init__(
+        self, client: Redis, *, prefix: str = "tokenway", refresh_s: float = 0.1, flush_s: float = 0.005
+    ) -> None:
         self.client = client
         self.refresh_s = refresh_s
+        self.flush_s = flush_s
         self._tag = "{" + prefix + "}:flow:"
-        self._script = Script(resources.files("policies.flow").joinpath("vtc.lua").read_text(encoding="utf-8"))
+        text = resources.files("policies.flow").joinpath("vtc_batch.lua").read_text(encoding="utf-8")
+        self._script = Script(text)
         self.pipeline = AutoPipeline(client, (self._script,))
         self._views: dict[tuple[str, int], _View] = {}
-        self._seq = 0
-        self._calls: set[asyncio.Task[None]] = set()
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Task[None] | None = None
         self._refresher: asyncio.Task[None] | None = None
         self.calls = 0
+        self.changes = 0
         self.errors = 0
-        self.dropped = 0
 
     @classmethod
     def from_url(
-        cls, url: str, *, prefix: str = "tokenway", refresh_s: float = 0.1, timeout_s: float = 0.2
+        cls,
+        url: str,
+        *,
+        prefix: str = "tokenway",
+        refresh_s: float = 0.1,
+        flush_s: float = 0.005,
+        timeout_s: float = 0.2,
     ) -> RedisCounters:
         client = Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
-        return cls(client, prefix=prefix, refresh_s=refresh_s)
+        return cls(client, prefix=prefix, refresh_s=refresh_s, flush_s=flush_s)
 
     def keys(self, pool: str, band: int) -> tuple[str, str]:
         base = f"{self._tag}{pool}:{band}"
@@ -122,8 +149,12 @@ class RedisCounters:
         view = self._view(pool, band)
         if view.value(tenant) >= floor:
             return
-        view.lifts[tenant] = max(view.lifts.get(tenant, floor), floor)
-        self._send(pool, band, view, tenant, lift=floor, delta=0.0, args=_args(tenant, floor, 0.0, False, 0.0))
+        change = view.queued.get(tenant)
+        if change is None:
+            change = view.queued[tenant] = _Map()
+        if floor > change.floor:
+            change.floor = floor
+        self._changed()
 
     def charge(
         self,
@@ -137,18 +168,21 @@ class RedisCounters:
         floor: float | None = None,
     ) -> None:
         view = self._view(pool, band)
-        before = view.value(tenant)
-        lift = floor if floor is not None and floor > before else None
-        if lift is not None:
-            view.lifts[tenant] = max(view.lifts.get(tenant, lift), lift)
-        credited = vtc.credited(before, credit, floor)
+        change = view.queued.get(tenant)
+        if change is None:
+            change = view.queued[tenant] = _Map()
+        if credit or floor is not None:
+            # vtc.credited as a map: max(max(v, F) + c, F) = max(v + c, F + max(c, 0))
+            lifted = _NO_FLOOR if floor is None else floor + max(credit, 0.0)
+            change.add += credit
+            change.floor = max(change.floor + credit, lifted)
         if dispatch:
-            view.last_served = credited
-        # the view's guess at what Redis will do (it clamps against its own counter, and its reply wins)
-        change = credited - view.value(tenant) + delta
-        view.pending[tenant] = view.pending.get(tenant, 0.0) + change
-        args = _args(tenant, floor, delta, dispatch, credit)
-        self._send(pool, band, view, tenant, lift=lift, delta=change, args=args)
+            view.last_served = view.value(tenant)
+            view.queued_dispatch = (tenant, change.add, change.floor)
+        change.add += delta
+        if change.floor != _NO_FLOOR:
+            change.floor += delta
+        self._changed()
 
     def watch(self, pool: str, band: int, waiting: bool) -> None:
         self._view(pool, band).watched = waiting
@@ -165,10 +199,11 @@ class RedisCounters:
     def status(self) -> dict[str, object]:
         return {
             "store": self.source,
-            "calls": self.calls,
+            "calls": self.calls,  # script calls: one per band per flush
+            "changes": self.changes,  # lifts and charges they carried
             "errors": self.errors,
-            "dropped": self.dropped,
-            "pending": len(self._calls),  # Redis calls sent and not yet answered
+            # bands with changes Redis has not acknowledged (queued or in flight)
+            "pending": sum(1 for view in self._views.values() if view.sent is not None or view.due()),
         }
 
     async def close(self) -> None:
@@ -176,93 +211,88 @@ class RedisCounters:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
-        if self._calls:
-            await asyncio.wait(list(self._calls), timeout=1.0)
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._flushing is not None:
+            await asyncio.wait([self._flushing], timeout=1.0)
+        if any(view.due() for view in self._views.values()):
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())  # the last changes
+            await asyncio.wait([self._flushing], timeout=1.0)
         await self.client.aclose()
 
     # --- Redis ---------------------------------------------------------------------------------
 
-    def _send(
-        self, pool: str, band: int, view: _View, tenant: str, *, lift: float | None, delta: float, args: list[str]
-    ) -> None:
-        """Send one script call; `lift` and `delta` are what the view holds pending until it answers."""
-        if len(self._calls) >= _MAX_PENDING_CALLS:
-            self.dropped += 1
-            self._settle_locally(view, tenant, lift, delta)
-            return
-        self._seq += 1
-        call = self._call(pool, band, view, tenant, lift, delta, args, self._seq)
-        try:
-            task = asyncio.get_running_loop().create_task(call)
-        except RuntimeError:  # no loop (a synchronous caller in a test): keep it local
-            call.close()
-            self._settle_locally(view, tenant, lift, delta)
-            return
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
+    def _changed(self) -> None:
+        self.changes += 1
+        if self._flush_timer is None and self._flushing is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller in a test): it stays queued
+                return
+            self._flush_timer = loop.call_later(self.flush_s, self._start_flush)
 
-    async def _call(
-        self,
-        pool: str,
-        band: int,
-        view: _View,
-        tenant: str,
-        lift: float | None,
-        delta: float,
-        args: Sequence[str],
-        seq: int,
-    ) -> None:
-        self.calls += 1
-        try:
-            reply = await self.pipeline.call(self._script, self.keys(pool, band), args)
-        except Exception as exc:
-            self.errors += 1
-            if self.errors == 1 or self.errors % 1000 == 0:
-                log.warning("flow counters: Redis call failed (%d so far): %s", self.errors, exc)
-            self._settle_locally(view, tenant, lift, delta)
-            return
-        self._unpend(view, tenant, lift, delta)
-        self._apply(view, reply, seq)
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        if self._flushing is None and any(view.due() for view in self._views.values()):
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            self._flushing.add_done_callback(self._flushed)
 
-    def _settle_locally(self, view: _View, tenant: str, lift: float | None, delta: float) -> None:
-        """A change Redis never got: it stays in this replica's view only."""
-        before = view.value(tenant)
-        self._unpend(view, tenant, lift, delta)
-        view.local[tenant] = view.local.get(tenant, 0.0) + before - view.value(tenant)
+    def _flushed(self, task: asyncio.Task[None]) -> None:
+        if self._flushing is task:
+            self._flushing = None
+        if self._flush_timer is None and any(view.due() for view in self._views.values()):
+            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_s, self._start_flush)
 
-    @staticmethod
-    def _unpend(view: _View, tenant: str, lift: float | None, delta: float) -> None:
-        if delta:
-            left = view.pending.get(tenant, 0.0) - delta
-            if abs(left) < 1e-9:
-                view.pending.pop(tenant, None)
+    async def _flush(self) -> None:
+        """Send every band's queued changes (or a read of a watched band), one call per band."""
+        batch = [(key, view) for key, view in self._views.items() if view.due()]
+        calls = []
+        for (pool, band), view in batch:
+            view.sent, view.queued = view.queued, {}
+            dispatch, view.queued_dispatch, view.read = view.queued_dispatch, None, False
+            args = [str(_TTL_MS)]
+            if dispatch is None:
+                args += ["", "0", ""]
             else:
-                view.pending[tenant] = left
-        if lift is not None and view.lifts.get(tenant) == lift:
-            del view.lifts[tenant]
+                args += [dispatch[0], repr(dispatch[1]), _floor_arg(dispatch[2])]
+            for tenant, change in view.sent.items():
+                args += [tenant, repr(change.add), _floor_arg(change.floor)]
+            calls.append(self.pipeline.call(self._script, self.keys(pool, band), args))
+        self.calls += len(calls)
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        for (_, view), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, BaseException):
+                self._failed(view, reply)
+            else:
+                view.sent = None
+                self._apply(view, reply)
 
-    def _apply(self, view: _View, reply: Any, seq: int) -> None:
+    def _failed(self, view: _View, exc: BaseException) -> None:
+        """Changes Redis never got: they stay in this replica's view only."""
+        self.errors += 1
+        if self.errors == 1 or self.errors % 1000 == 0:
+            log.warning("flow counters: Redis call failed (%d so far): %s", self.errors, exc)
+        sent = view.sent or {}
+        before = {tenant: view.value(tenant) for tenant in sent}
+        view.sent = None
+        for tenant, value in before.items():
+            view.local[tenant] = view.local.get(tenant, 0.0) + value - view.value(tenant)
+
+    def _apply(self, view: _View, reply: Any) -> None:
         view.heard_at_s = time.monotonic()
-        if seq < view.applied_seq:
-            return  # an older picture than the one we hold
-        view.applied_seq = seq
         last, flat = reply
-        view.last_served = float(last)
+        if view.queued_dispatch is None:  # else a dispatch not sent yet is the band's latest
+            view.last_served = float(last)
         pairs = zip(flat[::2], flat[1::2], strict=True)
         view.snapshot = {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in pairs}
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
-            watched = [(key, view) for key, view in self._views.items() if view.watched]
-            if not watched:
-                continue
-            for (pool, band), view in watched:
-                self._seq += 1
-                seq = self._seq
-                try:
-                    reply = await self.pipeline.call(self._script, self.keys(pool, band), _READ_ONLY)
-                except Exception:
-                    self.errors += 1
-                    continue
-                self._apply(view, reply, seq)
+            asked = False
+            for view in self._views.values():
+                if view.watched:
+                    view.read = asked = True
+            if asked and self._flush_timer is None and self._flushing is None:
+                self._start_flush()

@@ -1,0 +1,33 @@
+-- The changes one replica made to one (pool, band) since its last call, applied atomically
+-- (policies/flow/redis_counters.py). Each tenant's changes are folded into one map
+-- v -> max(v + add, floor): a lift is a floor, a charge an add, and any sequence of them composes.
+-- KEYS[1]: hash tenant -> counter; KEYS[2]: the counter of the tenant dispatched last
+-- ARGV[1]: TTL in ms; ARGV[2..4]: the batch's last dispatch: tenant ('' = none), and the map of its
+--   changes up to just before its charge (add, floor; '' = no floor): its counter then is the band's
+--   last served; ARGV[5..]: tenant, add, floor ('' = no floor), one triple per changed tenant
+-- Returns {last served, counters as a flat field/value list}: the caller's view of the whole band.
+local counters, last = KEYS[1], KEYS[2]
+local function mapped(value, add, floor)
+  value = value + tonumber(add)
+  if floor ~= '' then
+    local f = tonumber(floor)
+    if f > value then value = f end
+  end
+  return value
+end
+local served
+if ARGV[2] ~= '' then
+  served = mapped(tonumber(redis.call('HGET', counters, ARGV[2]) or '0'), ARGV[3], ARGV[4])
+end
+for i = 5, #ARGV, 3 do
+  local before = tonumber(redis.call('HGET', counters, ARGV[i]) or '0')
+  local after = mapped(before, ARGV[i + 1], ARGV[i + 2])
+  if after ~= before then
+    redis.call('HSET', counters, ARGV[i], string.format('%.17g', after))
+  end
+end
+if served then
+  redis.call('SET', last, string.format('%.17g', served), 'PX', ARGV[1])
+end
+redis.call('PEXPIRE', counters, ARGV[1])
+return {redis.call('GET', last) or '0', redis.call('HGETALL', counters)}
