@@ -4,14 +4,15 @@ Each replica orders its own waiting room from a local view of every (pool, band)
 is changed at once by the replica's own dispatches and completions, so ordering never waits on
 Redis. The changes are not sent one by one: they gather per (pool, band) and tenant for `flush_s`
 and then go out as one atomic script call per band (`vtc_batch.lua`), at most one flush in flight
-at a time. A tenant's lifts, credits and charges fold into one map v -> max(v + add, floor) (a
-lift is a floor, a charge an add, a dispatch's credit both, and such maps compose), so the batch leaves Redis exactly where the calls
-one by one would have. The reply carries the band's counters as Redis holds them and the view is
-rebuilt from it, so every reply also brings in the other replicas' charges. While requests wait in
-a band the view is re-read every `refresh_s` as well, so an idle replica's changes arrive even when
-this one dispatches nothing. `age_s` is the time since the view last heard from Redis: the staleness
-of the shared part. The other replicas see this one's changes at most `flush_s` plus one round trip
-late (plus their own `refresh_s` when they dispatch nothing).
+at a time. A tenant's lifts, credits and charges fold into one map v -> max(v + add, floor) (a lift
+is a floor, a charge an add, a dispatch's credit both, and such maps compose), so the batch leaves
+Redis exactly where the calls one by one would have. The reply carries the band's counters as
+Redis holds them and the view is rebuilt from it, so every reply also brings in the other
+replicas' charges. While requests wait in a band the view is re-read every `refresh_s` as well, so
+an idle replica's changes arrive even when this one dispatches nothing. `age_s` is the time since
+the view last heard from Redis: the staleness of the shared part. The other replicas see this
+one's changes at most `flush_s` plus one round trip late (plus their own `refresh_s` when they
+dispatch nothing).
 
 Why batched: one call per change (a dispatch, its lift, its end-of-request correction) cost two or
 three Redis calls per request through redis-py, the largest Redis-specific cost on the request
