@@ -71,6 +71,11 @@ class AutoscaleConfig(_Strict):
     )
     priority: int = Field(default=0, description="larger first when pools share the device budget")
     sleep: SleepConfig | None = Field(default=None, description="sleep instead of stopping (vLLM sleep mode)")
+    warm_reserve: int | None = Field(
+        default=None,
+        ge=0,
+        description="replicas kept warm beyond the need: asleep in a pool that sleeps (the rest stop), else awake",
+    )
     ttft_slo_ms: float = Field(default=2000.0, gt=0, description="the TTFT a replica's prefill velocity keeps")
     tpot_slo_ms: float = Field(default=100.0, gt=0, description="the TPOT a replica's decode velocity keeps")
     startup_s: float | None = Field(

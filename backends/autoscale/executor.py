@@ -10,7 +10,10 @@ and acts, each action one task per replica (a replica does one thing at a time):
   requests it runs finish — for at most the pool's `drain_timeout_s`; a drain that runs out is
   counted and logged, and the replica is then stopped only if its streams can move to another
   replica (`migrate_streams`), else it waits for them (never an abort) — then it sleeps (pools with
-  `autoscale.sleep`) or stops.
+  `autoscale.sleep`) or stops;
+- warm reserve (a pool with `sleep` and `warm_reserve`, `backends.autoscale.reserve`): start a replica
+  and put it to sleep while the role has fewer asleep than its reserve and its device group a spare
+  slot; stop sleeping ones past the reserve.
 
 Every start and wake is timed (`LeadTimes`: the planner's lead, the cold-start hold's estimate) and
 every action is an `Event` in a bounded log (`/admin/pools`).
@@ -31,6 +34,7 @@ import aiohttp
 
 from backends.autoscale import sleep as sleep_mode
 from backends.autoscale.devices import DeviceBudget, group_of
+from backends.autoscale.reserve import keeps_asleep, reserve_step, reserve_target
 from backends.autoscale.startup import LeadTimes
 from backends.autoscale.types import PoolPlan, RoleState
 from backends.config import BackendsSettings, PoolConfig
@@ -93,6 +97,7 @@ class Executor:
         self._reserved: dict[str, tuple[int, ...]] = {}
         self._retiring: set[str] = set()  # drains still waiting for requests (may be undone)
         self._failed_at: dict[str, float] = {}
+        self._reserve: dict[tuple[str, str], int | None] = {}  # (pool, role) -> sleepers to keep
         self.budget = DeviceBudget()
         self._owns_session = False
 
@@ -163,6 +168,7 @@ class Executor:
 
     def apply(self, plans: Sequence[PoolPlan]) -> None:
         """Start the actions that move each pool towards its desired replicas (returns at once)."""
+        spare = self._spare_slots(plans)
         for plan in plans:
             pool = self.fleet.pools[plan.pool].config
             for role_plan in plan.roles:
@@ -174,6 +180,51 @@ class Executor:
                 for _ in range(active - role_plan.desired):
                     if not self._scale_down(pool, role, plan.reason):
                         break
+                if sleep_mode.sleeps(pool) and pool.autoscale is not None:
+                    self._keep_reserve(pool, role, role_plan.reserve, role_plan.desired, spare)
+
+    def _spare_slots(self, plans: Sequence[PoolPlan]) -> dict[str, int]:
+        """Device slots per group that no plan's desired replicas take (what a warm reserve may use)."""
+        spare = dict(self.capacity())
+        for plan in plans:
+            group = group_of(self.fleet.pools[plan.pool].config)
+            if group in spare:
+                spare[group] -= plan.desired * self.devices_per_replica(plan.pool)
+        return spare
+
+    def _keep_reserve(
+        self, pool: PoolConfig, role: Role, reserve: int | None, desired: int, spare: dict[str, int]
+    ) -> None:
+        assert pool.autoscale is not None
+        state = self.role_state(pool.name, role)
+        _low, high = pool.autoscale.bounds(role.value)
+        target = reserve_target(reserve, high, desired, state.active)
+        self._reserve[(pool.name, role.value)] = target
+        group = group_of(pool)
+        cost = self.devices_per_replica(pool.name)
+        slots = spare.get(group, cost) if group else cost
+        step = reserve_step(state.sleeping, target, 1 if slots >= cost else 0)
+        endpoints = list(self._endpoints(pool.name, role))
+        if step < 0:
+            asleep = [e for e in endpoints if self._phase(e) == "sleeping" and not self._busy(e.id)]
+            for endpoint in asleep[:-step]:
+                self._run(endpoint, "stop", self._stop(pool, role, endpoint, f"warm reserve {target}: surplus"))
+        elif step > 0:
+            every = list(self.fleet.endpoints())
+            now = self.clock()
+            for endpoint in endpoints:
+                if self._phase(endpoint) != "stopped" or self._busy(endpoint.id):
+                    continue
+                if now - self._failed_at.get(endpoint.id, float("-inf")) < _FAILED_SLOT_PAUSE_S:
+                    continue
+                devices = self.budget.place(pool, every, self._reserved)
+                if devices is None:
+                    return
+                if group:
+                    spare[group] = slots - cost
+                self._reserved[endpoint.id] = devices
+                self._run(endpoint, "prewarm", self._prewarm(pool, role, endpoint, devices))
+                return
 
     def _scale_up(self, pool: PoolConfig, role: Role, reason: str) -> bool:
         endpoints = list(self._endpoints(pool.name, role))
@@ -248,6 +299,13 @@ class Executor:
         self.awake_since_s[pool.name] = self.clock()
         self._event(pool, role, "ready", endpoint, f"started in {took:.2f} s")
 
+    async def _prewarm(self, pool: PoolConfig, role: Role, endpoint: Endpoint, devices: tuple[int, ...]) -> None:
+        """Start a replica for the warm reserve, then drain (a request may have reached it) and sleep."""
+        await self._start(pool, role, endpoint, devices, "warm reserve")
+        if endpoint.state is EndpointState.READY:
+            self._retiring.add(endpoint.id)
+            await self._retire(pool, role, endpoint, "warm reserve: asleep until a step needs it")
+
     async def _wake(self, pool: PoolConfig, role: Role, endpoint: Endpoint, why: str) -> None:
         began = self.clock()
         self._reserved[endpoint.id] = endpoint.devices
@@ -293,7 +351,11 @@ class Executor:
         self._retiring.discard(endpoint.id)
         if endpoint.state is not EndpointState.DRAINING:
             return  # it crashed and the supervisor took over meanwhile
-        if sleep_mode.sleeps(pool) and endpoint.inflight.requests == 0:
+        others = sum(
+            1 for e in self._endpoints(pool.name, role) if e.id != endpoint.id and self._phase(e) == "sleeping"
+        )
+        target = self._reserve.get((pool.name, role.value))
+        if sleep_mode.sleeps(pool) and endpoint.inflight.requests == 0 and keeps_asleep(others, target):
             level = sleep_mode.sleep_level(pool)
             endpoint.state_reason = "going to sleep"
             if await self._post(endpoint, sleep_mode.sleep_path(level), pool.ready_timeout_s):
@@ -364,6 +426,10 @@ class Executor:
         kind = self._op_kind.get(endpoint.id)
         if kind in ("start", "wake"):
             return "starting"
+        if kind == "prewarm":
+            return "sleeping"  # started for the warm reserve: asleep once ready, serves nothing
+        if kind == "stop":
+            return "stopped"
         if endpoint.id in self._retiring or endpoint.state is EndpointState.DRAINING:
             return "draining"
         state = endpoint.state

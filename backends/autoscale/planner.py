@@ -13,6 +13,10 @@ Per role, every `interval_s` (docs/autoscaling.md has the worked example):
     down      = ceil(load / (target · (1 - hysteresis)) + backlog), no lower than the largest `down` of
                 the last stabilization_s, and only scale_down_cooldown_s after any scale event
     floor     = 1 while requests are held, queued or in flight, or arrived within idle_s
+    reserve   = warm_reserve replicas on top of max(up, floor) and max(down, floor) while the pool
+                is in use (floor 1), in a pool that does not sleep; a pool that sleeps keeps them
+                asleep instead (the plan's `reserve`: the executor starts them and puts them to
+                sleep, so a step is absorbed by a wake; `backends.autoscale.reserve`)
     wanted    = clamp(·, min_replicas, max_replicas)
 
 The forecast looks ahead by the lead time so a replica starts before the load needs it; only a rising
@@ -54,6 +58,8 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
     downs: list[tuple[str, int]] = []
     scaled_up = scaled_down = False
     wanted_before = dict(memory.wanted)
+    awake_reserve = (policy.warm_reserve or 0) if policy.sleep is None else 0
+    asleep_reserve = policy.warm_reserve if policy.sleep is not None else None
     for role in signals.roles:
         load = _load(role, prefill_demand, decode_demand)
         backlog = _backlog(signals, role, lead_s)
@@ -65,9 +71,13 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         down = max(down, math.ceil(need_kv - _EPSILON))
         low, high = policy.bounds(role.role)
         floor = 1 if busy and high > 0 and _serves(signals, role) else 0
+        if awake_reserve and floor:
+            up, down = max(up, floor) + awake_reserve, max(down, floor) + awake_reserve
         current = role.replicas.active
         downs.append((role.role, max(down, floor)))
         why = _describe(role, prefill_demand, decode_demand, load, backlog, need_kv, policy)
+        if awake_reserve and floor:
+            why += f", +{awake_reserve} warm"
         if up > current or (current < max(low, floor)):
             target = max(up, floor, low)
             if current > 0 and now - memory.last_up_s < policy.scale_up_cooldown_s:
@@ -92,7 +102,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
             scaled_up = scaled_up or wanted_before.get(role.role, current) < wanted
         elif wanted < current:
             scaled_down = True
-        roles.append(RolePlan(role.role, current, round(need, 3), wanted, wanted))
+        roles.append(RolePlan(role.role, current, round(need, 3), wanted, wanted, asleep_reserve))
         reasons.append(f"{role.role} {current}->{wanted}: {why}" if len(signals.roles) > 1 else why)
     history = (*history, (now, tuple(downs)))
     memory = PlannerMemory(

@@ -86,6 +86,10 @@ class RolePlan:
     need: float  # replicas the load needs at the target utilisation (before rounding and bounds)
     wanted: int  # after hysteresis, cooldowns, stabilisation and bounds
     desired: int  # after the device budget
+    # sleeping replicas to keep (a pool with `sleep` and `warm_reserve`): the executor starts and puts
+    # to sleep up to this many beyond `desired`, and stops those past it; None: every replica scaled
+    # down sleeps and stays asleep (no bound, none started ahead)
+    reserve: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

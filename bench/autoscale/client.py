@@ -143,12 +143,17 @@ async def replay(
     return outcomes
 
 
+_AWAKE = ("starting", "ready", "draining", "unhealthy")
+
+
 @dataclass(slots=True)
 class Sample:
     at_s: float
     awake: dict[str, int]  # pool -> devices held by awake replicas (starting, ready, draining)
     ready: dict[str, int]
     desired: dict[str, int] = field(default_factory=dict)
+    asleep: dict[str, int] = field(default_factory=dict)  # pool -> devices of its sleeping replicas
+    held: int = -1  # distinct devices that some awake or sleeping replica is on (-1: not sampled)
 
 
 async def sample_replicas(url: str, started: float, stop: asyncio.Event, every_s: float = 1.0) -> list[Sample]:
@@ -164,19 +169,31 @@ async def sample_replicas(url: str, started: float, stop: asyncio.Event, every_s
             except (aiohttp.ClientError, TimeoutError):
                 backends, pools = {"pools": []}, {"pools": []}
             awake: dict[str, int] = {}
+            asleep: dict[str, int] = {}
             ready: dict[str, int] = {}
+            devices: set[tuple[str, int]] = set()
             for pool in backends.get("pools", []):
                 name = pool["name"]
-                awake[name] = sum(
-                    len(e.get("devices") or [0])
-                    for e in pool["endpoints"]
-                    if e["state"] in ("starting", "ready", "draining", "unhealthy")
-                )
+                awake[name] = asleep[name] = 0
+                for e in pool["endpoints"]:
+                    state = e["state"]
+                    if state not in _AWAKE and state != "sleeping":
+                        continue
+                    mine = e.get("devices") or []
+                    if state == "sleeping":
+                        asleep[name] += len(mine) or 1
+                    else:
+                        awake[name] += len(mine) or 1
+                    # a replica without devices (unmanaged) counts as one of its own
+                    if mine:
+                        devices.update(("", d) for d in mine)
+                    else:
+                        devices.add((e["id"], 0))
                 ready[name] = sum(1 for e in pool["endpoints"] if e["state"] == "ready")
             desired = {
                 p["name"]: sum(r.get("desired") or 0 for r in p["roles"].values()) for p in pools.get("pools", [])
             }
-            samples.append(Sample(time.perf_counter() - started, awake, ready, desired))
+            samples.append(Sample(time.perf_counter() - started, awake, ready, desired, asleep, len(devices)))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=every_s)
     return samples

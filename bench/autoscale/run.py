@@ -8,9 +8,11 @@ from the weights at 8 GB/s plus 1 s, all in simulated seconds) replay the same a
 fresh gateway per mode:
 
     static-peak     replicas for the peak (6 + 2)          static-mean   replicas for the mean (2 + 1)
-    hpa, hpa-4      the HPA-shaped baseline (requests running per replica vs a target: 6, 4)
+    hpa, hpa-3, -2  the HPA-shaped baseline (requests running per replica vs a target: 6, 3, 2; a lower
+                    target spends more GPU-seconds: the runs to compare at equal spend)
     tokens          tokenway's planner, scale-down by stopping
-    tokens-sleep    tokenway's planner, scale-down by sleeping (level 1)
+    tokens-warm     tokenway's planner with a warm reserve of one chat replica, awake
+    tokens-sleep    tokenway's planner with a warm reserve of one chat replica asleep (level 1)
 
 then three short experiments: `kill -9` of a replica under streaming load with and without stream
 migration; a prefill/decode pool under a prefill burst with fixed roles and with convertible
@@ -49,6 +51,7 @@ LOAD_GBPS, INIT_S = 8.0, 1.0  # start-up, simulated: the weights from the page c
 STARTUP_ARGS = ["--simulate-startup", "--load-bandwidth-gbps", f"{LOAD_GBPS:g}", "--init-s", f"{INIT_S:g}"]
 ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), *STARTUP_ARGS]
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
+WARM_RESERVE = 1
 
 
 def loads(scale: float = 1.0) -> list[ModelLoad]:
@@ -73,7 +76,14 @@ def pool(name: str, model: str, preset: str, **fields: Any) -> dict[str, Any]:
 
 
 def autoscale(
-    planner: str, low: int, high: int, *, sleep: bool = False, priority: int = 0, hpa_target: float = 6
+    planner: str,
+    low: int,
+    high: int,
+    *,
+    sleep: bool = False,
+    priority: int = 0,
+    hpa_target: float = 6,
+    reserve: int | None = None,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "planner": planner, "min_replicas": low, "max_replicas": high, "interval_s": INTERVAL_S,
@@ -83,6 +93,8 @@ def autoscale(
     }  # fmt: skip
     if sleep:
         config["sleep"] = {"level": 1}
+    if reserve is not None:
+        config["warm_reserve"] = reserve
     return config
 
 
@@ -95,10 +107,14 @@ def mode_pools(mode: str) -> list[dict[str, Any]]:
     planner = "hpa" if mode.startswith("hpa") else "tokens"
     target = float(mode.removeprefix("hpa-")) if mode.startswith("hpa-") else 6.0
     sleep = mode == "tokens-sleep"
-    chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target)
+    # the warm reserve: one chat replica beyond the need, asleep (tokens-sleep) or awake (tokens-warm);
+    # the code pool keeps none (idle at night: its scaled-down replicas stop rather than hold a device)
+    reserve = WARM_RESERVE if mode in ("tokens-sleep", "tokens-warm") else None
+    chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve)
+    code_scale = autoscale(planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None)
     return [
         pool("chat", CHAT, chat_preset, replicas=1, autoscale=chat_scale),
-        pool("code", CODE, code_preset, replicas=0, autoscale=autoscale(planner, 0, 3, sleep=sleep, hpa_target=target)),
+        pool("code", CODE, code_preset, replicas=0, autoscale=code_scale),
     ]
 
 
@@ -265,7 +281,7 @@ async def run_share(workdir: Path, seconds: float = 60.0) -> dict[str, Any]:
 # --- main ----------------------------------------------------------------------------------------------------
 
 
-MODES = ("static-peak", "static-mean", "hpa", "hpa-4", "tokens", "tokens-sleep")
+MODES = ("static-peak", "static-mean", "hpa", "hpa-3", "hpa-2", "tokens", "tokens-warm", "tokens-sleep")
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -280,6 +296,9 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"[autoscale] {mode}: {len(arrivals)} requests over {day_s:g} s", flush=True)
             runs.append(await run_mode(mode, arrivals, day_s, workdir))
         extras: dict[str, Any] = {}
+        extras_generated = None
+        if args.skip_extras and args.extras_from is not None:
+            extras, extras_generated = old_extras(args.extras_from)
         if not args.skip_extras:
             print("[autoscale] kill -9 under load, with and without migration", flush=True)
             extras["kill"] = [await run_kill(True, workdir), await run_kill(False, workdir)]
@@ -300,6 +319,8 @@ async def main_async(args: argparse.Namespace) -> None:
         "burst_s": burst_window(args.scale, day_s),
         "load_gbps": LOAD_GBPS,
         "init_s": INIT_S,
+        "extras_generated": extras_generated,
+        "warm_reserve": WARM_RESERVE,
     }
     curve = offered(loads(args.scale), day_s, 1.0)
     raw = RESULTS / "autoscale-raw.json"
@@ -338,31 +359,39 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _outcome(row: dict[str, Any]) -> Outcome:
+    return Outcome(**{k: v for k, v in row.items() if k != "tpot_s"})
+
+
+def _revive(value: Any) -> Any:
+    """Outcomes and samples back from the raw file's plain rows."""
+    if isinstance(value, dict):
+        if "prompt_tokens" in value and "sent_s" in value:
+            return _outcome(value)
+        if {"at_s", "awake", "ready", "desired"} <= set(value) <= {*Sample.__dataclass_fields__}:
+            return Sample(**value)
+        return {k: _revive(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_revive(v) for v in value]
+    return value
+
+
+def old_extras(raw_path: Path) -> tuple[dict[str, Any], str]:
+    """The three short experiments of an earlier run (`--extras-from`), and when it ran."""
+    raw = json.loads(raw_path.read_text())
+    return _revive(raw.get("extras") or {}), raw["meta"]["generated"]
+
+
 def rebuild(raw_path: Path) -> None:
     """The report again from a raw file (after a change to report.py; nothing is re-run)."""
     raw = json.loads(raw_path.read_text())
     meta = raw["meta"]
     meta.setdefault("burst_s", burst_window(1.0, meta["day_s"]))
-
-    def outcome(row: dict[str, Any]) -> Outcome:
-        return Outcome(**{k: v for k, v in row.items() if k != "tpot_s"})
-
-    def revive(value: Any) -> Any:
-        if isinstance(value, dict):
-            if "prompt_tokens" in value and "sent_s" in value:
-                return outcome(value)
-            if set(value) == {"at_s", "awake", "ready", "desired"}:
-                return Sample(**value)
-            return {k: revive(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [revive(v) for v in value]
-        return value
-
     runs = [
-        ModeRun(r["mode"], [outcome(o) for o in r["outcomes"]], [Sample(**x) for x in r["samples"]], r["pools"])
+        ModeRun(r["mode"], [_outcome(o) for o in r["outcomes"]], [Sample(**x) for x in r["samples"]], r["pools"])
         for r in raw["runs"]
     ]
-    report.write(RESULTS, meta, runs, offered(loads(), meta["day_s"], 1.0), revive(raw.get("extras") or {}))
+    report.write(RESULTS, meta, runs, offered(loads(), meta["day_s"], 1.0), _revive(raw.get("extras") or {}))
 
 
 def main() -> None:
@@ -372,6 +401,12 @@ def main() -> None:
     parser.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
+    parser.add_argument(
+        "--extras-from",
+        type=Path,
+        default=None,
+        help="with --skip-extras: report the short experiments of this raw file",
+    )
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the last raw file")
     args = parser.parse_args()

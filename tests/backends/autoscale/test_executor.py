@@ -131,3 +131,33 @@ async def test_sleep_frees_the_device_and_wake_takes_it_back(executor: Callable[
     await eventually(lambda: asleep.state is EndpointState.READY and ex.settled, "awake again", 30)
     assert ex.lead.measured("s")["wakes_s"]
     assert [ev.action for ev in ex.events if ev.pool == "s"][-2:] == ["wake", "awake"]
+
+
+async def test_a_warm_reserve_is_started_asleep_and_its_surplus_stopped(executor: Callable[..., Any]) -> None:
+    sleepy = elastic_pool(
+        "w", autoscale={"sleep": {"level": 1}, "max_replicas": 3, "warm_reserve": 1}, preset="llama-3.1-8b@h100"
+    )
+    fleet, ex = await executor([sleepy], devices=[0, 1, 2])
+    endpoints = fleet.pools["w"].endpoints
+    await eventually(lambda: endpoints[0].state is EndpointState.READY and ex.settled, "ready", 60)
+
+    def reserve_plan(desired: int, reserve: int) -> PoolPlan:
+        return PoolPlan("w", (RolePlan("both", 0, float(desired), desired, desired, reserve),), "test")
+
+    ex.apply([reserve_plan(1, 1)])  # one serving, one to start and put to sleep
+    await eventually(lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, "one asleep in reserve", 60)
+    assert states(fleet, "w").count("ready") == 1
+    assert ex.role_state("w", Role.BOTH).active == 1  # the reserve is not counted as serving
+    ex.apply([reserve_plan(1, 1)])
+    assert ex.settled  # the reserve is full: nothing to do
+
+    ex.apply([reserve_plan(2, 1)])  # a step: the sleeper wakes, and a new one is started for the reserve
+    await eventually(lambda: ex.settled and states(fleet, "w").count("ready") == 2, "the sleeper awake", 60)
+    assert any(ev.action == "awake" for ev in ex.events)
+    ex.apply([reserve_plan(2, 1)])
+    await eventually(lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, "the reserve refilled", 60)
+
+    ex.apply([reserve_plan(0, 0)])  # down, and no reserve: the drained ones stop, the sleeper too
+    await eventually(lambda: ex.settled and states(fleet, "w").count("ready") == 0, "drained", 60)
+    ex.apply([reserve_plan(0, 0)])
+    await eventually(lambda: ex.settled and states(fleet, "w") == ["stopped"] * 3, "all stopped", 60)

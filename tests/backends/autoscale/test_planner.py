@@ -200,3 +200,32 @@ def test_a_scale_up_the_budget_has_not_granted_does_not_hold_the_other_roles_coo
         decode_wanted.append(plan.role("decode").wanted)  # type: ignore[union-attr]
     assert decode_wanted[0] == 2  # the cooldown after the prefill role's scale-up...
     assert decode_wanted.index(1) == 8  # ...ends 4 s later: the decode role gives its device back
+
+
+def test_an_awake_warm_reserve_runs_beyond_the_need_while_in_use() -> None:
+    warm = POLICY.model_copy(update={"warm_reserve": 1})
+    assert wanted(signals(100.0, 700.0), warm) == 2  # one for the load, one warm
+    assert wanted(signals(100.0, 0.0), warm) == 2  # the floor's one, plus the reserve
+    assert wanted(signals(100.0, 900.0, ready=2), warm) == 3
+    idle = signals(100.0, 0.0, ready=2, last_request=0.0)  # idle past idle_s: down to min_replicas
+    assert wanted(idle, warm) == 0
+    plan = plan_pool(signals(100.0, 700.0), warm, PlannerMemory())
+    assert plan.roles[0].reserve is None and "+1 warm" in plan.reason
+
+
+def test_a_scale_down_keeps_the_awake_reserve() -> None:
+    warm = POLICY.model_copy(update={"warm_reserve": 1})
+    # load for one replica, three running, long after any scale event: down to 1 + the reserve
+    plan = plan_pool(signals(500.0, 500.0, ready=3), warm, PlannerMemory())
+    assert plan.roles[0].wanted == 2
+
+
+def test_a_pool_that_sleeps_keeps_its_reserve_asleep() -> None:
+    from backends.autoscale.config import SleepConfig
+
+    sleepy = POLICY.model_copy(update={"warm_reserve": 2, "sleep": SleepConfig(level=1)})
+    plan = plan_pool(signals(100.0, 700.0), sleepy, PlannerMemory())
+    assert plan.roles[0].wanted == 1  # nothing extra awake
+    assert plan.roles[0].reserve == 2  # two asleep: the executor's part
+    unbounded = POLICY.model_copy(update={"sleep": SleepConfig(level=1)})
+    assert plan_pool(signals(100.0, 700.0), unbounded, PlannerMemory()).roles[0].reserve is None
