@@ -289,6 +289,7 @@ async def main_async(args: argparse.Namespace) -> None:
     arrivals = schedule(loads(args.scale), day_s, seed=args.seed)
     modes = [m for m in (args.modes.split(",") if args.modes else MODES) if m]
     began = time.time()
+    load_before = os.getloadavg()[0]
     runs: list[ModeRun] = []
     with tempfile.TemporaryDirectory(prefix="tw-autoscale-") as tmp:
         workdir = Path(tmp)
@@ -310,6 +311,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(began)),
         "minutes": round((time.time() - began) / 60, 1),
         "host": f"{platform.node()} ({os.cpu_count()} CPUs)",
+        "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "day_s": day_s,
         "requests": len(arrivals),
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
