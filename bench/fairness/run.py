@@ -162,6 +162,9 @@ def run_mode(
         finally:
             for g in gateways:
                 g.stop()
+            failures = [f for g in gateways for f in unexpected_failures(g.log())]
+            if failures:
+                print(f"{name}: {len(failures)} unexpected failures in the gateway log; the first:\n{failures[0]}")
     finally:
         engines.stop()
     return {
@@ -169,7 +172,26 @@ def run_mode(
         "flow_status": statuses,
         "output_length": predictor,
         "counters_age_s": ages,
+        "unexpected_failures": failures,
     }
+
+
+def unexpected_failures(log: str) -> list[str]:
+    """The tracebacks of requests the gateway answered 500 `internal_error` (a bug, by the project's
+    rules): each "failed unexpectedly" line and the traceback after it."""
+    found: list[str] = []
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if "failed unexpectedly" not in line:
+            continue
+        block = [line]
+        for following in lines[i + 1 : i + 80]:
+            if following and not following[0].isspace() and not following.startswith("Traceback"):
+                block.append(following)
+                break
+            block.append(following)
+        found.append("\n".join(block))
+    return found
 
 
 async def replay_sampled(

@@ -348,6 +348,9 @@ class FlowQueue:
             entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair, skip_tenants=skip_tenants)
             if entry is None:
                 break
+            if entry.future.done():  # cancelled (its client left, its deadline struck) before its task ran
+                self._leave(room, entry)
+                continue
             try:
                 verdict = entry.ready()
             except Exception as exc:  # the gate's own "no, instead" (a detour): it leaves with it

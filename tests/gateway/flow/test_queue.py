@@ -284,3 +284,21 @@ async def test_a_tenant_coming_back_keeps_no_refund_below_the_band_floor() -> No
     for task in flood:
         task.cancel()
     await asyncio.gather(*flood, return_exceptions=True)
+
+
+async def test_a_waiter_cancelled_before_its_task_ran_is_passed_over_not_granted() -> None:
+    """Cancelling a waiter (its client left, its deadline struck) cancels its future at once; its task
+    leaves the room only when it next runs. A slot freeing in between must go to the next one, not
+    fail the caller of `notify` (the request whose end freed it) with InvalidStateError."""
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    gone = asyncio.create_task(slots.run(request("gone", "a")))
+    await until(lambda: queue.depth(POOL) == 1)
+    other = asyncio.create_task(slots.run(request("b0", "b")))
+    await until(lambda: queue.depth(POOL) == 2)
+    gone.cancel()
+    slots.release()  # in the same step: "gone" is first in order, its future already cancelled
+    await other
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert slots.order == ["b0"] and queue.depth(POOL) == 0
