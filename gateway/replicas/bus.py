@@ -39,6 +39,8 @@ from backends.types import Endpoint
 from gateway.replicas.config import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
 from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, decode, encode
+from policies.limits.resp import command
+from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.prefix.hashing import HashedPrompt
 from policies.routing.types import RouteDecision
@@ -67,6 +69,7 @@ class ReplicaBus:
         self.settings = settings
         self.replica_id = settings.id or default_replica_id()
         self.stream = f"{key_prefix}:replicas"
+        self._stream_key = self.stream.encode()
         self.fleet = fleet
         self.router = router
         self.clock = clock
@@ -75,6 +78,7 @@ class ReplicaBus:
         self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(maxlen=settings.max_pending_dispatches)
         self._own = self.replica_id.encode()
         self._writer: aioredis.Redis | None = None
+        self._pipe: ScriptPipe | None = None  # the publisher's raw connection (plain TCP or unix socket)
         self._reader: aioredis.Redis | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._shared: dict[str, Endpoint] = {}
@@ -110,6 +114,8 @@ class ReplicaBus:
 
     async def start(self) -> None:
         self._writer = aioredis.Redis.from_url(self._redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        pipe = script_pipeline(self._writer, ())
+        self._pipe = pipe if isinstance(pipe, ScriptPipe) else None
         self._reader = aioredis.Redis.from_url(
             self._redis_url, socket_timeout=READ_BLOCK_MS / 1000 + 5.0, socket_connect_timeout=2.0
         )
@@ -126,6 +132,9 @@ class ReplicaBus:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self._pipe is not None:
+            with contextlib.suppress(Exception):
+                await self._pipe.close()
         for client in (self._writer, self._reader):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -197,6 +206,19 @@ class ReplicaBus:
             self.dispatches_published += len(dispatches)
             if report:
                 reported, reported_at_s = loads, now_s
+
+    async def _xadd(self, payload: bytes) -> None:
+        """One entry: over the raw pipe (the command encoded here, no redis-py per batch: under load
+        a batch goes out every `publish_interval_ms`), else through redis-py (TLS, unusual clients)."""
+        if self._pipe is not None:
+            maxlen = str(self.settings.stream_max_len).encode()
+            words = (b"XADD", self._stream_key, b"MAXLEN", b"~", maxlen, b"*", b"r", self._own, b"b", payload)
+            await self._pipe.submit(command(*words), None)
+            return
+        assert self._writer is not None
+        await self._writer.xadd(
+            self.stream, {"r": self._own, "b": payload}, maxlen=self.settings.stream_max_len, approximate=True
+        )
 
     # -- reading -----------------------------------------------------------------------------------
 

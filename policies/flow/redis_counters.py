@@ -16,7 +16,8 @@ dispatch nothing).
 
 Why batched: one call per change (a dispatch, its lift, its end-of-request correction) cost two or
 three Redis calls per request through redis-py, the largest Redis-specific cost on the request
-path after the admission reservation itself.
+path after the admission reservation itself. The calls go over the limiter's raw pipe
+(`policies/limits/scriptpipe.py`) for the same reason.
 
 Changes that Redis has not acknowledged stay in the view on top of the last reply. A failed call
 keeps its changes locally (the other replicas will not see them) and is counted; fairness degrades
@@ -39,7 +40,8 @@ from redis.asyncio import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from policies.limits.autopipeline import AutoPipeline, Script
+from policies.limits.autopipeline import Script
+from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 
 log = logging.getLogger("tokenway.flow.counters")
 
@@ -102,7 +104,7 @@ class RedisCounters:
         self._tag = "{" + prefix + "}:flow:"
         text = resources.files("policies.flow").joinpath("vtc_batch.lua").read_text(encoding="utf-8")
         self._script = Script(text)
-        self.pipeline = AutoPipeline(client, (self._script,))
+        self.pipeline = script_pipeline(client, (self._script,))  # the limiter's raw pipe, a connection of its own
         self._views: dict[tuple[str, int], _View] = {}
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushing: asyncio.Task[None] | None = None
@@ -220,6 +222,8 @@ class RedisCounters:
         if any(view.due() for view in self._views.values()):
             self._flushing = asyncio.get_running_loop().create_task(self._flush())  # the last changes
             await asyncio.wait([self._flushing], timeout=1.0)
+        if isinstance(self.pipeline, ScriptPipe):
+            await self.pipeline.close()
         await self.client.aclose()
 
     # --- Redis ---------------------------------------------------------------------------------
