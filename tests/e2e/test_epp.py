@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +24,17 @@ import aiohttp
 import grpc
 import orjson
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.envoy_side import Answer, EnvoySide
+from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
 from tests.support.procs import (
     OTHER_KEY,
     TEST_KEY,
-    Gateway,
-    SimEngines,
-    _env,
-    free_port,
     http_get,
     metric_total,
     policies_doc,
-    running,
     start_sim,
     static_pool,
-    wait_http,
 )
 
 pytestmark = pytest.mark.e2e
@@ -54,59 +44,20 @@ PATH = "/v1/chat/completions"
 EnvoyPair = tuple[EnvoySide, aiohttp.ClientSession]
 
 
-@dataclass
-class Picker:
-    gateway: Gateway  # the HTTP side (health, metrics, admin)
-    grpc_port: int
-    engines: SimEngines
-
-    @property
-    def hosts(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.engines.ports]
-
-
 @pytest.fixture(scope="module")
 def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
     workdir = tmp_path_factory.mktemp("epp")
     engines = start_sim(workdir, count=2, served_model_name="engine-llama")
-    http_port, grpc_port = free_port(), free_port()
     policies = policies_doc(limits=[{"scope": "key", "match": {"key": "k2"}, "rpm": 1}])
-    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
     pool = static_pool("pool", MODEL, engines.urls, served_model_name="engine-llama")
-    config = {
-        "server": {"host": "127.0.0.1", "port": http_port, "drain_timeout_s": 2},
-        "policies": "policies.yaml",
-        "pools": [pool],
-        "epp": {"host": "127.0.0.1", "port": grpc_port},
-        "backends": {"health_interval_s": 0.2},
-        "predictor": {"enabled": False},
-    }
-    config_path = workdir / "gateway.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = workdir / "epp.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=_env(),
-        )
-    gateway = Gateway(proc, http_port, config_path, log_path, workdir)
-    with running(engines, gateway):
-        try:
-            wait_http(gateway.url + "/readyz", proc=proc, timeout_s=60)
-        except Exception:
-            raise RuntimeError(gateway.log()[-3000:]) from None
-        yield Picker(gateway, grpc_port, engines)
+    with running_picker(workdir, engines, pools=[pool], policies=policies) as picker:
+        yield picker
 
 
 @pytest.fixture
 async def envoy(picker: Picker) -> AsyncIterator[EnvoyPair]:
-    side = EnvoySide(f"127.0.0.1:{picker.grpc_port}")
-    async with aiohttp.ClientSession() as session:
-        yield side, session
-    await side.close()
+    async with envoy_pair(picker) as pair:
+        yield pair
 
 
 def chat(content: str, **extra: Any) -> bytes:

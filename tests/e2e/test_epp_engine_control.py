@@ -14,20 +14,16 @@ body really is the client's.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-import yaml
 
 from policies.policy import hash_key
-from tests.support.envoy_side import Answer, EnvoySide
-from tests.support.procs import TEST_KEY, Gateway, _env, free_port, running, start_sim, static_pool, wait_http
+from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
+from tests.support.procs import TEST_KEY, start_sim, static_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -52,17 +48,10 @@ HOSTILE = {
 MODES = pytest.mark.parametrize("buffered", [False, True], ids=["full-duplex", "buffered"])
 
 
-@dataclass
-class Picker:
-    gateway: Gateway
-    grpc_port: int
-
-
 @pytest.fixture(scope="module")
 def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
     workdir = tmp_path_factory.mktemp("epp-engine-control")
     engines = start_sim(workdir, count=1, served_model_name=MODEL)
-    http_port, grpc_port = free_port(), free_port()
     policies = {
         "tenants": {
             "t1": {},
@@ -76,41 +65,16 @@ def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
         ],
         "models": {MODEL: {}},
     }
-    (workdir / "policies.yaml").write_text(yaml.safe_dump(policies))
-    config = {
-        "server": {"host": "127.0.0.1", "port": http_port, "drain_timeout_s": 2},
-        "policies": "policies.yaml",
-        "pools": [static_pool("pool", MODEL, engines.urls)],
-        "epp": {"host": "127.0.0.1", "port": grpc_port},
-        "backends": {"health_interval_s": 0.2},
-        "predictor": {"enabled": False},
-    }
-    config_path = workdir / "gateway.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = workdir / "epp.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "epp", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=_env(),
-        )
-    gateway = Gateway(proc, http_port, config_path, log_path, workdir)
-    with running(engines, gateway):
-        try:
-            wait_http(gateway.url + "/readyz", proc=proc, timeout_s=60)
-        except Exception:
-            raise RuntimeError(gateway.log()[-3000:]) from None
-        yield Picker(gateway, grpc_port)
+    with running_picker(
+        workdir, engines, pools=[static_pool("pool", MODEL, engines.urls)], policies=policies
+    ) as picker:
+        yield picker
 
 
 @pytest.fixture
 async def envoy(picker: Picker) -> AsyncIterator[tuple[EnvoySide, aiohttp.ClientSession]]:
-    side = EnvoySide(f"127.0.0.1:{picker.grpc_port}")
-    async with aiohttp.ClientSession() as session:
-        yield side, session
-    await side.close()
+    async with envoy_pair(picker) as pair:
+        yield pair
 
 
 def chat(**extra: Any) -> bytes:

@@ -13,12 +13,17 @@ picker passes on. An immediate response ends the exchange with that answer.
 BUFFERED: the headers response comes first (without a pick), then the whole body goes in one message
 and its answer carries the pick, and a body mutation and `content-length` only when the body
 changed; the response body is shown whole and sent on as the answer's mutation says.
+
+`running_picker` starts `tokenway epp` over simulated engines and `envoy_pair` gives a test this
+Envoy side with an HTTP session for its router: what every endpoint-picker test starts from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,6 +31,7 @@ import grpc
 
 from gateway.epp import protocol
 from gateway.epp.protos import Envoy, envoy
+from tests.support.procs import Gateway, SimEngines, free_port, running, start_gateway
 
 
 @dataclass
@@ -228,3 +234,44 @@ def _immediate(message: Any) -> Answer:
     immediate = message.immediate_response
     added = {o.header.key: o.header.raw_value.decode() for o in immediate.headers.set_headers}
     return Answer(immediate.status.code, immediate.body, added, immediate=True)
+
+
+@dataclass
+class Picker:
+    gateway: Gateway  # the HTTP side (health, metrics, admin)
+    grpc_port: int
+    engines: SimEngines
+
+    @property
+    def hosts(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.engines.ports]
+
+
+@contextlib.contextmanager
+def running_picker(
+    workdir: Path, engines: SimEngines, *, pools: list[dict[str, Any]], policies: dict[str, Any]
+) -> Iterator[Picker]:
+    """`tokenway epp` serving `pools` of these engines until the block ends; the engines stop with it."""
+    with running(engines):
+        grpc_port = free_port()
+        gateway = start_gateway(
+            workdir,
+            command="epp",
+            pools=pools,
+            policies=policies,
+            server={"drain_timeout_s": 2},
+            epp={"host": "127.0.0.1", "port": grpc_port},
+            backends={"health_interval_s": 0.2},
+            predictor={"enabled": False},
+        )
+        with running(gateway):
+            yield Picker(gateway, grpc_port, engines)
+
+
+@contextlib.asynccontextmanager
+async def envoy_pair(picker: Picker) -> AsyncIterator[tuple[EnvoySide, aiohttp.ClientSession]]:
+    """An Envoy side talking to the picker, and the session its router sends requests on."""
+    side = EnvoySide(f"127.0.0.1:{picker.grpc_port}")
+    async with aiohttp.ClientSession() as session:
+        yield side, session
+    await side.close()

@@ -258,9 +258,11 @@ def start_gateway(
     policies: dict[str, Any] | None = None,
     wait_ready: bool = True,
     ready_timeout_s: float = 60.0,
+    command: str = "serve",
     **sections: Any,
 ) -> Gateway:
-    """Write gateway.yaml + policies.yaml into `workdir` and start `tokenway serve` on a free port.
+    """Write gateway.yaml + policies.yaml into `workdir` and start `tokenway serve` (or `command`:
+    `epp`) on a free port.
 
     `sections` are extra top-level gateway.yaml sections (server overrides merge into `server`).
     """
@@ -274,7 +276,7 @@ def start_gateway(
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", "gateway.cli", command, "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=workdir,
