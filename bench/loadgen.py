@@ -23,7 +23,7 @@ import contextlib
 import re
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,44 @@ class ChatStream:
     finish: str = ""  # the last finish reason
     usage: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)  # the simulated engine's, beside the usage
+
+
+@dataclass(slots=True)
+class ChatCall:
+    """One streamed chat completion as the client saw it (`chat_completion`)."""
+
+    status: int = 0  # 0: no answer (a transport error or the client's timeout)
+    code: str = ""  # a refusal's error code, stream_error, client_timeout, client_error:<exception>
+    e2e_s: float = 0.0
+    headers: Mapping[str, str] = field(default_factory=dict)
+    stream: ChatStream = field(default_factory=lambda: ChatStream())
+
+
+async def chat_completion(
+    session: aiohttp.ClientSession, url: str, data: bytes, headers: Mapping[str, str], timeout_s: float
+) -> ChatCall:
+    """POST `data` to `url`/v1/chat/completions and read the answer's stream, giving up after
+    `timeout_s` (as users do); never raises for what the server or the network did."""
+    call = ChatCall()
+    start = time.perf_counter()
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp,
+        ):
+            call.status, call.headers = resp.status, resp.headers
+            if resp.status != 200:
+                call.code = await error_code(resp)
+                return call
+            await read_chat_stream(resp, start, call.stream)
+    except TimeoutError:
+        call.code = "client_timeout"
+    except aiohttp.ClientError as exc:
+        call.code = f"client_error:{type(exc).__name__}"
+    finally:
+        call.e2e_s = time.perf_counter() - start
+        call.code = call.code or ("stream_error" if call.stream.error else "")
+    return call
 
 
 async def error_code(resp: aiohttp.ClientResponse) -> str:

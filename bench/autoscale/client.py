@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 from bench.autoscale.workload import Arrival
-from bench.loadgen import ChatStream, error_code, read_chat_stream
+from bench.loadgen import chat_completion
 from bench.replay.workload import PromptBuilder, TraceRequest
 
 
@@ -91,36 +91,20 @@ async def send(
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     if debug:
         headers["x-tokenway-debug"] = "1"
-    start = time.perf_counter()
-    seen = ChatStream()
-    try:
-        async with (
-            asyncio.timeout(timeout_s),
-            session.post(url + "/v1/chat/completions", data=data, headers=headers) as resp,
-        ):
-            out.status = resp.status
-            held = resp.headers.get("x-tokenway-cold-start-ms")
-            out.cold_start_ms = float(held) if held else None
-            out.endpoint = resp.headers.get("x-tokenway-endpoint", "")
-            for part in resp.headers.get("x-tokenway-route", "").split("; "):
-                if part.startswith("pd="):
-                    out.pd = part[3:]
-            if resp.status != 200:
-                out.code = await error_code(resp)
-                return
-            await read_chat_stream(resp, start, seen)
-    except TimeoutError:
-        out.code = "client_timeout"
-    except aiohttp.ClientError as exc:
-        out.code = f"client_error:{type(exc).__name__}"
-    finally:
-        out.e2e_s = time.perf_counter() - start
-        out.code = out.code or ("stream_error" if seen.error else "")
-        out.ttft_s, out.finish = seen.ttft_s, seen.finish
-        out.completion_tokens = int(seen.usage.get("completion_tokens") or 0)
-        if "ttft_s" in seen.metrics:
-            out.engine_ttft_s = float(seen.metrics["ttft_s"])
-            out.engine_tpot_s = float(seen.metrics.get("tpot_s") or 0.0)
+    call = await chat_completion(session, url, data, headers, timeout_s)
+    out.status, out.code, out.e2e_s = call.status, call.code, call.e2e_s
+    held = call.headers.get("x-tokenway-cold-start-ms")
+    out.cold_start_ms = float(held) if held else None
+    out.endpoint = call.headers.get("x-tokenway-endpoint", "")
+    for part in call.headers.get("x-tokenway-route", "").split("; "):
+        if part.startswith("pd="):
+            out.pd = part[3:]
+    seen = call.stream
+    out.ttft_s, out.finish = seen.ttft_s, seen.finish
+    out.completion_tokens = int(seen.usage.get("completion_tokens") or 0)
+    if "ttft_s" in seen.metrics:
+        out.engine_ttft_s = float(seen.metrics["ttft_s"])
+        out.engine_tpot_s = float(seen.metrics.get("tpot_s") or 0.0)
 
 
 async def replay(

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from bench.fairness.workload import MAX_TOKENS, Request
-from bench.loadgen import ChatStream, error_code, read_chat_stream
+from bench.loadgen import chat_completion
 
 
 @dataclass(slots=True)
@@ -62,29 +62,15 @@ def body(request: Request, model: str) -> bytes:
 
 async def send(session: aiohttp.ClientSession, url: str, key: str, data: bytes, out: Outcome, timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "x-tokenway-debug": "1"}
-    start = time.perf_counter()
-    endpoint = url + "/v1/chat/completions"
-    seen = ChatStream()
-    try:
-        async with asyncio.timeout(timeout_s), session.post(endpoint, data=data, headers=headers) as resp:
-            out.status = resp.status
-            out.queued_ms = float(resp.headers.get("x-tokenway-queued-ms", 0) or 0)
-            out.flow = resp.headers.get("x-tokenway-flow", "")
-            if resp.status != 200:
-                out.code = await error_code(resp)
-                return
-            await read_chat_stream(resp, start, seen)
-    except TimeoutError:
-        out.code = "client_timeout"
-    except aiohttp.ClientError as exc:
-        out.code = f"client_error:{type(exc).__name__}"
-    finally:
-        out.e2e_s = time.perf_counter() - start
-        out.code = out.code or ("stream_error" if seen.error else "")
-        out.ttft_s = seen.ttft_s
-        out.prompt_tokens = int(seen.usage.get("prompt_tokens") or 0)
-        out.completion_tokens = int(seen.usage.get("completion_tokens") or 0)
-        out.cached_tokens = int((seen.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    call = await chat_completion(session, url, data, headers, timeout_s)
+    out.status, out.code, out.e2e_s = call.status, call.code, call.e2e_s
+    out.queued_ms = float(call.headers.get("x-tokenway-queued-ms", 0) or 0)
+    out.flow = call.headers.get("x-tokenway-flow", "")
+    usage = call.stream.usage
+    out.ttft_s = call.stream.ttft_s
+    out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    out.completion_tokens = int(usage.get("completion_tokens") or 0)
+    out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
 async def replay(

@@ -100,7 +100,7 @@ def test_prediction_header() -> None:
     assert loadgen.parse_prediction(None) == ({}, "")
 
 
-async def test_the_chat_stream_reader_keeps_ttft_finish_usage_and_the_engines_timings(engine: str) -> None:
+async def test_a_chat_completion_keeps_ttft_finish_usage_and_the_engines_timings(engine: str) -> None:
     body = orjson.dumps(
         {
             "model": MODEL,
@@ -111,13 +111,20 @@ async def test_the_chat_stream_reader_keeps_ttft_finish_usage_and_the_engines_ti
             "stream_options": {"include_usage": True},
         }
     )
-    seen = loadgen.ChatStream()
+    missing = orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
     async with aiohttp.ClientSession() as session:
-        async with session.post(engine + "/v1/chat/completions", data=body, headers=loadgen.bearer("none")) as resp:
-            assert resp.status == 200
-            await loadgen.read_chat_stream(resp, 0.0, seen)
-        missing = orjson.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]})
-        async with session.post(engine + "/v1/chat/completions", data=missing, headers=loadgen.bearer("none")) as resp:
-            assert resp.status == 404 and await loadgen.error_code(resp) == "404"
-    assert not seen.error and seen.ttft_s is not None and seen.finish == "length"
+        call = await loadgen.chat_completion(session, engine, body, loadgen.bearer("none"), 60.0)
+        refused = await loadgen.chat_completion(session, engine, missing, loadgen.bearer("none"), 60.0)
+    seen = call.stream
+    assert call.status == 200 and call.code == "" and call.e2e_s > 0
+    assert not seen.error and seen.ttft_s is not None and 0 < seen.ttft_s <= call.e2e_s and seen.finish == "length"
     assert seen.usage["completion_tokens"] == 6 and seen.metrics["ttft_s"] > 0
+    assert refused.status == 404 and refused.code == "404" and refused.stream.ttft_s is None
+
+
+async def test_a_chat_completion_to_nowhere_is_an_outcome_not_an_exception() -> None:
+    from tests.support.procs import free_port
+
+    async with aiohttp.ClientSession() as session:
+        call = await loadgen.chat_completion(session, f"http://127.0.0.1:{free_port()}", b"{}", {}, 60.0)
+    assert call.status == 0 and call.code.startswith("client_error:")
