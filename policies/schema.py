@@ -13,7 +13,7 @@ three mistakes is reported once, not three times.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -32,15 +32,7 @@ Trigger = Literal[
     "queue_timeout",
     "cold_start",
 ]
-TRIGGERS: tuple[str, ...] = (
-    "rate_limited",
-    "budget_exhausted",
-    "upstream_error",
-    "context_too_long",
-    "slo_unattainable",
-    "queue_timeout",
-    "cold_start",
-)
+TRIGGERS: tuple[str, ...] = get_args(Trigger)
 Scope = Literal["key", "tenant", "model", "key_model", "global"]
 MissAction = Literal["fallback", "queue", "reject", "proceed"]
 CountMode = Literal["input", "output", "total", "weighted"]

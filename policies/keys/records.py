@@ -104,7 +104,9 @@ class KeyRecord(_Strict):
         }
 
 
-class TenantRecord(_Strict):
+class _TenantSettings(_Strict):
+    """A tenant's settings: what it is made with and what its record keeps."""
+
     name: str = Field(pattern=ID_PATTERN)
     models: list[str] | None = None
     priority: PriorityName = "normal"
@@ -112,6 +114,9 @@ class TenantRecord(_Strict):
     slo_class: str | None = None
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metadata: Metadata = Field(default_factory=Metadata)
+
+
+class TenantRecord(_TenantSettings):
     created_at_unix_s: float
     updated_at_unix_s: float
     revision: int = 1
@@ -159,14 +164,8 @@ class Rotate(_Strict):
     grace_s: float = Field(default=DEFAULT_GRACE_S, ge=0, le=30 * 86400, description="old secret stays valid")
 
 
-class TenantCreate(_Strict):
-    name: str = Field(pattern=ID_PATTERN)
-    models: list[str] | None = None
-    priority: PriorityName = "normal"
-    allow_fallback: bool = True
-    slo_class: str | None = None
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    metadata: Metadata = Field(default_factory=Metadata)
+class TenantCreate(_TenantSettings):
+    """The body of POST /admin/tenants: a record's settings, without its times and revision."""
 
 
 class TenantPatch(_Strict):
