@@ -173,10 +173,11 @@ async def relay_unary(
     client: UpstreamClient,
     target: UpstreamTarget,
     ticket: LoadTicket,
-    transform: Callable[[dict[str, Any]], tuple[bytes, Usage | None]] | None = None,
+    transform: Callable[[dict[str, Any]], tuple[bytes | None, Usage | None]] | None = None,
 ) -> RelayOutcome:
     """Forward a non-streamed request; the answer is returned, unsent, with its usage read.
-    `transform` writes another API's answer (and reads its usage) from the parsed one."""
+    `transform` writes another API's answer (and reads its usage) from the parsed one; None for
+    the body: the engine's bytes are already the answer (not encoded again)."""
     data = await _read_all(await _post(client, target))
     now = time.perf_counter()
     outcome = RelayOutcome(first_token_at_s=now, last_token_at_s=now)
@@ -186,7 +187,9 @@ async def relay_unary(
         raise RetryableUpstream("upstream answered invalid JSON") from exc
     if isinstance(parsed, dict) and transform is not None:
         outcome.body_json = parsed
-        data, outcome.usage = transform(parsed)
+        written, outcome.usage = transform(parsed)
+        if written is not None:
+            data = written
     elif isinstance(parsed, dict):
         outcome.body_json = parsed
         outcome.usage = _usage_from(parsed.get("usage"))

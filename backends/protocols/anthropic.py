@@ -14,6 +14,8 @@ reported apart as `cache_read_input_tokens` (the total prompt is their sum).
 from __future__ import annotations
 
 import datetime
+import functools
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -424,6 +426,7 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+@functools.lru_cache(maxsize=4096)  # the gateway's own reset values (a few per bucket state)
 def duration_s(text: str) -> float | None:
     """Seconds of a Go-style duration (`1s`, `6m0s`, `12ms`), as OpenAI's reset headers write them."""
     parts = _DURATION.findall(text)
@@ -432,22 +435,33 @@ def duration_s(text: str) -> float | None:
     return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
+# x-ratelimit-{what}-{kind} -> (anthropic-ratelimit-{kind}-{what}, whether the value is a reset)
+_RATELIMIT_NAMES = {
+    f"x-ratelimit-{what}-{kind}": (f"anthropic-ratelimit-{kind}-{what}", what == "reset")
+    for what in ("limit", "remaining", "reset")
+    for kind in ("requests", "tokens")
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _instant(unix_s: int) -> str:
+    return datetime.datetime.fromtimestamp(unix_s, tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def ratelimit_headers(headers: Iterable[tuple[str, str]], now_unix_s: float) -> list[tuple[str, str]]:
     """`anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}` from OpenAI's `x-ratelimit-*`
-    (reset as an RFC 3339 instant, as Anthropic writes it)."""
+    (reset as an RFC 3339 instant, as Anthropic writes it). Parsed durations and written instants
+    are cached: a response's headers cost a few dict lookups, not a parse and a format each."""
     out: list[tuple[str, str]] = []
     for name, value in headers:
-        lower = name.lower()
-        if not lower.startswith("x-ratelimit-"):
+        found = _RATELIMIT_NAMES.get(name) or _RATELIMIT_NAMES.get(name.lower())
+        if found is None:
             continue
-        what, _, kind = lower.removeprefix("x-ratelimit-").partition("-")  # limit-requests -> limit, requests
-        if kind not in ("requests", "tokens") or what not in ("limit", "remaining", "reset"):
-            continue
-        if what == "reset":
+        anthropic_name, is_reset = found
+        if is_reset:
             seconds = duration_s(value)
             if seconds is None:
                 continue
-            instant = datetime.datetime.fromtimestamp(now_unix_s + seconds, tz=datetime.UTC)
-            value = instant.strftime("%Y-%m-%dT%H:%M:%SZ")
-        out.append((f"anthropic-ratelimit-{kind}-{what}", value))
+            value = _instant(math.floor(now_unix_s + seconds))
+        out.append((anthropic_name, value))
     return out

@@ -6,7 +6,9 @@ runs with telemetry off (the first variant of `run.py`), pinned to core 0, wrk o
 and connection count: RPS and the gateway's CPU microseconds per request, and the ratio to chat
 completions' (target: at most 1.10). Results: bench/results/overhead-apis.md.
 
-    .venv/bin/python -m bench.overhead.apis [--duration 8] [--connections 8,32]
+    .venv/bin/python -m bench.overhead.apis [--duration 8] [--connections 8,32] [--rounds 3]
+        [--profile DIR]   # then a py-spy profile per API at the largest connection count
+                          # (collapsed stacks, DIR/<api>.txt); --rounds 0 profiles only
 """
 
 from __future__ import annotations
@@ -109,6 +111,17 @@ def wrk(url: str, body: dict[str, object], connections: int, duration_s: float) 
     return rps, pct["50"], errors
 
 
+def profile(pid: int, out: Path, url: str, body: dict[str, object], connections: int, duration_s: float) -> None:
+    """py-spy samples the gateway while wrk loads it (the profiler runs on the load core)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    argv = ["taskset", "-c", LOAD_CORE, str(spy), "record", "--pid", str(pid), "--rate", "400", "--format", "raw",
+            "--output", str(out), "--duration", f"{int(duration_s) + 1}", "--nonblocking"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    wrk(url, body, connections, duration_s)
+    proc.wait(60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=8.0)
@@ -116,6 +129,7 @@ def main() -> int:
     parser.add_argument("--connections", default="8,32")
     parser.add_argument("--rounds", type=int, default=2, help="APIs alternate this many times (drift averages out)")
     parser.add_argument("--out", default=str(RESULTS / "overhead-apis.md"))
+    parser.add_argument("--profile", default="", help="a folder: py-spy profile of each API after the rounds")
     args = parser.parse_args()
     connections = [int(c) for c in args.connections.split(",")]
     ensure_tools()
@@ -154,12 +168,20 @@ def main() -> int:
                     cpu_us = (cpu_seconds(gateway.pid) - before) / max(rps * args.duration, 1) * 1e6
                     results.setdefault((name, c), []).append((rps, p50, cpu_us, errors))
                     print(f"{name} c={c}: {rps:,.0f} rps, {cpu_us:.0f} us CPU/request, errors={errors}", flush=True)
+        if args.profile:
+            folder = Path(args.profile)
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, (path, body) in REQUESTS.items():
+                out = folder / (name.replace(" ", "-").replace("(", "").replace(")", "").replace(":", "") + ".txt")
+                profile(gateway.pid, out, url + path, body, max(connections), args.duration)
+                print(f"profile of {name}: {out}", flush=True)
     finally:
         gateway.terminate()
         gateway.wait(10)
         upstream.terminate()
         upstream.wait(10)
-    write(results, connections, Path(args.out), args)
+    if results:
+        write(results, connections, Path(args.out), args)
     return 0
 
 

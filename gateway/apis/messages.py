@@ -100,11 +100,14 @@ class MessagesCall:
     def unary_transform(self, public_model: str) -> UnaryTransform:
         return partial(self.unary, public_model=public_model)
 
-    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
+    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes | None, Usage | None]:
         if self.native:
+            usage = messages_usage(parsed.get("usage"))
+            if parsed.get("model") == public_model:
+                return None, usage  # the engine's bytes are the answer (as chat completions relays them)
             message = dict(parsed)
             message["model"] = public_model
-            return orjson.dumps(message), messages_usage(message.get("usage"))
+            return orjson.dumps(message), usage
         message = anthropic.from_chat(parsed, self.body, model=public_model)
         return orjson.dumps(message), _chat_usage(parsed.get("usage"))
 

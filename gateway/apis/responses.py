@@ -20,7 +20,7 @@ from backends.protocols import responses
 from backends.protocols.errors import ProtocolError
 from backends.types import Endpoint
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
-from gateway.apis.store import ResponseStore
+from gateway.apis.store import ResponseStore, entry_blob
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
 from gateway.relay import StreamCodec
@@ -74,6 +74,7 @@ class ResponsesCall:
         self.principal: Principal | None = None
         self.native = False
         self.final: dict[str, Any] | None = None
+        self.final_bytes: bytes | None = None  # `final` as the client got it, where it was encoded here
         self._stored = False
 
     def _translate(self) -> dict[str, Any]:
@@ -138,18 +139,27 @@ class ResponsesCall:
     def unary_transform(self, public_model: str) -> UnaryTransform:
         return partial(self.unary, public_model=public_model)
 
-    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes, Usage | None]:
+    def unary(self, parsed: dict[str, Any], public_model: str) -> tuple[bytes | None, Usage | None]:
+        previous, store = self.body.get("previous_response_id"), self.body.get("store", True)
         if self.native:
+            usage = responses_usage(parsed.get("usage"))
+            if (
+                parsed.get("model") == public_model
+                and parsed.get("store", not store) is store
+                and parsed.get("previous_response_id", previous is None) == previous
+            ):
+                self.final = parsed  # already the client's answer (store: false to the client too)
+                return None, usage
             response = dict(parsed)
             response["model"] = public_model
-            usage = responses_usage(response.get("usage"))
         else:
             response = responses.from_chat(parsed, self.body, model=public_model)
             usage = _chat_usage(parsed.get("usage"))
-        response["previous_response_id"] = self.body.get("previous_response_id")
-        response["store"] = self.body.get("store", True)
+        response["previous_response_id"] = previous
+        response["store"] = store
         self.final = response
-        return orjson.dumps(response), usage
+        self.final_bytes = orjson.dumps(response)
+        return self.final_bytes, usage
 
     def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
         return headers
@@ -170,7 +180,8 @@ class ResponsesCall:
             return
         self._stored = True
         items = [*self.prior, *responses.conversation_items(self.body, self.final)]
-        await self.store.put(self.principal.key_id, str(self.final["id"]), {"response": self.final, "items": items})
+        response = self.final_bytes if self.final_bytes is not None else orjson.dumps(self.final)
+        await self.store.put(self.principal.key_id, str(self.final["id"]), entry_blob(response, items))
 
     async def finished(self) -> None:
         await self._store_now()

@@ -2,7 +2,9 @@
 
 Keyed by the API key that created them: another key's id answers 404, as an unknown one does (no
 existence leak). Each entry is the response object and the conversation items it continues
-(`backends.protocols.responses.conversation_items`), one JSON blob.
+(`backends.protocols.responses.conversation_items`), one JSON blob: `entry_blob` writes it around
+the response's bytes as the client got them (not encoded a second time), and it is decoded only
+when a later request reads it.
 
 - `MemoryResponseStore`: one process; an LRU bounded by count and total bytes, entries expire
   after `ttl_s`.
@@ -29,13 +31,20 @@ log = logging.getLogger("tokenway.apis.store")
 
 
 class ResponseStore(Protocol):
-    async def put(self, key_id: str, response_id: str, entry: dict[str, Any]) -> bool: ...
+    async def put(self, key_id: str, response_id: str, blob: bytes) -> bool:
+        """Keep `blob` (an `entry_blob`); False where it is over `max_response_bytes`."""
+        ...
 
     async def get(self, key_id: str, response_id: str) -> dict[str, Any] | None: ...
 
     async def delete(self, key_id: str, response_id: str) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+def entry_blob(response: bytes, items: list[dict[str, Any]]) -> bytes:
+    """The stored entry `{"response": ..., "items": [...]}` around the response's JSON bytes."""
+    return b'{"response":' + response + b',"items":' + orjson.dumps(items) + b"}"
 
 
 class MemoryResponseStore:
@@ -48,8 +57,7 @@ class MemoryResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def put(self, key_id: str, response_id: str, entry: dict[str, Any]) -> bool:
-        blob = orjson.dumps(entry)
+    async def put(self, key_id: str, response_id: str, blob: bytes) -> bool:
         if len(blob) > self.settings.max_response_bytes:
             return False
         await self.delete(key_id, response_id)
@@ -100,8 +108,7 @@ class RedisResponseStore:
     def _index(self, key_id: str) -> str:
         return f"{self.prefix}:resp:{{{key_id}}}:index"
 
-    async def put(self, key_id: str, response_id: str, entry: dict[str, Any]) -> bool:
-        blob = orjson.dumps(entry)
+    async def put(self, key_id: str, response_id: str, blob: bytes) -> bool:
         if len(blob) > self.settings.max_response_bytes:
             return False
         ttl_ms = int(self.settings.ttl_s * 1000)

@@ -55,19 +55,20 @@ def _output(outcome: RelayOutcome, ticket: LoadTicket, reserved_tokens: int, tok
 
 
 def responses_usage(usage: Any) -> Usage | None:
-    if not isinstance(usage, Mapping):
+    # parsed JSON: objects are dicts (an exact type check, not the ABC's slower one)
+    if type(usage) is not dict:
         return None
-    details = usage.get("input_tokens_details") or {}
+    details = usage.get("input_tokens_details")
     return Usage(
         prompt_tokens=int(usage.get("input_tokens") or 0),
         completion_tokens=int(usage.get("output_tokens") or 0),
-        cached_tokens=int((details.get("cached_tokens") if isinstance(details, Mapping) else 0) or 0),
+        cached_tokens=int((details.get("cached_tokens") if type(details) is dict else 0) or 0),
     )
 
 
 def messages_usage(usage: Any) -> Usage | None:
     """Anthropic counts cached prompt tokens apart: the prompt is their sum."""
-    if not isinstance(usage, Mapping):
+    if type(usage) is not dict:
         return None
     cached = int(usage.get("cache_read_input_tokens") or 0)
     prompt = int(usage.get("input_tokens") or 0) + cached + int(usage.get("cache_creation_input_tokens") or 0)

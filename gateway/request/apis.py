@@ -30,7 +30,8 @@ from gateway.validate import validate_body
 from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, RequestFacts, Usage
 
-UnaryTransform = Callable[[dict[str, Any]], tuple[bytes, Usage | None]]
+# (the answer's bytes, or None where the engine's are the answer as they are; its usage)
+UnaryTransform = Callable[[dict[str, Any]], tuple[bytes | None, Usage | None]]
 
 
 class Api(Protocol):
