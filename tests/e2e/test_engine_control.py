@@ -16,30 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from policies.policy import hash_key
+from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.procs import REPO, TEST_KEY, Gateway, free_port, http_get, stop_process, wait_http
 
 pytestmark = pytest.mark.e2e
 
-TRUSTED_KEY = "sk-tokenway-trusted-01"
-SHED_KEY = "sk-tokenway-shed-0001"
 ADMIN = "engine-control-admin"
-HOSTILE_FIELDS = {
-    "kv_transfer_params": {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_host": "10.9.8.7",
-        "remote_port": 5600,
-        "remote_engine_id": "evil",
-        "remote_request_id": "x",
-        "remote_block_ids": [[1, 2, 3]],
-    },
-    "disaggregated_params": {"request_type": "generation_only"},
-    "cache_salt": "my-salt",
-    "request_id": "engine-id-clash",
-    "vllm_xargs": {"kv_cache_report_mode": "full"},
-    "priority": 2,
-}
 
 
 @dataclass
@@ -79,20 +61,7 @@ def recorder_factory() -> Iterator[Callable[..., Recorder]]:
 
 
 def policies() -> dict[str, Any]:
-    return {
-        "tenants": {
-            "t1": {},
-            "trusted": {"engine_fields": ["cache_salt", "priority"]},
-            "batch": {"priority": "sheddable"},
-        },
-        "keys": [
-            {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
-            {"id": "k2", "tenant": "trusted", "sha256": hash_key(TRUSTED_KEY)},
-            {"id": "k3", "tenant": "batch", "sha256": hash_key(SHED_KEY)},
-        ],
-        "models": {"m": {}},
-        "limits": [{"scope": "key", "max_concurrent": 1000}],
-    }
+    return {**engine_control_policies("m"), "limits": [{"scope": "key", "max_concurrent": 1000}]}
 
 
 def gateway_over(gateway_factory: Callable[..., Gateway], urls: list[str]) -> Gateway:

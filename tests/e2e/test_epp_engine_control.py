@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
-from policies.policy import hash_key
+from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
 from tests.support.procs import TEST_KEY, start_sim, static_pool
 
@@ -29,22 +29,6 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "llama-3.1-8b"
 PATH = "/v1/chat/completions"
-TRUSTED_KEY = "sk-tokenway-trusted-epp1"
-SHED_KEY = "sk-tokenway-shed-epp001"
-HOSTILE = {
-    "kv_transfer_params": {
-        "do_remote_prefill": True,
-        "remote_host": "10.9.8.7",
-        "remote_port": 5600,
-        "remote_engine_id": "evil",
-        "remote_block_ids": [[1, 2, 3]],
-    },
-    "disaggregated_params": {"request_type": "generation_only"},
-    "cache_salt": "my-salt",
-    "request_id": "engine-id-clash",
-    "vllm_xargs": {"kv_cache_report_mode": "full"},
-    "priority": 2,
-}
 MODES = pytest.mark.parametrize("buffered", [False, True], ids=["full-duplex", "buffered"])
 
 
@@ -52,19 +36,7 @@ MODES = pytest.mark.parametrize("buffered", [False, True], ids=["full-duplex", "
 def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Picker]:
     workdir = tmp_path_factory.mktemp("epp-engine-control")
     engines = start_sim(workdir, count=1, served_model_name=MODEL)
-    policies = {
-        "tenants": {
-            "t1": {},
-            "trusted": {"engine_fields": ["cache_salt", "priority"]},
-            "batch": {"priority": "sheddable"},
-        },
-        "keys": [
-            {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
-            {"id": "k2", "tenant": "trusted", "sha256": hash_key(TRUSTED_KEY)},
-            {"id": "k3", "tenant": "batch", "sha256": hash_key(SHED_KEY)},
-        ],
-        "models": {MODEL: {}},
-    }
+    policies = engine_control_policies(MODEL)
     with running_picker(
         workdir, engines, pools=[static_pool("pool", MODEL, engines.urls)], policies=policies
     ) as picker:
@@ -103,8 +75,8 @@ def assert_length_handled(answer: Answer, *, buffered: bool) -> None:
 async def test_engine_control_fields_from_a_client_never_reach_the_engine(
     envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
 ) -> None:
-    answer, forwarded = await send(envoy, TEST_KEY, chat(**HOSTILE), buffered=buffered)
-    leaked = sorted(set(HOSTILE) & set(forwarded))
+    answer, forwarded = await send(envoy, TEST_KEY, chat(**HOSTILE_FIELDS), buffered=buffered)
+    leaked = sorted(set(HOSTILE_FIELDS) & set(forwarded))
     assert leaked == [], f"engine-control fields Envoy would send the engine: {leaked}"
     assert answer.body_mutated
     assert forwarded["messages"] == [{"role": "user", "content": "hi"}] and forwarded["max_tokens"] == 4
@@ -138,7 +110,7 @@ async def test_a_clean_body_goes_on_as_the_client_sent_it(
 async def test_a_trusted_tenant_keeps_the_extras_its_policy_names(
     envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
 ) -> None:
-    answer, forwarded = await send(envoy, TRUSTED_KEY, chat(**HOSTILE), buffered=buffered)
+    answer, forwarded = await send(envoy, TRUSTED_KEY, chat(**HOSTILE_FIELDS), buffered=buffered)
     assert forwarded["cache_salt"] == "my-salt"
     assert forwarded["priority"] == -2  # its own priority 2 (critical), on vLLM's scale
     assert not {"kv_transfer_params", "disaggregated_params", "vllm_xargs", "request_id"} & set(forwarded)
