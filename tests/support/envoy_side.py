@@ -133,15 +133,7 @@ class EnvoySide:
                     ":status": str(upstream.status),
                     "content-type": upstream.headers.get("content-type", ""),
                 }
-                values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in response_headers.items()]
-                await call.write(
-                    e.ext_proc.ProcessingRequest(
-                        response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values))
-                    )
-                )
-                headers_answer = await call.read()
-                for o in headers_answer.response_headers.response.header_mutation.set_headers:
-                    answer.headers[o.header.key] = o.header.raw_value.decode()
+                await self._show_response_headers(call, response_headers, answer)
                 if not response_body:  # the body goes to the client past the picker; the stream ends
                     answer.body = await upstream.read()
                     await call.done_writing()
@@ -208,15 +200,7 @@ class EnvoySide:
                 f"http://{endpoint}{path}", data=forwarded, headers={"content-type": "application/json"}
             ) as upstream:
                 answer.status = upstream.status
-                values = [e.base.HeaderValue(key=":status", raw_value=str(upstream.status).encode())]
-                await call.write(
-                    e.ext_proc.ProcessingRequest(
-                        response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values))
-                    )
-                )
-                headers_answer = await call.read()
-                for o in headers_answer.response_headers.response.header_mutation.set_headers:
-                    answer.headers[o.header.key] = o.header.raw_value.decode()
+                await self._show_response_headers(call, {":status": str(upstream.status)}, answer)
                 whole = await upstream.read()
             last = e.ext_proc.ProcessingRequest(response_body=e.ext_proc.HttpBody(body=whole, end_of_stream=True))
             last.metadata_context.filter_metadata[protocol.LB_NAMESPACE].update({protocol.SERVED: endpoint})
@@ -228,6 +212,19 @@ class EnvoySide:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def _show_response_headers(self, call: Any, headers: dict[str, str], answer: Answer) -> None:
+        """The engine's response headers to the picker; what it sets on them goes into `answer`."""
+        e = self.envoy
+        values = [e.base.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+        await call.write(
+            e.ext_proc.ProcessingRequest(
+                response_headers=e.ext_proc.HttpHeaders(headers=e.base.HeaderMap(headers=values))
+            )
+        )
+        headers_answer = await call.read()
+        for o in headers_answer.response_headers.response.header_mutation.set_headers:
+            answer.headers[o.header.key] = o.header.raw_value.decode()
 
 
 def _immediate(message: Any) -> Answer:
