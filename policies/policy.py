@@ -44,17 +44,11 @@ class Policy:
             if key.disabled:
                 continue
             tenant = config.tenants[key.tenant]
-            allowed: set[str] | None = None
-            if tenant.models is not None:
-                allowed = {config.canonical_model(m) or m for m in tenant.models}
-            if key.models is not None:
-                narrowed = {config.canonical_model(m) or m for m in key.models}
-                allowed = narrowed if allowed is None else allowed & narrowed
             priority = PRIORITY_VALUES[key.priority or tenant.priority]
             principal = Principal(
                 key_id=key.id,
                 tenant=key.tenant,
-                allowed_models=frozenset(allowed) if allowed is not None else None,
+                allowed_models=config.allowed_models(tenant.models, key.models),
                 priority=priority,
                 allow_fallback=tenant.allow_fallback,
                 track_spend=track,

@@ -342,6 +342,16 @@ class PoliciesConfig(_Strict):
     def resolve_model(self, name: str) -> str:
         return self.canonical_model(name) or name
 
+    def allowed_models(self, tenant_models: list[str] | None, key_models: list[str] | None) -> frozenset[str] | None:
+        """The models a key may use: its tenant's, narrowed by its own (aliases resolved); None: any."""
+        allowed: set[str] | None = None
+        if tenant_models is not None:
+            allowed = {self.resolve_model(m) for m in tenant_models}
+        if key_models is not None:
+            narrowed = {self.resolve_model(m) for m in key_models}
+            allowed = narrowed if allowed is None else allowed & narrowed
+        return frozenset(allowed) if allowed is not None else None
+
     def reference_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         problems: list[tuple[tuple[str | int, ...], str]] = []
         key_ids: set[str] = set()

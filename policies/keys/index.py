@@ -83,17 +83,11 @@ class KeyIndex:
         tenant: TenantConfig | TenantRecord | None = file_tenant or api_tenant
         if tenant is None:
             return None  # its tenant is gone: the key authenticates nothing until one exists again
-        allowed: set[str] | None = None
-        if tenant.models is not None:
-            allowed = {config.canonical_model(m) or m for m in tenant.models}
-        if record.models is not None:
-            narrowed = {config.canonical_model(m) or m for m in record.models}
-            allowed = narrowed if allowed is None else allowed & narrowed
         self._compiles += 1
         return Principal(
             key_id=record.id,
             tenant=record.tenant,
-            allowed_models=frozenset(allowed) if allowed is not None else None,
+            allowed_models=config.allowed_models(tenant.models, record.models),
             priority=PRIORITY_VALUES[record.priority or tenant.priority],
             allow_fallback=tenant.allow_fallback,
             key_limits=record.limits.own(),
