@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import yaml
@@ -27,39 +27,46 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> 
         await asyncio.sleep(0.01)
 
 
-async def replica(redis_url: str, prefix: str) -> tuple[KeyDirectory, Policy]:
-    directory = KeyDirectory(RedisDirectoryStore.from_url(redis_url, prefix))
-    await directory.start()
-    return directory, Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+Replica = tuple[KeyDirectory, Policy]
 
 
-async def test_a_key_made_on_one_replica_works_and_dies_on_the_other(redis_url: str, redis_prefix: str) -> None:
-    a, pa = await replica(redis_url, redis_prefix)
-    b, pb = await replica(redis_url, redis_prefix)
+@pytest.fixture
+async def replicas(redis_url: str, redis_prefix: str) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two gateway replicas' directories on one Redis, stopped after the test."""
+    started: list[KeyDirectory] = []
+
+    async def replica() -> Replica:
+        directory = KeyDirectory(RedisDirectoryStore.from_url(redis_url, redis_prefix))
+        started.append(directory)
+        await directory.start()
+        return directory, Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+
     try:
-        _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
-        await eventually(lambda: pb.authenticate(secret) is not None)
-        await a.revoke_key("k1")
-        await eventually(lambda: pb.authenticate(secret) is None)
+        yield await replica(), await replica()
     finally:
-        await a.stop()
-        await b.stop()
+        for directory in started:
+            await directory.stop()
 
 
-async def test_a_missed_announcement_is_repaired_by_the_poll(redis_url: str, redis_prefix: str) -> None:
-    a, pa = await replica(redis_url, redis_prefix)
-    b, pb = await replica(redis_url, redis_prefix)
-    try:
-        _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
-        await eventually(lambda: pb.authenticate(secret) is not None)
-        # a write announced nowhere (as if b's subscriber was reconnecting): only the version moves
-        store = RedisDirectoryStore.from_url(redis_url, redis_prefix)
-        store.channel += ":nobody-listens"
-        revoked = a.keys["k1"].model_copy(update={"revoked_at_unix_s": time.time()})
-        await store.write("key", "k1", revoked.model_dump_json())
-        await store.close()
-        await eventually(lambda: pb.authenticate(secret) is None)
-        assert b.stats["reloads"] >= 2
-    finally:
-        await a.stop()
-        await b.stop()
+async def test_a_key_made_on_one_replica_works_and_dies_on_the_other(replicas: tuple[Replica, Replica]) -> None:
+    (a, pa), (_, pb) = replicas
+    _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
+    await eventually(lambda: pb.authenticate(secret) is not None)
+    await a.revoke_key("k1")
+    await eventually(lambda: pb.authenticate(secret) is None)
+
+
+async def test_a_missed_announcement_is_repaired_by_the_poll(
+    replicas: tuple[Replica, Replica], redis_url: str, redis_prefix: str
+) -> None:
+    (a, pa), (b, pb) = replicas
+    _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
+    await eventually(lambda: pb.authenticate(secret) is not None)
+    # a write announced nowhere (as if b's subscriber was reconnecting): only the version moves
+    store = RedisDirectoryStore.from_url(redis_url, redis_prefix)
+    store.channel += ":nobody-listens"
+    revoked = a.keys["k1"].model_copy(update={"revoked_at_unix_s": time.time()})
+    await store.write("key", "k1", revoked.model_dump_json())
+    await store.close()
+    await eventually(lambda: pb.authenticate(secret) is None)
+    assert b.stats["reloads"] >= 2
