@@ -8,6 +8,7 @@ batch). These add what only the runner knows:
   `duplicate` (a second answer for a line already recorded, dropped);
 - `tokenway_batch_deferrals_total{reason}`: lines given back to run later — `no_spare_capacity` (the
   runner found no room), `batch_no_spare_capacity` (the walk's batch gate found none at routing),
+  `backing_off` (a scheduling pass skipped a batch whose models are backing off after refusals),
   `rate_limit_exceeded`, `insufficient_quota`, `upstream_error`, `http_503`, ... (`other` beyond those);
 - `tokenway_batch_lines_in_flight`, `tokenway_batches{status}` (unfinished batches, as of the
   runner's last tick).
@@ -27,6 +28,7 @@ _REASONS: Final = frozenset(
     {
         "no_spare_capacity",
         "batch_no_spare_capacity",
+        "backing_off",
         "rate_limit_exceeded",
         "insufficient_quota",
         "upstream_error",

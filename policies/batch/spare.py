@@ -12,6 +12,9 @@ endpoint has room for one more batch line when none of these holds:
 - the line's own predicted TTFT or TPOT there is over `slo_headroom` times the tightest interactive
   objective (when the pool has SLO classes and the predictor predicted): the engine's step time is
   already a good share of what interactive requests may have, so another sequence would eat into it.
+  Not on an idle endpoint (nothing in flight, the engine running nothing): there the prediction is
+  the line's own prefill and step, which no interactive request is waiting behind; refusing it would
+  starve every line whose prompt alone takes longer than the headroom, on an idle fleet too.
 
 The first four are read before a line is even taken (`pool_spare_slots`), the last at routing time
 (`endpoint_spare`), where the line's own prediction exists. A line already running is not stopped:
@@ -80,6 +83,17 @@ def load_reason(endpoint: Endpoint, limits: SpareLimits, now_s: float, batch_lin
     return None
 
 
+def idle(endpoint: Endpoint, limits: SpareLimits, now_s: float) -> bool:
+    """Nothing runs on `endpoint`: no request in flight in the gateway's view (every replica's, when
+    they share it) and, where its scrape is fresh, none running or waiting in the engine."""
+    if endpoint.inflight.requests > 0:
+        return False
+    if endpoint.stats_age_s(now_s) <= limits.max_stats_age_s:
+        stats = endpoint.stats
+        return stats.running == 0 and stats.waiting == 0
+    return True
+
+
 def prediction_reason(predicted: LinePrediction | None, objectives: Objectives, limits: SpareLimits) -> str | None:
     """Why the line's prediction says the endpoint is too busy for batch work (None: it is not)."""
     if predicted is None:
@@ -104,7 +118,10 @@ def endpoint_spare(
     """Why one more batch line may not start on `endpoint` now (a reason label), or None."""
     if interactive_waiting > 0:
         return REASON_INTERACTIVE_WAITING
-    return load_reason(endpoint, limits, now_s, batch_lines) or prediction_reason(predicted, objectives, limits)
+    reason = load_reason(endpoint, limits, now_s, batch_lines)
+    if reason is not None or idle(endpoint, limits, now_s):
+        return reason
+    return prediction_reason(predicted, objectives, limits)
 
 
 def pool_spare_slots(

@@ -112,10 +112,23 @@ async def test_a_full_endpoint_sends_the_line_to_another(engines: list[str]) -> 
 
 
 async def test_a_busy_prediction_keeps_the_line_away(engines: list[str]) -> None:
-    busy, _ = gated(engines[:1], predictor=ScriptedPredictor(60.0))  # over half of the 100 ms objective
+    busy, capacity = gated(engines[:1], predictor=ScriptedPredictor(60.0))  # over half of the 100 ms objective
+    (endpoint,) = capacity.fleet.pools["big"].servable()
+    endpoint.inflight.requests += 1  # an interactive request runs there
     answer = await walk_runner(busy.director, None)(line())
     assert answer.status == 503 and answer.code == NO_SPARE_CAPACITY
-    idle, _ = gated(engines[:1], predictor=ScriptedPredictor(20.0))
-    assert (await walk_runner(idle.director, None)(line())).status == 200
+    quick, capacity = gated(engines[:1], predictor=ScriptedPredictor(20.0))
+    (endpoint,) = capacity.fleet.pools["big"].servable()
+    endpoint.inflight.requests += 1
+    assert (await walk_runner(quick.director, None)(line())).status == 200
+    endpoint.inflight.requests -= 1
     await busy.upstream.close()
+    await quick.upstream.close()
+
+
+async def test_a_long_line_runs_on_an_idle_endpoint(engines: list[str]) -> None:
+    """Its own predicted TTFT over the headroom, but nothing else runs there: it goes (refused, a
+    batch of long prompts never finished even on an idle fleet)."""
+    idle, _ = gated(engines[:1], predictor=ScriptedPredictor(60.0))
+    assert (await walk_runner(idle.director, None)(line())).status == 200
     await idle.upstream.close()

@@ -30,12 +30,13 @@ def endpoint(
     name: str = "e0",
     *,
     waiting: int = 0,
+    running: int = 0,
     kv: float = 0.1,
     inflight: int = 0,
     age_s: float | None = 0.1,
     state: EndpointState = EndpointState.READY,
 ) -> Endpoint:
-    stats = EndpointStats(waiting=waiting, kv_usage_ratio=kv, scraped_at_s=NOW - age_s if age_s else 0.0)
+    stats = EndpointStats(running=running, waiting=waiting, kv_usage_ratio=kv, scraped_at_s=NOW - age_s if age_s else 0.0)
     e = Endpoint(
         id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=state, stats=stats
     )
@@ -72,7 +73,24 @@ def test_endpoint_load(e: Endpoint, batch_lines: int, waiting: int, expected: st
     ],
 )
 def test_endpoint_prediction(predicted: LinePrediction | None, objectives: Objectives, expected: str | None) -> None:
-    assert endpoint_spare(endpoint(), LIMITS, NOW, 0, predicted=predicted, objectives=objectives) == expected
+    busy = endpoint(inflight=1)
+    assert endpoint_spare(busy, LIMITS, NOW, 0, predicted=predicted, objectives=objectives) == expected
+
+
+@pytest.mark.parametrize(
+    ("e", "expected"),
+    [
+        pytest.param(endpoint(), None, id="idle: the line's own latency harms nobody"),
+        pytest.param(endpoint(inflight=1), REASON_PREDICTED_TTFT, id="a request in flight"),
+        pytest.param(endpoint(running=1), REASON_PREDICTED_TTFT, id="the engine runs one (another gateway's)"),
+        pytest.param(endpoint(running=1, age_s=5.0), None, id="a stale scrape is not read"),
+    ],
+)
+def test_a_long_line_is_not_refused_on_an_idle_endpoint(e: Endpoint, expected: str | None) -> None:
+    """A line whose prompt alone predicts a TTFT over the headroom runs where nothing else does;
+    refused everywhere, a batch of long prompts never finished, even on an idle fleet."""
+    long_line = LinePrediction(900, 20)
+    assert endpoint_spare(e, LIMITS, NOW, 0, predicted=long_line, objectives=Objectives(1000, 50)) == expected
 
 
 def test_pool_slots_count_free_batch_slots_of_endpoints_with_room() -> None:
