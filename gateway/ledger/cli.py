@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gateway.ledger.config import LedgerConfig
 from gateway.ledger.reader import ReadStats, files_in_window, iter_entries
 from gateway.ledger.report import FORMATS, ReportBuilder, ReportError, render
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration_s(text: str) -> float:
-    """'90s', '30m', '24h', '7d', '2w' -> seconds."""
-    m = _DURATION_RE.match(text)
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (e.g. 30m, 24h, 7d)")
-    return float(m[1]) * _UNIT_S[m[2]]
+from policies.times import parse_duration_s, parse_iso_s
 
 
 def parse_time_s(text: str, now_s: float) -> float:
@@ -39,12 +27,9 @@ def parse_time_s(text: str, now_s: float) -> float:
     with contextlib.suppress(ValueError):  # not a duration: try an ISO time
         return now_s - parse_duration_s(text)
     try:
-        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        return parse_iso_s(text)
     except ValueError:
         raise ValueError(f"not a duration or ISO time: {text!r} (e.g. 24h, 7d, 2025-01-31T00:00)") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
 
 
 def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -10,7 +10,6 @@ request: the request path only sees the principals compiled from them (`director
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policies.schema import PriorityName
+from policies.times import parse_duration_s, parse_iso_s
 from policies.types import OwnLimits
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
@@ -192,29 +192,22 @@ def merged_limits(current: LimitsConfig, changes: dict[str, float | int | None])
     return LimitsConfig.model_validate({**current.model_dump(), **changes})
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
-_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-
-
 def parse_expiry(expires_at: str | float | None, expires_in: str | None, now_s: float | None = None) -> float | None:
     """Unix seconds from an ISO time, unix seconds, or a duration from now (`30d`); ValueError if bad."""
     now_s = time.time() if now_s is None else now_s
     if expires_in is not None:
-        m = _DURATION.match(expires_in)
-        if not m:
-            raise ValueError(f"expires_in: not a duration: {expires_in!r} (e.g. 30d, 12h, 90m)")
-        return now_s + float(m[1]) * _UNIT_S[m[2]]
+        try:
+            return now_s + parse_duration_s(expires_in)
+        except ValueError:
+            raise ValueError(f"expires_in: not a duration: {expires_in!r} (e.g. 30d, 12h, 90m)") from None
     if expires_at is None:
         return None
     if isinstance(expires_at, int | float):
         return float(expires_at)
     try:
-        moment = datetime.fromisoformat(expires_at.strip().replace("Z", "+00:00"))
+        return parse_iso_s(expires_at)
     except ValueError:
         raise ValueError(f"expires_at: not an ISO-8601 time: {expires_at!r}") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return moment.timestamp()
 
 
 def _iso(unix_s: float | None) -> str | None:
