@@ -36,7 +36,8 @@ def endpoint(
     age_s: float | None = 0.1,
     state: EndpointState = EndpointState.READY,
 ) -> Endpoint:
-    stats = EndpointStats(running=running, waiting=waiting, kv_usage_ratio=kv, scraped_at_s=NOW - age_s if age_s else 0.0)
+    scraped_at_s = NOW - age_s if age_s else 0.0
+    stats = EndpointStats(running=running, waiting=waiting, kv_usage_ratio=kv, scraped_at_s=scraped_at_s)
     e = Endpoint(
         id=f"p/{name}", pool="p", base_url="http://x", engine="sim", served_model="m", state=state, stats=stats
     )
