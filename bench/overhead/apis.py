@@ -132,6 +132,7 @@ def main() -> int:
     parser.add_argument("--profile", default="", help="a folder: py-spy profile of each API after the rounds")
     args = parser.parse_args()
     connections = [int(c) for c in args.connections.split(",")]
+    args.load_before = os.getloadavg()
     ensure_tools()
     workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-apis-"))
     upstream_port = free_ports(1)[0]
@@ -180,6 +181,7 @@ def main() -> int:
         gateway.wait(10)
         upstream.terminate()
         upstream.wait(10)
+    args.load_after = os.getloadavg()
     if results:
         write(results, connections, Path(args.out), args)
     return 0
@@ -201,7 +203,11 @@ def write(
         f"tokenway process (auth, telemetry off) pinned to core {PROXY_CORE}, wrk and the instant upstream (nginx, "
         f"a fixed answer per API) on core {LOAD_CORE}; {args.duration:g} s per point, the APIs alternating "
         f"{args.rounds} times. Native pass-through (a vLLM-kind pool). CPU = the gateway's user + system time "
-        "per request.",
+        "per request. Host load average (1/5/15 min) before: "
+        + " / ".join(f"{x:.2f}" for x in args.load_before)
+        + ", after: "
+        + " / ".join(f"{x:.2f}" for x in args.load_after)
+        + ".",
         "",
         "| API | connections | RPS | p50 ms | gateway CPU µs / request | CPU vs chat | errors |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
