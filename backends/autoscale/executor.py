@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,12 +211,7 @@ class Executor:
                 self._run(endpoint, "stop", self._stop(pool, role, endpoint, f"warm reserve {target}: surplus"))
         elif step > 0:
             every = list(self.fleet.endpoints())
-            now = self.clock()
-            for endpoint in endpoints:
-                if self._phase(endpoint) != "stopped" or self._busy(endpoint.id):
-                    continue
-                if now - self._failed_at.get(endpoint.id, float("-inf")) < _FAILED_SLOT_PAUSE_S:
-                    continue
+            for endpoint in self._startable(endpoints):
                 devices = self.budget.place(pool, every, self._reserved)
                 if devices is None:
                     return
@@ -225,6 +220,17 @@ class Executor:
                 self._reserved[endpoint.id] = devices
                 self._run(endpoint, "prewarm", self._prewarm(pool, role, endpoint, devices))
                 return
+
+    def _startable(self, endpoints: list[Endpoint]) -> Iterator[Endpoint]:
+        """The pool's stopped replicas that may start now: none busy with an operation, none whose
+        start failed within the last pause (a failing slot is not retried every pass)."""
+        now = self.clock()
+        for endpoint in endpoints:
+            if self._phase(endpoint) != "stopped" or self._busy(endpoint.id):
+                continue
+            if now - self._failed_at.get(endpoint.id, float("-inf")) < _FAILED_SLOT_PAUSE_S:
+                continue
+            yield endpoint
 
     def _scale_up(self, pool: PoolConfig, role: Role, reason: str) -> bool:
         endpoints = list(self._endpoints(pool.name, role))
@@ -243,12 +249,7 @@ class Executor:
                 self._run(endpoint, "wake", self._wake(pool, role, endpoint, reason))
                 self._count(pool.name, "up")
                 return True
-        now = self.clock()
-        for endpoint in endpoints:
-            if self._phase(endpoint) != "stopped" or self._busy(endpoint.id):
-                continue
-            if now - self._failed_at.get(endpoint.id, float("-inf")) < _FAILED_SLOT_PAUSE_S:
-                continue
+        for endpoint in self._startable(endpoints):
             devices = self.budget.place(pool, every, self._reserved)
             if devices is None:
                 self._event(pool, role, "blocked", endpoint, f"no free devices in {group_of(pool)}")
