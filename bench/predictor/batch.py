@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -126,10 +127,8 @@ async def follow(base_url: str, batch_id: str, progress: BatchProgress, stop: as
                 if progress.status == "completed":
                     progress.completed = int(counts.get("total", progress.completed))
                 return
-            try:
+            with contextlib.suppress(TimeoutError):  # poll once a second until stopped
                 await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
 
 
 async def run_beside(
