@@ -1,7 +1,8 @@
 """Where batch lines run right now, and how many more may start: the runner's one question.
 
 `BatchLoad` counts this process's batch lines: per endpoint once routed (the walk's batch gate puts
-them there), per model while they are still on their way (read, counted, admitted). `BatchCapacity`
+them there), per model while they are still on their way (read, counted, admitted), and per endpoint
+the line last placed there while it is predicted to be prefilling (`spare.paced_starts`). `BatchCapacity`
 answers "may batch run now on this pool, and how many lines" from the endpoints' state, the lines
 already placed and the interactive requests waiting for the pool (`policies.batch.spare`).
 """
@@ -37,6 +38,8 @@ class BatchLoad:
     by_endpoint: Counter[str] = field(default_factory=Counter)
     on_the_way: Counter[str] = field(default_factory=Counter)  # model -> started, not routed yet
     _lines: dict[str, _Line] = field(default_factory=dict)  # request id -> line
+    # endpoint -> (until when, monotonic s, its last placed line is predicted to prefill; that line)
+    _prefilling: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def started(self, request_id: str, model: str) -> None:
         self._lines[request_id] = _Line(model)
@@ -50,8 +53,9 @@ class BatchLoad:
         line = self._lines.get(request_id)
         return line is not None and line.routed
 
-    def placed(self, request_id: str, endpoint_id: str) -> None:
-        """The walk routed the line to `endpoint_id` (each attempt)."""
+    def placed(self, request_id: str, endpoint_id: str, prefill_until_s: float | None = None) -> None:
+        """The walk routed the line to `endpoint_id` (each attempt); it is predicted to prefill there
+        until `prefill_until_s` (monotonic; None: no prediction)."""
         line = self._lines.get(request_id)
         if line is None:
             return
@@ -61,12 +65,27 @@ class BatchLoad:
         self.left(request_id)
         line.endpoint = endpoint_id
         self.by_endpoint[endpoint_id] += 1
+        if prefill_until_s is not None:
+            self._prefilling[endpoint_id] = (prefill_until_s, request_id)
+
+    def prefilling(self, endpoint_id: str, now_s: float) -> bool:
+        """A batch line placed on `endpoint_id` is still within its predicted prefill."""
+        found = self._prefilling.get(endpoint_id)
+        if found is None:
+            return False
+        if found[0] <= now_s:
+            del self._prefilling[endpoint_id]
+            return False
+        return True
 
     def left(self, request_id: str) -> None:
         """The line's attempt on its endpoint ended."""
         line = self._lines.get(request_id)
         if line is None or line.endpoint is None:
             return
+        found = self._prefilling.get(line.endpoint)
+        if found is not None and found[1] == request_id:  # an answer ends its prefill for sure
+            del self._prefilling[line.endpoint]
         self.by_endpoint[line.endpoint] -= 1
         if self.by_endpoint[line.endpoint] <= 0:
             del self.by_endpoint[line.endpoint]
@@ -107,8 +126,14 @@ class BatchCapacity:
         pool = self.fleet.pools.get(pool_name)
         if pool is None:
             return 0
+        now, load = self.now(), self.load
         return pool_spare_slots(
-            pool.servable(), self.limits, self.now(), self.load.by_endpoint, self.waiting(pool_name)
+            pool.servable(),
+            self.limits,
+            now,
+            load.by_endpoint,
+            self.waiting(pool_name),
+            prefilling=lambda endpoint_id: load.prefilling(endpoint_id, now),
         )
 
     def model_slots(self, model: str) -> int:

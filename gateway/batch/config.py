@@ -21,6 +21,7 @@ batch:
     max_engine_waiting: 0
     max_kv_usage_ratio: 0.6
     slo_headroom: 0.5
+    paced_starts: true            # one line at a time in its predicted prefill per engine
 ```
 
 With `state: redis` files, batches and progress live in Redis instead (every replica sees every
@@ -67,6 +68,9 @@ class SpareSettings(_Strict):
         default=0.5, gt=0, le=1.0, description="share of the tightest interactive objective a line's prediction may use"
     )
     max_stats_age_s: float = Field(default=2.0, gt=0)
+    paced_starts: bool = Field(
+        default=True, description="a new line waits until the last one placed on the engine is past its predicted TTFT"
+    )
 
     def limits(self, max_lines_per_endpoint: int) -> SpareLimits:
         return SpareLimits(
@@ -76,6 +80,7 @@ class SpareSettings(_Strict):
             max_endpoint_inflight=self.max_endpoint_inflight,
             slo_headroom=self.slo_headroom,
             max_stats_age_s=self.max_stats_age_s,
+            paced_starts=self.paced_starts,
         )
 
 

@@ -2,7 +2,8 @@
 
 For a batch line (`facts.batch_id`), after each routing decision: the chosen endpoint must have room
 for one more batch line (`policies.batch.spare.endpoint_spare`: no interactive request waiting for
-the pool, no engine queue, KV not too full, under the per-endpoint batch cap, and — where the pool
+the pool, no engine queue, KV not too full, under the per-endpoint batch cap, no other batch line
+still in its predicted prefill there (`spare.paced_starts`), and — where the pool
 has SLO classes and the predictor predicts — the line's predicted TTFT and TPOT within
 `slo_headroom` of the tightest interactive objective). If it has not, the line is routed again among
 the endpoints that have; if none has, the walk answers 503 `batch_no_spare_capacity`, which the
@@ -10,7 +11,7 @@ batch runner reads as "later" (the line is claimed again shortly; nothing is cha
 reservation is released). Other requests pass untouched, at the cost of one attribute test.
 
 The gate also keeps `BatchLoad` in step: a line counts on its endpoint from the gate's yes to the
-attempt's end.
+attempt's end, and as prefilling there until its predicted TTFT has passed.
 """
 
 from __future__ import annotations
@@ -46,17 +47,21 @@ class BatchGate(Hook):
         candidate: Routed | None = routed
         while candidate is not None and candidate.pool is pool:
             endpoint = candidate.endpoint
+            now = self.capacity.now()
+            predicted = self._predicted(ctx, candidate)
             reason = endpoint_spare(
                 endpoint,
                 self.capacity.limits,
-                self.capacity.now(),
+                now,
                 load.running_on(endpoint.id),
                 interactive_waiting=self.capacity.waiting(pool.name),
-                predicted=self._predicted(ctx, candidate),
+                predicted=predicted,
                 objectives=self.objectives(),
+                prefilling=load.prefilling(endpoint.id, now),
             )
             if reason is None:
-                load.placed(facts.request_id, endpoint.id)
+                until = now + predicted.ttft_ms / 1000.0 if predicted is not None else None
+                load.placed(facts.request_id, endpoint.id, until)
                 return candidate
             tried.add(endpoint.id)
             if reason == "interactive_waiting":

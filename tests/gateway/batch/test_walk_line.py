@@ -132,3 +132,26 @@ async def test_a_long_line_runs_on_an_idle_endpoint(engines: list[str]) -> None:
     idle, _ = gated(engines[:1], predictor=ScriptedPredictor(60.0))
     assert (await walk_runner(idle.director, None)(line())).status == 200
     await idle.upstream.close()
+
+
+async def test_a_line_waits_for_the_batch_prefill_ahead_of_it(engines: list[str]) -> None:
+    """`paced_starts`: an endpoint where a batch line is still within its predicted prefill takes no
+    other (it is sent elsewhere, or refused); the answer of that line ends its prefill at once."""
+    one, capacity = gated(engines[:1], predictor=ScriptedPredictor(20.0))
+    (endpoint,) = capacity.fleet.pools["big"].servable()
+    capacity.load.started("batch_1-9-ahead", "big")
+    capacity.load.placed("batch_1-9-ahead", endpoint.id, capacity.now() + 3600)
+    refused = await walk_runner(one.director, None)(line())
+    assert refused.status == 503 and refused.code == NO_SPARE_CAPACITY
+    capacity.load.finished("batch_1-9-ahead")  # answered: no longer prefilling
+    assert not capacity.load.prefilling(endpoint.id, capacity.now())
+    assert (await walk_runner(one.director, None)(line("batch_1-1-y"))).status == 200
+    await one.upstream.close()
+
+    two, capacity = gated(engines, predictor=ScriptedPredictor(20.0))
+    capacity.load.started("batch_1-9-ahead", "big")
+    capacity.load.placed("batch_1-9-ahead", "big/both-s0", capacity.now() + 3600)
+    answer = await walk_runner(two.director, None)(line())
+    assert answer.status == 200 and two.records.records[0].endpoint == "big/both-s1"
+    assert_invariants(two, 1)
+    await two.upstream.close()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from backends.types import Endpoint, EndpointState, EndpointStats
 from policies.batch.spare import (
     REASON_BATCH_CAP,
+    REASON_BATCH_PREFILLING,
     REASON_ENGINE_QUEUE,
     REASON_INFLIGHT,
     REASON_INTERACTIVE_WAITING,
@@ -97,8 +100,21 @@ def test_a_long_line_is_not_refused_on_an_idle_endpoint(e: Endpoint, expected: s
 def test_pool_slots_count_free_batch_slots_of_endpoints_with_room() -> None:
     endpoints = [endpoint("a"), endpoint("b", waiting=2), endpoint("c")]
     running = {"p/a": 1, "p/c": 4}
-    assert pool_spare_slots(endpoints, LIMITS, NOW, running) == 3  # a: 4 - 1; b queues; c is at its cap
-    assert pool_spare_slots(endpoints, LIMITS, NOW, running, interactive_waiting=1) == 0
+    unpaced = replace(LIMITS, paced_starts=False)
+    assert pool_spare_slots(endpoints, unpaced, NOW, running) == 3  # a: 4 - 1; b queues; c is at its cap
+    assert pool_spare_slots(endpoints, unpaced, NOW, running, interactive_waiting=1) == 0
+
+
+def test_paced_starts_offer_one_line_per_endpoint_not_in_a_batch_prefill() -> None:
+    """Several batch prompts prefilled at once fill the engine's steps in front of an interactive
+    arrival: with `paced_starts` an endpoint takes one new line, and none while the last one placed
+    there is still within its predicted prefill."""
+    endpoints = [endpoint("a"), endpoint("b"), endpoint("c", waiting=1)]
+    assert pool_spare_slots(endpoints, LIMITS, NOW, {"p/a": 1}) == 2  # a and b one each; c queues
+    assert pool_spare_slots(endpoints, LIMITS, NOW, {"p/a": 1}, prefilling=lambda e: e == "p/a") == 1
+    busy = endpoint(inflight=1)
+    assert endpoint_spare(busy, LIMITS, NOW, 1, prefilling=True) == REASON_BATCH_PREFILLING
+    assert endpoint_spare(busy, replace(LIMITS, paced_starts=False), NOW, 1, prefilling=True) is None
 
 
 def test_tightest_objectives() -> None:
