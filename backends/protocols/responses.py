@@ -344,10 +344,13 @@ def from_chat(
 
 
 def conversation_items(request: Mapping[str, Any], response: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """This turn's input items followed by its output items: what a `previous_response_id` continues."""
-    items = [dict(item) for item in input_items(request.get("input"))]
+    """This turn's input items followed by its output items: what a `previous_response_id` continues.
+
+    The request's and the response's own item objects, not copies: the store serializes them at
+    once, and a stored conversation is decoded afresh for each later turn."""
+    items = list(input_items(request.get("input")))
     kept = ("message", "function_call")
-    items.extend(dict(i) for i in response.get("output") or () if isinstance(i, Mapping) and i.get("type") in kept)
+    items.extend(i for i in response.get("output") or () if type(i) is dict and i.get("type") in kept)
     return items
 
 

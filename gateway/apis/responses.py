@@ -128,7 +128,7 @@ class ResponsesCall:
 
     def _keep(self, response: dict[str, Any]) -> Awaitable[None] | None:
         self.final = response
-        return self._store_now() if self.store is not None else None
+        return self.finished() if self.store is not None else None
 
     def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec:
         previous = self.body.get("previous_response_id")
@@ -150,7 +150,7 @@ class ResponsesCall:
             ):
                 self.final = parsed  # already the client's answer (store: false to the client too)
                 return None, usage
-            response = dict(parsed)
+            response = parsed  # parsed for this request alone: rewritten in place, not copied
             response["model"] = public_model
         else:
             response = responses.from_chat(parsed, self.body, model=public_model)
@@ -173,18 +173,20 @@ class ResponsesCall:
         payload = {"error": {"message": message, "type": kind or "invalid_request_error", "param": None, "code": code}}
         return json_response(status, payload, headers)
 
-    async def _store_now(self) -> None:
-        if self._stored or self.final is None or self.store is None or self.principal is None:
+    async def finished(self) -> None:
+        """Store the answer (once), if it is to be kept: called when a stream's final event is
+        ready, and after the walk; one coroutine, not two, on every request's path."""
+        final = self.final
+        if self._stored or final is None or self.store is None or self.principal is None:
             return
-        if self.body.get("store") is False or self.final.get("status") not in ("completed", "incomplete"):
+        if self.body.get("store") is False or final.get("status") not in ("completed", "incomplete"):
             return
         self._stored = True
-        items = [*self.prior, *responses.conversation_items(self.body, self.final)]
-        response = self.final_bytes if self.final_bytes is not None else orjson.dumps(self.final)
-        await self.store.put(self.principal.key_id, str(self.final["id"]), entry_blob(response, items))
-
-    async def finished(self) -> None:
-        await self._store_now()
+        items = responses.conversation_items(self.body, final)
+        if self.prior:
+            items = [*self.prior, *items]
+        response = self.final_bytes if self.final_bytes is not None else orjson.dumps(final)
+        await self.store.put(self.principal.key_id, str(final["id"]), entry_blob(response, items))
 
 
 def _chat_usage(usage: Any) -> Usage | None:

@@ -60,8 +60,11 @@ class MemoryResponseStore:
     async def put(self, key_id: str, response_id: str, blob: bytes) -> bool:
         if len(blob) > self.settings.max_response_bytes:
             return False
-        await self.delete(key_id, response_id)
-        self._entries[(key_id, response_id)] = (self.clock() + self.settings.ttl_s, blob)
+        key = (key_id, response_id)
+        replaced = self._entries.pop(key, None)  # (inline: an awaited delete was a coroutine per put)
+        if replaced is not None:
+            self.bytes -= len(replaced[1])
+        self._entries[key] = (self.clock() + self.settings.ttl_s, blob)
         self.bytes += len(blob)
         while len(self._entries) > self.settings.max_responses or self.bytes > self.settings.max_bytes:
             _key, (_expiry, old) = self._entries.popitem(last=False)
