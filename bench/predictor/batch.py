@@ -1,6 +1,7 @@
 """The SLO benchmark's batch row: interactive attainment with a large batch running beside it.
 
     .venv/bin/python -m bench.predictor.batch [--loads 0.8] [--batch-lines 300] [--capacity 15.4]
+        [--repeat-alone] [--no-paced]
 
 Same fleet, workload and objectives as `bench.predictor.run` (2 simulated Llama-3.1-8B@H100 at
 `--time-scale 0.25`, the Azure conversation trace replayed open loop, TTFT <= 1 s and TPOT <= 75 ms in
@@ -13,7 +14,12 @@ the same window of interactive requests:
           key of another tenant, through the official client's endpoints. It runs beside the
           interactive traffic, on spare capacity only, and on after it until done.
 
+  alone-2 (`--repeat-alone`): the alone run again, after the batch run: how far two runs of the
+          same window differ with no batch at all (the noise a batch's effect is judged against).
+
 Plus one run of the batch with no interactive traffic at all (its completion time on an idle fleet).
+Every run samples the gateway's batch gauges, so each miss can be set beside what the batch was
+doing when it came (`bench.predictor.batch_misses`).
 Reports interactive attainment alone vs beside the batch (target: within 1 point), the latency
 percentiles, the batch lines done while the interactive window lasted, and the batch's completion
 time, all in engine time. Writes bench/results/batch-slo.md and batch-slo.png.
@@ -40,6 +46,7 @@ import orjson
 
 from bench import loadgen
 from bench.predictor import report
+from bench.predictor.batch_misses import BatchSampler, miss_rows, report_lines
 from bench.predictor.run import (
     MAX_CONTEXT,
     MAX_OUTPUT,
@@ -139,8 +146,9 @@ async def run_beside(
     name: str,
     seed: int,
     limit_s: float,
-) -> tuple[list[Any], BatchProgress | None, float]:
-    """Create the batch (if any), replay the interactive window, follow the batch to its end."""
+) -> tuple[list[Any], BatchProgress | None, float, list[tuple[float, int, int]]]:
+    """Create the batch (if any), replay the interactive window (sampling the batch's gauges), follow
+    the batch to its end."""
     progress: BatchProgress | None = None
     follower: asyncio.Task[None] | None = None
     stop = asyncio.Event()
@@ -149,12 +157,15 @@ async def run_beside(
         progress = BatchProgress(created_s=time.perf_counter())
         follower = asyncio.create_task(follow(base_url, batch_id, progress, stop, limit_s))
     started = time.perf_counter()
+    sampler = BatchSampler(base_url)
+    sampler.start(started)
     shots = shots_of(interactive, arrivals, PromptBuilder(seed), name)
     outcomes = await loadgen.replay(base_url, shots, label=name, timeout_s=600) if interactive else []
     window_s = time.perf_counter() - started
+    samples = await sampler.stop()
     if follower is not None:
         await follower
-    return outcomes, progress, window_s
+    return outcomes, progress, window_s, samples
 
 
 def run(
@@ -174,12 +185,12 @@ def run(
     batch = {
         "dir": str(workdir / name / "batch"),
         "runner": {"max_lines_per_endpoint": args.max_lines_per_endpoint},
-        "spare": {"slo_headroom": args.slo_headroom},
+        "spare": {"slo_headroom": args.slo_headroom, "paced_starts": args.paced},
     }
     gw = start_bench_gateway(workdir / name, sims, args, model_dir, mode=args.mode, batch=batch)
     arrivals = arrivals_at(interactive, rate_wall) if interactive else []
     try:
-        outcomes, progress, window_s = asyncio.run(
+        outcomes, progress, window_s, samples = asyncio.run(
             run_beside(gw.url, interactive, arrivals, content, name, seed, args.batch_limit_s)
         )
         metrics = _batch_metrics(gw.url)
@@ -197,6 +208,7 @@ def run(
         "window_s": window_s * ts,
         "predictor_after": status,
         "batch_metrics": metrics,
+        "batch_samples": samples,
     }
     if progress is not None:
         during = max((n for t, n in progress.points if t <= window_s), default=0)
@@ -247,10 +259,16 @@ def write(results: dict[str, Any], out: Path) -> None:
         f"{results['batch_tokens']:,} output tokens in all), uploaded and created through `/v1/files` and "
         "`/v1/batches` just before the first interactive request, by a key of another tenant. Batch settings: "
         f"`runner.max_lines_per_endpoint: {args['max_lines_per_endpoint']}`, `spare.slo_headroom: "
-        f"{args['slo_headroom']}`, the rest the defaults (no engine queue, KV under 60 %, nobody waiting "
-        "in the gateway for the pool).",
+        f"{args['slo_headroom']}`, `spare.paced_starts: {str(args.get('paced', False)).lower()}`, the rest the "
+        "defaults (no engine queue, KV under 60 %, nobody waiting in the gateway for the pool).",
         "- Per load, **alone** replays the interactive window on a fresh gateway; **batch** replays the same "
-        "window beside the batch." + (" **idle** runs the batch on an idle fleet." if results.get("idle") else ""),
+        "window beside the batch."
+        + (
+            " **alone-2** replays it alone once more, after the batch run (the noise)."
+            if args.get("repeat_alone")
+            else ""
+        )
+        + (" **idle** runs the batch on an idle fleet." if results.get("idle") else ""),
         "",
         "## Interactive attainment, alone and beside the batch",
         "",
@@ -261,18 +279,19 @@ def write(results: dict[str, Any], out: Path) -> None:
     by_load: dict[float, dict[str, dict[str, Any]]] = {}
     for summary in results["summaries"]:
         by_load.setdefault(summary["load"], {})[summary["kind"]] = summary
-    verdicts = []
+    verdicts: list[tuple[float, float]] = []
+    noise: list[tuple[float, float]] = []
     for load, kinds in sorted(by_load.items()):
         alone = kinds.get("alone")
-        for kind in ("alone", "batch"):
+        for kind in ("alone", "batch", "alone-2"):
             s = kinds.get(kind)
             if s is None:
                 continue
             delta = ""
-            if kind == "batch" and alone is not None and s["attainment"] is not None:
+            if kind != "alone" and alone is not None and s["attainment"] is not None:
                 points = (s["attainment"] - alone["attainment"]) * 100
                 delta = f"{points:+.1f} pt"
-                verdicts.append((load, points))
+                (verdicts if kind == "batch" else noise).append((load, points))
             batch = s.get("batch") or {}
             ttft = " / ".join(report._f(x, 0) for x in s["ttft"])
             tpot = " / ".join(report._f(x, 1) for x in s["tpot"])
@@ -292,6 +311,12 @@ def write(results: dict[str, Any], out: Path) -> None:
         + ", ".join(f"{points:+.1f} points at {int(load * 100)} %" for load, points in verdicts)
         + f" (target: within 1 point: **{'yes' if within else 'no'}**)."
     )
+    if noise:
+        lines.append(
+            "The same window alone twice (alone-2 vs alone, no batch): "
+            + ", ".join(f"{points:+.1f} points at {int(load * 100)} %" for load, points in noise)
+            + " — the run-to-run noise the batch's effect is measured against."
+        )
     for load, kinds in sorted(by_load.items()):
         batch = (kinds.get("batch") or {}).get("batch")
         if batch and idle is not None and idle["batch"].get("done_s") and batch.get("done_s"):
@@ -302,6 +327,8 @@ def write(results: dict[str, Any], out: Path) -> None:
                 f"({idle['batch']['done_s']:.0f} s)."
             )
     lines += ["", "![batch beside interactive traffic](batch-slo.png)", ""]
+    if results.get("misses"):
+        lines += report_lines([(m["name"], m) for m in results["misses"]], args)
     lines += ["## Runner counters (each batch run's gateway)", "", "| run | metric | value |", "| --- | --- | ---: |"]
     for summary in [*results["summaries"], *([idle] if idle else [])]:
         for key, value in sorted((summary.get("batch_metrics") or {}).items()):
@@ -366,6 +393,8 @@ def main() -> None:
     parser.add_argument("--skip-warmup-s", type=float, default=20.0)
     parser.add_argument("--skip-cooldown-s", type=float, default=5.0)
     parser.add_argument("--no-idle", action="store_true", help="skip the batch-on-an-idle-fleet run")
+    parser.add_argument("--repeat-alone", action="store_true", help="each load's alone run again, after the batch")
+    parser.add_argument("--no-paced", dest="paced", action="store_false", help="spare.paced_starts: false")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch-slo.md")
     parser.add_argument("--raw", type=Path, default=Path("var/bench/batch-slo-raw.json"))
     parser.add_argument("--report", type=Path, help="only rewrite the report from this raw file")
@@ -404,7 +433,7 @@ def main() -> None:
         for i, load in enumerate(loads):
             count = max(50, int(load * args.capacity * args.duration_s))
             interactive = [replace(r, index=r.index) for r in load_azure(count, 0, MAX_CONTEXT, MAX_OUTPUT)]
-            for kind in ("alone", "batch"):
+            for kind in ("alone", "batch", *(("alone-2",) if args.repeat_alone else ())):
                 name = f"azure-{int(load * 100)}-{kind}"
                 print(f"run {name}", file=sys.stderr)
                 raw = run(
@@ -423,6 +452,7 @@ def main() -> None:
                 summary = report.summarize(raw, vars(args))
                 summary.update(kind=kind, batch=raw.get("batch"), batch_metrics=raw["batch_metrics"])
                 results["summaries"].append(summary)
+                results.setdefault("misses", []).append({"name": name, **miss_rows(raw, vars(args))})
         if not args.no_idle:
             print("run idle", file=sys.stderr)
             raw = run("idle", sims, args, workdir, trained, [], capacity_wall, content, seed=999)
