@@ -1,7 +1,7 @@
 """The SLO benchmark's batch row: interactive attainment with a large batch running beside it.
 
     .venv/bin/python -m bench.predictor.batch [--loads 0.8] [--batch-lines 300] [--capacity 15.4]
-        [--repeat-alone] [--no-paced]
+        [--repeat-alone] [--paced]
 
 Same fleet, workload and objectives as `bench.predictor.run` (2 simulated Llama-3.1-8B@H100 at
 `--time-scale 0.25`, the Azure conversation trace replayed open loop, TTFT <= 1 s and TPOT <= 75 ms in
@@ -403,7 +403,7 @@ def main() -> None:
     parser.add_argument("--skip-cooldown-s", type=float, default=5.0)
     parser.add_argument("--no-idle", action="store_true", help="skip the batch-on-an-idle-fleet run")
     parser.add_argument("--repeat-alone", action="store_true", help="each load's alone run again, after the batch")
-    parser.add_argument("--no-paced", dest="paced", action="store_false", help="spare.paced_starts: false")
+    parser.add_argument("--paced", action="store_true", help="spare.paced_starts: true (one prefill at a time)")
     parser.add_argument("--out", type=Path, default=RESULTS / "batch-slo.md")
     parser.add_argument("--raw", type=Path, default=Path("var/bench/batch-slo-raw.json"))
     parser.add_argument("--report", type=Path, help="only rewrite the report from this raw file")

@@ -21,7 +21,7 @@ batch:
     max_engine_waiting: 0
     max_kv_usage_ratio: 0.6
     slo_headroom: 0.5
-    paced_starts: true            # one line at a time in its predicted prefill per engine
+    paced_starts: false           # true: one line at a time in its predicted prefill per engine
 ```
 
 With `state: redis` files, batches and progress live in Redis instead (every replica sees every
@@ -69,7 +69,7 @@ class SpareSettings(_Strict):
     )
     max_stats_age_s: float = Field(default=2.0, gt=0)
     paced_starts: bool = Field(
-        default=True, description="a new line waits until the last one placed on the engine is past its predicted TTFT"
+        default=False, description="a new line waits until the last one placed on the engine is past its predicted TTFT"
     )
 
     def limits(self, max_lines_per_endpoint: int) -> SpareLimits:

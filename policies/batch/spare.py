@@ -54,7 +54,7 @@ class SpareLimits:
     max_endpoint_inflight: int | None = None
     slo_headroom: float = 0.5
     max_stats_age_s: float = 2.0
-    paced_starts: bool = True
+    paced_starts: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ invariants (one record, every reservation ended once, every load ticket ended)."
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -34,9 +35,11 @@ def line(request_id: str = "batch_1-0-x", model: str = "big") -> LineRequest:
     return LineRequest("batch_1", 0, "c0", "chat", body, principal, request_id)
 
 
-def gated(urls: list[str], waiting: int = 0, predictor: ScriptedPredictor | None = None) -> tuple[Walk, BatchCapacity]:
+def gated(
+    urls: list[str], waiting: int = 0, predictor: ScriptedPredictor | None = None, limits: SpareLimits = LIMITS
+) -> tuple[Walk, BatchCapacity]:
     the_fleet = fleet({"big": urls})
-    capacity = BatchCapacity(the_fleet, LIMITS, waiting=lambda pool: waiting)
+    capacity = BatchCapacity(the_fleet, limits, waiting=lambda pool: waiting)
     gate = BatchGate(capacity, PolicyHolder(policy()), predictor)
     return build(the_fleet, hooks=[gate]), capacity
 
@@ -137,7 +140,8 @@ async def test_a_long_line_runs_on_an_idle_endpoint(engines: list[str]) -> None:
 async def test_a_line_waits_for_the_batch_prefill_ahead_of_it(engines: list[str]) -> None:
     """`paced_starts`: an endpoint where a batch line is still within its predicted prefill takes no
     other (it is sent elsewhere, or refused); the answer of that line ends its prefill at once."""
-    one, capacity = gated(engines[:1], predictor=ScriptedPredictor(20.0))
+    paced = replace(LIMITS, paced_starts=True)
+    one, capacity = gated(engines[:1], predictor=ScriptedPredictor(20.0), limits=paced)
     (endpoint,) = capacity.fleet.pools["big"].servable()
     capacity.load.started("batch_1-9-ahead", "big")
     capacity.load.placed("batch_1-9-ahead", endpoint.id, capacity.now() + 3600)
@@ -148,7 +152,7 @@ async def test_a_line_waits_for_the_batch_prefill_ahead_of_it(engines: list[str]
     assert (await walk_runner(one.director, None)(line("batch_1-1-y"))).status == 200
     await one.upstream.close()
 
-    two, capacity = gated(engines, predictor=ScriptedPredictor(20.0))
+    two, capacity = gated(engines, predictor=ScriptedPredictor(20.0), limits=paced)
     capacity.load.started("batch_1-9-ahead", "big")
     capacity.load.placed("batch_1-9-ahead", "big/both-s0", capacity.now() + 3600)
     answer = await walk_runner(two.director, None)(line())

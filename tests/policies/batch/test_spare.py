@@ -109,12 +109,13 @@ def test_paced_starts_offer_one_line_per_endpoint_not_in_a_batch_prefill() -> No
     """Several batch prompts prefilled at once fill the engine's steps in front of an interactive
     arrival: with `paced_starts` an endpoint takes one new line, and none while the last one placed
     there is still within its predicted prefill."""
+    paced = replace(LIMITS, paced_starts=True)
     endpoints = [endpoint("a"), endpoint("b"), endpoint("c", waiting=1)]
-    assert pool_spare_slots(endpoints, LIMITS, NOW, {"p/a": 1}) == 2  # a and b one each; c queues
-    assert pool_spare_slots(endpoints, LIMITS, NOW, {"p/a": 1}, prefilling=lambda e: e == "p/a") == 1
+    assert pool_spare_slots(endpoints, paced, NOW, {"p/a": 1}) == 2  # a and b one each; c queues
+    assert pool_spare_slots(endpoints, paced, NOW, {"p/a": 1}, prefilling=lambda e: e == "p/a") == 1
     busy = endpoint(inflight=1)
-    assert endpoint_spare(busy, LIMITS, NOW, 1, prefilling=True) == REASON_BATCH_PREFILLING
-    assert endpoint_spare(busy, replace(LIMITS, paced_starts=False), NOW, 1, prefilling=True) is None
+    assert endpoint_spare(busy, paced, NOW, 1, prefilling=True) == REASON_BATCH_PREFILLING
+    assert endpoint_spare(busy, LIMITS, NOW, 1, prefilling=True) is None  # off by default
 
 
 def test_tightest_objectives() -> None:
