@@ -83,3 +83,15 @@ def test_stored_entry_holds_the_bytes_the_client_got() -> None:
         "response": {"id": "r"},
         "items": [{"type": "message"}],
     }
+
+
+def test_a_stored_response_put_again_replaces_its_entry_and_its_bytes() -> None:
+    async def scenario() -> None:
+        store = MemoryResponseStore(ResponseStoreSettings())
+        assert await store.put("k", "r", b'{"response":{"id":"r"},"items":[]}')
+        second = b'{"response":{"id":"r","status":"completed"},"items":[]}'
+        assert await store.put("k", "r", second)
+        assert len(store) == 1 and store.bytes == len(second)
+        assert await store.delete("k", "r") and store.bytes == 0
+
+    asyncio.run(scenario())
