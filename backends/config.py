@@ -200,11 +200,12 @@ class PoolConfig(_Strict):
         return counts
 
     def slots(self, role: str) -> int:
-        """Replica slots (ids, ports) planned for `role`: the initial count, or the autoscaler's maximum."""
+        """Replica slots (ids, ports) planned for `role`: the initial count, or the autoscaler's maximum
+        (its surge included)."""
         initial = self.initial_roles().get(role, 0)
         if self.autoscale is None:
             return initial
-        return max(initial, self.autoscale.bounds(role)[1])
+        return max(initial, self.autoscale.ceiling(role))
 
     @property
     def migrates_streams(self) -> bool:

@@ -11,7 +11,12 @@ Per group, grants go in this order, each while slots remain:
           it takes the place of the least recently used replica below),
        c. the replicas pools already run, most recently used pool first (so the least recently
           used one yields its place to b),
-       d. growth, one replica at a time to the pool and role furthest below what it wants.
+       d. growth, one replica at a time to the pool and role furthest below what it wants;
+    3. last, the surge: what pools want above their `max_replicas` (`surge_replicas`), from the slots
+       no pool's b-d took, by priority and then the same way as d.
+
+Steps a-d stop at each pool's `max_replicas`, a running surge replica included, so another pool's
+want takes its device back on the next pass (the surge replica drains).
 
 A pool granted fewer than it runs is scaled down (drained, then stopped or put to sleep), which is
 how a higher-priority pool or a held request takes devices from another. Pure: plans in, plans out.
@@ -19,7 +24,7 @@ how a higher-priority pool or a held request takes devices from another. Pure: p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from backends.autoscale.types import PoolPlan, PoolSignals, RolePlan
@@ -34,6 +39,7 @@ class Claim:
     priority: int = 0
     min_by_role: Mapping[str, int] | None = None
     min_awake_s: float = 0.0
+    max_by_role: Mapping[str, int] | None = None  # max_replicas per role: above it is surge (None: no cap)
 
 
 def share_budget(claims: Sequence[Claim], capacity: Mapping[str, int]) -> list[PoolPlan]:
@@ -77,6 +83,10 @@ def _allocate(members: list[Claim], slots: int, grants: dict[str, dict[str, int]
             left -= cost
         grants[claim.plan.pool][role.role] = have
 
+    def capped(claim: Claim, role: RolePlan, count: int) -> int:
+        cap = (claim.max_by_role or {}).get(role.role)
+        return count if cap is None else min(count, cap)
+
     by_priority = sorted(members, key=lambda c: -c.priority)
     for claim in by_priority:  # 1. minimums
         for role in claim.plan.roles:
@@ -89,29 +99,44 @@ def _allocate(members: list[Claim], slots: int, grants: dict[str, dict[str, int]
             now = claim.signals.now_s
             if claim.plan.current and claim.signals.inflight and now - claim.signals.awake_since_s < claim.min_awake_s:
                 for role in claim.plan.roles:
-                    grant(claim, role, min(role.wanted, role.current))
+                    grant(claim, role, capped(claim, role, min(role.wanted, role.current)))
         for claim in tier:  # b. held requests, nothing running
             serving = _serving_role(claim.plan)
             if claim.signals.held and claim.plan.current == 0 and serving is not None and serving.wanted:
                 grant(claim, serving, max(grants[claim.plan.pool][serving.role], 1))
         for claim in recent_first:  # c. incumbents, most recently used first
             for role in claim.plan.roles:
-                grant(claim, role, min(role.wanted, role.current))
-        while left > 0:  # d. growth
+                grant(claim, role, capped(claim, role, min(role.wanted, role.current)))
+        _grow(tier, grants, lambda claim, role: capped(claim, role, role.wanted), grant, lambda: left)  # d.
+    _grow(by_priority, grants, lambda _claim, role: role.wanted, grant, lambda: left)  # 3. the surge
+    return left
+
+
+def _grow(
+    claims: Sequence[Claim],
+    grants: dict[str, dict[str, int]],
+    want: Callable[[Claim, RolePlan], int],
+    grant: Callable[[Claim, RolePlan, int], None],
+    left: Callable[[], int],
+) -> None:
+    """One replica at a time to the pool and role furthest below `want`, while slots remain (the
+    claims' priorities first: a surge goes to the higher-priority pool)."""
+    for level in sorted({c.priority for c in claims}, reverse=True):
+        tier = [c for c in claims if c.priority == level]
+        while left() > 0:
             best: tuple[float, Claim, RolePlan] | None = None
             for claim in tier:
                 cost = max(claim.signals.devices_per_replica, 1)
                 for role in claim.plan.roles:
-                    have = grants[claim.plan.pool][role.role]
-                    if have < role.wanted and cost <= left:
-                        short = (role.wanted - have) / role.wanted
+                    have, upto = grants[claim.plan.pool][role.role], want(claim, role)
+                    if have < upto and cost <= left():
+                        short = (upto - have) / upto
                         if best is None or short > best[0]:
                             best = (short, claim, role)
             if best is None:
                 break
             _short, claim, role = best
             grant(claim, role, grants[claim.plan.pool][role.role] + 1)
-    return left
 
 
 def _serving_role(plan: PoolPlan) -> RolePlan | None:

@@ -70,11 +70,17 @@ class AutoscaleConfig(_Strict):
         default=60.0, ge=0, description="a scale-down goes only to the largest need of this window"
     )
     priority: int = Field(default=0, description="larger first when pools share the device budget")
+    surge_replicas: int = Field(
+        default=0,
+        ge=0,
+        description="replicas beyond max_replicas while the device budget has devices no other pool wants",
+    )
     sleep: SleepConfig | None = Field(default=None, description="sleep instead of stopping (vLLM sleep mode)")
     warm_reserve: int | None = Field(
         default=None,
         ge=0,
-        description="replicas kept warm beyond the need: asleep in a pool that sleeps (the rest stop), else awake",
+        description="replicas kept warm beyond the need: asleep in a pool that sleeps (the rest stop), else awake"
+        " (the tokens planner only)",
     )
     ttft_slo_ms: float = Field(default=2000.0, gt=0, description="the TTFT a replica's prefill velocity keeps")
     tpot_slo_ms: float = Field(default=100.0, gt=0, description="the TPOT a replica's decode velocity keeps")
@@ -103,6 +109,10 @@ class AutoscaleConfig(_Strict):
                 raise ValueError("max_replicas must be at least 1")
         elif not any(b.max_replicas for b in self.roles.values()):
             raise ValueError("roles: some role needs max_replicas >= 1")
+        if self.planner == "hpa" and self.warm_reserve:
+            # the baseline is the Kubernetes HPA's algorithm, which has no reserve: a key it would
+            # silently ignore is refused instead
+            raise ValueError("warm_reserve needs planner: tokens (the hpa baseline keeps no reserve)")
         return self
 
     def bounds(self, role: str) -> tuple[int, int]:
@@ -111,6 +121,12 @@ class AutoscaleConfig(_Strict):
             return (self.min_replicas, self.max_replicas) if role == "both" else (0, 0)
         found = self.roles.get(role)  # type: ignore[call-overload]
         return (found.min_replicas, found.max_replicas) if found is not None else (0, 0)
+
+    def ceiling(self, role: str) -> int:
+        """The most replicas of `role` the planner may want: `max_replicas` plus `surge_replicas` (the
+        budget grants the surge only from devices no other pool's planner wants)."""
+        high = self.bounds(role)[1]
+        return high + self.surge_replicas if high else 0
 
 
 class ShareConfig(_Strict):

@@ -17,7 +17,8 @@ Per role, every `interval_s` (docs/autoscaling.md has the worked example):
                 is in use (floor 1), in a pool that does not sleep; a pool that sleeps keeps them
                 asleep instead (the plan's `reserve`: the executor starts them and puts them to
                 sleep, so a step is absorbed by a wake; `backends.autoscale.reserve`)
-    wanted    = clamp(·, min_replicas, max_replicas)
+    wanted    = clamp(·, min_replicas, max_replicas + surge_replicas); the device budget grants the
+                surge above max_replicas only from devices no other pool's planner wants
 
 The forecast looks ahead by the lead time so a replica starts before the load needs it; only a rising
 trend moves demand (a falling one waits for the measured level). The device budget across pools is
@@ -69,7 +70,8 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         up = math.ceil(need - _EPSILON)
         down = math.ceil(load / (policy.target_utilization * (1 - policy.hysteresis)) + backlog - _EPSILON)
         down = max(down, math.ceil(need_kv - _EPSILON))
-        low, high = policy.bounds(role.role)
+        low, cap = policy.bounds(role.role)
+        high = policy.ceiling(role.role)
         floor = 1 if busy and high > 0 and _serves(signals, role) else 0
         if awake_reserve and floor:
             up, down = max(up, floor) + awake_reserve, max(down, floor) + awake_reserve
@@ -98,6 +100,8 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         else:
             wanted = current
         wanted = min(max(wanted, low), high)
+        if wanted > cap:
+            why += f", surge +{wanted - cap} over {cap} if devices are free"
         if wanted > current:
             scaled_up = scaled_up or wanted_before.get(role.role, current) < wanted
         elif wanted < current:

@@ -3,9 +3,11 @@ of the gateway's replicas over time.
 
 TTFT is the wall time from sending to the first content chunk (a cold start's hold included); TPOT
 the mean time per output token after it. The simulated engine's own TTFT and TPOT (simulated
-seconds, from the stream's usage chunk) are kept beside them: on a shared, overloaded host the wall
-clock adds the host's lag, the engine clock does not. A request the gateway turns away records its status and
-error code; a stream that ends with the error event, without a finish reason, or with `abort` is
+seconds, from the stream's usage chunk) are kept beside them, with the gateway's own waits
+(`x-tokenway-cold-start-ms`, `x-tokenway-queued-ms`): on a shared, overloaded host the wall clock
+adds the host's lag, the engine clock and the gateway's waits do not. The client's connection pool
+is unbounded, so no request waits in the client for a connection. A request the gateway turns away
+records its status and error code; a stream that ends with the error event, without a finish reason, or with `abort` is
 recorded as cut.
 """
 
@@ -40,6 +42,7 @@ class Outcome:
     completion_tokens: int = 0
     finish: str = ""
     cold_start_ms: float | None = None
+    queued_ms: float | None = None  # waited in the gateway's flow/SLO queue before dispatch
     endpoint: str = ""
     pd: str = ""  # the PD decision (x-tokenway-route, when the run asks for it)
     engine_ttft_s: float | None = None  # the simulated engine's own timings (simulated seconds)
@@ -95,6 +98,8 @@ async def send(
     out.status, out.code, out.e2e_s = call.status, call.code, call.e2e_s
     held = call.headers.get("x-tokenway-cold-start-ms")
     out.cold_start_ms = float(held) if held else None
+    queued = call.headers.get("x-tokenway-queued-ms")
+    out.queued_ms = float(queued) if queued else None
     out.endpoint = call.headers.get("x-tokenway-endpoint", "")
     for part in call.headers.get("x-tokenway-route", "").split("; "):
         if part.startswith("pd="):

@@ -14,6 +14,9 @@ fresh gateway per mode:
     tokens-warm     tokenway's planner with a warm reserve of one chat replica, awake
     tokens-sleep    tokenway's planner with a warm reserve of one chat replica asleep (level 1)
 
+tokenway's planner may take the chat pool 2 replicas past its `max_replicas` of 6 (`surge_replicas`)
+on devices the code pool's planner does not want; the HPA-shaped baseline keeps its fixed maximum.
+
 then three short experiments: `kill -9` of a replica under streaming load with and without stream
 migration; a prefill/decode pool under a prefill burst with fixed roles and with convertible
 decoders; two models sharing one GPU (switch time). Results: bench/results/autoscale.md and .png
@@ -52,6 +55,7 @@ STARTUP_ARGS = ["--simulate-startup", "--load-bandwidth-gbps", f"{LOAD_GBPS:g}",
 ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), *STARTUP_ARGS]
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
 WARM_RESERVE = 1
+SURGE = 2  # chat: 6 + 2 = the 8 devices, granted only where the code pool does not want them
 
 
 def loads(scale: float = 1.0) -> list[ModelLoad]:
@@ -84,12 +88,13 @@ def autoscale(
     priority: int = 0,
     hpa_target: float = 6,
     reserve: int | None = None,
+    surge: int = 0,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "planner": planner, "min_replicas": low, "max_replicas": high, "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S, "scale_down_cooldown_s": 10, "idle_s": 15, "priority": priority,
         "ttft_slo_ms": SLO_TTFT_S * 1000, "tpot_slo_ms": SLO_TPOT_S * 1000, "max_hold_s": 60,
-        "hpa_target_running": hpa_target,
+        "hpa_target_running": hpa_target, "surge_replicas": surge,
     }  # fmt: skip
     if sleep:
         config["sleep"] = {"level": 1}
@@ -110,7 +115,8 @@ def mode_pools(mode: str) -> list[dict[str, Any]]:
     # the warm reserve: one chat replica beyond the need, asleep (tokens-sleep) or awake (tokens-warm);
     # the code pool keeps none (idle at night: its scaled-down replicas stop rather than hold a device)
     reserve = WARM_RESERVE if mode in ("tokens-sleep", "tokens-warm") else None
-    chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve)
+    surge = SURGE if planner == "tokens" else 0
+    chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve, surge=surge)
     code_scale = autoscale(planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None)
     return [
         pool("chat", CHAT, chat_preset, replicas=1, autoscale=chat_scale),
@@ -323,6 +329,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "init_s": INIT_S,
         "extras_generated": extras_generated,
         "warm_reserve": WARM_RESERVE,
+        "surge": SURGE,
     }
     curve = offered(loads(args.scale), day_s, 1.0)
     raw = RESULTS / "autoscale-raw.json"
@@ -378,8 +385,18 @@ def _revive(value: Any) -> Any:
     return value
 
 
+EXTRAS_HEADING = "## A replica killed"
+EXTRAS_FROM_LINE = "are those of the run of "
+
+
 def old_extras(raw_path: Path) -> tuple[dict[str, Any], str]:
-    """The three short experiments of an earlier run (`--extras-from`), and when it ran."""
+    """The three short experiments of an earlier run (`--extras-from`), and when it ran: from its raw
+    file, or from its report (a .md: the raw files are not kept in git) as the markdown it wrote."""
+    if raw_path.suffix == ".md":
+        text = raw_path.read_text()
+        section = text[text.index(EXTRAS_HEADING) :].split("\n![", 1)[0].rstrip()
+        generated = text.split(EXTRAS_FROM_LINE, 1)[1].split(" (", 1)[0] if EXTRAS_FROM_LINE in text else "?"
+        return {"markdown": section + "\n"}, generated
     raw = json.loads(raw_path.read_text())
     return _revive(raw.get("extras") or {}), raw["meta"]["generated"]
 
@@ -407,7 +424,7 @@ def main() -> None:
         "--extras-from",
         type=Path,
         default=None,
-        help="with --skip-extras: report the short experiments of this raw file",
+        help="with --skip-extras: report the short experiments of this raw file (or of this autoscale.md)",
     )
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the last raw file")

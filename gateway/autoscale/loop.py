@@ -150,8 +150,9 @@ class Autoscaler:
             plan = PLANNERS[policy.planner](signals, policy, self.memory[pool.name])
             self.memory[pool.name] = plan.memory
             minimums = {r.role: policy.bounds(r.role)[0] for r in signals.roles}
+            maximums = {r.role: policy.bounds(r.role)[1] for r in signals.roles}
             min_awake = pool.config.share.min_awake_s if pool.config.share is not None else 0.0
-            claims.append(Claim(plan, signals, policy.priority, minimums, min_awake))
+            claims.append(Claim(plan, signals, policy.priority, minimums, min_awake, maximums))
         plans = share_budget(claims, self.executor.capacity())
         for plan in plans:
             previous = self.plans.get(plan.pool)

@@ -21,6 +21,7 @@ def claim(
     minimum: int = 0,
     min_awake_s: float = 0.0,
     per_replica: int = 1,
+    maximum: int | None = None,
 ) -> Claim:
     plan = PoolPlan(pool, (RolePlan("both", current, float(wanted), wanted, wanted),), "why")
     signals = PoolSignals(
@@ -36,7 +37,8 @@ def claim(
         awake_since_s=awake_since,
         devices_per_replica=per_replica,
     )
-    return Claim(plan, signals, priority, {"both": minimum}, min_awake_s)
+    maximums = None if maximum is None else {"both": maximum}
+    return Claim(plan, signals, priority, {"both": minimum}, min_awake_s, maximums)
 
 
 def desired(plans: list[PoolPlan]) -> dict[str, int]:
@@ -94,3 +96,27 @@ def test_replicas_of_several_devices_and_unmanaged_pools() -> None:
         {"auto": 5},
     )
     assert desired(plans) == {"tp2": 2, "free": 7}
+
+
+def test_a_surge_takes_only_devices_no_other_pool_wants() -> None:
+    # chat (priority 1, max 6) wants 8 in a burst; code wants 2 of the 8 devices: the surge above
+    # chat's max_replicas gets what code leaves, although chat ranks higher
+    plans = share_budget(
+        [claim("chat", 6, 8, priority=1, maximum=6), claim("code", 1, 2)],
+        {"auto": 8},
+    )
+    assert desired(plans) == {"chat": 6, "code": 2}
+    plans = share_budget([claim("chat", 6, 8, priority=1, maximum=6), claim("code", 1, 1)], {"auto": 8})
+    assert desired(plans) == {"chat": 7, "code": 1}
+
+
+def test_a_running_surge_replica_yields_to_another_pools_growth() -> None:
+    # chat runs 8 (2 above its max) on the 8 devices; code now wants 1: chat's incumbents count only
+    # up to its max, so code's growth comes before chat's surge and one surge replica drains
+    plans = share_budget([claim("chat", 8, 8, priority=1, maximum=6), claim("code", 0, 1)], {"auto": 8})
+    assert desired(plans) == {"chat": 7, "code": 1}
+
+
+def test_without_a_cap_growth_is_as_before() -> None:
+    plans = share_budget([claim("low", 4, 4), claim("high", 2, 5, priority=1)], {"auto": 6})
+    assert desired(plans) == {"low": 1, "high": 5}

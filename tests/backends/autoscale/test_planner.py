@@ -229,3 +229,19 @@ def test_a_pool_that_sleeps_keeps_its_reserve_asleep() -> None:
     assert plan.roles[0].reserve == 2  # two asleep: the executor's part
     unbounded = POLICY.model_copy(update={"sleep": SleepConfig(level=1)})
     assert plan_pool(signals(100.0, 700.0), unbounded, PlannerMemory()).roles[0].reserve is None
+
+
+def test_a_surge_goes_above_max_replicas_only_when_the_need_does() -> None:
+    surging = POLICY.model_copy(update={"surge_replicas": 2})
+    plan = plan_pool(signals(100.0, 50_000.0, ready=8), surging, PlannerMemory())
+    assert plan.roles[0].wanted == 10  # 8 + the surge of 2; the budget grants it from free devices
+    assert "surge +2 over 8" in plan.reason
+    assert wanted(signals(100.0, 50_000.0, ready=8)) == 8  # no surge: capped at max_replicas
+    assert wanted(signals(100.0, 5000.0, ready=7), surging) == 7  # below the cap, nothing changes
+
+
+def test_surge_slots_are_planned_and_hpa_refuses_a_warm_reserve() -> None:
+    assert POLICY.model_copy(update={"surge_replicas": 2}).ceiling("both") == 10
+    assert AutoscaleConfig(max_replicas=3, surge_replicas=2).ceiling("prefill") == 0  # no such role
+    with pytest.raises(ValueError, match="warm_reserve needs planner: tokens"):
+        AutoscaleConfig(max_replicas=3, planner="hpa", warm_reserve=1)
