@@ -205,6 +205,13 @@ def write(
             else ""
         ),
         "",
+        "Where the engine's clock and the client's differed: the simulated engine's TTFT starts when the "
+        "engine receives the request, but flow control holds a request in the gateway while every engine of "
+        "its pool has `max_engine_waiting` requests waiting (saturated in a burst, or with too few replicas), "
+        "and that wait came before. It is in `x-tokenway-queued-ms` and now counts (queued: requests that "
+        "waited there, and the p99 of the wait); what is left between the two clocks is the host lag column. "
+        "The client's connection pool is unbounded, so nothing waits in the client.",
+        "",
         "Learnt start-up / wake-up times per mode (s, wall): "
         + "; ".join(
             f"{r['mode']}: " + ", ".join(f"{p} {r['startup_s'][p]:.1f} / {r['wake_s'][p]:.1f}" for p in r["startup_s"])

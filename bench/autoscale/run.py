@@ -13,6 +13,7 @@ fresh gateway per mode:
     tokens          tokenway's planner, scale-down by stopping
     tokens-warm     tokenway's planner with a warm reserve of one chat replica, awake
     tokens-sleep    tokenway's planner with a warm reserve of one chat replica asleep (level 1)
+    tokens-nosurge  tokenway's planner, chat capped at its `max_replicas` of 6 (the surge's A/B)
 
 tokenway's planner may take the chat pool 2 replicas past its `max_replicas` of 6 (`surge_replicas`)
 on devices the code pool's planner does not want; the HPA-shaped baseline keeps its fixed maximum.
@@ -115,7 +116,7 @@ def mode_pools(mode: str) -> list[dict[str, Any]]:
     # the warm reserve: one chat replica beyond the need, asleep (tokens-sleep) or awake (tokens-warm);
     # the code pool keeps none (idle at night: its scaled-down replicas stop rather than hold a device)
     reserve = WARM_RESERVE if mode in ("tokens-sleep", "tokens-warm") else None
-    surge = SURGE if planner == "tokens" else 0
+    surge = SURGE if planner == "tokens" and mode != "tokens-nosurge" else 0
     chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve, surge=surge)
     code_scale = autoscale(planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None)
     return [
@@ -287,7 +288,9 @@ async def run_share(workdir: Path, seconds: float = 60.0) -> dict[str, Any]:
 # --- main ----------------------------------------------------------------------------------------------------
 
 
-MODES = ("static-peak", "static-mean", "hpa", "hpa-3", "hpa-2", "tokens", "tokens-warm", "tokens-sleep")
+MODES = (
+    "static-peak", "static-mean", "hpa", "hpa-3", "hpa-2", "tokens", "tokens-warm", "tokens-sleep", "tokens-nosurge",
+)  # fmt: skip
 
 
 async def main_async(args: argparse.Namespace) -> None:

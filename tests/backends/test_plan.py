@@ -27,6 +27,8 @@ def test_replica_slots_order() -> None:
     assert replica_slots(pool(replicas=2)) == [(Role.BOTH, 0), (Role.BOTH, 1)]
     assert replica_slots(pool(roles={"decode": 2, "prefill": 1})) == [
         (Role.PREFILL, 0), (Role.DECODE, 0), (Role.DECODE, 1)]  # fmt: skip
+    surging = pool(engine="sim", autoscale={"max_replicas": 2, "surge_replicas": 1})
+    assert replica_slots(surging) == [(Role.BOTH, 0), (Role.BOTH, 1), (Role.BOTH, 2)]  # a slot for the surge
 
 
 def test_ports_devices_and_ids_are_deterministic() -> None:
