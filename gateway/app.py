@@ -348,9 +348,14 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
     )
     flow_metrics.set_status(queue.status)
+    bus = app[appkeys.REPLICAS]
+    if bus is not None:  # the slot reserve judges from every replica's tenants, not this one's alone
+        bus.activity = queue.activity
     app[appkeys.FLOW_SETTINGS] = flow
     app[appkeys.FLOW] = queue
     yield
+    if bus is not None:
+        bus.activity = None
     await counters.close()
 
 

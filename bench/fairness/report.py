@@ -181,6 +181,14 @@ def _fmt_s(value: float | None) -> str:
     return "-" if value is None else (f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s")
 
 
+def _reserve(raw: Mapping[str, Any]) -> str:
+    """The reserve the run used: a fixed `reserve_slots` (older runs) or sized from demand."""
+    reserve = raw.get("reserve")
+    if not isinstance(reserve, Mapping):
+        return f"`reserve_slots: {raw.get('reserve_slots', '?')}`"
+    return "`" + ", ".join(f"{k}: {v}" for k, v in reserve.items()) + "` (sized from the light tenants' recent peak)"
+
+
 def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str) -> str:
     args = raw["args"]
     solo = summaries.get("solo-B", {}).get("tenants", {}).get("B", {})
@@ -199,8 +207,8 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         "floods in phase 2; **C** (low) is batch traffic. Flow control: `max_engine_waiting: 0`, "
         "normal band waits at most "
         + f"{args['phase_s'] / 8:.0f} s (then 429), low {args['phase_s'] / 4:.0f} s (503); "
-        + f'"+ reserve": `reserve_slots: {raw.get("reserve_slots", "?")}` (of the 16 batch slots, kept for '
-        "tenants under their share of what is in flight, `policies/flow/reserve.py`).",
+        + f'"+ reserve": {_reserve(raw)} (of the 16 batch slots, kept for tenants under their share of what is '
+        "in flight, `policies/flow/reserve.py`).",
         "",
         f"![fairness]({plot_name})",
         "",

@@ -44,12 +44,11 @@ PRESET = "llama-3.1-8b@h100"
 MAX_NUM_SEQS = 8
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 REDIS_URL = "redis://127.0.0.1:6379/0"
-RESERVE_SLOTS = 4  # of the pool's 2 x 8 batch slots, kept for tenants under their share
+# of the pool's 2 x 8 batch slots, kept for tenants under their share: at least 4, and as many as
+# their recent peak demand less what they hold, plus 2, up to 12 (policies/flow/reserve.py)
+RESERVE: dict[str, int] = {"reserve_slots": 4, "reserve_max_slots": 12, "reserve_margin": 2}
 FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
-RESERVE_SECTION: dict[str, Any] = {
-    "enabled": True,
-    "saturation": {"max_engine_waiting": 0, "reserve_slots": RESERVE_SLOTS},
-}
+RESERVE_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, **RESERVE}}
 MODES: dict[str, dict[str, Any]] = {
     "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
     "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
@@ -258,7 +257,7 @@ def main() -> None:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}",
         "capacity_tokens_per_s": capacity,
-        "reserve_slots": RESERVE_SLOTS,
+        "reserve": RESERVE,
         "tenants": [
             {
                 "name": s.name,

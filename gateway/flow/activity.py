@@ -1,21 +1,34 @@
-"""Who is active in each pool: requests waiting and in flight per tenant, and when each was last seen.
+"""Who is active in each pool: requests waiting and in flight per tenant, their recent peak, and when
+each was last seen; with several replicas, the others' too.
 
 The slot reserve (`policies.flow.reserve`) reads it: a tenant stays active `active_s` after its last
-request left, so a light tenant between two requests keeps its claim on the reserve. Bounded: idle
-tenants are dropped once their `active_s` has passed, and at most `max_tenants` are kept per pool
-(the longest idle go first).
+request left, so a light tenant between two requests keeps its claim on the reserve, and its `peak`
+(most requests in flight and waiting at once over the last `active_s`, in `_PEAK_BUCKETS` buckets)
+sizes a reserve that follows demand. Bounded: idle tenants are dropped once their `active_s` has
+passed, and at most `max_tenants` are kept per pool (the longest idle go first).
+
+Several replicas: each replica's record holds only the requests it saw, so alone it would judge the
+reserve on part of the picture (a light tenant's requests spread over two replicas look half as
+many on each). The replicas bus (`gateway.replicas`) publishes `report()` with its load report and
+hands every peer's rows to `set_remote`; `active()` adds them to the local counts (the peers' peaks
+are summed: at least the tenant's fleet-wide peak). A peer's rows are as old as its last batch
+(its publish interval after a change) and go when the peer expires (`drop_remote`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
+from gateway.replicas.wire import TenantLoad as TenantRow
 from policies.flow.reserve import Active
 
 _MAX_TENANTS: Final = 4096
+_MAX_PEERS: Final = 1024
+_PEAK_BUCKETS: Final = 12  # the peak window in this many buckets: O(12) memory and reading per tenant
 
 
 @dataclass(slots=True)
@@ -25,6 +38,27 @@ class _Seen:
     waiting: int = 0
     inflight: int = 0
     last_s: float = 0.0
+    peaks: deque[list[float]] = field(default_factory=deque)  # [bucket start, most in flight + waiting]
+
+    def record(self, now_s: float, bucket_s: float) -> None:
+        demand = float(self.inflight + self.waiting)
+        start = now_s - now_s % bucket_s
+        peaks = self.peaks
+        if peaks and peaks[-1][0] == start:
+            if demand > peaks[-1][1]:
+                peaks[-1][1] = demand
+        else:
+            peaks.append([start, demand])
+            while len(peaks) > _PEAK_BUCKETS + 1:
+                peaks.popleft()
+
+    def peak(self, now_s: float, window_s: float) -> int:
+        oldest = now_s - window_s
+        most = self.inflight + self.waiting
+        for start, demand in self.peaks:
+            if start >= oldest - window_s / _PEAK_BUCKETS and demand > most:
+                most = int(demand)
+        return most
 
 
 @dataclass(slots=True)
@@ -33,25 +67,73 @@ class Activity:
     max_tenants: int = _MAX_TENANTS
     now: Callable[[], float] = field(default=time.monotonic)
     _pools: dict[str, dict[str, _Seen]] = field(default_factory=dict)
+    _remote: dict[str, dict[str, dict[str, Active]]] = field(default_factory=dict)  # replica -> pool -> tenant
 
     def waiting(self, pool: str, tenant: str, band: int, weight: float, delta: int) -> None:
         seen = self._seen(pool, tenant, band, weight)
         seen.waiting = max(seen.waiting + delta, 0)
+        seen.record(seen.last_s, self.active_s / _PEAK_BUCKETS)
 
     def inflight(self, pool: str, tenant: str, band: int, weight: float, delta: int) -> None:
         seen = self._seen(pool, tenant, band, weight)
         seen.inflight = max(seen.inflight + delta, 0)
+        seen.record(seen.last_s, self.active_s / _PEAK_BUCKETS)
 
     def active(self, pool: str) -> dict[str, Active]:
-        """Tenant -> what the reserve reads, for the tenants active in `pool` now."""
+        """Tenant -> what the reserve reads, for the tenants active in `pool` now (every replica's)."""
+        out = self._local(pool)
+        for pools in self._remote.values():
+            for tenant, theirs in pools.get(pool, {}).items():
+                mine = out.get(tenant)
+                if mine is None:
+                    out[tenant] = theirs
+                else:
+                    out[tenant] = Active(
+                        mine.band,
+                        mine.weight,
+                        mine.inflight + theirs.inflight,
+                        mine.waiting + theirs.waiting,
+                        mine.peak + theirs.peak,
+                    )
+        return out
+
+    def report(self) -> list[TenantRow]:
+        """This replica's own active tenants in every pool, for the other replicas."""
+        rows: list[TenantRow] = []
+        for pool in sorted(self._pools):
+            for tenant, seen in sorted(self._local(pool).items()):
+                rows.append((pool, tenant, seen.band, seen.weight, seen.inflight, seen.waiting, seen.peak))
+        return rows
+
+    def set_remote(self, replica: str, rows: Iterable[TenantRow]) -> None:
+        """Replace what `replica` reported (at most `max_tenants` per pool are kept of it)."""
+        if replica not in self._remote and len(self._remote) >= _MAX_PEERS:
+            del self._remote[next(iter(self._remote))]  # bounded: the peer reported first goes
+        pools: dict[str, dict[str, Active]] = {}
+        for pool, tenant, band, weight, inflight, waiting, peak in rows:
+            tenants = pools.setdefault(pool, {})
+            if len(tenants) < self.max_tenants:
+                tenants[tenant] = Active(band, weight, inflight, waiting, peak)
+        self._remote[replica] = pools
+
+    def drop_remote(self, replica: str | None = None) -> None:
+        """Forget what `replica` reported (None: every replica)."""
+        if replica is None:
+            self._remote.clear()
+        else:
+            self._remote.pop(replica, None)
+
+    def _local(self, pool: str) -> dict[str, Active]:
         tenants = self._pools.get(pool)
         if not tenants:
             return {}
-        cutoff = self.now() - self.active_s
+        now = self.now()
+        cutoff = now - self.active_s
         out: dict[str, Active] = {}
         for tenant, seen in list(tenants.items()):
             if seen.waiting or seen.inflight or seen.last_s >= cutoff:
-                out[tenant] = Active(seen.band, seen.weight, seen.inflight, seen.waiting)
+                peak = seen.peak(now, self.active_s)
+                out[tenant] = Active(seen.band, seen.weight, seen.inflight, seen.waiting, peak)
             else:
                 del tenants[tenant]
         return out

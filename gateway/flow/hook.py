@@ -172,10 +172,12 @@ class FlowHook(Hook):
         pool = routed.pool
         limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
-        if limits.reserve_slots and limits.max_num_seqs:
+        size = limits.reserve
+        if size.enabled and limits.max_num_seqs:
             free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             active = self.queue.activity.active(pool.name)
-            if not reserve.may_take(request.tenant, request.band, request.weight, active, free, limits.reserve_slots):
+            kept = reserve.reserve_for(request.tenant, request.band, active, size)
+            if not reserve.may_take(request.tenant, request.band, request.weight, active, free, kept):
                 return Blocked.TENANT
         predicted = self._predicted_ttft(routed)
         if endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None:

@@ -4,9 +4,10 @@ Hot path: `dispatched` (the router's dispatch listener) appends one tuple to a b
 returns; nothing per request touches Redis. Two tasks do the rest:
 
 - the publisher wakes every `publish_interval_ms`, and when something changed (a dispatch, or this
-  replica's load on a shared endpoint) or a heartbeat is due, appends one batch to the stream
-  (`XADD ... MAXLEN ~ stream_max_len`): its full load report and the block keys and session of
-  every dispatch since the last batch;
+  replica's load on a shared endpoint or its tenants' activity) or a heartbeat is due, appends one
+  batch to the stream (`XADD ... MAXLEN ~ stream_max_len`): its full load report (and, once flow
+  control shares its `Activity`, each active tenant's requests in flight, waiting and recent peak:
+  what the slot reserve reads) and the block keys and session of every dispatch since the last batch;
 - the reader blocks on `XREAD` from the last entry it saw, skips its own entries (by the entry's
   `r` field, before decoding: under load most entries a replica reads are its own), replaces each
   peer's load report, records their dispatches in the prefix index and session table, and drops
@@ -28,8 +29,8 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -38,7 +39,7 @@ from backends.fleet import Fleet
 from backends.types import Endpoint
 from gateway.replicas.config import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
-from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, decode, encode
+from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, TenantLoad, decode, encode
 from policies.limits.resp import command
 from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 from policies.routing.pipeline import ScoringRouter
@@ -50,6 +51,16 @@ log = logging.getLogger("tokenway.replicas")
 READ_COUNT = 1000
 READ_BLOCK_MS = 1000
 RETRY_S = 0.5
+
+
+class SharedActivity(Protocol):
+    """Per-tenant activity shared between replicas (`gateway.flow.activity.Activity`)."""
+
+    def report(self) -> list[TenantLoad]: ...
+
+    def set_remote(self, replica: str, rows: Iterable[TenantLoad]) -> None: ...
+
+    def drop_remote(self, replica: str | None = None) -> None: ...
 
 
 def default_replica_id() -> str:
@@ -74,6 +85,7 @@ class ReplicaBus:
         self.router = router
         self.clock = clock
         self.remote = RemoteLoads(settings.ttl_s, self._shared_endpoint)
+        self.activity: SharedActivity | None = None  # flow control's, once its context has set it
         self._redis_url = redis_url
         self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(maxlen=settings.max_pending_dispatches)
         self._own = self.replica_id.encode()
@@ -144,6 +156,8 @@ class ReplicaBus:
             endpoint = self._shared.get(endpoint_id)
             if endpoint is not None:
                 endpoint.inflight.set_remote(0, 0, 0)
+        if self.activity is not None:
+            self.activity.drop_remote()
 
     # -- publishing --------------------------------------------------------------------------------
 
@@ -178,16 +192,22 @@ class ReplicaBus:
     async def _publish_loop(self) -> None:
         interval_s = self.settings.publish_interval_ms / 1000.0
         reported: list[Load] | None = None
+        reported_tenants: list[TenantLoad] | None = None
         reported_at_s = float("-inf")
         while True:
             await asyncio.sleep(interval_s)
             now_s = self.clock()
             loads = self._local_loads()
-            report = loads != reported or now_s - reported_at_s >= self.settings.heartbeat_s
+            tenants = self.activity.report() if self.activity is not None else None
+            report = (
+                loads != reported or tenants != reported_tenants or now_s - reported_at_s >= self.settings.heartbeat_s
+            )
             dispatches = self._take_dispatches()
             if not report and not dispatches:
                 continue
-            batch = Batch(self.replica_id, self._sequence, loads if report else None, dispatches)
+            batch = Batch(
+                self.replica_id, self._sequence, loads if report else None, dispatches, tenants if report else None
+            )
             try:
                 assert self._writer is not None
                 await self._writer.xadd(
@@ -205,7 +225,7 @@ class ReplicaBus:
             self.batches_published += 1
             self.dispatches_published += len(dispatches)
             if report:
-                reported, reported_at_s = loads, now_s
+                reported, reported_tenants, reported_at_s = loads, tenants, now_s
 
     async def _xadd(self, payload: bytes) -> None:
         """One entry: over the raw pipe (the command encoded here, no redis-py per batch: under load
@@ -247,7 +267,7 @@ class ReplicaBus:
             except (RedisError, OSError) as exc:
                 self.read_errors += 1
                 self._note_error(f"read: {exc}")
-                self.remote.expire(self.clock())
+                self._expire(self.clock())
                 await asyncio.sleep(RETRY_S)
                 continue
             now_s = self.clock()
@@ -255,7 +275,12 @@ class ReplicaBus:
                 for entry_id, fields in entries:
                     last_id = _text(entry_id)
                     self._apply(fields, now_s, live=True)
-            self.remote.expire(now_s)
+            self._expire(now_s)
+
+    def _expire(self, now_s: float) -> None:
+        for replica in self.remote.expire(now_s):
+            if self.activity is not None:
+                self.activity.drop_remote(replica)
 
     def _apply(self, fields: Any, now_s: float, *, live: bool) -> bool:
         if not isinstance(fields, dict):
@@ -279,6 +304,8 @@ class ReplicaBus:
             self.remote.heard(batch.replica, batch.sequence, now_s)
             if batch.loads is not None:
                 self.remote.report(batch.replica, batch.loads)
+            if batch.tenants is not None and self.activity is not None:
+                self.activity.set_remote(batch.replica, batch.tenants)
         for endpoint_id, keys, session in batch.dispatches:
             endpoint = self._shared_endpoint(endpoint_id)
             if endpoint is not None:

@@ -3,10 +3,12 @@ the publisher's id as well, so a reader skips its own entries without decoding t
 
     {"r": replica id, "q": sequence number,
      "l": [[endpoint id, requests, prefill tokens, decode tokens], ...]   # present: a full load report
-     "d": [[endpoint id, [block key, ...], session or None], ...]}        # dispatches since the last batch
+     "d": [[endpoint id, [block key, ...], session or None], ...]         # dispatches since the last batch
+     "t": [[pool, tenant, band, weight, in flight, waiting, peak], ...]}  # with "l": its active tenants
 
 A load report is the replica's whole share on every shared endpoint (an endpoint left out has none
-of its requests), so a report replaces the previous one and nothing accumulates when one is lost.
+of its requests), so a report replaces the previous one and nothing accumulates when one is lost;
+the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads).
 Decoding checks every type: an entry is read from a store other processes write, and a malformed
 one is dropped whole, never half applied.
 """
@@ -17,10 +19,14 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from policies.flow.bands import BANDS
+
 Load = tuple[str, int, int, int]
 Dispatch = tuple[str, list[int], str | None]
+TenantLoad = tuple[str, str, int, float, int, int, int]  # pool, tenant, band, weight, in flight, waiting, peak
 
 _MASK64 = (1 << 64) - 1
+_MAX_BAND = len(BANDS) - 1
 
 
 @dataclass(slots=True)
@@ -29,6 +35,7 @@ class Batch:
     sequence: int
     loads: list[Load] | None = None  # None: no load report in this batch
     dispatches: list[Dispatch] = field(default_factory=list)
+    tenants: list[TenantLoad] | None = None  # None: no activity report in this batch
 
 
 def encode(batch: Batch) -> bytes:
@@ -37,6 +44,8 @@ def encode(batch: Batch) -> bytes:
         doc["l"] = [list(load) for load in batch.loads]
     if batch.dispatches:
         doc["d"] = [[e, keys, s] for e, keys, s in batch.dispatches]
+    if batch.tenants is not None:
+        doc["t"] = [list(row) for row in batch.tenants]
     return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
@@ -75,4 +84,24 @@ def decode(data: bytes) -> Batch:
         if session is not None and not isinstance(session, str):
             raise MalformedBatch("session")
         batch.dispatches.append((item[0], keys, session))
+    if "t" in doc:
+        batch.tenants = _tenants(doc["t"])
     return batch
+
+
+def _tenants(rows: object) -> list[TenantLoad]:
+    if not isinstance(rows, list):
+        raise MalformedBatch("tenants")
+    out: list[TenantLoad] = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != 7 or not isinstance(row[0], str) or not isinstance(row[1], str):
+            raise MalformedBatch("tenant")
+        band, weight, counts = row[2], row[3], row[4:]
+        if not isinstance(band, int) or not 0 <= band <= _MAX_BAND:
+            raise MalformedBatch("tenant band")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise MalformedBatch("tenant weight")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
+            raise MalformedBatch("tenant counts")
+        out.append((row[0], row[1], band, float(weight), counts[0], counts[1], counts[2]))
+    return out

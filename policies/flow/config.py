@@ -9,9 +9,11 @@ flow_control:
     max_inflight: null           # the gateway's own in-flight requests per endpoint
     max_predicted_ttft_ms: null  # the pool's TTFT threshold
     reserve_slots: 0             # free batch slots kept for tenants under their share (0: none)
+    reserve_max_slots: null      # above reserve_slots: sized from their recent peak demand, up to this
+    reserve_margin: 1            # with reserve_max_slots: slots kept beyond that peak
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
-  reserve_active_s: 60           # a tenant keeps its claim on the reserve this long after its last request
+  reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
   pools:
     llama: {saturation: {max_engine_waiting: 0}, max_queued: 256}
 ```
@@ -40,6 +42,14 @@ class SaturationConfig(_Strict):
     reserve_slots: int = Field(
         default=0, ge=0, description="free batch slots kept for tenants under their share (needs max_num_seqs)"
     )
+    reserve_max_slots: int | None = Field(
+        default=None,
+        ge=0,
+        description="above reserve_slots: the reserve follows those tenants' recent peak demand, up to this",
+    )
+    reserve_margin: int = Field(
+        default=1, ge=0, description="slots kept beyond that recent peak (with reserve_max_slots)"
+    )
 
 
 class PoolFlowConfig(_Strict):
@@ -62,14 +72,16 @@ class FlowSettings(_Strict):
     )
     share_window_s: float = Field(default=60.0, gt=0, description="window of tokenway_fair_share_ratio")
     reserve_active_s: float = Field(
-        default=60.0, gt=0, description="a tenant keeps its claim on the slot reserve this long after its last request"
+        default=60.0,
+        gt=0,
+        description="a tenant keeps its claim on the slot reserve this long after its last request (and its peak)",
     )
     pools: dict[str, PoolFlowConfig] = Field(default_factory=dict)
 
     def limits(self, pool: str, max_num_seqs: int | None = None) -> SaturationLimits:
         """The pool's saturation limits: its own fields over the defaults; all off when disabled."""
         if not self.enabled:
-            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs)
+            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs, None)
         merged = self.saturation.model_dump()
         override = self.pools.get(pool)
         if override is not None and override.saturation is not None:

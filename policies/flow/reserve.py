@@ -14,6 +14,16 @@ nobody to keep it for, and it goes in flow order like any slot (the virtual coun
 tokens; a share of requests in flight would favour the tenant of shorter requests). So its cost is those `k` slots idle
 while a flood runs beside a light tenant; a tenant alone in its band (and no higher band active), or
 tenants all backlogged, use every slot.
+
+How many slots: a fixed `k` is right only for one load. A light tenant's need is its requests in
+flight at once, which varies with its rate, its requests' length and its bursts; once it holds as
+many as it has ever needed the reserve serves nobody, and while a burst runs it may need more than
+`k`. With `reserve_max_slots` above `reserve_slots` the reserve is sized from recent demand instead
+(`reserve_for`): the slots the tenants it is kept for held at most at once (in flight and waiting)
+over the recent window, less what they hold now, plus `reserve_margin` for a burst beyond that
+peak, never below `reserve_slots` and never above `reserve_max_slots`. So a light tenant's next
+request finds a free slot unless its demand exceeds anything it showed recently (the peak then
+grows with it), and the slots idle are its unused recent headroom, not a guess.
 """
 
 from __future__ import annotations
@@ -26,12 +36,28 @@ from backends.types import Endpoint
 
 @dataclass(frozen=True, slots=True)
 class Active:
-    """A tenant recently active in a pool: its band, its weight, its requests in flight and waiting there."""
+    """A tenant recently active in a pool: its band, its weight, its requests in flight and waiting
+    there, and `peak`, the most it had in flight and waiting at once over the recent window."""
 
     band: int
     weight: float
     inflight: int
     waiting: int = 0
+    peak: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveSize:
+    """A pool's reserve: `min_slots` kept always; with `max_slots` above it, sized from the recent
+    demand of the tenants it is kept for plus `margin`, within [min_slots, max_slots]."""
+
+    min_slots: int = 0
+    max_slots: int | None = None  # None or <= min_slots: fixed at min_slots
+    margin: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_slots > 0 or (self.max_slots or 0) > 0
 
 
 def free_slots(endpoints: Iterable[Endpoint], max_num_seqs: int, now_s: float, max_stats_age_s: float) -> int:
@@ -78,6 +104,21 @@ def within_share(tenant: str, band: int, weight: float, active: Mapping[str, Act
         if not seen.waiting:
             return False  # kept for its next request
     return True
+
+
+def reserve_for(tenant: str, band: int, active: Mapping[str, Active], size: ReserveSize) -> int:
+    """Free slots kept against a request of `tenant` in `band`: the headroom the tenants it is kept
+    for (active, not waiting, in its band or above, itself excluded) used recently and do not use now,
+    plus the margin, within the size's bounds. Fixed at `min_slots` when `max_slots` is not above it."""
+    top = size.max_slots
+    if top is None or top <= size.min_slots:
+        return size.min_slots
+    headroom = 0
+    for other, seen in active.items():
+        if other == tenant or seen.band > band or seen.waiting:
+            continue
+        headroom += max(seen.peak - seen.inflight, 0)
+    return min(max(headroom + size.margin, size.min_slots), top)
 
 
 def may_take(

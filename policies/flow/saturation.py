@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from backends.types import Endpoint
+from policies.flow.reserve import ReserveSize
 
 REASON_ENGINE_QUEUE: Final = "engine_queue"
 REASON_KV_USAGE: Final = "kv_usage"
@@ -36,7 +37,8 @@ REASON_PREDICTED_TTFT: Final = "predicted_ttft"
 @dataclass(frozen=True, slots=True)
 class SaturationLimits:
     """A pool's limits (None: not checked). `max_num_seqs` is the engine's batch size, when known;
-    `reserve_slots` free slots are kept for tenants under their share (`reserve.py`)."""
+    `reserve_slots` free slots (up to `reserve_max_slots`, sized from recent demand) are kept for
+    tenants under their share (`reserve.py`)."""
 
     max_engine_waiting: int | None = 5
     max_kv_usage_ratio: float | None = 0.8
@@ -45,6 +47,12 @@ class SaturationLimits:
     max_stats_age_s: float = 2.0
     reserve_slots: int = 0  # policies.flow.reserve
     max_num_seqs: int | None = None
+    reserve_max_slots: int | None = None  # above reserve_slots: sized from recent demand
+    reserve_margin: int = 1
+
+    @property
+    def reserve(self) -> ReserveSize:
+        return ReserveSize(self.reserve_slots, self.reserve_max_slots, self.reserve_margin)
 
 
 def engine_waiting(endpoint: Endpoint, limits: SaturationLimits, now_s: float) -> int:

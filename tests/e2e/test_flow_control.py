@@ -120,7 +120,7 @@ def waiting(gw: Gateway, tenant: str | None = None, pool: str = "llama") -> int:
         return 0
     if tenant is None:
         return int(room["waiting"])
-    return sum(int(band["waiting"].get(tenant, 0)) for band in room["bands"].values())
+    return sum(int(band["waiting"].get(tenant, 0)) for band in room.get("bands", {}).values())
 
 
 def until(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
@@ -297,3 +297,47 @@ def test_a_slot_reserve_keeps_the_last_slot_for_a_tenant_under_its_share(tmp_pat
             assert done.order[0] == "light", done.order
             room = flow_status(gw)["pools"]["llama"]
             assert room["waiting"] == 0 and room["rejected"] == {}
+
+
+def test_a_reserve_sized_from_demand_and_shared_by_replicas_keeps_a_light_burst_out_of_the_queue(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The light tenant's burst of two went through replica 1; the flood comes through replica 0,
+    which has never seen the light tenant itself. Sized from the light tenant's recent peak (2) and
+    shared through Redis, the reserve keeps two of the engine's four slots from the flood, so the
+    light tenant's next burst of two goes at once and ends before the flood's first request. (With a
+    reserve of one replica's view the flood would take all four; with a fixed one slot, three.)"""
+    four = start_sim(tmp_path, count=1, served_model_name=LLAMA, time_scale=1.0, args=["--max-num-seqs", "4"])
+    reserve = {"reserve_slots": 1, "reserve_max_slots": 3, "reserve_margin": 0}
+    section = {**FLOW, "pools": {"llama": {"saturation": reserve}}}
+    state = {"backend": "redis", "redis_url": redis_url, "key_prefix": redis_prefix}
+    doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
+    done = Done()
+    with running(four):
+        replicas = [
+            start_gateway(
+                tmp_path / f"gw{i}",
+                pools=[static_pool("llama", LLAMA, four.urls, max_num_seqs=4)],
+                policies=doc,
+                flow_control=section,
+                state=state,
+                predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
+                backends={"scrape_interval_s": 0.05},
+                ledger={"enabled": False},
+            )
+            for i in range(2)
+        ]
+        flooded, light = replicas
+        with running(*replicas), ThreadPoolExecutor(max_workers=8) as pool:
+            burst = [pool.submit(chat, light, "light", 200) for _ in range(2)]  # two at once: its peak
+            for future in burst:
+                future.result(timeout=120)
+            floods = [pool.submit(done.run, f"flood{i}", lambda: chat(flooded, "flood", 600)) for i in range(4)]
+            # two run, two wait although two slots are free: kept for the light tenant's demand
+            until(lambda: waiting(flooded, "flood") == 2, what="the flood held off two slots")
+            lights = [pool.submit(done.run, f"light{i}", lambda: chat(light, "light", max_tokens=8)) for i in range(2)]
+            for future in [*lights, *floods]:
+                future.result(timeout=180)
+            assert not done.errors, done.errors
+            assert sorted(done.order[:2]) == ["light0", "light1"], done.order
+            assert waiting(light) == 0 and waiting(flooded) == 0

@@ -42,3 +42,50 @@ def test_tenants_per_pool_are_bounded_idle_ones_first() -> None:
     assert set(activity.active("p")) == {"busy", "idle2", "idle3"}
     activity.inflight("p", "x", NORMAL, 1.0, -1)  # a decrement of an unknown tenant never goes below 0
     assert activity.active("p")["x"].inflight == 0
+
+
+def test_the_peak_is_the_most_in_flight_and_waiting_at_once_over_active_s() -> None:
+    clock = Clock()
+    activity = Activity(active_s=60.0, now=clock)
+    for _ in range(3):
+        activity.waiting("p", "b", NORMAL, 2.0, 1)
+    for _ in range(3):  # the three go: waiting -> in flight, the demand stays 3
+        activity.waiting("p", "b", NORMAL, 2.0, -1)
+        activity.inflight("p", "b", NORMAL, 2.0, 1)
+    activity.waiting("p", "b", NORMAL, 2.0, 1)  # a fourth at once: 4
+    activity.waiting("p", "b", NORMAL, 2.0, -1)
+    for _ in range(3):
+        activity.inflight("p", "b", NORMAL, 2.0, -1)
+    clock.now += 30.0
+    activity.inflight("p", "b", NORMAL, 2.0, 1)
+    seen = activity.active("p")["b"]
+    assert (seen.inflight, seen.waiting, seen.peak) == (1, 0, 4)
+    clock.now += 40.0  # the burst of four is older than active_s: the peak is what came since
+    assert activity.active("p")["b"].peak == 1
+    activity.inflight("p", "b", NORMAL, 2.0, -1)
+    clock.now += 61.0
+    assert activity.active("p") == {}
+
+
+def test_the_other_replicas_tenants_add_to_this_ones() -> None:
+    clock = Clock()
+    activity = Activity(active_s=60.0, now=clock)
+    activity.inflight("p", "b", NORMAL, 2.0, 1)
+    activity.waiting("p", "a", NORMAL, 1.0, 1)
+    assert activity.report() == [("p", "a", NORMAL, 1.0, 0, 1, 1), ("p", "b", NORMAL, 2.0, 1, 0, 1)]
+    activity.set_remote(
+        "gw1", [("p", "b", NORMAL, 2.0, 2, 1, 4), ("p", "c", 3, 1.0, 0, 0, 2), ("q", "b", 2, 2.0, 5, 0, 5)]
+    )
+    merged = activity.active("p")
+    assert (merged["b"].inflight, merged["b"].waiting, merged["b"].peak) == (3, 1, 5)
+    assert merged["c"].band == 3 and merged["a"].waiting == 1
+    assert activity.report()[0][0] == "p" and len(activity.report()) == 2  # only its own go out again
+    activity.set_remote("gw1", [])  # a report replaces the last one
+    assert set(activity.active("p")) == {"a", "b"} and activity.active("q") == {}
+    activity.set_remote("gw1", [("p", "c", 3, 1.0, 1, 0, 1)])
+    activity.set_remote("gw2", [("p", "c", 3, 1.0, 2, 0, 2)])
+    assert activity.active("p")["c"].inflight == 3
+    activity.drop_remote("gw1")
+    assert activity.active("p")["c"].inflight == 2
+    activity.drop_remote()
+    assert "c" not in activity.active("p")

@@ -13,6 +13,14 @@ def test_round_trip() -> None:
     assert decode(encode(batch)) == batch
     no_report = Batch("gw1", 0, None, [])
     assert decode(encode(no_report)).loads is None
+    assert decode(encode(no_report)).tenants is None
+
+
+def test_tenant_activity_round_trips() -> None:
+    rows = [("llama", "B", 2, 2.0, 3, 0, 7), ("llama", "A", 2, 1.0, 9, 40, 49)]
+    batch = Batch("gw0", 1, [], [], rows)
+    assert decode(encode(batch)) == batch
+    assert decode(encode(Batch("gw0", 2, [], [], []))).tenants == []  # reported: nobody active
 
 
 @pytest.mark.parametrize(
@@ -28,6 +36,12 @@ def test_round_trip() -> None:
         {"r": "gw", "q": 1, "d": [["e", ["k"], None]]},
         {"r": "gw", "q": 1, "d": [["e", [1], 5]]},
         {"r": "gw", "q": 1, "d": [[1, [1], None]]},
+        {"r": "gw", "q": 1, "t": "B"},
+        {"r": "gw", "q": 1, "t": [["p", "B", 2, 1.0, 1, 0]]},
+        {"r": "gw", "q": 1, "t": [["p", "B", 9, 1.0, 1, 0, 1]]},
+        {"r": "gw", "q": 1, "t": [["p", "B", 2, 0, 1, 0, 1]]},
+        {"r": "gw", "q": 1, "t": [["p", "B", 2, 1.0, -1, 0, 1]]},
+        {"r": "gw", "q": 1, "t": [["p", 7, 2, 1.0, 1, 0, 1]]},
     ],
     ids=[
         "not-a-map",
@@ -40,6 +54,12 @@ def test_round_trip() -> None:
         "key-type",
         "session-type",
         "endpoint-type",
+        "tenants-type",
+        "short-tenant",
+        "band-out-of-range",
+        "weight-not-positive",
+        "negative-inflight",
+        "tenant-type",
     ],
 )
 def test_malformed(doc: object) -> None:

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from policies.flow.config import FlowSettings
+from policies.flow.reserve import ReserveSize
 from policies.loader import parse_config
 from policies.policy import Policy
 
@@ -23,6 +24,20 @@ def test_pool_overrides_only_the_fields_it_sets() -> None:
 def test_disabled_turns_every_limit_off() -> None:
     limits = FlowSettings(enabled=False).limits("any")
     assert (limits.max_engine_waiting, limits.max_kv_usage_ratio, limits.max_inflight) == (None, None, None)
+    assert not limits.reserve.enabled
+
+
+def test_the_reserve_is_fixed_unless_a_larger_max_is_set_per_pool_or_for_all() -> None:
+    settings = FlowSettings.model_validate(
+        {
+            "saturation": {"reserve_slots": 2},
+            "pools": {"llama": {"saturation": {"reserve_max_slots": 10, "reserve_margin": 3}}},
+        }
+    )
+    assert settings.limits("qwen", 8).reserve == ReserveSize(2, None, 1)  # fixed: the default until asked
+    assert settings.limits("llama", 8).reserve == ReserveSize(2, 10, 3)
+    with pytest.raises(ValidationError):
+        FlowSettings.model_validate({"saturation": {"reserve_margin": -1}})
 
 
 def test_room_size_per_pool() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.types import Endpoint, EndpointState, EndpointStats
-from policies.flow.reserve import Active, free_slots, may_take, within_share
+from policies.flow.reserve import Active, ReserveSize, free_slots, may_take, reserve_for, within_share
 
 NOW = 1000.0
 NORMAL, LOW = 2, 3
@@ -71,3 +71,39 @@ def test_with_everyone_backlogged_nobody_is_left_to_keep_the_reserve_for() -> No
     assert within_share("C", LOW, 1.0, {**at_share, "C": Active(LOW, 1.0, 0, waiting=2)})
     resting = {"A": Active(NORMAL, 1.0, 12, waiting=0), "C": Active(LOW, 1.0, 0, waiting=2)}
     assert not within_share("C", LOW, 1.0, resting)  # kept for A's next request
+
+
+def test_a_fixed_reserve_keeps_its_slots_whatever_the_demand() -> None:
+    active = {"A": Active(NORMAL, 1.0, 10, waiting=30, peak=40), "B": Active(NORMAL, 2.0, 1, peak=9)}
+    assert reserve_for("A", NORMAL, active, ReserveSize(4)) == 4
+    assert reserve_for("A", NORMAL, active, ReserveSize(4, max_slots=4)) == 4  # max not above min: fixed
+    assert not ReserveSize(0).enabled and ReserveSize(0, max_slots=6).enabled
+
+
+def test_a_sized_reserve_keeps_the_recent_headroom_of_those_it_is_kept_for_plus_the_margin() -> None:
+    size = ReserveSize(2, max_slots=10, margin=1)
+    # B held 9 at once lately and holds 3: six more may come, plus one
+    active = {"A": Active(NORMAL, 1.0, 10, waiting=30, peak=40), "B": Active(NORMAL, 2.0, 3, peak=9)}
+    assert reserve_for("A", NORMAL, active, size) == 7
+    # at its peak only the margin is kept, never less than reserve_slots
+    assert reserve_for("A", NORMAL, {**active, "B": Active(NORMAL, 2.0, 9, peak=9)}, size) == 2
+    # a burst beyond anything recent is bounded by reserve_max_slots
+    assert reserve_for("A", NORMAL, {**active, "B": Active(NORMAL, 2.0, 0, peak=30)}, size) == 10
+    # light tenants add up; the requester's own headroom and a waiting tenant's do not count
+    three = {**active, "D": Active(NORMAL, 1.0, 0, peak=2), "E": Active(NORMAL, 1.0, 0, waiting=1, peak=5)}
+    assert reserve_for("A", NORMAL, three, size) == 9
+    assert reserve_for("B", NORMAL, three, size) == 2 + 1  # A is waiting: only D's headroom is kept from B
+    # a lower band's tenant is not kept for against a higher band; a higher band's is
+    low = {"A": Active(NORMAL, 1.0, 10, waiting=3, peak=13), "C": Active(LOW, 1.0, 0, peak=6)}
+    assert reserve_for("A", NORMAL, low, size) == 2
+    assert reserve_for("C", LOW, {**low, "A": Active(NORMAL, 1.0, 2, peak=8)}, size) == 7
+
+
+def test_with_a_sized_reserve_a_light_tenants_burst_finds_free_slots_the_flood_does_not() -> None:
+    size = ReserveSize(1, max_slots=12, margin=1)
+    active = {"A": Active(NORMAL, 1.0, 9, waiting=20, peak=29), "B": Active(NORMAL, 2.0, 2, peak=7)}
+    kept = reserve_for("A", NORMAL, active, size)  # 5 + 1
+    assert kept == 6
+    assert not may_take("A", NORMAL, 1.0, active, free=6, reserve_slots=kept)  # a fixed 1 would have let it
+    assert may_take("A", NORMAL, 1.0, active, free=7, reserve_slots=kept)
+    assert may_take("B", NORMAL, 2.0, active, free=1, reserve_slots=reserve_for("B", NORMAL, active, size))
