@@ -6,8 +6,10 @@
 1. route again (the first time: the walk's own decision);
 2. saturation: if the chosen endpoint cannot start a request now, route among those that can; none
    can → the pool is saturated (`Blocked.POOL`: nobody waiting there goes); with a slot reserve
-   (`reserve_slots`), a tenant over its share may not take the pool's last free slots
-   (`Blocked.TENANT`: another tenant's request may);
+   (`reserve_slots`, or sized from recent demand up to `reserve_max_slots`), a tenant over its
+   share may not take the pool's last free slots (`Blocked.TENANT`: another tenant's request may),
+   and (`reserve_avoid_prefills`) one the reserve is kept for goes to an open endpoint with no
+   prefill pending when there is one;
 3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
    objective is not met yet, a `Detour` when its class says reject or fall back).
 
@@ -173,18 +175,29 @@ class FlowHook(Hook):
         limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
         size = limits.reserve
+        avoid_prefills = False
         if size.enabled and limits.max_num_seqs:
             free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             active = self.queue.activity.active(pool.name)
             kept = reserve.reserve_for(request.tenant, request.band, active, size)
             if not reserve.may_take(request.tenant, request.band, request.weight, active, free, kept):
                 return Blocked.TENANT
+            if limits.reserve_avoid_prefills:
+                avoid_prefills = reserve.within_share(request.tenant, request.band, request.weight, active)
         predicted = self._predicted_ttft(routed)
-        if endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None:
+        if (
+            not avoid_prefills
+            and endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None
+        ):
             return routed
-        can = {e.id for e in open_endpoints(pool.servable(), limits, now, predicted)}
-        if not can:
+        opened = open_endpoints(pool.servable(), limits, now, predicted)
+        if not opened:
             return Blocked.POOL
+        if avoid_prefills:
+            opened = reserve.clear_of_prefill(opened) or opened
+        can = {e.id for e in opened}
+        if routed.endpoint.id in can:
+            return routed
         again = reroute([e.id for e in pool.servable() if e.id not in can])
         if again is None or again.endpoint.id not in can:
             return Blocked.POOL

@@ -11,6 +11,7 @@ flow_control:
     reserve_slots: 0             # free batch slots kept for tenants under their share (0: none)
     reserve_max_slots: null      # above reserve_slots: sized from their recent peak demand, up to this
     reserve_margin: 1            # with reserve_max_slots: slots kept beyond that peak
+    reserve_avoid_prefills: true # with a reserve: those it is kept for go where no prefill is pending
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
   reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
@@ -50,6 +51,10 @@ class SaturationConfig(_Strict):
     reserve_margin: int = Field(
         default=1, ge=0, description="slots kept beyond that recent peak (with reserve_max_slots)"
     )
+    reserve_avoid_prefills: bool = Field(
+        default=True,
+        description="with a reserve: a request it is kept for goes where no prefill is pending, if open",
+    )
 
 
 class PoolFlowConfig(_Strict):
@@ -81,7 +86,9 @@ class FlowSettings(_Strict):
     def limits(self, pool: str, max_num_seqs: int | None = None) -> SaturationLimits:
         """The pool's saturation limits: its own fields over the defaults; all off when disabled."""
         if not self.enabled:
-            return SaturationLimits(None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs, None)
+            return SaturationLimits(
+                None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs, None, 1, False
+            )
         merged = self.saturation.model_dump()
         override = self.pools.get(pool)
         if override is not None and override.saturation is not None:

@@ -24,6 +24,16 @@ over the recent window, less what they hold now, plus `reserve_margin` for a bur
 peak, never below `reserve_slots` and never above `reserve_max_slots`. So a light tenant's next
 request finds a free slot unless its demand exceeds anything it showed recently (the peak then
 grows with it), and the slots idle are its unused recent headroom, not a guess.
+
+A free slot is not the whole of a light tenant's TTFT: on the engine its prompt is prefilled in a
+step shared with whatever else starts then, and a step that prefills two prompts takes about twice
+as long as one (`backends/perf/roofline.py`: on the benchmark's engine 103 against 54 ms with six
+decodes). So with `reserve_avoid_prefills` a request the reserve is kept *for* (`within_share`) goes to an
+open endpoint with no prefill pending (`clear_of_prefill`: every request the gateway sent there has
+its first token) when there is one, rather than into a step that prefills the flood's prompt.
+(Holding the flood's requests off an endpoint while a light tenant's prefill is pending there would
+also keep the two out of one step, but a non-streamed request shows no first token until it ends,
+so "prefill pending" would then hold the flood off for whole requests.)
 """
 
 from __future__ import annotations
@@ -119,6 +129,12 @@ def reserve_for(tenant: str, band: int, active: Mapping[str, Active], size: Rese
             continue
         headroom += max(seen.peak - seen.inflight, 0)
     return min(max(headroom + size.margin, size.min_slots), top)
+
+
+def clear_of_prefill(endpoints: Iterable[Endpoint]) -> list[Endpoint]:
+    """The endpoints with no prefill pending: every request the gateway (any replica) sent there has
+    its first token."""
+    return [e for e in endpoints if e.inflight.prefill_tokens <= 0]
 
 
 def may_take(

@@ -49,6 +49,7 @@ class SaturationLimits:
     max_num_seqs: int | None = None
     reserve_max_slots: int | None = None  # above reserve_slots: sized from recent demand
     reserve_margin: int = 1
+    reserve_avoid_prefills: bool = True
 
     @property
     def reserve(self) -> ReserveSize:

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from backends.types import Endpoint, EndpointState, EndpointStats
-from policies.flow.reserve import Active, ReserveSize, free_slots, may_take, reserve_for, within_share
+from policies.flow.reserve import (
+    Active,
+    ReserveSize,
+    clear_of_prefill,
+    free_slots,
+    may_take,
+    reserve_for,
+    within_share,
+)
 
 NOW = 1000.0
 NORMAL, LOW = 2, 3
@@ -107,3 +115,13 @@ def test_with_a_sized_reserve_a_light_tenants_burst_finds_free_slots_the_flood_d
     assert not may_take("A", NORMAL, 1.0, active, free=6, reserve_slots=kept)  # a fixed 1 would have let it
     assert may_take("A", NORMAL, 1.0, active, free=7, reserve_slots=kept)
     assert may_take("B", NORMAL, 2.0, active, free=1, reserve_slots=reserve_for("B", NORMAL, active, size))
+
+
+def test_endpoints_clear_of_prefill_are_those_whose_requests_all_have_their_first_token() -> None:
+    prefilling = endpoint("a", inflight=3)
+    prefilling.inflight.prefill_tokens = 300  # dispatched, no first token yet
+    decoding = endpoint("b", inflight=5)
+    assert clear_of_prefill([prefilling, decoding]) == [decoding]
+    remote = endpoint("c", inflight=1)
+    remote.inflight.set_remote(1, 300, 0)  # another replica's pending prefill counts too
+    assert clear_of_prefill([remote]) == []
