@@ -105,6 +105,24 @@ REQUESTS = {
 }
 
 
+def start_api_upstream(workdir: Path, cores: str) -> tuple[subprocess.Popen[bytes], int]:
+    """nginx answering chat, /v1/responses and /v1/messages with the canned bodies above (and the
+    tokenizer route), pinned to `cores`: the upstream both API overhead benchmarks measure against."""
+    upstream_port = free_ports(1)[0]
+    upstream = start_nginx(
+        workdir,
+        "upstream",
+        f"""server {{ listen 127.0.0.1:{upstream_port};
+            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
+            location = /v1/responses {{ default_type application/json; return 200 '{RESPONSE}'; }}
+            location = /v1/messages {{ default_type application/json; return 200 '{MESSAGE}'; }}
+            location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
+        cores,
+    )
+    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    return upstream, upstream_port
+
+
 def wrk(url: str, body: dict[str, object], connections: int, duration_s: float) -> tuple[float, float, int]:
     argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency"]
     argv += ["-s", str(Path(__file__).with_name("post_body.lua")), url]
@@ -138,18 +156,7 @@ def main() -> int:
     args.load_before = os.getloadavg()
     ensure_tools()
     workdir = Path(tempfile.mkdtemp(prefix="tw-overhead-apis-"))
-    upstream_port = free_ports(1)[0]
-    upstream = start_nginx(
-        workdir,
-        "upstream",
-        f"""server {{ listen 127.0.0.1:{upstream_port};
-            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
-            location = /v1/responses {{ default_type application/json; return 200 '{RESPONSE}'; }}
-            location = /v1/messages {{ default_type application/json; return 200 '{MESSAGE}'; }}
-            location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
-        LOAD_CORE,
-    )
-    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    upstream, upstream_port = start_api_upstream(workdir, LOAD_CORE)
     port = free_port()
     off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
     config = tokenway_config(workdir / "gw", [upstream_port], port, off)

@@ -29,9 +29,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from bench.overhead.apis import MESSAGE, REQUESTS, RESPONSE
-from bench.overhead.run import COMPLETION, KEY, RESULTS, TOKENIZE_LOCATION, ensure_tools, start_nginx, tokenway_config
-from tests.support.procs import free_port, free_ports, http_get, wait_http
+from bench.overhead.apis import REQUESTS, start_api_upstream
+from bench.overhead.run import KEY, RESULTS, ensure_tools, tokenway_config
+from tests.support.procs import free_port, http_get
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,18 +88,7 @@ def main() -> int:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind (callgrind) is needed: apt-get install valgrind")
     workdir = Path(tempfile.mkdtemp(prefix="tw-instructions-"))
-    upstream_port = free_ports(1)[0]
-    upstream = start_nginx(
-        workdir,
-        "upstream",
-        f"""server {{ listen 127.0.0.1:{upstream_port};
-            location = /health {{ return 200 ''; }} {TOKENIZE_LOCATION}
-            location = /v1/responses {{ default_type application/json; return 200 '{RESPONSE}'; }}
-            location = /v1/messages {{ default_type application/json; return 200 '{MESSAGE}'; }}
-            location / {{ default_type application/json; return 200 '{COMPLETION}'; }} }}""",
-        "0-1",
-    )
-    wait_http(f"http://127.0.0.1:{upstream_port}/health")
+    upstream, upstream_port = start_api_upstream(workdir, "0-1")
     port = free_port()
     off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
     config = tokenway_config(workdir / "gw", [upstream_port], port, off)
