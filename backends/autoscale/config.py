@@ -69,6 +69,11 @@ class AutoscaleConfig(_Strict):
     stabilization_s: float = Field(
         default=60.0, ge=0, description="a scale-down goes only to the largest need of this window"
     )
+    scale_down_step: int = Field(
+        default=1,
+        ge=1,
+        description="most replicas a role gives up in one scale-down (a trend that turns back finds the rest running)",
+    )
     priority: int = Field(default=0, description="larger first when pools share the device budget")
     surge_replicas: int = Field(
         default=0,

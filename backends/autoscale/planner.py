@@ -11,7 +11,8 @@ Per role, every `interval_s` (docs/autoscaling.md has the worked example):
     need      = max(load / target_utilization + backlog, kv_usage · ready / kv_target)
     up        = ceil(need)                         scale up when above the current count
     down      = ceil(load / (target · (1 - hysteresis)) + backlog), no lower than the largest `down` of
-                the last stabilization_s, and only scale_down_cooldown_s after any scale event
+                the last stabilization_s, and only scale_down_cooldown_s after any scale event;
+                at most scale_down_step replicas fewer per scale-down (an idle pool goes to zero at once)
     floor     = 1 while requests are held, queued or in flight, or arrived within idle_s
     reserve   = warm_reserve replicas on top of max(up, floor) and max(down, floor) while the pool
                 is in use (floor 1), in a pool that does not sleep; a pool that sleeps keeps them
@@ -96,7 +97,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
             elif stable >= current:
                 wanted, why = current, f"{why}; stabilising ({policy.stabilization_s:g} s window)"
             else:
-                wanted = stable
+                wanted = max(stable, current - policy.scale_down_step)
         else:
             wanted = current
         wanted = min(max(wanted, low), high)

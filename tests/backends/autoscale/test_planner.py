@@ -12,6 +12,7 @@ from backends.autoscale.planner import plan_pool, replay
 from backends.autoscale.types import NEVER, PlannerMemory, PoolSignals, RoleSignals, RoleState
 
 POLICY = AutoscaleConfig(min_replicas=0, max_replicas=8, idle_s=60, stabilization_s=30, scale_down_cooldown_s=20)
+STEP_2 = POLICY.model_copy(update={"scale_down_step": 2})
 
 
 def signals(
@@ -95,7 +96,16 @@ def test_hysteresis_and_stabilisation_delay_a_scale_down() -> None:
     assert wanted(signals(100.0, 1000.0, ready=4), memory=memory) == 4
     # past both: down to what the window needs at most
     memory = PlannerMemory(last_up_s=50.0, history=((60.0, (("both", 4),)), (80.0, (("both", 2),))))
-    assert wanted(signals(100.0, 1000.0, ready=4), memory=memory) == 2
+    assert wanted(signals(100.0, 1000.0, ready=4), memory=memory, policy=STEP_2) == 2
+
+
+def test_a_scale_down_gives_up_one_replica_at_a_time() -> None:
+    # the same pass as above with the default step: one replica fewer, the next after the cooldown
+    memory = PlannerMemory(last_up_s=50.0, history=((60.0, (("both", 4),)), (80.0, (("both", 2),))))
+    assert wanted(signals(100.0, 1000.0, ready=4), memory=memory) == 3
+    # an idle pool still goes to zero in one pass
+    idle = signals(200.0, 0.0, ready=4, last_request=100.0)
+    assert wanted(idle, memory=PlannerMemory(last_up_s=50.0)) == 0
 
 
 def test_idle_pool_goes_to_zero_and_min_replicas_holds() -> None:
@@ -160,7 +170,7 @@ def test_replay_carries_memory_between_passes() -> None:
     assert decisions[:7] == [1, 1, 1, 5, 5, 5, 5]
     first_down = next(i for i, d in enumerate(decisions) if i > 6 and d < 5)
     assert 5.0 * first_down - 5.0 * 6 > POLICY.stabilization_s  # the window outlived the burst's last need
-    assert decisions[first_down] == 1
+    assert decisions[first_down] == 4  # one replica at a time (scale_down_step)
 
 
 def test_closed_loop_follows_its_own_decisions() -> None:
@@ -171,7 +181,7 @@ def test_closed_loop_follows_its_own_decisions() -> None:
         memory, ready = plan.memory, plan.roles[0].wanted
         seen.append(ready)
     changes = [b for a, b in itertools.pairwise(seen) if a != b]
-    assert changes == [5, 1]
+    assert changes == [5, 4, 3, 2, 1]
 
 
 def test_a_scale_up_the_budget_has_not_granted_does_not_hold_the_other_roles_cooldown() -> None:
