@@ -17,14 +17,13 @@ from typing import Any
 import numpy as np
 
 WAITED_S = 0.010
-MODES_ORDER = ("solo-B", "fifo", "priority", "flow", "flow-reserve-unshielded", "flow-reserve", "flow-2")
-FLOW_MODES = ("flow", "flow-reserve-unshielded", "flow-reserve", "flow-2")
+MODES_ORDER = ("solo-B", "fifo", "priority", "flow", "flow-reserve", "flow-2")
+FLOW_MODES = ("flow", "flow-reserve", "flow-2")
 LABELS = {
     "solo-B": "B alone",
     "fifo": "FIFO (no flow control)",
     "priority": "priority only",
     "flow": "flow control",
-    "flow-reserve-unshielded": "flow control + reserve, no prefill shield",
     "flow-reserve": "flow control + reserve",
     "flow-2": "flow control + reserve, 2 replicas",
 }

@@ -49,16 +49,10 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 RESERVE: dict[str, int] = {"reserve_slots": 4, "reserve_max_slots": 12, "reserve_margin": 2}
 FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
 RESERVE_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, **RESERVE}}
-# the reserve without `reserve_shield_prefills` (the flood may join a light prompt's prefill step): its A/B
-UNSHIELDED_SECTION: dict[str, Any] = {
-    "enabled": True,
-    "saturation": {"max_engine_waiting": 0, **RESERVE, "reserve_shield_prefills": False},
-}
 MODES: dict[str, dict[str, Any]] = {
     "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
     "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
     "flow": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 1},
-    "flow-reserve-unshielded": {"flow_control": UNSHIELDED_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-reserve": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-2": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 2},
 }

@@ -9,8 +9,7 @@
    (`reserve_slots`, or sized from recent demand up to `reserve_max_slots`), a tenant over its
    share may not take the pool's last free slots (`Blocked.TENANT`: another tenant's request may),
    and (`reserve_avoid_prefills`) one the reserve is kept for goes to an open endpoint with no
-   prefill pending when there is one, while (`reserve_shield_prefills`) one over its share keeps off
-   an endpoint such a request was sent to within its predicted TTFT;
+   prefill pending when there is one;
 3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
    objective is not met yet, a `Detour` when its class says reject or fall back).
 
@@ -43,7 +42,6 @@ from policies.holder import PolicyHolder
 from predictor.length import OutputPrediction
 
 _LIMITS_KEPT = 256
-_SHIELD_MAX_S = 0.5
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -76,8 +74,6 @@ class FlowHook(Hook):
     # (pool, max_num_seqs) -> its limits under `_limits_of`: merging them is a pydantic dump, not per-request work
     _limits: dict[tuple[str, int | None], SaturationLimits] = field(default_factory=dict)
     _limits_of: FlowSettings | None = None
-    # endpoint id -> until when a request over its share keeps off it (`reserve.shielded`)
-    _shield_until: dict[str, float] = field(default_factory=dict)
 
     async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
         facts = ctx.facts
@@ -174,59 +170,38 @@ class FlowHook(Hook):
 
     def _open(self, routed: Routed, reroute: Reroute, request: FlowRequest) -> Routed | Blocked:
         """The routed endpoint if it can start a request now, else one that can, else Blocked.POOL;
-        Blocked.TENANT when the slots left are the reserve and this tenant is over its share, or when
-        every open endpoint is shielded for a light tenant's prefill (`reserve.shielded`)."""
+        Blocked.TENANT when the slots left are the reserve and this tenant is over its share."""
         pool = routed.pool
         limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
         size = limits.reserve
-        avoid_prefills = shield = within = False
+        avoid_prefills = False
         if size.enabled and limits.max_num_seqs:
             free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             active = self.queue.activity.active(pool.name)
             kept = reserve.reserve_for(request.tenant, request.band, active, size)
             if not reserve.may_take(request.tenant, request.band, request.weight, active, free, kept):
                 return Blocked.TENANT
-            within = reserve.within_share(request.tenant, request.band, request.weight, active)
-            avoid_prefills = limits.reserve_avoid_prefills and within
-            shield = limits.reserve_shield_prefills and not within and bool(self._shield_until)
+            if limits.reserve_avoid_prefills:
+                avoid_prefills = reserve.within_share(request.tenant, request.band, request.weight, active)
         predicted = self._predicted_ttft(routed)
         if (
             not avoid_prefills
-            and not (shield and not reserve.shielded((routed.endpoint,), self._shield_until, now))
             and endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None
         ):
-            return self._sent(routed, limits, within, predicted, now)
+            return routed
         opened = open_endpoints(pool.servable(), limits, now, predicted)
         if not opened:
             return Blocked.POOL
         if avoid_prefills:
             opened = reserve.clear_of_prefill(opened) or opened
-        if shield:
-            opened = reserve.shielded(opened, self._shield_until, now)
-            if not opened:
-                return Blocked.TENANT
         can = {e.id for e in opened}
         if routed.endpoint.id in can:
-            return self._sent(routed, limits, within, predicted, now)
+            return routed
         again = reroute([e.id for e in pool.servable() if e.id not in can])
         if again is None or again.endpoint.id not in can:
             return Blocked.POOL
-        return self._sent(again, limits, within, predicted, now)
-
-    def _sent(
-        self, routed: Routed, limits: SaturationLimits, within: bool, predicted: dict[str, float], now: float
-    ) -> Routed:
-        """The endpoint chosen; one the reserve is kept for shields it for its predicted TTFT, or
-        `reserve_shield_ms` without a prediction (at most `_SHIELD_MAX_S`: a prediction inflated by a
-        queue must not idle an endpoint for long)."""
-        if within and limits.reserve_shield_prefills:
-            ttft_ms = predicted.get(routed.endpoint.id) or limits.reserve_shield_ms
-            if ttft_ms > 0:
-                if len(self._shield_until) >= _LIMITS_KEPT and routed.endpoint.id not in self._shield_until:
-                    self._shield_until.clear()  # keyed by endpoints of the config: this is only a bound
-                self._shield_until[routed.endpoint.id] = now + min(ttft_ms / 1000.0, _SHIELD_MAX_S)
-        return routed
+        return again
 
     def _pool_limits(self, pool: str, max_num_seqs: int | None) -> SaturationLimits:
         """The pool's limits, merged once per settings object (a replaced `settings` starts afresh)."""

@@ -12,8 +12,6 @@ flow_control:
     reserve_max_slots: null      # above reserve_slots: sized from their recent peak demand, up to this
     reserve_margin: 1            # with reserve_max_slots: slots kept beyond that peak
     reserve_avoid_prefills: true # with a reserve: those it is kept for go where no prefill is pending
-    reserve_shield_prefills: true # with a reserve: others keep off an endpoint while one of those prefills
-    reserve_shield_ms: 100       # how long, when no TTFT is predicted for it
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
   reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
@@ -57,16 +55,6 @@ class SaturationConfig(_Strict):
         default=True,
         description="with a reserve: a request it is kept for goes where no prefill is pending, if open",
     )
-    reserve_shield_prefills: bool = Field(
-        default=True,
-        description="with a reserve: a request over its share keeps off an endpoint for the predicted TTFT of"
-        " one the reserve is kept for, sent there just before",
-    )
-    reserve_shield_ms: float = Field(
-        default=100.0,
-        ge=0,
-        description="the shield when the router predicted no TTFT (about one prompt's prefill step)",
-    )
 
 
 class PoolFlowConfig(_Strict):
@@ -99,7 +87,7 @@ class FlowSettings(_Strict):
         """The pool's saturation limits: its own fields over the defaults; all off when disabled."""
         if not self.enabled:
             return SaturationLimits(
-                None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs, None, 1, False, False, 0.0
+                None, None, None, None, self.saturation.max_stats_age_s, 0, max_num_seqs, None, 1, False
             )
         merged = self.saturation.model_dump()
         override = self.pools.get(pool)

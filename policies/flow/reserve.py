@@ -31,13 +31,9 @@ as long as one (`backends/perf/roofline.py`: on the benchmark's engine 103 again
 decodes). So with `reserve_avoid_prefills` a request the reserve is kept *for* (`within_share`) goes to an
 open endpoint with no prefill pending (`clear_of_prefill`: every request the gateway sent there has
 its first token) when there is one, rather than into a step that prefills the flood's prompt.
-The other half is `reserve_shield_prefills`: a request *over* its share keeps off an endpoint to
-which one the reserve is kept for was sent less than that request's predicted TTFT ago (`shielded`),
-so the flood's next prompt does not join the light prompt's prefill step. It is bounded by the
-prediction, not by the first token: a non-streamed request shows no first token until it ends, so
-"until its first token" would hold the flood off for whole requests. With every open endpoint
-shielded the flood waits (the room rechecks every `recheck_s`); the cost is at most one predicted
-prefill of an endpoint's slots per light request.
+(Holding the flood's requests off an endpoint while a light tenant's prefill is pending there would
+also keep the two out of one step, but a non-streamed request shows no first token until it ends,
+so "prefill pending" would then hold the flood off for whole requests.)
 """
 
 from __future__ import annotations
@@ -133,12 +129,6 @@ def reserve_for(tenant: str, band: int, active: Mapping[str, Active], size: Rese
             continue
         headroom += max(seen.peak - seen.inflight, 0)
     return min(max(headroom + size.margin, size.min_slots), top)
-
-
-def shielded(endpoints: Iterable[Endpoint], shield_until: Mapping[str, float], now_s: float) -> list[Endpoint]:
-    """The endpoints a request over its share may go to now: those no request the reserve is kept for
-    was sent to within its predicted TTFT (`shield_until`: endpoint id -> until when, seconds)."""
-    return [e for e in endpoints if shield_until.get(e.id, 0.0) <= now_s]
 
 
 def clear_of_prefill(endpoints: Iterable[Endpoint]) -> list[Endpoint]:

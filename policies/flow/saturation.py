@@ -50,8 +50,6 @@ class SaturationLimits:
     reserve_max_slots: int | None = None  # above reserve_slots: sized from recent demand
     reserve_margin: int = 1
     reserve_avoid_prefills: bool = True
-    reserve_shield_prefills: bool = True
-    reserve_shield_ms: float = 100.0
 
     @property
     def reserve(self) -> ReserveSize:

@@ -10,7 +10,6 @@ from policies.flow.reserve import (
     free_slots,
     may_take,
     reserve_for,
-    shielded,
     within_share,
 )
 
@@ -126,12 +125,3 @@ def test_endpoints_clear_of_prefill_are_those_whose_requests_all_have_their_firs
     remote = endpoint("c", inflight=1)
     remote.inflight.set_remote(1, 300, 0)  # another replica's pending prefill counts too
     assert clear_of_prefill([remote]) == []
-
-
-def test_a_shielded_endpoint_is_closed_to_requests_over_their_share_until_its_shield_ends() -> None:
-    light_sent, other = endpoint("a", inflight=2), endpoint("b", inflight=2)
-    shields = {light_sent.id: NOW + 0.1}  # a request the reserve is kept for went to "a", its TTFT 100 ms ahead
-    assert shielded([light_sent, other], shields, NOW) == [other]
-    assert shielded([light_sent], shields, NOW + 0.05) == []  # every open endpoint shielded: the flood waits
-    assert shielded([light_sent, other], shields, NOW + 0.1) == [light_sent, other]  # bounded by the prediction
-    assert shielded([light_sent], {}, NOW) == [light_sent]
