@@ -68,6 +68,10 @@ class Activity:
     now: Callable[[], float] = field(default=time.monotonic)
     _pools: dict[str, dict[str, _Seen]] = field(default_factory=dict)
     _remote: dict[str, dict[str, dict[str, Active]]] = field(default_factory=dict)  # replica -> pool -> tenant
+    # the last `report()` and (changes counted, when built): the bus asks every publish interval, and
+    # between two changes only a peak bucket's turn or an expiry moves it, one bucket apart at most
+    _changes: int = 0
+    _report: tuple[list[TenantRow], int, float] | None = None
 
     def waiting(self, pool: str, tenant: str, band: int, weight: float, delta: int) -> None:
         seen = self._seen(pool, tenant, band, weight)
@@ -98,11 +102,17 @@ class Activity:
         return out
 
     def report(self) -> list[TenantRow]:
-        """This replica's own active tenants in every pool, for the other replicas."""
+        """This replica's own active tenants in every pool, for the other replicas (the same list
+        while nothing changed and less than a peak bucket has passed)."""
+        now = self.now()
+        cached = self._report
+        if cached is not None and cached[1] == self._changes and now - cached[2] < self.active_s / _PEAK_BUCKETS:
+            return cached[0]
         rows: list[TenantRow] = []
         for pool in sorted(self._pools):
             for tenant, seen in sorted(self._local(pool).items()):
                 rows.append((pool, tenant, seen.band, seen.weight, seen.inflight, seen.waiting, seen.peak))
+        self._report = (rows, self._changes, now)
         return rows
 
     def set_remote(self, replica: str, rows: Iterable[TenantRow]) -> None:
@@ -146,6 +156,7 @@ class Activity:
                 self._evict(tenants)
             seen = tenants[tenant] = _Seen(band, weight)
         seen.band, seen.weight, seen.last_s = band, weight, self.now()
+        self._changes += 1
         return seen
 
     @staticmethod

@@ -89,3 +89,16 @@ def test_the_other_replicas_tenants_add_to_this_ones() -> None:
     assert activity.active("p")["c"].inflight == 2
     activity.drop_remote()
     assert "c" not in activity.active("p")
+
+
+def test_the_report_is_rebuilt_on_a_change_or_after_a_peak_bucket_not_every_publish() -> None:
+    now = [100.0]
+    activity = Activity(active_s=60.0, now=lambda: now[0])
+    activity.inflight("p", "A", 2, 1.0, +1)
+    first = activity.report()
+    assert activity.report() is first  # nothing changed: the bus's next tick reuses it
+    activity.inflight("p", "A", 2, 1.0, +1)
+    second = activity.report()
+    assert second is not first and second[0][4] == 2
+    now[0] += 60.0 / 12  # a peak bucket later: rebuilt (peaks age and idle tenants expire with time)
+    assert activity.report() is not second
