@@ -13,6 +13,7 @@ from backends.status import fleet_status
 from gateway import appkeys
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
+from policies.flow import reserve
 from policies.flow.saturation import saturation_reasons
 from policies.limits.compile import SPEND_RULE_ID
 
@@ -73,15 +74,21 @@ async def status(request: web.Request) -> web.Response:
 
 
 def flow_status(app: web.Application) -> dict[str, Any]:
-    """Each pool's waiting room (who waits per band and tenant, drain rate, shares, counters) and
-    why each of its endpoints is saturated now (null: it could start a request)."""
-    found = app[appkeys.FLOW].status()
+    """Each pool's waiting room (who waits per band and tenant, drain rate, shares, counters),
+    why each of its endpoints is saturated now (null: it could start a request) and, with a slot
+    reserve, how many slots it keeps now and from what (`reserve.describe`)."""
+    queue = app[appkeys.FLOW]
+    found = queue.status()
     settings = app[appkeys.FLOW_SETTINGS]
     now_s = time.monotonic()
     for pool in app[appkeys.FLEET].pools.values():
         room = found["pools"].setdefault(pool.name, {"waiting": 0})
         limits = settings.limits(pool.name, pool.config.max_num_seqs)
         room["saturation"] = saturation_reasons(pool.endpoints, limits, now_s)
+        size = limits.reserve
+        if size.enabled and limits.max_num_seqs:
+            free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now_s, limits.max_stats_age_s)
+            room["reserve"] = reserve.describe(queue.activity.active(pool.name), size, free)
     return found
 
 

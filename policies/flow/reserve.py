@@ -40,8 +40,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from backends.types import Endpoint
+from policies.flow.bands import BANDS, band_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +144,33 @@ def may_take(
 ) -> bool:
     """Whether a request may take one of `free` slots when `reserve_slots` are kept."""
     return reserve_slots <= 0 or free - 1 >= reserve_slots or within_share(tenant, band, weight, active)
+
+
+def describe(active: Mapping[str, Active], size: ReserveSize, free: int) -> dict[str, Any]:
+    """What a pool's reserve keeps now and what it is sized from (`/admin/status`): `kept` is the
+    reserve a request of a tenant none of the active ones, in the lowest band, would find (every
+    active tenant's headroom counts); each tenant's row gives the inputs (in flight, waiting, recent
+    peak, the headroom it adds) and `kept_against`, what that tenant's own next request finds kept.
+    An operator reads here why a flood waits beside free slots, or why a light tenant did."""
+    lowest = len(BANDS) - 1
+    tenants: dict[str, Any] = {}
+    for tenant, seen in sorted(active.items()):
+        tenants[tenant] = {
+            "band": band_name(seen.band),
+            "weight": seen.weight,
+            "inflight": seen.inflight,
+            "waiting": seen.waiting,
+            "peak": seen.peak,
+            "headroom": 0 if seen.waiting else max(seen.peak - seen.inflight, 0),
+            "kept_against": reserve_for(tenant, seen.band, active, size),
+            "within_share": within_share(tenant, seen.band, seen.weight, active),
+        }
+    return {
+        "min_slots": size.min_slots,
+        "max_slots": size.max_slots,
+        "margin": size.margin,
+        "sized": size.max_slots is not None and size.max_slots > size.min_slots,
+        "free_slots": free,
+        "kept": reserve_for("", lowest, active, size),
+        "tenants": tenants,
+    }

@@ -289,6 +289,9 @@ def test_a_slot_reserve_keeps_the_last_slot_for_a_tenant_under_its_share(tmp_pat
             floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 600)) for i in range(3)]
             # one flood request runs, the others wait although the engine has a slot free: the reserve
             until(lambda: waiting(gw, "flood") == 2, what="the flood held off the reserve")
+            kept = flow_status(gw)["pools"]["llama"]["reserve"]  # what it keeps, and why, on /admin/status
+            assert (kept["kept"], kept["sized"], kept["free_slots"]) == (1, False, 1), kept
+            assert kept["tenants"]["flood"]["waiting"] == 2 and not kept["tenants"]["flood"]["within_share"]
             done.run("light", lambda: chat(gw, "light", max_tokens=8))
             for future in floods:
                 future.result(timeout=120)
@@ -335,6 +338,11 @@ def test_a_reserve_sized_from_demand_and_shared_by_replicas_keeps_a_light_burst_
             floods = [pool.submit(done.run, f"flood{i}", lambda: chat(flooded, "flood", 600)) for i in range(4)]
             # two run, two wait although two slots are free: kept for the light tenant's demand
             until(lambda: waiting(flooded, "flood") == 2, what="the flood held off two slots")
+            # /admin/status says so: two kept, sized from the light tenant's peak seen through the other replica
+            kept = flow_status(flooded)["pools"]["llama"]["reserve"]
+            assert (kept["kept"], kept["sized"], kept["free_slots"]) == (2, True, 2), kept
+            assert (kept["tenants"]["light"]["peak"], kept["tenants"]["light"]["headroom"]) == (2, 2), kept
+            assert kept["tenants"]["flood"]["kept_against"] == 2, kept
             lights = [pool.submit(done.run, f"light{i}", lambda: chat(light, "light", max_tokens=8)) for i in range(2)]
             for future in [*lights, *floods]:
                 future.result(timeout=180)

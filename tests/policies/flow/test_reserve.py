@@ -7,6 +7,7 @@ from policies.flow.reserve import (
     Active,
     ReserveSize,
     clear_of_prefill,
+    describe,
     free_slots,
     may_take,
     reserve_for,
@@ -125,3 +126,21 @@ def test_endpoints_clear_of_prefill_are_those_whose_requests_all_have_their_firs
     remote = endpoint("c", inflight=1)
     remote.inflight.set_remote(1, 300, 0)  # another replica's pending prefill counts too
     assert clear_of_prefill([remote]) == []
+
+
+def test_the_status_of_a_sized_reserve_says_what_it_keeps_and_from_what() -> None:
+    size = ReserveSize(2, max_slots=10, margin=1)
+    active = {"A": Active(NORMAL, 1.0, 10, waiting=30, peak=40), "B": Active(NORMAL, 2.0, 3, peak=9)}
+    shown = describe(active, size, free=5)
+    assert shown["min_slots"] == 2 and shown["max_slots"] == 10 and shown["margin"] == 1 and shown["sized"]
+    assert shown["free_slots"] == 5
+    assert shown["kept"] == 6 + 1  # against a newcomer: B's headroom (A waits: it adds none) + margin
+    a, b = shown["tenants"]["A"], shown["tenants"]["B"]
+    assert (a["band"], a["inflight"], a["waiting"], a["peak"], a["headroom"]) == ("normal", 10, 30, 40, 0)
+    assert a["kept_against"] == 7 and not a["within_share"]  # what the flood's next request finds kept
+    assert (b["headroom"], b["kept_against"], b["within_share"]) == (6, 2, True)  # nothing kept from B
+
+
+def test_the_status_of_a_fixed_reserve_keeps_its_slots_with_nobody_active() -> None:
+    shown = describe({}, ReserveSize(4), free=16)
+    assert shown["kept"] == 4 and not shown["sized"] and shown["tenants"] == {}
