@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from bench import notes
 from bench.autoscale.client import Outcome, Sample
 
 
@@ -15,6 +16,7 @@ class Run(Protocol):
     outcomes: list[Outcome]
     samples: list[Sample]
     pools: dict[str, Any]
+    seed: int
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -96,7 +98,13 @@ def summarise(
         by_model[model] = sum(met_engine(o, ttft, tpot, time_scale) for o in mine) / len(mine)
     return {
         "mode": run.mode,
+        "seed": run.seed,
         "requests": len(outcomes),
+        "met": sum(met_engine(o, ttft, tpot, time_scale) for o in outcomes),
+        "burst_met": sum(met_engine(o, ttft, tpot, time_scale) for o in in_burst),
+        "rest_met": sum(met_engine(o, ttft, tpot, time_scale) for o in rest),
+        "rest_requests": len(rest),
+        "cold_ratios": ratios,
         "attainment": sum(met_engine(o, ttft, tpot, time_scale) for o in outcomes) / max(len(outcomes), 1),
         "attainment_wall": sum(met(o, ttft, tpot) for o in outcomes) / max(len(outcomes), 1),
         "attainment_unqueued": sum(met_engine(o, ttft, tpot, time_scale, queue=False) for o in outcomes)
@@ -126,7 +134,39 @@ def summarise(
         "drain_timeouts": sum(p.get("drain_timeouts", 0) for p in pools.values()),
         "startup_s": startup,
         "wake_s": {name: p.get("wake_s", 0.0) for name, p in pools.items()},
+        # a wake time is learnt only from wakes; without one the pool reports its default (5 s)
+        "wakes": {name: len((p.get("measured") or {}).get("wakes_s") or ()) for name, p in pools.items()},
     }
+
+
+def pooled(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode, its days (seeds) together: attainment over all their requests, GPU-seconds the mean
+    of a day, the cut and cold-start figures summed or over all holds, and the spread of the days."""
+    out: list[dict[str, Any]] = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        days = [r for r in rows if r["mode"] == mode]
+        requests = sum(r["requests"] for r in days)
+        ratios = [x for r in days for x in r["cold_ratios"]]
+        out.append(
+            {
+                "mode": mode,
+                "days": len(days),
+                "seeds": [r["seed"] for r in days],
+                "requests": requests,
+                "attainment": sum(r["met"] for r in days) / max(requests, 1),
+                "day_attainment": [r["attainment"] for r in days],
+                "burst": sum(r["burst_met"] for r in days) / max(sum(r["burst_requests"] for r in days), 1),
+                "rest": sum(r["rest_met"] for r in days) / max(sum(r["rest_requests"] for r in days), 1),
+                "gpu_s": sum(r["gpu_s"] for r in days) / len(days),
+                "day_gpu_s": [r["gpu_s"] for r in days],
+                "cut": sum(r["cut"] for r in days),
+                "rejected": sum(r["rejected"] for r in days),
+                "cold": sum(r["cold"] for r in days),
+                "cold_within": sum(x <= 1.1 for x in ratios) / len(ratios) if ratios else None,
+                "cold_ratio_max": max(ratios) if ratios else None,
+            }
+        )
+    return out
 
 
 def _load(meta: dict[str, Any]) -> str:
@@ -138,27 +178,75 @@ def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def _seeds(meta: dict[str, Any]) -> list[int]:
+    return list(meta.get("seeds") or [meta.get("seed", 7)])
+
+
+def _requests(meta: dict[str, Any]) -> str:
+    """'865 streamed requests' for one day; per seed for several."""
+    found = meta["requests"]
+    if isinstance(found, dict):
+        if len(found) == 1:
+            return f"{next(iter(found.values()))} streamed requests"
+        return "streamed requests per day " + ", ".join(f"{n} (seed {s})" for s, n in found.items())
+    return f"{found} streamed requests"
+
+
+def compression(meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> str:
+    """The day's compression stated against the start-up: the burst in learnt start-up times, beside
+    a real day's (a 5x burst of about 2 h against a 1-2 min start-up: 60-120 start-ups)."""
+    burst = meta.get("burst_s")
+    starts = [r["startup_s"]["chat"] for r in rows if r["startup_s"].get("chat")]
+    if not burst or not starts:
+        return ""
+    length = burst[1] - burst[0]
+    startup = sorted(starts)[len(starts) // 2]
+    day = meta["day_s"]
+    return (
+        f"Time compression: the day of 86,400 s runs in {day:g} s ({86_400 / day:.0f}x), but a replica's start-up "
+        f"is not compressed with it: the chat burst lasts {length:.1f} s, {length / startup:.1f} times the learnt "
+        f"chat start-up of {startup:.1f} s (wall, median over the modes), where on a real day a 5x burst of "
+        f"{length * 86_400 / day / 3600:.1f} h meets a 1-2 min start-up (60-120 start-ups). A planner that "
+        "reacts to the burst has its new replicas serving after its first start-up here, a small share of it "
+        "there."
+    )
+
+
 def write(
     results: Path,
     meta: dict[str, Any],
     runs: Sequence[Run],
     curve: dict[str, list[tuple[float, float]]],
     extras: dict[str, Any],
+    name: str = "autoscale",
 ) -> None:
     slo = meta["slo"]
     burst = meta.get("burst_s")
     rows = [summarise(r, slo, meta["time_scale"], tuple(burst) if burst else None) for r in runs]
-    peak = next((r["gpu_s"] for r in rows if r["mode"] == "static-peak"), None)
+    days = pooled(rows)
+    peak = next((r["gpu_s"] for r in days if r["mode"] == "static-peak"), None)
+    if peak is None and meta.get("devices"):
+        # static-peak holds every device all day, whatever the arrivals: a variant run may leave it out
+        peak = float(meta["devices"]) * meta["day_s"]
+    seeds = _seeds(meta)
+    several = len(seeds) > 1
     lines = [
-        "# Elastic pools: a bursty day against 8 simulated GPUs",
+        f"# Elastic pools: a bursty day against 8 simulated GPUs{meta.get('title', '')}",
         "",
-        f"Generated by `python -m bench.autoscale` on {meta['generated']} ({meta['minutes']} min, {meta['host']}; "
-        f"machine shared with other jobs{_load(meta)}). One day compressed into {meta['day_s']:g} s of wall time, "
-        f"{meta['requests']} streamed requests for two models (Llama-3.1-8B chat on Azure's conversation trace "
-        "with a 5x burst late in the day; Qwen2.5-7B code on Azure's code trace, working hours only), the same "
-        "arrivals through a fresh gateway per mode. Simulated H100s at time scale "
-        f"{meta['time_scale']:g} (half speed), `max_num_seqs` 8, start-up from the weights at "
-        f"{meta.get('load_gbps', 4):g} GB/s + {meta.get('init_s', 2):g} s (simulated). "
+        f"Generated by `{meta.get('command', 'python -m bench.autoscale')}` on {meta['generated']} "
+        f"({meta['minutes']} min, {meta['host']}; machine shared with other jobs{_load(meta)}). One day compressed "
+        f"into {meta['day_s']:g} s of wall time, {_requests(meta)} for two models (Llama-3.1-8B chat on Azure's "
+        "conversation trace with a 5x burst late in the day; Qwen2.5-7B code on Azure's code trace, working "
+        "hours only), the same arrivals through a fresh gateway per mode"
+        + (
+            f"; {len(seeds)} days (seeds {', '.join(map(str, seeds))}: the arrivals and lengths drawn anew, "
+            "the rate curve and the burst's window the same), static-peak on the first only (its GPU-s do not "
+            "depend on the arrivals)"
+            if several
+            else ""
+        )
+        + f". Simulated H100s at time scale {meta['time_scale']:g} (half speed), `max_num_seqs` 8, start-up from "
+        f"the weights at {meta.get('load_gbps', 4):g} GB/s + {meta.get('init_s', 2):g} s (simulated). "
         f"Planner pass every {meta['interval_s']:g} s, scale-down stabilisation "
         f"{meta['stabilization_s']:g} s (both planners). SLO: TTFT <= {slo['ttft_s']:g} s and TPOT <= "
         f"{slo['tpot_s'] * 1000:g} ms (wall seconds of the engines' clock: their own TTFT and TPOT, plus every "
@@ -174,19 +262,26 @@ def write(
         "pool's replica on it, which then holds it instead). GPU-s awake: awake replicas only (the count "
         "if an asleep replica's device served something else meanwhile).",
         "",
-        "| mode | SLO attainment | without the queue | at the client | queued (p99 s) | host lag p50 / p99 s | "
+    ]
+    told = compression(meta, rows)
+    if told:
+        lines += [told, ""]
+    if meta.get("variant"):
+        lines += [str(meta["variant"]), ""]
+    lines += [
+        "| mode | seed | SLO attainment | without the queue | at the client | queued (p99 s) | host lag p50 / p99 s | "
         "chat / code | burst / rest | GPU-s held | vs static peak | "
         "GPU-s awake | "
         "TTFT p50 / p99 s | cold starts | cold TTFT p50 / p99 s | held <= start-up +10 % | cut by scale-down | "
         "refused | scale up / down | drain timeouts |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         chat_code = " / ".join(f"{100 * v:.1f}" for v in r["by_model"].values())
         ratio = r["gpu_s"] / peak if peak else None
         lines.append(
-            f"| {r['mode']} | {100 * r['attainment']:.1f} % | {100 * r['attainment_unqueued']:.1f} % | "
+            f"| {r['mode']} | {r['seed']} | {100 * r['attainment']:.1f} % | {100 * r['attainment_unqueued']:.1f} % | "
             f"{100 * r['attainment_wall']:.1f} % | {r['queued']} ({_fmt(r['queued_p99'])}) | "
             f"{_fmt(r['lag_p50'])} / {_fmt(r['lag_p99'])} | {chat_code} | "
             f"{100 * r['burst']:.1f} / {100 * r['rest']:.1f} | "
@@ -199,12 +294,19 @@ def write(
     lines += [
         "",
         (
-            f"burst / rest: attainment of the chat burst's window ({rows[0]['burst_requests']} of "
-            f"{rows[0]['requests']} requests) and of the rest of the day."
+            "burst / rest: attainment of the chat burst's window ("
+            + ", ".join(
+                dict.fromkeys(f"{r['burst_requests']} of {r['requests']} requests (seed {r['seed']})" for r in rows)
+            )
+            + ") and of the rest of the day."
             if rows and burst
             else ""
         ),
         "",
+    ]
+    if several:
+        lines += _pooled_table(days, peak)
+    lines += [
         "Where the engine's clock and the client's differed: the simulated engine's TTFT starts when the "
         "engine receives the request, but flow control holds a request in the gateway while every engine of "
         "its pool has `max_engine_waiting` requests waiting (saturated in a burst, or with too few replicas), "
@@ -212,15 +314,21 @@ def write(
         "waited there, and the p99 of the wait); what is left between the two clocks is the host lag column. "
         "The client's connection pool is unbounded, so nothing waits in the client.",
         "",
-        "Learnt start-up / wake-up times per mode (s, wall): "
+        "Learnt start-up / wake-up times per mode (s, wall; '-': no replica woke, the pool has only its "
+        "default of 5 s): "
         + "; ".join(
-            f"{r['mode']}: " + ", ".join(f"{p} {r['startup_s'][p]:.1f} / {r['wake_s'][p]:.1f}" for p in r["startup_s"])
+            f"{r['mode']} ({r['seed']}): "
+            + ", ".join(
+                f"{p} {r['startup_s'][p]:.1f} / " + (f"{r['wake_s'][p]:.2f}" if r["wakes"].get(p) else "-")
+                for p in r["startup_s"]
+            )
             for r in rows
             if r["startup_s"]
         ),
         "",
     ]
-    lines += _targets(rows)
+    lines += _targets(days, several, peak)
+    lines += notes.section(results / f"{name}.md")
     if extras and meta.get("extras_generated"):
         lines += [
             f"The three short experiments below are those of the run of {meta['extras_generated']} "
@@ -228,23 +336,46 @@ def write(
             "",
         ]
     lines += _extras(extras, slo, meta["time_scale"])
-    lines += ["", "![replicas and offered load](autoscale.png)", ""]
-    (results / "autoscale.md").write_text("\n".join(lines) + "\n")
-    _plot(results / "autoscale.png", runs, curve)
+    lines += ["", f"![replicas and offered load]({name}.png)", ""]
+    (results / f"{name}.md").write_text("\n".join(lines) + "\n")
+    _plot(results / f"{name}.png", runs, curve)
 
 
-TOKEN_MODES = ("tokens", "tokens-warm", "tokens-sleep")
+def _pooled_table(days: Sequence[dict[str, Any]], peak: float | None) -> list[str]:
+    lines = [
+        "Pooled over the days (what the targets below use): attainment over every request of the mode's days, "
+        "GPU-s held the mean of a day.",
+        "",
+        "| mode | days | SLO attainment | per day | burst / rest | GPU-s held (mean) | per day | vs static peak "
+        "| cut by scale-down | cold starts | held <= start-up +10 % |",
+        "| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for d in days:
+        per_day = ", ".join(f"{100 * x:.1f}" for x in d["day_attainment"])
+        gpu_days = ", ".join(f"{x:.0f}" for x in d["day_gpu_s"])
+        ratio = d["gpu_s"] / peak if peak else None
+        lines.append(
+            f"| {d['mode']} | {d['days']} | {100 * d['attainment']:.1f} % | {per_day} | "
+            f"{100 * d['burst']:.1f} / {100 * d['rest']:.1f} | {d['gpu_s']:.0f} | {gpu_days} | {_fmt(ratio)} | "
+            f"{d['cut']} | {d['cold']} | {_fmt(d['cold_within'], '{:.0%}')} |"
+        )
+    return [*lines, ""]
 
 
-def _targets(rows: list[dict[str, Any]]) -> list[str]:
+def _targets(rows: Sequence[dict[str, Any]], several: bool = False, peak: float | None = None) -> list[str]:
+    """The issue's targets for every tokens-planner mode (pooled over the days when there are several),
+    against static-peak's GPU-seconds `peak`."""
     found = {r["mode"]: r for r in rows}
-    peak = found.get("static-peak")
     out = ["## Targets", ""]
-    for name in TOKEN_MODES:
-        mine = found.get(name)
-        if mine is None or peak is None:
+    if peak is not None and "static-peak" not in found:
+        out += [f"static-peak not run: its GPU-seconds are every device for the whole day ({peak:.0f}).", ""]
+    if several:
+        out += ["Pooled over each mode's days (the table above).", ""]
+    for name in (m for m in found if m.startswith("tokens")):
+        mine = found[name]
+        if peak is None:
             continue
-        share = mine["gpu_s"] / peak["gpu_s"]
+        share = mine["gpu_s"] / peak
         out.append(
             f"- {name}: attainment {100 * mine['attainment']:.1f} % (target >= 95 %) at {100 * share:.0f} % of "
             f"static-peak GPU-seconds (target <= 60 %): "

@@ -1,6 +1,8 @@
 """Elastic pools, side by side: a bursty day compressed against a simulated budget of 8 GPUs.
 
     .venv/bin/python -m bench.autoscale [--day-s 240] [--modes static-peak,tokens,...] [--quick]
+        [--seeds 7,8,9]  several days per mode, pooled in the report (static-peak on the first only)
+        [--load-gbps G --init-s S --name autoscale-NAME]  another start-up, reported beside the default
 
 Two models (Llama-3.1-8B, chat: Azure's conversation trace; Qwen2.5-7B, code: Azure's code trace,
 used in working hours only) on simulated H100s (`max_num_seqs` 8, the engines at half speed, start-up
@@ -21,7 +23,11 @@ on devices the code pool's planner does not want; the HPA-shaped baseline keeps 
 then three short experiments: `kill -9` of a replica under streaming load with and without stream
 migration; a prefill/decode pool under a prefill burst with fixed roles and with convertible
 decoders; two models sharing one GPU (switch time). Results: bench/results/autoscale.md and .png
-(report.py).
+(report.py). A reading of the results goes in bench/results/autoscale.notes.md (kept across re-renders).
+
+The day is compressed 360x but a replica's start-up is not: at the default start-up (8 GB/s + 1 s,
+about 7 s wall) the 19 s burst lasts under 3 start-ups, where a real day's 5x burst of ~2 h meets a 1-2
+min start-up. `--load-gbps/--init-s` with `--name` runs another start-up beside the default's file.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import json
 import os
 import platform
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -52,8 +59,15 @@ TIME_SCALE = 0.5
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.060
 DEVICES = list(range(8))
 LOAD_GBPS, INIT_S = 8.0, 1.0  # start-up, simulated: the weights from the page cache, a short init
-STARTUP_ARGS = ["--simulate-startup", "--load-bandwidth-gbps", f"{LOAD_GBPS:g}", "--init-s", f"{INIT_S:g}"]
-ENGINE_ARGS = ["--time-scale", str(TIME_SCALE), *STARTUP_ARGS]
+
+
+def engine_args(load_gbps: float = LOAD_GBPS, init_s: float = INIT_S) -> list[str]:
+    """The simulated engines' flags: half speed, start-up from the weights at `load_gbps` + `init_s`."""
+    startup = ["--simulate-startup", "--load-bandwidth-gbps", f"{load_gbps:g}", "--init-s", f"{init_s:g}"]
+    return ["--time-scale", str(TIME_SCALE), *startup]
+
+
+ENGINE_ARGS = engine_args()
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
 WARM_RESERVE = 1
 SURGE = 2  # chat: 6 + 2 = the 8 devices, granted only where the code pool does not want them
@@ -72,10 +86,10 @@ def burst_window(scale: float, day_s: float) -> tuple[float, float] | None:
     return None if burst is None else (burst.start * day_s, burst.end * day_s)
 
 
-def pool(name: str, model: str, preset: str, **fields: Any) -> dict[str, Any]:
+def pool(name: str, model: str, preset: str, *, args: list[str] | None = None, **fields: Any) -> dict[str, Any]:
     return {
         "name": name, "model": model, "engine": "sim", "preset": preset, "devices": "auto",
-        "max_num_seqs": 8, "max_model_len": 8192, "extra_args": list(ENGINE_ARGS),
+        "max_num_seqs": 8, "max_model_len": 8192, "extra_args": list(ENGINE_ARGS if args is None else args),
         "ready_timeout_s": 120, "drain_timeout_s": 30, **fields,
     }  # fmt: skip
 
@@ -104,12 +118,18 @@ def autoscale(
     return config
 
 
-def mode_pools(mode: str) -> list[dict[str, Any]]:
+def mode_pools(mode: str, args: list[str] | None = None) -> list[dict[str, Any]]:
     chat_preset, code_preset = "llama-3.1-8b@h100", "qwen2.5-7b@h100"
     if mode == "static-peak":
-        return [pool("chat", CHAT, chat_preset, replicas=6), pool("code", CODE, code_preset, replicas=2)]
+        return [
+            pool("chat", CHAT, chat_preset, args=args, replicas=6),
+            pool("code", CODE, code_preset, args=args, replicas=2),
+        ]
     if mode == "static-mean":
-        return [pool("chat", CHAT, chat_preset, replicas=2), pool("code", CODE, code_preset, replicas=1)]
+        return [
+            pool("chat", CHAT, chat_preset, args=args, replicas=2),
+            pool("code", CODE, code_preset, args=args, replicas=1),
+        ]
     planner = "hpa" if mode.startswith("hpa") else "tokens"
     target = float(mode.removeprefix("hpa-")) if mode.startswith("hpa-") else 6.0
     sleep = mode == "tokens-sleep"
@@ -120,8 +140,8 @@ def mode_pools(mode: str) -> list[dict[str, Any]]:
     chat_scale = autoscale(planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve, surge=surge)
     code_scale = autoscale(planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None)
     return [
-        pool("chat", CHAT, chat_preset, replicas=1, autoscale=chat_scale),
-        pool("code", CODE, code_preset, replicas=0, autoscale=code_scale),
+        pool("chat", CHAT, chat_preset, args=args, replicas=1, autoscale=chat_scale),
+        pool("code", CODE, code_preset, args=args, replicas=0, autoscale=code_scale),
     ]
 
 
@@ -172,12 +192,15 @@ class ModeRun:
     samples: list[Sample]
     pools: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    seed: int = 7
 
 
-async def run_mode(mode: str, arrivals: list[Arrival], day_s: float, workdir: Path) -> ModeRun:
-    pools = mode_pools(mode)
+async def run_mode(
+    mode: str, arrivals: list[Arrival], day_s: float, workdir: Path, seed: int = 7, args: list[str] | None = None
+) -> ModeRun:
+    pools = mode_pools(mode, args)
     initial = sum(p.get("replicas", 0) for p in pools)
-    gw = gateway(workdir / mode, pools)
+    gw = gateway(workdir / f"{mode}-{seed}", pools)
     try:
         wait_replicas(gw, initial)
         payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
@@ -188,7 +211,7 @@ async def run_mode(mode: str, arrivals: list[Arrival], day_s: float, workdir: Pa
         stop.set()
         samples = await sampler
         _, body = http_get(gw.url + "/admin/pools")
-        return ModeRun(mode, outcomes, samples, json.loads(body), time.perf_counter() - started)
+        return ModeRun(mode, outcomes, samples, json.loads(body), time.perf_counter() - started, seed)
     finally:
         gw.stop()
 
@@ -293,18 +316,27 @@ MODES = (
 )  # fmt: skip
 
 
+def day_plan(modes: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """(mode, seed) in run order: seed by seed, each seed's modes side by side; static-peak (its GPU-s
+    are the same every day, its attainment ~100 %) on the first seed only."""
+    return [(m, s) for i, s in enumerate(seeds) for m in modes if not (m == "static-peak" and i > 0)]
+
+
 async def main_async(args: argparse.Namespace) -> None:
     day_s = args.day_s
-    arrivals = schedule(loads(args.scale), day_s, seed=args.seed)
+    seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
+    days = {seed: schedule(loads(args.scale), day_s, seed=seed) for seed in seeds}
     modes = [m for m in (args.modes.split(",") if args.modes else MODES) if m]
+    flags = engine_args(args.load_gbps, args.init_s)
     began = time.time()
     load_before = os.getloadavg()[0]
     runs: list[ModeRun] = []
     with tempfile.TemporaryDirectory(prefix="tw-autoscale-") as tmp:
         workdir = Path(tmp)
-        for mode in modes:
-            print(f"[autoscale] {mode}: {len(arrivals)} requests over {day_s:g} s", flush=True)
-            runs.append(await run_mode(mode, arrivals, day_s, workdir))
+        for mode, seed in day_plan(modes, seeds):
+            arrivals = days[seed]
+            print(f"[autoscale] {mode} (seed {seed}): {len(arrivals)} requests over {day_s:g} s", flush=True)
+            runs.append(await run_mode(mode, arrivals, day_s, workdir, seed, flags))
         extras: dict[str, Any] = {}
         extras_generated = None
         if args.skip_extras and args.extras_from is not None:
@@ -322,20 +354,25 @@ async def main_async(args: argparse.Namespace) -> None:
         "host": f"{platform.node()} ({os.cpu_count()} CPUs)",
         "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "day_s": day_s,
-        "requests": len(arrivals),
+        "requests": {seed: len(arrivals) for seed, arrivals in days.items()},
+        "seeds": seeds,
+        "devices": len(DEVICES),
+        "command": "python -m bench.autoscale " + " ".join(args.argv),
+        "title": args.title,
+        "variant": args.variant,
         "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
         "time_scale": TIME_SCALE,
         "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S,
         "burst_s": burst_window(args.scale, day_s),
-        "load_gbps": LOAD_GBPS,
-        "init_s": INIT_S,
+        "load_gbps": args.load_gbps,
+        "init_s": args.init_s,
         "extras_generated": extras_generated,
         "warm_reserve": WARM_RESERVE,
         "surge": SURGE,
     }
     curve = offered(loads(args.scale), day_s, 1.0)
-    raw = RESULTS / "autoscale-raw.json"
+    raw = RESULTS / f"{args.name}-raw.json"
     raw.write_text(
         json.dumps(
             {
@@ -343,6 +380,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 "runs": [
                     {
                         "mode": r.mode,
+                        "seed": r.seed,
                         "outcomes": [o.row() for o in r.outcomes],
                         "samples": [asdict(s) for s in r.samples],
                         "pools": r.pools,
@@ -354,8 +392,8 @@ async def main_async(args: argparse.Namespace) -> None:
             default=str,
         )
     )
-    report.write(RESULTS, meta, runs, curve, extras)
-    print(f"[autoscale] wrote {RESULTS / 'autoscale.md'}", flush=True)
+    report.write(RESULTS, meta, runs, curve, extras, args.name)
+    print(f"[autoscale] wrote {RESULTS / (args.name + '.md')}", flush=True)
 
 
 def _plain(value: Any) -> Any:
@@ -404,16 +442,23 @@ def old_extras(raw_path: Path) -> tuple[dict[str, Any], str]:
     return _revive(raw.get("extras") or {}), raw["meta"]["generated"]
 
 
-def rebuild(raw_path: Path) -> None:
-    """The report again from a raw file (after a change to report.py; nothing is re-run)."""
+def rebuild(raw_path: Path, name: str = "autoscale") -> None:
+    """The report again from a raw file (after a change to report.py or to the notes; nothing is re-run)."""
     raw = json.loads(raw_path.read_text())
     meta = raw["meta"]
     meta.setdefault("burst_s", burst_window(1.0, meta["day_s"]))
     runs = [
-        ModeRun(r["mode"], [_outcome(o) for o in r["outcomes"]], [Sample(**x) for x in r["samples"]], r["pools"])
+        ModeRun(
+            r["mode"],
+            [_outcome(o) for o in r["outcomes"]],
+            [Sample(**x) for x in r["samples"]],
+            r["pools"],
+            seed=r.get("seed", meta.get("seed", 7)),
+        )
         for r in raw["runs"]
     ]
-    report.write(RESULTS, meta, runs, offered(loads(), meta["day_s"], 1.0), _revive(raw.get("extras") or {}))
+    curve = offered(loads(), meta["day_s"], 1.0)
+    report.write(RESULTS, meta, runs, curve, _revive(raw.get("extras") or {}), name)
 
 
 def main() -> None:
@@ -422,6 +467,20 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every model's arrival rate")
     parser.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--seeds", default="", help="comma-separated seeds: one day each per mode (static-peak on the first only)"
+    )
+    parser.add_argument(
+        "--load-gbps", type=float, default=LOAD_GBPS, help="simulated start-up: weights read at this GB/s"
+    )
+    parser.add_argument("--init-s", type=float, default=INIT_S, help="simulated start-up: initialisation s")
+    parser.add_argument(
+        "--name",
+        default="autoscale",
+        help="results' file stem: a variant (other start-up, other days) goes beside autoscale.md, never over it",
+    )
+    parser.add_argument("--title", default="", help="appended to the report's heading")
+    parser.add_argument("--variant", default="", help="a paragraph the report prints under its introduction")
     parser.add_argument("--skip-extras", action="store_true", help="only the side-by-side day")
     parser.add_argument(
         "--extras-from",
@@ -432,8 +491,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a 60 s day, tokens and static-peak only")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report from the last raw file")
     args = parser.parse_args()
+    args.argv = sys.argv[1:]
     if args.report_only:
-        rebuild(RESULTS / "autoscale-raw.json")
+        rebuild(RESULTS / f"{args.name}-raw.json", args.name)
         return
     if args.quick:
         args.day_s, args.modes, args.skip_extras = 60.0, args.modes or "static-peak,tokens", True

@@ -44,7 +44,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench import loadgen
+from bench import loadgen, notes
 from bench.predictor import report
 from bench.predictor.batch_misses import BatchSampler, miss_rows, report_lines
 from bench.predictor.run import (
@@ -343,6 +343,7 @@ def write(results: dict[str, Any], out: Path) -> None:
         for key, value in sorted((summary.get("batch_metrics") or {}).items()):
             if value:
                 lines.append(f"| {summary['name']} | `{key}` | {value:,.0f} |")
+    lines += ["", *notes.section(out)]
     out.write_text("\n".join(lines) + "\n")
     _plot(results, out.with_suffix(".png"))
 
