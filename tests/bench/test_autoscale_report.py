@@ -3,7 +3,6 @@ engine's; days (seeds) pool per mode; a hand-written reading survives a re-rende
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from bench import notes
 from bench.autoscale import report
 from bench.autoscale.client import Outcome, Sample
 from bench.autoscale.report import honest_ttft_s, met_engine, pooled, summarise
-from bench.autoscale.run import day_plan, old_extras
+from bench.autoscale.run import ModeRun, day_plan, old_extras
 
 
 def served(**fields: float) -> Outcome:
@@ -45,16 +44,7 @@ def test_extras_carry_over_from_an_earlier_report(tmp_path: Path) -> None:
     assert "autoscale.png" not in extras["markdown"]
 
 
-@dataclass
-class FakeRun:
-    mode: str
-    outcomes: list[Outcome]
-    samples: list[Sample]
-    pools: dict[str, Any] = field(default_factory=dict)
-    seed: int = 7
-
-
-def day(mode: str, seed: int, met_first: int, held: int) -> FakeRun:
+def day(mode: str, seed: int, met_first: int, held: int) -> ModeRun:
     """Four requests (two in the burst window 10-20 s), the first `met_first` within the SLO."""
     outcomes = []
     for i, sent in enumerate((1.0, 12.0, 15.0, 30.0)):
@@ -62,7 +52,7 @@ def day(mode: str, seed: int, met_first: int, held: int) -> FakeRun:
         outcomes.append(served(index=i, sent_s=sent, engine_ttft_s=ttft * 0.5, engine_tpot_s=0.01))
     samples = [Sample(float(t), {"chat": held}, {"chat": held}, held=held) for t in range(41)]
     pools = {"pools": [{"name": "chat", "startup_s": 5.0, "wake_s": 5.0, "measured": {"starts_s": [5.0]}}]}
-    return FakeRun(mode, outcomes, samples, pools, seed)
+    return ModeRun(mode, outcomes, samples, pools, seed=seed)
 
 
 META: dict[str, Any] = {
