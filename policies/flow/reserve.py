@@ -71,6 +71,11 @@ class ReserveSize:
     def enabled(self) -> bool:
         return self.min_slots > 0 or (self.max_slots or 0) > 0
 
+    @property
+    def sized(self) -> bool:
+        """Sized from demand (a cap above the floor), not fixed at `min_slots`."""
+        return self.max_slots is not None and self.max_slots > self.min_slots
+
 
 def free_slots(endpoints: Iterable[Endpoint], max_num_seqs: int, now_s: float, max_stats_age_s: float) -> int:
     """Batch slots no request holds across the ready endpoints: the batch size less the larger of the
@@ -122,15 +127,16 @@ def reserve_for(tenant: str, band: int, active: Mapping[str, Active], size: Rese
     """Free slots kept against a request of `tenant` in `band`: the headroom the tenants it is kept
     for (active, not waiting, in its band or above, itself excluded) used recently and do not use now,
     plus the margin, within the size's bounds. Fixed at `min_slots` when `max_slots` is not above it."""
-    top = size.max_slots
-    if top is None or top <= size.min_slots:
+    if size.max_slots is None or not size.sized:
         return size.min_slots
-    headroom = 0
-    for other, seen in active.items():
-        if other == tenant or seen.band > band or seen.waiting:
-            continue
-        headroom += max(seen.peak - seen.inflight, 0)
-    return min(max(headroom + size.margin, size.min_slots), top)
+    headroom = sum(headroom_of(seen) for other, seen in active.items() if other != tenant and seen.band <= band)
+    return min(max(headroom + size.margin, size.min_slots), size.max_slots)
+
+
+def headroom_of(seen: Active) -> int:
+    """The slots a tenant used recently and does not use now (none while it has requests waiting:
+    flow order, not the reserve, serves a backlogged tenant)."""
+    return 0 if seen.waiting else max(seen.peak - seen.inflight, 0)
 
 
 def clear_of_prefill(endpoints: Iterable[Endpoint]) -> list[Endpoint]:
@@ -161,7 +167,7 @@ def describe(active: Mapping[str, Active], size: ReserveSize, free: int) -> dict
             "inflight": seen.inflight,
             "waiting": seen.waiting,
             "peak": seen.peak,
-            "headroom": 0 if seen.waiting else max(seen.peak - seen.inflight, 0),
+            "headroom": headroom_of(seen),
             "kept_against": reserve_for(tenant, seen.band, active, size),
             "within_share": within_share(tenant, seen.band, seen.weight, active),
         }
@@ -169,7 +175,7 @@ def describe(active: Mapping[str, Active], size: ReserveSize, free: int) -> dict
         "min_slots": size.min_slots,
         "max_slots": size.max_slots,
         "margin": size.margin,
-        "sized": size.max_slots is not None and size.max_slots > size.min_slots,
+        "sized": size.sized,
         "free_slots": free,
         "kept": reserve_for("", lowest, active, size),
         "tenants": tenants,
