@@ -11,6 +11,7 @@ from aiohttp import web
 
 from backends.status import fleet_status
 from gateway import appkeys
+from gateway.autoscale.floor_api import floor_delete, floor_get, floor_put
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
 from policies.flow import reserve
@@ -175,4 +176,7 @@ def admin_routes() -> list[tuple[str, str, Handler]]:
         ("POST", "/admin/reload", reload),
         ("GET", "/admin/replicas", replicas),
         ("GET", "/admin/pools", pools),
+        ("PUT", "/admin/pools/{pool}/floor", floor_put),
+        ("GET", "/admin/pools/{pool}/floor", floor_get),
+        ("DELETE", "/admin/pools/{pool}/floor", floor_delete),
     ]

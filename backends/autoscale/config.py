@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from backends.autoscale.floors import DAYS, Window, parse_hhmm
 
 
 class _Strict(BaseModel):
@@ -41,6 +43,40 @@ class RoleBounds(_Strict):
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas is larger than max_replicas")
         return self
+
+
+class ScheduleWindow(_Strict):
+    """A daily window of scheduled capacity (UTC): at least `min_replicas` from `start` to `end`,
+    kept a start-up early so the replicas serve when it opens (backends/autoscale/floors.py)."""
+
+    start: str = Field(description='"HH:MM" UTC')
+    end: str = Field(description='"HH:MM" UTC; at or before start: the window wraps midnight')
+    min_replicas: int | dict[Literal["prefill", "decode"], int] = Field(
+        description="the floor, or per role of a prefill/decode pool"
+    )
+    days: list[Literal["mon", "tue", "wed", "thu", "fri", "sat", "sun"]] | None = Field(
+        default=None, description="days the window starts on (default: every day)"
+    )
+
+    @field_validator("start", "end")
+    @classmethod
+    def _time(cls, value: str) -> str:
+        parse_hhmm(value)
+        return value
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _count(cls, value: int | dict[str, int]) -> int | dict[str, int]:
+        counts = value.values() if isinstance(value, dict) else (value,)
+        if any(c < 0 for c in counts):
+            raise ValueError("min_replicas must be >= 0")
+        return value
+
+    def window(self) -> Window:
+        found = self.min_replicas
+        counts: dict[str, int] = {str(k): v for k, v in found.items()} if isinstance(found, dict) else {"": found}
+        days = frozenset(DAYS.index(d) for d in self.days or ())
+        return Window(parse_hhmm(self.start), parse_hhmm(self.end), counts, days)
 
 
 class AutoscaleConfig(_Strict):
@@ -102,6 +138,9 @@ class AutoscaleConfig(_Strict):
     hpa_target_running: float = Field(
         default=32.0, gt=0, description="hpa planner: requests running (and waiting) per replica to aim for"
     )
+    schedule: list[ScheduleWindow] = Field(
+        default_factory=list, max_length=64, description="daily windows of scheduled capacity (UTC)"
+    )
     forecast_alpha: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of the newest rate")
     forecast_beta: float = Field(default=0.3, ge=0, le=1, description="EWMA weight of the newest trend")
 
@@ -114,11 +153,18 @@ class AutoscaleConfig(_Strict):
                 raise ValueError("max_replicas must be at least 1")
         elif not any(b.max_replicas for b in self.roles.values()):
             raise ValueError("roles: some role needs max_replicas >= 1")
+        for entry in self.schedule:
+            if isinstance(entry.min_replicas, dict) and self.roles is None:
+                raise ValueError("schedule: min_replicas per role needs roles")
         if self.planner == "hpa" and self.warm_reserve:
             # the baseline is the Kubernetes HPA's algorithm, which has no reserve: a key it would
             # silently ignore is refused instead
             raise ValueError("warm_reserve needs planner: tokens (the hpa baseline keeps no reserve)")
         return self
+
+    def windows(self) -> tuple[Window, ...]:
+        """`schedule` as the floor function reads it."""
+        return tuple(entry.window() for entry in self.schedule)
 
     def bounds(self, role: str) -> tuple[int, int]:
         """(min, max) replicas of `role` ("both" for an ordinary pool)."""

@@ -13,7 +13,9 @@ Per role, every `interval_s` (docs/autoscaling.md has the worked example):
     down      = ceil(load / (target · (1 - hysteresis)) + backlog), no lower than the largest `down` of
                 the last stabilization_s, and only scale_down_cooldown_s after any scale event;
                 at most scale_down_step replicas fewer per scale-down (an idle pool goes to zero at once)
-    floor     = 1 while requests are held, queued or in flight, or arrived within idle_s
+    floor     = 1 while requests are held, queued or in flight, or arrived within idle_s; at least a
+                scheduled floor (`backends.autoscale.floors`) from `lead` before its window opens to
+                its end, clamped to max_replicas (an idle pool keeps it too)
     reserve   = warm_reserve replicas on top of max(up, floor) and max(down, floor) while the pool
                 is in use (floor 1), in a pool that does not sleep; a pool that sleeps keeps them
                 asleep instead (the plan's `reserve`: the executor starts them and puts them to
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from backends.autoscale import floors as scheduled
 from backends.autoscale.config import AutoscaleConfig
 from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan, RoleSignals
 
@@ -73,14 +76,19 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         down = max(down, math.ceil(need_kv - _EPSILON))
         low, cap = policy.bounds(role.role)
         high = policy.ceiling(role.role)
-        floor = 1 if busy and high > 0 and _serves(signals, role) else 0
-        if awake_reserve and floor:
-            up, down = max(up, floor) + awake_reserve, max(down, floor) + awake_reserve
+        in_use = 1 if busy and high > 0 and _serves(signals, role) else 0
+        if awake_reserve and in_use:
+            up, down = max(up, in_use) + awake_reserve, max(down, in_use) + awake_reserve
+        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s)
+        booked = min(booked, cap)
+        floor = max(in_use, booked)
         current = role.replicas.active
         downs.append((role.role, max(down, floor)))
         why = _describe(role, prefill_demand, decode_demand, load, backlog, need_kv, policy)
-        if awake_reserve and floor:
+        if awake_reserve and in_use:
             why += f", +{awake_reserve} warm"
+        if booking is not None and booked and booked >= up:
+            why += f", {scheduled.describe(booking, now)}"
         if up > current or (current < max(low, floor)):
             target = max(up, floor, low)
             if current > 0 and now - memory.last_up_s < policy.scale_up_cooldown_s:
@@ -90,7 +98,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         elif max(down, floor) < current:
             stable = max(down, floor, past_down.get(role.role, 0))
             since_event = now - max(memory.last_up_s, memory.last_down_s)
-            if not busy and low == 0:
+            if not busy and low == 0 and not booked:
                 wanted, why = 0, f"idle {policy.idle_s:g} s"
             elif since_event < policy.scale_down_cooldown_s:
                 wanted, why = current, f"{why}; scale-down cooldown"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backends.autoscale.floors import Floor
 from backends.autoscale.forecast import Forecast
 
 NEVER = float("-inf")
@@ -61,6 +62,7 @@ class PoolSignals:
     devices_per_replica: int = 1
     device_group: str = ""  # the budget the replicas' devices come from ("" = unmanaged)
     awake_since_s: float = NEVER  # when its newest replica became active (shared devices)
+    floors: tuple[Floor, ...] = ()  # scheduled capacity near now (backends/autoscale/floors.py)
 
     def role(self, name: str) -> RoleSignals | None:
         return next((r for r in self.roles if r.role == name), None)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from backends.autoscale import floors as scheduled
 from backends.autoscale.budget import Claim, share_budget
 from backends.autoscale.devices import group_of
 from backends.autoscale.executor import Executor
@@ -75,6 +76,10 @@ class Autoscaler:
         self.signals: dict[str, deque[PoolSignals]] = {p.name: deque(maxlen=_SIGNALS_KEPT) for p in self.pools}
         self.decisions: dict[str, deque[dict[str, Any]]] = {p.name: deque(maxlen=_DECISIONS_KEPT) for p in self.pools}
         self.priors = {p.name: LatencyPrior.for_pool(p.config, prior or PriorSettings()) for p in self.pools}
+        # floors set through the admin API (`set_floor`), at most floors.MAX_FLOORS per pool
+        self.floors: dict[str, list[scheduled.Floor]] = {p.name: [] for p in self.pools}
+        self.windows = {p.name: p.config.autoscale.windows() for p in self.pools if p.config.autoscale}
+        self.wall_clock: Callable[[], float] = time.time
         self.held: Callable[[str], int] = lambda pool: 0
         self.queued: QueuedSource = lambda pool: (0, 0.0)
         self.interval_s = min((p.config.autoscale.interval_s for p in self.pools if p.config.autoscale), default=5.0)
@@ -106,6 +111,43 @@ class Autoscaler:
         if tpot_ms and batch:
             context = batch * (prompt_tokens + output_tokens / 2)
             traffic.calibration.observe(self.priors[pool], tpot_ms, batch, context)
+
+    def pool_floors(self, pool: str, now_s: float | None = None) -> tuple[scheduled.Floor, ...]:
+        """The floors of `pool` near now: the admin API's and its schedule's open or next windows."""
+        now = self.clock() if now_s is None else now_s
+        book = self.floors.get(pool, [])
+        book[:] = scheduled.keep(book, now)
+        windows = scheduled.schedule_floors(self.windows.get(pool, ()), self.wall_clock(), now)
+        return (*book, *windows)
+
+    def roles(self, pool: str) -> list[str]:
+        """The roles the planner sizes in `pool` (none: not autoscaled)."""
+        found = next((p for p in self.pools if p.name == pool), None)
+        return [r.value for r in _roles(found)] if found is not None else []
+
+    def set_floor(
+        self, pool: str, min_replicas: int, start_in_s: float, for_s: float, role: str = ""
+    ) -> scheduled.Floor:
+        """A one-off floor from `start_in_s` for `for_s` (the pool's ended floors are dropped first);
+        ValueError when the pool already holds MAX_FLOORS that have not ended."""
+        now = self.clock()
+        book = self.floors[pool]
+        book[:] = scheduled.keep(book, now)
+        if len(book) >= scheduled.MAX_FLOORS:
+            raise ValueError(
+                f"pool {pool!r} holds {len(book)} floors that have not ended (at most {scheduled.MAX_FLOORS})"
+            )
+        floor = scheduled.Floor(now + start_in_s, now + start_in_s + for_s, min_replicas, role)
+        book.append(floor)
+        self.poke()
+        return floor
+
+    def clear_floors(self, pool: str) -> int:
+        """Drop the admin API's floors of `pool` (the schedule's stay: they change with the config)."""
+        dropped = len(scheduled.keep(self.floors[pool], self.clock()))
+        self.floors[pool].clear()
+        self.poke()
+        return dropped
 
     def poke(self) -> None:
         """Plan now (a request is held, a device was freed)."""
@@ -229,6 +271,7 @@ class Autoscaler:
             devices_per_replica=self.executor.devices_per_replica(pool.name),
             device_group=group_of(config),
             awake_since_s=self.executor.awake_since_s.get(pool.name, float("-inf")),
+            floors=self.pool_floors(pool.name, now),
         )
 
     # --- what operators see ----------------------------------------------------------------------
@@ -236,6 +279,7 @@ class Autoscaler:
     def status(self) -> dict[str, Any]:
         """`GET /admin/pools`: per pool, current vs desired per role, why, and what happened."""
         pools = []
+        now = self.clock()
         for pool in self.pools:
             name = pool.name
             plan = self.plans.get(name)
@@ -275,6 +319,7 @@ class Autoscaler:
                     },
                     "calibration": round(traffic.calibration.factor, 3),
                     "held": self.held(name),
+                    "floors": [scheduled.view(f, now) for f in self.pool_floors(name, now)],
                     "startup_s": round(self.executor.lead.startup_s(name), 3),
                     "wake_s": round(self.executor.lead.wake_s(name), 3),
                     "measured": self.executor.lead.measured(name),

@@ -35,6 +35,13 @@ def format_pools(status: dict[str, Any], decisions: int = 5) -> str:
             f"      start-up {pool.get('startup_s', 0):.1f} s, wake {pool.get('wake_s', 0):.1f} s (learnt); "
             f"held {pool.get('held', 0)}; drain timeouts {pool.get('drain_timeouts', 0)}"
         )
+        for floor in pool.get("floors") or []:
+            when = "now" if floor.get("active") else f"in {floor.get('starts_in_s', 0):.0f} s"
+            role = f" {floor['role']}" if floor.get("role") else ""
+            lines.append(
+                f"      floor {floor.get('min_replicas')}{role} ({floor.get('source')}) {when},"
+                f" ends in {floor.get('ends_in_s', 0):.0f} s"
+            )
         for decision in (pool.get("decisions") or [])[-decisions:]:
             lines.append(f"      {decision.get('current')} -> {decision.get('desired')}: {decision.get('reason', '')}")
     return "\n".join(lines) + "\n"

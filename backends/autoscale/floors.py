@@ -1,0 +1,138 @@
+"""Scheduled capacity: floors an operator announces ahead, which the planner keeps a start-up early.
+
+A reactive planner sees a burst only once it arrives and serves it a start-up time late; a burst
+shorter than a few start-ups is mostly over by then. Operators often know the event ahead (a launch,
+a daily peak), so production autoscalers also take scheduled capacity: KEDA's cron scaler
+(keda.sh/docs/latest/scalers/cron/) and AWS Auto Scaling's scheduled actions
+(docs.aws.amazon.com/autoscaling/ec2/userguide/ec2-auto-scaling-scheduled-scaling.html). Here a
+floor is a planner input with two sources:
+
+    autoscale.schedule in gateway.yaml   daily windows (UTC "HH:MM", optional days, may wrap midnight)
+    PUT /admin/pools/{pool}/floor        a one-off floor: from start_in_s, for for_s
+
+Both become `Floor` values on the planner's monotonic clock (`schedule_floors` resolves the windows
+near now), so a planning pass stays a pure function of its signals and a recorded pass replays.
+`floor_at` is the floor in force: the largest floor whose window, started `lead_s` early, covers
+now, so the replicas it asks for are ready when the window opens. After the window the floor just
+ends; the scale-down follows the planner's usual stabilisation and cooldown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final
+
+DAYS: Final = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+MAX_FLOORS: Final = 16  # set through the admin API, per pool
+_DAY_S = 86_400.0
+
+
+@dataclass(frozen=True, slots=True)
+class Floor:
+    """At least `min_replicas` of `role` ("" = every role of the pool) from `start_s` to `end_s`
+    (the planner's monotonic seconds)."""
+
+    start_s: float
+    end_s: float
+    min_replicas: int
+    role: str = ""
+    source: str = "admin"  # admin | schedule HH:MM-HH:MM
+
+    def applies_to(self, role: str) -> bool:
+        return not self.role or self.role == role
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One `autoscale.schedule` entry as the floor function reads it (the config validates it)."""
+
+    start_min: int  # minutes after UTC midnight
+    end_min: int  # the window wraps midnight when end_min <= start_min
+    min_replicas: Mapping[str, int]  # role -> floor; "" = every role
+    days: frozenset[int] = frozenset()  # weekday of the window's start (0 = monday); empty = every day
+
+    @property
+    def label(self) -> str:
+        return f"schedule {_hhmm(self.start_min)}-{_hhmm(self.end_min)}"
+
+    @property
+    def length_s(self) -> float:
+        minutes = (self.end_min - self.start_min) % (24 * 60)
+        return float(minutes or 24 * 60) * 60.0
+
+
+def _hhmm(minutes: int) -> str:
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def parse_hhmm(text: str) -> int:
+    """Minutes after midnight of "HH:MM" (00:00-23:59; "24:00" is the next day's midnight)."""
+    hours, sep, minutes = text.partition(":")
+    if not sep or not hours.isdigit() or not minutes.isdigit() or len(minutes) != 2:
+        raise ValueError(f"{text!r} is not HH:MM")
+    value = int(hours) * 60 + int(minutes)
+    if int(minutes) > 59 or value > 24 * 60:
+        raise ValueError(f"{text!r} is not a time of day")
+    return value % (24 * 60)
+
+
+def schedule_floors(
+    windows: Sequence[Window], unix_s: float, now_s: float, horizon_s: float = _DAY_S
+) -> tuple[Floor, ...]:
+    """The occurrences of `windows` that are open at `unix_s` or open within `horizon_s`, as floors on
+    the monotonic clock whose now is `now_s`. A window belongs to the day it starts on (a "fri 22:00-
+    02:00" window runs into saturday)."""
+    if not windows:
+        return ()
+    offset = now_s - unix_s
+    today = datetime.fromtimestamp(unix_s, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    found: list[Floor] = []
+    for back in (-1, 0, 1):
+        day = today + timedelta(days=back)
+        for window in windows:
+            if window.days and day.weekday() not in window.days:
+                continue
+            start = day.timestamp() + window.start_min * 60.0
+            end = start + window.length_s
+            if end <= unix_s or start > unix_s + horizon_s:
+                continue
+            for role, count in window.min_replicas.items():
+                found.append(Floor(start + offset, end + offset, count, role, window.label))
+    return tuple(found)
+
+
+def floor_at(floors: Iterable[Floor], role: str, now_s: float, lead_s: float) -> tuple[int, Floor | None]:
+    """The floor in force for `role` at `now_s`: the largest one whose window, opened `lead_s` early
+    (the time a replica asked for now takes to serve), has not ended."""
+    best: Floor | None = None
+    for floor in floors:
+        opened = floor.applies_to(role) and floor.start_s - lead_s <= now_s < floor.end_s
+        if opened and (best is None or floor.min_replicas > best.min_replicas):
+            best = floor
+    return (best.min_replicas, best) if best is not None else (0, None)
+
+
+def describe(floor: Floor, now_s: float) -> str:
+    """The planner's reason for a floor in force."""
+    if now_s < floor.start_s:
+        return f"scheduled floor {floor.min_replicas} ({floor.source}) opens in {floor.start_s - now_s:.0f} s"
+    return f"scheduled floor {floor.min_replicas} ({floor.source}) for {floor.end_s - now_s:.0f} s"
+
+
+def keep(floors: Sequence[Floor], now_s: float) -> list[Floor]:
+    """The floors that have not ended (what an admin floor list keeps)."""
+    return [f for f in floors if f.end_s > now_s]
+
+
+def view(floor: Floor, now_s: float) -> dict[str, object]:
+    """A floor as `/admin/pools` and the floor API show it (times relative to now)."""
+    return {
+        "min_replicas": floor.min_replicas,
+        "role": floor.role or None,
+        "source": floor.source,
+        "active": floor.start_s <= now_s < floor.end_s,
+        "starts_in_s": round(max(0.0, floor.start_s - now_s), 3),
+        "ends_in_s": round(floor.end_s - now_s, 3),
+    }

@@ -1,0 +1,131 @@
+"""`/admin/pools/{pool}/floor`: scheduled capacity an operator announces to a running gateway.
+
+    PUT    {"min_replicas": N, "start_in_s": 0, "for_s": S, "role": "decode"}  -> 200 the floor
+    GET    the pool's floors (the admin API's and its schedule's open or next windows)
+    DELETE drops the admin API's floors (the schedule's change with gateway.yaml)
+
+The planner keeps the floor from a start-up time before `start_in_s` to its end
+(backends/autoscale/floors.py). Errors are in OpenAI's shape like the rest of the admin API: bad
+input 400, an unknown pool 404, a pool without `autoscale` 409, a pool already holding
+floors.MAX_FLOORS floors that have not ended 409.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends.autoscale import floors as scheduled
+from gateway.autoscale.loop import Autoscaler
+from gateway.autoscale.wiring import AUTOSCALER
+from gateway.errors import Rejected, error_response
+from policies.types import Rejection
+
+_FIELDS = frozenset({"min_replicas", "start_in_s", "for_s", "role"})
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error"}
+_LONGEST_S = 7 * 86_400.0  # a one-off floor; a standing one belongs in autoscale.schedule
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def _error(refused: _Refused) -> web.Response:
+    code = {404: "not_found", 409: "conflict"}.get(refused.status)
+    kind = _TYPES.get(refused.status, "invalid_request_error")
+    return error_response(Rejected(Rejection(refused.status, str(refused), kind, code=code, param=refused.param)))
+
+
+def _pool(request: web.Request) -> tuple[Autoscaler, str, list[str]]:
+    """The autoscaler, the pool named in the path, and its planned roles."""
+    autoscaler = request.app[AUTOSCALER]
+    name = request.match_info["pool"]
+    if name not in autoscaler.fleet.pools:
+        raise _Refused(404, f"no pool named {name!r}")
+    roles = autoscaler.roles(name)
+    if not roles:
+        raise _Refused(409, f"pool {name!r} is not autoscaled: a floor needs autoscale in gateway.yaml")
+    return autoscaler, name, roles
+
+
+def _number(body: dict[str, Any], key: str, default: float | None) -> float:
+    value = body.get(key, default)
+    if value is None:
+        raise _Refused(400, f"{key} is required", key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _Refused(400, f"{key} must be a number of seconds", key)
+    return float(value)
+
+
+def parse_floor(raw: bytes, roles: list[str]) -> tuple[int, float, float, str]:
+    """(min_replicas, start_in_s, for_s, role) of a PUT body, or _Refused(400)."""
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as exc:
+        raise _Refused(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _Refused(400, "expected a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise _Refused(400, f"unknown field {unknown[0]!r} (fields: {', '.join(sorted(_FIELDS))})", unknown[0])
+    count = body.get("min_replicas")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise _Refused(400, "min_replicas must be an integer >= 0", "min_replicas")
+    start_in_s = _number(body, "start_in_s", 0.0)
+    if start_in_s < 0 or start_in_s > _LONGEST_S:
+        raise _Refused(400, f"start_in_s must be between 0 and {_LONGEST_S:g}", "start_in_s")
+    for_s = _number(body, "for_s", None)
+    if for_s <= 0 or for_s > _LONGEST_S:
+        raise _Refused(400, f"for_s must be above 0 and at most {_LONGEST_S:g}", "for_s")
+    role = body.get("role")
+    if role is None:
+        return count, start_in_s, for_s, ""
+    if role not in ("prefill", "decode"):
+        raise _Refused(400, 'role must be "prefill" or "decode"', "role")
+    if role not in roles:
+        raise _Refused(400, f"this pool plans no {role} role (roles: {', '.join(roles)})", "role")
+    return count, start_in_s, for_s, str(role)
+
+
+def _listing(autoscaler: Autoscaler, name: str) -> dict[str, Any]:
+    now = autoscaler.clock()
+    return {"pool": name, "floors": [scheduled.view(f, now) for f in autoscaler.pool_floors(name, now)]}
+
+
+async def floor_put(request: web.Request) -> web.Response:
+    try:
+        autoscaler, name, roles = _pool(request)
+        count, start_in_s, for_s, role = parse_floor(await request.read(), roles)
+        try:
+            floor = autoscaler.set_floor(name, count, start_in_s, for_s, role)
+        except ValueError as exc:
+            raise _Refused(409, str(exc)) from None
+    except _Refused as refused:
+        return _error(refused)
+    return _json({"pool": name, "floor": scheduled.view(floor, autoscaler.clock())})
+
+
+async def floor_get(request: web.Request) -> web.Response:
+    try:
+        autoscaler, name, _roles = _pool(request)
+    except _Refused as refused:
+        return _error(refused)
+    return _json(_listing(autoscaler, name))
+
+
+async def floor_delete(request: web.Request) -> web.Response:
+    try:
+        autoscaler, name, _roles = _pool(request)
+    except _Refused as refused:
+        return _error(refused)
+    dropped = autoscaler.clear_floors(name)
+    return _json({**_listing(autoscaler, name), "cleared": dropped})
