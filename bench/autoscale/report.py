@@ -375,6 +375,11 @@ def _targets(rows: Sequence[dict[str, Any]], several: bool = False, peak: float 
         mine = found[name]
         if peak is None:
             continue
+        if name == "tokens-scheduled":
+            out.append(
+                f"- {name} is the scheduled (announced) variant: the operator set a floor for the chat burst "
+                "through the admin floor API at day start; every other mode is reactive and had no warning"
+            )
         share = mine["gpu_s"] / peak
         out.append(
             f"- {name}: attainment {100 * mine['attainment']:.1f} % (target >= 95 %) at {100 * share:.0f} % of "

@@ -16,6 +16,11 @@ fresh gateway per mode:
     tokens-warm     tokenway's planner with a warm reserve of one chat replica, awake
     tokens-sleep    tokenway's planner with a warm reserve of one chat replica asleep (level 1)
     tokens-nosurge  tokenway's planner, chat capped at its `max_replicas` of 6 (the surge's A/B)
+    tokens-scheduled  tokens, plus the operator announcing the chat burst: at day start the bench sets a
+                    floor through `PUT /admin/pools/chat/floor` (start_in_s = the burst's start, for_s = its
+                    length, from workload.Burst x day_s) of 6 chat replicas, the count static-peak gives
+                    chat; the planner starts them a learnt start-up early. The scheduled (announced)
+                    variant, not a reactive one: the other modes get no warning
 
 tokenway's planner may take the chat pool 2 replicas past its `max_replicas` of 6 (`surge_replicas`)
 on devices the code pool's planner does not want; the HPA-shaped baseline keeps its fixed maximum.
@@ -41,6 +46,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,6 +76,7 @@ def engine_args(load_gbps: float = LOAD_GBPS, init_s: float = INIT_S) -> list[st
 ENGINE_ARGS = engine_args()
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
 WARM_RESERVE = 1
+SCHEDULED_CHAT = 6  # tokens-scheduled: the burst's floor, the chat replicas of static-peak
 SURGE = 2  # chat: 6 + 2 = the 8 devices, granted only where the code pool does not want them
 
 
@@ -195,8 +202,28 @@ class ModeRun:
     seed: int = 7
 
 
+def announce(gw: Gateway, burst: tuple[float, float], replicas: int = SCHEDULED_CHAT) -> dict[str, Any]:
+    """tokens-scheduled: the operator's floor for the chat burst, set at day start (`burst` in seconds
+    from now)."""
+    start, end = burst
+    body = {"min_replicas": replicas, "start_in_s": start, "for_s": end - start}
+    request = urllib.request.Request(
+        gw.url + "/admin/pools/chat/floor", data=json.dumps(body).encode(), method="PUT",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        found: dict[str, Any] = json.loads(response.read())
+    return found
+
+
 async def run_mode(
-    mode: str, arrivals: list[Arrival], day_s: float, workdir: Path, seed: int = 7, args: list[str] | None = None
+    mode: str,
+    arrivals: list[Arrival],
+    day_s: float,
+    workdir: Path,
+    seed: int = 7,
+    args: list[str] | None = None,
+    burst: tuple[float, float] | None = None,
 ) -> ModeRun:
     pools = mode_pools(mode, args)
     initial = sum(p.get("replicas", 0) for p in pools)
@@ -204,6 +231,8 @@ async def run_mode(
     try:
         wait_replicas(gw, initial)
         payloads = bodies(arrivals, salt=uuid.uuid4().hex[:6])
+        if mode == "tokens-scheduled" and burst is not None:
+            announce(gw, burst)
         stop = asyncio.Event()
         started = time.perf_counter()
         sampler = asyncio.create_task(sample_replicas(gw.url, started, stop))
@@ -313,6 +342,7 @@ async def run_share(workdir: Path, seconds: float = 60.0) -> dict[str, Any]:
 
 MODES = (
     "static-peak", "static-mean", "hpa", "hpa-3", "hpa-2", "tokens", "tokens-warm", "tokens-sleep", "tokens-nosurge",
+    "tokens-scheduled",
 )  # fmt: skip
 
 
@@ -336,7 +366,8 @@ async def main_async(args: argparse.Namespace) -> None:
         for mode, seed in day_plan(modes, seeds):
             arrivals = days[seed]
             print(f"[autoscale] {mode} (seed {seed}): {len(arrivals)} requests over {day_s:g} s", flush=True)
-            runs.append(await run_mode(mode, arrivals, day_s, workdir, seed, flags))
+            burst = burst_window(args.scale, day_s)
+            runs.append(await run_mode(mode, arrivals, day_s, workdir, seed, flags, burst))
         extras: dict[str, Any] = {}
         extras_generated = None
         if args.skip_extras and args.extras_from is not None:
