@@ -10,13 +10,17 @@ metric, here the engines' requests running and waiting per ready replica (vLLM's
 
 It sees load only once it runs on the engines (no token rates, no forecast, no start-up lead) and
 cannot start from zero replicas on its own: a request held for a cold start activates it (one
-replica), as KEDA's activation does. Same inputs and outputs as `plan_pool`.
+replica), as KEDA's activation does. A scheduled floor (`backends.autoscale.floors`) raises the
+recommendation from a start-up before its window to its end, as KEDA's cron scaler beside the HPA's
+metric does (the HPA takes the largest of its metrics' recommendations). Same inputs and outputs as
+`plan_pool`.
 """
 
 from __future__ import annotations
 
 import math
 
+from backends.autoscale import floors as scheduled
 from backends.autoscale.config import AutoscaleConfig
 from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan
 
@@ -44,6 +48,9 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
         else:
             recommended = math.ceil(current * ratio)
             why = f"running {metric:.1f}/replica vs target {policy.hpa_target_running:g}"
+        booked, booking = scheduled.floor_at(signals.floors, role.role, now, signals.startup_s + policy.interval_s)
+        if booking is not None and booked > recommended:
+            recommended, why = booked, f"{why}; {scheduled.describe(booking, now)}"
         recommended = min(max(recommended, low), high)
         recommendations.append((role.role, recommended))
         if recommended < current:

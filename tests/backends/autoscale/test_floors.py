@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from backends.autoscale.config import AutoscaleConfig, RoleBounds
 from backends.autoscale.floors import Floor, Window, floor_at, parse_hhmm, schedule_floors
+from backends.autoscale.hpa import plan_hpa
 from backends.autoscale.planner import plan_pool, replay
 from backends.autoscale.types import PlannerMemory
 from tests.backends.autoscale.test_planner import signals
@@ -114,3 +115,11 @@ def test_a_floor_for_one_role_of_a_pd_pool() -> None:
     pd = replace(base, roles=roles, floors=(Floor(40.0, 90.0, 3, "decode"),))
     plan = plan_pool(pd, policy, PlannerMemory())
     assert {r.role: r.wanted for r in plan.roles} == {"prefill": 0, "decode": 3}  # no load: no prefill
+
+
+def test_the_hpa_baseline_takes_the_floor_as_its_largest_recommendation() -> None:
+    policy = POLICY.model_copy(update={"planner": "hpa"})
+    quiet = replace(signals(90.0, 0.0, ready=1), floors=(Floor(100.0, 200.0, 3),))
+    plan = plan_hpa(quiet, policy, PlannerMemory())
+    assert plan.roles[0].wanted == 3 and "scheduled floor 3" in plan.reason
+    assert plan_hpa(replace(quiet, now_s=80.0), policy, PlannerMemory()).roles[0].wanted == 0  # not yet: no load
