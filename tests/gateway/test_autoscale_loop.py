@@ -3,7 +3,11 @@ of a second after the last one must not measure a rate over that sliver of time.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from backends.autoscale.executor import Executor
 from backends.config import BackendsSettings, PoolConfig
@@ -20,7 +24,7 @@ class Clock:
         return self.now
 
 
-def autoscaler(tmp_path: Path, clock: Clock) -> Autoscaler:
+def autoscaler(tmp_path: Path, clock: Clock, **policy: Any) -> Autoscaler:
     pool = PoolConfig.model_validate(
         {
             "name": "chat",
@@ -29,7 +33,7 @@ def autoscaler(tmp_path: Path, clock: Clock) -> Autoscaler:
             "preset": "llama-3.1-8b@h100",
             "replicas": 0,
             "devices": "auto",
-            "autoscale": {"min_replicas": 0, "max_replicas": 4, "interval_s": 2.0},
+            "autoscale": {"min_replicas": 0, "max_replicas": 4, "interval_s": 2.0, **policy},
         }
     )
     fleet = Fleet.from_configs([pool])
@@ -60,3 +64,21 @@ def test_a_pass_soon_after_another_keeps_the_forecast_and_its_tokens(tmp_path: P
     forecast = scaler.forecasts["chat"][0]
     assert forecast.at_s == clock.now
     assert 250.0 < forecast.level < level
+
+
+def test_floors_from_the_api_and_the_schedule_reach_the_planner(tmp_path: Path) -> None:
+    clock = Clock()
+    window = {"start": "10:30", "end": "11:00", "min_replicas": 3}
+    scaler = autoscaler(tmp_path, clock, schedule=[window], startup_s=5.0)
+    scaler.wall_clock = lambda: datetime(2026, 12, 2, 10, 29, 55, tzinfo=UTC).timestamp() + clock.now - 100.0
+    plan = scaler.tick()[0]
+    assert plan.roles[0].wanted == 3 and "scheduled floor 3 (schedule 10:30-11:00) opens in 5 s" in plan.reason
+    scaler.set_floor("chat", 4, 10.0, 5.0)
+    assert [f["min_replicas"] for f in scaler.status()["pools"][0]["floors"]] == [4, 3]
+    for _ in range(15):
+        scaler.set_floor("chat", 1, 600.0, 1.0)
+    with pytest.raises(ValueError, match="at most 16"):
+        scaler.set_floor("chat", 1, 600.0, 1.0)
+    clock.now += 16.0  # the first API floor has ended: it is dropped, and a new one fits
+    scaler.set_floor("chat", 1, 600.0, 1.0)
+    assert scaler.clear_floors("chat") == 16
