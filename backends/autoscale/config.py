@@ -50,7 +50,7 @@ class ScheduleWindow(_Strict):
     kept a start-up early so the replicas serve when it opens (backends/autoscale/floors.py)."""
 
     start: str = Field(description='"HH:MM" UTC')
-    end: str = Field(description='"HH:MM" UTC; at or before start: the window wraps midnight')
+    end: str = Field(description='"HH:MM" UTC; before start: the window wraps midnight; equal: all day')
     min_replicas: int | dict[Literal["prefill", "decode"], int] = Field(
         description="the floor, or per role of a prefill/decode pool"
     )
