@@ -6,21 +6,17 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from backends.status import fleet_status
 from gateway import appkeys
+from gateway.admin_replies import json_reply
 from gateway.autoscale.floor_api import floor_delete, floor_get, floor_put
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.routes import Handler
 from policies.flow import reserve
 from policies.flow.saturation import saturation_reasons
 from policies.limits.compile import SPEND_RULE_ID
-
-
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 async def backends(request: web.Request) -> web.Response:
@@ -47,7 +43,7 @@ async def backends(request: web.Request) -> web.Response:
                 if held is not None:
                     endpoint["precise_index"] = {"blocks": held.blocks, "speculative": held.speculative,
                                                  "alive": held.alive}  # fmt: skip
-    return _json(status)
+    return json_reply(status)
 
 
 async def pools(request: web.Request) -> web.Response:
@@ -58,13 +54,13 @@ async def pools(request: web.Request) -> web.Response:
     pool = request.query.get("signals")
     if pool:
         body["signals"] = autoscaler.recorded(pool)
-    return _json(body)
+    return json_reply(body)
 
 
 async def status(request: web.Request) -> web.Response:
     """The running policy (and the last reload error, if any), the limiter store and every bucket."""
     admission = request.app[appkeys.ADMISSION]
-    return _json(
+    return json_reply(
         {
             "policy": request.app[appkeys.POLICIES].status(),
             "admission": admission.status(),
@@ -96,13 +92,13 @@ def flow_status(app: web.Application) -> dict[str, Any]:
 async def reload(request: web.Request) -> web.Response:
     """Reload policies.yaml now; 200 with the result, 422 when the file is invalid (old policy stays)."""
     result = await request.app[appkeys.POLICY_WATCHER].reload("admin")
-    return _json(result.as_dict(), status=200 if result.ok else 422)
+    return json_reply(result.as_dict(), status=200 if result.ok else 422)
 
 
 async def replicas(request: web.Request) -> web.Response:
     """This replica's id, what it published and read, and its peers (age, batches, gaps, load)."""
     bus = request.app[appkeys.REPLICAS]
-    return _json(bus.status() if bus is not None else {"sharing": False})
+    return json_reply(bus.status() if bus is not None else {"sharing": False})
 
 
 def limiter_gauges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -135,8 +131,8 @@ async def predictor(request: web.Request) -> web.Response:
     """Per pool and target (ttft, tpot): samples, online MAPE, p90 coverage, model age and source."""
     found = request.app[appkeys.PREDICTOR]
     if found is None:
-        return _json({"enabled": False})
-    return _json({"enabled": True, **found.status()})
+        return json_reply({"enabled": False})
+    return json_reply({"enabled": True, **found.status()})
 
 
 async def predictor_samples(request: web.Request) -> web.Response:
@@ -144,8 +140,8 @@ async def predictor_samples(request: web.Request) -> web.Response:
     features and models offline. Bounded by `predictor.export_samples` per pool."""
     found = request.app[appkeys.PREDICTOR]
     if found is None:
-        return _json({"enabled": False, "pools": {}})
-    return _json({"enabled": True, "pools": found.samples(request.query.get("pool"))})
+        return json_reply({"enabled": False, "pools": {}})
+    return json_reply({"enabled": True, "pools": found.samples(request.query.get("pool"))})
 
 
 def predictor_gauges(status: dict[str, Any]) -> dict[str, Any]:

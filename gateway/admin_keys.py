@@ -19,26 +19,15 @@ import orjson
 from aiohttp import web
 
 from gateway import appkeys
-from gateway.errors import GatewayError, Rejected, error_response
+from gateway.admin_replies import admin_error, json_reply
+from gateway.errors import GatewayError, error_response
 from gateway.request.intake import authenticate
 from gateway.routes import Handler
 from policies.keys.directory import DirectoryError, KeyDirectory
 from policies.limits.standing import standing
 from policies.policy import Policy
 from policies.schema import PRIORITY_VALUES
-from policies.types import Principal, Rejection
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error", 503: "server_error"}
-
-
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
-
-
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    code = {404: "not_found", 409: "conflict", 503: "store_unavailable"}.get(status)
-    rejection = Rejection(status, message, _ERROR_TYPES.get(status, "invalid_request_error"), code=code, param=param)
-    return error_response(Rejected(rejection))
+from policies.types import Principal
 
 
 def _directory(request: web.Request) -> KeyDirectory:
@@ -73,7 +62,7 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except DirectoryError as exc:
-            return _error(exc.status, str(exc), exc.param)
+            return admin_error(exc.status, str(exc), exc.param)
 
     return run
 
@@ -83,7 +72,7 @@ async def keys_create(request: web.Request) -> web.StreamResponse:
     directory = _directory(request)
     record, secret = await directory.create_key(await _body(request), _policy(request), _known_models(request))
     view = record.view(time.time())
-    return _json({"key": view, "secret": secret, "note": "the secret is shown once; store it now"}, status=201)
+    return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"}, status=201)
 
 
 async def keys_list(request: web.Request) -> web.StreamResponse:
@@ -103,7 +92,7 @@ async def keys_list(request: web.Request) -> web.StreamResponse:
         if record.revoked_at_unix_s is not None and not include_revoked:
             continue
         rows.append(record.view(now_s, directory.last_use_of(record.id)))
-    return _json({"object": "list", "data": rows})
+    return json_reply({"object": "list", "data": rows})
 
 
 async def keys_show(request: web.Request) -> web.StreamResponse:
@@ -117,37 +106,39 @@ async def keys_show(request: web.Request) -> web.StreamResponse:
     else:
         file_key = next((k for k in policy.config.keys if k.id == key_id), None)
         if file_key is None:
-            return _error(404, f"no key {key_id!r}", "id")
+            return admin_error(404, f"no key {key_id!r}", "id")
         view = _file_key_view(file_key.id, file_key.tenant, file_key.models, file_key.priority, file_key.disabled)
         principal = policy.file_principal(key_id)
     if principal is not None and view.get("status") == "active":
         view["standing"] = await _standing(request, policy, principal)
-    return _json(view)
+    return json_reply(view)
 
 
 async def keys_patch(request: web.Request) -> web.StreamResponse:
     key_id = request.match_info["key_id"]
     if _is_file_key(request, key_id):
-        return _error(409, f"key {key_id!r} is defined in policies.yaml: change it there", "id")
+        return admin_error(409, f"key {key_id!r} is defined in policies.yaml: change it there", "id")
     record = await _directory(request).patch_key(key_id, await _body(request), _policy(request), _known_models(request))
-    return _json(record.view(time.time(), _directory(request).last_use_of(key_id)))
+    return json_reply(record.view(time.time(), _directory(request).last_use_of(key_id)))
 
 
 async def keys_revoke(request: web.Request) -> web.StreamResponse:
     key_id = request.match_info["key_id"]
     if _is_file_key(request, key_id):
-        return _error(409, f"key {key_id!r} is defined in policies.yaml: remove it there (or set disabled: true)", "id")
+        return admin_error(
+            409, f"key {key_id!r} is defined in policies.yaml: remove it there (or set disabled: true)", "id"
+        )
     record = await _directory(request).revoke_key(key_id)
-    return _json({"id": key_id, "revoked": True, "key": record.view(time.time())})
+    return json_reply({"id": key_id, "revoked": True, "key": record.view(time.time())})
 
 
 async def keys_rotate(request: web.Request) -> web.StreamResponse:
     key_id = request.match_info["key_id"]
     if _is_file_key(request, key_id):
-        return _error(409, f"key {key_id!r} is defined in policies.yaml: rotate it there", "id")
+        return admin_error(409, f"key {key_id!r} is defined in policies.yaml: rotate it there", "id")
     record, secret = await _directory(request).rotate_key(key_id, await _body(request))
     view = record.view(time.time())
-    return _json({"key": view, "secret": secret, "note": "the secret is shown once; store it now"})
+    return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"})
 
 
 def _is_file_key(request: web.Request, key_id: str) -> bool:
@@ -172,14 +163,14 @@ def _file_key_view(
 # ---------------------------------------------------------------------- tenants
 async def tenants_create(request: web.Request) -> web.StreamResponse:
     record = await _directory(request).create_tenant(await _body(request), _policy(request), _known_models(request))
-    return _json(record.view(), status=201)
+    return json_reply(record.view(), status=201)
 
 
 async def tenants_list(request: web.Request) -> web.StreamResponse:
     policy = _policy(request)
     rows = [_file_tenant_view(name, policy) for name in policy.config.tenants]
     rows += [record.view() for record in _directory(request).tenants.values()]
-    return _json({"object": "list", "data": rows})
+    return json_reply({"object": "list", "data": rows})
 
 
 async def tenants_show(request: web.Request) -> web.StreamResponse:
@@ -191,30 +182,30 @@ async def tenants_show(request: web.Request) -> web.StreamResponse:
     elif name in directory.tenants:
         view = directory.tenants[name].view()
     else:
-        return _error(404, f"no tenant {name!r}", "name")
+        return admin_error(404, f"no tenant {name!r}", "name")
     view["keys"] = sorted(
         [k.id for k in policy.config.keys if k.tenant == name]
         + [r.id for r in directory.keys.values() if r.tenant == name and r.revoked_at_unix_s is None]
     )
-    return _json(view)
+    return json_reply(view)
 
 
 async def tenants_patch(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name in _policy(request).config.tenants:
-        return _error(409, f"tenant {name!r} is defined in policies.yaml: change it there", "name")
+        return admin_error(409, f"tenant {name!r} is defined in policies.yaml: change it there", "name")
     record = await _directory(request).patch_tenant(
         name, await _body(request), _policy(request), _known_models(request)
     )
-    return _json(record.view())
+    return json_reply(record.view())
 
 
 async def tenants_delete(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name in _policy(request).config.tenants:
-        return _error(409, f"tenant {name!r} is defined in policies.yaml: remove it there", "name")
+        return admin_error(409, f"tenant {name!r} is defined in policies.yaml: remove it there", "name")
     await _directory(request).delete_tenant(name)
-    return _json({"name": name, "deleted": True})
+    return json_reply({"name": name, "deleted": True})
 
 
 def _file_tenant_view(name: str, policy: Policy) -> dict[str, Any]:
@@ -258,7 +249,7 @@ async def own_key(request: web.Request) -> web.StreamResponse:
         data["expires_at"] = record.view(time.time())["expires_at"]
         data["hint"] = record.hint
     data.update(await _standing(request, policy, principal))
-    return _json({"data": data})
+    return json_reply({"data": data})
 
 
 def key_routes() -> list[tuple[str, str, Handler]]:

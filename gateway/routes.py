@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import orjson
 from aiohttp import web
 
 from gateway import access, appkeys
+from gateway.admin_replies import json_reply
 from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
 from gateway.console.sessions import CSRF_HEADER
 from gateway.errors import GatewayError, InvalidApiKey, error_response
@@ -21,10 +20,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS_RENDER: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics_render", object)  # type: ignore[arg-type]
 START_TIME: web.AppKey[float] = web.AppKey("start_time", float)
 METRICS_TOKEN: web.AppKey[str | None] = web.AppKey("metrics_token", object)  # type: ignore[arg-type]
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 def inference(kind: ApiKind) -> Handler:
@@ -51,11 +46,11 @@ async def list_models(request: web.Request) -> web.Response:
                 names.append(name)
     created = int(request.app[START_TIME])
     data = [{"id": n, "object": "model", "created": created, "owned_by": "tokenway"} for n in names]
-    return _json({"object": "list", "data": data})
+    return json_reply({"object": "list", "data": data})
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
+    return json_reply({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -68,7 +63,7 @@ async def readyz(request: web.Request) -> web.Response:
     not_ready = sorted(name for name, ready in pools.items() if not ready)
     ready = ready_by_rule(pools, server.ready_when, server.default_pool)
     body = {"ready": ready, "ready_when": server.ready_when, "pools": pools, "not_ready": not_ready}
-    return _json(body, status=200 if ready else 503)
+    return json_reply(body, status=200 if ready else 503)
 
 
 def ready_by_rule(pools: dict[str, bool], rule: str, default_pool: str | None) -> bool:

@@ -22,6 +22,7 @@ import math
 
 from backends.autoscale import floors as scheduled
 from backends.autoscale.config import AutoscaleConfig
+from backends.autoscale.planner import lead_time_s
 from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan
 
 TOLERANCE = 0.1
@@ -29,6 +30,7 @@ TOLERANCE = 0.1
 
 def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemory) -> PoolPlan:
     now = signals.now_s
+    lead_s = lead_time_s(signals, policy)  # a scheduled floor is kept this early
     window_start = now - policy.stabilization_s
     history = tuple(entry for entry in memory.history if entry[0] >= window_start)
     roles, reasons, recommendations = [], [], []
@@ -48,7 +50,7 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
         else:
             recommended = math.ceil(current * ratio)
             why = f"running {metric:.1f}/replica vs target {policy.hpa_target_running:g}"
-        booked, booking = scheduled.floor_at(signals.floors, role.role, now, signals.startup_s + policy.interval_s)
+        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s)
         if booking is not None and booked > recommended:
             recommended, why = booked, f"{why}; {scheduled.describe(booking, now)}"
         recommended = min(max(recommended, low), high)

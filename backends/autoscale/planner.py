@@ -43,7 +43,7 @@ _EPSILON = 1e-9
 def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemory) -> PoolPlan:
     """The pool's wanted replicas per role before the device budget (`desired` = `wanted` here)."""
     now = signals.now_s
-    lead_s = _lead_s(signals) + policy.interval_s
+    lead_s = lead_time_s(signals, policy)
     prefill_demand = max(signals.prefill.level, signals.prefill.ahead(lead_s))
     decode_demand = max(signals.decode.level, signals.decode.ahead(lead_s))
     busy = (
@@ -127,10 +127,12 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
     return PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory)
 
 
-def _lead_s(signals: PoolSignals) -> float:
-    """How long until a replica asked for now serves: a wake when one sleeps, else a start."""
+def lead_time_s(signals: PoolSignals, policy: AutoscaleConfig) -> float:
+    """How long until a replica asked for now serves, plus the pass that asks for it: a wake when
+    one sleeps, else a start (the HPA-shaped planner keeps a scheduled floor this early too)."""
     sleeping = sum(r.replicas.sleeping for r in signals.roles)
-    return signals.wake_s if sleeping and signals.wake_s > 0 else signals.startup_s
+    ready_s = signals.wake_s if sleeping and signals.wake_s > 0 else signals.startup_s
+    return ready_s + policy.interval_s
 
 
 def _load(role: RoleSignals, prefill_demand: float, decode_demand: float) -> float:

@@ -19,13 +19,11 @@ import orjson
 from aiohttp import web
 
 from backends.autoscale import floors as scheduled
+from gateway.admin_replies import admin_error, json_reply
 from gateway.autoscale.loop import Autoscaler
 from gateway.autoscale.wiring import AUTOSCALER
-from gateway.errors import Rejected, error_response
-from policies.types import Rejection
 
 _FIELDS = frozenset({"min_replicas", "start_in_s", "for_s", "role"})
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error"}
 _LONGEST_S = 7 * 86_400.0  # a one-off floor; a standing one belongs in autoscale.schedule
 
 
@@ -35,14 +33,8 @@ class _Refused(Exception):
         self.status, self.param = status, param
 
 
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
-
-
 def _error(refused: _Refused) -> web.Response:
-    code = {404: "not_found", 409: "conflict"}.get(refused.status)
-    kind = _TYPES.get(refused.status, "invalid_request_error")
-    return error_response(Rejected(Rejection(refused.status, str(refused), kind, code=code, param=refused.param)))
+    return admin_error(refused.status, str(refused), refused.param)
 
 
 def _pool(request: web.Request) -> tuple[Autoscaler, str, list[str]]:
@@ -111,7 +103,7 @@ async def floor_put(request: web.Request) -> web.Response:
             raise _Refused(409, str(exc)) from None
     except _Refused as refused:
         return _error(refused)
-    return _json({"pool": name, "floor": scheduled.view(floor, autoscaler.clock())})
+    return json_reply({"pool": name, "floor": scheduled.view(floor, autoscaler.clock())})
 
 
 async def floor_get(request: web.Request) -> web.Response:
@@ -119,7 +111,7 @@ async def floor_get(request: web.Request) -> web.Response:
         autoscaler, name, _roles = _pool(request)
     except _Refused as refused:
         return _error(refused)
-    return _json(_listing(autoscaler, name))
+    return json_reply(_listing(autoscaler, name))
 
 
 async def floor_delete(request: web.Request) -> web.Response:
@@ -128,4 +120,4 @@ async def floor_delete(request: web.Request) -> web.Response:
     except _Refused as refused:
         return _error(refused)
     dropped = autoscaler.clear_floors(name)
-    return _json({**_listing(autoscaler, name), "cleared": dropped})
+    return json_reply({**_listing(autoscaler, name), "cleared": dropped})

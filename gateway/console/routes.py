@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from gateway import appkeys
+from gateway.admin_replies import json_reply
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.console.usage import usage_async
 from gateway.ledger.config import LedgerConfig
@@ -37,10 +38,6 @@ SECURITY_HEADERS = {
 }
 
 
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
-
-
 async def index(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(STATIC / "index.html", headers={**SECURITY_HEADERS, "Content-Type": "text/html"})
 
@@ -61,7 +58,7 @@ async def session(request: web.Request) -> web.Response:
     """Whether this browser is logged in, and whether logging in needs the admin token."""
     token = request.app[appkeys.SETTINGS].server.admin_token
     sessions = request.app[appkeys.CONSOLE_SESSIONS]
-    return _json(
+    return json_reply(
         {
             "authenticated": sessions.valid(request.cookies.get(COOKIE)),
             "token_required": bool(token),
@@ -80,11 +77,11 @@ async def login(request: web.Request) -> web.Response:
     presented = str(body.get("token", "")) if isinstance(body, dict) else ""
     if token:
         if not hmac.compare_digest(presented.encode(), token.encode()):
-            return _json({"error": {"message": "wrong admin token", "type": "invalid_request_error"}}, status=401)
+            return json_reply({"error": {"message": "wrong admin token", "type": "invalid_request_error"}}, status=401)
     elif not _loopback(request):
-        return _json({"error": {"message": "the console is loopback-only without server.admin_token"}}, status=403)
+        return json_reply({"error": {"message": "the console is loopback-only without server.admin_token"}}, status=403)
     sessions: ConsoleSessions = request.app[appkeys.CONSOLE_SESSIONS]
-    response = _json({"authenticated": True})
+    response = json_reply({"authenticated": True})
     response.set_cookie(
         COOKIE,
         sessions.open(),
@@ -99,7 +96,7 @@ async def login(request: web.Request) -> web.Response:
 
 async def logout(request: web.Request) -> web.Response:
     request.app[appkeys.CONSOLE_SESSIONS].close(request.cookies.get(COOKIE))
-    response = _json({"authenticated": False})
+    response = json_reply({"authenticated": False})
     response.del_cookie(COOKIE, path="/")
     return response
 
@@ -111,7 +108,7 @@ async def activity(request: web.Request) -> web.Response:
         after = int(request.query.get("after", "0"))
     except ValueError:
         after = 0
-    return _json({**recent.overview(), "tail": recent.tail(after)})
+    return json_reply({**recent.overview(), "tail": recent.tail(after)})
 
 
 async def usage(request: web.Request) -> web.Response:
@@ -121,8 +118,8 @@ async def usage(request: web.Request) -> web.Response:
     try:
         found = await usage_async(Path(config.dir), request.query.get("since", "24h"), request.query.get("until"), by)
     except (ReportError, ValueError) as exc:
-        return _json({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
-    return _json({**found, "ledger_enabled": config.enabled})
+        return json_reply({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+    return json_reply({**found, "ledger_enabled": config.enabled})
 
 
 def console_routes() -> list[tuple[str, str, Handler]]:
