@@ -76,6 +76,7 @@ class Scraper:
             return False
         stats.scraped_at_s = self.clock()
         endpoint.stats = stats
+        endpoint.inflight.scraped()
         return True
 
     def tick(self, fleet: Fleet, session: aiohttp.ClientSession) -> None:

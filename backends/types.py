@@ -82,6 +82,10 @@ class InFlight:
     remote_requests: int = 0
     remote_prefill_tokens: int = 0
     remote_decode_tokens: int = 0
+    # scrapes applied so far, and the gateway's requests that ended since the last one though they
+    # began before it: the scraped running/waiting still counts them (`engine_held`)
+    scrapes: int = 0
+    ended_since_scrape: int = 0
 
     @property
     def local_requests(self) -> int:
@@ -109,7 +113,12 @@ class InFlight:
     def begin(self, prefill_tokens: int) -> LoadTicket:
         self.requests += 1
         self.prefill_tokens += prefill_tokens
-        return LoadTicket(self, prefill_tokens)
+        return LoadTicket(self, prefill_tokens, scrape=self.scrapes)
+
+    def scraped(self) -> None:
+        """Fresh engine metrics were applied: they no longer count the requests that ended before."""
+        self.scrapes += 1
+        self.ended_since_scrape = 0
 
 
 @dataclass(slots=True)
@@ -121,6 +130,7 @@ class LoadTicket:
     decode_tokens: int = 0
     prefilled: bool = False
     ended: bool = False
+    scrape: int = 0  # the endpoint's scrape count when it began
 
     def first_token(self, decode_tokens: int) -> None:
         if self.prefilled or self.ended:
@@ -138,6 +148,8 @@ class LoadTicket:
             self.inflight.prefill_tokens -= self.prefill_tokens
         self.inflight.decode_tokens -= self.decode_tokens
         self.inflight.requests -= 1
+        if self.scrape != self.inflight.scrapes:  # the last scrape saw it running or waiting
+            self.inflight.ended_since_scrape += 1
 
 
 @dataclass(slots=True, eq=False)
@@ -180,3 +192,13 @@ class Endpoint:
 
     def stats_age_s(self, now_s: float) -> float:
         return now_s - self.stats.scraped_at_s if self.stats.scraped_at_s else float("inf")
+
+    def engine_held(self) -> int:
+        """The engine's running + waiting requests as last scraped, less the gateway's requests that
+        ended since (an ended request's slot is free at once, not a scrape later)."""
+        return max(self.stats.running + self.stats.waiting - self.inflight.ended_since_scrape, 0)
+
+    def engine_waiting(self) -> int:
+        """The engine's waiting requests as last scraped, less one per gateway request ended since
+        (each lets a waiting one start)."""
+        return max(self.stats.waiting - self.inflight.ended_since_scrape, 0)

@@ -48,8 +48,12 @@ class Resumed:
     api: str  # chat | completions
 
 
-# (text sent so far, completion tokens sent so far) -> a continuation on another replica, or None
-Resume = Callable[[str, int], Awaitable[Resumed | None]]
+# (text sent so far, completion tokens sent so far, whether flow control cut it to free its slot)
+# -> a continuation on another replica (or, after a preemption, wherever its turn finds room), or None
+Resume = Callable[[str, int, bool], Awaitable[Resumed | None]]
+# a preempted stream's wait for its turn in its pool's waiting room: the endpoint to continue on, or
+# None when the wait ended without one (its deadline, the room full)
+WaitTurn = Callable[[], Awaitable[Endpoint | None]]
 
 
 def can_migrate(body: Mapping[str, Any], api: str) -> bool:
@@ -200,7 +204,11 @@ class Resumer:
     replicas are all out of routing at the moment of the cut (a health probe that timed out on a busy
     host, a replica still starting) is asked again for up to `wait_s` while `others(avoid)` says
     the pool has an endpoint left to try: the client's stream stalls for that long instead of ending
-    with the error event."""
+    with the error event.
+
+    A stream flow control cut to free its slot (`RelayOutcome.preempt`) is not avoiding a broken
+    replica: it waits its turn in the pool's waiting room (`wait_turn`, in flow order like any
+    request) and continues wherever that finds room, its own replica included."""
 
     body: Mapping[str, Any]
     api: str
@@ -209,28 +217,43 @@ class Resumer:
     route: Callable[[frozenset[str]], Endpoint | None]
     send: Callable[[Endpoint, dict[str, Any]], Awaitable[Response | None]]
     others: Callable[[frozenset[str]], bool] = lambda avoid: False
+    wait_turn: WaitTurn | None = None
     avoid: set[str] = field(default_factory=set)
     wait_s: float = 10.0
     poll_s: float = 0.2
 
-    async def __call__(self, text: str, sent_tokens: int) -> Resumed | None:
-        self.avoid.add(self.first_endpoint)
+    async def __call__(self, text: str, sent_tokens: int, preempted: bool = False) -> Resumed | None:
         body = continuation_body(self.body, self.api, text, sent_tokens)
         if body is None:
             return None
+        if preempted and self.wait_turn is not None:
+            endpoint = await self.wait_turn()
+            if endpoint is None:
+                return None  # its wait ended without a turn (the band's deadline): it ends here
+            resumed = await self._send(endpoint, body, sent_tokens)
+            if resumed is not None:
+                return resumed
+            self.avoid.add(endpoint.id)  # it failed there: on to another replica, as for a cut
+        else:
+            self.avoid.add(self.first_endpoint)
         for _ in range(2):
             endpoint = await self._routed()
             if endpoint is None:
                 return None
             self.avoid.add(endpoint.id)
-            ticket = endpoint.inflight.begin(self.prompt_tokens + sent_tokens)
-            response = await self.send(endpoint, body)
-            if response is None:
-                ticket.end()
-                continue
-            ticket.first_token(self.prompt_tokens + sent_tokens)
-            return Resumed(response, ticket, endpoint.id, self.prompt_tokens, self.api)
+            resumed = await self._send(endpoint, body, sent_tokens)
+            if resumed is not None:
+                return resumed
         return None
+
+    async def _send(self, endpoint: Endpoint, body: dict[str, Any], sent_tokens: int) -> Resumed | None:
+        ticket = endpoint.inflight.begin(self.prompt_tokens + sent_tokens)
+        response = await self.send(endpoint, body)
+        if response is None:
+            ticket.end()
+            return None
+        ticket.first_token(self.prompt_tokens + sent_tokens)
+        return Resumed(response, ticket, endpoint.id, self.prompt_tokens, self.api)
 
     async def _routed(self) -> Endpoint | None:
         deadline = time.monotonic() + self.wait_s

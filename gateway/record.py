@@ -53,6 +53,7 @@ class RequestRecord:
     engine_metrics: dict[str, Any] | None = None  # the engine's own per-request timings (the simulator's)
     cold_start_ms: float | None = None  # held while a replica of its pool started or woke
     migrations: int = 0  # times its stream continued on another replica after its own cut it
+    preempted: int = 0  # times flow control cut its stream for another tenant's request (it continued)
     batch_id: str | None = None  # a line of this batch (Batch API)
 
     def as_dict(self) -> dict[str, Any]:

@@ -77,6 +77,34 @@ class RelayOutcome:
     on_first_token: Callable[[float], None] | None = field(default=None, repr=False)
     migrations: int = 0  # times the stream continued on another replica after its own cut it
     migrated_to: list[str] = field(default_factory=list)  # those replicas
+    # a stream that can continue elsewhere: its upstream answer now (flow control may cut it to free
+    # the slot for a tenant under its share: `preempt`), and whether that happened
+    upstream: Response | None = field(default=None, repr=False)
+    preempted: int = 0  # times flow control cut it (it waited its turn again, then continued)
+    _preempting: bool = field(default=False, repr=False)
+
+    def preemptible(self) -> bool:
+        """Whether flow control may cut this stream now: it can continue (a plain stream, its first
+        token out, not moved before, not ending) and nothing asked already."""
+        return (
+            self.upstream is not None
+            and not self._preempting
+            and self.migrations == 0
+            and self.first_token_at_s is not None
+            and not self.done_sent
+            and not self.aborted
+            and not self.broken
+        )
+
+    def preempt(self) -> bool:
+        """Cut the stream's upstream so that its slot frees now; the relay continues it after it
+        waited its turn again (`gateway/migrate.py`). False when it cannot be cut."""
+        if not self.preemptible():
+            return False
+        assert self.upstream is not None
+        self._preempting = True
+        self.upstream.close()  # the relay's read fails at once: a cut, continued as a preemption
+        return True
 
 
 def _usage_from(obj: Any) -> Usage | None:
@@ -253,6 +281,9 @@ async def relay_stream(
     pending = b""
     clean = False
     moving = _Moving() if resume is not None and codec is None else None
+    if moving is not None:
+        outcome.upstream = upstream
+    current = ticket  # the load of the replica relaying now
     try:
         await client.prepare(request)
         if codec is not None:
@@ -271,9 +302,15 @@ async def relay_stream(
                 cut = f"{type(exc).__name__}: {exc}"
             if cut is not None:
                 resumed = None
+                preempted, outcome._preempting = outcome._preempting, False
                 if moving is not None and resume is not None and outcome.migrations < MAX_MIGRATIONS:
                     upstream.close()
-                    resumed = await resume(sent_text(moving.sent, moving.api), outcome.counted_completion_tokens)
+                    current.end()  # its slot is free from now: routing and flow control see it
+                    outcome.upstream = None
+                    if preempted:
+                        outcome.preempted += 1
+                    text = sent_text(moving.sent, moving.api)
+                    resumed = await resume(text, outcome.counted_completion_tokens, preempted)
                 if resumed is None:
                     outcome.broken = True
                     outcome.error_detail = cut
@@ -282,6 +319,8 @@ async def relay_stream(
                     break
                 assert moving is not None
                 upstream, pending = resumed.response, b""
+                current = resumed.ticket
+                outcome.upstream = upstream
                 moving.continued(resumed, outcome)
                 continue
             pending += data

@@ -17,8 +17,18 @@ from typing import Any
 import numpy as np
 
 WAITED_S = 0.010
-MODES_ORDER = ("solo-B", "fifo", "priority", "flow", "flow-reserve", "flow-2")
-FLOW_MODES = ("flow", "flow-reserve", "flow-2")
+MODES_ORDER = (
+    "solo-B",
+    "fifo",
+    "priority",
+    "flow",
+    "flow-reserve",
+    "flow-2",
+    "flow-preempt",
+    "flow-reserve-preempt",
+    "flow-reserve-preempt-2",
+)
+FLOW_MODES = ("flow", "flow-reserve", "flow-2", "flow-preempt", "flow-reserve-preempt", "flow-reserve-preempt-2")
 LABELS = {
     "solo-B": "B alone",
     "fifo": "FIFO (no flow control)",
@@ -26,6 +36,9 @@ LABELS = {
     "flow": "flow control",
     "flow-reserve": "flow control + reserve",
     "flow-2": "flow control + reserve, 2 replicas",
+    "flow-preempt": "flow control + preemption",
+    "flow-reserve-preempt": "flow control + reserve + preemption",
+    "flow-reserve-preempt-2": "flow control + reserve + preemption, 2 replicas",
 }
 
 
@@ -281,6 +294,15 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
             g = summaries[mode]["goodput_tokens_per_s"]
             ratio = f"{g / fifo:.2f}x" if fifo else "-"
             lines.append(f"| {LABELS[mode]} | {g:.0f} | {ratio} | {summaries[mode]['completed_per_s']:.2f} |")
+    cut = {mode: _preempted(raw["runs"][mode]) for mode in MODES_ORDER if mode in raw["runs"] and "preempt" in mode}
+    if cut:
+        lines += [
+            "",
+            "Streams cut by preemption (each waited its turn again and continued where it stopped; "
+            "`preempted` on `/admin/status`, summed over the replicas): "
+            + ", ".join(f"{LABELS[mode]} {n}" for mode, n in cut.items())
+            + ".",
+        ]
     lines += [
         "",
         "## Output-length predictions (MAE in tokens, served requests; raw median vs drift-corrected)",
@@ -357,6 +379,14 @@ def plot(raw: Mapping[str, Any], summaries: Mapping[str, Any], path: Path) -> No
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _preempted(run: Mapping[str, Any]) -> int:
+    total = 0
+    for status in run.get("flow_status") or []:
+        if isinstance(status, Mapping):
+            total += int(status.get("pools", {}).get("llama", {}).get("preempted", 0) or 0)
+    return total
 
 
 def write(raw: dict[str, Any], out: Path) -> None:

@@ -1,6 +1,7 @@
 """Fairness under saturation, side by side: FIFO (no flow control), priority only, flow control
 (strictly work-conserving), flow control with a slot reserve, and that on two gateway replicas
-sharing Redis.
+sharing Redis; each of the flow modes also with preemption (a light tenant's request that finds the
+pool full cuts a stream of the flood, which waits its turn and continues).
 
     .venv/bin/python -m bench.fairness [--quick] [--time-scale 0.5] [--phase-s 120]
 
@@ -49,12 +50,21 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 RESERVE: dict[str, int] = {"reserve_slots": 4, "reserve_max_slots": 12, "reserve_margin": 2}
 FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
 RESERVE_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, **RESERVE}}
+# a request that finds the pool full cuts a stream of a tenant over its share (policies/flow/preempt.py)
+PREEMPT_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, "preempt": True}}
+RESERVE_PREEMPT_SECTION: dict[str, Any] = {
+    "enabled": True,
+    "saturation": {"max_engine_waiting": 0, **RESERVE, "preempt": True},
+}
 MODES: dict[str, dict[str, Any]] = {
     "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
     "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
     "flow": {"flow_control": FLOW_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-reserve": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-2": {"flow_control": RESERVE_SECTION, "fairness": "vtc", "replicas": 2},
+    "flow-preempt": {"flow_control": PREEMPT_SECTION, "fairness": "vtc", "replicas": 1},
+    "flow-reserve-preempt": {"flow_control": RESERVE_PREEMPT_SECTION, "fairness": "vtc", "replicas": 1},
+    "flow-reserve-preempt-2": {"flow_control": RESERVE_PREEMPT_SECTION, "fairness": "vtc", "replicas": 2},
 }
 
 

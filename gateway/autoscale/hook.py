@@ -61,9 +61,10 @@ class ElasticHook(Hook):
         outcome, routed = ctx.outcome, ctx.routed
         if outcome is None or routed is None or (not routed.pool.config.elastic and not outcome.migrations):
             return
-        ctx.record.migrations = outcome.migrations
+        moved = outcome.migrations - outcome.preempted  # a preemption's continuation is flow control's
+        ctx.record.migrations = moved
         if self.metrics is not None:
-            for _ in range(outcome.migrations):
+            for _ in range(moved):
                 self.metrics.observe_migration(routed.pool.name, "migrated")
             if outcome.broken:
                 self.metrics.observe_migration(routed.pool.name, "failed")

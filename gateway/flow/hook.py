@@ -33,7 +33,7 @@ from gateway.errors import Rejected
 from gateway.flow.queue import FlowQueue, Lease
 from gateway.flow.types import Blocked, FlowRequest, QueueRejected
 from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
-from policies.flow import reserve, vtc
+from policies.flow import preempt, reserve, vtc
 from policies.flow.bands import band_name, band_rank
 from policies.flow.config import FlowSettings
 from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
@@ -42,6 +42,7 @@ from policies.holder import PolicyHolder
 from predictor.length import OutputPrediction
 
 _LIMITS_KEPT = 256
+_PREEMPT_EVERY_S = 1.0  # a waiting request asks for one preemption at most this often
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -74,6 +75,9 @@ class FlowHook(Hook):
     # (pool, max_num_seqs) -> its limits under `_limits_of`: merging them is a pydantic dump, not per-request work
     _limits: dict[tuple[str, int | None], SaturationLimits] = field(default_factory=dict)
     _limits_of: FlowSettings | None = None
+    # pool -> id(ctx) -> a stream in flight there that flow control may cut (`preempt`): at most
+    # the requests in flight, each removed as its attempt ends
+    _running: dict[str, dict[int, tuple[RequestContext, float]]] = field(default_factory=dict)
 
     async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
         facts = ctx.facts
@@ -96,14 +100,21 @@ class FlowHook(Hook):
             deadline_s,
             (ctx.http.content_length or 0) if ctx.http is not None else 0,  # the endpoint picker holds no body
             slo.class_name if slo is not None else "",
+            # at the gate from inside an attempt: a stream flow control cut, waiting to continue
+            resumed=ctx.outcome is not None and ctx.outcome.preempted > 0,
         )
         pending: list[Routed] = [routed]
+        asked = [float("-inf")]  # when this request last had a stream cut for it
 
         def ready() -> Routed | Blocked:
             candidate = pending.pop() if pending else reroute(())
             if candidate is None:
                 return Blocked.POOL  # no endpoint at all right now (a replica may come back)
             opened = self._open(candidate, reroute, request)
+            if opened is Blocked.POOL:
+                now = self.now()
+                if now - asked[0] >= _PREEMPT_EVERY_S and self._preempt(candidate, request):
+                    asked[0] = now
             if isinstance(opened, Blocked):
                 return opened
             for check in self.checks:
@@ -130,16 +141,31 @@ class FlowHook(Hook):
             ctx.headers.append(("x-tokenway-flow", self._debug(pool, request, output)))
         return found
 
+    def dispatched(self, ctx: RequestContext) -> None:
+        """A stream of a pool that may preempt is one flow control may cut (`_preempt`)."""
+        routed = ctx.routed
+        if routed is None or not ctx.facts.stream or id(ctx) not in self._leases:
+            return
+        pool = routed.pool
+        if self._pool_limits(pool.name, pool.config.max_num_seqs).preempt:
+            self._running.setdefault(pool.name, {})[id(ctx)] = (ctx, self.now())
+
     def first_token(self, ctx: RequestContext, at_s: float) -> None:
         if ctx.routed is not None:
             self.queue.notify(ctx.routed.pool.name)
 
     def ended(self, ctx: RequestContext) -> None:
         """An attempt ended: correct its tenant's counter with the real cost; capacity freed."""
+        if ctx.routed is not None:
+            running = self._running.get(ctx.routed.pool.name)
+            if running is not None and running.pop(id(ctx), None) is not None and not running:
+                del self._running[ctx.routed.pool.name]
         if id(ctx) not in self._leases:
             return
         outcome = ctx.outcome
         actual: float | None = 0.0  # nothing served: the charge is refunded
+        if outcome is not None and outcome.preempted:
+            ctx.record.preempted = outcome.preempted
         if outcome is not None:
             usage = outcome.usage
             if usage is not None:
@@ -160,6 +186,34 @@ class FlowHook(Hook):
             lease.finished(actual_cost_tokens)
 
     # --- parts --------------------------------------------------------------------------------------
+
+    def _preempt(self, routed: Routed, request: FlowRequest) -> bool:
+        """The pool is full and `request` waits: with `preempt`, cut a stream of a tenant over its
+        share (`policies.flow.preempt`) so that its slot frees; whether one was cut."""
+        pool = routed.pool
+        running = self._running.get(pool.name)
+        if not running or not self._pool_limits(pool.name, pool.config.max_num_seqs).preempt:
+            return False
+        active = self.queue.activity.active(pool.name)
+        own = active.get(request.tenant)
+        if request.resumed or (own is not None and own.waiting > 1):
+            return False  # a backlogged tenant is served by flow order as slots free, not by cuts
+        streams = []
+        for key, (ctx, dispatched_s) in running.items():
+            outcome = ctx.outcome
+            if outcome is not None and outcome.preemptible():
+                band = band_rank(ctx.facts.principal.priority)
+                streams.append(preempt.Running(key, ctx.facts.principal.tenant, band, dispatched_s))
+        while streams:
+            chosen = preempt.victim(request.tenant, request.band, request.weight, streams, active)
+            if chosen is None:
+                return False
+            ctx = running[chosen.key][0]
+            if ctx.outcome is not None and ctx.outcome.preempt():
+                self.queue.count_preemption(pool.name)
+                return True
+            streams.remove(chosen)
+        return False
 
     def _output(self, ctx: RequestContext) -> OutputPrediction:
         facts = ctx.facts

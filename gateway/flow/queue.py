@@ -91,6 +91,7 @@ class _Room:
     dispatched: int = 0
     waited: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
+    preempted: int = 0  # streams cut to free a slot for a request under its share (`FlowHook`)
 
 
 @dataclass(slots=True)
@@ -199,6 +200,10 @@ class FlowQueue:
         if room is not None and room.entries:
             self._round(room)
 
+    def count_preemption(self, pool: str) -> None:
+        """A stream of `pool` was cut so that a waiting request could start (`/admin/status`)."""
+        self._room(pool).preempted += 1
+
     def waiting_with(self, pool: str, tag: str) -> int:
         """Requests of `tag` waiting in `pool` now."""
         room = self._rooms.get(pool)
@@ -289,9 +294,14 @@ class FlowQueue:
             self.counters.lift(room.pool, request.band, request.tenant, floor)
             own = tenants[request.tenant] = []
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        entry: _Entry[T] = _Entry(next(self._seq), request, ready, future, now, blocked, floor)
+        # a resumed stream was admitted before anything waiting: first of its tenant's, earliest in ties
+        seq = -next(self._seq) if request.resumed else next(self._seq)
+        entry: _Entry[T] = _Entry(seq, request, ready, future, now, blocked, floor)
         others = bool(room.entries)
-        own.append(entry)
+        if request.resumed:
+            own.insert(0, entry)
+        else:
+            own.append(entry)
         room.entries[entry.seq] = entry
         room.body_bytes += request.body_bytes
         if request.tag:
@@ -457,6 +467,7 @@ class FlowQueue:
                 "dispatched": room.dispatched,
                 "waited": room.waited,
                 "rejected": dict(room.rejected),
+                "preempted": room.preempted,
                 "bands": bands,
                 "fair_share_ratio": {t: round(r, 4) for t, r in self.fair_share_ratios(pool).items()},
             }

@@ -31,7 +31,9 @@ class FlowRequest:
 
     `cost_tokens`: uncached prompt + predicted output tokens (what its tenant's counter is charged);
     `deadline_s`: `time.monotonic()` past which it stops waiting; `tag`: a group whose waiting
-    requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class."""
+    requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream flow
+control cut to free its slot, waiting to continue (it was admitted before any of its tenant's that
+wait, so it goes first of them)."""
 
     request_id: str
     tenant: str
@@ -41,6 +43,7 @@ class FlowRequest:
     deadline_s: float
     body_bytes: int = 0
     tag: str = ""
+    resumed: bool = False  # a preempted stream waiting again: first of its tenant's, as the earliest arrival
 
 
 class QueueRejected(Exception):

@@ -283,7 +283,23 @@ class Dispatch:
         def others(avoid: frozenset[str]) -> bool:
             return any(e.id not in avoid for e in pool.endpoints)
 
-        return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send, others)
+        async def wait_turn() -> Endpoint | None:
+            """A preempted stream waits its turn at the gate again, like any request of the pool."""
+
+            def reroute(more: Collection[str]) -> Routed | None:
+                return self.route(ctx, [pool], more)
+
+            found = reroute(())
+            if found is None:
+                return None
+            try:
+                turn = await self.hooks.gate(ctx, found, reroute)
+            except Detour as detour:
+                log.warning("a preempted stream found no turn: %s", detour.trigger)
+                return None
+            return turn.endpoint
+
+        return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send, others, wait_turn)
 
     def upstream_body(
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None

@@ -12,6 +12,7 @@ flow_control:
     reserve_max_slots: null      # above reserve_slots: sized from their recent peak demand, up to this
     reserve_margin: 1            # with reserve_max_slots: slots kept beyond that peak
     reserve_avoid_prefills: true # with a reserve: those it is kept for go where no prefill is pending
+    preempt: false               # a request finding the pool full may cut a stream of a tenant over its share
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
   reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
@@ -54,6 +55,13 @@ class SaturationConfig(_Strict):
     reserve_avoid_prefills: bool = Field(
         default=True,
         description="with a reserve: a request it is kept for goes where no prefill is pending, if open",
+    )
+    preempt: bool = Field(
+        default=False,
+        description=(
+            "a request that finds the pool full cuts a plain stream of a tenant over its share, which waits"
+            " its turn and continues where it stopped (policies/flow/preempt.py)"
+        ),
     )
 
 

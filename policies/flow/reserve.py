@@ -80,14 +80,15 @@ class ReserveSize:
 def free_slots(endpoints: Iterable[Endpoint], max_num_seqs: int, now_s: float, max_stats_age_s: float) -> int:
     """Batch slots no request holds across the ready endpoints: the batch size less the larger of the
     gateway's in-flight count there (its own and what other replicas report) and the engine's scraped
-    running + waiting (when fresh: it also counts requests that did not come through this gateway)."""
+    running + waiting (when fresh: it also counts requests that did not come through this gateway),
+    less what ended since that scrape."""
     free = 0
     for e in endpoints:
         if not e.ready:
             continue
         held = e.inflight.requests
         if e.stats_age_s(now_s) <= max_stats_age_s:
-            held = max(held, e.stats.running + e.stats.waiting)
+            held = max(held, e.engine_held())
         free += max(max_num_seqs - held, 0)
     return free
 

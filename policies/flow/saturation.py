@@ -50,6 +50,7 @@ class SaturationLimits:
     reserve_max_slots: int | None = None  # above reserve_slots: sized from recent demand
     reserve_margin: int = 1
     reserve_avoid_prefills: bool = True
+    preempt: bool = False  # policies.flow.preempt
 
     @property
     def reserve(self) -> ReserveSize:
@@ -62,7 +63,7 @@ def engine_waiting(endpoint: Endpoint, limits: SaturationLimits, now_s: float) -
     implied = endpoint.inflight.requests + 1 - limits.max_num_seqs if limits.max_num_seqs else 0
     if endpoint.stats_age_s(now_s) > limits.max_stats_age_s:
         return max(implied, 0)
-    return max(endpoint.stats.waiting, implied, 0)
+    return max(endpoint.engine_waiting(), implied, 0)
 
 
 def endpoint_saturation(

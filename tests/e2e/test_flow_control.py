@@ -14,7 +14,9 @@ beyond the one running waits in the gateway, in flow order. Conditions are polle
 - two gateway replicas sharing their virtual counters in Redis serve two backlogged tenants in the
   ratio of their weights (within 15 %);
 - with a slot reserve, a flood over its share waits while the pool's last slot is free, and a light
-  tenant's request takes that slot at once.
+  tenant's request takes that slot at once;
+- with `preempt`, a light tenant's request that finds every slot held by the flood's streams cuts
+  one, which waits its turn and continues as one stream, billed once.
 """
 
 from __future__ import annotations
@@ -354,3 +356,82 @@ def test_a_reserve_sized_from_demand_and_shared_by_replicas_keeps_a_light_burst_
             assert not done.errors, done.errors
             assert sorted(done.order[:2]) == ["light0", "light1"], done.order
             assert waiting(light) == 0 and waiting(flooded) == 0
+
+
+class FloodStream:
+    """A streamed request of the flood, read in a thread: its text, ids, usage and finish."""
+
+    def __init__(self, gw: Gateway, max_tokens: int) -> None:
+        self.client = openai.OpenAI(base_url=gw.base_url, api_key=KEYS["flood"], max_retries=0, timeout=120)
+        self.max_tokens = max_tokens
+        self.first = threading.Event()
+        self.ids: set[str] = set()
+        self.text = ""
+        self.usage: Any = None
+        self.finish: str | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        try:
+            stream = self.client.chat.completions.create(
+                model=LLAMA,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                max_tokens=self.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                self.ids.add(chunk.id)
+                if chunk.usage is not None:
+                    self.usage = chunk.usage
+                for choice in chunk.choices:
+                    self.text += choice.delta.content or ""
+                    self.finish = choice.finish_reason or self.finish
+                    if self.text:
+                        self.first.set()
+        except BaseException as exc:  # asserted by the test
+            self.error = exc
+        finally:
+            self.first.set()
+
+
+def test_a_request_finding_the_pool_full_cuts_a_stream_over_its_share_which_waits_and_continues(
+    tmp_path: Path,
+) -> None:
+    """With `preempt`, the flood holds both of the engine's slots with long streams; a light
+    tenant's request arrives: flow control cuts the flood's newest stream, the light request takes
+    its slot, and the cut stream waits its turn and continues: the client sees one stream, with the
+    output it asked for and usage counted once."""
+    two = start_sim(tmp_path, count=1, served_model_name=LLAMA, time_scale=1.0, args=["--max-num-seqs", "2"])
+    section = {**FLOW, "pools": {"llama": {"saturation": {"preempt": True}}}}
+    doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
+    with running(two):
+        gw = start_gateway(
+            tmp_path / "gw",
+            pools=[static_pool("llama", LLAMA, two.urls, max_num_seqs=2)],
+            policies=doc,
+            flow_control=section,
+            predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
+            backends={"scrape_interval_s": 0.05},
+            ledger={"enabled": False},
+        )
+        with running(gw):
+            chat(gw, "light", max_tokens=2)  # warm
+            floods = [FloodStream(gw, 400) for _ in range(2)]
+            for flood in floods:
+                assert flood.first.wait(60), "the flood's stream did not start"
+            light = chat(gw, "light", max_tokens=8)
+            assert light.parse().choices[0].message.content
+            # it went while both flood streams were still under way: one of them gave up its slot
+            assert not all(flood.finish for flood in floods), [flood.finish for flood in floods]
+            for flood in floods:
+                flood.thread.join(120)
+                assert flood.error is None, flood.error
+                assert flood.finish == "length" and len(flood.ids) == 1, (flood.finish, flood.ids)
+                assert flood.usage.completion_tokens == 400  # billed once: the recomputed prefix is not output
+                assert flood.usage.prompt_tokens == floods[0].usage.prompt_tokens
+            room = flow_status(gw)["pools"]["llama"]
+            assert room["preempted"] == 1 and room["waiting"] == 0 and room["rejected"] == {}

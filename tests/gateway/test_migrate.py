@@ -129,3 +129,43 @@ async def test_a_cut_with_no_replica_left_ends_at_once() -> None:
     resumer = Resumer(CHAT, "chat", 10, "p/both-0", route, send, lambda avoid: False, wait_s=30.0, poll_s=0.0)
     assert await resumer("Once upon", 2) is None
     assert len(asked) == 1
+
+
+async def test_a_preempted_stream_waits_its_turn_and_may_continue_where_it_was_cut() -> None:
+    """Flow control cut it to free its slot, not because its replica broke: it takes the turn the
+    waiting room gives it, its own replica included, and the router is not asked around the room."""
+    own = _endpoint("p/both-0")
+    turns: list[str] = []
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def route(avoid: frozenset[str]) -> Endpoint | None:
+        raise AssertionError("a preempted stream is routed by its turn, not around the waiting room")
+
+    async def wait_turn() -> Endpoint | None:
+        turns.append("turn")
+        return own
+
+    async def send(endpoint: Endpoint, body: dict[str, Any]) -> Any:
+        sent.append((endpoint.id, body))
+        return object()  # an upstream answer
+
+    resumer = Resumer(CHAT, "chat", 10, "p/both-0", route, send, wait_turn=wait_turn)
+    resumed = await resumer("Once upon", 2, True)
+    assert resumed is not None and resumed.endpoint_id == "p/both-0" and turns == ["turn"]
+    assert sent[0][1]["max_tokens"] == 48 and sent[0][1]["messages"][-1]["content"] == "Once upon"
+    assert own.inflight.requests == 1  # the continuation's load is on it now
+    resumed.ticket.end()
+
+
+async def test_a_preempted_stream_whose_wait_ends_without_a_turn_ends_there() -> None:
+    def route(avoid: frozenset[str]) -> Endpoint | None:
+        raise AssertionError("no going around the waiting room")
+
+    async def wait_turn() -> Endpoint | None:
+        return None  # its band's deadline passed
+
+    async def send(endpoint: Endpoint, body: dict[str, Any]) -> Any:
+        raise AssertionError("nothing is sent")
+
+    resumer = Resumer(CHAT, "chat", 10, "p/both-0", route, send, wait_turn=wait_turn)
+    assert await resumer("Once upon", 2, True) is None

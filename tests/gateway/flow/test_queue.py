@@ -302,3 +302,20 @@ async def test_a_waiter_cancelled_before_its_task_ran_is_passed_over_not_granted
     with pytest.raises(asyncio.CancelledError):
         await gone
     assert slots.order == ["b0"] and queue.depth(POOL) == 0
+
+
+async def test_a_resumed_stream_goes_first_of_its_tenants_waiting_requests() -> None:
+    """A stream cut to free its slot was admitted before its tenant's waiting requests: it waits
+    again ahead of them (not behind its tenant's whole queue, where its band's deadline would end it)."""
+    queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
+    slots = Slots(queue, free=0)
+    tasks = [asyncio.create_task(slots.run(request(f"a{i}", "a"))) for i in range(3)]
+    await until(lambda: queue.depth(POOL) == 3)
+    resumed = FlowRequest("a-cut", "a", NORMAL, 100.0, 1.0, time.monotonic() + 30.0, resumed=True)
+    tasks.append(asyncio.create_task(slots.run(resumed)))
+    await until(lambda: queue.depth(POOL) == 4)
+    for _ in range(4):
+        slots.release()
+        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+    await asyncio.gather(*tasks)
+    assert slots.order == ["a-cut", "a0", "a1", "a2"]

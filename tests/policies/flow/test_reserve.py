@@ -41,6 +41,26 @@ def test_free_slots_take_the_larger_of_own_inflight_and_fresh_engine_counts() ->
     assert free_slots([full, draining], 8, NOW, 2.0) == 0
 
 
+def test_a_slot_freed_since_the_last_scrape_is_free_at_once() -> None:
+    """The scrape still counts a request the gateway has seen end; one that began after the scrape
+    and ended before the next is not subtracted twice."""
+    e = endpoint("a")
+    tickets = [e.inflight.begin(100) for _ in range(4)]
+    e.inflight.scraped()  # the engine reported the four running
+    e.stats = EndpointStats(running=4, waiting=1, scraped_at_s=NOW - 0.1)  # and one from elsewhere waiting
+    assert free_slots([e], 4, NOW, 2.0) == 0
+    tickets[0].end()
+    tickets[0].end()  # idempotent: counted once
+    assert free_slots([e], 4, NOW, 2.0) == 0  # the one waiting took its place
+    tickets[1].end()
+    assert free_slots([e], 4, NOW, 2.0) == 1 and e.engine_waiting() == 0
+    late = e.inflight.begin(100)  # after the scrape: the scrape never counted it
+    late.end()
+    assert e.inflight.ended_since_scrape == 2 and free_slots([e], 4, NOW, 2.0) == 1
+    e.inflight.scraped()  # the next scrape counts what runs now
+    assert e.inflight.ended_since_scrape == 0
+
+
 def test_a_flood_over_its_share_is_held_off_the_reserve_a_light_tenant_is_not() -> None:
     active = {"A": Active(NORMAL, 1.0, 14), "B": Active(NORMAL, 2.0, 0)}
     assert not within_share("A", NORMAL, 1.0, active)

@@ -1,0 +1,61 @@
+"""Preemption: which running stream gives its batch slot to a waiting request under its share.
+
+Without it a light tenant whose request finds the pool full waits until some request ends, however
+fair the order of the waiting room: with the flood's requests generating long outputs that wait is
+a good part of one of them. The slot reserve (`reserve.py`) keeps a few slots free for such a
+request, but it is sized from recent demand and a burst beyond it still waits. So with `preempt` a
+request that finds the pool full while its tenant is under its share of the band's slots takes one
+from a tenant over its share: flow control cuts one of that tenant's plain streams, the stream waits
+its turn in the waiting room again, and then continues where it stopped (the prompt plus the text
+sent so far, `gateway/migrate.py`: the client sees one stream, billed once). That is the engine's
+own recompute preemption, done a level up, and it costs the cut request the recompute of its
+prefix.
+
+`victim` is the choice, a pure function:
+
+- only a tenant of the same band or a lower one is cut; a lower band's first (strict priority);
+- in the same band only a tenant holding more slots per unit of weight than the waiter's tenant
+  would hold after taking one, so a swap never invites the swap back;
+- among those, the tenant furthest over (slots per weight), and its most recent stream, which has
+  the least to recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from policies.flow.reserve import Active
+
+
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A stream flow control may cut: an opaque key, its tenant and band, when it was dispatched."""
+
+    key: int
+    tenant: str
+    band: int
+    dispatched_s: float
+
+
+def victim(
+    tenant: str, band: int, weight: float, running: Iterable[Running], active: Mapping[str, Active]
+) -> Running | None:
+    """The stream to cut so that a request of `tenant` (in `band`, `weight`) may start, or None."""
+    own = active.get(tenant)
+    need = ((own.inflight if own is not None else 0) + 1) / max(weight, 1e-9)
+    best: tuple[int, float, float] | None = None
+    chosen: Running | None = None
+    for stream in running:
+        if stream.tenant == tenant or stream.band < band:
+            continue
+        seen = active.get(stream.tenant)
+        if seen is None:
+            continue
+        per_weight = seen.inflight / max(seen.weight, 1e-9)
+        if stream.band == band and per_weight <= need:
+            continue
+        rank = (stream.band, per_weight, stream.dispatched_s)
+        if best is None or rank > best:
+            best, chosen = rank, stream
+    return chosen

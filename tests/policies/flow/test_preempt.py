@@ -1,0 +1,51 @@
+"""Which running stream gives its slot to a waiting request (policies/flow/preempt.py)."""
+
+from __future__ import annotations
+
+from policies.flow.preempt import Running, victim
+from policies.flow.reserve import Active
+
+NORMAL, LOW, HIGH = 2, 3, 1
+
+
+def test_the_most_recent_stream_of_the_tenant_furthest_over_its_share_is_cut() -> None:
+    active = {"a": Active(NORMAL, 1.0, 6), "b": Active(NORMAL, 2.0, 1), "c": Active(NORMAL, 1.0, 3)}
+    running = [Running(1, "a", NORMAL, 1.0), Running(2, "a", NORMAL, 5.0), Running(3, "c", NORMAL, 9.0)]
+    chosen = victim("b", NORMAL, 2.0, running, active)
+    assert chosen is not None and chosen.key == 2  # a holds 6 per weight, c 3: a's newest
+
+
+def test_a_tenant_at_or_under_the_waiters_share_after_the_swap_is_not_cut() -> None:
+    # b (weight 2) would hold 3 slots, 1.5 per weight; a holds 1 per weight: cutting a would invite
+    # a to cut b back, so nobody is cut
+    active = {"a": Active(NORMAL, 1.0, 1), "b": Active(NORMAL, 2.0, 2)}
+    assert victim("b", NORMAL, 2.0, [Running(1, "a", NORMAL, 1.0)], active) is None
+    # two equal tenants holding as much: a swap changes nothing
+    active = {"a": Active(NORMAL, 1.0, 2), "b": Active(NORMAL, 1.0, 1)}
+    assert victim("b", NORMAL, 1.0, [Running(1, "a", NORMAL, 1.0)], active) is None
+    active = {"a": Active(NORMAL, 1.0, 3), "b": Active(NORMAL, 1.0, 1)}
+    assert victim("b", NORMAL, 1.0, [Running(1, "a", NORMAL, 1.0)], active) is not None
+
+
+def test_no_swap_invites_the_swap_back() -> None:
+    for a_in in range(0, 8):
+        for b_in in range(0, 8):
+            active = {"a": Active(NORMAL, 1.0, a_in), "b": Active(NORMAL, 2.0, b_in)}
+            if victim("b", NORMAL, 2.0, [Running(1, "a", NORMAL, 0.0)], active) is None:
+                continue
+            after = {"a": Active(NORMAL, 1.0, a_in - 1), "b": Active(NORMAL, 2.0, b_in + 1)}
+            assert victim("a", NORMAL, 1.0, [Running(2, "b", NORMAL, 0.0)], after) is None, (a_in, b_in)
+
+
+def test_a_lower_band_is_cut_first_and_a_higher_band_never() -> None:
+    active = {"a": Active(NORMAL, 1.0, 8), "bulk": Active(LOW, 1.0, 1), "vip": Active(HIGH, 1.0, 4)}
+    running = [Running(1, "a", NORMAL, 1.0), Running(2, "bulk", LOW, 0.5), Running(3, "vip", HIGH, 2.0)]
+    chosen = victim("b", NORMAL, 1.0, running, active)
+    assert chosen is not None and chosen.key == 2  # low goes first, whatever its share
+    assert victim("b", NORMAL, 1.0, [Running(3, "vip", HIGH, 2.0)], active) is None
+
+
+def test_the_waiters_own_streams_and_unknown_tenants_are_never_cut() -> None:
+    active = {"b": Active(NORMAL, 1.0, 9)}
+    running = [Running(1, "b", NORMAL, 1.0), Running(2, "ghost", NORMAL, 1.0)]
+    assert victim("b", NORMAL, 1.0, running, active) is None
