@@ -42,7 +42,8 @@ from policies.holder import PolicyHolder
 from predictor.length import OutputPrediction
 
 _LIMITS_KEPT = 256
-_PREEMPT_EVERY_S = 1.0  # a waiting request asks for one preemption at most this often
+_PREEMPT_EVERY_S = 0.25  # a waiting request asks for one preemption at most this often (a cut slot the engine
+# frees late, or another takes, is asked for again)
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
