@@ -44,6 +44,7 @@ from predictor.length import OutputPrediction
 _LIMITS_KEPT = 256
 _PREEMPT_EVERY_S = 0.25  # a waiting request asks for one preemption at most this often (a cut slot the engine
 # frees late, or another takes, is asked for again)
+_CLAIM_S = 1.0  # a cut slot is kept for the cutting request's tenant this long (the engine frees it late)
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -79,6 +80,9 @@ class FlowHook(Hook):
     # pool -> id(ctx) -> a stream in flight there that flow control may cut (`preempt`): at most
     # the requests in flight, each removed as its attempt ends
     _running: dict[str, dict[int, tuple[RequestContext, float]]] = field(default_factory=dict)
+    # pool -> tenant -> (slots cut for it not yet taken, until when they are kept): a cut slot goes
+    # to the tenant it was cut for, not to whoever is first in order (the flood, as often as not)
+    _claims: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
     async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
         facts = ctx.facts
@@ -107,15 +111,20 @@ class FlowHook(Hook):
         pending: list[Routed] = [routed]
         asked = [float("-inf")]  # when this request last had a stream cut for it
 
-        def ready() -> Routed | Blocked:
-            candidate = pending.pop() if pending else reroute(())
-            if candidate is None:
-                return Blocked.POOL  # no endpoint at all right now (a replica may come back)
-            opened = self._open(candidate, reroute, request)
+        def cut_for(candidate: Routed, opened: Routed | Blocked) -> None:
             if opened is Blocked.POOL:
                 now = self.now()
                 if now - asked[0] >= _PREEMPT_EVERY_S and self._preempt(candidate, request):
                     asked[0] = now
+
+        def ready() -> Routed | Blocked:
+            candidate = pending.pop() if pending else reroute(())
+            if candidate is None:
+                return Blocked.POOL  # no endpoint at all right now (a replica may come back)
+            if self._claimed_by_another(candidate.pool.name, request.tenant):
+                return Blocked.TENANT  # a slot cut for another tenant's request is freeing
+            opened = self._open(candidate, reroute, request)
+            cut_for(candidate, opened)
             if isinstance(opened, Blocked):
                 return opened
             for check in self.checks:
@@ -126,6 +135,10 @@ class FlowHook(Hook):
             return opened
 
         pool = routed.pool.name
+        if self._running.get(pool) and self.queue.depth(pool):
+            # others wait: the room offers the turn in flow order and stops at the first the full pool
+            # refuses, so this request may never be asked; a cut for it is asked for now
+            cut_for(routed, self._open(routed, reroute, request))
         try:
             found, lease = await self.queue.hold(pool, request, ready)
         except QueueRejected as rejected:
@@ -135,6 +148,7 @@ class FlowHook(Hook):
             raise self._detour(ctx, rejected, band_policy.on_timeout) from None
         self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
         self._leases[id(ctx)] = lease
+        self._take_claim(pool, request.tenant)
         if lease.queued_s:
             self._waited(ctx, lease.queued_s)
             ctx.record.reject_reason = REASON_QUEUED
@@ -188,6 +202,33 @@ class FlowHook(Hook):
 
     # --- parts --------------------------------------------------------------------------------------
 
+    def _claimed_by_another(self, pool: str, tenant: str) -> bool:
+        """Whether a slot cut for another tenant's request is still kept for it."""
+        claims = self._claims.get(pool)
+        if not claims:
+            return False
+        now = self.now()
+        for other, (_held, until) in list(claims.items()):
+            if until <= now:
+                del claims[other]  # the engine freed it late, or the request left: it lapses
+        if not claims:
+            del self._claims[pool]
+            return False
+        return any(other != tenant for other in claims)
+
+    def _take_claim(self, pool: str, tenant: str) -> None:
+        """A request of `tenant` dispatched: one slot cut for it is taken."""
+        claims = self._claims.get(pool)
+        if not claims or tenant not in claims:
+            return
+        held, until = claims[tenant]
+        if held > 1:
+            claims[tenant] = (held - 1, until)
+        else:
+            del claims[tenant]
+            if not claims:
+                del self._claims[pool]
+
     def _preempt(self, routed: Routed, request: FlowRequest) -> bool:
         """The pool is full and `request` waits: with `preempt`, cut a stream of a tenant over its
         share (`policies.flow.preempt`) so that its slot frees; whether one was cut."""
@@ -212,6 +253,9 @@ class FlowHook(Hook):
             ctx = running[chosen.key][0]
             if ctx.outcome is not None and ctx.outcome.preempt():
                 self.queue.count_preemption(pool.name)
+                claims = self._claims.setdefault(pool.name, {})
+                held, _until = claims.get(request.tenant, (0, 0.0))
+                claims[request.tenant] = (held + 1, self.now() + _CLAIM_S)
                 return True
             streams.remove(chosen)
         return False

@@ -31,9 +31,9 @@ class FlowRequest:
 
     `cost_tokens`: uncached prompt + predicted output tokens (what its tenant's counter is charged);
     `deadline_s`: `time.monotonic()` past which it stops waiting; `tag`: a group whose waiting
-    requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream flow
-control cut to free its slot, waiting to continue (it was admitted before any of its tenant's that
-wait, so it goes first of them)."""
+    requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream
+    flow control cut to free its slot, waiting to continue (it was admitted before any of its
+    tenant's that wait, so it goes first of them)."""
 
     request_id: str
     tenant: str

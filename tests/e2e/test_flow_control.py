@@ -16,7 +16,8 @@ beyond the one running waits in the gateway, in flow order. Conditions are polle
 - with a slot reserve, a flood over its share waits while the pool's last slot is free, and a light
   tenant's request takes that slot at once;
 - with `preempt`, a light tenant's request that finds every slot held by the flood's streams cuts
-  one, which waits its turn and continues as one stream, billed once.
+  one and takes its slot (also when the flood's waiting requests come first in flow order); the cut
+  stream waits its turn and continues as one stream, billed once.
 """
 
 from __future__ import annotations
@@ -375,9 +376,9 @@ class FloodStream:
 
     def run(self) -> None:
         try:
-            stream = self.client.chat.completions.create(
+            stream = self.client.chat.completions.create(  # type: ignore[call-overload]
                 model=LLAMA,
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 max_tokens=self.max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -401,13 +402,16 @@ class FloodStream:
 def test_a_request_finding_the_pool_full_cuts_a_stream_over_its_share_which_waits_and_continues(
     tmp_path: Path,
 ) -> None:
-    """With `preempt`, the flood holds both of the engine's slots with long streams; a light
-    tenant's request arrives: flow control cuts the flood's newest stream, the light request takes
-    its slot, and the cut stream waits its turn and continues: the client sees one stream, with the
-    output it asked for and usage counted once."""
+    """With `preempt`, the flood holds both of the engine's slots with long streams and has more
+    requests waiting; a light tenant sends two requests, one after the other: for each, flow control
+    cuts one of the flood's streams and the light request takes its slot ahead of the flood's waiting
+    requests (a cut slot is kept for the tenant it was cut for). Each cut stream waits its turn,
+    first of its tenant's, and continues: its client sees one stream, with the output it asked for
+    and usage counted once."""
     two = start_sim(tmp_path, count=1, served_model_name=LLAMA, time_scale=1.0, args=["--max-num-seqs", "2"])
     section = {**FLOW, "pools": {"llama": {"saturation": {"preempt": True}}}}
     doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
+    done = Done()
     with running(two):
         gw = start_gateway(
             tmp_path / "gw",
@@ -418,20 +422,26 @@ def test_a_request_finding_the_pool_full_cuts_a_stream_over_its_share_which_wait
             backends={"scrape_interval_s": 0.05},
             ledger={"enabled": False},
         )
-        with running(gw):
+        with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
             chat(gw, "light", max_tokens=2)  # warm
-            floods = [FloodStream(gw, 400) for _ in range(2)]
+            floods = [FloodStream(gw, 600) for _ in range(2)]
             for flood in floods:
                 assert flood.first.wait(60), "the flood's stream did not start"
-            light = chat(gw, "light", max_tokens=8)
-            assert light.parse().choices[0].message.content
-            # it went while both flood streams were still under way: one of them gave up its slot
+            queued = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 8)) for i in range(2)]
+            until(lambda: waiting(gw, "flood") == 2, what="the flood's requests queued")
+            for _ in range(2):
+                light = chat(gw, "light", max_tokens=8)
+                assert light.parse().choices[0].message.content
+            # both went while the flood's streams were still under way: each took a cut slot
             assert not all(flood.finish for flood in floods), [flood.finish for flood in floods]
             for flood in floods:
                 flood.thread.join(120)
                 assert flood.error is None, flood.error
                 assert flood.finish == "length" and len(flood.ids) == 1, (flood.finish, flood.ids)
-                assert flood.usage.completion_tokens == 400  # billed once: the recomputed prefix is not output
+                assert flood.usage.completion_tokens == 600  # billed once: the recomputed prefix is not output
                 assert flood.usage.prompt_tokens == floods[0].usage.prompt_tokens
+            for future in queued:
+                future.result(timeout=120)
+            assert not done.errors, done.errors
             room = flow_status(gw)["pools"]["llama"]
-            assert room["preempted"] == 1 and room["waiting"] == 0 and room["rejected"] == {}
+            assert room["preempted"] == 2 and room["waiting"] == 0 and room["rejected"] == {}
