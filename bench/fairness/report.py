@@ -113,9 +113,10 @@ def summarize(run: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
             "phase1_after_queue_p99_s": pct(engine1, 99),
         }
     windows = []
+    units = engine_units(rows)
     start = 0.0
     while start + window_s <= end_s + 1e-9:
-        windows.append(window(rows, tenants, start, start + window_s))
+        windows.append(window(rows, tenants, start, start + window_s, units))
         start += window_s
     served_rows = [r for r in rows if ok(r)]
     horizon = max((r["sent_s"] + r["e2e_s"] for r in served_rows), default=end_s)
@@ -129,8 +130,34 @@ def summarize(run: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def window(rows: Sequence[Mapping[str, Any]], tenants: Mapping[str, Any], start: float, end: float) -> dict[str, Any]:
-    """Service per tenant in [start, end) against each band's weighted max-min fair allocation."""
+def engine_units(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per tenant, engine-counted tokens per client-counted token over its served requests.
+
+    The client counts a request's offer as its prompt words and planned output; the engine counts the
+    prompt after the chat template (a few tokens more per message). Service is in the engine's count,
+    so an offer compared with it must be too: a served request asked for what it cost, a refused one
+    for its offer scaled by this ratio."""
+    cost_sum: dict[str, float] = {}
+    offered_sum: dict[str, float] = {}
+    for r in rows:
+        if ok(r) and r["offered_tokens"] > 0:
+            cost_sum[r["tenant"]] = cost_sum.get(r["tenant"], 0.0) + cost(r)
+            offered_sum[r["tenant"]] = offered_sum.get(r["tenant"], 0.0) + r["offered_tokens"]
+    return {t: cost_sum[t] / offered_sum[t] for t in cost_sum}
+
+
+def window(
+    rows: Sequence[Mapping[str, Any]],
+    tenants: Mapping[str, Any],
+    start: float,
+    end: float,
+    units: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Service per tenant in [start, end) against each band's weighted max-min fair allocation.
+
+    Service counts where a request completed, demand where it was sent, so a tenant served in full
+    still reads a few per cent off in a window that its requests straddle (B alone shows it)."""
+    units = engine_units(rows) if units is None else units
     served: dict[str, float] = {t: 0.0 for t in tenants}
     demand: dict[str, float] = {t: 0.0 for t in tenants}
     for r in rows:
@@ -138,7 +165,9 @@ def window(rows: Sequence[Mapping[str, Any]], tenants: Mapping[str, Any], start:
         if ok(r) and start <= done_s < end:
             served[r["tenant"]] += cost(r)
         if start <= r["sent_s"] < end:
-            demand[r["tenant"]] += r["offered_tokens"]  # a refused request asked for service too
+            # a refused request asked for service too, in the engine's count as near as is known
+            asked = cost(r) if ok(r) else r["offered_tokens"] * units.get(r["tenant"], 1.0)
+            demand[r["tenant"]] += asked
     out: dict[str, Any] = {"start_s": start, "end_s": end, "tenants": {}}
     bands: dict[str, list[str]] = {}
     for name, spec in tenants.items():
@@ -281,6 +310,22 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
                 f"({a.get('fair_share', 0):.1%}) | {b.get('share', 0):.1%} ({b.get('fair_share', 0):.1%}) | "
                 f"{w['worst_deviation']:.1%} |"
             )
+    straddle = [
+        abs(ratio - 1.0)
+        for w in summaries.get("solo-B", {}).get("windows", [])
+        if (ratio := w["tenants"].get("B", {}).get("ratio")) is not None
+    ]
+    lines += [
+        "",
+        "A tenant's demand is what it sent in the window, in the engine's token count (a served request "
+        "asked for what it cost; a refused one for its offer scaled to the engine's count); its service is "
+        "what completed in the window.",
+    ]
+    if straddle:
+        lines.append(
+            f"B alone, served in full, reads up to {max(straddle):.1%} off its demand in a window: requests "
+            "that straddle a window's edge, the measurement's own floor."
+        )
     lines += [
         "",
         "## Goodput",

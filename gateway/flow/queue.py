@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic
 
@@ -235,8 +235,12 @@ class FlowQueue:
             found = self._shares[pool] = ServiceWindow(self.share_window_s)
         return found
 
-    def fair_share_ratios(self, pool: str) -> dict[str, float]:
+    def fair_share_ratios(self, pool: str, among: Collection[str] | None = None) -> dict[str, float]:
+        """Each tenant's recent service over its weighted share; `among`: only these tenants (one
+        band's), each counted even with nothing served."""
         service = self.share(pool).totals(self.now())
+        if among is not None:
+            service = {t: service.get(t, 0.0) for t in among}
         return fair_share_ratios(service, {t: self.weights(t) for t in service})
 
     # --- waiting ------------------------------------------------------------------------------------

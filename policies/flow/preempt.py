@@ -16,6 +16,14 @@ prefix.
 - only a tenant of the same band or a lower one is cut; a lower band's first (strict priority);
 - in the same band only a tenant holding more slots per unit of weight than the waiter's tenant
   would hold after taking one, so a swap never invites the swap back;
+- or, in the same band, a backlogged tenant (requests waiting) that received at least its weighted
+  share of the band's service lately, when the waiter's tenant received less (`under_share`, from
+  `share.ServiceWindow`: tokens, what the virtual counters charge). Slots are not tokens: a light
+  tenant's burst may hold more than its share of slots for a few seconds while it asks far less
+  than its share of tokens, and without this it waits for the flood to finish a request. A swap
+  back is no risk here: a backlogged tenant's requests, and a cut stream waiting again, never cut
+  (`gateway/flow/hook.py`); a tenant that sends more and more reaches its share of tokens and stops
+  cutting;
 - among those, the tenant furthest over (slots per weight), and its most recent stream, which has
   the least to recompute.
 """
@@ -39,9 +47,19 @@ class Running:
 
 
 def victim(
-    tenant: str, band: int, weight: float, running: Iterable[Running], active: Mapping[str, Active]
+    tenant: str,
+    band: int,
+    weight: float,
+    running: Iterable[Running],
+    active: Mapping[str, Active],
+    ratios: Mapping[str, float] | None = None,
 ) -> Running | None:
-    """The stream to cut so that a request of `tenant` (in `band`, `weight`) may start, or None."""
+    """The stream to cut so that a request of `tenant` (in `band`, `weight`) may start, or None.
+
+    `ratios`: each tenant's recent service in the band over its weighted share of it (1.0 exactly
+    its share; `share.fair_share_ratios`), or None to judge by slots alone."""
+    ratios = ratios or {}
+    under_share = ratios.get(tenant, 0.0) < 1.0 if ratios else False
     own = active.get(tenant)
     need = ((own.inflight if own is not None else 0) + 1) / max(weight, 1e-9)
     best: tuple[int, float, float] | None = None
@@ -54,7 +72,9 @@ def victim(
             continue
         per_weight = seen.inflight / max(seen.weight, 1e-9)
         if stream.band == band and per_weight <= need:
-            continue
+            backlogged_over = seen.waiting > 0 and ratios.get(stream.tenant, 0.0) >= 1.0
+            if not (under_share and backlogged_over):
+                continue
         rank = (stream.band, per_weight, stream.dispatched_s)
         if best is None or rank > best:
             best, chosen = rank, stream

@@ -49,3 +49,23 @@ def test_the_waiters_own_streams_and_unknown_tenants_are_never_cut() -> None:
     active = {"b": Active(NORMAL, 1.0, 9)}
     running = [Running(1, "b", NORMAL, 1.0), Running(2, "ghost", NORMAL, 1.0)]
     assert victim("b", NORMAL, 1.0, running, active) is None
+
+
+def test_a_light_tenant_under_its_token_share_cuts_a_backlogged_one_beyond_the_slot_rule() -> None:
+    # b (weight 2) bursts to 11 of 16 slots: over its share of slots, so slots alone cut nobody; but
+    # it received far less than its share of tokens lately and a is backlogged over its share
+    active = {"a": Active(NORMAL, 1.0, 5, waiting=30), "b": Active(NORMAL, 2.0, 11)}
+    running = [Running(1, "a", NORMAL, 1.0)]
+    assert victim("b", NORMAL, 2.0, running, active) is None
+    chosen = victim("b", NORMAL, 2.0, running, active, {"a": 2.1, "b": 0.45})
+    assert chosen is not None and chosen.key == 1
+
+
+def test_the_token_rule_needs_the_waiter_under_and_the_victim_backlogged_and_over() -> None:
+    running = [Running(1, "a", NORMAL, 1.0)]
+    backlogged = {"a": Active(NORMAL, 1.0, 5, waiting=3), "b": Active(NORMAL, 2.0, 11)}
+    idle = {"a": Active(NORMAL, 1.0, 5), "b": Active(NORMAL, 2.0, 11)}
+    assert victim("b", NORMAL, 2.0, running, backlogged, {"a": 0.9, "b": 1.1}) is None  # b had its share
+    assert victim("b", NORMAL, 2.0, running, backlogged, {"a": 0.95, "b": 0.5}) is None  # a is not over
+    assert victim("b", NORMAL, 2.0, running, idle, {"a": 2.0, "b": 0.5}) is None  # a waits for nothing
+    assert victim("b", NORMAL, 2.0, running, backlogged, {"a": 2.0}) is not None  # b unserved lately
