@@ -246,8 +246,8 @@ class FlowHook(Hook):
             if outcome is not None and outcome.preemptible():
                 band = band_rank(ctx.facts.principal.priority)
                 streams.append(preempt.Running(key, ctx.facts.principal.tenant, band, dispatched_s))
-        band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
-        ratios = self.queue.fair_share_ratios(pool.name, band)
+        same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
+        ratios = self.queue.fair_share_ratios(pool.name, same_band)
         while streams:
             chosen = preempt.victim(request.tenant, request.band, request.weight, streams, active, ratios)
             if chosen is None:
