@@ -44,7 +44,9 @@ from predictor.length import OutputPrediction
 _LIMITS_KEPT = 256
 _PREEMPT_EVERY_S = 0.25  # a waiting request asks for one preemption at most this often (a cut slot the engine
 # frees late, or another takes, is asked for again)
-_CLAIM_S = 1.0  # a cut slot is kept for the cutting request's tenant this long (the engine frees it late)
+_LIGHT_RATIO = 0.8  # a tenant with several requests waiting may still ask for cuts while its recent
+# service is below this fraction of its weighted share: a light tenant's burst, not a backlog (two
+# backlogged tenants sit near 1.0 under the counters, so they do not cut each other)
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -80,9 +82,6 @@ class FlowHook(Hook):
     # pool -> id(ctx) -> a stream in flight there that flow control may cut (`preempt`): at most
     # the requests in flight, each removed as its attempt ends
     _running: dict[str, dict[int, tuple[RequestContext, float]]] = field(default_factory=dict)
-    # pool -> tenant -> (slots cut for it not yet taken, until when they are kept): a cut slot goes
-    # to the tenant it was cut for, not to whoever is first in order (the flood, as often as not)
-    _claims: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
     async def gate(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed:
         facts = ctx.facts
@@ -121,7 +120,7 @@ class FlowHook(Hook):
             candidate = pending.pop() if pending else reroute(())
             if candidate is None:
                 return Blocked.POOL  # no endpoint at all right now (a replica may come back)
-            if self._claimed_by_another(candidate.pool.name, request.tenant):
+            if self.queue.activity.claimed_by_other(candidate.pool.name, request.tenant):
                 return Blocked.TENANT  # a slot cut for another tenant's request is freeing
             opened = self._open(candidate, reroute, request)
             cut_for(candidate, opened)
@@ -148,7 +147,7 @@ class FlowHook(Hook):
             raise self._detour(ctx, rejected, band_policy.on_timeout) from None
         self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
         self._leases[id(ctx)] = lease
-        self._take_claim(pool, request.tenant)
+        self.queue.activity.take_claim(pool, request.tenant)
         if lease.queued_s:
             self._waited(ctx, lease.queued_s)
             ctx.record.reject_reason = REASON_QUEUED
@@ -202,33 +201,6 @@ class FlowHook(Hook):
 
     # --- parts --------------------------------------------------------------------------------------
 
-    def _claimed_by_another(self, pool: str, tenant: str) -> bool:
-        """Whether a slot cut for another tenant's request is still kept for it."""
-        claims = self._claims.get(pool)
-        if not claims:
-            return False
-        now = self.now()
-        for other, (_held, until) in list(claims.items()):
-            if until <= now:
-                del claims[other]  # the engine freed it late, or the request left: it lapses
-        if not claims:
-            del self._claims[pool]
-            return False
-        return any(other != tenant for other in claims)
-
-    def _take_claim(self, pool: str, tenant: str) -> None:
-        """A request of `tenant` dispatched: one slot cut for it is taken."""
-        claims = self._claims.get(pool)
-        if not claims or tenant not in claims:
-            return
-        held, until = claims[tenant]
-        if held > 1:
-            claims[tenant] = (held - 1, until)
-        else:
-            del claims[tenant]
-            if not claims:
-                del self._claims[pool]
-
     def _preempt(self, routed: Routed, request: FlowRequest) -> bool:
         """The pool is full and `request` waits: with `preempt`, cut a stream of a tenant over its
         share (`policies.flow.preempt`) so that its slot frees; whether one was cut."""
@@ -236,18 +208,23 @@ class FlowHook(Hook):
         running = self._running.get(pool.name)
         if not running or not self._pool_limits(pool.name, pool.config.max_num_seqs).preempt:
             return False
+        if request.resumed:
+            return False  # a cut stream waiting again never cuts another (no swap back)
         active = self.queue.activity.active(pool.name)
+        same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
+        ratios = self.queue.fair_share_ratios(pool.name, same_band)
         own = active.get(request.tenant)
-        if request.resumed or (own is not None and own.waiting > 1):
-            return False  # a backlogged tenant is served by flow order as slots free, not by cuts
+        light = bool(ratios) and ratios.get(request.tenant, 0.0) < _LIGHT_RATIO  # nobody served: no judging
+        if own is not None and own.waiting > 1 and not light:
+            # a backlogged tenant is served by flow order as slots free, not by cuts; a burst of a
+            # tenant well under its share of tokens is not a backlog
+            return False
         streams = []
         for key, (ctx, dispatched_s) in running.items():
             outcome = ctx.outcome
             if outcome is not None and outcome.preemptible():
                 band = band_rank(ctx.facts.principal.priority)
                 streams.append(preempt.Running(key, ctx.facts.principal.tenant, band, dispatched_s))
-        same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
-        ratios = self.queue.fair_share_ratios(pool.name, same_band)
         while streams:
             chosen = preempt.victim(request.tenant, request.band, request.weight, streams, active, ratios)
             if chosen is None:
@@ -255,9 +232,9 @@ class FlowHook(Hook):
             ctx = running[chosen.key][0]
             if ctx.outcome is not None and ctx.outcome.preempt():
                 self.queue.count_preemption(pool.name)
-                claims = self._claims.setdefault(pool.name, {})
-                held, _until = claims.get(request.tenant, (0, 0.0))
-                claims[request.tenant] = (held + 1, self.now() + _CLAIM_S)
+                # the cut slot goes to the tenant it was cut for, on every replica, not to whoever is
+                # first in order (the flood, as often as not)
+                self.queue.activity.claim(pool.name, request.tenant, request.band, request.weight)
                 return True
             streams.remove(chosen)
         return False

@@ -4,11 +4,12 @@ the publisher's id as well, so a reader skips its own entries without decoding t
     {"r": replica id, "q": sequence number,
      "l": [[endpoint id, requests, prefill tokens, decode tokens], ...]   # present: a full load report
      "d": [[endpoint id, [block key, ...], session or None], ...]         # dispatches since the last batch
-     "t": [[pool, tenant, band, weight, in flight, waiting, peak], ...]}  # with "l": its active tenants
+     "t": [[pool, tenant, band, weight, in flight, waiting, peak, claimed], ...]}  # with "l": its active tenants
 
 A load report is the replica's whole share on every shared endpoint (an endpoint left out has none
 of its requests), so a report replaces the previous one and nothing accumulates when one is lost;
-the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads).
+the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads;
+`claimed`, slots preemption cut for the tenant and not yet taken, may be left out: 0).
 Decoding checks every type: an entry is read from a store other processes write, and a malformed
 one is dropped whole, never half applied.
 """
@@ -23,7 +24,8 @@ from policies.flow.bands import BANDS
 
 Load = tuple[str, int, int, int]
 Dispatch = tuple[str, list[int], str | None]
-TenantLoad = tuple[str, str, int, float, int, int, int]  # pool, tenant, band, weight, in flight, waiting, peak
+# pool, tenant, band, weight, in flight, waiting, peak, claimed
+TenantLoad = tuple[str, str, int, float, int, int, int, int]
 
 _MASK64 = (1 << 64) - 1
 _MAX_BAND = len(BANDS) - 1
@@ -94,7 +96,12 @@ def _tenants(rows: object) -> list[TenantLoad]:
         raise MalformedBatch("tenants")
     out: list[TenantLoad] = []
     for row in rows:
-        if not isinstance(row, list) or len(row) != 7 or not isinstance(row[0], str) or not isinstance(row[1], str):
+        if (
+            not isinstance(row, list)
+            or len(row) not in (7, 8)
+            or not isinstance(row[0], str)
+            or not isinstance(row[1], str)
+        ):
             raise MalformedBatch("tenant")
         band, weight, counts = row[2], row[3], row[4:]
         if not isinstance(band, int) or not 0 <= band <= _MAX_BAND:
@@ -103,5 +110,6 @@ def _tenants(rows: object) -> list[TenantLoad]:
             raise MalformedBatch("tenant weight")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
             raise MalformedBatch("tenant counts")
-        out.append((row[0], row[1], band, float(weight), counts[0], counts[1], counts[2]))
+        claimed = counts[3] if len(counts) > 3 else 0
+        out.append((row[0], row[1], band, float(weight), counts[0], counts[1], counts[2], claimed))
     return out

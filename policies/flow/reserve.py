@@ -49,13 +49,15 @@ from policies.flow.bands import BANDS, band_name
 @dataclass(frozen=True, slots=True)
 class Active:
     """A tenant recently active in a pool: its band, its weight, its requests in flight and waiting
-    there, and `peak`, the most it had in flight and waiting at once over the recent window."""
+    there, `peak`, the most it had in flight and waiting at once over the recent window, and
+    `claimed`, slots preemption cut for it that none of its requests took yet."""
 
     band: int
     weight: float
     inflight: int
     waiting: int = 0
     peak: int = 0
+    claimed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

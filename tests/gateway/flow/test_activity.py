@@ -72,9 +72,10 @@ def test_the_other_replicas_tenants_add_to_this_ones() -> None:
     activity = Activity(active_s=60.0, now=clock)
     activity.inflight("p", "b", NORMAL, 2.0, 1)
     activity.waiting("p", "a", NORMAL, 1.0, 1)
-    assert activity.report() == [("p", "a", NORMAL, 1.0, 0, 1, 1), ("p", "b", NORMAL, 2.0, 1, 0, 1)]
+    assert activity.report() == [("p", "a", NORMAL, 1.0, 0, 1, 1, 0), ("p", "b", NORMAL, 2.0, 1, 0, 1, 0)]
     activity.set_remote(
-        "gw1", [("p", "b", NORMAL, 2.0, 2, 1, 4), ("p", "c", 3, 1.0, 0, 0, 2), ("q", "b", 2, 2.0, 5, 0, 5)]
+        "gw1",
+        [("p", "b", NORMAL, 2.0, 2, 1, 4, 0), ("p", "c", 3, 1.0, 0, 0, 2, 0), ("q", "b", 2, 2.0, 5, 0, 5, 0)],
     )
     merged = activity.active("p")
     assert (merged["b"].inflight, merged["b"].waiting, merged["b"].peak) == (3, 1, 5)
@@ -82,8 +83,8 @@ def test_the_other_replicas_tenants_add_to_this_ones() -> None:
     assert activity.report()[0][0] == "p" and len(activity.report()) == 2  # only its own go out again
     activity.set_remote("gw1", [])  # a report replaces the last one
     assert set(activity.active("p")) == {"a", "b"} and activity.active("q") == {}
-    activity.set_remote("gw1", [("p", "c", 3, 1.0, 1, 0, 1)])
-    activity.set_remote("gw2", [("p", "c", 3, 1.0, 2, 0, 2)])
+    activity.set_remote("gw1", [("p", "c", 3, 1.0, 1, 0, 1, 0)])
+    activity.set_remote("gw2", [("p", "c", 3, 1.0, 2, 0, 2, 0)])
     assert activity.active("p")["c"].inflight == 3
     activity.drop_remote("gw1")
     assert activity.active("p")["c"].inflight == 2
@@ -102,3 +103,30 @@ def test_the_report_is_rebuilt_on_a_change_or_after_a_peak_bucket_not_every_publ
     assert second is not first and second[0][4] == 2
     now[0] += 60.0 / 12  # a peak bucket later: rebuilt (peaks age and idle tenants expire with time)
     assert activity.report() is not second
+
+
+def test_a_slot_cut_for_a_tenant_is_kept_for_it_until_taken_or_lapsed_on_every_replica() -> None:
+    clock = Clock()
+    activity = Activity(active_s=60.0, claim_s=1.0, now=clock)
+    assert not activity.claimed_by_other("p", "a")
+    activity.claim("p", "b", NORMAL, 2.0)
+    activity.claim("p", "b", NORMAL, 2.0)
+    assert activity.claimed_by_other("p", "a") and not activity.claimed_by_other("p", "b")
+    assert not activity.claimed_by_other("q", "a")  # another pool's slots are not held
+    assert activity.report() == [("p", "b", NORMAL, 2.0, 0, 0, 0, 2)]  # the peers learn of it
+    activity.take_claim("p", "b")
+    assert activity.active("p")["b"].claimed == 1 and activity.claimed_by_other("p", "a")
+    activity.take_claim("p", "b")
+    assert not activity.claimed_by_other("p", "a")
+    activity.claim("p", "b", NORMAL, 2.0)
+    clock.now += 1.5  # the engine freed the slot late, or the request left: the claim lapses
+    assert not activity.claimed_by_other("p", "a") and activity.report()[0][7] == 0
+    # a peer's claim holds this replica's other tenants back until the peer's next report drops it
+    activity.set_remote("gw1", [("p", "c", NORMAL, 1.0, 1, 0, 1, 1)])
+    assert activity.claimed_by_other("p", "a") and not activity.claimed_by_other("p", "c")
+    assert activity.active("p")["c"].claimed == 1
+    activity.set_remote("gw1", [("p", "c", NORMAL, 1.0, 2, 0, 2, 0)])
+    assert not activity.claimed_by_other("p", "a")
+    activity.set_remote("gw1", [("p", "c", NORMAL, 1.0, 1, 0, 1, 1)])
+    activity.drop_remote("gw1")
+    assert not activity.claimed_by_other("p", "a")

@@ -17,9 +17,12 @@ def test_round_trip() -> None:
 
 
 def test_tenant_activity_round_trips() -> None:
-    rows = [("llama", "B", 2, 2.0, 3, 0, 7), ("llama", "A", 2, 1.0, 9, 40, 49)]
+    rows = [("llama", "B", 2, 2.0, 3, 0, 7, 1), ("llama", "A", 2, 1.0, 9, 40, 49, 0)]
     batch = Batch("gw0", 1, [], [], rows)
     assert decode(encode(batch)) == batch
+    # a row without its claims (a replica of the version before) reads as none claimed
+    older = msgpack.packb({"r": "gw1", "q": 1, "t": [["llama", "B", 2, 2.0, 3, 0, 7]]})
+    assert decode(older).tenants == [("llama", "B", 2, 2.0, 3, 0, 7, 0)]
     assert decode(encode(Batch("gw0", 2, [], [], []))).tenants == []  # reported: nobody active
 
 
@@ -42,6 +45,8 @@ def test_tenant_activity_round_trips() -> None:
         {"r": "gw", "q": 1, "t": [["p", "B", 2, 0, 1, 0, 1]]},
         {"r": "gw", "q": 1, "t": [["p", "B", 2, 1.0, -1, 0, 1]]},
         {"r": "gw", "q": 1, "t": [["p", 7, 2, 1.0, 1, 0, 1]]},
+        {"r": "gw", "q": 1, "t": [["p", "B", 2, 1.0, 1, 0, 1, -1]]},
+        {"r": "gw", "q": 1, "t": [["p", "B", 2, 1.0, 1, 0, 1, 0, 0]]},
     ],
     ids=[
         "not-a-map",
@@ -60,6 +65,8 @@ def test_tenant_activity_round_trips() -> None:
         "weight-not-positive",
         "negative-inflight",
         "tenant-type",
+        "negative-claimed",
+        "long-tenant",
     ],
 )
 def test_malformed(doc: object) -> None:
