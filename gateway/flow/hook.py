@@ -44,9 +44,6 @@ from predictor.length import OutputPrediction
 _LIMITS_KEPT = 256
 _PREEMPT_EVERY_S = 0.25  # a waiting request asks for one preemption at most this often (a cut slot the engine
 # frees late, or another takes, is asked for again)
-_LIGHT_RATIO = 0.8  # a tenant with several requests waiting may still ask for cuts while its recent
-# service is below this fraction of its weighted share: a light tenant's burst, not a backlog (two
-# backlogged tenants sit near 1.0 under the counters, so they do not cut each other)
 REASON_QUEUED = "queued"  # record.reject_reason of a request served after waiting (status ok)
 
 
@@ -214,10 +211,11 @@ class FlowHook(Hook):
         same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
         ratios = self.queue.fair_share_ratios(pool.name, same_band)
         own = active.get(request.tenant)
-        light = bool(ratios) and ratios.get(request.tenant, 0.0) < _LIGHT_RATIO  # nobody served: no judging
-        if own is not None and own.waiting > 1 and not light:
-            # a backlogged tenant is served by flow order as slots free, not by cuts; a burst of a
-            # tenant well under its share of tokens is not a backlog
+        if own is not None and own.waiting > 1:
+            # a backlogged tenant is served by flow order as slots free, not by cuts (letting a light
+            # tenant's burst, several of its requests waiting, cut too was measured worse: each
+            # waiting request cut a stream, and a stream cut once cannot be cut again, so the pool
+            # filled with streams no later burst could take a slot from)
             return False
         streams = []
         for key, (ctx, dispatched_s) in running.items():
