@@ -272,21 +272,26 @@ def test_two_replicas_sharing_counters_serve_backlogged_tenants_by_weight(
     assert share == pytest.approx(0.75, rel=0.15), served
 
 
+def two_slot_gateway(tmp_path: Path, two: SimEngines, doc: dict[str, Any], section: dict[str, Any]) -> Gateway:
+    """A gateway in front of one engine of two batch slots, scraped often: the flood fills it."""
+    return start_gateway(
+        tmp_path / "gw",
+        pools=[static_pool("llama", LLAMA, two.urls, max_num_seqs=2)],
+        policies=doc,
+        flow_control=section,
+        predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
+        backends={"scrape_interval_s": 0.05},
+        ledger={"enabled": False},
+    )
+
+
 def test_a_slot_reserve_keeps_the_last_slot_for_a_tenant_under_its_share(tmp_path: Path) -> None:
     two = start_sim(tmp_path, count=1, served_model_name=LLAMA, time_scale=1.0, args=["--max-num-seqs", "2"])
     section = {**FLOW, "pools": {"llama": {"saturation": {"reserve_slots": 1}}}}
     doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
     done = Done()
     with running(two):
-        gw = start_gateway(
-            tmp_path / "gw",
-            pools=[static_pool("llama", LLAMA, two.urls, max_num_seqs=2)],
-            policies=doc,
-            flow_control=section,
-            predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
-            backends={"scrape_interval_s": 0.05},
-            ledger={"enabled": False},
-        )
+        gw = two_slot_gateway(tmp_path, two, doc, section)
         with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
             chat(gw, "light", max_tokens=2)  # the light tenant is active from now on
             floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 600)) for i in range(3)]
@@ -413,15 +418,7 @@ def test_a_request_finding_the_pool_full_cuts_a_stream_over_its_share_which_wait
     doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
     done = Done()
     with running(two):
-        gw = start_gateway(
-            tmp_path / "gw",
-            pools=[static_pool("llama", LLAMA, two.urls, max_num_seqs=2)],
-            policies=doc,
-            flow_control=section,
-            predictor={"worker": "thread", "online_training": False, "prior": {"time_scale": 1.0}},
-            backends={"scrape_interval_s": 0.05},
-            ledger={"enabled": False},
-        )
+        gw = two_slot_gateway(tmp_path, two, doc, section)
         with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
             chat(gw, "light", max_tokens=2)  # warm
             floods = [FloodStream(gw, 600) for _ in range(2)]
