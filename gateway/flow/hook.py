@@ -208,8 +208,6 @@ class FlowHook(Hook):
         if request.resumed:
             return False  # a cut stream waiting again never cuts another (no swap back)
         active = self.queue.activity.active(pool.name)
-        same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
-        ratios = self.queue.fair_share_ratios(pool.name, same_band)
         own = active.get(request.tenant)
         if own is not None and own.waiting > 1:
             # a backlogged tenant is served by flow order as slots free, not by cuts (letting a light
@@ -217,6 +215,8 @@ class FlowHook(Hook):
             # waiting request cut a stream, and a stream cut once cannot be cut again, so the pool
             # filled with streams no later burst could take a slot from)
             return False
+        same_band = {t for t, seen in active.items() if seen.band == request.band} | {request.tenant}
+        ratios = self.queue.fair_share_ratios(pool.name, same_band)
         streams = []
         for key, (ctx, dispatched_s) in running.items():
             outcome = ctx.outcome
