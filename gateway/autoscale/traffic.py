@@ -5,6 +5,10 @@ shows its demand: its uncached prompt tokens (the prompt less the pool's recent 
 and its expected output tokens (the pool's recent mean output). At the end of each request the mix
 (mean uncached prompt, mean output) and the cache-hit share learn from what really happened, and a
 finished stream's measured TPOT beside the batch it decoded in calibrates the capacity model.
+Until the first request of a pool finishes, the mix follows the arrivals instead (their prompts,
+their `max_tokens` as the output bound): a cold pool's first plan would otherwise size replicas for a
+default mix (a code pool's long prompts and short outputs read as five times the prefill work per
+replica it really is), and the first scale-up is the one that decides a cold start.
 Bounded: one small record per configured pool.
 """
 
@@ -29,11 +33,20 @@ class PoolTraffic:
     output_tokens: float = _DEFAULT_MIX.output_tokens  # EWMA of output tokens
     cached_share: float = 0.0
     seen: int = 0  # finished requests folded into the mix
+    guessed: int = 0  # arrivals folded into the mix while none has finished
     calibration: Calibration = field(default_factory=Calibration)
 
     def arrived(self, prompt_tokens: int, max_output: int | None, now_s: float) -> None:
         uncached = prompt_tokens * (1.0 - self.cached_share)
         expected = self.output_tokens if max_output is None else min(self.output_tokens, max_output)
+        if self.seen == 0:  # nothing finished yet: what the requests say about themselves
+            weight = 1.0 if self.guessed == 0 else _MIX_WEIGHT
+            self.guessed += 1
+            self.prompt_tokens += weight * (uncached - self.prompt_tokens)
+            if max_output is not None:
+                bound = min(float(max(max_output, 1)), _DEFAULT_MIX.output_tokens)
+                self.output_tokens += weight * (bound - self.output_tokens)
+            expected = self.output_tokens if max_output is None else min(self.output_tokens, max_output)
         self.prefill_tokens += uncached
         self.decode_tokens += expected
         self.requests += 1
