@@ -522,7 +522,7 @@ def merge_raw(raws: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "command": " ; ".join(m.get("command", "") for m in metas),
     }
     runs = [run for raw in raws for run in raw["runs"]]
-    extras = next((raw["extras"] for raw in raws if raw.get("extras")), {})
+    extras: dict[str, Any] = next((raw["extras"] for raw in raws if raw.get("extras")), {})
     return {"meta": meta, "runs": runs, "extras": extras}
 
 
