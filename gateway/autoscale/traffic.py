@@ -38,7 +38,6 @@ class PoolTraffic:
 
     def arrived(self, prompt_tokens: int, max_output: int | None, now_s: float) -> None:
         uncached = prompt_tokens * (1.0 - self.cached_share)
-        expected = self.output_tokens if max_output is None else min(self.output_tokens, max_output)
         if self.seen == 0:  # nothing finished yet: what the requests say about themselves
             weight = 1.0 if self.guessed == 0 else _MIX_WEIGHT
             self.guessed += 1
@@ -46,7 +45,7 @@ class PoolTraffic:
             if max_output is not None:
                 bound = min(float(max(max_output, 1)), _DEFAULT_MIX.output_tokens)
                 self.output_tokens += weight * (bound - self.output_tokens)
-            expected = self.output_tokens if max_output is None else min(self.output_tokens, max_output)
+        expected = self.output_tokens if max_output is None else min(self.output_tokens, max_output)
         self.prefill_tokens += uncached
         self.decode_tokens += expected
         self.requests += 1
