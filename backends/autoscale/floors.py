@@ -13,8 +13,12 @@ floor is a planner input with two sources:
 Both become `Floor` values on the planner's monotonic clock (`schedule_floors` resolves the windows
 near now), so a planning pass stays a pure function of its signals and a recorded pass replays.
 `floor_at` is the floor in force: the largest floor whose window, started `lead_s` early, covers
-now, so the replicas it asks for are ready when the window opens. After the window the floor just
-ends; the scale-down follows the planner's usual stabilisation and cooldown.
+now, so the replicas it asks for are ready when the window opens. A floor that came in force stays
+in force until it ends (`in_force` names them for the planner's memory): the lead is learnt, and
+once the first start shows the replicas come up faster than the prior said, a floor whose early
+opening the shorter lead no longer covers would otherwise stop the replicas it had just started and
+start them again at the window. After the window the floor just ends; the scale-down follows the
+planner's usual stabilisation and cooldown.
 """
 
 from __future__ import annotations
@@ -103,12 +107,38 @@ def schedule_floors(
     return tuple(found)
 
 
-def floor_at(floors: Iterable[Floor], role: str, now_s: float, lead_s: float) -> tuple[int, Floor | None]:
+def _opened(floor: Floor, now_s: float, lead_s: float, kept: Sequence[Floor]) -> bool:
+    if now_s >= floor.end_s:
+        return False
+    return floor.start_s - lead_s <= now_s or any(_same(floor, k) for k in kept)
+
+
+def _same(a: Floor, b: Floor) -> bool:
+    """One floor across passes: a schedule's floors are rebuilt each pass on a monotonic clock whose
+    offset to the wall clock moves by microseconds, so their times match to within a second."""
+    return (
+        a.source == b.source
+        and a.role == b.role
+        and a.min_replicas == b.min_replicas
+        and abs(a.start_s - b.start_s) < 1.0
+        and abs(a.end_s - b.end_s) < 1.0
+    )
+
+
+def in_force(floors: Iterable[Floor], now_s: float, lead_s: float, kept: Sequence[Floor] = ()) -> tuple[Floor, ...]:
+    """The floors in force at `now_s` for any role: opened `lead_s` early, or in force at the last pass
+    (`kept`) and not ended. The planner keeps them in its memory and passes them back as `kept`."""
+    return tuple(f for f in floors if _opened(f, now_s, lead_s, kept))
+
+
+def floor_at(
+    floors: Iterable[Floor], role: str, now_s: float, lead_s: float, kept: Sequence[Floor] = ()
+) -> tuple[int, Floor | None]:
     """The floor in force for `role` at `now_s`: the largest one whose window, opened `lead_s` early
-    (the time a replica asked for now takes to serve), has not ended."""
+    (the time a replica asked for now takes to serve), or kept from the last pass, has not ended."""
     best: Floor | None = None
     for floor in floors:
-        opened = floor.applies_to(role) and floor.start_s - lead_s <= now_s < floor.end_s
+        opened = floor.applies_to(role) and _opened(floor, now_s, lead_s, kept)
         if opened and (best is None or floor.min_replicas > best.min_replicas):
             best = floor
     return (best.min_replicas, best) if best is not None else (0, None)

@@ -31,6 +31,7 @@ TOLERANCE = 0.1
 def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemory) -> PoolPlan:
     now = signals.now_s
     lead_s = lead_time_s(signals, policy)  # a scheduled floor is kept this early
+    opened = scheduled.in_force(signals.floors, now, lead_s, memory.floors)
     window_start = now - policy.stabilization_s
     history = tuple(entry for entry in memory.history if entry[0] >= window_start)
     roles, reasons, recommendations = [], [], []
@@ -50,7 +51,7 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
         else:
             recommended = math.ceil(current * ratio)
             why = f"running {metric:.1f}/replica vs target {policy.hpa_target_running:g}"
-        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s)
+        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s, memory.floors)
         if booking is not None and booked > recommended:
             recommended, why = booked, f"{why}; {scheduled.describe(booking, now)}"
         recommended = min(max(recommended, low), high)
@@ -74,5 +75,6 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
             last_up_s=now if scaled_up else memory.last_up_s,
             last_down_s=now if scaled_down else memory.last_down_s,
             history=(*history, (now, tuple(recommendations))),
+            floors=opened,
         ),
     )

@@ -44,6 +44,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
     """The pool's wanted replicas per role before the device budget (`desired` = `wanted` here)."""
     now = signals.now_s
     lead_s = lead_time_s(signals, policy)
+    opened = scheduled.in_force(signals.floors, now, lead_s, memory.floors)
     prefill_demand = max(signals.prefill.level, signals.prefill.ahead(lead_s))
     decode_demand = max(signals.decode.level, signals.decode.ahead(lead_s))
     busy = (
@@ -79,7 +80,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         in_use = 1 if busy and high > 0 and _serves(signals, role) else 0
         if awake_reserve and in_use:
             up, down = max(up, in_use) + awake_reserve, max(down, in_use) + awake_reserve
-        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s)
+        booked, booking = scheduled.floor_at(signals.floors, role.role, now, lead_s, memory.floors)
         booked = min(booked, cap)
         floor = max(in_use, booked)
         current = role.replicas.active
@@ -123,6 +124,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         last_down_s=now if scaled_down else memory.last_down_s,
         history=history,
         wanted=tuple((r.role, r.wanted) for r in roles),
+        floors=opened,
     )
     return PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory)
 

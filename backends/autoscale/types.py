@@ -79,6 +79,9 @@ class PlannerMemory:
     # per role, the count the last pass wanted: a want the budget has not granted yet is one scale-up,
     # not a new one every pass (which would hold the other roles' scale-down cooldown for ever)
     wanted: tuple[tuple[str, int], ...] = ()
+    # the scheduled floors in force at the last pass: they stay in force until they end, whatever
+    # the lead learnt since (backends/autoscale/floors.py)
+    floors: tuple[Floor, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

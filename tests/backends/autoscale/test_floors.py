@@ -123,3 +123,34 @@ def test_the_hpa_baseline_takes_the_floor_as_its_largest_recommendation() -> Non
     plan = plan_hpa(quiet, policy, PlannerMemory())
     assert plan.roles[0].wanted == 3 and "scheduled floor 3" in plan.reason
     assert plan_hpa(replace(quiet, now_s=80.0), policy, PlannerMemory()).roles[0].wanted == 0  # not yet: no load
+
+
+def test_a_floor_in_force_stays_when_the_learnt_lead_shrinks() -> None:
+    """The first start shows the replicas come up in 1 s, not the 10 s prior: the floor opened early
+    keeps its replicas (before, the shorter lead dropped it and the planner stopped what it had started)."""
+    floors = (Floor(100.0, 200.0, 2),)
+    passes = [
+        replace(signals(86.0, 0.0, startup_s=10.0, ready=0, last_request=-1000.0), floors=floors),  # lead 15: open
+        replace(signals(90.0, 0.0, startup_s=1.0, ready=2, last_request=-1000.0), floors=floors),  # lead 6
+        replace(signals(99.0, 0.0, startup_s=1.0, ready=2, last_request=-1000.0), floors=floors),
+    ]
+    assert [p.roles[0].wanted for p in replay(passes, POLICY)] == [2, 2, 2]
+    assert floor_at(floors, "both", 90.0, 6.0)[0] == 0  # the shorter lead alone would not cover it
+    assert floor_at(floors, "both", 90.0, 6.0, kept=floors)[0] == 2
+    assert floor_at(floors, "both", 200.0, 6.0, kept=floors)[0] == 0  # ended: kept no longer
+    policy = POLICY.model_copy(update={"planner": "hpa"})
+    memory = PlannerMemory()
+    seen = []
+    for each in passes:
+        plan = plan_hpa(each, policy, memory)
+        memory = plan.memory
+        seen.append(plan.roles[0].wanted)
+    assert seen == [2, 2, 2]
+
+
+def test_a_schedule_floor_is_kept_across_passes_whose_clocks_differ_by_microseconds() -> None:
+    kept = (Floor(100.0, 200.0, 2, "", "schedule 10:00-11:00"),)
+    rebuilt = (Floor(100.000004, 200.000004, 2, "", "schedule 10:00-11:00"),)
+    assert floor_at(rebuilt, "both", 90.0, 1.0, kept=kept)[0] == 2
+    other = (Floor(100.0, 200.0, 3, "", "schedule 10:00-11:00"),)
+    assert floor_at(other, "both", 90.0, 1.0, kept=kept)[0] == 0
