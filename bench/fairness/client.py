@@ -1,9 +1,9 @@
 """The benchmark's client: open-loop streamed chat completions, one record per request.
 
 TTFT is the wall time from sending to the first content chunk; usage comes from the stream's final
-usage chunk (`include_usage`). A request the gateway turns away records its status and error code;
-one that does not finish within `timeout_s` is cancelled (the client gives up, as users do) and
-counts as failed.
+usage chunk (`include_usage`), and the simulated engine's own TTFT from the `metrics` beside it. A
+request the gateway turns away records its status and error code; one that does not finish within
+`timeout_s` is cancelled (the client gives up, as users do) and counts as failed.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Outcome:
     completion_tokens: int = 0
     queued_ms: float = 0.0
     flow: str = ""  # x-tokenway-flow (debug): the gateway's cost and output predictions
+    # the simulated engine's own TTFT (engine seconds, from the stream's `metrics`): from the engine
+    # receiving the request to its first token, with no host lag in it (the wall clock has it)
+    engine_ttft_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,8 @@ async def send(session: aiohttp.ClientSession, url: str, key: str, data: bytes, 
     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
     out.completion_tokens = int(usage.get("completion_tokens") or 0)
     out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    if "ttft_s" in call.stream.metrics:
+        out.engine_ttft_s = float(call.stream.metrics["ttft_s"])
 
 
 async def replay(

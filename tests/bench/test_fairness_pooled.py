@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
-from bench.fairness.pooled import phase1_ttfts, ratio_interval, render
+from bench.fairness.pooled import phase1_engine_clock, phase1_ttfts, ratio_interval, render
 
 PHASE_S = 10.0
 
@@ -74,3 +75,29 @@ def test_the_interval_holds_the_point_estimate() -> None:
     point = np.percentile(flooded, 99) / np.percentile(solo, 99)
     assert low <= point <= high
     assert low < high
+
+
+def test_the_engine_clock_adds_the_queue_and_leaves_the_lag_out() -> None:
+    raw = day(7, [0.2] * 50, [0.3] * 50)
+    for run in raw["runs"].values():
+        for r in run["outcomes"]:
+            r["engine_ttft_s"] = 0.025  # engine seconds: 0.1 wall s at time scale 0.25
+    flooded = raw["runs"]["flow-reserve-preempt"]
+    for r in flooded["outcomes"][:5]:
+        r["queued_ms"] = 100.0
+    pairs = phase1_engine_clock(flooded, PHASE_S, 0.25)
+    assert len(pairs) == 50  # phase 2's request left out
+    assert pairs[0][0] == pytest.approx(0.2) and pairs[-1][0] == pytest.approx(0.1)
+    assert {wall for _, wall in pairs} == {0.3}
+    text = render([raw], ["a-raw.json"])
+    engine = [0.2] * 5 + [0.1] * 45
+    p99 = np.percentile(engine, 99)
+    # solo: 100 ms on the engine's clock and 100 ms of lag; flooded: 5 of 50 waited 100 ms in the queue
+    assert f"| 100 / 100 ms | 100 / {p99 * 1000:.0f} ms | {p99 / 0.1:.2f}x |" in text
+    assert "| 100 / 100 ms | 200 / 200 ms |" in text  # the lag columns: the queue is not lag
+
+
+def test_days_without_engine_timings_leave_the_engine_table_empty() -> None:
+    text = render([day(7, [0.1] * 10, [0.1] * 10)], ["a-raw.json"])
+    table = text.split("## Pooled on the engine's clock")[1].split("The interval")[0]
+    assert "flow control + reserve + preemption" not in table
