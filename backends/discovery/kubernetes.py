@@ -60,12 +60,12 @@ def api_client(config: KubernetesDiscoveryConfig) -> k8s_client.ApiClient:
             token = Path(config.token_file).read_text().strip()
             configuration.api_key = {"authorization": f"Bearer {token}"}
     elif config.kubeconfig:
-        k8s_config.load_kube_config(config_file=config.kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+        k8s_config.load_kube_config(config_file=config.kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call, unused-ignore]
     else:
         try:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call, unused-ignore]
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call, unused-ignore]
     return k8s_client.ApiClient(configuration)
 
 
@@ -206,7 +206,7 @@ class SliceWatch:
         return version
 
     def _events(self, response: Any) -> Iterator[dict[str, Any]]:
-        for line in iter_resp_lines(response):  # type: ignore[no-untyped-call]
+        for line in iter_resp_lines(response):  # type: ignore[no-untyped-call, unused-ignore]
             if self._stop.is_set():
                 return
             if not line.strip():

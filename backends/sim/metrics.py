@@ -133,7 +133,7 @@ class _Histogram:
         self.bounds = [float(b) for b in buckets]
         if self.bounds[-1] != float("inf"):
             self.bounds.append(float("inf"))
-        self.le: list[str] = [floatToGoString(b) for b in self.bounds]  # type: ignore[no-untyped-call]
+        self.le: list[str] = [floatToGoString(b) for b in self.bounds]  # type: ignore[no-untyped-call, unused-ignore]
         self.counts = [0] * len(self.bounds)
         self.sum = 0.0
         self.created = time.time()

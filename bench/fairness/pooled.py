@@ -3,11 +3,11 @@
     .venv/bin/python -m bench.fairness.pooled RAW [RAW ...] [--out bench/results/fairness-pooled.md]
 
 Each RAW is a `--raw` file of `python -m bench.fairness` run with its own `--seed` (another day of
-arrivals, its own solo baseline). One day's phase 1 gives B about 120 requests, so its p99 is the
-second-worst of them and moves with a single slow request: solo baselines of the same code read
-109-237 ms between runs. Pooling the days' requests (B's phase-1 TTFTs of every day in one sample,
-solo and flooded alike) makes the p99 the fifth-worst of about 500, and a bootstrap over the pooled
-requests says how far that ratio can still move. Per day the report keeps each day's own ratio, its
+arrivals, its own solo baseline). One day's phase 1 gives B so few requests that its p99 is their
+second-worst and moves with a single slow request, between runs of the same code. Pooling the days'
+requests (B's phase-1 TTFTs of every day in one sample, solo and flooded alike) puts several
+requests above the p99, and a bootstrap over the pooled requests says how far that ratio can still
+move. Per day the report keeps each day's own ratio, its
 worst share deviation and its goodput against FIFO where FIFO ran, so a pooled figure never hides a
 day that missed.
 """
@@ -68,7 +68,8 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         f"`python -m bench.fairness` (seeds {', '.join(str(raw['args']['seed']) for raw in raws)}; time scale "
         f"{first['time_scale']}, phases of {first['phase_s']:.0f} s, windows of {first['window_s']:.0f} s), "
         "each with its own arrivals and its own solo baseline (B's phase 1 alone). The tenants, the flow "
-        "configuration and the columns are those of [fairness.md](fairness.md).",
+        "configuration and the columns are those of [fairness.md](fairness.md); each day's own report is beside "
+        "it, its raw file stays out of git (`bench/results/*-raw.json`).",
         "",
         "## Per day",
         "",

@@ -290,7 +290,7 @@ class RedisBatchStore:
                         return None
                     for name, value in changes.items():
                         setattr(meta, name, value)
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.multi()  # type: ignore[no-untyped-call, unused-ignore]
                     pipe.set(key, orjson.dumps(meta.to_dict()))
                     if meta.status in FINISHED:
                         pipe.zrem(self._k("active"), batch_id)

@@ -150,4 +150,4 @@ class FamiliesCollector:
 
 def _format_le(bound: float) -> str:
     # The same text prometheus_client writes for its own histograms.
-    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call, unused-ignore]

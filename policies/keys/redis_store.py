@@ -99,7 +99,7 @@ class RedisDirectoryStore:
                     yield Change(int(version), kind, name)
         finally:
             with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -110,7 +110,7 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
             errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
             assert not errors, f"page {name}: {errors}"
         # script errors only: the wrong login's 401 and a missing /admin/pools are answers, not faults
-        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        logs = driver.get_log("browser")  # type: ignore[no-untyped-call, unused-ignore]
         severe = [e for e in logs if e["level"] == "SEVERE" and e.get("source") != "network"]
         assert not severe, severe
 
@@ -190,6 +190,6 @@ def test_the_pools_page_shows_an_autoscaled_pools_replicas_and_decisions(
         assert "Recent actions" in text and "start both" in text and "ready both" in text
         errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
         assert not errors, errors
-        logs = driver.get_log("browser")  # type: ignore[no-untyped-call]
+        logs = driver.get_log("browser")  # type: ignore[no-untyped-call, unused-ignore]
         severe = [e for e in logs if e["level"] == "SEVERE" and e.get("source") != "network"]
         assert not severe, severe
