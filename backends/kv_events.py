@@ -235,6 +235,12 @@ class KvEventSubscriber:
     topic: str = ""
     replay_address: str | None = None
     replay_timeout_s: float = 2.0
+    # A batch published after the start-up catch-up but before the SUB's subscription reached the
+    # publisher is dropped by the publisher (ZMQ's slow joiner), and with no later batch no gap ever
+    # shows it. So until the first live batch arrives the catch-up repeats until the engine answers,
+    # then once more after this long: longer than the SUB's RECONNECT_IVL_MAX, so by then it is
+    # connected and subscribed.
+    catch_up_s: float = 2.5
     context: zmq.asyncio.Context | None = None
     stats: SubscriberStats = field(default_factory=SubscriberStats)
     _expected_seq: int | None = field(default=None, init=False)
@@ -256,24 +262,42 @@ class KvEventSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
+            # Live batches published during a catch-up queue on the SUB socket and are deduplicated.
+            catch_up_at: float | None = None
+            final = False
             if self.replay_address:
-                # Live batches published meanwhile queue on the SUB socket and are deduplicated.
-                before = self.stats.replayed_batches
-                await self._replay(0, None, strict=False)
-                if self.stats.replayed_batches > before:
-                    self.stats.catch_ups += 1
+                answered = await self._catch_up()
+                catch_up_at = time.monotonic() + self.catch_up_s
+                final = answered
             while not self._stop.is_set():
+                if catch_up_at is not None and time.monotonic() >= catch_up_at:
+                    answered = await self._catch_up()
+                    if final and answered:
+                        catch_up_at = None  # the engine answered after the SUB had time to connect
+                    else:
+                        final = answered
+                        catch_up_at = time.monotonic() + self.catch_up_s
                 ready = dict(await poller.poll(timeout=200))
                 if sock not in ready:
                     continue
                 frames = await sock.recv_multipart()
                 await self._handle(frames)
+                catch_up_at = None  # subscribed: from here on a lost batch shows as a gap
         finally:
             self.stats.running = False
             sock.close(linger=0)
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _catch_up(self) -> bool:
+        """Replay what the engine still buffers from the next batch expected (all of it before the
+        first); True when the engine answered."""
+        before = self.stats.replayed_batches
+        answered = await self._replay(self._expected_seq or 0, None, strict=False)
+        if self.stats.replayed_batches > before:
+            self.stats.catch_ups += 1
+        return answered
 
     async def _handle(self, frames: Sequence[bytes]) -> None:
         now_s = time.monotonic()

@@ -291,6 +291,43 @@ async def test_a_late_subscription_catches_up_through_replay_at_once(
         replay.close(0)
 
 
+async def test_a_batch_the_slow_joiner_lost_is_caught_up_without_a_later_batch(
+    publisher: tuple[zmq.asyncio.Socket, str],
+) -> None:
+    """The engine published its first batch after the start-up catch-up but before the subscription
+    reached it (never delivered live), and publishes nothing more: the catch-up after `catch_up_s`
+    fetches it, so the index is not left empty until the next event."""
+    pub, address = publisher
+    replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    buffer: dict[int, list[bytes]] = {}
+    served: list[int] = []
+    server = asyncio.get_running_loop().create_task(serve_replay(replay, buffer, served))
+    rec = Recorder()
+    sub = KvEventSubscriber(
+        "a",
+        address,
+        rec.on_batch,
+        rec.on_reset,
+        replay_address=str(replay.getsockopt_string(zmq.LAST_ENDPOINT)),
+        catch_up_s=0.2,
+    )
+    task = await start(sub, pub)
+    try:
+        await poll_until(lambda: served == [0])  # the start-up catch-up: nothing yet
+        buffer[0] = frames(0, stored_map(0, 3))  # published, but lost to the slow joiner
+        await poll_until(lambda: sub.stats.catch_ups == 1)
+        assert [b.seq for b in rec.batches] == [0]
+        await pub.send_multipart(frames(1, stored_map(3, 4)))  # live from here on
+        await rec.until(lambda: len(rec.batches) == 2)
+        assert [b.seq for b in rec.batches] == [0, 1] and (rec.resets, sub.stats.gaps) == ([], 0)
+    finally:
+        await stop(sub, task)
+        server.cancel()
+        replay.close(0)
+
+
 async def test_hub_follows_the_fleet(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
     pub, address = publisher
     rec = Recorder()
