@@ -37,8 +37,8 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from policies.limits.autopipeline import Script
 from policies.limits.scriptpipe import ScriptPipe, script_pipeline

@@ -21,8 +21,8 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from policies.limits.resp import Arg, EvalSha, Pre, Script
 from policies.limits.scriptpipe import script_pipeline
