@@ -263,26 +263,19 @@ class KvEventSubscriber:
         poller.register(sock, zmq.POLLIN)
         try:
             # Live batches published during a catch-up queue on the SUB socket and are deduplicated.
-            catch_up_at: float | None = None
-            final = False
-            if self.replay_address:
-                answered = await self._catch_up()
-                catch_up_at = time.monotonic() + self.catch_up_s
-                final = answered
+            catching_up, answered_before, catch_up_at = bool(self.replay_address), False, 0.0
             while not self._stop.is_set():
-                if catch_up_at is not None and time.monotonic() >= catch_up_at:
+                if catching_up and time.monotonic() >= catch_up_at:
                     answered = await self._catch_up()
-                    if final and answered:
-                        catch_up_at = None  # the engine answered after the SUB had time to connect
-                    else:
-                        final = answered
-                        catch_up_at = time.monotonic() + self.catch_up_s
+                    # done once the engine answered twice, catch_up_s apart: the SUB had time to connect
+                    catching_up, answered_before = not (answered_before and answered), answered
+                    catch_up_at = time.monotonic() + self.catch_up_s
                 ready = dict(await poller.poll(timeout=200))
                 if sock not in ready:
                     continue
                 frames = await sock.recv_multipart()
                 await self._handle(frames)
-                catch_up_at = None  # subscribed: from here on a lost batch shows as a gap
+                catching_up = False  # subscribed: from here on a lost batch shows as a gap
         finally:
             self.stats.running = False
             sock.close(linger=0)

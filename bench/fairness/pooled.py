@@ -57,6 +57,17 @@ def ratio_interval(flooded: Sequence[float], solo: Sequence[float], seed: int = 
     return float(low), float(high)
 
 
+def _compare(solo: Sequence[float], flooded: Sequence[float]) -> str:
+    """The cells both pooled tables share: p50 / p99 of each side, their p99 ratio and its interval."""
+    s50, s99 = np.percentile(solo, [50, 99])
+    f50, f99 = np.percentile(flooded, [50, 99])
+    low, high = ratio_interval(flooded, solo)
+    return (
+        f"{len(solo)} / {len(flooded)} | {s50 * 1000:.0f} / {s99 * 1000:.0f} ms | "
+        f"{f50 * 1000:.0f} / {f99 * 1000:.0f} ms | {f99 / s99:.2f}x | {low:.2f}-{high:.2f}x"
+    )
+
+
 def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
     days = [(raw, {mode: summarize(run, raw) for mode, run in raw["runs"].items()}) for raw in raws]
     modes = [m for m in MODES_ORDER[1:] if any(m in raw["runs"] for raw in raws)]
@@ -106,15 +117,8 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         flooded = [t for raw, _ in pairs for t in phase1_ttfts(raw["runs"][mode], float(raw["args"]["phase_s"]))]
         if not solo or not flooded:
             continue
-        s50, s99 = np.percentile(solo, [50, 99])
-        f50, f99 = np.percentile(flooded, [50, 99])
-        low, high = ratio_interval(flooded, solo)
         worst = max(w["worst_deviation"] for _, s in pairs for w in s[mode]["windows"])
-        lines.append(
-            f"| {LABELS[mode]} | {len(pairs)} | {len(solo)} / {len(flooded)} | "
-            f"{s50 * 1000:.0f} / {s99 * 1000:.0f} ms | {f50 * 1000:.0f} / {f99 * 1000:.0f} ms | {f99 / s99:.2f}x | "
-            f"{low:.2f}-{high:.2f}x | {worst:.1%} |"
-        )
+        lines.append(f"| {LABELS[mode]} | {len(pairs)} | {_compare(solo, flooded)} | {worst:.1%} |")
     lines += [
         "",
         "## Pooled on the engine's clock (days whose engine reported its TTFT)",
@@ -144,17 +148,11 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
                 flood_pairs += flood_day
         if not used:
             continue
-        solo_e = [e for e, _ in solo_pairs]
-        flood_e = [e for e, _ in flood_pairs]
-        s50, s99 = np.percentile(solo_e, [50, 99])
-        f50, f99 = np.percentile(flood_e, [50, 99])
-        low, high = ratio_interval(flood_e, solo_e)
         solo_lag = np.percentile([w - e for e, w in solo_pairs], [50, 99])
         flood_lag = np.percentile([w - e for e, w in flood_pairs], [50, 99])
+        compared = _compare([e for e, _ in solo_pairs], [e for e, _ in flood_pairs])
         lines.append(
-            f"| {LABELS[mode]} | {used} | {len(solo_e)} / {len(flood_e)} | {s50 * 1000:.0f} / {s99 * 1000:.0f} ms | "
-            f"{f50 * 1000:.0f} / {f99 * 1000:.0f} ms | {f99 / s99:.2f}x | {low:.2f}-{high:.2f}x | "
-            f"{solo_lag[0] * 1000:.0f} / {solo_lag[1] * 1000:.0f} ms | "
+            f"| {LABELS[mode]} | {used} | {compared} | {solo_lag[0] * 1000:.0f} / {solo_lag[1] * 1000:.0f} ms | "
             f"{flood_lag[0] * 1000:.0f} / {flood_lag[1] * 1000:.0f} ms |"
         )
     lines += [
