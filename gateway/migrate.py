@@ -247,12 +247,13 @@ class Resumer:
         return None
 
     async def _send(self, endpoint: Endpoint, body: dict[str, Any], sent_tokens: int) -> Resumed | None:
+        # the continuation's prompt (the original and what was sent) stays a pending prefill there until
+        # its first new token is relayed (the relay releases it): the answer's headers come before it
         ticket = endpoint.inflight.begin(self.prompt_tokens + sent_tokens)
         response = await self.send(endpoint, body)
         if response is None:
             ticket.end()
             return None
-        ticket.first_token(self.prompt_tokens + sent_tokens)
         return Resumed(response, ticket, endpoint.id, self.prompt_tokens, self.api)
 
     async def _routed(self) -> Endpoint | None:

@@ -333,6 +333,8 @@ async def relay_stream(
             else:
                 if moving is not None:
                     events = moving.relaying(events)
+                    if current is not ticket and not current.prefilled and _any_output(events):
+                        current.first_token(current.prefill_tokens)  # the continuation's prompt is prefilled
                 out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
@@ -406,6 +408,10 @@ class _Moving:
     def end(self) -> None:
         for ticket in self.tickets:
             ticket.end()
+
+
+def _any_output(events: list[bytes]) -> bool:
+    return any(event.startswith(b"data:") and _has_output(event[5:]) for event in events)
 
 
 def relay_events(

@@ -41,6 +41,7 @@ class Outcome:
     # the simulated engine's own TTFT (engine seconds, from the stream's `metrics`): from the engine
     # receiving the request to its first token, with no host lag in it (the wall clock has it)
     engine_ttft_s: float | None = None
+    endpoint: str = ""  # x-tokenway-endpoint: the engine that served it (where its prefill ran)
 
     @property
     def ok(self) -> bool:
@@ -69,6 +70,7 @@ async def send(session: aiohttp.ClientSession, url: str, key: str, data: bytes, 
     out.status, out.code, out.e2e_s = call.status, call.code, call.e2e_s
     out.queued_ms = float(call.headers.get("x-tokenway-queued-ms", 0) or 0)
     out.flow = call.headers.get("x-tokenway-flow", "")
+    out.endpoint = call.headers.get("x-tokenway-endpoint", "")
     usage = call.stream.usage
     out.ttft_s = call.stream.ttft_s
     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)

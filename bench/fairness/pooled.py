@@ -15,6 +15,7 @@ day that missed.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -68,6 +69,13 @@ def _compare(solo: Sequence[float], flooded: Sequence[float]) -> str:
     )
 
 
+def _worst(windows: Sequence[Mapping[str, Any]]) -> str:
+    """The worst window's deviation, completed and pro-rated (raw files of any age have the first)."""
+    completed = max(w["worst_deviation"] for w in windows)
+    prorated = [w["worst_deviation_prorated"] for w in windows if "worst_deviation_prorated" in w]
+    return f"{completed:.1%} ({max(prorated):.1%})" if prorated else f"{completed:.1%}"
+
+
 def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
     days = [(raw, {mode: summarize(run, raw) for mode, run in raw["runs"].items()}) for raw in raws]
     modes = [m for m in MODES_ORDER[1:] if any(m in raw["runs"] for raw in raws)]
@@ -84,8 +92,8 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         "",
         "## Per day",
         "",
-        "| seed | mode | B solo p99 | B p99 | ratio (target ≤ 1.2x) | B waited > 10 ms | worst share deviation | "
-        "goodput vs FIFO |",
+        "| seed | mode | B solo p99 | B p99 | ratio (target ≤ 1.2x) | B waited > 10 ms | worst share deviation "
+        "(pro-rated) | goodput vs FIFO |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for raw, summaries in days:
@@ -95,20 +103,20 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
             if mode not in summaries:
                 continue
             b = summaries[mode]["tenants"]["B"]
-            worst = max(w["worst_deviation"] for w in summaries[mode]["windows"])
+            worst = _worst(summaries[mode]["windows"])
             good = f"{summaries[mode]['goodput_tokens_per_s'] / fifo:.2f}x" if fifo else "-"
             waited = "-" if b["phase1_waited"] is None else f"{b['phase1_waited']:.0%}"
             lines.append(
                 f"| {raw['args']['seed']} | {LABELS[mode]} | {solo * 1000:.0f} ms | "
                 f"{b['phase1_ttft_p99_s'] * 1000:.0f} ms | {b['phase1_ttft_p99_s'] / solo:.2f}x | {waited} | "
-                f"{worst:.1%} | {good} |"
+                f"{worst} | {good} |"
             )
     lines += [
         "",
         "## Pooled (every day's phase-1 requests of B in one sample)",
         "",
         "| mode | days | B requests (solo / flooded) | solo p50 / p99 | flooded p50 / p99 | p99 ratio | "
-        "90 % interval | worst share deviation, any day |",
+        "90 % interval | worst share deviation, any day (pro-rated) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mode in modes:
@@ -117,8 +125,8 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         flooded = [t for raw, _ in pairs for t in phase1_ttfts(raw["runs"][mode], float(raw["args"]["phase_s"]))]
         if not solo or not flooded:
             continue
-        worst = max(w["worst_deviation"] for _, s in pairs for w in s[mode]["windows"])
-        lines.append(f"| {LABELS[mode]} | {len(pairs)} | {_compare(solo, flooded)} | {worst:.1%} |")
+        worst = _worst([w for _, s in pairs for w in s[mode]["windows"]])
+        lines.append(f"| {LABELS[mode]} | {len(pairs)} | {_compare(solo, flooded)} | {worst} |")
     lines += [
         "",
         "## Pooled on the engine's clock (days whose engine reported its TTFT)",
@@ -160,17 +168,27 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         f"The interval resamples both pooled samples {BOOTSTRAP} times (with replacement) and takes the 5th "
         "and 95th percentile of the ratio of their p99s: the range one more set of days would likely read. "
         "A day's share deviation is the worst 60 s window of that day; the target is within 10 % on one "
-        "gateway replica and 15 % on two.",
+        "gateway replica and 15 % on two. Service counts a request where it completed; pro-rated (in "
+        "brackets), as the tokens processed in the window (`report.processed_in`), which halves the "
+        "straddle of requests across a window's edge.",
     ]
     return "\n".join(lines) + "\n"
 
 
+def read_raw(path: Path) -> bytes:
+    """A raw file as written, or gzipped (`bench/results/raw/*.json.gz`, the copies kept in git)."""
+    data = path.read_bytes()
+    return gzip.decompress(data) if path.suffix == ".gz" else data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("raws", nargs="+", type=Path, help="raw files of `python -m bench.fairness --raw`")
+    parser.add_argument(
+        "raws", nargs="+", type=Path, help="raw files of `python -m bench.fairness --raw` (or gzipped: .json.gz)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness-pooled.md")
     args = parser.parse_args()
-    raws = [json.loads(path.read_text()) for path in args.raws]
+    raws = [json.loads(read_raw(path)) for path in args.raws]
     text = render(raws, [path.name for path in args.raws])
     args.out.write_text(text)
     print(text)

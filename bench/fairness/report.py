@@ -27,8 +27,19 @@ MODES_ORDER = (
     "flow-preempt",
     "flow-reserve-preempt",
     "flow-reserve-preempt-2",
+    "flow-lane",
+    "flow-lane-2",
 )
-FLOW_MODES = ("flow", "flow-reserve", "flow-2", "flow-preempt", "flow-reserve-preempt", "flow-reserve-preempt-2")
+FLOW_MODES = (
+    "flow",
+    "flow-reserve",
+    "flow-2",
+    "flow-preempt",
+    "flow-reserve-preempt",
+    "flow-reserve-preempt-2",
+    "flow-lane",
+    "flow-lane-2",
+)
 LABELS = {
     "solo-B": "B alone",
     "fifo": "FIFO (no flow control)",
@@ -39,6 +50,8 @@ LABELS = {
     "flow-preempt": "flow control + preemption",
     "flow-reserve-preempt": "flow control + reserve + preemption",
     "flow-reserve-preempt-2": "flow control + reserve + preemption, 2 replicas",
+    "flow-lane": "flow control + reserve + preemption + clear lane",
+    "flow-lane-2": "flow control + reserve + preemption + clear lane, 2 replicas",
 }
 
 
@@ -156,14 +169,20 @@ def window(
     """Service per tenant in [start, end) against each band's weighted max-min fair allocation.
 
     Service counts where a request completed, demand where it was sent, so a tenant served in full
-    still reads a few per cent off in a window that its requests straddle (B alone shows it)."""
+    still reads a few per cent off in a window that its requests straddle (B alone shows it). Beside
+    it, `worst_deviation_prorated` counts service as the tokens processed in the window: a request's
+    uncached prompt at its first token, its output spread evenly from there to its end (the engine
+    produces them at about that pace), which halves that straddle."""
     units = engine_units(rows) if units is None else units
     served: dict[str, float] = {t: 0.0 for t in tenants}
+    prorated: dict[str, float] = {t: 0.0 for t in tenants}
     demand: dict[str, float] = {t: 0.0 for t in tenants}
     for r in rows:
         done_s = r["sent_s"] + r["e2e_s"]
         if ok(r) and start <= done_s < end:
             served[r["tenant"]] += cost(r)
+        if ok(r):
+            prorated[r["tenant"]] += processed_in(r, start, end)
         if start <= r["sent_s"] < end:
             # a refused request asked for service too, in the engine's count as near as is known
             asked = cost(r) if ok(r) else r["offered_tokens"] * units.get(r["tenant"], 1.0)
@@ -172,23 +191,45 @@ def window(
     bands: dict[str, list[str]] = {}
     for name, spec in tenants.items():
         bands.setdefault(spec["priority"], []).append(name)
-    worst = 0.0
+    worst = worst_prorated = 0.0
     for members in bands.values():
+        weights = {t: tenants[t]["weight"] for t in members}
+        asked = {t: demand[t] for t in members}
         capacity = sum(served[t] for t in members)
-        alloc = water_fill({t: demand[t] for t in members}, {t: tenants[t]["weight"] for t in members}, capacity)
+        alloc = water_fill(asked, weights, capacity)
+        alloc_prorated = water_fill(asked, weights, sum(prorated[t] for t in members))
         total = capacity or 1.0
+        contested = len([m for m in members if demand[m] > 0]) > 1
         for t in members:
             ratio = served[t] / alloc[t] if alloc[t] > 0 else None
+            ratio_prorated = prorated[t] / alloc_prorated[t] if alloc_prorated[t] > 0 else None
             out["tenants"][t] = {
                 "served_tokens": served[t],
                 "share": served[t] / total,
                 "fair_share": alloc[t] / total,
                 "ratio": ratio,
+                "ratio_prorated": ratio_prorated,
             }
-            if ratio is not None and len([m for m in members if demand[m] > 0]) > 1:
+            if ratio is not None and contested:
                 worst = max(worst, abs(ratio - 1.0))
+            if ratio_prorated is not None and contested:
+                worst_prorated = max(worst_prorated, abs(ratio_prorated - 1.0))
     out["worst_deviation"] = worst
+    out["worst_deviation_prorated"] = worst_prorated
     return out
+
+
+def processed_in(row: Mapping[str, Any], start: float, end: float) -> float:
+    """The tokens of a served request the engine processed in [start, end): its uncached prompt at its
+    first token, its output evenly between the first token and its end."""
+    first_s = float(row["sent_s"] + row["ttft_s"])
+    done_s = float(row["sent_s"] + row["e2e_s"])
+    prompt = float(row["prompt_tokens"] - row["cached_tokens"]) if start <= first_s < end else 0.0
+    output = float(row["completion_tokens"])
+    if done_s <= first_s:
+        return prompt + (output if start <= first_s < end else 0.0)
+    overlap = max(min(done_s, end) - max(first_s, start), 0.0)
+    return prompt + output * overlap / (done_s - first_s)
 
 
 def _flow_header(value: str) -> dict[str, float]:
@@ -297,8 +338,8 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         "",
         "## Service shares per window (normal band: A and B; fair = weighted max-min of what each asked)",
         "",
-        "| mode | window | A share (fair) | B share (fair) | worst deviation from fair |",
-        "| --- | --- | --- | --- | --- |",
+        "| mode | window | A share (fair) | B share (fair) | worst deviation from fair | same, pro-rated |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for mode in MODES_ORDER[1:]:
         if mode not in summaries:
@@ -308,23 +349,25 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
             lines.append(
                 f"| {LABELS[mode]} | {w['start_s']:.0f}-{w['end_s']:.0f} s | {a.get('share', 0):.1%} "
                 f"({a.get('fair_share', 0):.1%}) | {b.get('share', 0):.1%} ({b.get('fair_share', 0):.1%}) | "
-                f"{w['worst_deviation']:.1%} |"
+                f"{w['worst_deviation']:.1%} | {w.get('worst_deviation_prorated', 0.0):.1%} |"
             )
-    straddle = [
-        abs(ratio - 1.0)
-        for w in summaries.get("solo-B", {}).get("windows", [])
-        if (ratio := w["tenants"].get("B", {}).get("ratio")) is not None
+    solo_windows = summaries.get("solo-B", {}).get("windows", [])
+    straddle = [abs(r - 1.0) for w in solo_windows if (r := w["tenants"].get("B", {}).get("ratio")) is not None]
+    straddle_prorated = [
+        abs(r - 1.0) for w in solo_windows if (r := w["tenants"].get("B", {}).get("ratio_prorated")) is not None
     ]
     lines += [
         "",
         "A tenant's demand is what it sent in the window, in the engine's token count (a served request "
         "asked for what it cost; a refused one for its offer scaled to the engine's count); its service is "
-        "what completed in the window.",
+        "what completed in the window; pro-rated, the tokens processed in the window (a request's uncached "
+        "prompt at its first token, its output evenly from there to its end).",
     ]
     if straddle:
         lines.append(
-            f"B alone, served in full, reads up to {max(straddle):.1%} off its demand in a window: requests "
-            "that straddle a window's edge, the measurement's own floor."
+            f"B alone, served in full, reads up to {max(straddle):.1%} off its demand in a window "
+            f"({max(straddle_prorated, default=0.0):.1%} pro-rated): requests that straddle a window's edge, "
+            "the measurement's own floor."
         )
     lines += [
         "",

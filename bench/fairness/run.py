@@ -56,6 +56,12 @@ RESERVE_PREEMPT_SECTION: dict[str, Any] = {
     "enabled": True,
     "saturation": {"max_engine_waiting": 0, **RESERVE, "preempt": True},
 }
+# ... and a request over its share starts only where no prefill is pending while another endpoint with a
+# free slot stays clear (policies/flow/reserve.py `clear_lane`)
+LANE_SECTION: dict[str, Any] = {
+    "enabled": True,
+    "saturation": {"max_engine_waiting": 0, **RESERVE, "preempt": True, "reserve_clear_lane": True},
+}
 MODES: dict[str, dict[str, Any]] = {
     "fifo": {"flow_control": {"enabled": False}, "fairness": "vtc", "replicas": 1},
     "priority": {"flow_control": FLOW_SECTION, "fairness": "arrival", "replicas": 1},
@@ -65,6 +71,8 @@ MODES: dict[str, dict[str, Any]] = {
     "flow-preempt": {"flow_control": PREEMPT_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-reserve-preempt": {"flow_control": RESERVE_PREEMPT_SECTION, "fairness": "vtc", "replicas": 1},
     "flow-reserve-preempt-2": {"flow_control": RESERVE_PREEMPT_SECTION, "fairness": "vtc", "replicas": 2},
+    "flow-lane": {"flow_control": LANE_SECTION, "fairness": "vtc", "replicas": 1},
+    "flow-lane-2": {"flow_control": LANE_SECTION, "fairness": "vtc", "replicas": 2},
 }
 
 

@@ -9,7 +9,9 @@
    (`reserve_slots`, or sized from recent demand up to `reserve_max_slots`), a tenant over its
    share may not take the pool's last free slots (`Blocked.TENANT`: another tenant's request may),
    and (`reserve_avoid_prefills`) one the reserve is kept for goes to an open endpoint with no
-   prefill pending when there is one;
+   prefill pending when there is one, while (`reserve_clear_lane`) one over its share starts only
+   where no prefill is pending and another endpoint with a free slot stays clear (`Blocked.TENANT`
+   until a first token, else);
 3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
    objective is not met yet, a `Detour` when its class says reject or fall back).
 
@@ -251,18 +253,21 @@ class FlowHook(Hook):
         limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
         now = self.now()
         size = limits.reserve
-        avoid_prefills = False
+        avoid_prefills = lane = False
         if size.enabled and limits.max_num_seqs:
             free = reserve.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             active = self.queue.activity.active(pool.name)
             kept = reserve.reserve_for(request.tenant, request.band, active, size)
             if not reserve.may_take(request.tenant, request.band, request.weight, active, free, kept):
                 return Blocked.TENANT
-            if limits.reserve_avoid_prefills:
-                avoid_prefills = reserve.within_share(request.tenant, request.band, request.weight, active)
+            if limits.reserve_avoid_prefills or limits.reserve_clear_lane:
+                within = reserve.within_share(request.tenant, request.band, request.weight, active)
+                avoid_prefills = limits.reserve_avoid_prefills and within
+                lane = limits.reserve_clear_lane and not within
         predicted = self._predicted_ttft(routed)
         if (
             not avoid_prefills
+            and not lane
             and endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None
         ):
             return routed
@@ -271,6 +276,10 @@ class FlowHook(Hook):
             return Blocked.POOL
         if avoid_prefills:
             opened = reserve.clear_of_prefill(opened) or opened
+        if lane and limits.max_num_seqs:
+            opened = reserve.clear_lane(opened, pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
+            if not opened:
+                return Blocked.TENANT  # until a pending prefill has its first token (the room is told)
         can = {e.id for e in opened}
         if routed.endpoint.id in can:
             return routed

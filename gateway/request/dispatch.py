@@ -9,6 +9,7 @@ reservation is charged with what it used, whatever happens next.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -21,7 +22,7 @@ from aiohttp import web
 from backends.adapters.registry import get_adapter
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
-from backends.types import Endpoint
+from backends.types import Endpoint, LoadTicket
 from gateway.engine_control import engine_body
 from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
 from gateway.migrate import Resumer, can_migrate
@@ -163,6 +164,11 @@ class Dispatch:
             target = self._target(ctx, endpoint, body, path)
             headers = api.response_headers(self.response_headers(ctx, decision))
             load = endpoint.inflight.begin(local_prefill)
+            presumed = (
+                None
+                if facts.stream
+                else presume_prefilled(load, decision, facts.prompt_tokens + facts.output_reservation)
+            )
             outcome = ctx.outcome = RelayOutcome()
             if facts.stream and self.hooks.want_first_token:
                 outcome.on_first_token = partial(self.hooks.first_token, ctx)
@@ -200,6 +206,8 @@ class Dispatch:
                 await self.accounting.settle_unused(ctx, error)
                 return api.engine_error(error, exc.body, headers)  # in the API's own error shape
             finally:
+                if presumed is not None:
+                    presumed.cancel()
                 load.end()
         finally:
             self.hooks.ended(ctx)
@@ -376,6 +384,17 @@ class Dispatch:
             ctx.record.kv_transfer_failed = True
             return None
         return decode_body
+
+
+def presume_prefilled(load: LoadTicket, decision: RouteDecision, context_tokens: int) -> asyncio.TimerHandle | None:
+    """A non-streamed request shows no first token until its whole answer: its prompt counts as
+    prefilled (no longer pending on the endpoint, for routing and flow control's clear lane) once its
+    predicted TTFT has passed, when the router predicted one; without a prediction, at the answer."""
+    prediction = decision.prediction
+    if prediction is None or not load.prefill_tokens:
+        return None
+    loop = asyncio.get_running_loop()
+    return loop.call_later(max(prediction.ttft_ms, 0.0) / 1000.0, load.first_token, context_tokens)
 
 
 def _prediction_header(p: Prediction) -> str:

@@ -13,6 +13,8 @@ flow_control:
     reserve_margin: 1            # with reserve_max_slots: slots kept beyond that peak
     reserve_avoid_prefills: true # with a reserve: those it is kept for go where no prefill is pending
     preempt: false               # a request finding the pool full may cut a stream of a tenant over its share
+    reserve_clear_lane: false    # with a reserve: those over their share start only where no prefill is
+                                 # pending, and only while another endpoint with a free slot has none either
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
   reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
@@ -61,6 +63,14 @@ class SaturationConfig(_Strict):
         description=(
             "a request that finds the pool full cuts a plain stream of a tenant over its share, which waits"
             " its turn and continues where it stopped (policies/flow/preempt.py)"
+        ),
+    )
+
+    reserve_clear_lane: bool = Field(
+        default=False,
+        description=(
+            "with a reserve: a request over its share starts only on an endpoint with no prefill pending, and"
+            " only while another endpoint with a free slot has none pending either (policies/flow/reserve.py)"
         ),
     )
 

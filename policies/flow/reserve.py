@@ -30,10 +30,13 @@ step shared with whatever else starts then, and a step that prefills two prompts
 as long as one (`backends/perf/roofline.py`: on the benchmark's engine 103 against 54 ms with six
 decodes). So with `reserve_avoid_prefills` a request the reserve is kept *for* (`within_share`) goes to an
 open endpoint with no prefill pending (`clear_of_prefill`: every request the gateway sent there has
-its first token) when there is one, rather than into a step that prefills the flood's prompt.
-(Holding the flood's requests off an endpoint while a light tenant's prefill is pending there would
-also keep the two out of one step, but a non-streamed request shows no first token until it ends,
-so "prefill pending" would then hold the flood off for whole requests.)
+its first token) when there is one, rather than into a step that prefills the flood's prompt. That
+needs an endpoint left clear, and the flood kept out of the light prompt's step: with
+`reserve_clear_lane` a request over its share starts only where no prefill is pending and only while
+another endpoint with a free slot has none pending either (`clear_lane`), so the flood's prompts
+start one at a time and some endpoint is always clear for the next light request. (A non-streamed
+request shows its first token only with its answer; the dispatcher counts its prompt as prefilled at
+its predicted TTFT when the router predicted one, see `gateway/request/dispatch.py`.)
 """
 
 from __future__ import annotations
@@ -80,19 +83,19 @@ class ReserveSize:
 
 
 def free_slots(endpoints: Iterable[Endpoint], max_num_seqs: int, now_s: float, max_stats_age_s: float) -> int:
-    """Batch slots no request holds across the ready endpoints: the batch size less the larger of the
-    gateway's in-flight count there (its own and what other replicas report) and the engine's scraped
-    running + waiting (when fresh: it also counts requests that did not come through this gateway),
-    less what ended since that scrape."""
-    free = 0
-    for e in endpoints:
-        if not e.ready:
-            continue
-        held = e.inflight.requests
-        if e.stats_age_s(now_s) <= max_stats_age_s:
-            held = max(held, e.engine_held())
-        free += max(max_num_seqs - held, 0)
-    return free
+    """Batch slots no request holds across the ready endpoints (`free_on` each)."""
+    return sum(free_on(e, max_num_seqs, now_s, max_stats_age_s) for e in endpoints if e.ready)
+
+
+def free_on(endpoint: Endpoint, max_num_seqs: int, now_s: float, max_stats_age_s: float) -> int:
+    """Batch slots no request holds on one endpoint: the batch size less the larger of the gateway's
+    in-flight count there (its own and what other replicas report) and the engine's scraped running +
+    waiting (when fresh: it also counts requests that did not come through this gateway), less what
+    ended since that scrape."""
+    held = endpoint.inflight.requests
+    if endpoint.stats_age_s(now_s) <= max_stats_age_s:
+        held = max(held, endpoint.engine_held())
+    return max(max_num_seqs - held, 0)
 
 
 def within_share(tenant: str, band: int, weight: float, active: Mapping[str, Active]) -> bool:
@@ -101,7 +104,13 @@ def within_share(tenant: str, band: int, weight: float, active: Mapping[str, Act
     Yes when, after it, the tenant would hold no more than its weighted share of its band's requests
     in flight and no tenant of a higher band is active (the tenant itself counts as active). Also yes
     when there is nobody to keep the slot for: every other active tenant of its band and the bands
-    above has requests waiting (flow order decides between backlogged tenants, in tokens)."""
+    above is backlogged (flow order decides between backlogged tenants, in tokens).
+
+    A tenant with requests waiting is backlogged only when they would take it past its weighted share
+    of the band's requests in flight. A light tenant's request that just arrived waits for the room's
+    next round while others wait (the room is not bypassed then), and its burst of a few waits a
+    little longer: neither is a backlog, and counting it as one gave the flood the reserved slot an
+    instant before that request took the next, so the two prompts shared one prefill step."""
     own = active.get(tenant)
     tenants = dict(active)
     if own is None:
@@ -112,17 +121,17 @@ def within_share(tenant: str, band: int, weight: float, active: Mapping[str, Act
         weights[seen.band] = weights.get(seen.band, 0.0) + seen.weight
         inflight[seen.band] = inflight.get(seen.band, 0) + seen.inflight
 
-    def under_share(seen: Active) -> bool:
-        return (seen.inflight + 1) * weights[seen.band] <= seen.weight * (inflight[seen.band] + 1)
+    def under_share(seen: Active, more: int) -> bool:
+        return (seen.inflight + more) * weights[seen.band] <= seen.weight * (inflight[seen.band] + more)
 
     me = tenants[tenant]
-    if under_share(me) and not any(seen.band < band for seen in tenants.values()):
+    if under_share(me, 1) and not any(seen.band < band for seen in tenants.values()):
         return True
     for other, seen in tenants.items():
         if other == tenant or seen.band > band:
             continue
-        if not seen.waiting:
-            return False  # kept for its next request
+        if not seen.waiting or under_share(seen, seen.waiting):
+            return False  # kept for its next request, or for those waiting within its share
     return True
 
 
@@ -146,6 +155,25 @@ def clear_of_prefill(endpoints: Iterable[Endpoint]) -> list[Endpoint]:
     """The endpoints with no prefill pending: every request the gateway (any replica) sent there has
     its first token."""
     return [e for e in endpoints if e.inflight.prefill_tokens <= 0]
+
+
+def clear_lane(
+    opened: Iterable[Endpoint], endpoints: Iterable[Endpoint], max_num_seqs: int, now_s: float, max_stats_age_s: float
+) -> list[Endpoint]:
+    """Of the `opened` endpoints, those a request over its share may start on while the reserve is
+    kept for someone else (`reserve_clear_lane`): one with no prefill pending, and only while another
+    ready endpoint with a free slot has none pending either, so that the next request of a tenant
+    under its share finds an endpoint whose next step prefills nobody else's prompt. In a pool of one
+    ready endpoint only the first condition holds (the flood's prompt then never joins a step that
+    prefills a light tenant's, but a light request may still arrive during the flood's prefill)."""
+    ready = [e for e in endpoints if e.ready]
+    lanes = [
+        e.id for e in ready if e.inflight.prefill_tokens <= 0 and free_on(e, max_num_seqs, now_s, max_stats_age_s) > 0
+    ]
+    clear = [e for e in opened if e.inflight.prefill_tokens <= 0]
+    if len(ready) < 2:
+        return clear
+    return [e for e in clear if any(lane != e.id for lane in lanes)]
 
 
 def may_take(

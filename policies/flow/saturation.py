@@ -51,6 +51,7 @@ class SaturationLimits:
     reserve_margin: int = 1
     reserve_avoid_prefills: bool = True
     preempt: bool = False  # policies.flow.preempt
+    reserve_clear_lane: bool = False  # policies.flow.reserve.clear_lane
 
     @property
     def reserve(self) -> ReserveSize:

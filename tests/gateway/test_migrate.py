@@ -154,7 +154,11 @@ async def test_a_preempted_stream_waits_its_turn_and_may_continue_where_it_was_c
     assert resumed is not None and resumed.endpoint_id == "p/both-0" and turns == ["turn"]
     assert sent[0][1]["max_tokens"] == 48 and sent[0][1]["messages"][-1]["content"] == "Once upon"
     assert own.inflight.requests == 1  # the continuation's load is on it now
+    # and its prompt (the original 10 tokens and the 2 sent) is a pending prefill there until the relay
+    # sees its first new token: the answer's headers come before the engine has prefilled it
+    assert own.inflight.prefill_tokens == 12 and not resumed.ticket.prefilled
     resumed.ticket.end()
+    assert own.inflight.requests == 0 and own.inflight.prefill_tokens == 0
 
 
 async def test_a_preempted_stream_whose_wait_ends_without_a_turn_ends_there() -> None:

@@ -6,6 +6,7 @@ from backends.types import Endpoint, EndpointState, EndpointStats
 from policies.flow.reserve import (
     Active,
     ReserveSize,
+    clear_lane,
     clear_of_prefill,
     describe,
     free_slots,
@@ -93,9 +94,25 @@ def test_may_take_outside_the_reserve_always() -> None:
 def test_with_everyone_backlogged_nobody_is_left_to_keep_the_reserve_for() -> None:
     at_share = {"A": Active(NORMAL, 1.0, 4, waiting=3), "B": Active(NORMAL, 2.0, 8, waiting=5)}
     assert within_share("A", NORMAL, 1.0, at_share) and within_share("B", NORMAL, 2.0, at_share)
-    # or under it: flow order decides between backlogged tenants
-    b_under = {"A": Active(NORMAL, 1.0, 10, waiting=3), "B": Active(NORMAL, 2.0, 2, waiting=1)}
-    assert within_share("A", NORMAL, 1.0, b_under)
+    # backlogged past its share: flow order decides between backlogged tenants
+    b_over = {"A": Active(NORMAL, 1.0, 2, waiting=3), "B": Active(NORMAL, 2.0, 10, waiting=4)}
+    assert within_share("A", NORMAL, 1.0, b_over)
+
+
+def test_a_light_tenants_requests_waiting_within_its_share_keep_the_reserve() -> None:
+    # B's request just arrived and waits for the room's next round (the flood waits too): the reserve
+    # is kept for it, so the flood's request does not take the slot an instant before B takes the next
+    b_arrived = {"A": Active(NORMAL, 1.0, 10, waiting=3), "B": Active(NORMAL, 2.0, 2, waiting=1)}
+    assert not within_share("A", NORMAL, 1.0, b_arrived)
+    assert within_share("B", NORMAL, 2.0, b_arrived)
+    # a burst of a few, still within B's share of what is in flight (3 + 4 of 12 + 4, weight 2 of 3)
+    b_burst = {"A": Active(NORMAL, 1.0, 9, waiting=3), "B": Active(NORMAL, 2.0, 3, waiting=4)}
+    assert not within_share("A", NORMAL, 1.0, b_burst)
+    assert not may_take("A", NORMAL, 1.0, b_burst, free=4, reserve_slots=4)
+
+
+def test_a_lower_band_uses_the_reserve_only_once_the_band_above_is_all_backlogged() -> None:
+    at_share = {"A": Active(NORMAL, 1.0, 4, waiting=3), "B": Active(NORMAL, 2.0, 8, waiting=5)}
     # a lower band may use it once the band above is all backlogged, not before
     assert within_share("C", LOW, 1.0, {**at_share, "C": Active(LOW, 1.0, 0, waiting=2)})
     resting = {"A": Active(NORMAL, 1.0, 12, waiting=0), "C": Active(LOW, 1.0, 0, waiting=2)}
@@ -164,3 +181,28 @@ def test_the_status_of_a_sized_reserve_says_what_it_keeps_and_from_what() -> Non
 def test_the_status_of_a_fixed_reserve_keeps_its_slots_with_nobody_active() -> None:
     shown = describe({}, ReserveSize(4), free=16)
     assert shown["kept"] == 4 and not shown["sized"] and shown["tenants"] == {}
+
+
+def test_a_request_over_its_share_starts_only_where_no_prefill_is_pending_and_another_lane_stays_clear() -> None:
+    a, b = endpoint("a", inflight=3), endpoint("b", inflight=3)
+    assert clear_lane([a, b], [a, b], 8, NOW, 2.0) == [a, b]  # either leaves the other clear
+    a.inflight.prefill_tokens = 300  # a light tenant's prompt waits for its step on a
+    assert clear_lane([a, b], [a, b], 8, NOW, 2.0) == []  # b would leave no endpoint clear
+    a.inflight.prefill_tokens = 0
+    b.inflight.requests = 8  # b clear but full: a light request could not start there
+    assert clear_lane([a], [a, b], 8, NOW, 2.0) == []
+    b.inflight.requests = 7
+    assert clear_lane([a], [a, b], 8, NOW, 2.0) == [a]
+    b.inflight.set_remote(1, 300, 0)  # another replica's pending prefill on b
+    assert clear_lane([a], [a, b], 8, NOW, 2.0) == []
+
+
+def test_in_a_pool_of_one_endpoint_the_lane_only_keeps_prefills_apart() -> None:
+    alone = endpoint("a", inflight=2)
+    assert clear_lane([alone], [alone], 8, NOW, 2.0) == [alone]
+    alone.inflight.prefill_tokens = 120
+    assert clear_lane([alone], [alone], 8, NOW, 2.0) == []
+    draining = endpoint("b")
+    draining.state = EndpointState.DRAINING  # not ready: no lane
+    alone.inflight.prefill_tokens = 0
+    assert clear_lane([alone], [alone, draining], 8, NOW, 2.0) == [alone]
