@@ -88,7 +88,8 @@ def render(raws: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         f"{first['time_scale']}, phases of {first['phase_s']:.0f} s, windows of {first['window_s']:.0f} s), "
         "each with its own arrivals and its own solo baseline (B's phase 1 alone). The tenants, the flow "
         "configuration and the columns are those of [fairness.md](fairness.md); each day's own report is beside "
-        "it, its raw file stays out of git (`bench/results/*-raw.json`).",
+        "it; a raw file stays out of git as written (`bench/results/*-raw.json`), gzipped copies are kept in "
+        "`bench/results/raw/` (this command reads either).",
         "",
         "## Per day",
         "",

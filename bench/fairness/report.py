@@ -30,16 +30,7 @@ MODES_ORDER = (
     "flow-lane",
     "flow-lane-2",
 )
-FLOW_MODES = (
-    "flow",
-    "flow-reserve",
-    "flow-2",
-    "flow-preempt",
-    "flow-reserve-preempt",
-    "flow-reserve-preempt-2",
-    "flow-lane",
-    "flow-lane-2",
-)
+FLOW_MODES = tuple(mode for mode in MODES_ORDER if mode.startswith("flow"))
 LABELS = {
     "solo-B": "B alone",
     "fifo": "FIFO (no flow control)",

@@ -1,7 +1,9 @@
 """Fairness under saturation, side by side: FIFO (no flow control), priority only, flow control
 (strictly work-conserving), flow control with a slot reserve, and that on two gateway replicas
 sharing Redis; each of the flow modes also with preemption (a light tenant's request that finds the
-pool full cuts a stream of the flood, which waits its turn and continues).
+pool full cuts a stream of the flood, which waits its turn and continues), and the benchmark of
+record, `flow-lane`: reserve, preemption and the clear lane (`reserve_clear_lane`), on one replica
+and on two (`flow-lane-2`). By default FIFO, priority only and the two `flow-lane` modes run.
 
     .venv/bin/python -m bench.fairness [--quick] [--time-scale 0.5] [--phase-s 120]
 
@@ -249,7 +251,7 @@ def main() -> None:
     parser.add_argument("--probe-s", type=float, default=25.0)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="a client gives up after this")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--modes", default="fifo,priority,flow,flow-reserve,flow-2")
+    parser.add_argument("--modes", default="fifo,priority,flow-lane,flow-lane-2")
     parser.add_argument("--quick", action="store_true", help="short phases (smoke run; numbers are noisy)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness.md")
     parser.add_argument("--raw", type=Path, default=None, help="also write every outcome here (JSON)")
