@@ -11,7 +11,8 @@
    and (`reserve_avoid_prefills`) one the reserve is kept for goes to an open endpoint with no
    prefill pending when there is one, while (`reserve_clear_lane`) one over its share starts only
    where no prefill is pending and another endpoint with a free slot stays clear (`Blocked.TENANT`
-   until a first token, else);
+   until a first token, else), and so does one within its share by slots but over its weighted
+   share of the band's recent tokens beside a tenant under it;
 3. the checks plugged in after it, in order (the SLO gate: `Blocked.REQUEST` when this request's own
    objective is not met yet, a `Detour` when its class says reject or fall back).
 
@@ -27,7 +28,7 @@ does each first token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -263,7 +264,7 @@ class FlowHook(Hook):
             if limits.reserve_avoid_prefills or limits.reserve_clear_lane:
                 within = reserve.within_share(request.tenant, request.band, request.weight, active)
                 avoid_prefills = limits.reserve_avoid_prefills and within
-                lane = limits.reserve_clear_lane and not within
+                lane = limits.reserve_clear_lane and (not within or self._heavier(pool.name, request, active))
         predicted = self._predicted_ttft(routed)
         if (
             not avoid_prefills
@@ -287,6 +288,11 @@ class FlowHook(Hook):
         if again is None or again.endpoint.id not in can:
             return Blocked.POOL
         return again
+
+    def _heavier(self, pool: str, request: FlowRequest, active: Mapping[str, reserve.Active]) -> bool:
+        """Whether the request's tenant is over its token share of the band beside a tenant under it."""
+        band = {tenant for tenant, seen in active.items() if seen.band == request.band} | {request.tenant}
+        return len(band) > 1 and reserve.heavier_than_another(request.tenant, self.queue.fair_share_ratios(pool, band))
 
     def _pool_limits(self, pool: str, max_num_seqs: int | None) -> SaturationLimits:
         """The pool's limits, merged once per settings object (a replaced `settings` starts afresh)."""

@@ -176,6 +176,15 @@ def clear_lane(
     return [e for e in clear if any(lane != e.id for lane in lanes)]
 
 
+def heavier_than_another(tenant: str, ratios: Mapping[str, float]) -> bool:
+    """Whether `tenant` has had at least its weighted share of its band's recent service (in tokens:
+    `ratios` are `tokenway_fair_share_ratio`, the band's tenants only) while another tenant of the
+    band has had less: the tenant the clear lane holds back even when the slot count calls it within
+    its share (a light tenant's burst can hold more than its share of the slots while asking far less
+    than its share of the tokens, and the reserve then takes it for backlogged)."""
+    return ratios.get(tenant, 0.0) >= 1.0 and any(r < 1.0 for other, r in ratios.items() if other != tenant)
+
+
 def may_take(
     tenant: str, band: int, weight: float, active: Mapping[str, Active], free: int, reserve_slots: int
 ) -> bool:

@@ -76,3 +76,18 @@ def test_without_the_lane_the_flood_may_take_any_open_endpoint() -> None:
     b.inflight.prefill_tokens = 300
     opened = ask(hook, pool, b, "flood")
     assert isinstance(opened, Routed) and opened.endpoint is b
+
+
+def test_a_flood_within_its_share_of_slots_but_over_its_share_of_tokens_is_held_by_the_lane() -> None:
+    hook, pool, (a, b) = setup()
+    # a light burst holds more than its weighted share of the slots with one request waiting: by the
+    # slot count the light tenant is backlogged and the flood within its share ...
+    hook.queue.activity.inflight("p", "light", NORMAL, 1.0, 8)
+    hook.queue.activity.waiting("p", "light", NORMAL, 1.0, 1)
+    b.inflight.prefill_tokens = 300
+    now = hook.queue.now()
+    hook.queue.share("p").add("flood", 9000.0, now)  # ... but the flood had most of the band's tokens
+    hook.queue.share("p").add("light", 1000.0, now)
+    assert ask(hook, pool, a, "flood") is Blocked.TENANT
+    light = ask(hook, pool, b, "light")
+    assert isinstance(light, Routed) and light.endpoint is a

@@ -10,6 +10,7 @@ from policies.flow.reserve import (
     clear_of_prefill,
     describe,
     free_slots,
+    heavier_than_another,
     may_take,
     reserve_for,
     within_share,
@@ -206,3 +207,10 @@ def test_in_a_pool_of_one_endpoint_the_lane_only_keeps_prefills_apart() -> None:
     draining.state = EndpointState.DRAINING  # not ready: no lane
     alone.inflight.prefill_tokens = 0
     assert clear_lane([alone], [alone, draining], 8, NOW, 2.0) == [alone]
+
+
+def test_the_heavier_tenant_is_the_one_over_its_token_share_beside_one_under_it() -> None:
+    assert heavier_than_another("A", {"A": 1.8, "B": 0.4})
+    assert not heavier_than_another("B", {"A": 1.8, "B": 0.4})
+    assert not heavier_than_another("A", {"A": 1.0})  # alone: nobody to keep the lane for
+    assert not heavier_than_another("A", {})  # nothing served yet
