@@ -69,8 +69,9 @@ class SaturationConfig(_Strict):
     reserve_clear_lane: bool = Field(
         default=False,
         description=(
-            "with a reserve: a request over its share starts only on an endpoint with no prefill pending, and"
-            " only while another endpoint with a free slot has none pending either (policies/flow/reserve.py)"
+            "with a reserve: a request over its share (or over its weighted share of the band's recent tokens"
+            " beside a tenant under it) starts only on an endpoint with no prefill pending, and only while"
+            " another endpoint with a free slot has none pending either (policies/flow/reserve.py)"
         ),
     )
 

@@ -34,7 +34,9 @@ its first token) when there is one, rather than into a step that prefills the fl
 needs an endpoint left clear, and the flood kept out of the light prompt's step: with
 `reserve_clear_lane` a request over its share starts only where no prefill is pending and only while
 another endpoint with a free slot has none pending either (`clear_lane`), so the flood's prompts
-start one at a time and some endpoint is always clear for the next light request. (A non-streamed
+start one at a time and some endpoint is always clear for the next light request; a tenant the
+slot count calls within its share is held too when it had at least its weighted share of the band's
+recent tokens beside a tenant that had less (`heavier_than_another`). (A non-streamed
 request shows its first token only with its answer; the dispatcher counts its prompt as prefilled at
 its predicted TTFT when the router predicted one, see `gateway/request/dispatch.py`.)
 """
