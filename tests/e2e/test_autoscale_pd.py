@@ -52,9 +52,16 @@ def pd_pool() -> dict[str, Any]:
     }
 
 
+def pools(gw: Gateway) -> dict[str, Any]:
+    """/admin/pools, with a timeout for a 2-core host that also runs the burst's gateway and engines."""
+    status, body = http_get(gw.url + "/admin/pools", timeout_s=30.0)
+    assert status == 200, body
+    result: dict[str, Any] = json.loads(body)
+    return result
+
+
 def roles(gw: Gateway) -> dict[str, int]:
-    _, body = http_get(gw.url + "/admin/pools")
-    pool = json.loads(body)["pools"][0]
+    pool = pools(gw)["pools"][0]
     return {role: info["current"] for role, info in pool["roles"].items()}
 
 
@@ -89,15 +96,14 @@ def test_prefill_burst_converts_a_decoder(tmp_path: Path) -> None:
             worker.start()
         deadline = time.monotonic() + 120
         while roles(gw) != {"prefill": 2, "decode": 1}:
-            assert time.monotonic() < deadline, f"no conversion: {http_get(gw.url + '/admin/pools')[1]}"
+            assert time.monotonic() < deadline, f"no conversion: {pools(gw)}"
             time.sleep(0.2)
         stop.set()
         for worker in workers:
             worker.join(120)
         assert "prefill-backlog" in reasons  # decoders prefilled while the prefill replica was backed up
         assert "disaggregated" in reasons
-        _, body = http_get(gw.url + "/admin/pools")
-        events = [(e["role"], e["action"]) for e in json.loads(body)["pools"][0]["events"]]
+        events = [(e["role"], e["action"]) for e in pools(gw)["pools"][0]["events"]]
         stopped = events.index(("decode", "stop"))  # a decoder gave its device back...
         started = events.index(("prefill", "start"), stopped)  # ...and a prefill replica took it
         assert events[started + 1] == ("prefill", "ready")
