@@ -304,12 +304,14 @@ def test_a_client_disconnect_stops_the_engine_request(gateway: Gateway) -> None:
 
     def settled() -> bool:  # the counter unchanged over a second with nothing running
         readings.append(generated())
-        return len(readings) > 5 and readings[-1] == readings[-6] and engine_metric(url, "vllm:num_requests_running") == 0
+        steady = len(readings) > 5 and readings[-1] == readings[-6]
+        return steady and engine_metric(url, "vllm:num_requests_running") == 0
 
     wait_for(settled, what="the engine's token counter to settle")
     assert 0 < readings[-1] - before < max_tokens, (before, readings)
     status = wait_for(lambda: (s := endpoint_status(gateway))["running"] == 0 and s, what="a scrape")
     assert status["inflight_requests"] == 0
+
 
 def test_kill_9_of_the_api_server_is_followed_by_a_clean_restart(gateway: Gateway) -> None:
     before = endpoint_status(gateway)
