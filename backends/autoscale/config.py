@@ -143,6 +143,12 @@ class AutoscaleConfig(_Strict):
     )
     forecast_alpha: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of the newest rate")
     forecast_beta: float = Field(default=0.3, ge=0, le=1, description="EWMA weight of the newest trend")
+    forecast_step_z: float = Field(
+        default=3.0,
+        ge=0,
+        description="a window's arrivals this many Poisson deviations above the forecast count are a step: "
+        "the token rates' level takes that window's rates at once (0: always smoothed)",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:

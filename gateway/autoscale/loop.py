@@ -27,7 +27,7 @@ from backends.autoscale import floors as scheduled
 from backends.autoscale.budget import Claim, share_budget
 from backends.autoscale.devices import group_of
 from backends.autoscale.executor import Executor
-from backends.autoscale.forecast import Forecast
+from backends.autoscale.forecast import Forecast, stepped_up
 from backends.autoscale.planners import PLANNERS
 from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RoleSignals
 from backends.fleet import Fleet, Pool
@@ -62,6 +62,8 @@ class Autoscaler:
         self.pools: list[Pool] = [p for p in fleet.pools.values() if p.config.elastic]
         self.traffic: dict[str, PoolTraffic] = {p.name: PoolTraffic() for p in self.pools}
         self.forecasts: dict[str, tuple[Forecast, Forecast]] = {p.name: (Forecast(), Forecast()) for p in self.pools}
+        self.arrivals: dict[str, Forecast] = {p.name: Forecast() for p in self.pools}  # requests/s
+        self.steps: dict[str, int] = {p.name: 0 for p in self.pools}  # windows read as a step up
         # launching the initial replicas is the first scale-up: the scale-down cooldown and the idle
         # time count from it
         started = clock()
@@ -220,10 +222,15 @@ class Autoscaler:
         if dt is None:  # the first pass: no window to measure yet
             traffic.take()
         elif dt > 0:
-            prefill_tokens, decode_tokens, _requests = traffic.take()
+            prefill_tokens, decode_tokens, requests = traffic.take()
             alpha, beta = policy.forecast_alpha, policy.forecast_beta
-            prefill = prefill.update(prefill_tokens / dt, now, alpha, beta)
-            decode = decode.update(decode_tokens / dt, now, alpha, beta)
+            arrivals = self.arrivals[pool.name]
+            expected = arrivals.ahead(dt / 2) * dt  # the window's count on the forecast's line
+            step = arrivals.at_s != 0.0 and stepped_up(requests, expected, policy.forecast_step_z)
+            self.steps[pool.name] += step
+            self.arrivals[pool.name] = arrivals.update(requests / dt, now, alpha, beta, step=step)
+            prefill = prefill.update(prefill_tokens / dt, now, alpha, beta, step=step)
+            decode = decode.update(decode_tokens / dt, now, alpha, beta, step=step)
             self.forecasts[pool.name] = (prefill, decode)
         roles = []
         for role in _roles(pool):
@@ -312,6 +319,8 @@ class Autoscaler:
                     "forecast_tps": {
                         "prefill": {"level": round(prefill.level, 1), "trend": round(prefill.trend, 2)},
                         "decode": {"level": round(decode.level, 1), "trend": round(decode.trend, 2)},
+                        "requests_per_s": round(self.arrivals[name].level, 3),
+                        "steps_up": self.steps[name],
                     },
                     "mix": {
                         "prompt_tokens": round(traffic.mix.prompt_tokens, 1),

@@ -82,3 +82,37 @@ def test_floors_from_the_api_and_the_schedule_reach_the_planner(tmp_path: Path) 
     clock.now += 16.0  # the first API floor has ended: it is dropped, and a new one fits
     scaler.set_floor("chat", 1, 600.0, 1.0)
     assert scaler.clear_floors("chat") == 16
+
+
+def test_a_burst_window_moves_the_level_at_once_and_noise_does_not(tmp_path: Path) -> None:
+    clock = Clock()
+    scaler = autoscaler(tmp_path, clock)
+    scaler.tick()
+
+    def window(arrivals: int) -> float:
+        for _ in range(arrivals):
+            scaler.arrived("chat", 500, 16)
+        clock.now += 2.0
+        scaler.tick()
+        return scaler.forecasts["chat"][0].level
+
+    for _ in range(5):
+        assert window(4) == 1000.0  # 4 x 500 tokens / 2 s, steady
+    assert window(8) == pytest.approx(1500.0)  # within a Poisson count's noise of 4: smoothed
+    assert scaler.steps["chat"] == 0
+    window(4)
+    level = window(20)  # five times the rate: a step
+    assert level == 5000.0 and scaler.steps["chat"] == 1
+    assert scaler.status()["pools"][0]["forecast_tps"]["steps_up"] == 1
+
+
+def test_steps_off_smooth_a_burst_window(tmp_path: Path) -> None:
+    clock = Clock()
+    scaler = autoscaler(tmp_path, clock, forecast_step_z=0)
+    scaler.tick()
+    for arrivals in (4, 4, 20):
+        for _ in range(arrivals):
+            scaler.arrived("chat", 500, 16)
+        clock.now += 2.0
+        scaler.tick()
+    assert scaler.forecasts["chat"][0].level == pytest.approx(3000.0)
