@@ -12,8 +12,8 @@ for its replicas a pass later than a planner that counts the engines' busy slots
 arrivals are improbably many for the forecast (`stepped_up`: more than `z` Poisson deviations above
 the expected count) is a step, not noise: the level takes that window's rate at once (`update(...,
 step=True)`) and the trend folds in the rise as usual. A window that holds the step's start reads
-under the new rate (part of it came before), and the trend carries the rest of the rise into the
-lead. Falls stay smoothed: a scale-down waits for the measured level anyway.
+under the new rate (part of it came before): the caller passes the rate of the window's second half
+(gateway/autoscale/loop.py). Falls stay smoothed: a scale-down waits for the measured level anyway.
 
 A pure value: `update` returns the next forecast; the caller keeps it.
 """

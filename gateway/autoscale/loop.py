@@ -222,15 +222,18 @@ class Autoscaler:
         if dt is None:  # the first pass: no window to measure yet
             traffic.take()
         elif dt > 0:
+            late = traffic.arrived_since(now - dt / 2)
             prefill_tokens, decode_tokens, requests = traffic.take()
             alpha, beta = policy.forecast_alpha, policy.forecast_beta
             arrivals = self.arrivals[pool.name]
             expected = arrivals.ahead(dt / 2) * dt  # the window's count on the forecast's line
             step = arrivals.at_s != 0.0 and stepped_up(requests, expected, policy.forecast_step_z)
             self.steps[pool.name] += step
-            self.arrivals[pool.name] = arrivals.update(requests / dt, now, alpha, beta, step=step)
-            prefill = prefill.update(prefill_tokens / dt, now, alpha, beta, step=step)
-            decode = decode.update(decode_tokens / dt, now, alpha, beta, step=step)
+            # a step that began mid-window: its rate is the window's second half's (up to 2x the mean)
+            scale = max(1.0, 2.0 * late / requests) if step else 1.0
+            self.arrivals[pool.name] = arrivals.update(requests / dt * scale, now, alpha, beta, step=step)
+            prefill = prefill.update(prefill_tokens / dt * scale, now, alpha, beta, step=step)
+            decode = decode.update(decode_tokens / dt * scale, now, alpha, beta, step=step)
             self.forecasts[pool.name] = (prefill, decode)
         roles = []
         for role in _roles(pool):

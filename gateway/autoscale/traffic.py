@@ -9,16 +9,21 @@ Until the first request of a pool finishes, the mix follows the arrivals instead
 their `max_tokens` as the output bound): a cold pool's first plan would otherwise size replicas for a
 default mix (a code pool's long prompts and short outputs read as five times the prefill work per
 replica it really is), and the first scale-up is the one that decides a cold start.
+The arrival times since the last sample are kept too (bounded): when a window reads as a step up, the
+planning loop measures the new rate over the window's second half, as a burst that began mid-window
+is diluted by the half before it.
 Bounded: one small record per configured pool.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from predictor.capacity import Calibration, Mix
 
 _MIX_WEIGHT = 0.05  # EWMA weight of one request in the mix
+_TIMES_KEPT = 4096  # arrival times of one window (more arrivals: the newest are kept)
 _DEFAULT_MIX = Mix()
 
 
@@ -35,6 +40,7 @@ class PoolTraffic:
     seen: int = 0  # finished requests folded into the mix
     guessed: int = 0  # arrivals folded into the mix while none has finished
     calibration: Calibration = field(default_factory=Calibration)
+    times: deque[float] = field(default_factory=lambda: deque(maxlen=_TIMES_KEPT))  # since the last take
 
     def arrived(self, prompt_tokens: int, max_output: int | None, now_s: float) -> None:
         uncached = prompt_tokens * (1.0 - self.cached_share)
@@ -51,6 +57,7 @@ class PoolTraffic:
         self.requests += 1
         self.total_requests += 1
         self.last_request_s = now_s
+        self.times.append(now_s)
 
     def finished(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
         if prompt_tokens <= 0:
@@ -67,7 +74,17 @@ class PoolTraffic:
         taken = (self.prefill_tokens, self.decode_tokens, self.requests)
         self.prefill_tokens = self.decode_tokens = 0.0
         self.requests = 0
+        self.times.clear()
         return taken
+
+    def arrived_since(self, since_s: float) -> int:
+        """Arrivals of the current window at or after `since_s`."""
+        count = 0
+        for at_s in reversed(self.times):
+            if at_s < since_s:
+                break
+            count += 1
+        return count
 
     @property
     def mix(self) -> Mix:

@@ -116,3 +116,23 @@ def test_steps_off_smooth_a_burst_window(tmp_path: Path) -> None:
         clock.now += 2.0
         scaler.tick()
     assert scaler.forecasts["chat"][0].level == pytest.approx(3000.0)
+
+
+def test_a_step_that_began_mid_window_is_measured_over_the_windows_second_half(tmp_path: Path) -> None:
+    clock = Clock()
+    scaler = autoscaler(tmp_path, clock)
+    scaler.tick()
+    for _ in range(5):  # 4 x 500 tokens / 2 s, steady
+        for _ in range(4):
+            scaler.arrived("chat", 500, 16)
+        clock.now += 2.0
+        scaler.tick()
+    scaler.arrived("chat", 500, 16)  # the window's first half at the old rate
+    clock.now += 1.5
+    for _ in range(19):  # the burst from its middle on
+        scaler.arrived("chat", 500, 16)
+    clock.now += 0.5
+    scaler.tick()
+    assert scaler.steps["chat"] == 1
+    # 20 x 500 tokens over 2 s is 5000 tok/s; the 19 of the second half ran at 9500
+    assert scaler.forecasts["chat"][0].level == pytest.approx(9500.0)

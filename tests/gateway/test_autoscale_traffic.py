@@ -38,3 +38,15 @@ def test_the_first_finished_request_replaces_the_guess_and_arrivals_stop_moving_
     assert traffic.mix == Mix(800.0, 100.0)  # what finished is what the mix learns from now
     _, decode, _ = traffic.take()
     assert decode == 5 * 32 + 8  # each arrival's expected output: the mix, at most its own bound
+
+
+def test_the_windows_arrival_times_count_the_late_ones_and_stay_bounded() -> None:
+    traffic = PoolTraffic()
+    for at_s in (1.0, 1.2, 1.7, 1.9):
+        traffic.arrived(100, 10, now_s=at_s)
+    assert traffic.arrived_since(1.5) == 2 and traffic.arrived_since(0.0) == 4
+    traffic.take()
+    assert traffic.arrived_since(0.0) == 0  # a new window
+    for i in range(10_000):
+        traffic.arrived(100, 10, now_s=2.0 + i * 1e-4)
+    assert len(traffic.times) == 4096 and traffic.arrived_since(2.9) == 1000
