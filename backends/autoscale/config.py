@@ -147,7 +147,8 @@ class AutoscaleConfig(_Strict):
         default=3.0,
         ge=0,
         description="a window's arrivals this many Poisson deviations above the forecast count are a step: "
-        "the token rates' level takes that window's rates at once (0: always smoothed)",
+        "the token rates' level takes that window's rates at once when the replicas serving cannot absorb them "
+        "(0: always smoothed)",
     )
 
     @model_validator(mode="after")

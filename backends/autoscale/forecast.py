@@ -13,7 +13,8 @@ arrivals are improbably many for the forecast (`stepped_up`: more than `z` Poiss
 the expected count) is a step, not noise: the level takes that window's rate at once (`update(...,
 step=True)`) and the trend folds in the rise as usual. A window that holds the step's start reads
 under the new rate (part of it came before): the caller passes the rate of the window's second half
-(gateway/autoscale/loop.py). Falls stay smoothed: a scale-down waits for the measured level anyway.
+(gateway/autoscale/loop.py), which takes a step only when the replicas running cannot absorb it. Falls
+stay smoothed: a scale-down waits for the measured level anyway.
 
 A pure value: `update` returns the next forecast; the caller keeps it.
 """

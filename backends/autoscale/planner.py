@@ -67,7 +67,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
     awake_reserve = (policy.warm_reserve or 0) if policy.sleep is None else 0
     asleep_reserve = policy.warm_reserve if policy.sleep is not None else None
     for role in signals.roles:
-        load = _load(role, prefill_demand, decode_demand)
+        load = replica_load(role, prefill_demand, decode_demand)
         backlog = _backlog(signals, role, lead_s)
         need_rate = load / policy.target_utilization + backlog
         need_kv = role.kv_usage * role.replicas.ready / policy.kv_target
@@ -137,7 +137,8 @@ def lead_time_s(signals: PoolSignals, policy: AutoscaleConfig) -> float:
     return ready_s + policy.interval_s
 
 
-def _load(role: RoleSignals, prefill_demand: float, decode_demand: float) -> float:
+def replica_load(role: RoleSignals, prefill_demand: float, decode_demand: float) -> float:
+    """Replica-equivalents of work these token rates give `role` at its SLO velocities."""
     prefill = prefill_demand / role.prefill_velocity if role.prefill_velocity > 0 else 0.0
     decode = decode_demand / role.decode_velocity if role.decode_velocity > 0 else 0.0
     if role.role == "prefill":

@@ -143,6 +143,7 @@ class Sample:
     desired: dict[str, int] = field(default_factory=dict)
     asleep: dict[str, int] = field(default_factory=dict)  # pool -> devices of its sleeping replicas
     held: int = -1  # distinct devices that some awake or sleeping replica is on (-1: not sampled)
+    reasons: dict[str, str] = field(default_factory=dict)  # pool -> the planner's reason at this sample
 
 
 async def sample_replicas(url: str, started: float, stop: asyncio.Event, every_s: float = 1.0) -> list[Sample]:
@@ -182,7 +183,9 @@ async def sample_replicas(url: str, started: float, stop: asyncio.Event, every_s
             desired = {
                 p["name"]: sum(r.get("desired") or 0 for r in p["roles"].values()) for p in pools.get("pools", [])
             }
-            samples.append(Sample(time.perf_counter() - started, awake, ready, desired, asleep, len(devices)))
+            reasons = {p["name"]: p.get("reason", "") for p in pools.get("pools", [])}
+            at = time.perf_counter() - started
+            samples.append(Sample(at, awake, ready, desired, asleep, len(devices), reasons))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=every_s)
     return samples

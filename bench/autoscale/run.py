@@ -4,6 +4,8 @@
         [--seeds 7,8,9]  several days per mode, pooled in the report (static-peak on the first only)
         [--load-gbps G --init-s S --name autoscale-NAME]  another start-up, reported beside the default
         [--merge STEM1,STEM2 --name autoscale-NAME]  one report of several invocations' raw files
+        [--scale-down-cooldown-s 2]  the tokens planner's scale-down cooldown (10 s by default; the
+                        HPA-shaped planner has none): at one pass, one replica down per pass
 
 Two models (Llama-3.1-8B, chat: Azure's conversation trace; Qwen2.5-7B, code: Azure's code trace,
 used in working hours only) on simulated H100s (`max_num_seqs` 8, the engines at half speed, start-up
@@ -80,6 +82,7 @@ def engine_args(load_gbps: float = LOAD_GBPS, init_s: float = INIT_S) -> list[st
 
 ENGINE_ARGS = engine_args()
 INTERVAL_S, STABILIZATION_S = 2.0, 20.0
+SCALE_DOWN_COOLDOWN_S = 10.0  # the tokens planner's; the HPA-shaped one has none (its stabilisation only)
 WARM_RESERVE = 1
 SCHEDULED_CHAT = 6  # tokens-scheduled: the burst's floor, the chat replicas of static-peak
 SURGE = 2  # chat: 6 + 2 = the 8 devices, granted only where the code pool does not want them
@@ -117,10 +120,11 @@ def autoscale(
     reserve: int | None = None,
     surge: int = 0,
     utilization: float = 0.8,
+    cooldown_s: float = SCALE_DOWN_COOLDOWN_S,
 ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "planner": planner, "min_replicas": low, "max_replicas": high, "interval_s": INTERVAL_S,
-        "stabilization_s": STABILIZATION_S, "scale_down_cooldown_s": 10, "idle_s": 15, "priority": priority,
+        "stabilization_s": STABILIZATION_S, "scale_down_cooldown_s": cooldown_s, "idle_s": 15, "priority": priority,
         "ttft_slo_ms": SLO_TTFT_S * 1000, "tpot_slo_ms": SLO_TPOT_S * 1000, "max_hold_s": 60,
         "hpa_target_running": hpa_target, "surge_replicas": surge, "target_utilization": utilization,
     }  # fmt: skip
@@ -131,7 +135,9 @@ def autoscale(
     return config
 
 
-def mode_pools(mode: str, args: list[str] | None = None) -> list[dict[str, Any]]:
+def mode_pools(
+    mode: str, args: list[str] | None = None, cooldown_s: float = SCALE_DOWN_COOLDOWN_S
+) -> list[dict[str, Any]]:
     chat_preset, code_preset = "llama-3.1-8b@h100", "qwen2.5-7b@h100"
     if mode == "static-peak":
         return [
@@ -152,9 +158,13 @@ def mode_pools(mode: str, args: list[str] | None = None) -> list[dict[str, Any]]
     surge = SURGE if planner == "tokens" and mode != "tokens-nosurge" else 0
     use = tokens_utilization(mode)
     chat_scale = autoscale(
-        planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve, surge=surge, utilization=use
-    )
-    code_scale = autoscale(planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None, utilization=use)
+        planner, 1, 6, sleep=sleep, priority=1, hpa_target=target, reserve=reserve, surge=surge, utilization=use,
+        cooldown_s=cooldown_s,
+    )  # fmt: skip
+    code_scale = autoscale(
+        planner, 0, 3, sleep=sleep, hpa_target=target, reserve=0 if sleep else None, utilization=use,
+        cooldown_s=cooldown_s,
+    )  # fmt: skip
     return [
         pool("chat", CHAT, chat_preset, args=args, replicas=1, autoscale=chat_scale),
         pool("code", CODE, code_preset, args=args, replicas=0, autoscale=code_scale),
@@ -247,8 +257,9 @@ async def run_mode(
     seed: int = 7,
     args: list[str] | None = None,
     burst: tuple[float, float] | None = None,
+    cooldown_s: float = SCALE_DOWN_COOLDOWN_S,
 ) -> ModeRun:
-    pools = mode_pools(mode, args)
+    pools = mode_pools(mode, args, cooldown_s)
     initial = sum(p.get("replicas", 0) for p in pools)
     gw = gateway(workdir / f"{mode}-{seed}", pools)
     try:
@@ -390,7 +401,7 @@ async def main_async(args: argparse.Namespace) -> None:
             arrivals = days[seed]
             print(f"[autoscale] {mode} (seed {seed}): {len(arrivals)} requests over {day_s:g} s", flush=True)
             burst = burst_window(args.scale, day_s)
-            runs.append(await run_mode(mode, arrivals, day_s, workdir, seed, flags, burst))
+            runs.append(await run_mode(mode, arrivals, day_s, workdir, seed, flags, burst, args.scale_down_cooldown_s))
         extras: dict[str, Any] = {}
         extras_generated = None
         if args.skip_extras and args.extras_from is not None:
@@ -418,6 +429,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "time_scale": TIME_SCALE,
         "interval_s": INTERVAL_S,
         "stabilization_s": STABILIZATION_S,
+        "scale_down_cooldown_s": args.scale_down_cooldown_s,
         "burst_s": burst_window(args.scale, day_s),
         "load_gbps": args.load_gbps,
         "init_s": args.init_s,
@@ -562,6 +574,12 @@ def main() -> None:
         "--name",
         default="autoscale",
         help="results' file stem: a variant (other start-up, other days) goes beside autoscale.md, never over it",
+    )
+    parser.add_argument(
+        "--scale-down-cooldown-s",
+        type=float,
+        default=SCALE_DOWN_COOLDOWN_S,
+        help="the tokens planner's least time after a scale event before a scale-down (one replica each)",
     )
     parser.add_argument("--title", default="", help="appended to the report's heading")
     parser.add_argument("--variant", default="", help="a paragraph the report prints under its introduction")

@@ -28,6 +28,7 @@ from backends.autoscale.budget import Claim, share_budget
 from backends.autoscale.devices import group_of
 from backends.autoscale.executor import Executor
 from backends.autoscale.forecast import Forecast, stepped_up
+from backends.autoscale.planner import replica_load
 from backends.autoscale.planners import PLANNERS
 from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RoleSignals
 from backends.fleet import Fleet, Pool
@@ -218,23 +219,6 @@ class Autoscaler:
         policy = config.autoscale
         assert policy is not None
         traffic = self.traffic[pool.name]
-        prefill, decode = self.forecasts[pool.name]
-        if dt is None:  # the first pass: no window to measure yet
-            traffic.take()
-        elif dt > 0:
-            late = traffic.arrived_since(now - dt / 2)
-            prefill_tokens, decode_tokens, requests = traffic.take()
-            alpha, beta = policy.forecast_alpha, policy.forecast_beta
-            arrivals = self.arrivals[pool.name]
-            expected = arrivals.ahead(dt / 2) * dt  # the window's count on the forecast's line
-            step = arrivals.at_s != 0.0 and stepped_up(requests, expected, policy.forecast_step_z)
-            self.steps[pool.name] += step
-            # a step that began mid-window: its rate is the window's second half's (up to 2x the mean)
-            scale = max(1.0, 2.0 * late / requests) if step else 1.0
-            self.arrivals[pool.name] = arrivals.update(requests / dt * scale, now, alpha, beta, step=step)
-            prefill = prefill.update(prefill_tokens / dt * scale, now, alpha, beta, step=step)
-            decode = decode.update(decode_tokens / dt * scale, now, alpha, beta, step=step)
-            self.forecasts[pool.name] = (prefill, decode)
         roles = []
         for role in _roles(pool):
             ready = [e for e in pool.endpoints if e.launched and e.role is role and e.state is EndpointState.READY]
@@ -260,6 +244,29 @@ class Autoscaler:
                     engine_running=sum(e.stats.running for e in ready),
                 )
             )
+        prefill, decode = self.forecasts[pool.name]
+        if dt is None:  # the first pass: no window to measure yet
+            traffic.take()
+        elif dt > 0:
+            late = traffic.arrived_since(now - dt / 2)
+            prefill_tokens, decode_tokens, requests = traffic.take()
+            alpha, beta = policy.forecast_alpha, policy.forecast_beta
+            arrivals = self.arrivals[pool.name]
+            expected = arrivals.ahead(dt / 2) * dt  # the window's count on the forecast's line
+            step = arrivals.at_s != 0.0 and stepped_up(requests, expected, policy.forecast_step_z)
+            # a step that began mid-window: its rate is the window's second half's (up to 2x the mean)
+            scale = max(1.0, 2.0 * late / requests) if step else 1.0
+            prefill_rate, decode_rate = prefill_tokens / dt * scale, decode_tokens / dt * scale
+            if step and not _outgrows(roles, prefill_rate, decode_rate, policy.target_utilization):
+                # a cluster of arrivals the replicas running absorb (a trace's arrivals are burstier
+                # than Poisson): taken at once it would pin the scale-down's stabilisation window
+                step, scale = False, 1.0
+                prefill_rate, decode_rate = prefill_tokens / dt, decode_tokens / dt
+            self.steps[pool.name] += step
+            self.arrivals[pool.name] = arrivals.update(requests / dt * scale, now, alpha, beta, step=step)
+            prefill = prefill.update(prefill_rate, now, alpha, beta, step=step)
+            decode = decode.update(decode_rate, now, alpha, beta, step=step)
+            self.forecasts[pool.name] = (prefill, decode)
         held = self.held(pool.name)
         queued, queued_tokens = self.queued(pool.name)
         # the backlog: prompt tokens waiting in the gateway, plus those dispatched and not yet prefilled
@@ -354,6 +361,12 @@ class Autoscaler:
     def recorded(self, pool: str) -> list[dict[str, Any]]:
         """The last signals planned on (the planner tests' recorded inputs)."""
         return [asdict(s) for s in self.signals.get(pool, ())]
+
+
+def _outgrows(roles: list[RoleSignals], prefill_tps: float, decode_tps: float, utilization: float) -> bool:
+    """Whether these token rates need more replicas of some role than it has serving or starting: a
+    step only then is worth taking at once."""
+    return any(replica_load(r, prefill_tps, decode_tps) / utilization > r.replicas.active for r in roles)
 
 
 def _roles(pool: Pool) -> list[Role]:

@@ -66,6 +66,11 @@ def test_tokens_modes_take_their_target_utilization_from_the_name() -> None:
         mode_pools("tokens-1.5")
 
 
+def test_the_scale_down_cooldown_reaches_every_autoscaled_pool() -> None:
+    assert {p["autoscale"]["scale_down_cooldown_s"] for p in mode_pools("tokens")} == {10.0}
+    assert {p["autoscale"]["scale_down_cooldown_s"] for p in mode_pools("tokens-0.6", cooldown_s=2.0)} == {2.0}
+
+
 def day(mode: str, seed: int, met_first: int, held: int) -> ModeRun:
     """Four requests (two in the burst window 10-20 s), the first `met_first` within the SLO."""
     outcomes = []

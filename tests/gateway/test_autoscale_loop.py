@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from backends.autoscale.executor import Executor
+from backends.autoscale.planner import replica_load
+from backends.autoscale.types import RoleState
 from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
@@ -104,6 +106,24 @@ def test_a_burst_window_moves_the_level_at_once_and_noise_does_not(tmp_path: Pat
     level = window(20)  # five times the rate: a step
     assert level == 5000.0 and scaler.steps["chat"] == 1
     assert scaler.status()["pools"][0]["forecast_tps"]["steps_up"] == 1
+
+
+def test_a_step_the_replicas_serving_absorb_is_smoothed(tmp_path: Path) -> None:
+    """A cluster of arrivals that four ready replicas serve at the target utilisation is no step: taken
+    at once it would hold replicas through the scale-down's stabilisation window for nothing."""
+    clock = Clock()
+    scaler = autoscaler(tmp_path, clock)
+    scaler.executor.role_state = lambda pool, role: RoleState(ready=4)  # type: ignore[method-assign]
+    scaler.tick()
+    for arrivals in (4, 4, 4, 4, 20):
+        for _ in range(arrivals):
+            scaler.arrived("chat", 500, 16)
+        clock.now += 2.0
+        scaler.tick()
+    assert scaler.steps["chat"] == 0
+    assert scaler.forecasts["chat"][0].level == pytest.approx(3000.0)  # 0.5 x 5000 + 0.5 x 1000
+    signals = scaler.signals["chat"][-1]
+    assert replica_load(signals.roles[0], 5000.0, 160.0) / 0.8 < 4  # what the four replicas absorb
 
 
 def test_steps_off_smooth_a_burst_window(tmp_path: Path) -> None:
