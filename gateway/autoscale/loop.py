@@ -256,16 +256,15 @@ class Autoscaler:
             step = arrivals.at_s != 0.0 and stepped_up(requests, expected, policy.forecast_step_z)
             # a step that began mid-window: its rate is the window's second half's (up to 2x the mean)
             scale = max(1.0, 2.0 * late / requests) if step else 1.0
-            prefill_rate, decode_rate = prefill_tokens / dt * scale, decode_tokens / dt * scale
-            if step and not _outgrows(roles, prefill_rate, decode_rate, policy.target_utilization):
+            rates = (prefill_tokens / dt * scale, decode_tokens / dt * scale)
+            if step and not _outgrows(roles, *rates, policy.target_utilization):
                 # a cluster of arrivals the replicas running absorb (a trace's arrivals are burstier
                 # than Poisson): taken at once it would pin the scale-down's stabilisation window
                 step, scale = False, 1.0
-                prefill_rate, decode_rate = prefill_tokens / dt, decode_tokens / dt
             self.steps[pool.name] += step
             self.arrivals[pool.name] = arrivals.update(requests / dt * scale, now, alpha, beta, step=step)
-            prefill = prefill.update(prefill_rate, now, alpha, beta, step=step)
-            decode = decode.update(decode_rate, now, alpha, beta, step=step)
+            prefill = prefill.update(prefill_tokens / dt * scale, now, alpha, beta, step=step)
+            decode = decode.update(decode_tokens / dt * scale, now, alpha, beta, step=step)
             self.forecasts[pool.name] = (prefill, decode)
         held = self.held(pool.name)
         queued, queued_tokens = self.queued(pool.name)
