@@ -20,21 +20,21 @@ EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
 
 # KV block size when a pool omits it. None = the engine chooses and tokenway reads the size it chose
 # from its metrics (`vllm:cache_config_info`, TRT-LLM's `tokensPerBlock`): vLLM's attention backends
-# accept different sizes per device (the CPU backend only multiples of 32, REFERENCE §8), and
-# vllm-ascend overrides the value anyway (§4).
+# accept different sizes per device (the CPU backend only multiples of 32, docs/engines.md), and
+# vllm-ascend overrides the value anyway (vllm_ascend/utils.py).
 DEFAULT_BLOCK_SIZE_BY_ENGINE: dict[str, int | None] = {
     "sim": 16,
     "vllm": None,
-    "trtllm": 32,  # kv_cache_config.tokens_per_block, tensorrt_llm/llmapi/llm_args.py (REFERENCE §3.1)
-    "vllm-ascend": None,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py (§4)
+    "trtllm": 32,  # kv_cache_config.tokens_per_block, tensorrt_llm/llmapi/llm_args.py
+    "vllm-ascend": None,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py
     "openai": None,  # a remote API has no visible KV cache
 }
 # Startup deadlines: big models download, load, compile and capture graphs for many minutes.
 DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
     "sim": 120.0,
-    "vllm": 1200.0,  # vLLM's own scripts wait 1200 s (REFERENCE §2.2)
-    "trtllm": 1800.0,  # TRT-LLM tests allow 900 s for small models (REFERENCE §3.2); engines build longer
-    "vllm-ascend": 1800.0,  # ACL-graph capture is slow; Kthena waits 900 s before liveness (§4)
+    "vllm": 1200.0,  # vLLM's own scripts wait 1200 s (disaggregated_serving/kv_events.sh)
+    "trtllm": 1800.0,  # TRT-LLM tests allow 900 s for small models (their test_workers.py); engines build longer
+    "vllm-ascend": 1800.0,  # ACL-graph capture is slow; Kthena waits 900 s before liveness (using_volcano_kthena.md)
     "openai": 60.0,
 }
 

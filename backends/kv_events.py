@@ -1,6 +1,6 @@
 """KV-cache events from engines over ZMQ, in vLLM's wire format, decoded for the precise prefix index.
 
-Wire format (vLLM `ZmqEventPublisher`, REFERENCE §2.6): a PUB socket sends 3 frames
+Wire format (vLLM `ZmqEventPublisher`, vllm/distributed/kv_events.py): a PUB socket sends 3 frames
 `[topic, seq (8-byte big-endian), msgpack(KVEventBatch)]`, with `KVEventBatch = [ts, events,
 data_parallel_rank]`. Events are maps tagged `"type"` (vLLM >= 0.11, `omit_defaults`) or positional
 arrays led by their tag (older releases); both are decoded here:

@@ -1,8 +1,9 @@
 """Metrics scraping: each endpoint's engine metrics, parsed by its adapter into `EndpointStats`.
 
-Every `scrape_interval_s` (250 ms by default: load routing is blind with slow or renamed metrics,
-REFERENCE §7) each READY or DRAINING endpoint gets one GET, as its own task so a slow engine delays
-no other and never two at once. A successful scrape replaces `endpoint.stats` with
+Every `scrape_interval_s` (250 ms by default: load routing is blind with slow or renamed metrics, as
+production-stack's 30 s scrapes in `src/vllm_router/stats/engine_stats.py` were) each READY or
+DRAINING endpoint gets one GET, as its own task so a slow engine delays no other and never two at
+once. A successful scrape replaces `endpoint.stats` with
 `scraped_at_s = now`; a failed one leaves the old stats to age, and stats older than
 `stats_max_age_s` count as saturated for routing (`is_stale`). Endpoints whose engine exports no
 metrics (remote APIs) are stamped fresh each tick: their load is the gateway's own accounting.

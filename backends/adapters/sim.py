@@ -1,6 +1,6 @@
 """The simulated engine (`backends/sim`): the vLLM adapter pointed at `python -m backends.sim`.
 
-It speaks vLLM's HTTP API and metrics (REFERENCE §2) and takes the `vllm serve` flags, plus `--preset
+It speaks vLLM's HTTP API and metrics (see the vLLM adapter) and takes the `vllm serve` flags, plus `--preset
 MODEL@HW` choosing the performance model. It needs no accelerator, so its replicas get no devices
 unless the pool lists them.
 """

@@ -1,8 +1,8 @@
 """TensorRT-LLM `trtllm-serve`: underscore flags, a YAML `--config`, strict request bodies, `trtllm_*`
 Prometheus metrics or JSON iteration stats, and the `disaggregated_params` PD handshake.
 
-Facts from ../shared/REFERENCE.md §3 (and `tensorrt_llm/serve/openai_protocol.py` for the accepted
-request fields); each rule below names its section.
+Facts from TensorRT-LLM's source (`NVIDIA/TensorRT-LLM` main; `tensorrt_llm/serve/openai_protocol.py` for
+the accepted request fields); each rule below names its file.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from backends.errors import MetricsFormatError, PdHandshakeError
 from backends.promtext import first_present, mean, parse_samples, total
 from backends.types import EndpointStats, Role
 
-# Prometheus names (tensorrt_llm/metrics/collector.py, REFERENCE §3.3).
+# Prometheus names (tensorrt_llm/metrics/collector.py).
 RUNNING = ("trtllm_num_requests_running",)
 WAITING = ("trtllm_num_requests_waiting",)
 KV_UTILIZATION = ("trtllm_kv_cache_utilization",)
@@ -52,9 +52,9 @@ WANTED = frozenset(
     + TOKENS_PER_BLOCK
 )
 
-# Request models are `extra="forbid"`: any other field is a 400 (REFERENCE §3.4). These are the fields
+# Request models are `extra="forbid"`: any other field is a 400 (openai_protocol.py). These are the fields
 # of ChatCompletionRequest / CompletionRequest in tensorrt_llm/serve/openai_protocol.py, minus the
-# ones REFERENCE §3.4 says older builds reject (cache_salt).
+# ones older builds reject (cache_salt).
 _SAMPLING_EXTRAS = frozenset({
     "best_of", "use_beam_search", "top_k", "top_p_min", "min_p", "repetition_penalty",
     "length_penalty", "early_stopping", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
@@ -77,7 +77,7 @@ ACCEPTED_FIELDS: Mapping[str, frozenset[str]] = {
     "embeddings": frozenset({"model", "input", "encoding_format", "dimensions", "user"}),
 }  # fmt: skip
 
-SERVER_ROLE = {Role.PREFILL: "CONTEXT", Role.DECODE: "GENERATION"}  # --server_role (REFERENCE §3.6)
+SERVER_ROLE = {Role.PREFILL: "CONTEXT", Role.DECODE: "GENERATION"}  # --server_role (commands/serve.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +91,9 @@ class TrtllmAdapter:
     supports_pd: bool = True
     health_path: str = "/health"
     # Prometheus first (needs return_perf_metrics, which the config sets); older builds only have
-    # the JSON iteration stats at /metrics, drained on read (REFERENCE §3.3).
+    # the JSON iteration stats at /metrics, drained on read (tensorrt_llm/serve/openai_server.py).
     metrics_paths: tuple[str, ...] = ("/prometheus/metrics", "/metrics")
-    # No --served_model_name: the id is the model dir basename or hub id, read from /v1/models (§3.1).
+    # No --served_model_name: the id is the model dir basename or hub id, read from /v1/models (commands/serve.py).
     kv_events_port_needed: bool = False
     kv_transfer_port_needed: bool = False
     discovers_model_name: bool = True
@@ -103,11 +103,11 @@ class TrtllmAdapter:
     def validate(self, pool: PoolConfig) -> list[str]:
         problems = []
         if pool.api_key:
-            problems.append("trtllm-serve has no --api-key (REFERENCE §3.1): drop `api_key`")
+            problems.append("trtllm-serve has no --api-key: drop `api_key`")
         if pool.lora_modules:
             problems.append("trtllm-serve loads LoRA per request (`lora_request`): drop `lora_modules`")
         if pool.served_model_name:
-            problems.append("trtllm-serve has no --served_model_name (REFERENCE §3.1): drop `served_model_name`")
+            problems.append("trtllm-serve has no --served_model_name: drop `served_model_name`")
         return problems
 
     def served_model(self, pool: PoolConfig) -> str:
@@ -120,22 +120,22 @@ class TrtllmAdapter:
         return os.path.join(replica.run_dir, f"{replica.file_stem}.trtllm.yaml")
 
     def engine_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any]:
-        """The `--config` YAML (LlmArgs, tensorrt_llm/llmapi/llm_args.py, REFERENCE §3.1)."""
+        """The `--config` YAML (LlmArgs, tensorrt_llm/llmapi/llm_args.py)."""
         kv_cache: dict[str, Any] = {"enable_block_reuse": pool.enable_prefix_caching}
         if pool.block_size is not None:
             kv_cache["tokens_per_block"] = pool.block_size
         if pool.gpu_memory_utilization is not None:
-            # Fraction of memory free after weights, unlike vLLM's fraction of total (§3.1).
+            # Fraction of memory free after weights, unlike vLLM's fraction of total (llm_args.py).
             kv_cache["free_gpu_memory_fraction"] = pool.gpu_memory_utilization
-        # 0 disables KV events (§3.1); a positive buffer makes POST /kv_cache_events work (§3.5).
+        # 0 disables KV events (llm_args.py); a positive buffer makes POST /kv_cache_events work (openai_server.py).
         kv_cache["event_buffer_max_size"] = 16384 if pool.kv_events.enabled else 0
         config: dict[str, Any] = {
             "kv_cache_config": kv_cache,
-            "enable_iter_perf_stats": True,  # needed for /metrics (§3.1)
-            "return_perf_metrics": True,  # needed for /prometheus/metrics (§3.3)
+            "enable_iter_perf_stats": True,  # needed for /metrics (llm_args.py)
+            "return_perf_metrics": True,  # needed for /prometheus/metrics (metrics/collector.py)
         }
         if pool.priority_scheduling:
-            config["scheduler_config"] = {"waiting_queue_policy": "priority"}  # priority honoured (§3.4)
+            config["scheduler_config"] = {"waiting_queue_policy": "priority"}  # priority honoured (llm_args.py)
         if replica.role is not Role.BOTH or pool.kv_transfer is not None:
             config["cache_transceiver_config"] = dict(pool.kv_transfer or {"backend": "DEFAULT"})
         return _deep_merge(config, pool.engine_config)
@@ -143,7 +143,7 @@ class TrtllmAdapter:
     def launch_spec(self, pool: PoolConfig, replica: ReplicaPlan) -> LaunchSpec:
         config_path = self.config_path(replica)
         argv = [*(pool.engine_bin or self.executable), pool.engine_model or pool.model]
-        # --host explicitly: trtllm-serve defaults to localhost (§3.1).
+        # --host explicitly: trtllm-serve defaults to localhost (commands/serve.py).
         argv += ["--host", replica.host, "--port", str(replica.port)]
         argv += ["--tp_size", str(pool.tensor_parallel), "--pp_size", str(pool.pipeline_parallel)]
         if pool.max_model_len:
@@ -170,7 +170,7 @@ class TrtllmAdapter:
         )
 
     def kv_events_endpoint(self, pool: PoolConfig, replica: ReplicaPlan) -> str | None:
-        # HTTP pull only (REFERENCE §3.5): the subscriber POSTs here.
+        # HTTP pull only (POST /kv_cache_events, tensorrt_llm/serve/openai_server.py): the subscriber POSTs here.
         if not pool.kv_events.enabled:
             return None
         return f"http://{connect_host(replica.host)}:{replica.port}/kv_cache_events"
@@ -182,10 +182,10 @@ class TrtllmAdapter:
 
     def classify_health(self, status: int | None, headers: Mapping[str, str]) -> Probe:
         if status is None:
-            return Probe.STARTING  # older builds refuse connections while loading (§3.2)
+            return Probe.STARTING  # older builds refuse connections while loading (openai_server.py)
         if status == 200:
             return Probe.READY
-        # Newer builds listen at once and answer 503 with this header until ready (§3.2).
+        # Newer builds listen at once and answer 503 with this header until ready (tensorrt_llm/serve/readiness.py).
         state = next((v for k, v in headers.items() if k.lower() == "x-trtllm-server-state"), "")
         if status == 503 and state.lower() == "starting":
             return Probe.STARTING
@@ -250,7 +250,7 @@ class TrtllmAdapter:
         kv_usage = None
         if max_blocks:
             # 1 - free/total like vLLM's kv_cache_usage_perc; Dynamo's allocTotalBlocks/maxNumBlocks
-            # (REFERENCE §3.3) only when the used/free counts are missing.
+            # (`ai-dynamo/dynamo`, its TRT-LLM stats publisher) only when the used/free counts are missing.
             used = _num(kv.get("usedNumBlocks"))
             if used is None and _num(kv.get("freeNumBlocks")) is not None:
                 used = max_blocks - (_num(kv.get("freeNumBlocks")) or 0.0)
@@ -262,7 +262,7 @@ class TrtllmAdapter:
         return _stats(
             prev,
             running=_num(last.get("numActiveRequests")),
-            # Dynamo's derivation: waiting = queued + paused (REFERENCE §3.3).
+            # Dynamo's derivation: waiting = queued + paused (its TRT-LLM stats publisher).
             waiting=None if queued is None else queued + paused,
             kv_usage=kv_usage,
             reused_blocks=_num(kv.get("reusedBlocks")),
@@ -280,17 +280,17 @@ class TrtllmAdapter:
             # `max_completion_tokens` is the field, `max_tokens` its validation alias: send only one.
             shaped.setdefault("max_tokens", body["max_completion_tokens"])
         if not shaped.get("stream"):
-            shaped.pop("stream_options", None)  # only allowed with stream=true (REFERENCE §1.4)
+            shaped.pop("stream_options", None)  # only allowed with stream=true (openai_protocol.py)
         if "priority" in shaped:
             priority = clamp_priority(shaped.pop("priority"))
             if priority is not None and wants_priority(pool):
-                # float 0..1, higher first; tokenway's normal (0) lands on TRT's default 0.5 (§3.4).
+                # float 0..1, higher first; tokenway's normal (0) lands on TRT's default 0.5 (openai_protocol.py).
                 shaped["priority"] = (priority - PRIORITY_MIN) / (PRIORITY_MAX - PRIORITY_MIN)
         return shaped
 
     def prefill_leg_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
         leg = {k: v for k, v in body.items() if k != "stream_options"}
-        leg["stream"] = False  # the context leg is non-streaming (REFERENCE §3.6 step 1)
+        leg["stream"] = False  # the context leg is non-streaming (disaggregated/test_workers.py)
         leg["disaggregated_params"] = {"request_type": "context_only"}
         return leg
 
@@ -300,7 +300,7 @@ class TrtllmAdapter:
         if not isinstance(params, dict):
             raise PdHandshakeError("trtllm: the context server's response has no choices[0].disaggregated_params")
         leg = dict(body)
-        leg["disaggregated_params"] = {**params, "request_type": "generation_only"}  # §3.6 step 2
+        leg["disaggregated_params"] = {**params, "request_type": "generation_only"}  # disaggregated/test_workers.py
         token_ids = prefill_response.get("prompt_token_ids")
         if token_ids is not None and "messages" in body:
             leg["prompt_token_ids"] = token_ids  # spares the generation server a re-tokenization

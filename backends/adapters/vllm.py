@@ -2,7 +2,7 @@
 
 Checked against a real `vllm serve` (the CPU build 0.32.0, `make test-vllm`): every argv this adapter
 emits parses with vLLM's own argument parser, and the metrics below are read from a live engine.
-Facts from REFERENCE §2 (vLLM's source) and §8 (the real CPU engine); each flag names its section.
+Facts from vLLM 0.33.0's source (each comment names its file) and the real CPU engine (docs/engines.md).
 vllm-ascend and the simulated engine speak the same protocol and reuse this class with other defaults.
 """
 
@@ -27,8 +27,8 @@ from backends.errors import MetricsFormatError
 from backends.promtext import first_present, mean, parse_samples, total
 from backends.types import EndpointStats, Role
 
-# Metric names, new first, then the pre-0.10 names they replaced (REFERENCE §2.3: "scrape new names,
-# fall back to old"). Counters appear with `_total` in the text format; some exporters omit it.
+# Metric names, new first, then the pre-0.10 names they replaced (vllm/v1/metrics/loggers.py; removal
+# policy in vllm/config/observability.py). Counters appear with `_total` in the text format; some exporters omit it.
 RUNNING = ("vllm:num_requests_running",)
 WAITING = ("vllm:num_requests_waiting",)
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -46,7 +46,7 @@ PREFIX_QUERIES = (
 )
 PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 CACHE_CONFIG = ("vllm:cache_config_info",)
-# New in 0.32 (REFERENCE §8): waiting split by reason (`capacity` / `deferred`), the prompt tokens
+# New in 0.32 (docs/engines.md): waiting split by reason (`capacity` / `deferred`), the prompt tokens
 # served from cache (the engine's own count of what requests report as `cached_tokens`), and the
 # sleep state (`awake` / `weights_offloaded` / `discard_all`, one series per state, 1 = current).
 WAITING_BY_REASON = ("vllm:num_requests_waiting_by_reason",)
@@ -67,7 +67,7 @@ WANTED = frozenset(
     + SLEEP_STATE
 )
 
-# Prefill leg of the NIXL pull handshake (REFERENCE §2.7, toy_proxy_server.py).
+# Prefill leg of the NIXL pull handshake (vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -87,16 +87,16 @@ class VllmAdapter:
     executable: tuple[str, ...] = ("vllm",)
     launches: bool = True
     uses_devices: bool = True
-    device_env: str | None = "CUDA_VISIBLE_DEVICES"  # REFERENCE §2.1 (vllm/envs.py)
+    device_env: str | None = "CUDA_VISIBLE_DEVICES"  # vllm/envs.py
     device_tool: str | None = "nvidia-smi"
     supports_pd: bool = True
-    health_path: str = "/health"  # 200 ready, 503 engine dead (REFERENCE §2.2)
+    health_path: str = "/health"  # 200 ready, 503 engine dead (vllm/entrypoints/serve/instrumentator/)
     metrics_paths: tuple[str, ...] = ("/metrics",)
     kv_events_port_needed: bool = True
     kv_transfer_port_needed: bool = True
     discovers_model_name: bool = False
-    default_kv_connector: str = "NixlConnector"  # REFERENCE §2.7
-    prefill_min_tokens: int | None = None  # vllm-ascend's P leg sets min_tokens=1 (§4)
+    default_kv_connector: str = "NixlConnector"  # vLLM docs/features/nixl_connector_usage.md
+    prefill_min_tokens: int | None = None  # vllm-ascend's P leg sets min_tokens=1 (its mooncake_connector.py)
 
     # --- launching -------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ class VllmAdapter:
         if pool.kv_events.enabled and self.kv_events_port_needed and zmq_bind_host(pool.host) is None:
             return [
                 f"kv_events need `host` as an IP address or localhost (got {pool.host!r}): vLLM binds its "
-                "KV-event socket only on `*` or an address containing `::` (REFERENCE §8)"
+                "KV-event socket only on `*` or an address containing `::` (see docs/engines.md)"
             ]
         return []
 
@@ -123,7 +123,7 @@ class VllmAdapter:
         return [*(pool.engine_bin or self.executable), "serve"]
 
     def launch_spec(self, pool: PoolConfig, replica: ReplicaPlan) -> LaunchSpec:
-        argv = [*self.command(pool), pool.engine_model or pool.model]  # positional model (§2.1)
+        argv = [*self.command(pool), pool.engine_model or pool.model]  # positional model (entrypoints/cli/serve.py)
         argv += ["--served-model-name", self.served_model(pool)]
         argv += ["--host", replica.host, "--port", str(replica.port)]
         argv += ["--tensor-parallel-size", str(pool.tensor_parallel)]
@@ -132,13 +132,13 @@ class VllmAdapter:
             argv += ["--max-model-len", str(pool.max_model_len)]
         if pool.tokenizer:
             argv += ["--tokenizer", pool.tokenizer]  # the gateway counts with the same files
-        if pool.gpu_memory_utilization is not None:  # else vLLM's own default (0.92 in 0.32, §2.1)
+        if pool.gpu_memory_utilization is not None:  # else vLLM's own default (0.92 in 0.32, vllm/config/cache.py)
             argv += ["--gpu-memory-utilization", _num(pool.gpu_memory_utilization)]
         if pool.block_size is not None:
-            # Only when the pool sets one: vLLM's CPU attention accepts only multiples of 32 (§8), and
+            # Only when the pool sets one: vLLM's CPU attention accepts only multiples of 32 (docs/engines.md), and
             # the size the engine chose is read back from vllm:cache_config_info.
             argv += ["--block-size", str(pool.block_size)]
-        # `usage.prompt_tokens_details.cached_tokens` is null without it (§8): cached input is billed.
+        # `usage.prompt_tokens_details.cached_tokens` is null without it (docs/engines.md): cached input is billed.
         argv.append("--enable-prompt-tokens-details")
         argv.append("--enable-prefix-caching" if pool.enable_prefix_caching else "--no-enable-prefix-caching")
         if pool.max_num_seqs:
@@ -146,7 +146,7 @@ class VllmAdapter:
         if pool.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(pool.max_num_batched_tokens)]
         if pool.priority_scheduling:
-            # Request `priority` other than 0 is an error under fcfs (vllm/config/scheduler.py, §2.1).
+            # Request `priority` other than 0 is an error under fcfs (vllm/config/scheduler.py).
             argv += ["--scheduling-policy", "priority"]
         events = self.kv_events_config(pool, replica)
         if events is not None:
@@ -174,15 +174,15 @@ class VllmAdapter:
         env: dict[str, str] = {}
         if replica.devices and self.device_env:
             env[self.device_env] = ",".join(str(d) for d in replica.devices)
-        # Same NONE_HASH on every replica so prefix-block hashes agree (REFERENCE §2.5).
+        # Same NONE_HASH on every replica so prefix-block hashes agree (vllm/v1/core/kv_cache_utils.py).
         env["PYTHONHASHSEED"] = replica.hash_seed
-        env["VLLM_NO_USAGE_STATS"] = "1"  # no phone-home from a gateway-managed engine (§2.1)
+        env["VLLM_NO_USAGE_STATS"] = "1"  # no phone-home from a gateway-managed engine (vllm/envs.py)
         if pool.api_key:
-            # Through the environment, not --api-key, so the key is not visible in `ps` (§2.1).
+            # Through the environment, not --api-key, so the key is not visible in `ps` (vllm/envs.py).
             env["VLLM_API_KEY"] = pool.api_key
         transfer = self.kv_transfer_config(pool, replica)
         if transfer is not None and transfer.get("kv_connector") == "NixlConnector":
-            # Distinct side channel per instance (REFERENCE §2.7).
+            # Distinct side channel per instance (vLLM docs/features/nixl_connector_usage.md).
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = connect_host(replica.host)
             if replica.kv_transfer_port is not None:
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(replica.kv_transfer_port)
@@ -191,8 +191,8 @@ class VllmAdapter:
     def kv_events_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
         if not pool.kv_events.enabled or replica.kv_events_port is None:
             return None
-        # Field names from vllm/config/kv_events.py (REFERENCE §2.6). The publisher binds only an
-        # endpoint containing `*` or `::` (§8), so the engine's own address is written in its
+        # Field names from vllm/config/kv_events.py. The publisher binds only an
+        # endpoint containing `*` or `::` (docs/engines.md), so the engine's own address is written in its
         # IPv4-mapped IPv6 form: bound on that address alone, not on every interface.
         host = zmq_bind_host(replica.host)
         config: dict[str, Any] = {
@@ -216,7 +216,7 @@ class VllmAdapter:
         return f"tcp://{connect_host(replica.host)}:{replica.kv_events_replay_port}"
 
     def kv_transfer_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
-        """--kv-transfer-config for PD roles (vllm/config/kv_transfer.py, REFERENCE §2.1/§2.7)."""
+        """--kv-transfer-config for PD roles (vllm/config/kv_transfer.py, docs/features/nixl_connector_usage.md)."""
         if replica.role is Role.BOTH and pool.kv_transfer is None:
             return None
         config: dict[str, Any] = dict(pool.kv_transfer or {})
@@ -229,13 +229,14 @@ class VllmAdapter:
 
     def kv_role(self, connector: str, role: Role) -> str:
         if connector == "NixlConnector":
-            return "kv_both"  # NIXL's role is a placeholder on both sides (REFERENCE §2.7)
+            return "kv_both"  # NIXL's role is a placeholder on both sides (nixl_connector_usage.md)
         return {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}.get(role, "kv_both")
 
     # --- readiness and metrics -------------------------------------------------------------------
 
     def classify_health(self, status: int | None, headers: Mapping[str, str]) -> Probe:
-        # Connection refused while the engine loads: the socket only listens once it is built (§2.2).
+        # Connection refused while the engine loads: the socket only listens once it is built
+        # (vllm/entrypoints/launchers/launcher.py).
         if status is None:
             return Probe.STARTING
         return Probe.READY if status == 200 else Probe.FAILING
@@ -276,11 +277,11 @@ class VllmAdapter:
     # --- requests --------------------------------------------------------------------------------
 
     def shape_request(self, body: Mapping[str, Any], api: str, pool: PoolConfig | None = None) -> dict[str, Any]:
-        shaped = dict(body)  # vLLM accepts and logs unknown fields (REFERENCE §2.4)
+        shaped = dict(body)  # vLLM accepts and logs unknown fields (OpenAIBaseModel, extra="allow")
         if "priority" in shaped:
             priority = clamp_priority(shaped.pop("priority"))
             if priority is not None and wants_priority(pool):
-                shaped["priority"] = -priority  # vLLM: int, lower = earlier (REFERENCE §2.4)
+                shaped["priority"] = -priority  # vLLM: int, lower = earlier (chat_completion/protocol.py)
         return shaped
 
     def prefill_leg_body(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -298,14 +299,14 @@ class VllmAdapter:
         leg = dict(body)
         params = prefill_response.get("kv_transfer_params")
         if params:
-            leg["kv_transfer_params"] = params  # verbatim (REFERENCE §2.7 step 3)
+            leg["kv_transfer_params"] = params  # verbatim (toy_proxy_server.py)
         else:
             leg.pop("kv_transfer_params", None)  # no params from P: D prefills itself
         return leg
 
 
 def _cache_config(samples: list[tuple[dict[str, str], float]] | None) -> tuple[int | None, int | None]:
-    """block_size and num_gpu_blocks from `vllm:cache_config_info` labels (REFERENCE §2.3)."""
+    """block_size and num_gpu_blocks from `vllm:cache_config_info` labels (vllm/v1/metrics/loggers.py)."""
     if not samples:
         return None, None
     labels = samples[0][0]

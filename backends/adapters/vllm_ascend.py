@@ -1,5 +1,5 @@
 """vllm-ascend: `vllm serve` on Ascend NPUs. Same HTTP API, `/health` and `vllm:*` metrics as vLLM
-(it is a platform plugin, pinned to vLLM v0.27.1); facts from ../shared/REFERENCE.md §4.
+(it is a platform plugin, pinned to vLLM v0.27.1); facts from vllm-ascend's source (`vllm-project/vllm-ascend`).
 
 Differences from vLLM: devices through `ASCEND_RT_VISIBLE_DEVICES`, block size 128 by default,
 Ascend options through `--additional-config` (the pool's `engine_config`), PD through Mooncake
@@ -19,10 +19,10 @@ from backends.config import PoolConfig
 @dataclass(frozen=True, slots=True)
 class VllmAscendAdapter(VllmAdapter):
     kind: str = "vllm-ascend"
-    device_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"  # vllm_ascend/platform.py (REFERENCE §4)
+    device_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"  # vllm_ascend/platform.py
     device_tool: str | None = "npu-smi"
-    default_kv_connector: str = "MooncakeConnectorV1"  # vllm_ascend/distributed/kv_transfer (§4)
-    prefill_min_tokens: int | None = 1  # mooncake_connector.py handshake (§4)
+    default_kv_connector: str = "MooncakeConnectorV1"  # vllm_ascend/distributed/kv_transfer/__init__.py
+    prefill_min_tokens: int | None = 1  # kv_p2p/mooncake_connector.py handshake
 
     def validate(self, pool: PoolConfig) -> list[str]:
         return []  # engine_config is Ascend's --additional-config
@@ -35,7 +35,7 @@ class VllmAscendAdapter(VllmAdapter):
     def kv_transfer_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
         config = VllmAdapter.kv_transfer_config(self, pool, replica)
         if config is not None and str(config.get("kv_connector", "")).startswith("Mooncake"):
-            # Mooncake wants both sides' parallel layout (REFERENCE §4 producer example).
+            # Mooncake wants both sides' parallel layout (the producer example of vllm-ascend's Mooncake PD tutorial).
             layout = {"dp_size": 1, "tp_size": pool.tensor_parallel}
             extra = dict(config.get("kv_connector_extra_config") or {})
             extra.setdefault("prefill", layout)

@@ -1,4 +1,4 @@
-"""Which engines can sleep, and how: vLLM's sleep mode (REFERENCE.md §8).
+"""Which engines can sleep, and how: vLLM's sleep mode (vLLM's docs/features/sleep_mode.md).
 
 `vllm serve --enable-sleep-mode` with `VLLM_SERVER_DEV_MODE=1` registers `POST /sleep?level=N`,
 `POST /wake_up` and `GET /is_sleeping` (development routes: bind such an engine to loopback or a

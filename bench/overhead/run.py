@@ -37,7 +37,7 @@ COMPLETION = (
     '"choices":[{"index":0,"message":{"role":"assistant","content":"Hello!"},"finish_reason":"stop"}],'
     '"usage":{"prompt_tokens":24,"completion_tokens":2,"total_tokens":26}}'
 )
-# vLLM's POST /tokenize (REFERENCE §2.2): the gateway counts a vLLM pool's prompts with it and caches the
+# vLLM's POST /tokenize (docs/engines.md): the gateway counts a vLLM pool's prompts with it and caches the
 # answer per prompt. Without it the instant upstream's 200 (a chat completion, no `tokens`) is an error
 # never cached, and every request would pay a second upstream round trip a real engine does not cost.
 TOKENIZE = '{"count":24,"max_model_len":8192,"tokens":[' + ",".join(str(i) for i in range(1, 25)) + "]}"

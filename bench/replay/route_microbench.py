@@ -1,6 +1,6 @@
 """Micro-benchmark of one routing decision: µs per `route()` (and `on_dispatch()`) for 8 endpoints.
 
-Not a test (DESIGN §8: tests never assert timings). Prompts are 4k tokens with realistic sharing:
+Not a test (docs/architecture.md, "Tests": tests never assert timings). Prompts are 4k tokens with realistic sharing:
 a pool of 32 long "system prompts" (3k tokens) plus a unique 1k-token tail, so the index holds many
 prefixes and lookups walk long matches. Every request is a fresh `RequestFacts`, so the numbers
 include hashing the prompt (once per request, reused across candidates and by `on_dispatch`).

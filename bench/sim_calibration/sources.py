@@ -2,7 +2,8 @@
 
 Each `Row` is one measurement the performance model can predict: a prefill of `batch` prompts of
 `prompt` tokens in one step, or one decode step of `batch` requests at `context` tokens each, for a
-preset (model, hardware, TP). Three sources (see ../shared/data/traces/SOURCES.md):
+preset (model, hardware, TP). Three sources, copied from `Mutinifni/splitwise-sim`, `LLMServe/DistServe` and
+`ai-dynamo/aiconfigurator` respectively:
 
 - splitwise_sim/perf_model.csv: end-to-end prefill times and per-token decode times (TBT), measured
   on DGX-A100/H100 for llama2-70b and bloom-176b;

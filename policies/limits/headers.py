@@ -1,4 +1,4 @@
-"""Rate-limit and retry headers in OpenAI's format (REFERENCE.md §1.2, §1.3).
+"""Rate-limit and retry headers in OpenAI's format (OpenAI's "Rate limits" guide; openai-python's _base_client.py).
 
 `x-ratelimit-*` describe the tightest bucket of each kind (fewest units left); resets are Go-style
 durations (`1s`, `6m0s`, `2m59.56s`) = time until that bucket is full again. Retry headers carry

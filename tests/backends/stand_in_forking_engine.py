@@ -1,4 +1,4 @@
-"""A stand-in for an engine whose worker outlives it (as vLLM's EngineCore does, REFERENCE §8).
+"""A stand-in for an engine whose worker outlives it (as vLLM's EngineCore does, docs/engines.md).
 
 `python stand_in_forking_engine.py MODEL --host H --port P --kv-events-config JSON [other vLLM flags]`
 forks a worker (same process group) that binds the KV-event port named in the config and sleeps;

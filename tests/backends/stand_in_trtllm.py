@@ -1,4 +1,4 @@
-"""A stand-in for `trtllm-serve` (no GPU here): newer builds' startup behaviour, from REFERENCE §3.2.
+"""A stand-in for `trtllm-serve` (no GPU here): newer builds' startup behaviour, from tensorrt_llm/serve/readiness.py.
 
 `python stand_in_trtllm.py MODEL --host H --port P --config FILE [--starting-s S] [other flags]`
 listens at once, answers every request 503 with `x-trtllm-server-state: starting` for S seconds,

@@ -1,4 +1,4 @@
-"""Pool config extensions: per-engine defaults filled in, settings defaults documented in REFERENCE."""
+"""Pool config extensions: per-engine defaults filled in, settings defaults from the engines' source."""
 
 from __future__ import annotations
 

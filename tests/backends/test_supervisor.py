@@ -280,7 +280,7 @@ async def test_kv_event_sockets_per_replica(launched: Any) -> None:
 
 async def test_a_crashed_leader_s_orphaned_worker_is_killed_before_the_restart(launched: Any) -> None:
     """vLLM's API server killed with SIGKILL leaves EngineCore alive in its group holding the ZMQ port
-    (REFERENCE §8): the restart waits until the group is gone and the port free, instead of looping."""
+    (docs/engines.md): the restart waits until the group is gone and the port free, instead of looping."""
     stand_in = [sys.executable, str(Path(__file__).with_name("stand_in_forking_engine.py"))]
     forking = pool(name="fork", model="m", engine="vllm", engine_bin=stand_in, replicas=1, ready_timeout_s=60,
                    kv_events={"enabled": True, "replay": False})  # fmt: skip

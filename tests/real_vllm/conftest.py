@@ -27,7 +27,7 @@ VLLM_PYTHON = VENV / "bin" / "python"
 MODEL = "tiny"
 START_TIMEOUT_S = 900.0  # ~60-90 s on idle cores; the machine may be shared and slow
 
-# REFERENCE §8: the CPU build needs VLLM_TARGET_DEVICE=cpu on AVX2-only hosts (else Illegal
+# docs/engines.md: the CPU build needs VLLM_TARGET_DEVICE=cpu on AVX2-only hosts (else Illegal
 # instruction); 1 GiB of KV cache; one OpenMP thread, not bound to cores (others use them too).
 ENGINE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",

@@ -1,4 +1,4 @@
-"""TensorRT-LLM adapter: golden argv/env/YAML (REFERENCE.md §3), readiness, both metrics formats,
+"""TensorRT-LLM adapter: golden argv/env/YAML (tensorrt_llm/llmapi/llm_args.py), readiness, both metrics formats,
 request shaping for `extra="forbid"` bodies, and the disaggregated_params handshake."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_launch_spec_golden_8b() -> None:
 
 def test_host_is_always_explicit() -> None:
     spec = TRTLLM.launch_spec(pool(engine="trtllm"), replica(host="0.0.0.0"))
-    assert spec.argv[spec.argv.index("--host") + 1] == "0.0.0.0"  # it defaults to localhost (§3.1)
+    assert spec.argv[spec.argv.index("--host") + 1] == "0.0.0.0"  # it defaults to localhost (commands/serve.py)
 
 
 def test_launch_spec_golden_pd_decode_tp2_with_engine_config() -> None:
@@ -60,7 +60,7 @@ def test_launch_spec_golden_pd_decode_tp2_with_engine_config() -> None:
         "cache_transceiver_config": {"backend": "UCX", "max_tokens_in_buffer": 8192},
         "backend": "pytorch",
     }  # fmt: skip
-    assert TRTLLM.served_model(p) == "llama-70b"  # directory basename (§3.1)
+    assert TRTLLM.served_model(p) == "llama-70b"  # directory basename (commands/serve.py)
     assert TRTLLM.kv_events_endpoint(p, replica()) == "http://127.0.0.1:8100/kv_cache_events"
 
 

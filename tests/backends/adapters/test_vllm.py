@@ -1,4 +1,4 @@
-"""vLLM adapter: golden argv/env (flags as REFERENCE.md §2.1 gives them), readiness, metrics, shaping, PD."""
+"""vLLM adapter: golden argv/env (flags as vllm/engine/arg_utils.py defines them), readiness, metrics, shaping, PD."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_launch_spec_golden(
     assert list(spec.argv) == argv
     assert dict(spec.env) == env
     assert spec.log_path == "var/log/engines/p.both-0.log"
-    assert "--disable-log-stats" not in spec.argv  # it would kill every vllm:* metric (REFERENCE §2.1)
+    assert "--disable-log-stats" not in spec.argv  # it would kill every vllm:* metric (vllm/v1/engine/async_llm.py)
 
 
 def test_api_key_stays_off_the_command_line() -> None:
@@ -116,7 +116,7 @@ def test_kv_events_replay_socket() -> None:
     r = replica(kv_events_port=5557, kv_events_replay_port=5657)
     spec = VLLM.launch_spec(p, r)
     config = json.loads(spec.argv[spec.argv.index("--kv-events-config") + 1])
-    # a ROUTER the subscriber asks for missed batches (§2.6), bound on the engine's host only
+    # a ROUTER the subscriber asks for missed batches (vllm/distributed/kv_events.py), bound on the engine's host only
     assert config["replay_endpoint"] == "tcp://[::ffff:127.0.0.1]:5657"
     assert VLLM.kv_events_replay_endpoint(p, r) == "tcp://127.0.0.1:5657"
     assert VLLM.kv_events_replay_endpoint(p, replica(kv_events_port=5557)) is None
@@ -231,7 +231,7 @@ def test_decode_leg_body_passes_prefill_params_verbatim() -> None:
     ],
 )
 def test_kv_event_sockets_bind_the_engines_host_only(host: str, bind: str | None) -> None:
-    # vLLM binds an endpoint only when it contains `*` or `::`; `tcp://127.0.0.1:P` would connect out (§8).
+    # vLLM binds an endpoint only when it contains `*` or `::`; `tcp://127.0.0.1:P` connects out (docs/engines.md).
     assert zmq_bind_host(host) == bind
     p = pool(engine="vllm", host=host, kv_events={"enabled": True})
     problems = VLLM.validate(p)
@@ -244,10 +244,10 @@ def test_kv_event_sockets_bind_the_engines_host_only(host: str, bind: str | None
 
 
 def test_defaults_a_real_build_rejects_are_not_passed() -> None:
-    # --block-size 16 kills vLLM's CPU attention (multiples of 32 only, §8); 0.9 is not 0.32's 0.92 default.
+    # --block-size 16 kills vLLM's CPU attention (only multiples of 32, docs/engines.md); 0.9 is not 0.32's 0.92.
     spec = VLLM.launch_spec(pool(engine="vllm"), replica())
     assert "--block-size" not in spec.argv and "--gpu-memory-utilization" not in spec.argv
-    assert "--enable-prompt-tokens-details" in spec.argv  # else usage has no cached_tokens (§8)
+    assert "--enable-prompt-tokens-details" in spec.argv  # else usage has no cached_tokens (docs/engines.md)
     spec = VLLM.launch_spec(pool(engine="vllm", block_size=32, tokenizer="/models/tok"), replica())
     assert spec.argv[spec.argv.index("--block-size") + 1] == "32"
     assert spec.argv[spec.argv.index("--tokenizer") + 1] == "/models/tok"

@@ -1,4 +1,4 @@
-"""vllm-ascend adapter: vLLM's protocol on NPUs (REFERENCE.md §4)."""
+"""vllm-ascend adapter: vLLM's protocol on NPUs (`vllm-project/vllm-ascend`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_launch_spec_golden_tp8_on_npus() -> None:
 
 
 def test_block_size_is_left_to_the_engine() -> None:
-    # refresh_block_size forces 128 with prefix caching (§4); the real size is read from the metrics
+    # refresh_block_size forces 128 with prefix caching (vllm_ascend/utils.py); the real size is read from the metrics
     spec = VLLM_ASCEND.launch_spec(pool(engine="vllm-ascend"), replica())
     assert "--block-size" not in spec.argv
 
