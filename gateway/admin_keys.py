@@ -12,7 +12,9 @@ OpenAI-compatible base URL, so `client.get("/key", cast_to=object)` of the opena
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,10 +26,13 @@ from gateway.errors import GatewayError, error_response
 from gateway.request.intake import authenticate
 from gateway.routes import Handler
 from policies.keys.directory import DirectoryError, KeyDirectory
+from policies.keys.records import KeyRecord, TenantRecord
 from policies.limits.standing import standing
 from policies.policy import Policy
 from policies.schema import PRIORITY_VALUES
 from policies.types import Principal
+
+log = logging.getLogger(__name__)
 
 
 def _directory(request: web.Request) -> KeyDirectory:
@@ -55,6 +60,37 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return found
 
 
+def _rendered(render: Callable[[], dict[str, Any]], record: KeyRecord | TenantRecord) -> dict[str, Any]:
+    """A record's view, or when it cannot be rendered (a time no calendar holds, a value JSON cannot
+    carry: stored before the API bounded its input) a row flagging it, so that one bad record never
+    takes a listing, or the console's page of it, down."""
+    try:
+        view = render()
+        orjson.dumps(view)
+        return view
+    except Exception as exc:
+        name = record.id if isinstance(record, KeyRecord) else record.name
+        log.error("stored %s %r cannot be rendered: %s", type(record).__name__, name, exc)
+        row: dict[str, Any] = {
+            "source": "api",
+            "status": "unreadable",
+            "error": f"this stored record cannot be shown ({type(exc).__name__}); revoke or rewrite it",
+        }
+        if isinstance(record, KeyRecord):
+            row.update(id=record.id, tenant=record.tenant[:200], revoked=record.revoked_at_unix_s is not None)
+        else:
+            row.update(name=record.name)
+        return row
+
+
+def _key_view(record: KeyRecord, now_s: float, last_used_unix_s: float | None = None) -> dict[str, Any]:
+    return _rendered(lambda: record.view(now_s, last_used_unix_s), record)
+
+
+def _tenant_view(record: TenantRecord) -> dict[str, Any]:
+    return _rendered(record.view, record)
+
+
 def _guarded(handler: Handler) -> Handler:
     """Directory refusals become their HTTP errors."""
 
@@ -71,7 +107,7 @@ def _guarded(handler: Handler) -> Handler:
 async def keys_create(request: web.Request) -> web.StreamResponse:
     directory = _directory(request)
     record, secret = await directory.create_key(await _body(request), _policy(request), _known_models(request))
-    view = record.view(time.time())
+    view = _key_view(record, time.time())
     return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"}, status=201)
 
 
@@ -91,7 +127,7 @@ async def keys_list(request: web.Request) -> web.StreamResponse:
             continue
         if record.revoked_at_unix_s is not None and not include_revoked:
             continue
-        rows.append(record.view(now_s, directory.last_use_of(record.id)))
+        rows.append(_key_view(record, now_s, directory.last_use_of(record.id)))
     return json_reply({"object": "list", "data": rows})
 
 
@@ -101,7 +137,7 @@ async def keys_show(request: web.Request) -> web.StreamResponse:
     policy = _policy(request)
     record = directory.keys.get(key_id)
     if record is not None:
-        view = record.view(time.time(), directory.last_use_of(key_id))
+        view = _key_view(record, time.time(), directory.last_use_of(key_id))
         principal = directory.principal(key_id, policy)
     else:
         file_key = next((k for k in policy.config.keys if k.id == key_id), None)
@@ -119,7 +155,7 @@ async def keys_patch(request: web.Request) -> web.StreamResponse:
     if _is_file_key(request, key_id):
         return admin_error(409, f"key {key_id!r} is defined in policies.yaml: change it there", "id")
     record = await _directory(request).patch_key(key_id, await _body(request), _policy(request), _known_models(request))
-    return json_reply(record.view(time.time(), _directory(request).last_use_of(key_id)))
+    return json_reply(_key_view(record, time.time(), _directory(request).last_use_of(key_id)))
 
 
 async def keys_revoke(request: web.Request) -> web.StreamResponse:
@@ -129,7 +165,7 @@ async def keys_revoke(request: web.Request) -> web.StreamResponse:
             409, f"key {key_id!r} is defined in policies.yaml: remove it there (or set disabled: true)", "id"
         )
     record = await _directory(request).revoke_key(key_id)
-    return json_reply({"id": key_id, "revoked": True, "key": record.view(time.time())})
+    return json_reply({"id": key_id, "revoked": True, "key": _key_view(record, time.time())})
 
 
 async def keys_rotate(request: web.Request) -> web.StreamResponse:
@@ -137,7 +173,7 @@ async def keys_rotate(request: web.Request) -> web.StreamResponse:
     if _is_file_key(request, key_id):
         return admin_error(409, f"key {key_id!r} is defined in policies.yaml: rotate it there", "id")
     record, secret = await _directory(request).rotate_key(key_id, await _body(request))
-    view = record.view(time.time())
+    view = _key_view(record, time.time())
     return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"})
 
 
@@ -163,13 +199,13 @@ def _file_key_view(
 # ---------------------------------------------------------------------- tenants
 async def tenants_create(request: web.Request) -> web.StreamResponse:
     record = await _directory(request).create_tenant(await _body(request), _policy(request), _known_models(request))
-    return json_reply(record.view(), status=201)
+    return json_reply(_tenant_view(record), status=201)
 
 
 async def tenants_list(request: web.Request) -> web.StreamResponse:
     policy = _policy(request)
     rows = [_file_tenant_view(name, policy) for name in policy.config.tenants]
-    rows += [record.view() for record in _directory(request).tenants.values()]
+    rows += [_tenant_view(record) for record in _directory(request).tenants.values()]
     return json_reply({"object": "list", "data": rows})
 
 
@@ -180,7 +216,7 @@ async def tenants_show(request: web.Request) -> web.StreamResponse:
     if name in policy.config.tenants:
         view = _file_tenant_view(name, policy)
     elif name in directory.tenants:
-        view = directory.tenants[name].view()
+        view = _tenant_view(directory.tenants[name])
     else:
         return admin_error(404, f"no tenant {name!r}", "name")
     view["keys"] = sorted(
@@ -197,7 +233,7 @@ async def tenants_patch(request: web.Request) -> web.StreamResponse:
     record = await _directory(request).patch_tenant(
         name, await _body(request), _policy(request), _known_models(request)
     )
-    return json_reply(record.view())
+    return json_reply(_tenant_view(record))
 
 
 async def tenants_delete(request: web.Request) -> web.StreamResponse:
@@ -246,7 +282,7 @@ async def own_key(request: web.Request) -> web.StreamResponse:
     directory = request.app[appkeys.DIRECTORY]
     record = directory.keys.get(principal.key_id) if principal.source == "api" else None
     if record is not None:
-        data["expires_at"] = record.view(time.time())["expires_at"]
+        data["expires_at"] = _key_view(record, time.time()).get("expires_at")
         data["hint"] = record.hint
     data.update(await _standing(request, policy, principal))
     return json_reply({"data": data})

@@ -3,6 +3,8 @@ one error shape, so an operator's client reads every admin route's refusal the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import orjson
 from aiohttp import web
 
@@ -13,8 +15,8 @@ _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conf
 _ERROR_CODES = {404: "not_found", 409: "conflict", 503: "store_unavailable"}
 
 
-def json_reply(data: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+def json_reply(data: object, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json", headers=headers)
 
 
 def admin_error(status: int, message: str, param: str | None = None) -> web.Response:

@@ -26,11 +26,13 @@ from gateway import __version__, appkeys
 from gateway.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.admin_keys import key_routes, own_key
 from gateway.apis.config import ApisSettings
-from gateway.apis.routes import RESPONSE_STORE, not_found_middleware, setup_api_routes
+from gateway.apis.messages import error_in_route_shape
+from gateway.apis.routes import RESPONSE_STORE, canonical_path_middleware, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
+from gateway.bodies import body_bounds, bounded_bodies
 from gateway.checks import config_findings, errors
 from gateway.console.activity import ConsoleActivity
 from gateway.console.routes import console_admin_routes, console_routes
@@ -41,6 +43,7 @@ from gateway.flow.queue import FlowQueue
 from gateway.learning import LearningHook
 from gateway.ledger import open_ledger
 from gateway.ledger.config import LedgerConfig
+from gateway.openapi import setup_openapi_route
 from gateway.policy_reload import PolicyWatcher
 from gateway.replicas.bus import ReplicaBus
 from gateway.request import Director, Hook, Hooks
@@ -50,6 +53,7 @@ from gateway.request.intake import Intake
 from gateway.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.settings import GatewaySettings, StateSettings, validate_section
 from gateway.slo import SloHook
+from gateway.stalls import StallWatch, watching
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.flow import FlowMetrics
 from gateway.telemetry.metrics import GatewayMetrics
@@ -62,6 +66,7 @@ from policies.flow.counters import Counters, MemoryCounters
 from policies.flow.redis_counters import RedisCounters
 from policies.holder import PolicyHolder, ReloadResult
 from policies.keys.directory import KeyDirectory
+from policies.keys.mirrored import MirroredDirectoryStore
 from policies.keys.redis_store import RedisDirectoryStore
 from policies.keys.sqlite_store import SqliteDirectoryStore
 from policies.keys.store import DirectoryStore, MemoryDirectoryStore
@@ -77,7 +82,15 @@ log = logging.getLogger("tokenway.app")
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[not_found_middleware])
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        # the first is the outermost; every body is read under one set of bounds (gateway/bodies.py)
+        middlewares=[
+            canonical_path_middleware,
+            not_found_middleware,
+            bounded_bodies(body_bounds(settings.server), render=error_in_route_shape),
+        ],
+    )
     app[appkeys.SETTINGS] = settings
     app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
     app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
@@ -101,6 +114,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[appkeys.CONSOLE_SESSIONS] = ConsoleSessions()
     setup_api_routes(app)
     setup_batch_routes(app)
+    setup_openapi_route(app)  # GET /openapi.json: every route above, checked by tests/gateway/test_openapi.py
     if settings.state.shares_routing:
         app.on_response_prepare.append(_name_replica)
     return app
@@ -188,9 +202,11 @@ async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def directory_store(state: StateSettings) -> DirectoryStore:
-    """Where keys made through the admin API live: Redis with `state: redis`, else the SQLite file."""
+    """Where keys made through the admin API live: Redis with `state: redis` (with the SQLite file as
+    its durable copy, restored into a Redis that lost them: policies/keys/mirrored.py), else the file."""
     if state.backend == "redis" and state.redis_url:
-        return RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
+        shared = RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
+        return MirroredDirectoryStore(shared, SqliteDirectoryStore(state.keys_db)) if state.keys_db else shared
     if state.keys_db:
         return SqliteDirectoryStore(state.keys_db)
     return MemoryDirectoryStore()
@@ -409,8 +425,16 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         shape_body=shape_body,
         report_success=health.report_success,
         report_failure=report_failure,
+        stalls=StallWatch(fleet, settings.server.first_token_deadline, settings.server.stall_after_s, ejection),
     )
-    intake = Intake(settings.server, app[appkeys.POLICIES], fleet, estimator, lengths=predictor)
+    intake = Intake(
+        settings.server,
+        app[appkeys.POLICIES],
+        fleet,
+        estimator,
+        lengths=predictor,
+        precheck=app[appkeys.ADMISSION].precheck,  # no room left: 429 before the prompt is counted
+    )
     app[appkeys.DIRECTOR] = Director(
         intake=intake,
         dispatch=dispatch,
@@ -420,7 +444,8 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         fleet=fleet,
         start_trace=app[appkeys.TRACING].start_request,
     )
-    yield
+    async with watching(dispatch.stalls):  # frozen replicas out of routing (gateway/stalls.py)
+        yield
 
 
 async def _response_store_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -87,8 +87,8 @@ def build_counters(
 
 
 class EngineTokenizeCounter:
-    """A pool's engine counts the prompt (`POST /tokenize`, REFERENCE §2.2): the chat form applies the
-    server's own template, so the ids are exactly the ones the engine hashes. New prompts cost one
+    """A pool's engine counts the prompt (vLLM's `POST /tokenize`, vllm/entrypoints/serve/tokenize/): the
+    chat form applies the server's own template, so the ids are exactly the ones the engine hashes. New prompts cost one
     round trip to a ready endpoint (spread over the pool); repeats hit a bounded LRU of packed ids.
     An error, a timeout or no ready endpoint returns None: the next counter decides."""
 

@@ -8,6 +8,7 @@
     ├── ModelNotFound         404      no pool serves the model
     ├── RequestTimeout        408      the body did not arrive within request_read_timeout_s
     ├── RequestTooLarge       413      the body is over max_body_bytes
+    ├── Overloaded            503      the in-flight body budget (max_inflight_body_bytes) is spent
     ├── Rejected              4xx/5xx  a policy decision's Rejection: rate limits (429), budgets
     │                                  (429), the limiter store down (503), an SLO miss (503)
     ├── EngineRejected        4xx      the engine's own 4xx, normalised to the error shape
@@ -99,6 +100,14 @@ class RequestTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class Overloaded(GatewayError):
+    """The process-wide budget of request bodies in memory is spent (`gateway/bodies.py`): retry."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
 
 
 class NoHealthyBackend(GatewayError):

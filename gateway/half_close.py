@@ -31,6 +31,8 @@ from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
+from gateway.bodies import RAW_BODIES
+
 PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 PROBE_DELAYS_S = (0.05, 0.2, 1.0, 3.0, 10.0)  # then every 30 s while the answer has not started
 PROBE_EVERY_S = 30.0
@@ -107,9 +109,14 @@ _CLIENT_FAULTS = ClientFaults()
 
 
 class GatewayRunner(web.AppRunner):
-    """An AppRunner whose connections answer half-closed clients (module docstring)."""
+    """An AppRunner whose connections answer half-closed clients (module docstring). It also leaves
+    `Content-Encoding` to the gateway's body reader (`gateway/bodies.py`), which decodes strictly
+    (a truncated or doubled gzip body is a 400) and within the size limit; aiohttp's decoder accepts
+    a truncated gzip stream and ignores what follows its first member."""
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        kwargs["auto_decompress"] = False
+        app[RAW_BODIES] = True
         super().__init__(app, **kwargs)
         server_log = logging.getLogger("aiohttp.server")
         if _CLIENT_FAULTS not in server_log.filters:

@@ -6,7 +6,9 @@ swap of the `model` value (when the public name differs from the engine's) and d
 chunk the gateway asked for on the client's behalf. Errors before the first byte reach the caller as
 `RetryableUpstream` (connect error, 5xx) so it can try another endpoint; after the first byte they
 become one SSE error event and a clean end of stream. A client that goes away closes the upstream
-connection at once (the engine aborts the request).
+connection at once (the engine aborts the request). A stream with a first-token deadline
+(`gateway/stalls.py`) shows its client nothing before its first token, so a replica that stays silent
+that long still fails "before the first byte" and the request moves to another.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from aiohttp import web
 from backends.types import LoadTicket
 from gateway.errors import UpstreamError, sse_error_event
 from gateway.migrate import MAX_MIGRATIONS, Resume, Resumed, Splice, sent_text, stream_identity
-from gateway.upstream import Response, UpstreamClient
+from gateway.upstream import CallWatch, Response, UpstreamClient
 from gateway.upstream_connection import UpstreamConnectionError
 from policies.types import Usage
 
@@ -34,10 +36,11 @@ _DONE = b"data: [DONE]"
 class RetryableUpstream(Exception):
     """The upstream failed before anything reached the client: another endpoint may be tried."""
 
-    def __init__(self, detail: str, *, status: int | None = None) -> None:
+    def __init__(self, detail: str, *, status: int | None = None, body: bytes = b"") -> None:
         super().__init__(detail)
         self.detail = detail
         self.status = status
+        self.body = body  # a 5xx's error body (bounded): what `engine_errors.engine_fault` reads
 
 
 class UpstreamRejected(Exception):
@@ -56,6 +59,9 @@ class UpstreamTarget:
     body: bytes
     served_model: str
     public_model: str
+    # the walk's handle on the call (gateway/stalls.py): cut when its replica stalls or its first-token
+    # deadline passes; with a deadline armed a stream shows its client nothing before its first token
+    watch: CallWatch | None = None
 
 
 @dataclass(slots=True)
@@ -153,16 +159,17 @@ async def _hold(codec: StreamCodec) -> None:
 
 async def _post(client: UpstreamClient, target: UpstreamTarget) -> Response:
     try:
-        response = await client.post(target.url, target.headers, target.body)
+        response = await client.post(target.url, target.headers, target.body, target.watch)
     except (UpstreamConnectionError, TimeoutError) as exc:
         raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
     if response.status >= 500:
         try:
-            detail = (await response.read())[:300].decode("utf-8", "replace")
+            raw = (await response.read())[:4096]
         except (UpstreamConnectionError, TimeoutError):
-            detail = ""
+            raw = b""
         response.release()
-        raise RetryableUpstream(f"upstream answered {response.status}: {detail}", status=response.status)
+        detail = raw[:300].decode("utf-8", "replace")
+        raise RetryableUpstream(f"upstream answered {response.status}: {detail}", status=response.status, body=raw)
     if response.status != 200:
         try:
             body = await response.read()
@@ -284,8 +291,14 @@ async def relay_stream(
     if moving is not None:
         outcome.upstream = upstream
     current = ticket  # the load of the replica relaying now
+    # a first-token deadline armed: the client sees nothing before the first token, so until then the
+    # request can still move to another replica (`held` keeps what the engine sent before it)
+    held: list[bytes] | None = [] if codec is None and target.watch is not None and target.watch.armed else None
+    if held is None and target.watch is not None:
+        target.watch.disarm()  # the client sees this stream from its head on: no deadline may cut it now
     try:
-        await client.prepare(request)
+        if held is None:
+            await client.prepare(request)
         if codec is not None:
             head = codec.begin()
             if head:
@@ -301,6 +314,8 @@ async def relay_stream(
             except (UpstreamConnectionError, TimeoutError) as exc:
                 cut = f"{type(exc).__name__}: {exc}"
             if cut is not None:
+                if held is not None:  # the client has seen nothing: another replica may serve it
+                    raise RetryableUpstream(cut)
                 resumed = None
                 preempted, outcome._preempting = outcome._preempting, False
                 if moving is not None and resume is not None and outcome.migrations < MAX_MIGRATIONS:
@@ -336,6 +351,18 @@ async def relay_stream(
                     if current is not ticket and not current.prefilled and _any_output(events):
                         current.first_token(current.prefill_tokens)  # the continuation's prompt is prefilled
                 out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
+            if out and held is not None:
+                held.append(out)
+                if outcome.first_token_at_s is None:
+                    continue
+                out, held = b"".join(held), None
+                await client.prepare(request)
+            if out:
+                await client.write(out)
+                outcome.done_sent = outcome.done_sent or _DONE in out
+        if held is not None:  # it ended without a token: what it sent goes out now
+            out, held = b"".join(held), None
+            await client.prepare(request)
             if out:
                 await client.write(out)
                 outcome.done_sent = outcome.done_sent or _DONE in out

@@ -10,7 +10,6 @@ from aiohttp import web
 from gateway import access, appkeys
 from gateway.admin_replies import json_reply
 from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
-from gateway.console.sessions import CSRF_HEADER
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.request.apis import APIS
 from gateway.request.intake import authenticate
@@ -86,19 +85,29 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
+def caller_of(request: web.Request) -> access.Caller:
+    """The parts of an aiohttp request the access checks read; the port is the one the connection
+    reached (the listening socket's), so a `Host` naming another local port is not this gateway."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
+    return access.Caller(request.method, request.headers, request.remote, port, request.secure)
+
+
+def gate_of(app: web.Application) -> access.Gate:
+    server = app[appkeys.SETTINGS].server
+    return access.Gate(server.admin_token, tuple(server.allowed_hosts))
+
+
 def admin_guard(handler: Handler) -> Handler:
-    """Admin routes need the admin token (or a console session cookie, whose state-changing calls
-    must also carry the console's header); without a token configured, only direct loopback callers
-    get in; state-changing calls from another site's page never do (gateway/access.py)."""
+    """Admin routes need the admin token or a console session cookie (whose state-changing calls must
+    also carry the session's CSRF token); without a token configured, only direct loopback callers
+    naming the gateway in `Host` get in; state-changing calls from another site's page never do
+    (gateway/access.py)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         sessions = request.app.get(appkeys.CONSOLE_SESSIONS)
-        if sessions is not None and sessions.valid(request.cookies.get(CONSOLE_COOKIE)):
-            if request.method not in ("GET", "HEAD") and request.headers.get(CSRF_HEADER) != "1":
-                return error_response(InvalidApiKey(f"console changes need the {CSRF_HEADER}: 1 header"))
-            return await handler(request)
-        token = request.app[appkeys.SETTINGS].server.admin_token
-        refusal = access.admin_refusal(request.method, request.headers, request.remote, token)
+        csrf = sessions.csrf_of(request.cookies.get(CONSOLE_COOKIE)) if sessions is not None else None
+        refusal = access.admin_refusal(caller_of(request), gate_of(request.app), csrf)
         if refusal is not None:
             return error_response(refusal)
         return await handler(request)

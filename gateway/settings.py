@@ -30,10 +30,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class FirstTokenDeadline(_Strict):
+    """`server.first_token_deadline`: a stream that has shown its client nothing by then moves to another
+    replica (gateway/stalls.py). The deadline is `factor` x the predictor's TTFT p90 for the chosen
+    replica (`default_s` without a prediction), clamped to [`min_s`, `max_s`]; it is armed only while
+    another replica may still take the request (never on its last try)."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=0, description="x the predicted TTFT p90")
+    default_s: float = Field(default=10.0, gt=0, description="without a prediction")
+    min_s: float = Field(default=2.0, gt=0)
+    max_s: float = Field(default=30.0, gt=0)
+    misses_to_stall: int = Field(
+        default=2, ge=1, description="deadlines a replica misses with no sign of life between them: stalled"
+    )
+
+
 class ServerSettings(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_inflight_body_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="request bodies being read and counted, all at once"
+    )
     max_header_bytes: int = Field(default=16 * 1024, ge=1024, description="one header line / field")
     request_read_timeout_s: float = Field(default=30.0, gt=0, description="full request must arrive within")
     drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests finish within")
@@ -43,7 +62,16 @@ class ServerSettings(_Strict):
         default=4.0, gt=0, description="idle keep-alive connections to engines are dropped after (uvicorn: 5 s)"
     )
     upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
+    first_token_deadline: FirstTokenDeadline = Field(default_factory=FirstTokenDeadline)
+    stall_after_s: float = Field(
+        default=10.0, gt=0, description="a replica whose requests in flight get no byte for this long is stalled"
+    )
     admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="extra Host names (name or name:port) /admin/* and /ui/* answer to besides loopback "
+        "literals and localhost on the listening port; set, they are checked with an admin token too",
+    )
     retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
     ready_when: Literal["all_pools", "default_pool", "any_pool"] = Field(
         default="all_pools",
@@ -58,6 +86,14 @@ class ServerSettings(_Strict):
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
         return value or None  # `${TOKENWAY_ADMIN_TOKEN:-}` unset: no token (and no start beyond loopback)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _bare_host_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or any(c in name for c in "/@ \t*") or "://" in name:
+                raise ValueError(f"{name!r}: a host name or name:port (no scheme, path or wildcard)")
+        return [name.strip().lower() for name in value]
 
 
 class StateSettings(_Strict):
@@ -74,8 +110,9 @@ class StateSettings(_Strict):
     replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
     keys_db: str | None = Field(
         default="var/keys.sqlite3",
-        description="with backend memory: the SQLite file of keys and tenants made through the admin API "
-        "(null: kept in memory only); with redis they live in Redis",
+        description="the SQLite file of keys and tenants made through the admin API (null: kept in memory "
+        "only); with redis they live in Redis and this file is each replica's durable copy, put back into "
+        "a Redis that restarted empty (null: Redis only)",
     )
 
     @property

@@ -13,6 +13,10 @@ chunked and read-until-close bodies, back-pressure (reading pauses while the con
 for https endpoints, and one transparent retry on a fresh connection when a reused one turns out to be
 closed before any byte of the answer arrived (the engine closed it while it sat idle; nothing ran).
 `close()` on a response drops its connection, which is how the engine learns the client went away.
+
+A call may carry a `CallWatch`: the walk's handle on it while it runs, so that an engine that stops
+answering (`gateway/stalls.py`) can be cut at once, whether the call waits for the answer's head or
+reads its body, and so that the bytes the engine last sent show it alive.
 """
 
 from __future__ import annotations
@@ -46,6 +50,55 @@ def _parse_url(url: str) -> tuple[_Origin, bytes]:
     host_header = host if origin.port == default else f"{host}:{origin.port}"
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return origin, f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: ".encode()
+
+
+class CallWatch:
+    """One upstream call as the stall watch sees it: when it began, when its connection last received
+    bytes, and `cut` to drop it now (the engine sees the disconnect and aborts the request; the caller
+    sees `UpstreamConnectionError`). `reason` says why it was cut ("" while it was not)."""
+
+    __slots__ = ("_conn", "_timer", "endpoint_id", "reason", "started_s", "stream")
+
+    def __init__(self, endpoint_id: str, *, stream: bool, now_s: float | None = None) -> None:
+        self.endpoint_id = endpoint_id
+        self.stream = stream  # a stream shows tokens as they come; a non-streamed call only its end
+        self.started_s = time.monotonic() if now_s is None else now_s
+        self.reason = ""
+        self._conn: Connection | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, seconds: float, reason: str) -> None:
+        """Cut the call after `seconds` unless `disarm` comes first (a first-token deadline)."""
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self.cut, reason)
+
+    @property
+    def armed(self) -> bool:
+        """Whether a deadline was set (the relay then shows the client nothing before the first token)."""
+        return self._timer is not None
+
+    def disarm(self) -> None:
+        """The deadline no longer applies (the first token came, or the call ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+
+    @property
+    def last_byte_s(self) -> float:
+        """Monotonic time its connection last received bytes (0.0: none yet)."""
+        return self._conn.last_data_s if self._conn is not None else 0.0
+
+    def attach(self, conn: Connection) -> None:
+        self._conn = conn
+        if self.reason:
+            conn.abort()  # cut before it had a connection
+
+    def cut(self, reason: str) -> None:
+        """Drop the call now (idempotent: the first reason stays)."""
+        if self.reason:
+            return
+        self.reason = reason
+        if self._conn is not None:
+            self._conn.abort()
 
 
 class Response:
@@ -132,8 +185,9 @@ class UpstreamClient:
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
-    async def post(self, url: str, headers: Mapping[str, str], body: bytes) -> Response:
-        """Send a POST and wait for the answer's head. Raises UpstreamConnectionError or TimeoutError."""
+    async def post(self, url: str, headers: Mapping[str, str], body: bytes, watch: CallWatch | None = None) -> Response:
+        """Send a POST and wait for the answer's head. Raises UpstreamConnectionError or TimeoutError
+        (or UpstreamConnectionError at once when `watch` was cut)."""
         if self._closed:
             raise UpstreamConnectionError("the upstream client is closed")
         parsed = self._urls.get(url)
@@ -146,15 +200,21 @@ class UpstreamClient:
         conn = self._take(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, origin, request)
+                return await self._exchange(conn, origin, request, watch)
             except UpstreamConnectionError:
-                if conn.got_bytes:
+                if conn.got_bytes or (watch is not None and watch.reason):
                     raise
                 # a pooled connection closed by the engine while idle: nothing ran, try a fresh one
         conn = await self._connect(origin)
-        return await self._exchange(conn, origin, request)
+        return await self._exchange(conn, origin, request, watch)
 
-    async def _exchange(self, conn: Connection, origin: _Origin, request: bytes) -> Response:
+    async def _exchange(
+        self, conn: Connection, origin: _Origin, request: bytes, watch: CallWatch | None = None
+    ) -> Response:
+        if watch is not None:
+            watch.attach(conn)
+            if watch.reason:
+                raise UpstreamConnectionError(f"the call was cut: {watch.reason}")
         conn.send(request)
         assert conn.head_done is not None
         timer = self._loop_timer(conn.head_done)

@@ -7,6 +7,7 @@ pools these connections, and says why the gateway speaks HTTP/1.1 itself.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import cast
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -26,6 +27,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.used = False  # has carried a response before (a reused connection)
+        self.last_data_s = 0.0  # monotonic time bytes last arrived (the stall watch's sign of life)
         self.reset()
 
     def reset(self) -> None:
@@ -65,6 +67,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_data_s = time.monotonic()
         try:
             self._feed(data)
         except UpstreamConnectionError as exc:

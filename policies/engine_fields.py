@@ -9,10 +9,14 @@ and, on TensorRT-LLM, LoRA adapters by path. The gateway sets those it needs fro
 (the PD handshake from the prefill engine's answer, the priority from the tenant's tier); from a
 client they are dropped, unless the tenant's `engine_fields` names them (a trusted tenant, e.g. one
 that runs its own disaggregated client).
+
+The prefix-cache salt is always the gateway's (`cache_salt` below): a tenant allowed to name
+`cache_salt` only splits its own cache further, it never reaches another tenant's blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -39,3 +43,21 @@ def client_body(body: Mapping[str, Any], allowed: Collection[str] = ()) -> tuple
     if not dropped:
         return body if isinstance(body, dict) else dict(body), ()
     return {k: v for k, v in body.items() if k not in dropped}, dropped
+
+
+# The salt needs no secret: clients cannot set the engine's `cache_salt` (it is dropped above), so a
+# salt only has to differ between cache groups, be the same on every gateway replica (the engines'
+# caches and the prefix index are shared by all of them) and not spell the tenant's name out in the
+# engine's logs. A keyed BLAKE2b of the group does all three; the key only separates this use.
+_SALT_KEY = b"tokenway prefix-cache salt v1"
+
+
+def cache_salt(group: str, client_salt: str | None = None) -> str:
+    """The engine's `cache_salt` for a request of cache group `group` (`tenants.<t>.cache_group`,
+    else the tenant's name). A trusted tenant's own salt (`engine_fields: [cache_salt]`) is folded
+    in, so it splits that group's cache but can never name another group's."""
+    name = group.encode("utf-8", "surrogatepass")
+    material = b"%d:%s" % (len(name), name)  # length-prefixed: no (group, salt) pair spells another
+    if client_salt:
+        material += client_salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(material, key=_SALT_KEY, digest_size=16).hexdigest()

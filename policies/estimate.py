@@ -1,4 +1,4 @@
-"""Prompt-token counting for admission, context checks and routing (DESIGN.md §2 step 4, §7).
+"""Prompt-token counting for admission, context checks and routing (docs/architecture.md, "The walk of one request").
 
 `count(api, body, model)` counts a request with the first of the model's counters that can, each
 labelled with where its numbers come from:

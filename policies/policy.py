@@ -114,6 +114,13 @@ class Policy:
         tenant = self.config.tenants.get(principal.tenant)
         return tuple(tenant.engine_fields) if tenant is not None else ()
 
+    def cache_group(self, principal: Principal) -> str:
+        """Whose prefix cache the caller's requests share: its tenant's `cache_group` (an explicit
+        policy: the tenants naming it trust each other), else the tenant alone."""
+        tenant = self.config.tenants.get(principal.tenant)
+        group = tenant.cache_group if tenant is not None else None
+        return f"group:{group}" if group else f"tenant:{principal.tenant}"
+
     def fallbacks(self, model: str) -> tuple[FallbackConfig, ...]:
         """The model's fallback chain, targets resolved to model names."""
         return self._fallbacks.get(model, ())

@@ -83,6 +83,12 @@ class TenantConfig(_Strict):
         default_factory=list,
         description="engine-control request fields its clients may set (policies/engine_fields.py); none by default",
     )
+    cache_group: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="tenants naming the same group share the engines' prefix cache; by default each tenant has its own",
+    )
 
     @field_validator("engine_fields")
     @classmethod

@@ -16,8 +16,19 @@ from typing import Any
 import pytest
 import uvloop
 
+# Processes a failing fixture or test started are ended at once; the session's end sweeps the rest.
+from tests.support.cleanup import pytest_fixture_setup, pytest_runtest_call, pytest_sessionfinish  # noqa: F401
 from tests.support.otlp import receiver  # noqa: F401 (a fixture, registered here for every test)
-from tests.support.procs import Gateway, SimEngines, free_port, redis_argv, start_gateway, start_sim
+from tests.support.procs import (
+    Gateway,
+    SimEngines,
+    free_port,
+    redis_argv,
+    spawn,
+    start_gateway,
+    start_sim,
+    stop_process,
+)
 
 BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
 
@@ -78,7 +89,8 @@ def _redis_answers(url: str) -> bool:
 def redis_url() -> Iterator[str]:
     """A real Redis: 127.0.0.1:6379 when it answers (CI starts one), else one started for the session.
 
-    With TOKENWAY_REQUIRE_REDIS=1 (set by .ci/run) a missing Redis fails the tests instead of skipping.
+    With TOKENWAY_REQUIRE_REDIS=1 (set by `make test` and .ci/run, after scripts/bootstrap-test.sh has
+    brought one up) a missing Redis fails the tests instead of skipping.
     """
     url = os.environ.get("TOKENWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     if _redis_answers(url):
@@ -91,16 +103,17 @@ def redis_url() -> Iterator[str]:
         pytest.skip("no Redis server available")
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="tokenway-redis-")
-    proc = subprocess.Popen(redis_argv(binary, port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn(redis_argv(binary, port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     for _ in range(100):
         if _redis_answers(url):
             break
         time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        yield url
+    finally:
+        stop_process(proc, timeout_s=10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -45,6 +45,15 @@ def _translate(call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return result
 
 
+def _salted(chat: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """The translated chat body with the request's prefix-cache salt (vLLM's `cache_salt`, which its
+    Responses and Messages routes take as its chat route does): the translation keeps only the API's
+    own fields."""
+    if "cache_salt" in body:
+        chat["cache_salt"] = body["cache_salt"]
+    return chat
+
+
 def _model_name(body: dict[str, Any], engine: SimEngine) -> str:
     validation.check_common({"model": body.get("model")}, engine.config)
     return str(body.get("model") or engine.config.served_model_name)
@@ -62,7 +71,7 @@ async def _create_response(request: web.Request) -> web.StreamResponse:
         if found is None:
             raise BadRequest(f"Response with id '{previous}' not found.", "previous_response_id", status=404)
         prior = [*found[0], *found[1].get("output", ())]
-    chat = _translate(responses.to_chat, body, prior)
+    chat = _salted(_translate(responses.to_chat, body, prior), body)
     prompt_ids = prompt_cache.chat_prompt_ids(chat["messages"], chat.get("tools"))
     response_id = f"resp_{request.headers.get('X-Request-Id') or new_id()}"
     history = [*prior, *responses.input_items(body.get("input"))]
@@ -97,7 +106,7 @@ async def _create_message(request: web.Request) -> web.StreamResponse:
     body = await validation.read_json(request)
     engine = request.app[_ENGINE]
     model = _model_name(body, engine)
-    chat = _translate(anthropic.to_chat, body)
+    chat = _salted(_translate(anthropic.to_chat, body), body)
     prompt_ids = prompt_cache.chat_prompt_ids(chat["messages"], chat.get("tools"))
     message_id = f"msg_{request.headers.get('X-Request-Id') or new_id()}"
     return await generation.generate(

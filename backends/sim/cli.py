@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--load-format", default="auto", help="vLLM's; 'dummy' loads no weights (start-up is init only)")
     p.add_argument(
+        "--fail-on-marker",
+        default=None,
+        help="tests only: a generation request whose body holds this text answers 500 (GET /internal/faults counts)",
+    )
+    p.add_argument(
         "--enable-sleep-mode",
         action="store_true",
         help="vLLM's sleep mode; /sleep, /wake_up, /is_sleeping also need VLLM_SERVER_DEV_MODE=1",
@@ -184,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_transfer_bandwidth_gbps=args.kv_transfer_bandwidth_gbps,
             api_key=args.api_key,
             embedding_dim=args.embedding_dim,
+            fail_on_marker=args.fail_on_marker,
             enable_sleep_mode=args.enable_sleep_mode,
             simulate_startup=args.simulate_startup,
             load_bandwidth_gbps=args.load_bandwidth_gbps,

@@ -67,6 +67,8 @@ class EngineConfig:
     server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: development routes (/sleep, /wake_up, ...)
     load_bandwidth: float = loading.DEFAULT_LOAD_BANDWIDTH  # bytes/s: start-up and level-2 wake reloads
     startup_s: float = 0.0  # simulated seconds from launch to listening (0: start at once)
+    # tests only: a generation request whose body holds this text answers 500 (an engine that fails on it)
+    fail_on_marker: str | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -94,6 +96,7 @@ def build_engine_config(
     kv_transfer_bandwidth_gbps: float = 25.0,
     api_key: str | None = None,
     embedding_dim: int = 256,
+    fail_on_marker: str | None = None,
     enable_sleep_mode: bool = False,
     server_dev_mode: bool | None = None,
     simulate_startup: bool = False,
@@ -161,6 +164,7 @@ def build_engine_config(
         kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
         api_key=api_key,
         embedding_dim=embedding_dim,
+        fail_on_marker=fail_on_marker or None,
         enable_sleep_mode=enable_sleep_mode,
         server_dev_mode=server_dev_mode,
         load_bandwidth=load_bandwidth,

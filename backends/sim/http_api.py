@@ -78,6 +78,28 @@ def _auth_middleware(api_key: str) -> Middleware:
     return authenticate
 
 
+FAULTS_KEY = web.AppKey("faults", list)
+
+
+def _fail_on(marker: str) -> Middleware:
+    """`--fail-on-marker` (tests only): a generation request whose body holds `marker` answers 500
+    with vLLM's error body, as an engine that fails on one request's content does; counted."""
+    needle = marker.encode()
+
+    @web.middleware
+    async def fail(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "POST" and request.path.startswith("/v1/") and needle in await request.read():
+            request.app[FAULTS_KEY].append(request.path)
+            return error_response(500, f"EngineCore failed on this request (injected on {marker!r})")
+        return await handler(request)
+
+    return fail
+
+
+async def _faults(request: web.Request) -> web.Response:
+    return _json({"injected_failures": len(request.app[FAULTS_KEY])})
+
+
 async def _mark_sim(_request: web.Request, response: web.StreamResponse) -> None:
     response.headers["x-tokenway-sim"] = "1"
 
@@ -87,9 +109,12 @@ def build_app(engine: SimEngine) -> web.Application:
     middlewares: list[Middleware] = [_errors]
     if config.api_key:
         middlewares.insert(0, _auth_middleware(config.api_key))
+    if config.fail_on_marker:
+        middlewares.append(_fail_on(config.fail_on_marker))
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app[CREATED_KEY] = int(time.time())
+    app[FAULTS_KEY] = []
     app.on_response_prepare.append(_mark_sim)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -104,6 +129,8 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/internal/kv_pull", _kv_pull)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    if config.fail_on_marker:
+        app.router.add_get("/internal/faults", _faults)
     agent_api.add_routes(app, engine)
     sleep.install(app, engine)  # vLLM's sleep routes, with VLLM_SERVER_DEV_MODE and --enable-sleep-mode
     return app

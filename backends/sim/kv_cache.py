@@ -45,6 +45,9 @@ class KVEvent:
     block_hashes: tuple[int, ...] = ()
     parent_block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    # vLLM's per-block extra keys of a stored run: the first block of a salted prompt carries the
+    # request's `cache_salt` (as vLLM's do), so an index re-hashing the tokens can salt them alike
+    extra_keys: tuple[tuple[str, ...] | None, ...] | None = None
 
 
 class BlockPool:
@@ -235,12 +238,16 @@ class KVCacheManager:
                 continue
             if index > run_start:  # one event per contiguous run of newly cached blocks
                 parent = hashes[run_start - 1] if run_start else None
+                extra: tuple[tuple[str, ...] | None, ...] | None = None
+                if run_start == 0 and req.cache_salt:
+                    extra = ((req.cache_salt,), *([None] * (index - 1)))
                 pool.events.append(
                     KVEvent(
                         "stored",
                         tuple(hashes[run_start:index]),
                         parent,
                         tuple(_tokens(req, run_start * bs, index * bs)),
+                        extra,
                     )
                 )
             run_start = index + 1

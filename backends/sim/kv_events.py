@@ -4,7 +4,8 @@
   `i` of a multi-instance process uses port + i (as vLLM's DP ranks do).
 - Each step with events sends ``[topic, seq (8-byte big-endian, from 0), msgpack([ts, events, 0])]``.
 - Events, vLLM 0.33 ("tagged"): maps ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
-  "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx"}``, ``{"type":
+  "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}`` (the first
+  block of a salted prompt carries its `cache_salt` in `extra_keys`), ``{"type":
   "BlockRemoved", "block_hashes", "medium", "group_idx"}``, ``{"type": "AllBlocksCleared"}``. Older
   releases ("positional"): ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]``,
   ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.
@@ -50,8 +51,9 @@ def _binds(endpoint: str) -> bool:
 
 def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
     if event.kind == "stored":
+        extra_keys = [list(keys) if keys else None for keys in event.extra_keys] if event.extra_keys else None
         if positional:
-            return [
+            stored = [
                 "BlockStored",
                 list(event.block_hashes),
                 event.parent_block_hash,
@@ -60,6 +62,7 @@ def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
                 None,
                 "GPU",
             ]
+            return [*stored, None, extra_keys] if extra_keys else stored
         return {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
@@ -70,6 +73,7 @@ def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
             "medium": "GPU",
             "lora_name": None,
             "group_idx": 0,
+            "extra_keys": extra_keys,
         }
     if event.kind == "removed":
         if positional:

@@ -8,7 +8,10 @@ Covers the keywords clients' schemas use (pydantic's and OpenAI's strict mode in
 `exclusiveMinimum` / `exclusiveMaximum` / `multipleOf`, `anyOf` / `oneOf` (one branch), `allOf`
 (merged), `$ref` into `$defs` / `definitions`, common string `format`s. Optional properties are
 included about half the time; strings are words of the simulator's vocabulary; recursion is cut
-at a fixed depth (the optional parts first).
+at a fixed depth (the optional parts first). A schema that recurses without end (a required property
+or an `anyOf` branch that `$ref`s back to itself) is cut too: past `CUT_DEPTH` levels a value is the
+smallest of its type (`{}`, `[]`, `""`, 0, false, null), and so is every value past the first
+`MAX_VALUES` of one document (a recursion that branches), so generation always ends, bounded.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ _FORMATS = {
     "hostname": "example.com",
 }
 MAX_DEPTH = 6
+CUT_DEPTH = 4 * MAX_DEPTH  # required parts recurse past MAX_DEPTH; nothing recurses past this
+MAX_VALUES = 20_000  # values one generated document may hold (a schema can branch exponentially)
+_SMALLEST: dict[str, Any] = {"object": {}, "array": [], "string": "", "integer": 0, "number": 0, "boolean": False}
 
 
 def _resolve(schema: Mapping[str, Any], root: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -110,23 +116,27 @@ def _number(schema: Mapping[str, Any], rng: random.Random, integer: bool) -> int
     return round(rng.uniform(lo, hi), 2)
 
 
-def _object(schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any], depth: int) -> dict[str, Any]:
+def _object(
+    schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any], depth: int, left: list[int]
+) -> dict[str, Any]:
     properties = schema.get("properties")
     properties = properties if isinstance(properties, Mapping) else {}
     required = set(schema.get("required") or ())
     out: dict[str, Any] = {}
     for name, sub in properties.items():
         if name in required or (depth < MAX_DEPTH - 2 and rng.random() < 0.5):
-            out[name] = generate(sub if isinstance(sub, Mapping) else {}, rng, root, depth + 1)
+            out[name] = generate(sub if isinstance(sub, Mapping) else {}, rng, root, depth + 1, _left=left)
     if not properties and schema.get("additionalProperties") not in (False, None) and depth < MAX_DEPTH:
         extra = schema.get("additionalProperties")
         sub_schema = extra if isinstance(extra, Mapping) else {"type": "string"}
         for _ in range(rng.randint(1, 3)):
-            out[_WORDS[rng.randrange(len(_WORDS))]] = generate(sub_schema, rng, root, depth + 1)
+            out[_WORDS[rng.randrange(len(_WORDS))]] = generate(sub_schema, rng, root, depth + 1, _left=left)
     return out
 
 
-def _array(schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any], depth: int) -> list[Any]:
+def _array(
+    schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any], depth: int, left: list[int]
+) -> list[Any]:
     prefix = schema.get("prefixItems")
     items = schema.get("items")
     low = int(schema.get("minItems") or 0)
@@ -136,21 +146,31 @@ def _array(schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any
         count = min(count, high)
     out: list[Any] = []
     if isinstance(prefix, list):
-        out = [generate(p if isinstance(p, Mapping) else {}, rng, root, depth + 1) for p in prefix]
+        out = [generate(p if isinstance(p, Mapping) else {}, rng, root, depth + 1, _left=left) for p in prefix]
         if items is False:
             return out
     item_schema = items if isinstance(items, Mapping) else {"type": "string"}
-    while len(out) < count:
-        out.append(generate(item_schema, rng, root, depth + 1))
+    while len(out) < count and left[0] > 0:  # a huge minItems ends with the document's budget
+        out.append(generate(item_schema, rng, root, depth + 1, _left=left))
     return out
 
 
 def generate(
-    schema: Mapping[str, Any], rng: random.Random, root: Mapping[str, Any] | None = None, depth: int = 0
+    schema: Mapping[str, Any],
+    rng: random.Random,
+    root: Mapping[str, Any] | None = None,
+    depth: int = 0,
+    *,
+    _left: list[int] | None = None,
 ) -> Any:
-    """A value valid against `schema` (a subset of JSON Schema; unknown keywords are ignored)."""
+    """A value valid against `schema` (a subset of JSON Schema; unknown keywords are ignored).
+    `_left` counts the values one call may still make (MAX_VALUES), shared by its recursion."""
     root = schema if root is None else root
+    left = [MAX_VALUES] if _left is None else _left
     schema = _merge_all_of(_resolve(schema, root), root)
+    left[0] -= 1
+    if depth > CUT_DEPTH or left[0] < 0:
+        return _smallest(schema)
     if "const" in schema:
         return schema["const"]
     enum = schema.get("enum")
@@ -164,7 +184,9 @@ def generate(
                 usable = [b for b in usable if b.get("type") == "null"] or usable
             if usable:
                 base = {k: v for k, v in schema.items() if k != key}
-                return generate({**base, **usable[rng.randrange(len(usable))]}, rng, root, depth)
+                branch = usable[rng.randrange(len(usable))]
+                # a branch that refers elsewhere may refer back here: it counts as a level
+                return generate({**base, **branch}, rng, root, depth + 1 if "$ref" in branch else depth, _left=left)
     kind = schema.get("type")
     if isinstance(kind, list):
         kinds = [k for k in kind if isinstance(k, str)]
@@ -180,9 +202,9 @@ def generate(
         else:
             kind = "object" if depth == 0 else "string"
     if kind == "object":
-        return _object(schema, rng, root, depth)
+        return _object(schema, rng, root, depth, left)
     if kind == "array":
-        return _array(schema, rng, root, depth)
+        return _array(schema, rng, root, depth, left)
     if kind == "string":
         return _string(schema, rng)
     if kind == "integer":
@@ -192,6 +214,17 @@ def generate(
     if kind == "boolean":
         return rng.random() < 0.5
     return None
+
+
+def _smallest(schema: Mapping[str, Any]) -> Any:
+    """The smallest value of the schema's (first) type: where a recursion is cut."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = "null" if "null" in kind else next((k for k in kind if isinstance(k, str)), None)
+    if kind is None:
+        kind = "object" if "properties" in schema else ("array" if "items" in schema else None)
+    value = _SMALLEST.get(kind) if isinstance(kind, str) else None
+    return type(value)() if isinstance(value, dict | list) else value
 
 
 def free_object(rng: random.Random) -> dict[str, Any]:

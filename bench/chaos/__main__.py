@@ -1,10 +1,12 @@
 """The chaos benchmark in one command: bounded probes against `tokenway serve` over simulated engines
 and a real Redis, each with its target, written to bench/results/chaos.md (and chaos.png).
 
-    .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory]
-                                    [--fuzz-examples 3000] [--memory-requests 50000]
+    .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
+                                            schema_fuzz,checklist]
+                                    [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
 
-Every probe starts its own processes on free ports and stops them; nothing is left running.
+Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
+some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
 """
 
 from __future__ import annotations
@@ -19,10 +21,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import disconnects, fuzz, gateway_kill, memory, redis_faults, replica_kill
+from bench.chaos import checklist, disconnects, fuzz, gateway_kill, memory, redis_faults, replica_kill, schema_fuzz
 from bench.chaos.common import RESULTS
 
-PROBES = ("replica_kill", "redis", "gateway_kill", "disconnects", "fuzz", "memory")
+PROBES = ("replica_kill", "redis", "gateway_kill", "disconnects", "fuzz", "memory", "schema_fuzz", "checklist")
+# How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
+# of some probes keeps the sections of the others from the file as it was.
+HEADINGS = {
+    "replica_kill": ("## Engine replica", "engine replica kill -9"),
+    "redis": ("## Redis stalls", "Redis stalls and kill -9"),
+    "gateway_kill": ("## Gateway `kill -9`", "gateway kill -9"),
+    "disconnects": ("## Clients disconnecting", "random disconnects"),
+    "fuzz": ("## Fuzzing every endpoint", "fuzzing every endpoint"),
+    "memory": ("## Memory:", "memory under hostile client strings"),
+    "schema_fuzz": ("## Schema-driven fuzz", "schema-driven fuzz over /openapi.json"),
+    "checklist": ("## Per-surface checklist", "per-surface checklist"),
+}
+
+
+def _previous_sections(path: Path) -> dict[str, list[str]]:
+    """The sections of an existing chaos.md, by the probe that wrote each."""
+    if not path.exists():
+        return {}
+    found: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            current = next(
+                (p for p, (start, title) in HEADINGS.items() if line.startswith(start) or line == f"## {title}"), None
+            )
+            if current is not None:
+                found[current] = []
+        elif line.startswith("# "):
+            current = None
+        if current is not None:
+            found[current].append(line)
+    return found
 
 
 def _ok(good: bool) -> str:
@@ -188,13 +222,15 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(PROBES), help="comma-separated probes to run")
     parser.add_argument("--fuzz-examples", type=int, default=3000)
     parser.add_argument("--memory-requests", type=int, default=50_000)
+    parser.add_argument("--schema-examples", type=int, default=2000)
     parser.add_argument("--keep", action="store_true", help="keep the probes' working directories")
     args = parser.parse_args()
     chosen = [p.strip() for p in args.only.split(",") if p.strip()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="tokenway-chaos-"))
     started = time.time()
-    sections: list[str] = []
+    previous = _previous_sections(RESULTS / "chaos.md")
+    done: dict[str, list[str]] = {}
 
     def write() -> None:
         when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
@@ -207,6 +243,10 @@ def main() -> None:
             "`tokenway serve`, simulated engines (`backends/sim`), redis-server; faults are real signals.",
             "",
         ]
+        sections: list[str] = []
+        for name in PROBES:
+            kept = done.get(name, previous.get(name, []))
+            sections.extend(kept if not kept or kept[-1] == "" else [*kept, ""])
         (RESULTS / "chaos.md").write_text("\n".join(header + sections))
 
     def probe(name: str, title: str, work: Callable[[], list[str]]) -> None:
@@ -214,9 +254,9 @@ def main() -> None:
             return
         print(f"chaos: {title} ...", flush=True)
         try:
-            sections.extend(work())
+            done[name] = work()
         except Exception as exc:  # a probe that cannot run is reported, and the others still run
-            sections.extend([f"## {title}", "", f"**The probe failed to run**: `{type(exc).__name__}: {exc}`", ""])
+            done[name] = [f"## {title}", "", f"**The probe failed to run**: `{type(exc).__name__}: {exc}`", ""]
         write()
 
     def redis_probe() -> list[str]:
@@ -237,6 +277,12 @@ def main() -> None:
             lambda: _section_fuzz(fuzz.run(root / "fuzz", examples=args.fuzz_examples)),
         )
         probe("memory", "memory under hostile client strings", memory_probe)
+        probe(
+            "schema_fuzz",
+            HEADINGS["schema_fuzz"][1],
+            lambda: schema_fuzz.section(schema_fuzz.run(root / "schema", examples=args.schema_examples)),
+        )
+        probe("checklist", HEADINGS["checklist"][1], lambda: checklist.section(checklist.run(root / "checklist")))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,9 @@ under /v1/messages is Anthropic's (`{"type": "error", "error": {"type", "message
 `overloaded_error` for 503 / 529); the gateway's `x-ratelimit-*` headers are also written as
 `anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}` (reset as an RFC 3339 instant).
 count_tokens is answered by the gateway's own count (the same rendering as the prompt it admits),
-without an engine call and without charging the buckets.
+without an engine call, under the rules of the main route: the key must be valid (checked before a
+byte of the body is read) and may use the model (403 / 404 as on /v1/messages), and each call is one
+request against the key's request limits (RPM, RPD, concurrency), never its token limits.
 """
 
 from __future__ import annotations
@@ -21,14 +23,27 @@ from aiohttp import web
 from backends.protocols import anthropic
 from backends.protocols.errors import ProtocolError
 from backends.types import Endpoint
+from gateway import appkeys
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.responses import _chat_usage
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
-from gateway.errors import EngineRejected, GatewayError, InvalidRequest
+from gateway.bodies import json_body, release_body
+from gateway.errors import (
+    EngineRejected,
+    GatewayError,
+    InvalidRequest,
+    ModelNotAllowed,
+    ModelNotFound,
+    Rejected,
+    error_response,
+)
 from gateway.relay import StreamCodec
 from gateway.request.apis import UnaryTransform
+from gateway.request.intake import authenticate
+from gateway.request.intake import request_id as request_id_of
 from policies.estimate import PromptCount, PromptEstimator
-from policies.types import ApiKind, Principal, RequestFacts, Usage
+from policies.limits.admission import Admission
+from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
 
 
 def anthropic_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -52,6 +67,8 @@ def translate(body: Any, *, count_only: bool = False) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
+        if body.get("tool_choice") is not None:  # checked with or without tools (a native engine sees it)
+            anthropic.chat_tool_choice(body["tool_choice"])
         return anthropic.to_chat(body, count_only=count_only)
     except ProtocolError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
@@ -128,3 +145,54 @@ class MessagesCall:
 
     async def finished(self) -> None:
         return None
+
+
+def error_in_route_shape(request: web.Request, error: GatewayError) -> web.StreamResponse:
+    """`error` in the error shape of the route it answers: Anthropic's under /v1/messages, OpenAI's
+    elsewhere (the body bounds' answer, `gateway/bodies.py`, on every route)."""
+    request_id = request_id_of(request.headers)
+    headers = [("x-request-id", request_id)]
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(error, headers, request_id)
+    return error_response(error, headers)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages/count_tokens: the prompt's tokens as the gateway counts them (module docstring)."""
+    request_id = request_id_of(request.headers)
+    headers = [("x-request-id", request_id)]
+    app = request.app
+    try:
+        principal = authenticate(request, app[appkeys.POLICIES].current)  # before the body is read
+        parsed = await json_body(request)
+        chat = translate(parsed, count_only=True)
+        policy = app[appkeys.POLICIES].current
+        requested = str(parsed["model"])
+        model = policy.resolve_model(requested)
+        if not app[appkeys.FLEET].pools_for_model(model):
+            raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
+        if not (principal.may_use(model) or principal.may_use(requested)):
+            raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
+        limits = await count_request(app[appkeys.ADMISSION], principal, model, requested, request_id)
+        estimator = app[appkeys.DIRECTOR].intake.estimator
+        tokens, _ids = await estimator.chat(chat["messages"], chat.get("tools"))
+    except GatewayError as error:
+        return anthropic_error(error, headers, request_id)
+    finally:
+        release_body(request)
+    return json_response(200, {"input_tokens": tokens}, anthropic_headers([*limits, *headers]))
+
+
+async def count_request(
+    admission: Admission, principal: Principal, model: str, requested: str, request_id: str
+) -> tuple[tuple[str, str], ...]:
+    """Charge one request (no tokens, no spend) to every request limit of (key, model), or raise the
+    429 that says which is spent. The concurrency slot it takes is given back at once."""
+    facts = RequestFacts(  # an embeddings-shaped request of 0 tokens: buckets of tokens are charged 0
+        request_id=request_id, api="embeddings", body={}, requested_model=requested, model=model, principal=principal
+    )
+    admitted = await admission.admit(facts, model)
+    if isinstance(admitted, Rejection):
+        raise Rejected(admitted)
+    await admission.settle(admitted, Usage(), model=model)
+    return admitted.headers

@@ -1,7 +1,10 @@
 """POST /v1/responses as an `ApiCall`, and GET / DELETE /v1/responses/{id}.
 
-The gateway owns the conversation: `previous_response_id` is looked up in its own store (per API
-key; another key's id is a 404 like an unknown one) and the engine gets the whole conversation as
+The gateway owns the conversation and names it: every response gets the gateway's own random id
+(`new_response_id`) in place of the engine's (vLLM derives its ids from the request's
+`x-request-id`, so two requests sending the same header would share one, and the second would
+overwrite the first). `previous_response_id` is looked up in the gateway's own store (per API key;
+another key's id is a 404 like an unknown one) and the engine gets the whole conversation as
 `input` with `store: false` — engine-side stores are per replica, and the next turn may be routed
 anywhere. Natively to engines that serve /v1/responses; as chat completions elsewhere, with the
 answer and the stream translated back (`backends.protocols.responses`).
@@ -20,7 +23,7 @@ from backends.protocols import responses
 from backends.protocols.errors import ProtocolError
 from backends.types import Endpoint
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
-from gateway.apis.store import ResponseStore, entry_blob
+from gateway.apis.store import ResponseStore, entry_blob, new_response_id
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
 from gateway.relay import StreamCodec
@@ -75,6 +78,7 @@ class ResponsesCall:
         self.native = False
         self.final: dict[str, Any] | None = None
         self.final_bytes: bytes | None = None  # `final` as the client got it, where it was encoded here
+        self.response_id = new_response_id()
         self._stored = False
 
     def _translate(self) -> dict[str, Any]:
@@ -133,8 +137,10 @@ class ResponsesCall:
     def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec:
         previous = self.body.get("previous_response_id")
         if self.native:
-            return _Holding(NativeResponses(reserved_tokens, previous), self._keep)
-        return _Holding(ResponsesFromChat(self.body, public_model, reserved_tokens, previous), self._keep)
+            return _Holding(NativeResponses(reserved_tokens, previous, self.response_id), self._keep)
+        return _Holding(
+            ResponsesFromChat(self.body, public_model, reserved_tokens, previous, self.response_id), self._keep
+        )
 
     def unary_transform(self, public_model: str) -> UnaryTransform:
         return partial(self.unary, public_model=public_model)
@@ -143,17 +149,11 @@ class ResponsesCall:
         previous, store = self.body.get("previous_response_id"), self.body.get("store", True)
         if self.native:
             usage = responses_usage(parsed.get("usage"))
-            if (
-                parsed.get("model") == public_model
-                and parsed.get("store", not store) is store
-                and parsed.get("previous_response_id", previous is None) == previous
-            ):
-                self.final = parsed  # already the client's answer (store: false to the client too)
-                return None, usage
             response = parsed  # parsed for this request alone: rewritten in place, not copied
+            response["id"] = self.response_id  # never the engine's (always re-encoded, then)
             response["model"] = public_model
         else:
-            response = responses.from_chat(parsed, self.body, model=public_model)
+            response = responses.from_chat(parsed, self.body, self.response_id, model=public_model)
             usage = _chat_usage(parsed.get("usage"))
         response["previous_response_id"] = previous
         response["store"] = store
@@ -186,7 +186,7 @@ class ResponsesCall:
         if self.prior:
             items = [*self.prior, *items]
         response = self.final_bytes if self.final_bytes is not None else orjson.dumps(final)
-        await self.store.put(self.principal.key_id, str(final["id"]), entry_blob(response, items))
+        await self.store.put(self.principal.key_id, self.response_id, entry_blob(response, items))
 
 
 def _chat_usage(usage: Any) -> Usage | None:

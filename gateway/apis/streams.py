@@ -76,14 +76,18 @@ def messages_usage(usage: Any) -> Usage | None:
 
 
 class NativeResponses:
-    """An engine's own /v1/responses stream, relayed as is; the final response is kept (to store)."""
+    """An engine's own /v1/responses stream, relayed as is but for the response's id (the gateway's
+    own, `response_id`, in every event that carries the response); the final response is kept (to
+    store)."""
 
     _OUTPUT = (b"response.output_text.delta", b"response.function_call_arguments.delta", b"response.refusal.delta")
     _FINAL = (b"response.completed", b"response.incomplete", b"response.failed")
+    _OPENING = (b"response.created", b"response.in_progress", b"response.queued")
 
-    def __init__(self, reserved_tokens: int, previous_response_id: str | None) -> None:
+    def __init__(self, reserved_tokens: int, previous_response_id: str | None, response_id: str) -> None:
         self.reserved_tokens = reserved_tokens
         self.previous = previous_response_id
+        self.response_id = response_id
         self.final: dict[str, Any] | None = None
         self.seq = 0
 
@@ -102,11 +106,28 @@ class NativeResponses:
                 _output(outcome, ticket, self.reserved_tokens)
             elif any(kind in head for kind in self._FINAL):
                 event = self._final(event, outcome, swap)
+            elif any(kind in head for kind in self._OPENING):
+                event = self._opening(event, swap)
             elif swap is not None:
                 event = event.replace(swap[0], swap[1], 1)
             out.append(event)
             self.seq += 1
         return b"\n\n".join(out) + b"\n\n" if out else b""
+
+    def _opening(self, event: bytes, swap: tuple[bytes, bytes] | None) -> bytes:
+        """`response.created` / `.in_progress`: the response, still without output, under its id."""
+        _name, data = split_event(event)
+        try:
+            payload = orjson.loads(data or b"")
+        except orjson.JSONDecodeError:
+            return event
+        response = payload.get("response") if isinstance(payload, dict) else None
+        if not isinstance(response, dict) or "type" not in payload:
+            return event
+        response["id"] = self.response_id
+        if swap is not None:
+            response["model"] = orjson.loads(swap[1][len(b'"model":') :])
+        return typed_event(payload).rstrip(b"\n")
 
     def _final(self, event: bytes, outcome: RelayOutcome, swap: tuple[bytes, bytes] | None) -> bytes:
         """Usage from the last event; its response gets the public model and the real previous id."""
@@ -119,6 +140,7 @@ class NativeResponses:
         if not isinstance(response, dict):
             return event
         outcome.usage = responses_usage(response.get("usage"))
+        response["id"] = self.response_id
         if swap is not None:
             response["model"] = orjson.loads(swap[1][len(b'"model":') :])
         if self.previous is not None:
@@ -233,10 +255,15 @@ class _FromChat:
 
 class ResponsesFromChat(_FromChat):
     def __init__(
-        self, request: Mapping[str, Any], model: str, reserved_tokens: int, previous_response_id: str | None
+        self,
+        request: Mapping[str, Any],
+        model: str,
+        reserved_tokens: int,
+        previous_response_id: str | None,
+        response_id: str,
     ) -> None:
         super().__init__(reserved_tokens)
-        self.stream = ResponsesStream({**request, "previous_response_id": previous_response_id}, model)
+        self.stream = ResponsesStream({**request, "previous_response_id": previous_response_id}, model, response_id)
 
     @property
     def final(self) -> dict[str, Any] | None:

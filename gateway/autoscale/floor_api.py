@@ -24,6 +24,7 @@ from gateway.autoscale.loop import Autoscaler
 from gateway.autoscale.wiring import AUTOSCALER
 
 _FIELDS = frozenset({"min_replicas", "start_in_s", "for_s", "role"})
+_MOST_REPLICAS = 10_000  # a bound on what is stored; the planner still holds a pool within its max_replicas
 _LONGEST_S = 7 * 86_400.0  # a one-off floor; a standing one belongs in autoscale.schedule
 
 
@@ -70,8 +71,8 @@ def parse_floor(raw: bytes, roles: list[str]) -> tuple[int, float, float, str]:
     if unknown:
         raise _Refused(400, f"unknown field {unknown[0]!r} (fields: {', '.join(sorted(_FIELDS))})", unknown[0])
     count = body.get("min_replicas")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise _Refused(400, "min_replicas must be an integer >= 0", "min_replicas")
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= _MOST_REPLICAS:
+        raise _Refused(400, f"min_replicas must be an integer from 0 to {_MOST_REPLICAS}", "min_replicas")
     start_in_s = _number(body, "start_in_s", 0.0)
     if start_in_s < 0 or start_in_s > _LONGEST_S:
         raise _Refused(400, f"start_in_s must be between 0 and {_LONGEST_S:g}", "start_in_s")

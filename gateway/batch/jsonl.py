@@ -2,8 +2,8 @@
 
 Each non-blank line must be one JSON object `{"custom_id", "method": "POST", "url", "body"}`:
 `custom_id` a non-empty string unique in the file, `url` one of the batch endpoints, `body` a valid
-request for that endpoint (the same checks the endpoint applies to a live request; `stream` is
-refused: a batch line's answer is written to a file). Every bad line is reported with its line
+request for that endpoint (the same checks the endpoint applies to a live request, its nesting bound
+included; `stream` is refused: a batch line's answer is written to a file). Every bad line is reported with its line
 number, a code, a message and the parameter at fault — the first `max_errors` of them in full, the
 rest counted. The scan also notes which urls and models the file uses (and the first line of each),
 so creating a batch can say which line does not fit it without reading the file again.
@@ -22,6 +22,7 @@ import orjson
 
 from gateway.apis.responses import ResponsesCall
 from gateway.batch.objects import ENDPOINTS
+from gateway.bodies import MAX_JSON_DEPTH, check_depth
 from gateway.errors import GatewayError
 from gateway.validate import validate_body
 
@@ -65,6 +66,10 @@ def check_line(raw: bytes) -> tuple[dict[str, Any] | None, tuple[str, str, str |
         return None, ("invalid_json", f"the line is not valid JSON: {exc}", None)
     if not isinstance(line, dict):
         return None, ("invalid_request", "each line must be a JSON object", None)
+    try:  # the body is bounded as a live request's is (one level more: the line around it)
+        check_depth(line, MAX_JSON_DEPTH + 1)
+    except GatewayError as exc:
+        return None, ("too_deep", exc.message, exc.param)
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return None, ("missing_custom_id", "'custom_id' is required and must be a non-empty string", "custom_id")

@@ -29,7 +29,25 @@ RUNNING: Final[frozenset[str]] = frozenset({"validating", "in_progress", "finali
 COMPLETION_WINDOW: Final = "24h"
 
 
+_ID_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def _is_id(value: str, prefix: str) -> bool:
+    return value.startswith(prefix) and len(prefix) < len(value) <= 64 and _ID_CHARS.issuperset(value[len(prefix) :])
+
+
+def is_file_id(value: str) -> bool:
+    """Whether `value` can be one of the gateway's file ids: anything else is looked up nowhere, so a
+    client's string never becomes part of a store key (`<id>:data` would name another record)."""
+    return _is_id(value, "file-")
+
+
+def is_batch_id(value: str) -> bool:
+    return _is_id(value, "batch_")
+
+
 def new_file_id() -> str:
+    """96 random bits: ids are the gateway's own, never derived from anything a client sent."""
     return "file-" + os.urandom(12).hex()
 
 

@@ -1,10 +1,15 @@
 """The Files and Batch APIs: `/v1/files*` and `/v1/batches*`, in OpenAI's shapes.
 
 Files and batches belong to the API key that made them: another key's id answers 404 exactly as an
-unknown one does (nothing leaks, not even existence). Storage is bounded per tenant (files, bytes,
+unknown one does (nothing leaks, not even existence), and so does anything not shaped like one of
+the gateway's own random ids (it is looked up nowhere). Storage is bounded per tenant (files, bytes,
 batches; `batch.tenant` in gateway.yaml). A batch input file is checked line by line as it is
 uploaded (`gateway.batch.jsonl`): a file with bad lines is refused with a 400 whose `error.errors`
 lists them (line, code, message, param).
+
+Every call on these routes, reads included, is one request against the request limits (RPM, RPD)
+of the calling key and its tenant (`Admission.admit_request`), charged once before the handler
+reads or looks up anything: a key over its RPM cannot make the gateway read an upload.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +26,7 @@ from typing import Any, Final, TypeVar
 import orjson
 from aiohttp import BodyPartReader, web
 
+from gateway import appkeys
 from gateway.batch.jsonl import LineError, scan_file
 from gateway.batch.objects import (
     COMPLETION_WINDOW,
@@ -27,14 +34,18 @@ from gateway.batch.objects import (
     BatchMeta,
     FileMeta,
     file_object,
+    is_batch_id,
+    is_file_id,
     new_batch_id,
     new_file_id,
     page,
 )
 from gateway.batch.service import BATCH, BatchService
 from gateway.batch.store import QuotaExceeded
-from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, RequestTooLarge, error_response
-from policies.types import Principal
+from gateway.bodies import parse_json_body
+from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, Rejected, RequestTooLarge, error_response
+from gateway.request.intake import request_id
+from policies.types import Principal, Rejection, Usage
 
 _READ: Final = 1 << 16
 _FORM_FIELD_BYTES: Final = 1024
@@ -76,7 +87,7 @@ class InvalidBatchFile(InvalidRequest):
 
 
 def _request_id(request: web.Request) -> str:
-    return request.headers.get("x-request-id") or os.urandom(16).hex()
+    return request_id(request.headers)  # the walk's safe reader: never echoes undecodable or long ids
 
 
 def _principal(request: web.Request, service: BatchService) -> Principal:
@@ -104,20 +115,46 @@ def _json(payload: Any, request_id: str, status: int = 200) -> web.Response:
     return response
 
 
+async def _charge_request(request: web.Request, principal: Principal) -> tuple[tuple[str, str], ...]:
+    """One request against the key's and its tenant's request limits (RPM, RPD; never tokens), as
+    count_tokens is counted: before anything is read or looked up, so a key over its RPM cannot
+    make the gateway read an upload. A 429 in OpenAI's shape (Retry-After, x-ratelimit-*) when spent;
+    else the x-ratelimit-* headers for the answer. Charged once per request (no retry here)."""
+    admission = request.app.get(appkeys.ADMISSION)
+    if admission is None:  # an app without the admission stage (unit tests of the routes alone)
+        return ()
+    route = request.match_info.route.resource
+    label = f"{request.method} {route.canonical if route is not None else request.path}"
+    admitted = await admission.admit_request(principal, label)
+    if isinstance(admitted, Rejection):
+        raise Rejected(admitted)
+    await admission.settle(admitted, Usage(), model="")  # requests buckets: nothing to correct
+    return admitted.headers
+
+
+_LIMITS: Final = web.RequestKey("tokenway_batch_limits", tuple)  # the charge's x-ratelimit-* headers
+
+
 def _handler(work: Any) -> Any:
-    """Authenticate, run, and answer any GatewayError in OpenAI's shape with the request id."""
+    """Authenticate, charge one request to the key's rate limits, run, and answer any GatewayError in
+    OpenAI's shape with the request id (and the rate-limit headers, once charged)."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         request_id = _request_id(request)
         service = request.app[BATCH]
+        limits: tuple[tuple[str, str], ...] = ()
         try:
             if service is None:
                 raise NotFound("The Files and Batch APIs are disabled on this gateway (batch.enabled: false).")
             principal = _principal(request, service)
+            limits = request[_LIMITS] = await _charge_request(request, principal)
             answer: web.StreamResponse = await work(request, service, principal, request_id)
-            return answer
         except GatewayError as error:
-            return error_response(error, [("x-request-id", request_id)])
+            return error_response(error, [*limits, ("x-request-id", request_id)])
+        if not answer.prepared:  # the content download wrote them before it streamed
+            for name, value in limits:
+                answer.headers[name] = value
+        return answer
 
     return handle
 
@@ -205,8 +242,9 @@ async def _read_upload(request: web.Request, path: Path, limit: int) -> tuple[di
         if not isinstance(part, BodyPartReader):
             raise InvalidRequest("nested multipart forms are not supported", param="file")
         name = part.name
+        _plain(name, "name")
         if name == "file" and filename is None:
-            filename = part.filename or "upload.jsonl"
+            filename = _plain(part.filename, "filename") or "upload.jsonl"
             with open(path, "wb") as fh:  # noqa: ASYNC230 - 64 KiB writes between network reads
                 while chunk := await part.read_chunk(_READ):
                     size += len(chunk)
@@ -222,6 +260,20 @@ async def _read_upload(request: web.Request, path: Path, limit: int) -> tuple[di
         if name:
             form[str(name)] = data.decode("utf-8", "replace")
     return form, filename, size
+
+
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _plain(value: str | None, what: str) -> str | None:
+    """`value` (a part's name or filename), refused when it holds a control character: raw CR, LF
+    or NUL cannot reach here (the form's reader refuses the header), but an RFC 2231 `name*=` or
+    `filename*=` may percent-encode them, and a filename is echoed in every File object."""
+    if value is not None and _CONTROL.search(value):
+        raise InvalidRequest(
+            f"a form part's {what} may not contain control characters (CR, LF, NUL...): {value[:80]!r}", param="file"
+        )
+    return value
 
 
 def _expiry(form: dict[str, str], default_s: float) -> float:
@@ -243,7 +295,7 @@ def _expiry(form: dict[str, str], default_s: float) -> float:
 
 
 async def _owned_file(service: BatchService, principal: Principal, file_id: str) -> FileMeta:
-    meta = await service.store.get_file(file_id)
+    meta = await service.store.get_file(file_id) if is_file_id(file_id) else None
     if meta is None or meta.owner != principal.key_id:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
     return meta
@@ -274,7 +326,9 @@ async def _file_content(
     request: web.Request, service: BatchService, principal: Principal, request_id: str
 ) -> web.StreamResponse:
     meta = await _owned_file(service, principal, request.match_info["file_id"])
-    response = web.StreamResponse(headers={"Content-Type": "application/jsonl", "x-request-id": request_id})
+    response = web.StreamResponse(
+        headers={"Content-Type": "application/jsonl", "x-request-id": request_id, **dict(request.get(_LIMITS, ()))}
+    )
     response.content_length = meta.bytes
     await response.prepare(request)
     async for chunk in service.store.content(meta.id):
@@ -301,16 +355,13 @@ async def _delete_file(
 async def _create_batch(
     request: web.Request, service: BatchService, principal: Principal, request_id: str
 ) -> web.Response:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    body = parse_json_body(await request.read())
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:  # a list or object is not hashable
+        shown = repr(endpoint)[:80]
+        raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}, got {shown}", param="endpoint")
     if body.get("completion_window") != COMPLETION_WINDOW:
         raise InvalidRequest(
             f"'completion_window' must be '{COMPLETION_WINDOW}', got {body.get('completion_window')!r}",
@@ -321,7 +372,7 @@ async def _create_batch(
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str) or not file_id:
         raise InvalidRequest("'input_file_id' is required", param="input_file_id")
-    meta_file = await service.store.get_file(file_id)
+    meta_file = await service.store.get_file(file_id) if is_file_id(file_id) else None
     if meta_file is None or meta_file.owner != principal.key_id:
         raise NotFound(f"No such File object: {file_id}", param="input_file_id")
     if meta_file.purpose != "batch":
@@ -375,7 +426,7 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 
 async def _owned_batch(service: BatchService, principal: Principal, batch_id: str) -> BatchMeta:
-    meta = await service.store.get_batch(batch_id)
+    meta = await service.store.get_batch(batch_id) if is_batch_id(batch_id) else None
     if meta is None or meta.owner != principal.key_id:
         raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
     return meta

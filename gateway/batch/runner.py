@@ -21,6 +21,11 @@ runner's cannot: the line's own predicted latency), the model backs off: no line
 for `retry_min_s`, doubling at each refusal up to `retry_max_s`, and then a single line probes.
 Without it every free slot would send a line through the whole walk to be refused, again and again,
 and that walk costs the interactive requests' gateway its CPU.
+
+When its store fails (Redis down), a tick fails: the first failure of an outage is logged with its
+traceback, the next ones only counted (a warning with the count at most every
+`_OUTAGE_SUMMARY_S`, one line when it recovers), and the ticks back off, doubling from `tick_s`
+to `retry_max_s`, instead of logging a traceback every `tick_s`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from gateway.batch.config import BatchSettings
 from gateway.batch.finalize import write_outputs
 from gateway.batch.lines import NO_SPARE_CAPACITY, LineAnswer, LineRequest, RunLine, classify, retry_after_s
 from gateway.batch.objects import BatchMeta
+from gateway.batch.owners import owner_principal
 from gateway.batch.results import LineResult, answered, unanswered
 from gateway.batch.store import BatchStore
 from policies.holder import PolicyHolder
@@ -50,6 +56,7 @@ from policies.types import Principal
 log = logging.getLogger("tokenway.batch")
 
 _JANITOR_EVERY_S: Final = 60.0
+_OUTAGE_SUMMARY_S: Final = 60.0
 _FINALIZE_LOCK_S: Final = 600.0
 
 
@@ -67,6 +74,52 @@ class _NoObserver:
 
     def deferred(self, reason: str) -> None:
         return None
+
+
+class Outage:
+    """One failure log per outage: the first failure with its traceback, then a count (a warning
+    at most every `summary_s`), and one line when things work again."""
+
+    def __init__(self, what: str, summary_s: float = _OUTAGE_SUMMARY_S) -> None:
+        self.what = what
+        self.summary_s = summary_s
+        self.failures = 0  # in a row
+        self._since_s = 0.0
+        self._reported_s = 0.0
+        self._reported = 0  # failures counted in the last summary
+
+    def failed(self, error: BaseException) -> None:
+        now = time.monotonic()
+        self.failures += 1
+        if self.failures == 1:
+            self._since_s = self._reported_s = now
+            self._reported = 1
+            log.error("%s failed (further failures are counted, not logged): %s", self.what, error, exc_info=error)
+        elif now - self._reported_s >= self.summary_s:
+            log.warning(
+                "%s still failing: %d failures in %.0f s (%d since the last report; last: %s: %s)",
+                self.what,
+                self.failures,
+                now - self._since_s,
+                self.failures - self._reported,
+                type(error).__name__,
+                error,
+            )
+            self._reported_s = now
+            self._reported = self.failures
+
+    def ok(self) -> None:
+        if self.failures:
+            log.warning(
+                "%s works again after %d failures in %.0f s", self.what, self.failures, time.monotonic() - self._since_s
+            )
+            self.failures = 0
+
+    def backoff_s(self, base_s: float, most_s: float) -> float:
+        """The wait before the next try: `base_s` while things work, doubling per failure up to `most_s`."""
+        if not self.failures:
+            return base_s
+        return min(base_s * 2.0 ** min(self.failures, 30), max(most_s, base_s))
 
 
 @dataclass(slots=True)
@@ -107,6 +160,8 @@ class BatchRunner:
         self._turn = 0
         self._renewed_s = 0.0
         self._janitor_s = 0.0
+        self.outage = Outage("batch runner tick")
+        self._record_outage = Outage("recording batch lines")
         self.statuses: dict[str, int] = {}  # unfinished batches by status, as of the last tick
 
     # --- life ---------------------------------------------------------------------------------------
@@ -134,6 +189,7 @@ class BatchRunner:
         return sum(len(lines) for lines in self._tasks.values())
 
     async def _run(self) -> None:
+        runner = self.settings.runner
         while True:
             self._wake.clear()
             try:
@@ -143,10 +199,14 @@ class BatchRunner:
                     await self.janitor()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("batch runner tick failed")
+            except Exception as exc:
+                self.outage.failed(exc)
+                # backing off: a wake-up (a line ending, a new batch) does not cut the wait short
+                await asyncio.sleep(self.outage.backoff_s(runner.tick_s, runner.retry_max_s))
+                continue
+            self.outage.ok()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.runner.tick_s)
+                await asyncio.wait_for(self._wake.wait(), runner.tick_s)
 
     # --- one tick -----------------------------------------------------------------------------------
     async def tick(self) -> None:
@@ -184,7 +244,7 @@ class BatchRunner:
         errors: list[dict[str, Any]] = []
         models: list[str] = []
         file = await self.store.get_file(meta.input_file_id)
-        principal = policy.principal_of(meta.owner)
+        principal = owner_principal(policy, meta.owner)
         if file is None:
             errors.append(
                 _error("file_not_found", None, f"The input file {meta.input_file_id} no longer exists.", None)
@@ -255,7 +315,7 @@ class BatchRunner:
             if not indices:
                 continue
             free -= len(indices)
-            principal = self.policies.current.principal_of(meta.owner)
+            principal = owner_principal(self.policies.current, meta.owner)
             raws = await self.store.read_lines(meta.input_file_id, indices)
             for index, raw in zip(indices, raws, strict=True):
                 self._launch(meta, index, orjson.loads(raw), principal)
@@ -363,8 +423,8 @@ class BatchRunner:
         except asyncio.CancelledError:
             await asyncio.shield(self._give_back(meta.id, index))
             raise
-        except Exception:
-            log.exception("batch %s line %d could not be recorded: it runs again later", meta.id, index)
+        except Exception as exc:  # the store failed (Redis down): logged once per outage
+            self._record_outage.failed(exc)
             await self._give_back(meta.id, index, self.settings.runner.retry_max_s)
         finally:
             self.capacity.load.finished(request_id)
@@ -381,6 +441,7 @@ class BatchRunner:
         if self._usage_committed is not None:
             await self._usage_committed()
         recorded = await self.store.record(meta.id, [result])
+        self._record_outage.ok()
         self._attempts.pop((meta.id, result.index), None)
         self.observer.line(outcome if recorded[0] else "duplicate")
 

@@ -8,19 +8,24 @@ and inline scripts (Content-Security-Policy), so a stored string rendered by mis
 from __future__ import annotations
 
 import hmac
+import logging
 from pathlib import Path
 
 import orjson
 from aiohttp import web
 
-from gateway import appkeys
+from gateway import access, appkeys
 from gateway.admin_replies import json_reply
 from gateway.console.sessions import COOKIE, ConsoleSessions
+from gateway.console.throttle import LoginThrottle, retry_after_header
 from gateway.console.usage import usage_async
+from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.ledger.config import LedgerConfig
 from gateway.ledger.report import ReportError
-from gateway.routes import Handler
+from gateway.routes import Handler, caller_of, gate_of
 from gateway.settings import validate_section
+
+audit = logging.getLogger("tokenway.audit")
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {
@@ -36,6 +41,20 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
+NO_STORE = {"Cache-Control": "no-store"}  # answers that carry a session's CSRF token
+
+
+def console_guard(handler: Handler) -> Handler:
+    """Every console route first passes the checks that need no credential: the `Host` (and `Origin`)
+    name this gateway, and a state-changing request comes from no other site's page."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        refusal = access.surface_refusal(caller_of(request), gate_of(request.app))
+        if refusal is not None:
+            return error_response(refusal)
+        return await handler(request)
+
+    return guarded
 
 
 async def index(request: web.Request) -> web.StreamResponse:
@@ -50,48 +69,82 @@ async def asset(request: web.Request) -> web.StreamResponse:
     return web.FileResponse(STATIC / name, headers={**SECURITY_HEADERS, "Content-Type": kind})
 
 
-def _loopback(request: web.Request) -> bool:
-    return request.remote in ("127.0.0.1", "::1", None)
-
-
 async def session(request: web.Request) -> web.Response:
-    """Whether this browser is logged in, and whether logging in needs the admin token."""
-    token = request.app[appkeys.SETTINGS].server.admin_token
-    sessions = request.app[appkeys.CONSOLE_SESSIONS]
-    return json_reply(
-        {
-            "authenticated": sessions.valid(request.cookies.get(COOKIE)),
-            "token_required": bool(token),
-            "loopback_only": not token,
-        }
-    )
+    """Whether this browser is logged in (with its session's CSRF token, which only a page of this
+    origin can read), and whether logging in needs the admin token."""
+    gate = gate_of(request.app)
+    caller = caller_of(request)
+    csrf = request.app[appkeys.CONSOLE_SESSIONS].csrf_of(request.cookies.get(COOKIE))
+    if csrf is not None and not gate.admin_token and not access.direct_loopback(caller):
+        csrf = None  # the cookie does not stand in for loopback trust
+    body: dict[str, object] = {
+        "authenticated": csrf is not None,
+        "token_required": bool(gate.admin_token),
+        "loopback_only": not gate.admin_token,
+    }
+    if csrf is not None:
+        body["csrf_token"] = csrf
+    return json_reply(body, headers=NO_STORE)
 
 
-async def login(request: web.Request) -> web.Response:
-    """The admin token in the body (never the URL) for a session cookie."""
-    token = request.app[appkeys.SETTINGS].server.admin_token
-    try:
-        body = orjson.loads(await request.read() or b"{}")
-    except orjson.JSONDecodeError:
-        body = {}
-    presented = str(body.get("token", "")) if isinstance(body, dict) else ""
-    if token:
-        if not hmac.compare_digest(presented.encode(), token.encode()):
-            return json_reply({"error": {"message": "wrong admin token", "type": "invalid_request_error"}}, status=401)
-    elif not _loopback(request):
-        return json_reply({"error": {"message": "the console is loopback-only without server.admin_token"}}, status=403)
-    sessions: ConsoleSessions = request.app[appkeys.CONSOLE_SESSIONS]
-    response = json_reply({"authenticated": True})
-    response.set_cookie(
-        COOKIE,
-        sessions.open(),
-        max_age=int(sessions.ttl_s),
-        path="/",
-        httponly=True,
-        samesite="Strict",
-        secure=request.secure,
-    )
-    return response
+def login_handler(throttle: LoginThrottle) -> Handler:
+    async def login(request: web.Request) -> web.StreamResponse:
+        """The admin token in the body (never the URL) for a session cookie and its CSRF token.
+
+        Without an admin token only a direct loopback caller logs in (any token); with one, a wrong
+        or missing token is a failure: logged (never its text), counted, and after a few, answered
+        429 with `Retry-After` until the backoff has passed (gateway/console/throttle.py)."""
+        gate = gate_of(request.app)
+        caller = caller_of(request)
+        client = caller.remote or "local"
+        if not gate.admin_token and not access.direct_loopback(caller):
+            return error_response(
+                access.LoopbackOnly("the console is loopback-only without server.admin_token (and not through a proxy)")
+            )
+        wait_s = throttle.retry_after_s(client)
+        if wait_s > 0:
+            return error_response(LoginThrottled(wait_s))
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError:
+            body = {}
+        presented = body.get("token") if isinstance(body, dict) else None
+        if gate.admin_token:
+            given = presented.encode("utf-8", "surrogateescape") if isinstance(presented, str) else b""
+            if not given or not hmac.compare_digest(given, gate.admin_token.encode("utf-8")):
+                failures, wait_s = throttle.failed(client)
+                audit.warning(
+                    "console login failed: wrong admin token from %s (%d recent failures; next try in %.0f s)",
+                    client, failures, wait_s,
+                )  # fmt: skip
+                return error_response(InvalidApiKey("wrong admin token"))
+            throttle.succeeded(client)
+        sessions: ConsoleSessions = request.app[appkeys.CONSOLE_SESSIONS]
+        cookie, csrf = sessions.open()
+        audit.info("console login from %s", client)
+        response = json_reply({"authenticated": True, "csrf_token": csrf}, headers=NO_STORE)
+        response.set_cookie(
+            COOKIE,
+            cookie,
+            max_age=int(sessions.ttl_s),
+            path="/",
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
+        return response
+
+    return login
+
+
+class LoginThrottled(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "login_throttled"
+
+    def __init__(self, wait_s: float) -> None:
+        retry = retry_after_header(wait_s)
+        super().__init__(f"too many failed console logins: try again in {retry} s", headers=[("Retry-After", retry)])
 
 
 async def logout(request: web.Request) -> web.Response:
@@ -123,15 +176,17 @@ async def usage(request: web.Request) -> web.Response:
 
 
 def console_routes() -> list[tuple[str, str, Handler]]:
-    """Open routes: the pages and login (the pages hold no data; every read is an admin call)."""
-    return [
+    """Open routes: the pages and login (the pages hold no data; every read is an admin call), each
+    behind the Host/Origin and cross-site checks; login has its own failure backoff."""
+    routes: list[tuple[str, str, Handler]] = [
         ("GET", "/ui", index),
         ("GET", "/ui/", index),
         ("GET", "/ui/static/{name}", asset),
         ("GET", "/ui/session", session),
-        ("POST", "/ui/login", login),
+        ("POST", "/ui/login", login_handler(LoginThrottle())),
         ("POST", "/ui/logout", logout),
     ]
+    return [(method, path, console_guard(handler)) for method, path, handler in routes]
 
 
 def console_admin_routes() -> list[tuple[str, str, Handler]]:

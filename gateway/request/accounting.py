@@ -140,6 +140,13 @@ class Accounting:
             return
         outcome.aborted = not delivered
         self.fill(ctx, outcome)
+        if outcome.usage is None and not ctx.facts.stream:
+            # An answer the engine was still writing: what it produced so far is nowhere the gateway
+            # can read it (the engines' counters are not per request, and the body comes whole or not
+            # at all), so the whole reservation is charged: the most the engine may have produced,
+            # since it is also the output limit the engine was given (gateway/engine_control.py).
+            self.unobserved(ctx, reservation.settle_reserved())
+            return
         reservation.settle_soon(outcome.usage, outcome.counted_completion_tokens)
 
     async def close_open(self, ctx: RequestContext) -> None:

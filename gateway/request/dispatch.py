@@ -20,10 +20,12 @@ import orjson
 from aiohttp import web
 
 from backends.adapters.registry import get_adapter
+from backends.config import EjectionSettings
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, LoadTicket
 from gateway.engine_control import engine_body
+from gateway.engine_errors import engine_fault, request_status
 from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
 from gateway.migrate import Resumer, can_migrate
 from gateway.relay import (
@@ -42,8 +44,9 @@ from gateway.request.context import RequestContext, Routed
 from gateway.request.detour import Detour
 from gateway.request.hooks import Hooks
 from gateway.settings import ServerSettings
+from gateway.stalls import DEADLINE, StallWatch
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.upstream import Response, UpstreamClient
+from gateway.upstream import CallWatch, Response, UpstreamClient
 from policies.routing.types import RouteDecision, Router
 from policies.types import ApiKind
 from predictor.types import Prediction
@@ -79,8 +82,11 @@ class Dispatch:
         shape_body: BodyShaper = _identity_shape,
         report_success: Callable[[Endpoint], None] = _no_report,
         report_failure: Callable[[Endpoint, float], None] = _no_failure,
+        stalls: StallWatch | None = None,
     ) -> None:
         self.server = server
+        # first-token deadlines and stalled replicas (gateway/stalls.py; the app runs its checks)
+        self.stalls = stalls or StallWatch(fleet, server.first_token_deadline, server.stall_after_s, EjectionSettings())
         self.fleet = fleet
         self.upstream = upstream
         self.router = router
@@ -97,6 +103,7 @@ class Dispatch:
         exclude: set[str] = set()
         last_detail = ""
         attempts = 0
+        crashes, crash_detail = 0, ""  # engines that failed on this request's content (engine_errors.engine_fault)
         for _ in range(1 + self.server.upstream_retries):
             with ctx.trace.span("routing", model=ctx.model):
                 routed = self.route(ctx, pools, exclude)
@@ -108,21 +115,43 @@ class Dispatch:
 
             routed = await self.hooks.gate(ctx, routed, reroute)
             attempts += 1
+            endpoint = routed.endpoint
+            watch = self.stalls.begin(endpoint, stream=ctx.facts.stream)
+            # a deadline only while another endpoint may still take it: the last try waits for the engine
+            deadline = attempts <= self.server.upstream_retries and self._others(pools, exclude, endpoint)
             try:
-                response = await self._attempt(ctx, routed)
+                response = await self._attempt(ctx, routed, watch, deadline)
             except RetryableUpstream as exc:
-                endpoint = routed.endpoint
-                if exc.status:  # the engine answered 5xx: the endpoint's fault only if another serves it
+                fault = engine_fault(exc.status, exc.body) if exc.status else "endpoint"
+                kind = f"http_{exc.status}" if exc.status else "connect"
+                if watch.reason == DEADLINE:  # slow or frozen, not failed: the stall watch judges it
+                    self.stalls.missed_first_token(endpoint)
+                    kind = "first_token_deadline"
+                elif watch.reason:  # its replica stalled (and was ejected)
+                    kind = "stalled"
+                elif exc.status:  # the engine answered 5xx: the endpoint's fault only if another serves it
                     ctx.answered_5xx.append(endpoint)
                 else:  # no answer at all: that is the endpoint's
                     self.report_failure(endpoint, time.monotonic())
                 exclude.add(endpoint.id)
-                last_detail = exc.detail
+                last_detail = f"cut: {watch.reason}" if watch.reason else exc.detail
                 ctx.outcome = None  # nothing reached the client: this attempt is not charged
                 if self.metrics is not None:
-                    self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}" if exc.status else "connect")
-                log.warning("upstream %s failed before the first byte: %s", endpoint.id, exc.detail)
+                    self.metrics.observe_upstream_error(endpoint.id, kind)
+                log.warning("upstream %s failed before the first byte: %s", endpoint.id, last_detail)
+                if fault == "request":  # the engine says the request is wrong: so it is everywhere
+                    raise Detour(
+                        "upstream_error", EngineRejected(request_status(exc.body), exc.body), fallback=False
+                    ) from None
+                if fault == "crash":
+                    crashes, crash_detail = crashes + 1, exc.detail
+                    if crashes >= 2:  # the request made two engines fail: it is the request
+                        raise Detour(
+                            "upstream_error", _crashed(ctx.model, crashes, exc.detail), fallback=False
+                        ) from None
                 continue
+            finally:
+                self.stalls.end(watch)
             if ctx.outcome is not None:  # served (an engine's 4xx is the request's fault, not theirs)
                 for failed in ctx.answered_5xx:  # they answered 5xx to what another endpoint served
                     self.report_failure(failed, time.monotonic())
@@ -133,9 +162,16 @@ class Dispatch:
                 f"No healthy endpoint can serve '{ctx.model}' right now.",
                 headers=[("retry-after", str(self.server.retry_after_s))],
             )
+        elif crashes:  # an engine failed on it: never walked down the fallback chain
+            raise Detour("upstream_error", _crashed(ctx.model, crashes, crash_detail), fallback=False)
         else:
             error = UpstreamError(f"The upstream failed for '{ctx.model}': {last_detail}")
         raise Detour("upstream_error", error)
+
+    @staticmethod
+    def _others(pools: Sequence[Pool], exclude: Collection[str], endpoint: Endpoint) -> bool:
+        """Whether an endpoint besides `endpoint` (and those tried) could take the request."""
+        return any(e is not endpoint and e.id not in exclude for pool in pools for e in pool.servable())
 
     def route(self, ctx: RequestContext, pools: Sequence[Pool], exclude: Collection[str]) -> Routed | None:
         assert ctx.routing is not None
@@ -146,7 +182,9 @@ class Dispatch:
                 return Routed(pool, decision)
         return None
 
-    async def _attempt(self, ctx: RequestContext, routed: Routed) -> web.StreamResponse:
+    async def _attempt(
+        self, ctx: RequestContext, routed: Routed, watch: CallWatch | None = None, deadline: bool = False
+    ) -> web.StreamResponse:
         facts, record = ctx.facts, ctx.record
         decision = routed.decision
         endpoint = decision.endpoint
@@ -155,13 +193,14 @@ class Dispatch:
         try:
             # a translated API writes the engine's own API where it has it, else chat completions
             path, upstream_api, body = api.upstream(facts, endpoint, decision.prefill_endpoint is not None)
-            body = self._shaped(ctx, endpoint, body, self._engine_body(ctx, body), upstream_api)
+            body = self._shaped(ctx, endpoint, body, self._engine_body(ctx, endpoint, body, upstream_api), upstream_api)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
                 decode_body = await self._prefill_leg(ctx, decision, body, path)
                 if decode_body is not None:
                     body, local_prefill = decode_body, 0
             target = self._target(ctx, endpoint, body, path)
+            target.watch = watch
             headers = api.response_headers(self.response_headers(ctx, decision))
             load = endpoint.inflight.begin(local_prefill)
             presumed = (
@@ -170,7 +209,10 @@ class Dispatch:
                 else presume_prefilled(load, decision, facts.prompt_tokens + facts.output_reservation)
             )
             outcome = ctx.outcome = RelayOutcome()
-            if facts.stream and self.hooks.want_first_token:
+            if facts.stream and watch is not None and deadline:  # moved elsewhere if no token comes by then
+                self.stalls.arm(watch, ctx.prediction or decision.prediction)
+                outcome.on_first_token = partial(_first_token, watch, self.hooks, ctx)
+            elif facts.stream and self.hooks.want_first_token:
                 outcome.on_first_token = partial(self.hooks.first_token, ctx)
             record.gateway_overhead_s = time.perf_counter() - ctx.arrived_s
             try:
@@ -318,7 +360,7 @@ class Dispatch:
             _path, upstream_api, body = ctx.api.upstream(ctx.facts, endpoint, False)
         else:
             body, upstream_api = native_body(ctx.facts, endpoint, client_body), ctx.facts.api
-        return self._shaped(ctx, endpoint, body, self._engine_body(ctx, body), upstream_api)
+        return self._shaped(ctx, endpoint, body, self._engine_body(ctx, endpoint, body, upstream_api), upstream_api)
 
     def _shaped(
         self, ctx: RequestContext, endpoint: Endpoint, sent: dict[str, Any], body: dict[str, Any], api: ApiKind
@@ -332,10 +374,22 @@ class Dispatch:
             ctx.unforwarded_fields = tuple(sorted({*ctx.dropped_fields, *(k for k in sent if k not in shaped)}))
         return shaped
 
-    def _engine_body(self, ctx: RequestContext, body: dict[str, Any]) -> dict[str, Any]:
+    def _engine_body(
+        self, ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any], api: ApiKind
+    ) -> dict[str, Any]:
         """A copy of `body` whose engine-control fields are the policy's: a client's dropped unless its
-        tenant may set them, the scheduling priority from its tier (gateway/engine_control.py)."""
-        return engine_body(body, ctx.facts.principal, ctx.engine_fields)
+        tenant may set them, the scheduling priority from its tier, the output limit the reservation
+        on this model, the cache salt the tenant's (gateway/engine_control.py)."""
+        reserved = ctx.reservation.ticket.output_tokens if ctx.reservation is not None else 0
+        return engine_body(
+            body,
+            ctx.facts.principal,
+            ctx.engine_fields,
+            api=api,
+            reserved_output_tokens=reserved if ctx.api.generates else 0,
+            context_room=endpoint.max_model_len - ctx.facts.prompt_tokens if endpoint.max_model_len else None,
+            cache_salt=ctx.facts.cache_salt,
+        )
 
     def _target(self, ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any], path: str) -> UpstreamTarget:
         headers = {"Content-Type": "application/json", "x-request-id": ctx.facts.request_id}
@@ -395,6 +449,23 @@ def presume_prefilled(load: LoadTicket, decision: RouteDecision, context_tokens:
         return None
     loop = asyncio.get_running_loop()
     return loop.call_later(max(prediction.ttft_ms, 0.0) / 1000.0, load.first_token, context_tokens)
+
+
+def _first_token(watch: CallWatch, hooks: Hooks, ctx: RequestContext, at_s: float) -> None:
+    """The first token is relayed: its deadline no longer applies; the hooks hear of it."""
+    watch.disarm()
+    if hooks.want_first_token:
+        hooks.first_token(ctx, at_s)
+
+
+def _crashed(model: str, crashes: int, detail: str) -> UpstreamError:
+    """The answer to a request that made engines fail (a 5xx with an error body): not retried further,
+    not sent to a fallback model, and the client's SDK is told not to send it again."""
+    where = "two replicas" if crashes > 1 else "its replica"
+    return UpstreamError(
+        f"The engine serving '{model}' failed on this request on {where}; it was not retried further: {detail}",
+        headers=[("x-should-retry", "false")],
+    )
 
 
 def _prediction_header(p: Prediction) -> str:

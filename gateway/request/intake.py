@@ -1,8 +1,10 @@
 """Intake: from the HTTP request to the request's frozen facts.
 
-read (size limit, read deadline) → one orjson parse → validate (the API's own checks) → authenticate
-→ resolve the model (alias, allow-list, served here) → estimate (prompt tokens, output reservation,
-the effective SLO). Every failure is a 4xx from the error tree; nothing after intake re-reads the body.
+authenticate (headers only) → read (size limit, read deadline, memory budget: gateway/bodies.py) →
+one orjson parse (nesting bounded) → validate (the API's own checks) → resolve the model (alias,
+allow-list, served here) → a look at the limits (no room left: 429 before the prompt is counted) →
+estimate (prompt tokens, output reservation, the effective SLO). Every failure is a 4xx from the
+error tree; nothing after intake re-reads the body, and its budget is given back when intake ends.
 
 Headers are read safely: values reach aiohttp as bytes and come out as `str` with undecodable bytes
 kept as lone surrogates, which fail the moment anything encodes them (a digest, a log line, a ledger
@@ -17,31 +19,35 @@ import asyncio
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Protocol
 
-import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from backends.fleet import Fleet
+from gateway.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
+from gateway.engine_control import check_min_tokens
 from gateway.errors import (
     InvalidApiKey,
     InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
+    Rejected,
     RequestTimeout,
     RequestTooLarge,
 )
 from gateway.request.context import RequestContext
+from gateway.request.debug import debug_allowed
 from gateway.settings import ServerSettings
+from policies.engine_fields import cache_salt as engine_cache_salt
 from policies.engine_fields import client_body
 from policies.estimate import PromptEstimator
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.reservation import output_reservation
 from policies.slo import effective_slo
-from policies.types import Principal, RequestFacts
+from policies.types import Principal, Rejection, RequestFacts
 from predictor.length import LengthEstimate
 
 SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
@@ -51,6 +57,9 @@ _DEFAULT_MAX_TOKENS: Final = 1024  # a model without a policies.yaml entry
 MAX_REQUEST_ID_CHARS: Final = 128
 _REQUEST_ID: Final = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 INVALID_KEY: Final = "\x00invalid"  # no stored key can hash to this: keys never contain NUL
+
+
+Precheck = Callable[[Principal, str], Awaitable[Rejection | None]]
 
 
 class OutputLengths(Protocol):
@@ -141,32 +150,61 @@ class Intake:
         fleet: Fleet,
         estimator: PromptEstimator,
         lengths: OutputLengths | None = None,
+        precheck: Precheck | None = None,
     ) -> None:
         self.server = server
         self.policies = policies
         self.fleet = fleet
         self.estimator = estimator
         self.lengths = lengths
+        self.precheck = precheck  # Admission.precheck: limits with no room left, before the count
 
     async def read(self, ctx: RequestContext) -> RequestFacts:
-        assert ctx.http is not None
-        return await self.facts(ctx, await self._read_body(ctx.http), ctx.http.headers)
-
-    async def facts(self, ctx: RequestContext, raw: bytes, headers: Mapping[str, str]) -> RequestFacts:
-        """The facts of a body already read (`read`, or the endpoint picker's, which Envoy sent)."""
-        record = ctx.record
+        """The caller first (a wrong key costs no body read), then the body under the bounds of
+        `gateway/bodies.py`; its budget is given back once it has been parsed and counted."""
+        request = ctx.http
+        assert request is not None
+        principal = self._principal(ctx, request.headers)
         try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-        api = ctx.api
-        body = api.parse(parsed)
+            raw = await self._read_body(request)
+            parsed = cached_json(request)
+            if parsed is not NOT_PARSED:  # one copy of the body while it is counted: the parsed one
+                raw = b""
+                forget_raw(request)
+            return await self.facts(ctx, raw, request.headers, principal=principal, parsed=parsed)
+        finally:
+            release_body(request)
+
+    async def facts(
+        self,
+        ctx: RequestContext,
+        raw: bytes,
+        headers: Mapping[str, str],
+        *,
+        principal: Principal | None = None,
+        parsed: Any = NOT_PARSED,
+    ) -> RequestFacts:
+        """The facts of a body already read (`read`, or the endpoint picker's, which Envoy sent):
+        one parse (nesting bounded; `parsed` when the reader did it), the API's checks, the caller,
+        the model, a look at the limits (no room left: refused before the prompt is counted), the count."""
+        if parsed is NOT_PARSED:
+            parsed = parse_json_body(raw)
+        body = ctx.api.parse(parsed)
         policy = self.policies.current
-        with ctx.trace.span("auth"):
-            principal = authenticate(headers, policy)
-        record.tenant, record.key_id = principal.tenant, principal.key_id
+        if principal is None:
+            principal = self._principal(ctx, headers)
         body, requested, model = await self._resolve(ctx, policy, body, principal)
+        if self.precheck is not None:
+            rejection = await self.precheck(principal, model)
+            if rejection is not None:
+                raise Rejected(rejection)
         return await self._estimate(ctx, headers, policy, body, principal, requested, model)
+
+    def _principal(self, ctx: RequestContext, headers: Mapping[str, str]) -> Principal:
+        with ctx.trace.span("auth"):
+            principal = authenticate(headers, self.policies.current)
+        ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
+        return principal
 
     async def line(self, ctx: RequestContext, parsed: object, principal: Principal, batch_id: str) -> RequestFacts:
         """The facts of a request made inside the gateway: a batch line, its body already parsed, its
@@ -201,7 +239,9 @@ class Intake:
         if request.content_length is not None and request.content_length > limit:
             raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
         try:
-            if request.content.is_eof():  # small bodies arrive with the headers: no timer needed
+            # bounded (deadline, size, budget, encoding) by gateway/bodies.py; the timer below is for
+            # an app built without its middleware, and small bodies, which arrive with the headers
+            if isinstance(request, BoundedRequest) or request.content.is_eof():
                 return await request.read()
             async with asyncio.timeout(self.server.request_read_timeout_s):
                 return await request.read()
@@ -229,14 +269,16 @@ class Intake:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
         max_tokens = ctx.api.max_tokens(body)
+        check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/engine_control.py)
         model_config = policy.model_config(model)
+        # Without max_tokens the reservation is the model's default, and the engine is told it as its
+        # limit (gateway/engine_control.py): a learnt typical length would cut the longer answers short.
         estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
-        if max_tokens is None and self.lengths is not None and ctx.api.generates:
-            typical = self.lengths.output_tokens_estimate(principal.tenant, model)
-            if typical is not None:  # what this tenant's requests to this model really use (p90)
-                estimate_tokens = min(estimate_tokens, max(1, typical.p90_tokens))
         session_key = headers.get("x-session-id") or body.get("user")
-        cache_salt = body.get("cache_salt")
+        client_salt = body.get("cache_salt")  # there only where the tenant may name one
+        cache_salt = engine_cache_salt(
+            policy.cache_group(principal), client_salt if isinstance(client_salt, str) else None
+        )
         opt_out = headers.get("x-tokenway-no-fallback", "").lower() in ("1", "true", "yes")
         return RequestFacts(
             request_id=ctx.record.request_id,
@@ -260,9 +302,9 @@ class Intake:
             if ctx.api.generates
             else 0,
             session_key=session_key if isinstance(session_key, str) else None,
-            cache_salt=cache_salt if isinstance(cache_salt, str) else None,
+            cache_salt=cache_salt,
             allow_fallback=principal.allow_fallback and not opt_out,
-            debug=headers.get("x-tokenway-debug") == "1",
+            debug=debug_allowed(headers, ctx.http.remote if ctx.http is not None else None, self.server.admin_token),
             slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms) if batch_id is None else None,
             prompt_tokens_source=tokens_source,
             batch_id=batch_id,

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SECRET_PREFIX = "tw-"
 FLUSH_INTERVAL_S = 10.0  # last-use times are written this often
+STOP_ATTEMPTS, STOP_WAIT_S = 20, 0.25  # cancellations of the background tasks at stop, and the wait after each
 
 
 class DirectoryError(Exception):
@@ -74,11 +76,21 @@ class KeyDirectory(KeyIndex):
         self._tasks.append(loop.create_task(self._flush_loop()))
 
     async def stop(self) -> None:
+        """Cancel the background tasks, again while one is still running: a cancellation that
+        lands while redis-py reads under its own timeout can be swallowed (asyncio.timeout on
+        Python 3.11), and the subscriber would then listen on, holding shutdown forever."""
+        pending = set(self._tasks)
+        for _ in range(STOP_ATTEMPTS):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=STOP_WAIT_S)
+        if pending:
+            log.warning("%d key directory task(s) ignored cancellation; left behind", len(pending))
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a crash of a finished loop is not logged again at exit
         self._tasks.clear()
         with contextlib.suppress(Exception):
             await self.flush()
@@ -311,11 +323,14 @@ def _validated(model: Any, payload: dict[str, Any]) -> Any:
         return model.model_validate(payload)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join(str(p) for p in error["loc"]) or None
+        param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = f"unknown field (expected one of: {', '.join(model.model_fields)})"
         raise DirectoryError(400, f"{param}: {message}" if param else message, param) from None
+
+
+_UNION_TAG = re.compile(r"^(constrained-)?(str|float|int|bool|none)$|\[")  # pydantic's union members in `loc`
 
 
 def _merge(current: Any, changes: dict[str, Any]) -> Any:
@@ -330,12 +345,13 @@ def _merge(current: Any, changes: dict[str, Any]) -> Any:
 
 
 def _expiry(expires_at: str | float | None, expires_in: str | None, now_s: float) -> float | None:
+    param = "expires_in" if expires_in is not None else "expires_at"
     try:
         found = parse_expiry(expires_at, expires_in, now_s)
     except ValueError as exc:
-        raise DirectoryError(400, str(exc), "expires_at") from None
+        raise DirectoryError(400, str(exc), param) from None
     if found is not None and found <= now_s:
-        raise DirectoryError(400, "expires_at: must be in the future", "expires_at")
+        raise DirectoryError(400, f"{param}: must be in the future", param)
     return found
 
 

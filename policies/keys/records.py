@@ -10,9 +10,10 @@ request: the request path only sees the principals compiled from them (`director
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -24,22 +25,36 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 MAX_PREVIOUS_SECRETS = 4  # rotations still in their grace period at once
 MAX_METADATA_CHARS = 1000
 DEFAULT_GRACE_S = 3600.0
+# Bounds of what the admin API accepts, so that every stored record can be rendered and compared:
+# a limit or budget beyond these is a typo (or a probe), not a policy.
+MAX_LIMIT = 10**12
+MAX_USD = 1e12
+MAX_EXPIRY_UNIX_S = 253_402_300_799.0  # 9999-12-31T23:59:59Z: the last second an ISO time can name
+MAX_MODELS = 256
+MAX_NAME_CHARS = 200
+
+ModelName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+Limit = Annotated[int, Field(ge=1, le=MAX_LIMIT)]
+Usd = Annotated[float, Field(gt=0, le=MAX_USD)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """Unknown fields, NaN and infinities are refused everywhere (a JSON body cannot carry the
+    latter two, but a stored document or a Python caller could)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LimitsConfig(_Strict):
     """A key's or tenant's own limits; each overrides the file's rules of that scope and dimension."""
 
-    rpm: int | None = Field(default=None, ge=1, description="requests per minute")
-    rpd: int | None = Field(default=None, ge=1, description="requests per day")
-    tpm: int | None = Field(default=None, ge=1, description="tokens per minute")
-    tpd: int | None = Field(default=None, ge=1, description="tokens per day")
-    max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight")
-    usd_per_day: float | None = Field(default=None, gt=0, description="budget, resets 00:00 UTC")
-    usd_per_month: float | None = Field(default=None, gt=0, description="budget, resets on the 1st, 00:00 UTC")
+    rpm: Limit | None = Field(default=None, description="requests per minute")
+    rpd: Limit | None = Field(default=None, description="requests per day")
+    tpm: Limit | None = Field(default=None, description="tokens per minute")
+    tpd: Limit | None = Field(default=None, description="tokens per day")
+    max_concurrent: Limit | None = Field(default=None, description="requests in flight")
+    usd_per_day: Usd | None = Field(default=None, description="budget, resets 00:00 UTC")
+    usd_per_month: Usd | None = Field(default=None, description="budget, resets on the 1st, 00:00 UTC")
 
     def own(self) -> OwnLimits | None:
         values = self.model_dump()
@@ -108,10 +123,10 @@ class _TenantSettings(_Strict):
     """A tenant's settings: what it is made with and what its record keeps."""
 
     name: str = Field(pattern=ID_PATTERN)
-    models: list[str] | None = None
+    models: list[ModelName] | None = Field(default=None, max_length=MAX_MODELS)
     priority: PriorityName = "normal"
     allow_fallback: bool = True
-    slo_class: str | None = None
+    slo_class: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metadata: Metadata = Field(default_factory=Metadata)
 
@@ -138,26 +153,39 @@ class TenantRecord(_TenantSettings):
 
 
 # ---------------------------------------------------------------------- payloads of the admin API
+def _no_bool(value: Any) -> Any:
+    """JSON `true` is not a time (pydantic would read it as 1.0)."""
+    if isinstance(value, bool):
+        raise ValueError("expected an ISO-8601 time or unix seconds, not a boolean")
+    return value
+
+
 class KeyCreate(_Strict):
     id: str | None = Field(default=None, pattern=ID_PATTERN, description="default: <tenant>-<6 hex>")
-    tenant: str
-    models: list[str] | None = None
+    tenant: str = Field(pattern=ID_PATTERN)
+    models: list[ModelName] | None = Field(default=None, max_length=MAX_MODELS)
     priority: PriorityName | None = None
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    expires_at: str | float | None = Field(default=None, description="ISO-8601 time or unix seconds")
-    expires_in: str | None = Field(default=None, description="a duration from now: 30d, 12h, 90m")
+    expires_at: Annotated[str, Field(max_length=64)] | float | None = Field(
+        default=None, description="ISO-8601 time or unix seconds"
+    )
+    expires_in: str | None = Field(default=None, max_length=32, description="a duration from now: 30d, 12h, 90m")
     metadata: Metadata = Field(default_factory=Metadata)
+
+    _times = field_validator("expires_at", mode="before")(_no_bool)
 
 
 class KeyPatch(_Strict):
     """Fields given replace the stored ones (null clears); `limits` merges per field."""
 
-    models: list[str] | None = None
+    models: list[ModelName] | None = Field(default=None, max_length=MAX_MODELS)
     priority: PriorityName | None = None
-    limits: dict[str, float | int | None] | None = None
-    expires_at: str | float | None = None
-    expires_in: str | None = None
+    limits: dict[Annotated[str, Field(max_length=64)], float | int | None] | None = Field(default=None, max_length=16)
+    expires_at: Annotated[str, Field(max_length=64)] | float | None = None
+    expires_in: str | None = Field(default=None, max_length=32)
     metadata: Metadata | None = None
+
+    _times = field_validator("expires_at", mode="before")(_no_bool)
 
 
 class Rotate(_Strict):
@@ -169,11 +197,11 @@ class TenantCreate(_TenantSettings):
 
 
 class TenantPatch(_Strict):
-    models: list[str] | None = None
+    models: list[ModelName] | None = Field(default=None, max_length=MAX_MODELS)
     priority: PriorityName | None = None
     allow_fallback: bool | None = None
-    slo_class: str | None = None
-    limits: dict[str, float | int | None] | None = None
+    slo_class: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    limits: dict[Annotated[str, Field(max_length=64)], float | int | None] | None = Field(default=None, max_length=16)
     metadata: Metadata | None = None
 
     @field_validator("priority", "allow_fallback")
@@ -193,24 +221,34 @@ def merged_limits(current: LimitsConfig, changes: dict[str, float | int | None])
 
 
 def parse_expiry(expires_at: str | float | None, expires_in: str | None, now_s: float | None = None) -> float | None:
-    """Unix seconds from an ISO time, unix seconds, or a duration from now (`30d`); ValueError if bad."""
+    """Unix seconds from an ISO time, unix seconds, or a duration from now (`30d`); ValueError if bad,
+    or beyond what a record can hold (not finite, after 9999-12-31)."""
     now_s = time.time() if now_s is None else now_s
     if expires_in is not None:
         try:
-            return now_s + parse_duration_s(expires_in)
+            found = now_s + parse_duration_s(expires_in)
         except ValueError:
             raise ValueError(f"expires_in: not a duration: {expires_in!r} (e.g. 30d, 12h, 90m)") from None
+        if not math.isfinite(found) or found > MAX_EXPIRY_UNIX_S:
+            raise ValueError("expires_in: too far in the future (at most until 9999-12-31)")
+        return found
     if expires_at is None:
         return None
     if isinstance(expires_at, int | float):
-        return float(expires_at)
-    try:
-        return parse_iso_s(expires_at)
-    except ValueError:
-        raise ValueError(f"expires_at: not an ISO-8601 time: {expires_at!r}") from None
+        found = float(expires_at)
+    else:
+        try:
+            found = parse_iso_s(expires_at)
+        except (ValueError, OverflowError, OSError):
+            raise ValueError(f"expires_at: not an ISO-8601 time: {expires_at!r}") from None
+    if not math.isfinite(found) or found > MAX_EXPIRY_UNIX_S:
+        raise ValueError("expires_at: too far in the future (at most 9999-12-31T23:59:59Z)")
+    return found
 
 
 def _iso(unix_s: float | None) -> str | None:
+    """ISO-8601 UTC; raises ValueError/OverflowError/OSError for a time no calendar holds (a record
+    stored before these bounds existed: the listings show it flagged rather than fail)."""
     if unix_s is None:
         return None
     return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

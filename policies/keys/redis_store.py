@@ -23,6 +23,18 @@ redis.call('PUBLISH', ARGV[4], v .. ' ' .. ARGV[5] .. ' ' .. ARGV[1])
 return v
 """
 
+_RESTORE = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local i = 2
+while i <= #ARGV do
+  local kind, name, doc = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if kind == 'key' then redis.call('HSET', KEYS[1], name, doc) else redis.call('HSET', KEYS[2], name, doc) end
+  i = i + 3
+end
+redis.call('SET', KEYS[3], ARGV[1])
+return 1
+"""
+
 _TOUCH = """
 for i = 1, #ARGV, 2 do
   local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
@@ -44,6 +56,7 @@ class RedisDirectoryStore:
         self.channel = tag + "changes"
         self._write = client.register_script(_WRITE)
         self._touch = client.register_script(_TOUCH)
+        self._restore = client.register_script(_RESTORE)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "tokenway") -> RedisDirectoryStore:
@@ -63,6 +76,16 @@ class RedisDirectoryStore:
     async def write(self, kind: Kind, name: str, doc: str | None) -> int:
         args = [name, doc or "", "1" if doc is None else "0", self.channel, kind]
         return int(await self._write(keys=[self._docs[kind], self._version], args=args))
+
+    async def restore(self, snapshot: Snapshot) -> bool:
+        """Put a whole copy back into a Redis that lost everything (no version counter): atomically,
+        and only if no other replica did first. True when this call restored it."""
+        args: list[str | int] = [max(snapshot.version, 1)]
+        for kind in KINDS:
+            for name, doc in snapshot.docs[kind].items():
+                args += [kind, name, doc]
+        keys = [self._docs["key"], self._docs["tenant"], self._version]
+        return bool(await self._restore(keys=keys, args=args))
 
     async def fetch(self, kind: Kind, name: str) -> str | None:
         found = await self.client.hget(self._docs[kind], name)

@@ -103,11 +103,53 @@ class SqliteDirectoryStore:
 
         return await self._run(read)
 
+    async def put(self, kind: Kind, name: str, doc: str | None, version: int | None) -> None:
+        """Keep a document as another store wrote it (this file as that store's durable copy):
+        the version is the other store's, kept when it is newer, never incremented here."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                _put(db, kind, name, doc)
+                if version is not None:
+                    db.execute("UPDATE meta SET v = max(v, ?) WHERE k = 'version'", (version,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    async def replace_all(self, snapshot: Snapshot) -> None:
+        """Make this file hold exactly `snapshot` (a whole copy of the store it backs)."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM docs")
+                for kind, docs in snapshot.docs.items():
+                    for name, doc in docs.items():
+                        _put(db, kind, name, doc)
+                db.execute("UPDATE meta SET v = ? WHERE k = 'version'", (snapshot.version,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
     def changes(self) -> AsyncIterator[Change] | None:
         return None
 
     async def close(self) -> None:
         await self._run(lambda db: db.close())
+
+
+def _put(db: sqlite3.Connection, kind: str, name: str, doc: str | None) -> None:
+    if doc is None:
+        db.execute("DELETE FROM docs WHERE kind = ? AND name = ?", (kind, name))
+    else:
+        db.execute("INSERT OR REPLACE INTO docs (kind, name, doc) VALUES (?, ?, ?)", (kind, name, doc))
 
 
 def _version(db: sqlite3.Connection) -> int:

@@ -13,6 +13,7 @@ This module decides and words; the store (memory, or Redis behind `FailoverStore
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,9 +29,10 @@ from policies.limits.headers import Headers, ratelimit_headers
 from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
 from policies.policy import Policy
 from policies.reservation import output_reservation
-from policies.types import Rejection, RequestFacts, Usage
+from policies.types import Principal, Rejection, RequestFacts, Usage
 
 log = logging.getLogger(__name__)
+_SHARED_SCOPES = frozenset({"key", "tenant", "global"})  # limits that hold whatever the model (precheck)
 
 
 class Store(Protocol):
@@ -158,6 +160,99 @@ class Admission:
             output_tokens=output_tokens,
             shadow_exceeded=shadow,
             price_factor=factor,
+        )
+
+    async def precheck(self, principal: Principal, model: str, now: float | None = None) -> Rejection | None:
+        """Before a request's expensive work (its prompt counted): the 429 `admit` would give any
+        request of this caller now, from state this process holds (the memory store's, or the Redis
+        mirror's fresh entries; Redis is not asked), or None. Judges only limits every model shares
+        (key, tenant and global scopes), so a model's own limit still leaves its fallback chain to
+        `admit`; a request limit at its capacity, a token limit with no token left or every
+        concurrency slot taken refuses. Charges nothing."""
+        plan = self._policies.current.admission_plan(principal, model)
+        shared = [i for i, spec in enumerate(plan.buckets) if spec.scope in _SHARED_SCOPES and not spec.shadow]
+        leases = [i for i, lease in enumerate(plan.leases) if lease.scope in _SHARED_SCOPES and not lease.shadow]
+        if not (shared or leases):
+            return None
+        charge = Charge("", [1.0] * len(plan.buckets), 0.0)  # one request, one token
+        peek_now: Callable[[Plan, float], Outcome] | None = getattr(self.store, "peek_now", None)
+        mirror = getattr(self.store, "mirror", None)
+        if peek_now is not None:
+            outcome = peek_now(plan, self._clock() if now is None else now)
+        elif mirror is not None:
+            store_now: Callable[[float | None], float] = getattr(self.store, "store_now", lambda n: self._clock())
+            found: Outcome | None = mirror.precheck(plan, charge, store_now(now))
+            if found is None:
+                return None
+            outcome = found
+        else:
+            return None
+        narrow = dataclasses.replace(
+            plan,
+            buckets=tuple(plan.buckets[i] for i in shared),
+            leases=tuple(plan.leases[i] for i in leases),
+            budgets=(),
+        )
+        narrowed = dataclasses.replace(
+            outcome,
+            bucket_used=[outcome.bucket_used[i] for i in shared],
+            lease_active=[outcome.lease_active[i] for i in leases],
+            budget_spent=[],
+            budget_periods=[],
+        )
+        short = any(
+            used + 1.0 > spec.capacity * outcome.capacity_scale
+            for spec, used in zip(narrow.buckets, narrowed.bucket_used, strict=True)
+        ) or any(
+            active + 1 > max(1, math.ceil(lease.capacity * outcome.capacity_scale))
+            for lease, active in zip(narrow.leases, narrowed.lease_active, strict=True)
+        )
+        if not short:
+            return None
+        rejection = self._rejection(narrow, model, Charge("", [1.0] * len(shared), 0.0), narrowed)
+        self.counters["precheck_" + (rejection.reason or "rejected")] += 1
+        return rejection
+
+    async def admit_request(self, principal: Principal, label: str, now: float | None = None) -> Admitted | Rejection:
+        """One request, and nothing else, against the request limits (RPM, RPD) of the caller's key and
+        tenant: for calls that run no model (the Files and Batch APIs), which are still requests a
+        rate limit must see. No tokens, concurrency slot or dollars are charged: none is used, and a
+        key busy with long streams can still read its files. `label` names what was called in the
+        429's message (where a model's name goes). Settle the ticket (a no-op correction) like any."""
+        full = self._policies.current.admission_plan(principal, "")
+        plan = dataclasses.replace(
+            full,
+            model="",
+            buckets=tuple(s for s in full.buckets if s.scope in ("key", "tenant") and s.kind == "requests"),
+            leases=(),
+            budgets=(),
+            encoded={},  # a store's encoding of the full plan is not this one's
+        )
+        if not plan.buckets:
+            self.counters["admitted"] += 1
+            return Admitted((), "", plan=plan)
+        costs = [1.0] * len(plan.buckets)
+        charge = Charge(f"{self._id_prefix}{next(self._ids):x}", costs, 0.0)
+        try:
+            outcome = await self._reserve(plan, charge, now)
+        except StoreUnavailable as exc:
+            self.counters["limiter_unavailable"] += 1
+            return rejections.limiter_unavailable(exc.retry_after_s)
+        if not outcome.admitted:
+            rejection = self._rejection(plan, label, charge, outcome)
+            self.counters[rejection.reason] += 1
+            return rejection
+        self.counters["admitted"] += 1
+        return Admitted(
+            headers=tuple(_success_headers(plan, costs, outcome)),
+            model="",
+            ticket_id=charge.ticket_id,
+            plan=plan,
+            bucket_costs=costs,
+            budget_periods=outcome.budget_periods,
+            source=outcome.source,
+            generation=getattr(getattr(self.store, "local", None), "generation", 0),
+            shadow_exceeded=self._shadow_exceeded(plan, charge, outcome),
         )
 
     async def _reserve(self, plan: Plan, charge: Charge, now: float | None) -> Outcome:

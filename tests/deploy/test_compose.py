@@ -261,7 +261,7 @@ def test_the_image_ships_a_default_config_that_runs_with_an_admin_token(monkeypa
     command = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))  # type: ignore[union-attr]
     build_parser().parse_args(command)
     assert command[command.index("--config") + 1] == "/etc/tokenway/gateway.yaml"
-    monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "t0ken")
+    monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "a-random-admin-token-0f3e9c")
     settings = load_settings(REPO / copied[1])
     assert (
         settings.server.host == "0.0.0.0"

@@ -54,6 +54,7 @@ def test_bad_floors_are_refused_in_the_admin_error_shape(gateway: Gateway) -> No
         ({"min_replicas": 2}, "for_s"),
         ({"min_replicas": -1, "for_s": 5}, "min_replicas"),
         ({"min_replicas": True, "for_s": 5}, "min_replicas"),
+        ({"min_replicas": 10**18, "for_s": 5}, "min_replicas"),  # bounded before it is stored
         ({"min_replicas": 1, "for_s": 0}, "for_s"),
         ({"min_replicas": 1, "for_s": 5, "start_in_s": -1}, "start_in_s"),
         ({"min_replicas": 1, "for_s": "5"}, "for_s"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,19 +31,24 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MODEL = "llama-3.1-8b"
 LIMITED_KEY = "sk-batch-limited-0000"
+RATED_KEY = "sk-batch-rated-0000"  # rpm 2, and nothing else
 FINISHED = ("completed", "failed", "expired", "cancelled")
 
 
 def policies(**extra: Any) -> dict[str, Any]:
     return {
-        "tenants": {"t1": {}, "t2": {}, "slow": {}},
+        "tenants": {"t1": {}, "t2": {}, "slow": {}, "rated": {}},
         "keys": [
             {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
             {"id": "k2", "tenant": "t2", "sha256": hash_key(OTHER_KEY)},
             {"id": "k3", "tenant": "slow", "sha256": hash_key(LIMITED_KEY)},
+            {"id": "k4", "tenant": "rated", "sha256": hash_key(RATED_KEY)},
         ],
         "models": {MODEL: {"context_length": 16384, "price": {"input_per_mtok": 1.0, "output_per_mtok": 2.0}}},
-        "limits": [{"scope": "key", "match": {"key": "k3"}, "max_concurrent": 1}],
+        "limits": [
+            {"scope": "key", "match": {"key": "k3"}, "max_concurrent": 1},
+            {"scope": "key", "match": {"key": "k4"}, "rpm": 2},
+        ],
         "batch": {"price_factor": 0.5},
         **extra,
     }
@@ -196,10 +202,102 @@ def test_an_oversized_file_is_refused(gateway: Gateway) -> None:
     assert raised.value.body["code"] == "file_too_large"  # type: ignore[index]
 
 
+def _raw(gw: Gateway, head: bytes, body: bytes) -> tuple[int, dict[str, str], Any]:
+    """One HTTP/1.1 exchange over a plain socket (bytes no client library would send): the status,
+    headers and JSON body of the answer."""
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+        sock.sendall(head + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536) or b"\r\n\r\n"
+        top, _, rest = data.partition(b"\r\n\r\n")
+        lines = top.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(rest) < length:
+            more = sock.recv(65536)
+            if not more:
+                break
+            rest += more
+    return int(lines[0].split()[1]), headers, json.loads(rest[:length]) if length else None
+
+
+def _form(name: bytes, value: bytes, boundary: bytes = b"XbatchX") -> bytes:
+    return (
+        b"--" + boundary + b'\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        b"--" + boundary + b"\r\nContent-Disposition: form-data; " + name + b'; filename="in.jsonl"\r\n'
+        b"Content-Type: application/jsonl\r\n\r\n" + value + b"\r\n--" + boundary + b"--\r\n"
+    )
+
+
+def _upload_head(gw: Gateway, length: int, key: str = TEST_KEY, boundary: bytes = b"XbatchX") -> bytes:
+    return (
+        b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: multipart/form-data; boundary=%s\r\nContent-Length: %d\r\nConnection: close\r\n"
+        % (gw.port, key.encode(), boundary, length)
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        b'name="a\rb"',
+        b'name="a\nb"',
+        b'name="a\r\nb"',
+        b'name="a\x00b"',
+        b'name="a"b"',
+        b'name="',
+        b"name*=UTF-8''a%0D%0Ab",
+        b"name=\"file\"; filename*=UTF-8''in%0A.jsonl",
+    ],
+    ids=["CR", "LF", "CRLF", "NUL", "stray quote", "unclosed quote", "encoded CRLF", "encoded LF in filename"],
+)
+def test_a_malformed_form_part_is_a_400_in_openais_shape(gateway: Gateway, name: bytes) -> None:
+    body = _form(name, chat_lines(1, prefix="mp"))
+    status, headers, error = _raw(gateway, _upload_head(gateway, len(body)), body)
+    assert status == 400, (status, error)
+    assert headers["content-type"].startswith("application/json")
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+    assert "unhandled error" not in gateway.log() and "Error handling request" not in gateway.log()
+
+
+def test_a_form_without_its_boundary_is_a_400(gateway: Gateway) -> None:
+    body = _form(b'name="file"', chat_lines(1), boundary=b"other")
+    status, _, error = _raw(gateway, _upload_head(gateway, len(body)), body)
+    assert status == 400 and error["error"]["type"] == "invalid_request_error", (status, error)
+    head = _upload_head(gateway, len(body)).replace(b"; boundary=XbatchX", b"")
+    status, _, error = _raw(gateway, head, body)
+    assert status == 400 and "boundary" in error["error"]["message"], (status, error)
+
+
+def test_files_and_batches_are_requests_under_the_keys_rate_limit(gateway: Gateway) -> None:
+    """rpm 2: each call is one request (two fit), whatever it is, and a third is a 429 in OpenAI's
+    shape, before an upload's body is read."""
+    c = client(gateway, RATED_KEY)
+    made = c.files.with_raw_response.create(file=("in.jsonl", chat_lines(1, prefix="rl")), purpose="batch")
+    assert made.headers["x-ratelimit-limit-requests"] == "2"
+    file = made.parse()
+    batch = c.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.input_file_id == file.id  # two calls, each charged once, both fit in rpm 2
+    for call in (c.files.list, lambda: c.batches.retrieve(batch.id), lambda: c.files.content(file.id)):
+        with pytest.raises(openai.RateLimitError) as refused:
+            call()
+        error = refused.value.body
+        assert isinstance(error, dict) and error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+        assert "retry-after" in refused.value.response.headers
+    # an upload announced and never sent is refused at once (a 408 would mean it was waited for)
+    status, headers, error = _raw(gateway, _upload_head(gateway, 200_000, RATED_KEY), b"--XbatchX\r\n")
+    assert status == 429 and error["error"]["code"] == "rate_limit_exceeded" and "retry-after" in headers
+
+
 def test_batch_validation_cancel_and_pagination(gateway: Gateway) -> None:
     c = client(gateway)
     with pytest.raises(openai.BadRequestError):
         c.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")
+    bad_endpoints: list[object] = [[], {"a": 1}, 7]
+    for endpoint in bad_endpoints:  # not a string: a 400 naming the field, never a 500 (unhashable)
+        with pytest.raises(openai.BadRequestError, match="endpoint"):
+            c.batches.create(input_file_id="file-x", endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
     file = c.files.create(file=("in.jsonl", chat_lines(2)), purpose="batch")
     with pytest.raises(openai.BadRequestError):
         c.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="48h")  # type: ignore[arg-type]

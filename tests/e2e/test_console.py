@@ -115,7 +115,7 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
         assert not severe, severe
 
 
-def test_the_admin_api_refuses_a_cookie_without_the_console_header(
+def test_the_admin_api_refuses_a_cookie_without_its_sessions_csrf_token(
     sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
 ) -> None:
     import json
@@ -128,6 +128,7 @@ def test_the_admin_api_refuses_a_cookie_without_the_console_header(
     login = urllib.request.Request(gateway.url + "/ui/login", data=json.dumps({"token": TOKEN}).encode(), method="POST")
     with urllib.request.urlopen(login, timeout=10) as response:
         cookie = response.headers["Set-Cookie"].split(";", 1)[0]
+        csrf = json.loads(response.read())["csrf_token"]
     assert "HttpOnly" in response.headers["Set-Cookie"] and "SameSite=Strict" in response.headers["Set-Cookie"]
 
     def call(method: str, path: str, headers: dict[str, str]) -> int:
@@ -141,8 +142,9 @@ def test_the_admin_api_refuses_a_cookie_without_the_console_header(
             return int(exc.code)
 
     assert call("GET", "/admin/keys", {"Cookie": cookie}) == 200
-    assert call("POST", "/admin/tenants", {"Cookie": cookie}) == 401  # a cross-site form cannot add the header
-    assert call("POST", "/admin/tenants", {"Cookie": cookie, "X-Tokenway-Console": "1"}) == 400  # in, then validated
+    assert call("POST", "/admin/tenants", {"Cookie": cookie}) == 403  # a cross-site form cannot add the header
+    assert call("POST", "/admin/tenants", {"Cookie": cookie, "X-Tokenway-CSRF": "1"}) == 403  # nor guess its value
+    assert call("POST", "/admin/tenants", {"Cookie": cookie, "X-Tokenway-CSRF": csrf}) == 400  # in, then validated
     assert call("GET", "/admin/keys", {}) == 401
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from policies.engine_fields import cache_salt
 from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.procs import REPO, TEST_KEY, Gateway, free_port, http_get, stop_process, wait_http
 
@@ -91,9 +92,10 @@ def test_engine_control_fields_from_clients_never_reach_the_engine(
         response = chat(gateway, TEST_KEY, stream=stream, **HOSTILE_FIELDS)
         assert response.status_code == 200, response.text
     for body in engine.bodies():
-        leaked = {name for name in HOSTILE_FIELDS if name in body and name != "priority"}
+        leaked = {name for name in HOSTILE_FIELDS if name in body and name not in ("priority", "cache_salt")}
         assert leaked == set(), f"engine-control fields reached the engine: {sorted(leaked)}"
         assert body.get("priority") != -2  # the client's "critical" (2) is not what the engine sees
+        assert body["cache_salt"] == cache_salt("tenant:t1")  # the gateway's, the tenant's own cache
 
 
 def test_a_trusted_tenant_passes_the_fields_its_policy_names(
@@ -103,7 +105,7 @@ def test_a_trusted_tenant_passes_the_fields_its_policy_names(
     gateway = gateway_over(gateway_factory, [engine.url])
     assert chat(gateway, TRUSTED_KEY, **HOSTILE_FIELDS).status_code == 200
     (body,) = engine.bodies()
-    assert body["cache_salt"] == "my-salt"
+    assert body["cache_salt"] == cache_salt("tenant:trusted", "my-salt")  # its own, within its own cache
     assert body["priority"] == -2  # its own priority 2, on vLLM's scale (lower runs first)
     assert "kv_transfer_params" not in body and "vllm_xargs" not in body
 

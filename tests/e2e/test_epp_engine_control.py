@@ -5,10 +5,9 @@ body modes a data plane may configure (FULL_DUPLEX_STREAMED, the Inference Exten
 Envoy sends the engine only the body the picker gives back, so the picker must give back the walk's
 body: a client's `kv_transfer_params` / `disaggregated_params` / `priority` / ... dropped (an SSRF and
 a queue jump otherwise), the tenant's tier as the engine priority, a trusted tenant's named extras
-kept; and with a changed body the client's `content-length` must not survive (removed in
-FULL_DUPLEX_STREAMED, set to the new length in BUFFERED). A body the walk left as it was goes on byte
-for byte, without a body mutation. The pool serves the public model name (no rename), so a clean
-body really is the client's.
+kept, the gateway's own prefix-cache salt for the tenant; and with a changed body the client's
+`content-length` must not survive (removed in FULL_DUPLEX_STREAMED, set to the new length in
+BUFFERED). The pool serves the public model name (no rename), so a clean body gains only the salt.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
+from policies.engine_fields import cache_salt
 from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
 from tests.support.procs import TEST_KEY, start_sim, static_pool
@@ -76,8 +76,9 @@ async def test_engine_control_fields_from_a_client_never_reach_the_engine(
     envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
 ) -> None:
     answer, forwarded = await send(envoy, TEST_KEY, chat(**HOSTILE_FIELDS), buffered=buffered)
-    leaked = sorted(set(HOSTILE_FIELDS) & set(forwarded))
+    leaked = sorted((set(HOSTILE_FIELDS) - {"cache_salt"}) & set(forwarded))
     assert leaked == [], f"engine-control fields Envoy would send the engine: {leaked}"
+    assert forwarded["cache_salt"] == cache_salt("tenant:t1")  # the gateway's, not the client's
     assert answer.body_mutated
     assert forwarded["messages"] == [{"role": "user", "content": "hi"}] and forwarded["max_tokens"] == 4
     assert_length_handled(answer, buffered=buffered)
@@ -96,14 +97,14 @@ async def test_the_engine_priority_is_the_tenants_tier(
 
 
 @MODES
-async def test_a_clean_body_goes_on_as_the_client_sent_it(
+async def test_a_clean_body_gains_only_the_tenants_cache_salt(
     envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
 ) -> None:
     body = b'{"model": "llama-3.1-8b",  "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
-    answer, _ = await send(envoy, TEST_KEY, body, buffered=buffered)
-    assert answer.forwarded_body == body  # byte for byte (its spacing too): nothing to change
-    assert not answer.body_mutated and "content-length" not in answer.removed
-    assert "content-length" not in answer.headers
+    answer, forwarded = await send(envoy, TEST_KEY, body, buffered=buffered)
+    assert forwarded == {**json.loads(body), "cache_salt": cache_salt("tenant:t1")}
+    assert answer.body_mutated
+    assert_length_handled(answer, buffered=buffered)
 
 
 @MODES
@@ -111,7 +112,7 @@ async def test_a_trusted_tenant_keeps_the_extras_its_policy_names(
     envoy: tuple[EnvoySide, aiohttp.ClientSession], buffered: bool
 ) -> None:
     answer, forwarded = await send(envoy, TRUSTED_KEY, chat(**HOSTILE_FIELDS), buffered=buffered)
-    assert forwarded["cache_salt"] == "my-salt"
+    assert forwarded["cache_salt"] == cache_salt("tenant:trusted", "my-salt")  # its own, in its own cache
     assert forwarded["priority"] == -2  # its own priority 2 (critical), on vLLM's scale
     assert not {"kv_transfer_params", "disaggregated_params", "vllm_xargs", "request_id"} & set(forwarded)
     assert_length_handled(answer, buffered=buffered)

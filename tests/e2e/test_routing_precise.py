@@ -3,7 +3,8 @@
 Simulated engines publish vLLM-format KV events over ZMQ (`--kv-events-config`); the gateway runs
 with `routing.prefix_index.mode: precise` and subscribes to each endpoint's `kv_events_endpoint`.
 Behaviour that only events can explain is checked: a prefix cached by traffic that never passed
-through the gateway attracts the gateway's requests, and `POST /reset_prefix_cache` on an engine
+through the gateway (sent with the tenant's cache salt: caches are per tenant) attracts the gateway's
+requests, and `POST /reset_prefix_cache` on an engine
 (which publishes AllBlocksCleared) takes that attraction away again.
 
 The static pool declares `engine: vllm`, so the gateway takes token ids from the engine's `/tokenize`
@@ -25,6 +26,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from policies.engine_fields import cache_salt
 from tests.support.procs import (
     TEST_KEY,
     Gateway,
@@ -38,6 +40,8 @@ from tests.support.procs import (
 )
 
 pytestmark = pytest.mark.e2e
+
+TEST_TENANT = "t1"  # TEST_KEY's (tests/support/procs.policies_doc)
 
 MODEL = "llama-3.1-8b"
 REPLICAS = 3
@@ -92,6 +96,15 @@ def ask(base_url: str, msgs: list[ChatCompletionMessageParam], debug: bool = Tru
     return dict(raw.headers), raw.parse()
 
 
+def warm(engine_url: str, msgs: list[ChatCompletionMessageParam]) -> Any:
+    """One request straight to an engine, in TEST_KEY's tenant's cache (the salt the gateway gives its
+    requests: caches are per tenant), as an operator warming that tenant's prefix would send it."""
+    client = openai.OpenAI(base_url=engine_url + "/v1", api_key="-", max_retries=0, timeout=60)
+    return client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=4, extra_body={"cache_salt": cache_salt(f"tenant:{TEST_TENANT}")}
+    )
+
+
 def wait_all_ready(gateway: Gateway, timeout_s: float = 60.0) -> dict[str, str]:
     """Endpoint id -> URL once every endpoint is ready (/readyz only needs one per pool)."""
     deadline = time.monotonic() + timeout_s
@@ -122,7 +135,7 @@ def test_a_prefix_cached_behind_the_gateways_back_attracts_its_requests(fleet: t
     prefix = long_text(uuid.uuid4().hex[:8])
     # an engine caches the prefix from a request the gateway never saw
     target = 1
-    _, direct = ask(engines.urls[target] + "/v1", messages(prefix, "warm"), debug=False)
+    direct = warm(engines.urls[target], messages(prefix, "warm"))
     settle()
     headers, completion = ask(gateway.base_url, messages(prefix, "And now through the gateway?"))
     assert headers["x-tokenway-endpoint"] == f"precise/both-s{target}"
@@ -171,7 +184,7 @@ def test_launched_pool_with_kv_events_enabled_routes_by_events(tmp_path: Path) -
         settle(SUBSCRIBE_DELAY_S)  # events published before the subscription exists are not seen
         target = "launched/both-1"
         prefix = long_text(uuid.uuid4().hex[:8])
-        _, direct = ask(endpoints[target] + "/v1", messages(prefix, "warm"), debug=False)
+        direct = warm(endpoints[target], messages(prefix, "warm"))
         settle()
         headers, completion = ask(gateway.base_url, messages(prefix, "via the gateway"))
         assert headers["x-tokenway-endpoint"] == target

@@ -50,20 +50,25 @@ def _native_responses(kept: MemoryResponseStore | None = None, **request: Any) -
     return call
 
 
-def test_native_response_passes_through_only_when_it_already_says_what_the_client_asked() -> None:
-    body, _ = _native_responses(None, store=False).unary(
-        _response(store=False, previous_response_id=None), public_model="m"
-    )
-    assert body is None
+def test_a_native_response_is_re_encoded_under_the_gateways_own_id() -> None:
     for request, answer in [
+        ({"store": False}, _response(store=False, previous_response_id=None)),  # as the client asked
         ({"store": False}, _response()),  # the engine did not echo store / previous_response_id
         ({}, _response(store=False, previous_response_id=None)),  # store: true by default
         ({"store": False}, _response(store=True, previous_response_id=None)),
     ]:
-        body, _ = _native_responses(None, **request).unary(answer, public_model="m")
+        call = _native_responses(None, **request)
+        body, _ = call.unary(answer, public_model="m")
         assert body is not None
         written = orjson.loads(body)
         assert written["store"] == request.get("store", True) and written["previous_response_id"] is None
+        assert written["id"] == call.response_id != "resp_1"  # never the engine's id
+
+
+def test_two_calls_never_share_a_response_id() -> None:
+    ids = {_native_responses(None).response_id for _ in range(200)}
+    assert len(ids) == 200
+    assert all(i.startswith("resp_") and len(i) >= 5 + 24 for i in ids)
 
 
 def test_stored_entry_holds_the_bytes_the_client_got() -> None:
@@ -74,7 +79,8 @@ def test_stored_entry_holds_the_bytes_the_client_got() -> None:
         body, _ = call.unary(_response(), public_model="m")
         assert body is not None
         await call.finished()
-        entry = await store.get("k", "resp_1")
+        assert await store.get("k", "resp_1") is None  # the engine's id names nothing
+        entry = await store.get("k", call.response_id)
         assert entry is not None and entry["response"] == orjson.loads(body)
         assert [item["type"] for item in entry["items"]] == ["message", "message"]
 

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
 from gateway.relay import RelayOutcome, RetryableUpstream, UpstreamRejected, UpstreamTarget, relay_stream, relay_unary
-from gateway.upstream import UpstreamClient
+from gateway.upstream import CallWatch, UpstreamClient
 
 Script = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -242,3 +242,63 @@ async def test_client_disconnect_closes_the_upstream(upstream: tuple[Upstream, s
     finally:
         await server.close()
     assert outcome.aborted
+
+
+async def role_then_silence(request: web.Request) -> web.StreamResponse:
+    """A replica that froze after its role chunk: no token ever comes."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(chunk(""))
+    await asyncio.sleep(30)
+    return response
+
+
+async def test_with_a_first_token_deadline_nothing_reaches_the_client_before_the_first_token(
+    upstream: tuple[Upstream, str],
+) -> None:
+    """The role chunk is held back; when the deadline cuts the call first, the request is still
+    movable (`RetryableUpstream`) and its client has seen nothing, not even the headers. A stream whose
+    first token comes in time goes out whole, the held role chunk first."""
+    state, url = upstream
+    state.script = role_then_silence
+    outcome, inflight = RelayOutcome(), InFlight()
+    seen: list[BaseException] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        async with UpstreamClient(read_timeout_s=10) as session:
+            ticket = inflight.begin(5)
+            held = target(url)
+            held.watch = CallWatch("e", stream=True)
+            held.watch.arm(0.2, "first-token deadline")
+            try:
+                await relay_stream(
+                    session, request, held, ticket, outcome,
+                    client_wants_usage=False, response_headers=[], prompt_tokens=5,
+                )  # fmt: skip
+            except RetryableUpstream as exc:
+                seen.append(exc)
+                assert outcome.response is not None and not outcome.response.prepared
+                return web.Response(status=599, text="moved")
+            finally:
+                ticket.end()
+        assert outcome.response is not None
+        return outcome.response
+
+    app = web.Application()
+    app.router.add_post("/relay", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client, client.post(server.make_url("/relay")) as response:
+            assert (response.status, await response.text()) == (599, "moved")
+        await asyncio.wait_for(state.closed.wait(), 5)  # the frozen replica's request was dropped
+        assert len(seen) == 1
+
+        state.script = normal_stream  # in time: the whole stream, the role chunk included
+        outcome = RelayOutcome()
+        async with aiohttp.ClientSession() as client, client.post(server.make_url("/relay")) as response:
+            body = await response.read()
+        assert body.count(b"data: ") == 5 and body.endswith(b"data: [DONE]\n\n")
+        assert outcome.first_token_at_s is not None
+    finally:
+        await server.close()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream import UpstreamClient
+from gateway.upstream import CallWatch, UpstreamClient
 from gateway.upstream_connection import UpstreamConnectionError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
@@ -198,6 +198,49 @@ async def test_silence_longer_than_read_timeout(serve: Callable[[Script], Awaita
             await post(client, no_body.url)
         assert client.idle_connections() == 0
     await asyncio.wait_for(no_head.eof_seen.wait(), 5)  # the timed-out connection was dropped
+
+
+async def test_a_watched_call_is_cut_at_once_wherever_it_waits(serve: Callable[[Script], Awaitable[Server]]) -> None:
+    """A frozen engine accepts connections and answers nothing: the stall watch's cut (or a first-token
+    deadline) ends the call at once, drops the connection (the engine aborts the request when it runs
+    again) and is not retried on a fresh connection as an idle pooled one would be."""
+    answered = 0
+
+    async def freezes_after_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        nonlocal answered
+        answered += 1
+        if answered == 1:
+            writer.write(OK)
+            await writer.drain()
+        else:
+            await reader.read()  # frozen: never answers, sees the disconnect
+
+    async def stalls_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        await reader.read()
+
+    frozen, mid_body = await serve(freezes_after_one), await serve(stalls_mid_body)
+    async with UpstreamClient(read_timeout_s=60) as client:
+        assert await post(client, frozen.url) == (200, b'{"ok":true}')  # its connection is pooled now
+        watch = CallWatch("e", stream=True)
+        asyncio.get_running_loop().call_later(0.05, watch.cut, "stalled")
+        with pytest.raises(UpstreamConnectionError):
+            await client.post(frozen.url, {}, BODY, watch)
+        assert (watch.reason, frozen.connections) == ("stalled", 1)  # not retried on a fresh connection
+        await asyncio.wait_for(frozen.eof_seen.wait(), 5)
+
+        deadline = CallWatch("e", stream=True)
+        deadline.arm(0.05, "first-token deadline")
+        response = await client.post(mid_body.url, {}, BODY, deadline)
+        assert deadline.last_byte_s > 0.0  # the head came: a sign of life
+        with pytest.raises(UpstreamConnectionError):
+            await response.read()
+        assert deadline.reason == "first-token deadline"
+
+        early = CallWatch("e", stream=False)
+        early.cut("stalled")  # cut before it had a connection
+        with pytest.raises(UpstreamConnectionError):
+            await client.post(mid_body.url, {}, BODY, early)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.engine_fields import ENGINE_CONTROL_FIELDS, client_body
+from policies.engine_fields import ENGINE_CONTROL_FIELDS, cache_salt, client_body
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -31,3 +31,16 @@ def test_engine_control_fields_are_dropped() -> None:
 def test_a_tenant_may_be_allowed_named_fields() -> None:
     body, dropped = client_body({**BODY, "priority": 1, "cache_salt": "s"}, allowed=("cache_salt",))
     assert body["cache_salt"] == "s" and "priority" not in body and dropped == ("priority",)
+
+
+def test_each_cache_group_has_its_own_salt_which_does_not_spell_its_name() -> None:
+    a, b = cache_salt("tenant:acme"), cache_salt("tenant:globex")
+    assert a != b and a == cache_salt("tenant:acme")  # stable: the same on every gateway replica
+    assert "acme" not in a and len(a) == 32
+
+
+def test_a_trusted_tenants_own_salt_splits_its_group_but_never_names_another() -> None:
+    mine = cache_salt("tenant:acme", "experiment-1")
+    assert mine not in (cache_salt("tenant:acme"), cache_salt("tenant:acme", "experiment-2"))
+    # whatever salt a tenant picks, it cannot land on another group's: the group is length-prefixed
+    assert cache_salt("tenant:a", "b") != cache_salt("tenant:ab")

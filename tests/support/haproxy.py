@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.procs import free_port, stop_process
+from tests.support.procs import free_port, spawn, stop_process
 
 
 @dataclass
@@ -63,7 +63,7 @@ backend gateways
     config_path.write_text(config)
     log_path = workdir / "haproxy.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, "-db", "-f", str(config_path)], stdout=log, stderr=subprocess.STDOUT)
+        proc = spawn([binary, "-db", "-f", str(config_path)], stdout=log, stderr=subprocess.STDOUT)
     balancer = Balancer(proc, port, config_path, log_path)
     import socket
 

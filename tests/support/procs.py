@@ -2,10 +2,17 @@
 
 Everything is started as a subprocess of the test (no in-process shortcuts), talks over real
 sockets, and is stopped with a signal at the end so shutdown paths run too.
+
+Nothing started here outlives a failure: `spawn` starts each process in its own process group and
+records it in a module-level registry before anything can fail; `stop_process` ends the whole group
+(whatever the process forked), and `sweep` (run at interpreter exit, at the end of a pytest session,
+and by tests/support/cleanup.py when a fixture or test fails) ends every registered process still
+alive. A fixture that raised after starting three gateways used to leave them running for minutes.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
@@ -130,15 +137,152 @@ def wait_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen[Any] | N
     raise TimeoutError(f"{url} did not answer {status} within {timeout_s}s (last: {last})")
 
 
+# Every process started through `spawn`, by pid, until `stop_process` has ended it.
+_LIVE: dict[int, subprocess.Popen[Any]] = {}
+
+
+def spawn(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """`subprocess.Popen(argv, **kwargs)` in a process group of its own, registered for `sweep`
+    before the caller can fail: whatever happens next, the process (and what it forks) is ended."""
+    kwargs.setdefault("start_new_session", True)
+    proc: subprocess.Popen[bytes] = subprocess.Popen(list(argv), **kwargs)
+    _LIVE[proc.pid] = proc
+    return proc
+
+
+def live_processes() -> dict[int, subprocess.Popen[Any]]:
+    """The registered processes not yet stopped (a copy)."""
+    return dict(_LIVE)
+
+
+def _own_group(proc: subprocess.Popen[Any]) -> bool:
+    try:
+        return os.getpgid(proc.pid) == proc.pid
+    except OSError:
+        return proc.pid in _LIVE  # exited already: a spawned process led its own group
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+    """Signal `proc` (its shutdown path runs), wait, SIGKILL it after `timeout_s`; then, for a
+    process that leads its own group, SIGKILL whatever of the group is left (its forked children)."""
+    group = _own_group(proc)
     if proc.poll() is None:
         proc.send_signal(sig)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            if group:
+                _kill_group(proc.pid)
             proc.kill()
             proc.wait(5)
+    if group:
+        _kill_group(proc.pid)
+    _LIVE.pop(proc.pid, None)
     return int(proc.returncode)
+
+
+def children(pid: int) -> set[int]:
+    """Every live descendant of `pid` (Linux /proc; empty elsewhere), zombies left out."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, waiting to be reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def all_gone(pids: Sequence[int], timeout_s: float = 10.0) -> bool:
+    """Whether every one of `pids` has ended within `timeout_s` (a SIGKILL takes effect when the
+    process is next scheduled, not when the signal is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Before a step: the registered processes, and the time (Linux's boot clock, in clock ticks:
+    what /proc says of a process's start) after which a process is the step's."""
+
+    registered: frozenset[int]
+    ticks: int
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _boot_ticks() -> int:
+    clock = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+    return int(time.clock_gettime(clock) * _TICKS_PER_S)
+
+
+def _started_ticks(pid: int) -> int:
+    """When `pid` started, in clock ticks since boot (0 when unknown: counted as older)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def snapshot() -> Snapshot:
+    """Cheap (no walk of the process table): taken before every fixture and test by
+    tests/support/cleanup.py; the table is read only when the step failed."""
+    return Snapshot(frozenset(_LIVE), _boot_ticks())
+
+
+def sweep(since: Snapshot | None = None) -> list[int]:
+    """End every registered process still alive, and every descendant of this process, that was not
+    running at `since` (all of them without one). Returns the pids ended."""
+    ended: list[int] = []
+    for pid, proc in list(_LIVE.items()):
+        if since is not None and pid in since.registered:
+            continue
+        if proc.poll() is None:
+            ended.append(pid)
+        with contextlib.suppress(Exception):
+            stop_process(proc, signal.SIGKILL, timeout_s=5)
+    for pid in children(os.getpid()):
+        if since is not None and _started_ticks(pid) < since.ticks:
+            continue
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            ended.append(pid)
+    return ended
+
+
+atexit.register(sweep)
 
 
 @dataclass
@@ -189,7 +333,7 @@ def start_sim(
         argv += ["--served-model-name", served_model_name]
     log_path = log_dir / f"sim-{ports[0]}.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
     engines = SimEngines(proc, ports, log_path)
     if not wait:
         return engines
@@ -275,7 +419,7 @@ def start_gateway(
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
+        proc = spawn(
             [sys.executable, "-m", "gateway.cli", command, "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,

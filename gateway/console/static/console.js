@@ -1,5 +1,7 @@
 // tokenway console: one page per hash (#overview, #keys, ...) over the admin API.
 // The admin token is exchanged for an HttpOnly session cookie at login and never kept by this script.
+// Every change carries the session's CSRF token (X-Tokenway-CSRF), received at login or from
+// GET /ui/session and kept only in this closure: a page of another origin can read neither.
 // Every value from the gateway is inserted with textContent (never as HTML).
 "use strict";
 
@@ -7,6 +9,7 @@
   const $ = (id) => document.getElementById(id);
   const page = $("page");
   let timers = [];
+  let csrfToken = "";
   let charts = [];
 
   // ------------------------------------------------------------------ helpers
@@ -35,7 +38,7 @@
     const response = await fetch(path, {
       method,
       credentials: "same-origin",
-      headers: { "Content-Type": "application/json", "X-Tokenway-Console": "1" },
+      headers: { "Content-Type": "application/json", "X-Tokenway-CSRF": csrfToken },
       body: body === undefined ? undefined : JSON.stringify(body),
     });
     const text = await response.text();
@@ -611,12 +614,13 @@
       body: JSON.stringify({ token: $("token").value }),
     });
     $("token").value = "";
-    if (response.ok) showConsole();
+    if (response.ok) { csrfToken = (await response.json()).csrf_token || ""; showConsole(); }
     else $("login-error").textContent = ((await response.json()).error || {}).message || "login failed";
   });
 
   $("logout").addEventListener("click", async () => {
     await fetch("/ui/logout", { method: "POST", credentials: "same-origin" });
+    csrfToken = "";
     showLogin();
   });
 
@@ -625,6 +629,7 @@
   (async () => {
     const session = await (await fetch("/ui/session", { credentials: "same-origin" })).json();
     if (!session.token_required) $("login-note").textContent = "No admin token is configured: the console answers loopback callers only. Log in with an empty token.";
+    csrfToken = session.csrf_token || "";
     if (session.authenticated) showConsole(); else showLogin();
   })();
 })();

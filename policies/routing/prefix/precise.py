@@ -11,8 +11,8 @@ until the first request to the endpoint tells its kind):
 - otherwise a key of our own ("token" keys): the block re-hashed with this package's chained xxh3
   (`hashing.block_key`) over the event's `token_ids`, its parent found through `parent_block_hash`,
   the first block seeded by `lora_name` and the cache salt carried in `extra_keys`. This works for
-  any engine whose events carry token ids (vLLM with sha256/CBOR and any `PYTHONHASHSEED`; REFERENCE
-  §2.5, last line). A block whose parent was never seen (events lost) gets no token key (an orphan).
+  any engine whose events carry token ids (vLLM with sha256/CBOR and any `PYTHONHASHSEED`: its events
+  carry `token_ids`). A block whose parent was never seen (events lost) gets no token key (an orphan).
   Limits: a salt the engine does not publish in `extra_keys` makes salted prompts miss (never a
   false hit); LoRA adapters are matched only by event `lora_name` (requests carry none yet).
 

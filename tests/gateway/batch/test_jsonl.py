@@ -103,3 +103,22 @@ def test_an_empty_file_is_not_ok(tmp_path: Path) -> None:
     scan, _ = scan_file(path, max_lines=3)
     assert not scan.ok
     assert "holds no requests" in scan.summary()
+
+
+@pytest.mark.parametrize("depth", [80, 300])
+def test_a_line_nested_too_deep_is_refused_naming_the_field(depth: int) -> None:
+    deep = b'{"k":' * depth + b'"x"' + b"}" * depth  # written out: orjson encodes 254 levels at most
+    raw = line(model="m", messages=[{"role": "user", "content": "hi"}], metadata="DEEP").replace(b'"DEEP"', deep)
+    parsed, problem = check_line(raw)
+    assert parsed is None and problem is not None
+    code, message, param = problem
+    assert code == "too_deep" and param is not None and param.startswith("body.metadata.k.k")
+    assert "nested more than" in message
+
+
+def test_a_line_as_deep_as_a_live_request_may_be_is_accepted() -> None:
+    deep: object = "x"
+    for _ in range(40):
+        deep = [deep]
+    _parsed, problem = check_line(line(model="m", messages=[{"role": "user", "content": "hi"}], stop=deep))
+    assert problem is None or problem[0] != "too_deep"

@@ -50,11 +50,12 @@ def test_the_tail_and_the_minutes_are_bounded() -> None:
 def test_sessions_expire_and_are_bounded() -> None:
     now = [0.0]
     sessions = ConsoleSessions(ttl_s=10, clock=lambda: now[0])
-    first = sessions.open()
+    first, csrf = sessions.open()
+    assert sessions.csrf_of(first) == csrf and len(csrf) >= 32
     assert sessions.valid(first) and not sessions.valid("forged") and not sessions.valid(None)
     now[0] = 11
     assert not sessions.valid(first)
-    many = [sessions.open() for _ in range(300)]
+    many = [sessions.open()[0] for _ in range(300)]
     assert not sessions.valid(many[0]) and sessions.valid(many[-1])
     sessions.close(many[-1])
     assert not sessions.valid(many[-1])

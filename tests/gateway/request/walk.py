@@ -265,7 +265,13 @@ def chat_request(
         "Content-Length": str(len(data)),
         **{name.replace("_", "-"): value for name, value in headers.items()},
     }
-    return make_mocked_request("POST", "/v1/chat/completions", headers=all_headers, payload=payload)
+    transport = mock.Mock()  # a direct loopback caller (the operator, for x-tokenway-debug)
+    transport.get_extra_info.side_effect = lambda name, default=None: (
+        ("127.0.0.1", 40000) if name == "peername" else default
+    )
+    return make_mocked_request(
+        "POST", "/v1/chat/completions", headers=all_headers, payload=payload, transport=transport
+    )
 
 
 def body_json(response: web.StreamResponse) -> Any:

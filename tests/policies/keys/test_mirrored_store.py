@@ -1,0 +1,92 @@
+"""Redis with a durable SQLite copy behind it: a Redis that lost everything (a flush here, as a
+restart without persistence leaves it) gets the copy back, once however many replicas notice
+together, with revocations kept; a fresh Redis (no copy anywhere) stays empty."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from policies.keys.directory import KeyDirectory
+from policies.keys.mirrored import MirroredDirectoryStore
+from policies.keys.redis_store import RedisDirectoryStore
+from policies.keys.sqlite_store import SqliteDirectoryStore
+from policies.loader import parse_config
+from policies.policy import Policy
+
+pytestmark = pytest.mark.redis
+
+POLICY: dict[str, dict[str, dict[str, str]]] = {"tenants": {"t": {}}, "models": {"m": {}}}
+
+
+def mirrored(redis_url: str, prefix: str, path: Path) -> MirroredDirectoryStore:
+    return MirroredDirectoryStore(RedisDirectoryStore.from_url(redis_url, prefix), SqliteDirectoryStore(path))
+
+
+async def wipe(redis_url: str, prefix: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        found = [key async for key in client.scan_iter(match=f"*{prefix}*")]
+        if found:
+            await client.delete(*found)
+    finally:
+        await client.aclose()
+
+
+async def test_an_emptied_redis_gets_the_copy_back_once(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    writer = KeyDirectory(mirrored(redis_url, redis_prefix, tmp_path / "a.sqlite3"))
+    await writer.start()
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=writer)
+        _, kept = await writer.create_key({"tenant": "t", "id": "kept"}, policy, ["m"])
+        _, gone = await writer.create_key({"tenant": "t", "id": "gone"}, policy, ["m"])
+        await writer.revoke_key("gone")
+    finally:
+        await writer.stop()
+    await wipe(redis_url, redis_prefix)
+
+    # two replicas with the same copy load together: one restores, both see every key
+    stores = [mirrored(redis_url, redis_prefix, tmp_path / "a.sqlite3") for _ in range(2)]
+    snapshots = await asyncio.gather(*(store.load() for store in stores))
+    assert sum(store.restored for store in stores) == 1
+    for snapshot in snapshots:
+        assert set(snapshot.docs["key"]) == {"kept", "gone"} and snapshot.version >= 3
+    reader = KeyDirectory(stores[0])
+    await reader.start()
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=reader)
+        assert policy.authenticate(kept) is not None
+        assert policy.authenticate(gone) is None  # revoked stays revoked
+    finally:
+        await reader.stop()
+        await stores[1].close()
+
+
+async def test_a_replica_without_a_copy_restores_nothing(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    store = mirrored(redis_url, redis_prefix, tmp_path / "fresh.sqlite3")
+    try:
+        snapshot = await store.load()
+        assert snapshot.version == 0 and not any(snapshot.docs.values()) and store.restored == 0
+    finally:
+        await store.close()
+
+
+async def test_a_write_to_an_emptied_redis_restores_the_copy_first(
+    redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    directory = KeyDirectory(mirrored(redis_url, redis_prefix, tmp_path / "c.sqlite3"))
+    await directory.start()
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+        _, first = await directory.create_key({"tenant": "t", "id": "first"}, policy, ["m"])
+        await wipe(redis_url, redis_prefix)  # before any reload notices
+        await directory.create_key({"tenant": "t", "id": "second"}, policy, ["m"])
+        snapshot = await directory.store.load()
+        assert set(snapshot.docs["key"]) == {"first", "second"}
+        assert policy.authenticate(first) is not None
+    finally:
+        await directory.stop()
