@@ -38,7 +38,7 @@ from tests.real_vllm.conftest import (
     ledger_entries,
     wait_for,
 )
-from tests.support.procs import TEST_KEY, Gateway, start_gateway
+from tests.support.procs import OTHER_KEY, TEST_KEY, Gateway, start_gateway
 
 pytestmark = pytest.mark.e2e
 
@@ -62,8 +62,11 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     workdir = tmp_path_factory.mktemp("launched")
     pool = launched_pool(model_dir, kv_events={"enabled": True}, extra_args=["--num-gpu-blocks-override", str(BLOCKS)])
     policies = {
-        "tenants": {"t1": {}},
-        "keys": [{"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)}],
+        "tenants": {"t1": {}, "t2": {}},
+        "keys": [
+            {"id": "k1", "tenant": "t1", "sha256": hash_key(TEST_KEY)},
+            {"id": "k2", "tenant": "t2", "sha256": hash_key(OTHER_KEY)},
+        ],
         "models": {MODEL: {"context_length": 2048, "price": PRICE}},
     }
     gw = start_gateway(
@@ -84,8 +87,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         print(gw.log()[-3000:])
 
 
-def client(gw: Gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=300)
+def client(gw: Gateway, key: str = TEST_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=0, timeout=300)
 
 
 def endpoint_status(gw: Gateway) -> dict[str, Any]:
@@ -98,8 +101,8 @@ def engine_url(gw: Gateway) -> str:
     return str(endpoint_status(gw)["url"])
 
 
-def chat(gw: Gateway, messages: list[Any], **extra: Any) -> tuple[dict[str, str], Any]:
-    raw = client(gw).chat.completions.with_raw_response.create(
+def chat(gw: Gateway, messages: list[Any], key: str = TEST_KEY, **extra: Any) -> tuple[dict[str, str], Any]:
+    raw = client(gw, key).chat.completions.with_raw_response.create(
         model=MODEL, messages=messages, max_tokens=2, extra_headers={"x-tokenway-debug": "1"}, **extra
     )
     return dict(raw.headers), raw.parse()
@@ -181,6 +184,17 @@ def test_a_repeated_prompt_bills_the_engines_cached_tokens(gateway: Gateway) -> 
     expected = (usage.prompt_tokens - cached(second)) * 1.0 + cached(second) * 0.25 + usage.completion_tokens * 2.0
     assert entry["cost_usd"] == pytest.approx(expected / 1e6)
     wait_for(lambda: endpoint_status(gateway)["prompt_tokens_cached"] >= cached(second), what="a scrape")
+
+
+def test_another_tenant_resending_a_prompt_finds_nothing_of_it_in_the_engines_cache(gateway: Gateway) -> None:
+    """The gateway gives each tenant its own `cache_salt`, which the real engine mixes into its block hashes:
+    a tenant cannot learn from `cached_tokens` what another sent (and its own repeats still hit)."""
+    messages = [{"role": "user", "content": words(uuid.uuid4().hex[:6], 80)}]
+    chat(gateway, messages)
+    _, again = chat(gateway, messages)
+    _, other = chat(gateway, messages, key=OTHER_KEY)
+    assert cached(again) > 0
+    assert cached(other) == 0
 
 
 PROMPTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -24,6 +24,7 @@ import openai
 import pytest
 
 from backends.process import group_has_live_members
+from policies.engine_fields import cache_salt
 from policies.policy import hash_key
 from tests.real_vllm.conftest import (
     MODEL,
@@ -70,6 +71,7 @@ def warm_engine(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> It
             model=MODEL,
             max_tokens=2,
             messages=[{"role": "system", "content": prefix}, {"role": "user", "content": "a"}],
+            extra_body={"cache_salt": cache_salt("tenant:t1")},  # as the gateway salts t1's requests
         )
         yield {"server": server, "publisher": publisher, "replay": replay, "prefix": prefix, "workdir": workdir}
     finally:
