@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 import redis
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
@@ -313,3 +314,15 @@ def until(condition: Any, timeout_s: float = 60.0, interval_s: float = 0.2) -> b
                 return True
         time.sleep(interval_s)
     return False
+
+
+def fuzz_settings(examples: int) -> settings:
+    """Hypothesis settings of the fuzz stages: a fixed number of examples, the same ones every run
+    (derandomized, no example database), no deadline (the gateway is a real process on a busy host)."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.chaos.common import ADMIN, KEY, MODEL, policies, running, start_stack
+from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, policies, running, start_stack
 
 ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),
@@ -153,13 +153,7 @@ def run(workdir: Path, *, examples: int = 3000) -> dict[str, Any]:
     started = time.monotonic()
     with running(stack):
 
-        @settings(
-            max_examples=examples,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
+        @fuzz_settings(examples)
         @given(requests())
         def probe(request: tuple[str, str, list[tuple[bytes, bytes]], bytes]) -> None:
             method, path, headers, body = request

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX
+from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX, fuzz_settings
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import (
     MAX_BODY,
@@ -300,13 +300,7 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
             headers["x-request-id"] = draw(st.sampled_from(("same-id-for-all", "")) | st.text(max_size=20))
         return method, template, path, headers, body
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @fuzz_settings(examples)
     @given(requests())
     def probe(sent: tuple[str, str, str, dict[str, str], bytes]) -> None:
         method, template, path, headers, body = sent

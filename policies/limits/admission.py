@@ -135,16 +135,9 @@ class Admission:
             self.counters[never.reason] += 1
             return never
         charge = Charge(f"{self._id_prefix}{next(self._ids):x}", costs, cost_usd)
-        try:
-            outcome = await self._reserve(plan, charge, now)
-        except StoreUnavailable as exc:
-            self.counters["limiter_unavailable"] += 1
-            return rejections.limiter_unavailable(exc.retry_after_s)
-        if not outcome.admitted:
-            rejection = self._rejection(plan, model, charge, outcome)
-            self.counters[rejection.reason] += 1
-            return rejection
-        self.counters["admitted"] += 1
+        outcome = await self._reserved_or_refused(plan, model, charge, now)
+        if isinstance(outcome, Rejection):
+            return outcome
         shadow = self._shadow_exceeded(plan, charge, outcome)
         return Admitted(
             headers=tuple(_success_headers(plan, costs, outcome)),
@@ -233,16 +226,9 @@ class Admission:
             return Admitted((), "", plan=plan)
         costs = [1.0] * len(plan.buckets)
         charge = Charge(f"{self._id_prefix}{next(self._ids):x}", costs, 0.0)
-        try:
-            outcome = await self._reserve(plan, charge, now)
-        except StoreUnavailable as exc:
-            self.counters["limiter_unavailable"] += 1
-            return rejections.limiter_unavailable(exc.retry_after_s)
-        if not outcome.admitted:
-            rejection = self._rejection(plan, label, charge, outcome)
-            self.counters[rejection.reason] += 1
-            return rejection
-        self.counters["admitted"] += 1
+        outcome = await self._reserved_or_refused(plan, label, charge, now)
+        if isinstance(outcome, Rejection):
+            return outcome
         return Admitted(
             headers=tuple(_success_headers(plan, costs, outcome)),
             model="",
@@ -254,6 +240,23 @@ class Admission:
             generation=getattr(getattr(self.store, "local", None), "generation", 0),
             shadow_exceeded=self._shadow_exceeded(plan, charge, outcome),
         )
+
+    async def _reserved_or_refused(
+        self, plan: Plan, label: str, charge: Charge, now: float | None
+    ) -> Outcome | Rejection:
+        """The store's reservation of `charge`, counted as admitted, or the rejection it earned (counted by
+        its reason): one path for a request's tokens and for a Files/Batch call's single request."""
+        try:
+            outcome = await self._reserve(plan, charge, now)
+        except StoreUnavailable as exc:
+            self.counters["limiter_unavailable"] += 1
+            return rejections.limiter_unavailable(exc.retry_after_s)
+        if not outcome.admitted:
+            rejection = self._rejection(plan, label, charge, outcome)
+            self.counters[rejection.reason] += 1
+            return rejection
+        self.counters["admitted"] += 1
+        return outcome
 
     async def _reserve(self, plan: Plan, charge: Charge, now: float | None) -> Outcome:
         """The store's reservation, safe against the caller's cancellation (a client that disconnects
