@@ -16,6 +16,7 @@ The prefix-cache salt is always the gateway's (`cache_salt` below): a tenant all
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -56,6 +57,17 @@ def cache_salt(group: str, client_salt: str | None = None) -> str:
     """The engine's `cache_salt` for a request of cache group `group` (`tenants.<t>.cache_group`,
     else the tenant's name). A trusted tenant's own salt (`engine_fields: [cache_salt]`) is folded
     in, so it splits that group's cache but can never name another group's."""
+    if not client_salt:
+        return _group_salt(group)  # every request pays this: the groups are few, their salts kept
+    return _salt(group, client_salt)
+
+
+@functools.lru_cache(maxsize=4096)  # groups are tenants' (configuration or the admin API): bounded anyway
+def _group_salt(group: str) -> str:
+    return _salt(group, None)
+
+
+def _salt(group: str, client_salt: str | None) -> str:
     name = group.encode("utf-8", "surrogatepass")
     material = b"%d:%s" % (len(name), name)  # length-prefixed: no (group, salt) pair spells another
     if client_salt:
