@@ -48,7 +48,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy --strict gateway policies predictor backends tests bench
 
-# The tests that start no process and need no Redis (seconds): for the edit-test loop.
+# The tests that start no process and need no Redis (about a minute): for the edit-test loop.
 unit: $(STAMP)
 	TOKENWAY_UNIT=1 $(BIN)/python -m pytest -q -m "not e2e and not redis" -p no:cacheprovider
 

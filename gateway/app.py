@@ -432,7 +432,6 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         app[appkeys.POLICIES],
         fleet,
         estimator,
-        lengths=predictor,
         precheck=app[appkeys.ADMISSION].precheck,  # no room left: 429 before the prompt is counted
     )
     app[appkeys.DIRECTOR] = Director(

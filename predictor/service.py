@@ -201,7 +201,8 @@ class LatencyPredictor:
         return estimate.p50_tokens if estimate is not None else self.settings.length.default_output_tokens
 
     def output_tokens_estimate(self, tenant: str, model: str) -> LengthEstimate | None:
-        """Completion-length estimate for reservations when `max_tokens` is absent (None: no data)."""
+        """This tenant's completion-length estimate for the model (None: no data). Not a reservation: a
+        request without `max_tokens` reserves, and is limited to, the model's `default_max_tokens`."""
         return self.lengths.estimate(tenant, model)
 
     # --- learning -------------------------------------------------------------------------------

@@ -47,25 +47,58 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.redis)
 
 
+_UNIT_REFUSAL = "a unit test started a process: mark it `pytest.mark.e2e` (make unit leaves those out)"
+_refused: list[str] = []  # what tried to start a process since the current test began
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        _refused.append(what)
+        pytest.fail(f"{_UNIT_REFUSAL}: {what}", pytrace=True)
+
+    return refuse
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _unit_tests_start_no_process() -> Iterator[None]:
     """Under `make unit` (TOKENWAY_UNIT=1) starting a process fails the test that tried, naming the
-    marker it lacks: the fast loop stays fast, and the selection stays honest."""
+    marker it lacks: the fast loop stays fast, and the selection stays honest.
+
+    What is replaced is what really starts one on Python 3.11: `subprocess.Popen._execute_child` (both
+    of its ways, `os.posix_spawn` and `_posixsubprocess.fork_exec`, which subprocess binds at import,
+    so replacing the module's attribute missed every Popen), asyncio's `create_subprocess_*` (uvloop
+    spawns through libuv, not Popen), `os.fork`/`os.posix_spawn*`/`os.system` and
+    `_posixsubprocess.fork_exec` (multiprocessing's spawn and forkserver fork through it at call time).
+    The refusal is `pytest.fail` (not caught by an `except Exception`), and `_no_process_was_refused`
+    fails the test even if something swallowed it.
+    """
     if os.environ.get("TOKENWAY_UNIT") != "1":
         yield
         return
-    import _posixsubprocess  # what subprocess and multiprocessing's spawn both fork through
+    import _posixsubprocess
+    import platform
 
-    real = _posixsubprocess.fork_exec
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a unit test started a process: mark it `pytest.mark.e2e` (make unit leaves those out)")
-
-    _posixsubprocess.fork_exec = refuse
-    try:
+    # The openai client's headers read `platform.platform()`, which runs `uname -p` once per interpreter
+    # and caches it: run it here, so an in-process client test does not count as starting a process.
+    platform.platform()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", _refuse("subprocess.Popen"))
+        patch.setattr(_posixsubprocess, "fork_exec", _refuse("_posixsubprocess.fork_exec"))
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            patch.setattr(os, name, _refuse(f"os.{name}"))
+        for name in ("create_subprocess_exec", "create_subprocess_shell"):
+            patch.setattr(asyncio, name, _refuse(f"asyncio.{name}"))
+            patch.setattr(asyncio.subprocess, name, _refuse(f"asyncio.{name}"))
         yield
-    finally:
-        _posixsubprocess.fork_exec = real
+
+
+@pytest.fixture(autouse=True)
+def _no_process_was_refused() -> Iterator[None]:
+    """A refusal that the code under test caught and carried on from still fails the test."""
+    _refused.clear()
+    yield
+    if _refused:
+        pytest.fail(f"{_UNIT_REFUSAL}: {', '.join(sorted(set(_refused)))}")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -48,7 +48,6 @@ from policies.policy import Policy
 from policies.reservation import output_reservation
 from policies.slo import effective_slo
 from policies.types import Principal, Rejection, RequestFacts
-from predictor.length import LengthEstimate
 
 SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
@@ -60,12 +59,6 @@ INVALID_KEY: Final = "\x00invalid"  # no stored key can hash to this: keys never
 
 
 Precheck = Callable[[Principal, str], Awaitable[Rejection | None]]
-
-
-class OutputLengths(Protocol):
-    """What this tenant's requests to this model really generate (`predictor.service.LatencyPredictor`)."""
-
-    def output_tokens_estimate(self, tenant: str, model: str) -> LengthEstimate | None: ...
 
 
 def encodable(value: str) -> bool:
@@ -149,14 +142,12 @@ class Intake:
         policies: PolicyHolder,
         fleet: Fleet,
         estimator: PromptEstimator,
-        lengths: OutputLengths | None = None,
         precheck: Precheck | None = None,
     ) -> None:
         self.server = server
         self.policies = policies
         self.fleet = fleet
         self.estimator = estimator
-        self.lengths = lengths
         self.precheck = precheck  # Admission.precheck: limits with no room left, before the count
 
     async def read(self, ctx: RequestContext) -> RequestFacts:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +33,3 @@ def replica(**fields: Any) -> ReplicaPlan:
     fields.setdefault("port", 8100)
     fields.setdefault("log_path", "var/log/engines/p.both-0.log")
     return ReplicaPlan(**fields)
-
-
-async def eventually(predicate: Callable[[], bool], what: str = "condition", timeout_s: float = 30.0) -> None:
-    """Wait until `predicate()` holds (behaviour, not timing: the ceiling only stops a hung test)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)

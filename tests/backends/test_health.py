@@ -14,8 +14,9 @@ from backends.config import BackendsSettings, EjectionSettings
 from backends.fleet import Fleet, Pool
 from backends.health import HealthChecker, report_failure, report_success
 from backends.types import Endpoint, EndpointState
-from tests.backends.builders import eventually, pool
+from tests.backends.builders import pool
 from tests.backends.fake_engine import fake_engine
+from tests.support.polling import wait_for_async
 
 EJECTION = EjectionSettings(consecutive_failures=3, cooldown_s=5.0, max_cooldown_s=12.0)
 
@@ -148,7 +149,7 @@ async def test_remote_api_health_uses_models_with_its_key() -> None:
 
 
 async def wait_for_state(e: Endpoint, state: EndpointState) -> None:
-    await eventually(lambda: e.state is state, f"{e.id} to be {state.value}")
+    await wait_for_async(lambda: e.state is state, what=f"{e.id} to be {state.value}")
 
 
 def pool_of(count: int) -> Pool:

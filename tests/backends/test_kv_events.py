@@ -31,6 +31,7 @@ from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint
 from policies.routing.pipeline import ScoringRouter, build_router
 from tests.policies.routing.factories import endpoint, pool, request, token_ids
+from tests.support.polling import wait_for_async
 
 PROMPT = token_ids(64)  # 4 blocks of 16
 HASHES = hash_blocks(PROMPT, 16)
@@ -213,12 +214,6 @@ async def test_gap_without_replay_resets(publisher: tuple[zmq.asyncio.Socket, st
     await stop(sub, task)
 
 
-async def poll_until(done: Callable[[], bool]) -> None:
-    async with asyncio.timeout(TIMEOUT_S):
-        while not done():  # noqa: ASYNC110 - stats change without an event to wait on
-            await asyncio.sleep(0.01)
-
-
 async def serve_replay(
     router_sock: zmq.asyncio.Socket, buffer: dict[int, list[bytes]], served: list[int] | None = None
 ) -> None:
@@ -249,7 +244,7 @@ async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socke
     )
     task = await start(sub, pub)
     try:
-        await poll_until(lambda: served == [0])  # the start-up catch-up found nothing
+        await wait_for_async(lambda: served == [0], timeout_s=TIMEOUT_S)  # the start-up catch-up found nothing
         buffer.update({seq: frames(seq, stored_map(seq, seq + 1)) for seq in range(4)})
         await pub.send_multipart(buffer[0])
         await pub.send_multipart(buffer[3])  # 1 and 2 missed: fetched from the replay socket
@@ -278,7 +273,7 @@ async def test_a_late_subscription_catches_up_through_replay_at_once(
     )
     task = await start(sub, pub)
     try:
-        await poll_until(lambda: sub.stats.catch_ups == 1)  # no live batch was needed
+        await wait_for_async(lambda: sub.stats.catch_ups == 1, timeout_s=TIMEOUT_S)  # no live batch was needed
         assert [b.seq for b in rec.batches] == [0, 1, 2]
         await pub.send_multipart(buffer[2])  # published while the replay ran: already delivered
         await pub.send_multipart(frames(3, stored_map(3, 4)))
@@ -315,9 +310,9 @@ async def test_a_batch_the_slow_joiner_lost_is_caught_up_without_a_later_batch(
     )
     task = await start(sub, pub)
     try:
-        await poll_until(lambda: served == [0])  # the start-up catch-up: nothing yet
+        await wait_for_async(lambda: served == [0], timeout_s=TIMEOUT_S)  # the start-up catch-up: nothing yet
         buffer[0] = frames(0, stored_map(0, 3))  # published, but lost to the slow joiner
-        await poll_until(lambda: sub.stats.catch_ups == 1)
+        await wait_for_async(lambda: sub.stats.catch_ups == 1, timeout_s=TIMEOUT_S)
         assert [b.seq for b in rec.batches] == [0]
         await pub.send_multipart(frames(1, stored_map(3, 4)))  # live from here on
         await rec.until(lambda: len(rec.batches) == 2)

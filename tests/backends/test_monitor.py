@@ -11,8 +11,9 @@ from backends import monitor
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.types import EndpointState
-from tests.backends.builders import eventually, fixture_text, pool
+from tests.backends.builders import fixture_text, pool
 from tests.backends.fake_engine import fake_engine
+from tests.support.polling import wait_for_async
 
 
 async def test_static_endpoint_becomes_ready_and_gets_scraped() -> None:
@@ -24,8 +25,8 @@ async def test_static_endpoint_becomes_ready_and_gets_scraped() -> None:
         endpoint = fleet.pools["p"].endpoints[0]
         task = asyncio.create_task(monitor.run(fleet, session, settings))
         try:
-            await eventually(lambda: endpoint.state is EndpointState.READY, "ready")
-            await eventually(lambda: endpoint.stats.running == 12, "a scrape")
+            await wait_for_async(lambda: endpoint.state is EndpointState.READY, what="ready")
+            await wait_for_async(lambda: endpoint.stats.running == 12, what="a scrape")
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

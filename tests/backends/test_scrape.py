@@ -12,8 +12,9 @@ from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.scrape import Scraper, is_stale
 from backends.types import Endpoint, EndpointState
-from tests.backends.builders import eventually, fixture_text, pool
+from tests.backends.builders import fixture_text, pool
 from tests.backends.fake_engine import fake_engine
+from tests.support.polling import wait_for_async
 
 
 class Clock:
@@ -98,7 +99,7 @@ async def test_run_scrapes_ready_endpoints_only() -> None:
         starting = fleet.pools["b"].endpoints[0]
         task = asyncio.create_task(scrape.run(fleet, session, settings))
         try:
-            await eventually(lambda: ready.stats.scraped_at_s != 0.0, "a scrape")
+            await wait_for_async(lambda: ready.stats.scraped_at_s != 0.0, what="a scrape")
         finally:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

@@ -28,6 +28,7 @@ from backends.status import fleet_status, format_status
 from backends.supervisor import Supervisor
 from backends.types import Endpoint, EndpointState
 from tests.backends.builders import pool
+from tests.support.polling import wait_for_async
 
 pytestmark = pytest.mark.e2e
 
@@ -71,14 +72,6 @@ async def launched(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             assert replica.process is None or not replica.process.alive
 
 
-async def until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def chat(endpoint: Endpoint) -> int:
     body = {"model": endpoint.served_model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with (
@@ -102,9 +95,9 @@ async def test_three_replicas_sigkill_one_is_restarted_while_the_pool_serves(lau
     port = victim.base_url
 
     os.kill(old_pid, signal.SIGKILL)
-    await until(lambda: victim.state is not EndpointState.READY, what="the crash to be noticed")
+    await wait_for_async(lambda: victim.state is not EndpointState.READY, what="the crash to be noticed", timeout_s=60)
     assert [await chat(e) for e in (endpoints[0], endpoints[2])] == [200, 200]  # the others keep serving
-    await until(lambda: victim.state is EndpointState.READY, what="the restart")
+    await wait_for_async(lambda: victim.state is EndpointState.READY, what="the restart", timeout_s=60)
 
     assert victim.restarts == 1
     assert supervisor.replicas[victim.id].process.pid != old_pid
@@ -150,7 +143,7 @@ async def test_drain_waits_for_in_flight_requests_then_stops(launched: Any) -> N
     endpoint = fleet.pools["d"].endpoints[0]
     ticket = endpoint.inflight.begin(prefill_tokens=10)
     drain = asyncio.create_task(supervisor.drain(endpoint.id, timeout_s=60))
-    await until(lambda: endpoint.state is EndpointState.DRAINING, what="draining")
+    await wait_for_async(lambda: endpoint.state is EndpointState.DRAINING, what="draining", timeout_s=60)
     await asyncio.sleep(0.2)
     assert not drain.done()  # still one request in flight
     assert supervisor.replicas[endpoint.id].process.alive
@@ -293,6 +286,8 @@ async def test_a_crashed_leader_s_orphaned_worker_is_killed_before_the_restart(l
     worker = int(log_text.split("worker ")[1].split()[0])
 
     os.kill(leader.pid, signal.SIGKILL)
-    await until(lambda: endpoint.restarts == 1 and endpoint.state is EndpointState.READY, what="the restart")
+    await wait_for_async(
+        lambda: endpoint.restarts == 1 and endpoint.state is EndpointState.READY, what="the restart", timeout_s=60
+    )
     assert await asyncio.to_thread(_gone, worker), "the old worker outlived its leader"
     assert supervisor.replicas[endpoint.id].failure is None  # no crash loop on `Address already in use`

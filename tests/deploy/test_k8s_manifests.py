@@ -48,12 +48,14 @@ def one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return found[0]
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_every_object_is_valid_kubernetes(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_epp_overlay_is_valid_and_wires_the_pool_to_the_picker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     docs = kustomize(K8S / "overlays" / EPP_OVERLAY)
     for doc in docs:
@@ -96,6 +98,7 @@ def test_epp_overlay_is_valid_and_wires_the_pool_to_the_picker(tmp_path: Path, m
     assert validate_section(settings, "epp", EppSettings).port == 9002
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_the_validator_rejects_an_unknown_field() -> None:
     """Strict mode is what catches a misspelt key (readinesProbe) that Kubernetes would drop silently."""
     deployment = one(kustomize(K8S / "overlays" / "sim"), "Deployment", "tokenway-gateway")
@@ -105,6 +108,7 @@ def test_the_validator_rejects_an_unknown_field() -> None:
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_config_map_holds_valid_tokenway_configs(rendered: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     _, docs = rendered
     data = one(docs, "ConfigMap", "tokenway-config")["data"]
@@ -141,6 +145,7 @@ def test_config_map_holds_valid_tokenway_configs(rendered: tuple[str, list[dict[
         assert SERVICE_NAME_LABEL in kube.selector
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_gateway_probes_and_drain(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     deployment = one(docs, "Deployment", "tokenway-gateway")
@@ -158,6 +163,7 @@ def test_gateway_probes_and_drain(rendered: tuple[str, list[dict[str, Any]]]) ->
     assert container["args"][:3] == ["serve", "--config", "/etc/tokenway/gateway.yaml"]
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_config_is_mounted_as_a_directory(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     """A subPath mount never sees ConfigMap updates; the directory mount's `..data` swap is what
     the policy watch follows (tests/deploy/test_k8s_reload.py)."""
@@ -171,6 +177,7 @@ def test_config_is_mounted_as_a_directory(rendered: tuple[str, list[dict[str, An
     assert volumes[config_mounts[0]["name"]]["configMap"]["name"] == "tokenway-config"
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_secrets_reach_the_gateway_through_its_environment(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     secret = one(docs, "Secret", "tokenway-secrets")
@@ -184,6 +191,7 @@ def test_secrets_reach_the_gateway_through_its_environment(rendered: tuple[str, 
     assert "admin-token" not in one(docs, "ConfigMap", "tokenway-config")["data"]["gateway.yaml"]
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_selectors_select(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     deployment = one(docs, "Deployment", "tokenway-gateway")
@@ -202,6 +210,7 @@ def test_selectors_select(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     assert "cpu" in deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_rbac_grants_what_discovery_needs_and_no_more(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
     role = one(docs, "Role", "tokenway-discovery")
@@ -215,6 +224,7 @@ def test_rbac_grants_what_discovery_needs_and_no_more(rendered: tuple[str, list[
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
 
 
+@pytest.mark.e2e  # runs `kubectl kustomize`
 def test_vllm_overlay_asks_for_a_gpu_and_waits_for_the_load() -> None:
     docs = kustomize(K8S / "overlays" / "vllm-gpu")
     pod = one(docs, "Deployment", "tokenway-engines")["spec"]["template"]["spec"]

@@ -11,21 +11,21 @@ running `tokenway serve`.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from gateway.policy_reload import PolicyWatcher
 from policies.holder import PolicyHolder
+from tests.support.polling import wait_for_async
 from tests.support.procs import Gateway, _env, free_port, http_get, policies_doc, running, wait_http
 
 _serial = itertools.count()
@@ -63,13 +63,6 @@ def _policies(rpm: int) -> str:
     return yaml.safe_dump(policies_doc(limits=[{"scope": "tenant", "rpm": rpm}]), sort_keys=False)
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
 def _rpm(holder: PolicyHolder) -> Any:
     return holder.current.config.limits[0].rpm
 
@@ -82,21 +75,22 @@ async def test_policy_watch_follows_the_data_symlink_swap(tmp_path: Path) -> Non
     try:
         assert _rpm(holder) == 100
         volume.update({"policies.yaml": _policies(200)})
-        await _until(lambda: _rpm(holder) == 200)
+        await wait_for_async(lambda: _rpm(holder) == 200)
         # the watch keeps following the path, not the first file it saw
         volume.update({"policies.yaml": _policies(300)})
-        await _until(lambda: _rpm(holder) == 300)
+        await wait_for_async(lambda: _rpm(holder) == 300)
         assert holder.generation == 3
         # a broken file swapped in is rejected; the running policy stays, the next good one loads
         volume.update({"policies.yaml": "limits: [{scope: tenant, rpm: -5}]\n"})
-        await _until(lambda: bool(holder.last_error))
+        await wait_for_async(lambda: bool(holder.last_error))
         assert _rpm(holder) == 300
         volume.update({"policies.yaml": _policies(400)})
-        await _until(lambda: _rpm(holder) == 400)
+        await wait_for_async(lambda: _rpm(holder) == 400)
     finally:
         await watcher.stop()
 
 
+@pytest.mark.e2e  # starts a real gateway
 def test_a_running_gateway_reloads_its_configmap(tmp_path: Path) -> None:
     """`tokenway serve --config <volume>/gateway.yaml` finds policies.yaml next to the symlink, not
     next to its target, and reloads it when the volume is swapped."""

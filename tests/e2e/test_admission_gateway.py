@@ -25,6 +25,7 @@ import yaml
 from policies.estimate import PromptEstimator
 from policies.policy import hash_key
 from tests.policies.limits.redis_proc import RedisProcess
+from tests.support.polling import wait_for
 from tests.support.procs import (
     OTHER_KEY,
     TEST_KEY,
@@ -190,7 +191,7 @@ def test_hot_reload_applies_without_restart_and_keeps_the_policy_on_errors(
         with pytest.raises(openai.RateLimitError):
             chat(gw, key=OTHER_KEY)
         path.write_text(yaml.safe_dump(doc([{"scope": "key", "rpm": 1000}])))
-        assert _eventually(lambda: _ok(gw)), "the new limit never applied"
+        wait_for(lambda: _ok(gw), timeout_s=15, interval_s=0.2, what="the new limit to apply")
         path.write_text("limits:\n  - scope: key\n    rpm: lots\n")
         time.sleep(2.5)  # several watch intervals
         for _ in range(5):
@@ -205,15 +206,6 @@ def _ok(gw: Gateway) -> bool:
     except openai.RateLimitError:
         return False
     return True
-
-
-def _eventually(condition: Any, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture
@@ -311,7 +303,9 @@ def test_redis_killed_mid_run(
             assert info.value.status_code == 503 and info.value.code == "limiter_unavailable"
             assert "retry-after" in info.value.response.headers
         own_redis.start()
-        assert _eventually(lambda: _served_from_redis(gw, own_redis)), "shared limiting did not resume"
+        wait_for(
+            lambda: _served_from_redis(gw, own_redis), timeout_s=15, interval_s=0.2, what="shared limiting to resume"
+        )
 
 
 def _served_from_redis(gw: Gateway, server: RedisProcess) -> bool:

@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway.policy_reload import PolicyWatcher, policy_reload_ctx
 from policies.holder import PolicyHolder
 from policies.policy import hash_key
+from tests.support.polling import wait_for_async
 
 WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 
@@ -32,13 +33,6 @@ def write(path: Path, rpm: int) -> None:
 
 def rpm_of(holder: PolicyHolder) -> int | None:
     return holder.current.config.limits[0].rpm
-
-
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -59,18 +53,18 @@ async def test_a_saved_file_applies_without_restart(watched: tuple[Path, PolicyH
     tmp = path.with_suffix(".tmp")
     write(tmp, 20)
     tmp.replace(path)  # how editors and config managers save: a rename
-    await until(lambda: rpm_of(holder) == 20)
+    await wait_for_async(lambda: rpm_of(holder) == 20)
     assert holder.generation == 2
 
 
 async def test_an_invalid_file_keeps_the_old_policy(watched: tuple[Path, PolicyHolder, web.Application]) -> None:
     path, holder, _ = watched
     path.write_text("limits:\n  - scope: key\n    rpm: many\n")
-    await until(lambda: bool(holder.last_error))
+    await wait_for_async(lambda: bool(holder.last_error))
     assert rpm_of(holder) == 10 and holder.generation == 1
     assert holder.status()["last_error"] == [f"{path}:3: limits[0].rpm: expected an integer, got 'many'"]
     write(path, 30)
-    await until(lambda: rpm_of(holder) == 30)
+    await wait_for_async(lambda: rpm_of(holder) == 30)
     assert holder.status()["last_error"] is None
 
 
@@ -81,7 +75,7 @@ async def test_sighup_and_explicit_reloads(watched: tuple[Path, PolicyHolder, we
     await asyncio.sleep(0.05)
     write(path, 40)
     os.kill(os.getpid(), signal.SIGHUP)
-    await until(lambda: rpm_of(holder) == 40)
+    await wait_for_async(lambda: rpm_of(holder) == 40)
     write(path, 50)
     result = await watcher.reload("admin")
     assert result.ok and rpm_of(holder) == 50

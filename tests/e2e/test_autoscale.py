@@ -12,14 +12,14 @@ import json
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, metric_total, policies_doc, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -73,15 +73,6 @@ def pools(gw: Gateway) -> dict[str, Any]:
     return found
 
 
-def until(
-    predicate: Callable[[], bool], what: str, timeout_s: float = 90.0, explain: Callable[[], str] = lambda: ""
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what} {explain()}"
-        time.sleep(0.05)
-
-
 def chat(gw: Gateway) -> Any:
     client = openai.OpenAI(base_url=gw.base_url, api_key=TEST_KEY, max_retries=0, timeout=120)
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
@@ -114,7 +105,9 @@ def test_a_pool_at_zero_holds_its_first_request_through_a_cold_start(gateway: Ga
     assert "autoscale (a pass every" in shown and "desired" in shown
     assert "start-up" in shown and "-> {'both': 1}" in shown
     # idle for idle_s: back to zero, stopped, devices freed
-    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2, "the scale-down to zero")
+    wait_for(
+        lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2, what="the scale-down to zero", timeout_s=90
+    )
     assert [e["action"] for e in pools(gateway)["events"]][-2:] == ["drain", "stop"]
 
 
@@ -123,7 +116,7 @@ def test_past_max_held_the_answer_is_503_with_retry_after(gateway: Gateway) -> N
     first: list[Any] = []
     holder = threading.Thread(target=lambda: first.append(chat(gateway)))
     holder.start()
-    until(lambda: pools(gateway)["held"] == 1, "the first request to be held")
+    wait_for(lambda: pools(gateway)["held"] == 1, what="the first request to be held", timeout_s=90)
     client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0, timeout=60)
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
@@ -137,10 +130,10 @@ def test_past_max_held_the_answer_is_503_with_retry_after(gateway: Gateway) -> N
 @pytest.mark.parametrize("gateway", [{"sleep": True}], indirect=True)
 def test_an_idle_pool_sleeps_and_wakes_instead_of_starting_cold(gateway: Gateway) -> None:
     assert chat(gateway).status_code == 200  # a cold start
-    until(
+    wait_for(
         lambda: pools(gateway)["roles"]["both"]["replicas"]["sleeping"] == 1,
-        "the replica to sleep",
-        explain=lambda: str(pools(gateway)["events"]),
+        what=lambda: f"the replica to sleep {pools(gateway)['events']}",
+        timeout_s=90,
     )
     assert http_get(gateway.url + "/readyz")[0] == 200
     response = chat(gateway)
@@ -184,16 +177,22 @@ def test_scale_down_drains_and_never_cuts_a_stream(tmp_path: Path, drain_timeout
     routing = {"pools": {"llama": {"router": "round-robin"}}}
     gw = start_gateway(tmp_path, pools=[pool], backends=backends, routing=routing)
     try:
-        until(lambda: pools(gw)["roles"]["both"]["replicas"]["ready"] == 2, "both replicas")
+        wait_for(lambda: pools(gw)["roles"]["both"]["replicas"]["ready"] == 2, what="both replicas", timeout_s=90)
         finishes: list[str] = []
         threads = [threading.Thread(target=stream_story, args=(gw, finishes, 3000)) for _ in range(4)]
         for thread in threads:
             thread.start()
-        until(lambda: any(e["action"] == "drain" for e in pools(gw)["events"]), "a scale-down to begin")
+        wait_for(
+            lambda: any(e["action"] == "drain" for e in pools(gw)["events"]), what="a scale-down to begin", timeout_s=90
+        )
         for thread in threads:
             thread.join(120)
         assert finishes == ["length"] * 4  # every stream ended as asked, none aborted
-        until(lambda: pools(gw)["roles"]["both"]["replicas"]["stopped"] == 1, "the drained replica to stop")
+        wait_for(
+            lambda: pools(gw)["roles"]["both"]["replicas"]["stopped"] == 1,
+            what="the drained replica to stop",
+            timeout_s=90,
+        )
         status = pools(gw)
         drain = next(e for e in status["events"] if e["action"] == "drain")
         assert drain["detail"].startswith("2 in flight")
@@ -226,7 +225,7 @@ def test_models_sharing_a_device_take_turns(tmp_path: Path) -> None:
         return {p["name"]: p["roles"]["both"]["current"] for p in json.loads(body)["pools"]}
 
     try:
-        until(lambda: awake() == {"llama": 1, "qwen": 0}, "llama awake")
+        wait_for(lambda: awake() == {"llama": 1, "qwen": 0}, what="llama awake", timeout_s=90)
         assert ask(MODEL).status_code == 200
         response = ask("qwen2.5-7b")  # llama sleeps, qwen starts (its first time: cold)
         assert response.status_code == 200 and "x-tokenway-cold-start-ms" in response.headers

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.test_autoscale import elastic_pool, pools, ports, until
+from tests.e2e.test_autoscale import elastic_pool, pools, ports
+from tests.support.polling import wait_for
 from tests.support.procs import Gateway, free_port, http_get, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -91,7 +92,7 @@ def test_a_floor_starts_replicas_before_its_window_and_the_pool_returns_to_zero_
         seen.update(pools(gateway))
         return bool(seen["roles"]["both"]["current"] == 2)
 
-    until(started, "the floor's replicas to start")
+    wait_for(started, what="the floor's replicas to start", timeout_s=90)
     floor = seen["floors"][0]
     assert not floor["active"] and floor["starts_in_s"] > 0  # started ahead of the window
     assert any("scheduled floor 2" in d["reason"] for d in seen["decisions"])
@@ -100,8 +101,14 @@ def test_a_floor_starts_replicas_before_its_window_and_the_pool_returns_to_zero_
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "floor 2 (admin)" in shown
-    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["ready"] == 2, "both replicas ready")
+    wait_for(
+        lambda: pools(gateway)["roles"]["both"]["replicas"]["ready"] == 2, what="both replicas ready", timeout_s=90
+    )
     # no request came: once the floor ends the idle pool goes back to zero, drained and stopped
-    until(lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2, "the scale-down after the floor")
+    wait_for(
+        lambda: pools(gateway)["roles"]["both"]["replicas"]["stopped"] == 2,
+        what="the scale-down after the floor",
+        timeout_s=90,
+    )
     assert pools(gateway)["floors"] == []
     assert http_get(gateway.url + "/readyz")[0] == 200

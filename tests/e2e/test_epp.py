@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
+from tests.support.polling import wait_for_async
 from tests.support.procs import (
     OTHER_KEY,
     TEST_KEY,
@@ -72,13 +73,6 @@ def events(answer: Answer) -> list[dict[str, Any]]:
     return [json.loads(block[6:]) for block in answer.body.split(b"\n\n") if block.startswith(b"data: {")]
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
-
-
 def _leases_active(picker: Picker) -> float:
     status, text = http_get(picker.gateway.url + "/admin/status")
     assert status == 200, text
@@ -120,7 +114,7 @@ async def test_a_unary_answer_is_read_and_renamed(picker: Picker, envoy: EnvoyPa
     answer = await side.request(PATH, auth(), chat("one answer", max_tokens=5), session=session)
     body = json.loads(answer.body)
     assert answer.status == 200 and body["model"] == MODEL and body["usage"]["completion_tokens"] == 5
-    await _until(lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="ok") >= before + 1)
+    await wait_for_async(lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="ok") >= before + 1)
 
 
 async def test_requests_sharing_a_prefix_go_to_its_holder(picker: Picker, envoy: EnvoyPair) -> None:
@@ -182,8 +176,10 @@ async def test_a_cut_stream_settles_exactly_once(picker: Picker, envoy: EnvoyPai
         *(side.request(PATH, auth(), body, cut_after_chunks=3, session=session) for _ in range(4))
     )
     assert all(a.status == 200 for a in answers)
-    await _until(lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="aborted") >= before + 4)
-    await _until(lambda: _inflight(picker) == 0)
+    await wait_for_async(
+        lambda: metric_total(picker.gateway.url, "tokenway_requests_total", status="aborted") >= before + 4
+    )
+    await wait_for_async(lambda: _inflight(picker) == 0)
     assert _leases_active(picker) == 0  # every concurrency lease returned, none twice (never negative)
 
 
@@ -201,10 +197,10 @@ async def test_a_response_the_picker_never_sees_is_charged_as_reserved(picker: P
     out = output_tokens()
     answer = await side.request(PATH, auth(), chat("hello", max_tokens=9), session=session, response_body=False)
     assert answer.status == 200 and json.loads(answer.body)["choices"]
-    await _until(lambda: metric_total(url, "tokenway_requests_total", status="ok") >= ok_before + 1)
+    await wait_for_async(lambda: metric_total(url, "tokenway_requests_total", status="ok") >= ok_before + 1)
     assert metric_total(url, "tokenway_requests_total", status="aborted") == aborted_before
     assert output_tokens() - out == 9  # the output reservation (max_tokens), as no usage was seen
-    await _until(lambda: _inflight(picker) == 0)
+    await wait_for_async(lambda: _inflight(picker) == 0)
     assert _leases_active(picker) == 0
 
 

@@ -23,7 +23,6 @@ beyond the one running waits in the gateway, in flow order. Conditions are polle
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +33,7 @@ import orjson
 import pytest
 
 from policies.policy import hash_key
+from tests.support.polling import wait_for
 from tests.support.procs import (
     Gateway,
     SimEngines,
@@ -126,13 +126,6 @@ def waiting(gw: Gateway, tenant: str | None = None, pool: str = "llama") -> int:
     return sum(int(band["waiting"].get(tenant, 0)) for band in room.get("bands", {}).values())
 
 
-def until(condition: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
-        time.sleep(0.02)
-
-
 class Done:
     """Completion order of requests run in threads."""
 
@@ -159,9 +152,9 @@ def test_a_flooding_tenant_does_not_delay_a_light_one_beyond_its_share(
     with running(gw), ThreadPoolExecutor(max_workers=12) as pool:
         chat(gw, "light", max_tokens=2)  # warm: the first request pays one-off costs
         floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 150)) for i in range(8)]
-        until(lambda: waiting(gw, "flood") >= 5, what="the flood queued")
+        wait_for(lambda: waiting(gw, "flood") >= 5, what="the flood queued", timeout_s=60)
         light = pool.submit(done.run, "light", lambda: chat(gw, "light"))
-        until(lambda: waiting(gw, "light") == 1 or light.done(), what="the light request arrived")
+        wait_for(lambda: waiting(gw, "light") == 1 or light.done(), what="the light request arrived", timeout_s=60)
         done_before = len(done.order)  # flood requests finished before it arrived
         queued_before = waiting(gw, "flood")
         light.result(timeout=120)
@@ -186,11 +179,13 @@ def test_a_client_that_goes_away_while_queued_leaves_and_releases_everything(
         chat(gw, "light", max_tokens=2)
         # long enough that the two or more queued ahead of it outlast its client's second of patience
         floods = [pool.submit(chat, gw, "flood", 1000) for _ in range(4)]
-        until(lambda: waiting(gw, "flood") >= 2, what="the flood queued")
+        wait_for(lambda: waiting(gw, "flood") >= 2, what="the flood queued", timeout_s=60)
         with pytest.raises(openai.APITimeoutError):
             chat(gw, "gone", timeout=1.0)  # queued behind the flood (a lower band); the client gives up
-        until(lambda: waiting(gw, "gone") == 0, what="the cancelled request left the queue")
-        until(lambda: metric_total(gw.url, "tokenway_requests_total", tenant="gone", status="aborted") == 1)
+        wait_for(lambda: waiting(gw, "gone") == 0, what="the cancelled request left the queue", timeout_s=60)
+        wait_for(
+            lambda: metric_total(gw.url, "tokenway_requests_total", tenant="gone", status="aborted") == 1, timeout_s=60
+        )
         for future in floods:
             future.result(timeout=120)
         # its concurrency slot was given back: the next request of the tenant is admitted and served
@@ -212,7 +207,7 @@ def test_waiting_out_the_band_limit_is_a_429_a_503_or_a_fallback_as_the_band_say
     with running(gw), ThreadPoolExecutor(max_workers=4) as pool:
         chat(gw, "light", max_tokens=2)
         occupiers = [pool.submit(chat, gw, "hog", 400) for _ in range(3)]  # the only batch slot, for a while
-        until(lambda: waiting(gw, "hog") >= 1, what="the pool saturated")
+        wait_for(lambda: waiting(gw, "hog") >= 1, what="the pool saturated", timeout_s=60)
         with pytest.raises(openai.RateLimitError) as limited:
             chat(gw, "late")
         assert limited.value.code == "rate_limit_exceeded"
@@ -229,7 +224,7 @@ def test_waiting_out_the_band_limit_is_a_429_a_503_or_a_fallback_as_the_band_say
     with running(gw2), ThreadPoolExecutor(max_workers=4) as pool:
         chat(gw2, "light", max_tokens=2)
         occupiers = [pool.submit(chat, gw2, "hog", 400) for _ in range(3)]
-        until(lambda: waiting(gw2, "hog") >= 1, what="the pool saturated")
+        wait_for(lambda: waiting(gw2, "hog") >= 1, what="the pool saturated", timeout_s=60)
         served = chat(gw2, "late")
         assert served.parse().model == QWEN
         assert served.headers["x-tokenway-fallback"] == f"{LLAMA}->{QWEN};reason=queue_timeout"
@@ -263,9 +258,13 @@ def test_two_replicas_sharing_counters_serve_backlogged_tenants_by_weight(
             chat(gw, "slow", max_tokens=2)
         # enough clients per tenant and replica that neither tenant's queue there runs dry
         workers = [pool.submit(client, tenant, gw) for tenant in served for gw in replicas for _ in range(4)]
-        until(lambda: all(waiting(gw, "heavy") and waiting(gw, "slow") for gw in replicas), what="both backlogged")
+        wait_for(
+            lambda: all(waiting(gw, "heavy") and waiting(gw, "slow") for gw in replicas),
+            what="both backlogged",
+            timeout_s=60,
+        )
         measuring.set()
-        until(lambda: sum(served.values()) >= 80, timeout_s=180, what="80 requests served")
+        wait_for(lambda: sum(served.values()) >= 80, timeout_s=180, what="80 requests served")
         stop.set()
         for worker in workers:
             worker.result(timeout=120)
@@ -297,7 +296,7 @@ def test_a_slot_reserve_keeps_the_last_slot_for_a_tenant_under_its_share(tmp_pat
             chat(gw, "light", max_tokens=2)  # the light tenant is active from now on
             floods = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 600)) for i in range(3)]
             # one flood request runs, the others wait although the engine has a slot free: the reserve
-            until(lambda: waiting(gw, "flood") == 2, what="the flood held off the reserve")
+            wait_for(lambda: waiting(gw, "flood") == 2, what="the flood held off the reserve", timeout_s=60)
             kept = flow_status(gw)["pools"]["llama"]["reserve"]  # what it keeps, and why, on /admin/status
             assert (kept["kept"], kept["sized"], kept["free_slots"]) == (1, False, 1), kept
             assert kept["tenants"]["flood"]["waiting"] == 2 and not kept["tenants"]["flood"]["within_share"]
@@ -351,7 +350,7 @@ def test_a_reserve_sized_from_demand_and_shared_by_replicas_keeps_a_light_burst_
                 future.result(timeout=120)
             floods = [pool.submit(done.run, f"flood{i}", lambda: chat(flooded, "flood", 600)) for i in range(4)]
             # two run, two wait although two slots are free: kept for the light tenant's demand
-            until(lambda: waiting(flooded, "flood") == 2, what="the flood held off two slots")
+            wait_for(lambda: waiting(flooded, "flood") == 2, what="the flood held off two slots", timeout_s=60)
             # /admin/status says so: two kept, sized from the light tenant's peak seen through the other replica
             kept = flow_status(flooded)["pools"]["llama"]["reserve"]
             assert (kept["kept"], kept["sized"], kept["free_slots"]) == (2, True, 2), kept
@@ -426,7 +425,7 @@ def test_a_request_finding_the_pool_full_cuts_a_stream_over_its_share_which_wait
             for flood in floods:
                 assert flood.first.wait(60), "the flood's stream did not start"
             queued = [pool.submit(done.run, f"flood{i}", lambda: chat(gw, "flood", 8)) for i in range(2)]
-            until(lambda: waiting(gw, "flood") == 2, what="the flood's requests queued")
+            wait_for(lambda: waiting(gw, "flood") == 2, what="the flood's requests queued", timeout_s=60)
             for _ in range(2):
                 light = chat(gw, "light", max_tokens=8)
                 assert light.parse().choices[0].message.content

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from gateway.ledger.reader import iter_entries
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, SimEngines, http_get, metric_total, policies_doc, static_pool
 
 pytestmark = pytest.mark.e2e
@@ -42,15 +42,6 @@ def _leases(gateway: Gateway) -> int:
     status, text = http_get(gateway.url + "/admin/status", {"Authorization": f"Bearer {ADMIN}"}, timeout_s=10)
     assert status == 200, text
     return sum(r.get("active", 0) for r in json.loads(text)["limits"] if r.get("kind") == "concurrency")
-
-
-def _wait(check: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return check()
 
 
 class _Stream(threading.Thread):
@@ -178,7 +169,7 @@ def test_a_stopped_replica_leaves_routing_and_its_requests_finish_on_the_other(
         found = [r["request_id"] for r in iter_entries(usage_dir)] if usage_dir.exists() else []
         return all(found.count(i) >= 1 for i in ids)
 
-    assert _wait(recorded)
+    wait_for(recorded, interval_s=0.1, what="every request in the usage ledger")
     records = [r for r in iter_entries(usage_dir) if r["request_id"] in ids]
     assert sorted(r["request_id"] for r in records) == sorted(ids)
     assert all(r["http_status"] == 200 for r in records), records
@@ -187,11 +178,15 @@ def test_a_stopped_replica_leaves_routing_and_its_requests_finish_on_the_other(
         assert by_id[request_id]["output_tokens"] == response.json()["usage"]["completion_tokens"]
     moved = [r for r in records if r["upstream_attempts"] > 1]
     assert moved and all(r["endpoint"] == A for r in moved)  # some were moved off the stopped one
-    assert _wait(lambda: _leases(gateway) == 0)
+    wait_for(lambda: _leases(gateway) == 0, interval_s=0.1, what="every lease returned")
 
     # continued, it passes its health checks and routes again
     os.kill(engine_b.proc.pid, signal.SIGCONT)
-    assert _wait(lambda: _backends(gateway)[B]["state"] == "ready"), _backends(gateway)[B]
+    wait_for(
+        lambda: _backends(gateway)[B]["state"] == "ready",
+        interval_s=0.1,
+        what=lambda: f"the continued engine to be ready: {_backends(gateway)[B]}",
+    )
     served = {
         httpx.post(
             gateway.base_url + "/chat/completions",

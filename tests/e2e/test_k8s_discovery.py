@@ -11,8 +11,7 @@ not in a stale pool.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -20,6 +19,7 @@ import orjson
 import pytest
 
 from tests.support.fake_kube import FakeKubeApi, endpoint_slice
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, SimEngines, free_port, http_get, running, start_gateway, start_sim
 
 pytestmark = pytest.mark.e2e
@@ -52,13 +52,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeKubeAp
         yield api, engines, gateway
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def _endpoints(gateway: Gateway) -> dict[str, str]:
     status, text = http_get(gateway.url + "/admin/backends")
     assert status == 200, text
@@ -83,14 +76,14 @@ def test_discovered_engines_serve_after_a_health_check_and_drain_when_they_leave
     api, engines, gateway = world
     assert http_get(gateway.url + "/readyz")[0] == 503  # no engine yet: not ready for traffic
     api.upsert(_slice("engines-a", engines, 0, "engine-0"), namespace="inference")
-    _until(lambda: http_get(gateway.url + "/readyz")[0] == 200)
+    wait_for(lambda: http_get(gateway.url + "/readyz")[0] == 200)
     assert _ask(gateway) == "k8s/engine-0"
 
     # a second slice: one real engine and one address with nothing behind it
     dead = endpoint_slice("engines-b", "engines", [("127.0.0.1", "ghost")], port=free_port())
     api.upsert(dead, namespace="inference")
     api.upsert(_slice("engines-c", engines, 1, "engine-1"), namespace="inference")
-    _until(lambda: _endpoints(gateway).get("k8s/engine-1") == "ready")
+    wait_for(lambda: _endpoints(gateway).get("k8s/engine-1") == "ready")
     served = {_ask(gateway) for _ in range(12)}
     assert served <= {"k8s/engine-0", "k8s/engine-1"}
     assert _endpoints(gateway)["k8s/ghost"] != "ready"
@@ -112,16 +105,16 @@ def test_discovered_engines_serve_after_a_health_check_and_drain_when_they_leave
         result["chunks"] = list(chunks)
 
     api.delete("engines-c", namespace="inference")  # engine-1 leaves: only engine-0 (and the ghost) remain
-    _until(lambda: "k8s/engine-1" not in _endpoints(gateway))
+    wait_for(lambda: "k8s/engine-1" not in _endpoints(gateway))
     thread = threading.Thread(target=stream)
     thread.start()
-    _until(lambda: any(v == "ready" for v in _endpoints(gateway).values()) and _inflight(gateway, "k8s/engine-0") > 0)
+    wait_for(lambda: any(v == "ready" for v in _endpoints(gateway).values()) and _inflight(gateway, "k8s/engine-0") > 0)
     api.delete("engines-a", namespace="inference")
-    _until(lambda: _endpoints(gateway).get("k8s/engine-0") == "draining")
+    wait_for(lambda: _endpoints(gateway).get("k8s/engine-0") == "draining")
     thread.join(120)
     chunks = result["chunks"]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3000
-    _until(lambda: "k8s/engine-0" not in _endpoints(gateway))
+    wait_for(lambda: "k8s/engine-0" not in _endpoints(gateway))
     assert http_get(gateway.url + "/readyz")[0] == 503  # only the ghost is left
 
 
@@ -130,8 +123,8 @@ def test_gone_relists(world: tuple[FakeKubeApi, SimEngines, Gateway]) -> None:
     lists = api.lists
     api.compact()
     api.upsert(_slice("engines-d", engines, 1, "engine-1b"), namespace="inference")
-    _until(lambda: api.lists > lists)
-    _until(lambda: _endpoints(gateway).get("k8s/engine-1b") == "ready")
+    wait_for(lambda: api.lists > lists)
+    wait_for(lambda: _endpoints(gateway).get("k8s/engine-1b") == "ready")
     assert _ask(gateway) == "k8s/engine-1b"
 
 

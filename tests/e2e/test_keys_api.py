@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import yaml
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.support.polling import wait_for
 from tests.support.procs import REPO, Gateway, SimEngines, policies_doc, start_gateway, static_pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -40,13 +40,6 @@ def admin(gateway: Gateway, method: str, path: str, body: dict[str, Any] | None 
 
 def client(gateway: Gateway, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
-
-
-def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def rejected(gateway: Gateway, key: str) -> bool:
@@ -138,10 +131,10 @@ def test_a_revocation_reaches_the_other_replica(
     b = gateway_factory(pools=pools, policies=POLICY, state=state)
     status, made = admin(a, "POST", "/admin/keys", {"tenant": "t1", "id": "shared"})
     assert status == 201
-    eventually(lambda: not rejected(b, made["secret"]))
+    wait_for(lambda: not rejected(b, made["secret"]))
     assert admin(b, "GET", "/admin/keys/shared")[1]["id"] == "shared"
     assert admin(a, "DELETE", "/admin/keys/shared")[0] == 200
-    eventually(lambda: rejected(b, made["secret"]))
+    wait_for(lambda: rejected(b, made["secret"]))
 
 
 def test_the_cli_makes_lists_rotates_and_revokes_keys(

@@ -24,6 +24,7 @@ import yaml
 from policies.keys.records import KeyRecord
 from policies.keys.sqlite_store import SqliteDirectoryStore
 from tests.support.browser import chromium, require_browser
+from tests.support.polling import wait_for
 from tests.support.procs import Gateway, _env, free_port, policies_doc, redis_argv, start_gateway, stop_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -416,13 +417,6 @@ def key_works(gateway: Gateway, secret: str) -> bool:
     return call(gateway, "GET", "/v1/key", {"Authorization": f"Bearer {secret}"})[0] == 200
 
 
-def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_keys_made_through_the_api_survive_a_redis_restart_without_persistence(
     tmp_path: Path, gateway_factory: Callable[..., Gateway]
 ) -> None:
@@ -438,17 +432,17 @@ def test_keys_made_through_the_api_survive_a_redis_restart_without_persistence(
             assert status == 201, made
             secrets[key_id] = made["secret"]
         assert call(a, "DELETE", "/admin/keys/revoked", auth)[0] == 200
-        eventually(lambda: key_works(b, secrets["api-tenant-key"]) and not key_works(b, secrets["revoked"]))
+        wait_for(lambda: key_works(b, secrets["api-tenant-key"]) and not key_works(b, secrets["revoked"]))
 
         restart_redis()  # comes back empty
         client = redis_lib.Redis.from_url(url)
-        eventually(lambda: client.hlen("{trust}:dir:keys") == 3)  # put back by a replica
+        wait_for(lambda: client.hlen("{trust}:dir:keys") == 3)  # put back by a replica
         for gateway in (a, b):
             assert key_works(gateway, secrets["file-tenant-key"]) and key_works(gateway, secrets["api-tenant-key"])
             assert not key_works(gateway, secrets["revoked"])
         status, _, made = call(b, "POST", "/admin/keys", auth, body={"tenant": "api-tenant", "id": "after"})
         assert status == 201
-        eventually(lambda: key_works(a, made["secret"]))
+        wait_for(lambda: key_works(a, made["secret"]))
 
         # everything down at once: the replicas, then Redis; a replica starting again restores it
         a.stop()

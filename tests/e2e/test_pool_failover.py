@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from backends.types import EndpointState
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, http_get, start_gateway, static_pool
 
 pytestmark = pytest.mark.e2e
@@ -67,18 +68,14 @@ class SteadyLoad:
                     self.failures.append(repr(exc))
 
     def wait_for(self, count: int, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Wait until `count` more requests have been served."""
         target = self.ok + count
-        while self.ok < target:
-            assert time.monotonic() < deadline, f"load stalled at {self.ok} ({self.failures[:3]})"
-            time.sleep(0.02)
-
-
-def until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        wait_for(
+            lambda: self.ok >= target,
+            timeout_s=timeout_s,
+            interval_s=0.02,
+            what=lambda: f"{count} more answers: load stalled at {self.ok} ({self.failures[:3]})",
+        )
 
 
 def backends_status(gateway: Gateway) -> dict[str, Any]:
@@ -106,7 +103,11 @@ def launched_gateway(tmp_path: Path) -> Iterator[Gateway]:
     gateway = start_gateway(tmp_path / "gw", pools=pools, backends=backends, wait_ready=False)
     try:
         assert any(e.get("launched") for e in endpoints_of(gateway, "llm")), endpoints_of(gateway, "llm")
-        until(lambda: all(e["state"] == "ready" for e in endpoints_of(gateway, "llm")), "three ready replicas")
+        wait_for(
+            lambda: all(e["state"] == "ready" for e in endpoints_of(gateway, "llm")),
+            what="three ready replicas",
+            timeout_s=60,
+        )
         yield gateway
     finally:
         gateway.stop()
@@ -123,7 +124,7 @@ def test_sigkill_one_launched_replica_under_load(launched_gateway: Gateway) -> N
             now = next(e for e in endpoints_of(gateway, "llm") if e["id"] == victim["id"])
             return bool(now["restarts"] == 1 and now["state"] == "ready")
 
-        until(restarted, "the killed replica to be restarted")
+        wait_for(restarted, what="the killed replica to be restarted", timeout_s=60)
         load.wait_for(20)
     assert load.failures == []
     assert [e["id"] for e in endpoints_of(gateway, "llm")] == ["llm/both-0", "llm/both-1", "llm/both-2"]

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,7 @@ import redis
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.support.haproxy import Balancer, start_haproxy
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, SimEngines, http_get, running, start_gateway, start_sim, static_pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -78,13 +79,6 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
             client.delete(key)
 
 
-def _until(condition: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not met in time"
-        time.sleep(0.05)
-
-
 def _json(url: str) -> Any:
     status, text = http_get(url)
     assert status == 200, text
@@ -104,7 +98,7 @@ def _everyone_knows(world: World, alive: list[Gateway] | None = None) -> None:
         return int(status["dispatches_published"]) + int(status["dispatches_applied"])
 
     gateways = alive or world.gateways
-    _until(lambda: all(known(g) >= world.sent for g in gateways), what="replicas folding every dispatch")
+    wait_for(lambda: all(known(g) >= world.sent for g in gateways), what="replicas folding every dispatch")
 
 
 def _inflight(gateway: Gateway) -> dict[str, int]:
@@ -171,9 +165,9 @@ def _stream(world: World, max_tokens: int) -> tuple[threading.Thread, Stream]:
 def test_inflight_views_agree_and_a_killed_replica_loses_only_its_streams(world: World) -> None:
     streams = [_stream(world, max_tokens=STREAM_TOKENS) for _ in range(12)]
     world.sent += len(streams)
-    _until(lambda: all(r.replica is not None for _, r in streams), what="every stream started")
+    wait_for(lambda: all(r.replica is not None for _, r in streams), what="every stream started")
     # every replica sees all 12 in flight, spread over the engines the same way
-    _until(
+    wait_for(
         lambda: all(sum(_inflight(g).values()) == len(streams) for g in world.gateways),
         what="every replica counting all 12 streams",
     )
@@ -198,7 +192,7 @@ def test_inflight_views_agree_and_a_killed_replica_loses_only_its_streams(world:
         elif result.replica != "gw1":
             assert result.error is None and result.completion_tokens == STREAM_TOKENS, result
     # the dead replica's load leaves the survivors' views (TTL), theirs returns to zero
-    _until(
+    wait_for(
         lambda: all(sum(_inflight(g).values()) == 0 for g in survivors),
         timeout_s=60,
         what="the killed replica's streams ageing out",

@@ -11,14 +11,13 @@ import json
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, metric_total, policies_doc, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -82,13 +81,6 @@ class Stream:
             self.error = repr(exc)
 
 
-def until(predicate: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def kill_busiest(gw: Gateway) -> str:
     _, body = http_get(gw.url + "/admin/backends")
     endpoints = json.loads(body)["pools"][0]["endpoints"]
@@ -110,7 +102,7 @@ def test_streams_cut_by_a_kill(tmp_path: Path, migrate: bool) -> None:
         streams = [Stream(client) for _ in range(STREAMS)]
         for stream in streams:
             stream.thread.start()
-        until(lambda: all(s.chunks >= 5 for s in streams), "every stream to be under way")
+        wait_for(lambda: all(s.chunks >= 5 for s in streams), what="every stream to be under way", timeout_s=90)
         killed = kill_busiest(gw)
         for stream in streams:
             stream.thread.join(120)

@@ -22,6 +22,8 @@ from backends.types import Endpoint, EndpointState, Role
 from gateway.engine_tokens import EngineTokenizeCounter
 from tests.support.procs import SimEngines, start_sim
 
+pytestmark = pytest.mark.e2e  # starts a simulated engine
+
 MODEL = "llama-3.1-8b"
 
 

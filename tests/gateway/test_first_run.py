@@ -28,6 +28,7 @@ def tokenway(*args: str, cwd: Path = REPO, env_drop: tuple[str, ...] = ()) -> su
     )
 
 
+@pytest.mark.e2e  # runs the `tokenway` command
 def test_a_taken_port_says_so_and_starts_nothing(tmp_path: Path) -> None:
     shutil.copy(REPO / "config" / "policies.yaml", tmp_path / "policies.yaml")
     config = {"policies": "policies.yaml", "pools": [{"name": "p", "model": "m", "engine": "sim", "replicas": 1}]}
@@ -43,6 +44,7 @@ def test_a_taken_port_says_so_and_starts_nothing(tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr and "launching" not in run.stderr + run.stdout
 
 
+@pytest.mark.e2e  # runs the `tokenway` command
 def test_the_banner_curl_works_as_pasted(tmp_path: Path) -> None:
     shutil.copy(REPO / "config" / "policies.yaml", tmp_path / "policies.yaml")
     pools = [{"name": "p", "model": "llama-3.1-8b", "engine": "sim", "preset": "llama-3.1-8b@h100", "replicas": 1}]
@@ -58,6 +60,7 @@ def test_the_banner_curl_works_as_pasted(tmp_path: Path) -> None:
         gateway.stop()
 
 
+@pytest.mark.e2e  # runs the `tokenway` command
 def test_pools_plan_takes_several_files_and_shows_unset_secrets_as_placeholders() -> None:
     second = REPO / "config" / "examples" / "vllm-8b-4gpu.yaml"
     run = tokenway("pools", "plan", str(EXAMPLE), "--config", str(second), env_drop=("OPENAI_API_KEY",))
@@ -67,6 +70,7 @@ def test_pools_plan_takes_several_files_and_shows_unset_secrets_as_placeholders(
     assert "pool openai" in run.stdout and "pool llama-8b" in run.stdout
 
 
+@pytest.mark.e2e  # runs the `tokenway` command
 def test_check_passes_the_default_config_and_names_a_broken_one(tmp_path: Path) -> None:
     ok = tokenway("check", "--config", str(REPO / "config" / "gateway.yaml"), "--no-probe")
     assert ok.returncode == 0 and "ok" in ok.stdout, ok.stdout + ok.stderr
@@ -100,6 +104,7 @@ def test_check_passes_the_default_config_and_names_a_broken_one(tmp_path: Path) 
     assert secretless.returncode == 0, secretless.stdout + secretless.stderr
 
 
+@pytest.mark.e2e  # runs the `tokenway` command
 def test_output_piped_into_a_closed_reader_ends_quietly() -> None:
     files = [str(REPO / "config" / "examples" / "vllm-8b-4gpu.yaml")] * 60  # far more than a pipe buffer
     proc = subprocess.Popen(

@@ -6,7 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.procs import REPO
+
+pytestmark = pytest.mark.e2e  # starts a Python without the extras
 
 BLOCK = (
     "import sys\n"

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from tests.predictor.synthetic import (
     settings,
     truth,
 )
+from tests.support.polling import wait_for_async
 
 CANDIDATES = [
     endpoint(0),
@@ -44,14 +44,6 @@ def _serve(predictor: LatencyPredictor, n: int, rng: np.random.Generator, start:
         chosen = predictions[0]
         ttft_ms, tpot_ms = truth(chosen.features, rng)
         predictor.observe(POOL, chosen.features, ttft_ms * scale, tpot_ms * scale, chosen)
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    for _ in range(int(timeout_s / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"not true within {timeout_s} s")
 
 
 def test_prior_predicts_before_any_model() -> None:
@@ -90,7 +82,7 @@ async def test_training_runs_off_loop_then_the_model_is_swapped_in(worker: str) 
     beat = asyncio.create_task(heartbeat())
     try:
         _serve(predictor, 1200, rng)  # past min_samples and retrain_min_new_samples: wakes the trainer
-        await _until(lambda: predictor.status()["pools"][POOL]["model_version"] >= 1)
+        await wait_for_async(lambda: predictor.status()["pools"][POOL]["model_version"] >= 1)
     finally:
         stop.set()
         await beat
@@ -114,7 +106,7 @@ async def test_model_predictions_beat_the_prior_online() -> None:
     await predictor.start()
     try:
         _serve(predictor, 1500, rng)
-        await _until(lambda: predictor.status()["pools"][POOL]["model_version"] >= 1)
+        await wait_for_async(lambda: predictor.status()["pools"][POOL]["model_version"] >= 1)
         _serve(predictor, 1500, rng, start=1500)
     finally:
         await predictor.stop()

@@ -172,17 +172,6 @@ def admin_backends(gateway_url: str) -> dict[str, Any]:
     return result
 
 
-def wait_for(predicate: Any, timeout_s: float = 60.0, what: str = "condition", interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 @pytest.fixture(scope="session")
 def repo() -> Iterator[Path]:
     yield REPO

@@ -36,8 +36,8 @@ from tests.real_vllm.conftest import (
     engine_metric,
     launched_pool,
     ledger_entries,
-    wait_for,
 )
+from tests.support.polling import wait_for
 from tests.support.procs import OTHER_KEY, TEST_KEY, Gateway, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -125,7 +125,7 @@ def words(tag: str, n: int) -> str:
 
 
 def test_admin_backends_shows_the_real_engines_metrics_and_tokenizer(gateway: Gateway) -> None:
-    status = wait_for(lambda: (s := endpoint_status(gateway))["block_size"] and s, what="a scrape")
+    status = wait_for(lambda: (s := endpoint_status(gateway))["block_size"] and s, what="a scrape", timeout_s=60)
     assert status["state"] == "ready"
     # Not passed on the command line: the engine chose it, vllm:cache_config_info reports it.
     assert (status["block_size"], status["num_gpu_blocks"]) == (128, BLOCKS)
@@ -139,7 +139,7 @@ def test_admin_backends_shows_the_real_engines_metrics_and_tokenizer(gateway: Ga
 
 def test_kv_event_sockets_listen_on_loopback_only(gateway: Gateway) -> None:
     port = kv_events_port(gateway)
-    assert wait_for(lambda: not _bindable("127.0.0.1", port), what="the publisher to bind")
+    assert wait_for(lambda: not _bindable("127.0.0.1", port), what="the publisher to bind", timeout_s=60)
     # Bound to 127.0.0.1 alone, not `*`: another loopback address can still take the port.
     assert _bindable("127.0.0.2", port)
 
@@ -178,12 +178,13 @@ def test_a_repeated_prompt_bills_the_engines_cached_tokens(gateway: Gateway) -> 
     assert engine_metric(url, "vllm:prompt_tokens_cached_total") - before == cached(second)
     request_id = headers["x-request-id"]
     entry = wait_for(lambda: next((e for e in ledger_entries(gateway.workdir) if e["request_id"] == request_id), None),
-                     what="the ledger line")  # fmt: skip
+                     what="the ledger line",
+                     timeout_s=60)  # fmt: skip
     assert entry["cached_input_tokens"] == cached(second)
     usage = second.usage
     expected = (usage.prompt_tokens - cached(second)) * 1.0 + cached(second) * 0.25 + usage.completion_tokens * 2.0
     assert entry["cost_usd"] == pytest.approx(expected / 1e6)
-    wait_for(lambda: endpoint_status(gateway)["prompt_tokens_cached"] >= cached(second), what="a scrape")
+    wait_for(lambda: endpoint_status(gateway)["prompt_tokens_cached"] >= cached(second), what="a scrape", timeout_s=60)
 
 
 def test_another_tenant_resending_a_prompt_finds_nothing_of_it_in_the_engines_cache(gateway: Gateway) -> None:
@@ -279,14 +280,15 @@ def test_the_precise_index_matches_the_engine_and_forgets_evicted_blocks(gateway
         return int(endpoint_status(gateway)["precise_index"]["blocks"])
 
     assert ask("first question") == (0, 0)
-    wait_for(lambda: blocks() > 0, what="BlockStored events")
+    wait_for(lambda: blocks() > 0, what="BlockStored events", timeout_s=60)
     estimate, engine = ask("second question")
     assert estimate == engine and engine >= 256  # the shared prefix, in the engine's 128-token blocks
     held = blocks()
     for i in range(5):  # other long prompts push the prefix out of 24 blocks
         chat(gateway, [{"role": "user", "content": words(f"evict{i}x{uuid.uuid4().hex[:4]}", 100)}])
     wait_for(lambda: blocks() <= BLOCKS and endpoint_status(gateway)["kv_events"]["events"] > held,
-             what="BlockRemoved events")  # fmt: skip
+             what="BlockRemoved events",
+             timeout_s=60)  # fmt: skip
     assert ask("third question") == (0, 0)
 
 
@@ -321,9 +323,9 @@ def test_a_client_disconnect_stops_the_engine_request(gateway: Gateway) -> None:
         steady = len(readings) > 5 and readings[-1] == readings[-6]
         return steady and engine_metric(url, "vllm:num_requests_running") == 0
 
-    wait_for(settled, what="the engine's token counter to settle")
+    wait_for(settled, what="the engine's token counter to settle", timeout_s=60)
     assert 0 < readings[-1] - before < max_tokens, (before, readings)
-    status = wait_for(lambda: (s := endpoint_status(gateway))["running"] == 0 and s, what="a scrape")
+    status = wait_for(lambda: (s := endpoint_status(gateway))["running"] == 0 and s, what="a scrape", timeout_s=60)
     assert status["inflight_requests"] == 0
 
 
@@ -331,7 +333,7 @@ def test_kill_9_of_the_api_server_is_followed_by_a_clean_restart(gateway: Gatewa
     before = endpoint_status(gateway)
     leader = int(before["pid"])
     os.kill(leader, signal.SIGKILL)
-    wait_for(lambda: endpoint_status(gateway)["state"] != "ready", what="the crash to be seen")
+    wait_for(lambda: endpoint_status(gateway)["state"] != "ready", what="the crash to be seen", timeout_s=60)
     # EngineCore and the worker were in the API server's group: killed, not left holding the ports.
     wait_for(lambda: not group_has_live_members(leader), timeout_s=60, what="the old group to be gone")
     after = wait_for(lambda: (s := endpoint_status(gateway))["state"] == "ready" and s,
@@ -363,7 +365,7 @@ def test_sigterm_drains_a_stream_to_its_end_and_leaves_no_engine_behind(gateway:
 
     reader = threading.Thread(target=consume)
     reader.start()
-    wait_for(lambda: len(received) >= 3, what="the stream to start")
+    wait_for(lambda: len(received) >= 3, what="the stream to start", timeout_s=60)
     gateway.proc.send_signal(signal.SIGTERM)
     reader.join(600)
     # Every token (deltas may join tokens that split a UTF-8 character), the usage chunk, a clean end.

@@ -33,8 +33,8 @@ from tests.real_vllm.conftest import (
     admin_backends,
     backends_settings,
     launched_pool,
-    wait_for,
 )
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, start_gateway
 
 pytestmark = pytest.mark.e2e

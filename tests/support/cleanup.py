@@ -23,8 +23,10 @@ from tests.support import procs
 
 
 def _ended(what: str, pids: list[int]) -> None:
+    """Name what was left running (its command line: which fixture or test forgot it is then plain)."""
     if pids:
-        print(f"\n[cleanup] {what} failed: ended processes it left running: {sorted(pids)}", file=sys.stderr)
+        left = "; ".join(f"{pid}: {procs.command_line(pid)}" for pid in sorted(pids))
+        print(f"\n[cleanup] {what}: ended processes left running: {left}", file=sys.stderr)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -271,15 +271,29 @@ def sweep(since: Snapshot | None = None) -> list[int]:
             continue
         if proc.poll() is None:
             ended.append(pid)
+            _LAST_SEEN[pid] = command_line(pid)
         with contextlib.suppress(Exception):
             stop_process(proc, signal.SIGKILL, timeout_s=5)
     for pid in children(os.getpid()):
         if since is not None and _started_ticks(pid) < since.ticks:
             continue
+        _LAST_SEEN[pid] = command_line(pid)
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
             ended.append(pid)
     return ended
+
+
+_LAST_SEEN: dict[int, str] = {}  # what each swept process was running, for the report that names it
+
+
+def command_line(pid: int) -> str:
+    """The process's command line (as much as 160 characters), or what a sweep last saw of it."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return _LAST_SEEN.get(pid, "?")
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace").strip()[:160]
 
 
 atexit.register(sweep)

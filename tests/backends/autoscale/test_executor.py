@@ -15,7 +15,7 @@ from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from backends.types import EndpointState, Role
-from tests.backends.builders import eventually
+from tests.support.polling import wait_for_async
 from tests.support.procs import free_ports
 
 pytestmark = pytest.mark.e2e
@@ -75,12 +75,16 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
     fleet, ex = await executor([elastic_pool("a")], devices=[4, 5])
     endpoints = fleet.pools["a"].endpoints
     assert [e.id for e in endpoints] == ["a/both-0", "a/both-1", "a/both-2"]  # every slot, one launched
-    await eventually(lambda: states(fleet, "a") == ["ready", "stopped", "stopped"] and ex.settled, "ready", 60)
+    await wait_for_async(
+        lambda: states(fleet, "a") == ["ready", "stopped", "stopped"] and ex.settled, what="ready", timeout_s=60
+    )
     assert endpoints[0].devices == (4,)
     assert ex.lead.measured("a")["starts_s"]  # the launch was timed
 
     ex.apply([plan("a", 3)])
-    await eventually(lambda: states(fleet, "a").count("ready") == 2 and ex.settled, "a second replica", 60)
+    await wait_for_async(
+        lambda: states(fleet, "a").count("ready") == 2 and ex.settled, what="a second replica", timeout_s=60
+    )
     assert sorted(e.devices for e in endpoints if e.state is EndpointState.READY) == [(4,), (5,)]
     blocked = [ev for ev in ex.events if ev.action == "blocked"]
     assert blocked, "the third replica found no free device"
@@ -88,8 +92,12 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
     assert ex.role_state("a", Role.BOTH).active == 2
 
     ex.apply([plan("a", 1)])
-    await eventually(lambda: states(fleet, "a").count("ready") == 1 and ex.settled, "a scale-down", 60)
-    await eventually(lambda: states(fleet, "a").count("stopped") == 2, "the drained replica stopped", 60)
+    await wait_for_async(
+        lambda: states(fleet, "a").count("ready") == 1 and ex.settled, what="a scale-down", timeout_s=60
+    )
+    await wait_for_async(
+        lambda: states(fleet, "a").count("stopped") == 2, what="the drained replica stopped", timeout_s=60
+    )
     stopped = [e for e in endpoints if e.state is EndpointState.STOPPED]
     assert all(e.devices == () for e in stopped)
     assert [ev.action for ev in ex.events if ev.action in ("drain", "stop")] == ["drain", "stop"]
@@ -99,14 +107,18 @@ async def test_starts_on_free_devices_and_stops_at_the_budget(executor: Callable
 async def test_drain_waits_for_requests_and_never_aborts(executor: Callable[..., Any]) -> None:
     fleet, ex = await executor([elastic_pool("d", drain_timeout_s=0.2, migrate_streams=False)], devices=[0])
     endpoint = fleet.pools["d"].endpoints[0]
-    await eventually(lambda: endpoint.state is EndpointState.READY and ex.settled, "ready", 60)
+    await wait_for_async(lambda: endpoint.state is EndpointState.READY and ex.settled, what="ready", timeout_s=60)
     ticket = endpoint.inflight.begin(100)  # a request the relay is serving
     ex.apply([plan("d", 0)])
-    await eventually(lambda: any(ev.action == "drain_timeout" for ev in ex.events), "the drain to time out", 30)
+    await wait_for_async(
+        lambda: any(ev.action == "drain_timeout" for ev in ex.events), what="the drain to time out", timeout_s=30
+    )
     assert endpoint.state is EndpointState.DRAINING  # still waiting: without migration it never cuts a request
     assert ex.drain_timeouts["d"] == 1
     ticket.end()
-    await eventually(lambda: endpoint.state is EndpointState.STOPPED, "the stop after the last request", 30)
+    await wait_for_async(
+        lambda: endpoint.state is EndpointState.STOPPED, what="the stop after the last request", timeout_s=30
+    )
 
 
 async def test_sleep_frees_the_device_and_wake_takes_it_back(executor: Callable[..., Any]) -> None:
@@ -114,21 +126,25 @@ async def test_sleep_frees_the_device_and_wake_takes_it_back(executor: Callable[
     other = elastic_pool("o", replicas=0, autoscale={"max_replicas": 1})
     fleet, ex = await executor([sleepy, other], devices=[0])
     asleep = fleet.pools["s"].endpoints[0]
-    await eventually(lambda: asleep.state is EndpointState.READY and ex.settled, "ready", 60)
+    await wait_for_async(lambda: asleep.state is EndpointState.READY and ex.settled, what="ready", timeout_s=60)
 
     ex.apply([plan("s", 0)])
-    await eventually(lambda: asleep.state is EndpointState.SLEEPING and ex.settled, "asleep", 30)
+    await wait_for_async(lambda: asleep.state is EndpointState.SLEEPING and ex.settled, what="asleep", timeout_s=30)
     assert asleep.devices == (0,) and asleep.pid is not None  # the process lives on, bound to its device
 
     ex.apply([plan("o", 1)])  # the freed device goes to the other pool
     guest = fleet.pools["o"].endpoints[0]
-    await eventually(lambda: guest.state is EndpointState.READY and ex.settled, "the other pool on the device", 60)
+    await wait_for_async(
+        lambda: guest.state is EndpointState.READY and ex.settled, what="the other pool on the device", timeout_s=60
+    )
     ex.apply([plan("s", 1)])
     assert asleep.state is EndpointState.SLEEPING  # no slot to wake into
     ex.apply([plan("o", 0)])
-    await eventually(lambda: guest.state is EndpointState.STOPPED and ex.settled, "the guest stopped", 30)
+    await wait_for_async(
+        lambda: guest.state is EndpointState.STOPPED and ex.settled, what="the guest stopped", timeout_s=30
+    )
     ex.apply([plan("s", 1)])
-    await eventually(lambda: asleep.state is EndpointState.READY and ex.settled, "awake again", 30)
+    await wait_for_async(lambda: asleep.state is EndpointState.READY and ex.settled, what="awake again", timeout_s=30)
     assert ex.lead.measured("s")["wakes_s"]
     assert [ev.action for ev in ex.events if ev.pool == "s"][-2:] == ["wake", "awake"]
 
@@ -139,25 +155,31 @@ async def test_a_warm_reserve_is_started_asleep_and_its_surplus_stopped(executor
     )
     fleet, ex = await executor([sleepy], devices=[0, 1, 2])
     endpoints = fleet.pools["w"].endpoints
-    await eventually(lambda: endpoints[0].state is EndpointState.READY and ex.settled, "ready", 60)
+    await wait_for_async(lambda: endpoints[0].state is EndpointState.READY and ex.settled, what="ready", timeout_s=60)
 
     def reserve_plan(desired: int, reserve: int) -> PoolPlan:
         return PoolPlan("w", (RolePlan("both", 0, float(desired), desired, desired, reserve),), "test")
 
     ex.apply([reserve_plan(1, 1)])  # one serving, one to start and put to sleep
-    await eventually(lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, "one asleep in reserve", 60)
+    await wait_for_async(
+        lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, what="one asleep in reserve", timeout_s=60
+    )
     assert states(fleet, "w").count("ready") == 1
     assert ex.role_state("w", Role.BOTH).active == 1  # the reserve is not counted as serving
     ex.apply([reserve_plan(1, 1)])
     assert ex.settled  # the reserve is full: nothing to do
 
     ex.apply([reserve_plan(2, 1)])  # a step: the sleeper wakes, and a new one is started for the reserve
-    await eventually(lambda: ex.settled and states(fleet, "w").count("ready") == 2, "the sleeper awake", 60)
+    await wait_for_async(
+        lambda: ex.settled and states(fleet, "w").count("ready") == 2, what="the sleeper awake", timeout_s=60
+    )
     assert any(ev.action == "awake" for ev in ex.events)
     ex.apply([reserve_plan(2, 1)])
-    await eventually(lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, "the reserve refilled", 60)
+    await wait_for_async(
+        lambda: ex.settled and states(fleet, "w").count("sleeping") == 1, what="the reserve refilled", timeout_s=60
+    )
 
     ex.apply([reserve_plan(0, 0)])  # down, and no reserve: the drained ones stop, the sleeper too
-    await eventually(lambda: ex.settled and states(fleet, "w").count("ready") == 0, "drained", 60)
+    await wait_for_async(lambda: ex.settled and states(fleet, "w").count("ready") == 0, what="drained", timeout_s=60)
     ex.apply([reserve_plan(0, 0)])
-    await eventually(lambda: ex.settled and states(fleet, "w") == ["stopped"] * 3, "all stopped", 60)
+    await wait_for_async(lambda: ex.settled and states(fleet, "w") == ["stopped"] * 3, what="all stopped", timeout_s=60)

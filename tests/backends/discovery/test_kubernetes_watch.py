@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from backends.discovery.service import PoolDiscovery
 from backends.fleet import Pool
 from backends.types import EndpointState
 from tests.support.fake_kube import FakeKubeApi, endpoint_slice
+from tests.support.polling import wait_for_async
 
 
 @pytest.fixture
@@ -50,13 +50,6 @@ def _pool(config: KubernetesDiscoveryConfig) -> Pool:
     )
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 def _urls(pool: Pool) -> dict[str, str]:
     return {e.base_url: e.state.value for e in pool.endpoints}
 
@@ -74,17 +67,17 @@ async def test_list_then_watch_adds_and_removes_endpoints(api: FakeKubeApi) -> N
     api.upsert(endpoint_slice("other-a", "other", [("10.0.9.9", "pod-x")], port=8000))  # another Service
     pool, discovery, changes = await _discover(_config(api))
     try:
-        await _until(lambda: discovery.synced and bool(pool.endpoints))
+        await wait_for_async(lambda: discovery.synced and bool(pool.endpoints))
         assert _urls(pool) == {"http://10.0.0.1:8000": "starting"}  # health-checked before use
         assert pool.endpoints[0].id == "p/pod-1"
         api.upsert(endpoint_slice("engines-b", "engines", [("10.0.0.2", "pod-2"), ("10.0.0.3", None)], port=8000))
-        await _until(lambda: len(pool.endpoints) == 3)
+        await wait_for_async(lambda: len(pool.endpoints) == 3)
         assert {e.id for e in pool.endpoints} == {"p/pod-1", "p/pod-2", "p/10.0.0.3:8000"}
         # a pod whose readiness fails leaves at once (no requests on it here)
         api.upsert(endpoint_slice("engines-b", "engines", [("10.0.0.2", "pod-2")], port=8000))
-        await _until(lambda: len(pool.endpoints) == 2)
+        await wait_for_async(lambda: len(pool.endpoints) == 2)
         api.delete("engines-a")
-        await _until(lambda: _urls(pool) == {"http://10.0.0.2:8000": "starting"})
+        await wait_for_async(lambda: _urls(pool) == {"http://10.0.0.2:8000": "starting"})
         assert api.lists == 1  # one list, then only watching
         assert changes  # the gateway was told of every change
     finally:
@@ -95,19 +88,19 @@ async def test_bookmarks_move_the_watch_on_without_a_relist(api: FakeKubeApi) ->
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
     try:
-        await _until(lambda: bool(pool.endpoints))
+        await wait_for_async(lambda: bool(pool.endpoints))
         listed_at = int(api.watch_versions[0]) if api.watch_versions else 0
         api.upsert(endpoint_slice("other-a", "other", [("10.0.9.9", None)], port=8000))  # not ours: version moves
         moved_to = api.version
         # the client hears of the new version only by bookmark; the stream delivers what was written
         # before it ends, so dropping it after a bookmark was sent is no race
-        await _until(lambda: any(v >= moved_to for v in api.bookmarks_sent))
+        await wait_for_async(lambda: any(v >= moved_to for v in api.bookmarks_sent))
         api.drop_watches()  # the connection is lost: the next watch must start where the bookmark said
-        await _until(lambda: len(api.watch_versions) >= 2)
+        await wait_for_async(lambda: len(api.watch_versions) >= 2)
         assert int(api.watch_versions[-1]) >= moved_to > listed_at
         assert api.lists == 1
         api.upsert(endpoint_slice("engines-b", "engines", [("10.0.0.2", "pod-2")], port=8000))
-        await _until(lambda: len(pool.endpoints) == 2)
+        await wait_for_async(lambda: len(pool.endpoints) == 2)
     finally:
         await discovery.stop()
 
@@ -118,12 +111,12 @@ async def test_gone_relists_and_converges(as_status: bool) -> None:
         api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
         pool, discovery, _ = await _discover(_config(api))
         try:
-            await _until(lambda: bool(pool.endpoints))
+            await wait_for_async(lambda: bool(pool.endpoints))
             api.compact()  # the watch ends with 410 (or the next watch is refused with it)
             # changes while the client relists are not lost: the fresh list holds them
             api.delete("engines-a")
             api.upsert(endpoint_slice("engines-c", "engines", [("10.0.0.5", "pod-5")], port=8000))
-            await _until(lambda: api.lists >= 2 and _urls(pool) == {"http://10.0.0.5:8000": "starting"})
+            await wait_for_async(lambda: api.lists >= 2 and _urls(pool) == {"http://10.0.0.5:8000": "starting"})
             assert discovery.status()["relists"] == 1 and api.lists == 2  # one 410, one fresh list
         finally:
             await discovery.stop()
@@ -133,20 +126,20 @@ async def test_vanished_endpoint_drains_its_requests_first(api: FakeKubeApi) -> 
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
     try:
-        await _until(lambda: bool(pool.endpoints))
+        await wait_for_async(lambda: bool(pool.endpoints))
         endpoint = pool.endpoints[0]
         endpoint.state = EndpointState.READY  # as the health check would
         ticket = endpoint.inflight.begin(100)  # a request in flight on it
         api.delete("engines-a")
-        await _until(lambda: endpoint.state is EndpointState.DRAINING)
+        await wait_for_async(lambda: endpoint.state is EndpointState.DRAINING)
         await asyncio.sleep(0.2)
         assert endpoint in pool.endpoints  # still there while its request runs
         assert not pool.servable()  # but takes nothing new
         ticket.end()
-        await _until(lambda: endpoint not in pool.endpoints)
+        await wait_for_async(lambda: endpoint not in pool.endpoints)
         # back again later: a new endpoint, health-checked again
         api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
-        await _until(lambda: _urls(pool) == {"http://10.0.0.1:8000": "starting"})
+        await wait_for_async(lambda: _urls(pool) == {"http://10.0.0.1:8000": "starting"})
     finally:
         await discovery.stop()
 
@@ -155,14 +148,14 @@ async def test_an_endpoint_that_comes_back_while_draining_is_checked_again(api: 
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
     try:
-        await _until(lambda: bool(pool.endpoints))
+        await wait_for_async(lambda: bool(pool.endpoints))
         endpoint = pool.endpoints[0]
         endpoint.state = EndpointState.READY
         ticket = endpoint.inflight.begin(0)
         api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000, ready=False))
-        await _until(lambda: endpoint.state is EndpointState.DRAINING)
+        await wait_for_async(lambda: endpoint.state is EndpointState.DRAINING)
         api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
-        await _until(lambda: endpoint.state is EndpointState.STARTING)
+        await wait_for_async(lambda: endpoint.state is EndpointState.STARTING)
         ticket.end()
         await asyncio.sleep(0.2)
         assert pool.endpoints == [endpoint]
@@ -176,10 +169,10 @@ async def test_an_api_server_that_is_not_up_yet_is_retried(tmp_path: Path) -> No
     token.write_text("s3cret\n")
     pool, discovery, _ = await _discover(_config(api, token_file=str(token)))
     try:
-        await _until(lambda: discovery.last_failure is not None)
+        await wait_for_async(lambda: discovery.last_failure is not None)
         api.start()
         api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
-        await _until(lambda: bool(pool.endpoints))
+        await wait_for_async(lambda: bool(pool.endpoints))
         assert api.authorizations == {"Bearer s3cret"}
     finally:
         await discovery.stop()
@@ -195,7 +188,7 @@ async def test_many_slices_are_listed_page_by_page(api: FakeKubeApi) -> None:
     try:
         pool, discovery, _ = await _discover(_config(api))
         try:
-            await _until(lambda: len(pool.endpoints) == 12)
+            await wait_for_async(lambda: len(pool.endpoints) == 12)
             assert api.lists == 3
         finally:
             await discovery.stop()
@@ -207,7 +200,7 @@ async def test_stop_ends_the_watch_thread_promptly(api: FakeKubeApi) -> None:
     api.bookmark_interval_s = 3600  # a silent server: the thread sits in a blocking read
     before = set(threading.enumerate())
     pool, discovery, _ = await _discover(_config(api))
-    await _until(lambda: discovery.synced and api.open_watches() == 1)
+    await wait_for_async(lambda: discovery.synced and api.open_watches() == 1)
     (watcher,) = [t for t in set(threading.enumerate()) - before if t.name.startswith("k8s-watch")]
     await discovery.stop()  # closes the blocked read; the join is bounded either way
     assert not watcher.is_alive()

@@ -19,7 +19,7 @@ from gateway.batch.store import BatchStore, QuotaExceeded
 Opener = Callable[[], BatchStore]
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", pytest.param("redis", marks=pytest.mark.redis)])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     """Opens the store afresh each call (a restart); the same data behind it."""
     if request.param == "disk":

@@ -21,6 +21,7 @@ from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.schema import PoliciesConfig
 from tests.gateway.request.walk import Walk, body_json, build, chat_request, fleet, handle_cancelled_at, policy
+from tests.support.polling import wait_for_async
 
 NORMAL = band_rank(0)
 SETTINGS = FlowSettings.model_validate({"saturation": {"max_engine_waiting": 0, "max_stats_age_s": 3600}})
@@ -46,19 +47,12 @@ def saturate(walk: Walk, waiting: int) -> None:
         endpoint.stats.scraped_at_s = time.monotonic()
 
 
-async def until(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
-
-
 async def test_a_saturated_pool_holds_the_request_until_capacity_frees(engines: list[str]) -> None:
     hook = flow_hook()
     walk = build(fleet({"small": engines}), hooks=[hook])
     saturate(walk, 3)
     task = asyncio.create_task(walk.director.handle(chat_request("small", max_tokens=5, x_tokenway_debug="1"), "chat"))
-    await until(lambda: hook.queue.depth("small") == 1)
+    await wait_for_async(lambda: hook.queue.depth("small") == 1)
     assert walk.router.dispatched == []  # nothing reached the engine while it was saturated
     saturate(walk, 0)
     hook.queue.notify("small")

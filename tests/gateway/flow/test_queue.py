@@ -12,6 +12,7 @@ from gateway.flow.queue import FlowQueue, Lease
 from gateway.flow.types import REASON_QUEUE_FULL, REASON_QUEUE_TIMEOUT, REASON_SHED, Blocked, FlowRequest, QueueRejected
 from policies.flow.bands import band_rank
 from policies.flow.counters import MemoryCounters
+from tests.support.polling import wait_for_async
 
 NORMAL, LOW, HIGH = band_rank(0), band_rank(-1), band_rank(1)
 POOL = "p"
@@ -44,13 +45,6 @@ def request(name: str, tenant: str, *, band: int = NORMAL, cost: float = 100.0, 
     return FlowRequest(name, tenant, band, cost, weight, time.monotonic() + wait_s, body_bytes, tag)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
-
-
 async def test_an_open_pool_dispatches_at_once_and_charges_the_tenant() -> None:
     counters = MemoryCounters()
     queue = FlowQueue(counters)
@@ -68,17 +62,17 @@ async def test_while_saturated_a_light_tenant_goes_before_a_flood_and_bands_befo
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
     slots = Slots(queue, free=0)
     tasks = [asyncio.create_task(slots.run(request(f"a{i}", "a"))) for i in range(10)]
-    await until(lambda: queue.depth(POOL) == 10)
+    await wait_for_async(lambda: queue.depth(POOL) == 10)
     slots.release(3)  # a is served three times (one at a time, each visible to the next check)
-    await until(lambda: len(slots.order) == 3)
+    await wait_for_async(lambda: len(slots.order) == 3)
     tasks.append(asyncio.create_task(slots.run(request("b0", "b"))))
     tasks.append(asyncio.create_task(slots.run(request("b1", "b"))))
     tasks.append(asyncio.create_task(slots.run(request("low", "c", band=LOW))))
     tasks.append(asyncio.create_task(slots.run(request("high", "a", band=HIGH))))
-    await until(lambda: queue.depth(POOL) == 11)
+    await wait_for_async(lambda: queue.depth(POOL) == 11)
     for _ in range(11):
         slots.release()
-        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+        await wait_for_async(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
     await asyncio.gather(*tasks)
     # high first; b came back after idling at a's level and then alternates with a by counter; low last
     assert slots.order[3:] == ["high", "b0", "a3", "b1", "a4", "a5", "a6", "a7", "a8", "a9", "low"]
@@ -89,10 +83,10 @@ async def test_weights_share_a_backlog() -> None:
     slots = Slots(queue, free=0)
     tasks = [asyncio.create_task(slots.run(request(f"h{i}", "heavy", weight=3.0))) for i in range(40)]
     tasks += [asyncio.create_task(slots.run(request(f"l{i}", "light", weight=1.0))) for i in range(40)]
-    await until(lambda: queue.depth(POOL) == 80)
+    await wait_for_async(lambda: queue.depth(POOL) == 80)
     for _ in range(40):
         slots.release()
-        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+        await wait_for_async(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
     served = slots.order[:40]
     assert sum(name.startswith("h") for name in served) == 30  # 3 : 1
     for task in tasks:
@@ -106,7 +100,7 @@ async def test_a_request_blocked_for_its_own_reason_passes_the_turn() -> None:
     slots = Slots(queue, free=0)
     picky = asyncio.create_task(slots.run(request("picky", "a", wait_s=0.3), ready=lambda: Blocked.REQUEST))
     easy = asyncio.create_task(slots.run(request("easy", "b")))
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     slots.release()
     await easy
     assert slots.order == ["easy"]
@@ -132,7 +126,7 @@ async def test_a_cancelled_waiter_leaves_at_once_and_is_never_charged() -> None:
     queue = FlowQueue(counters, recheck_s=10.0)
     slots = Slots(queue, free=0)
     gone = asyncio.create_task(slots.run(request("gone", "a", body_bytes=1000, tag="interactive")))
-    await until(lambda: queue.depth(POOL) == 1)
+    await wait_for_async(lambda: queue.depth(POOL) == 1)
     assert queue.waiting_with(POOL, "interactive") == 1
     gone.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -149,7 +143,7 @@ async def test_a_grant_cancelled_before_it_ran_passes_to_the_next() -> None:
     slots = Slots(queue, free=0)
     first = asyncio.create_task(slots.run(request("first", "a")))
     second = asyncio.create_task(slots.run(request("second", "b")))
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     slots.free = 1
     queue.notify(POOL)  # grants "first" ...
     first.cancel()  # ... whose client leaves before its task runs
@@ -162,7 +156,7 @@ async def test_full_room_sheds_lower_bands_first_and_refuses_a_newcomer_of_the_l
     queue = FlowQueue(MemoryCounters(), room_size=lambda pool: (2, 10**6), recheck_s=10.0)
     slots = Slots(queue, free=0)
     low = [asyncio.create_task(slots.run(request(f"low{i}", "c", band=LOW))) for i in range(2)]
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     with pytest.raises(QueueRejected) as refused:
         await slots.run(request("low2", "c", band=LOW))
     assert refused.value.reason == REASON_QUEUE_FULL
@@ -170,7 +164,7 @@ async def test_full_room_sheds_lower_bands_first_and_refuses_a_newcomer_of_the_l
     with pytest.raises(QueueRejected) as shed:
         await low[1]  # the newest of the lowest band makes room
     assert shed.value.reason == REASON_SHED
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     slots.release(2)
     await normal
     await low[0]
@@ -184,9 +178,9 @@ async def test_a_returning_tenant_is_lifted_to_the_waiting_minimum() -> None:
     counters.charge(POOL, NORMAL, "busy", 5000.0, dispatch=True)
     await slots.run(request("b0", "busy"))
     waiting = asyncio.create_task(slots.run(request("b1", "busy")))
-    await until(lambda: queue.depth(POOL) == 1)
+    await wait_for_async(lambda: queue.depth(POOL) == 1)
     back = asyncio.create_task(slots.run(request("r0", "returning")))
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     assert counters.value(POOL, NORMAL, "returning") == counters.value(POOL, NORMAL, "busy")
     slots.release(2)
     await asyncio.gather(waiting, back)
@@ -204,7 +198,7 @@ async def test_a_gate_that_raises_while_waiting_takes_that_request_out() -> None
 
     doomed = asyncio.create_task(slots.run(request("doomed", "a"), ready=detour))
     other = asyncio.create_task(slots.run(request("other", "b")))
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     slots.release()
     with pytest.raises(LookupError):
         await doomed
@@ -223,7 +217,7 @@ async def test_a_tenant_held_by_the_reserve_passes_the_turn_to_another_tenant() 
 
     flood = [asyncio.create_task(slots.run(request(f"a{i}", "a"), held_tenant("a"))) for i in range(6)]
     light = asyncio.create_task(slots.run(request("b0", "b"), held_tenant("b")))
-    await until(lambda: queue.depth(POOL) == 7)
+    await wait_for_async(lambda: queue.depth(POOL) == 7)
     assert queue.activity.active(POOL)["a"].waiting == 6
     slots.release()  # more of a's requests than a round's tries: one answer skips all of them
     lease = await light
@@ -244,18 +238,18 @@ async def test_a_refund_lands_at_the_tenants_next_dispatch_not_when_its_slot_fre
     slots = Slots(queue, free=1)
     running = await slots.run(request("a0", "a", cost=1000.0))
     flood = [asyncio.create_task(slots.run(request(f"a{i}", "a", cost=1000.0))) for i in range(1, 4)]
-    await until(lambda: queue.depth(POOL) == 3)
+    await wait_for_async(lambda: queue.depth(POOL) == 3)
     light = asyncio.create_task(slots.run(request("b0", "b", cost=1000.0)))
-    await until(lambda: queue.depth(POOL) == 4)
+    await wait_for_async(lambda: queue.depth(POOL) == 4)
     assert counters.value(POOL, NORMAL, "b") == counters.value(POOL, NORMAL, "a") == 1000.0  # lifted to a's
     slots.free += 1
     running.finished(actual_cost_tokens=100.0)  # a's output ran far shorter than predicted; its slot is free
-    await until(lambda: len(slots.order) == 2)
+    await wait_for_async(lambda: len(slots.order) == 2)
     assert slots.order == ["a0", "b0"]  # the light tenant wins the freed slot
     await light
     assert counters.value(POOL, NORMAL, "a") == 1000.0 and queue.held_credit(POOL, NORMAL, "a") == -900.0
     slots.release()
-    await until(lambda: len(slots.order) == 3)
+    await wait_for_async(lambda: len(slots.order) == 3)
     assert slots.order[2] == "a1"
     assert counters.value(POOL, NORMAL, "a") == 1100.0  # credited at its next dispatch: 1000 - 900 + 1000
     assert queue.held_credit(POOL, NORMAL, "a") == 0.0
@@ -270,12 +264,12 @@ async def test_a_tenant_coming_back_keeps_no_refund_below_the_band_floor() -> No
     slots = Slots(queue, free=1)
     light = await slots.run(request("b0", "b", cost=1000.0))
     flood = [asyncio.create_task(slots.run(request(f"a{i}", "a", cost=1000.0))) for i in range(3)]
-    await until(lambda: queue.depth(POOL) == 3)
+    await wait_for_async(lambda: queue.depth(POOL) == 3)
     slots.free += 1
     light.finished(actual_cost_tokens=100.0)  # a refund of 900 held for b's next dispatch
-    await until(lambda: slots.order == ["b0", "a0"])
+    await wait_for_async(lambda: slots.order == ["b0", "a0"])
     back = asyncio.create_task(slots.run(request("b1", "b", cost=1000.0)))  # nothing of b waits: it comes back
-    await until(lambda: queue.depth(POOL) == 3)
+    await wait_for_async(lambda: queue.depth(POOL) == 3)
     slots.release()
     await back
     assert slots.order[2] == "b1"
@@ -293,9 +287,9 @@ async def test_a_waiter_cancelled_before_its_task_ran_is_passed_over_not_granted
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
     slots = Slots(queue, free=0)
     gone = asyncio.create_task(slots.run(request("gone", "a")))
-    await until(lambda: queue.depth(POOL) == 1)
+    await wait_for_async(lambda: queue.depth(POOL) == 1)
     other = asyncio.create_task(slots.run(request("b0", "b")))
-    await until(lambda: queue.depth(POOL) == 2)
+    await wait_for_async(lambda: queue.depth(POOL) == 2)
     gone.cancel()
     slots.release()  # in the same step: "gone" is first in order, its future already cancelled
     await other
@@ -310,12 +304,12 @@ async def test_a_resumed_stream_goes_first_of_its_tenants_waiting_requests() -> 
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
     slots = Slots(queue, free=0)
     tasks = [asyncio.create_task(slots.run(request(f"a{i}", "a"))) for i in range(3)]
-    await until(lambda: queue.depth(POOL) == 3)
+    await wait_for_async(lambda: queue.depth(POOL) == 3)
     resumed = FlowRequest("a-cut", "a", NORMAL, 100.0, 1.0, time.monotonic() + 30.0, resumed=True)
     tasks.append(asyncio.create_task(slots.run(resumed)))
-    await until(lambda: queue.depth(POOL) == 4)
+    await wait_for_async(lambda: queue.depth(POOL) == 4)
     for _ in range(4):
         slots.release()
-        await until(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
+        await wait_for_async(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
     await asyncio.gather(*tasks)
     assert slots.order == ["a-cut", "a0", "a1", "a2"]

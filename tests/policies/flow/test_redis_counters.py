@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
-
 import pytest
 
 from policies.flow.counters import Counters, MemoryCounters
 from policies.flow.redis_counters import RedisCounters
+from tests.support.polling import wait_for_async
 
 pytestmark = pytest.mark.redis
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 async def test_two_replicas_see_each_others_charges(redis_url: str, redis_prefix: str) -> None:
@@ -27,14 +17,14 @@ async def test_two_replicas_see_each_others_charges(redis_url: str, redis_prefix
     try:
         one.charge("pool", 2, "a", 300.0, dispatch=True)
         assert one.value("pool", 2, "a") == 300.0  # visible locally at once, before Redis answers
-        await until(lambda: one.status()["calls"] == 1 and not one.status()["pending"])
+        await wait_for_async(lambda: one.status()["calls"] == 1 and not one.status()["pending"])
         two.watch("pool", 2, True)  # requests wait on replica two: it re-reads the band
-        await until(lambda: two.value("pool", 2, "a") == 300.0)
+        await wait_for_async(lambda: two.value("pool", 2, "a") == 300.0)
         two.charge("pool", 2, "b", 50.0, dispatch=True)
         two.charge("pool", 2, "a", -100.0, dispatch=False)  # a correction made on the other replica
-        await until(lambda: not two.status()["pending"])
+        await wait_for_async(lambda: not two.status()["pending"])
         one.charge("pool", 2, "c", 1.0, dispatch=True)  # any reply brings the whole band
-        await until(lambda: one.value("pool", 2, "b") == 50.0 and one.value("pool", 2, "a") == 200.0)
+        await wait_for_async(lambda: one.value("pool", 2, "b") == 50.0 and one.value("pool", 2, "a") == 200.0)
         assert one.last_served("pool", 2) == 0.0  # c's counter before its charge
         assert two.age_s("pool", 2) < 5.0 and one.age_s("other", 0) == float("inf")
         assert one.status()["errors"] == two.status()["errors"] == 0
@@ -49,10 +39,10 @@ async def test_a_lift_is_kept_until_redis_has_it_and_never_lowers(redis_url: str
         store.charge("pool", 2, "busy", 1000.0, dispatch=True)
         store.lift("pool", 2, "back", 1000.0)
         assert store.value("pool", 2, "back") == 1000.0  # ordering sees the lift at once
-        await until(lambda: not store.status()["pending"])
+        await wait_for_async(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "back") == 1000.0  # and after Redis answered
         store.lift("pool", 2, "back", 10.0)  # a lower floor changes nothing
-        await until(lambda: not store.status()["pending"])
+        await wait_for_async(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "back") == 1000.0
     finally:
         await store.close()
@@ -64,11 +54,11 @@ async def test_a_dispatch_takes_off_held_back_refunds_never_below_its_floor(redi
         store.charge("pool", 2, "a", 1000.0, dispatch=True)
         store.charge("pool", 2, "a", 100.0, dispatch=True, credit=-300.0)  # waiting all along: all of it
         assert store.value("pool", 2, "a") == 800.0  # the view at once
-        await until(lambda: not store.status()["pending"])
+        await wait_for_async(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "a") == 800.0 and store.last_served("pool", 2) == 700.0
         store.charge("pool", 2, "b", 100.0, dispatch=True, credit=-500.0, floor=600.0)  # coming back
         assert store.value("pool", 2, "b") == 700.0
-        await until(lambda: not store.status()["pending"])
+        await wait_for_async(lambda: not store.status()["pending"])
         assert store.value("pool", 2, "b") == 700.0 and store.last_served("pool", 2) == 600.0
         assert store.status()["errors"] == 0
     finally:
@@ -80,7 +70,7 @@ async def test_an_unreachable_redis_keeps_changes_local() -> None:
     try:
         store.charge("pool", 2, "a", 40.0, dispatch=True)
         store.lift("pool", 2, "b", 10.0)
-        await until(lambda: not store.status()["pending"])
+        await wait_for_async(lambda: not store.status()["pending"])
         assert store.status()["errors"] == 1  # the two changes went out in one call
         assert store.status()["changes"] == 2
         assert store.value("pool", 2, "a") == 40.0 and store.value("pool", 2, "b") == 10.0
@@ -114,13 +104,13 @@ async def test_a_batch_of_changes_lands_where_the_changes_one_by_one_would(redis
             for tenant in "abc":  # the local view agrees before Redis answers
                 assert store.value("pool", 1, tenant) == pytest.approx(reference.value("pool", 1, tenant))
             assert store.last_served("pool", 1) == pytest.approx(reference.last_served("pool", 1))
-            await until(lambda: not store.status()["pending"])
+            await wait_for_async(lambda: not store.status()["pending"])
             assert store.status()["calls"] == rounds + 1
         fresh = RedisCounters.from_url(redis_url, prefix=redis_prefix)  # another replica reads the band
         try:
             fresh.refresh_s = 0.01
             fresh.watch("pool", 1, True)
-            await until(lambda: fresh.age_s("pool", 1) < 60.0)
+            await wait_for_async(lambda: fresh.age_s("pool", 1) < 60.0)
             for tenant in "abc":
                 assert fresh.value("pool", 1, tenant) == pytest.approx(reference.value("pool", 1, tenant))
             assert fresh.last_served("pool", 1) == pytest.approx(reference.last_served("pool", 1))

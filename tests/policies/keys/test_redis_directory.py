@@ -3,9 +3,8 @@ through the announcement, and a missed announcement is repaired by the version p
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import yaml
@@ -14,17 +13,11 @@ from policies.keys.directory import KeyDirectory
 from policies.keys.redis_store import RedisDirectoryStore
 from policies.loader import parse_config
 from policies.policy import Policy
+from tests.support.polling import wait_for_async
 
 pytestmark = pytest.mark.redis
 
 POLICY: dict[str, dict[str, dict[str, str]]] = {"tenants": {"t": {}}, "models": {"m": {}}}
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 Replica = tuple[KeyDirectory, Policy]
@@ -51,9 +44,9 @@ async def replicas(redis_url: str, redis_prefix: str) -> AsyncIterator[tuple[Rep
 async def test_a_key_made_on_one_replica_works_and_dies_on_the_other(replicas: tuple[Replica, Replica]) -> None:
     (a, pa), (_, pb) = replicas
     _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
-    await eventually(lambda: pb.authenticate(secret) is not None)
+    await wait_for_async(lambda: pb.authenticate(secret) is not None)
     await a.revoke_key("k1")
-    await eventually(lambda: pb.authenticate(secret) is None)
+    await wait_for_async(lambda: pb.authenticate(secret) is None)
 
 
 async def test_a_missed_announcement_is_repaired_by_the_poll(
@@ -61,12 +54,12 @@ async def test_a_missed_announcement_is_repaired_by_the_poll(
 ) -> None:
     (a, pa), (b, pb) = replicas
     _, secret = await a.create_key({"tenant": "t", "id": "k1"}, pa, ["m"])
-    await eventually(lambda: pb.authenticate(secret) is not None)
+    await wait_for_async(lambda: pb.authenticate(secret) is not None)
     # a write announced nowhere (as if b's subscriber was reconnecting): only the version moves
     store = RedisDirectoryStore.from_url(redis_url, redis_prefix)
     store.channel += ":nobody-listens"
     revoked = a.keys["k1"].model_copy(update={"revoked_at_unix_s": time.time()})
     await store.write("key", "k1", revoked.model_dump_json())
     await store.close()
-    await eventually(lambda: pb.authenticate(secret) is None)
+    await wait_for_async(lambda: pb.authenticate(secret) is None)
     assert b.stats["reloads"] >= 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from policies.limits.redis_store import RedisStore
 from policies.types import Rejection, Usage
 from tests.policies.limits.redis_proc import RedisProcess
 from tests.policies.limits.support import facts, policy, principal
+from tests.support.polling import wait_for_async
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -74,14 +74,6 @@ def tokens_used(own_redis: RedisProcess) -> float:
     return float(client.hget("{" + PREFIX + "}:b:key|tpd|k1", "u") or 0.0)
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.05)
-
-
 async def settle_all(adm: Admission, tickets: list[Admitted]) -> float:
     """Settle each ticket with 10 output tokens; returns what they really cost (the ledger's sum)."""
     for ticket in tickets:
@@ -93,7 +85,7 @@ async def drained(adm: Admission) -> None:
     store = adm.store
     assert isinstance(store, FailoverStore)
     await adm.drain()
-    await until(lambda: store.status()["pending_settlements"] + store.status()["pending_voids"] == 0)
+    await wait_for_async(lambda: store.status()["pending_settlements"] + store.status()["pending_voids"] == 0)
     await store.drain()
 
 

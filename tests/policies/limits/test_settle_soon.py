@@ -21,7 +21,8 @@ from policies.limits.types import Charge, Settlement
 from policies.types import Usage
 from tests.policies.limits.redis_proc import RedisProcess
 from tests.policies.limits.support import facts, policy, principal
-from tests.policies.limits.test_ambiguous import drained, leftovers, tokens_used, until
+from tests.policies.limits.test_ambiguous import drained, leftovers, tokens_used
+from tests.support.polling import wait_for_async
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -98,7 +99,7 @@ async def test_a_stalled_redis_does_not_hold_up_a_settlement_and_it_lands_once(
         assert all(p is not None and not p.done() for p in pending)  # returned while Redis is stopped
         # the 100 ms timeout ends the connection: the settlements wait in the replay queue (they may
         # also have run: the commands sit in the stopped server's socket buffer)
-        await until(lambda: store.status()["pending_settlements"] == 4 or store.stats["replayed"] > 0)
+        await wait_for_async(lambda: store.status()["pending_settlements"] == 4 or store.stats["replayed"] > 0)
     await drained(adm)
     assert leftovers(own_redis) == {"tickets": 0, "leases": 0}
     assert tokens_used(own_redis) == pytest.approx(4 * 110.0, abs=10.0)  # each settled once (less refill)
