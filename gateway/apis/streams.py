@@ -114,35 +114,38 @@ class NativeResponses:
             self.seq += 1
         return b"\n\n".join(out) + b"\n\n" if out else b""
 
-    def _opening(self, event: bytes, swap: tuple[bytes, bytes] | None) -> bytes:
-        """`response.created` / `.in_progress`: the response, still without output, under its id."""
+    def _response_of(
+        self, event: bytes, swap: tuple[bytes, bytes] | None
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The event's payload and its `response` object, already under the gateway's id and the public
+        model; None when the event carries no response object (it is then relayed as it came)."""
         _name, data = split_event(event)
         try:
             payload = orjson.loads(data or b"")
         except orjson.JSONDecodeError:
-            return event
+            return None
         response = payload.get("response") if isinstance(payload, dict) else None
-        if not isinstance(response, dict) or "type" not in payload:
-            return event
+        if not isinstance(response, dict):
+            return None
         response["id"] = self.response_id
         if swap is not None:
             response["model"] = orjson.loads(swap[1][len(b'"model":') :])
-        return typed_event(payload).rstrip(b"\n")
+        return payload, response
+
+    def _opening(self, event: bytes, swap: tuple[bytes, bytes] | None) -> bytes:
+        """`response.created` / `.in_progress`: the response, still without output, under its id."""
+        parsed = self._response_of(event, swap)
+        if parsed is None or "type" not in parsed[0]:
+            return event
+        return typed_event(parsed[0]).rstrip(b"\n")
 
     def _final(self, event: bytes, outcome: RelayOutcome, swap: tuple[bytes, bytes] | None) -> bytes:
         """Usage from the last event; its response gets the public model and the real previous id."""
-        _name, data = split_event(event)
-        try:
-            payload = orjson.loads(data or b"")
-        except orjson.JSONDecodeError:
+        parsed = self._response_of(event, swap)
+        if parsed is None:
             return event
-        response = payload.get("response") if isinstance(payload, dict) else None
-        if not isinstance(response, dict):
-            return event
+        payload, response = parsed
         outcome.usage = responses_usage(response.get("usage"))
-        response["id"] = self.response_id
-        if swap is not None:
-            response["model"] = orjson.loads(swap[1][len(b'"model":') :])
         if self.previous is not None:
             response["previous_response_id"] = self.previous
         self.final = response
