@@ -46,7 +46,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	$(BIN)/mypy --strict gateway policies predictor backends tests bench
+	$(BIN)/mypy --strict gateway policies predictor backends sim tests bench
 
 # The tests that start no process and need no Redis (about a minute): for the edit-test loop.
 unit: $(STAMP)

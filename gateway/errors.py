@@ -17,7 +17,7 @@
     └── InternalError         500      a bug: still answered in the error shape, still recorded
 
 Translation at the boundaries: the relay maps the upstream client's errors into `RetryableUpstream`
-/ `UpstreamRejected` (`gateway/relay.py`), which the dispatch stage turns into this tree; policies
+/ `UpstreamRejected` (`gateway/upstream/relay.py`), which the dispatch stage turns into this tree; policies
 return `Rejection` values (they cannot import this room) which `Rejected` wraps. "Not here, instead"
 — a rejection the model's fallback chain may still turn into an answer — travels as a
 `gateway.request.detour.Detour` carrying one of these errors.
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 import orjson
 from aiohttp import web
 
-from gateway.engine_errors import openai_error
+from gateway.upstream.engine_errors import openai_error
 from policies.types import Rejection
 
 
@@ -103,7 +103,7 @@ class RequestTooLarge(GatewayError):
 
 
 class Overloaded(GatewayError):
-    """The process-wide budget of request bodies in memory is spent (`gateway/bodies.py`): retry."""
+    """The process-wide budget of request bodies in memory is spent (`gateway/http/bodies.py`): retry."""
 
     status = 503
     type = "server_error"
@@ -128,7 +128,7 @@ class InternalError(GatewayError):
 
 class EngineRejected(GatewayError):
     """The engine answered 4xx before streaming: its error passed on in OpenAI's shape, whatever the
-    engine sent (`gateway/engine_errors.py` normalises and bounds it)."""
+    engine sent (`gateway/upstream/engine_errors.py` normalises and bounds it)."""
 
     def __init__(self, status: int, body: bytes) -> None:
         error = openai_error(status, body)["error"]

@@ -4,7 +4,7 @@
 labelled with where its numbers come from:
 
 - `model`: the model's own `tokenizer.json` and chat template (`policies/model_count.py`), exact;
-- `engine`: the engine's `POST /tokenize`, cached (`gateway/engine_tokens.py`), exact;
+- `engine`: the engine's `POST /tokenize`, cached (`gateway/upstream/engine_tokens.py`), exact;
 - `sim`: the simulated engine's tokenizer (cl100k with its chat rendering), exact for `sim` pools;
 - `estimate`: that same cl100k rendering for any other engine, the last resort: for other
   vocabularies it is off by up to 2.3x (CJK worst), which `/admin/backends` says.

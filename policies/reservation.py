@@ -2,7 +2,7 @@
 
 `max_tokens` (x `n`) when the client set it. Without it the reservation is the model's
 `default_max_tokens`, which the gateway then sends the engine as the request's output limit
-(`gateway/engine_control.py`: no answer outgrows its reservation), and two request fields make the
+(`gateway/upstream/engine_control.py`: no answer outgrows its reservation), and two request fields make the
 engine generate more than an estimate: `min_tokens` (vLLM, TensorRT-LLM: at least that many, EOS or
 not) and `ignore_eos` (generate until `max_tokens`, which is then the model's context). Reserving the
 estimate for those let 100 concurrent requests with `min_tokens: 1000` pass a 2,000 TPM limit ten

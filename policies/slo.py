@@ -2,7 +2,7 @@
 
 Pure functions of (the request's effective SLO, the candidates' predictions, the tightest TPOT SLO
 already running on each endpoint, the caller's priority). The gateway does the I/O around it:
-parsing the headers, waiting in the queue, rendering the 503 (`gateway/slo.py`).
+parsing the headers, waiting in the queue, rendering the 503 (`gateway/flow/slo.py`).
 
 What is compared. An endpoint *meets* the SLO, with the class's `compare`:
 

@@ -1,4 +1,4 @@
-"""The simulated engine (`backends/sim`): the vLLM adapter pointed at `python -m backends.sim`.
+"""The simulated engine (`sim`): the vLLM adapter pointed at `python -m sim`.
 
 It speaks vLLM's HTTP API and metrics (see the vLLM adapter) and takes the `vllm serve` flags, plus `--preset
 MODEL@HW` choosing the performance model. It needs no accelerator, so its replicas get no devices
@@ -18,7 +18,7 @@ from backends.config import PoolConfig
 @dataclass(frozen=True, slots=True)
 class SimAdapter(VllmAdapter):
     kind: str = "sim"
-    executable: tuple[str, ...] = (sys.executable, "-m", "backends.sim")
+    executable: tuple[str, ...] = (sys.executable, "-m", "sim")
     uses_devices: bool = False
     device_tool: str | None = None
 

@@ -46,7 +46,7 @@ from bench.chaos.surfaces import (
     running,
     start_surfaces,
 )
-from gateway.openapi import resolve
+from gateway.http.openapi import resolve
 
 MUTATIONS = ("none", "depth", "size", "type", "encoding", "encoding", "type")
 HOSTILE_TEXT = st.sampled_from(
@@ -326,7 +326,7 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
         "server_error_examples": errors[:5],
         "unexpected_in_log": log.count("failed unexpectedly")
         + log.count("Error handling request")
-        + log.count("unhandled error answering"),  # gateway/bodies.py: a handler's bug, answered 500
+        + log.count("unhandled error answering"),  # gateway/http/bodies.py: a handler's bug, answered 500
         "tickets_left": int(left["tickets"]),
         "leases_left": int(left["leases"]),
         "inflight_left": s.stack.inflight(),

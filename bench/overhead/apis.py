@@ -160,7 +160,7 @@ def main() -> int:
     port = free_port()
     off = {"telemetry": {"metrics": {"enabled": False}}, "ledger": {"enabled": False}, "predictor": {"enabled": False}}
     config = tokenway_config(workdir / "gw", [upstream_port], port, off)
-    argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING"]
+    argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING"]
     gateway = subprocess.Popen(
         [*argv, "serve", "--config", str(config)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
     )

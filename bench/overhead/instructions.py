@@ -95,7 +95,7 @@ def main() -> int:
     dumps = workdir / "callgrind"
     dumps.mkdir()
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={dumps}/callgrind.out.%p"]
-    argv += [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve", "--config", str(config)]
+    argv += [sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve", "--config", str(config)]
     gateway = subprocess.Popen(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     counts: dict[tuple[str, int], list[float]] = {}

@@ -84,7 +84,7 @@ def run_point(
             config = tokenway_config(workdir / f"n{n}-{'on' if shared else 'off'}-r{i}", upstream_ports, port,
                                      {**extra, "state": state})  # fmt: skip
             _limits(config.parent / "policies.yaml")
-            argv = ["taskset", "-c", CORES, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+            argv = ["taskset", "-c", CORES, sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve",
                     "--config", str(config)]  # fmt: skip
             procs.append(subprocess.Popen(argv, env=_env(), cwd=REPO))
             ports.append(port)

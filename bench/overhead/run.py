@@ -342,7 +342,7 @@ def main() -> int:
                         PROXY_CORE,
                         sys.executable,
                         "-m",
-                        "gateway.cli",
+                        "gateway.app.cli",
                         "--log-level",
                         "WARNING",
                         "serve",

@@ -94,7 +94,7 @@ def start_variant(
     doc = yaml.safe_load(policies.read_text())
     doc["limits"] = LIMITS
     policies.write_text(yaml.safe_dump(doc))
-    argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve",
+    argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve",
             "--config", str(config)]  # fmt: skip
     env = {**_env(), "PYTHONPATH": str(tree)}
     return subprocess.Popen(argv, env=env, cwd=tree), port

@@ -6,7 +6,7 @@
 Reads the outcomes a predictor benchmark run exported (`GET /admin/predictor/samples`: each
 request's dispatch time, endpoint, prompt and output length, measured TTFT and TPOT) and replays
 each endpoint's requests offline through the simulated engine's own scheduler and step-time model
-(`backends.sim`), in engine time:
+(`sim`), in engine time:
 
 1. **Replay with the real arrivals.** How well does the engine's own model, given every request's
    exact dispatch time, reproduce what was measured? What it misses is the testbed's timing noise
@@ -45,11 +45,11 @@ import numpy as np
 import numpy.typing as npt
 
 from backends.perf.roofline import StepTimer
-from backends.sim.config import EngineConfig, build_engine_config
-from backends.sim.kv_cache import KVCacheManager
-from backends.sim.request import Request
-from backends.sim.scheduler import Scheduler
 from bench.predictor import report
+from sim.config import EngineConfig, build_engine_config
+from sim.kv_cache import KVCacheManager
+from sim.request import Request
+from sim.scheduler import Scheduler
 
 PRESET = "llama-3.1-8b@h100"
 FUTURE_SHIFTS_S = (-24.0, 24.0, -16.0, 16.0, -8.0, 8.0)  # engine seconds: where borrowed futures come from

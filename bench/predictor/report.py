@@ -284,7 +284,7 @@ def write(results: dict[str, Any], out: Path) -> None:
         "",
         "## Setup",
         "",
-        f"- Fleet: {args['engines']} simulated Llama-3.1-8B@H100 engines (`backends/sim`, vLLM V1 scheduling, "
+        f"- Fleet: {args['engines']} simulated Llama-3.1-8B@H100 engines (`sim`, vLLM V1 scheduling, "
         f"default limits) in one process at `--time-scale {ts:g}` (engines run {1 / ts:g}x slower than real "
         "time, so that the engines, the gateway and the client, all Python on this 2-vCPU machine, are never "
         "the bottleneck). **Every latency below is in engine time (wall x "

@@ -33,7 +33,7 @@ import aiohttp
 from backends.fleet import Pool
 from backends.model_tokenizer import ModelTokenizer
 from backends.types import Endpoint, EndpointState
-from gateway.engine_tokens import EngineTokenizeCounter
+from gateway.upstream.engine_tokens import EngineTokenizeCounter
 from policies.estimate import PromptEstimator
 from policies.model_count import ModelTokenizerCounter
 from tests.real_vllm.tiny_model import build

@@ -1,4 +1,4 @@
-"""The simulated fleet: one `backends.sim` process with N engines (prefix caching, KV events on).
+"""The simulated fleet: one `sim` process with N engines (prefix caching, KV events on).
 
 Engines are shared by every router of a run; between routers their caches are emptied with
 `POST /reset_prefix_cache` (vLLM's dev route; the engines publish AllBlocksCleared) once they are
@@ -50,7 +50,7 @@ def start_fleet(workdir: Path, *, engines: int, preset: str, time_scale: float, 
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{zmq_ports[0]}",
               "topic": "kv-events"}  # fmt: skip
     argv = [
-        sys.executable, "-m", "backends.sim", "--preset", preset, "--host", "127.0.0.1", "--port", str(ports[0]),
+        sys.executable, "-m", "sim", "--preset", preset, "--host", "127.0.0.1", "--port", str(ports[0]),
         "--instances", str(engines), "--time-scale", str(time_scale), "--served-model-name", served_model,
         "--kv-events-config", json.dumps(events), "--log-level", "WARNING",
     ]  # fmt: skip

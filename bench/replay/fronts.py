@@ -147,7 +147,7 @@ def start_tokenway(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "--log-level", "WARNING", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve", "--config", str(config_path)],
             stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=_env(),
         )  # fmt: skip
     front = Front(spec, proc, port, log_path)

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.replay.run                      # the full run (~20 min on 2 cores)
     .venv/bin/python -m bench.replay.run --quick              # a smoke run (small subsets, 2 routers)
 
-One `backends.sim` process runs `--engines` simulated `llama-3.1-8b@h100` engines (prefix caching,
+One `sim` process runs `--engines` simulated `llama-3.1-8b@h100` engines (prefix caching,
 KV events on). For every (trace, load, router) a fresh router process is started in front of them,
 the engines' caches are emptied (`POST /reset_prefix_cache`), and the load generator (`bench.loadgen` in its own
 process, aiohttp, open loop, streaming) replays the same requests at the same arrival times.

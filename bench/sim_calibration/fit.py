@@ -17,10 +17,10 @@ from backends.perf import roofline
 from backends.perf.capacity import batch_defaults
 from backends.perf.hardware import Efficiency
 from backends.perf.presets import Preset, resolve_preset
-from backends.sim.kv_cache import KVCacheManager
-from backends.sim.request import Request
-from backends.sim.scheduler import Scheduler
 from bench.sim_calibration.sources import Row
+from sim.kv_cache import KVCacheManager
+from sim.request import Request
+from sim.scheduler import Scheduler
 
 # the factors `python_literal` writes, in the order of the results table
 PARAMS = (

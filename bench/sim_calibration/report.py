@@ -27,7 +27,7 @@ LEGACY_NOTES = {
 }
 CITATIONS = (
     "vLLM V1's step composition (running requests first, then waiting ones FCFS in chunks of the "
-    "remaining token budget), which the replay inherits from `backends/sim/scheduler.py`: "
+    "remaining token budget), which the replay inherits from `sim/scheduler.py`: "
     "https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py",
     "H100 serving about 2x A100, not the 3.2x of their datasheet peaks (Lambda's vLLM benchmark): "
     "https://github.com/LambdaLabsML/vllm-benchmark/blob/main/benchmark_v0.md",
@@ -63,7 +63,7 @@ def write(
     lines = [
         "# Simulated engine calibration",
         "",
-        "How close the simulated engine (`backends/sim`, its GPU being `backends/perf`) is to real serving",
+        "How close the simulated engine (`sim`, its GPU being `backends/perf`) is to real serving",
         "engines. Published benchmark runs of vLLM (and vLLM-Ascend) are replayed through the simulator's",
         "own scheduler with the same workload, and the run's mean TTFT, mean TPOT and duration are",
         "compared (`bench/sim_calibration/scenarios.py`). Reproduce with `python -m bench.sim_calibration`",
@@ -280,7 +280,7 @@ def _plot(checked: Sequence[Checked], scored: Sequence[Scored], path: Path) -> N
     ax.set_title("cross-check: kernel sums and 2023-24 engines")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(True, which="both", alpha=0.2)
-    fig.suptitle("backends/sim vs real engines (dashed: ±15 %)")
+    fig.suptitle("sim vs real engines (dashed: ±15 %)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,7 +2,7 @@
 
 A published serving benchmark (`vllm bench serve`, `vllm bench latency`) reports a run's mean TTFT,
 mean TPOT and duration. To compare, the same workload goes through the simulated engine exactly as
-`backends/sim` would run it: vLLM V1's scheduler (running requests first, then waiting ones FCFS in
+`sim` would run it: vLLM V1's scheduler (running requests first, then waiting ones FCFS in
 chunks of the remaining token budget, preemption by recompute), the KV capacity the preset leaves
 (`capacity.num_gpu_blocks`) and vLLM's batch defaults for the device.
 
@@ -27,9 +27,9 @@ import numpy as np
 
 from backends.perf.capacity import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
 from backends.perf.presets import Preset, resolve_preset
-from backends.sim.kv_cache import KVCacheManager
-from backends.sim.request import Request
-from backends.sim.scheduler import Scheduler
+from sim.kv_cache import KVCacheManager
+from sim.request import Request
+from sim.scheduler import Scheduler
 
 BLOCK_SIZE = 16  # vLLM's default on GPUs
 GPU_MEMORY_UTILIZATION = 0.9  # the benchmarks ran `vllm serve` with its default

@@ -2,7 +2,7 @@
 
 Runs the CPU build of vLLM (the venv `make vllm-venv` builds; `--venv` or $TOKENWAY_VLLM_VENV) on a
 tiny random-weight Llama with a small token budget, records the tokens each engine step schedules
-for each request (`vllm_step_probe.py`), runs the same requests through `backends/sim`'s scheduler,
+for each request (`vllm_step_probe.py`), runs the same requests through `sim`'s scheduler,
 and writes bench/results/sim-steps.md with both side by side. The durations differ (a CPU and a
 simulated GPU); what must agree is the order and size of the steps under chunked prefill: which
 request gets how many tokens in which step.
@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from backends.sim.kv_cache import KVCacheManager
-from backends.sim.request import Request
-from backends.sim.scheduler import Scheduler
+from sim.kv_cache import KVCacheManager
+from sim.request import Request
+from sim.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("vllm_step_probe.py")
@@ -108,7 +108,7 @@ def write(real: list[Steps], simulated: list[Steps], version: str, out: Path) ->
     lines = [
         "# Step composition: the real vLLM vs the simulated engine",
         "",
-        f"The CPU build of vLLM {version} (`make vllm-venv`) and `backends/sim`'s scheduler, given the same",
+        f"The CPU build of vLLM {version} (`make vllm-venv`) and `sim`'s scheduler, given the same",
         f"requests at once, with a token budget of {BUDGET} per step and {MAX_SEQS} batch slots, prefix caching",
         "off. Each cell lists what one step schedules: `rN:k` is k tokens of request N (a prompt chunk, or 1",
         "for a decode). Reproduce with `python -m bench.sim_calibration.steps --venv PATH`.",

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def measure(engines: int, batch: int, seconds: float, time_scale: float) -> str:
-    from backends.sim.config import build_engine_config
-    from backends.sim.engine import SimEngine
+    from sim.config import build_engine_config
+    from sim.engine import SimEngine
 
     config = build_engine_config("llama-3.1-8b@h100", time_scale=time_scale)
     fleet = []

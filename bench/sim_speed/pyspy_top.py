@@ -1,6 +1,6 @@
 """Summarise a py-spy raw (collapsed) profile: the functions with the most self and total samples.
 
-.venv/bin/python -m bench.sim_speed.pyspy_top prof.txt [--top 30] [--filter backends/sim]
+.venv/bin/python -m bench.sim_speed.pyspy_top prof.txt [--top 30] [--filter sim]
 """
 
 from __future__ import annotations

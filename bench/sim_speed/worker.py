@@ -48,15 +48,15 @@ def _snapshot(instances: list[Any], started: float) -> dict[str, Any]:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from backends.sim.config import build_engine_config
-    from backends.sim.server import start_instances, stop_instance
+    from sim.config import build_engine_config
+    from sim.server import start_instances, stop_instance
 
     config = build_engine_config(args.preset, time_scale=args.time_scale, seed=args.seed)
     started = time.monotonic()  # the engines' clocks start within milliseconds of this
     instances = await start_instances(config, args.instances, "127.0.0.1", 0)
-    import backends.sim
+    import sim
 
-    print(json.dumps({"ready": [i.url for i in instances], "sim": str(Path(backends.sim.__file__).parent)}), flush=True)
+    print(json.dumps({"ready": [i.url for i in instances], "sim": str(Path(sim.__file__).parent)}), flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

@@ -4,7 +4,7 @@ ledgers of growing size, side by side with the former report that held every row
 A synthetic ledger is written once per size (`--dir`, reused when the row count matches): rows in
 the ledger's own line format (codec.record_to_entry of a RequestRecord), 100 keys of 8 tenants,
 3 models, 2 % rejections and 1 % errors, one finish time per 1 ms, rotated like the gateway's
-writer (128 MiB files). Each report runs as its own process (`python -m gateway.cli usage report
+writer (128 MiB files). Each report runs as its own process (`python -m gateway.app.cli usage report
 --by tenant,model --format csv --plot out.png`); its peak RSS is the child's ru_maxrss. The former
 report (`list(iter_entries(...))`, then grouping, as before this change) runs only on the smaller
 sizes: at 10M rows it would need ~35 GB.
@@ -30,7 +30,7 @@ from pathlib import Path
 import orjson
 
 from gateway.ledger.codec import record_to_entry
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -141,8 +141,8 @@ def main() -> int:
                 f"{rows:,} rows: {size / 2**20:,.0f} MiB of ledger ({time.monotonic() - t0:.0f} s to write)", flush=True
             )
             plot = base / f"spend-{rows}.png"
-            new = [sys.executable, "-m", "gateway.cli", "usage", "report", "--dir", str(directory), "--since", "400d",
-                   "--by", "tenant,model", "--format", "csv", "--progress", "off"]  # fmt: skip
+            new = [sys.executable, "-m", "gateway.app.cli", "usage", "report", "--dir", str(directory),
+                   "--since", "400d", "--by", "tenant,model", "--format", "csv", "--progress", "off"]  # fmt: skip
             wall, rss = measure(new)
             row = {"rows": rows, "ledger_mib": size / 2**20, "new_s": wall, "new_rss_mib": rss}
             print(f"  streaming report: {wall:.1f} s, peak RSS {rss:.0f} MiB", flush=True)

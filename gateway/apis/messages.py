@@ -23,11 +23,10 @@ from aiohttp import web
 from backends.protocols import anthropic
 from backends.protocols.errors import ProtocolError
 from backends.types import Endpoint
-from gateway import appkeys
 from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.responses import _chat_usage
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
-from gateway.bodies import json_body, release_body
+from gateway.app import keys as appkeys
 from gateway.errors import (
     EngineRejected,
     GatewayError,
@@ -37,10 +36,11 @@ from gateway.errors import (
     Rejected,
     error_response,
 )
-from gateway.relay import StreamCodec
+from gateway.http.bodies import json_body, release_body
 from gateway.request.apis import UnaryTransform
 from gateway.request.intake import authenticate
 from gateway.request.intake import request_id as request_id_of
+from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
 from policies.limits.admission import Admission
 from policies.types import ApiKind, Principal, Rejection, RequestFacts, Usage
@@ -149,7 +149,7 @@ class MessagesCall:
 
 def error_in_route_shape(request: web.Request, error: GatewayError) -> web.StreamResponse:
     """`error` in the error shape of the route it answers: Anthropic's under /v1/messages, OpenAI's
-    elsewhere (the body bounds' answer, `gateway/bodies.py`, on every route)."""
+    elsewhere (the body bounds' answer, `gateway/http/bodies.py`, on every route)."""
     request_id = request_id_of(request.headers)
     headers = [("x-request-id", request_id)]
     if request.path.startswith("/v1/messages"):

@@ -26,8 +26,8 @@ from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.store import ResponseStore, entry_blob, new_response_id
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
-from gateway.relay import StreamCodec
 from gateway.request.apis import UnaryTransform
+from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, RequestFacts, Usage
 

@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway import appkeys
 from gateway.apis.messages import MessagesCall, anthropic_error, count_tokens
 from gateway.apis.responses import ResponsesCall, delete_response, get_response
 from gateway.apis.store import ResponseStore
+from gateway.app import keys as appkeys
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, error_response
+from gateway.http.routes import START_TIME
 from gateway.request.intake import authenticate, request_id
-from gateway.routes import START_TIME
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 RESPONSE_STORE: web.AppKey[ResponseStore | None] = web.AppKey("response_store")

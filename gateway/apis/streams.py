@@ -21,7 +21,7 @@ from backends.protocols import anthropic
 from backends.protocols.responses_stream import ResponsesStream
 from backends.protocols.sse import split_event, typed_event
 from backends.types import LoadTicket
-from gateway.relay import RelayOutcome
+from gateway.upstream.relay import RelayOutcome
 from policies.types import Usage
 
 _DONE = b"data: [DONE]"

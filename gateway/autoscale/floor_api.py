@@ -19,9 +19,9 @@ import orjson
 from aiohttp import web
 
 from backends.autoscale import floors as scheduled
-from gateway.admin_replies import admin_error, json_reply
 from gateway.autoscale.loop import Autoscaler
 from gateway.autoscale.wiring import AUTOSCALER
+from gateway.http.admin_replies import admin_error, json_reply
 
 _FIELDS = frozenset({"min_replicas", "start_in_s", "for_s", "role"})
 _MOST_REPLICAS = 10_000  # a bound on what is stored; the planner still holds a pool within its max_replicas

@@ -1,5 +1,5 @@
 """The autoscaler's place in the app: built after the fleet, before the walk; stopped before the
-fleet's replicas are (`gateway/app.py` appends `autoscale_ctx` and adds the hook it returns)."""
+fleet's replicas are (`gateway/app/factory.py` appends `autoscale_ctx` and adds the hook it returns)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from backends.autoscale.executor import Executor
-from gateway import appkeys
+from gateway.app import keys as appkeys
+from gateway.app.settings import validate_section
 from gateway.autoscale.hold import ColdStart
 from gateway.autoscale.hook import ElasticHook
 from gateway.autoscale.loop import Autoscaler
-from gateway.settings import validate_section
 from gateway.telemetry.pools import PoolMetrics
 from predictor.config import PredictorSettings
 

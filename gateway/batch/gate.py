@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.lines import NO_SPARE_CAPACITY
 from gateway.errors import Rejected
+from gateway.flow.slo import PredictsLatency
 from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
-from gateway.slo import PredictsLatency
 from policies.batch.spare import LinePrediction, Objectives, endpoint_spare, tightest
 from policies.holder import PolicyHolder
 from policies.types import Rejection

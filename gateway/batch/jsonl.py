@@ -22,9 +22,9 @@ import orjson
 
 from gateway.apis.responses import ResponsesCall
 from gateway.batch.objects import ENDPOINTS
-from gateway.bodies import MAX_JSON_DEPTH, check_depth
 from gateway.errors import GatewayError
-from gateway.validate import validate_body
+from gateway.http.bodies import MAX_JSON_DEPTH, check_depth
+from gateway.http.validate import validate_body
 
 MAX_CUSTOM_ID_CHARS: Final = 512
 _READ_CHUNK: Final = 1 << 20

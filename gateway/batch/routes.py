@@ -26,7 +26,7 @@ from typing import Any, Final, TypeVar
 import orjson
 from aiohttp import BodyPartReader, web
 
-from gateway import appkeys
+from gateway.app import keys as appkeys
 from gateway.batch.jsonl import LineError, scan_file
 from gateway.batch.objects import (
     COMPLETION_WINDOW,
@@ -42,8 +42,8 @@ from gateway.batch.objects import (
 )
 from gateway.batch.service import BATCH, BatchService
 from gateway.batch.store import QuotaExceeded
-from gateway.bodies import parse_json_body
 from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, Rejected, RequestTooLarge, error_response
+from gateway.http.bodies import parse_json_body
 from gateway.request.intake import request_id
 from policies.types import Principal, Rejection, Usage
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from aiohttp import web
 
 from backends.fleet import Fleet
-from gateway import appkeys
 from gateway.apis.routes import RESPONSE_STORE
+from gateway.app import keys as appkeys
+from gateway.app.settings import validate_section
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.config import BatchSettings
 from gateway.batch.disk import DiskBatchStore
@@ -29,8 +30,7 @@ from gateway.batch.runner import BatchRunner
 from gateway.batch.service import BATCH, BatchService
 from gateway.batch.store import BatchStore
 from gateway.batch.walk import walk_runner
-from gateway.settings import validate_section
-from gateway.slo import PredictsLatency
+from gateway.flow.slo import PredictsLatency
 
 BATCH_CAPACITY: web.AppKey[BatchCapacity | None] = web.AppKey("batch_capacity")
 

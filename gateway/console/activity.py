@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 from policies.policy import Policy
 
 MINUTES = 60

@@ -14,16 +14,17 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
-from gateway import access, appkeys
-from gateway.admin_replies import json_reply
+from gateway.app import keys as appkeys
+from gateway.app.settings import validate_section
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.console.throttle import LoginThrottle, retry_after_header
 from gateway.console.usage import usage_async
 from gateway.errors import GatewayError, InvalidApiKey, error_response
+from gateway.http import access
+from gateway.http.admin_replies import json_reply
+from gateway.http.routes import Handler, caller_of, gate_of
 from gateway.ledger.config import LedgerConfig
 from gateway.ledger.report import ReportError
-from gateway.routes import Handler, caller_of, gate_of
-from gateway.settings import validate_section
 
 audit = logging.getLogger("tokenway.audit")
 

@@ -4,7 +4,7 @@ the cookie.
 
 Each session also has its own CSRF token, random and bound to it: the console's script receives it
 from the login answer (or `GET /ui/session`, which only a same-origin page can read) and sends it in
-`X-Tokenway-CSRF` with every change; `gateway/access.py` compares it in constant time. A page of
+`X-Tokenway-CSRF` with every change; `gateway/http/access.py` compares it in constant time. A page of
 another origin gets the cookie attached by the browser but can neither read nor guess the token.
 
 Sessions are random 256-bit ids held in memory by their SHA-256 (a lookup leaks no timing about the
@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.access import CSRF_HEADER
+from gateway.http.access import CSRF_HEADER
 
 __all__ = ["COOKIE", "CSRF_HEADER", "ConsoleSessions"]
 

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from gateway import appkeys
-from gateway.app import create_app
+from gateway.app import keys as appkeys
+from gateway.app.factory import create_app
+from gateway.app.settings import GatewaySettings, validate_section
 from gateway.epp import protocol
 from gateway.epp.config import EppSettings
 from gateway.epp.decide import EppDecider
 from gateway.epp.protos import envoy
 from gateway.epp.server import EppServer
-from gateway.settings import GatewaySettings, validate_section
 
 EPP_SERVER = web.AppKey("epp_server", EppServer)
 EPP_DECIDER = web.AppKey("epp_decider", EppDecider)

@@ -38,8 +38,6 @@ from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, LoadTicket
 from gateway.epp.exchange import Picked, Refused
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, NoHealthyBackend
-from gateway.record import RequestRecord
-from gateway.relay import RelayOutcome, relay_events
 from gateway.request.accounting import Accounting
 from gateway.request.apis import APIS, Api
 from gateway.request.context import RequestContext, Routed
@@ -48,7 +46,9 @@ from gateway.request.director import Director
 from gateway.request.dispatch import Dispatch
 from gateway.request.hooks import Hooks
 from gateway.request.intake import Intake
+from gateway.request.record import RequestRecord
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
+from gateway.upstream.relay import RelayOutcome, relay_events
 from policies.routing.types import RouteRequest
 from policies.types import Usage
 

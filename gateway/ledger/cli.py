@@ -118,7 +118,7 @@ def _ledger_dir(args: argparse.Namespace) -> Path:
     if args.dir:
         return Path(args.dir)
     if args.config:
-        from gateway.settings import ConfigError, load_settings, validate_section
+        from gateway.app.settings import ConfigError, load_settings, validate_section
 
         try:
             settings = load_settings(args.config)

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 
 SCHEMA_VERSION = 1
 

@@ -27,7 +27,7 @@ from typing import Protocol
 
 from gateway.ledger import codec
 from gateway.ledger.config import LedgerConfig
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 
 log = logging.getLogger("tokenway.ledger")
 

@@ -1,6 +1,6 @@
 """The walk of a request: intake → director (the fallback chain) → dispatch → accounting, with
 features plugged in as hooks (`hooks.py`). This package imports no hook module: the app factory
-(`gateway/app.py`) builds the hook list and hands it in.
+(`gateway/app/factory.py`) builds the hook list and hands it in.
 """
 
 from gateway.request.context import RequestContext, Routed

@@ -16,11 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from gateway.components import AdmissionPort, RecordSink
 from gateway.errors import EngineRejected, GatewayError, Rejected
-from gateway.relay import RelayOutcome
+from gateway.request.components import AdmissionPort, RecordSink
 from gateway.request.context import RequestContext
 from gateway.request.hooks import Hooks
+from gateway.upstream.relay import RelayOutcome
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
 from policies.pricing import price_usd
@@ -144,7 +144,7 @@ class Accounting:
             # An answer the engine was still writing: what it produced so far is nowhere the gateway
             # can read it (the engines' counters are not per request, and the body comes whole or not
             # at all), so the whole reservation is charged: the most the engine may have produced,
-            # since it is also the output limit the engine was given (gateway/engine_control.py).
+            # since it is also the output limit the engine was given (gateway/upstream/engine_control.py).
             self.unobserved(ctx, reservation.settle_reserved())
             return
         reservation.settle_soon(outcome.usage, outcome.counted_completion_tokens)

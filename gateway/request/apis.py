@@ -25,8 +25,8 @@ from aiohttp import web
 
 from backends.types import Endpoint
 from gateway.errors import EngineRejected, GatewayError, error_response
-from gateway.relay import StreamCodec
-from gateway.validate import validate_body
+from gateway.http.validate import validate_body
+from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, RequestFacts, Usage
 

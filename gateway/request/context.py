@@ -15,9 +15,9 @@ from aiohttp import web
 from backends.fleet import Pool
 from backends.types import Endpoint
 from gateway.errors import GatewayError
-from gateway.record import RequestRecord
-from gateway.relay import RelayOutcome
+from gateway.request.record import RequestRecord
 from gateway.telemetry.tracing import RequestTrace
+from gateway.upstream.relay import RelayOutcome
 from policies.routing.types import RouteDecision, RouteRequest
 from policies.types import RequestFacts
 from predictor.length import OutputPrediction

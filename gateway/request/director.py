@@ -21,7 +21,6 @@ from aiohttp import web
 
 from backends.fleet import Fleet
 from gateway.errors import GatewayError, InternalError, Rejected
-from gateway.record import RequestRecord
 from gateway.request.accounting import Accounting
 from gateway.request.apis import APIS, Api
 from gateway.request.context import RequestContext
@@ -30,6 +29,7 @@ from gateway.request.dispatch import Dispatch
 from gateway.request.hooks import Hooks
 from gateway.request.intake import Intake
 from gateway.request.intake import request_id as request_id_of
+from gateway.request.record import RequestRecord
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.holder import PolicyHolder

@@ -24,11 +24,19 @@ from backends.config import EjectionSettings
 from backends.errors import PdError
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, LoadTicket
-from gateway.engine_control import engine_body
-from gateway.engine_errors import engine_fault, request_status
+from gateway.app.settings import ServerSettings
 from gateway.errors import EngineRejected, NoHealthyBackend, UpstreamError
-from gateway.migrate import Resumer, can_migrate
-from gateway.relay import (
+from gateway.request.accounting import Accounting
+from gateway.request.apis import NativeApi, native_body
+from gateway.request.context import RequestContext, Routed
+from gateway.request.detour import Detour
+from gateway.request.hooks import Hooks
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.upstream.client import CallWatch, Response, UpstreamClient
+from gateway.upstream.engine_control import engine_body
+from gateway.upstream.engine_errors import engine_fault, request_status
+from gateway.upstream.migrate import Resumer, can_migrate
+from gateway.upstream.relay import (
     RelayOutcome,
     RetryableUpstream,
     UpstreamRejected,
@@ -38,15 +46,7 @@ from gateway.relay import (
     relay_stream,
     relay_unary,
 )
-from gateway.request.accounting import Accounting
-from gateway.request.apis import NativeApi, native_body
-from gateway.request.context import RequestContext, Routed
-from gateway.request.detour import Detour
-from gateway.request.hooks import Hooks
-from gateway.settings import ServerSettings
-from gateway.stalls import DEADLINE, StallWatch
-from gateway.telemetry.metrics import GatewayMetrics
-from gateway.upstream import CallWatch, Response, UpstreamClient
+from gateway.upstream.stalls import DEADLINE, StallWatch
 from policies.routing.types import RouteDecision, Router
 from policies.types import ApiKind
 from predictor.types import Prediction
@@ -85,7 +85,7 @@ class Dispatch:
         stalls: StallWatch | None = None,
     ) -> None:
         self.server = server
-        # first-token deadlines and stalled replicas (gateway/stalls.py; the app runs its checks)
+        # first-token deadlines and stalled replicas (gateway/upstream/stalls.py; the app runs its checks)
         self.stalls = stalls or StallWatch(fleet, server.first_token_deadline, server.stall_after_s, EjectionSettings())
         self.fleet = fleet
         self.upstream = upstream
@@ -312,7 +312,7 @@ class Dispatch:
 
     def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:
         """How a plain stream continues on another replica of its pool if its own cuts it
-        (`gateway/migrate.py`); None where the pool or the request does not allow it."""
+        (`gateway/upstream/migrate.py`); None where the pool or the request does not allow it."""
         facts, pool = ctx.facts, routed.pool
         native = isinstance(ctx.api, NativeApi)  # a translated API's stream is not continued
         if not native or not pool.config.migrates_streams or not can_migrate(facts.body, facts.api):
@@ -355,7 +355,7 @@ class Dispatch:
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The body `endpoint` gets for this request (the endpoint picker's: Envoy sends it), or for
-        `client_body`, a native stream's continuation of it (`gateway/migrate.py`)."""
+        `client_body`, a native stream's continuation of it (`gateway/upstream/migrate.py`)."""
         if client_body is None:
             _path, upstream_api, body = ctx.api.upstream(ctx.facts, endpoint, False)
         else:
@@ -379,7 +379,7 @@ class Dispatch:
     ) -> dict[str, Any]:
         """A copy of `body` whose engine-control fields are the policy's: a client's dropped unless its
         tenant may set them, the scheduling priority from its tier, the output limit the reservation
-        on this model, the cache salt the tenant's (gateway/engine_control.py)."""
+        on this model, the cache salt the tenant's (gateway/upstream/engine_control.py)."""
         reserved = ctx.reservation.ticket.output_tokens if ctx.reservation is not None else 0
         return engine_body(
             body,

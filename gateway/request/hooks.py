@@ -2,7 +2,7 @@
 
 The walk (`gateway/request/`) names the phases and owns none of the features; a feature (the SLO
 gate and its queue, the predictor's learning, the engine tokenizer, ...) subclasses `Hook`, overrides
-the phases it needs, and is put in the hook list the app factory builds (`gateway/app.py`). The walk
+the phases it needs, and is put in the hook list the app factory builds (`gateway/app/factory.py`). The walk
 imports no hook module (an import contract checks it).
 
 Phases, in the order one request meets them:

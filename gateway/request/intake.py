@@ -1,6 +1,6 @@
 """Intake: from the HTTP request to the request's frozen facts.
 
-authenticate (headers only) → read (size limit, read deadline, memory budget: gateway/bodies.py) →
+authenticate (headers only) → read (size limit, read deadline, memory budget: gateway/http/bodies.py) →
 one orjson parse (nesting bounded) → validate (the API's own checks) → resolve the model (alias,
 allow-list, served here) → a look at the limits (no room left: 429 before the prompt is counted) →
 estimate (prompt tokens, output reservation, the effective SLO). Every failure is a 4xx from the
@@ -26,8 +26,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from backends.fleet import Fleet
-from gateway.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
-from gateway.engine_control import check_min_tokens
+from gateway.app.settings import ServerSettings
 from gateway.errors import (
     InvalidApiKey,
     InvalidRequest,
@@ -37,9 +36,10 @@ from gateway.errors import (
     RequestTimeout,
     RequestTooLarge,
 )
+from gateway.http.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
 from gateway.request.context import RequestContext
 from gateway.request.debug import debug_allowed
-from gateway.settings import ServerSettings
+from gateway.upstream.engine_control import check_min_tokens
 from policies.engine_fields import cache_salt as engine_cache_salt
 from policies.engine_fields import client_body
 from policies.estimate import PromptEstimator
@@ -152,7 +152,7 @@ class Intake:
 
     async def read(self, ctx: RequestContext) -> RequestFacts:
         """The caller first (a wrong key costs no body read), then the body under the bounds of
-        `gateway/bodies.py`; its budget is given back once it has been parsed and counted."""
+        `gateway/http/bodies.py`; its budget is given back once it has been parsed and counted."""
         request = ctx.http
         assert request is not None
         principal = self._principal(ctx, request.headers)
@@ -230,7 +230,7 @@ class Intake:
         if request.content_length is not None and request.content_length > limit:
             raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
         try:
-            # bounded (deadline, size, budget, encoding) by gateway/bodies.py; the timer below is for
+            # bounded (deadline, size, budget, encoding) by gateway/http/bodies.py; the timer below is for
             # an app built without its middleware, and small bodies, which arrive with the headers
             if isinstance(request, BoundedRequest) or request.content.is_eof():
                 return await request.read()
@@ -260,10 +260,10 @@ class Intake:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
         max_tokens = ctx.api.max_tokens(body)
-        check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/engine_control.py)
+        check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/engine_control.py)
         model_config = policy.model_config(model)
         # Without max_tokens the reservation is the model's default, and the engine is told it as its
-        # limit (gateway/engine_control.py): a learnt typical length would cut the longer answers short.
+        # limit (gateway/upstream/engine_control.py): a learnt typical length would cut the longer answers short.
         estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
         session_key = headers.get("x-session-id") or body.get("user")
         client_salt = body.get("cache_salt")  # there only where the tenant may name one

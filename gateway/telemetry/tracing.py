@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 from gateway.telemetry import genai
 from gateway.telemetry.config import OtlpConfig
 

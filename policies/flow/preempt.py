@@ -7,7 +7,7 @@ request, but it is sized from recent demand and a burst beyond it still waits. S
 request that finds the pool full while its tenant is under its share of the band's slots takes one
 from a tenant over its share: flow control cuts one of that tenant's plain streams, the stream waits
 its turn in the waiting room again, and then continues where it stopped (the prompt plus the text
-sent so far, `gateway/migrate.py`: the client sees one stream, billed once). That is the engine's
+sent so far, `gateway/upstream/migrate.py`: the client sees one stream, billed once). That is the engine's
 own recompute preemption, done a level up, and it costs the cut request the recompute of its
 prefix.
 

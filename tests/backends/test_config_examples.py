@@ -8,7 +8,7 @@ import pytest
 
 from backends.config import BackendsSettings
 from backends.plan import plan_replicas, render_plan
-from gateway.settings import load_settings, validate_section
+from gateway.app.settings import load_settings, validate_section
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "config" / "examples").glob("*.yaml"))
 

@@ -26,10 +26,10 @@ from backends.kv_events import (
     decode_frames,
     decode_payload,
 )
-from backends.sim.server import run_sim_engines
 from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint
 from policies.routing.pipeline import ScoringRouter, build_router
+from sim.server import run_sim_engines
 from tests.policies.routing.factories import endpoint, pool, request, token_ids
 from tests.support.polling import wait_for_async
 

@@ -33,7 +33,7 @@ from tests.support.polling import wait_for_async
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-SIM_BIN = [sys.executable, "-m", "backends.sim"]
+SIM_BIN = [sys.executable, "-m", "sim"]
 EXIT_AT_ONCE = [sys.executable, "-c", "import sys; print('fatal: CUDA out of memory (simulated)'); sys.exit(3)"]
 
 

@@ -12,8 +12,8 @@ import aiohttp
 import orjson
 import pytest
 
-from backends.sim.server import run_sim_instances
 from bench import loadgen
+from sim.server import run_sim_instances
 
 MODEL = "llama-3.1-8b"
 

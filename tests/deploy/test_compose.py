@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from gateway.cli import build_parser
+from gateway.app.cli import build_parser
+from gateway.app.settings import GatewaySettings, load_settings, validate_section
 from gateway.ledger.config import LedgerConfig
-from gateway.record import RequestRecord
-from gateway.settings import GatewaySettings, load_settings, validate_section
+from gateway.request.record import RequestRecord
 from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from policies.loader import load_config
@@ -111,7 +111,7 @@ def test_dockerfile_builds_the_cli_image() -> None:
     assert 'pip install ".[plot,k8s,epp]"' in text  # the Kubernetes image discovers engines and serves EPP
     assert re.search(r"^EXPOSE 8080\b", text, re.M)
     pyproject = (REPO / "pyproject.toml").read_text()
-    assert 'tokenway = "gateway.cli:main"' in pyproject, "the entrypoint is the project's console script"
+    assert 'tokenway = "gateway.app.cli:main"' in pyproject, "the entrypoint is the project's console script"
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
     for package in ("gateway", "policies", "predictor", "backends"):
@@ -139,7 +139,7 @@ def test_state_and_ledger(settings: GatewaySettings) -> None:
 
 
 def test_sim_command_serves_the_sim_pool(settings: GatewaySettings) -> None:
-    from backends.sim.cli import _parser
+    from sim.cli import _parser
 
     argv = SERVICES["sim"]["command"]
     assert argv[0] == "sim"
@@ -253,7 +253,7 @@ def test_dashboard_queries_only_exported_metrics() -> None:
 
 
 def test_the_image_ships_a_default_config_that_runs_with_an_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.access import exposure_problem
+    from gateway.http.access import exposure_problem
 
     text = (REPO / "Dockerfile").read_text()
     copied = re.search(r"cp (\S+) (\S+) /etc/tokenway/", text)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from backends.discovery.config import SERVICE_NAME_LABEL
-from gateway.settings import load_settings
+from gateway.app.settings import load_settings
 from policies.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,8 +92,8 @@ def test_epp_overlay_is_valid_and_wires_the_pool_to_the_picker(tmp_path: Path, m
     (tmp_path / "policies.yaml").write_text(one(docs, "ConfigMap", "tokenway-config")["data"]["policies.yaml"])
     monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "t")
     settings = load_settings(tmp_path / "gateway.yaml")
+    from gateway.app.settings import validate_section
     from gateway.epp.config import EppSettings
-    from gateway.settings import validate_section
 
     assert validate_section(settings, "epp", EppSettings).port == 9002
 

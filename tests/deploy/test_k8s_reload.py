@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.policy_reload import PolicyWatcher
+from gateway.app.policy_reload import PolicyWatcher
 from policies.holder import PolicyHolder
 from tests.support.polling import wait_for_async
 from tests.support.procs import Gateway, _env, free_port, http_get, policies_doc, running, wait_http
@@ -109,7 +109,7 @@ def test_a_running_gateway_reloads_its_configmap(tmp_path: Path) -> None:
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(volume.root / "gateway.yaml")],
+            [sys.executable, "-m", "gateway.app.cli", "serve", "--config", str(volume.root / "gateway.yaml")],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=workdir,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.policy_reload import PolicyWatcher, policy_reload_ctx
+from gateway.app.policy_reload import PolicyWatcher, policy_reload_ctx
 from policies.holder import PolicyHolder
 from policies.policy import hash_key
 from tests.support.polling import wait_for_async

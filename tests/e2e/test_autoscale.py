@@ -99,7 +99,7 @@ def test_a_pool_at_zero_holds_its_first_request_through_a_cold_start(gateway: Ga
     assert metric_total(gateway.url, "tokenway_pool_desired_replicas") >= 1
     # the operator's view: current vs desired, the reason, the learnt start-up, the decisions
     shown = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "pools", "status", "--url", gateway.url],
+        [sys.executable, "-m", "gateway.app.cli", "pools", "status", "--url", gateway.url],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "autoscale (a pass every" in shown and "desired" in shown

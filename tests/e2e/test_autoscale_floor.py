@@ -97,7 +97,7 @@ def test_a_floor_starts_replicas_before_its_window_and_the_pool_returns_to_zero_
     assert not floor["active"] and floor["starts_in_s"] > 0  # started ahead of the window
     assert any("scheduled floor 2" in d["reason"] for d in seen["decisions"])
     shown = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "pools", "status", "--url", gateway.url],
+        [sys.executable, "-m", "gateway.app.cli", "pools", "status", "--url", gateway.url],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "floor 2 (admin)" in shown

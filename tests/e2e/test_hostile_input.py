@@ -260,7 +260,7 @@ def test_a_gateway_beyond_loopback_without_an_admin_token_refuses_to_start(tmp_p
     (tmp_path / "policies.yaml").write_text("tenants: {}\n")
     config.write_text("server: {host: 0.0.0.0, port: 0}\npolicies: policies.yaml\npools: []\n")
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "gateway.app.cli", "serve", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,

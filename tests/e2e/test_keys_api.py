@@ -111,7 +111,7 @@ def test_keys_survive_a_restart_and_a_file_key_with_the_same_id_stops_start_up(
     clash = dict(POLICY, keys=[*POLICY["keys"], {"id": "survivor", "tenant": "t1", "sha256": "0" * 64}])
     (workdir / "policies.yaml").write_text(yaml.safe_dump(clash))
     run = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(workdir / "gateway.yaml")],
+        [sys.executable, "-m", "gateway.app.cli", "serve", "--config", str(workdir / "gateway.yaml")],
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -144,7 +144,7 @@ def test_the_cli_makes_lists_rotates_and_revokes_keys(
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "gateway.cli", *args, "--url", gateway.url],
+            [sys.executable, "-m", "gateway.app.cli", *args, "--url", gateway.url],
             cwd=REPO,
             capture_output=True,
             text=True,

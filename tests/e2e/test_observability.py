@@ -209,7 +209,7 @@ def test_report_totals_equal_the_records(
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "gateway.app.cli",
             "usage",
             "report",
             "--dir",

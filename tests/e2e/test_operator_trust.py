@@ -287,7 +287,7 @@ def test_a_gateway_beyond_loopback_refuses_to_start_with_a_weak_token(tmp_path: 
     (tmp_path / "policies.yaml").write_text(yaml.safe_dump(policies_doc()))
     (tmp_path / "gateway.yaml").write_text(yaml.safe_dump({"server": server, "policies": "policies.yaml"}))
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(tmp_path / "gateway.yaml")],
+        [sys.executable, "-m", "gateway.app.cli", "serve", "--config", str(tmp_path / "gateway.yaml")],
         capture_output=True,
         text=True,
         timeout=60,

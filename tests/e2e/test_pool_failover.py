@@ -31,7 +31,7 @@ from tests.support.procs import TEST_KEY, Gateway, http_get, start_gateway, stat
 pytestmark = pytest.mark.e2e
 
 MODEL = "llama-3.1-8b"
-SIM_BIN = [sys.executable, "-m", "backends.sim"]
+SIM_BIN = [sys.executable, "-m", "sim"]
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 

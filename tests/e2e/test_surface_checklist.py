@@ -17,7 +17,7 @@ import pytest
 
 from bench.chaos.checklist import MISSED, NA, run_check
 from bench.chaos.surfaces import Surfaces, create_objects, start_surfaces
-from gateway.openapi import operations
+from gateway.http.openapi import operations
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.timeout(600)]
 

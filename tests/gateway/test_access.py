@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.access import (
+from gateway.console.throttle import Backoff, LoginThrottle
+from gateway.errors import InvalidApiKey
+from gateway.http.access import (
     CSRF_HEADER,
     Caller,
     CrossSiteRequest,
@@ -19,8 +21,6 @@ from gateway.access import (
     is_loopback,
     weak_token_reason,
 )
-from gateway.console.throttle import Backoff, LoginThrottle
-from gateway.errors import InvalidApiKey
 
 TOKEN = "a-strong-admin-token-0123456789"
 PORT = 8080

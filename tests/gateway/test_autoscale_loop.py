@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from backends.autoscale.executor import Executor
-from backends.autoscale.planner import replica_load
-from backends.autoscale.types import RoleState
+from backends.autoscale.executor import Executor, RoleState
 from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from gateway.autoscale.loop import Autoscaler
+from policies.autoscale.forecast import LeadTimes
+from policies.autoscale.planner import replica_load
 
 
 class Clock:
@@ -42,7 +42,7 @@ def autoscaler(tmp_path: Path, clock: Clock, **policy: Any) -> Autoscaler:
     settings = BackendsSettings.model_validate(
         {"devices": [0, 1, 2, 3], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run")}
     )
-    executor = Executor(Supervisor(settings), fleet, settings, clock=clock)
+    executor = Executor(Supervisor(settings), fleet, settings, lead=LeadTimes(), clock=clock)
     executor.apply = lambda plans: None  # type: ignore[method-assign]  # the rates are under test, not the replicas
     return Autoscaler(fleet, executor, clock=clock)
 

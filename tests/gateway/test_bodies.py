@@ -1,4 +1,4 @@
-"""The body bounds (gateway/bodies.py): the JSON depth bound and its path, strict content decoding,
+"""The body bounds (gateway/http/bodies.py): the JSON depth bound and its path, strict content decoding,
 the budget, and the middleware on a real listening runner (GatewayRunner: aiohttp's own decoding off)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.bodies import (
+from gateway.errors import InvalidRequest, RequestTooLarge
+from gateway.http.bodies import (
     MAX_JSON_DEPTH,
     BodyBounds,
     BodyBudget,
@@ -24,8 +25,7 @@ from gateway.bodies import (
     json_body,
     parse_json_body,
 )
-from gateway.errors import InvalidRequest, RequestTooLarge
-from gateway.half_close import GatewayRunner
+from gateway.http.half_close import GatewayRunner
 
 
 def nested(levels: int) -> bytes:

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.checks import config_findings, errors
-from gateway.settings import GatewaySettings
+from gateway.app.checks import config_findings, errors
+from gateway.app.settings import GatewaySettings
 from policies.loader import parse_config
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.engine_control import check_min_tokens, engine_body
 from gateway.errors import InvalidRequest
+from gateway.upstream.engine_control import check_min_tokens, engine_body
 from policies.engine_fields import cache_salt
 from policies.types import Principal
 

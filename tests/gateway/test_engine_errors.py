@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.engine_errors import MAX_MESSAGE_CHARS, engine_fault, openai_error, request_status
+from gateway.upstream.engine_errors import MAX_MESSAGE_CHARS, engine_fault, openai_error, request_status
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import pytest
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, Role
-from gateway.engine_tokens import EngineTokenizeCounter
+from gateway.upstream.engine_tokens import EngineTokenizeCounter
 from tests.support.procs import SimEngines, start_sim
 
 pytestmark = pytest.mark.e2e  # starts a simulated engine

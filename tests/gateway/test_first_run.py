@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.routes import ready_by_rule
+from gateway.http.routes import ready_by_rule
 from policies.holder import PolicyHolder
 from tests.support.procs import REPO, free_port, start_gateway
 
@@ -24,7 +24,7 @@ def tokenway(*args: str, cwd: Path = REPO, env_drop: tuple[str, ...] = ()) -> su
 
     env = {k: v for k, v in os.environ.items() if k not in env_drop}
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "gateway.app.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
     )
 
 
@@ -108,7 +108,7 @@ def test_check_passes_the_default_config_and_names_a_broken_one(tmp_path: Path) 
 def test_output_piped_into_a_closed_reader_ends_quietly() -> None:
     files = [str(REPO / "config" / "examples" / "vllm-8b-4gpu.yaml")] * 60  # far more than a pipe buffer
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "pools", "plan", *files],
+        [sys.executable, "-m", "gateway.app.cli", "pools", "plan", *files],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

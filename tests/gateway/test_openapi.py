@@ -13,9 +13,9 @@ from aiohttp.test_utils import make_mocked_request
 from openapi_spec_validator import validate
 from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
 
-from gateway.app import create_app
-from gateway.openapi import AUTH_KINDS, OPENAPI_PATH, SURFACES, document, openapi_json, operations, resolve
-from gateway.settings import GatewaySettings
+from gateway.app.factory import create_app
+from gateway.app.settings import GatewaySettings
+from gateway.http.openapi import AUTH_KINDS, OPENAPI_PATH, SURFACES, document, openapi_json, operations, resolve
 
 
 def _served(app: web.Application) -> set[tuple[str, str]]:
@@ -33,7 +33,7 @@ def test_every_route_is_documented_and_every_documented_route_served() -> None:
     app = create_app(GatewaySettings())  # the default configuration; nothing starts until the app runs
     served = _served(app)
     documented = {(method, path) for method, path, _ in operations()}
-    assert served - documented == set(), "routes the document lacks (add them to gateway/openapi.py)"
+    assert served - documented == set(), "routes the document lacks (add them to gateway/http/openapi.py)"
     assert documented - served == set(), "documented routes the gateway does not serve"
 
 

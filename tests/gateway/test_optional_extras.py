@@ -21,9 +21,9 @@ BLOCK = (
 
 def test_gateway_imports_and_builds_without_the_extras() -> None:
     code = BLOCK + (
-        "from gateway.settings import GatewaySettings\n"
-        "from gateway.app import create_app\n"
-        "import gateway.cli\n"
+        "from gateway.app.settings import GatewaySettings\n"
+        "from gateway.app.factory import create_app\n"
+        "import gateway.app.cli\n"
         "create_app(GatewaySettings())\n"
         "print('ok')\n"
     )

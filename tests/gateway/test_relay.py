@@ -14,8 +14,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
-from gateway.relay import RelayOutcome, RetryableUpstream, UpstreamRejected, UpstreamTarget, relay_stream, relay_unary
-from gateway.upstream import CallWatch, UpstreamClient
+from gateway.upstream.client import CallWatch, UpstreamClient
+from gateway.upstream.relay import (
+    RelayOutcome,
+    RetryableUpstream,
+    UpstreamRejected,
+    UpstreamTarget,
+    relay_stream,
+    relay_unary,
+)
 
 Script = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

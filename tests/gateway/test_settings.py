@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import ConfigError, load_settings
+from gateway.app.settings import ConfigError, load_settings
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import InvalidRequest, Rejected
-from gateway.request.intake import parse_slo_headers
-from gateway.slo import (
+from gateway.flow.slo import (
     REASON_QUEUE_TIMEOUT,
     REASON_SHED,
     RunningTpotSlos,
     slo_miss,
 )
+from gateway.request.intake import parse_slo_headers
 from policies.slo import EndpointCheck, Miss, Slo
 
 

@@ -1,4 +1,4 @@
-"""What `bounded_bodies` (gateway/bodies.py) answers for an exception no handler expected: a 500 in
+"""What `bounded_bodies` (gateway/http/bodies.py) answers for an exception no handler expected: a 500 in
 the route's error shape, logged once, on every route, with or without a body; and a malformed
 multipart form: a 400 naming the fault, never aiohttp's plain-text 500."""
 
@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.bodies import BodyBounds, BodyBudget, bounded_bodies
-from gateway.half_close import GatewayRunner
+from gateway.http.bodies import BodyBounds, BodyBudget, bounded_bodies
+from gateway.http.half_close import GatewayRunner
 
 
 async def broken(request: web.Request) -> web.StreamResponse:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream import CallWatch, UpstreamClient
-from gateway.upstream_connection import UpstreamConnectionError
+from gateway.upstream.client import CallWatch, UpstreamClient
+from gateway.upstream.connection import UpstreamConnectionError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.policy_reload import _identity
+from gateway.app.policy_reload import _identity
 from policies.holder import PolicyHolder
 from policies.policy import hash_key
 from policies.settled_file import UnsettledFile, read_settled

@@ -330,7 +330,7 @@ def start_sim(
     argv = [
         sys.executable,
         "-m",
-        "backends.sim",
+        "sim",
         "--preset",
         preset,
         "--host",
@@ -434,7 +434,7 @@ def start_gateway(
     log_path = workdir / "gateway.log"
     with open(log_path, "wb") as log:
         proc = spawn(
-            [sys.executable, "-m", "gateway.cli", command, "--config", str(config_path)],
+            [sys.executable, "-m", "gateway.app.cli", command, "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=workdir,

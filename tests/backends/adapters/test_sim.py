@@ -1,4 +1,4 @@
-"""The simulated engine's adapter: vLLM's, launched as `python -m backends.sim` with its preset."""
+"""The simulated engine's adapter: vLLM's, launched as `python -m sim` with its preset."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_launch_spec_golden() -> None:
     p = pool(model="llama-3.1-8b", engine="sim", preset="llama-3.1-8b@h100", extra_args=["--time-scale", "10"])
     spec = SIM.launch_spec(p, replica())
     assert list(spec.argv) == [
-        sys.executable, "-m", "backends.sim", "serve", "llama-3.1-8b", "--served-model-name", "llama-3.1-8b",
+        sys.executable, "-m", "sim", "serve", "llama-3.1-8b", "--served-model-name", "llama-3.1-8b",
         "--host", "127.0.0.1", "--port", "8100", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
         "--block-size", "16", "--enable-prompt-tokens-details", "--enable-prefix-caching",
         "--scheduling-policy", "priority", "--preset", "llama-3.1-8b@h100", "--time-scale", "10",

@@ -69,10 +69,10 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
             id="pd-prefill-nixl",
         ),
         pytest.param(
-            {"model": "m", "engine": "vllm", "engine_bin": ["python", "-m", "backends.sim"],
+            {"model": "m", "engine": "vllm", "engine_bin": ["python", "-m", "sim"],
              "priority_scheduling": False},
             {},
-            ["python", "-m", "backends.sim", "serve", "m", "--served-model-name", "m", "--host", "127.0.0.1",
+            ["python", "-m", "sim", "serve", "m", "--served-model-name", "m", "--host", "127.0.0.1",
              "--port", "8100", *BASE, "--enable-prompt-tokens-details", "--enable-prefix-caching"],
             {"PYTHONHASHSEED": "0", "VLLM_NO_USAGE_STATS": "1"},
             id="engine-bin-override",

@@ -10,13 +10,13 @@ import orjson
 import pytest
 from aiohttp import web
 
-from backends.sim.server import run_sim_instances
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.gate import BatchGate
 from gateway.batch.lines import NO_SPARE_CAPACITY, LineRequest, classify
 from gateway.batch.walk import LOWEST_PRIORITY, walk_runner
 from policies.batch.spare import SpareLimits
 from policies.holder import PolicyHolder
+from sim.server import run_sim_instances
 from tests.gateway.request.walk import KEY, ScriptedPredictor, Walk, build, chat_request, fleet, policy
 
 LIMITS = SpareLimits(max_lines_per_endpoint=2, max_kv_usage_ratio=None)

@@ -6,7 +6,7 @@ import yaml
 
 from gateway.console.activity import MINUTES, ConsoleActivity
 from gateway.console.sessions import ConsoleSessions
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 from policies.loader import parse_config
 from policies.policy import Policy
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from backends.sim.server import run_sim_instances
 from gateway.flow.hook import FlowHook
 from gateway.flow.queue import FlowQueue
 from policies.flow.bands import band_rank
@@ -20,6 +19,7 @@ from policies.flow.counters import MemoryCounters
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.schema import PoliciesConfig
+from sim.server import run_sim_instances
 from tests.gateway.request.walk import Walk, body_json, build, chat_request, fleet, handle_cancelled_at, policy
 from tests.support.polling import wait_for_async
 

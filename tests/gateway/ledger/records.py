@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 
 TENANTS = ("acme", "globex", "initech")
 MODELS = ("llama-3.1-8b", "qwen2.5-7b")

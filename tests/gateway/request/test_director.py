@@ -11,11 +11,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from backends.sim.server import run_sim_instances
 from gateway.flow.hook import FlowHook
+from gateway.flow.slo import SloHook
 from gateway.request import Hook
-from gateway.slo import SloHook
 from policies.types import Rejection
+from sim.server import run_sim_instances
 from tests.gateway.request.walk import (
     QUEUE_KEY,
     SLO_KEY,

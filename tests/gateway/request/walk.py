@@ -20,16 +20,16 @@ from aiohttp.test_utils import make_mocked_request
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
+from gateway.app.settings import ServerSettings
 from gateway.flow.hook import FlowHook
 from gateway.flow.queue import FlowQueue
-from gateway.record import RequestRecord
+from gateway.flow.slo import PredictsLatency, SloHook
 from gateway.request import Director, Hook, Hooks
 from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
 from gateway.request.intake import Intake
-from gateway.settings import ServerSettings
-from gateway.slo import PredictsLatency, SloHook
-from gateway.upstream import UpstreamClient
+from gateway.request.record import RequestRecord
+from gateway.upstream.client import UpstreamClient
 from policies.estimate import PromptEstimator
 from policies.flow.config import FlowSettings
 from policies.flow.counters import MemoryCounters

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.types import Endpoint, EndpointState, Role
-from gateway.record import RequestRecord
+from gateway.request.record import RequestRecord
 from gateway.telemetry.config import MetricLabelsConfig, MetricsConfig
 from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER
 from gateway.telemetry.metrics import GatewayMetrics

@@ -1,0 +1,1 @@
+"""The application and its CLI: the app factory, the process (server), gateway.yaml, cross-file checks."""

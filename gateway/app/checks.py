@@ -1,0 +1,237 @@
+"""Cross-file checks of gateway.yaml against policies.yaml: what each file's own schema cannot see.
+
+Each file validates itself (pydantic, precise key paths); what breaks between them goes unnoticed
+until a request takes the broken path: an alias that hides a pool, a fallback to a model nothing
+serves, a served model without a price (served free), an allow-list naming a model that does not
+exist. `config_findings` lists them as plain values; the gateway logs them at start-up and on every
+policy reload (and refuses to start on an error), and `tokenway check --config` prints them, plus
+`probe_endpoints`' warnings about static endpoints that do not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel
+
+from backends.config import PoolConfig
+from gateway.app.settings import GatewaySettings
+from policies.schema import PoliciesConfig
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    severity: Severity
+    where: str  # file and key path, e.g. "policies.yaml: models.qwen2.5-7b.aliases[0]"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.where}: {self.message}"
+
+
+def config_findings(
+    settings: GatewaySettings, policies: PoliciesConfig, policies_source: str = "policies.yaml"
+) -> list[Finding]:
+    """Every cross-file problem of (gateway.yaml, policies.yaml); errors first."""
+    gw = settings.source
+    pools = list(settings.pools)
+    served = {pool.model for pool in pools}
+    found: list[Finding] = []
+    found += _readiness(settings, pools)
+    found += _shadowing(policies, pools, policies_source)
+    found += _fallbacks(policies, served, policies_source)
+    found += _unpriced(policies, pools, gw)
+    found += _allow_lists(policies, served, policies_source)
+    return sorted(found, key=lambda f: f.severity != "error")
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == "error"]
+
+
+def _readiness(settings: GatewaySettings, pools: Sequence[PoolConfig]) -> list[Finding]:
+    name = settings.server.default_pool
+    if name is not None and name not in {p.name for p in pools}:
+        known = ", ".join(p.name for p in pools) or "none"
+        return [Finding("error", f"{settings.source}: server.default_pool", f"no pool named {name!r} (pools: {known})")]
+    return []
+
+
+def _shadowing(policies: PoliciesConfig, pools: Sequence[PoolConfig], source: str) -> list[Finding]:
+    """An alias equal to a pool's model name: requests for that name resolve to the alias's model, so
+    the pool never receives one."""
+    found = []
+    by_model = {pool.model: pool.name for pool in pools}
+    for name, model in policies.models.items():
+        for j, alias in enumerate(model.aliases):
+            pool = by_model.get(alias)
+            if pool is not None:
+                found.append(
+                    Finding(
+                        "error",
+                        f"{source}: models.{name}.aliases[{j}]",
+                        f"alias {alias!r} shadows pool {pool!r}, which serves model {alias!r}: requests for "
+                        f"{alias!r} resolve to {name!r} and that pool never receives one",
+                    )
+                )
+    return found
+
+
+def _fallbacks(policies: PoliciesConfig, served: set[str], source: str) -> list[Finding]:
+    found = []
+    for name, model in policies.models.items():
+        for j, step in enumerate(model.fallbacks):
+            target = policies.resolve_model(step.model)
+            if target not in served:
+                found.append(
+                    Finding(
+                        "warning",
+                        f"{source}: models.{name}.fallbacks[{j}].model",
+                        f"fallback target {step.model!r} has no pool in gateway.yaml: that step always fails over",
+                    )
+                )
+    return found
+
+
+def _unpriced(policies: PoliciesConfig, pools: Sequence[PoolConfig], gw: str) -> list[Finding]:
+    found = []
+    for i, pool in enumerate(pools):
+        model = policies.models.get(policies.resolve_model(pool.model))
+        where = f"{gw}: pools[{i}].model"
+        if model is None:
+            found.append(
+                Finding(
+                    "warning",
+                    where,
+                    f"pool {pool.name!r} serves {pool.model!r}, which policies.yaml does not list: no price (served "
+                    "free), no context length check, no fallbacks",
+                )
+            )
+        elif model.price.input_per_mtok == 0 and model.price.output_per_mtok == 0:
+            found.append(
+                Finding(
+                    "warning",
+                    where,
+                    f"model {pool.model!r} of pool {pool.name!r} has no price: budgets never charge it",
+                )
+            )
+    return found
+
+
+def _allow_lists(policies: PoliciesConfig, served: set[str], source: str) -> list[Finding]:
+    """Model names in tenants' and keys' allow-lists and in limit matches that name nothing."""
+    known = set(policies.models) | {a for m in policies.models.values() for a in m.aliases} | served
+    found = []
+
+    def check(where: str, names: list[str] | None) -> None:
+        for j, name in enumerate(names or []):
+            if name not in known:
+                found.append(
+                    Finding("warning", f"{source}: {where}[{j}]", f"unknown model {name!r}: it matches nothing")
+                )
+
+    for tenant_name, tenant in policies.tenants.items():
+        check(f"tenants.{tenant_name}.models", tenant.models)
+    for i, key in enumerate(policies.keys):
+        check(f"keys[{i}].models", key.models)
+    for section, rules in (("limits", policies.limits), ("budgets", policies.budgets)):
+        for i, rule in enumerate(rules):
+            model = rule.match.model
+            target = policies.resolve_model(model) if model else None
+            if target is not None and target not in served:
+                found.append(
+                    Finding(
+                        "warning",
+                        f"{source}: {section}[{i}].match.model",
+                        f"model {model!r} has no pool in gateway.yaml: this rule never applies",
+                    )
+                )
+    return found
+
+
+async def probe_endpoints(pools: Sequence[PoolConfig], timeout_s: float = 2.0) -> list[Finding]:
+    """A TCP connect to every static endpoint; one that does not answer is a warning (it may come up
+    later: the gateway health-checks it and routes around it meanwhile)."""
+    targets: list[tuple[str, str, int]] = []
+    for i, pool in enumerate(pools):
+        for j, endpoint in enumerate(pool.endpoints):
+            parts = urlsplit(endpoint.url)
+            if not parts.hostname:
+                continue
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            targets.append((f"pools[{i}].endpoints[{j}] ({endpoint.url})", parts.hostname, port))
+
+    async def one(where: str, host: str, port: int) -> Finding | None:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except (OSError, TimeoutError) as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+            return Finding("warning", where, f"unreachable: {reason}")
+        writer.close()
+        return None
+
+    results = await asyncio.gather(*(one(*t) for t in targets))
+    return [r for r in results if r is not None]
+
+
+def check_files(path: str, *, probe: bool = True, unset: list[str] | None = None) -> list[Finding]:
+    """Everything `tokenway check` reports about a gateway.yaml and the policies.yaml it names:
+    each file's own validation, every room's section, the launch plan, the cross-file findings and
+    (with `probe`) static endpoints that do not answer."""
+    from backends.config import BackendsSettings
+    from backends.errors import PlanError
+    from backends.plan import plan_replicas
+    from gateway.app.settings import ConfigError, load_settings, validate_section
+    from gateway.ledger.config import LedgerConfig
+    from gateway.telemetry.config import TelemetryConfig
+    from policies.loader import PolicyFileError, load_config
+    from policies.routing.config import RoutingConfig
+    from predictor.config import PredictorSettings
+
+    try:
+        settings = load_settings(path, unset)
+    except ConfigError as exc:
+        return [Finding("error", path, str(exc).removeprefix(f"{path}: "))]
+    found: list[Finding] = [
+        Finding("warning", path, f"{where}: environment variable {name} is not set (shown as ${{{name}}})")
+        for where, _, name in (item.partition(": ") for item in unset or [])
+    ]
+    sections: dict[str, type[BaseModel]] = {
+        "backends": BackendsSettings,
+        "routing": RoutingConfig,
+        "predictor": PredictorSettings,
+        "telemetry": TelemetryConfig,
+        "ledger": LedgerConfig,
+    }
+    backends: BackendsSettings | None = None
+    for section, model in sections.items():
+        try:
+            validated: BaseModel = validate_section(settings, section, model)
+        except ConfigError as exc:
+            found.append(Finding("error", path, str(exc).removeprefix(f"{path}: ")))
+            continue
+        if isinstance(validated, BackendsSettings):
+            backends = validated
+    if backends is not None:
+        try:
+            plan_replicas(list(settings.pools), backends)
+        except PlanError as exc:
+            found.append(Finding("error", f"{path}: pools", str(exc)))
+    policies_path = settings.resolve_path(settings.policies)
+    try:
+        policies = load_config(policies_path)
+    except PolicyFileError as exc:
+        found += [
+            Finding("error", str(policies_path), m.removeprefix(f"{policies_path}:").strip()) for m in exc.messages
+        ]
+    else:
+        found += config_findings(settings, policies, str(policies_path))
+    if probe:
+        found += asyncio.run(probe_endpoints(settings.pools))
+    return sorted(found, key=lambda f: f.severity != "error")

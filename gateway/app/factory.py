@@ -1,0 +1,480 @@
+"""The app factory: builds every long-lived object in `cleanup_ctx` generators (set up before the
+yield, torn down after, in reverse order) and stores them under typed AppKeys. Nothing here runs at
+import time, so tests can build several apps in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from backends import health, monitor
+from backends.adapters.registry import get_adapter
+from backends.config import BackendsSettings
+from backends.discovery.service import Discovery
+from backends.fleet import Fleet
+from backends.kv_events import KvEventHub
+from backends.supervisor import Supervisor
+from backends.types import Endpoint
+from gateway import __version__
+from gateway.apis.config import ApisSettings
+from gateway.apis.messages import error_in_route_shape
+from gateway.apis.routes import RESPONSE_STORE, canonical_path_middleware, not_found_middleware, setup_api_routes
+from gateway.apis.store import make_response_store
+from gateway.app import keys as appkeys
+from gateway.app.checks import config_findings, errors
+from gateway.app.policy_reload import PolicyWatcher
+from gateway.app.settings import GatewaySettings, StateSettings, validate_section
+from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
+from gateway.batch.routes import setup_batch_routes
+from gateway.batch.setup import batch_ctx, batch_gate
+from gateway.console.activity import ConsoleActivity
+from gateway.console.routes import console_admin_routes, console_routes
+from gateway.console.sessions import ConsoleSessions
+from gateway.flow.hook import FlowHook
+from gateway.flow.queue import FlowQueue
+from gateway.flow.slo import SloHook
+from gateway.http.admin import admin_routes, limiter_gauges, predictor_gauges
+from gateway.http.admin_keys import key_routes, own_key
+from gateway.http.bodies import body_bounds, bounded_bodies
+from gateway.http.openapi import setup_openapi_route
+from gateway.http.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
+from gateway.ledger import open_ledger
+from gateway.ledger.config import LedgerConfig
+from gateway.replicas.bus import ReplicaBus
+from gateway.request import Director, Hook, Hooks
+from gateway.request.accounting import Accounting
+from gateway.request.dispatch import Dispatch
+from gateway.request.intake import Intake
+from gateway.telemetry.config import TelemetryConfig
+from gateway.telemetry.flow import FlowMetrics
+from gateway.telemetry.learning import LearningHook
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
+from gateway.upstream.stalls import StallWatch, watching
+from policies.estimate import PromptEstimator
+from policies.flow.bands import band_name
+from policies.flow.config import FlowSettings
+from policies.flow.counters import Counters, MemoryCounters
+from policies.flow.redis_counters import RedisCounters
+from policies.holder import PolicyHolder, ReloadResult
+from policies.keys.directory import KeyDirectory
+from policies.keys.mirrored import MirroredDirectoryStore
+from policies.keys.redis_store import RedisDirectoryStore
+from policies.keys.sqlite_store import SqliteDirectoryStore
+from policies.keys.store import DirectoryStore, MemoryDirectoryStore
+from policies.limits.admission import Admission
+from policies.limits.factory import make_store
+from policies.policy import Policy
+from policies.routing.config import RoutingConfig
+from policies.routing.pipeline import build_router
+from predictor.config import PredictorSettings
+from predictor.service import LatencyPredictor
+
+log = logging.getLogger("tokenway.app")
+
+
+def create_app(settings: GatewaySettings) -> web.Application:
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        # the first is the outermost; every body is read under one set of bounds (gateway/http/bodies.py)
+        middlewares=[
+            canonical_path_middleware,
+            not_found_middleware,
+            bounded_bodies(body_bounds(settings.server), render=error_in_route_shape),
+        ],
+    )
+    app[appkeys.SETTINGS] = settings
+    app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
+    app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
+    app.cleanup_ctx.append(_telemetry_ctx)
+    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_policies_ctx)
+    app.cleanup_ctx.append(_fleet_ctx)
+    app.cleanup_ctx.append(autoscale_ctx)  # elastic pools: the planner, its executor, the cold-start hold
+    app.cleanup_ctx.append(_predictor_ctx)
+    app.cleanup_ctx.append(_routing_ctx)
+    app.cleanup_ctx.append(_replicas_ctx)
+    app.cleanup_ctx.append(_flow_ctx)
+    app.cleanup_ctx.append(_director_ctx)
+    app.cleanup_ctx.append(_response_store_ctx)
+    app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
+    setup_routes(app, admin_routes() + key_routes() + console_admin_routes())
+    app.router.add_get("/v1/key", own_key)
+    app.router.add_get("/key/info", own_key)  # LiteLLM's name for the same question
+    for method, path, handler in console_routes():
+        app.router.add_route(method, path, handler)
+    app[appkeys.CONSOLE_SESSIONS] = ConsoleSessions()
+    setup_api_routes(app)
+    setup_batch_routes(app)
+    setup_openapi_route(app)  # GET /openapi.json: every route above, checked by tests/gateway/test_openapi.py
+    if settings.state.shares_routing:
+        app.on_response_prepare.append(_name_replica)
+    return app
+
+
+async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Metrics, traces and the usage ledger: set up first, torn down last (after the drain)."""
+    settings = app[appkeys.SETTINGS]
+    telemetry = validate_section(settings, "telemetry", TelemetryConfig)
+    ledger_config = validate_section(settings, "ledger", LedgerConfig)
+    metrics = GatewayMetrics(telemetry.metrics, version=__version__)
+    app[appkeys.FLOW_METRICS] = FlowMetrics(metrics)  # before the OTLP export reads the families
+    tracing = Tracing(telemetry.otlp, metrics=metrics, version=__version__)
+    ledger = open_ledger(ledger_config)
+    app[appkeys.METRICS] = metrics
+    app[appkeys.TRACING] = tracing
+    app[appkeys.LEDGER] = ledger
+    app[METRICS_RENDER] = metrics.render if telemetry.metrics.enabled else (lambda: b"")
+    app[METRICS_TOKEN] = telemetry.metrics.token or None
+    if ledger is not None:
+        metrics.set_ledger_stats(ledger.stats)
+    yield
+    if ledger is not None:
+        await ledger.close()
+    await tracing.shutdown()
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The upstream client every relayed request goes through (pooled keep-alive connections to the
+    engines), and an aiohttp session for the gateway's own side calls (engine tokenizers)."""
+    server = app[appkeys.SETTINGS].server
+    upstream = UpstreamClient(
+        connect_timeout_s=server.upstream_connect_timeout_s,
+        read_timeout_s=server.upstream_read_timeout_s,
+        idle_timeout_s=server.upstream_idle_timeout_s,
+    )
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    app[appkeys.UPSTREAM], app[appkeys.SESSION] = upstream, session
+    yield
+    await upstream.close()
+    await session.close()
+
+
+async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The hot-reloaded policy (file watch + SIGHUP + POST /admin/reload), the directory of keys made
+    through the admin API, and the admission store."""
+    settings = app[appkeys.SETTINGS]
+    directory = KeyDirectory(directory_store(settings.state))
+    await directory.start()
+    try:
+        holder = PolicyHolder.from_file(
+            settings.resolve_path(settings.policies), check=_cross_check(settings), directory=directory
+        )
+    except Exception:
+        await directory.stop()
+        raise
+    app[appkeys.POLICIES] = holder
+    app[appkeys.DIRECTORY] = directory
+    state = settings.state
+    store = make_store(
+        state.redis_url if state.backend == "redis" else None, prefix=state.key_prefix, timeout_s=state.redis_timeout_s
+    )
+    admission = Admission(holder, store)
+    app[appkeys.ADMISSION] = admission
+
+    def reloaded(result: ReloadResult) -> None:
+        if result.ok and result.changed and appkeys.FLEET in app:
+            _allow_labels(app[appkeys.METRICS], holder.current, app[appkeys.FLEET])
+
+    watcher = PolicyWatcher(holder, None, 1.0, reloaded)
+    app[appkeys.POLICY_WATCHER] = watcher
+    watcher.start()
+    app[appkeys.METRICS].set_limiter_gauges(lambda: limiter_gauges(admission.snapshot()))
+
+    def directory_changed() -> None:
+        if appkeys.FLEET in app:
+            _allow_labels(app[appkeys.METRICS], holder.current, app[appkeys.FLEET])
+
+    directory.on_change(directory_changed)
+    yield
+    await watcher.stop()
+    await admission.close()
+    await directory.stop()
+
+
+def directory_store(state: StateSettings) -> DirectoryStore:
+    """Where keys made through the admin API live: Redis with `state: redis` (with the SQLite file as
+    its durable copy, restored into a Redis that lost them: policies/keys/mirrored.py), else the file."""
+    if state.backend == "redis" and state.redis_url:
+        shared = RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
+        return MirroredDirectoryStore(shared, SqliteDirectoryStore(state.keys_db)) if state.keys_db else shared
+    if state.keys_db:
+        return SqliteDirectoryStore(state.keys_db)
+    return MemoryDirectoryStore()
+
+
+def _cross_check(settings: GatewaySettings) -> Callable[[Policy], list[str]]:
+    """At start-up and on every reload: what breaks between gateway.yaml and the policy. Errors
+    refuse the policy (a start-up error stops the gateway); warnings are logged."""
+
+    def check(policy: Policy) -> list[str]:
+        found = config_findings(settings, policy.config, policy.source)
+        for finding in found:
+            if finding.severity == "warning":
+                log.warning("%s", finding)
+        return [str(f) for f in errors(found)]
+
+    return check
+
+
+async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Pools: static endpoints, launched replicas (supervised), and the health/metrics watch."""
+    settings = app[appkeys.SETTINGS]
+    backends = app[appkeys.BACKENDS]
+    fleet = Fleet.from_configs(settings.pools)
+    app[appkeys.FLEET] = fleet
+    supervisor = Supervisor(backends)
+    app[appkeys.SUPERVISOR] = supervisor
+    await supervisor.start(fleet, app[appkeys.SESSION])
+    discovery: Discovery | None = None
+    if any(pool.config.discovery is not None for pool in fleet.pools.values()):
+        discovery = Discovery.for_fleet(fleet, lambda pool: _fleet_changed(app))
+        await discovery.start()
+    app[appkeys.DISCOVERY] = discovery
+    watch = asyncio.get_running_loop().create_task(monitor.run(fleet, app[appkeys.SESSION], backends))
+    yield
+    watch.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watch
+    if discovery is not None:
+        await discovery.stop()
+    await supervisor.stop()
+
+
+def _fleet_changed(app: web.Application) -> None:
+    """Discovery added or removed endpoints: forget routing state of those that left, and let the
+    new ones' ids be metric label values."""
+    fleet = app[appkeys.FLEET]
+    if appkeys.ROUTER in app:
+        app[appkeys.ROUTER].forget_endpoints_except([e.id for e in fleet.endpoints()])
+    _allow_labels(app[appkeys.METRICS], app[appkeys.POLICIES].current, fleet)
+
+
+async def _predictor_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Latency predictor: loads saved models, trains in its worker, saves on the way out."""
+    settings = validate_section(app[appkeys.SETTINGS], "predictor", PredictorSettings)
+    predictor: LatencyPredictor | None = None
+    if settings.enabled:
+        pools = {name: pool.config for name, pool in app[appkeys.FLEET].pools.items()}
+        predictor = LatencyPredictor(settings, pools)
+        await predictor.start()
+        app[appkeys.METRICS].set_predictor_gauges(lambda: predictor_gauges(predictor.status()))
+    app[appkeys.PREDICTOR] = predictor
+    yield
+    if predictor is not None:
+        await predictor.stop()
+
+
+async def _routing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The router of every pool and, in precise mode, the KV-event subscriptions that feed it."""
+    config = app[appkeys.ROUTING_CONFIG]
+    fleet = app[appkeys.FLEET]
+    router = build_router(config, predictor=app[appkeys.PREDICTOR])  # the latency scorer predicts through it
+    app[appkeys.ROUTER] = router
+    sync: asyncio.Task[None] | None = None
+    hub: KvEventHub | None = None
+    if config.prefix_index.mode == "precise":
+        hub = KvEventHub(router.on_kv_batch, router.on_kv_reset)
+        sync = asyncio.get_running_loop().create_task(_sync_kv_events(fleet, router, hub))
+    app[appkeys.KV_HUB] = hub
+    yield
+    if sync is not None:
+        sync.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sync
+    if hub is not None:
+        await hub.close()
+
+
+async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Replicas that act as one (`state: redis`): publish this one's dispatches and load, fold in
+    the others' (gateway/replicas). Responses name the replica that served them."""
+    state = app[appkeys.SETTINGS].state
+    bus: ReplicaBus | None = None
+    if state.shares_routing:
+        assert state.redis_url is not None
+        bus = ReplicaBus(state.replicas, state.redis_url, state.key_prefix, app[appkeys.FLEET], app[appkeys.ROUTER])
+        app[appkeys.ROUTER].dispatch_listener = bus.dispatched
+        await bus.start()
+    app[appkeys.REPLICAS] = bus
+    yield
+    if bus is not None:
+        app[appkeys.ROUTER].dispatch_listener = None
+        await bus.stop()
+
+
+async def _name_replica(request: web.Request, response: web.StreamResponse) -> None:
+    bus = request.app[appkeys.REPLICAS]
+    if bus is not None:
+        response.headers["x-tokenway-replica"] = bus.replica_id
+
+
+async def _sync_kv_events(fleet: Fleet, router: Any, hub: KvEventHub, interval_s: float = 1.0) -> None:
+    """Keep one subscription per endpoint that publishes KV events, in step with the fleet."""
+    while True:
+        ids = []
+        for endpoint in fleet.endpoints():
+            ids.append(endpoint.id)
+            if endpoint.kv_events_endpoint:
+                topic = fleet.pools[endpoint.pool].config.kv_events.topic
+                hub.ensure(
+                    endpoint.id,
+                    endpoint.kv_events_endpoint,
+                    topic=topic,
+                    replay_address=endpoint.kv_events_replay_endpoint,
+                )
+        router.forget_endpoints_except(ids)
+        await asyncio.sleep(interval_s)
+
+
+async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Flow control's waiting rooms and the virtual counters they order by (memory, or Redis when
+    `state` says so: replicas then share one fairness view)."""
+    settings = app[appkeys.SETTINGS]
+    flow = validate_section(settings, "flow_control", FlowSettings)
+    state = settings.state
+    counters: Counters = MemoryCounters()
+    if state.backend == "redis" and state.redis_url:
+        counters = RedisCounters.from_url(
+            state.redis_url,
+            prefix=state.key_prefix,
+            refresh_s=flow.counters_refresh_ms / 1000.0,
+            flush_s=flow.counters_flush_ms / 1000.0,
+        )
+    holder = app[appkeys.POLICIES]
+    flow_metrics = app[appkeys.FLOW_METRICS]
+    queue = FlowQueue(
+        counters,
+        room_size=flow.room,
+        shortest_job_first=lambda: holder.current.config.flow_control.shortest_job_first,
+        fair=lambda: holder.current.config.flow_control.fairness == "vtc",
+        weights=lambda tenant: holder.current.tenant_weight(tenant),
+        recheck_s=flow.recheck_ms / 1000.0,
+        share_window_s=flow.share_window_s,
+        active_s=flow.reserve_active_s,
+        on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
+    )
+    flow_metrics.set_status(queue.status)
+    bus = app[appkeys.REPLICAS]
+    if bus is not None:  # the slot reserve judges from every replica's tenants, not this one's alone
+        bus.activity = queue.activity
+    app[appkeys.FLOW_SETTINGS] = flow
+    app[appkeys.FLOW] = queue
+    yield
+    if bus is not None:
+        bus.activity = None
+    await counters.close()
+
+
+async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The walk of a request and the hooks plugged into it (the features: one line each)."""
+    settings = app[appkeys.SETTINGS]
+    fleet = app[appkeys.FLEET]
+    ejection = app[appkeys.BACKENDS].ejection
+    predictor = app[appkeys.PREDICTOR]
+
+    def shape_body(endpoint: Endpoint, body: dict[str, Any], api: Any) -> dict[str, Any]:
+        return get_adapter(endpoint.engine).shape_request(body, api, fleet.pools[endpoint.pool].config)
+
+    def report_failure(endpoint: Endpoint, now_s: float) -> None:
+        health.report_failure(endpoint, now_s, ejection, fleet.pools.get(endpoint.pool))
+
+    metrics = app[appkeys.METRICS]
+    metrics_on = validate_section(settings, "telemetry", TelemetryConfig).metrics.enabled
+    holder = app[appkeys.POLICIES]
+    activity = app[appkeys.CONSOLE_ACTIVITY] = ConsoleActivity(lambda: holder.current)
+    ledger = app[appkeys.LEDGER]
+    metrics.set_endpoint_gauges(fleet.endpoints)
+    _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
+    estimator = PromptEstimator()
+    build_counters(fleet, estimator, app[appkeys.SESSION])  # reads tokenizer files once, at start-up
+    hook_list: list[Hook] = []
+    hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, cold starts held; streams moved
+    if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
+        hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
+    queue = app[appkeys.FLOW]
+    slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # the SLO gate, running TPOT SLOs
+    gate = batch_gate(app, fleet, queue.depth, predictor)  # interactive requests held: the flow room
+    if gate is not None:
+        hook_list.append(gate)  # batch lines only on spare capacity (before any gate that holds requests)
+    hook_list.append(slo)
+    # flow control: every wait, in band / fair-share order; the SLO gate is one of its checks
+    hook_list.append(FlowHook(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=[slo]))
+    if predictor is not None:
+        hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
+    hooks = Hooks(hook_list)
+    sinks = [sink for sink in (metrics if metrics_on else None, ledger, activity) if sink is not None]
+    accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks, audit=estimator.audit)
+    dispatch = Dispatch(
+        server=settings.server,
+        fleet=fleet,
+        upstream=app[appkeys.UPSTREAM],
+        router=app[appkeys.ROUTER],  # one router: per-pool pipelines inside it
+        hooks=hooks,
+        accounting=accounting,
+        metrics=metrics if metrics_on else None,
+        shape_body=shape_body,
+        report_success=health.report_success,
+        report_failure=report_failure,
+        stalls=StallWatch(fleet, settings.server.first_token_deadline, settings.server.stall_after_s, ejection),
+    )
+    intake = Intake(
+        settings.server,
+        app[appkeys.POLICIES],
+        fleet,
+        estimator,
+        precheck=app[appkeys.ADMISSION].precheck,  # no room left: 429 before the prompt is counted
+    )
+    app[appkeys.DIRECTOR] = Director(
+        intake=intake,
+        dispatch=dispatch,
+        accounting=accounting,
+        hooks=hooks,
+        policies=app[appkeys.POLICIES],
+        fleet=fleet,
+        start_trace=app[appkeys.TRACING].start_request,
+    )
+    async with watching(dispatch.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
+        yield
+
+
+async def _response_store_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Stored responses (Responses API): in memory, or in Redis when `state` says so."""
+    settings = app[appkeys.SETTINGS]
+    config = validate_section(settings, "apis", ApisSettings).response_store
+    state = settings.state
+    store = None
+    if config.enabled:
+        redis_url = state.redis_url if state.backend == "redis" else None
+        store = make_response_store(config, redis_url, state.key_prefix)
+    app[RESPONSE_STORE] = store
+    yield
+    if store is not None:
+        await store.close()
+
+
+def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None:
+    """Bound label cardinality to what is configured: anything else is reported as `other`."""
+    models = set(fleet.models)
+    for name, config in policy.config.models.items():
+        models.add(name)
+        models.update(config.aliases)
+    directory = policy.directory
+    api_tenants = list(directory.tenants) if directory is not None else []
+    metrics.allow_label_values(
+        tenants=[*policy.config.tenants.keys(), *api_tenants],
+        models=sorted(models),
+        pools=fleet.pools.keys(),
+        endpoints=[e.id for e in fleet.endpoints()],
+        key_ids=[k.id for k in policy.config.keys],
+    )

@@ -1,0 +1,1 @@
+"""The HTTP surface: routes, the one body reader, who may reach the operator surfaces, the admin API."""

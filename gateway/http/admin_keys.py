@@ -1,0 +1,306 @@
+"""Keys and tenants through the admin API (`/admin/keys`, `/admin/tenants`), and a caller's own
+standing (`GET /v1/key`).
+
+Create and rotate return the secret once; nothing else ever does (only its SHA-256 is stored).
+Keys and tenants of policies.yaml are listed too, marked `source: file`, and are read-only here:
+they change through the file (GitOps) and its hot reload. Errors are in OpenAI's shape like the rest.
+
+`/v1/key` follows OpenRouter's `GET /api/v1/key` (the calling key's limits and usage under the
+OpenAI-compatible base URL, so `client.get("/key", cast_to=object)` of the openai client reaches it);
+`/key/info` answers the same for tools written against LiteLLM's proxy, which call that path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.app import keys as appkeys
+from gateway.errors import GatewayError, error_response
+from gateway.http.admin_replies import admin_error, json_reply
+from gateway.http.routes import Handler
+from gateway.request.intake import authenticate
+from policies.keys.directory import DirectoryError, KeyDirectory
+from policies.keys.records import KeyRecord, TenantRecord
+from policies.limits.standing import standing
+from policies.policy import Policy
+from policies.schema import PRIORITY_VALUES
+from policies.types import Principal
+
+log = logging.getLogger(__name__)
+
+
+def _directory(request: web.Request) -> KeyDirectory:
+    return request.app[appkeys.DIRECTORY]
+
+
+def _policy(request: web.Request) -> Policy:
+    return request.app[appkeys.POLICIES].current
+
+
+def _known_models(request: web.Request) -> list[str]:
+    return list(request.app[appkeys.FLEET].models)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        found = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise DirectoryError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(found, dict):
+        raise DirectoryError(400, "expected a JSON object")
+    return found
+
+
+def _rendered(render: Callable[[], dict[str, Any]], record: KeyRecord | TenantRecord) -> dict[str, Any]:
+    """A record's view, or when it cannot be rendered (a time no calendar holds, a value JSON cannot
+    carry: stored before the API bounded its input) a row flagging it, so that one bad record never
+    takes a listing, or the console's page of it, down."""
+    try:
+        view = render()
+        orjson.dumps(view)
+        return view
+    except Exception as exc:
+        name = record.id if isinstance(record, KeyRecord) else record.name
+        log.error("stored %s %r cannot be rendered: %s", type(record).__name__, name, exc)
+        row: dict[str, Any] = {
+            "source": "api",
+            "status": "unreadable",
+            "error": f"this stored record cannot be shown ({type(exc).__name__}); revoke or rewrite it",
+        }
+        if isinstance(record, KeyRecord):
+            row.update(id=record.id, tenant=record.tenant[:200], revoked=record.revoked_at_unix_s is not None)
+        else:
+            row.update(name=record.name)
+        return row
+
+
+def _key_view(record: KeyRecord, now_s: float, last_used_unix_s: float | None = None) -> dict[str, Any]:
+    return _rendered(lambda: record.view(now_s, last_used_unix_s), record)
+
+
+def _tenant_view(record: TenantRecord) -> dict[str, Any]:
+    return _rendered(record.view, record)
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Directory refusals become their HTTP errors."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except DirectoryError as exc:
+            return admin_error(exc.status, str(exc), exc.param)
+
+    return run
+
+
+# ---------------------------------------------------------------------- keys
+async def keys_create(request: web.Request) -> web.StreamResponse:
+    directory = _directory(request)
+    record, secret = await directory.create_key(await _body(request), _policy(request), _known_models(request))
+    view = _key_view(record, time.time())
+    return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"}, status=201)
+
+
+async def keys_list(request: web.Request) -> web.StreamResponse:
+    directory = _directory(request)
+    policy = _policy(request)
+    tenant = request.query.get("tenant")
+    include_revoked = request.query.get("include_revoked") in ("1", "true", "yes")
+    now_s = time.time()
+    rows = [
+        _file_key_view(k.id, k.tenant, k.models, k.priority, k.disabled)
+        for k in policy.config.keys
+        if tenant is None or k.tenant == tenant
+    ]
+    for record in directory.keys.values():
+        if tenant is not None and record.tenant != tenant:
+            continue
+        if record.revoked_at_unix_s is not None and not include_revoked:
+            continue
+        rows.append(_key_view(record, now_s, directory.last_use_of(record.id)))
+    return json_reply({"object": "list", "data": rows})
+
+
+async def keys_show(request: web.Request) -> web.StreamResponse:
+    key_id = request.match_info["key_id"]
+    directory = _directory(request)
+    policy = _policy(request)
+    record = directory.keys.get(key_id)
+    if record is not None:
+        view = _key_view(record, time.time(), directory.last_use_of(key_id))
+        principal = directory.principal(key_id, policy)
+    else:
+        file_key = next((k for k in policy.config.keys if k.id == key_id), None)
+        if file_key is None:
+            return admin_error(404, f"no key {key_id!r}", "id")
+        view = _file_key_view(file_key.id, file_key.tenant, file_key.models, file_key.priority, file_key.disabled)
+        principal = policy.file_principal(key_id)
+    if principal is not None and view.get("status") == "active":
+        view["standing"] = await _standing(request, policy, principal)
+    return json_reply(view)
+
+
+async def keys_patch(request: web.Request) -> web.StreamResponse:
+    key_id = request.match_info["key_id"]
+    if _is_file_key(request, key_id):
+        return admin_error(409, f"key {key_id!r} is defined in policies.yaml: change it there", "id")
+    record = await _directory(request).patch_key(key_id, await _body(request), _policy(request), _known_models(request))
+    return json_reply(_key_view(record, time.time(), _directory(request).last_use_of(key_id)))
+
+
+async def keys_revoke(request: web.Request) -> web.StreamResponse:
+    key_id = request.match_info["key_id"]
+    if _is_file_key(request, key_id):
+        return admin_error(
+            409, f"key {key_id!r} is defined in policies.yaml: remove it there (or set disabled: true)", "id"
+        )
+    record = await _directory(request).revoke_key(key_id)
+    return json_reply({"id": key_id, "revoked": True, "key": _key_view(record, time.time())})
+
+
+async def keys_rotate(request: web.Request) -> web.StreamResponse:
+    key_id = request.match_info["key_id"]
+    if _is_file_key(request, key_id):
+        return admin_error(409, f"key {key_id!r} is defined in policies.yaml: rotate it there", "id")
+    record, secret = await _directory(request).rotate_key(key_id, await _body(request))
+    view = _key_view(record, time.time())
+    return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"})
+
+
+def _is_file_key(request: web.Request, key_id: str) -> bool:
+    return any(k.id == key_id for k in _policy(request).config.keys)
+
+
+def _file_key_view(
+    key_id: str, tenant: str, models: list[str] | None, priority: str | None, disabled: bool
+) -> dict[str, Any]:
+    return {
+        "id": key_id,
+        "source": "file",
+        "tenant": tenant,
+        "status": "disabled" if disabled else "active",
+        "models": models,
+        "priority": priority,
+        "limits": {},
+        "metadata": {},
+    }
+
+
+# ---------------------------------------------------------------------- tenants
+async def tenants_create(request: web.Request) -> web.StreamResponse:
+    record = await _directory(request).create_tenant(await _body(request), _policy(request), _known_models(request))
+    return json_reply(_tenant_view(record), status=201)
+
+
+async def tenants_list(request: web.Request) -> web.StreamResponse:
+    policy = _policy(request)
+    rows = [_file_tenant_view(name, policy) for name in policy.config.tenants]
+    rows += [_tenant_view(record) for record in _directory(request).tenants.values()]
+    return json_reply({"object": "list", "data": rows})
+
+
+async def tenants_show(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    policy = _policy(request)
+    directory = _directory(request)
+    if name in policy.config.tenants:
+        view = _file_tenant_view(name, policy)
+    elif name in directory.tenants:
+        view = _tenant_view(directory.tenants[name])
+    else:
+        return admin_error(404, f"no tenant {name!r}", "name")
+    view["keys"] = sorted(
+        [k.id for k in policy.config.keys if k.tenant == name]
+        + [r.id for r in directory.keys.values() if r.tenant == name and r.revoked_at_unix_s is None]
+    )
+    return json_reply(view)
+
+
+async def tenants_patch(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name in _policy(request).config.tenants:
+        return admin_error(409, f"tenant {name!r} is defined in policies.yaml: change it there", "name")
+    record = await _directory(request).patch_tenant(
+        name, await _body(request), _policy(request), _known_models(request)
+    )
+    return json_reply(_tenant_view(record))
+
+
+async def tenants_delete(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name in _policy(request).config.tenants:
+        return admin_error(409, f"tenant {name!r} is defined in policies.yaml: remove it there", "name")
+    await _directory(request).delete_tenant(name)
+    return json_reply({"name": name, "deleted": True})
+
+
+def _file_tenant_view(name: str, policy: Policy) -> dict[str, Any]:
+    tenant = policy.config.tenants[name]
+    return {
+        "name": name,
+        "source": "file",
+        "models": tenant.models,
+        "priority": tenant.priority,
+        "allow_fallback": tenant.allow_fallback,
+        "slo_class": tenant.slo_class,
+        "limits": {},
+        "metadata": {},
+    }
+
+
+# ---------------------------------------------------------------------- the caller's own standing
+async def _standing(request: web.Request, policy: Policy, principal: Principal) -> dict[str, Any]:
+    admission = request.app[appkeys.ADMISSION]
+    models = request.app[appkeys.FLEET].models
+    return await standing(admission.store, policy, principal, models)  # type: ignore[arg-type]
+
+
+async def own_key(request: web.Request) -> web.StreamResponse:
+    """The calling key's limits, remaining in each bucket, spend this day and month, budget left."""
+    policy = request.app[appkeys.POLICIES].current
+    try:
+        principal = authenticate(request, policy)
+    except GatewayError as error:
+        return error_response(error)
+    data: dict[str, Any] = {
+        "key_id": principal.key_id,
+        "tenant": principal.tenant,
+        "source": principal.source,
+        "models": sorted(principal.allowed_models) if principal.allowed_models is not None else None,
+        "priority": next((n for n, v in PRIORITY_VALUES.items() if v == principal.priority), str(principal.priority)),
+    }
+    directory = request.app[appkeys.DIRECTORY]
+    record = directory.keys.get(principal.key_id) if principal.source == "api" else None
+    if record is not None:
+        data["expires_at"] = _key_view(record, time.time()).get("expires_at")
+        data["hint"] = record.hint
+    data.update(await _standing(request, policy, principal))
+    return json_reply({"data": data})
+
+
+def key_routes() -> list[tuple[str, str, Handler]]:
+    """Admin routes (guarded by the admin token where they are mounted)."""
+    routes: list[tuple[str, str, Handler]] = [
+        ("POST", "/admin/keys", keys_create),
+        ("GET", "/admin/keys", keys_list),
+        ("GET", "/admin/keys/{key_id}", keys_show),
+        ("PATCH", "/admin/keys/{key_id}", keys_patch),
+        ("DELETE", "/admin/keys/{key_id}", keys_revoke),
+        ("POST", "/admin/keys/{key_id}/rotate", keys_rotate),
+        ("POST", "/admin/tenants", tenants_create),
+        ("GET", "/admin/tenants", tenants_list),
+        ("GET", "/admin/tenants/{name}", tenants_show),
+        ("PATCH", "/admin/tenants/{name}", tenants_patch),
+        ("DELETE", "/admin/tenants/{name}", tenants_delete),
+    ]
+    return [(method, path, _guarded(handler)) for method, path, handler in routes]

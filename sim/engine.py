@@ -1,0 +1,410 @@
+"""One simulated engine: the step loop that turns schedules into simulated time and visible tokens.
+
+Loop: schedule a step (scheduler.py), price it (roofline.py), sleep until its simulated end is
+due (clock.py), then reveal its tokens, update metrics, publish KV events and call the `notify` of
+the requests that changed (a stream's notify writes its new tokens to the socket, sse.py; the others
+wake their handler once finished). Tokens therefore appear only when their step ends, and TTFT, TPOT
+and queueing come out of the schedule rather than a per-request formula.
+
+When the host falls behind real time, a step's end is already due when it is priced: the loop then
+ends it at once and runs on (for up to `BURST_S` of real time before yielding to the other engines
+and the HTTP side), telling each request once for all those steps: one socket write carries several
+steps' tokens, which is what lets an overloaded process catch up. First tokens are never held back.
+
+PD (NixlConnector semantics): a prefill leg (`do_remote_decode`) finishes after its one token and
+keeps its blocks pinned for `kv_lease_s`; a decode leg (`do_remote_prefill`) reserves blocks for
+the prompt, asks the prefill instance (HTTP ``POST /internal/kv_pull`` at remote_host:remote_port)
+to hand over the pinned KV, waits bytes / link bandwidth in simulated time, then decodes with the
+prompt counted as cached. If the prefill instance does not know the request (unknown, expired,
+unreachable), the decode leg recomputes the prompt (``kv_load_failure_policy: recompute``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from backends.perf import roofline
+from sim import text_gen
+from sim.clock import MIN_SLEEP_S, SimClock
+from sim.config import EngineConfig
+from sim.kv_cache import KVCacheManager
+from sim.kv_events import KVEventPublisher
+from sim.metrics import EngineMetrics
+from sim.request import Request, Status, new_id
+from sim.scheduler import Scheduler
+from sim.sleep import SleepMode
+
+log = logging.getLogger("tokenway.sim")
+
+# Real seconds the loop may spend ending overdue steps back to back (when behind real time) before
+# it hands their tokens to the streams and lets the other engines and the HTTP side run.
+BURST_S = 0.001
+
+
+class SimEngine:
+    def __init__(self, config: EngineConfig, instance_index: int = 0) -> None:
+        self.config = config
+        self.preset = config.preset
+        self.instance_index = instance_index
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s)
+        self.clock = SimClock(config.time_scale)
+        self.step_time = roofline.StepTimer(self.preset)
+        self.metrics = EngineMetrics(config)
+        self.publisher: KVEventPublisher | None = None
+        self.advertised_host = "127.0.0.1"
+        self.advertised_port = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._pull_tasks: set[asyncio.Task[None]] = set()
+        self._last_arrival_s = 0.0
+        self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
+        self.steps = 0
+        self.metrics.state_source = self._state
+        # Asleep (sleep.py): the loop runs no step; queued requests wait for the wake-up.
+        self.paused = False
+        self._drained = asyncio.Event()  # set whenever the loop finds nothing to run
+        self.sleep_mode = SleepMode(self)
+        self.metrics.sleep_level_source = self.sleep_mode.state_level
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.kv_events is not None:
+            self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size, self.instance_index)
+        self.kv.pool.record_events = self.publisher is not None
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+        self._task.add_done_callback(self._engine_died)
+
+    @property
+    def alive(self) -> bool:
+        """False once the step loop has stopped (vLLM's /health then answers 503)."""
+        return self._task is not None and not self._task.done()
+
+    @staticmethod
+    def _engine_died(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("simulated engine loop died", exc_info=task.exception())
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._pull_tasks]:
+            if task is not None:
+                task.cancel()
+        for task in [self._task, *self._pull_tasks]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._session is not None:
+            await self._session.close()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def create_request(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        pooling: bool = False,
+    ) -> Request:
+        """Plan a request's output (deterministic ids and length) and stamp its arrival. A pooling
+        request (an embedding) only runs its prompt through the model."""
+        arrival = self.clock.now()
+        self._last_arrival_s = max(self._last_arrival_s, arrival)
+        if pooling:
+            return Request(
+                request_id=request_id or new_id(),
+                prompt_ids=prompt_ids,
+                output_ids=[],
+                stop_reason_at_end="stop",
+                arrival_s=arrival,
+                max_tokens=0,
+                cache_salt=cache_salt,
+                pooling=True,
+            )
+        limit = self.config.max_model_len - len(prompt_ids)
+        budget = limit if max_tokens is None else min(max_tokens, limit)
+        rng = text_gen.request_rng(prompt_ids, self.config.seed)
+        if ignore_eos:
+            length, reason = budget, "length"
+        else:
+            natural = max(text_gen.natural_length(rng, self.config.output_len_mean), min_tokens)
+            length, reason = (natural, "stop") if natural < budget else (budget, "length")
+        params = kv_transfer_params or {}
+        remote_decode = bool(params.get("do_remote_decode"))
+        remote_prefill = params if params.get("do_remote_prefill") else None
+        return Request(
+            request_id=request_id or new_id(),
+            prompt_ids=prompt_ids,
+            output_ids=text_gen.generate_ids(rng, max(1, length)),
+            stop_reason_at_end=reason,
+            arrival_s=arrival,
+            max_tokens=budget,
+            cache_salt=cache_salt,
+            remote_prefill=remote_prefill,
+            remote_decode=remote_decode,
+        )
+
+    def submit(self, req: Request) -> None:
+        """Queue the request; it reaches the scheduler after the preset's frontend latency (the API
+        server's share of TTFT: parsing, tokenising, the hop to the engine core)."""
+        delay = self.preset.efficiency.frontend_s
+        if delay <= 0:
+            self._enqueue(req)
+            return
+        self._last_arrival_s = max(self._last_arrival_s, req.arrival_s + delay)
+        asyncio.get_running_loop().call_later(delay / self.config.time_scale, self._enqueue, req)
+
+    def _enqueue(self, req: Request) -> None:
+        if req.finished:  # aborted while still in the frontend
+            return
+        self.scheduler.add(req)
+        self._wakeup.set()
+
+    def abort(self, req: Request) -> None:
+        """The client went away: free the request now and count it as aborted."""
+        if self.scheduler.abort(req, self.clock.now()):
+            self._record(0)
+
+    def kv_transfer_params(self, req: Request) -> dict[str, Any]:
+        """What a prefill leg returns for its decode leg (vLLM NixlConnector.request_finished)."""
+        extra = self.config.kv_transfer or {}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(req.blocks)],
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": req.request_id,
+            "remote_host": self.advertised_host,
+            "remote_port": self.advertised_port,
+            "remote_num_tokens": req.num_prompt,
+            "remote_blocks_expiry_time": (req.finished_s or 0.0) + self.config.kv_lease_s,
+            "tp_size": self.preset.tp,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "transfer_mode": "read",
+            "kv_role": extra.get("kv_role", "kv_both"),
+        }
+
+    def release_pin(self, remote_request_id: str, engine_id: str | None) -> Request | None:
+        """Serve a decode instance's pull: the pinned request, now released, or None."""
+        if engine_id not in (None, self.config.engine_id):
+            return None
+        req = self.scheduler.release_pin(remote_request_id, self.clock.now())
+        if req is not None:
+            self._flush_events()
+        return req
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._flush_events()
+        return ok
+
+    # --- sleep mode (sleep.py drives these) ------------------------------------------------------
+
+    def abort_all(self, pulling_only: bool = False) -> int:
+        """Abort every request in the engine (or only the PD decode legs waiting for their KV) and
+        tell their handlers; returns how many."""
+        s = self.scheduler
+        victims = list(s.pulling) if pulling_only else [*s.running, *s.waiting, *s.pulling]
+        now = self.clock.now()
+        for req in victims:
+            s.abort(req, now)
+        self._record(0)
+        for req in victims:
+            if req.notify is not None:
+                req.notify()
+        return len(victims)
+
+    async def wait_drained(self) -> None:
+        """Return once no request is running, queued or fetching KV."""
+        s = self.scheduler
+        while s.running or s.waiting or s.pulling or s.pulls_done:
+            self._drained.clear()
+            self._wakeup.set()
+            await self._drained.wait()
+
+    def discard_kv(self) -> bool:
+        """Drop the whole KV cache as sleep does: running requests go back to the queue to be
+        recomputed, PD pins are released, every cached block is forgotten (AllBlocksCleared)."""
+        self.scheduler.requeue_running()
+        self.scheduler.drop_pins()
+        self._record(0)
+        return self.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wakeup.set()
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        scheduler = self.scheduler
+        clock = self.clock
+        step_time = self.step_time
+        pool = self.kv.pool
+        record_step = self.metrics.record_step
+        monotonic = time.monotonic
+        # Requests changed by steps whose handlers have not been told yet (insertion-ordered set).
+        pending: dict[Request, None] = {}
+        burst_end = 0.0
+        while True:
+            now = clock.next_start()
+            if clock.idle:
+                now = max(now, self._last_arrival_s)  # woken by an arrival: start at it
+            has_work = not self.paused and (scheduler.running or scheduler.waiting or scheduler.pulls_done)
+            step = scheduler.schedule(now) if has_work else None
+            prefills = step.prefills if step is not None else None
+            decodes = step.decodes if step is not None else None
+            if step is not None and not prefills and not decodes:
+                for req in step.started_pulls:
+                    self._start_pull(req, now)
+                if step.preempted or step.started_pulls:
+                    self._notify(pending)
+                    await asyncio.sleep(0)  # admission resumes on the next pass
+                    continue
+            if not prefills and not decodes:
+                self._notify(pending)
+                scheduler.expire_pins(clock.now())
+                self._flush_events()
+                landing = scheduler.next_pull_s()
+                if landing is not None and not self._http_pulls and landing - now < 1.0:
+                    # A transfer lands shortly: wait for it as an empty step, so it lands on time.
+                    clock.begin_step(max(0.0, landing - now), start_s=now)
+                    await clock.sleep_step()
+                    continue
+                clock.go_idle()
+                self._drained.set()
+                await self._idle_wait()
+                continue
+            assert step is not None and decodes is not None
+            for req in step.started_pulls:
+                self._start_pull(req, now)
+            num_decodes = len(decodes)
+            step_tokens = num_decodes
+            if prefills:
+                chunks = [(n, ctx) for _, n, ctx in prefills]
+                step_tokens += sum([n for n, _ in chunks])
+            else:
+                chunks = []
+            _start, end = clock.begin_step(step_time(chunks, num_decodes, step.decode_context_sum), start_s=now)
+            delay = clock.step_delay()
+            if delay > MIN_SLEEP_S:
+                self._notify(pending)
+                await asyncio.sleep(delay)
+                burst_end = monotonic() + BURST_S
+            elif monotonic() >= burst_end:
+                self._notify(pending)
+                await asyncio.sleep(0)
+                burst_end = monotonic() + BURST_S
+            # else: behind real time, this step is overdue already: end it now, tell its requests
+            # together with the next ones (one write per stream for several steps' tokens).
+            changed = scheduler.complete_step(step, end)
+            self.steps += 1
+            stats = scheduler.stats
+            record_step(stats, step_tokens)
+            stats.clear()
+            if pool.events:
+                self._flush_events()
+            for req in changed:
+                if req.num_output > 1:
+                    pending[req] = None
+                elif req.notify is not None:  # a first token (or an embedding) goes out at once: TTFT
+                    req.notify()
+
+    @staticmethod
+    def _notify(pending: dict[Request, None]) -> None:
+        """Wake (or write for) each request that steps changed since the last call."""
+        if not pending:
+            return
+        for req in pending:
+            notify = req.notify
+            if notify is not None:
+                notify()
+        pending.clear()
+
+    async def _idle_wait(self) -> None:
+        self._wakeup.clear()
+        timers = [t for t in (self.scheduler.next_pull_s(), self._next_pin_expiry()) if t is not None]
+        timeout = self.clock.real_delay(min(timers)) if timers else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _next_pin_expiry(self) -> float | None:
+        return min((expiry for _, expiry in self.scheduler.pinned.values()), default=None)
+
+    def _record(self, step_tokens: int) -> None:
+        """Fold the scheduler's counts since the last call into the metrics."""
+        stats = self.scheduler.stats
+        self.metrics.record_step(stats, step_tokens)
+        stats.clear()
+
+    def _flush_events(self) -> None:
+        events = self.kv.pool.drain_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+    def _state(self) -> tuple[int, int, float]:
+        """(running, waiting, KV usage) as the gauges report them, read when /metrics is scraped."""
+        s = self.scheduler
+        return len(s.running), s.num_waiting, self.kv.usage
+
+    # --- PD pulls --------------------------------------------------------------------------------
+
+    def _start_pull(self, req: Request, now_s: float) -> None:
+        self._http_pulls += 1  # counted now: the loop must not wait for a landing it cannot know
+        task = asyncio.get_running_loop().create_task(self._pull(req, now_s))
+        self._pull_tasks.add(task)
+        task.add_done_callback(self._pull_tasks.discard)
+
+    async def _pull(self, req: Request, started_s: float) -> None:
+        params = req.remote_prefill or {}
+        try:
+            tokens = await self._fetch_remote_kv(params)
+        finally:
+            self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
+        ok = tokens > 0 and req.status is Status.PULLING
+        transfer_s = (
+            roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self.config.kv_transfer_bandwidth)
+            if ok
+            else 0.0
+        )
+        done_s = started_s + transfer_s if ok else self.clock.now()
+        req.kv_pull_s = done_s - started_s
+        self.scheduler.finish_pull(req, done_s, ok)
+        self._wakeup.set()
+
+    async def _fetch_remote_kv(self, params: dict[str, Any]) -> int:
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port or not params.get("remote_request_id"):
+            return 0
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        url = f"http://{host}:{port}/internal/kv_pull"
+        body = {
+            "remote_request_id": params["remote_request_id"],
+            "remote_engine_id": params.get("remote_engine_id"),
+            "remote_block_ids": params.get("remote_block_ids"),
+        }
+        try:
+            async with self._session.post(url, json=body) as resp:
+                if resp.status != 200:
+                    return 0
+                data = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.info("kv pull from %s failed (%s); recomputing", url, exc)
+            return 0
+        return int(data.get("num_tokens", 0))

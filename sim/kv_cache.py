@@ -1,0 +1,263 @@
+"""Paged KV cache with prefix caching, as vLLM V1's block pool and KV cache manager keep it.
+
+- The pool has `num_blocks` blocks of `block_size` token slots. A request holds a list of block ids.
+- A block becomes *cached* once all its slots hold known tokens: it gets a content hash chained over
+  the blocks before it, and a later request whose prompt hashes the same reuses it (prefix hit).
+- Freed blocks keep their hash and go to the tail of a free queue; allocation takes from the head and
+  evicts (un-hashes) what it takes. So freed blocks stay cached until evicted, least recently freed
+  first, and a request's tail blocks are freed ahead of its head (vLLM frees in reverse order).
+- Usage = 1 - free/total, evictable cached blocks counting as free (`vllm:kv_cache_usage_perc`).
+
+Hashes: `backends/block_hash.py` (shared with the router, which reproduces them from requests).
+
+Every store, eviction and reset is recorded as a `KVEvent` for the KV-event publisher to drain.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from backends.block_hash import NONE_HASH, chain_hashes
+
+if TYPE_CHECKING:
+    from sim.request import Request
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """Tokens start..end of the request's prompt followed by its (planned) output."""
+    prompt = req.prompt_ids
+    split = len(prompt)
+    if end <= split:
+        return prompt[start:end]
+    if start >= split:
+        return req.output_ids[start - split : end - split]
+    return prompt[start:] + req.output_ids[: end - split]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """One cache change: kind is "stored", "removed" or "cleared"."""
+
+    kind: str
+    block_hashes: tuple[int, ...] = ()
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    # vLLM's per-block extra keys of a stored run: the first block of a salted prompt carries the
+    # request's `cache_salt` (as vLLM's do), so an index re-hashing the tokens can salt them alike
+    extra_keys: tuple[tuple[str, ...] | None, ...] | None = None
+
+
+class BlockPool:
+    """Block ids, reference counts, the free (eviction) queue and the hash → block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.events: list[KVEvent] = []
+        self.record_events = True  # False: nobody publishes them (stores and evictions still happen)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks if self.num_blocks else 0.0
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference on cached blocks a request reuses (out of the free queue if idle)."""
+        for block in blocks:
+            if self.ref_cnt[block] == 0:
+                del self.free[block]
+            self.ref_cnt[block] += 1
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` fresh blocks from the head of the free queue, evicting their old hashes."""
+        if count > len(self.free):
+            return None
+        blocks: list[int] = []
+        removed: list[int] = []
+        popitem = self.free.popitem
+        block_hash, cached, ref_cnt = self.block_hash, self.cached, self.ref_cnt
+        for _ in range(count):
+            block, _none = popitem(last=False)
+            old = block_hash[block]
+            if old is not None:
+                block_hash[block] = None
+                if cached.get(old) == block:
+                    del cached[old]
+                    removed.append(old)
+            ref_cnt[block] = 1
+            blocks.append(block)
+        if removed and self.record_events:
+            self.events.extend(KVEvent("removed", (h,)) for h in removed)
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference per block; idle blocks join the free queue's tail, last block first."""
+        ref_cnt, free = self.ref_cnt, self.free
+        for block in reversed(blocks):
+            count = ref_cnt[block] - 1
+            ref_cnt[block] = count
+            if count == 0:
+                free[block] = None
+
+    def store(self, block: int, block_hash: int) -> bool:
+        """Record a full block under its hash; False when another block already holds that content."""
+        if block_hash in self.cached:
+            return False
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def reset(self) -> bool:
+        """Forget every hash (vLLM's reset_prefix_cache); refused while any block is in use."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.block_hash = [None] * self.num_blocks
+        self.cached.clear()
+        self.events.append(KVEvent("cleared"))
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+
+class KVCacheManager:
+    """Per-request block bookkeeping on top of a `BlockPool` (vLLM's KVCacheManager, one group)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def _ensure_hashes(self, req: Request, num_blocks: int) -> None:
+        hashes = req.block_hashes
+        if len(hashes) >= num_blocks:
+            return
+        bs = self.block_size
+        first = len(hashes) * bs
+        parent = hashes[-1] if hashes else NONE_HASH
+        chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, req.cache_salt if first == 0 else None)
+
+    def computed_blocks(self, req: Request) -> list[int]:
+        """Longest run of cached blocks matching the request's tokens, leaving at least the last token
+        to compute (vLLM recomputes it to get logits)."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._ensure_hashes(req, max_blocks)
+        hits: list[int] = []
+        lookup = self.pool.cached.get
+        for block_hash in req.block_hashes[:max_blocks]:
+            block = lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed: Sequence[int] = (),
+        store: bool = True,
+    ) -> bool:
+        """Give `req` room for `num_new_tokens` more tokens after its computed ones (and after any
+        newly reused cached blocks); False, changing nothing, when the pool cannot.
+
+        Blocks that the known tokens fill are cached right away (vLLM caches at allocation), unless
+        `store` is False: KV still to arrive from a remote prefill must not be matched before it lands.
+        """
+        bs = self.block_size
+        if not new_computed:
+            total = req.num_computed + num_new_tokens
+            if total <= len(req.blocks) * bs:  # fits in the blocks it holds (most decode steps)
+                if store and self.enable_caching:
+                    known = min(total, req.num_prompt + req.num_output)
+                    if known // bs > req.num_stored_blocks:
+                        self.store_full_blocks(req, known)
+                return True
+        total = req.num_computed + len(new_computed) * bs + num_new_tokens
+        needed = -(-total // bs) - len(req.blocks) - len(new_computed)
+        idle_reused = sum(1 for b in new_computed if self.pool.ref_cnt[b] == 0)
+        if max(needed, 0) + idle_reused > self.pool.num_free:
+            return False
+        if new_computed:
+            self.pool.touch(new_computed)
+            req.blocks.extend(new_computed)
+            req.num_stored_blocks = len(req.blocks)
+        if needed > 0:
+            fresh = self.pool.allocate(needed)
+            assert fresh is not None
+            req.blocks.extend(fresh)
+        if store:
+            self.store_full_blocks(req, min(total, req.num_tokens))
+        return True
+
+    def store_full_blocks(self, req: Request, num_known_tokens: int) -> None:
+        """Hash and cache the request's blocks that `num_known_tokens` fill, as one stored event."""
+        if not self.enable_caching:
+            return
+        full = min(num_known_tokens // self.block_size, len(req.blocks))
+        first = req.num_stored_blocks
+        if full <= first:
+            return
+        self._ensure_hashes(req, full)
+        pool = self.pool
+        blocks, hashes = req.blocks, req.block_hashes
+        if not pool.record_events:
+            cached, block_hash = pool.cached, pool.block_hash
+            for index in range(first, full):  # BlockPool.store, inlined
+                digest = hashes[index]
+                if digest not in cached:
+                    block_hash[blocks[index]] = digest
+                    cached[digest] = blocks[index]
+            req.num_stored_blocks = full
+            return
+        bs = self.block_size
+        run_start = first
+        for index in range(first, full + 1):
+            stored = index < full and pool.store(blocks[index], hashes[index])
+            if stored:
+                continue
+            if index > run_start:  # one event per contiguous run of newly cached blocks
+                parent = hashes[run_start - 1] if run_start else None
+                extra: tuple[tuple[str, ...] | None, ...] | None = None
+                if run_start == 0 and req.cache_salt:
+                    extra = ((req.cache_salt,), *([None] * (index - 1)))
+                pool.events.append(
+                    KVEvent(
+                        "stored",
+                        tuple(hashes[run_start:index]),
+                        parent,
+                        tuple(_tokens(req, run_start * bs, index * bs)),
+                        extra,
+                    )
+                )
+            run_start = index + 1
+        req.num_stored_blocks = full
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks (they stay cached until evicted)."""
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.num_stored_blocks = 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset()

@@ -1,0 +1,1 @@
+"""Tests of the simulated engine (sim)."""
