@@ -8,12 +8,16 @@ fallback.
 
 from __future__ import annotations
 
+import difflib
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from backends.autoscale.config import AutoscaleConfig, ShareConfig
 from backends.discovery.config import DiscoveryConfig
+from backends.perf.capacity import batch_defaults, num_gpu_blocks
+from backends.perf.presets import DEFAULT_PRESET, UnknownPresetError, preset_names, resolve_preset
 from backends.types import Role
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
@@ -39,6 +43,24 @@ DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
 }
 
 
+# The simulator's own default (`--gpu-memory-utilization`, as vLLM's) and the flags that size it
+# differently from the pool's fields: with one of those in `extra_args`, the engine has the last word.
+_SIM_GPU_MEMORY_UTILIZATION = 0.92
+_SIM_SIZING_FLAGS = frozenset(
+    {
+        "--preset",
+        "-tp",
+        "--tensor-parallel-size",
+        "--gpu-memory-utilization",
+        "--num-gpu-blocks-override",
+        "--max-model-len",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+    }
+)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -47,9 +69,14 @@ class StaticEndpointConfig(_Strict):
     """An endpoint the gateway does not launch."""
 
     url: str = Field(description="base URL without /v1, e.g. http://10.0.0.5:8000")
-    role: Role = Role.BOTH
-    api_key: str | None = None
-    kv_events_endpoint: str | None = None
+    role: Role = Field(default=Role.BOTH, description="both, or prefill / decode in a disaggregated pool")
+    api_key: str | None = Field(
+        default=None, description="bearer key sent to this endpoint (use ${ENV}); default: the pool's"
+    )
+    kv_events_endpoint: str | None = Field(
+        default=None,
+        description="the engine's ZMQ KV-event socket (tcp://host:port): the precise prefix index follows it",
+    )
     kv_events_replay_endpoint: str | None = Field(
         default=None, description="the engine's KV-event replay socket: gaps and late subscriptions repair"
     )
@@ -66,16 +93,25 @@ class StaticEndpointConfig(_Strict):
 
 
 class KvEventsConfig(_Strict):
-    enabled: bool = False
+    enabled: bool = Field(
+        default=False,
+        description="launched engines publish their KV-cache events (the precise prefix index reads them)",
+    )
     port_base: int | None = Field(default=None, description="first ZMQ port; one per replica; auto if null")
-    topic: str = "kv-events"
+    topic: str = Field(default="kv-events", description="ZMQ topic of the events")
     replay: bool = Field(default=True, description="a replay socket per replica, so subscribers can catch up")
 
 
 class PoolConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="unique name of the pool (metrics, logs, routing.pools and flow_control.pools keys)",
+    )
     model: str = Field(description="public model name clients send")
-    engine: EngineKind = "sim"
+    engine: EngineKind = Field(
+        default="sim",
+        description="what serves the pool: sim (simulated), vllm, trtllm, vllm-ascend, or openai (a remote API)",
+    )
     engine_model: str | None = Field(default=None, description="what the engine loads (HF id / path)")
     served_model_name: str | None = Field(default=None, description="name in upstream request bodies")
     engine_bin: list[str] | None = Field(default=None, description="overrides the engine executable")
@@ -83,17 +119,25 @@ class PoolConfig(_Strict):
     roles: dict[Literal["prefill", "decode"], int] | None = Field(
         default=None, description="launched replicas per PD role (instead of `replicas`)"
     )
-    endpoints: list[StaticEndpointConfig] = Field(default_factory=list)
+    endpoints: list[StaticEndpointConfig] = Field(
+        default_factory=list, description="endpoints the gateway does not launch (remote engines, hosted APIs)"
+    )
     discovery: DiscoveryConfig | None = Field(
         default=None, description="endpoints found at run time (Kubernetes EndpointSlices), see backends/discovery"
     )
     # launch spec
-    host: str = "127.0.0.1"
-    port_base: int | None = None
-    devices: list[int] | Literal["auto"] | None = None
-    tensor_parallel: int = Field(default=1, ge=1)
-    pipeline_parallel: int = Field(default=1, ge=1)
-    max_model_len: int | None = Field(default=None, ge=16)
+    host: str = Field(default="127.0.0.1", description="address launched replicas listen on")
+    port_base: int | None = Field(
+        default=None, description="first HTTP port of this pool's replicas; default: from backends.port_base"
+    )
+    devices: list[int] | Literal["auto"] | None = Field(
+        default=None, description="accelerators this pool's replicas may use; auto: from the host's budget"
+    )
+    tensor_parallel: int = Field(default=1, ge=1, description="accelerators per replica (tensor parallel size)")
+    pipeline_parallel: int = Field(default=1, ge=1, description="pipeline stages per replica")
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="context length the engine is started with; default: the model's"
+    )
     gpu_memory_utilization: float | None = Field(
         default=None, gt=0, le=1, description="passed only when set (vLLM: of total memory; TRT-LLM: of free)"
     )
@@ -105,17 +149,29 @@ class PoolConfig(_Strict):
         description="directory (or tokenizer.json) of the model's tokenizer and chat template; default: "
         "`engine_model` when it is a local directory. Also passed to the engine as its tokenizer",
     )
-    enable_prefix_caching: bool = True
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    enable_prefix_caching: bool = Field(
+        default=True, description="engines reuse cached prefixes (prefix-aware routing needs it)"
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine batch limit (requests running at once); also read by flow control's reserve",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="engine token budget per step; default: the engine's"
+    )
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     kv_transfer: dict[str, object] | None = Field(default=None, description="engine KV-transfer config for PD")
-    lora_modules: dict[str, str] = Field(default_factory=dict)
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters the engine loads: name -> path"
+    )
     api_key: str | None = Field(default=None, description="upstream key (use ${ENV} in YAML)")
-    env: dict[str, str] = Field(default_factory=dict)
-    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines")
+    extra_args: list[str] = Field(default_factory=list, description="extra command-line flags of launched engines")
     ready_timeout_s: float = Field(default=1200.0, gt=0, description="startup deadline; default per engine")
-    drain_timeout_s: float = Field(default=30.0, ge=0)
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="a stopping replica finishes its requests within this"
+    )
     preset: str | None = Field(default=None, description="model@hardware for the sim and the latency prior")
     priority_scheduling: bool = Field(
         default=True,
@@ -139,6 +195,20 @@ class PoolConfig(_Strict):
         description="continue a stream on another replica when its own dies or is stopped mid-stream "
         "(default: on for launched pools)",
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """The simulator and the latency prior both resolve the preset when the pool starts: a name
+        they refuse is a configuration error here, at load and in `tokenway check`, not at start-up."""
+        if value is None:
+            return value
+        try:
+            resolve_preset(value, info.data.get("tensor_parallel"))
+        except UnknownPresetError as exc:
+            close = difflib.get_close_matches(value.lower(), preset_names(), n=1, cutoff=0.6)
+            raise ValueError(f"{exc}" + (f"; did you mean {close[0]!r}?" if close else "")) from None
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -169,7 +239,37 @@ class PoolConfig(_Strict):
             raise ValueError(
                 "a pool needs launched replicas (`replicas`/`roles`, or `autoscale`), static `endpoints` or `discovery`"
             )
+        self._check_simulated()
         return self
+
+    def _check_simulated(self) -> None:
+        """A launched simulated engine refuses to start where vLLM would (the model does not fit the
+        devices, `max_model_len` is over what the KV cache holds); the same performance model says so
+        here, at load and in `tokenway check`, instead of a replica that never becomes ready."""
+        if self.engine != "sim" or (not self.launched_replicas and self.autoscale is None):
+            return
+        if any(arg.split("=", 1)[0] in _SIM_SIZING_FLAGS for arg in self.extra_args):
+            return  # sized by its own flags: the engine itself reports
+        name = self.preset or self.env.get("TOKENWAY_SIM_PRESET") or os.environ.get("TOKENWAY_SIM_PRESET")
+        preset = resolve_preset(name or DEFAULT_PRESET, self.tensor_parallel)
+        default_seqs, default_tokens = batch_defaults(preset)
+        block_size = self.block_size or DEFAULT_BLOCK_SIZE_BY_ENGINE["sim"] or 16
+        try:
+            blocks = num_gpu_blocks(
+                preset,
+                block_size,
+                self.gpu_memory_utilization or _SIM_GPU_MEMORY_UTILIZATION,
+                self.max_num_batched_tokens or default_tokens,
+                self.max_num_seqs or default_seqs,
+            )
+        except ValueError as exc:
+            raise ValueError(f"the simulated engine would refuse to start: {exc}") from None
+        capacity = blocks * block_size
+        if self.max_model_len is not None and self.max_model_len > capacity:
+            raise ValueError(
+                f"the simulated engine would refuse to start: max_model_len {self.max_model_len} is larger than "
+                f"the KV cache of {preset.name} holds ({capacity} tokens)"
+            )
 
     def _check_autoscale(self, autoscale: AutoscaleConfig) -> None:
         if self.engine == "openai":
@@ -244,7 +344,7 @@ class EjectionSettings(_Strict):
 
     consecutive_failures: int = Field(default=3, ge=1, description="failures in a row that eject")
     cooldown_s: float = Field(default=5.0, gt=0, description="first ejection; doubles per failed probe")
-    max_cooldown_s: float = Field(default=60.0, gt=0)
+    max_cooldown_s: float = Field(default=60.0, gt=0, description="the ejection cooldown stops doubling here")
     max_ejection_percent: float = Field(
         default=50.0,
         ge=0,
@@ -278,16 +378,20 @@ class BackendsSettings(_Strict):
         default="0", description="PYTHONHASHSEED of vLLM engines: identical prefix hashes on every replica"
     )
     scrape_interval_s: float = Field(default=0.25, gt=0, description="metrics polling per endpoint")
-    scrape_timeout_s: float = Field(default=1.0, gt=0)
+    scrape_timeout_s: float = Field(
+        default=1.0, gt=0, description="one metrics scrape; a slower engine keeps its last stats"
+    )
     stats_max_age_s: float = Field(default=2.0, gt=0, description="older stats count as saturated")
     health_interval_s: float = Field(default=1.0, gt=0, description="active checks of local engines")
     remote_health_interval_s: float = Field(default=30.0, gt=0, description="active checks of remote APIs")
-    health_timeout_s: float = Field(default=2.0, gt=0)
+    health_timeout_s: float = Field(default=2.0, gt=0, description="one health check; slower counts as a failure")
     ready_poll_interval_s: float = Field(default=1.0, gt=0, description="/health polling while starting")
     restart_backoff_s: float = Field(default=1.0, ge=0, description="first restart delay; doubles per crash")
-    restart_backoff_max_s: float = Field(default=60.0, ge=0)
+    restart_backoff_max_s: float = Field(default=60.0, ge=0, description="the restart delay stops doubling here")
     crash_loop_restarts: int = Field(default=5, ge=1, description="exits within the window = crash loop")
-    crash_loop_window_s: float = Field(default=300.0, gt=0)
+    crash_loop_window_s: float = Field(
+        default=300.0, gt=0, description="window of crash_loop_restarts; a crash-looping replica is left stopped"
+    )
     term_grace_s: float = Field(default=15.0, ge=0, description="SIGTERM -> SIGKILL")
     log_tail_lines: int = Field(default=30, ge=1, description="log lines shown when a replica fails")
     ejection: EjectionSettings = Field(default_factory=EjectionSettings)

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from backends.errors import PlanError
+from backends.types import PlanError
 
 # Commands that list device indices, one per line / block.
 _LIST_COMMANDS: dict[str, list[str]] = {

@@ -19,22 +19,49 @@ not count: an engine busy serving is alive, however slowly its health route answ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aiohttp
 
+from backends.adapters import get_adapter
 from backends.adapters.base import Probe
-from backends.adapters.registry import get_adapter
 from backends.config import BackendsSettings, EjectionSettings
-from backends.endpoint_tasks import EndpointTasks
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EJECTION = EjectionSettings()
+
+
+class EndpointTasks:
+    """At most one background task per endpoint: the shape shared by health probes and metrics
+    scrapes. Each probe or scrape runs as its own task so a slow endpoint delays no other; an
+    endpoint whose previous task is still running is skipped rather than piled onto."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._running: dict[str, asyncio.Task[Any]] = {}
+
+    def busy(self, endpoint_id: str) -> bool:
+        return endpoint_id in self._running
+
+    def start(self, endpoint_id: str, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(work, name=f"{self.kind} {endpoint_id}")
+        self._running[endpoint_id] = task
+        task.add_done_callback(lambda _task: self._running.pop(endpoint_id, None))
+
+    async def close(self) -> None:
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def report_success(endpoint: Endpoint, now_s: float | None = None) -> None:

@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import aiohttp
 
-from backends.adapters.registry import get_adapter
+from backends import health
+from backends.adapters import get_adapter
 from backends.config import BackendsSettings
-from backends.endpoint_tasks import EndpointTasks
-from backends.errors import MetricsFormatError
 from backends.fleet import Fleet
-from backends.types import Endpoint, EndpointState
+from backends.health import EndpointTasks
+from backends.types import Endpoint, EndpointState, MetricsFormatError
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +104,18 @@ async def run(
             await asyncio.sleep(settings.scrape_interval_s)
     finally:
         await scraper.close()
+
+
+async def watch(
+    fleet: Fleet,
+    session: aiohttp.ClientSession,
+    settings: BackendsSettings,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """The fleet's background watch, as one task to start: active health checks and metrics scraping
+    until cancelled. The gateway creates the upstream `ClientSession` and runs it for its lifetime
+    (cancelling it stops both loops); the relay feeds passive health through
+    `backends.health.report_success` / `report_failure`."""
+    async with asyncio.TaskGroup() as group:
+        group.create_task(health.run(fleet, session, settings, clock), name="backends health")
+        group.create_task(run(fleet, session, settings, clock), name="backends scrape")

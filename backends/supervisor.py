@@ -33,8 +33,7 @@ import aiohttp
 from backends.adapters.base import EngineAdapter, Probe
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
-from backends.plan import PlannedReplica, launch_spec, plan_replicas
-from backends.ports import is_port_free
+from backends.plan import PlannedReplica, is_port_free, launch_spec, plan_replicas
 from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
 from backends.types import Endpoint, EndpointState, EndpointStats
 

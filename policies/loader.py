@@ -8,6 +8,7 @@ variable at load; an unset variable without a default is an error naming its key
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import types
@@ -159,7 +160,9 @@ def _describe(error: Any) -> list[tuple[Loc, str]]:
         return [(loc, "required field is missing")]
     if kind == "extra_forbidden":
         allowed = _fields_at(loc[:-1])
-        hint = f" (expected one of: {', '.join(allowed)})" if allowed else ""
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint += f" (expected one of: {', '.join(allowed)})" if allowed else ""
         return [(loc, f"unknown field{hint}")]
     if kind in ("value_error", "assertion_error"):
         return [(loc, str(error["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, "))]

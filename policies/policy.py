@@ -2,23 +2,35 @@
 
 Compiling once per (re)load keeps per-request work to dictionary lookups. Hot reload swaps the whole
 object atomically (one attribute assignment on the holder), so a request sees one policy end to end.
+`price_usd` is what a request cost under it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from policies.keys.records import KeyRecord, TenantRecord
 from policies.limits.compile import LimitIndex, price_of
 from policies.limits.types import Plan, Price
 from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.slo import Slo
-from policies.types import Principal
+from policies.types import Principal, Usage
 
-if TYPE_CHECKING:  # the directory imports this module (it compiles principals against a Policy)
-    from policies.keys.directory import KeyDirectory
+
+class KeyAuthority(Protocol):
+    """The keys made at run time that a policy consults after its file's: the admin API's
+    `policies.keys.directory.KeyDirectory`. A protocol, not that class: the directory compiles
+    principals against a `Policy`, so importing it here would close an import cycle."""
+
+    @property
+    def keys(self) -> Mapping[str, KeyRecord]: ...
+    @property
+    def tenants(self) -> Mapping[str, TenantRecord]: ...
+    def authenticate(self, digest: bytes, hex_digest: str, policy: Policy) -> Principal | None: ...
 
 
 def hash_key(api_key: str) -> str:
@@ -33,7 +45,7 @@ class _KeyEntry:
 
 
 class Policy:
-    def __init__(self, config: PoliciesConfig, source: str = "<memory>", directory: KeyDirectory | None = None) -> None:
+    def __init__(self, config: PoliciesConfig, source: str = "<memory>", directory: KeyAuthority | None = None) -> None:
         self.config = config
         self.source = source
         self.directory = directory  # keys made through the admin API, consulted after the file's
@@ -156,3 +168,16 @@ class Policy:
     def admission_plan(self, principal: Principal, model: str) -> Plan:
         """Every bucket, lease and budget that applies to `principal` calling `model` (cached)."""
         return self.limits.plan(principal, model)
+
+
+def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False) -> float:
+    """USD cost of `usage` on `model`; 0.0 for a model without a price. A batch line pays the
+    model's batch share of it (`Policy.batch_price_factor`).
+
+    Usage x the model's price table (USD per million tokens, cached input apart). Cached prompt
+    tokens (served from the engine's prefix cache) are billed at `cached_input_per_mtok`, which
+    defaults to the input price. Budgets are charged with this same figure after each request. Batch
+    lines pay a share of it (`batch.price_factor`, or the model's `price.batch_factor`).
+    """
+    cost = policy.price(model).cost_usd(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+    return cost * policy.batch_price_factor(model) if batch else cost

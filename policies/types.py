@@ -65,7 +65,7 @@ class RequestFacts:
 
     `body` is the client's parsed JSON (the one parse of the request); forwarding copies it shallowly.
     `model` is the public model after alias resolution; `requested_model` is what the client sent.
-    `output_reservation` is `policies.reservation.output_reservation` for `model`.
+    `output_reservation` is `policies.estimate.output_reservation` for `model`.
     """
 
     request_id: str

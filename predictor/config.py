@@ -48,16 +48,18 @@ class XGBoostSettings(_Strict):
     point_objective: Literal["reg:squarederror", "reg:absoluteerror", "reg:pseudohubererror"] = Field(
         default="reg:absoluteerror", description="loss of the point estimate (on the log-ratio over the prior)"
     )
-    n_trees: int = Field(default=50, ge=1, le=2000)
+    n_trees: int = Field(
+        default=50, ge=1, le=2000, description="boosting rounds per regressor; predict cost grows with it"
+    )
     max_depth: int = Field(default=5, ge=1, le=8, description="≤ 8: trees are compiled to full heaps")
-    learning_rate: float = Field(default=0.15, gt=0, le=1)
-    subsample: float = Field(default=0.8, gt=0, le=1)
-    colsample_bytree: float = Field(default=0.9, gt=0, le=1)
-    min_child_weight: float = Field(default=5.0, ge=0)
-    reg_lambda: float = Field(default=1.0, ge=0)
-    reg_alpha: float = Field(default=0.0, ge=0)
-    gamma: float = Field(default=0.0, ge=0)
-    max_bin: int = Field(default=128, ge=2)
+    learning_rate: float = Field(default=0.15, gt=0, le=1, description="shrinkage per tree")
+    subsample: float = Field(default=0.8, gt=0, le=1, description="share of samples each tree sees")
+    colsample_bytree: float = Field(default=0.9, gt=0, le=1, description="share of features each tree sees")
+    min_child_weight: float = Field(default=5.0, ge=0, description="smallest leaf (in samples): larger resists noise")
+    reg_lambda: float = Field(default=1.0, ge=0, description="L2 regularisation of leaf weights")
+    reg_alpha: float = Field(default=0.0, ge=0, description="L1 regularisation of leaf weights")
+    gamma: float = Field(default=0.0, ge=0, description="smallest loss reduction that splits a leaf")
+    max_bin: int = Field(default=128, ge=2, description="histogram bins per feature")
     threads: int = Field(default=1, ge=1, description="OpenMP threads per training (leave cores to the loop)")
 
 
@@ -65,7 +67,7 @@ class PriorSettings(_Strict):
     """The analytic prior's view of the engine and its uncertainty (see prior.py)."""
 
     ttft_p90_factor: float = Field(default=1.5, ge=1.0, description="prior p90 = prior x factor")
-    tpot_p90_factor: float = Field(default=1.2, ge=1.0)
+    tpot_p90_factor: float = Field(default=1.2, ge=1.0, description="prior TPOT p90 = prior x factor")
     max_num_seqs: int | None = Field(
         default=None, ge=1, description="engine batch limit when the pool gives none; None: vLLM's default"
     )
@@ -80,7 +82,9 @@ class PriorSettings(_Strict):
 class LengthSettings(_Strict):
     """Output-length estimates per (tenant, model) (see length.py)."""
 
-    max_keys: int = Field(default=10_000, ge=1)
+    max_keys: int = Field(
+        default=10_000, ge=1, description="(tenant, model) pairs tracked; least recently used dropped beyond"
+    )
     half_life_samples: float = Field(default=500.0, gt=0, description="weight halves every N samples")
     min_samples: int = Field(default=20, ge=1, description="fewer samples: fall back to the model's estimate")
     default_output_tokens: int = Field(default=256, ge=1, description="used by predict() with no estimate")
@@ -90,10 +94,35 @@ class LengthSettings(_Strict):
     drift_max_factor: float = Field(default=8.0, ge=1, description="the correction stays within [1/x, x]")
 
 
+class PredictorAdvanced(_Strict):
+    """`predictor.advanced`: expert tunables. Their defaults were measured (bench/predictor); a change
+    is a benchmark's decision, not a deployment's."""
+
+    p90_adaptation_rate: float = Field(
+        default=0.005, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
+    )
+    prefill_rate_time_constant_s: float = Field(
+        default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (recent.py)"
+    )
+    recent_ttft_window_s: float = Field(
+        default=1.0, ge=0, description="engine seconds of first tokens that correct TTFT predictions (0: off)"
+    )
+    recent_ttft_weight: float = Field(
+        default=0.5, ge=0, le=1, description="share of their median log error applied (recent.py; 0: off)"
+    )
+    buffer: BufferSettings = Field(default_factory=BufferSettings, description="training samples per pool")
+    xgboost: XGBoostSettings = Field(default_factory=XGBoostSettings, description="the regressors' parameters")
+
+
 class PredictorSettings(_Strict):
-    enabled: bool = True
+    enabled: bool = Field(
+        default=True,
+        description="predict TTFT and TPOT per candidate endpoint (the latency scorer and the SLO gate need it)",
+    )
     model_dir: Path | None = Field(default=None, description="where models are saved; None: not persisted")
-    online_training: bool = True
+    online_training: bool = Field(
+        default=True, description="learn from finished requests; false: the prior and saved models only"
+    )
     min_samples: int = Field(default=200, ge=10, description="training samples per target before a model")
     retrain_min_new_samples: int = Field(default=200, ge=1, description="new samples that trigger a retrain")
     retrain_interval_s: float = Field(default=5.0, gt=0, description="shortest time between two retrains")
@@ -103,25 +132,14 @@ class PredictorSettings(_Strict):
     keep_versions: int = Field(default=3, ge=1, description="saved model versions kept per pool")
     accuracy_window: int = Field(default=1000, ge=10, description="recent predictions MAPE/coverage cover")
     conformal_p90: bool = Field(default=True, description="shift the p90 so held-out coverage is 90 %")
-    p90_adaptation_rate: float = Field(
-        default=0.005, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
-    )
     export_samples: int = Field(
         default=2000,
         ge=0,
         le=100_000,
         description="recent outcomes per pool kept for GET /admin/predictor/samples (0: none)",
     )
-    prefill_rate_time_constant_s: float = Field(
-        default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (rates.py)"
+    prior: PriorSettings = Field(default_factory=PriorSettings, description="the analytic prior")
+    length: LengthSettings = Field(default_factory=LengthSettings, description="output-length estimates")
+    advanced: PredictorAdvanced = Field(
+        default_factory=PredictorAdvanced, description="expert tunables: the training buffer, XGBoost, corrections"
     )
-    recent_ttft_window_s: float = Field(
-        default=1.0, ge=0, description="engine seconds of first tokens that correct TTFT predictions (0: off)"
-    )
-    recent_ttft_weight: float = Field(
-        default=0.5, ge=0, le=1, description="share of their median log error applied (recent.py; 0: off)"
-    )
-    buffer: BufferSettings = Field(default_factory=BufferSettings)
-    xgboost: XGBoostSettings = Field(default_factory=XGBoostSettings)
-    prior: PriorSettings = Field(default_factory=PriorSettings)
-    length: LengthSettings = Field(default_factory=LengthSettings)

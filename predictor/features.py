@@ -46,7 +46,7 @@ def build_features(
 
     `cached_tokens[i]` is the router's estimate of the prompt tokens already in endpoint i's prefix
     cache; it is clipped to [0, input_tokens]. `prefill_rates_tps[i]` is endpoint i's recent
-    uncached prompt tokens per second (rates.py; 0 when omitted). `now_s` (monotonic) dates the
+    uncached prompt tokens per second (recent.py; 0 when omitted). `now_s` (monotonic) dates the
     last token the gateway relayed from each endpoint (`SINCE_LAST_TOKEN_MS`, see `_last_token_s`).
     Negative counters (an accounting bug upstream) are read as 0 so they never reach the model.
     """

@@ -34,8 +34,7 @@ from predictor.length import LengthEstimate, OutputLengthEstimator, OutputPredic
 from predictor.model import PRIOR_COLUMN, SLOT_OF, SLOTS, PoolModel
 from predictor.persist import ModelStore
 from predictor.prior import LatencyPrior
-from predictor.rates import PrefillRateTracker
-from predictor.recent import RecentTtftCorrection
+from predictor.recent import PrefillRateTracker, RecentTtftCorrection
 from predictor.trainer import TrainingWorker, TrainJob, TrainOutcome
 from predictor.types import (
     FEATURE_NAMES,
@@ -111,7 +110,7 @@ class LatencyPredictor:
         for name in pools:
             self._state(name)
         self.lengths = OutputLengthEstimator(settings.length)
-        self._rates = PrefillRateTracker(settings.prefill_rate_time_constant_s)
+        self._rates = PrefillRateTracker(settings.advanced.prefill_rate_time_constant_s)
         self._store = ModelStore(settings.model_dir, settings.keep_versions) if settings.model_dir else None
         self._worker = worker or TrainingWorker(settings.worker)
         self._task: asyncio.Task[None] | None = None
@@ -126,11 +125,11 @@ class LatencyPredictor:
             state = _PoolState(
                 name=pool,
                 prior=LatencyPrior.for_pool(self._pool_configs.get(pool), self.settings.prior),
-                buffer=StratifiedBuffer(self.settings.buffer),
+                buffer=StratifiedBuffer(self.settings.advanced.buffer),
                 accuracy={t: OnlineAccuracy(self.settings.accuracy_window) for t in Target},
                 recent_ttft=RecentTtftCorrection(
-                    self.settings.recent_ttft_window_s / self.settings.prior.time_scale,  # engine -> wall s
-                    self.settings.recent_ttft_weight,
+                    self.settings.advanced.recent_ttft_window_s / self.settings.prior.time_scale,  # engine -> wall s
+                    self.settings.advanced.recent_ttft_weight,
                 ),
                 recent=deque(maxlen=self.settings.export_samples),
             )
@@ -253,7 +252,7 @@ class LatencyPredictor:
         the shift (replayed offline on the benchmark's outcomes, with the p90 floor of model.py:
         pooled TPOT coverage 86.7 % at 0.01, 88.2 % at 0.005; TTFT 89.5 and 89.2 %). Before the
         floor, 0.01 was needed: at 0.005 TTFT coverage at 90 % load was 76-81 % (tight SLO benchmark)."""
-        rate = self.settings.p90_adaptation_rate
+        rate = self.settings.advanced.p90_adaptation_rate
         if rate <= 0:
             return
         shift = float(state.p90_shift[index]) + rate * ((1.0 if missed else 0.0) - (1.0 - _P90_LEVEL))
@@ -294,7 +293,7 @@ class LatencyPredictor:
                 train=train,
                 heldout=heldout,
                 incumbent=dict(state.model.targets) if state.model is not None else {},
-                xgboost=self.settings.xgboost,
+                xgboost=self.settings.advanced.xgboost,
                 min_samples=self.settings.min_samples,
                 conformal_p90=self.settings.conformal_p90,
             )

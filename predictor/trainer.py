@@ -27,7 +27,7 @@ process costs a spawn at `start()` (~1-2 s, off the loop), pickling the samples 
 the executor's feeder thread) and returns a ready `PoolModel` (compiled arrays) by pickle.
 `worker: thread` remains for tests and small deployments: no process start, one copy of XGBoost.
 The worker process ends with the gateway, also when the gateway is killed with SIGKILL
-(`backends.lifeline`: parent-death signal and a watchdog on the parent's pid).
+(`backends.process.die_with_parent`: parent-death signal and a watchdog on the parent's pid).
 `xgboost.threads` (OpenMP threads per training, default 1) leaves the other cores to the loop.
 """
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal
 
-from backends.lifeline import die_with_parent
+from backends.process import die_with_parent
 from predictor.accuracy import absolute_percentage_errors
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings

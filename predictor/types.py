@@ -35,7 +35,7 @@ class Feature(IntEnum):
     INFLIGHT_REQUESTS = 9  # gateway's requests in flight on the endpoint
     INFLIGHT_PREFILL_TOKENS = 10  # gateway's uncached prompt tokens not yet prefilled there
     INFLIGHT_DECODE_TOKENS = 11  # gateway's context tokens of requests decoding there
-    PREFILL_RATE_TPS = 12  # uncached prompt tokens/s the engine admitted recently (rates.py)
+    PREFILL_RATE_TPS = 12  # uncached prompt tokens/s the engine admitted recently (recent.py)
     SINCE_LAST_TOKEN_MS = 13  # since the gateway last relayed a token from it; -1 unknown (features.py)
     ROLE = 14  # 0 both, 1 prefill, 2 decode
     BATCH_REQUESTS = 15  # decode batch the request would join, itself included

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +34,8 @@ from tests.support.procs import (
 BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
 
 # Fixtures that start a process (or need a Redis server): a test using one is `e2e` (or `redis`), so
-# `make unit` (`-m "not e2e and not redis"`) leaves it out without each test saying so.
+# `make unit` (`-m "not e2e and not redis and not slow and not serial"`) leaves it out without each test
+# saying so. `slow` and `serial` are set by hand (docs/testing.md).
 _PROCESS_FIXTURES = frozenset({"sim_factory", "gateway_factory"})
 _REDIS_FIXTURES = frozenset({"redis_url", "redis_prefix"})
 
@@ -118,14 +120,27 @@ def _redis_answers(url: str) -> bool:
         return False
 
 
+def _worker_database(url: str) -> str:
+    """Under pytest-xdist each worker uses a database of its own on the shared Redis (worker gwN gets
+    N+1; 0 stays the serial run's): a test that scans or counts keys (`*:b:*`, a prefix's leases) sees
+    its own worker's only. Script caches and pub/sub are server-wide: the scripts recover from NOSCRIPT
+    (another worker's `SCRIPT FLUSH`) and every channel carries its test's prefix."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return url
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{1 + int(worker[2:]) % 15}"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real Redis: 127.0.0.1:6379 when it answers (CI starts one), else one started for the session.
 
     With TOKENWAY_REQUIRE_REDIS=1 (set by `make test` and .ci/run, after scripts/bootstrap-test.sh has
-    brought one up) a missing Redis fails the tests instead of skipping.
+    brought one up) a missing Redis fails the tests instead of skipping. Under pytest-xdist each worker
+    has a database of its own (`_worker_database`).
     """
-    url = os.environ.get("TOKENWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = _worker_database(os.environ.get("TOKENWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     if _redis_answers(url):
         yield url
         return

@@ -15,8 +15,7 @@ from typing import Any
 
 from backends.adapters.base import LaunchSpec, Probe, ReplicaPlan
 from backends.config import PoolConfig
-from backends.errors import PdUnsupportedError, PlanError
-from backends.types import EndpointStats
+from backends.types import EndpointStats, PdUnsupportedError, PlanError
 
 # Request fields of OpenAI's API reference (chat/create, completions/create, embeddings/create).
 ACCEPTED_FIELDS: Mapping[str, frozenset[str]] = {

@@ -26,9 +26,8 @@ from backends.adapters.base import (
     wants_priority,
 )
 from backends.config import PoolConfig
-from backends.errors import MetricsFormatError, PdHandshakeError
 from backends.promtext import first_present, mean, parse_samples, total
-from backends.types import EndpointStats, Role
+from backends.types import EndpointStats, MetricsFormatError, PdHandshakeError, Role
 
 # Prometheus names (tensorrt_llm/metrics/collector.py).
 RUNNING = ("trtllm_num_requests_running",)

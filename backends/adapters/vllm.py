@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +24,8 @@ from backends.adapters.base import (
     wants_priority,
 )
 from backends.config import PoolConfig
-from backends.errors import MetricsFormatError
 from backends.promtext import first_present, mean, parse_samples, total
-from backends.types import EndpointStats, Role
+from backends.types import EndpointStats, MetricsFormatError, Role
 
 # Metric names, new first, then the pre-0.10 names they replaced (vllm/v1/metrics/loggers.py; removal
 # policy in vllm/config/observability.py). Counters appear with `_total` in the text format; some exporters omit it.
@@ -381,3 +381,21 @@ def _json(value: Mapping[str, Any]) -> str:
 
 
 VLLM = VllmAdapter()
+
+
+@dataclass(frozen=True, slots=True)
+class SimAdapter(VllmAdapter):
+    """The simulated engine (`sim`): this adapter pointed at `python -m sim`. It speaks vLLM's HTTP API
+    and metrics and takes the `vllm serve` flags, plus `--preset MODEL@HW` choosing the performance
+    model. It needs no accelerator, so its replicas get no devices unless the pool lists them."""
+
+    kind: str = "sim"
+    executable: tuple[str, ...] = (sys.executable, "-m", "sim")
+    uses_devices: bool = False
+    device_tool: str | None = None
+
+    def platform_args(self, pool: PoolConfig, replica: ReplicaPlan) -> list[str]:
+        return ["--preset", pool.preset] if pool.preset else []
+
+
+SIM = SimAdapter()

@@ -1,2 +1,3 @@
-"""Elastic pools: the planner (how many replicas, per pool and role) and the executor that carries
-its decisions out (start, stop, sleep, wake, drain) on a device budget. docs/autoscaling.md."""
+"""Elastic pools' execution: the executor that carries the planner's plans out (start, stop, sleep,
+wake, drain) on a device budget, and the `autoscale:` configuration a pool holds. The decisions live
+in `policies.autoscale`. docs/autoscaling.md."""

@@ -10,15 +10,56 @@ An autoscaled pool launches `replicas` (clamped into [min_replicas, max_replicas
 keeps `max_replicas` slots (ids, ports) planned, so a replica started later keeps the id and port a
 restart would give it. Devices come from the host's budget when a replica starts (`devices: auto`,
 or the pool's own list), not at plan time.
+
+The planner that reads it lives in `policies/autoscale/`; the model stays here because a pool's
+configuration (`backends.config.PoolConfig`) holds it and the executor reads it, and `backends`
+imports no room above it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.autoscale.floors import DAYS, Window, parse_hhmm
+DAYS: Final = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One `autoscale.schedule` entry as the planner's floors read it (`policies.autoscale.floors`):
+    resolved from the validated config, so the planner never parses text."""
+
+    start_min: int  # minutes after UTC midnight
+    end_min: int  # the window wraps midnight when end_min <= start_min
+    min_replicas: Mapping[str, int]  # role -> floor; "" = every role
+    days: frozenset[int] = frozenset()  # weekday of the window's start (0 = monday); empty = every day
+
+    @property
+    def label(self) -> str:
+        return f"schedule {_hhmm(self.start_min)}-{_hhmm(self.end_min)}"
+
+    @property
+    def length_s(self) -> float:
+        minutes = (self.end_min - self.start_min) % (24 * 60)
+        return float(minutes or 24 * 60) * 60.0
+
+
+def _hhmm(minutes: int) -> str:
+    return f"{minutes // 60:02d}:{minutes % 60:02d}"
+
+
+def parse_hhmm(text: str) -> int:
+    """Minutes after midnight of "HH:MM" (00:00-23:59; "24:00" is the next day's midnight)."""
+    hours, sep, minutes = text.partition(":")
+    if not sep or not hours.isdigit() or not minutes.isdigit() or len(minutes) != 2:
+        raise ValueError(f"{text!r} is not HH:MM")
+    value = int(hours) * 60 + int(minutes)
+    if int(minutes) > 59 or value > 24 * 60:
+        raise ValueError(f"{text!r} is not a time of day")
+    return value % (24 * 60)
 
 
 class _Strict(BaseModel):
@@ -31,12 +72,14 @@ class SleepConfig(_Strict):
     Level 1 offloads the weights to host memory (a wake copies them back over PCIe: seconds); level 2
     discards them (a wake reloads them from storage, without the engine's initialisation)."""
 
-    level: Literal[1, 2] = 1
+    level: Literal[1, 2] = Field(
+        default=1, description="1: weights offloaded to host memory (wakes in seconds); 2: weights discarded"
+    )
 
 
 class RoleBounds(_Strict):
-    min_replicas: int = Field(default=0, ge=0)
-    max_replicas: int = Field(default=1, ge=0)
+    min_replicas: int = Field(default=0, ge=0, description="replicas of this role kept however idle the pool is")
+    max_replicas: int = Field(default=1, ge=0, description="launched slots of this role planned (ids, ports)")
 
     @model_validator(mode="after")
     def _order(self) -> RoleBounds:
@@ -47,7 +90,7 @@ class RoleBounds(_Strict):
 
 class ScheduleWindow(_Strict):
     """A daily window of scheduled capacity (UTC): at least `min_replicas` from `start` to `end`,
-    kept a start-up early so the replicas serve when it opens (backends/autoscale/floors.py)."""
+    kept a start-up early so the replicas serve when it opens (policies/autoscale/floors.py)."""
 
     start: str = Field(description='"HH:MM" UTC')
     end: str = Field(description='"HH:MM" UTC; before start: the window wraps midnight; equal: all day')
@@ -82,7 +125,9 @@ class ScheduleWindow(_Strict):
 class AutoscaleConfig(_Strict):
     """How the planner sizes one pool (docs/autoscaling.md explains each signal)."""
 
-    min_replicas: int = Field(default=0, ge=0)
+    min_replicas: int = Field(
+        default=0, ge=0, description="replicas kept however idle the pool is (0: an idle pool stops them all)"
+    )
     max_replicas: int = Field(default=1, ge=0, description="launched slots planned (ids, ports)")
     roles: dict[Literal["prefill", "decode"], RoleBounds] | None = Field(
         default=None, description="per-role bounds of a prefill/decode pool (instead of min/max_replicas)"
@@ -192,7 +237,7 @@ class ShareConfig(_Strict):
     those pools' replicas are awake per device; a request for a sleeping one wakes it and sleeps the
     least recently used awake one once its requests have drained."""
 
-    max_awake: int = Field(default=1, ge=1)
+    max_awake: int = Field(default=1, ge=1, description="replicas of the sharing pools awake per device at once")
     min_awake_s: float = Field(
         default=2.0, ge=0, description="a woken replica keeps its place this long while it has traffic"
     )

@@ -11,12 +11,16 @@ and acts, each action one task per replica (a replica does one thing at a time):
   counted and logged, and the replica is then stopped only if its streams can move to another
   replica (`migrate_streams`), else it waits for them (never an abort) — then it sleeps (pools with
   `autoscale.sleep`) or stops;
-- warm reserve (a pool with `sleep` and `warm_reserve`, `backends.autoscale.reserve`): start a replica
-  and put it to sleep while the role has fewer asleep than its reserve and its device group a spare
-  slot; stop sleeping ones past the reserve.
+- warm reserve (a pool with `sleep` and `warm_reserve`; the plan's `reserve`, which the planner's
+  budget fitted under max_replicas): start one replica per pass and put it to sleep while the role
+  has fewer asleep than its reserve and its device group a spare slot; stop sleeping ones past the
+  reserve; a replica drained for a scale-down sleeps only while the reserve is short, else it stops.
+  Replicas still active above `desired` (a scale-down under way) hold the reserve's room meanwhile.
 
-Every start and wake is timed (`LeadTimes`: the planner's lead, the cold-start hold's estimate) and
-every action is an `Event` in a bounded log (`/admin/pools`).
+It decides nothing itself: the plans come from `policies.autoscale` through the gateway's loop, read
+through the `PoolTarget` protocol (this room imports none above it). Every start and wake is timed
+into the `Timings` it is given (`policies.autoscale.forecast.LeadTimes`: the planner's lead, the
+cold-start hold's estimate) and every action is an `Event` in a bounded log (`/admin/pools`).
 """
 
 from __future__ import annotations
@@ -28,15 +32,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from backends.autoscale import sleep as sleep_mode
 from backends.autoscale.devices import DeviceBudget, group_of
-from backends.autoscale.reserve import keeps_asleep, reserve_step, reserve_target
-from backends.autoscale.startup import LeadTimes
-from backends.autoscale.types import PoolPlan, RoleState
 from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.plan import device_inventory
@@ -51,6 +52,58 @@ _FAILED_SLOT_PAUSE_S = 60.0
 # A prefill replica's last KV blocks are read by decode replicas after its prefill legs answered:
 # give those pulls time before the process goes (vLLM's NIXL holds blocks for the decode side).
 _PD_HANDOFF_GRACE_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class RoleState:
+    """The replicas of one role of a pool, by what they are doing now (what the planner reads)."""
+
+    ready: int = 0
+    starting: int = 0  # launching or waking: capacity soon
+    draining: int = 0
+    sleeping: int = 0
+    stopped: int = 0  # slots without a process (never started, scaled down, dead)
+
+    @property
+    def active(self) -> int:
+        """Replicas that serve now or soon (what the planner counts as current)."""
+        return self.ready + self.starting
+
+
+class RoleTarget(Protocol):
+    """What the executor reads of one role's plan (`policies.autoscale.types.RolePlan`)."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def desired(self) -> int: ...
+    @property
+    def reserve(self) -> int | None: ...  # sleeping replicas to keep (None: no bound)
+
+
+class PoolTarget(Protocol):
+    """What the executor reads of one pool's plan (`policies.autoscale.types.PoolPlan`)."""
+
+    @property
+    def pool(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def roles(self) -> Sequence[RoleTarget]: ...
+    @property
+    def desired(self) -> int: ...
+
+
+class Timings(Protocol):
+    """Where the executor's measured start-up and wake-up times go, and the lead it quotes back
+    (`policies.autoscale.forecast.LeadTimes`)."""
+
+    def guess(self, pool: str, startup_s: float) -> None: ...
+    def observe_start(self, pool: str, seconds: float) -> None: ...
+    def observe_wake(self, pool: str, seconds: float) -> None: ...
+    def startup_s(self, pool: str) -> float: ...
+    def wake_s(self, pool: str) -> float: ...
+    def measured(self, pool: str) -> dict[str, list[float]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +126,7 @@ class Executor:
         fleet: Fleet,
         settings: BackendsSettings,
         *,
+        lead: Timings,
         session: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[str, str], None] | None = None,
@@ -85,7 +139,7 @@ class Executor:
         # gave its devices back (sleep, stop: another pool may use them now)
         self.on_change = on_change
         self.session = session
-        self.lead = LeadTimes()
+        self.lead = lead
         self.events: deque[Event] = deque(maxlen=_EVENTS_KEPT)
         self.drain_timeouts: dict[str, int] = {}
         self.scale_events: dict[tuple[str, str], int] = {}  # (pool, up|down) -> count
@@ -166,7 +220,7 @@ class Executor:
 
     # --- carrying plans out ----------------------------------------------------------------------
 
-    def apply(self, plans: Sequence[PoolPlan]) -> None:
+    def apply(self, plans: Sequence[PoolTarget]) -> None:
         """Start the actions that move each pool towards its desired replicas (returns at once)."""
         spare = self._spare_slots(plans)
         for plan in plans:
@@ -180,10 +234,10 @@ class Executor:
                 for _ in range(active - role_plan.desired):
                     if not self._scale_down(pool, role, plan.reason):
                         break
-                if sleep_mode.sleeps(pool) and pool.autoscale is not None:
+                if sleep_mode.sleeps(pool):
                     self._keep_reserve(pool, role, role_plan.reserve, role_plan.desired, spare)
 
-    def _spare_slots(self, plans: Sequence[PoolPlan]) -> dict[str, int]:
+    def _spare_slots(self, plans: Sequence[PoolTarget]) -> dict[str, int]:
         """Device slots per group that no plan's desired replicas take (what a warm reserve may use)."""
         spare = dict(self.capacity())
         for plan in plans:
@@ -195,10 +249,8 @@ class Executor:
     def _keep_reserve(
         self, pool: PoolConfig, role: Role, reserve: int | None, desired: int, spare: dict[str, int]
     ) -> None:
-        assert pool.autoscale is not None
         state = self.role_state(pool.name, role)
-        _low, high = pool.autoscale.bounds(role.value)
-        target = reserve_target(reserve, high, desired, state.active)
+        target = reserve_left(reserve, desired, state.active)
         self._reserve[(pool.name, role.value)] = target
         group = group_of(pool)
         cost = self.devices_per_replica(pool.name)
@@ -470,3 +522,25 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
             return False
         await asyncio.sleep(_POLL_S)
     return True
+
+
+def reserve_left(reserve: int | None, desired: int, active: int) -> int | None:
+    """The plan's reserve less the replicas still active above `desired` (a scale-down under way holds
+    the reserve's room until it ends); None: no bound."""
+    return None if reserve is None else max(reserve - max(active - desired, 0), 0)
+
+
+def reserve_step(sleeping: int, target: int | None, spare_slots: int) -> int:
+    """Replicas to start and put to sleep (> 0, one per pass), or sleeping ones to stop (< 0)."""
+    if target is None:
+        return 0
+    if sleeping > target:
+        return target - sleeping
+    if sleeping < target and spare_slots > 0:
+        return 1
+    return 0
+
+
+def keeps_asleep(others_sleeping: int, target: int | None) -> bool:
+    """Whether a replica drained for a scale-down goes to sleep (else it stops)."""
+    return target is None or others_sleeping < target

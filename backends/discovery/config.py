@@ -37,7 +37,7 @@ class KubernetesDiscoveryConfig(_Strict):
         description="the slice port to use, by name or number; a number no slice lists is used as is; "
         "default: the slice's only port",
     )
-    scheme: Literal["http", "https"] = "http"
+    scheme: Literal["http", "https"] = Field(default="http", description="scheme of the discovered endpoints' URLs")
     api_server: str | None = Field(
         default=None, description="API server URL; default: in-cluster config, else the kubeconfig"
     )
@@ -45,7 +45,7 @@ class KubernetesDiscoveryConfig(_Strict):
     token_file: str | None = Field(default=None, description="bearer token file with `api_server`")
     watch_timeout_s: int = Field(default=300, ge=1, description="the API server ends each watch after this")
     retry_backoff_s: float = Field(default=1.0, gt=0, description="first wait after a failed list or watch")
-    retry_backoff_max_s: float = Field(default=30.0, gt=0)
+    retry_backoff_max_s: float = Field(default=30.0, gt=0, description="the wait after failures stops doubling here")
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="a vanished endpoint finishes its in-flight requests within"
     )
@@ -70,4 +70,4 @@ class KubernetesDiscoveryConfig(_Strict):
 
 
 class DiscoveryConfig(_Strict):
-    kubernetes: KubernetesDiscoveryConfig
+    kubernetes: KubernetesDiscoveryConfig = Field(description="follow a Service's EndpointSlices")

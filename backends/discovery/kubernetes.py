@@ -31,8 +31,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from backends.discovery.config import KubernetesDiscoveryConfig
-from backends.discovery.events import Delete, Failure, Reset, Upsert, WatchEvent
-from backends.discovery.slices import resource_version, slice_name
+from backends.discovery.slices import Delete, Failure, Reset, Upsert, WatchEvent, resource_version, slice_name
 
 log = logging.getLogger(__name__)
 

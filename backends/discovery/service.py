@@ -18,9 +18,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from backends.discovery.config import KubernetesDiscoveryConfig
-from backends.discovery.events import Delete, Failure, Reset, Upsert, WatchEvent
 from backends.discovery.reconcile import reconcile, remove
-from backends.discovery.slices import desired_addresses, slice_name
+from backends.discovery.slices import Delete, Failure, Reset, Upsert, WatchEvent, desired_addresses, slice_name
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 

@@ -95,3 +95,34 @@ def desired_addresses(slices: Iterable[Mapping[str, Any]], config: KubernetesDis
         return by_url
     kept = sorted(by_url)[: config.max_endpoints]
     return {url: by_url[url] for url in kept}
+
+
+# What a watch tells the pool's discovery (plain values: no client types cross the thread).
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """A fresh list: these slices are all there is."""
+
+    slices: tuple[dict[str, Any], ...]
+    resource_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class Upsert:
+    slice: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The list or watch failed; the watch retries by itself."""
+
+    reason: str
+
+
+WatchEvent = Reset | Upsert | Delete | Failure

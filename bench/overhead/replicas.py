@@ -33,7 +33,7 @@ from bench.overhead.run import (
     start_nginx,
     tokenway_config,
 )
-from gateway.replicas.config import ReplicasSettings
+from gateway.app.schema import ReplicasSettings
 from tests.support.haproxy import start_haproxy
 from tests.support.procs import _env, free_port, free_ports, http_get, stop_process, wait_http
 
@@ -141,8 +141,8 @@ def micro(n: int = 20_000) -> dict[str, float]:
     from backends.config import PoolConfig
     from backends.fleet import Fleet
     from backends.types import EndpointState
+    from gateway.app.schema import ReplicasSettings
     from gateway.replicas.bus import ReplicaBus
-    from gateway.replicas.config import ReplicasSettings
     from gateway.replicas.wire import Batch, decode, encode
     from policies.routing.pipeline import build_router
     from policies.routing.types import RouteRequest
@@ -276,8 +276,8 @@ def write(points: list[Point], out: Path, args: argparse.Namespace, elapsed_s: f
         "",
         "What sharing adds where it runs: the request path pays the listener's append inside `on_dispatch`; "
         "the publisher reads each dispatch's block keys when it flushes (every "
-        f"{ReplicasSettings().publish_interval_ms:g} ms, same event loop, not on any request's path) and encodes "
-        "the batch; every peer decodes it. 256-token prompts, two endpoints, the default scoring pipeline.",
+        f"{ReplicasSettings().advanced.publish_interval_ms:g} ms, same event loop, not on any request's path) "
+        "and encodes the batch; every peer decodes it. 256-token prompts, two endpoints, the default scoring pipeline.",
         "",
         "| step | µs per dispatch |",
         "| --- | ---: |",

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel
-
 from backends.config import PoolConfig
 from gateway.app.settings import GatewaySettings
 from policies.schema import PoliciesConfig
@@ -182,17 +180,12 @@ async def probe_endpoints(pools: Sequence[PoolConfig], timeout_s: float = 2.0) -
 
 def check_files(path: str, *, probe: bool = True, unset: list[str] | None = None) -> list[Finding]:
     """Everything `tokenway check` reports about a gateway.yaml and the policies.yaml it names:
-    each file's own validation, every room's section, the launch plan, the cross-file findings and
-    (with `probe`) static endpoints that do not answer."""
-    from backends.config import BackendsSettings
-    from backends.errors import PlanError
+    each file's own validation (every room's section with it), the launch plan (what each engine
+    would refuse), the cross-file findings and (with `probe`) static endpoints that do not answer."""
     from backends.plan import plan_replicas
-    from gateway.app.settings import ConfigError, load_settings, validate_section
-    from gateway.ledger.config import LedgerConfig
-    from gateway.telemetry.config import TelemetryConfig
+    from backends.types import PlanError
+    from gateway.app.settings import ConfigError, load_settings
     from policies.loader import PolicyFileError, load_config
-    from policies.routing.config import RoutingConfig
-    from predictor.config import PredictorSettings
 
     try:
         settings = load_settings(path, unset)
@@ -202,25 +195,16 @@ def check_files(path: str, *, probe: bool = True, unset: list[str] | None = None
         Finding("warning", path, f"{where}: environment variable {name} is not set (shown as ${{{name}}})")
         for where, _, name in (item.partition(": ") for item in unset or [])
     ]
-    sections: dict[str, type[BaseModel]] = {
-        "backends": BackendsSettings,
-        "routing": RoutingConfig,
-        "predictor": PredictorSettings,
-        "telemetry": TelemetryConfig,
-        "ledger": LedgerConfig,
-    }
-    backends: BackendsSettings | None = None
-    for section, model in sections.items():
+    refused = False
+    for i, pool in enumerate(settings.pools):  # each pool alone first: every refusal, not the first one
         try:
-            validated: BaseModel = validate_section(settings, section, model)
-        except ConfigError as exc:
-            found.append(Finding("error", path, str(exc).removeprefix(f"{path}: ")))
-            continue
-        if isinstance(validated, BackendsSettings):
-            backends = validated
-    if backends is not None:
+            plan_replicas([pool], settings.backends)
+        except PlanError as exc:
+            refused = True
+            found.append(Finding("error", f"{path}: pools[{i}]", str(exc)))
+    if not refused:  # then together: devices and ports the pools compete for
         try:
-            plan_replicas(list(settings.pools), backends)
+            plan_replicas(list(settings.pools), settings.backends)
         except PlanError as exc:
             found.append(Finding("error", f"{path}: pools", str(exc)))
     policies_path = settings.resolve_path(settings.policies)

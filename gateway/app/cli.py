@@ -45,7 +45,7 @@ def _epp(args: argparse.Namespace) -> int:
     if updates:
         settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
     if args.grpc_port is not None:
-        settings = settings.model_copy(update={"epp": {**settings.epp, "port": args.grpc_port}})
+        settings = settings.model_copy(update={"epp": settings.epp.model_copy(update={"port": args.grpc_port})})
     return run(settings, app_factory=create_epp_app)
 
 
@@ -78,10 +78,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _pools_plan(args: argparse.Namespace) -> int:
     """The launch plan of one or more gateway.yaml files; unset ${VAR}s stay as placeholders."""
-    from backends.config import BackendsSettings
-    from backends.errors import PlanError
     from backends.plan import render_plan
-    from gateway.app.settings import validate_section
+    from backends.types import PlanError
 
     paths = [*(args.config or []), *args.files] or ["config/gateway.yaml"]
     status = 0
@@ -91,14 +89,13 @@ def _pools_plan(args: argparse.Namespace) -> int:
             print(("\n" if n else "") + f"# === {path}")
         try:
             settings = load_settings(path, unset)
-            backends = validate_section(settings, "backends", BackendsSettings)
             for item in unset:
                 where, _, name = item.partition(": ")
                 print(
                     f"warning: {path}: {where}: environment variable {name} is not set; shown as ${{{name}}}",
                     file=sys.stderr,
                 )
-            print(render_plan(list(settings.pools), backends))
+            print(render_plan(list(settings.pools), settings.backends))
         except (ConfigError, PlanError) as exc:
             print(f"tokenway: {exc}", file=sys.stderr)
             status = 2

@@ -14,31 +14,31 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from backends import health, monitor
-from backends.adapters.registry import get_adapter
-from backends.config import BackendsSettings
+from backends import health, scrape
+from backends.adapters import get_adapter
 from backends.discovery.service import Discovery
 from backends.fleet import Fleet
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__
-from gateway.apis.config import ApisSettings
 from gateway.apis.messages import error_in_route_shape
 from gateway.apis.routes import RESPONSE_STORE, canonical_path_middleware, not_found_middleware, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.app import keys as appkeys
 from gateway.app.checks import config_findings, errors
 from gateway.app.policy_reload import PolicyWatcher
-from gateway.app.settings import GatewaySettings, StateSettings, validate_section
+from gateway.app.settings import GatewaySettings, StateSettings
 from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
 from gateway.console.activity import ConsoleActivity
 from gateway.console.routes import console_admin_routes, console_routes
 from gateway.console.sessions import ConsoleSessions
-from gateway.flow.hook import FlowHook
+from gateway.flow.check import Check
+from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
+from gateway.flow.saturation import Saturation
 from gateway.flow.slo import SloHook
 from gateway.http.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.http.admin_keys import key_routes, own_key
@@ -46,23 +46,22 @@ from gateway.http.bodies import body_bounds, bounded_bodies
 from gateway.http.openapi import setup_openapi_route
 from gateway.http.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.ledger import open_ledger
-from gateway.ledger.config import LedgerConfig
 from gateway.replicas.bus import ReplicaBus
 from gateway.request import Director, Hook, Hooks
 from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
 from gateway.request.intake import Intake
-from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.flow import FlowMetrics
 from gateway.telemetry.learning import LearningHook
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from gateway.transport.engine import EngineTransport
+from gateway.transport.observers import RouteMetrics
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
 from gateway.upstream.stalls import StallWatch, watching
 from policies.estimate import PromptEstimator
 from policies.flow.bands import band_name
-from policies.flow.config import FlowSettings
 from policies.flow.counters import Counters, MemoryCounters
 from policies.flow.redis_counters import RedisCounters
 from policies.holder import PolicyHolder, ReloadResult
@@ -72,11 +71,9 @@ from policies.keys.redis_store import RedisDirectoryStore
 from policies.keys.sqlite_store import SqliteDirectoryStore
 from policies.keys.store import DirectoryStore, MemoryDirectoryStore
 from policies.limits.admission import Admission
-from policies.limits.factory import make_store
+from policies.limits.failover import make_store
 from policies.policy import Policy
-from policies.routing.config import RoutingConfig
 from policies.routing.pipeline import build_router
-from predictor.config import PredictorSettings
 from predictor.service import LatencyPredictor
 
 log = logging.getLogger("tokenway.app")
@@ -93,8 +90,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
         ],
     )
     app[appkeys.SETTINGS] = settings
-    app[appkeys.BACKENDS] = validate_section(settings, "backends", BackendsSettings)
-    app[appkeys.ROUTING_CONFIG] = validate_section(settings, "routing", RoutingConfig)
+    app[appkeys.BACKENDS] = settings.backends
+    app[appkeys.ROUTING_CONFIG] = settings.routing
     app.cleanup_ctx.append(_telemetry_ctx)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx)
@@ -124,8 +121,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
 async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     """Metrics, traces and the usage ledger: set up first, torn down last (after the drain)."""
     settings = app[appkeys.SETTINGS]
-    telemetry = validate_section(settings, "telemetry", TelemetryConfig)
-    ledger_config = validate_section(settings, "ledger", LedgerConfig)
+    telemetry = settings.telemetry
+    ledger_config = settings.ledger
     metrics = GatewayMetrics(telemetry.metrics, version=__version__)
     app[appkeys.FLOW_METRICS] = FlowMetrics(metrics)  # before the OTLP export reads the families
     tracing = Tracing(telemetry.otlp, metrics=metrics, version=__version__)
@@ -241,7 +238,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         discovery = Discovery.for_fleet(fleet, lambda pool: _fleet_changed(app))
         await discovery.start()
     app[appkeys.DISCOVERY] = discovery
-    watch = asyncio.get_running_loop().create_task(monitor.run(fleet, app[appkeys.SESSION], backends))
+    watch = asyncio.get_running_loop().create_task(scrape.watch(fleet, app[appkeys.SESSION], backends))
     yield
     watch.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -262,7 +259,7 @@ def _fleet_changed(app: web.Application) -> None:
 
 async def _predictor_ctx(app: web.Application) -> AsyncIterator[None]:
     """Latency predictor: loads saved models, trains in its worker, saves on the way out."""
-    settings = validate_section(app[appkeys.SETTINGS], "predictor", PredictorSettings)
+    settings = app[appkeys.SETTINGS].predictor
     predictor: LatencyPredictor | None = None
     if settings.enabled:
         pools = {name: pool.config for name, pool in app[appkeys.FLEET].pools.items()}
@@ -341,15 +338,15 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     """Flow control's waiting rooms and the virtual counters they order by (memory, or Redis when
     `state` says so: replicas then share one fairness view)."""
     settings = app[appkeys.SETTINGS]
-    flow = validate_section(settings, "flow_control", FlowSettings)
+    flow = settings.flow_control
     state = settings.state
     counters: Counters = MemoryCounters()
     if state.backend == "redis" and state.redis_url:
         counters = RedisCounters.from_url(
             state.redis_url,
             prefix=state.key_prefix,
-            refresh_s=flow.counters_refresh_ms / 1000.0,
-            flush_s=flow.counters_flush_ms / 1000.0,
+            refresh_s=flow.advanced.counters_refresh_ms / 1000.0,
+            flush_s=flow.advanced.counters_flush_ms / 1000.0,
         )
     holder = app[appkeys.POLICIES]
     flow_metrics = app[appkeys.FLOW_METRICS]
@@ -359,7 +356,7 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         shortest_job_first=lambda: holder.current.config.flow_control.shortest_job_first,
         fair=lambda: holder.current.config.flow_control.fairness == "vtc",
         weights=lambda tenant: holder.current.tenant_weight(tenant),
-        recheck_s=flow.recheck_ms / 1000.0,
+        recheck_s=flow.advanced.recheck_ms / 1000.0,
         share_window_s=flow.share_window_s,
         active_s=flow.reserve_active_s,
         on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
@@ -390,7 +387,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         health.report_failure(endpoint, now_s, ejection, fleet.pools.get(endpoint.pool))
 
     metrics = app[appkeys.METRICS]
-    metrics_on = validate_section(settings, "telemetry", TelemetryConfig).metrics.enabled
+    metrics_on = settings.telemetry.metrics.enabled
     holder = app[appkeys.POLICIES]
     activity = app[appkeys.CONSOLE_ACTIVITY] = ConsoleActivity(lambda: holder.current)
     ledger = app[appkeys.LEDGER]
@@ -399,29 +396,41 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     estimator = PromptEstimator()
     build_counters(fleet, estimator, app[appkeys.SESSION])  # reads tokenizer files once, at start-up
     hook_list: list[Hook] = []
-    hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, cold starts held; streams moved
+    hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, streams moved
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
         hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
     queue = app[appkeys.FLOW]
-    slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # the SLO gate, running TPOT SLOs
-    gate = batch_gate(app, fleet, queue.depth, predictor)  # interactive requests held: the flow room
-    if gate is not None:
-        hook_list.append(gate)  # batch lines only on spare capacity (before any gate that holds requests)
-    hook_list.append(slo)
-    # flow control: every wait, in band / fair-share order; the SLO gate is one of its checks
-    hook_list.append(FlowHook(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=[slo]))
+    cold = app[ELASTIC_HOOK].cold  # a request for a pool at zero waits in the room while it starts
+    cold.room = queue
+    batch = batch_gate(app, fleet, queue.interactive_depth, predictor)  # batch lines only on spare capacity
+    saturation = Saturation(queue, app[appkeys.FLOW_SETTINGS])  # flow control: free slots, the reserve, cuts
+    slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # latency objectives, running TPOT SLOs
+    # the gate: every wait in one room (band / fair-share order), its checks asked in this order
+    checks: list[Check] = [cold, *([batch] if batch is not None else []), saturation, slo]
+    gate = Gate(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=checks)
+    hook_list.extend(check for check in checks if isinstance(check, Hook))  # checks that observe, too
+    hook_list.append(gate)  # the fairness accounts: charged at dispatch, corrected at the end
     if predictor is not None:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
+    if metrics_on:
+        hook_list.append(RouteMetrics(metrics))  # each attempt's route and retry, observed
     hooks = Hooks(hook_list)
     sinks = [sink for sink in (metrics if metrics_on else None, ledger, activity) if sink is not None]
     accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks, audit=estimator.audit)
     dispatch = Dispatch(
         server=settings.server,
         fleet=fleet,
-        upstream=app[appkeys.UPSTREAM],
         router=app[appkeys.ROUTER],  # one router: per-pool pipelines inside it
         hooks=hooks,
+        gate=gate,
+    )
+    engine = EngineTransport(  # the answer relayed from an engine over HTTP (gateway/request/transport.py)
+        server=settings.server,
+        fleet=fleet,
+        upstream=app[appkeys.UPSTREAM],
+        hooks=hooks,
         accounting=accounting,
+        turns=dispatch,
         metrics=metrics if metrics_on else None,
         shape_body=shape_body,
         report_success=health.report_success,
@@ -438,20 +447,21 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.DIRECTOR] = Director(
         intake=intake,
         dispatch=dispatch,
+        transport=engine,
         accounting=accounting,
         hooks=hooks,
         policies=app[appkeys.POLICIES],
         fleet=fleet,
         start_trace=app[appkeys.TRACING].start_request,
     )
-    async with watching(dispatch.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
+    async with watching(engine.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
         yield
 
 
 async def _response_store_ctx(app: web.Application) -> AsyncIterator[None]:
     """Stored responses (Responses API): in memory, or in Redis when `state` says so."""
     settings = app[appkeys.SETTINGS]
-    config = validate_section(settings, "apis", ApisSettings).response_store
+    config = settings.apis.response_store
     state = settings.state
     store = None
     if config.enabled:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from backends.errors import PlanError
+from backends.types import PlanError
 from gateway.app import keys as appkeys
 from gateway.app.factory import create_app
 from gateway.app.settings import ConfigError, GatewaySettings

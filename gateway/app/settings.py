@@ -1,23 +1,35 @@
-"""gateway.yaml: the schema of the gateway process and how it is loaded.
+"""gateway.yaml: one typed settings tree, and how it is loaded.
 
-Sections owned by other rooms (pools, backends, routing, flow_control, predictor, telemetry, ledger) are validated
-by those rooms' own pydantic models; this module composes them. Loading resolves `${ENV}` references
-(secrets never live in YAML) and relative paths (against the config file's folder), and turns
-validation failures into one message naming the file, the key path and what was expected.
+`GatewaySettings` holds every section as the model of the room that owns it (the gateway's own in
+`gateway/app/schema.py`, the pools and the supervisor in `backends/config.py`, routing, flow control,
+the predictor and batch beside their code), so the whole file is validated once, when it is loaded,
+and the code receives typed objects: a mistake anywhere stops start-up (and `tokenway check`) with one
+message naming the file, the key path and what was expected, never later on the path that reads it.
+Loading resolves `${ENV}` references (secrets never live in YAML) and relative paths (against the
+config file's folder). `docs/configuration.md` is generated from this tree (`gateway/app/config_doc.py`).
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from types import UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from backends.config import PoolConfig
-from gateway.replicas.config import ReplicasSettings
+from backends.config import BackendsSettings, PoolConfig
+from gateway.app.schema import ApisSettings, EppSettings, LedgerConfig, ReplicasAdvanced, TelemetryConfig
+from gateway.app.schema import FirstTokenDeadline as FirstTokenDeadline
+from gateway.app.schema import ServerSettings as ServerSettings
+from gateway.app.schema import StateSettings as StateSettings
+from gateway.batch.config import BatchSettings
+from policies.flow.config import FlowAdvanced, FlowSettings
+from policies.routing.config import PrefixIndexAdvanced, RoutingConfig
+from predictor.config import PredictorAdvanced, PredictorSettings
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -26,116 +38,28 @@ class ConfigError(Exception):
     """A configuration file that cannot be used; the message names file, key path and expectation."""
 
 
-class _Strict(BaseModel):
+class GatewaySettings(BaseModel):
+    """The whole of gateway.yaml; each section is its owner's model."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class FirstTokenDeadline(_Strict):
-    """`server.first_token_deadline`: a stream that has shown its client nothing by then moves to another
-    replica (gateway/upstream/stalls.py). The deadline is `factor` x the predictor's TTFT p90 for the chosen
-    replica (`default_s` without a prediction), clamped to [`min_s`, `max_s`]; it is armed only while
-    another replica may still take the request (never on its last try)."""
-
-    enabled: bool = True
-    factor: float = Field(default=3.0, gt=0, description="x the predicted TTFT p90")
-    default_s: float = Field(default=10.0, gt=0, description="without a prediction")
-    min_s: float = Field(default=2.0, gt=0)
-    max_s: float = Field(default=30.0, gt=0)
-    misses_to_stall: int = Field(
-        default=2, ge=1, description="deadlines a replica misses with no sign of life between them: stalled"
-    )
-
-
-class ServerSettings(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=0, le=65535)
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
-    max_inflight_body_bytes: int = Field(
-        default=64 * 1024 * 1024, ge=1024, description="request bodies being read and counted, all at once"
-    )
-    max_header_bytes: int = Field(default=16 * 1024, ge=1024, description="one header line / field")
-    request_read_timeout_s: float = Field(default=30.0, gt=0, description="full request must arrive within")
-    drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests finish within")
-    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
-    upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="max silence from the engine")
-    upstream_idle_timeout_s: float = Field(
-        default=4.0, gt=0, description="idle keep-alive connections to engines are dropped after (uvicorn: 5 s)"
-    )
-    upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
-    first_token_deadline: FirstTokenDeadline = Field(default_factory=FirstTokenDeadline)
-    stall_after_s: float = Field(
-        default=10.0, gt=0, description="a replica whose requests in flight get no byte for this long is stalled"
-    )
-    admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
-    allowed_hosts: list[str] = Field(
-        default_factory=list,
-        description="extra Host names (name or name:port) /admin/* and /ui/* answer to besides loopback "
-        "literals and localhost on the listening port; set, they are checked with an admin token too",
-    )
-    retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
-    ready_when: Literal["all_pools", "default_pool", "any_pool"] = Field(
-        default="all_pools",
-        description="/readyz is 200 when every pool, the default pool, or at least one pool has a ready endpoint",
-    )
-    default_pool: str | None = Field(default=None, description="the pool `ready_when: default_pool` watches; first")
-    gc_young_threshold: int = Field(
-        default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
-    )
-
-    @field_validator("admin_token")
-    @classmethod
-    def _empty_is_unset(cls, value: str | None) -> str | None:
-        return value or None  # `${TOKENWAY_ADMIN_TOKEN:-}` unset: no token (and no start beyond loopback)
-
-    @field_validator("allowed_hosts")
-    @classmethod
-    def _bare_host_names(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not name or any(c in name for c in "/@ \t*") or "://" in name:
-                raise ValueError(f"{name!r}: a host name or name:port (no scheme, path or wildcard)")
-        return [name.strip().lower() for name in value]
-
-
-class StateSettings(_Strict):
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str | None = None
-    key_prefix: str = "tokenway"
-    redis_timeout_s: float = Field(
-        default=0.1,
-        gt=0,
-        le=30,
-        description="bound on each admission call to Redis (connect and read); a call past it counts "
-        "as a store failure for the breaker and `store_failure`",
-    )
-    replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
-    keys_db: str | None = Field(
-        default="var/keys.sqlite3",
-        description="the SQLite file of keys and tenants made through the admin API (null: kept in memory "
-        "only); with redis they live in Redis and this file is each replica's durable copy, put back into "
-        "a Redis that restarted empty (null: Redis only)",
-    )
-
-    @property
-    def shares_routing(self) -> bool:
-        """Whether replicas publish and fold routing state (on by default with Redis)."""
-        share = self.replicas.share
-        return self.backend == "redis" and self.redis_url is not None and (share is None or share)
-
-
-class GatewaySettings(_Strict):
-    server: ServerSettings = Field(default_factory=ServerSettings)
-    state: StateSettings = Field(default_factory=StateSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings, description="the listening socket and timeouts")
+    state: StateSettings = Field(default_factory=StateSettings, description="where limits and shared state live")
     policies: str = Field(default="policies.yaml", description="path of policies.yaml (relative to this file)")
-    backends: dict[str, Any] = Field(default_factory=dict)
-    pools: list[PoolConfig] = Field(default_factory=list)
-    routing: dict[str, Any] = Field(default_factory=dict)
-    flow_control: dict[str, Any] = Field(default_factory=dict)
-    apis: dict[str, Any] = Field(default_factory=dict)  # gateway/apis/config.py
-    batch: dict[str, Any] = Field(default_factory=dict)  # gateway/batch/config.py
-    predictor: dict[str, Any] = Field(default_factory=dict)
-    telemetry: dict[str, Any] = Field(default_factory=dict)
-    ledger: dict[str, Any] = Field(default_factory=dict)
-    epp: dict[str, Any] = Field(default_factory=dict)  # `tokenway epp` (gateway/epp/config.py)
+    backends: BackendsSettings = Field(
+        default_factory=BackendsSettings, description="how the supervisor launches and watches engines"
+    )
+    pools: list[PoolConfig] = Field(default_factory=list, description="the models served and their engines")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="which endpoint serves a request")
+    flow_control: FlowSettings = Field(
+        default_factory=FlowSettings, description="when a pool is saturated and how much may wait"
+    )
+    apis: ApisSettings = Field(default_factory=ApisSettings, description="the translated APIs' own state")
+    batch: BatchSettings = Field(default_factory=BatchSettings, description="the Batch and Files APIs")
+    predictor: PredictorSettings = Field(default_factory=PredictorSettings, description="latency predictions")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Prometheus and OpenTelemetry")
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig, description="one usage record per request")
+    epp: EppSettings = Field(default_factory=EppSettings, description="`tokenway epp`, the endpoint picker")
     source: str = Field(default="<memory>", exclude=True)
 
     def resolve_path(self, path: str) -> Path:
@@ -144,6 +68,22 @@ class GatewaySettings(_Strict):
         if p.is_absolute() or self.source.startswith("<"):
             return p
         return Path(self.source).parent / p
+
+
+# Expert tunables live in an `advanced:` block of the model they tune (the defaults are measured; a
+# change is a benchmark's decision). A key at its old place is refused with an error naming the new
+# one rather than accepted with a warning: a warning in a start-up log is read too late.
+ADVANCED_BLOCKS: dict[str, type[BaseModel]] = {
+    "predictor": PredictorAdvanced,
+    "routing.prefix_index": PrefixIndexAdvanced,
+    "state.replicas": ReplicasAdvanced,
+    "flow_control": FlowAdvanced,
+}
+MOVED_TO_ADVANCED: dict[str, str] = {
+    f"{where}.{key}": f"{where}.advanced.{key}"
+    for where, block in ADVANCED_BLOCKS.items()
+    for key in block.model_fields
+}
 
 
 def resolve_env(value: Any, where: str = "", unset: list[str] | None = None) -> Any:
@@ -174,14 +114,75 @@ def resolve_env(value: Any, where: str = "", unset: list[str] | None = None) -> 
     return value
 
 
-def format_validation_error(path: str, error: ValidationError) -> str:
+def format_validation_error(path: str, error: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per problem: key path, what was expected, what was given. With `model` (the tree
+    that was validated), an unknown key names the nearest valid key at its place: a misspelling is
+    the commonest mistake, and the list of valid keys is long."""
     lines = [f"{path}: invalid configuration"]
     for item in error.errors():
         loc = ""
         for part in item["loc"]:
             loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
-        lines.append(f"  {loc or '<root>'}: {item['msg']} (got {_short(item.get('input'))})")
+        message = str(item["msg"])
+        moved = MOVED_TO_ADVANCED.get(loc) if model is GatewaySettings else None
+        if item["type"] == "extra_forbidden" and moved is not None:
+            message = f"moved to `{moved}` (expert tunables live under `advanced:`)"
+        elif item["type"] == "extra_forbidden" and model is not None and item["loc"]:
+            message = "unknown key" + _nearest(str(item["loc"][-1]), keys_at(model, tuple(item["loc"][:-1])))
+        elif item["type"] == "literal_error" and isinstance(item.get("input"), str):
+            choices = re.findall(r"'([^']*)'", str((item.get("ctx") or {}).get("expected", "")))
+            close = difflib.get_close_matches(item["input"], choices, n=1, cutoff=0.6)
+            message += f"; did you mean {close[0]!r}?" if close else ""
+        lines.append(f"  {loc or '<root>'}: {message} (got {_short(item.get('input'))})")
     return "\n".join(lines)
+
+
+def _nearest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; valid keys here: {', '.join(known)}" if known else ""
+
+
+def keys_at(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
+    """The keys valid at `loc` (a pydantic error location) inside `model`: the fields of the model
+    found there, through lists, mappings, optional values and unions of models."""
+    types: list[Any] = [model]
+    for part in loc:
+        types = [found for annotation in types for found in _step(annotation, part)]
+    return sorted({name for annotation in types for name in _fields(annotation)})
+
+
+def _members(annotation: Any) -> list[Any]:
+    if get_origin(annotation) in (Union, UnionType):
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [annotation]
+
+
+def _fields(annotation: Any) -> list[str]:
+    return [
+        name
+        for member in _members(annotation)
+        if isinstance(member, type) and issubclass(member, BaseModel)
+        for name in member.model_fields
+    ]
+
+
+def _step(annotation: Any, part: str | int) -> list[Any]:
+    """Where one step of an error location leads from `annotation` (a union member's tag stays put)."""
+    found: list[Any] = []
+    for member in _members(annotation):
+        origin, args = get_origin(member), get_args(member)
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            if member.__name__ == part:
+                found.append(member)
+            elif isinstance(part, str) and part in member.model_fields:
+                found.append(member.model_fields[part].annotation)
+        elif origin in (list, tuple) and args and isinstance(part, int):
+            found.append(args[0])
+        elif origin is dict and len(args) == 2:
+            found.append(args[1])
+    return found
 
 
 def _short(value: Any) -> str:
@@ -216,17 +217,8 @@ def load_yaml_model(
     try:
         return model.model_validate({**raw, **(extra or {})})
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(path, exc)) from exc
+        raise ConfigError(format_validation_error(path, exc, model)) from exc
 
 
 def load_settings(path: str | Path, unset: list[str] | None = None) -> GatewaySettings:
     return load_yaml_model(path, GatewaySettings, {"source": str(path)}, unset)
-
-
-def validate_section(settings: GatewaySettings, section: str, model: type[M]) -> M:
-    """Validate one room-owned section (e.g. `routing`) with that room's model, with precise errors."""
-    try:
-        return model.model_validate(getattr(settings, section) or {})
-    except ValidationError as exc:
-        message = format_validation_error(settings.source, exc)
-        raise ConfigError(message.replace("\n  ", f"\n  {section}.")) from exc

@@ -5,7 +5,7 @@
     DELETE drops the admin API's floors (the schedule's change with gateway.yaml)
 
 The planner keeps the floor from a start-up time before `start_in_s` to its end
-(backends/autoscale/floors.py). Errors are in OpenAI's shape like the rest of the admin API: bad
+(policies/autoscale/floors.py). Errors are in OpenAI's shape like the rest of the admin API: bad
 input 400, an unknown pool 404, a pool without `autoscale` 409, a pool already holding
 floors.MAX_FLOORS floors that have not ended 409.
 """
@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.autoscale import floors as scheduled
 from gateway.autoscale.loop import Autoscaler
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.http.admin_replies import admin_error, json_reply
+from policies.autoscale import floors as scheduled
 
 _FIELDS = frozenset({"min_replicas", "start_in_s", "for_s", "role"})
 _MOST_REPLICAS = 10_000  # a bound on what is stored; the planner still holds a pool within its max_replicas

@@ -1,12 +1,16 @@
-"""The cold-start hold: a request for a pool with nothing serving waits while a replica starts or wakes.
+"""The cold start: the gate's check that holds a request for a pool with nothing serving while a
+replica starts or wakes.
 
-It waits in flow control's waiting room (`gateway/flow/queue.py`, one room per pool in a queue of
-its own, so its bound is the pool's own `max_held`): in flow order (priority band, then tenant
-fairness), until a replica of the pool is ready (`ready()` answers; the executor's ready event and
-the room's own recheck wake it), for at most the pool's `max_hold_s`. Past either bound the request
-is answered 503 with `retry-after` from the expected start time, unless the model's fallback chain
-takes it (trigger `cold_start`). The wait is part of its TTFT and is reported in
-`x-tokenway-cold-start-ms`.
+When routing finds no endpoint for the request's model, no pool of the model serves and an
+autoscaled one can start or wake, `enter` holds the request in that pool's waiting room
+(`gateway/flow/`, the one room every wait happens in): in flow order (priority band, then tenant
+fairness), until a replica of the pool is ready (routing then finds it; the executor's ready event,
+`notify`, and the room's own recheck wake it), for at most the pool's `max_hold_s` (its deadline is
+stretched to that), and at most `max_held` requests at a time (more are refused at once). The
+planner runs at once (`on_hold`). Past either bound the request is answered 503 with `retry-after`
+from the expected start time, unless the model's fallback chain takes it (trigger `cold_start`).
+The wait is part of its TTFT, is reported in `x-tokenway-cold-start-ms` and the record's
+`cold_start_ms` (`went`), and counts in the room's own wait too (`x-tokenway-queued-ms`).
 """
 
 from __future__ import annotations
@@ -14,24 +18,25 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 from backends.fleet import Fleet, Pool
 from gateway.errors import NoHealthyBackend
+from gateway.flow.check import GO, Check, Turn, Verdict, Wait
 from gateway.flow.queue import FlowQueue
-from gateway.flow.types import Blocked, FlowRequest, QueueRejected
-from policies.flow.bands import band_rank
-from policies.flow.counters import MemoryCounters
+from gateway.flow.types import Blocked
+from gateway.request import Detour, Routed
 
 COLD_START_HEADER: Final = "x-tokenway-cold-start-ms"
-_NO_BYTES_BOUND: Final = 1 << 40
+TRIGGER: Final = "cold_start"
 
 
 class ColdStartRejected(NoHealthyBackend):
     code = "cold_start"
 
 
-class ColdStart:
+class ColdStart(Check):
     def __init__(
         self,
         fleet: Fleet,
@@ -48,11 +53,7 @@ class ColdStart:
         self.on_hold = on_hold  # a request began waiting: plan now
         self.on_wait = on_wait  # (pool, seconds held) once per held request
         self.clock = clock
-        self.queue = FlowQueue(MemoryCounters(), room_size=self._room_size, now=clock)
-
-    def _room_size(self, pool: str) -> tuple[int, int]:
-        policy = self.fleet.pools[pool].config.autoscale
-        return (policy.max_held if policy is not None else 0), _NO_BYTES_BOUND
+        self.room: FlowQueue | None = None  # the gate's waiting room (the app factory sets it)
 
     def pool_to_hold(self, model: str) -> Pool | None:
         """The autoscaled pool a request for `model` should wait for, or None when it need not wait
@@ -63,38 +64,52 @@ class ColdStart:
         return next((p for p in pools if p.config.autoscale is not None), None)
 
     def held(self, pool: str) -> int:
-        return self.queue.depth(pool)
+        """Requests waiting for `pool` to start: everyone in its room while nothing of it is ready."""
+        found = self.fleet.pools.get(pool)
+        if self.room is None or found is None or found.has_ready:
+            return 0
+        return self.room.depth(pool)
 
     def notify(self, pool: str) -> None:
-        self.queue.notify(pool)
+        """A replica of `pool` is ready: the requests held for it may go."""
+        if self.room is not None:
+            self.room.notify(pool)
 
-    async def hold(
-        self, pool: Pool, *, request_id: str, tenant: str, priority: int, weight: float, cost_tokens: float
-    ) -> float:
-        """Wait for a ready replica of `pool`; the seconds waited. Raises `ColdStartRejected` past
-        the pool's bounds (a cancelled caller leaves at once)."""
+    # --- the check ----------------------------------------------------------------------------------
+
+    def enter(self, turn: Turn, routed: Routed | None) -> None:
+        """No route, and an autoscaled pool of the model can start: hold the request for it."""
+        if routed is not None:
+            return
+        pool = self.pool_to_hold(turn.ctx.model)
+        if pool is None or pool.config.autoscale is None:
+            return
         policy = pool.config.autoscale
-        assert policy is not None
-        began = self.clock()
-        request = FlowRequest(
-            request_id, tenant, band_rank(priority), cost_tokens, weight, deadline_s=began + policy.max_hold_s
-        )
-
-        def ready() -> bool | Blocked:
-            return True if pool.has_ready else Blocked.POOL
-
+        if self.held(pool.name) >= policy.max_held:
+            self._observe(pool.name, 0.0)
+            raise Detour(TRIGGER, self._rejection(pool, "queue_full", 0.0))
+        turn.pool = pool.name
+        turn.deadline_s = max(turn.deadline_s, turn.began_s + policy.max_hold_s)
+        turn.unrouted = Wait(Blocked.POOL, TRIGGER, partial(self._waited_out, pool))
         if self.on_hold is not None:
             self.on_hold(pool.name)
-        try:
-            _value, lease = await self.queue.hold(pool.name, request, ready)
-        except QueueRejected as exc:
-            waited = self.clock() - began
-            self._observe(pool.name, waited)
-            raise self._rejection(pool, exc.reason, waited) from None
-        lease.finished(None)
-        waited = self.clock() - began
-        self._observe(pool.name, waited)
-        return waited
+
+    def check(self, turn: Turn, routed: Routed) -> Verdict:
+        return GO  # a route exists: a replica is serving
+
+    def went(self, turn: Turn, routed: Routed) -> None:
+        """A request held for a start goes: how long it was held, in its answer and its record."""
+        if turn.unrouted is None:
+            return
+        waited_s = (turn.routed_s if turn.routed_s is not None else self.clock()) - turn.began_s
+        self._observe(turn.pool, waited_s)
+        ctx = turn.ctx
+        ctx.record.cold_start_ms = round(waited_s * 1000.0, 1)
+        ctx.headers.append((COLD_START_HEADER, f"{waited_s * 1000.0:.0f}"))
+
+    def _waited_out(self, pool: Pool, waited_s: float) -> Detour:
+        self._observe(pool.name, waited_s)
+        return Detour(TRIGGER, self._rejection(pool, "queue_timeout", waited_s))
 
     def _observe(self, pool: str, seconds: float) -> None:
         if self.on_wait is not None:

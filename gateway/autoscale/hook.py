@@ -1,10 +1,8 @@
-"""Elastic pools in the walk of a request: counted on arrival, held for a cold start, learnt from.
+"""Elastic pools in the walk of a request: counted on arrival, learnt from.
 
 - `prepare` (each model of the chain): the request counts towards its pool's token rates (the
-  planner's demand, also while the pool is at zero), and when no pool of the model serves but an
-  autoscaled one can start or wake, it is held (`gateway/autoscale/hold.py`) and the planner runs at
-  once; past the hold's bounds the model's fallback chain is tried with trigger `cold_start`, else
-  it is answered 503 with `retry-after`.
+  planner's demand, also while the pool is at zero). It never waits: a request for a pool at zero
+  is held by the gate's cold-start check (`gateway/autoscale/hold.py`), in the one waiting room.
 - `ended`: a stream its replica cut is counted as migrated (it continued on another replica) or
   failed (`tokenway_stream_migrations_total`).
 - `finished`: the request's real prompt, cache hits and output teach the pool's mix, its TPOT beside
@@ -16,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.fleet import Fleet
-from gateway.autoscale.hold import COLD_START_HEADER, ColdStart, ColdStartRejected
+from gateway.autoscale.hold import ColdStart
 from gateway.autoscale.loop import Autoscaler
-from gateway.request import Detour, Hook, RequestContext
+from gateway.request import Hook, RequestContext
 from gateway.telemetry.pools import PoolMetrics
 
 
@@ -26,7 +24,7 @@ from gateway.telemetry.pools import PoolMetrics
 class ElasticHook(Hook):
     fleet: Fleet
     autoscaler: Autoscaler
-    cold: ColdStart
+    cold: ColdStart  # the gate's cold-start check (the app factory puts it among the gate's checks)
     metrics: PoolMetrics | None = None
     _elastic: frozenset[str] = field(init=False)  # models served by an autoscaled pool
 
@@ -39,23 +37,6 @@ class ElasticHook(Hook):
         facts = ctx.facts
         pools = [p for p in self.fleet.pools_for_model(ctx.model) if p.config.elastic]
         self.autoscaler.arrived(pools[0].name, facts.prompt_tokens, facts.max_tokens)
-        pool = self.cold.pool_to_hold(ctx.model)
-        if pool is None:
-            return
-        principal = facts.principal
-        try:
-            waited_s = await self.cold.hold(
-                pool,
-                request_id=facts.request_id,
-                tenant=principal.tenant,
-                priority=principal.priority,
-                weight=1.0,
-                cost_tokens=float(facts.prompt_tokens + facts.output_reservation),
-            )
-        except ColdStartRejected as error:
-            raise Detour("cold_start", error) from None
-        ctx.record.cold_start_ms = round(waited_s * 1000.0, 1)
-        ctx.headers.append((COLD_START_HEADER, f"{waited_s * 1000.0:.0f}"))
 
     def ended(self, ctx: RequestContext) -> None:
         outcome, routed = ctx.outcome, ctx.routed

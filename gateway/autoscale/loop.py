@@ -4,7 +4,7 @@ One pass every `interval_s` (the shortest of the autoscaled pools'), and at once
 held for a pool with nothing serving, or a device was freed (a cold start or a model switch should
 not wait for the next tick):
 
-    traffic (gateway/autoscale/traffic.py) -> forecasts (backends/autoscale/forecast.py)
+    traffic (gateway/autoscale/traffic.py) -> forecasts (policies/autoscale/forecast.py)
     velocities at the SLO (predictor/capacity.py) + replicas, KV, queue -> PoolSignals
     plan_pool per pool -> share_budget across pools -> Executor.apply
 
@@ -23,17 +23,16 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from backends.autoscale import floors as scheduled
-from backends.autoscale.budget import Claim, share_budget
 from backends.autoscale.devices import group_of
 from backends.autoscale.executor import Executor
-from backends.autoscale.forecast import Forecast, stepped_up
-from backends.autoscale.planner import replica_load
-from backends.autoscale.planners import PLANNERS
-from backends.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RoleSignals
 from backends.fleet import Fleet, Pool
 from backends.types import EndpointState, Role
 from gateway.autoscale.traffic import PoolTraffic
+from policies.autoscale import floors as scheduled
+from policies.autoscale.budget import Claim, share_budget
+from policies.autoscale.forecast import Forecast, stepped_up
+from policies.autoscale.planner import PLANNERS, replica_load
+from policies.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RoleSignals
 from predictor.capacity import replica_velocity
 from predictor.config import PriorSettings
 from predictor.prior import LatencyPrior

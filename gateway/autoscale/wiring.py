@@ -11,12 +11,11 @@ from aiohttp import web
 
 from backends.autoscale.executor import Executor
 from gateway.app import keys as appkeys
-from gateway.app.settings import validate_section
 from gateway.autoscale.hold import ColdStart
 from gateway.autoscale.hook import ElasticHook
 from gateway.autoscale.loop import Autoscaler
 from gateway.telemetry.pools import PoolMetrics
-from predictor.config import PredictorSettings
+from policies.autoscale.forecast import LeadTimes
 
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
 ELASTIC_HOOK = web.AppKey("elastic_hook", ElasticHook)
@@ -24,8 +23,10 @@ ELASTIC_HOOK = web.AppKey("elastic_hook", ElasticHook)
 
 async def autoscale_ctx(app: web.Application) -> AsyncIterator[None]:
     fleet = app[appkeys.FLEET]
-    executor = Executor(app[appkeys.SUPERVISOR], fleet, app[appkeys.BACKENDS], session=app[appkeys.SESSION])
-    prior = validate_section(app[appkeys.SETTINGS], "predictor", PredictorSettings).prior
+    executor = Executor(
+        app[appkeys.SUPERVISOR], fleet, app[appkeys.BACKENDS], lead=LeadTimes(), session=app[appkeys.SESSION]
+    )
+    prior = app[appkeys.SETTINGS].predictor.prior
     autoscaler = Autoscaler(fleet, executor, prior)
     app[AUTOSCALER] = autoscaler
     metrics = PoolMetrics(app[appkeys.METRICS])  # stream migrations are counted in every pool

@@ -4,7 +4,7 @@
 them there), per model while they are still on their way (read, counted, admitted), and per endpoint
 the line last placed there while it is predicted to be prefilling (`spare.paced_starts`). `BatchCapacity`
 answers "may batch run now on this pool, and how many lines" from the endpoints' state, the lines
-already placed and the interactive requests waiting for the pool (`policies.batch.spare`).
+already placed and the interactive requests waiting for the pool (`policies.batch`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backends.fleet import Fleet
-from policies.batch.spare import SpareLimits, pool_spare_slots
+from policies.batch import SpareLimits, pool_spare_slots
 
 Waiting = Callable[[str], int]  # pool -> interactive requests waiting for it in the gateway
 

@@ -17,7 +17,7 @@ batch:
     max_lines_per_endpoint: 8     # batch lines running on one engine at once
     max_attempts: 3               # a line whose upstream fails (5xx) is tried this often
     lease_s: 60                   # state: redis: a claimed line is re-run by another replica after this
-  spare:                          # what "spare capacity" means (policies/batch/spare.py)
+  spare:                          # what "spare capacity" means (policies/batch.py)
     max_engine_waiting: 0
     max_kv_usage_ratio: 0.6
     slo_headroom: 0.5
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.batch.spare import SpareLimits
+from policies.batch import SpareLimits
 
 _DAY_S = 24 * 3600.0
 
@@ -59,15 +59,17 @@ class RunnerSettings(_Strict):
 
 
 class SpareSettings(_Strict):
-    """Batch runs only on spare capacity; these say what spare means (policies/batch/spare.py)."""
+    """Batch runs only on spare capacity; these say what spare means (policies/batch.py)."""
 
     max_engine_waiting: int = Field(default=0, ge=0, description="requests queued in the engine")
-    max_kv_usage_ratio: float = Field(default=0.6, gt=0, le=1.0)
+    max_kv_usage_ratio: float = Field(
+        default=0.6, gt=0, le=1.0, description="a line starts only on an engine whose KV cache is at most this full"
+    )
     max_endpoint_inflight: int | None = Field(default=None, ge=1, description="all requests on one engine")
     slo_headroom: float = Field(
         default=0.5, gt=0, le=1.0, description="share of the tightest interactive objective a line's prediction may use"
     )
-    max_stats_age_s: float = Field(default=2.0, gt=0)
+    max_stats_age_s: float = Field(default=2.0, gt=0, description="older engine stats count as busy")
     paced_starts: bool = Field(
         default=False, description="a new line waits until the last one placed on the engine is past its predicted TTFT"
     )
@@ -85,14 +87,18 @@ class SpareSettings(_Strict):
 
 
 class BatchSettings(_Strict):
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="serve /v1/files and /v1/batches and run batch lines")
     dir: str = Field(default="var/batch", description="embedded store (state: memory): files and progress")
-    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1024)
-    max_lines: int = Field(default=50_000, ge=1)
-    tenant: TenantStorage = Field(default_factory=TenantStorage)
+    max_file_bytes: int = Field(
+        default=200 * 1024 * 1024, ge=1024, description="one uploaded file (OpenAI's limit: 200 MB)"
+    )
+    max_lines: int = Field(default=50_000, ge=1, description="requests in one file (OpenAI's limit)")
+    tenant: TenantStorage = Field(
+        default_factory=TenantStorage, description="bounded storage per tenant (every key of the tenant together)"
+    )
     file_ttl_s: float = Field(default=30 * _DAY_S, gt=0, description="files expire after this")
     batch_ttl_s: float = Field(default=30 * _DAY_S, gt=0, description="finished batch objects are kept this long")
     completion_window_s: float = Field(default=_DAY_S, gt=0, description="'24h': unfinished lines expire after")
     fsync: bool = Field(default=True, description="a line's result is on disk (fsync) before it counts as done")
-    runner: RunnerSettings = Field(default_factory=RunnerSettings)
-    spare: SpareSettings = Field(default_factory=SpareSettings)
+    runner: RunnerSettings = Field(default_factory=RunnerSettings, description="how batch lines run")
+    spare: SpareSettings = Field(default_factory=SpareSettings, description="what spare capacity means")

@@ -1,6 +1,6 @@
-"""The Files and Batch APIs in the app: the gate among the walk's hooks, the store, the runner.
+"""The Files and Batch APIs in the app: the batch check among the gate's checks, the store, the runner.
 
-`batch_gate` builds what the walk needs (the gate hook and the capacity view it shares with the
+`batch_gate` builds what the walk needs (the gate's batch check and the capacity view it shares with the
 runner) while the app factory builds the walk; `batch_ctx` then opens the store — on disk under
 `batch.dir` with `state: memory`, in Redis with `state: redis` — and runs the runner for the app's
 life. On the way out the runner stops first (its lines in flight are claimed again later), then
@@ -19,9 +19,7 @@ from aiohttp import web
 from backends.fleet import Fleet
 from gateway.apis.routes import RESPONSE_STORE
 from gateway.app import keys as appkeys
-from gateway.app.settings import validate_section
 from gateway.batch.capacity import BatchCapacity
-from gateway.batch.config import BatchSettings
 from gateway.batch.disk import DiskBatchStore
 from gateway.batch.gate import BatchGate
 from gateway.batch.metrics import BatchMetrics
@@ -38,9 +36,9 @@ BATCH_CAPACITY: web.AppKey[BatchCapacity | None] = web.AppKey("batch_capacity")
 def batch_gate(
     app: web.Application, fleet: Fleet, waiting: Callable[[str], int], predictor: PredictsLatency | None
 ) -> BatchGate | None:
-    """The walk's batch gate (None when the Batch API is off); `waiting(pool)` counts the interactive
-    requests held for the pool (the SLO queue; the flow-control room)."""
-    settings = validate_section(app[appkeys.SETTINGS], "batch", BatchSettings)
+    """The gate's batch check (None when the Batch API is off); `waiting(pool)` counts the interactive
+    requests waiting for the pool in the gate's room."""
+    settings = app[appkeys.SETTINGS].batch
     if not settings.enabled:
         app[BATCH_CAPACITY] = None
         return None
@@ -52,7 +50,7 @@ def batch_gate(
 
 async def batch_ctx(app: web.Application) -> AsyncIterator[None]:
     gateway = app[appkeys.SETTINGS]
-    settings = validate_section(gateway, "batch", BatchSettings)
+    settings = gateway.batch
     capacity = app.get(BATCH_CAPACITY)
     if not settings.enabled or capacity is None:
         app[BATCH] = None

@@ -15,7 +15,6 @@ import orjson
 from aiohttp import web
 
 from gateway.app import keys as appkeys
-from gateway.app.settings import validate_section
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.console.throttle import LoginThrottle, retry_after_header
 from gateway.console.usage import usage_async
@@ -23,7 +22,6 @@ from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.http import access
 from gateway.http.admin_replies import json_reply
 from gateway.http.routes import Handler, caller_of, gate_of
-from gateway.ledger.config import LedgerConfig
 from gateway.ledger.report import ReportError
 
 audit = logging.getLogger("tokenway.audit")
@@ -167,7 +165,7 @@ async def activity(request: web.Request) -> web.Response:
 
 async def usage(request: web.Request) -> web.Response:
     """Spend and usage from the ledger: `?since=24h&until=&by=tenant,model`."""
-    config = validate_section(request.app[appkeys.SETTINGS], "ledger", LedgerConfig)
+    config = request.app[appkeys.SETTINGS].ledger
     by = [f for f in request.query.get("by", "tenant").split(",") if f.strip()]
     try:
         found = await usage_async(Path(config.dir), request.query.get("since", "24h"), request.query.get("until"), by)

@@ -14,12 +14,12 @@ from aiohttp import web
 
 from gateway.app import keys as appkeys
 from gateway.app.factory import create_app
-from gateway.app.settings import GatewaySettings, validate_section
+from gateway.app.settings import GatewaySettings
 from gateway.epp import protocol
-from gateway.epp.config import EppSettings
 from gateway.epp.decide import EppDecider
 from gateway.epp.protos import envoy
 from gateway.epp.server import EppServer
+from gateway.transport.engine import EngineTransport
 
 EPP_SERVER = web.AppKey("epp_server", EppServer)
 EPP_DECIDER = web.AppKey("epp_decider", EppDecider)
@@ -32,18 +32,12 @@ def create_epp_app(settings: GatewaySettings) -> web.Application:
 
 
 async def _epp_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = validate_section(app[appkeys.SETTINGS], "epp", EppSettings)
+    config = app[appkeys.SETTINGS].epp
     director = app[appkeys.DIRECTOR]
     fleet = app[appkeys.FLEET]
-    decider = EppDecider(
-        intake=director.intake,
-        director=director,
-        dispatch=director.dispatch,
-        accounting=director.accounting,
-        hooks=director.hooks,
-        fleet=fleet,
-        start_trace=app[appkeys.TRACING].start_request,
-    )
+    engine = director.transport  # what an endpoint is sent is the HTTP gateway's (Envoy sends it)
+    assert isinstance(engine, EngineTransport)
+    decider = EppDecider(director=director, engine=engine)
 
     def ready() -> bool:
         return bool(fleet.pools) and all(pool.has_ready for pool in fleet.pools.values())

@@ -1,56 +1,49 @@
-"""The endpoint picker's decision: the HTTP gateway's walk, without the relay (Envoy relays).
+"""The endpoint picker's transport: the HTTP gateway's walk, answered to Envoy (Envoy relays).
 
-    arrive (Envoy's headers) -> intake (the walk's: parse, validate, authenticate, resolve, count)
-    -> admit (the director's: context fits, reserve) -> prepare hooks -> route on the model's pools,
-       only among the endpoints the data plane allows (`x-gateway-destination-endpoint-subset`)
-    -> gate hooks (the SLO gate may queue, or refuse) -> commit (record, prefix index, session,
-       dispatched hooks) -> Picked: the endpoint as `ip:port`, the body Envoy sends on (the served
-       model name, stream usage on, engine shaping, the client's engine-control fields dropped unless
-       its tenant may set them, the tier's priority), or the client's own bytes when none of that
-       changed anything
+    arrive (Envoy's headers) -> the walk (`Director.walk`: intake, admit, prepare hooks, route on
+    the model's pools, gate, commit), routing only among the endpoints the data plane allows
+    (`x-gateway-destination-endpoint-subset`) -> `EppTransport.send`: Picked, the endpoint as
+    `ip:port` and the body Envoy sends on (the served model name, stream usage on, engine shaping,
+    the client's engine-control fields dropped unless its tenant may set them, the tier's
+    priority), or the client's own bytes when none of that changed anything
 
 and then `Following` watches the response Envoy streams back: the SSE events as the HTTP gateway's
 relay reads them (first token for the hooks and the predictor, usage, tokens counted, the usage
 chunk dropped when the client did not ask for it, the model name back to the public one), and at
-the end (or when the stream is cut) it settles the reservation exactly once and hands the record
-to the sinks (metrics, ledger), as the HTTP gateway does.
+the end (or when the stream is cut) it ends the attempt, settles the reservation exactly once and
+hands the record to the sinks (metrics, ledger), as the HTTP gateway does: the transport `follows`.
 
-Every "no" is an immediate response in the API's own error shape: 4xx for the client's mistakes,
-429 for limits and budgets (and for a request the SLO policy sheds), 503 when no endpoint (of the
-allowed subset) can serve or the SLO gate refuses. Fallbacks to another model are not taken: the
-request belongs to the InferencePool Envoy routed it to.
+Every "no" is an immediate response in the API's own error shape (`EppTransport.refuse`): 4xx for
+the client's mistakes, 429 for limits and budgets (and for a request the SLO policy sheds), 503 when
+no endpoint (of the allowed subset) can serve or the SLO gate refuses. Fallbacks to another model
+are not taken (the facts say so): the request belongs to the InferencePool Envoy routed it to, and
+Envoy, not the picker, retries on another endpoint.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from backends.fleet import Fleet, Pool
+from backends.fleet import Pool
 from backends.types import Endpoint, LoadTicket
 from gateway.epp.exchange import Picked, Refused
-from gateway.errors import EngineRejected, GatewayError, InvalidRequest, NoHealthyBackend
+from gateway.errors import EngineRejected, GatewayError, InvalidRequest
 from gateway.request.accounting import Accounting
-from gateway.request.apis import APIS, Api
+from gateway.request.apis import APIS
 from gateway.request.context import RequestContext, Routed
-from gateway.request.detour import Detour
 from gateway.request.director import Director
-from gateway.request.dispatch import Dispatch
 from gateway.request.hooks import Hooks
-from gateway.request.intake import Intake
-from gateway.request.record import RequestRecord
-from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
+from gateway.transport.engine import EngineTransport, answer_headers
 from gateway.upstream.relay import RelayOutcome, relay_events
-from policies.routing.types import RouteRequest
-from policies.types import Usage
+from policies.types import RequestFacts, Usage
 
 log = logging.getLogger("tokenway.epp")
 
@@ -77,24 +70,13 @@ def refused_from(ctx: RequestContext | None, error: GatewayError, headers: Seque
 
 
 class EppDecider:
-    def __init__(
-        self,
-        *,
-        intake: Intake,
-        director: Director,
-        dispatch: Dispatch,
-        accounting: Accounting,
-        hooks: Hooks,
-        fleet: Fleet,
-        start_trace: Any = None,
-    ) -> None:
-        self.intake = intake
+    """The picker's entry: one `decide` per request Envoy shows it, on the director's walk."""
+
+    def __init__(self, *, director: Director, engine: EngineTransport) -> None:
         self.director = director
-        self.dispatch = dispatch
-        self.accounting = accounting
-        self.hooks = hooks
-        self.fleet = fleet
-        self.start_trace = start_trace
+        self.engine = engine  # what an endpoint is sent (the body) and what the answer carries (headers)
+        self.accounting: Accounting = director.accounting
+        self.hooks: Hooks = director.hooks
         self.open = 0  # requests picked whose response has not ended
 
     async def decide(self, headers: dict[str, str], body: bytes, subset: Sequence[str] | None) -> Picked | Refused:
@@ -105,72 +87,46 @@ class EppDecider:
             error = InvalidRequest(f"the endpoint picker serves {', '.join(API_BY_PATH)}, not {path!r}")
             error.status = 404
             return refused_from(None, error, [("x-request-id", request_id)])
-        ctx = self._arrive(headers, APIS[kind], request_id)
-        try:
-            return await self._walk(ctx, headers, body, subset)
-        except Detour as detour:
-            await self.accounting.release(ctx)
-            return self._refuse(ctx, detour.error)
-        except GatewayError as error:
-            await self.accounting.release(ctx)
-            return self._refuse(ctx, error)
-        except asyncio.CancelledError:  # Envoy gave up on the stream while we decided
-            self.accounting.aborted(ctx)
-            self.accounting.finish(ctx)
-            raise
-        except Exception as exc:  # a bug still answers, in the API's shape, and leaves its record
-            log.exception("endpoint picker: request %s failed unexpectedly", request_id)
-            await self.accounting.close_open(ctx)
-            return self._refuse(ctx, GatewayError(f"internal error: {type(exc).__name__}"))
+        director = self.director
+        ctx = director.arrive(APIS[kind], request_id, headers)
 
-    def _arrive(self, headers: Mapping[str, str], api: Api, request_id: str) -> RequestContext:
-        record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())
-        trace: RequestTrace = self.start_trace(request_id, headers) if self.start_trace else NOOP_TRACE
-        return RequestContext(None, api, record, trace, time.perf_counter(), [("x-request-id", request_id)])
+        async def read() -> RequestFacts:
+            facts = await director.intake.facts(ctx, body, CIMultiDictProxy(CIMultiDict(headers)))
+            return dataclasses.replace(facts, allow_fallback=False)  # the InferencePool's model, or nothing
 
-    async def _walk(
-        self, ctx: RequestContext, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None
-    ) -> Picked:
-        facts = ctx._facts = await self.intake.facts(ctx, body, CIMultiDictProxy(CIMultiDict(headers)))
-        ctx.model = facts.model
-        ctx.routing = RouteRequest(facts)
-        await self.director.admit(ctx)
-        await self.hooks.prepare(ctx)
-        pools = self.fleet.pools_for_model(ctx.model)
-        exclude = _outside(pools, subset)
-        with ctx.trace.span("routing", model=ctx.model):
-            routed = self.dispatch.route(ctx, pools, exclude)
-        if routed is None:
-            raise NoHealthyBackend(
-                f"No healthy endpoint can serve '{ctx.model}' right now"
-                + (" among those the gateway allowed." if subset is not None else "."),
-                headers=[("retry-after", str(self.dispatch.server.retry_after_s))],
-            )
+        return await director.walk(ctx, read, EppTransport(self, body, subset))
 
-        def reroute(more: Collection[str], pools: Sequence[Pool] = pools) -> Routed | None:
-            return self.dispatch.route(ctx, pools, exclude.union(more))
 
-        routed = await self.hooks.gate(ctx, routed, reroute)
-        self.dispatch.commit(ctx, routed)
-        endpoint = routed.endpoint
-        upstream_body = self.dispatch.upstream_body(ctx, endpoint)
+class EppTransport:
+    """One request's answer to Envoy: the pick (or the refusal), then its response followed."""
+
+    follows = True
+
+    def __init__(self, decider: EppDecider, body: bytes, subset: Sequence[str] | None) -> None:
+        self.decider = decider
+        self.body = body  # the client's, as Envoy sent it
+        self.subset = subset
+
+    def unreachable(self, pools: Sequence[Pool]) -> set[str]:
+        return _outside(pools, self.subset)
+
+    def refuse(self, ctx: RequestContext, error: GatewayError, headers: Iterable[tuple[str, str]]) -> Refused:
+        return refused_from(ctx, error, list(headers))
+
+    async def send(self, ctx: RequestContext, routed: Routed, *, last: bool) -> Picked:
+        facts, endpoint = ctx.facts, routed.endpoint
+        upstream_body = self.decider.engine.upstream_body(ctx, endpoint)
         # Envoy forwards only what the picker sends back: the walk's body, engine-control fields as
         # policy allows. One the walk left as it was (nothing dropped, renamed or added) goes byte for byte.
         changed = bool(ctx.dropped_fields) or upstream_body != facts.body
-        upstream = orjson.dumps(upstream_body) if changed else body
+        upstream = orjson.dumps(upstream_body) if changed else self.body
         local_prefill = max(facts.prompt_tokens - routed.decision.cached_tokens_estimate, 0)
-        follower = Following(
-            self, ctx, endpoint.inflight.begin(local_prefill), self.dispatch.response_headers(ctx, routed.decision)
-        )
+        headers = answer_headers(ctx, routed.decision)
+        follower = Following(self.decider, ctx, endpoint.inflight.begin(local_prefill), headers)
         ctx.record.gateway_overhead_s = time.perf_counter() - ctx.arrived_s
-        self.open += 1
+        self.decider.open += 1
         added = [("x-request-id", ctx.record.request_id)]
         return Picked([host_port(endpoint)], upstream, follower, headers=added, body_changed=changed)
-
-    def _refuse(self, ctx: RequestContext, error: GatewayError) -> Refused:
-        self.accounting.failed(ctx, error)
-        self.accounting.finish(ctx)
-        return refused_from(ctx, error, ctx.headers)
 
 
 def _outside(pools: Sequence[Pool], subset: Sequence[str] | None) -> set[str]:

@@ -21,9 +21,9 @@ Bounds: a request leaves at its deadline (`QueueRejected` queue_timeout), when i
 (queue_shed); a request that finds no room is refused (queue_full). Every exit carries a retry-after
 from the room's drain rate.
 
-The same call serves any "hold until the pool has capacity or a deadline": a cold start's wait for a
-replica is `hold` with a `ready()` that answers a value once one is ready, and `notify(pool)` when it
-is.
+`ready()` is the gate's (`gateway/flow/gate.py`): it asks every check (saturation and the slot
+reserve, the SLO, batch spare capacity, a cold start) and routes again where one says so, so a
+request for a pool at zero waits here too, until a replica is ready (`notify(pool)` when it is).
 """
 
 from __future__ import annotations
@@ -88,10 +88,11 @@ class _Room:
     recheck: asyncio.TimerHandle | None = None
     drain: bounds.DrainRate = field(default_factory=bounds.DrainRate)
     tags: dict[str, int] = field(default_factory=dict)
+    batch: int = 0  # batch lines among `entries`
     dispatched: int = 0
     waited: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
-    preempted: int = 0  # streams cut to free a slot for a request under its share (`FlowHook`)
+    preempted: int = 0  # streams cut to free a slot for a request under its share (`Saturation`)
 
 
 @dataclass(slots=True)
@@ -209,6 +210,11 @@ class FlowQueue:
         room = self._rooms.get(pool)
         return room.tags.get(tag, 0) if room is not None else 0
 
+    def interactive_depth(self, pool: str) -> int:
+        """Requests other than batch lines waiting in `pool` now (what batch work yields to)."""
+        room = self._rooms.get(pool)
+        return len(room.entries) - room.batch if room is not None else 0
+
     def depth(self, pool: str, band: int | None = None) -> int:
         room = self._rooms.get(pool)
         if room is None:
@@ -310,6 +316,7 @@ class FlowQueue:
         room.body_bytes += request.body_bytes
         if request.tag:
             room.tags[request.tag] = room.tags.get(request.tag, 0) + 1
+        room.batch += request.batch
         room.waited += 1
         self.activity.waiting(room.pool, request.tenant, request.band, request.weight, 1)
         self.counters.watch(room.pool, request.band, True)
@@ -325,6 +332,7 @@ class FlowQueue:
             return
         request = entry.request
         room.body_bytes -= request.body_bytes
+        room.batch -= request.batch
         if request.tag:
             left = room.tags.get(request.tag, 0) - 1
             if left > 0:

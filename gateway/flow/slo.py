@@ -5,14 +5,15 @@ next* and owns every wait. `SloHook` follows every request with an SLO through t
 
 - prepare: lets routing see the running TPOT SLOs (`RouteRequest.running_tpot_slo_ms`), so the
   latency scorer protects requests already running, and names the SLO class in the record;
-- check (asked by the flow hook's waiting room each time the request might go): decides over the
-  routing decision's predictions (`policies.slo.decide`; it predicts the chosen endpoint itself when
-  the router made none), re-routes among the endpoints that meet the SLO, answers `Blocked.REQUEST`
-  while a class that says `queue` is not met (the request keeps waiting in flow order, without
-  holding up the requests behind it), and answers any other miss with a `Detour`: a 503
-  `slo_unattainable` with an honest retry-after, or the model's fallback chain for `on_miss:
-  fallback`; a queued request's deadline is bounded by its class's `max_queue_ms` and its TTFT
-  objective, and one that waits that out gets the SLO's 503;
+- check (a `Check` of the gate, `gateway/flow/check.py`, asked each time the request might go):
+  decides over the routing decision's predictions (`policies.slo.decide`; it predicts the chosen
+  endpoint itself when the router made none), `Avoid`s the endpoints that miss when others meet
+  the SLO (the room routes again among those), answers `Wait(REQUEST)` while a class that says
+  `queue` is not met (the request keeps waiting in flow order, without holding up the requests
+  behind it), and `Refuse`s any other miss: a 503 `slo_unattainable` with an honest retry-after, or
+  the model's fallback chain for `on_miss: fallback`; a queued request's deadline is bounded by its
+  class's `max_queue_ms` and its TTFT objective (`enter`), and one that waits that out gets the
+  SLO's 503 (the wait's answer);
 - dispatched / ended: keeps `RunningTpotSlos`.
 
 `RunningTpotSlos`: per endpoint, the tightest TPOT SLO of the requests in flight there (updated at
@@ -25,12 +26,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Final, Protocol
 
 from backends.types import Endpoint
 from gateway.errors import Rejected
+from gateway.flow.check import GO, Avoid, Check, Refuse, Turn, Verdict, Wait
 from gateway.flow.types import Blocked
-from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
+from gateway.request import Detour, Hook, RequestContext, Routed
 from policies.slo import Meet, Miss, Slo, decide
 from policies.types import Rejection
 from predictor.types import Prediction, RequestShape
@@ -136,17 +139,16 @@ def slo_miss(miss: Miss, slo: Slo, model: str, reason: str, *, waited_ms: float 
 
 
 @dataclass(slots=True)
-class SloHook(Hook):
-    """The SLO gate as a hook of the walk and a check of the flow hook (see the module docstring).
+class SloHook(Check, Hook):
+    """The SLO gate as a hook of the walk and a check of the gate (see the module docstring).
 
     `waiting(pool, slo_class)` counts the class's requests waiting in the pool (the flow queue's
-    `waiting_with`), for `max_queued`."""
+    `waiting_with`), for `max_queued`. A request's last miss while it waits is `ctx.slo_miss`."""
 
     predictor: PredictsLatency | None = None  # predicts the chosen endpoint when the router made none
     running: RunningTpotSlos = field(default_factory=RunningTpotSlos)
     waiting: Callable[[str, str], int] = lambda pool, slo_class: 0
     now: Callable[[], float] = time.monotonic
-    _misses: dict[int, Miss] = field(default_factory=dict)  # id(ctx) -> its last miss while it waits
 
     async def prepare(self, ctx: RequestContext) -> None:
         slo = ctx.facts.slo
@@ -157,43 +159,53 @@ class SloHook(Hook):
         if slo.class_name:
             ctx.record.slo_class = slo.class_name
 
-    def check(self, ctx: RequestContext, routed: Routed, reroute: Reroute) -> Routed | Blocked:
-        """The routing decision to go with, Blocked.REQUEST while a `queue` class is not met, or a
-        Detour for any other miss."""
-        slo = ctx.facts.slo
-        if slo is None:
-            return routed
-        verdict = self._verdict(ctx, slo, routed)
-        routed = self._restrict(routed, verdict, reroute)
-        if isinstance(verdict, Meet) and verdict.idle_only:
-            ctx.record.slo_idle_admit = True  # none meets it; an idle endpoint always admits
-        if not isinstance(verdict, Miss) or verdict.action == "proceed":
-            self._misses.pop(id(ctx), None)
-            return routed
-        if verdict.action != "queue":
-            raise slo_miss(verdict, slo, ctx.model, REASON_SHED if verdict.action == "shed" else REASON_UNATTAINABLE)
-        if id(ctx) not in self._misses and self.waiting(routed.pool.name, slo.class_name) >= slo.max_queued:
-            raise slo_miss(verdict, slo, ctx.model, REASON_QUEUE_FULL)
-        self._misses[id(ctx)] = verdict
-        return Blocked.REQUEST
-
-    def deadline_s(self, ctx: RequestContext, deadline_s: float) -> float:
+    def enter(self, turn: Turn, routed: Routed | None) -> None:
         """A `queue` class waits at most its `max_queue_ms`, and never past its TTFT objective."""
+        ctx = turn.ctx
+        ctx.slo_miss = None  # a turn begins with no miss (an earlier model's or attempt's is over)
         slo = ctx.facts.slo
         if slo is None or slo.on_miss != "queue":
-            return deadline_s
+            return
         now = self.now()
-        deadline_s = min(deadline_s, now + slo.max_queue_ms / 1000.0)
+        deadline_s = min(turn.deadline_s, now + slo.max_queue_ms / 1000.0)
         if slo.ttft_ms is not None:  # past the TTFT objective, waiting cannot help any more
             elapsed_s = time.perf_counter() - ctx.arrived_s
             deadline_s = min(deadline_s, now - elapsed_s + slo.ttft_ms / 1000.0)
-        return deadline_s
+        turn.deadline_s = deadline_s
 
-    def last_wait_error(self, ctx: RequestContext, waited_s: float) -> Detour | None:
+    def check(self, turn: Turn, routed: Routed) -> Verdict:
+        """GO, `Avoid` the endpoints that miss when others meet it, `Wait(REQUEST)` while a `queue`
+        class is not met, or `Refuse` any other miss."""
+        ctx = turn.ctx
+        slo = ctx.facts.slo
+        if slo is None:
+            return GO
+        verdict = self._verdict(ctx, slo, routed)
+        if isinstance(verdict, Meet):
+            if verdict.idle_only:
+                ctx.record.slo_idle_admit = True  # none meets it; an idle endpoint always admits
+            if routed.endpoint.id not in verdict.endpoint_ids:
+                made = routed.decision.predictions or {}
+                missing = [endpoint_id for endpoint_id in made if endpoint_id not in verdict.endpoint_ids]
+                if missing:
+                    return Avoid(missing, GO)  # none left to route to: it goes where the router chose
+        if not isinstance(verdict, Miss) or verdict.action == "proceed":
+            ctx.slo_miss = None
+            return GO
+        if verdict.action != "queue":
+            reason = REASON_SHED if verdict.action == "shed" else REASON_UNATTAINABLE
+            return Refuse(slo_miss(verdict, slo, ctx.model, reason))
+        if ctx.slo_miss is None and self.waiting(routed.pool.name, slo.class_name) >= slo.max_queued:
+            return Refuse(slo_miss(verdict, slo, ctx.model, REASON_QUEUE_FULL))
+        ctx.slo_miss = verdict
+        return Wait(Blocked.REQUEST, "slo", partial(self._waited_out, ctx))
+
+    @staticmethod
+    def _waited_out(ctx: RequestContext, waited_s: float) -> Detour:
         """The answer to a request this gate kept waiting until its deadline."""
-        miss, slo = self._misses.pop(id(ctx), None), ctx.facts.slo
-        if miss is None or slo is None:
-            return None
+        miss, ctx.slo_miss = ctx.slo_miss, None
+        slo = ctx.facts.slo
+        assert miss is not None and slo is not None
         return slo_miss(miss, slo, ctx.model, REASON_QUEUE_TIMEOUT, waited_ms=waited_s * 1000.0)
 
     def dispatched(self, ctx: RequestContext) -> None:
@@ -207,9 +219,6 @@ class SloHook(Hook):
         slo = ctx.facts.slo
         if routed is not None and slo is not None and slo.tpot_ms is not None:
             self.running.end(RunningSlo(routed.endpoint.id, slo.tpot_ms))
-
-    def finished(self, ctx: RequestContext) -> None:
-        self._misses.pop(id(ctx), None)
 
     def _verdict(self, ctx: RequestContext, slo: Slo, routed: Routed) -> Meet | Miss | None:
         """Decide over the router's predictions (or the chosen endpoint's alone, for routers that
@@ -232,12 +241,3 @@ class SloHook(Hook):
             running_tpot_slo_ms=self.running.floors,
             elapsed_ms=(time.perf_counter() - ctx.arrived_s) * 1000.0,
         )
-
-    @staticmethod
-    def _restrict(routed: Routed, verdict: Meet | Miss | None, reroute: Reroute) -> Routed:
-        """When the router's choice misses the SLO but others meet it, route again among those."""
-        if not isinstance(verdict, Meet) or routed.endpoint.id in verdict.endpoint_ids:
-            return routed
-        made = routed.decision.predictions or {}
-        missing = [endpoint_id for endpoint_id in made if endpoint_id not in verdict.endpoint_ids]
-        return reroute(missing) or routed

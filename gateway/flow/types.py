@@ -33,7 +33,8 @@ class FlowRequest:
     `deadline_s`: `time.monotonic()` past which it stops waiting; `tag`: a group whose waiting
     requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream
     flow control cut to free its slot, waiting to continue (it was admitted before any of its
-    tenant's that wait, so it goes first of them)."""
+    tenant's that wait, so it goes first of them); `batch`: a batch line (not counted among the
+    interactive requests waiting, `FlowQueue.interactive_depth`)."""
 
     request_id: str
     tenant: str
@@ -44,6 +45,7 @@ class FlowRequest:
     body_bytes: int = 0
     tag: str = ""
     resumed: bool = False  # a preempted stream waiting again: first of its tenant's, as the earliest arrival
+    batch: bool = False
 
 
 class QueueRejected(Exception):

@@ -3,7 +3,7 @@ copied to a Redis stream, and read back by `tokenway usage report`."""
 
 from __future__ import annotations
 
-from gateway.ledger.config import LedgerConfig, RedisStreamConfig
+from gateway.app.schema import LedgerConfig, RedisStreamConfig
 from gateway.ledger.writer import LedgerWriter
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.ledger.config import LedgerConfig
+from gateway.app.schema import LedgerConfig
 from gateway.ledger.reader import ReadStats, files_in_window, iter_entries
 from gateway.ledger.report import FORMATS, ReportBuilder, ReportError, render
 from policies.times import parse_duration_s, parse_iso_s
@@ -118,14 +118,13 @@ def _ledger_dir(args: argparse.Namespace) -> Path:
     if args.dir:
         return Path(args.dir)
     if args.config:
-        from gateway.app.settings import ConfigError, load_settings, validate_section
+        from gateway.app.settings import ConfigError, load_settings
 
         try:
             settings = load_settings(args.config)
-            ledger = validate_section(settings, "ledger", LedgerConfig)
         except ConfigError as exc:
             raise ValueError(str(exc)) from exc
-        return settings.resolve_path(ledger.dir)  # relative to gateway.yaml, as the gateway reads it
+        return settings.resolve_path(settings.ledger.dir)  # relative to gateway.yaml, as the gateway reads it
     return Path(LedgerConfig().dir)
 
 

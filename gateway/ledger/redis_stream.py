@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.ledger.config import RedisStreamConfig
+from gateway.app.schema import RedisStreamConfig
 
 log = logging.getLogger("tokenway.ledger")
 

@@ -25,8 +25,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
+from gateway.app.schema import LedgerConfig
 from gateway.ledger import codec
-from gateway.ledger.config import LedgerConfig
 from gateway.request.record import RequestRecord
 
 log = logging.getLogger("tokenway.ledger")

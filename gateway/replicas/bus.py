@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 
 from backends.fleet import Fleet
 from backends.types import Endpoint
-from gateway.replicas.config import ReplicasSettings
+from gateway.app.schema import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
 from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, TenantLoad, decode, encode
 from policies.limits.resp import command
@@ -84,10 +84,12 @@ class ReplicaBus:
         self.fleet = fleet
         self.router = router
         self.clock = clock
-        self.remote = RemoteLoads(settings.ttl_s, self._shared_endpoint)
+        self.remote = RemoteLoads(settings.advanced.ttl_s, self._shared_endpoint)
         self.activity: SharedActivity | None = None  # flow control's, once its context has set it
         self._redis_url = redis_url
-        self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(maxlen=settings.max_pending_dispatches)
+        self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(
+            maxlen=settings.advanced.max_pending_dispatches
+        )
         self._own = self.replica_id.encode()
         self._writer: aioredis.Redis | None = None
         self._pipe: ScriptPipe | None = None  # the publisher's raw connection (plain TCP or unix socket)
@@ -182,7 +184,7 @@ class ReplicaBus:
     def _take_dispatches(self) -> list[Dispatch]:
         taken: list[Dispatch] = []
         index = self.router.index
-        limit = self.settings.max_keys_per_dispatch
+        limit = self.settings.advanced.max_keys_per_dispatch
         pending = self._pending
         while pending:
             endpoint_id, prompt, session = pending.popleft()
@@ -190,7 +192,7 @@ class ReplicaBus:
         return taken
 
     async def _publish_loop(self) -> None:
-        interval_s = self.settings.publish_interval_ms / 1000.0
+        interval_s = self.settings.advanced.publish_interval_ms / 1000.0
         reported: list[Load] | None = None
         reported_tenants: list[TenantLoad] | None = None
         reported_at_s = float("-inf")
@@ -200,7 +202,9 @@ class ReplicaBus:
             loads = self._local_loads()
             tenants = self.activity.report() if self.activity is not None else None
             report = (
-                loads != reported or tenants != reported_tenants or now_s - reported_at_s >= self.settings.heartbeat_s
+                loads != reported
+                or tenants != reported_tenants
+                or now_s - reported_at_s >= self.settings.advanced.heartbeat_s
             )
             dispatches = self._take_dispatches()
             if not report and not dispatches:
@@ -213,7 +217,7 @@ class ReplicaBus:
                 await self._writer.xadd(
                     self.stream,
                     {"r": self._own, "b": encode(batch)},
-                    maxlen=self.settings.stream_max_len,
+                    maxlen=self.settings.advanced.stream_max_len,
                     approximate=True,
                 )
             except (RedisError, OSError) as exc:
@@ -231,13 +235,13 @@ class ReplicaBus:
         """One entry: over the raw pipe (the command encoded here, no redis-py per batch: under load
         a batch goes out every `publish_interval_ms`), else through redis-py (TLS, unusual clients)."""
         if self._pipe is not None:
-            maxlen = str(self.settings.stream_max_len).encode()
+            maxlen = str(self.settings.advanced.stream_max_len).encode()
             words = (b"XADD", self._stream_key, b"MAXLEN", b"~", maxlen, b"*", b"r", self._own, b"b", payload)
             await self._pipe.submit(command(*words), None)
             return
         assert self._writer is not None
         await self._writer.xadd(
-            self.stream, {"r": self._own, "b": payload}, maxlen=self.settings.stream_max_len, approximate=True
+            self.stream, {"r": self._own, "b": payload}, maxlen=self.settings.advanced.stream_max_len, approximate=True
         )
 
     # -- reading -----------------------------------------------------------------------------------
@@ -245,10 +249,10 @@ class ReplicaBus:
     async def _bootstrap(self) -> str:
         """Replay the stream's recent dispatches; the id to read on from."""
         assert self._reader is not None
-        if self.settings.bootstrap_entries == 0:
+        if self.settings.advanced.bootstrap_entries == 0:
             return "$"
         try:
-            entries: Any = await self._reader.xrevrange(self.stream, count=self.settings.bootstrap_entries)
+            entries: Any = await self._reader.xrevrange(self.stream, count=self.settings.advanced.bootstrap_entries)
         except (RedisError, OSError) as exc:
             self._note_error(f"bootstrap: {exc}")
             return "$"

@@ -6,6 +6,6 @@ features plugged in as hooks (`hooks.py`). This package imports no hook module: 
 from gateway.request.context import RequestContext, Routed
 from gateway.request.detour import Detour
 from gateway.request.director import Director
-from gateway.request.hooks import Hook, Hooks, Reroute
+from gateway.request.hooks import OPEN_GATE, Gate, Hook, Hooks, Reroute
 
-__all__ = ["Detour", "Director", "Hook", "Hooks", "RequestContext", "Reroute", "Routed"]
+__all__ = ["OPEN_GATE", "Detour", "Director", "Gate", "Hook", "Hooks", "RequestContext", "Reroute", "Routed"]

@@ -23,7 +23,7 @@ from gateway.request.hooks import Hooks
 from gateway.upstream.relay import RelayOutcome
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
-from policies.pricing import price_usd
+from policies.policy import price_usd
 from policies.types import Usage
 
 log = logging.getLogger("tokenway.request")

@@ -34,7 +34,34 @@ from policies.types import ApiKind, Principal, RequestFacts, Usage
 UnaryTransform = Callable[[dict[str, Any]], tuple[bytes | None, Usage | None]]
 
 
-class Api(Protocol):
+class Translation(Protocol):
+    """The part of an `Api` a transport asks (`gateway/request/transport.py`): the request written for
+    the endpoint, and its answer, stream and errors read back in the client's API. A native API
+    passes them through; a translated one (`gateway/apis/`) writes chat completions where the engine
+    lacks the client's API and translates the answer back."""
+
+    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
+        """(path, the API the body is written in, body) for this endpoint (before engine shaping)."""
+        ...
+
+    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec | None:
+        """How to rewrite the engine's stream for the client; None: relayed as it is."""
+        ...
+
+    def unary_transform(self, public_model: str) -> UnaryTransform | None:
+        """How to rewrite the engine's answer for the client; None: relayed as it is."""
+        ...
+
+    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The gateway's response headers as this API writes them (Anthropic's rate-limit names)."""
+        ...
+
+    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
+        """The engine's own 4xx (`error`, normalised from its `body`) in this API's shape."""
+        ...
+
+
+class Api(Translation, Protocol):
     @property
     def kind(self) -> ApiKind: ...
 
@@ -61,27 +88,7 @@ class Api(Protocol):
         """The client asked for a usage chunk at the end of its stream."""
         ...
 
-    def upstream(self, facts: RequestFacts, endpoint: Endpoint, pd: bool) -> tuple[str, ApiKind, dict[str, Any]]:
-        """(path, the API the body is written in, body) for this endpoint (before engine shaping)."""
-        ...
-
-    def stream_codec(self, public_model: str, reserved_tokens: int, prompt_tokens: int) -> StreamCodec | None:
-        """How to rewrite the engine's stream for the client; None: relayed as it is."""
-        ...
-
-    def unary_transform(self, public_model: str) -> UnaryTransform | None:
-        """How to rewrite the engine's answer for the client; None: relayed as it is."""
-        ...
-
-    def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-        """The gateway's response headers as this API writes them (Anthropic's rate-limit names)."""
-        ...
-
     def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response: ...
-
-    def engine_error(self, error: EngineRejected, body: bytes, headers: Iterable[tuple[str, str]]) -> web.Response:
-        """The engine's own 4xx (`error`, normalised from its `body`) in this API's shape."""
-        ...
 
 
 def native_body(facts: RequestFacts, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:

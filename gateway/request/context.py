@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from gateway.request.record import RequestRecord
 from gateway.telemetry.tracing import RequestTrace
 from gateway.upstream.relay import RelayOutcome
 from policies.routing.types import RouteDecision, RouteRequest
+from policies.slo import Miss
 from policies.types import RequestFacts
 from predictor.length import OutputPrediction
 from predictor.types import Prediction
@@ -26,6 +27,12 @@ from predictor.types import Prediction
 if TYPE_CHECKING:
     from gateway.request.accounting import Reservation
     from gateway.request.apis import Api
+
+
+class FairnessLease(Protocol):
+    """A dispatch's fairness account in the waiting room (`gateway/flow/queue.py`'s `Lease`)."""
+
+    def finished(self, actual_cost_tokens: float | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -56,11 +63,15 @@ class RequestContext:
     routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
     model: str = ""  # director: the model of the chain being tried
     reservation: Reservation | None = None  # director: admission's ticket for `model`
-    routed: Routed | None = None  # dispatch: the attempt committed to (after the gate phase)
+    routed: Routed | None = None  # dispatch: the attempt committed to (after the gate let it go)
     prediction: Prediction | None = None  # dispatched hooks: the serving endpoint's, made before it ran
-    gate_wait_s: float = 0.0  # gate hooks: time the request was held before dispatch (queues)
+    gate_wait_s: float = 0.0  # the gate: time the request was held before dispatch (its waiting room)
     unforwarded_fields: tuple[str, ...] = ()  # dispatch (on debug): request fields that did not reach the engine
-    output_prediction: OutputPrediction | None = None  # gate hooks (flow control): learnt against at the end
+    output_prediction: OutputPrediction | None = None  # the gate (flow control): learnt against at the end
+    # the gate: the dispatch its tenant's fairness counter is charged for, until that attempt ends
+    flow_lease: FairnessLease | None = None
+    flow_running_since_s: float | None = None  # flow control's dispatched hook: a stream it may cut, since (monotonic)
+    slo_miss: Miss | None = None  # the SLO check: its last miss while the request waits (None: not waiting on it)
     outcome: RelayOutcome | None = None  # dispatch: the upstream call under way or done (None: none began)
     # dispatch: endpoints that answered this request 5xx; counted against them only if another serves it
     answered_5xx: list[Endpoint] = field(default_factory=list)

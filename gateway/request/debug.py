@@ -21,6 +21,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from policies.routing.types import RouteDecision
+from predictor.types import Prediction
+
+if TYPE_CHECKING:
+    from gateway.request.context import RequestContext
 
 DEBUG_HEADER = "x-tokenway-debug"
 ADMIN_TOKEN_HEADER = "x-tokenway-admin-token"
@@ -44,3 +51,25 @@ def debug_allowed(headers: Mapping[str, str], remote: str | None, admin_token: s
         given = headers.get(ADMIN_TOKEN_HEADER, "").encode("utf-8", "surrogateescape")
         return hmac.compare_digest(given, admin_token.encode("utf-8"))
     return _loopback(remote) and not any(name in headers for name in _PROXY_HEADERS)
+
+
+def debug_headers(ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
+    """The debug headers of an answer (`ctx.facts.debug`: asked for and allowed): the routing scores
+    (`x-tokenway-route`), the fields that did not reach the engine, the prompt count and its source,
+    and what the predictor expected of the serving endpoint."""
+    headers = [("x-tokenway-route", decision.debug_header())]
+    if ctx.unforwarded_fields:
+        headers.append(("x-tokenway-dropped-fields", ",".join(ctx.unforwarded_fields)))
+    source = ctx.facts.prompt_tokens_source
+    headers.append(("x-tokenway-prompt-tokens", f"{ctx.facts.prompt_tokens};source={source}"))
+    if ctx.prediction is not None:
+        headers.append(("x-tokenway-prediction", _prediction_header(ctx.prediction)))
+    return headers
+
+
+def _prediction_header(p: Prediction) -> str:
+    """`x-tokenway-prediction`: what the predictor expected of the serving endpoint, in ms."""
+    return (
+        f"ttft={p.ttft_ms:.2f};ttft_p90={p.ttft_p90_ms:.2f};tpot={p.tpot_ms:.3f};tpot_p90={p.tpot_p90_ms:.3f};"
+        f"source={p.source};version={p.model_version}"
+    )

@@ -1,11 +1,15 @@
 """The director: the walk of one request, top to bottom.
 
     arrive → intake (frozen facts) → for each model of the fallback chain:
-        context fits? → admit → prepare hooks → dispatch (route → gate → relay)
+        context fits? → admit → prepare hooks → dispatch (route → gate → commit → send)
         a Detour releases the model's reservation and moves to the chain's next model
     → the answer, or the error of the last Detour → accounting (every record, exactly once)
 
-It names each stage and owns none of the features (those are hooks, `gateway/request/hooks.py`).
+It names each stage and owns none of the features (those are hooks, `gateway/request/hooks.py`)
+and none of the ways a request arrives or is answered: the same walk serves a client over HTTP
+(`handle`, the app's engine transport), the endpoint picker's requests (`gateway/epp/decide.py`)
+and batch lines (`gateway/batch/walk.py`), each with its own reader and `Transport`
+(`gateway/request/transport.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -30,15 +34,17 @@ from gateway.request.hooks import Hooks
 from gateway.request.intake import Intake
 from gateway.request.intake import request_id as request_id_of
 from gateway.request.record import RequestRecord
+from gateway.request.transport import Transport
 from gateway.telemetry.tracing import NOOP_TRACE, RequestTrace
 from policies.fallback import check_context, choose_fallback, context_tokens
 from policies.holder import PolicyHolder
 from policies.routing.types import RouteRequest
-from policies.types import Principal, Rejection, RequestFacts
+from policies.types import Rejection, RequestFacts
 
 log = logging.getLogger("tokenway.request")
 
 StartTrace = Callable[[str, Any], RequestTrace]
+A = TypeVar("A")
 
 
 class Director:
@@ -51,10 +57,12 @@ class Director:
         hooks: Hooks,
         policies: PolicyHolder,
         fleet: Fleet,
+        transport: Transport[web.StreamResponse],
         start_trace: StartTrace | None = None,
     ) -> None:
         self.intake = intake
         self.dispatch = dispatch
+        self.transport = transport  # a client's answer over HTTP: relayed from an engine
         self.accounting = accounting
         self.hooks = hooks
         self.policies = policies
@@ -64,29 +72,38 @@ class Director:
     async def handle(self, request: web.Request, api: Api | str) -> web.StreamResponse:
         """Serve one request of `api`: a native kind's name (`APIS`), or the object of an API the
         gateway translates, built for this request (`gateway/apis/`)."""
-        ctx = self._arrive(request, APIS[api] if isinstance(api, str) else api)
-        return await self._walk(ctx, lambda: self.intake.read(ctx))
-
-    async def serve_line(
-        self, api: Api | str, body: object, principal: Principal, *, request_id: str, batch_id: str
-    ) -> web.StreamResponse:
-        """Serve a request made inside the gateway — a batch line — on the same walk as any other:
-        admission, routing, hooks, fallbacks, accounting and its one record. There is no HTTP
-        request: the body is already parsed, the caller known, and the answer is returned, not sent."""
         spec = APIS[api] if isinstance(api, str) else api
-        record = RequestRecord(request_id=request_id, api=spec.kind, started_at_unix_s=time.time())
-        trace = self.start_trace(request_id, {}) if self.start_trace else NOOP_TRACE
-        ctx = RequestContext(None, spec, record, trace, time.perf_counter(), [("x-request-id", request_id)])
-        return await self._walk(ctx, lambda: self.intake.line(ctx, body, principal, batch_id))
+        # the request id kept when it is safe to echo
+        ctx = self.arrive(spec, request_id_of(request.headers), request.headers, request)
+        return await self.walk(ctx, lambda: self.intake.read(ctx), self.transport)
 
-    async def _walk(self, ctx: RequestContext, intake: Callable[[], Awaitable[RequestFacts]]) -> web.StreamResponse:
+    def arrive(
+        self, api: Api, request_id: str, headers: Mapping[str, str] | None = None, http: web.Request | None = None
+    ) -> RequestContext:
+        """A request's context as it arrives: its record and trace begun (`headers` may carry the
+        caller's trace context). `http` is None where no client connection is the gateway's: the
+        endpoint picker's requests (Envoy holds it) and batch lines."""
+        arrived_s = time.perf_counter()
+        record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())
+        trace = self.start_trace(request_id, headers or {}) if self.start_trace else NOOP_TRACE
+        return RequestContext(http, api, record, trace, arrived_s, [("x-request-id", request_id)])
+
+    async def walk(
+        self, ctx: RequestContext, read: Callable[[], Awaitable[RequestFacts]], transport: Transport[A]
+    ) -> A:
+        """The walk of `ctx`: `read` gives its facts (intake), the chain serves it through `transport`,
+        and every way out ends in the one record. An answer that outlives the walk (`transport.follows`)
+        leaves the record to the transport."""
+        open_after = False
         try:
-            ctx._facts = await intake()
-            return await self._chain(ctx)
+            ctx._facts = await read()
+            answer = await self._chain(ctx, transport)
+            open_after = transport.follows
+            return answer
         except GatewayError as error:
             self.accounting.failed(ctx, error)
             # no model served it: an error never claims a fallback (x-tokenway-fallback)
-            return ctx.render_error(error, [h for h in ctx.headers if h[0] != "x-tokenway-fallback"])
+            return transport.refuse(ctx, error, [h for h in ctx.headers if h[0] != "x-tokenway-fallback"])
         except asyncio.CancelledError:  # the client went away, at whatever await the walk was
             self.accounting.aborted(ctx)
             raise
@@ -95,18 +112,12 @@ class Director:
             internal = InternalError(f"internal error: {type(exc).__name__}")
             self.accounting.failed(ctx, internal)
             await self.accounting.close_open(ctx)
-            return ctx.render_error(internal, ctx.headers)
+            return transport.refuse(ctx, internal, ctx.headers)
         finally:
-            self.accounting.finish(ctx)
+            if not open_after:
+                self.accounting.finish(ctx)
 
-    def _arrive(self, request: web.Request, api: Api) -> RequestContext:
-        arrived_s = time.perf_counter()
-        request_id = request_id_of(request.headers)  # kept when it is safe to echo
-        record = RequestRecord(request_id=request_id, api=api.kind, started_at_unix_s=time.time())
-        trace = self.start_trace(request_id, request.headers) if self.start_trace else NOOP_TRACE
-        return RequestContext(request, api, record, trace, arrived_s, [("x-request-id", request_id)])
-
-    async def _chain(self, ctx: RequestContext) -> web.StreamResponse:
+    async def _chain(self, ctx: RequestContext, transport: Transport[A]) -> A:
         """Serve on the requested model, or on the models its fallback chain offers instead."""
         facts = ctx.facts
         ctx.model = facts.model
@@ -117,7 +128,7 @@ class Director:
             try:
                 await self.admit(ctx)
                 await self.hooks.prepare(ctx)
-                return await self.dispatch.serve(ctx)
+                return await self.dispatch.serve(ctx, transport)
             except Detour as detour:
                 await self.accounting.release(ctx)
                 first = first or detour

@@ -42,10 +42,9 @@ from gateway.request.debug import debug_allowed
 from gateway.upstream.engine_control import check_min_tokens
 from policies.engine_fields import cache_salt as engine_cache_salt
 from policies.engine_fields import client_body
-from policies.estimate import PromptEstimator
+from policies.estimate import PromptEstimator, output_reservation
 from policies.holder import PolicyHolder
 from policies.policy import Policy
-from policies.reservation import output_reservation
 from policies.slo import effective_slo
 from policies.types import Principal, Rejection, RequestFacts
 

@@ -23,9 +23,9 @@ from time import monotonic, time_ns
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.app.schema import MetricsConfig
 from gateway.request.record import RequestRecord
 from gateway.telemetry import genai
-from gateway.telemetry.config import MetricsConfig
 from gateway.telemetry.families import (
     CounterChild,
     CounterFamily,

@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gateway.app.schema import OtlpConfig
 from gateway.request.record import RequestRecord
 from gateway.telemetry import genai
-from gateway.telemetry.config import OtlpConfig
 
 if TYPE_CHECKING:
     from gateway.telemetry.metrics import GatewayMetrics

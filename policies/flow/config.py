@@ -2,7 +2,7 @@
 
 ```yaml
 flow_control:
-  enabled: true                  # false: only requests the SLO gate sends to wait ever wait
+  enabled: true                  # false: saturation holds nothing (the gate's other checks still may)
   saturation:                    # every pool, unless its own entry below overrides a field
     max_engine_waiting: 5        # requests waiting inside one engine
     max_kv_usage_ratio: 0.8
@@ -78,15 +78,14 @@ class SaturationConfig(_Strict):
 
 class PoolFlowConfig(_Strict):
     saturation: SaturationConfig | None = Field(default=None, description="fields set here override the defaults")
-    max_queued: int | None = Field(default=None, ge=1)
-    max_queued_bytes: int | None = Field(default=None, ge=1024)
+    max_queued: int | None = Field(default=None, ge=1, description="this pool's max_queued")
+    max_queued_bytes: int | None = Field(default=None, ge=1024, description="this pool's max_queued_bytes")
 
 
-class FlowSettings(_Strict):
-    enabled: bool = Field(default=True, description="hold requests while their pool is saturated")
-    saturation: SaturationConfig = Field(default_factory=SaturationConfig)
-    max_queued: int = Field(default=1024, ge=1, description="requests waiting per pool")
-    max_queued_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="their bodies, per pool")
+class FlowAdvanced(_Strict):
+    """`flow_control.advanced`: the waiting rooms' timers. They trade CPU and Redis calls for how soon a
+    freed slot is seen; a change is a benchmark's decision (bench/fairness), not a deployment's."""
+
     recheck_ms: float = Field(default=50.0, gt=0, description="the head of a waiting room rechecks this often")
     counters_refresh_ms: float = Field(
         default=100.0, gt=0, description="Redis counters: re-read this often while requests wait"
@@ -94,13 +93,28 @@ class FlowSettings(_Strict):
     counters_flush_ms: float = Field(
         default=5.0, gt=0, description="Redis counters: changes gather this long, then go out in one call per band"
     )
+
+
+class FlowSettings(_Strict):
+    enabled: bool = Field(default=True, description="hold requests while their pool is saturated")
+    saturation: SaturationConfig = Field(
+        default_factory=SaturationConfig,
+        description="when an endpoint can start no more (every pool, unless its own entry overrides a field)",
+    )
+    max_queued: int = Field(default=1024, ge=1, description="requests waiting per pool")
+    max_queued_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="their bodies, per pool")
     share_window_s: float = Field(default=60.0, gt=0, description="window of tokenway_fair_share_ratio")
     reserve_active_s: float = Field(
         default=60.0,
         gt=0,
         description="a tenant keeps its claim on the slot reserve this long after its last request (and its peak)",
     )
-    pools: dict[str, PoolFlowConfig] = Field(default_factory=dict)
+    pools: dict[str, PoolFlowConfig] = Field(
+        default_factory=dict, description="per pool: overrides of saturation and the room sizes"
+    )
+    advanced: FlowAdvanced = Field(
+        default_factory=FlowAdvanced, description="expert tunables: how often waiting rooms and counters look again"
+    )
 
     def limits(self, pool: str, max_num_seqs: int | None = None) -> SaturationLimits:
         """The pool's saturation limits: its own fields over the defaults; all off when disabled."""

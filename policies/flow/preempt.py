@@ -22,7 +22,7 @@ prefix.
   tenant's burst may hold more than its share of slots for a few seconds while it asks far less
   than its share of tokens, and without this it waits for the flood to finish a request. A swap
   back is no risk here: a backlogged tenant's requests, and a cut stream waiting again, never cut
-  (`gateway/flow/hook.py`); a tenant that sends more and more reaches its share of tokens and stops
+  (`gateway/flow/saturation.py`); a tenant that sends more and more reaches its share of tokens and stops
   cutting;
 - among those, the tenant furthest over (slots per weight), and its most recent stream, which has
   the least to recompute.

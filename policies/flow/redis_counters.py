@@ -33,14 +33,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from policies.limits.autopipeline import Script
+from policies.limits.resp import load_script
 from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 
 log = logging.getLogger("tokenway.flow.counters")
@@ -102,8 +101,7 @@ class RedisCounters:
         self.refresh_s = refresh_s
         self.flush_s = flush_s
         self._tag = "{" + prefix + "}:flow:"
-        text = resources.files("policies.flow").joinpath("vtc_batch.lua").read_text(encoding="utf-8")
-        self._script = Script(text)
+        self._script = load_script("policies.flow", "vtc_batch.lua")
         self.pipeline = script_pipeline(client, (self._script,))  # the limiter's raw pipe, a connection of its own
         self._views: dict[tuple[str, int], _View] = {}
         self._flush_timer: asyncio.TimerHandle | None = None

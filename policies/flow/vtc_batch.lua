@@ -6,6 +6,7 @@
 --   changes up to just before its charge (add, floor; '' = no floor): its counter then is the band's
 --   last served; ARGV[5..]: tenant, add, floor ('' = no floor), one triple per changed tenant
 -- Returns {last served, counters as a flat field/value list}: the caller's view of the whole band.
+-- (fmt: policies/limits/preamble.lua)
 local counters, last = KEYS[1], KEYS[2]
 local function mapped(value, add, floor)
   value = value + tonumber(add)
@@ -23,11 +24,11 @@ for i = 5, #ARGV, 3 do
   local before = tonumber(redis.call('HGET', counters, ARGV[i]) or '0')
   local after = mapped(before, ARGV[i + 1], ARGV[i + 2])
   if after ~= before then
-    redis.call('HSET', counters, ARGV[i], string.format('%.17g', after))
+    redis.call('HSET', counters, ARGV[i], fmt(after))
   end
 end
 if served then
-  redis.call('SET', last, string.format('%.17g', served), 'PX', ARGV[1])
+  redis.call('SET', last, fmt(served), 'PX', ARGV[1])
 end
 redis.call('PEXPIRE', counters, ARGV[1])
 return {redis.call('GET', last) or '0', redis.call('HGETALL', counters)}

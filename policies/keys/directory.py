@@ -3,7 +3,7 @@ applied, over the in-memory index the hot path reads (`policies/keys/index.py`).
 
 Writes go to the store (SQLite, Redis) first and then to the index, so what the API acknowledged
 survives a restart; with Redis every replica applies every write as its announcement arrives, and a
-version poll repairs a missed one with a full reload (`policies/keys/follower.py`). Keys' last-use
+version poll repairs a missed one with a full reload (`policies/keys/index.py`: `follow`, `poll`). Keys' last-use
 times are gathered in memory and written every few seconds.
 """
 
@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from policies.keys.follower import follow, poll
-from policies.keys.index import KeyIndex
+from policies.keys.index import KeyIndex, follow, poll
 from policies.keys.records import (
     MAX_PREVIOUS_SECRETS,
     KeyCreate,

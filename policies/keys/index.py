@@ -5,11 +5,12 @@ a constant-time comparison, an expiry check and a cached principal: the store is
 request. Principals are compiled against the running policy (a file tenant's models and priority,
 alias resolution) on first use after a change or a policy reload, and cached on the entry. The
 index changes only by applying stored documents (`apply_doc`, `replace`), whoever wrote them: this
-replica (`policies/keys/directory.py`) or another one (`policies/keys/follower.py`).
+replica (`policies/keys/directory.py`) or another one (`follow` and `poll` below, over a shared store).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from policies.keys.records import KeyRecord, TenantRecord
-from policies.keys.store import Kind, Snapshot
+from policies.keys.store import DirectoryStore, Kind, Snapshot
 from policies.schema import PRIORITY_VALUES, PoliciesConfig, TenantConfig
 from policies.types import Principal
 
@@ -190,3 +191,55 @@ class KeyIndex:
                 listener()
             except Exception:
                 log.exception("directory listener failed")
+
+
+# Following a shared key store (Redis): other replicas' writes applied to this replica's index as
+# they are announced, and a version poll that repairs a missed announcement with a full reload.
+POLL_INTERVAL_S = 0.5  # version poll of a shared store: the repair path when an announcement is lost
+
+
+async def follow(index: KeyIndex, store: DirectoryStore) -> None:
+    """Apply other replicas' writes as announced; a gap in the versions means a reload."""
+    while True:
+        changes = store.changes()
+        assert changes is not None
+        try:
+            async for change in changes:
+                if change.version == 0:  # (re)subscribed: writes made meanwhile were not announced to us
+                    index.replace(await store.load())
+                    continue
+                if change.version <= index.seen_version:
+                    continue  # our own write, already applied, or replayed
+                if change.version != index.seen_version + 1:
+                    index.replace(await store.load())
+                    continue
+                index.apply_doc(change.kind, change.name, await store.fetch(change.kind, change.name))
+                index.seen_version = change.version
+                index.version = max(index.version, change.version)
+                index.stats["applied"] += 1
+                index.changed()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            index.stats["sync_errors"] += 1
+            log.warning("key store subscription lost (%s); resubscribing", exc)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def poll(index: KeyIndex, store: DirectoryStore) -> None:
+    """Reload when the store's version is ahead of what the announcements brought, twice in a
+    row (once may be an announcement still in flight)."""
+    behind = 0
+    while True:
+        await asyncio.sleep(POLL_INTERVAL_S)
+        try:
+            remote = await store.version()
+            behind = behind + 1 if remote != index.seen_version else 0
+            if behind >= 2:
+                index.replace(await store.load())
+                behind = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            index.stats["sync_errors"] += 1
+            log.debug("key store version poll failed: %s", exc)

@@ -24,11 +24,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from policies.estimate import output_reservation
 from policies.limits import buckets, rejections
-from policies.limits.headers import Headers, ratelimit_headers
+from policies.limits.rejections import Headers, ratelimit_headers
 from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
 from policies.policy import Policy
-from policies.reservation import output_reservation
 from policies.types import Principal, Rejection, RequestFacts, Usage
 
 log = logging.getLogger(__name__)
@@ -503,7 +503,7 @@ class Admission:
 
 def _output_tokens(facts: RequestFacts, model: str, plan: Plan, context_length: int | None) -> int:
     """The output reservation: max_tokens x n, else this model's (a fallback model's may differ:
-    its default, `min_tokens` and `ignore_eos` against its context; policies/reservation.py)."""
+    its default, `min_tokens` and `ignore_eos` against its context; `policies.estimate.output_reservation`)."""
     if facts.api == "embeddings":
         return 0
     if model == facts.model and facts.output_reservation > 0:

@@ -31,11 +31,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
-from policies.limits.breaker import CircuitBreaker
+from policies.limits.admission import Store
 from policies.limits.memory_store import MemoryStore
 from policies.limits.mirror import Mirror
 from policies.limits.redis_store import RedisStore, VoidedTicket
@@ -49,6 +49,55 @@ SWEEP_EVERY = 4096
 REPLAY_PAUSE_S = 0.05  # between replay attempts while the breaker lets probes through
 
 Payload = Settlement | Charge  # what a queued operation carries: a settlement, or a charge to void
+State = Literal["closed", "open", "half_open"]
+
+
+class CircuitBreaker:
+    """A circuit breaker for the shared store: after `failure_threshold` consecutive failures it opens
+    and every call skips Redis (no connect attempt, no timeout) for `open_s`; then one probe is let
+    through, and its success closes the breaker. Without it a dead Redis would cost each request a
+    timeout."""
+
+    def __init__(
+        self, failure_threshold: int = 3, open_s: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.open_s = open_s
+        self._clock = clock
+        self.state: State = "closed"
+        self.consecutive_failures = 0
+        self.opened_at_s = 0.0
+        self.trips = 0
+
+    def allow(self) -> bool:
+        """May this call try the store? In half-open state only the single probe may."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and self._clock() - self.opened_at_s >= self.open_s:
+            self.state = "half_open"
+            return True
+        return False
+
+    def success(self) -> bool:
+        """Record a success; True when this closed an open breaker (the store has recovered)."""
+        recovered = self.state != "closed"
+        self.state = "closed"
+        self.consecutive_failures = 0
+        return recovered
+
+    def failure(self) -> None:
+        self.consecutive_failures += 1
+        if self.state == "half_open" or self.consecutive_failures >= self.failure_threshold:
+            if self.state != "open":
+                self.trips += 1
+            self.state = "open"
+            self.opened_at_s = self._clock()
+
+    def retry_after_s(self) -> float:
+        """Time until the next probe (what a fail-closed 503 tells the client)."""
+        if self.state != "open":
+            return self.open_s
+        return max(0.0, self.open_s - (self._clock() - self.opened_at_s))
 
 
 class FailoverStore:
@@ -303,3 +352,15 @@ class FailoverStore:
 def _retry_id(ticket_id: str) -> str:
     """A fresh ticket id for a retry (the voided one can never be reserved again)."""
     return ticket_id + "r"
+
+
+def make_store(redis_url: str | None, *, prefix: str = "tokenway", timeout_s: float = 0.1) -> Store:
+    """The store the gateway's state setting asks for: `MemoryStore` without a URL (one process); else
+    Redis behind the breaker and fail-open/closed handling.
+
+    `timeout_s` bounds each Redis call (connect and read): it is the most a failing Redis can add to
+    a request before the breaker opens.
+    """
+    if not redis_url:
+        return MemoryStore()
+    return FailoverStore(RedisStore.from_url(redis_url, prefix=prefix, timeout_s=timeout_s))

@@ -17,14 +17,13 @@ This class talks to Redis only; failure handling (breaker, fail-open, replay) is
 from __future__ import annotations
 
 import asyncio
-from importlib import resources
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from policies.limits.resp import Arg, EvalSha, Pre, Script
+from policies.limits.resp import Arg, EvalSha, Pre, Script, load_script
 from policies.limits.scriptpipe import script_pipeline
 from policies.limits.types import Charge, Outcome, Plan, Settlement, ticket_ttl_s
 
@@ -38,7 +37,7 @@ class VoidedTicket(Exception):
 
 
 def _script(name: str) -> Script:
-    return Script(resources.files("policies.limits").joinpath(name).read_text(encoding="utf-8"))
+    return load_script("policies.limits", name)
 
 
 def _flag(shadow: bool) -> str:

@@ -18,39 +18,14 @@
 -- it is, admitted 1), and a ticket voided before this script ran (void.lua, sent by a caller whose
 -- reply timed out) is refused, admitted 'v': a reservation that runs late, after its caller gave up,
 -- changes nothing.
+-- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
 
-local function fmt(x) return string.format('%.17g', x) end
-
-local function period_id(kind, now)
-  local days = math.floor(now / 86400)
-  if kind == 'day' then return days end
-  -- civil_from_days (H. Hinnant): month index y*12 + m-1 in UTC
-  local z = days + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local y = yoe + era * 400
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local m = mp < 10 and mp + 3 or mp - 9
-  if m <= 2 then y = y + 1 end
-  return y * 12 + m - 1
-end
-
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+local now = clock(ARGV[1])
 local ticket = ARGV[2]
 local lease_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost_usd = tonumber(ARGV[5])
-local plan = {}
-for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
-local costs = {}
-for tok in string.gmatch(ARGV[7], '%S+') do costs[#costs + 1] = tonumber(tok) end
+local plan = words(ARGV[6])
+local costs = numbers(ARGV[7])
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 local base = 2 -- keys before the first bucket
 
@@ -67,12 +42,7 @@ for i = 1, nb do
   local cap, rate, shadow = tonumber(plan[a]), tonumber(plan[a + 1]), plan[a + 2]
   a = a + 3
   local st = redis.call('HMGET', KEYS[base + i], 'u', 't')
-  local u = tonumber(st[1]) or 0
-  local t = tonumber(st[2]) or now
-  if now > t then
-    u = u - (now - t) * rate
-    if u < 0 then u = 0 end
-  end
+  local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate)
   used[i], rates[i] = u, rate
   if ok == 1 and shadow == '0' and u + costs[i] > cap then ok = 0 end
 end
@@ -100,10 +70,7 @@ end
 
 if ok == 1 then
   for i = 1, nb do
-    local u = used[i] + costs[i]
-    local key = KEYS[base + i]
-    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
-    redis.call('PEXPIRE', key, math.ceil(u / rates[i] * 1000) + 1000)
+    store_bucket(KEYS[base + i], used[i] + costs[i], now, rates[i])
   end
   for i = 1, nl do
     local key = KEYS[base + nb + i]

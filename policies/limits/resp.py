@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from importlib import resources
 
 
 class Script:
     def __init__(self, source: str) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+def load_script(package: str, name: str) -> Script:
+    """The Lua script `name` shipped in `package`, behind the helpers every script shares
+    (policies/limits/preamble.lua): one definition of the clock, the number format, a bucket's drain
+    and the budget period, instead of a copy in each script."""
+    preamble = resources.files("policies.limits").joinpath("preamble.lua").read_text(encoding="utf-8")
+    return Script(preamble + resources.files(package).joinpath(name).read_text(encoding="utf-8"))
 
 
 def bulk(value: bytes) -> bytes:

@@ -8,16 +8,9 @@
 --       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month)
 --       [7] bucket deltas, space-separated [8] budget period ids, space-separated
 -- Returns 1 when applied, 0 when it had been applied already (or the ticket expired).
+-- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
 
-local function fmt(x) return string.format('%.17g', x) end
-
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+local now = clock(ARGV[1])
 local ticket, mode = ARGV[2], ARGV[3]
 if mode == 'z' then
   if redis.call('ZREM', KEYS[1], ticket) == 0 then return 0 end
@@ -25,12 +18,9 @@ else
   if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[4])) then return 0 end
 end
 local delta_usd = tonumber(ARGV[5])
-local plan = {}
-for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
-local deltas = {}
-for tok in string.gmatch(ARGV[7], '%S+') do deltas[#deltas + 1] = tonumber(tok) end
-local pids = {}
-for tok in string.gmatch(ARGV[8], '%S+') do pids[#pids + 1] = tonumber(tok) end
+local plan = words(ARGV[6])
+local deltas = numbers(ARGV[7])
+local pids = numbers(ARGV[8])
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 
 for i = 1, nb do
@@ -38,16 +28,9 @@ for i = 1, nb do
   local rate, delta = tonumber(plan[3 + i]), deltas[i]
   if delta ~= 0 then
     local st = redis.call('HMGET', key, 'u', 't')
-    local u = tonumber(st[1]) or 0
-    local t = tonumber(st[2]) or now
-    if now > t then
-      u = u - (now - t) * rate
-      if u < 0 then u = 0 end
-    end
-    u = u + delta
+    local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) + delta
     if u < 0 then u = 0 end
-    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
-    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+    store_bucket(key, u, now, rate)
   end
 end
 for i = 1, nl do

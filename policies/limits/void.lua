@@ -10,31 +10,9 @@
 --       [5] cost usd reserved [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget
 --       period(day|month) [7] bucket costs reserved, space-separated
 -- Returns 1 when a reservation was undone, 0 when there was none (not run yet, settled, or voided).
+-- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
 
-local function fmt(x) return string.format('%.17g', x) end
-
-local function period_id(kind, now)
-  local days = math.floor(now / 86400)
-  if kind == 'day' then return days end
-  local z = days + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local y = yoe + era * 400
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local m = mp < 10 and mp + 3 or mp - 9
-  if m <= 2 then y = y + 1 end
-  return y * 12 + m - 1
-end
-
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
+local now = clock(ARGV[1])
 local ticket = ARGV[2]
 local voided_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost_usd = tonumber(ARGV[5])
@@ -46,10 +24,8 @@ if not expires then return 0 end
 redis.call('ZREM', KEYS[1], ticket)
 local reserved_at = tonumber(expires) - ticket_ttl
 
-local plan = {}
-for tok in string.gmatch(ARGV[6], '%S+') do plan[#plan + 1] = tok end
-local costs = {}
-for tok in string.gmatch(ARGV[7], '%S+') do costs[#costs + 1] = tonumber(tok) end
+local plan = words(ARGV[6])
+local costs = numbers(ARGV[7])
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 local base = 2
 
@@ -58,16 +34,9 @@ for i = 1, nb do
   local rate = tonumber(plan[3 + i])
   local st = redis.call('HMGET', key, 'u', 't')
   if st[1] then
-    local u = tonumber(st[1]) or 0
-    local t = tonumber(st[2]) or now
-    if now > t then
-      u = u - (now - t) * rate
-      if u < 0 then u = 0 end
-    end
-    u = u - costs[i]
+    local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) - costs[i]
     if u < 0 then u = 0 end
-    redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
-    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+    store_bucket(key, u, now, rate)
   end
 end
 for i = 1, nl do

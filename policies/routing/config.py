@@ -33,7 +33,9 @@ class _Strict(BaseModel):
 class ComponentSpec(_Strict):
     type: str = Field(description="registry name, kebab-case")
     weight: float = Field(default=1.0, ge=0, description="scorers: multiplier of the [0, 1] score")
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="the component's own parameters (checked against its registry entry at load)"
+    )
 
 
 def _check(kind: str, specs: list[ComponentSpec]) -> None:
@@ -65,10 +67,18 @@ def _default_picker() -> ComponentSpec:
 class PipelineConfig(_Strict):
     """Filters -> weighted scorers -> picker for one pool (or a baseline router instead)."""
 
-    router: Literal["scoring", "least-inflight", "round-robin"] = "scoring"
-    filters: list[ComponentSpec] = Field(default_factory=_default_filters)
-    scorers: list[ComponentSpec] = Field(default_factory=_default_scorers)
-    picker: ComponentSpec = Field(default_factory=_default_picker)
+    router: Literal["scoring", "least-inflight", "round-robin"] = Field(
+        default="scoring",
+        description="scoring: filters, scorers and picker; least-inflight and round-robin are baselines",
+    )
+    filters: list[ComponentSpec] = Field(
+        default_factory=_default_filters,
+        description="drop endpoints that must not take the request (overloaded, context too short)",
+    )
+    scorers: list[ComponentSpec] = Field(
+        default_factory=_default_scorers, description="each scores endpoints in [0, 1]; the weighted sum ranks them"
+    )
+    picker: ComponentSpec = Field(default_factory=_default_picker, description="chooses among the ranked endpoints")
 
     @model_validator(mode="after")
     def _components_exist(self) -> PipelineConfig:
@@ -125,11 +135,10 @@ class PDConfig(_Strict):
     )
 
 
-class PrefixIndexConfig(_Strict):
-    mode: Literal["approximate", "precise", "off"] = "approximate"
-    block_size_tokens: int = Field(
-        default=64, ge=1, description="approximate index block; a multiple of the engines' block size"
-    )
+class PrefixIndexAdvanced(_Strict):
+    """`routing.prefix_index.advanced`: the indexes' internals. Their defaults bound memory and follow
+    the engines' own timers; a change is a benchmark's decision (bench/replay), not a deployment's."""
+
     default_capacity_tokens: int = Field(
         default=500_000, ge=1, description="per-endpoint LRU size when the engine reports no KV size"
     )
@@ -137,9 +146,6 @@ class PrefixIndexConfig(_Strict):
         default=4_000_000, ge=1, description="cap on any endpoint's LRU (bounds memory whatever engines report)"
     )
     max_prefix_tokens: int = Field(default=131_072, ge=1, description="hash at most this many leading tokens")
-    precise_block_size_tokens: int | None = Field(
-        default=None, ge=1, description="engine block size when neither events nor metrics report it (else 16)"
-    )
     precise_keys: Literal["auto", "tokens"] = Field(
         default="auto",
         description="precise: match engines' own hashes where reproducible (auto) or always re-derived token keys",
@@ -154,6 +160,22 @@ class PrefixIndexConfig(_Strict):
     )
 
 
+class PrefixIndexConfig(_Strict):
+    mode: Literal["approximate", "precise", "off"] = Field(
+        default="approximate",
+        description="approximate: from what was sent where; precise: from the engines' KV events; off",
+    )
+    block_size_tokens: int = Field(
+        default=64, ge=1, description="approximate index block; a multiple of the engines' block size"
+    )
+    precise_block_size_tokens: int | None = Field(
+        default=None, ge=1, description="engine block size when neither events nor metrics report it (else 16)"
+    )
+    advanced: PrefixIndexAdvanced = Field(
+        default_factory=PrefixIndexAdvanced, description="expert tunables: the indexes' bounds and timers"
+    )
+
+
 class SessionConfig(_Strict):
     use_user_field: bool = Field(default=True, description="the OpenAI `user` field keys a session too")
     max_sessions: int = Field(default=100_000, ge=1, description="LRU bound of the session -> endpoint table")
@@ -162,16 +184,26 @@ class SessionConfig(_Strict):
 class PoolRoutingConfig(PipelineConfig):
     """A pool's own pipeline; `pd` overrides the global PD settings for that pool."""
 
-    pd: PDConfig | None = None
+    pd: PDConfig | None = Field(default=None, description="this pool's PD settings instead of routing.pd")
 
 
 class RoutingConfig(_Strict):
-    max_stats_age_s: float = Field(default=2.0, gt=0)
-    prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
-    session: SessionConfig = Field(default_factory=SessionConfig)
-    pd: PDConfig = Field(default_factory=PDConfig)
-    default: PipelineConfig = Field(default_factory=PipelineConfig)
-    pools: dict[str, PoolRoutingConfig] = Field(default_factory=dict)
+    max_stats_age_s: float = Field(
+        default=2.0, gt=0, description="scraped engine stats older than this count as saturated"
+    )
+    prefix_index: PrefixIndexConfig = Field(
+        default_factory=PrefixIndexConfig, description="which endpoints hold a prompt's prefix in their KV cache"
+    )
+    session: SessionConfig = Field(
+        default_factory=SessionConfig, description="session affinity: a session's requests return to its endpoint"
+    )
+    pd: PDConfig = Field(default_factory=PDConfig, description="prefill/decode disaggregation of pools with both roles")
+    default: PipelineConfig = Field(
+        default_factory=PipelineConfig, description="the pipeline of every pool without an entry in pools"
+    )
+    pools: dict[str, PoolRoutingConfig] = Field(
+        default_factory=dict, description="per pool: its own pipeline; keys it leaves out come from default"
+    )
     seed: int | None = Field(default=None, description="seed of the pickers' random choices (tests, benchmarks)")
 
     @field_validator("pools", mode="before")

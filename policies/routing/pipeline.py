@@ -5,7 +5,7 @@
                     each with the prefix index's cached-token estimate; stale stats -> saturated
       saturated   are dropped unless every candidate is (then: reason `fallback`)
       predictions with a predictor, when the pipeline has the `latency` scorer or the request an
-                  SLO: every candidate in one call (`routing/predictions.py`), read by the scorer
+                  SLO: every candidate in one call (`scorers.predict_candidates`), read by the scorer
                   and carried by the decision
       filters     run in order; one that would leave nothing is skipped (reason `fallback`)
       total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
@@ -32,10 +32,9 @@ from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
 from policies.routing.config import PDConfig, PipelineConfig, RoutingConfig
 from policies.routing.pd import decide_pd, is_disaggregated
-from policies.routing.predictions import predict_candidates
-from policies.routing.prefix.engine_hashes import EngineHasher
-from policies.routing.prefix.hashing import HashedPrompt, prompt_tokens_of
+from policies.routing.prefix.hashing import EngineHasher, HashedPrompt, prompt_tokens_of
 from policies.routing.prefix.index import IndexReport, PrefixIndex
+from policies.routing.scorers import predict_candidates
 from policies.routing.session import SessionTable, session_key
 from policies.routing.types import (
     PD_DISAGGREGATED,
@@ -396,7 +395,7 @@ def build_router(
     """The gateway's router from gateway.yaml's `routing:` section (a dict, a model, or None for defaults).
 
     `engine_hashers` (engine kind -> hasher) overrides which engines the precise index matches by
-    their own block hashes (default `prefix.engine_hashes.ENGINE_HASHERS`, see `prefix/precise.py`);
+    their own block hashes (default `prefix.hashing.ENGINE_HASHERS`, see `prefix/precise.py`);
     `rng` overrides `config.seed` for the pickers' random choices. `predictor` (None: disabled)
     predicts the candidates for the `latency` scorer and the gateway's SLO gate.
     """

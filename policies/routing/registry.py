@@ -1,6 +1,7 @@
 """Every filter, scorer, picker and baseline router by the kebab-case name gateway.yaml uses.
 
-One read-only mapping per kind, built once; adding a component is one module plus one line here.
+One read-only mapping per kind, built once; adding a component is one class (in `filters.py`,
+`scorers.py`, `pickers.py` or `baselines.py`) plus one line here.
 Factories take the component's `params` as keyword arguments and raise on unknown or invalid ones.
 """
 
@@ -10,21 +11,18 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from policies.routing.filters.context_length import ContextLengthFilter
-from policies.routing.filters.load_gate import LoadGateFilter
-from policies.routing.least_inflight import LeastInflightRouter
-from policies.routing.pickers.max_score import MaxScorePicker
-from policies.routing.pickers.near_best import NearBestRandomPicker
-from policies.routing.pickers.random_pick import RandomPicker
-from policies.routing.pickers.weighted_random import WeightedRandomPicker
-from policies.routing.round_robin import RoundRobinRouter
-from policies.routing.scorers.inflight_tokens import InflightTokensScorer
-from policies.routing.scorers.kv_usage import KvUsageScorer
-from policies.routing.scorers.latency import LatencyScorer
-from policies.routing.scorers.prefix_cache import PrefixCacheScorer
-from policies.routing.scorers.queue_depth import QueueDepthScorer
-from policies.routing.scorers.session_affinity import SessionAffinityScorer
-from policies.routing.scorers.work_cost import WorkCostScorer
+from policies.routing.baselines import LeastInflightRouter, RoundRobinRouter
+from policies.routing.filters import ContextLengthFilter, LoadGateFilter
+from policies.routing.pickers import MaxScorePicker, NearBestRandomPicker, RandomPicker, WeightedRandomPicker
+from policies.routing.scorers import (
+    InflightTokensScorer,
+    KvUsageScorer,
+    LatencyScorer,
+    PrefixCacheScorer,
+    QueueDepthScorer,
+    SessionAffinityScorer,
+    WorkCostScorer,
+)
 from policies.routing.types import Filter, Picker, Router, Scorer
 
 FILTERS: Mapping[str, Callable[..., Filter]] = MappingProxyType(

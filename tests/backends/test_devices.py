@@ -7,7 +7,7 @@ import re
 import pytest
 
 from backends.devices import DeviceRequest, allocate_devices, detect_devices, parse_npu_smi, parse_nvidia_smi
-from backends.errors import PlanError
+from backends.types import PlanError
 
 
 def req(pool: str, replicas: int, per_replica: int, devices: tuple[int, ...] | None = None) -> DeviceRequest:

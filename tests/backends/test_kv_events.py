@@ -174,7 +174,7 @@ def endpoints() -> list[Endpoint]:
 
 async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
     pub, address = publisher
-    router = build_router({"seed": 1, "prefix_index": {"mode": "precise", "precise_keys": "tokens"}})
+    router = build_router({"seed": 1, "prefix_index": {"mode": "precise", "advanced": {"precise_keys": "tokens"}}})
     rec = Recorder(router)
     sub = KvEventSubscriber("a", address, rec.on_batch, rec.on_reset, topic="kv@")
     task = await start(sub, pub)
@@ -338,6 +338,7 @@ async def test_hub_follows_the_fleet(publisher: tuple[zmq.asyncio.Socket, str]) 
     await hub.close()
 
 
+@pytest.mark.slow
 async def test_simulated_engine_events_drive_routing() -> None:
     """A real simulated engine publishes its cache; the router sends the repeat prompt to it."""
     router = build_router({"seed": 1, "prefix_index": {"mode": "precise"}})

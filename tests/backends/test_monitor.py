@@ -1,4 +1,5 @@
-"""The monitor task: health checks and scraping together, on the session the gateway passes in."""
+"""The fleet's watch (`backends.scrape.watch`): health checks and scraping together, on the session the
+gateway passes in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from backends import monitor
+from backends import scrape
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.types import EndpointState
@@ -23,7 +24,7 @@ async def test_static_endpoint_becomes_ready_and_gets_scraped() -> None:
         engine.set("/metrics", 200, fixture_text("vllm_0_33_metrics.txt"))
         fleet = Fleet.from_configs([pool(name="p", engine="vllm", endpoints=[{"url": engine.base_url}])])
         endpoint = fleet.pools["p"].endpoints[0]
-        task = asyncio.create_task(monitor.run(fleet, session, settings))
+        task = asyncio.create_task(scrape.watch(fleet, session, settings))
         try:
             await wait_for_async(lambda: endpoint.state is EndpointState.READY, what="ready")
             await wait_for_async(lambda: endpoint.stats.running == 12, what="a scrape")

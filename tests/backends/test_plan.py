@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 
 from backends.config import BackendsSettings, PoolConfig
-from backends.errors import PlanError
 from backends.plan import plan_replicas, render_plan, replica_slots
-from backends.types import Role
+from backends.types import PlanError, Role
 from tests.backends.builders import pool
 
 

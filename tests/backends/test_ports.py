@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from backends.errors import PlanError
-from backends.ports import PortBook, is_port_free
+from backends.plan import PortBook, is_port_free
+from backends.types import PlanError
 
 
 def test_automatic_ports_skip_claimed_and_busy() -> None:

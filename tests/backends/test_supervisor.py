@@ -21,12 +21,11 @@ import aiohttp
 import pytest
 
 from backends.config import BackendsSettings, PoolConfig
-from backends.errors import PlanError
 from backends.fleet import Fleet
-from backends.ports import is_port_free
+from backends.plan import is_port_free
 from backends.status import fleet_status, format_status
 from backends.supervisor import Supervisor
-from backends.types import Endpoint, EndpointState
+from backends.types import Endpoint, EndpointState, PlanError
 from tests.backends.builders import pool
 from tests.support.polling import wait_for_async
 

@@ -103,6 +103,7 @@ def test_static_peak_runs_on_the_first_day_only() -> None:
     assert day_plan(["static-peak", "tokens"], [7, 8]) == [("static-peak", 7), ("tokens", 7), ("tokens", 8)]
 
 
+@pytest.mark.slow
 def test_the_hand_written_reading_survives_a_re_render(tmp_path: Path) -> None:
     runs = [day("static-peak", 7, 4, 8), day("tokens", 7, 4, 4), day("tokens", 8, 3, 4)]
     curve = {"m": [(0.0, 1.0), (40.0, 1.0)]}
@@ -120,6 +121,7 @@ def test_the_hand_written_reading_survives_a_re_render(tmp_path: Path) -> None:
     assert "chat 5.0 / -" in text
 
 
+@pytest.mark.slow
 def test_a_variant_writes_beside_the_default(tmp_path: Path) -> None:
     runs = [day("static-peak", 7, 4, 8), day("tokens", 7, 4, 4)]
     report.write(tmp_path, {**META, "seeds": [7]}, runs, {"m": [(0.0, 1.0)]}, {}, name="autoscale-fast")

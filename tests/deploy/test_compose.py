@@ -15,10 +15,8 @@ import pytest
 import yaml
 
 from gateway.app.cli import build_parser
-from gateway.app.settings import GatewaySettings, load_settings, validate_section
-from gateway.ledger.config import LedgerConfig
+from gateway.app.settings import GatewaySettings, load_settings
 from gateway.request.record import RequestRecord
-from gateway.telemetry.config import TelemetryConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from policies.loader import load_config
 
@@ -130,7 +128,7 @@ def test_gateway_command_config_and_ports(settings: GatewaySettings) -> None:
 def test_state_and_ledger(settings: GatewaySettings) -> None:
     assert settings.state.backend == "redis"
     assert urlsplit(settings.state.redis_url or "").hostname == "redis"
-    ledger = validate_section(settings, "ledger", LedgerConfig)
+    ledger = settings.ledger
     assert any(
         PurePosixPath(ledger.dir).is_relative_to(target) and not source.startswith("./")
         for target, source in mounts("gateway").items()
@@ -161,7 +159,7 @@ def test_vllm_serves_the_gpu_pool(settings: GatewaySettings) -> None:
 
 
 def test_otlp_goes_to_the_collector(settings: GatewaySettings) -> None:
-    telemetry = validate_section(settings, "telemetry", TelemetryConfig)
+    telemetry = settings.telemetry
     endpoint = urlsplit(telemetry.otlp.endpoint or "")
     assert endpoint.hostname == "otel-collector"
     config_path = option(SERVICES["otel-collector"]["command"], "--config")

@@ -92,10 +92,7 @@ def test_epp_overlay_is_valid_and_wires_the_pool_to_the_picker(tmp_path: Path, m
     (tmp_path / "policies.yaml").write_text(one(docs, "ConfigMap", "tokenway-config")["data"]["policies.yaml"])
     monkeypatch.setenv("TOKENWAY_ADMIN_TOKEN", "t")
     settings = load_settings(tmp_path / "gateway.yaml")
-    from gateway.app.settings import validate_section
-    from gateway.epp.config import EppSettings
-
-    assert validate_section(settings, "epp", EppSettings).port == 9002
+    assert settings.epp.port == 9002
 
 
 @pytest.mark.e2e  # runs `kubectl kustomize`

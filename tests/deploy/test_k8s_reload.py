@@ -67,6 +67,7 @@ def _rpm(holder: PolicyHolder) -> Any:
     return holder.current.config.limits[0].rpm
 
 
+@pytest.mark.slow
 async def test_policy_watch_follows_the_data_symlink_swap(tmp_path: Path) -> None:
     volume = ConfigMapVolume(tmp_path / "config", {"policies.yaml": _policies(100)})
     holder = PolicyHolder.from_file(volume.root / "policies.yaml")

@@ -235,6 +235,7 @@ def test_waiting_out_the_band_limit_is_a_429_a_503_or_a_fallback_as_the_band_say
 
 
 @pytest.mark.redis
+@pytest.mark.serial
 def test_two_replicas_sharing_counters_serve_backlogged_tenants_by_weight(
     tmp_path: Path, engines: dict[str, SimEngines], redis_url: str, redis_prefix: str
 ) -> None:
@@ -325,7 +326,7 @@ def test_a_reserve_sized_from_demand_and_shared_by_replicas_keeps_a_light_burst_
     # of them can come later than the default 3 s peer TTL, and the flooded replica then rightly
     # forgets the light tenant (its own view only) and takes the kept slots. This test is about the
     # shared reserve, not about expiry (tests/gateway/replicas covers that): peers live 60 s here.
-    replicas_settings = {"heartbeat_s": 0.5, "ttl_s": 60.0}
+    replicas_settings = {"advanced": {"heartbeat_s": 0.5, "ttl_s": 60.0}}
     state = {"backend": "redis", "redis_url": redis_url, "key_prefix": redis_prefix, "replicas": replicas_settings}
     doc = policy(flow_control={"bands": {"normal": {"max_queue_ms": 120_000}}})
     done = Done()

@@ -82,7 +82,7 @@ def gateway(workdir: Path, pools: list[dict[str, Any]], policy: dict[str, Any], 
     predictor = {
         "worker": "thread",
         "prior": {"time_scale": TIME_SCALE},
-        "recent_ttft_window_s": 0,
+        "advanced": {"recent_ttft_window_s": 0},
         **sections.pop("predictor", {}),
     }
     return start_gateway(
@@ -196,7 +196,7 @@ def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_afte
         "retrain_min_new_samples": 10,
         "retrain_interval_s": 0.2,
         "model_dir": str(tmp_path / "models"),
-        "recent_ttft_window_s": 3600,
+        "advanced": {"recent_ttft_window_s": 3600},
     }
     pools = [static_pool("llama", LLAMA, engines["pair"].urls)]
     gw = gateway(tmp_path / "gw1", pools, policies("reject"), predictor=settings)

@@ -62,7 +62,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[
                 "backend": "redis",
                 "redis_url": redis_url,
                 "key_prefix": prefix,
-                "replicas": {"id": f"gw{i}", "ttl_s": TTL_S, "heartbeat_s": 0.3},
+                "replicas": {"id": f"gw{i}", "advanced": {"ttl_s": TTL_S, "heartbeat_s": 0.3}},
             },
             predictor={"enabled": False},  # not under test; a SIGKILLed gateway's worker would linger
         )

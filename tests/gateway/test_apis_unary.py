@@ -8,10 +8,10 @@ from typing import Any
 
 import orjson
 
-from gateway.apis.config import ResponseStoreSettings
 from gateway.apis.messages import MessagesCall
 from gateway.apis.responses import ResponsesCall
 from gateway.apis.store import MemoryResponseStore, entry_blob
+from gateway.app.schema import ResponseStoreSettings
 from policies.types import Principal
 
 MESSAGE = {

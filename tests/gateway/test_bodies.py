@@ -185,6 +185,7 @@ async def test_a_form_with_too_many_parts_is_a_400(served: str) -> None:
             assert response.status == 200
 
 
+@pytest.mark.slow
 async def test_a_slow_body_is_a_408_and_the_connection_closes(served: str) -> None:
     host, port = served.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))

@@ -136,6 +136,7 @@ def test_readiness_rules(rule: str, pools: dict[str, bool], default: str | None,
     assert ready_by_rule(pools, rule, default) is ready
 
 
+@pytest.mark.slow
 def test_a_reload_that_changes_nothing_keeps_the_generation(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text("tenants: {t: {}}\n")

@@ -37,6 +37,7 @@ def test_every_route_is_documented_and_every_documented_route_served() -> None:
     assert documented - served == set(), "documented routes the gateway does not serve"
 
 
+@pytest.mark.slow
 def test_the_document_is_valid_openapi_3_1() -> None:
     doc = orjson.loads(orjson.dumps(document()))  # what is served, not the Python objects
     assert doc["openapi"].startswith("3.1.")

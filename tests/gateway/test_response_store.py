@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.apis.config import ResponseStoreSettings
 from gateway.apis.store import (
     MemoryResponseStore,
     RedisResponseStore,
@@ -17,6 +16,7 @@ from gateway.apis.store import (
     is_response_id,
     new_response_id,
 )
+from gateway.app.schema import ResponseStoreSettings
 
 SETTINGS = ResponseStoreSettings(max_responses_per_key=5, max_bytes_per_key=64 * 1024, max_response_bytes=32 * 1024)
 

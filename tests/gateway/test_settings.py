@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.app.settings import ConfigError, load_settings
 
@@ -45,6 +46,77 @@ def test_unknown_key_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_settings(write(tmp_path, "server: {prot: 1}\n"))
     assert "server.prot" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("server: {prot: 1}\n", "server.prot: unknown key; did you mean 'port'?"),
+        ("routing: {prefix_index: {mdoe: off}}\n", "routing.prefix_index.mdoe: unknown key; did you mean 'mode'?"),
+        (
+            "routing: {pools: {p: {pd: {min_uncachd_tokens: 1}}}}\n",
+            "routing.pools.p.pd.min_uncachd_tokens: unknown key; did you mean 'min_uncached_tokens'?",
+        ),
+        (
+            "pools:\n  - {name: p, model: m, endpoints: [{url: 'http://h:1', rol: both}]}\n",
+            "pools[0].endpoints[0].rol: unknown key; did you mean 'role'?",
+        ),
+        ("ledger: {zzz: 1}\n", "ledger.zzz: unknown key; valid keys here: commit_interval_ms, dir, enabled,"),
+        (
+            "pools:\n  - {name: p, model: m, engine: vlm, endpoints: [{url: 'http://h:1'}]}\n",
+            "pools[0].engine: Input should be 'sim', 'vllm', 'trtllm', 'vllm-ascend' or 'openai'; did you mean 'vllm'?",
+        ),
+    ],
+)
+def test_a_misspelled_key_names_the_nearest_valid_one(tmp_path: Path, text: str, line: str) -> None:
+    """Every section is typed, so the suggestion reaches into lists, mappings and the rooms' models."""
+    with pytest.raises(ConfigError) as caught:
+        load_settings(write(tmp_path, text))
+    assert line in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "old", "new"),
+    [
+        ("predictor: {xgboost: {n_trees: 10}}\n", "predictor.xgboost", "predictor.advanced.xgboost"),
+        (
+            "routing: {prefix_index: {max_prefix_tokens: 4096}}\n",
+            "routing.prefix_index.max_prefix_tokens",
+            "routing.prefix_index.advanced.max_prefix_tokens",
+        ),
+        ("state: {replicas: {ttl_s: 5}}\n", "state.replicas.ttl_s", "state.replicas.advanced.ttl_s"),
+        ("flow_control: {recheck_ms: 10}\n", "flow_control.recheck_ms", "flow_control.advanced.recheck_ms"),
+    ],
+)
+def test_an_expert_tunable_at_its_old_place_names_its_new_one(tmp_path: Path, text: str, old: str, new: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_settings(write(tmp_path, text))
+    assert f"{old}: moved to `{new}`" in str(caught.value)
+    nested = new.split(".")
+    value: object = 10
+    for part in reversed(nested):
+        value = {part: value}
+    assert isinstance(value, dict)
+    path = tmp_path / "moved.yaml"
+    path.write_text(yaml.safe_dump(value))
+    if nested[-1] != "xgboost":
+        load_settings(path)  # the new place loads
+
+
+def test_every_section_is_validated_at_load(tmp_path: Path) -> None:
+    """A mistake in a room's section stops the load itself, not the code that reads it later."""
+    for text, where in [
+        ("predictor: {min_samples: 1}\n", "predictor.min_samples"),
+        ("batch: {runner: {max_attempts: 0}}\n", "batch.runner.max_attempts"),
+        ("flow_control: {max_queued: 0}\n", "flow_control.max_queued"),
+        ("epp: {port: 0}\n", "epp.port"),
+        ("routing: {default: {picker: {type: nope}}}\n", "routing.default"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            load_settings(write(tmp_path, text))
+        assert where in str(caught.value), text
+    settings = load_settings(write(tmp_path, "flow_control: {max_queued: 7}\nepp: {port: 9100}\n"))
+    assert settings.flow_control.max_queued == 7 and settings.epp.port == 9100
 
 
 def test_env_references_are_resolved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,7 @@ def write(path: Path, limits: list[dict[str, Any]]) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+@pytest.mark.slow
 async def test_a_valid_change_applies_to_the_next_request_and_keeps_unchanged_counters(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     write(path, [{"id": "per-key", "scope": "key", "tpm": 10_000}, {"scope": "tenant", "rpm": 2}])
@@ -57,6 +58,7 @@ async def test_a_valid_change_applies_to_the_next_request_and_keeps_unchanged_co
     assert isinstance(await adm.admit(facts(who, prompt_tokens=0, max_tokens=3000), "big", now=T0), Admitted)
 
 
+@pytest.mark.slow
 async def test_an_invalid_file_keeps_the_old_policy_and_reports_the_error(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     write(path, [{"scope": "key", "rpm": 1}])
@@ -72,6 +74,7 @@ async def test_an_invalid_file_keeps_the_old_policy_and_reports_the_error(tmp_pa
     assert (await holder.reload_async()).ok and holder.status()["last_error"] is None
 
 
+@pytest.mark.slow
 def test_startup_refuses_an_invalid_file(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text("tenants: 3\n")

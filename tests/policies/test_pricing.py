@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.pricing import price_usd
+from policies.policy import price_usd
 from policies.types import Usage
 from tests.policies.limits.support import policy
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from policies.reservation import output_reservation
+from policies.estimate import output_reservation
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ def test_the_prefix_of_a_policy_file_parses_which_is_why_this_matters() -> None:
     assert len(yaml.safe_load(PREFIX)["limits"]) == 1
 
 
+@pytest.mark.slow
 def test_a_file_caught_half_written_is_read_once_the_writer_is_done(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(PREFIX)
@@ -55,6 +56,7 @@ def test_a_file_caught_half_written_is_read_once_the_writer_is_done(tmp_path: Pa
     assert calls
 
 
+@pytest.mark.slow
 def test_a_file_that_keeps_changing_is_not_loaded(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(FULL)
@@ -75,6 +77,7 @@ def test_an_mtime_in_the_future_settles_by_watching(tmp_path: Path) -> None:
     assert read_settled(path, settle_s=0.2) == FULL
 
 
+@pytest.mark.slow
 def test_a_reload_reads_the_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(FULL)
@@ -96,6 +99,7 @@ def test_a_reload_reads_the_file_once(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [rule.rpm for rule in holder.current.config.limits] == [20]
 
 
+@pytest.mark.slow
 def test_a_configmap_style_symlink_swap_is_seen_and_loaded(tmp_path: Path) -> None:
     """Kubernetes mounts `policies.yaml -> ..data/policies.yaml` and swaps `..data` atomically."""
     (tmp_path / "v1").mkdir()

@@ -12,14 +12,15 @@ model_dir: var/predictor
 min_samples: 500
 retrain_interval_s: 10
 worker: thread
-buffer:
-  capacity: 5000
-  waiting_edges: [1, 4, 16]
-xgboost:
-  n_trees: 40
-  max_depth: 4
 length:
   default_output_tokens: 512
+advanced:
+  buffer:
+    capacity: 5000
+    waiting_edges: [1, 4, 16]
+  xgboost:
+    n_trees: 40
+    max_depth: 4
 """
 
 
@@ -28,15 +29,15 @@ def test_defaults_are_valid_and_use_a_training_process() -> None:
     assert settings.enabled and settings.online_training
     assert settings.worker == "process"
     assert settings.model_dir is None
-    assert settings.xgboost.max_depth <= 8
+    assert settings.advanced.xgboost.max_depth <= 8
 
 
 def test_gateway_yaml_section() -> None:
     settings = PredictorSettings.model_validate(yaml.safe_load(GATEWAY_YAML_SECTION))
     assert str(settings.model_dir) == "var/predictor"
-    assert settings.buffer.waiting_edges == (1, 4, 16)
-    assert settings.buffer.capacity == 5000
-    assert (settings.xgboost.n_trees, settings.xgboost.max_depth) == (40, 4)
+    assert settings.advanced.buffer.waiting_edges == (1, 4, 16)
+    assert settings.advanced.buffer.capacity == 5000
+    assert (settings.advanced.xgboost.n_trees, settings.advanced.xgboost.max_depth) == (40, 4)
     assert settings.length.default_output_tokens == 512
 
 
@@ -45,13 +46,14 @@ def test_gateway_yaml_section() -> None:
     [
         {"worker": "gpu"},
         {"unknown_key": 1},
-        {"buffer": {"waiting_edges": [3, 1]}},
-        {"buffer": {"waiting_edges": [0, 1]}},
-        {"buffer": {"heldout_fraction": 0.7}},
-        {"xgboost": {"max_depth": 12}},
+        {"advanced": {"buffer": {"waiting_edges": [3, 1]}}},
+        {"advanced": {"buffer": {"waiting_edges": [0, 1]}}},
+        {"advanced": {"buffer": {"heldout_fraction": 0.7}}},
+        {"advanced": {"xgboost": {"max_depth": 12}}},
+        {"xgboost": {"n_trees": 40}},
         {"prior": {"ttft_p90_factor": 0.5}},
     ],
-    ids=["worker", "unknown-key", "edges-order", "edges-zero", "heldout", "depth", "p90-factor"],
+    ids=["worker", "unknown-key", "edges-order", "edges-zero", "heldout", "depth", "old-place", "p90-factor"],
 )
 def test_invalid_settings_are_rejected(section: dict[str, object]) -> None:
     with pytest.raises(ValidationError):

@@ -96,7 +96,7 @@ def test_tpot_grows_with_batch_and_context() -> None:
 def test_pool_limits_and_preset_shape_the_prior() -> None:
     settings = PriorSettings()
     small = LatencyPrior.for_pool(pool_config(), settings)
-    big = LatencyPrior.for_pool(pool_config(preset="llama-3.1-70b@h100"), settings)
+    big = LatencyPrior.for_pool(pool_config(preset="llama-3.1-70b-tp4@h100"), settings)  # 70B does not fit one H100
     assert _ttft(big) > _ttft(small)
     assert small.id != big.id
     default = LatencyPrior.for_pool(pool_config(preset=None), settings)

@@ -100,6 +100,7 @@ async def test_training_runs_off_loop_then_the_model_is_swapped_in(worker: str) 
     assert status["last_training"]["decisions"] == {"ttft": "trained", "tpot": "trained"}
 
 
+@pytest.mark.slow
 async def test_model_predictions_beat_the_prior_online() -> None:
     predictor = _predictor(accuracy_window=5000)
     rng = np.random.default_rng(3)
@@ -120,7 +121,7 @@ async def test_model_predictions_beat_the_prior_online() -> None:
 
 async def test_saved_model_is_loaded_at_restart(tmp_path: Path) -> None:
     # the online p90 correction is runtime state, not part of a saved model: off here
-    first = _predictor(model_dir=tmp_path, online_training=False, p90_adaptation_rate=0)
+    first = _predictor(model_dir=tmp_path, online_training=False, advanced={"p90_adaptation_rate": 0})
     await first.start()
     _serve(first, 800, np.random.default_rng(8))
     outcome = await first.retrain(POOL)
@@ -129,7 +130,7 @@ async def test_saved_model_is_loaded_at_restart(tmp_path: Path) -> None:
     request = RequestShape(input_tokens=1500, output_tokens=64)
     expected = first.predict(POOL, request, CANDIDATES, [0, 0, 0])
 
-    second = _predictor(model_dir=tmp_path, online_training=False, p90_adaptation_rate=0)
+    second = _predictor(model_dir=tmp_path, online_training=False, advanced={"p90_adaptation_rate": 0})
     assert second.predict(POOL, request, CANDIDATES, [0, 0, 0])[0].source == "prior"
     await second.start()
     loaded = second.predict(POOL, request, CANDIDATES, [0, 0, 0])
@@ -139,6 +140,7 @@ async def test_saved_model_is_loaded_at_restart(tmp_path: Path) -> None:
     assert loaded[0].model_version == expected[0].model_version == 1
 
 
+@pytest.mark.slow
 async def test_versions_continue_after_restart(tmp_path: Path) -> None:
     rng = np.random.default_rng(9)
     for expected_version, world_scale in ((1, 1.0), (2, 0.5)):  # the world changed: v1 is now wrong
@@ -215,7 +217,7 @@ def test_observe_scores_predictions_and_counts_samples() -> None:
 
 def test_p90_adapts_online_to_a_world_the_prior_misjudges() -> None:
     """Everything is 3x slower than the prior thinks: its fixed 1.5x p90 would cover nothing."""
-    predictor = _predictor(p90_adaptation_rate=0.02)
+    predictor = _predictor(advanced={"p90_adaptation_rate": 0.02})
     rng = np.random.default_rng(4)
     covered: list[bool] = []
     for _i in range(3000):
@@ -276,7 +278,9 @@ def test_first_tokens_correct_the_next_ttft_predictions_of_the_pool() -> None:
     """TTFTs twice what was predicted, relayed in the last (engine) second: the pool's TTFT
     predictions grow by exp(0.5 x ln 2); TPOT is untouched; the residual is taken against the
     uncorrected prediction, so the correction does not compound."""
-    predictor = _predictor(recent_ttft_window_s=1.0, recent_ttft_weight=0.5, prior=PriorSettings(time_scale=0.25))
+    predictor = _predictor(
+        advanced={"recent_ttft_window_s": 1.0, "recent_ttft_weight": 0.5}, prior=PriorSettings(time_scale=0.25)
+    )
     request = RequestShape(input_tokens=1000, output_tokens=50)
     before = predictor.predict(POOL, request, CANDIDATES, [0, 0, 0], now_s=10.0)
     assert all(p.ttft_factor == 1.0 for p in before)

@@ -75,7 +75,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         pools=[pool],
         policies=policies,
         ready_timeout_s=START_TIMEOUT_S,
-        routing={"prefix_index": {"mode": "precise", "speculative_ttl_s": 0}},
+        routing={"prefix_index": {"mode": "precise", "advanced": {"speculative_ttl_s": 0}}},
         backends=backends_settings(restart_backoff_s=0.5, term_grace_s=30, health_interval_s=0.5),
         ledger={"commit_interval_ms": 20},
         server={"drain_timeout_s": 300},

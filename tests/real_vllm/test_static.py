@@ -97,7 +97,7 @@ def gateway(warm_engine: dict[str, Any], model_dir: Path) -> Iterator[Gateway]:
         pools=[static_pool(warm_engine), broken],
         policies=POLICIES,
         wait_ready=False,
-        routing={"prefix_index": {"mode": "precise", "speculative_ttl_s": 0}},
+        routing={"prefix_index": {"mode": "precise", "advanced": {"speculative_ttl_s": 0}}},
         backends=backends_settings(crash_loop_restarts=1),
     )
     try:

@@ -5,14 +5,18 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import aiohttp
-import anthropic
 import jsonschema
 import openai
 import pydantic
+import pytest
 
 from sim.server import SimInstance
+
+if TYPE_CHECKING:  # imported where used: the SDK takes a second to import, once per test worker
+    import anthropic
 
 TOOL = {
     "type": "function",
@@ -33,9 +37,12 @@ def _openai(engine: SimInstance) -> openai.AsyncOpenAI:
 
 
 def _anthropic(engine: SimInstance) -> anthropic.AsyncAnthropic:
+    import anthropic
+
     return anthropic.AsyncAnthropic(base_url=engine.url, api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow
 async def test_responses_create_stream_parse_and_continue(engine: SimInstance) -> None:
     model = engine.engine.config.served_model_name
     async with _openai(engine) as client:
@@ -75,7 +82,10 @@ async def test_responses_create_stream_parse_and_continue(engine: SimInstance) -
             raise AssertionError("an unknown item type must be a 400")
 
 
+@pytest.mark.slow
 async def test_messages_create_stream_tools_and_count(engine: SimInstance) -> None:
+    import anthropic
+
     model = engine.engine.config.served_model_name
     async with _anthropic(engine) as client:
         message = await client.messages.create(

@@ -24,6 +24,7 @@ from sim.scheduler import StepStats
 from sim.sse import WRITE_BUFFER_LIMIT, ChunkTemplate, TokenWriter
 
 
+@pytest.mark.slow
 def test_step_timer_is_bit_identical_to_step_time_s() -> None:
     rng = random.Random(3)
     for name in preset_names():

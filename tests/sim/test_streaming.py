@@ -54,6 +54,7 @@ async def test_streamed_text_equals_the_plain_answer(http: aiohttp.ClientSession
         assert metric(samples, "vllm:inter_token_latency_seconds_count") == 2 * 119 + 2 * 49
 
 
+@pytest.mark.slow
 async def test_many_concurrent_streams_through_the_openai_client() -> None:
     async with run_sim_instances(time_scale=50.0, count=2) as urls:
         clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key="x", max_retries=0) for u in urls]
@@ -75,6 +76,7 @@ async def test_many_concurrent_streams_through_the_openai_client() -> None:
     assert all(w >= 30 for w in words)
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_still_gets_every_token(http: aiohttp.ClientSession) -> None:
     async with run_sim_instances(time_scale=5000.0, max_model_len=32768) as (url,):
         body = chat_body("slow reader", max_tokens=20000, stream=True)

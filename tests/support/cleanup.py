@@ -52,4 +52,6 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.pluginmanager.has_plugin("dsession"):
+        return  # pytest-xdist's controller: runs no test, and its children are the workers (each sweeps its own)
     _ended("the session (left over at its end)", procs.sweep())

@@ -13,6 +13,7 @@ alive. A fixture that raised after starting three gateways used to leave them ru
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import random
@@ -44,11 +45,33 @@ OTHER_KEY = "sk-tokenway-test-0002"
 _PORT_LOW, _PORT_HIGH = 20000, 32000
 
 
-def free_port() -> int:
-    """A port nothing is bound to now, outside the ephemeral range (see above)."""
+def _port_range() -> tuple[int, int]:
+    """This process's share of the range: under pytest-xdist (PYTEST_XDIST_WORKER=gwN of
+    PYTEST_XDIST_WORKER_COUNT) each worker draws from its own slice, so two workers cannot both find
+    one port free in the moment between one's check and its server's bind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if count <= 1 or not worker.startswith("gw") or not worker[2:].isdigit():
+        return _PORT_LOW, _PORT_HIGH
+    span = (_PORT_HIGH - _PORT_LOW) // count
+    low = _PORT_LOW + (int(worker[2:]) % count) * span
+    return low, low + span
+
+
+# The ports handed out lately: one handed out is free until its server binds, so the next draw must
+# not return it again (a test that starts three gateways asks for their ports before any binds).
+_handed_out: collections.deque[int] = collections.deque(maxlen=256)
+
+
+def free_port(*, room: int = 1) -> int:
+    """A port nothing is bound to now, outside the ephemeral range (see above), in this process's
+    share of it (see `_port_range`), not handed out lately; `room` keeps that many ports above it
+    inside the share (the base of a run of ports)."""
+    low, high = _port_range()
     for _ in range(1000):
-        port = random.randrange(_PORT_LOW, _PORT_HIGH)
-        if _port_free(port):
+        port = random.randrange(low, high - room + 1)
+        if port not in _handed_out and _port_free(port):
+            _handed_out.append(port)
             return port
     raise RuntimeError("no free port found")
 
@@ -75,9 +98,10 @@ def redis_argv(binary: str, port: int, workdir: str | Path) -> list[str]:
 def free_ports(count: int) -> list[int]:
     """`count` consecutive free ports (the simulator's --instances takes P..P+N-1)."""
     for _ in range(200):
-        base = free_port()
+        base = free_port(room=count)
         ports = list(range(base, base + count))
-        if all(_port_free(p) for p in ports):
+        if all(p not in _handed_out and _port_free(p) for p in ports[1:]):
+            _handed_out.extend(ports[1:])
             return ports
     raise RuntimeError("no run of free ports found")
 

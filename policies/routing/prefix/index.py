@@ -14,8 +14,7 @@ from backends.kv_events import KvEventBatch
 from backends.types import Endpoint
 from policies.routing.config import PrefixIndexConfig
 from policies.routing.prefix.approximate import ApproximatePrefixIndex
-from policies.routing.prefix.engine_hashes import ENGINE_HASHERS, EngineHasher
-from policies.routing.prefix.hashing import HashedPrompt
+from policies.routing.prefix.hashing import ENGINE_HASHERS, EngineHasher, HashedPrompt
 from policies.routing.prefix.precise import PrecisePrefixIndex
 
 
@@ -36,19 +35,19 @@ class PrefixIndex:
         if config.mode != "off":
             self.approximate = ApproximatePrefixIndex(
                 block_tokens=config.block_size_tokens,
-                default_capacity_tokens=config.default_capacity_tokens,
-                max_capacity_tokens=config.max_capacity_tokens,
-                max_prefix_tokens=config.max_prefix_tokens,
+                default_capacity_tokens=config.advanced.default_capacity_tokens,
+                max_capacity_tokens=config.advanced.max_capacity_tokens,
+                max_prefix_tokens=config.advanced.max_prefix_tokens,
             )
         if config.mode == "precise":
             self.precise = PrecisePrefixIndex(
                 default_block_tokens=config.precise_block_size_tokens or 16,
-                speculative_ttl_s=config.speculative_ttl_s,
-                events_timeout_s=config.events_timeout_s,
-                resync_s=config.resync_s,
-                max_blocks_per_endpoint=config.max_event_blocks_per_endpoint,
-                max_prefix_tokens=config.max_prefix_tokens,
-                engine_hashers=(ENGINE_HASHERS if config.precise_keys == "auto" else {})
+                speculative_ttl_s=config.advanced.speculative_ttl_s,
+                events_timeout_s=config.advanced.events_timeout_s,
+                resync_s=config.advanced.resync_s,
+                max_blocks_per_endpoint=config.advanced.max_event_blocks_per_endpoint,
+                max_prefix_tokens=config.advanced.max_prefix_tokens,
+                engine_hashers=(ENGINE_HASHERS if config.advanced.precise_keys == "auto" else {})
                 if engine_hashers is None
                 else engine_hashers,
             )

@@ -7,7 +7,7 @@ blocks of their token ids at the engine's block size.
 Keys. A stored block is indexed under one of two keys, by the endpoint's engine kind (under both
 until the first request to the endpoint tells its kind):
 - the engine's own hash from the event, when an `EngineHasher` for that kind reproduces it
-  (`engine_hashes.ENGINE_HASHERS`: the simulated engine), requests being hashed the same way;
+  (`hashing.ENGINE_HASHERS`: the simulated engine), requests being hashed the same way;
 - otherwise a key of our own ("token" keys): the block re-hashed with this package's chained xxh3
   (`hashing.block_key`) over the event's `token_ids`, its parent found through `parent_block_hash`,
   the first block seeded by `lora_name` and the cache salt carried in `extra_keys`. This works for
@@ -42,8 +42,8 @@ from backends.kv_events import (
     KvEventBatch,
 )
 from backends.types import Endpoint
-from policies.routing.prefix.engine_hashes import EngineHasher
 from policies.routing.prefix.hashing import (
+    EngineHasher,
     HashedPrompt,
     PromptBlocks,
     prompt_blocks,

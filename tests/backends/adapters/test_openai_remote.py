@@ -6,8 +6,7 @@ import pytest
 
 from backends.adapters.base import Probe
 from backends.adapters.openai_remote import OPENAI_REMOTE
-from backends.errors import PdUnsupportedError, PlanError
-from backends.types import EndpointStats
+from backends.types import EndpointStats, PdUnsupportedError, PlanError
 from tests.backends.builders import pool, replica
 
 

@@ -6,8 +6,8 @@ from typing import get_args
 
 import pytest
 
+from backends.adapters import ADAPTERS, get_adapter
 from backends.adapters.base import PRIORITY_MAX, PRIORITY_MIN
-from backends.adapters.registry import ADAPTERS, get_adapter
 from backends.config import EngineKind
 from policies.schema import PRIORITY_VALUES
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from backends.adapters.sim import SIM
-from backends.adapters.vllm import VLLM
+from backends.adapters.vllm import SIM, VLLM
 from tests.backends.builders import fixture_text, pool, replica
 
 

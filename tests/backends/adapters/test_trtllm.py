@@ -11,8 +11,7 @@ import yaml
 
 from backends.adapters.base import Probe
 from backends.adapters.trtllm import TRTLLM
-from backends.errors import MetricsFormatError, PdHandshakeError
-from backends.types import EndpointStats, Role
+from backends.types import EndpointStats, MetricsFormatError, PdHandshakeError, Role
 from tests.backends.builders import fixture_text, pool, replica
 
 

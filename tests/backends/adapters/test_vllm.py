@@ -9,8 +9,7 @@ import pytest
 
 from backends.adapters.base import Probe
 from backends.adapters.vllm import VLLM, zmq_bind_host
-from backends.errors import MetricsFormatError
-from backends.types import EndpointStats, Role
+from backends.types import EndpointStats, MetricsFormatError, Role
 from tests.backends.builders import fixture_text, pool, replica
 
 BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]

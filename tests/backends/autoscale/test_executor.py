@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from backends.autoscale.executor import Executor
-from backends.autoscale.types import PoolPlan, RolePlan
 from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from backends.types import EndpointState, Role
+from policies.autoscale.forecast import LeadTimes
+from policies.autoscale.types import PoolPlan, RolePlan
 from tests.support.polling import wait_for_async
 from tests.support.procs import free_ports
 
@@ -54,7 +55,7 @@ async def executor(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         backends = settings(tmp_path, devices)
         supervisor = Supervisor(backends)
         await supervisor.start(fleet)
-        executor = Executor(supervisor, fleet, backends)
+        executor = Executor(supervisor, fleet, backends, lead=LeadTimes())
         made.append((supervisor, executor))
         executor.start()
         return fleet, executor

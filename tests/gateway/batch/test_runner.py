@@ -217,6 +217,7 @@ async def test_no_line_starts_while_interactive_requests_wait(tmp_path: Path) ->
         await h.until(batch.id, "completed")
 
 
+@pytest.mark.slow
 async def test_a_model_backs_off_while_the_batch_gate_refuses_its_lines(tmp_path: Path) -> None:
     refusing = True
 

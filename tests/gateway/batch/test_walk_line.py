@@ -1,5 +1,6 @@
-"""A batch line on the walk, in process: `Director.serve_line` and the batch gate, with the walk's own
-invariants (one record, every reservation ended once, every load ticket ended)."""
+"""A batch line on the walk, in process: `Director.walk` with the batch transport (`LineTransport`) and
+the gate's batch spare-capacity check, with the walk's own invariants (one record, every reservation
+ended once, every load ticket ended)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from aiohttp import web
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.gate import BatchGate
 from gateway.batch.lines import NO_SPARE_CAPACITY, LineRequest, classify
-from gateway.batch.walk import LOWEST_PRIORITY, walk_runner
-from policies.batch.spare import SpareLimits
+from gateway.batch.walk import LOWEST_PRIORITY, LineTransport, walk_runner
+from gateway.flow.check import Turn, Verdict
+from gateway.flow.gate import Gate
+from gateway.flow.queue import FlowQueue
+from gateway.request import Routed
+from policies.batch import SpareLimits
+from policies.flow.config import FlowSettings
+from policies.flow.counters import MemoryCounters
 from policies.holder import PolicyHolder
 from sim.server import run_sim_instances
 from tests.gateway.request.walk import KEY, ScriptedPredictor, Walk, build, chat_request, fleet, policy
@@ -40,8 +47,12 @@ def gated(
 ) -> tuple[Walk, BatchCapacity]:
     the_fleet = fleet({"big": urls})
     capacity = BatchCapacity(the_fleet, limits, waiting=lambda pool: waiting)
-    gate = BatchGate(capacity, PolicyHolder(policy()), predictor)
-    return build(the_fleet, hooks=[gate]), capacity
+    return build(the_fleet, gate=gate_of(BatchGate(capacity, PolicyHolder(policy()), predictor))), capacity
+
+
+def gate_of(check: BatchGate) -> Gate:
+    """The gate with the batch check alone."""
+    return Gate(FlowQueue(MemoryCounters()), FlowSettings(), PolicyHolder(policy()), checks=[check])
 
 
 def assert_invariants(walk: Walk, requests: int) -> None:
@@ -76,13 +87,14 @@ async def test_the_line_runs_at_the_lowest_priority(engines: list[str]) -> None:
     seen: list[int] = []
 
     class Spy(BatchGate):
-        async def gate(self, ctx, routed, reroute):  # type: ignore[no-untyped-def]
+        def check(self, turn: Turn, routed: Routed) -> Verdict:
+            ctx = turn.ctx
             seen.append(ctx.facts.principal.priority)
             assert ctx.facts.batch_id == "batch_1" and ctx.http is None
-            return routed
+            return super().check(turn, routed)
 
     the_fleet = fleet({"big": engines[:1]})
-    walk = build(the_fleet, hooks=[Spy(BatchCapacity(the_fleet, LIMITS), PolicyHolder(policy()))])
+    walk = build(the_fleet, gate=gate_of(Spy(BatchCapacity(the_fleet, LIMITS), PolicyHolder(policy()))))
     assert (await walk_runner(walk.director, None)(line())).status == 200
     assert seen == [LOWEST_PRIORITY]
     await walk.upstream.close()
@@ -159,3 +171,15 @@ async def test_a_line_waits_for_the_batch_prefill_ahead_of_it(engines: list[str]
     assert answer.status == 200 and two.records.records[0].endpoint == "big/both-s1"
     assert_invariants(two, 1)
     await two.upstream.close()
+
+
+async def test_the_line_transport_answers_a_refusal_in_process_with_its_code() -> None:
+    walk = build(fleet({"big": ["http://10.0.0.1:8000"]}))  # never reached: the model is refused first
+    transport = LineTransport(walk.director.transport)
+    assert not transport.follows
+    answer = await walk_runner(walk.director, None)(line(model="no-such-model"))
+    assert (answer.status, answer.code) == (404, "model_not_found")  # the line's final answer: an error line
+    assert answer.headers["x-request-id"] == "batch_1-0-x"
+    (record,) = walk.records.records
+    assert (record.status, record.batch_id) == ("rejected", "batch_1")
+    assert walk.admission.ends() == {}  # refused before admission: nothing reserved

@@ -6,14 +6,17 @@ with the flood's; the light tenant's own request goes to the clear endpoint."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import cast
 
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState
-from gateway.flow.hook import FlowHook
+from gateway.flow.check import Turn
+from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
+from gateway.flow.saturation import Saturation
 from gateway.flow.types import Blocked, FlowRequest
-from gateway.request import Routed
+from gateway.request import RequestContext, Routed
 from policies.flow.bands import band_rank
 from policies.flow.config import FlowSettings
 from policies.flow.counters import MemoryCounters
@@ -32,14 +35,16 @@ def endpoint(name: str) -> Endpoint:
     )
 
 
-def setup(lane: bool = True) -> tuple[FlowHook, Pool, list[Endpoint]]:
+def setup(lane: bool = True) -> tuple[Gate, Pool, list[Endpoint]]:
     eps = [endpoint("a"), endpoint("b")]
     config = PoolConfig(
         name="p", model="m", max_num_seqs=8, endpoints=[StaticEndpointConfig(url=e.base_url) for e in eps]
     )
     pool = Pool(config, endpoints=eps)
     settings = FlowSettings.model_validate({"saturation": {**LANE, "reserve_clear_lane": lane}})
-    hook = FlowHook(FlowQueue(MemoryCounters()), settings, PolicyHolder(Policy(PoliciesConfig.model_validate({}))))
+    queue = FlowQueue(MemoryCounters())
+    holder = PolicyHolder(Policy(PoliciesConfig.model_validate({})))
+    hook = Gate(queue, settings, holder, checks=[Saturation(queue, settings)])
     # the flood holds six slots and waits with more; the light tenant is active, nothing of it waiting
     hook.queue.activity.inflight("p", "flood", NORMAL, 1.0, 6)
     hook.queue.activity.waiting("p", "flood", NORMAL, 1.0, 5)
@@ -48,13 +53,17 @@ def setup(lane: bool = True) -> tuple[FlowHook, Pool, list[Endpoint]]:
     return hook, pool, eps
 
 
-def ask(hook: FlowHook, pool: Pool, on: Endpoint, tenant: str) -> Routed | Blocked:
+def ask(hook: Gate, pool: Pool, on: Endpoint, tenant: str) -> Routed | Blocked:
+    """The gate's answer (its saturation check's, routing again where it says so) for a request of
+    `tenant` routed to `on`."""
+
     def reroute(more: Collection[str]) -> Routed | None:
         left = [e for e in pool.servable() if e.id not in more]
         return Routed(pool, RouteDecision(left[0], "load")) if left else None
 
     request = FlowRequest("r", tenant, NORMAL, 400.0, 1.0, float("inf"), 0)
-    return hook._open(Routed(pool, RouteDecision(on, "load")), reroute, request)
+    turn = Turn(cast(RequestContext, None), request, pool.name, 0.0, float("inf"))  # the check reads no context
+    return hook._ask(turn, Routed(pool, RouteDecision(on, "load")), reroute)
 
 
 def test_the_flood_starts_only_where_no_prefill_is_pending_while_another_endpoint_stays_clear() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gateway.app.schema import LedgerConfig
 from gateway.ledger.cli import main, parse_time_s
-from gateway.ledger.config import LedgerConfig
 from gateway.ledger.writer import LedgerWriter
 from policies.times import parse_duration_s
 from tests.gateway.ledger.records import make_record
@@ -55,6 +55,7 @@ def test_report_json_over_the_window(ledger_dir: Path, capsys: pytest.CaptureFix
     assert doc["total"]["requests"] == 70 and len(doc["groups"]) == 3
 
 
+@pytest.mark.slow
 def test_report_table_and_plot(ledger_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "spend.png"

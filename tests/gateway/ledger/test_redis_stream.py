@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import redis
 
-from gateway.ledger.config import LedgerConfig, RedisStreamConfig
+from gateway.app.schema import LedgerConfig, RedisStreamConfig
 from gateway.ledger.reader import iter_entries
 from gateway.ledger.redis_stream import FIELD, RedisStreamExporter
 from gateway.ledger.writer import LedgerWriter

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.app.schema import LedgerConfig
 from gateway.ledger import open_ledger
-from gateway.ledger.config import LedgerConfig
 from gateway.ledger.reader import ReadStats, iter_entries, ledger_files
 from gateway.ledger.writer import LedgerWriter
 from tests.gateway.ledger.records import make_record

@@ -21,14 +21,17 @@ from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 from gateway.app.settings import ServerSettings
-from gateway.flow.hook import FlowHook
+from gateway.flow.check import Check
+from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
+from gateway.flow.saturation import Saturation
 from gateway.flow.slo import PredictsLatency, SloHook
-from gateway.request import Director, Hook, Hooks
+from gateway.request import OPEN_GATE, Director, Hook, Hooks
 from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
 from gateway.request.intake import Intake
 from gateway.request.record import RequestRecord
+from gateway.transport.engine import EngineTransport
 from gateway.upstream.client import UpstreamClient
 from policies.estimate import PromptEstimator
 from policies.flow.config import FlowSettings
@@ -166,11 +169,13 @@ class ScriptedPredictor:
         return [Prediction(e.id, ttft_ms, 10.0, ttft_ms * 1.2, 12.0, "prior", "prior", row) for e in endpoints]
 
 
-def slo_gate(predictor: PredictsLatency, *, recheck_s: float = 0.01) -> tuple[SloHook, FlowHook]:
-    """The SLO gate and the flow control it waits in, as the app factory plugs them in."""
+def slo_gate(predictor: PredictsLatency, *, recheck_s: float = 0.01) -> tuple[SloHook, Gate]:
+    """The SLO check and the gate it waits in (after flow control's saturation check), as the app
+    factory plugs them in."""
     queue = FlowQueue(MemoryCounters(), recheck_s=recheck_s)
     slo = SloHook(predictor=predictor, waiting=queue.waiting_with)
-    return slo, FlowHook(queue, FlowSettings(), PolicyHolder(policy()), checks=[slo])
+    checks: list[Check] = [Saturation(queue, FlowSettings()), slo]
+    return slo, Gate(queue, FlowSettings(), PolicyHolder(policy()), checks=checks)
 
 
 def fleet(pools: dict[str, list[str]], *, engine_model: str | None = None) -> Fleet:
@@ -217,26 +222,36 @@ def build(
     *,
     admission: RecordingAdmission | None = None,
     hooks: Sequence[Hook] = (),
+    gate: Gate | None = None,
     retries: int = 1,
 ) -> Walk:
+    """The walk with `hooks`, and `gate` (its checks that observe, and the gate itself, join the
+    hooks as the app factory adds them); without one, everything goes at once."""
     server = ServerSettings(upstream_retries=retries, upstream_connect_timeout_s=2.0, upstream_read_timeout_s=30.0)
     holder = PolicyHolder(policy())
     admission = admission or RecordingAdmission()
     records, router = Records(), FirstReady()
     upstream = UpstreamClient(connect_timeout_s=2.0, read_timeout_s=30.0, idle_timeout_s=4.0)
-    hook_set = Hooks(hooks)
+    all_hooks = list(hooks)
+    if gate is not None:
+        for hook in [*gate.checks, gate]:
+            if isinstance(hook, Hook) and not any(hook is h for h in all_hooks):
+                all_hooks.append(hook)
+    hook_set = Hooks(all_hooks)
     accounting = Accounting(admission, holder, [records], hook_set)
-    dispatch = Dispatch(
-        server=server,
-        fleet=the_fleet,
-        upstream=upstream,
-        router=router,
-        hooks=hook_set,
-        accounting=accounting,
+    dispatch = Dispatch(server=server, fleet=the_fleet, router=router, hooks=hook_set, gate=gate or OPEN_GATE)
+    engine = EngineTransport(
+        server=server, fleet=the_fleet, upstream=upstream, hooks=hook_set, accounting=accounting, turns=dispatch
     )
     intake = Intake(server, holder, the_fleet, PromptEstimator())
     director = Director(
-        intake=intake, dispatch=dispatch, accounting=accounting, hooks=hook_set, policies=holder, fleet=the_fleet
+        intake=intake,
+        dispatch=dispatch,
+        transport=engine,
+        accounting=accounting,
+        hooks=hook_set,
+        policies=holder,
+        fleet=the_fleet,
     )
     return Walk(director, admission, records, router, the_fleet, accounting, upstream)
 

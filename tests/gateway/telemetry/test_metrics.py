@@ -11,12 +11,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.types import Endpoint, EndpointState, Role
+from gateway.app.schema import MetricLabelsConfig, MetricsConfig
 from gateway.request.record import RequestRecord
-from gateway.telemetry.config import MetricLabelsConfig, MetricsConfig
 from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER
 from gateway.telemetry.metrics import GatewayMetrics
-from policies.policy import Policy
-from policies.pricing import price_usd
+from policies.policy import Policy, price_usd
 from policies.schema import PoliciesConfig
 from policies.types import Usage
 
@@ -285,6 +284,7 @@ def test_registries_are_independent() -> None:
     assert value(parse(a)[1], "tokenway_requests_total") == 1
 
 
+@pytest.mark.slow
 def test_series_cache_is_bounded_and_keeps_counting() -> None:
     metrics = GatewayMetrics(MetricsConfig(labels=MetricLabelsConfig(max_values=10_000)))
     for i in range(5000):

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from gateway.app.schema import OtlpConfig
 from gateway.request.record import RequestRecord
-from gateway.telemetry.config import OtlpConfig
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, STAGES, Tracing
 from tests.support.otlp import Receiver

@@ -162,6 +162,7 @@ async def test_tenant_changes_reach_its_keys_and_deleting_a_used_tenant_is_refus
     await directory.stop()
 
 
+@pytest.mark.slow
 async def test_a_key_id_in_both_the_file_and_the_directory_is_refused_at_load(tmp_path: Path) -> None:
     directory, p = await made()
     await directory.create_key({"tenant": "files", "id": "taken"}, p, MODELS)

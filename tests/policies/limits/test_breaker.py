@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.limits.breaker import CircuitBreaker
+from policies.limits.failover import CircuitBreaker
 
 
 class Clock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.limits.concurrency import LeaseTable
+from policies.limits.memory_store import LeaseTable
 
 
 def test_leases_count_until_released_or_expired() -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from policies.limits.factory import make_store
-from policies.limits.failover import FailoverStore
+from policies.limits.failover import FailoverStore, make_store
 from policies.limits.memory_store import MemoryStore
 
 

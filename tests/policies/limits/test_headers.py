@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.limits.headers import go_duration, ratelimit_headers, retry_headers
+from policies.limits.rejections import go_duration, ratelimit_headers, retry_headers
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,7 @@ async def front() -> AsyncIterator[tuple[str, dict[str, list[float]]]]:
     await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_the_openai_client_waits_for_the_refill_and_succeeds(
     front: tuple[str, dict[str, list[float]]],
 ) -> None:

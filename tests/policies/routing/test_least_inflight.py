@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.least_inflight import LeastInflightRouter
+from policies.routing.baselines import LeastInflightRouter
 from tests.policies.routing.factories import NOW_S, endpoint, pool, request
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from backends.types import Endpoint, EndpointState
 from policies.routing.config import RoutingConfig
-from policies.routing.pickers.max_score import MaxScorePicker
+from policies.routing.pickers import MaxScorePicker
 from policies.routing.pipeline import Pipeline, ScoringRouter, WeightedScorer, build_router, check_consumes
 from policies.routing.types import RouteDecision, Router, RouteRequest
 from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, endpoints, pool, request, token_ids

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.filters.context_length import ContextLengthFilter
+from policies.routing.filters import ContextLengthFilter
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.filters.load_gate import LoadGateFilter
+from policies.routing.filters import LoadGateFilter
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

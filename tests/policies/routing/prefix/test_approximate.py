@@ -56,6 +56,7 @@ def test_lru_evicts_tail_first_and_oldest_prompt_first() -> None:
     assert index.lookup(prompt(old), [e]) == [128]  # its head (2 blocks) survived, its tail went first
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_under_unique_prompts() -> None:
     index = ApproximatePrefixIndex(block_tokens=64, default_capacity_tokens=64 * 200)
     eps = [endpoint(f"e{i}", block_size=None) for i in range(4)]

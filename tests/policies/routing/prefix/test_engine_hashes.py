@@ -1,8 +1,7 @@
 import pytest
 
 from backends.block_hash import hash_blocks
-from policies.routing.prefix.engine_hashes import ENGINE_HASHERS
-from policies.routing.prefix.hashing import token_bytes
+from policies.routing.prefix.hashing import ENGINE_HASHERS, token_bytes
 from tests.policies.routing.factories import token_ids
 
 

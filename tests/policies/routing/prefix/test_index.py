@@ -1,7 +1,7 @@
 import pytest
 
 from backends.kv_events import RESET_GAP
-from policies.routing.config import PrefixIndexConfig
+from policies.routing.config import PrefixIndexAdvanced, PrefixIndexConfig
 from policies.routing.prefix.index import PrefixIndex
 from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored
@@ -34,7 +34,7 @@ def test_precise_overrides_approximate_where_events_are_alive() -> None:
 
 
 def test_precise_falls_back_to_approximate_after_gap() -> None:
-    index = PrefixIndex(PrefixIndexConfig(mode="precise", resync_s=30.0))
+    index = PrefixIndex(PrefixIndexConfig(mode="precise", advanced=PrefixIndexAdvanced(resync_s=30.0)))
     a = endpoint("a", engine="vllm")
     index.on_kv_batch("a", batch(stored(PROMPT), at_s=NOW_S))
     index.record(prompt(PROMPT), a, NOW_S)

@@ -1,7 +1,7 @@
 import pytest
 
 from backends.kv_events import RESET_GAP, RESET_RESTART
-from policies.routing.prefix.engine_hashes import ENGINE_HASHERS
+from policies.routing.prefix.hashing import ENGINE_HASHERS
 from policies.routing.prefix.precise import PrecisePrefixIndex, salt_from_extra_keys
 from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, removed, stored

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from policies.routing.pipeline import build_router
-from policies.routing.predictions import predict_candidates
-from policies.routing.scorers.latency import LatencyScorer
+from policies.routing.scorers import LatencyScorer, predict_candidates
 from policies.routing.types import RouteContext
 from policies.slo import Slo
 from predictor.config import PredictorSettings

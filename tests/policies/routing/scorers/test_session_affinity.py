@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers.session_affinity import SessionAffinityScorer
+from policies.routing.scorers import SessionAffinityScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,0 +1,319 @@
+"""The gateway room's own sections of gateway.yaml: `server`, `state` (with `state.replicas`), `apis`,
+`epp`, `ledger` and `telemetry`.
+
+One module for the small sections so that the whole tree is read in few places: the other rooms keep
+their sections beside the code that uses them (`backends/config.py` the pools and the supervisor,
+`policies/routing/config.py`, `policies/flow/config.py`, `predictor/config.py`,
+`gateway/batch/config.py`), and `gateway/app/settings.py` composes them into `GatewaySettings`,
+validated once when the file is loaded. Pydantic models only; no behaviour beyond validation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- server: the listening socket, bodies, timeouts towards engines -------------------------------
+
+
+class FirstTokenDeadline(_Strict):
+    """`server.first_token_deadline`: a stream that has shown its client nothing by then moves to another
+    replica (gateway/upstream/stalls.py). The deadline is `factor` x the predictor's TTFT p90 for the chosen
+    replica (`default_s` without a prediction), clamped to [`min_s`, `max_s`]; it is armed only while
+    another replica may still take the request (never on its last try)."""
+
+    enabled: bool = Field(
+        default=True, description="false: a stream waits for its first token as long as the engine allows"
+    )
+    factor: float = Field(default=3.0, gt=0, description="x the predicted TTFT p90")
+    default_s: float = Field(default=10.0, gt=0, description="without a prediction")
+    min_s: float = Field(default=2.0, gt=0, description="the deadline is never shorter (short predictions are noisy)")
+    max_s: float = Field(
+        default=30.0, gt=0, description="nor longer (a bad prediction must not keep a stalled replica)"
+    )
+    misses_to_stall: int = Field(
+        default=2, ge=1, description="deadlines a replica misses with no sign of life between them: stalled"
+    )
+
+
+class ServerSettings(_Strict):
+    host: str = Field(
+        default="127.0.0.1",
+        description="address the gateway listens on (0.0.0.0: every interface)",
+    )
+    port: int = Field(default=8080, ge=0, le=65535, description="port the gateway listens on (0: any free port)")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="larger request bodies are refused with 413"
+    )
+    max_inflight_body_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="request bodies being read and counted, all at once"
+    )
+    max_header_bytes: int = Field(default=16 * 1024, ge=1024, description="one header line / field")
+    request_read_timeout_s: float = Field(default=30.0, gt=0, description="full request must arrive within")
+    drain_timeout_s: float = Field(default=30.0, ge=0, description="SIGTERM: in-flight requests finish within")
+    upstream_connect_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="connecting to an engine takes at most this; then the request may try another (upstream_retries)",
+    )
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0, description="max silence from the engine")
+    upstream_idle_timeout_s: float = Field(
+        default=4.0, gt=0, description="idle keep-alive connections to engines are dropped after (uvicorn: 5 s)"
+    )
+    upstream_retries: int = Field(default=1, ge=0, description="extra endpoints tried before the first byte")
+    first_token_deadline: FirstTokenDeadline = Field(default_factory=FirstTokenDeadline)
+    stall_after_s: float = Field(
+        default=10.0, gt=0, description="a replica whose requests in flight get no byte for this long is stalled"
+    )
+    admin_token: str | None = Field(default=None, description="bearer token for /admin/*; use ${ENV}")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="extra Host names (name or name:port) /admin/* and /ui/* answer to besides loopback "
+        "literals and localhost on the listening port; set, they are checked with an admin token too",
+    )
+    retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
+    ready_when: Literal["all_pools", "default_pool", "any_pool"] = Field(
+        default="all_pools",
+        description="/readyz is 200 when every pool, the default pool, or at least one pool has a ready endpoint",
+    )
+    default_pool: str | None = Field(default=None, description="the pool `ready_when: default_pool` watches; first")
+    gc_young_threshold: int = Field(
+        default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
+    )
+
+    @field_validator("admin_token")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None  # `${TOKENWAY_ADMIN_TOKEN:-}` unset: no token (and no start beyond loopback)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _bare_host_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name or any(c in name for c in "/@ \t*") or "://" in name:
+                raise ValueError(f"{name!r}: a host name or name:port (no scheme, path or wildcard)")
+        return [name.strip().lower() for name in value]
+
+
+# --- state.replicas: gateway replicas that act as one (needs `state: redis`) ---------------------
+
+
+class ReplicasAdvanced(_Strict):
+    """`state.replicas.advanced`: the shared stream's pace and bounds. Their defaults were measured
+    (bench/overhead/replicas.py, bench/replay); a change is a benchmark's decision, not a deployment's."""
+
+    publish_interval_ms: float = Field(
+        default=2.0,
+        gt=0,
+        description="batches go out at most this often: load reports this late make prefix holders look busy",
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0, description="the load report is repeated this often unchanged")
+    ttl_s: float = Field(
+        default=3.0, gt=0, description="a replica silent this long no longer counts (its load ages out)"
+    )
+    stream_max_len: int = Field(default=20_000, ge=100, description="entries Redis keeps (approximate trim)")
+    bootstrap_entries: int = Field(default=5_000, ge=0, description="recent entries a starting replica replays")
+    max_pending_dispatches: int = Field(
+        default=20_000, ge=1, description="dispatches waiting for the next batch; beyond, the oldest are dropped"
+    )
+    max_keys_per_dispatch: int = Field(
+        default=2_048, ge=1, description="block keys shared per dispatch (the prompt's head: it is what others hit)"
+    )
+
+
+class ReplicasSettings(_Strict):
+    share: bool | None = Field(
+        default=None, description="publish and fold routing state through Redis; default: on with `backend: redis`"
+    )
+    id: str | None = Field(
+        default=None, description="this replica's name in shared state; default host-pid-random (use ${POD_NAME})"
+    )
+    advanced: ReplicasAdvanced = Field(
+        default_factory=ReplicasAdvanced, description="expert tunables: the shared stream's pace and bounds"
+    )
+
+
+# --- state: where shared state lives -------------------------------------------------------------
+
+
+class StateSettings(_Strict):
+    backend: Literal["memory", "redis"] = Field(
+        default="memory",
+        description="memory: this process alone; redis: limits, keys and routing state shared by replicas",
+    )
+    redis_url: str | None = Field(
+        default=None, description="redis://host:port/db with backend redis (use ${ENV} for a password)"
+    )
+    key_prefix: str = Field(
+        default="tokenway", description="prefix of every Redis key, so several gateways can share one Redis"
+    )
+    redis_timeout_s: float = Field(
+        default=0.1,
+        gt=0,
+        le=30,
+        description="bound on each admission call to Redis (connect and read); a call past it counts "
+        "as a store failure for the breaker and `store_failure`",
+    )
+    replicas: ReplicasSettings = Field(default_factory=ReplicasSettings)
+    keys_db: str | None = Field(
+        default="var/keys.sqlite3",
+        description="the SQLite file of keys and tenants made through the admin API (null: kept in memory "
+        "only); with redis they live in Redis and this file is each replica's durable copy, put back into "
+        "a Redis that restarted empty (null: Redis only)",
+    )
+
+    @property
+    def shares_routing(self) -> bool:
+        """Whether replicas publish and fold routing state (on by default with Redis)."""
+        share = self.replicas.share
+        return self.backend == "redis" and self.redis_url is not None and (share is None or share)
+
+
+# --- apis: limits of the stored responses (Responses API `store`) ----------------------------------
+
+
+class ResponseStoreSettings(_Strict):
+    """Bounds are per owner (the API key that made the response) first: a key over its own count or
+    bytes loses its own oldest responses, never another key's. The process-wide bounds (`state:
+    memory`) only guard the process: when they are reached a new response is answered but not stored."""
+
+    enabled: bool = Field(
+        default=True, description="false: Responses API `store` is ignored and `previous_response_id` is refused"
+    )
+    ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="a stored response is forgotten after this")
+    max_responses_per_key: int = Field(
+        default=1000, ge=1, description="per API key (both backends): its own oldest are dropped beyond it"
+    )
+    max_bytes_per_key: int = Field(
+        default=32 * 1024 * 1024, ge=1, description="per API key (both backends): its own oldest are dropped beyond it"
+    )
+    max_responses: int = Field(default=10_000, ge=1, description="the whole process (memory): beyond it, not stored")
+    max_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1, description="the whole process (memory): beyond it, not stored"
+    )
+    max_response_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="larger conversations are not stored")
+
+
+class ApisSettings(_Strict):
+    response_store: ResponseStoreSettings = Field(default_factory=ResponseStoreSettings)
+
+
+# --- epp: the ext_proc gRPC listener of `tokenway epp` -------------------------------------------
+
+
+class EppSettings(_Strict):
+    host: str = Field(default="0.0.0.0", description="where Envoy's ext_proc filter connects")
+    port: int = Field(default=9002, ge=1, le=65535, description="the Inference Extension's default EPP port")
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, description="larger request bodies are a 413")
+    request_body_mode: Literal["FULL_DUPLEX_STREAMED", "BUFFERED"] = Field(
+        default="FULL_DUPLEX_STREAMED",
+        description="the ext_proc request body mode the data plane is configured with, assumed when Envoy "
+        "does not announce it (protocol_config); the Inference Extension's gateways use FULL_DUPLEX_STREAMED",
+    )
+    grace_s: float = Field(default=10.0, ge=0, description="SIGTERM: open exchanges finish within")
+
+
+# --- ledger: the usage ledger (one JSON line per finished request) ---------------------------------
+
+
+class RedisStreamConfig(_Strict):
+    url: str = Field(description="redis://host:port/db (use ${ENV} for a password)")
+    stream: str = Field(default="tokenway:usage", description="the stream's key")
+    maxlen: int = Field(default=1_000_000, ge=1, description="approximate cap (XADD MAXLEN ~)")
+    timeout_s: float = Field(
+        default=2.0, gt=0, description="one XADD call; a slow Redis drops batches, never blocks the writer"
+    )
+    max_pending_batches: int = Field(default=256, ge=1, description="beyond this, oldest batches are dropped")
+
+
+class LedgerConfig(_Strict):
+    enabled: bool = Field(default=True, description="write one usage record per finished request")
+    dir: str = Field(
+        default="var/usage",
+        description="directory of the ledger files; one per gateway replica (or a distinct file_prefix each)",
+    )
+    file_prefix: str = Field(
+        default="usage", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="files are PREFIX-YYYYMMDD-NNN.jsonl"
+    )
+    commit_interval_ms: int = Field(
+        default=100,
+        ge=1,
+        le=60_000,
+        description="a record is on disk within this long of its request's end (group commit)",
+    )
+    rotate_bytes: int = Field(
+        default=128 * 1024 * 1024, ge=4096, description="a new file starts past this size (and at each UTC midnight)"
+    )
+    retain_days: int | None = Field(
+        default=None, ge=1, description="files older than this are deleted; null keeps everything"
+    )
+    fsync: bool = Field(default=True, description="fsync each group (survives power loss, not only crashes)")
+    max_pending_records: int = Field(
+        default=200_000, ge=1, description="records waiting for the disk beyond this are dropped and counted"
+    )
+    redis_stream: RedisStreamConfig | None = Field(
+        default=None, description="also XADD every record to a Redis stream, for collection from many replicas"
+    )
+
+
+# --- telemetry: Prometheus and OpenTelemetry -------------------------------------------------------
+
+
+class MetricLabelsConfig(_Strict):
+    """Label options. Every label is bounded: values come from config (tenants, models, pools,
+    endpoints) and the guard folds anything past `max_values` into "other"."""
+
+    key_id: bool = Field(default=False, description="per-key token and cost series (bounded by the key list)")
+    max_values: int = Field(default=200, ge=1, le=100_000, description="distinct values per label")
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = Field(default=True, description="serve GET /metrics and count the Prometheus families")
+    labels: MetricLabelsConfig = Field(default_factory=MetricLabelsConfig)
+    token: str | None = Field(
+        default=None, description="bearer token GET /metrics requires (it names tenants and models); use ${ENV}"
+    )
+
+
+class OtlpConfig(_Strict):
+    endpoint: str | None = Field(default=None, description="OTLP/HTTP base URL, e.g. http://collector:4318")
+    service_name: str = Field(default="tokenway", description="service.name of the exported traces and metrics")
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="share of new traces sampled at the head (a client's sampled flag is honoured)",
+    )
+    headers: dict[str, str] = Field(default_factory=dict, description="sent with every export (${ENV} ok)")
+    timeout_s: float = Field(
+        default=5.0, gt=0, description="one export attempt; a slow collector loses spans, never blocks requests"
+    )
+    metrics: bool = Field(default=True, description="export the GenAI metrics over OTLP as well")
+    metrics_interval_s: float = Field(
+        default=15.0, gt=0, description="how often the GenAI metrics are pushed over OTLP"
+    )
+    max_queue_spans: int = Field(default=8192, ge=16, description="spans beyond this are dropped, not waited on")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _base_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        value = value.rstrip("/")
+        for suffix in ("/v1/traces", "/v1/metrics"):
+            if value.endswith(suffix):
+                value = value[: -len(suffix)]
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s) URL of an OTLP/HTTP receiver, e.g. http://collector:4318")
+        return value
+
+
+class TelemetryConfig(_Strict):
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    otlp: OtlpConfig = Field(default_factory=OtlpConfig)

@@ -1,0 +1,224 @@
+"""The gate: the one place a request waits, and the one place its route changes before it goes.
+
+`Gate.admit(ctx, routed, reroute)` is what the walk asks once per attempt (`gateway.request.hooks.Gate`).
+It builds the request's turn (`gateway/flow/check.py`), lets every check `enter` it, and asks the
+pool's waiting room (`gateway/flow/queue.py`) to hold it until every check says GO, in flow order.
+Its `ready()`, each time the room offers the request the turn:
+
+1. takes the route (the walk's own on the first ask, routing again on the next ones; none at all:
+   the pool is full for everyone, or, for a request a check holds with no route, that check's wait);
+2. asks every check in order; `Avoid` routes again without the endpoints named and starts the checks
+   over on the new route (`_MAX_ROUTES` routes per ask); the first `Wait` or `Refuse` is the answer.
+
+A request that waited out its deadline gets the answer of the last `Wait` it got, when that wait
+carries one (the SLO's 503, a cold start's 503), else its band's (`max_queue_ms`, `on_timeout`: 429,
+503 or the model's fallback chain, trigger `queue_timeout`). With no route and no check holding it,
+`admit` answers None at once (the walk's "no healthy endpoint").
+
+As a hook the gate keeps the fairness accounts: each dispatch charges its tenant's virtual counter
+with the predicted cost (uncached prompt + predicted output tokens, the latter corrected for drift;
+the lease lives on the context, `ctx.flow_lease`), each attempt's end corrects it with the real cost
+and tells the room that capacity may have freed, as does each first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from gateway.errors import Rejected
+from gateway.flow.check import Avoid, Check, Go, Turn, Wait
+from gateway.flow.queue import FlowQueue
+from gateway.flow.types import Blocked, FlowRequest, QueueRejected
+from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
+from policies.flow import vtc
+from policies.flow.bands import band_name, band_rank
+from policies.flow.config import FlowSettings
+from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
+from policies.holder import PolicyHolder
+from predictor.length import OutputPrediction
+
+REASON_QUEUED: Final = "queued"  # record.reject_reason of a request served after waiting (status ok)
+_MAX_ROUTES: Final = 8  # routes one ask may try (each `Avoid` takes at least one endpoint out)
+
+
+class PredictsOutput(Protocol):
+    def output_tokens_prediction(self, tenant: str, model: str, max_tokens: int | None = None) -> OutputPrediction: ...
+
+
+@dataclass(slots=True)
+class Gate(Hook):
+    """The waiting room's front door and the checks it asks (in this order)."""
+
+    queue: FlowQueue
+    settings: FlowSettings
+    policies: PolicyHolder
+    predictor: PredictsOutput | None = None
+    checks: Sequence[Check] = ()
+    now: Callable[[], float] = field(default=time.monotonic)
+
+    async def admit(self, ctx: RequestContext, routed: Routed | None, reroute: Reroute) -> Routed | None:
+        """The route to dispatch on, once every check says GO; None when there is no route and no
+        check holds the request; raises `Detour` when a check refuses or the wait ends unserved."""
+        facts = ctx.facts
+        policy = self.policies.current
+        band = band_rank(facts.principal.priority)
+        band_policy = policy.config.flow_control.band(band_name(band))
+        output = self._output(ctx)
+        ctx.output_prediction = output
+        cached = routed.decision.cached_tokens_estimate if routed is not None else 0
+        now = self.now()
+        slo = facts.slo
+        request = FlowRequest(
+            facts.request_id,
+            facts.principal.tenant,
+            band,
+            vtc.request_cost(facts.prompt_tokens, cached, output.tokens),
+            policy.tenant_weight(facts.principal.tenant),
+            now + band_policy.max_queue_ms / 1000.0,
+            (ctx.http.content_length or 0) if ctx.http is not None else 0,  # the endpoint picker holds no body
+            slo.class_name if slo is not None else "",
+            # at the gate from inside an attempt: a stream flow control cut, waiting to continue
+            resumed=ctx.outcome is not None and ctx.outcome.preempted > 0,
+            batch=facts.batch_id is not None,
+        )
+        turn = Turn(ctx, request, routed.pool.name if routed is not None else "", now, request.deadline_s)
+        if routed is not None:
+            turn.routed_s = now
+        for check in self.checks:
+            check.enter(turn, routed)
+        if routed is None and turn.unrouted is None:
+            return None  # nothing to route to, nothing to wait for
+        request = turn.request = dataclasses.replace(request, deadline_s=turn.deadline_s)
+        pending: list[Routed] = [routed] if routed is not None else []
+
+        def ready() -> Routed | Blocked:
+            candidate = pending.pop() if pending else reroute(())
+            return self._ask(turn, candidate, reroute)
+
+        try:
+            found, lease = await self.queue.hold(turn.pool, request, ready)
+        except QueueRejected as rejected:
+            self._waited(ctx, rejected.waited_s)
+            if rejected.waited_s:  # the error answer says how long it waited, too
+                ctx.headers.append(("x-tokenway-queued-ms", f"{rejected.waited_s * 1000:.0f}"))
+            raise self._detour(turn, rejected, band_policy.on_timeout) from None
+        self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
+        ctx.flow_lease = lease
+        self.queue.activity.take_claim(turn.pool, request.tenant)
+        if lease.queued_s:
+            self._waited(ctx, lease.queued_s)
+            ctx.record.reject_reason = REASON_QUEUED
+        for check in self.checks:
+            check.went(turn, found)
+        if facts.debug:
+            ctx.headers.append(("x-tokenway-flow", self._debug(turn.pool, request, output)))
+        return found
+
+    def _ask(self, turn: Turn, candidate: Routed | None, reroute: Reroute) -> Routed | Blocked:
+        """Every check's verdict on `candidate`, routing again where one says `Avoid`."""
+        if candidate is None:
+            # no endpoint at all right now (a replica may come back, a cold pool may start)
+            turn.last_wait = turn.unrouted
+            return Blocked.POOL
+        if turn.routed_s is None:
+            turn.routed_s = self.now()
+        avoided: set[str] = set()
+        routes = 1
+        index = 0
+        while index < len(self.checks):
+            verdict = self.checks[index].check(turn, candidate)
+            index += 1
+            if isinstance(verdict, Avoid):
+                avoided.update(verdict.endpoints)
+                again = reroute(avoided) if routes < _MAX_ROUTES else None
+                if again is not None:
+                    candidate, index, routes = again, 0, routes + 1  # every check again, on the new route
+                    continue
+                verdict = verdict.otherwise
+            if isinstance(verdict, Go):
+                continue
+            if isinstance(verdict, Wait):
+                turn.last_wait = verdict
+                return verdict.scope
+            raise verdict.detour  # Refuse: the room takes the request out with it
+        return candidate
+
+    # --- the hook: fairness accounts ----------------------------------------------------------------
+
+    def first_token(self, ctx: RequestContext, at_s: float) -> None:
+        if ctx.routed is not None:
+            self.queue.notify(ctx.routed.pool.name)
+
+    def ended(self, ctx: RequestContext) -> None:
+        """An attempt ended: correct its tenant's counter with the real cost; capacity freed."""
+        if ctx.flow_lease is None:
+            return
+        outcome = ctx.outcome
+        actual: float | None = 0.0  # nothing served: the charge is refunded
+        if outcome is not None and outcome.preempted:
+            ctx.record.preempted = outcome.preempted
+        if outcome is not None:
+            usage = outcome.usage
+            if usage is not None:
+                actual = vtc.request_cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+            elif outcome.counted_completion_tokens:
+                actual = vtc.request_cost(ctx.facts.prompt_tokens, 0, outcome.counted_completion_tokens)
+            elif not outcome.aborted and not outcome.broken:
+                actual = None  # served, usage unknown: the prediction stands
+        self._end(ctx, actual)
+
+    def finished(self, ctx: RequestContext) -> None:
+        """A lease no attempt ended (cancelled between the grant and dispatch): nothing was served."""
+        self._end(ctx, 0.0)
+
+    @staticmethod
+    def _end(ctx: RequestContext, actual_cost_tokens: float | None) -> None:
+        lease, ctx.flow_lease = ctx.flow_lease, None
+        if lease is not None:
+            lease.finished(actual_cost_tokens)
+
+    # --- parts --------------------------------------------------------------------------------------
+
+    def _output(self, ctx: RequestContext) -> OutputPrediction:
+        facts = ctx.facts
+        if self.predictor is not None and facts.api != "embeddings":
+            return self.predictor.output_tokens_prediction(facts.principal.tenant, ctx.model, facts.max_tokens)
+        reserved = float(facts.output_reservation)
+        return OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+
+    @staticmethod
+    def _waited(ctx: RequestContext, waited_s: float) -> None:
+        """The wait in the context (the walk's `x-tokenway-queued-ms`, the predictor's dispatch time)
+        and in the record (the ledger's `queue_ms`)."""
+        if not waited_s:
+            return
+        ctx.gate_wait_s += waited_s
+        ctx.record.queue_ms = round((ctx.record.queue_ms or 0.0) + waited_s * 1000.0, 3)
+
+    def _detour(self, turn: Turn, rejected: QueueRejected, on_timeout: int | str) -> Detour:
+        ctx = turn.ctx
+        last = turn.last_wait
+        if rejected.reason == REASON_QUEUE_TIMEOUT and last is not None and last.answer is not None:
+            return last.answer(rejected.waited_s)
+        status = on_timeout if isinstance(on_timeout, int) else 503
+        rejection = queue_rejection(
+            rejected.reason,
+            model=ctx.model,
+            band=band_name(turn.request.band),
+            waited_ms=rejected.waited_s * 1000.0,
+            retry_after_s=rejected.retry_after_s,
+            status=status if rejected.reason == REASON_QUEUE_TIMEOUT else 503,
+        )
+        fallback = on_timeout == "fallback" and rejected.reason == REASON_QUEUE_TIMEOUT
+        return Detour(rejected.reason, Rejected(rejection), fallback=fallback)
+
+    def _debug(self, pool: str, request: FlowRequest, output: OutputPrediction) -> str:
+        counter = self.queue.counters.value(pool, request.band, request.tenant)
+        return (
+            f"band={band_name(request.band)};cost={request.cost_tokens:.0f};output={output.tokens:.1f};"
+            f"raw={output.raw_tokens:.1f};counter={counter:.0f}"
+        )

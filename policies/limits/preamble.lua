@@ -1,0 +1,62 @@
+-- tokenway: the helpers the Redis scripts share (the limiter's reserve, settle, void and peek, the flow
+-- counters' vtc_batch), put in front of each script's text when it is loaded (`load_script` in
+-- policies/limits/resp.py), so that each is defined once. Only local functions: a script's own names
+-- cannot clash with anything outside it.
+
+-- A number as the string that reads back as the same double.
+local function fmt(x) return string.format('%.17g', x) end
+
+-- The script's clock: the caller's time when it passes one (tests), else Redis's own (TIME).
+local function clock(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- A space-separated argument as a list of its words (the plan strings callers build once per plan).
+local function words(s)
+  local out = {}
+  for tok in string.gmatch(s, '%S+') do out[#out + 1] = tok end
+  return out
+end
+
+-- A space-separated argument as a list of numbers.
+local function numbers(s)
+  local out = {}
+  for tok in string.gmatch(s, '%S+') do out[#out + 1] = tonumber(tok) end
+  return out
+end
+
+-- A token bucket's use at `now`: `u` as of `t`, drained at `rate` per second since, never below zero
+-- (the formula of policies/limits/buckets.py).
+local function drained(u, t, now, rate)
+  if now > t then
+    u = u - (now - t) * rate
+    if u < 0 then u = 0 end
+  end
+  return u
+end
+
+-- Write a bucket's use as of `now`; it expires once it would have drained to zero (plus a second).
+local function store_bucket(key, u, now, rate)
+  redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
+  redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+end
+
+-- The budget period `now` falls in: the day number, or for 'month' the month index y*12 + m-1 in UTC
+-- (civil_from_days, H. Hinnant), as policies/limits/buckets.py computes it.
+local function period_id(kind, now)
+  local days = math.floor(now / 86400)
+  if kind == 'day' then return days end
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  if m <= 2 then y = y + 1 end
+  return y * 12 + m - 1
+end
+

@@ -1,1 +1,0 @@
-"""Pickers: one module each, each chooses one candidate from the weighted scores."""

@@ -1,1 +1,0 @@
-"""Scorers: one module each, each class scores candidates in [0, 1] (higher is better)."""
