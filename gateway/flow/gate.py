@@ -92,7 +92,8 @@ class Gate(Hook):
             check.enter(turn, routed)
         if routed is None and turn.unrouted is None:
             return None  # nothing to route to, nothing to wait for
-        request = turn.request = dataclasses.replace(request, deadline_s=turn.deadline_s)
+        if turn.deadline_s != request.deadline_s:  # a check stretched it (a cold start's hold)
+            request = turn.request = dataclasses.replace(request, deadline_s=turn.deadline_s)
         pending: list[Routed] = [routed] if routed is not None else []
 
         def ready() -> Routed | Blocked:
