@@ -18,6 +18,15 @@ NONE_HASH: Final = xxhash.xxh3_64_intdigest(b"tokenway-sim-none-hash")
 _SALT_TAG: Final = b"\x00salt\x00"
 
 
+def lora_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """The block-0 salt of a request: its `cache_salt`, with its LoRA adapter's name mixed in (vLLM
+    adds the adapter to every block's extra keys; in a chained hash, salting block 0 separates every
+    block after it alike), so two adapters never share a cached block."""
+    if not lora_name:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora\x00{lora_name}"
+
+
 def hash_block(parent: int, token_ids: Sequence[int], salt: str | None = None) -> int:
     """The chained 64-bit hash of one full block."""
     data = parent.to_bytes(8, "little") + array("I", token_ids).tobytes()

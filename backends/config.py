@@ -20,7 +20,16 @@ from backends.perf.capacity import batch_defaults, num_gpu_blocks
 from backends.perf.presets import DEFAULT_PRESET, UnknownPresetError, preset_names, resolve_preset
 from backends.types import Role
 
-EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai"]
+EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai", "anthropic", "bedrock", "gemini", "azure-openai"]
+
+# Hosted providers' own APIs (backends/hosted/ codecs, docs/providers.md): remote, launched never,
+# served through the gateway's hosted transport instead of the engine relay.
+HOSTED_ENGINES = frozenset({"anthropic", "bedrock", "gemini", "azure-openai"})
+# Where a hosted pool sends when it lists no `endpoints` (Azure has no default: the resource's own URL).
+DEFAULT_HOSTED_URL: dict[str, str] = {
+    "anthropic": "https://api.anthropic.com",
+    "gemini": "https://generativelanguage.googleapis.com",
+}
 
 # KV block size when a pool omits it. None = the engine chooses and tokenway reads the size it chose
 # from its metrics (`vllm:cache_config_info`, TRT-LLM's `tokensPerBlock`): vLLM's attention backends
@@ -32,6 +41,7 @@ DEFAULT_BLOCK_SIZE_BY_ENGINE: dict[str, int | None] = {
     "trtllm": 32,  # kv_cache_config.tokens_per_block, tensorrt_llm/llmapi/llm_args.py
     "vllm-ascend": None,  # refresh_block_size forces 128 with prefix caching, vllm_ascend/utils.py
     "openai": None,  # a remote API has no visible KV cache
+    **{kind: None for kind in HOSTED_ENGINES},
 }
 # Startup deadlines: big models download, load, compile and capture graphs for many minutes.
 DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
@@ -40,6 +50,7 @@ DEFAULT_READY_TIMEOUT_S_BY_ENGINE: dict[str, float] = {
     "trtllm": 1800.0,  # TRT-LLM tests allow 900 s for small models (their test_workers.py); engines build longer
     "vllm-ascend": 1800.0,  # ACL-graph capture is slow; Kthena waits 900 s before liveness (using_volcano_kthena.md)
     "openai": 60.0,
+    **{kind: 60.0 for kind in HOSTED_ENGINES},
 }
 
 
@@ -110,7 +121,9 @@ class PoolConfig(_Strict):
     model: str = Field(description="public model name clients send")
     engine: EngineKind = Field(
         default="sim",
-        description="what serves the pool: sim (simulated), vllm, trtllm, vllm-ascend, or openai (a remote API)",
+        description="what serves the pool: sim (simulated), vllm, trtllm, vllm-ascend, openai (a remote "
+        "OpenAI-compatible API), or a hosted provider's own API: anthropic, bedrock, gemini, azure-openai "
+        "(docs/providers.md)",
     )
     engine_model: str | None = Field(default=None, description="what the engine loads (HF id / path)")
     served_model_name: str | None = Field(default=None, description="name in upstream request bodies")
@@ -183,6 +196,37 @@ class PoolConfig(_Strict):
         description="engine openai: request fields forwarded besides OpenAI's documented ones (e.g. top_k, "
         "guided_json for an OpenAI-compatible host that accepts them); ['*'] forwards every field",
     )
+    # hosted providers (engine anthropic / bedrock / gemini / azure-openai; docs/providers.md)
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="hosted pools: the NAME of the environment variable holding the provider's key (never "
+        "the key itself); read once at start-up. Bedrock signs with the AWS credential chain instead, "
+        "Vertex AI (a `projects/...` model) with Google application default credentials",
+    )
+    region: str | None = Field(
+        default=None,
+        pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$",
+        description="engine bedrock: the AWS region signed for; its public endpoint is the default URL",
+    )
+    api_version: str | None = Field(
+        default=None,
+        description="hosted pools: anthropic-version (Anthropic), api-version (Azure: a date, or v1), the "
+        "API version segment (Gemini); default: the codec's",
+    )
+    anthropic_beta: list[str] = Field(
+        default_factory=list, description="engine anthropic: anthropic-beta values sent with every request"
+    )
+    allow_dropped_fields: bool = Field(
+        default=False,
+        description="hosted pools: a request field the provider has no counterpart for is dropped and named "
+        "in x-tokenway-dropped-fields, instead of refused with a 400 naming it",
+    )
+    overflow: bool = Field(
+        default=False,
+        description="spill-over: the model's other pools come first; this one takes what they cannot "
+        "(waiting room over `spill.max_wait_ms`, SLO unattainable, down), for tenants whose policy lets them spill",
+    )
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
         description="engine-specific settings merged into the adapter's: trtllm-serve --config YAML "
@@ -219,6 +263,10 @@ class PoolConfig(_Strict):
                 data = dict(data)
                 data.setdefault("block_size", DEFAULT_BLOCK_SIZE_BY_ENGINE[engine])
                 data.setdefault("ready_timeout_s", DEFAULT_READY_TIMEOUT_S_BY_ENGINE[engine])
+            if engine in HOSTED_ENGINES and not data.get("endpoints"):
+                url = _default_hosted_url(engine, data)
+                if url is not None:
+                    data = {**data, "endpoints": [{"url": url}]}
         return data
 
     @model_validator(mode="after")
@@ -227,6 +275,7 @@ class PoolConfig(_Strict):
             raise ValueError("give either `replicas` or `roles`, not both")
         if self.engine == "openai" and self.launched_replicas:
             raise ValueError("engine `openai` is a remote API: list it under `endpoints`, not replicas")
+        self._check_hosted()
         if self.extra_request_fields and self.engine != "openai":
             raise ValueError(
                 f"extra_request_fields only applies to engine `openai` ({self.engine!r} forwards what it accepts)"
@@ -241,6 +290,51 @@ class PoolConfig(_Strict):
             )
         self._check_simulated()
         return self
+
+    def _check_hosted(self) -> None:
+        """A hosted pool is remote, keyed by an environment variable's name, and takes the provider
+        fields only where they mean something: a misplaced one is a configuration error, not ignored."""
+        hosted = self.engine in HOSTED_ENGINES
+        if not hosted:
+            for name in ("api_key_env", "region", "api_version"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"`{name}` applies to hosted engines only (anthropic, bedrock, gemini, azure-openai)"
+                    )
+            if self.anthropic_beta or self.allow_dropped_fields:
+                raise ValueError("`anthropic_beta` / `allow_dropped_fields` apply to hosted engines only")
+            return
+        engine = self.engine
+        if self.launched_replicas or self.autoscale is not None or self.discovery is not None:
+            raise ValueError(
+                f"engine `{engine}` is a hosted API: it launches nothing (give `endpoints` or the defaults)"
+            )
+        if self.api_key is not None or any(e.api_key is not None for e in self.endpoints):
+            raise ValueError(f"engine `{engine}`: name the key's environment variable in `api_key_env`, not the key")
+        if any(e.role is not Role.BOTH for e in self.endpoints) or any(e.kv_events_endpoint for e in self.endpoints):
+            raise ValueError(f"engine `{engine}` has no prefill/decode roles or KV events")
+        if engine == "bedrock":
+            if self.region is None:
+                raise ValueError("engine `bedrock` needs `region` (SigV4 signs for it)")
+            if self.api_key_env is not None:
+                raise ValueError("engine `bedrock` signs with the AWS credential chain: no `api_key_env`")
+        elif self.region is not None:
+            raise ValueError("`region` applies to engine `bedrock` only")
+        if self.anthropic_beta and engine != "anthropic":
+            raise ValueError("`anthropic_beta` applies to engine `anthropic` only")
+        if engine == "azure-openai" and not self.endpoints:
+            raise ValueError(
+                "engine `azure-openai` needs `endpoints` (the resource's URL, https://NAME.openai.azure.com)"
+            )
+        vertex = engine == "gemini" and self.upstream_model.startswith("projects/")
+        keyed = engine in ("anthropic", "azure-openai") or (engine == "gemini" and not vertex)
+        if keyed and self.api_key_env is None:
+            raise ValueError(f"engine `{engine}` needs `api_key_env` (the environment variable holding the key)")
+
+    @property
+    def hosted(self) -> bool:
+        """Served through a hosted provider's own API (the hosted transport), not an engine's."""
+        return self.engine in HOSTED_ENGINES
 
     def _check_simulated(self) -> None:
         """A launched simulated engine refuses to start where vLLM would (the model does not fit the
@@ -312,7 +406,7 @@ class PoolConfig(_Strict):
         """Whether a stream cut by its replica continues on another (default: on for launched pools)."""
         if self.migrate_streams is not None:
             return self.migrate_streams
-        return self.engine != "openai"
+        return self.engine != "openai" and self.engine not in HOSTED_ENGINES
 
     @property
     def launched_replicas(self) -> int:
@@ -332,6 +426,25 @@ class PoolConfig(_Strict):
     def elastic(self) -> bool:
         """Whether the autoscaler sizes this pool's launched replicas."""
         return self.autoscale is not None
+
+
+def _default_hosted_url(engine: str, data: dict[str, Any]) -> str | None:
+    """A hosted pool's endpoint when it lists none: the provider's public API (Bedrock's in `region`,
+    Vertex AI's in the model's location), as backends/hosted/ writes it; None where there is none."""
+    if engine == "bedrock":
+        region = data.get("region")
+        return f"https://bedrock-runtime.{region}.amazonaws.com" if isinstance(region, str) else None
+    if engine == "gemini":
+        model = data.get("served_model_name") or data.get("model")
+        if isinstance(model, str) and model.startswith("projects/"):
+            parts = model.split("/")
+            location = parts[3] if len(parts) > 3 and parts[2] == "locations" else "global"
+            return (
+                "https://aiplatform.googleapis.com"
+                if location == "global"
+                else f"https://{location}-aiplatform.googleapis.com"
+            )
+    return DEFAULT_HOSTED_URL.get(engine)
 
 
 class EjectionSettings(_Strict):

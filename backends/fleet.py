@@ -6,10 +6,11 @@ The gateway reads it (routing candidates, readiness); backends' background tasks
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from backends.config import PoolConfig
+from backends.lora import LoraAdapter
 from backends.types import Endpoint, EndpointState, Role
 
 
@@ -55,6 +56,10 @@ class Pool:
         return self.config.elastic and any(e.launched and e.state is not EndpointState.DEAD for e in self.endpoints)
 
 
+def _no_adapters() -> Mapping[str, LoraAdapter]:
+    return {}
+
+
 class Fleet:
     """Pools by name and by public model name."""
 
@@ -63,6 +68,23 @@ class Fleet:
         self._by_model: dict[str, list[Pool]] = {}
         for pool in self.pools.values():
             self._by_model.setdefault(pool.config.model, []).append(pool)
+        for listed in self._by_model.values():  # overflow pools are routed to after the owned ones
+            listed.sort(key=lambda pool: pool.config.overflow)
+        # LoRA adapters by name, read from the live policy (the gateway points this at it): an adapter
+        # is served by its base model's pools (docs/adapters.md)
+        self._adapters: Callable[[], Mapping[str, LoraAdapter]] = _no_adapters
+
+    def follow_adapters(self, source: Callable[[], Mapping[str, LoraAdapter]]) -> None:
+        """Read the adapters from `source` (the current policy's, so a reload changes them at once)."""
+        self._adapters = source
+
+    @property
+    def adapters(self) -> Mapping[str, LoraAdapter]:
+        return self._adapters()
+
+    def adapter(self, model: str) -> LoraAdapter | None:
+        """The adapter a public model name denotes, or None for a model of its own."""
+        return self._adapters().get(model)
 
     @classmethod
     def from_configs(cls, configs: Sequence[PoolConfig]) -> Fleet:
@@ -89,7 +111,12 @@ class Fleet:
         return cls(pools)
 
     def pools_for_model(self, model: str) -> list[Pool]:
-        return self._by_model.get(model, [])
+        pools = self._by_model.get(model)
+        if pools is None:
+            adapter = self._adapters().get(model)
+            if adapter is not None:  # an adapter runs on its base model's pools
+                return self._by_model.get(adapter.base_model, [])
+        return pools or []
 
     @property
     def models(self) -> list[str]:

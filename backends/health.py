@@ -146,6 +146,8 @@ def half_open_due(endpoint: Endpoint, now_s: float) -> bool:
 async def probe(endpoint: Endpoint, session: aiohttp.ClientSession, timeout_s: float) -> Probe:
     """One GET of the endpoint's health path, interpreted by its engine's adapter."""
     adapter = get_adapter(endpoint.engine)
+    if not adapter.health_path:  # a hosted API: not probed (backends/adapters/hosted.py), passive ejection only
+        return adapter.classify_health(200, {})
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     try:
         async with session.get(

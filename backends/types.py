@@ -66,6 +66,11 @@ class EndpointStats:
     prompt_tokens_cached: float = 0.0  # counter: of those, served from the prefix cache
     # "awake" | "weights_offloaded" | "discard_all" | "asleep"; None when the engine does not say
     sleep_state: str | None = None
+    # LoRA (vLLM's vllm:lora_requests_info): adapters of running and waiting requests, the slot count;
+    # max_loras 0 when the engine serves none (docs/adapters.md)
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    max_loras: int = 0
     scraped_at_s: float = 0.0
 
     @property

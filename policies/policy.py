@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from backends.lora import LoraAdapter
 from policies.keys.records import KeyRecord, TenantRecord
 from policies.limits.compile import LimitIndex, price_of
 from policies.limits.types import Plan, Price
@@ -80,6 +81,12 @@ class Policy:
             for name, model in config.models.items()
         }
         self._prices: dict[str, Price] = {name: price_of(model) for name, model in config.models.items()}
+        self.adapters: Mapping[str, LoraAdapter] = compile_adapters(config)
+        self._adapter_tenants = {
+            name: frozenset(model.tenants)
+            for name, model in config.models.items()
+            if model.kind == "adapter" and model.tenants is not None
+        }
         self.limits = LimitIndex(config)
         slo_classes = {name: Slo.from_config(name, c) for name, c in config.slo_classes.items()}
         self._slo_classes = slo_classes
@@ -117,6 +124,11 @@ class Policy:
     def resolve_model(self, name: str) -> str:
         """Public model name for a name or alias (unknown names resolve to themselves)."""
         return self._aliases.get(name, name)
+
+    def adapter_allows(self, model: str, tenant: str) -> bool:
+        """Whether `tenant` may call `model`: always, unless it is an adapter that names its tenants."""
+        allowed = self._adapter_tenants.get(model)
+        return allowed is None or tenant in allowed
 
     def model_config(self, model: str) -> ModelConfig | None:
         return self.config.models.get(model)
@@ -170,6 +182,36 @@ class Policy:
         return self.limits.plan(principal, model)
 
 
+def compile_adapters(config: PoliciesConfig) -> dict[str, LoraAdapter]:
+    """The `kind: adapter` models as the fleet and the transport use them, bases resolved."""
+    out: dict[str, LoraAdapter] = {}
+    for name, model in config.models.items():
+        if model.kind == "adapter" and model.base is not None and model.source is not None:
+            size = int(model.size_mb * 1024 * 1024) if model.size_mb is not None else None
+            out[name] = LoraAdapter(name, config.resolve_model(model.base), model.source, size)
+    return out
+
+
+def usage_cost_usd(price: Price, usage: Usage) -> float:
+    """`usage` at `price`: cache reads, cache writes (each lifetime) and reasoning at their own rates."""
+    return price.cost_usd(
+        usage.prompt_tokens,
+        usage.cached_tokens,
+        usage.completion_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        cache_write_1h_tokens=usage.cache_write_1h_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+    )
+
+
+def cache_saving_usd(policy: Policy, model: str, usage: Usage, cost_usd: float, batch: bool = False) -> float:
+    """What the prompt cache saved on a request that cost `cost_usd`: its cost with every prompt token
+    at the plain input rate, less `cost_usd` (negative when cache writes cost more than reads saved)."""
+    price = policy.price(model)
+    uncached = price.uncached_usd(usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens)
+    return (uncached * policy.batch_price_factor(model) if batch else uncached) - cost_usd
+
+
 def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False) -> float:
     """USD cost of `usage` on `model`; 0.0 for a model without a price. A batch line pays the
     model's batch share of it (`Policy.batch_price_factor`).
@@ -179,5 +221,5 @@ def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False) 
     defaults to the input price. Budgets are charged with this same figure after each request. Batch
     lines pay a share of it (`batch.price_factor`, or the model's `price.batch_factor`).
     """
-    cost = policy.price(model).cost_usd(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+    cost = usage_cost_usd(policy.price(model), usage)
     return cost * policy.batch_price_factor(model) if batch else cost

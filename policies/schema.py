@@ -73,6 +73,26 @@ def format_path(path: tuple[str | int, ...]) -> str:
     return out or "(top level)"
 
 
+class TenantSpillConfig(_Strict):
+    """A tenant's spill-over to a model's overflow pools (pools with `overflow: true`, docs/providers.md)."""
+
+    allowed: bool = Field(default=True, description="its requests may go to overflow pools")
+    usd_per_day: float | None = Field(
+        default=None, ge=0, description="at most this much spent on overflow pools per UTC day; null: no cap"
+    )
+
+
+class SpillPolicy(_Strict):
+    """When a request leaves the model's owned pools for an overflow pool (docs/providers.md, "Spill-over")."""
+
+    max_wait_ms: float = Field(
+        default=250.0, ge=0, description="a request that waited longer than this in an owned pool's room spills"
+    )
+    max_waiting: int | None = Field(
+        default=None, ge=1, description="with this many waiting in an owned pool's room, arrivals spill at once"
+    )
+
+
 class TenantConfig(_Strict):
     models: list[str] | None = Field(default=None, description="allowed public models; null = all")
     priority: PriorityName = "normal"
@@ -88,6 +108,9 @@ class TenantConfig(_Strict):
         min_length=1,
         max_length=128,
         description="tenants naming the same group share the engines' prefix cache; by default each tenant has its own",
+    )
+    spill: TenantSpillConfig = Field(
+        default_factory=lambda: TenantSpillConfig(), description="whether its requests may spill to overflow pools"
     )
 
     @field_validator("engine_fields")
@@ -116,12 +139,40 @@ class KeyConfig(_Strict):
         return value
 
 
-class PriceConfig(_Strict):
-    """USD per million tokens."""
+class TierPriceConfig(_Strict):
+    """One price table, USD per million tokens (docs/providers.md, "Pricing"): a prompt token is a
+    cache read, a cache write (default lifetime, or one hour) or plain input; an output token is
+    output or reasoning (thinking)."""
 
     input_per_mtok: float = Field(default=0.0, ge=0)
-    cached_input_per_mtok: float | None = Field(default=None, ge=0, description="defaults to input")
+    cached_input_per_mtok: float | None = Field(default=None, ge=0, description="cache reads; defaults to input")
+    cache_write_per_mtok: float | None = Field(
+        default=None,
+        ge=0,
+        description="cache writes at the provider's default lifetime (Anthropic: 5 min); defaults to input",
+    )
+    cache_write_1h_per_mtok: float | None = Field(
+        default=None, ge=0, description="cache writes with a one-hour lifetime; defaults to cache_write"
+    )
     output_per_mtok: float = Field(default=0.0, ge=0)
+    reasoning_per_mtok: float | None = Field(
+        default=None, ge=0, description="reasoning (thinking) output tokens; defaults to output"
+    )
+
+
+class LongContextPriceConfig(TierPriceConfig):
+    """The table for a request whose prompt (cache reads and writes included) is over `above_prompt_tokens`:
+    it prices the whole request, output included."""
+
+    above_prompt_tokens: int = Field(ge=1, description="prompts longer than this pay the long-context table")
+
+
+class PriceConfig(TierPriceConfig):
+    """USD per million tokens."""
+
+    long_context: LongContextPriceConfig | None = Field(
+        default=None, description="a dearer table for long prompts (Anthropic's 1M context, Gemini's over 200k)"
+    )
     batch_factor: float | None = Field(
         default=None, ge=0, le=1, description="batch lines pay this share of the price (default: batch.price_factor)"
     )
@@ -151,6 +202,31 @@ class ModelConfig(_Strict):
     default_max_tokens: int = Field(default=1024, ge=1, description="output reservation without max_tokens")
     price: PriceConfig = Field(default_factory=PriceConfig)
     fallbacks: list[FallbackConfig] = Field(default_factory=list, description="tried in order")
+    # LoRA adapters (docs/adapters.md): a model of `kind: adapter` runs on its `base` model's pools
+    kind: Literal["model", "adapter"] = Field(
+        default="model", description="`adapter`: a LoRA adapter served by the pools of `base`"
+    )
+    base: str | None = Field(default=None, description="adapter: the model it adapts (a model, not an adapter)")
+    source: str | None = Field(
+        default=None, min_length=1, description="adapter: what the engine loads (local path or object-store URI)"
+    )
+    size_mb: float | None = Field(default=None, gt=0, description="adapter: its size, for the predicted load time")
+    tenants: list[str] | None = Field(
+        default=None, description="adapter: the tenants that may call it (null: any the keys allow)"
+    )
+    owner: str | None = Field(default=None, description="adapter: who it belongs to (reported, not enforced)")
+
+    @model_validator(mode="after")
+    def _adapter_fields(self) -> ModelConfig:
+        if self.kind == "adapter":
+            missing = [name for name in ("base", "source") if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"an adapter needs {' and '.join(missing)}")
+        else:
+            extra = [n for n in ("base", "source", "size_mb", "tenants", "owner") if getattr(self, n) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} only apply to kind: adapter")
+        return self
 
     @field_validator("fallbacks", mode="before")
     @classmethod
@@ -328,6 +404,7 @@ class PoliciesConfig(_Strict):
     slo_classes: dict[str, SloClassConfig] = Field(default_factory=dict)
     flow_control: FlowPolicy = Field(default_factory=FlowPolicy)
     batch: BatchPolicy = Field(default_factory=BatchPolicy)
+    spill: SpillPolicy = Field(default_factory=SpillPolicy)
 
     @model_validator(mode="after")
     def _references(self) -> PoliciesConfig:
@@ -399,6 +476,23 @@ class PoliciesConfig(_Strict):
                     )
                 seen.setdefault(identity, i)
         problems.extend(self._slo_problems())
+        problems.extend(self._adapter_problems())
+        return problems
+
+    def _adapter_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """An adapter's base is a known model that is no adapter itself; its tenants exist."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name, model in self.models.items():
+            if model.kind != "adapter" or model.base is None:
+                continue
+            base = self.canonical_model(model.base)
+            if base is None:
+                problems.append((("models", name, "base"), f"unknown model {model.base!r}"))
+            elif self.models[base].kind == "adapter":
+                problems.append((("models", name, "base"), f"{model.base!r} is an adapter; name its base model"))
+            for j, tenant in enumerate(model.tenants or ()):
+                if tenant not in self.tenants:
+                    problems.append((("models", name, "tenants", j), f"unknown tenant {tenant!r}"))
         return problems
 
     def _slo_problems(self) -> list[tuple[tuple[str | int, ...], str]]:

@@ -104,10 +104,40 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+    # hosted providers bill these apart (backends/hosted/base.ProviderUsage): prompt tokens written to
+    # the provider's cache (default lifetime, one hour) and output tokens spent reasoning
+    cache_write_tokens: int = 0
+    cache_write_1h_tokens: int = 0
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def from_chat(cls, obj: Any) -> Usage | None:
+        """A chat-completions `usage` object (parsed JSON), tokenway's cache-write detail keys included
+        (`prompt_tokens_details.cache_write_tokens` / `cache_write_1h_tokens`, as the hosted transport
+        writes them); None when it is not an object."""
+        if type(obj) is not dict:
+            return None
+        details = obj.get("prompt_tokens_details")
+        out = obj.get("completion_tokens_details")
+        cached = write = write_1h = reasoning = 0
+        if type(details) is dict:
+            cached = int(details.get("cached_tokens") or 0)
+            write = int(details.get("cache_write_tokens") or 0)
+            write_1h = int(details.get("cache_write_1h_tokens") or 0)
+        if type(out) is dict:
+            reasoning = int(out.get("reasoning_tokens") or 0)
+        return cls(
+            int(obj.get("prompt_tokens") or 0),
+            int(obj.get("completion_tokens") or 0),
+            cached,
+            write,
+            write_1h,
+            reasoning,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from backends.protocols import anthropic, responses
 from backends.protocols.errors import ProtocolError
 from sim import generation, prompt_cache, validation
 from sim.engine import SimEngine
+from sim.lora import adapter_names
 from sim.request import new_id
 from sim.validation import BadRequest
 
@@ -55,7 +56,7 @@ def _salted(chat: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_name(body: dict[str, Any], engine: SimEngine) -> str:
-    validation.check_common({"model": body.get("model")}, engine.config)
+    validation.check_common({"model": body.get("model")}, engine.config, adapter_names(engine.lora))
     return str(body.get("model") or engine.config.served_model_name)
 
 

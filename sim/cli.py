@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-transfer-bandwidth-gbps", type=float, default=25.0, help="PD link bandwidth in GB/s for KV pulls"
     )
     p.add_argument(
+        "--kv-offloading-size", type=float, default=None, help="GiB of host DRAM per engine for offloaded KV (vLLM's)"
+    )
+    p.add_argument(
+        "--kv-offload-bandwidth-gbps", type=float, default=25.0, help="host DRAM <-> HBM bandwidth in GB/s (PCIe)"
+    )
+    p.add_argument(
         "--output-len-mean", type=float, default=200.0, help="mean of the natural output length when ignore_eos is off"
     )
     p.add_argument(
@@ -96,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         "--enable-sleep-mode",
         action="store_true",
         help="vLLM's sleep mode; /sleep, /wake_up, /is_sleeping also need VLLM_SERVER_DEV_MODE=1",
+    )
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (sim/lora.py)")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters per batch and on the GPU (vLLM's)")
+    p.add_argument("--lora-modules", nargs="+", default=None, help="NAME=PATH adapters registered at start")
+    p.add_argument(
+        "--lora-load-bandwidth-gbps", type=float, default=1.0, help="GB/s at which an adapter loads onto the GPU"
     )
     p.add_argument("--log-level", default="INFO")
     return p
@@ -134,6 +146,17 @@ def split_known(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[
                 ignored.append(argv[i])
                 i += 1
     return positionals, known, ignored
+
+
+def _lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """vLLM's `--lora-modules name=path ...` (the JSON form is not modelled)."""
+    modules: dict[str, str] = {}
+    for spec in specs or ():
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
+        modules[name] = path
+    return modules
 
 
 def _is_number(token: str) -> bool:
@@ -187,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             output_len_mean=args.output_len_mean,
             time_scale=args.time_scale,
             kv_transfer_bandwidth_gbps=args.kv_transfer_bandwidth_gbps,
+            kv_offloading_size_gib=args.kv_offloading_size,
+            kv_offload_bandwidth_gbps=args.kv_offload_bandwidth_gbps,
             api_key=args.api_key,
             embedding_dim=args.embedding_dim,
             fail_on_marker=args.fail_on_marker,
@@ -195,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             load_bandwidth_gbps=args.load_bandwidth_gbps,
             init_s=args.init_s,
             load_format=args.load_format,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            lora_modules=_lora_modules(args.lora_modules),
+            lora_load_bandwidth_gbps=args.lora_load_bandwidth_gbps,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.perf import loading
-from backends.perf.capacity import batch_defaults, num_gpu_blocks
+from backends.perf.capacity import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
+from backends.perf.hardware import GIB
 from backends.perf.presets import Preset, resolve_preset
 
 log = logging.getLogger("tokenway.sim")
@@ -61,6 +62,8 @@ class EngineConfig:
     time_scale: float = 1.0
     kv_transfer_bandwidth: float = 25e9  # bytes/s of the PD link
     kv_lease_s: float = 30.0
+    kv_offload_blocks: int = 0  # host-DRAM tier below HBM, in blocks (vLLM's --kv-offloading-size); 0: none
+    kv_offload_bandwidth: float = 25e9  # bytes/s per device between host DRAM and HBM (PCIe)
     api_key: str | None = None
     embedding_dim: int = 256  # /v1/embeddings vectors when the request names no `dimensions`
     enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode
@@ -69,6 +72,11 @@ class EngineConfig:
     startup_s: float = 0.0  # simulated seconds from launch to listening (0: start at once)
     # tests only: a generation request whose body holds this text answers 500 (an engine that fails on it)
     fail_on_marker: str | None = None
+    # LoRA (sim/lora.py): vLLM's --enable-lora, --max-loras, --lora-modules; the adapters' load bandwidth
+    enable_lora: bool = False
+    max_loras: int = 1
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_load_bandwidth: float = 1e9
 
     @property
     def served_model_name(self) -> str:
@@ -94,6 +102,8 @@ def build_engine_config(
     output_len_mean: float = 200.0,
     time_scale: float = 1.0,
     kv_transfer_bandwidth_gbps: float = 25.0,
+    kv_offloading_size_gib: float | None = None,
+    kv_offload_bandwidth_gbps: float = 25.0,
     api_key: str | None = None,
     embedding_dim: int = 256,
     fail_on_marker: str | None = None,
@@ -103,12 +113,19 @@ def build_engine_config(
     load_bandwidth_gbps: float | None = None,
     init_s: float | None = None,
     load_format: str = "auto",
+    enable_lora: bool = False,
+    max_loras: int = 1,
+    lora_modules: dict[str, str] | None = None,
+    lora_load_bandwidth_gbps: float = 1.0,
 ) -> EngineConfig:
     """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
 
     `server_dev_mode` None reads ``VLLM_SERVER_DEV_MODE`` as vLLM does. With `simulate_startup` the
     engine listens only after `loading.startup_s` simulated seconds (weights at the load bandwidth,
     none with `load_format="dummy"`, plus `init_s`); without it, at once, as tests want.
+
+    `kv_offloading_size_gib` (vLLM's `--kv-offloading-size`, GiB of host memory per engine) adds the
+    host-DRAM tier (`kv_offload.py`), reached at `kv_offload_bandwidth_gbps` (GB/s per device).
 
     Raises ValueError where vLLM would refuse to start (model does not fit, max_model_len over
     the KV capacity).
@@ -143,6 +160,11 @@ def build_engine_config(
     if simulate_startup:
         init = loading.DEFAULT_INIT_S if init_s is None else init_s
         startup = loading.startup_s(resolved, load_bandwidth, init, load_weights=load_format != "dummy")
+    offload_blocks = 0
+    if kv_offloading_size_gib:
+        if kv_offload_bandwidth_gbps <= 0:
+            raise ValueError("the KV offload bandwidth must be > 0")
+        offload_blocks = int(kv_offloading_size_gib * GIB) // (block_size * kv_bytes_per_token_per_device(resolved))
     if server_dev_mode is None:
         server_dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     config = EngineConfig(
@@ -162,6 +184,8 @@ def build_engine_config(
         output_len_mean=output_len_mean,
         time_scale=time_scale,
         kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
+        kv_offload_blocks=offload_blocks,
+        kv_offload_bandwidth=kv_offload_bandwidth_gbps * 1e9,
         api_key=api_key,
         embedding_dim=embedding_dim,
         fail_on_marker=fail_on_marker or None,
@@ -169,7 +193,13 @@ def build_engine_config(
         server_dev_mode=server_dev_mode,
         load_bandwidth=load_bandwidth,
         startup_s=startup,
+        enable_lora=enable_lora or bool(lora_modules),
+        max_loras=max_loras,
+        lora_modules=dict(lora_modules or {}),
+        lora_load_bandwidth=lora_load_bandwidth_gbps * 1e9,
     )
+    if max_loras < 1 or lora_load_bandwidth_gbps <= 0:
+        raise ValueError("--max-loras must be >= 1 and --lora-load-bandwidth-gbps > 0")
     if transfer:
         extra = transfer.get("kv_connector_extra_config") or {}
         config.kv_lease_s = float(extra.get("kv_lease_duration", config.kv_lease_s))

@@ -35,6 +35,8 @@ from sim.clock import MIN_SLEEP_S, SimClock
 from sim.config import EngineConfig
 from sim.kv_cache import KVCacheManager
 from sim.kv_events import KVEventPublisher
+from sim.kv_offload import HostOffload
+from sim.lora import LoraSlots, batch_adapters
 from sim.metrics import EngineMetrics
 from sim.request import Request, Status, new_id
 from sim.scheduler import Scheduler
@@ -53,10 +55,20 @@ class SimEngine:
         self.preset = config.preset
         self.instance_index = instance_index
         self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        if config.kv_offload_blocks:
+            HostOffload.for_config(config).attach(self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.kv_lease_s)
         self.clock = SimClock(config.time_scale)
         self.step_time = roofline.StepTimer(self.preset)
         self.metrics = EngineMetrics(config)
+        self.lora: LoraSlots | None = None  # --enable-lora (sim/lora.py)
+        if config.enable_lora:
+            self.lora = LoraSlots(
+                config.max_loras, load_bandwidth=config.lora_load_bandwidth, base_model=config.served_model_name
+            )
+            for name, path in config.lora_modules.items():
+                self.lora.register(name, path)
+        self.scheduler.lora = self.lora
         self.publisher: KVEventPublisher | None = None
         self.advertised_host = "127.0.0.1"
         self.advertised_port = 0
@@ -119,6 +131,7 @@ class SimEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         request_id: str | None = None,
         pooling: bool = False,
+        lora_name: str | None = None,
     ) -> Request:
         """Plan a request's output (deterministic ids and length) and stamp its arrival. A pooling
         request (an embedding) only runs its prompt through the model."""
@@ -134,6 +147,7 @@ class SimEngine:
                 max_tokens=0,
                 cache_salt=cache_salt,
                 pooling=True,
+                lora_name=lora_name,
             )
         limit = self.config.max_model_len - len(prompt_ids)
         budget = limit if max_tokens is None else min(max_tokens, limit)
@@ -154,6 +168,7 @@ class SimEngine:
             arrival_s=arrival,
             max_tokens=budget,
             cache_salt=cache_salt,
+            lora_name=lora_name,
             remote_prefill=remote_prefill,
             remote_decode=remote_decode,
         )
@@ -300,7 +315,10 @@ class SimEngine:
                 step_tokens += sum([n for n, _ in chunks])
             else:
                 chunks = []
-            _start, end = clock.begin_step(step_time(chunks, num_decodes, step.decode_context_sum), start_s=now)
+            duration = step_time(chunks, num_decodes, step.decode_context_sum)
+            if self.lora is not None:  # adapter loads and the batched LoRA kernels (sim/lora.py)
+                duration += self.lora.step_cost_s(batch_adapters(prefills or (), decodes))
+            _start, end = clock.begin_step(duration, start_s=now)
             delay = clock.step_delay()
             if delay > MIN_SLEEP_S:
                 self._notify(pending)

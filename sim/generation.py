@@ -22,6 +22,7 @@ from backends.protocols import anthropic, responses
 from backends.protocols.responses_stream import ResponsesStream
 from sim import outputs, validation
 from sim.engine import SimEngine
+from sim.lora import adapter_of
 from sim.outputs import Choice, OutputSpec, SpecError
 from sim.request import Status
 from sim.sse import WRITE_BUFFER_LIMIT
@@ -255,6 +256,7 @@ async def generate(
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
             cache_salt=str(salt) if salt else None,
+            lora_name=adapter_of(engine.lora, body),
         )
         choices.append(
             outputs.plan_choice(

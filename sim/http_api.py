@@ -32,6 +32,7 @@ from backends.protocols import anthropic
 from sim import agent_api, embeddings, generation, prompt_cache, sleep, text_gen, validation
 from sim.config import VLLM_VERSION
 from sim.engine import SimEngine
+from sim.lora import LoraError, adapter_names, adapter_of
 from sim.request import Request, new_id
 from sim.sse import ChunkTemplate, FinishWaiter, TokenWriter
 from sim.validation import BadRequest
@@ -129,6 +130,9 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/internal/kv_pull", _kv_pull)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
+    if engine.lora is not None:  # vLLM's runtime adapter routes (sim/lora.py)
+        app.router.add_post("/v1/load_lora_adapter", _load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", _unload_lora_adapter)
     if config.fail_on_marker:
         app.router.add_get("/internal/faults", _faults)
     agent_api.add_routes(app, engine)
@@ -163,11 +167,44 @@ async def _models(request: web.Request) -> web.Response:
         }
         for name in config.served_model_names
     ]
+    lora = request.app[ENGINE_KEY].lora
+    if lora is not None:
+        data += lora.models(created)
     return _json({"object": "list", "data": data})
 
 
+async def _load_lora_adapter(request: web.Request) -> web.Response:
+    body = await _read_json(request)
+    lora = request.app[ENGINE_KEY].lora
+    assert lora is not None
+    name, path = body.get("lora_name"), body.get("lora_path")
+    try:
+        lora.register(name if isinstance(name, str) else "", path if isinstance(path, str) else "")
+    except LoraError as exc:
+        raise BadRequest(exc.message, "lora_name", status=exc.status) from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload_lora_adapter(request: web.Request) -> web.Response:
+    body = await _read_json(request)
+    lora = request.app[ENGINE_KEY].lora
+    assert lora is not None
+    name = body.get("lora_name")
+    try:
+        lora.unregister(name if isinstance(name, str) else "")
+    except LoraError as exc:
+        raise BadRequest(exc.message, "lora_name", status=exc.status) from None
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[ENGINE_KEY].metrics.render()
+    engine = request.app[ENGINE_KEY]
+    body = engine.metrics.render()
+    if engine.lora is not None:
+        s = engine.scheduler
+        running = [r.lora_name for r in s.running if r.lora_name]
+        waiting = [r.lora_name for r in s.waiting if r.lora_name]
+        body += engine.lora.prometheus(running, waiting)
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -264,7 +301,7 @@ def _single_prompt(prompt: Any) -> str | list[int]:
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    validation.check_common(body, engine.config)
+    validation.check_common(body, engine.config, adapter_names(engine.lora))
     prompt_ids = await _chat_prompt(request, body)
     if not generation.read_spec(body, chat=True).plain:
         return await generation.generate(
@@ -286,7 +323,7 @@ def _response_id(request: web.Request, prefix: str) -> str:
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    validation.check_common(body, engine.config)
+    validation.check_common(body, engine.config, adapter_names(engine.lora))
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
     prompt_ids = await _completion_ids(request, _single_prompt(body["prompt"]))
@@ -326,6 +363,7 @@ async def _generate(
         ignore_eos=bool(body.get("ignore_eos", False)),
         cache_salt=str(salt) if salt else None,
         kv_transfer_params=params,
+        lora_name=adapter_of(engine.lora, body),
     )
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     base_id = request.headers.get("X-Request-Id") or new_id()
@@ -414,7 +452,7 @@ async def _embeddings(request: web.Request) -> web.Response:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     config = engine.config
-    validation.check_common(body, config)
+    validation.check_common(body, config, adapter_names(engine.lora))
     inputs = await asyncio.to_thread(_embedding_inputs, body, False) if _long(request) else _embedding_inputs(body)
     dimensions = body.get("dimensions")
     if dimensions is None:
@@ -440,7 +478,7 @@ async def _embeddings(request: web.Request) -> web.Response:
     loop = asyncio.get_running_loop()
     requests: list[tuple[Request, asyncio.Future[None]]] = []
     for ids in inputs:
-        req = engine.create_request(ids, max_tokens=None, pooling=True)
+        req = engine.create_request(ids, max_tokens=None, pooling=True, lora_name=adapter_of(engine.lora, body))
         done: asyncio.Future[None] = loop.create_future()
         req.notify = FinishWaiter(req, done).step
         requests.append((req, done))

@@ -11,18 +11,20 @@
 Hashes: `backends/block_hash.py` (shared with the router, which reproduces them from requests).
 
 Every store, eviction and reset is recorded as a `KVEvent` for the KV-event publisher to drain.
+An optional host-DRAM tier below HBM (`kv_offload.py`) receives the evicted blocks (`on_evict`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backends.block_hash import NONE_HASH, chain_hashes
+from backends.block_hash import NONE_HASH, chain_hashes, lora_salt
 
 if TYPE_CHECKING:
+    from sim.kv_offload import HostOffload
     from sim.request import Request
 
 
@@ -48,6 +50,8 @@ class KVEvent:
     # vLLM's per-block extra keys of a stored run: the first block of a salted prompt carries the
     # request's `cache_salt` (as vLLM's do), so an index re-hashing the tokens can salt them alike
     extra_keys: tuple[tuple[str, ...] | None, ...] | None = None
+    lora_name: str | None = None  # the adapter whose blocks these are (sim/lora.py)
+    medium: str = "GPU"  # where the blocks are: "GPU" (HBM) or "CPU" (the offload tier, kv_offload.py)
 
 
 class BlockPool:
@@ -62,6 +66,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}
         self.events: list[KVEvent] = []
         self.record_events = True  # False: nobody publishes them (stores and evictions still happen)
+        self.on_evict: Callable[[list[int]], None] | None = None  # told the hashes evicted (offload tier)
 
     @property
     def num_free(self) -> int:
@@ -101,6 +106,8 @@ class BlockPool:
             blocks.append(block)
         if removed and self.record_events:
             self.events.extend(KVEvent("removed", (h,)) for h in removed)
+        if removed and self.on_evict is not None:
+            self.on_evict(removed)
         return blocks
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -141,6 +148,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.offload: HostOffload | None = None  # the host-DRAM tier, when the engine has one
 
     @property
     def usage(self) -> float:
@@ -153,7 +161,8 @@ class KVCacheManager:
         bs = self.block_size
         first = len(hashes) * bs
         parent = hashes[-1] if hashes else NONE_HASH
-        chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, req.cache_salt if first == 0 else None)
+        salt = lora_salt(req.cache_salt, req.lora_name) if first == 0 else None  # the adapter salts too (sim/lora.py)
+        chain_hashes(hashes, parent, _tokens(req, first, num_blocks * bs), bs, salt)
 
     def computed_blocks(self, req: Request) -> list[int]:
         """Longest run of cached blocks matching the request's tokens, leaving at least the last token
@@ -248,6 +257,7 @@ class KVCacheManager:
                         parent,
                         tuple(_tokens(req, run_start * bs, index * bs)),
                         extra,
+                        req.lora_name,
                     )
                 )
             run_start = index + 1
@@ -260,4 +270,7 @@ class KVCacheManager:
         req.num_stored_blocks = 0
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset()
+        ok = self.pool.reset()
+        if ok and self.offload is not None:
+            self.offload.clear()
+        return ok

@@ -3,6 +3,8 @@
 - PUB socket: endpoints with ``*``, ``::``, ``ipc://`` or ``inproc://`` bind, others connect; instance
   `i` of a multi-instance process uses port + i (as vLLM's DP ranks do).
 - Each step with events sends ``[topic, seq (8-byte big-endian, from 0), msgpack([ts, events, 0])]``.
+- `medium` is "GPU", or "CPU" for the host-DRAM tier (kv_offload.py: hashes only, as vLLM's
+  offloading connector publishes them).
 - Events, vLLM 0.33 ("tagged"): maps ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
   "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}`` (the first
   block of a salted prompt carries its `cache_salt` in `extra_keys`), ``{"type":
@@ -60,8 +62,10 @@ def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
                 list(event.token_ids),
                 block_size,
                 None,
-                "GPU",
+                event.medium,
             ]
+            if event.lora_name:
+                return [*stored, event.lora_name, extra_keys]
             return [*stored, None, extra_keys] if extra_keys else stored
         return {
             "type": "BlockStored",
@@ -70,15 +74,20 @@ def encode_event(event: KVEvent, block_size: int, positional: bool) -> Any:
             "token_ids": list(event.token_ids),
             "block_size": block_size,
             "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
+            "medium": event.medium,
+            "lora_name": event.lora_name,
             "group_idx": 0,
             "extra_keys": extra_keys,
         }
     if event.kind == "removed":
         if positional:
-            return ["BlockRemoved", list(event.block_hashes), "GPU"]
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU", "group_idx": 0}
+            return ["BlockRemoved", list(event.block_hashes), event.medium]
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium,
+            "group_idx": 0,
+        }
     return ["AllBlocksCleared"] if positional else {"type": "AllBlocksCleared"}
 
 

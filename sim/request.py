@@ -36,6 +36,7 @@ class Request:
     arrival_s: float
     max_tokens: int
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (sim/lora.py); salts its block hashes
     remote_prefill: dict[str, Any] | None = None  # kv_transfer_params of a decode leg
     remote_decode: bool = False  # a prefill leg: keep the blocks for the decode instance
 

@@ -12,7 +12,8 @@ Each call to `Scheduler.schedule` builds one step under a token budget (`max_num
 
 `complete_step` then reveals one token for every request whose scheduled tokens caught up with its
 known tokens, finishes those that reached their planned length, and frees (or, for a PD prefill leg,
-pins) their blocks. Decode legs of PD wait in `pulling` while their KV is fetched.
+pins) their blocks. Decode legs of PD wait in `pulling` while their KV is fetched, and so do
+requests whose prefix continues in the host-DRAM tier (`kv_offload.py`) while it is loaded.
 
 Plain Python over ints and lists: it runs once per simulated step for every engine of a fleet.
 """
@@ -24,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sim.kv_cache import KVCacheManager
+from sim.lora import LoraSlots
 from sim.request import Request, Status
 
 
@@ -98,6 +100,7 @@ class Scheduler:
         self.pulls_done: list[tuple[float, Request, bool]] = []
         self.pinned: dict[str, tuple[Request, float]] = {}
         self.stats = StepStats()
+        self.lora: LoraSlots | None = None  # --enable-lora: at most max_loras adapters per batch (sim/lora.py)
 
     # --- queue changes ---------------------------------------------------------------------------
 
@@ -202,8 +205,16 @@ class Scheduler:
         kv = self.kv
         bs = kv.block_size
         waiting = self.waiting
+        lora = self.lora
+        batch_loras = {r.lora_name for r in self.running if r.lora_name} if lora is not None else set()
+        skipped: list[Request] = []  # waiting on an adapter slot: stay queued, in order, for later steps
         while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting[0]
+            if lora is not None and req.lora_name is not None:
+                if not lora.admissible(req.lora_name, batch_loras):
+                    skipped.append(waiting.popleft())
+                    continue
+                batch_loras.add(req.lora_name)
             fresh = req.num_computed == 0
             hits = kv.computed_blocks(req) if fresh else []
             hit_tokens = len(hits) * bs
@@ -218,8 +229,23 @@ class Scheduler:
                 self.pulling.append(req)
                 step.started_pulls.append(req)
                 continue
+            offload = kv.offload
+            if fresh and offload is not None:  # the prefix goes on in host DRAM: load it, don't compute it
+                loaded = offload.match(req, len(hits), (req.num_tokens - 1) // bs)
+                if loaded:
+                    if not kv.allocate_slots(req, loaded * bs, hits, store=False):
+                        break
+                    waiting.popleft()
+                    self._count_prefix_query(req, hit_tokens + loaded * bs)
+                    req.num_computed = hit_tokens
+                    req.status = Status.PULLING
+                    self.pulling.append(req)
+                    self.pulls_done.append((offload.start_load(req, loaded, bs, now_s), req, True))
+                    continue
             num_new = min(req.num_tokens - req.num_computed - hit_tokens, budget)
             if not kv.allocate_slots(req, num_new, hits):
+                if offload is not None and self._release_loaded(req):
+                    continue  # blocks of loaded requests queued behind it were in the way: retry
                 break
             waiting.popleft()
             if req.first_scheduled_s is None:
@@ -231,7 +257,21 @@ class Scheduler:
             self.running.append(req)
             self._add_work(step, req, num_new)
             budget -= num_new
+        if skipped:
+            waiting.extendleft(reversed(skipped))
         return budget
+
+    def _release_loaded(self, head: Request) -> bool:
+        """Free the blocks of queued requests whose KV was loaded from host DRAM (they keep their
+        hashes, so those requests find them again), when the queue's head cannot be allocated: a
+        request preempted ahead of them would otherwise wait for blocks nobody runs to free."""
+        released = False
+        for req in self.waiting:
+            if req is not head and req.blocks and req.remote_prefill is None and req.first_scheduled_s is None:
+                self.kv.free(req)
+                req.num_computed = 0
+                released = True
+        return released
 
     def _count_prefix_query(self, req: Request, hit_tokens: int) -> None:
         """vLLM counts a request's prefix lookup once, in tokens (re-admissions after preemption and
@@ -347,11 +387,15 @@ class Scheduler:
             if done_s > now_s:
                 pending.append((done_s, req, ok))
                 continue
+            loaded = self.kv.offload.finish_load(req) if self.kv.offload is not None else None
             if req.finished:
                 continue
             self.pulling.remove(req)
             req.status = Status.WAITING
-            if ok:
+            if loaded is not None:  # back from host DRAM: computed, and cached in HBM again
+                req.num_computed += loaded
+                self.kv.store_full_blocks(req, req.num_computed)
+            elif ok:
                 req.num_external_tokens = req.num_prompt - 1 - req.num_computed
                 req.num_computed = req.num_prompt - 1  # the last prompt token is recomputed
             else:  # kv_load_failure_policy "recompute": forget the transfer, prefill locally

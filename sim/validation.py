@@ -6,6 +6,7 @@ the route's API (OpenAI's for /v1/*, Anthropic's under /v1/messages).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import orjson
@@ -54,9 +55,10 @@ def int_field(body: dict[str, Any], *names: str) -> int | None:
     return None
 
 
-def check_common(body: dict[str, Any], config: EngineConfig) -> None:
+def check_common(body: dict[str, Any], config: EngineConfig, adapters: Collection[str] = ()) -> None:
+    """`adapters`: the LoRA adapters the engine serves besides its model (sim/lora.py)."""
     model = body.get("model")
-    if model is not None and model not in config.served_model_names and model != config.model:
+    if model is not None and model not in config.served_model_names and model != config.model and model not in adapters:
         raise BadRequest(f"The model `{model}` does not exist.", "model", status=404)
     n = body.get("n", 1)
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):

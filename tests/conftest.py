@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,6 +48,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if names & _REDIS_FIXTURES:
             item.add_marker(pytest.mark.redis)
+
+
+# Under `make unit` a module whose every test is e2e (tests/e2e/, or `pytestmark = pytest.mark.e2e`) is not
+# even imported: the official SDKs those modules import cost about a second and a half per worker.
+_WHOLE_MODULE_E2E = re.compile(r"^pytestmark = (?:pytest\.mark\.e2e\b|\[[^\]]*pytest\.mark\.e2e\b)", re.M)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if os.environ.get("TOKENWAY_UNIT") != "1":
+        return None
+    if collection_path.is_dir():
+        return True if collection_path.name == "e2e" else None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        return True if _WHOLE_MODULE_E2E.search(collection_path.read_text()) else None
+    except OSError:
+        return None
 
 
 _UNIT_REFUSAL = "a unit test started a process: mark it `pytest.mark.e2e` (make unit leaves those out)"
@@ -140,6 +159,10 @@ def redis_url() -> Iterator[str]:
     brought one up) a missing Redis fails the tests instead of skipping. Under pytest-xdist each worker
     has a database of its own (`_worker_database`).
     """
+    if os.environ.get("TOKENWAY_UNIT") == "1":
+        # Fails even where a Redis happens to answer: CI's fast stage has none, so a test that reaches
+        # Redis through `request.getfixturevalue` (invisible to the collection hook) must say so itself.
+        pytest.fail("a unit test asked for Redis: mark it (or its fixture's param) `pytest.mark.redis`")
     url = _worker_database(os.environ.get("TOKENWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     if _redis_answers(url):
         yield url

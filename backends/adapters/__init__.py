@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from backends.adapters.base import EngineAdapter, LaunchSpec, Probe, ReplicaPlan
+from backends.adapters.hosted import ANTHROPIC, AZURE_OPENAI, BEDROCK, GEMINI
 from backends.adapters.openai_remote import OPENAI_REMOTE
 from backends.adapters.trtllm import TRTLLM
 from backends.adapters.vllm import SIM, VLLM
@@ -22,6 +23,10 @@ ADAPTERS: Mapping[str, EngineAdapter] = MappingProxyType({
     "trtllm": TRTLLM,
     "vllm-ascend": VLLM_ASCEND,
     "openai": OPENAI_REMOTE,
+    "anthropic": ANTHROPIC,
+    "bedrock": BEDROCK,
+    "gemini": GEMINI,
+    "azure-openai": AZURE_OPENAI,
     "sim": SIM,
 })  # fmt: skip
 

@@ -53,6 +53,10 @@ WAITING_BY_REASON = ("vllm:num_requests_waiting_by_reason",)
 PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
 PROMPT_TOKENS_CACHED = ("vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_cached")
 SLEEP_STATE = ("vllm:engine_sleep_state",)
+# LoRA: one series, labels `max_lora`, `running_lora_adapters`, `waiting_lora_adapters` (comma-separated
+# adapter names), value the time it was set (vLLM docs, design/metrics: "vllm:lora_requests_info");
+# the latest series wins when several are exported
+LORA_INFO = ("vllm:lora_requests_info",)
 WANTED = frozenset(
     RUNNING
     + WAITING
@@ -65,6 +69,7 @@ WANTED = frozenset(
     + PROMPT_TOKENS
     + PROMPT_TOKENS_CACHED
     + SLEEP_STATE
+    + LORA_INFO
 )
 
 # Prefill leg of the NIXL pull handshake (vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
@@ -177,6 +182,10 @@ class VllmAdapter:
         # Same NONE_HASH on every replica so prefix-block hashes agree (vllm/v1/core/kv_cache_utils.py).
         env["PYTHONHASHSEED"] = replica.hash_seed
         env["VLLM_NO_USAGE_STATS"] = "1"  # no phone-home from a gateway-managed engine (vllm/envs.py)
+        if pool.lora_modules or "--enable-lora" in pool.extra_args:
+            # the gateway loads adapters on demand through /v1/load_lora_adapter (docs/adapters.md), which
+            # vLLM serves only with this set (docs.vllm.ai, "LoRA Adapters", dynamically serving adapters)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if pool.api_key:
             # Through the environment, not --api-key, so the key is not visible in `ps` (vllm/envs.py).
             env["VLLM_API_KEY"] = pool.api_key
@@ -272,6 +281,7 @@ class VllmAdapter:
             prompt_tokens=_or(total(first_present(samples, PROMPT_TOKENS)), prev.prompt_tokens),
             prompt_tokens_cached=_or(total(first_present(samples, PROMPT_TOKENS_CACHED)), prev.prompt_tokens_cached),
             sleep_state=_sleep_state(first_present(samples, SLEEP_STATE)) or prev.sleep_state,
+            **_lora_info(samples.get(LORA_INFO[0])),
         )
 
     # --- requests --------------------------------------------------------------------------------
@@ -311,6 +321,22 @@ def _cache_config(samples: list[tuple[dict[str, str], float]] | None) -> tuple[i
         return None, None
     labels = samples[0][0]
     return _int_label(labels.get("block_size")), _int_label(labels.get("num_gpu_blocks"))
+
+
+def _lora_info(samples: list[tuple[dict[str, str], float]] | None) -> dict[str, Any]:
+    """`running_loras`, `waiting_loras` and `max_loras` from the newest `vllm:lora_requests_info` series."""
+    if not samples:
+        return {}
+    labels = max(samples, key=lambda sample: sample[1])[0]
+
+    def names(label: str) -> frozenset[str]:
+        return frozenset(n for n in labels.get(label, "").split(",") if n)
+
+    return {
+        "running_loras": names("running_lora_adapters"),
+        "waiting_loras": names("waiting_lora_adapters"),
+        "max_loras": _int_label(labels.get("max_lora")) or 0,
+    }
 
 
 def _by_label(samples: list[tuple[dict[str, str], float]] | None, label: str) -> dict[str, float]:

@@ -73,12 +73,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
             ], 8),
             ("Cost per million tokens by model", "currencyUSD", [
                 {"expr": f"1e6 * sum by (model) (rate(tokenway_cost_usd_total{{{SEL}}}[$__rate_interval])) / "
-                         f"sum by (model) (rate(tokenway_tokens_total{{{SEL}, token_type!=\"cached_input\"}}"
+                         f"sum by (model) (rate(tokenway_tokens_total{{{SEL}}}"
                          "[$__rate_interval]))",
                  "legend": "{{model}}"},
             ], 8),
             ("Prefix-cache hit ratio: engine-reported vs router estimate", "percentunit", [
-                {"expr": f"sum by (model) (rate(tokenway_tokens_total{{{SEL}, token_type=\"cached_input\"}}"
+                {"expr": f"sum by (model) (rate(tokenway_cached_input_tokens_total{{{SEL}}}"
                          f"[$__rate_interval])) / sum by (model) (rate(tokenway_tokens_total{{{SEL}, "
                          "token_type=\"input\"}[$__rate_interval]))",
                  "legend": "cached {{model}}"},
@@ -159,6 +159,117 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
                 {"expr": "tokenway_ledger_pending_records", "legend": "pending"},
                 {"expr": "rate(tokenway_ledger_dropped_total[$__rate_interval])", "legend": "dropped/s"},
             ], 12),
+        ],
+    ),
+    (
+        "Request shape",
+        [
+            ("Tokens per request (GenAI semconv)", "short",
+             _quantiles("gen_ai_client_token_usage", "gen_ai_token_type", GENAI_SEL, (0.5, 0.9, 0.99)), 24),
+        ],
+    ),
+    (
+        "Waiting room (flow control)",
+        [
+            ("Queue depth by band", "short", [
+                {"expr": "sum by (pool, band) (tokenway_queue_depth)", "legend": "{{pool}} {{band}}"},
+            ], 6),
+            ("Queue wait", "s", _quantiles("tokenway_queue_wait_seconds", "pool", "", (0.5, 0.99)), 6),
+            ("Fair share by tenant", "percentunit", [
+                {"expr": "tokenway_fair_share_ratio", "legend": "{{pool}} {{tenant}}"},
+            ], 6),
+            ("Fair-share counters age", "s", [
+                {"expr": "tokenway_fair_counters_age_seconds", "legend": "{{pool}} {{band}}"},
+            ], 6),
+        ],
+    ),
+    (
+        "Batch",
+        [
+            ("Batch lines/s by outcome", "short", [
+                {"expr": "sum by (outcome) (rate(tokenway_batch_lines_total[$__rate_interval]))",
+                 "legend": "{{outcome}}"},
+            ], 8),
+            ("Batch lines deferred/s by reason", "short", [
+                {"expr": "sum by (reason) (rate(tokenway_batch_deferrals_total[$__rate_interval]))",
+                 "legend": "{{reason}}"},
+            ], 8),
+            ("Batches and lines in flight", "short", [
+                {"expr": "sum by (status) (tokenway_batches)", "legend": "batches {{status}}"},
+                {"expr": "sum (tokenway_batch_lines_in_flight)", "legend": "lines in flight"},
+            ], 8),
+        ],
+    ),
+    (
+        "Elastic pools",
+        [
+            ("Replicas: running vs desired", "short", [
+                {"expr": "sum by (pool, state) (tokenway_pool_replicas)", "legend": "{{pool}} {{state}}"},
+                {"expr": "sum by (pool) (tokenway_pool_desired_replicas)", "legend": "desired {{pool}}"},
+            ], 6),
+            ("Scale events and drain timeouts", "short", [
+                {"expr": "sum by (pool, direction) (increase(tokenway_pool_scale_events_total[$__rate_interval]))",
+                 "legend": "{{direction}} {{pool}}"},
+                {"expr": "sum by (pool) (increase(tokenway_pool_drain_timeouts_total[$__rate_interval]))",
+                 "legend": "drain timeouts {{pool}}"},
+            ], 6),
+            ("Cold starts: held requests, wait, start-up", "s", [
+                *_quantiles("tokenway_cold_start_wait_seconds", "pool", "", (0.5, 0.99)),
+                {"expr": "tokenway_pool_startup_seconds", "legend": "start-up {{pool}}"},
+                {"expr": "tokenway_pool_held_requests", "legend": "held {{pool}}"},
+            ], 6),
+            ("Stream migrations/s", "short", [
+                {"expr": "sum by (pool, outcome) (rate(tokenway_stream_migrations_total[$__rate_interval]))",
+                 "legend": "{{pool}} {{outcome}}"},
+            ], 6),
+        ],
+    ),
+    (
+        "Predictor accuracy",
+        [
+            ("Live error |observed - predicted| / observed", "percentunit",
+             _quantiles("tokenway_predictor_error_ratio", "target", "", (0.5, 0.9)), 8),
+            ("Online MAPE and p90 coverage", "percentunit", [
+                {"expr": "tokenway_predictor_ttft_mape_ratio", "legend": "TTFT MAPE {{pool}}"},
+                {"expr": "tokenway_predictor_tpot_mape_ratio", "legend": "TPOT MAPE {{pool}}"},
+                {"expr": "tokenway_predictor_ttft_p90_coverage_ratio", "legend": "TTFT p90 coverage {{pool}}"},
+                {"expr": "tokenway_predictor_tpot_p90_coverage_ratio", "legend": "TPOT p90 coverage {{pool}}"},
+            ], 8),
+            ("Models: version, age, samples", "short", [
+                {"expr": "tokenway_predictor_model_version", "legend": "version {{pool}}"},
+                {"expr": "tokenway_predictor_ttft_model_age_seconds", "legend": "TTFT age s {{pool}}"},
+                {"expr": "tokenway_predictor_tpot_model_age_seconds", "legend": "TPOT age s {{pool}}"},
+                {"expr": "tokenway_predictor_ttft_samples", "legend": "TTFT samples {{pool}}"},
+                {"expr": "tokenway_predictor_tpot_samples", "legend": "TPOT samples {{pool}}"},
+                {"expr": "tokenway_predictor_ttft_model", "legend": "TTFT learned {{pool}}"},
+                {"expr": "tokenway_predictor_tpot_model", "legend": "TPOT learned {{pool}}"},
+            ], 8),
+        ],
+    ),
+    (
+        "Engines and budgets",
+        [
+            ("Replica restarts and passive-health failures", "short", [
+                {"expr": "sum by (pool, endpoint) (increase(tokenway_endpoint_restarts_total[$__rate_interval]))",
+                 "legend": "restarts {{endpoint}}"},
+                {"expr": "tokenway_endpoint_consecutive_failures", "legend": "failures in a row {{endpoint}}"},
+            ], 6),
+            ("Engine prefix-cache hit ratio and stats age", "short", [
+                {"expr": "sum by (pool) (rate(tokenway_endpoint_prefix_cache_hits_tokens_total[$__rate_interval])) / "
+                         "sum by (pool) (rate(tokenway_endpoint_prefix_cache_queries_tokens_total[$__rate_interval]))",
+                 "legend": "hit ratio {{pool}}"},
+                {"expr": "tokenway_endpoint_stats_age_seconds", "legend": "stats age s {{endpoint}}"},
+                {"expr": "tokenway_endpoint_inflight_decode_tokens", "legend": "decode tokens {{endpoint}}"},
+            ], 6),
+            ("Budget used this period", "percentunit", [
+                {"expr": "1 - tokenway_budget_remaining_usd / tokenway_budget_limit_usd",
+                 "legend": "{{scope}} {{id}} per {{period}}"},
+            ], 6),
+            ("Telemetry health", "short", [
+                {"expr": "sum by (label) (tokenway_telemetry_label_overflow_total)", "legend": "folded {{label}}"},
+                {"expr": "sum by (source) (tokenway_telemetry_source_errors_total)", "legend": "errors {{source}}"},
+                {"expr": "count by (version) (tokenway_build_info)", "legend": "gateways on {{version}}"},
+            ], 6),
         ],
     ),
 ]  # fmt: skip

@@ -241,13 +241,7 @@ class _FromChat:
             if not isinstance(chunk, dict):
                 continue
             if chunk.get("usage") and not chunk.get("choices"):
-                usage = chunk["usage"]
-                details = usage.get("prompt_tokens_details") or {}
-                outcome.usage = Usage(
-                    prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                    completion_tokens=int(usage.get("completion_tokens") or 0),
-                    cached_tokens=int(details.get("cached_tokens") or 0),
-                )
+                outcome.usage = Usage.from_chat(chunk["usage"])
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
                 if delta.get("content") or delta.get("tool_calls"):

@@ -11,6 +11,7 @@ policy reload (and refuses to start on an error), and `tokenway check --config` 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -195,6 +196,15 @@ def check_files(path: str, *, probe: bool = True, unset: list[str] | None = None
         Finding("warning", path, f"{where}: environment variable {name} is not set (shown as ${{{name}}})")
         for where, _, name in (item.partition(": ") for item in unset or [])
     ]
+    for i, pool in enumerate(settings.pools):  # a hosted pool's key is read once, at start-up
+        if pool.api_key_env is not None and not os.environ.get(pool.api_key_env):
+            found.append(
+                Finding(
+                    "error" if unset is None else "warning",
+                    f"{path}: pools[{i}].api_key_env",
+                    f"environment variable {pool.api_key_env} is not set: the gateway would not start",
+                )
+            )
     refused = False
     for i, pool in enumerate(settings.pools):  # each pool alone first: every refusal, not the first one
         try:

@@ -103,27 +103,23 @@ def _pools_plan(args: argparse.Namespace) -> int:
 
 
 def _pools_status(args: argparse.Namespace) -> int:
+    """`GET /admin/backends` (and `/admin/pools`) through the same client as `keys` and `tenants`:
+    `$TOKENWAY_URL`, and a refused token reported as such, not as an unreachable gateway."""
     import json
-    import urllib.error
-    import urllib.request
 
     from backends.status import format_status
+    from gateway.app.cli_keys import AdminError, admin_call
     from gateway.autoscale.status import format_pools
 
-    headers = {"Authorization": f"Bearer {args.admin_token}"} if args.admin_token else {}
-    request = urllib.request.Request(args.url.rstrip("/") + "/admin/backends", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            status = json.loads(response.read())
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"tokenway: cannot reach {args.url}: {exc}", file=sys.stderr)
+        status = admin_call(args, "GET", "/admin/backends")
+    except AdminError as exc:
+        print(f"tokenway: {exc}", file=sys.stderr)
         return 1
     autoscale: dict[str, Any] = {}
-    request = urllib.request.Request(args.url.rstrip("/") + "/admin/pools", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            autoscale = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        autoscale = admin_call(args, "GET", "/admin/pools")
+    except AdminError:
         autoscale = {}  # an older gateway without /admin/pools
     if autoscale.get("pools"):
         status["autoscale"] = autoscale
@@ -179,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", action="append", help="a gateway.yaml (default config/gateway.yaml)")
     plan.set_defaults(func=_pools_plan)
     status = pools.add_parser("status", help="pools, endpoints, state, load of a running gateway")
-    status.add_argument("--url", default="http://127.0.0.1:8080")
+    from gateway.app.cli_keys import default_url
+
+    status.add_argument("--url", default=default_url(), help="the gateway (default $TOKENWAY_URL, else 127.0.0.1:8080)")
     status.add_argument("--admin-token", default=os.environ.get("TOKENWAY_ADMIN_TOKEN"))
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=_pools_status)

@@ -26,6 +26,15 @@ class AdminError(Exception):
     """An admin API call the gateway refused or could not be reached for; the CLI prints it and exits 1."""
 
 
+DEFAULT_URL = "http://127.0.0.1:8080"
+AUTH_HINT = "the admin token was refused or missing: pass --admin-token or set $TOKENWAY_ADMIN_TOKEN"
+
+
+def default_url() -> str:
+    """The gateway every admin command talks to unless `--url` says otherwise: $TOKENWAY_URL."""
+    return os.environ.get("TOKENWAY_URL") or DEFAULT_URL
+
+
 def admin_call(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
     """One admin API call; raises AdminError with the gateway's message (or why it was unreachable)."""
     headers = {"Content-Type": "application/json"}
@@ -41,7 +50,8 @@ def admin_call(args: argparse.Namespace, method: str, path: str, body: dict[str,
             message = json.loads(exc.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = exc.reason
-        raise AdminError(f"{method} {path}: {exc.code} {message}") from None
+        hint = f" ({AUTH_HINT})" if exc.code in (401, 403) else ""  # reached, but refused: not "cannot reach"
+        raise AdminError(f"{method} {path}: {exc.code} {message}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise AdminError(f"cannot reach {args.url}: {getattr(exc, 'reason', exc)}") from None
 
@@ -244,7 +254,7 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 
 # ---------------------------------------------------------------------- parsers
 def _connection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("TOKENWAY_URL", "http://127.0.0.1:8080"), help="the gateway")
+    parser.add_argument("--url", default=default_url(), help="the gateway (default $TOKENWAY_URL, else 127.0.0.1:8080)")
     parser.add_argument("--admin-token", default=os.environ.get("TOKENWAY_ADMIN_TOKEN"))
     parser.add_argument("--json", action="store_true", help="print the API's JSON")
 

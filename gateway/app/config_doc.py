@@ -36,9 +36,17 @@ _INTRO = """\
 gateway.yaml is one typed tree (`gateway/app/settings.py`): each section is the model of the room that
 owns it, and the whole file is validated when it is loaded, so a mistake anywhere stops start-up and
 `tokenway check` with the file, the key path and what was expected, and an unknown key names the
-nearest valid one. Any value may be `${{ENV_VAR}}` or `${{ENV_VAR:-default}}`; relative paths are
-relative to the file's folder. policies.yaml (tenants, keys, limits, prices) is described in
-[keys.md](keys.md) and [admission.md](admission.md).
+nearest valid one. Any value may be `${{ENV_VAR}}` or `${{ENV_VAR:-default}}`. policies.yaml (tenants,
+keys, limits, prices) is described in [keys.md](keys.md) and [admission.md](admission.md).
+
+**Relative paths.** A relative directory or file in gateway.yaml (`ledger.dir`, `batch.dir`,
+`backends.log_dir`, `backends.run_dir`, `predictor.model_dir`, a pool's `tokenizer`) is relative to the
+working directory of the process that reads it: `tokenway serve` writes there, and `tokenway usage
+report --config gateway.yaml` and the console read there, so run them from the same
+place (`make run` and the commands in the docs run from the repository root; the Docker image from
+`/var/lib/tokenway`, its state directory). The one exception is `policies`: the policy file travels
+with gateway.yaml (the image's `/etc/tokenway/`, a Kubernetes ConfigMap), so a relative `policies` is
+relative to gateway.yaml's folder. Give absolute paths to be independent of where a command runs.
 
 Keys under an `advanced:` block are expert tunables: their defaults are measured, and changing one
 is a benchmark's job (docs/benchmarks.md), not a deployment's. A key that moved there is refused at

@@ -40,6 +40,7 @@ from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
 from gateway.flow.saturation import Saturation
 from gateway.flow.slo import SloHook
+from gateway.flow.spill import Spill
 from gateway.http.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.http.admin_keys import key_routes, own_key
 from gateway.http.bodies import body_bounds, bounded_bodies
@@ -56,6 +57,7 @@ from gateway.telemetry.learning import LearningHook
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.transport.engine import EngineTransport
+from gateway.transport.hosted import HostedCalls, HostedTransport, PoolTransports
 from gateway.transport.observers import RouteMetrics
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
@@ -229,6 +231,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[appkeys.SETTINGS]
     backends = app[appkeys.BACKENDS]
     fleet = Fleet.from_configs(settings.pools)
+    policies = app[appkeys.POLICIES]
+    fleet.follow_adapters(lambda: policies.current.adapters)  # LoRA adapters: the live policy's (docs/adapters.md)
     app[appkeys.FLEET] = fleet
     supervisor = Supervisor(backends)
     app[appkeys.SUPERVISOR] = supervisor
@@ -405,8 +409,9 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     batch = batch_gate(app, fleet, queue.interactive_depth, predictor)  # batch lines only on spare capacity
     saturation = Saturation(queue, app[appkeys.FLOW_SETTINGS])  # flow control: free slots, the reserve, cuts
     slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # latency objectives, running TPOT SLOs
+    spill = Spill(queue, app[appkeys.POLICIES], fleet)  # owned pools first, overflow pools for the rest
     # the gate: every wait in one room (band / fair-share order), its checks asked in this order
-    checks: list[Check] = [cold, *([batch] if batch is not None else []), saturation, slo]
+    checks: list[Check] = [spill, cold, *([batch] if batch is not None else []), saturation, slo]
     gate = Gate(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=checks)
     hook_list.extend(check for check in checks if isinstance(check, Hook))  # checks that observe, too
     hook_list.append(gate)  # the fairness accounts: charged at dispatch, corrected at the end
@@ -424,19 +429,28 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         hooks=hooks,
         gate=gate,
     )
+    common: dict[str, Any] = {
+        "server": settings.server,
+        "fleet": fleet,
+        "hooks": hooks,
+        "accounting": accounting,
+        "turns": dispatch,
+        "metrics": metrics if metrics_on else None,
+        "shape_body": shape_body,
+        "report_success": health.report_success,
+        "report_failure": report_failure,
+    }
     engine = EngineTransport(  # the answer relayed from an engine over HTTP (gateway/request/transport.py)
-        server=settings.server,
-        fleet=fleet,
         upstream=app[appkeys.UPSTREAM],
-        hooks=hooks,
-        accounting=accounting,
-        turns=dispatch,
-        metrics=metrics if metrics_on else None,
-        shape_body=shape_body,
-        report_success=health.report_success,
-        report_failure=report_failure,
         stalls=StallWatch(fleet, settings.server.first_token_deadline, settings.server.stall_after_s, ejection),
+        **common,
     )
+    transport: EngineTransport | PoolTransports = engine
+    hosted_calls: HostedCalls | None = None
+    if any(pool.config.hosted for pool in fleet.pools.values()):  # hosted providers' pools (transport/hosted.py)
+        hosted_calls = HostedCalls(fleet)
+        await hosted_calls.start()  # credentials, off the loop: refuses to start without them
+        transport = PoolTransports(engine, HostedTransport(calls=hosted_calls, **common))
     intake = Intake(
         settings.server,
         app[appkeys.POLICIES],
@@ -447,15 +461,19 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.DIRECTOR] = Director(
         intake=intake,
         dispatch=dispatch,
-        transport=engine,
+        transport=transport,
         accounting=accounting,
         hooks=hooks,
         policies=app[appkeys.POLICIES],
         fleet=fleet,
         start_trace=app[appkeys.TRACING].start_request,
     )
-    async with watching(engine.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
-        yield
+    try:
+        async with watching(engine.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
+            yield
+    finally:
+        if hosted_calls is not None:
+            await hosted_calls.close()
 
 
 async def _response_store_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -113,6 +113,7 @@ def port_problem(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
+BANNER_LINKS = (("/", "about"), ("/ui", "console"), ("/metrics", "metrics"), ("/openapi.json", "API"))
 DEMO_KEY = "tw-demo-key-0000"  # config/policies.yaml's demo key (only its digest is in the file)
 
 
@@ -120,8 +121,11 @@ def print_banner(app: web.Application, host: str, port: int) -> None:
     """Where the gateway listens and a curl that works as pasted: with the demo key when the running
     policy accepts it, else reading the key from $TOKENWAY_KEY (double quotes, so the shell expands it)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else (f"[{host}]" if ":" in host else host)
-    base = f"http://{shown}:{port}/v1"
+    root = f"http://{shown}:{port}"
+    base = f"{root}/v1"
     print(f"tokenway listening on {base}", flush=True)
+    for path, what in BANNER_LINKS:  # the landing page's links (gateway/http/landing.py)
+        print(f"  {what + ':':<9} {root}{path}", flush=True)
     pools = app[appkeys.FLEET].pools
     model = next(iter(pools.values())).config.model if pools else "MODEL"
     policy = app[appkeys.POLICIES].current

@@ -20,6 +20,7 @@ from gateway.epp.decide import EppDecider
 from gateway.epp.protos import envoy
 from gateway.epp.server import EppServer
 from gateway.transport.engine import EngineTransport
+from gateway.transport.hosted import PoolTransports
 
 EPP_SERVER = web.AppKey("epp_server", EppServer)
 EPP_DECIDER = web.AppKey("epp_decider", EppDecider)
@@ -36,6 +37,8 @@ async def _epp_ctx(app: web.Application) -> AsyncIterator[None]:
     director = app[appkeys.DIRECTOR]
     fleet = app[appkeys.FLEET]
     engine = director.transport  # what an endpoint is sent is the HTTP gateway's (Envoy sends it)
+    if isinstance(engine, PoolTransports):  # hosted pools are the gateway's own calls, not Envoy's
+        engine = engine.engine
     assert isinstance(engine, EngineTransport)
     decider = EppDecider(director=director, engine=engine)
 

@@ -155,8 +155,8 @@ def predictor_gauges(status: dict[str, Any]) -> dict[str, Any]:
             fields[f"{target}_model"] = 1.0 if info.get("source") == "model" else 0.0
             if info.get("model_age_s") is not None:
                 fields[f"{target}_model_age_seconds"] = info["model_age_s"]
-            if online.get("mape_pct") is not None:
-                fields[f"{target}_mape_percent"] = online["mape_pct"]
+            if online.get("mape_pct") is not None:  # Prometheus exports ratios (0..1), never percents
+                fields[f"{target}_mape_ratio"] = online["mape_pct"] / 100.0
             if online.get("p90_coverage") is not None:
                 fields[f"{target}_p90_coverage_ratio"] = online["p90_coverage"]
         pools[pool] = fields

@@ -206,6 +206,8 @@ def _paths() -> dict[str, dict[str, Schema]]:
             "get": op("Prometheus metrics", "health", "metrics", ok_type="text/plain", ok_schema={"type": "string"})
         },
         OPENAPI_PATH: {"get": op("This document", "meta", "none")},
+        "/": {"get": op("A landing page: what this is, links", "meta", "none", ok_type="text/html", ok_schema=STR)},
+        "/v1": {"get": op("The same landing page", "meta", "none", ok_type="text/html", ok_schema=STR)},
         "/admin/backends": {"get": op("Pools and endpoints, with health and load", "admin", admin)},
         "/admin/status": {"get": op("Admission, limits, policy reloads", "admin", admin)},
         "/admin/predictor": {"get": op("The latency predictor's state", "admin", admin)},

@@ -12,6 +12,7 @@ from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.http import access
 from gateway.http.admin_replies import json_reply
+from gateway.http.landing import setup_landing_routes
 from gateway.request.apis import APIS
 from gateway.request.intake import authenticate
 from policies.types import ApiKind
@@ -124,6 +125,7 @@ def setup_routes(app: web.Application, admin: list[tuple[str, str, Handler]]) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    setup_landing_routes(app)  # GET / and GET /v1: what answers here, and links (gateway/http/landing.py)
     app[START_TIME] = time.time()
     for method, path, handler in admin:
         app.router.add_route(method, path, admin_guard(handler))

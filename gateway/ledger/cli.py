@@ -3,7 +3,8 @@
 The gateway CLI adds it with `add_usage_parser(subparsers)`; the parser's `func` default is
 `run_usage`, which returns the exit status. `python -m gateway.ledger.cli usage report ...` runs it
 standalone. The ledger directory comes from `--dir`, else from `ledger.dir` of `--config`'s
-gateway.yaml (relative to that file, `${ENV}` resolved, as the gateway reads it), else `var/usage`.
+gateway.yaml (`${ENV}` resolved; a relative one is relative to the working directory, where the
+gateway and the Docker image write it: docs/configuration.md), else `var/usage`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def run_usage(args: argparse.Namespace) -> int:
         print(f"tokenway usage report: {exc}", file=sys.stderr)
         return 2
     if not directory.is_dir():
-        print(f"tokenway usage report: no ledger directory {directory}", file=sys.stderr)
+        where = "" if directory.is_absolute() else f" ({Path.cwd() / directory}: relative to the working directory)"
+        print(f"tokenway usage report: no ledger directory {directory}{where}", file=sys.stderr)
         return 1
     by = [f for f in args.by.split(",") if f.strip()]
     stats = ReadStats()
@@ -124,7 +126,7 @@ def _ledger_dir(args: argparse.Namespace) -> Path:
             settings = load_settings(args.config)
         except ConfigError as exc:
             raise ValueError(str(exc)) from exc
-        return settings.resolve_path(settings.ledger.dir)  # relative to gateway.yaml, as the gateway reads it
+        return Path(settings.ledger.dir)  # relative to the working directory, as the gateway writes it
     return Path(LedgerConfig().dir)
 
 

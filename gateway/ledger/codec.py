@@ -9,8 +9,12 @@ requested_model, model, served_model, fallback_from, fallback_reason, pool, endp
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
 duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
-`batch_id` on the records of batch lines (Batch API), and `extra` when the record carries any of:
-slo_class, slo_idle_admit, queue_ms, engine (the engine's own per-request timings).
+`batch_id` on the records of batch lines (Batch API); cache_write_input_tokens,
+cache_write_1h_input_tokens (part of input_tokens, apart from cached_input_tokens, the cache reads),
+reasoning_tokens (part of output_tokens) and cache_saved_usd (the cost with no prompt cache, less
+cost_usd; negative when writes cost more than reads saved) when any is non-zero; and `extra` when
+the record carries any of: slo_class, slo_idle_admit, queue_ms, spill (why it went to an overflow
+pool), engine (the engine's own per-request timings).
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         "pd_reason": r.pd_reason,
         "kv_transfer_failed": r.kv_transfer_failed,
     }
+    if r.cache_write_tokens or r.cache_write_1h_tokens or r.reasoning_tokens or r.cache_saved_usd:
+        entry["cache_write_input_tokens"] = r.cache_write_tokens
+        entry["cache_write_1h_input_tokens"] = r.cache_write_1h_tokens
+        entry["reasoning_tokens"] = r.reasoning_tokens
+        entry["cache_saved_usd"] = r.cache_saved_usd
     if r.batch_id is not None:
         entry["batch_id"] = r.batch_id
     extra = _extra(r)
@@ -77,6 +86,8 @@ def _extra(r: RequestRecord) -> dict[str, Any]:
         extra["slo_idle_admit"] = True
     if r.queue_ms is not None:
         extra["queue_ms"] = r.queue_ms
+    if r.spill is not None:
+        extra["spill"] = r.spill
     if r.engine_metrics:
         extra["engine"] = r.engine_metrics
     return extra

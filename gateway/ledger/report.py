@@ -4,9 +4,12 @@ Entries stream through `ReportBuilder.add` one at a time: a group holds counters
 quantile sketch (sketch.py), never its rows, so a report over ten million rows needs the memory of
 its groups, not of its rows. `requests` counts every record; `served` those that ran (status ok),
 `rejected` those turned away before an engine (limits, budgets, SLO), `errors` failures and client
-aborts. CPM is cost per million tokens, input (cached included) plus output. TTFT percentiles are
-over the requests that had a first token: numpy's linear interpolation between ranks while a group
-has up to 10,000 of them, within 1 % above. Group fields are ledger fields (codec.py), plus `key`
+aborts. `cache_write_input_tokens` are prompt tokens written to a hosted provider's cache (either
+lifetime), `cached_input_tokens` those read from a cache; `cache_saved_usd` is what caching saved
+(the cost with every prompt token at the input price, less the cost). CPM is cost per million
+tokens, input (cached included) plus output. TTFT percentiles are over the requests that had a
+first token: numpy's linear interpolation between ranks while a group has up to 10,000 of them,
+within 1 % above. Group fields are ledger fields (codec.py), plus `key`
 (= key_id), `backend` (= pool), and the time buckets `day` and `hour` (UTC) of the finish time.
 """
 
@@ -36,11 +39,11 @@ GROUPABLE = frozenset(
     }
 )  # fmt: skip
 METRIC_COLUMNS = (
-    "requests", "served", "rejected", "errors", "input_tokens", "cached_input_tokens", "output_tokens",
-    "cost_usd", "cpm_usd", "ttft_p50_ms", "ttft_p90_ms",
+    "requests", "served", "rejected", "errors", "input_tokens", "cached_input_tokens", "cache_write_input_tokens",
+    "output_tokens", "cost_usd", "cache_saved_usd", "cpm_usd", "ttft_p50_ms", "ttft_p90_ms",
 )  # fmt: skip
 # decimals of the money and latency columns in table and csv output (json keeps full precision)
-DECIMALS = {"cost_usd": 6, "cpm_usd": 4, "ttft_p50_ms": 1, "ttft_p90_ms": 1}
+DECIMALS = {"cost_usd": 6, "cache_saved_usd": 6, "cpm_usd": 4, "ttft_p50_ms": 1, "ttft_p90_ms": 1}
 
 __all__ = ["METRIC_COLUMNS", "Report", "ReportBuilder", "ReportError", "build_report", "percentile", "render"]
 
@@ -71,8 +74,10 @@ class GroupTotals:
     errors: int = 0
     input_tokens: int = 0
     cached_input_tokens: int = 0
+    cache_write_input_tokens: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
+    cache_saved_usd: float = 0.0
     ttfts_s: QuantileSketch = field(default_factory=QuantileSketch)
 
     def add(self, entry: dict[str, Any]) -> None:
@@ -86,8 +91,12 @@ class GroupTotals:
             self.errors += 1
         self.input_tokens += entry.get("input_tokens") or 0
         self.cached_input_tokens += entry.get("cached_input_tokens") or 0
+        self.cache_write_input_tokens += (entry.get("cache_write_input_tokens") or 0) + (
+            entry.get("cache_write_1h_input_tokens") or 0
+        )
         self.output_tokens += entry.get("output_tokens") or 0
         self.cost_usd += entry.get("cost_usd") or 0.0
+        self.cache_saved_usd += entry.get("cache_saved_usd") or 0.0
         ttft = entry.get("ttft_s")
         if ttft is not None:
             self.ttfts_s.add(ttft)
@@ -99,8 +108,10 @@ class GroupTotals:
         self.errors += other.errors
         self.input_tokens += other.input_tokens
         self.cached_input_tokens += other.cached_input_tokens
+        self.cache_write_input_tokens += other.cache_write_input_tokens
         self.output_tokens += other.output_tokens
         self.cost_usd += other.cost_usd
+        self.cache_saved_usd += other.cache_saved_usd
         self.ttfts_s.merge(other.ttfts_s)
 
     @property
@@ -117,8 +128,10 @@ class GroupTotals:
             "errors": self.errors,
             "input_tokens": self.input_tokens,
             "cached_input_tokens": self.cached_input_tokens,
+            "cache_write_input_tokens": self.cache_write_input_tokens,
             "output_tokens": self.output_tokens,
             "cost_usd": self.cost_usd,
+            "cache_saved_usd": self.cache_saved_usd,
             "cpm_usd": self.cpm_usd,
             "ttft_p50_ms": p50 * 1000.0 if p50 is not None else None,
             "ttft_p90_ms": p90 * 1000.0 if p90 is not None else None,

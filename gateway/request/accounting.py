@@ -23,7 +23,7 @@ from gateway.request.hooks import Hooks
 from gateway.upstream.relay import RelayOutcome
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
-from policies.policy import price_usd
+from policies.policy import cache_saving_usd, price_usd
 from policies.types import Usage
 
 log = logging.getLogger("tokenway.request")
@@ -172,7 +172,15 @@ class Accounting:
             record.prompt_tokens = usage.prompt_tokens
             record.completion_tokens = usage.completion_tokens
             record.cached_tokens = usage.cached_tokens
-            record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=facts.batch_id is not None)
+            record.cache_write_tokens = usage.cache_write_tokens
+            record.cache_write_1h_tokens = usage.cache_write_1h_tokens
+            record.reasoning_tokens = usage.reasoning_tokens
+            batch = facts.batch_id is not None
+            record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=batch)
+            if usage.cached_tokens or usage.cache_write_tokens or usage.cache_write_1h_tokens:
+                record.cache_saved_usd = cache_saving_usd(
+                    self.policies.current, ctx.model, usage, record.cost_usd, batch
+                )
         if outcome.first_token_at_s is not None and facts.stream:
             record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
             if outcome.last_token_at_s is not None and record.completion_tokens > 1:

@@ -42,6 +42,8 @@ class Dispatch:
     async def serve(self, ctx: RequestContext, transport: Transport[A]) -> A:
         """Serve on `ctx.model` (its reservation held) through `transport`, or raise `Detour("upstream_error")`."""
         pools = self.fleet.pools_for_model(ctx.model)
+        if ctx.routing is not None:  # a LoRA adapter routes (and hashes its prefix) as itself
+            ctx.routing.use_adapter(self.fleet.adapter(ctx.model))
         exclude = transport.unreachable(pools)
         scoped = bool(exclude)
         retries = self.server.upstream_retries
@@ -107,7 +109,8 @@ class Dispatch:
         endpoint = decision.endpoint
         record.pool, record.endpoint, record.route_reason = routed.pool.name, endpoint.id, decision.reason
         record.engine = endpoint.engine
-        record.served_model = endpoint.served_model
+        adapter = self.fleet.adapter(ctx.model)  # a LoRA adapter is served under its own name
+        record.served_model = adapter.name if adapter is not None else endpoint.served_model
         record.pd_reason = decision.pd_reason
         record.prefill_endpoint = decision.prefill_endpoint.id if decision.prefill_endpoint is not None else ""
         record.upstream_attempts += 1

@@ -219,7 +219,9 @@ class Intake:
         record.requested_model, record.model = requested, model
         if not self.fleet.pools_for_model(model):
             raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
-        if not (principal.may_use(model) or principal.may_use(requested)):
+        if not (principal.may_use(model) or principal.may_use(requested)) or not policy.adapter_allows(
+            model, principal.tenant
+        ):
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
         await ctx.api.prepare(body, principal)  # work that needs the caller (a stored conversation)
         return body, requested, model

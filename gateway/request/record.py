@@ -38,6 +38,10 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    cache_write_tokens: int = 0  # prompt tokens written to a hosted provider's cache (default lifetime)
+    cache_write_1h_tokens: int = 0  # ... with a one-hour lifetime
+    reasoning_tokens: int = 0  # output tokens the provider counted as reasoning
+    cache_saved_usd: float = 0.0  # what the request would have cost with no prompt cache, less its cost
     usage_source: Literal["engine", "counted", "reserved", "none"] = "none"
     cost_usd: float = 0.0
     ttft_s: float | None = None  # client-observed at the gateway: arrival -> first content byte sent
@@ -55,6 +59,7 @@ class RequestRecord:
     migrations: int = 0  # times its stream continued on another replica after its own cut it
     preempted: int = 0  # times flow control cut its stream for another tenant's request (it continued)
     batch_id: str | None = None  # a line of this batch (Batch API)
+    spill: str | None = None  # served on an overflow pool, and why (gateway/flow/spill.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

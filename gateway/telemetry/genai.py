@@ -35,11 +35,12 @@ USAGE_CACHE_READ_INPUT_TOKENS: Final = "gen_ai.usage.cache_read.input_tokens"
 REQUEST_STREAM: Final = "gen_ai.request.stream"
 ERROR_TYPE: Final = "error.type"
 
-# gen_ai.token.type values; `cached_input` is ours (semconv has only input/output): the cached part
-# of the input, so input already includes it.
+# gen_ai.token.type values: semconv defines `input` and `output` only (gen-ai-metrics.md, v1.41.0,
+# https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-metrics/). The cached part of the input is
+# not a token type (it is part of `input`: summing the types would count it twice); it is exported
+# on its own, as tokenway_cached_input_tokens_total.
 TOKEN_INPUT: Final = "input"
 TOKEN_OUTPUT: Final = "output"
-TOKEN_CACHED_INPUT: Final = "cached_input"
 
 # RequestRecord.api -> gen_ai.operation.name
 OPERATION_BY_API: Final[dict[str, str]] = {

@@ -71,7 +71,6 @@ class _RecordSeries:
     cost_usd: CounterChild
     overhead_s: HistogramChild
     genai_input: HistogramChild | None  # None: the request never reached an engine
-    genai_cached: HistogramChild | None
     genai_output: HistogramChild | None
     ttft_s: HistogramChild | None
     tpot_s: HistogramChild | None
@@ -98,8 +97,7 @@ class GatewayMetrics:
                         "gen_ai_response_model", "pool")  # fmt: skip
         self.token_usage = HistogramFamily(
             genai.PROM_TOKEN_USAGE,
-            "GenAI semconv gen_ai.client.token.usage: tokens per request by gen_ai_token_type "
-            "(input, output, cached_input; input includes cached_input)",
+            "GenAI semconv gen_ai.client.token.usage: tokens per request by gen_ai_token_type (input, output)",
             (*genai_labels, "gen_ai_token_type"),
             genai.TOKEN_USAGE_BUCKETS,
             otel_name=genai.TOKEN_USAGE,
@@ -153,9 +151,16 @@ class GatewayMetrics:
         )
         self.tokens = CounterFamily(
             "tokenway_tokens_total",
-            "tokens by token_type (input, cached_input, output); input includes cached_input",
+            "tokens by token_type (input, output); the types add up to the total",
             (*money_labels, "token_type"),
             otel_name="tokenway.tokens",
+            unit="{token}",
+        )
+        self.cached_tokens = CounterFamily(
+            "tokenway_cached_input_tokens_total",
+            'input tokens read from a prefix cache: a part of tokenway_tokens_total{token_type="input"}, not extra',
+            money_labels,
+            otel_name="tokenway.cached_input_tokens",
             unit="{token}",
         )
         self.cost = CounterFamily(
@@ -230,7 +235,8 @@ class GatewayMetrics:
 
         self.families: tuple[Family, ...] = (
             self.token_usage, self.ttft, self.tpot, self.duration, self.requests, self.admission, self.fallbacks,
-            self.tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens, self.estimated_hit_tokens,
+            self.tokens, self.cached_tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens,
+            self.estimated_hit_tokens,
             self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
         )  # fmt: skip
         self.created_unix_ns = time_ns()  # start of every cumulative series (OTLP start_time)
@@ -275,7 +281,6 @@ class GatewayMetrics:
         series.duration_s.observe(record.duration_s)
         if record.usage_source != "none":
             series.genai_input.observe(prompt)  # type: ignore[union-attr]
-            series.genai_cached.observe(cached)  # type: ignore[union-attr]
             series.genai_output.observe(completion)  # type: ignore[union-attr]
         ttft_s, tpot_s = record.ttft_s, record.tpot_s
         if ttft_s is not None:
@@ -310,12 +315,11 @@ class GatewayMetrics:
             admission=self.admission.child(tenant, model, outcome, reason),
             fallback=fallback,
             input_tokens=self.tokens.child(*money, genai.TOKEN_INPUT),
-            cached_tokens=self.tokens.child(*money, genai.TOKEN_CACHED_INPUT),
+            cached_tokens=self.cached_tokens.child(*money),
             output_tokens=self.tokens.child(*money, genai.TOKEN_OUTPUT),
             cost_usd=self.cost.child(*money),
             overhead_s=self.overhead.child(outcome),
             genai_input=self.token_usage.child(*gl, genai.TOKEN_INPUT) if reached_engine else None,
-            genai_cached=self.token_usage.child(*gl, genai.TOKEN_CACHED_INPUT) if reached_engine else None,
             genai_output=self.token_usage.child(*gl, genai.TOKEN_OUTPUT) if reached_engine else None,
             ttft_s=self.ttft.child(*gl) if reached_engine else None,
             tpot_s=self.tpot.child(*gl) if reached_engine else None,

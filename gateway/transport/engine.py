@@ -26,9 +26,10 @@ from aiohttp import web
 
 from backends.config import EjectionSettings
 from backends.fleet import Fleet, Pool
+from backends.lora import LoraAdapter
 from backends.types import Endpoint, LoadTicket
 from gateway.app.settings import ServerSettings
-from gateway.errors import EngineRejected, GatewayError
+from gateway.errors import EngineRejected, GatewayError, UpstreamError
 from gateway.request.accounting import Accounting
 from gateway.request.apis import NativeApi, Translation, native_body
 from gateway.request.context import RequestContext, Routed
@@ -37,6 +38,7 @@ from gateway.request.detour import Detour
 from gateway.request.hooks import Hooks
 from gateway.request.transport import NotSent
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.transport.lora import AdapterLoader, LoadFailed
 from gateway.transport.pd import prefill_leg
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
 from gateway.upstream.engine_control import engine_body
@@ -109,6 +111,8 @@ class EngineTransport:
         self.shape_body = shape_body
         self.report_success = report_success
         self.report_failure = report_failure
+        self.fleet = fleet
+        self.lora = AdapterLoader(upstream)  # LoRA adapters loaded on first demand (transport/lora.py)
 
     def unreachable(self, pools: Sequence[Pool]) -> set[str]:
         return set()
@@ -118,6 +122,9 @@ class EngineTransport:
 
     async def send(self, ctx: RequestContext, routed: Routed, *, last: bool) -> web.StreamResponse:
         endpoint = routed.endpoint
+        adapter = self.fleet.adapter(ctx.model)
+        if adapter is not None:
+            await self._load_adapter(ctx, endpoint, adapter)
         watch = self.stalls.begin(endpoint, stream=ctx.facts.stream)
         try:
             response = await self._relay(ctx, routed, watch, deadline=not last)
@@ -130,6 +137,18 @@ class EngineTransport:
                 self.report_failure(failed, time.monotonic())
         ctx.answered_5xx.clear()
         return response
+
+    async def _load_adapter(self, ctx: RequestContext, endpoint: Endpoint, adapter: LoraAdapter) -> None:
+        """Register the LoRA adapter on `endpoint` before its first request there; a refusal (4xx: the
+        adapter is wrong everywhere) answers 502 naming it, no answer tries another endpoint."""
+        try:
+            await self.lora.ensure(endpoint, adapter)
+        except LoadFailed as exc:
+            self.hooks.ended(ctx)  # once per send, as `_relay` would
+            log.warning("%s", exc.message)
+            if exc.status:
+                raise NotSent(exc.message, fault="request", error=UpstreamError(exc.message)) from None
+            raise NotSent(exc.message, fault="endpoint") from None
 
     def _not_sent(self, ctx: RequestContext, endpoint: Endpoint, watch: CallWatch, exc: RetryableUpstream) -> NotSent:
         """What a failure before the first byte says, and whose it is."""
@@ -227,6 +246,8 @@ class EngineTransport:
         if not facts.stream:
             for name, value in headers:
                 response.headers[name] = value
+            # what this answer cost the caller, priced by settle (policies' Price.cost_usd): docs/governance.md
+            response.headers["x-tokenway-cost-usd"] = f"{record.cost_usd:.9f}"
         return response
 
     def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:
@@ -285,6 +306,9 @@ class EngineTransport:
         fields the policy took out, and those the adapter does not forward (e.g. `top_k` to a remote
         OpenAI pool without extra_request_fields). Fields the gateway adds itself are not named."""
         shaped = self.shape_body(endpoint, body, api)
+        adapter = self.fleet.adapter(ctx.model)
+        if adapter is not None and "model" in shaped:  # the engine serves an adapter under its own name
+            shaped = {**shaped, "model": adapter.name}
         if ctx.facts.debug:
             ctx.unforwarded_fields = tuple(sorted({*ctx.dropped_fields, *(k for k in sent if k not in shaped)}))
         return shaped
@@ -317,7 +341,9 @@ class EngineTransport:
             url=endpoint.base_url + path,
             headers=headers,
             body=orjson.dumps(body),
-            served_model=endpoint.served_model,
+            served_model=adapter.name
+            if (adapter := self.fleet.adapter(ctx.model)) is not None
+            else endpoint.served_model,
             public_model=ctx.model,
         )
 

@@ -114,15 +114,7 @@ class RelayOutcome:
 
 
 def _usage_from(obj: Any) -> Usage | None:
-    if not isinstance(obj, dict):
-        return None
-    details = obj.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(
-        prompt_tokens=int(obj.get("prompt_tokens") or 0),
-        completion_tokens=int(obj.get("completion_tokens") or 0),
-        cached_tokens=int(cached or 0),
-    )
+    return Usage.from_chat(obj)
 
 
 def _model_swap(target: UpstreamTarget) -> tuple[bytes, bytes] | None:

@@ -129,7 +129,7 @@ class Admission:
                 (), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens, price_factor=factor
             )
         costs = [spec.reserve_cost(prompt_tokens, output_tokens) for spec in plan.buckets]
-        cost_usd = plan.price.cost_usd(prompt_tokens, 0, output_tokens) * factor if plan.budgets else 0.0
+        cost_usd = plan.price.reserve_usd(prompt_tokens, output_tokens) * factor if plan.budgets else 0.0
         never = self._never_fits(plan, model, costs, cost_usd, now)
         if never is not None:
             self.counters[never.reason] += 1
@@ -252,7 +252,7 @@ class Admission:
             self.counters["limiter_unavailable"] += 1
             return rejections.limiter_unavailable(exc.retry_after_s)
         if not outcome.admitted:
-            rejection = self._rejection(plan, label, charge, outcome)
+            rejection = self._rejection(plan, label, charge, outcome, now)
             self.counters[rejection.reason] += 1
             return rejection
         self.counters["admitted"] += 1
@@ -323,10 +323,14 @@ class Admission:
             if not budget.shadow and cost_usd > budget.limit_usd:
                 now_s = self._clock() if now is None else now
                 end_s = buckets.period_end_s(budget.period, buckets.period_id(budget.period, now_s))
-                return rejections.budget_exhausted(model, budget, spent_usd=0.0, cost_usd=cost_usd, resets_at_s=end_s)
+                return rejections.budget_exhausted(
+                    model, budget, spent_usd=0.0, cost_usd=cost_usd, resets_at_s=end_s, now_s=now_s
+                )
         return None
 
-    def _rejection(self, plan: Plan, model: str, charge: Charge, outcome: Outcome) -> Rejection:
+    def _rejection(
+        self, plan: Plan, model: str, charge: Charge, outcome: Outcome, now: float | None = None
+    ) -> Rejection:
         scale = outcome.capacity_scale
         for budget, spent, pid in zip(plan.budgets, outcome.budget_spent, outcome.budget_periods, strict=True):
             if not budget.shadow and spent + charge.cost_usd > budget.limit_usd * scale:
@@ -336,6 +340,7 @@ class Admission:
                     spent_usd=spent,
                     cost_usd=charge.cost_usd,
                     resets_at_s=buckets.period_end_s(budget.period, pid),
+                    now_s=self._clock() if now is None else now,
                 )
         worst: Rejection | None = None
         worst_wait_s = -1.0
@@ -413,8 +418,10 @@ class Admission:
             return None
         ticket.settled = True
         try:
+            writes = (0, 0, 0)  # cache writes (default lifetime, one hour) and reasoning, billed apart
             if usage is not None:
                 prompt, cached, completion = usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                writes = (usage.cache_write_tokens, usage.cache_write_1h_tokens, usage.reasoning_tokens)
             else:
                 prompt, cached = ticket.prompt_tokens, 0
                 completion = ticket.output_tokens if charged_output_tokens is None else charged_output_tokens
@@ -422,7 +429,17 @@ class Admission:
             if plan is None:
                 return None
             price = plan.price if model == ticket.model else self._policies.current.price(model)
-            actual_usd = price.cost_usd(prompt, cached, completion) * ticket.price_factor
+            actual_usd = (
+                price.cost_usd(
+                    prompt,
+                    cached,
+                    completion,
+                    cache_write_tokens=writes[0],
+                    cache_write_1h_tokens=writes[1],
+                    reasoning_tokens=writes[2],
+                )
+                * ticket.price_factor
+            )
             ticket.actual_cost_usd = actual_usd
             if ticket.source == "none":
                 return None

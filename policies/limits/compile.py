@@ -27,7 +27,7 @@ from policies.limits.types import (
     Price,
     StoreSettings,
 )
-from policies.schema import BudgetConfig, LimitConfig, ModelConfig, PoliciesConfig
+from policies.schema import BudgetConfig, LimitConfig, ModelConfig, PoliciesConfig, TierPriceConfig
 from policies.types import Principal
 
 Rule = TypeVar("Rule", LimitConfig, BudgetConfig)
@@ -54,11 +54,32 @@ def _spend_trackers(key_id: str, budgets: list[BudgetSpec]) -> list[BudgetSpec]:
 
 
 def price_of(model: ModelConfig | None) -> Price:
+    """A model's price tables in USD per token (divided once here, never per request)."""
     if model is None:
         return Price()
     p = model.price
+    long = p.long_context
+    if long is None:
+        return _table(p)
+    return _table(p, long=_table(long), long_above_tokens=long.above_prompt_tokens)
+
+
+def _table(p: TierPriceConfig, *, long: Price | None = None, long_above_tokens: int = 0) -> Price:
     cached = p.cached_input_per_mtok if p.cached_input_per_mtok is not None else p.input_per_mtok
-    return Price(p.input_per_mtok / 1e6, cached / 1e6, p.output_per_mtok / 1e6)
+    return Price(
+        p.input_per_mtok / 1e6,
+        cached / 1e6,
+        p.output_per_mtok / 1e6,
+        cache_write_usd=_per_token(p.cache_write_per_mtok),
+        cache_write_1h_usd=_per_token(p.cache_write_1h_per_mtok),
+        reasoning_usd=_per_token(p.reasoning_per_mtok),
+        long=long,
+        long_above_tokens=long_above_tokens,
+    )
+
+
+def _per_token(per_mtok: float | None) -> float | None:
+    return None if per_mtok is None else per_mtok / 1e6
 
 
 def settings_of(config: PoliciesConfig) -> StoreSettings:

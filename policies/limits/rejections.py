@@ -130,22 +130,45 @@ def too_large(model: str, spec: BucketSpec, *, capacity: float, requested: float
     )
 
 
+def usd(amount: float) -> str:
+    """Dollars with the cents always shown and as many more digits as the amount needs, to the
+    micro-dollar: `5.00`, `0.005`, `0.000123`; an amount that is not zero never reads `0.00` (a
+    budget of half a cent is a real test setting, and "$0.00" tells its owner nothing)."""
+    if amount != 0 and abs(amount) < 5e-7:  # below a micro-dollar: two significant digits
+        return f"{amount:.2g}"
+    whole, _, cents = f"{amount:.6f}".rstrip("0").partition(".")
+    return f"{whole}.{cents.ljust(2, '0')}"
+
+
 def budget_exhausted(
-    model: str, spec: BudgetSpec, *, spent_usd: float, cost_usd: float, resets_at_s: float
+    model: str, spec: BudgetSpec, *, spent_usd: float, cost_usd: float, resets_at_s: float, now_s: float
 ) -> Rejection:
+    """A budget that this request would overrun. The reset is in the message and in headers: the
+    token buckets' `x-ratelimit-reset-*` (here `-usd`: Go duration to the period's end) and, when
+    waiting helps (the request fits a whole budget), `retry-after(-ms)`; a reset over a minute away
+    says `x-should-retry: false` as every long wait does. A request costing more than the whole
+    budget never fits: no retry-after, and never retried."""
     resets = datetime.fromtimestamp(resets_at_s, UTC).strftime("%Y-%m-%dT%H:%MZ")
     message = (
         f"You exceeded your current quota: the {'daily' if spec.period == 'day' else 'monthly'} budget of "
-        f"{describe(spec.scope, spec.subject, spec.rule_id)} is ${spec.limit_usd:.2f}, "
-        f"${spent_usd:.4f} is spent and this request to {model} may cost up to ${cost_usd:.4f}. "
+        f"{describe(spec.scope, spec.subject, spec.rule_id)} is ${usd(spec.limit_usd)}, "
+        f"${usd(spent_usd)} is spent and this request to {model} may cost up to ${usd(cost_usd)}. "
         f"The budget resets at {resets}."
     )
+    wait_s = max(0.0, resets_at_s - now_s)
+    budget = [
+        ("x-ratelimit-limit-usd", usd(spec.limit_usd)),
+        ("x-ratelimit-remaining-usd", usd(max(0.0, spec.limit_usd - spent_usd))),
+        ("x-ratelimit-reset-usd", go_duration(wait_s)),
+    ]
+    fits_later = cost_usd <= spec.limit_usd
+    retry = retry_headers(wait_s) if fits_later else [NO_RETRY]
     return Rejection(
         status=429,
         message=message,
         type="insufficient_quota",
         code="insufficient_quota",
-        headers=(NO_RETRY,),
+        headers=(*retry, *budget),
         reason="budget_exhausted",
     )
 

@@ -86,19 +86,85 @@ class BudgetSpec:
 
 @dataclass(frozen=True, slots=True)
 class Price:
-    """USD per token (the config's per-million prices, divided once)."""
+    """USD per token (the config's per-million prices, divided once), with the prompt-cache and
+    long-context rules hosted providers bill by.
+
+    A prompt token is billed as one of: a cache read (`cached_input_usd`), a cache write at the
+    provider's default lifetime (`cache_write_usd`, Anthropic's 5 minutes) or at one hour
+    (`cache_write_1h_usd`), or plain input; an output token as output or, when the provider counts
+    it as reasoning (thinking), at `reasoning_usd`. None means "the plain rate" (input, or output
+    for reasoning; a 1-hour write defaults to the default write). `long` is the tier that applies
+    to the whole request, output included, when its prompt (cache reads and writes included) is
+    over `long_above_tokens` tokens: how Anthropic's 1M-context and Gemini's over-200k prices work.
+    """
 
     input_usd: float = 0.0
     cached_input_usd: float = 0.0
     output_usd: float = 0.0
+    cache_write_usd: float | None = None
+    cache_write_1h_usd: float | None = None
+    reasoning_usd: float | None = None
+    long: Price | None = None
+    long_above_tokens: int = 0
 
-    def cost_usd(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
-        cached = min(cached_tokens, prompt_tokens)
-        return (
-            (prompt_tokens - cached) * self.input_usd
-            + cached * self.cached_input_usd
-            + completion_tokens * self.output_usd
-        )
+    def tier(self, prompt_tokens: int) -> Price:
+        """The price table that applies to a request with `prompt_tokens` of prompt."""
+        long = self.long
+        return long if long is not None and prompt_tokens > self.long_above_tokens else self
+
+    def cost_usd(
+        self,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        *,
+        cache_write_tokens: int = 0,
+        cache_write_1h_tokens: int = 0,
+        reasoning_tokens: int = 0,
+    ) -> float:
+        """What a finished request cost. `prompt_tokens` is the whole prompt (reads and writes
+        included); `reasoning_tokens` are part of `completion_tokens`. Counts out of range are
+        clamped (a provider's parts never bill more tokens than its totals)."""
+        p = self.tier(prompt_tokens)
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        write = min(max(cache_write_tokens, 0), prompt_tokens - cached)
+        write_1h = min(max(cache_write_1h_tokens, 0), prompt_tokens - cached - write)
+        reasoning = min(max(reasoning_tokens, 0), completion_tokens)
+        cost = (prompt_tokens - cached - write - write_1h) * p.input_usd + cached * p.cached_input_usd
+        cost += (completion_tokens - reasoning) * p.output_usd
+        if write:
+            cost += write * p.write_usd
+        if write_1h:
+            cost += write_1h * p.write_1h_usd
+        if reasoning:
+            cost += reasoning * p.reasoning_rate_usd
+        return cost
+
+    def reserve_usd(self, prompt_tokens: int, output_tokens: int) -> float:
+        """What a reservation holds before the call: the same tier rule as `cost_usd` on the same
+        prompt count, every prompt token at the dearest prompt rate (no read is assumed; a write may
+        cost more than input) and every output token at the dearer of output and reasoning, so the
+        settlement never exceeds it for a prompt and output within what was reserved."""
+        p = self.tier(prompt_tokens)
+        prompt_rate = max(p.input_usd, p.cached_input_usd, p.write_usd, p.write_1h_usd)
+        return prompt_tokens * prompt_rate + output_tokens * max(p.output_usd, p.reasoning_rate_usd)
+
+    def uncached_usd(self, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> float:
+        """What the request would have cost with no prompt cache at all (every prompt token plain
+        input): the reference that `usage report`'s cache saving is measured against."""
+        return self.cost_usd(prompt_tokens, 0, completion_tokens, reasoning_tokens=reasoning_tokens)
+
+    @property
+    def write_usd(self) -> float:
+        return self.input_usd if self.cache_write_usd is None else self.cache_write_usd
+
+    @property
+    def write_1h_usd(self) -> float:
+        return self.write_usd if self.cache_write_1h_usd is None else self.cache_write_1h_usd
+
+    @property
+    def reasoning_rate_usd(self) -> float:
+        return self.output_usd if self.reasoning_usd is None else self.reasoning_usd
 
 
 @dataclass(frozen=True, slots=True)

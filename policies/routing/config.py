@@ -176,6 +176,59 @@ class PrefixIndexConfig(_Strict):
     )
 
 
+class TierLinkConfig(_Strict):
+    """How one lower KV tier is reached from a replica's GPU."""
+
+    bandwidth_gbps: float = Field(gt=0, description="GB/s per device (10^9 bytes/s) of loading KV from this tier")
+    latency_ms: float = Field(default=0.0, ge=0, description="fixed cost of one load from this tier, ms")
+
+
+def _cpu_link() -> TierLinkConfig:
+    return TierLinkConfig(bandwidth_gbps=25.0, latency_ms=0.0)
+
+
+def _disk_link() -> TierLinkConfig:
+    return TierLinkConfig(bandwidth_gbps=5.0, latency_ms=0.1)
+
+
+def _remote_link() -> TierLinkConfig:
+    return TierLinkConfig(bandwidth_gbps=10.0, latency_ms=1.0)
+
+
+class KvTiersConfig(_Strict):
+    """KV-cache tiers below HBM (host DRAM, local disk, a remote store) and what a hit there is worth.
+
+    Bandwidth defaults are to be calibrated per deployment (docs/routing.md#kv-cache-tiers): host DRAM
+    over PCIe Gen5 x16 (64 GB/s per direction on paper, about 25 GB/s of KV in practice), a local NVMe
+    SSD about 5 GB/s, a remote store over 100 Gb/s RDMA about 10 GB/s (1.25 GB/s over 10 GbE).
+    """
+
+    credit: Literal["physics", "constant", "flat", "gpu-only"] = Field(
+        default="physics",
+        description="physics: prefill time saved minus load time; constant: `constant_credits`; "
+        "flat: every tier like HBM; gpu-only: lower tiers ignored",
+    )
+    constant_credits: tuple[float, float, float, float] = Field(
+        default=(1.0, 0.75, 0.25, 0.25),
+        description="credit: constant: weight of a cached token on gpu, cpu, disk, remote",
+    )
+    cpu: TierLinkConfig = Field(default_factory=_cpu_link, description="host DRAM (medium CPU)")
+    disk: TierLinkConfig = Field(default_factory=_disk_link, description="local disk (medium DISK)")
+    remote: TierLinkConfig = Field(default_factory=_remote_link, description="a remote store (any other medium)")
+    offload_capacity_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="approximate index: tokens each replica keeps below HBM (its CPU offload size); 0: HBM only",
+    )
+
+    @field_validator("constant_credits")
+    @classmethod
+    def _credits_in_range(cls, value: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+        if any(not 0.0 <= v <= 1.0 for v in value):
+            raise ValueError("constant credits must be in [0, 1]")
+        return value
+
+
 class SessionConfig(_Strict):
     use_user_field: bool = Field(default=True, description="the OpenAI `user` field keys a session too")
     max_sessions: int = Field(default=100_000, ge=1, description="LRU bound of the session -> endpoint table")
@@ -185,6 +238,9 @@ class PoolRoutingConfig(PipelineConfig):
     """A pool's own pipeline; `pd` overrides the global PD settings for that pool."""
 
     pd: PDConfig | None = Field(default=None, description="this pool's PD settings instead of routing.pd")
+    kv_tiers: KvTiersConfig | None = Field(
+        default=None, description="this pool's KV tier links and credit instead of routing.kv_tiers"
+    )
 
 
 class RoutingConfig(_Strict):
@@ -198,6 +254,9 @@ class RoutingConfig(_Strict):
         default_factory=SessionConfig, description="session affinity: a session's requests return to its endpoint"
     )
     pd: PDConfig = Field(default_factory=PDConfig, description="prefill/decode disaggregation of pools with both roles")
+    kv_tiers: KvTiersConfig = Field(
+        default_factory=KvTiersConfig, description="KV-cache tiers below HBM and the credit of a hit there"
+    )
     default: PipelineConfig = Field(
         default_factory=PipelineConfig, description="the pipeline of every pool without an entry in pools"
     )
@@ -230,3 +289,7 @@ class RoutingConfig(_Strict):
     def pd_for(self, pool: str) -> PDConfig:
         own = self.pools.get(pool)
         return own.pd if own is not None and own.pd is not None else self.pd
+
+    def kv_tiers_for(self, pool: str) -> KvTiersConfig:
+        own = self.pools.get(pool)
+        return own.kv_tiers if own is not None and own.kv_tiers is not None else self.kv_tiers

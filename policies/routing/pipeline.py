@@ -2,7 +2,8 @@
 
     route(request, pool, now_s, exclude):
       candidates  = ready endpoints of the pool not in `exclude` (decode/mixed ones in a PD pool),
-                    each with the prefix index's cached-token estimate; stale stats -> saturated
+                    each with the prefix index's cached tokens per KV tier, priced by the pool's
+                    tier credit (`prefix.tiers`); stale stats -> saturated
       saturated   are dropped unless every candidate is (then: reason `fallback`)
       predictions with a predictor, when the pipeline has the `latency` scorer or the request an
                   SLO: every candidate in one call (`scorers.predict_candidates`), read by the scorer
@@ -28,12 +29,15 @@ from typing import Any
 
 from backends.fleet import Pool
 from backends.kv_events import KvEventBatch
+from backends.perf.presets import DEFAULT_PRESET, resolve_preset
 from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
-from policies.routing.config import PDConfig, PipelineConfig, RoutingConfig
+from policies.routing.config import KvTiersConfig, PDConfig, PipelineConfig, RoutingConfig
+from policies.routing.lora import AdapterResidency
 from policies.routing.pd import decide_pd, is_disaggregated
 from policies.routing.prefix.hashing import EngineHasher, HashedPrompt, prompt_tokens_of
 from policies.routing.prefix.index import IndexReport, PrefixIndex
+from policies.routing.prefix.tiers import PHYSICS, TIER_NAMES, TierLink, TierPricing
 from policies.routing.scorers import predict_candidates
 from policies.routing.session import SessionTable, session_key
 from policies.routing.types import (
@@ -86,6 +90,8 @@ class Choice:
             row = {name: values[i] for name, values in self.scores.items()}
             row["total"] = self.totals[i]
             row["cached"] = float(c.cached_tokens)
+            if c.credited_tokens is not None:
+                row["credited"] = c.credited_tokens
             out[prefix + c.id] = row
         return out
 
@@ -167,6 +173,24 @@ class RoutingReport:
     index: IndexReport
     sessions: int
     pd: dict[str, PDCounters]
+    # prompt tokens dispatched, and of them the tokens expected from each KV tier (not recomputed)
+    prompt_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+def tier_pricing(pool: Pool, tiers: KvTiersConfig) -> TierPricing:
+    """A pool's tier credit: its preset (`model@hw`, the latency prior's default when it names none)
+    gives the KV bytes per token and the prefill compute a hit saves; `tiers` the links."""
+    links = None
+    preset = None
+    if tiers.credit == PHYSICS:
+        preset = resolve_preset(pool.config.preset or DEFAULT_PRESET, pool.config.tensor_parallel)
+        links = (
+            TierLink(tiers.cpu.bandwidth_gbps * 1e9, tiers.cpu.latency_ms / 1e3),
+            TierLink(tiers.disk.bandwidth_gbps * 1e9, tiers.disk.latency_ms / 1e3),
+            TierLink(tiers.remote.bandwidth_gbps * 1e9, tiers.remote.latency_ms / 1e3),
+        )
+    return TierPricing(tiers.credit, preset=preset, links=links, constant=tiers.constant_credits)
 
 
 @dataclass(slots=True)
@@ -190,6 +214,10 @@ class ScoringRouter:
     # told of every dispatch after it is recorded (gateway replicas share them); must not block
     dispatch_listener: Callable[[HashedPrompt, RouteDecision, str | None], None] | None = None
     _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
+    residency: AdapterResidency = field(default_factory=AdapterResidency, init=False)  # LoRA (routing/lora.py)
+    _pricing: dict[str, TierPricing] = field(default_factory=dict, init=False)
+    _prompt_tokens: int = field(default=0, init=False)
+    _tier_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0], init=False)
 
     # -- Router ---------------------------------------------------------------------------------
 
@@ -212,8 +240,13 @@ class ScoringRouter:
             prompt_tokens=prompt_tokens_of(facts),
             session_endpoint_id=self.sessions.get(session_key(facts, pool.name, self.config.session.use_user_field)),
             running_tpot_slo_ms=request.running_tpot_slo_ms,
+            adapter=request.adapter,
+            residency=self.residency,
         )
-        candidates = self._candidates(request, serving, now_s)
+        pricing = self._pricing.get(pool.name)
+        if pricing is None:
+            pricing = self._pricing[pool.name] = tier_pricing(pool, self.config.kv_tiers_for(pool.name))
+        candidates = self._candidates(request, serving, now_s, pricing)
         if self.predictor is not None and (routing.pipeline.uses_latency or facts.slo is not None):
             ctx.predictions = predict_candidates(self.predictor, pool.name, pool.config.model, ctx, candidates)
         choice = routing.pipeline.choose(ctx, candidates, self.rng)
@@ -222,6 +255,7 @@ class ScoringRouter:
             endpoint=chosen.endpoint,
             reason=decision_reason(ctx, choice, candidates, routing.pipeline.uses_session),
             cached_tokens_estimate=chosen.cached_tokens,
+            cached_tiers=chosen.tiers,
             decided_at_s=now_s,
             predictions=ctx.predictions,
         )
@@ -242,7 +276,7 @@ class ScoringRouter:
             outcome = decide_pd(
                 ctx,
                 chosen,
-                self._candidates(request, prefill_eps, now_s) if prefill_eps else [],
+                self._candidates(request, prefill_eps, now_s, pricing) if prefill_eps else [],
                 choose_prefill,
                 routing.pd,
             )
@@ -260,9 +294,16 @@ class ScoringRouter:
             routing.baseline.on_dispatch(request, decision)
             return
         now_s = decision.decided_at_s
+        self._prompt_tokens += request.facts.prompt_tokens or 0
+        tiers = decision.cached_tiers
+        if tiers is not None and decision.prefill_endpoint is None:
+            for i, n in enumerate(tiers.as_tuple()):
+                self._tier_tokens[i] += n
         self.index.record(request.prompt, decision.endpoint, now_s)
         if decision.prefill_endpoint is not None:
             self.index.record(request.prompt, decision.prefill_endpoint, now_s)
+        if request.adapter is not None:
+            self.residency.record(decision.endpoint, request.adapter.name)
         key = session_key(request.facts, decision.endpoint.pool, self.config.session.use_user_field)
         self.sessions.pin(key, decision.endpoint.id)
         if decision.pd_reason is not None:
@@ -295,6 +336,8 @@ class ScoringRouter:
             index=self.index.report(now_s),
             sessions=len(self.sessions),
             pd={k: PDCounters(v.served, v.disaggregated, v.warned) for k, v in self.pd_counters.items()},
+            prompt_tokens=self._prompt_tokens,
+            cached_tokens_by_tier=dict(zip(TIER_NAMES, self._tier_tokens, strict=True)),
         )
 
     # -- internals ----------------------------------------------------------------------------------
@@ -311,13 +354,21 @@ class ScoringRouter:
             self._pools[pool_name] = routing
         return routing
 
-    def _candidates(self, request: RouteRequest, endpoints: Sequence[Endpoint], now_s: float) -> list[Candidate]:
-        cached = self.index.lookup(request.prompt, endpoints, now_s)
+    def _candidates(
+        self, request: RouteRequest, endpoints: Sequence[Endpoint], now_s: float, pricing: TierPricing
+    ) -> list[Candidate]:
+        cached = self.index.lookup_tiers(request.prompt, endpoints, now_s)
         max_age_s = self.config.max_stats_age_s
         unscraped_pool = all(e.stats.scraped_at_s == 0.0 for e in endpoints)
         return [
-            Candidate(e, c, saturated=not unscraped_pool and e.stats_age_s(now_s) > max_age_s)
-            for e, c in zip(endpoints, cached, strict=True)
+            Candidate(
+                e,
+                pricing.visible(t),
+                saturated=not unscraped_pool and e.stats_age_s(now_s) > max_age_s,
+                tiers=t,
+                credited_tokens=pricing.credited(t) if t.lower else None,
+            )
+            for e, t in zip(endpoints, cached, strict=True)
         ]
 
     def _count_pd(self, decision: RouteDecision, pd: PDConfig) -> None:
@@ -353,6 +404,7 @@ ALWAYS_AVAILABLE = frozenset(
         "session",
         "slo",
         "running-tpot-slo",
+        "stats.loras",
     }
 )
 CONFIGURED = frozenset({"prefix-index", "predictions"})
@@ -409,7 +461,11 @@ def build_router(
         log.warning("%s: it scores every endpoint alike", warning)
     return ScoringRouter(
         config=cfg,
-        index=PrefixIndex(cfg.prefix_index, engine_hashers=engine_hashers),
+        index=PrefixIndex(
+            cfg.prefix_index,
+            engine_hashers=engine_hashers,
+            offload_tokens_of=lambda pool: cfg.kv_tiers_for(pool).offload_capacity_tokens,
+        ),
         sessions=SessionTable(cfg.session.max_sessions),
         rng=rng or random.Random(cfg.seed),
         predictor=predictor,

@@ -13,6 +13,7 @@ from typing import Any
 
 from policies.routing.baselines import LeastInflightRouter, RoundRobinRouter
 from policies.routing.filters import ContextLengthFilter, LoadGateFilter
+from policies.routing.lora import LoraAffinityScorer, LoraSlotsFilter
 from policies.routing.pickers import MaxScorePicker, NearBestRandomPicker, RandomPicker, WeightedRandomPicker
 from policies.routing.scorers import (
     InflightTokensScorer,
@@ -29,6 +30,7 @@ FILTERS: Mapping[str, Callable[..., Filter]] = MappingProxyType(
     {
         "load-gate": LoadGateFilter,
         "context-length": ContextLengthFilter,
+        "lora-slots": LoraSlotsFilter,
     }
 )
 
@@ -41,6 +43,7 @@ SCORERS: Mapping[str, Callable[..., Scorer]] = MappingProxyType(
         "session-affinity": SessionAffinityScorer,
         "work-cost": WorkCostScorer,
         "latency": LatencyScorer,
+        "lora-affinity": LoraAffinityScorer,
     }
 )
 

@@ -29,13 +29,15 @@ def work_tokens(endpoint: Endpoint, decode_weight: float, request_tokens: float 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrefixCacheScorer:
-    """Share of the prompt already in the endpoint's KV cache.
+    """Share of the prompt already in the endpoint's KV cache, each tier at its credit.
 
-        score = cached_tokens / prompt_tokens        (0 for an empty prompt)
+        score = credited_tokens / prompt_tokens      (0 for an empty prompt)
 
-    Range [0, 1]: 1 means the whole prompt (but the last token, which is always computed) is cached.
-    Absolute, not relative to the best candidate: a 5 % hit must not look like a full one.
-    Reads: `Candidate.cached_tokens` (prefix index), `RouteContext.prompt_tokens`.
+    credited_tokens = HBM hits + each lower tier's hits x its credit (`prefix.tiers`: the prefill
+    time a hit saves minus the time to load it; every hit counts 1 without tiers).
+    Range [0, 1]: 1 means the whole prompt (but the last token, which is always computed) is cached
+    in HBM. Absolute, not relative to the best candidate: a 5 % hit must not look like a full one.
+    Reads: `Candidate.credited` (prefix index and tier pricing), `RouteContext.prompt_tokens`.
     """
 
     consumes = ("prefix-index",)
@@ -43,7 +45,7 @@ class PrefixCacheScorer:
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[float]:
         if ctx.prompt_tokens <= 0:
             return [0.0] * len(candidates)
-        return [min(c.cached_tokens / ctx.prompt_tokens, 1.0) for c in candidates]
+        return [min(c.credited / ctx.prompt_tokens, 1.0) for c in candidates]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +142,7 @@ class WorkCostScorer:
     """How much work stands between this request and its first token on the endpoint.
 
         cost  = inflight.prefill_tokens                 (uncached prefill queued ahead of it)
-              + (prompt_tokens - cached_tokens)          (its own uncached prefill)
+              + (prompt_tokens - credited_tokens)        (its own prefill, and loading its lower-tier hits)
               + decode_weight  * inflight.decode_tokens  (decode context sharing every step)
               + request_tokens * inflight.requests       (requests whose decode is not counted yet)
         score = (cost_min + base_tokens) / (cost + base_tokens)
@@ -149,7 +151,10 @@ class WorkCostScorer:
     trade-off the router exists for: a prefix hit saves `cached_tokens` of work, a busy endpoint
     costs its backlog, and the cheaper sum wins. `base_tokens` keeps an idle fleet from turning
     small differences into large ratios. Saturated (stale) candidates score 0.
-    Reads: `InFlight` (gateway accounting), `Candidate.cached_tokens`, `RouteContext.prompt_tokens`.
+    credited_tokens (`prefix.tiers`, in prefill-token equivalents): HBM hits count 1 each; a hit in
+    host DRAM, on disk or in a remote store counts the share of its prefill time that loading it saves,
+    so its load time stays in the cost. Without lower tiers it is `cached_tokens`.
+    Reads: `InFlight` (gateway accounting), `Candidate.credited`, `RouteContext.prompt_tokens`.
     """
 
     decode_weight: float = 0.1
@@ -165,8 +170,7 @@ class WorkCostScorer:
 
     def costs(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[float]:
         return [
-            work_tokens(c.endpoint, self.decode_weight, self.request_tokens) + ctx.uncached_tokens(c)
-            for c in candidates
+            work_tokens(c.endpoint, self.decode_weight, self.request_tokens) + ctx.uncached_work(c) for c in candidates
         ]
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[float]:

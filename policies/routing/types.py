@@ -13,13 +13,18 @@ import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from backends.fleet import Pool
+from backends.lora import LoraAdapter
 from backends.types import Endpoint
 from policies.routing.prefix.hashing import HashedPrompt
+from policies.routing.prefix.tiers import TierTokens
 from policies.types import RequestFacts
 from predictor.types import Prediction
+
+if TYPE_CHECKING:
+    from policies.routing.lora import AdapterResidency
 
 NO_RUNNING_SLOS: Final[Mapping[str, float]] = MappingProxyType({})
 
@@ -57,6 +62,7 @@ class RouteRequest:
     facts: RequestFacts
     running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)
     prompt: HashedPrompt = field(init=False)
+    adapter: LoraAdapter | None = None  # the LoRA adapter the model being tried is (docs/adapters.md)
 
     def __post_init__(self) -> None:
         self.prompt = HashedPrompt(self.facts)
@@ -64,7 +70,15 @@ class RouteRequest:
     def use_engine_token_ids(self, token_ids: Sequence[int] | None) -> None:
         """Hash the engine's own ids from now on (None: the gateway's); a change starts a new memo."""
         if token_ids is not self.prompt.engine_token_ids:
-            self.prompt = HashedPrompt(self.facts, token_ids)
+            self.prompt = HashedPrompt(self.facts, token_ids, lora=self.prompt.lora)
+
+    def use_adapter(self, adapter: LoraAdapter | None) -> None:
+        """Route (and hash) as the LoRA `adapter` from now on (None: the base model); a change starts
+        a new memo, as the engine salts an adapter's blocks by its name."""
+        self.adapter = adapter
+        lora = adapter.name if adapter is not None else None
+        if lora != self.prompt.lora:
+            self.prompt = HashedPrompt(self.facts, self.prompt.engine_token_ids, lora=lora)
 
 
 @dataclass(slots=True)
@@ -73,6 +87,7 @@ class RouteDecision:
     reason: str  # metrics label: prefix-hit | load | session | only | fallback
     prefill_endpoint: Endpoint | None = None  # set when the request is disaggregated
     cached_tokens_estimate: int = 0  # prompt tokens expected to hit the prefix cache on `endpoint`
+    cached_tiers: TierTokens | None = None  # the same per KV tier (HBM, DRAM, disk, remote), when known
     prefill_cached_tokens_estimate: int = 0  # same, on `prefill_endpoint`
     pd_reason: str | None = None  # disaggregated pools: why (not) disaggregated; None elsewhere
     decided_at_s: float = 0.0  # `now_s` of the route call (speculative index entries start here)
@@ -128,13 +143,23 @@ class Candidate:
     """One endpoint as the pipeline sees it for one request.
 
     `cached_tokens` is the prefix index's estimate of this prompt's tokens already in the endpoint's KV
-    cache. `saturated` is set by the framework when the endpoint's scraped stats are older than
+    cache, every tier the pool's tier credit sees (real tokens: the engine will not compute them);
+    `tiers` splits them per KV tier and `credited_tokens` is what they are worth in prefill-token
+    equivalents once loading from the lower tiers is paid (`prefix.tiers`; None: `cached_tokens`).
+    `saturated` is set by the framework when the endpoint's scraped stats are older than
     `max_stats_age_s`: such an endpoint is only chosen when every candidate is saturated.
     """
 
     endpoint: Endpoint
     cached_tokens: int = 0
     saturated: bool = False
+    tiers: TierTokens | None = None
+    credited_tokens: float | None = None
+
+    @property
+    def credited(self) -> float:
+        """Prefill-token equivalents the cached prefix saves (`cached_tokens` without tier pricing)."""
+        return self.cached_tokens if self.credited_tokens is None else self.credited_tokens
 
     @property
     def id(self) -> str:
@@ -151,9 +176,17 @@ class RouteContext:
     session_endpoint_id: str | None = None  # where the request's session is pinned, if anywhere
     predictions: Mapping[str, Prediction] | None = None  # by endpoint id, when the router made them
     running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)  # see `RouteRequest`
+    adapter: LoraAdapter | None = None  # the LoRA adapter asked for (`RouteRequest.adapter`)
+    residency: AdapterResidency | None = None  # which adapters the router sent where (`routing/lora.py`)
 
     def uncached_tokens(self, candidate: Candidate) -> int:
+        """Prompt tokens the endpoint would compute (real tokens: lower-tier hits are loaded, not computed)."""
         return max(self.prompt_tokens - candidate.cached_tokens, 0)
+
+    def uncached_work(self, candidate: Candidate) -> float:
+        """The request's own prefill work on the endpoint in prefill-token equivalents: its uncached
+        tokens plus the time to load its lower-tier hits, priced as the prefill it would replace."""
+        return max(self.prompt_tokens - candidate.credited, 0.0)
 
 
 class Filter(Protocol):

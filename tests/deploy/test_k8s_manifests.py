@@ -246,3 +246,30 @@ def test_optional_engine_hpa_on_the_desired_replicas_metric_is_valid() -> None:
     doc = yaml.safe_load("\n".join(line[2:] for line in commented.splitlines() if line.startswith("# ")))
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     assert doc["spec"]["metrics"][0]["external"]["metric"]["name"] == "tokenway_pool_desired_replicas"
+
+
+def test_engine_images_are_pinned_in_every_overlay() -> None:
+    """An engine image by a moving tag (`latest`, or none) changes under a running deployment at the
+    next pull; the overlays name a release. tokenway's own image is the one built from this tree."""
+    images: list[tuple[Path, str]] = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            spec = (((doc or {}).get("spec") or {}).get("template") or {}).get("spec") or {}
+            containers = [*spec.get("containers", ()), *spec.get("initContainers", ())]
+            images.extend((path.relative_to(K8S), container["image"]) for container in containers)
+    engines = [(where, image) for where, image in images if not image.startswith("tokenway:")]
+    assert any("vllm" in image for _, image in engines), images
+    for where, image in engines:
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest", f"{where}: {image} is not pinned to a release"
+
+
+def test_the_demo_key_is_the_one_make_run_prints() -> None:
+    import hashlib
+
+    from gateway.app.server import DEMO_KEY
+
+    digest = hashlib.sha256(DEMO_KEY.encode()).hexdigest()
+    policies = yaml.safe_load((K8S / "base" / "config" / "policies.yaml").read_text())
+    assert digest in {key["sha256"] for key in policies["keys"]}
+    assert load_config(K8S / "base" / "config" / "policies.yaml").models["llama-3.1-8b"].aliases == ["gpt-4o-mini"]

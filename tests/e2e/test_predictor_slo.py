@@ -224,7 +224,7 @@ def test_prior_first_then_a_model_trained_off_loop_is_swapped_in_and_loaded_afte
         version = status["model_version"]
         metrics = http_get(gw.url + "/metrics")[1]  # the same accuracy as Prometheus gauges, per pool and target
         for target in ("ttft", "tpot"):
-            for field in ("samples", "mape_percent", "p90_coverage_ratio", "model_age_seconds"):
+            for field in ("samples", "mape_ratio", "p90_coverage_ratio", "model_age_seconds"):
                 assert f'tokenway_predictor_{target}_{field}{{pool="llama"}}' in metrics, (target, field)
         code, text = http_get(gw.url + "/admin/predictor/samples?pool=llama")  # the outcomes, in time order
         assert code == 200, text

@@ -3,10 +3,12 @@ without secrets, output piped to `head`, readiness rules, and a reload that chan
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,15 @@ def test_the_banner_curl_works_as_pasted(tmp_path: Path) -> None:
         if shutil.which("curl"):
             done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
             assert done.returncode == 0 and '"chat.completion"' in done.stdout, done.stdout + done.stderr
+        # the banner's links (the landing page, the console, metrics, the API document) each answer
+        links = dict(re.findall(r"^  (about|console|metrics|API): +(http://\S+)$", gateway.log(), re.MULTILINE))
+        assert set(links) == {"about", "console", "metrics", "API"}, gateway.log()
+        for name, url in links.items():
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200, name
+                if name == "about":
+                    page = reply.read().decode()
+                    assert all(f'href="{path}"' in page for path in ("/ui", "/metrics", "/openapi.json")), page
     finally:
         gateway.stop()
 

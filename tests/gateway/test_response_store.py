@@ -25,7 +25,7 @@ def blob(size: int) -> bytes:
     return entry_blob(b'{"id":"x","pad":"' + b"a" * size + b'"}', [])
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[ResponseStore]:
     if request.param == "memory":
         yield MemoryResponseStore(SETTINGS)

@@ -64,7 +64,8 @@ def test_unknown_key_is_rejected(tmp_path: Path) -> None:
         ("ledger: {zzz: 1}\n", "ledger.zzz: unknown key; valid keys here: commit_interval_ms, dir, enabled,"),
         (
             "pools:\n  - {name: p, model: m, engine: vlm, endpoints: [{url: 'http://h:1'}]}\n",
-            "pools[0].engine: Input should be 'sim', 'vllm', 'trtllm', 'vllm-ascend' or 'openai'; did you mean 'vllm'?",
+            "pools[0].engine: Input should be 'sim', 'vllm', 'trtllm', 'vllm-ascend', 'openai', 'anthropic', "
+            "'bedrock', 'gemini' or 'azure-openai'; did you mean 'vllm'?",
         ),
     ],
 )

@@ -37,7 +37,7 @@ def test_unknown_flags_and_their_values_are_ignored() -> None:
         "some/model",
         "--port",
         "9",
-        "--lora-modules",
+        "--middleware",
         "a=b",
         "c=d",
         "--enforce-eager",
@@ -49,7 +49,7 @@ def test_unknown_flags_and_their_values_are_ignored() -> None:
     positionals, known, ignored = split_known(argv, _parser())
     assert positionals == ["serve", "some/model"]
     assert known == ["--port", "9", "--seed=3", "-tp", "2"]
-    assert ignored == ["--lora-modules", "a=b", "c=d", "--enforce-eager", "--trust-remote-code"]
+    assert ignored == ["--middleware", "a=b", "c=d", "--enforce-eager", "--trust-remote-code"]
 
 
 @pytest.mark.timeout(60)

@@ -125,6 +125,7 @@ class HashedPrompt:
 
     facts: RequestFacts
     engine_token_ids: Sequence[int] | None = None
+    lora: str | None = None  # the LoRA adapter it runs with: the engines salt its blocks by it
     token_bytes: tuple[int, bytes] | None = field(default=None, repr=False)  # (ids converted, their bytes)
     blocks: dict[tuple[str, int], PromptBlocks | None] = field(default_factory=dict, repr=False)
 

@@ -7,7 +7,7 @@ so when an endpoint's events stop (or never start) its answers take over with wa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from backends.kv_events import KvEventBatch
@@ -16,6 +16,7 @@ from policies.routing.config import PrefixIndexConfig
 from policies.routing.prefix.approximate import ApproximatePrefixIndex
 from policies.routing.prefix.hashing import ENGINE_HASHERS, EngineHasher, HashedPrompt
 from policies.routing.prefix.precise import PrecisePrefixIndex
+from policies.routing.prefix.tiers import TierTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +29,14 @@ class IndexReport:
 
 
 class PrefixIndex:
-    def __init__(self, config: PrefixIndexConfig, *, engine_hashers: Mapping[str, EngineHasher] | None = None) -> None:
+    def __init__(
+        self,
+        config: PrefixIndexConfig,
+        *,
+        engine_hashers: Mapping[str, EngineHasher] | None = None,
+        offload_tokens_of: Callable[[str], int] | None = None,
+    ) -> None:
+        """`offload_tokens_of(pool)`: tokens each replica of the pool keeps below HBM (approximate index)."""
         self.mode = config.mode
         self.approximate: ApproximatePrefixIndex | None = None
         self.precise: PrecisePrefixIndex | None = None
@@ -38,6 +46,7 @@ class PrefixIndex:
                 default_capacity_tokens=config.advanced.default_capacity_tokens,
                 max_capacity_tokens=config.advanced.max_capacity_tokens,
                 max_prefix_tokens=config.advanced.max_prefix_tokens,
+                offload_tokens_of=offload_tokens_of,
             )
         if config.mode == "precise":
             self.precise = PrecisePrefixIndex(
@@ -62,6 +71,18 @@ class PrefixIndex:
         if all(v is not None for v in precise):
             return [v or 0 for v in precise]
         approx = self.approximate.lookup(prompt, endpoints)
+        return [a if p is None else p for p, a in zip(precise, approx, strict=True)]
+
+    def lookup_tiers(self, prompt: HashedPrompt, endpoints: Sequence[Endpoint], now_s: float) -> list[TierTokens]:
+        """Estimated cached prompt tokens on each endpoint (same order), per KV tier."""
+        if self.approximate is None or not endpoints:
+            return [TierTokens()] * len(endpoints)
+        if self.precise is None:
+            return self.approximate.lookup_tiers(prompt, endpoints)
+        precise = self.precise.lookup_tiers(prompt, endpoints, now_s)
+        if all(v is not None for v in precise):
+            return [v or TierTokens() for v in precise]
+        approx = self.approximate.lookup_tiers(prompt, endpoints)
         return [a if p is None else p for p, a in zip(precise, approx, strict=True)]
 
     def record(self, prompt: HashedPrompt, endpoint: Endpoint, now_s: float) -> None:

@@ -14,7 +14,16 @@ until the first request to the endpoint tells its kind):
   any engine whose events carry token ids (vLLM with sha256/CBOR and any `PYTHONHASHSEED`: its events
   carry `token_ids`). A block whose parent was never seen (events lost) gets no token key (an orphan).
   Limits: a salt the engine does not publish in `extra_keys` makes salted prompts miss (never a
-  false hit); LoRA adapters are matched only by event `lora_name` (requests carry none yet).
+  false hit). A request for a LoRA adapter is hashed with it (`HashedPrompt.lora`) as the engine's
+  blocks are: token keys seeded by the adapter as events' `lora_name`, engine keys salted by it.
+
+Tiers. Every key keeps the media that hold it (`_MEDIUM_BITS`: an offloading engine publishes the same
+block again with medium CPU when it copies it to host DRAM, and `BlockRemoved` with that medium when
+it drops it there). `lookup_tiers` splits a match into the leading run in HBM and the run that follows
+in the lower tiers (`tiers.TierTokens`), as vLLM serves it: HBM hits first, then its connector's. A
+stored event without token ids (vLLM's offloading connector publishes hashes only, parent None) keeps
+the token key its hash already maps to. Limit: an offload block size larger than the GPU block size
+(one hash per group of GPU blocks) is not matched.
 
 Between a dispatch and the engine's first event about it, speculative entries (TTL
 `speculative_ttl_s`) stand in, so a burst of same-prefix requests sees the first one's blocks.
@@ -34,6 +43,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
+from backends.block_hash import lora_salt
 from backends.kv_events import (
     RESET_GAP,
     AllBlocksCleared,
@@ -52,6 +62,7 @@ from policies.routing.prefix.hashing import (
     token_bytes,
 )
 from policies.routing.prefix.owners import OwnerMap, SlotMap, leading_matches
+from policies.routing.prefix.tiers import LOWER_TIER_BITS, TierTokens, lower_tier_of
 
 _MEDIUM_BITS = {"GPU": 1, "CPU": 2, "DISK": 4, "STORAGE": 4}
 _OTHER_MEDIUM = 8
@@ -97,6 +108,7 @@ class _EndpointBlocks:
     token_keys: bool = True  # ... and/or under token keys; both until the endpoint's kind is known
     batches: int = 0
     orphans: int = 0
+    lower: int = 0  # keys held in a tier below HBM (lookups split tiers only when some are)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +177,8 @@ class PrecisePrefixIndex:
 
     def _stored(self, st: _EndpointBlocks, event: BlockStored) -> None:
         bs = event.block_size or st.block_tokens or self.default_block_tokens
-        st.block_tokens = bs
+        if event.token_ids:  # offload events (hashes only) may carry the offload tier's block size
+            st.block_tokens = bs
         medium = _medium_bit(event.medium)
         mapping = st.engine_to_key
         keys: list[int] = []  # token keys of the event's blocks, as far as they can be derived
@@ -191,6 +204,8 @@ class PrecisePrefixIndex:
             if engine_hash in mapping:
                 mapping.move_to_end(engine_hash)
             key = keys[i] if i < len(keys) else NO_KEY
+            if key == NO_KEY and not event.token_ids:  # a copy to another medium: hashes only
+                key = mapping.get(engine_hash, NO_KEY)
             mapping[engine_hash] = key
             for k in (engine_hash if st.engine_keys else NO_KEY, key):
                 if k == NO_KEY:
@@ -199,6 +214,8 @@ class PrecisePrefixIndex:
                 present[k] = bits | medium
                 if not bits:
                     owners.add(k, slot_bit)
+                if medium & LOWER_TIER_BITS and not bits & LOWER_TIER_BITS:
+                    st.lower += 1
                 if spec and spec.pop(k, None) is not None:
                     spec_owners.discard(k, slot_bit)
         while len(mapping) > self.max_blocks_per_endpoint:
@@ -212,6 +229,8 @@ class PrecisePrefixIndex:
         bits = st.present.get(key)
         if bits is None:
             return
+        if bits & LOWER_TIER_BITS and not bits & ~medium & LOWER_TIER_BITS:
+            st.lower -= 1
         bits &= ~medium
         if bits:
             st.present[key] = bits
@@ -224,6 +243,7 @@ class PrecisePrefixIndex:
         for key in st.present:
             self._owners.discard(key, bit)
         st.present.clear()
+        st.lower = 0
 
     def _clear_spec(self, st: _EndpointBlocks) -> None:
         bit = 1 << st.slot
@@ -251,7 +271,7 @@ class PrecisePrefixIndex:
         hasher = self.engine_hashers.get(endpoint.engine)
         salt = prompt.facts.cache_salt
         if hasher is None:
-            seed = seed_of("precise", None, salt)
+            seed = seed_of("precise", prompt.lora, salt)  # as events' token keys are seeded (`_stored`)
             return prompt_blocks(
                 prompt, block_tokens, seed, self.max_prefix_tokens, namespace="precise", require_ids=True
             )
@@ -263,14 +283,21 @@ class PrecisePrefixIndex:
                 cache[cache_key] = None
             else:
                 data = prompt_token_bytes(prompt, ids, self.max_prefix_tokens)
-                keys = hasher(data, block_tokens, salt)
+                keys = hasher(data, block_tokens, lora_salt(salt, prompt.lora))  # the engine salts by adapter
                 cache[cache_key] = PromptBlocks(keys, block_tokens, len(ids), exact=True)
         return cache[cache_key]
 
     def lookup(self, prompt: HashedPrompt, endpoints: Sequence[Endpoint], now_s: float) -> list[int | None]:
         """Cached prompt tokens per endpoint (same order); None where precise data is not trustworthy."""
+        return [None if t is None else t.total for t in self.lookup_tiers(prompt, endpoints, now_s)]
+
+    def lookup_tiers(
+        self, prompt: HashedPrompt, endpoints: Sequence[Endpoint], now_s: float
+    ) -> list[TierTokens | None]:
+        """Cached prompt tokens per endpoint and tier (same order); None where precise data is not
+        trustworthy. Speculative entries count as HBM (the engine is computing them there)."""
         self._purge_spec(now_s)
-        out: list[int | None] = [None] * len(endpoints)
+        out: list[TierTokens | None] = [None] * len(endpoints)
         groups: dict[tuple[int, str], list[int]] = {}
         for i, endpoint in enumerate(endpoints):
             self._check_restart(endpoint)
@@ -295,8 +322,32 @@ class PrecisePrefixIndex:
                     bit = 1 << slot
                     while n < len(keys) and (confirmed.get(keys[n], 0) | spec.get(keys[n], 0)) & bit:
                         n += 1
-                out[i] = blocks.cached_tokens(n) if n else 0
+                st = self._by_slot[slot]
+                if not n:
+                    out[i] = TierTokens()
+                elif not st.lower:
+                    out[i] = TierTokens(gpu=blocks.cached_tokens(n))
+                else:
+                    out[i] = self._split_tiers(st, keys, n, blocks)
         return out
+
+    @staticmethod
+    def _split_tiers(st: _EndpointBlocks, keys: Sequence[int], n: int, blocks: PromptBlocks) -> TierTokens:
+        """The leading HBM run of the n matched blocks, then the run held in lower tiers (each block
+        counted in its fastest one); a block in neither ends the match, as it ends the engine's."""
+        present, spec = st.present, st.spec
+        g = 0
+        while g < n and (present.get(keys[g], 0) & 1 or keys[g] in spec):
+            g += 1
+        counts = [g, 0, 0, 0]
+        j = g
+        while j < n:
+            tier = lower_tier_of(present.get(keys[j], 0))
+            if tier < 0:
+                break
+            counts[tier] += 1
+            j += 1
+        return TierTokens.from_blocks(counts, blocks.tokens_per_block, blocks.cached_tokens(j))
 
     def record(self, prompt: HashedPrompt, endpoint: Endpoint, now_s: float) -> None:
         """Dispatched: add speculative entries for the blocks the engine will store, and expect an event."""

@@ -24,7 +24,8 @@ def test_registry_is_read_only() -> None:
 
 
 def test_unknown_kind_names_the_known_ones() -> None:
-    with pytest.raises(KeyError, match=r"sglang.*known: openai, sim, trtllm, vllm, vllm-ascend"):
+    known = "anthropic, azure-openai, bedrock, gemini, openai, sim, trtllm, vllm, vllm-ascend"
+    with pytest.raises(KeyError, match=rf"sglang.*known: {known}"):
         get_adapter("sglang")
 
 

@@ -53,7 +53,7 @@ BASE = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1"]
              '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://[::ffff:127.0.0.1]:5557",'
              '"topic":"kv@p"}',
              "--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat"],
-            {"PYTHONHASHSEED": "42", "VLLM_NO_USAGE_STATS": "1"},
+            {"PYTHONHASHSEED": "42", "VLLM_NO_USAGE_STATS": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
             id="kv-events-and-lora",
         ),
         pytest.param(

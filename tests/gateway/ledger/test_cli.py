@@ -65,14 +65,29 @@ def test_report_table_and_plot(ledger_dir: Path, tmp_path: Path, capsys: pytest.
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_dir_from_gateway_yaml_relative_to_the_file(
-    ledger_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_relative_ledger_dir_is_relative_to_the_working_directory_as_the_gateway_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = tmp_path / "gateway.yaml"
-    relative = ledger_dir.relative_to(tmp_path)
-    config.write_text(yaml.safe_dump({"server": {"port": 8080}, "ledger": {"dir": str(relative)}}))
+    """`make run` (config/gateway.yaml from the repository root) and the Docker image (config in
+    /etc/tokenway, working directory /var/lib/tokenway) write the ledger relative to the working
+    directory; the report, given the same gateway.yaml from the same place, reads it there."""
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "config"
+    conf.mkdir()
+    config = conf / "gateway.yaml"
+    config.write_text(yaml.safe_dump({"server": {"port": 8080}, "ledger": {"dir": "var/usage"}}))
+    from gateway.app.settings import load_settings
+
+    writer = LedgerWriter(load_settings(str(config)).ledger)  # what the gateway does with ledger.dir
+    writer.append(make_record(0, started_at_unix_s=time.time() - 60))
+    writer.close_sync()
+    assert (tmp_path / "var" / "usage").is_dir() and not (conf / "var").exists()
     assert main(["usage", "report", "--config", str(config), "--format", "csv"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("TOTAL")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("TOTAL,,1,")
+    monkeypatch.chdir(conf)  # elsewhere: the message says where it looked and by which rule
+    assert main(["usage", "report", "--config", "gateway.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert f"no ledger directory var/usage ({conf / 'var' / 'usage'}" in err and "working directory" in err
     config.write_text(yaml.safe_dump({"ledger": {"commit_interval_ms": "soon"}}))
     assert main(["usage", "report", "--config", str(config)]) == 2
     assert "commit_interval_ms" in capsys.readouterr().err

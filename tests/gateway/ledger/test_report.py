@@ -132,3 +132,19 @@ def test_percentiles_stay_within_one_percent_past_the_exact_range() -> None:
     metrics = report.total.metrics()
     assert metrics["ttft_p50_ms"] == pytest.approx(percentile(exact, 0.5) * 1000, rel=0.01)  # type: ignore[operator]
     assert metrics["ttft_p90_ms"] == pytest.approx(percentile(exact, 0.9) * 1000, rel=0.01)  # type: ignore[operator]
+
+
+def test_cache_writes_and_what_caching_saved_are_summed_per_group() -> None:
+    """Hosted providers' cache writes and the saving travel through the ledger line into the report;
+    a line without them (a self-hosted engine's, an older writer's) counts zero."""
+    wrote = make_record(1, pool="claude", cache_write_tokens=900, cache_write_1h_tokens=100, cache_saved_usd=-0.001)
+    read = make_record(2, pool="claude", cached_tokens=1000, cache_saved_usd=0.0027)
+    plain = make_record(3, pool="owned")
+    entries = [codec.decode(codec.encode(r)) for r in (wrote, read, plain)]
+    assert "cache_saved_usd" not in entries[2] and entries[0]["cache_write_1h_input_tokens"] == 100
+    report = build_report(entries, ["pool"])
+    rows = {r["pool"]: r for r in report.rows()}
+    assert rows["claude"]["cache_write_input_tokens"] == 1000
+    assert rows["claude"]["cache_saved_usd"] == pytest.approx(0.0017)
+    assert rows["owned"]["cache_write_input_tokens"] == 0 and rows["owned"]["cache_saved_usd"] == 0.0
+    assert "cache_saved_usd" in METRIC_COLUMNS

@@ -166,7 +166,11 @@ def test_request_counts_outcomes_and_tokens() -> None:
     assert value(s, "tokenway_admission_total", outcome="shed", reason="queue_full") == 1
     assert value(s, "tokenway_fallbacks_total", from_model="llama-3.1-70b", to_model="llama-3.1-8b") == 1
     assert value(s, "tokenway_tokens_total", tenant="acme", token_type="input") == 1200 * 3 + 1200  # + shed one
-    assert value(s, "tokenway_tokens_total", tenant="globex", token_type="cached_input") == 800
+    assert value(s, "tokenway_cached_input_tokens_total", tenant="globex") == 800
+    types = {dict(ls)["token_type"] for n, ls in s if n == "tokenway_tokens_total"}
+    assert types == {"input", "output"}  # summing over token_type counts each token once
+    semconv = {dict(ls)["gen_ai_token_type"] for n, ls in s if "gen_ai_token_type" in dict(ls)}
+    assert semconv == {"input", "output"}  # the values OpenTelemetry's GenAI conventions define
     assert value(s, "tokenway_tokens_total", token_type="output") == 300 * 5
     # GenAI histograms only for requests that reached an engine, tokens only with known usage
     assert value(s, "gen_ai_client_token_usage_count", gen_ai_token_type="input") == 4

@@ -17,7 +17,7 @@ from tests.policies.limits.redis_proc import RedisProcess
 AdmissionFactory = Callable[[Policy], Admission]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 async def make_admission(request: pytest.FixtureRequest) -> AsyncIterator[AdmissionFactory]:
     """`make_admission(policy)` -> an Admission over a fresh memory store or a Redis under a unique prefix."""
     made: list[Admission] = []

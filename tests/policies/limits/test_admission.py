@@ -164,11 +164,35 @@ async def test_budget_spends_real_usage_and_refuses_the_request_that_would_cross
     admitted(await adm.admit(facts(who, prompt_tokens=1000, max_tokens=1000, model="big"), "small", now=T0))
 
 
+async def test_a_budget_under_a_cent_is_printed_exactly_and_its_429_says_when_it_resets(
+    make_admission: AdmissionFactory,
+) -> None:
+    # big: $10 / M input, $30 / M output; half a cent a day: 100 + 100 tokens ($0.004) fit once
+    p = policy(budgets=[{"scope": "key", "usd_per_day": 0.005}])
+    adm = make_admission(p)
+    who = principal(p)
+    admitted(await adm.admit(facts(who, prompt_tokens=100, max_tokens=100), "big", now=T0))
+    no = rejected(await adm.admit(facts(who, prompt_tokens=100, max_tokens=100), "big", now=T0))
+    assert "is $0.005," in no.message and "$0.004 is spent" in no.message and "$0.00," not in no.message
+    reset_s = 86_400 - T0 % 86_400  # to the next UTC midnight
+    assert header(no.headers, "x-ratelimit-reset-usd") == "10h13m20s" and reset_s == 36_800
+    assert header(no.headers, "retry-after") == "36800" and header(no.headers, "retry-after-ms") == "36800000"
+    assert header(no.headers, "x-should-retry") == "false"  # a wait of hours: clients must not sleep on it
+    assert header(no.headers, "x-ratelimit-limit-usd") == "0.005"
+    assert header(no.headers, "x-ratelimit-remaining-usd") == "0.001"
+    near_midnight = T0 + reset_s - 30  # a wait of half a minute: retried after it, when the budget is new
+    late = rejected(await adm.admit(facts(who, prompt_tokens=100, max_tokens=100), "big", now=near_midnight))
+    assert header(late.headers, "retry-after") == "30" and header(late.headers, "x-should-retry") is None
+
+
 async def test_monthly_budget_and_a_request_costlier_than_the_budget(make_admission: AdmissionFactory) -> None:
     p = policy(budgets=[{"scope": "key", "usd_per_month": 0.01}])
     adm = make_admission(p)
     no = rejected(await adm.admit(facts(principal(p), prompt_tokens=1000, max_tokens=1000), "big", now=T0))
     assert no.code == "insufficient_quota" and "monthly budget" in no.message
+    # costlier than the whole budget: waiting cannot help, so no retry-after, only when it resets
+    assert header(no.headers, "retry-after") is None and header(no.headers, "x-should-retry") == "false"
+    assert header(no.headers, "x-ratelimit-reset-usd") is not None
 
 
 async def test_shadow_limits_count_and_report_but_never_reject(make_admission: AdmissionFactory) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.limits.rejections import go_duration, ratelimit_headers, retry_headers
+from policies.limits.rejections import go_duration, ratelimit_headers, retry_headers, usd
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,12 @@ def test_retry_headers_round_up_and_stop_auto_retry_past_a_minute() -> None:
     assert retry_headers(0.2) == [("retry-after", "1"), ("retry-after-ms", "200")]
     assert retry_headers(1.0001) == [("retry-after", "2"), ("retry-after-ms", "1001")]
     assert ("x-should-retry", "false") in retry_headers(61)
+
+
+@pytest.mark.parametrize(
+    ("amount", "text"),
+    [(5.0, "5.00"), (0.05, "0.05"), (0.005, "0.005"), (0.000123, "0.000123"), (1.23456789, "1.234568"),
+     (0.0, "0.00"), (4e-8, "4e-08"), (12.5, "12.50")],
+)  # fmt: skip
+def test_dollars_keep_the_digits_a_small_budget_needs(amount: float, text: str) -> None:
+    assert usd(amount) == text

@@ -1,0 +1,3 @@
+from bench.kv_tiers.run import main
+
+main()

@@ -1,0 +1,3 @@
+from bench.lora.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from bench.spillover.run import main
+
+main()
