@@ -61,6 +61,7 @@ from backends.hosted.base import (
     Untranslatable,
     UpstreamCall,
 )
+from backends.hosted.chat_in import Refusals, header
 from backends.protocols.sse import split_event
 
 DEFAULT_VERSION = "2023-06-01"
@@ -104,24 +105,11 @@ _HANDLED = {
 _IGNORED = {"stream_options", "prompt_cache_key", "metadata"}
 
 
-class _Refusals:
-    """Collects fields with no counterpart: raise at the first, or list them all when dropping is allowed."""
-
-    def __init__(self, allow_drop: bool) -> None:
-        self.allow_drop = allow_drop
-        self.dropped: list[str] = []
-
-    def refuse(self, param: str, why: str) -> None:
-        if not self.allow_drop:
-            raise Untranslatable(f"{param}: {why}", param)
-        self.dropped.append(param)
-
-
 def _image_block(url: str) -> dict[str, Any]:
     if url.startswith("data:"):
-        header, _, data = url.partition(",")
-        media_type = header[5:].split(";")[0] or "image/png"
-        if ";base64" not in header:
+        prefix, _, data = url.partition(",")
+        media_type = prefix[5:].split(";")[0] or "image/png"
+        if ";base64" not in prefix:
             raise Untranslatable("image data URLs must be base64", "image_url")
         return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
     return {"type": "image", "source": {"type": "url", "url": url}}
@@ -133,7 +121,7 @@ def _with_cache(block: dict[str, Any], part: Mapping[str, Any]) -> dict[str, Any
     return block
 
 
-def _content_blocks(content: Any, where: str, refusals: _Refusals, images: bool = True) -> list[dict[str, Any]]:
+def _content_blocks(content: Any, where: str, refusals: Refusals, images: bool = True) -> list[dict[str, Any]]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -161,7 +149,7 @@ def _content_blocks(content: Any, where: str, refusals: _Refusals, images: bool 
     return blocks
 
 
-def _tool_result(message: Mapping[str, Any], where: str, refusals: _Refusals) -> dict[str, Any]:
+def _tool_result(message: Mapping[str, Any], where: str, refusals: Refusals) -> dict[str, Any]:
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str):
         raise Untranslatable(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
@@ -194,7 +182,7 @@ def _tool_use(call: Any, where: str) -> dict[str, Any]:
     return {"type": "tool_use", "id": str(call.get("id") or ""), "name": function["name"], "input": parsed}
 
 
-def _messages(chat: Mapping[str, Any], refusals: _Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _messages(chat: Mapping[str, Any], refusals: Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     messages = chat.get("messages")
     if not isinstance(messages, list) or not messages:
         raise Untranslatable("messages must be a non-empty array", "messages")
@@ -242,7 +230,7 @@ def _messages(chat: Mapping[str, Any], refusals: _Refusals) -> tuple[list[dict[s
     return system, turns
 
 
-def _tools(chat: Mapping[str, Any], refusals: _Refusals) -> list[dict[str, Any]] | None:
+def _tools(chat: Mapping[str, Any], refusals: Refusals) -> list[dict[str, Any]] | None:
     tools = chat.get("tools")
     if tools is None:
         return None
@@ -291,7 +279,7 @@ def _tool_choice(chat: Mapping[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def _refuse_fields(chat: Mapping[str, Any], refusals: _Refusals, version: str) -> None:
+def _refuse_fields(chat: Mapping[str, Any], refusals: Refusals, version: str) -> None:
     for name in chat:
         if name not in _HANDLED and name not in _IGNORED:
             refusals.refuse(name, "not a field the Anthropic codec translates")
@@ -319,7 +307,7 @@ def _refuse_fields(chat: Mapping[str, Any], refusals: _Refusals, version: str) -
         refusals.refuse("top_p", "Anthropic API 2026-10-21 takes no sampling parameters")
 
 
-def _reasoning(chat: Mapping[str, Any], max_tokens: int, refusals: _Refusals) -> dict[str, Any] | None:
+def _reasoning(chat: Mapping[str, Any], max_tokens: int, refusals: Refusals) -> dict[str, Any] | None:
     effort = chat.get("reasoning_effort")
     if effort is None or effort in NO_THINKING:
         return None
@@ -334,7 +322,7 @@ def _reasoning(chat: Mapping[str, Any], max_tokens: int, refusals: _Refusals) ->
 
 def messages_body(chat: Mapping[str, Any], target: ProviderTarget) -> tuple[dict[str, Any], list[str]]:
     """The Messages request body for a chat body, and the fields dropped (only when the target allows)."""
-    refusals = _Refusals(target.allow_drop)
+    refusals = Refusals(target.allow_drop)
     version = target.api_version or DEFAULT_VERSION
     _refuse_fields(chat, refusals, version)
     system, turns = _messages(chat, refusals)
@@ -540,15 +528,8 @@ def _error_from(
     return ProviderError(status=status, kind=kind, message=message, retryable=retryable, retry_after_s=retry_after)
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        value = next((v for k, v in headers.items() if k.lower() == name), None)
-    return value
-
-
 def _retry_after(headers: Mapping[str, str]) -> float | None:
-    value = _header(headers, "retry-after")
+    value = header(headers, "retry-after")
     try:
         return float(value) if value is not None else None
     except ValueError:
@@ -637,13 +618,13 @@ class AnthropicCodec:
         the latest reset among exhausted limits (all must reset before a call fits), else the soonest.
         """
         state = RateLimitState(
-            requests_remaining=_int(_header(headers, "anthropic-ratelimit-requests-remaining")),
-            tokens_remaining=_int(_header(headers, "anthropic-ratelimit-tokens-remaining")),
-            input_tokens_remaining=_int(_header(headers, "anthropic-ratelimit-input-tokens-remaining")),
-            output_tokens_remaining=_int(_header(headers, "anthropic-ratelimit-output-tokens-remaining")),
+            requests_remaining=_int(header(headers, "anthropic-ratelimit-requests-remaining")),
+            tokens_remaining=_int(header(headers, "anthropic-ratelimit-tokens-remaining")),
+            input_tokens_remaining=_int(header(headers, "anthropic-ratelimit-input-tokens-remaining")),
+            output_tokens_remaining=_int(header(headers, "anthropic-ratelimit-output-tokens-remaining")),
         )
         now: datetime.datetime | None = None
-        date = _header(headers, "date")
+        date = header(headers, "date")
         if date:
             try:
                 now = email.utils.parsedate_to_datetime(date)

@@ -39,6 +39,7 @@ from backends.hosted.base import (
     Untranslatable,
     UpstreamCall,
 )
+from backends.hosted.chat_in import header
 from backends.protocols.anthropic import duration_s
 from backends.protocols.sse import split_event
 
@@ -177,13 +178,6 @@ def _error_from(status: int, error: Mapping[str, Any], retry_after: float | None
     return ProviderError(status=status, kind=kind, message=message, retryable=retryable, retry_after_s=retry_after)
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    value = headers.get(name)
-    if value is None:
-        value = next((v for k, v in headers.items() if k.lower() == name), None)
-    return value
-
-
 def _number(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
@@ -192,10 +186,10 @@ def _number(value: str | None) -> float | None:
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
-    ms = _number(_header(headers, "retry-after-ms"))
+    ms = _number(header(headers, "retry-after-ms"))
     if ms is not None:
         return ms / 1000
-    return _number(_header(headers, "retry-after"))
+    return _number(header(headers, "retry-after"))
 
 
 class AzureOpenAICodec:
@@ -235,8 +229,8 @@ class AzureOpenAICodec:
         `reset_s` is the retry delay when sent, else the latest reset among exhausted limits, else the soonest.
         """
         state = RateLimitState()
-        remaining_requests = _number(_header(headers, "x-ratelimit-remaining-requests"))
-        remaining_tokens = _number(_header(headers, "x-ratelimit-remaining-tokens"))
+        remaining_requests = _number(header(headers, "x-ratelimit-remaining-requests"))
+        remaining_tokens = _number(header(headers, "x-ratelimit-remaining-tokens"))
         state.requests_remaining = int(remaining_requests) if remaining_requests is not None else None
         state.tokens_remaining = int(remaining_tokens) if remaining_tokens is not None else None
         resets: dict[str, float] = {}

@@ -55,6 +55,16 @@ from backends.hosted.base import (
     Untranslatable,
     UpstreamCall,
 )
+from backends.hosted.chat_in import (
+    Refusals,
+    Turns,
+    content_parts,
+    image_url,
+    pack_signed_id,
+    tool_arguments,
+    tool_function,
+    unpack_signed_id,
+)
 from backends.hosted.eventstream import EventMessage, EventStreamDecoder, EventStreamError
 from backends.protocols.errors import ProtocolError
 
@@ -133,20 +143,6 @@ _KNOWN = {
 }
 
 
-class _Refusals:
-    """Refuse a field (400 naming it) or, when the target allows dropping, list it."""
-
-    def __init__(self, allow_drop: bool) -> None:
-        self.allow_drop = allow_drop
-        self.dropped: list[str] = []
-
-    def refuse(self, param: str, why: str) -> None:
-        if self.allow_drop:
-            self.dropped.append(param)
-            return
-        raise Untranslatable(f"{param}: {why} (Bedrock Converse has no counterpart)", param)
-
-
 def _cache_point(marker: Any, where: str) -> dict[str, Any]:
     if not isinstance(marker, Mapping) or marker.get("type", "ephemeral") != "ephemeral":
         raise ProtocolError(f"{where}.cache_control must be {{'type': 'ephemeral'}}", f"{where}.cache_control")
@@ -159,7 +155,7 @@ def _cache_point(marker: Any, where: str) -> dict[str, Any]:
     return {"cachePoint": point}
 
 
-def _image_block(url: Any, where: str, refusals: _Refusals) -> dict[str, Any] | None:
+def _image_block(url: Any, where: str, refusals: Refusals) -> dict[str, Any] | None:
     if not isinstance(url, str):
         raise ProtocolError(f"{where}.image_url.url must be a string", f"{where}.image_url.url")
     if url.startswith("s3://"):
@@ -198,7 +194,7 @@ _DOCUMENT_FORMATS = {
 _DOCUMENT_NAME = re.compile(r"[^A-Za-z0-9\-()\[\] ]+")
 
 
-def _document_block(file: Any, where: str, refusals: _Refusals) -> dict[str, Any] | None:
+def _document_block(file: Any, where: str, refusals: Refusals) -> dict[str, Any] | None:
     """Chat's inline `file` part (a data URL) → a `document` block; an uploaded `file_id` is refused."""
     data = file.get("file_data") if isinstance(file, Mapping) else None
     if not isinstance(data, str):
@@ -214,77 +210,33 @@ def _document_block(file: Any, where: str, refusals: _Refusals) -> dict[str, Any
     return {"document": {"format": document_format, "name": name, "source": {"bytes": match["data"].strip()}}}
 
 
-def _content_blocks(content: Any, where: str, refusals: _Refusals, *, images: bool = True) -> list[dict[str, Any]]:
-    """A chat message's content as Converse blocks (text, image, cachePoint)."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"text": content}] if content else []
-    if not isinstance(content, list):
-        raise ProtocolError(f"{where}.content must be a string or an array of parts", f"{where}.content")
-    blocks: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, Mapping):
-            raise ProtocolError(f"{at} must be an object", at)
-        kind = part.get("type")
-        if kind in ("text", "refusal"):
-            text = part.get(kind)
-            if not isinstance(text, str):
-                raise ProtocolError(f"{at}.{kind} must be a string", f"{at}.{kind}")
-            if text:
-                blocks.append({"text": text})
-        elif kind == "image_url" and images:
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, Mapping) else image
-            block = _image_block(url, at, refusals)
-            if block is not None:
-                blocks.append(block)
+def _content_blocks(content: Any, where: str, refusals: Refusals, *, images: bool = True) -> list[dict[str, Any]]:
+    """A chat message's content as Converse blocks (text, image, document, cachePoint)."""
+
+    def convert(kind: Any, part: Mapping[str, Any], at: str) -> list[dict[str, Any]] | None:
+        if kind == "image_url" and images:
+            block = _image_block(image_url(part), at, refusals)
         elif kind == "file" and images:
             block = _document_block(part.get("file"), at, refusals)
-            if block is not None:
-                blocks.append(block)
         else:
-            refusals.refuse(f"{at}.type", f"content part type {kind!r} is not supported here")
-            continue
-        if part.get("cache_control") is not None and blocks:
-            blocks.append(_cache_point(part["cache_control"], at))
-    return blocks
+            return None
+        return [block] if block is not None else []
+
+    return content_parts(content, where, refusals, convert, cache_marker=_cache_point)
 
 
-def _tool_result_blocks(content: Any, where: str, refusals: _Refusals) -> list[dict[str, Any]]:
+def _tool_result_blocks(content: Any, where: str, refusals: Refusals) -> list[dict[str, Any]]:
     blocks = [b for b in _content_blocks(content, where, refusals) if "cachePoint" not in b]
     return blocks or [{"text": ""}]
 
 
-def _parse_arguments(arguments: Any, where: str) -> Any:
-    if isinstance(arguments, Mapping):
-        return dict(arguments)
-    if not isinstance(arguments, str):
-        raise ProtocolError(f"{where}.function.arguments must be a JSON string", f"{where}.function.arguments")
-    if not arguments.strip():
-        return {}
-    try:
-        return orjson.loads(arguments)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"{where}.function.arguments is not valid JSON", f"{where}.function.arguments") from exc
-
-
-def _messages(chat_messages: Any, refusals: _Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
+def _messages(chat_messages: Any, refusals: Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
     """(system blocks, Converse messages, whether any turn holds tool blocks)."""
     if not isinstance(chat_messages, list) or not chat_messages:
         raise ProtocolError("messages must be a non-empty array", "messages")
     system: list[dict[str, Any]] = []
-    turns: list[dict[str, Any]] = []
+    turns = Turns("content")
     uses_tools = False
-
-    def add(role: str, blocks: list[dict[str, Any]]) -> None:
-        if not blocks:
-            return
-        if turns and turns[-1]["role"] == role:
-            turns[-1]["content"].extend(blocks)
-        else:
-            turns.append({"role": role, "content": blocks})
 
     for i, message in enumerate(chat_messages):
         where = f"messages[{i}]"
@@ -304,9 +256,7 @@ def _messages(chat_messages: Any, refusals: _Refusals) -> tuple[list[dict[str, A
             signature = None
             for k, call in enumerate(message.get("tool_calls") or []):
                 at = f"{where}.tool_calls[{k}]"
-                function = call.get("function") if isinstance(call, Mapping) else None
-                if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-                    raise ProtocolError(f"{at}.function.name must be a string", f"{at}.function.name")
+                function = tool_function(call, at)
                 if not isinstance(call.get("id"), str):
                     raise ProtocolError(f"{at}.id must be a string", f"{at}.id")
                 call_id, carried = unpack_call_id(call["id"])
@@ -316,7 +266,7 @@ def _messages(chat_messages: Any, refusals: _Refusals) -> tuple[list[dict[str, A
                         "toolUse": {
                             "toolUseId": call_id,
                             "name": function["name"],
-                            "input": _parse_arguments(function.get("arguments"), at),
+                            "input": tool_arguments(function.get("arguments"), at),
                         }
                     }
                 )
@@ -341,13 +291,13 @@ def _messages(chat_messages: Any, refusals: _Refusals) -> tuple[list[dict[str, A
             raise ProtocolError(f"{where}.role {role!r} is not supported", f"{where}.role")
         if message.get("cache_control") is not None and blocks:
             blocks.append(_cache_point(message["cache_control"], where))
-        add(str(role), blocks)
-    if not turns:
+        turns.add(str(role), blocks)
+    if not turns.turns:
         raise ProtocolError("messages holds no user or assistant content", "messages")
-    return system, turns, uses_tools
+    return system, turns.turns, uses_tools
 
 
-def _tools(chat: Mapping[str, Any], uses_tools: bool, refusals: _Refusals) -> dict[str, Any] | None:
+def _tools(chat: Mapping[str, Any], uses_tools: bool, refusals: Refusals) -> dict[str, Any] | None:
     tools = chat.get("tools")
     choice = chat.get("tool_choice")
     if not tools:
@@ -417,30 +367,14 @@ _SIGNED = "bts-"
 
 
 def pack_call_id(call_id: str, signature: str | None) -> str:
-    """A tool call id that carries the turn's thinking signature through the client and back.
-
-    With thinking on, Claude wants a tool loop's assistant turn back starting with the thinking
-    block it signed; chat has no field for the signature, but clients echo tool call ids verbatim
-    (and some echo `reasoning_content`, the block's text). The first call's id becomes
-    `bts-{len(id)}-{id}{signature}`, the signature in URL-safe base64 without padding, so the id
-    keeps to `[A-Za-z0-9_-]` when the call's own id does.
-    """
-    if not signature:
-        return call_id
-    compact = signature.replace("+", "-").replace("/", "_").rstrip("=")
-    return f"{_SIGNED}{len(call_id)}-{call_id}{compact}"
+    """The first call's id of a tool loop's assistant turn carries the turn's thinking signature: Claude
+    with thinking on wants that turn back starting with the thinking block it signed."""
+    return pack_signed_id(call_id, signature, _SIGNED)
 
 
 def unpack_call_id(value: str) -> tuple[str, str | None]:
-    """(the call's own id, the signature in standard base64, or None) of a `pack_call_id` id."""
-    if not value.startswith(_SIGNED):
-        return value, None
-    length, sep, rest = value[len(_SIGNED) :].partition("-")
-    if not sep or not length.isdigit() or int(length) >= len(rest):
-        return value, None
-    size = int(length)
-    signature = rest[size:].replace("-", "+").replace("_", "/")
-    return rest[:size], signature + "=" * (-len(signature) % 4)
+    """(the call's own id, the thinking signature or None)"""
+    return unpack_signed_id(value, _SIGNED)
 
 
 def _is_anthropic(model: str) -> bool:
@@ -458,7 +392,7 @@ class BedrockCodec:
     name = "bedrock"
 
     def request(self, chat: Mapping[str, Any], target: ProviderTarget) -> UpstreamCall:
-        refusals = _Refusals(target.allow_drop)
+        refusals = Refusals(target.allow_drop, "Bedrock Converse")
         for key in chat:
             if key not in _KNOWN:
                 refusals.refuse(key, "unknown field")

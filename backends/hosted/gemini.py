@@ -57,8 +57,17 @@ from backends.hosted.base import (
     ProviderTarget,
     ProviderUsage,
     RateLimitState,
-    Untranslatable,
     UpstreamCall,
+)
+from backends.hosted.chat_in import (
+    Refusals,
+    Turns,
+    content_parts,
+    image_url,
+    pack_signed_id,
+    tool_arguments,
+    tool_function,
+    unpack_signed_id,
 )
 from backends.protocols.errors import ProtocolError
 
@@ -167,18 +176,6 @@ class VertexToken:
         return {"authorization": f"Bearer {token}"}
 
 
-class _Refusals:
-    def __init__(self, allow_drop: bool) -> None:
-        self.allow_drop = allow_drop
-        self.dropped: list[str] = []
-
-    def refuse(self, param: str, why: str) -> None:
-        if self.allow_drop:
-            self.dropped.append(param)
-            return
-        raise Untranslatable(f"{param}: {why} (Gemini has no counterpart)", param)
-
-
 def is_vertex(model: str) -> bool:
     return model.startswith("projects/")
 
@@ -194,7 +191,7 @@ def base_url(model: str) -> str:
     return f"https://{location}-aiplatform.googleapis.com"
 
 
-def _image_part(url: Any, where: str, vertex: bool, refusals: _Refusals) -> dict[str, Any] | None:
+def _image_part(url: Any, where: str, vertex: bool, refusals: Refusals) -> dict[str, Any] | None:
     if not isinstance(url, str):
         raise ProtocolError(f"{where}.image_url.url must be a string", f"{where}.image_url.url")
     match = _DATA_URL.match(url)
@@ -208,40 +205,21 @@ def _image_part(url: Any, where: str, vertex: bool, refusals: _Refusals) -> dict
     return None
 
 
-def _parts(content: Any, where: str, vertex: bool, refusals: _Refusals, *, images: bool = True) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"text": content}] if content else []
-    if not isinstance(content, list):
-        raise ProtocolError(f"{where}.content must be a string or an array of parts", f"{where}.content")
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if not isinstance(part, Mapping):
-            raise ProtocolError(f"{at} must be an object", at)
-        kind = part.get("type")
-        if kind in ("text", "refusal"):
-            text = part.get(kind)
-            if not isinstance(text, str):
-                raise ProtocolError(f"{at}.{kind} must be a string", f"{at}.{kind}")
-            if text:
-                parts.append({"text": text})
-        elif kind == "image_url" and images:
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, Mapping) else image
-            converted = _image_part(url, at, vertex, refusals)
-            if converted is not None:
-                parts.append(converted)
-        elif kind == "input_audio" and images:
-            parts.append(_audio_part(part.get("input_audio"), at))
-        elif kind == "file" and images:
+def _parts(content: Any, where: str, vertex: bool, refusals: Refusals, *, images: bool = True) -> list[dict[str, Any]]:
+    def convert(kind: Any, part: Mapping[str, Any], at: str) -> list[dict[str, Any]] | None:
+        if not images:
+            return None
+        if kind == "image_url":
+            converted = _image_part(image_url(part), at, vertex, refusals)
+        elif kind == "input_audio":
+            converted = _audio_part(part.get("input_audio"), at)
+        elif kind == "file":
             converted = _file_part(part.get("file"), at, refusals)
-            if converted is not None:
-                parts.append(converted)
         else:
-            refusals.refuse(f"{at}.type", f"content part type {kind!r} is not supported here")
-    return parts
+            return None
+        return [converted] if converted is not None else []
+
+    return content_parts(content, where, refusals, convert)
 
 
 def _audio_part(audio: Any, where: str) -> dict[str, Any]:
@@ -253,7 +231,7 @@ def _audio_part(audio: Any, where: str) -> dict[str, Any]:
     return {"inlineData": {"mimeType": mime, "data": audio["data"]}}
 
 
-def _file_part(file: Any, where: str, refusals: _Refusals) -> dict[str, Any] | None:
+def _file_part(file: Any, where: str, refusals: Refusals) -> dict[str, Any] | None:
     """Chat's `file` part: inline `file_data` (a data URL) → `inlineData` (PDFs and the like); an
     uploaded `file_id` names a file in another provider's store: refused."""
     data = file.get("file_data") if isinstance(file, Mapping) else None
@@ -269,22 +247,13 @@ def _file_part(file: Any, where: str, refusals: _Refusals) -> dict[str, Any] | N
 
 
 def _arguments(arguments: Any, where: str) -> dict[str, Any]:
-    if isinstance(arguments, Mapping):
-        return dict(arguments)
-    if not isinstance(arguments, str):
-        raise ProtocolError(f"{where}.function.arguments must be a JSON string", f"{where}.function.arguments")
-    if not arguments.strip():
-        return {}
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError(f"{where}.function.arguments is not valid JSON", f"{where}.function.arguments") from exc
+    value = tool_arguments(arguments, where)
     if not isinstance(value, dict):
         raise ProtocolError(f"{where}.function.arguments must be a JSON object", f"{where}.function.arguments")
     return value
 
 
-def _tool_response(content: Any, where: str, refusals: _Refusals) -> dict[str, Any]:
+def _tool_response(content: Any, where: str, refusals: Refusals) -> dict[str, Any]:
     if isinstance(content, list):
         texts = [p.get("text") for p in _parts(content, where, False, refusals, images=False) if "text" in p]
         content = "".join(str(t) for t in texts)
@@ -301,21 +270,14 @@ def _tool_response(content: Any, where: str, refusals: _Refusals) -> dict[str, A
     raise ProtocolError(f"{where}.content must be a string or an array of text parts", f"{where}.content")
 
 
-def _contents(messages: Any, vertex: bool, refusals: _Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _contents(messages: Any, vertex: bool, refusals: Refusals) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(system instruction parts, contents)."""
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty array", "messages")
     system: list[dict[str, Any]] = []
-    contents: list[dict[str, Any]] = []
+    turns = Turns("parts")
+    add = turns.add
     names: dict[str, str] = {}  # tool call id → function name
-
-    def add(role: str, parts: list[dict[str, Any]]) -> None:
-        if not parts:
-            return
-        if contents and contents[-1]["role"] == role:
-            contents[-1]["parts"].extend(parts)
-        else:
-            contents.append({"role": role, "parts": parts})
 
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -330,9 +292,7 @@ def _contents(messages: Any, vertex: bool, refusals: _Refusals) -> tuple[list[di
             parts = _parts(message.get("content"), where, vertex, refusals, images=False)
             for k, call in enumerate(message.get("tool_calls") or []):
                 at = f"{where}.tool_calls[{k}]"
-                function = call.get("function") if isinstance(call, Mapping) else None
-                if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-                    raise ProtocolError(f"{at}.function.name must be a string", f"{at}.function.name")
+                function = tool_function(call, at)
                 functioncall: dict[str, Any] = {
                     "name": function["name"],
                     "args": _arguments(function.get("arguments"), at),
@@ -366,12 +326,12 @@ def _contents(messages: Any, vertex: bool, refusals: _Refusals) -> tuple[list[di
             add("user", [{"functionResponse": response}])
         else:
             raise ProtocolError(f"{where}.role {role!r} is not supported", f"{where}.role")
-    if not contents:
+    if not turns.turns:
         raise ProtocolError("messages holds no user or assistant content", "messages")
-    return system, contents
+    return system, turns.turns
 
 
-def _tools(chat: Mapping[str, Any], refusals: _Refusals) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def _tools(chat: Mapping[str, Any], refusals: Refusals) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     tools = chat.get("tools")
     choice = chat.get("tool_choice")
     if not tools:
@@ -434,7 +394,7 @@ class GeminiCodec:
         return f"/{version}/{resource}:{method}"
 
     def request(self, chat: Mapping[str, Any], target: ProviderTarget) -> UpstreamCall:
-        refusals = _Refusals(target.allow_drop)
+        refusals = Refusals(target.allow_drop, "Gemini")
         for key in chat:
             if key not in _KNOWN:
                 refusals.refuse(key, "unknown field")
@@ -650,30 +610,13 @@ _SIGNED = "gts-"
 
 
 def pack_call_id(call_id: str, signature: str | None) -> str:
-    """A tool call id that carries the call's `thoughtSignature` back to Gemini through the client.
-
-    Thinking models sign their function calls and want the signature returned with the call in the
-    next turn (Gemini 3 refuses a call without it); chat has no field for it, but every client echoes
-    a tool call's id verbatim. The id becomes `gts-{len(id)}-{id}{signature}` with the signature in
-    URL-safe base64 without padding, so it stays within `[A-Za-z0-9_-]` (Anthropic's tool id rule)
-    when the call's own id does.
-    """
-    if not signature:
-        return call_id
-    compact = signature.replace("+", "-").replace("/", "_").rstrip("=")
-    return f"{_SIGNED}{len(call_id)}-{call_id}{compact}"
+    """A call's id carries its `thoughtSignature`: Gemini 3 refuses a function call returned without it."""
+    return pack_signed_id(call_id, signature, _SIGNED)
 
 
 def unpack_call_id(value: str) -> tuple[str, str | None]:
-    """(the call's own id, its thoughtSignature in standard base64, or None) of a `pack_call_id` id."""
-    if not value.startswith(_SIGNED):
-        return value, None
-    length, sep, rest = value[len(_SIGNED) :].partition("-")
-    if not sep or not length.isdigit() or int(length) >= len(rest):
-        return value, None
-    size = int(length)
-    signature = rest[size:].replace("-", "+").replace("_", "/")
-    return rest[:size], signature + "=" * (-len(signature) % 4)
+    """(the call's own id, its thoughtSignature or None)"""
+    return unpack_signed_id(value, _SIGNED)
 
 
 def _tool_call(call: Mapping[str, Any], candidate: int, position: int, signature: str | None = None) -> dict[str, Any]:
