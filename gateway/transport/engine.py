@@ -150,6 +150,19 @@ class EngineTransport:
                 raise NotSent(exc.message, fault="request", error=UpstreamError(exc.message)) from None
             raise NotSent(exc.message, fault="endpoint") from None
 
+    def _lost_adapter(self, ctx: RequestContext, endpoint: Endpoint, status: int) -> None:
+        """An engine that restarted (or unloaded an adapter under its own rules) answers 404 for an adapter
+        the gateway registered there: forget what the endpoint held and try again, so the next send loads
+        it, instead of answering the client a 404 for a model the policy serves."""
+        if status != 404:
+            return
+        adapter = self.fleet.adapter(ctx.model)
+        if adapter is None or not self.lora.registered(endpoint, adapter.name):
+            return
+        self.lora.forget(endpoint.id)
+        log.warning("endpoint %s no longer holds the adapter %s: loading it again", endpoint.id, adapter.name)
+        raise NotSent(f"the adapter {adapter.name} was no longer loaded on {endpoint.id}", fault="endpoint")
+
     def _not_sent(self, ctx: RequestContext, endpoint: Endpoint, watch: CallWatch, exc: RetryableUpstream) -> NotSent:
         """What a failure before the first byte says, and whose it is."""
         fault = engine_fault(exc.status, exc.body) if exc.status else "endpoint"
@@ -226,6 +239,7 @@ class EngineTransport:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - ctx.arrived_s)
                         ctx.trace.event("first_token", at_unix_s=at)
             except UpstreamRejected as exc:
+                self._lost_adapter(ctx, endpoint, exc.status)  # raises NotSent: retried, the adapter loaded again
                 self.report_success(endpoint)
                 if self.metrics is not None:
                     self.metrics.observe_upstream_error(endpoint.id, f"http_{exc.status}")

@@ -93,3 +93,14 @@ def test_adapters_route_load_and_return_to_their_replica(sim_factory: Any, gatew
 
     refused = _ask(gateway.base_url, "t2-only")  # an adapter of another tenant
     assert refused.status_code == 403, refused.text
+
+    # an engine that lost its adapters (restarted, or unloaded them itself) answers 404 for one the gateway
+    # registered there: the gateway loads it again and the client sees an answer, not the engine's 404
+    for url in engines.urls:
+        if "sql-lora" in _adapters(url):
+            gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}, timeout=10)
+            assert gone.status_code == 200, gone.text
+    assert not any("sql-lora" in _adapters(url) for url in engines.urls)
+    reloaded = _ask(gateway.base_url, "sql-lora")
+    assert reloaded.status_code == 200, reloaded.text
+    assert sum("sql-lora" in names for names in (_adapters(u) for u in engines.urls)) == 1
