@@ -47,6 +47,7 @@ def config_findings(
     found += _fallbacks(policies, served, policies_source)
     found += _unpriced(policies, pools, gw)
     found += _allow_lists(policies, served, policies_source)
+    found += _adapter_routing(settings, policies, pools)
     return sorted(found, key=lambda f: f.severity != "error")
 
 
@@ -118,6 +119,35 @@ def _unpriced(policies: PoliciesConfig, pools: Sequence[PoolConfig], gw: str) ->
                     "warning",
                     where,
                     f"model {pool.model!r} of pool {pool.name!r} has no price: budgets never charge it",
+                )
+            )
+    return found
+
+
+def _adapter_routing(settings: GatewaySettings, policies: PoliciesConfig, pools: Sequence[PoolConfig]) -> list[Finding]:
+    """A pool serving the base model of LoRA adapters whose pipeline does not weigh where adapters are
+    loaded: adapter requests would be spread over replicas that must each load them (docs/adapters.md).
+    The default pipeline leaves the adapter scorer out because adding a scorer re-weighs every request's
+    ranking, adapter or not."""
+    adapters: dict[str, list[str]] = {}
+    for name, model in policies.models.items():
+        if model.kind == "adapter" and model.base is not None:
+            adapters.setdefault(policies.resolve_model(model.base), []).append(name)
+    found = []
+    for i, pool in enumerate(pools):
+        names = adapters.get(policies.resolve_model(pool.model))
+        pipeline = settings.routing.pipeline_for(pool.name)
+        if not names or pipeline.router != "scoring":
+            continue
+        if not any(spec.type == "lora-affinity" for spec in pipeline.scorers):
+            listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            found.append(
+                Finding(
+                    "warning",
+                    f"{settings.source}: pools[{i}]",
+                    f"pool {pool.name!r} serves the base model of LoRA adapters ({listed}) but its routing pipeline "
+                    "has no lora-affinity scorer (and lora-slots filter): adapter requests ignore which replica "
+                    "holds them (docs/adapters.md)",
                 )
             )
     return found

@@ -151,3 +151,19 @@ def test_check_names_every_pool_an_engine_refuses(tmp_path: Path) -> None:
     found = errors(check_files(str(tmp_path / "gateway.yaml"), probe=False))
     assert [f.where.rsplit(": ", 1)[1] for f in found] == ["pools[0]", "pools[1]"], found
     assert "takes no `engine_config`" in found[0].message and "no --api-key" in found[1].message
+
+
+ADAPTER = {"kind": "adapter", "base": "llama-3.1-8b", "source": "/adapters/sql", **PRICED}
+
+
+def test_a_pool_serving_adapters_without_adapter_routing_is_warned() -> None:
+    policy = {"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": PRICED, "sql-lora": ADAPTER}}
+    assert findings(policy) == [
+        "warning: gateway.yaml: pools[0]: pool 'llama' serves the base model of LoRA adapters (sql-lora) but its "
+        "routing pipeline has no lora-affinity scorer (and lora-slots filter): adapter requests ignore which "
+        "replica holds them (docs/adapters.md)"
+    ]
+    pools = settings().model_dump()["pools"]
+    routing = {"pools": {"llama": {"scorers": [{"type": "lora-affinity"}], "filters": [{"type": "lora-slots"}]}}}
+    routed = GatewaySettings.model_validate({"pools": pools, "routing": routing, "source": "gateway.yaml"})
+    assert findings(policy, routed) == []
