@@ -112,6 +112,13 @@ class TenantConfig(_Strict):
     spill: TenantSpillConfig = Field(
         default_factory=lambda: TenantSpillConfig(), description="whether its requests may spill to overflow pools"
     )
+    program_max_repeats: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000,
+        description="runaway guard: an agent program may send the same last turn this many times in a row, the "
+        "next is refused 429 `program_loop` (docs/agents.md); null = off",
+    )
 
     @field_validator("engine_fields")
     @classmethod

@@ -151,6 +151,7 @@ def _row(seq: int, record: RequestRecord) -> dict[str, Any]:
         "request_id": record.request_id,
         "tenant": record.tenant,
         "key_id": record.key_id,
+        "program": record.program,
         "api": record.api,
         "requested_model": record.requested_model,
         "model": record.model,

@@ -9,7 +9,8 @@ requested_model, model, served_model, fallback_from, fallback_reason, pool, endp
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
 duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
-`batch_id` on the records of batch lines (Batch API); cache_write_input_tokens,
+`batch_id` on the records of batch lines (Batch API); `program` on the records of requests that
+name their agent program (docs/agents.md); cache_write_input_tokens,
 cache_write_1h_input_tokens (part of input_tokens, apart from cached_input_tokens, the cache reads),
 reasoning_tokens (part of output_tokens) and cache_saved_usd (the cost with no prompt cache, less
 cost_usd; negative when writes cost more than reads saved) when any is non-zero; and `extra` when
@@ -72,6 +73,8 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         entry["cache_saved_usd"] = r.cache_saved_usd
     if r.batch_id is not None:
         entry["batch_id"] = r.batch_id
+    if r.program is not None:
+        entry["program"] = r.program
     extra = _extra(r)
     if extra:
         entry["extra"] = extra

@@ -35,7 +35,7 @@ GROUPABLE = frozenset(
     {
         "tenant", "key_id", "requested_model", "model", "served_model", "fallback_from", "fallback_reason",
         "pool", "endpoint", "prefill_endpoint", "engine", "api", "stream", "status", "http_status",
-        "error_code", "reject_reason", "usage_source",
+        "error_code", "reject_reason", "usage_source", "program",
     }
 )  # fmt: skip
 METRIC_COLUMNS = (

@@ -39,12 +39,14 @@ from gateway.errors import (
 from gateway.http.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
 from gateway.request.context import RequestContext
 from gateway.request.debug import debug_allowed
+from gateway.request.program import program_id
 from gateway.upstream.engine_control import check_min_tokens
 from policies.engine_fields import cache_salt as engine_cache_salt
 from policies.engine_fields import client_body
 from policies.estimate import PromptEstimator, output_reservation
 from policies.holder import PolicyHolder
 from policies.policy import Policy
+from policies.program import RunawayGuard
 from policies.slo import effective_slo
 from policies.types import Principal, Rejection, RequestFacts
 
@@ -148,6 +150,7 @@ class Intake:
         self.fleet = fleet
         self.estimator = estimator
         self.precheck = precheck  # Admission.precheck: limits with no room left, before the count
+        self.runaway = RunawayGuard()  # per tenant, per program: bounded (policies/program.py)
 
     async def read(self, ctx: RequestContext) -> RequestFacts:
         """The caller first (a wrong key costs no body read), then the body under the bounds of
@@ -180,15 +183,26 @@ class Intake:
         if parsed is NOT_PARSED:
             parsed = parse_json_body(raw)
         body = ctx.api.parse(parsed)
+        ctx.record.program = program_id(headers, body)  # before any refusal: it is on every record
         policy = self.policies.current
         if principal is None:
             principal = self._principal(ctx, headers)
         body, requested, model = await self._resolve(ctx, policy, body, principal)
+        if ctx.record.program is not None:
+            self._check_program(policy, principal, ctx.record.program, body)
         if self.precheck is not None:
             rejection = await self.precheck(principal, model)
             if rejection is not None:
                 raise Rejected(rejection)
         return await self._estimate(ctx, headers, policy, body, principal, requested, model)
+
+    def _check_program(self, policy: Policy, principal: Principal, program: str, body: dict[str, Any]) -> None:
+        """The runaway guard (policies/program.py), where the caller's tenant sets it: one look-up if not."""
+        tenant = policy.config.tenants.get(principal.tenant)
+        if tenant is not None and tenant.program_max_repeats is not None:
+            rejection = self.runaway.check(principal.tenant, program, body, tenant.program_max_repeats)
+            if rejection is not None:
+                raise Rejected(rejection)
 
     def _principal(self, ctx: RequestContext, headers: Mapping[str, str]) -> Principal:
         with ctx.trace.span("auth"):
@@ -204,6 +218,7 @@ class Intake:
         policy = self.policies.current
         ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
         ctx.record.batch_id = batch_id
+        ctx.record.program = program_id({}, body)  # a batch line names its program in its body, if at all
         body, requested, model = await self._resolve(ctx, policy, body, principal)
         return await self._estimate(ctx, {}, policy, body, principal, requested, model, batch_id=batch_id)
 

@@ -59,6 +59,7 @@ class RequestRecord:
     migrations: int = 0  # times its stream continued on another replica after its own cut it
     preempted: int = 0  # times flow control cut its stream for another tenant's request (it continued)
     batch_id: str | None = None  # a line of this batch (Batch API)
+    program: str | None = None  # intake: the agent program it belongs to, bounded (gateway/request/program.py)
     spill: str | None = None  # served on an overflow pool, and why (gateway/flow/spill.py)
 
     def as_dict(self) -> dict[str, Any]:

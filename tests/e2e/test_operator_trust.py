@@ -235,7 +235,9 @@ def test_a_page_of_another_origin_cannot_use_a_logged_in_console(
         token.send_keys(admin_token or "")
         driver.find_element(By.ID, "login-submit").click()
         wait.until(lambda d: d.find_element(By.ID, "nav").is_displayed())
-        assert driver.get_cookie("tokenway_console") is not None
+        # the login answer set the session cookie; the browser's cookie store, which the driver reads, may
+        # commit it a moment after the page ran on: wait for it rather than read it once (a loaded CI host)
+        wait.until(lambda d: d.get_cookie("tokenway_console") is not None)
 
         driver.get(attacker)
         wait.until(lambda d: d.title.startswith("done"))

@@ -97,3 +97,34 @@ def test_drift_factor_is_bounded_and_off_at_rate_zero() -> None:
     off.observe("t", "m", 10)
     off.observe("t", "m", 1000, off.predict("t", "m"))
     assert off.drift_factor("t", "m") == 1.0
+
+
+def test_repeated_predictions_follow_every_observation() -> None:
+    """Estimates and predictions are kept between observations: each observation must still show,
+    exactly as a fresh estimator fed the same completions answers."""
+    settings = LengthSettings(min_samples=3, half_life_samples=50)
+    kept = OutputLengthEstimator(settings)
+    rng = np.random.default_rng(1)
+    seen: list[int] = []
+    for n in rng.lognormal(mean=4.0, sigma=1.0, size=120).astype(int):
+        for max_tokens in (None, 64):
+            made = kept.predict("acme", "llama", max_tokens)
+            assert kept.predict("acme", "llama", max_tokens) == made
+        fresh = OutputLengthEstimator(settings)
+        for old in seen:
+            fresh.observe("acme", "llama", old)
+        assert kept.estimate("acme", "llama") == fresh.estimate("acme", "llama")
+        assert kept.predict("acme", "llama") == fresh.predict("acme", "llama")
+        histogram = kept._keys.get(("acme", "llama"))
+        if histogram is not None:  # one cumulative sum for both quantiles: the same as one each
+            estimate = histogram.estimate()
+            assert (estimate.p50_tokens, estimate.p90_tokens) == (histogram.quantile(0.5), histogram.quantile(0.9))
+        kept.observe("acme", "llama", int(n))
+        seen.append(int(n))
+
+
+def test_predictions_kept_are_bounded_by_client_max_tokens() -> None:
+    estimator = OutputLengthEstimator(LengthSettings())
+    for max_tokens in range(1, 2000):
+        assert estimator.predict("acme", "llama", max_tokens).tokens <= max_tokens
+    assert len(estimator._predicted) <= 256
