@@ -15,13 +15,11 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.replay.workload import TraceRequest, load_azure
+from bench.traces import traces_dir
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "azure_llm_2023"
-if not TRACES.exists():  # a worktree's ../shared link
-    TRACES = Path("/work/shared/data/traces/azure_llm_2023")
+TRACES = traces_dir() / "azure_llm_2023"
 
 
 @dataclass(frozen=True, slots=True)

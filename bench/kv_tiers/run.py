@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import os
 import random
 import statistics
 import sys
@@ -50,6 +49,7 @@ from backends.perf.presets import resolve_preset
 from backends.perf.roofline import StepTimer
 from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket
 from bench.replay.workload import BLOCK_TOKENS, TraceRequest, load_mooncake, scaled_arrivals
+from bench.traces import require, traces_dir
 from policies.routing import build_router
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteRequest
@@ -65,11 +65,6 @@ PRESET = "llama-3.1-8b@h100"
 BLOCK = 16
 PRINCIPAL = Principal(key_id="k", tenant="t", allowed_models=None, priority=0)
 VARIANTS = ("gpu-only", "constant", "physics", "flat")
-
-
-def traces_dir() -> Path:
-    env = os.environ.get("TOKENWAY_TRACES")
-    return Path(env) if env else REPO.parent / "shared" / "data" / "traces"
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +317,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     traces = args.traces or traces_dir()
-    path = traces / "mooncake" / "synthetic_trace.jsonl"
-    if not path.exists():
-        raise SystemExit(f"missing {path}: set TOKENWAY_TRACES to the folder holding mooncake/ (see SOURCES.md)")
+    path = require(traces / "mooncake" / "synthetic_trace.jsonl")
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         seeds, args.requests = seeds[:1], 80

@@ -16,13 +16,12 @@ import csv
 import random
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 from bench.replay import workload as replay_workload
 from bench.replay.workload import BLOCK_TOKENS as BLOCK_TOKENS
 from bench.replay.workload import PromptBuilder as PromptBuilder
+from bench.traces import TRACES, require
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 MOONCAKE = TRACES / "mooncake" / "synthetic_trace.jsonl"
 
@@ -32,12 +31,6 @@ class TraceRequest(replay_workload.TraceRequest):
     """A replay request (arrival, lengths, Mooncake blocks) and which tenant sends it."""
 
     sheddable: bool = False  # sent by the sheddable tenant
-
-
-def require(path: Path) -> Path:
-    if not path.exists():
-        raise SystemExit(f"trace missing: {path} (the benchmark reads ../shared/data/traces; see SOURCES.md there)")
-    return path
 
 
 def load_azure(requests: int, start: int, max_total_tokens: int, max_output_tokens: int) -> list[TraceRequest]:

@@ -50,9 +50,10 @@ from bench.replay.workload import (
     load_mooncake,
     scaled_arrivals,
 )
+from bench.traces import traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "data" / "traces"
+TRACES = traces_dir()
 RESULTS = REPO / "bench" / "results"
 MODEL = "llama-3.1-8b"
 MAX_MODEL_LEN = 131_072  # the preset's context: longer trace rows are dropped

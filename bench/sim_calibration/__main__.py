@@ -10,6 +10,7 @@ from pathlib import Path
 
 from backends.perf.hardware import HARDWARE, Efficiency
 from bench.sim_calibration import fit, report, serving, sources
+from bench.traces import traces_dir
 
 REPO = Path(__file__).resolve().parents[2]
 HARDWARE_PY = REPO / "backends" / "perf" / "hardware.py"  # holds the fitted block
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
 
-    traces = sources.traces_dir(REPO)
+    traces = traces_dir()
     if not (traces / "splitwise_sim" / "perf_model.csv").exists():
         print(
             f"calibration data missing: expected {traces} (the shared traces folder beside the repo)", file=sys.stderr

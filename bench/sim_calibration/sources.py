@@ -37,10 +37,6 @@ class Row:
     device_only: bool = False  # kernel sums: compare without the fixed per-step overhead
 
 
-def traces_dir(repo_root: Path) -> Path:
-    return (repo_root / ".." / "shared" / "data" / "traces").resolve()
-
-
 def _preset(model: str, tp: int, hardware: str) -> str:
     return f"{model}{f'-tp{tp}' if tp > 1 else ''}@{hardware}"
 

@@ -22,8 +22,8 @@ the self-hosted replica at an assumed $2.50 per GPU-hour for the window's wall t
 in real time); $/Mtok = both over the trace's prompt and output tokens of the requests answered. Which pool served each
 request and why it spilled come from the gateway's ledger (`pool`, `extra.spill`).
 
-The trace is read from $TOKENWAY_TRACES/azure_llm_2023/AzureLLMInferenceTrace_conv.csv (default
-/work/shared/data/traces); the bench stops with a message naming the path when it is missing.
+The trace is read from $TOKENWAY_TRACES/azure_llm_2023/AzureLLMInferenceTrace_conv.csv (default:
+`shared/data/traces` beside the checkout, bench/traces.py); a missing trace stops the bench naming its path.
 Results: bench/results/spillover.md and .png (report.py).
 """
 
@@ -45,6 +45,7 @@ from bench.autoscale.report import met
 from bench.autoscale.workload import Arrival
 from bench.replay.workload import load_azure
 from bench.spillover import report
+from bench.traces import require, traces_dir
 from gateway.ledger.reader import iter_entries
 from policies.policy import hash_key
 from tests.sim.hosted.standin import standin
@@ -65,11 +66,7 @@ VARIANTS = ("self-hosted", "all-hosted", "spill-over")
 
 
 def trace_path() -> Path:
-    root = Path(os.environ.get("TOKENWAY_TRACES", "/work/shared/data/traces"))
-    path = root / TRACE
-    if not path.exists():
-        raise SystemExit(f"bench.spillover needs Azure's conversation trace at {path} (set TOKENWAY_TRACES)")
-    return path
+    return require(traces_dir() / TRACE)
 
 
 def window(start_row: int, seconds: float) -> list[Arrival]:
