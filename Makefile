@@ -51,13 +51,13 @@ check: lint unit
 
 # The end-to-end stage: every test `make unit` leaves out (those marked e2e, redis or slow), in parallel,
 # then the tests marked `serial` (they measure shares or rates, so they run alone). scripts/bootstrap-test.sh
-# checks redis, haproxy, chromium and kubectl (starting a Redis on 127.0.0.1:6379 if none answers) or
-# stops at once with the one command that installs what is missing; a test whose Redis or browser is
-# gone then fails instead of skipping. Exit status 5 is pytest's "no test selected".
+# checks redis, haproxy, chromium, kubectl and postgresql (starting a Redis on 127.0.0.1:6379 if none answers) or
+# stops at once with the one command that installs what is missing; a test whose Redis, browser or
+# PostgreSQL is gone then fails instead of skipping. Exit status 5 is pytest's "no test selected".
 e2e: bootstrap $(DEV)
-	TOKENWAY_REQUIRE_REDIS=1 TOKENWAY_REQUIRE_BROWSER=1 $(PYTEST) -n $(JOBS) --dist loadscope \
+	TOKENWAY_REQUIRE_REDIS=1 TOKENWAY_REQUIRE_BROWSER=1 TOKENWAY_REQUIRE_POSTGRES=1 $(PYTEST) -n $(JOBS) --dist loadscope \
 		-m "(e2e or redis or slow) and not serial"
-	TOKENWAY_REQUIRE_REDIS=1 TOKENWAY_REQUIRE_BROWSER=1 $(PYTEST) -m serial || [ $$? = 5 ]
+	TOKENWAY_REQUIRE_REDIS=1 TOKENWAY_REQUIRE_BROWSER=1 TOKENWAY_REQUIRE_POSTGRES=1 $(PYTEST) -m serial || [ $$? = 5 ]
 
 bootstrap:
 	@bash scripts/bootstrap-test.sh

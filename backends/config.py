@@ -178,6 +178,18 @@ class PoolConfig(_Strict):
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters the engine loads: name -> path"
     )
+    lora_idle_unload_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="LoRA adapters the gateway loaded are unloaded from a replica where they went unused this "
+        "long (an adapter's own `idle_unload_s` wins); null: the engine's LRU alone evicts them",
+    )
+    lora_preload_hottest: int = Field(
+        default=0,
+        ge=0,
+        description="the N LoRA adapters of this pool's model most in demand lately (10-minute half-life) are "
+        "loaded on every ready replica and not idle-unloaded; 0: only those marked `preload: true`",
+    )
     api_key: str | None = Field(default=None, description="upstream key (use ${ENV} in YAML)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines")
     extra_args: list[str] = Field(default_factory=list, description="extra command-line flags of launched engines")
@@ -491,6 +503,12 @@ class BackendsSettings(_Strict):
         default="0", description="PYTHONHASHSEED of vLLM engines: identical prefix hashes on every replica"
     )
     scrape_interval_s: float = Field(default=0.25, gt=0, description="metrics polling per endpoint")
+    lora_discovery_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="GET /v1/models of vLLM endpoints serving an adapter's base model: the LoRA adapters each "
+        "holds (docs/adapters.md)",
+    )
     scrape_timeout_s: float = Field(
         default=1.0, gt=0, description="one metrics scrape; a slower engine keeps its last stats"
     )

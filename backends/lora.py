@@ -16,6 +16,8 @@ class LoraAdapter:
     base_model: str  # the public model whose pools serve it
     source: str  # what the engine loads: a local path, or a URI its resolvers understand
     size_bytes: int | None = None  # for the predicted load time; None: unknown
+    preload: bool = False  # loaded on every ready replica of its base's pools, never unloaded for idleness
+    idle_unload_s: float | None = None  # unloaded from a replica where it went unused this long; None: the pool's
 
     def load_s(self, bandwidth_bytes_s: float, default_bytes: int) -> float:
         """Seconds to bring it onto a GPU at `bandwidth_bytes_s` (`default_bytes` when its size is unknown)."""

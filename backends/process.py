@@ -50,6 +50,11 @@ def _death_signal_preexec(parent_pid: int) -> Callable[[], None] | None:
     return preexec
 
 
+def death_signal_preexec(parent_pid: int) -> Callable[[], None] | None:
+    """The same, for any child that is not an engine (the private Redis of a group of workers)."""
+    return _death_signal_preexec(parent_pid)
+
+
 _RUN_MARKER = "=== tokenway "
 _ARGV_MARKER = "=== argv: "
 

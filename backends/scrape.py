@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from backends import health
+from backends import health, lora_discovery
 from backends.adapters import get_adapter
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
@@ -112,10 +112,11 @@ async def watch(
     settings: BackendsSettings,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """The fleet's background watch, as one task to start: active health checks and metrics scraping
-    until cancelled. The gateway creates the upstream `ClientSession` and runs it for its lifetime
-    (cancelling it stops both loops); the relay feeds passive health through
-    `backends.health.report_success` / `report_failure`."""
+    """The fleet's background watch, as one task to start: active health checks, metrics scraping and
+    the LoRA adapters each engine lists (`lora_discovery.py`) until cancelled. The gateway creates the
+    upstream `ClientSession` and runs it for its lifetime (cancelling it stops the loops); the relay
+    feeds passive health through `backends.health.report_success` / `report_failure`."""
     async with asyncio.TaskGroup() as group:
         group.create_task(health.run(fleet, session, settings, clock), name="backends health")
         group.create_task(run(fleet, session, settings, clock), name="backends scrape")
+        group.create_task(lora_discovery.run(fleet, session, settings, clock), name="backends lora discovery")

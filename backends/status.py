@@ -45,6 +45,8 @@ def endpoint_status(endpoint: Endpoint, now_s: float, stats_max_age_s: float) ->
         "prompt_tokens": stats.prompt_tokens,
         "prompt_tokens_cached": stats.prompt_tokens_cached,
         "sleep_state": stats.sleep_state,
+        # LoRA adapters the engine lists in /v1/models (backends/lora_discovery.py); null: not asked
+        "loras": sorted(endpoint.loras) if endpoint.loras is not None else None,
         "inflight_requests": endpoint.inflight.requests,
         "inflight_prefill_tokens": endpoint.inflight.prefill_tokens,
         "inflight_decode_tokens": endpoint.inflight.decode_tokens,

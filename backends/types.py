@@ -203,6 +203,10 @@ class Endpoint:
     log_path: str | None = None  # launched replicas: the engine's output
     devices: tuple[int, ...] = ()  # launched replicas: accelerators given to the process
     pid: int | None = None  # launched replicas: the engine's process (group leader) while it runs
+    # LoRA adapters the engine lists in /v1/models (backends/lora_discovery.py); None: never asked.
+    # `loras_at_s`: monotonic time the answering request was sent (older registrations may be gone)
+    loras: frozenset[str] | None = None
+    loras_at_s: float = 0.0
 
     @property
     def ready(self) -> bool:

@@ -19,7 +19,7 @@ from policies.limits.compile import LimitIndex, price_of
 from policies.limits.types import Plan, Price
 from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.slo import Slo
-from policies.types import Principal, Usage
+from policies.types import NO_SUBJECTS, Principal, RequestSubjects, Usage
 
 
 class KeyAuthority(Protocol):
@@ -65,6 +65,8 @@ class Policy:
                 priority=priority,
                 allow_fallback=tenant.allow_fallback,
                 track_spend=track,
+                team=tenant.team,
+                show_cost=tenant.show_cost if key.show_cost is None else key.show_cost,
             )
             self._keys[key.sha256] = _KeyEntry(bytes.fromhex(key.sha256), principal)
             self._principals[key.id] = principal
@@ -88,6 +90,8 @@ class Policy:
             if model.kind == "adapter" and model.tenants is not None
         }
         self.limits = LimitIndex(config)
+        if directory is not None and hasattr(directory, "overrides_generation"):
+            self.limits.follow_overrides(directory)  # type: ignore[arg-type]  # the admin API's overrides
         slo_classes = {name: Slo.from_config(name, c) for name, c in config.slo_classes.items()}
         self._slo_classes = slo_classes
         self._slo_by_tenant = {
@@ -177,9 +181,17 @@ class Policy:
         found = self.config.tenants.get(tenant)
         return found.weight if found is not None else 1.0
 
-    def admission_plan(self, principal: Principal, model: str) -> Plan:
-        """Every bucket, lease and budget that applies to `principal` calling `model` (cached)."""
-        return self.limits.plan(principal, model)
+    def program_half_life(self, tenant: str) -> float | None:
+        """The half-life of the tenant's program-fair queueing (docs/agents.md); None: off for it."""
+        found = self.config.tenants.get(tenant)
+        if found is None or found.program_fairness is None:
+            return None
+        return found.program_fairness.half_life_s
+
+    def admission_plan(self, principal: Principal, model: str, subjects: RequestSubjects = NO_SUBJECTS) -> Plan:
+        """Every bucket, lease and budget that applies to `principal` calling `model` (cached), with
+        those of the request's own end user, tags and agent program."""
+        return self.limits.request_plan(principal, model, subjects)
 
 
 def compile_adapters(config: PoliciesConfig) -> dict[str, LoraAdapter]:
@@ -188,7 +200,14 @@ def compile_adapters(config: PoliciesConfig) -> dict[str, LoraAdapter]:
     for name, model in config.models.items():
         if model.kind == "adapter" and model.base is not None and model.source is not None:
             size = int(model.size_mb * 1024 * 1024) if model.size_mb is not None else None
-            out[name] = LoraAdapter(name, config.resolve_model(model.base), model.source, size)
+            out[name] = LoraAdapter(
+                name,
+                config.resolve_model(model.base),
+                model.source,
+                size,
+                preload=bool(model.preload),
+                idle_unload_s=model.idle_unload_s,
+            )
     return out
 
 

@@ -13,12 +13,14 @@ three mistakes is reported once, not three times.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, Literal, get_args
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from policies.engine_fields import ENGINE_CONTROL_FIELDS
-from policies.flow.schema import FlowPolicy
+from policies.flow.schema import FlowPolicy, ProgramFairness
 
 PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
 PRIORITY_VALUES: dict[str, int] = {"critical": 2, "high": 1, "normal": 0, "low": -1, "sheddable": -2}
@@ -33,21 +35,37 @@ Trigger = Literal[
     "cold_start",
 ]
 TRIGGERS: tuple[str, ...] = get_args(Trigger)
-Scope = Literal["key", "tenant", "model", "key_model", "global"]
+Scope = Literal[
+    "key", "tenant", "team", "org", "model", "key_model", "team_provider", "global", "user", "tag", "program"
+]
 MissAction = Literal["fallback", "queue", "reject", "proceed"]
 CountMode = Literal["input", "output", "total", "weighted"]
 
 # Which `match` fields each scope accepts: a rule may narrow its subjects by the fields that identify
 # them (a key belongs to a tenant, so `scope: key, match: {tenant: free}` = "each key of tenant free").
+# An organisation holds teams, a team holds tenants (projects), a tenant holds keys: a rule for each
+# key of team `search` is `scope: key, match: {team: search}`. End users, tags and agent programs
+# (per-request subjects, docs/governance.md) narrow by who sends them.
+_OWNERS = frozenset({"tenant", "team", "org"})
 SCOPE_MATCH_FIELDS: dict[str, frozenset[str]] = {
-    "key": frozenset({"key", "tenant"}),
-    "tenant": frozenset({"tenant"}),
+    "key": frozenset({"key"}) | _OWNERS,
+    "tenant": _OWNERS,
+    "team": frozenset({"team", "org"}),
+    "org": frozenset({"org"}),
     "model": frozenset({"model"}),
-    "key_model": frozenset({"key", "tenant", "model"}),
+    "key_model": frozenset({"key", "model"}) | _OWNERS,
+    "team_provider": frozenset({"team", "org", "provider"}),
     "global": frozenset(),
+    "user": frozenset({"key", "model"}) | _OWNERS,
+    "tag": frozenset({"tag", "key", "model"}) | _OWNERS,
+    "program": frozenset({"key", "model"}) | _OWNERS,
 }
+# Scopes whose subject comes with each request rather than with the key (compiled per request).
+REQUEST_SCOPES = frozenset({"user", "tag", "program"})
+RUN_LIMITS = ("calls_per_run", "tokens_per_run")
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
+_TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"  # the request tags' own rule (gateway/request/tags.py)
 
 
 class _Strict(BaseModel):
@@ -93,7 +111,22 @@ class SpillPolicy(_Strict):
     )
 
 
+class OrgConfig(_Strict):
+    """An organisation: the top of the spend hierarchy (org -> team -> tenant -> key). Its limits and
+    budgets are rules of `scope: org` (docs/governance.md)."""
+
+    description: str | None = Field(default=None, max_length=256)
+
+
+class TeamConfig(_Strict):
+    """A team: the tenants (projects) that name it share its `scope: team` limits and budgets."""
+
+    org: str | None = Field(default=None, description="the organisation it belongs to (orgs)")
+    description: str | None = Field(default=None, max_length=256)
+
+
 class TenantConfig(_Strict):
+    team: str | None = Field(default=None, description="the team it belongs to (teams); null: none")
     models: list[str] | None = Field(default=None, description="allowed public models; null = all")
     priority: PriorityName = "normal"
     allow_fallback: bool = True
@@ -119,6 +152,16 @@ class TenantConfig(_Strict):
         description="runaway guard: an agent program may send the same last turn this many times in a row, the "
         "next is refused 429 `program_loop` (docs/agents.md); null = off",
     )
+    show_cost: bool = Field(
+        default=False,
+        description="answers carry their cost in `usage.cost_usd` (streams: the final usage event; "
+        "docs/governance.md); off keeps bodies exactly the API's own",
+    )
+    program_fairness: ProgramFairness | None = Field(
+        default=None,
+        description="program-fair queueing: inside its share, the program served least lately goes first "
+        "(docs/agents.md); null = off (its waiting requests go in arrival order)",
+    )
 
     @field_validator("engine_fields")
     @classmethod
@@ -136,6 +179,7 @@ class KeyConfig(_Strict):
     models: list[str] | None = Field(default=None, description="narrows the tenant's models")
     priority: PriorityName | None = None
     disabled: bool = False
+    show_cost: bool | None = Field(default=None, description="overrides its tenant's `show_cost`; null = the tenant's")
 
     @field_validator("sha256")
     @classmethod
@@ -208,7 +252,16 @@ class ModelConfig(_Strict):
     context_length: int | None = Field(default=None, ge=1, description="prompt + max_tokens limit")
     default_max_tokens: int = Field(default=1024, ge=1, description="output reservation without max_tokens")
     price: PriceConfig = Field(default_factory=PriceConfig)
+    provider: str | None = Field(
+        default=None,
+        pattern=_ID_PATTERN,
+        description="who serves it (`anthropic`, `bedrock`, `self-hosted`, ...): what `scope: team_provider` counts by",
+    )
     fallbacks: list[FallbackConfig] = Field(default_factory=list, description="tried in order")
+    stream_failover: bool = Field(
+        default=False,
+        description="a stream cut mid-answer continues on the next model of `fallbacks` (docs/agents.md)",
+    )
     # LoRA adapters (docs/adapters.md): a model of `kind: adapter` runs on its `base` model's pools
     kind: Literal["model", "adapter"] = Field(
         default="model", description="`adapter`: a LoRA adapter served by the pools of `base`"
@@ -222,6 +275,15 @@ class ModelConfig(_Strict):
         default=None, description="adapter: the tenants that may call it (null: any the keys allow)"
     )
     owner: str | None = Field(default=None, description="adapter: who it belongs to (reported, not enforced)")
+    preload: bool | None = Field(
+        default=None, description="adapter: loaded on every ready replica of its base's pools, never idle-unloaded"
+    )
+    idle_unload_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="adapter: unloaded from a replica where it went unused this long (overrides the pool's "
+        "`lora_idle_unload_s`)",
+    )
 
     @model_validator(mode="after")
     def _adapter_fields(self) -> ModelConfig:
@@ -230,7 +292,8 @@ class ModelConfig(_Strict):
             if missing:
                 raise ValueError(f"an adapter needs {' and '.join(missing)}")
         else:
-            extra = [n for n in ("base", "source", "size_mb", "tenants", "owner") if getattr(self, n) is not None]
+            adapter_only = ("base", "source", "size_mb", "tenants", "owner", "preload", "idle_unload_s")
+            extra = [n for n in adapter_only if getattr(self, n) is not None]
             if extra:
                 raise ValueError(f"{', '.join(extra)} only apply to kind: adapter")
         return self
@@ -257,10 +320,23 @@ class Match(_Strict):
 
     key: str | None = None
     tenant: str | None = None
+    team: str | None = None
+    org: str | None = None
     model: str | None = None
+    provider: str | None = Field(default=None, description="scope team_provider: models of this `provider`")
+    tag: str | None = Field(default=None, pattern=_TAG_PATTERN, description="scope tag: the tag this rule counts")
 
     def fields(self) -> dict[str, str]:
-        return {k: v for k, v in (("key", self.key), ("tenant", self.tenant), ("model", self.model)) if v}
+        pairs = (
+            ("key", self.key),
+            ("tenant", self.tenant),
+            ("team", self.team),
+            ("org", self.org),
+            ("model", self.model),
+            ("provider", self.provider),
+            ("tag", self.tag),
+        )
+        return {k: v for k, v in pairs if v}
 
 
 class _Rule(_Strict):
@@ -268,6 +344,11 @@ class _Rule(_Strict):
     scope: Scope
     match: Match = Field(default_factory=Match)
     shadow: bool = Field(default=False, description="counted and reported, never enforced")
+    fallback: str | None = Field(
+        default=None,
+        description="when this rule says no, run the request on this (cheaper) model instead of answering 429, "
+        "where the tenant allows fallbacks; tried before the model's own fallbacks",
+    )
 
     @model_validator(mode="after")
     def _match_fits_scope(self) -> _Rule:
@@ -276,6 +357,8 @@ class _Rule(_Strict):
         if extra:
             expected = ", ".join(sorted(allowed)) or "nothing"
             raise ValueError(f"scope {self.scope!r} cannot match on {', '.join(extra)} (expected {expected})")
+        if self.scope == "tag" and self.match.tag is None:
+            raise ValueError("scope 'tag' counts one named tag: set match.tag")
         return self
 
     def identity(self, resolve_model: Callable[[str], str] | None = None) -> str:
@@ -301,26 +384,64 @@ class LimitConfig(_Rule):
     tpm: int | None = Field(default=None, ge=1, description="tokens per minute")
     tpd: int | None = Field(default=None, ge=1, description="tokens per day")
     max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight")
+    calls_per_run: int | None = Field(default=None, ge=1, description="scope program: calls in one agent run")
+    tokens_per_run: int | None = Field(default=None, ge=1, description="scope program: tokens in one agent run")
     count: CountMode = Field(default="total", description="which tokens tpm/tpd count")
     weights: TokenWeights | None = None
 
     @model_validator(mode="after")
     def _has_dimension(self) -> LimitConfig:
-        if all(getattr(self, d) is None for d in ("rpm", "rpd", "tpm", "tpd", "max_concurrent")):
-            raise ValueError("expected at least one of rpm, rpd, tpm, tpd, max_concurrent")
+        dimensions = ("rpm", "rpd", "tpm", "tpd", "max_concurrent", *RUN_LIMITS)
+        if all(getattr(self, d) is None for d in dimensions):
+            raise ValueError(f"expected at least one of {', '.join(dimensions)}")
+        if self.scope != "program" and any(getattr(self, d) is not None for d in RUN_LIMITS):
+            raise ValueError("calls_per_run and tokens_per_run count an agent run: scope program")
         if self.weights is not None and self.count != "weighted":
             raise ValueError(f"weights are only read with count: weighted (count is {self.count!r})")
         return self
 
 
+class BillingPeriod(_Strict):
+    """A monthly period that starts on `anchor_day` at 00:00 in `timezone`, as invoices do."""
+
+    anchor_day: int = Field(ge=1, le=28, description="day of the month the period starts (1-28: every month has it)")
+    timezone: str = Field(default="UTC", description="IANA zone of the boundary (its offset when the policy loads)")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        if value == "UTC":
+            return value  # no time zone database needed
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown time zone {value!r}") from exc
+        return value
+
+    def period(self, now: datetime | None = None) -> str:
+        """The store's name of this period: `billing:<anchor day>:<UTC offset s>` (policies/limits/buckets.py)."""
+        offset = None if self.timezone == "UTC" else ZoneInfo(self.timezone).utcoffset(now or datetime.now(UTC))
+        return f"billing:{self.anchor_day}:{int(offset.total_seconds()) if offset is not None else 0}"
+
+
 class BudgetConfig(_Rule):
     usd_per_day: float | None = Field(default=None, gt=0, description="resets 00:00 UTC")
     usd_per_month: float | None = Field(default=None, gt=0, description="resets on the 1st, 00:00 UTC")
+    usd_per_run: float | None = Field(
+        default=None, gt=0, description="scope program: one agent run's spend, never reset (docs/agents.md)"
+    )
+    usd_per_period: float | None = Field(default=None, gt=0, description="per billing period (`billing`)")
+    billing: BillingPeriod | None = Field(default=None, description="the period of usd_per_period")
 
     @model_validator(mode="after")
     def _has_amount(self) -> BudgetConfig:
-        if self.usd_per_day is None and self.usd_per_month is None:
-            raise ValueError("expected usd_per_day and/or usd_per_month")
+        amounts = (self.usd_per_day, self.usd_per_month, self.usd_per_run, self.usd_per_period)
+        if all(a is None for a in amounts):
+            raise ValueError("expected usd_per_day, usd_per_month, usd_per_period and/or usd_per_run")
+        if (self.usd_per_period is None) != (self.billing is None):
+            raise ValueError("usd_per_period and billing go together (billing: {anchor_day, timezone})")
+        if self.usd_per_run is not None and self.scope != "program":
+            raise ValueError("usd_per_run is an agent run's budget: scope program")
         return self
 
 
@@ -403,6 +524,8 @@ class BatchPolicy(_Strict):
 class PoliciesConfig(_Strict):
     version: Literal[1] = 1
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    orgs: dict[str, OrgConfig] = Field(default_factory=dict)
+    teams: dict[str, TeamConfig] = Field(default_factory=dict)
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     keys: list[KeyConfig] = Field(default_factory=list)
     models: dict[str, ModelConfig] = Field(default_factory=dict)
@@ -473,6 +596,8 @@ class PoliciesConfig(_Strict):
             seen: dict[str, int] = {}
             for i, rule in enumerate(rules):
                 problems.extend(self._match_problems((section, i, "match"), rule.match))
+                if rule.fallback is not None and self.canonical_model(rule.fallback) is None:
+                    problems.append(((section, i, "fallback"), f"unknown model {rule.fallback!r}"))
                 identity = rule.identity(self.resolve_model)
                 if identity in seen:
                     problems.append(
@@ -484,7 +609,24 @@ class PoliciesConfig(_Strict):
                 seen.setdefault(identity, i)
         problems.extend(self._slo_problems())
         problems.extend(self._adapter_problems())
+        problems.extend(self._hierarchy_problems())
         return problems
+
+    def _hierarchy_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """A tenant's team and a team's organisation exist."""
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name, team in self.teams.items():
+            if team.org is not None and team.org not in self.orgs:
+                problems.append((("teams", name, "org"), f"unknown organisation {team.org!r}"))
+        for name, tenant in self.tenants.items():
+            if tenant.team is not None and tenant.team not in self.teams:
+                problems.append((("tenants", name, "team"), f"unknown team {tenant.team!r}"))
+        return problems
+
+    def org_of(self, team: str | None) -> str | None:
+        """The organisation a team belongs to (None: no team, or a team of none)."""
+        config = self.teams.get(team) if team is not None else None
+        return config.org if config is not None else None
 
     def _adapter_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
         """An adapter's base is a known model that is no adapter itself; its tenants exist."""
@@ -523,6 +665,12 @@ class PoliciesConfig(_Strict):
             problems.append(((*path, "key"), f"unknown key id {match.key!r}"))
         if match.tenant is not None and match.tenant not in self.tenants:
             problems.append(((*path, "tenant"), f"unknown tenant {match.tenant!r}"))
+        if match.team is not None and match.team not in self.teams:
+            problems.append(((*path, "team"), f"unknown team {match.team!r}"))
+        if match.org is not None and match.org not in self.orgs:
+            problems.append(((*path, "org"), f"unknown organisation {match.org!r}"))
+        if match.provider is not None and all(m.provider != match.provider for m in self.models.values()):
+            problems.append(((*path, "provider"), f"no model has provider {match.provider!r}"))
         if match.model is not None and self.canonical_model(match.model) is None:
             problems.append(((*path, "model"), f"unknown model {match.model!r}"))
         return problems

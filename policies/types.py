@@ -33,6 +33,23 @@ class OwnLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestSubjects:
+    """What a request names beside its key (gateway/request/subjects.py reads them, bounded): its end
+    user, its tags, its agent program, and the run budget its header asks for (within the policy's)."""
+
+    user: str | None = None
+    tags: tuple[str, ...] = ()
+    program: str | None = None
+    run_usd: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.user is not None or bool(self.tags) or self.program is not None
+
+
+NO_SUBJECTS = RequestSubjects()
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
     """The authenticated caller: one API key of one tenant.
 
@@ -52,6 +69,8 @@ class Principal:
     track_spend: bool = False
     slo_class: str | None = None  # an API-made tenant's SLO class (file tenants': policy.slo_class)
     source: str = "file"  # file | api
+    show_cost: bool = False  # answers carry `usage.cost_usd` (its tenant's or key's `show_cost`)
+    team: str | None = None  # its tenant's team (policies.yaml `teams`); the team's org follows from it
 
     def may_use(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
@@ -87,6 +106,7 @@ class RequestFacts:
     debug: bool = False
     batch_id: str | None = None  # a line of this batch (Batch API): lowest priority, the batch price
     slo: Slo | None = None  # the effective latency SLO: the caller's class tightened by its headers
+    subjects: RequestSubjects = NO_SUBJECTS  # end user, tags, agent program: their own limits and budgets
 
     @property
     def slo_ttft_ms(self) -> float | None:
@@ -155,3 +175,4 @@ class Rejection:
     param: str | None = None
     headers: tuple[tuple[str, str], ...] = ()
     reason: str = ""  # short machine label for metrics: rate_limited, budget_exhausted, slo_unattainable...
+    fallback_model: str | None = None  # the refusing rule's own fallback (policies.yaml `fallback`)

@@ -2,10 +2,12 @@
 # What the test suite needs besides Python, checked (and brought up) before it runs, by `make test` and
 # by .ci/run alike: redis-server and redis-cli (a Redis on 127.0.0.1:6379 is started when none answers),
 # haproxy (the L4 balancer in front of gateway replicas), Debian's chromium and chromium-driver (the
-# console's browser tests), kubectl (its built-in kustomize renders deploy/k8s).
+# console's browser tests), kubectl (its built-in kustomize renders deploy/k8s), Debian's postgresql
+# (initdb and postgres for the throwaway clusters of the ledger's PostgreSQL tests; none is started here).
 #
 # Nothing is skipped silently: anything missing stops here at once with the one command that installs
-# it, and the suite then runs with TOKENWAY_REQUIRE_REDIS=1 / TOKENWAY_REQUIRE_BROWSER=1, so a test
+# it, and the suite then runs with TOKENWAY_REQUIRE_REDIS=1 / TOKENWAY_REQUIRE_BROWSER=1 /
+# TOKENWAY_REQUIRE_POSTGRES=1, so a test
 # whose real part is gone fails instead of skipping.
 #
 #   scripts/bootstrap-test.sh            check; start Redis if it is installed but not running
@@ -31,6 +33,7 @@ missing() {
   [ -x "$CHROMIUM" ] || pkgs+=(chromium)
   [ -x "$CHROMEDRIVER" ] || pkgs+=(chromium-driver)
   command -v kubectl >/dev/null 2>&1 || pkgs+=(kubectl)
+  compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || pkgs+=(postgresql) # tests/support/postgres.py
   echo "${pkgs[*]:-}"
 }
 
@@ -66,4 +69,4 @@ if ! redis-cli -h "$REDIS_HOST" -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG
   echo "    redis-server --bind $REDIS_HOST --port $REDIS_PORT --save '' --appendonly no --daemonize yes" >&2
   exit 1
 fi
-log "ready: Redis answers on $REDIS_HOST:$REDIS_PORT; haproxy, chromium + chromedriver, kubectl installed"
+log "ready: Redis answers on $REDIS_HOST:$REDIS_PORT; haproxy, chromium + chromedriver, kubectl, postgresql installed"

@@ -39,6 +39,7 @@ BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asynci
 # saying so. `slow` and `serial` are set by hand (docs/testing.md).
 _PROCESS_FIXTURES = frozenset({"sim_factory", "gateway_factory"})
 _REDIS_FIXTURES = frozenset({"redis_url", "redis_prefix"})
+_POSTGRES_FIXTURES = frozenset({"postgres_dsn"})  # a throwaway cluster: a process, so e2e too
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -48,6 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         if names & _REDIS_FIXTURES:
             item.add_marker(pytest.mark.redis)
+        if names & _POSTGRES_FIXTURES:
+            item.add_marker(pytest.mark.postgres)
+            item.add_marker(pytest.mark.e2e)
 
 
 # Under `make unit` a module whose every test is e2e (tests/e2e/, or `pytestmark = pytest.mark.e2e`) is not
@@ -185,6 +189,30 @@ def redis_url() -> Iterator[str]:
     finally:
         stop_process(proc, timeout_s=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster for the session (tests/support/postgres.py): initdb'd in /tmp,
+    started on a free port, stopped and deleted at the end; tests keep apart by table name.
+
+    With TOKENWAY_REQUIRE_POSTGRES=1 (set by `make e2e` and .ci/run, after scripts/bootstrap-test.sh
+    has installed Debian's postgresql) missing binaries fail the tests, naming the install command;
+    otherwise they skip."""
+    if os.environ.get("TOKENWAY_UNIT") == "1":
+        pytest.fail("a unit test asked for PostgreSQL: mark it `pytest.mark.e2e`")
+    from tests.support import postgres
+
+    bindir = postgres.binaries()
+    if bindir is None:
+        if os.environ.get("TOKENWAY_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"PostgreSQL is required (TOKENWAY_REQUIRE_POSTGRES=1) but not installed: {postgres.INSTALL}")
+        pytest.skip(f"PostgreSQL's binaries are not installed ({postgres.INSTALL})")
+    cluster = postgres.start(bindir)
+    try:
+        yield cluster.dsn
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import orjson
 
 from backends.protocols.errors import ProtocolError
 from backends.protocols.sse import typed_event
+from backends.protocols.usage import with_cost
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 _ERROR_TYPES = {
@@ -246,6 +247,7 @@ def usage_object(usage: Mapping[str, Any] | None, prompt_estimate: int = 0) -> d
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
         "output_tokens": int(usage.get("completion_tokens") or 0),
+        **with_cost(usage),
     }
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from backends.protocols.errors import ProtocolError
+from backends.protocols.usage import with_cost
 
 _MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 _PASSED_FIELDS = ("temperature", "top_p", "user", "seed", "parallel_tool_calls", "top_k", "min_tokens")
@@ -248,6 +249,7 @@ def usage_object(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
+        **with_cost(usage),
     }
 
 

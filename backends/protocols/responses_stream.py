@@ -52,6 +52,11 @@ class ResponsesStream:
         self.seq += 1
         return typed_event(payload)
 
+    def extension(self, payload: dict[str, Any]) -> bytes:
+        """An event of the server's own (`type` outside OpenAI's), numbered in the stream's sequence:
+        clients that do not know its type pass it by (tokenway's failover marker)."""
+        return self._event(payload)
+
     def _snapshot(self) -> dict[str, Any]:
         return {**self.response, "output": [dict(item) for item in self.response["output"]]}
 

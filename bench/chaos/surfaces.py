@@ -227,11 +227,13 @@ EXAMPLES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/responses"): {"model": MODEL, "input": "hi", "max_output_tokens": 4},
     ("POST", "/v1/messages"): {"model": MODEL, "messages": MESSAGES, "max_tokens": 4},
     ("POST", "/v1/messages/count_tokens"): {"model": MODEL, "messages": MESSAGES},
+    ("POST", "/v1/programs/{program}/outcome"): {"success": True, "value": 1},
     ("POST", "/admin/keys"): {"tenant": "bench"},
     ("PATCH", "/admin/keys/{key_id}"): {"metadata": {"owner": "chaos"}},
     ("POST", "/admin/keys/{key_id}/rotate"): {"grace_s": 0},
     ("PATCH", "/admin/tenants/{name}"): {"allow_fallback": True},
     ("PUT", "/admin/pools/{pool}/floor"): {"min_replicas": 0, "for_s": 60},
+    ("POST", "/admin/overrides"): {"rule": "tenant", "dimension": "usd_per_day", "value": 20_000.0, "for": "1h"},
     ("POST", "/ui/login"): {"token": "not-the-token"},
 }
 
@@ -298,6 +300,10 @@ def path_values(s: Surfaces, path: str, owned: dict[str, str] | None = None) -> 
     values = {"pool": "llama", "model": MODEL, "name": "console.js", **(owned or s.ids)}
     if "{key_id}" in path:
         values["key_id"] = new_api_key(s)[0]
+    if "{program}" in path:  # one outcome per program: a fresh one each time
+        values["program"] = "chaos-" + uuid.uuid4().hex[:12]
+    if "{override_id}" in path:  # a fresh override to delete
+        values["override_id"] = admin_json(s, "POST", "/admin/overrides", EXAMPLES[("POST", "/admin/overrides")])["id"]
     if "{name}" in path and path.startswith("/admin/tenants"):
         name = "t" + uuid.uuid4().hex[:10]
         admin_json(s, "POST", "/admin/tenants", {"name": name})

@@ -179,7 +179,7 @@ def sequential(url: str, requests: int) -> tuple[float, float, float]:
     return float(p50), float(p90), float(p99)
 
 
-def wrk(url: str, connections: int, duration_s: float) -> tuple[float, dict[str, float], int]:
+def wrk(url: str, connections: int, duration_s: float, tags: str = "") -> tuple[float, dict[str, float], int]:
     script = Path(__file__).with_name("post.lua")
     argv = [
         "taskset",
@@ -194,7 +194,8 @@ def wrk(url: str, connections: int, duration_s: float) -> tuple[float, dict[str,
         str(script),
         url,
     ]
-    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TW_BENCH_KEY": KEY}, check=True)
+    env = {**os.environ, "TW_BENCH_KEY": KEY, **({"TW_BENCH_TAGS": tags} if tags else {})}  # tags: x-tokenway-tags
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True)
     return parse_wrk(out.stdout)
 
 

@@ -50,6 +50,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 LIMITS = [{"scope": "key", "rpm": 10**9, "tpm": 10**12}, {"scope": "tenant", "tpm": 10**12}]  # 3 buckets
 MEMORY = "memory"
+# The spend hierarchy (issue 45): the three buckets plus budgets of the organisation, the team, the
+# project (tenant), the key and a tag every request carries (`x-tokenway-tags`), never exhausted.
+HIERARCHY = {
+    "orgs": {"acme": {}},
+    "teams": {"search": {"org": "acme"}},
+    "budgets": [
+        {"scope": "org", "usd_per_month": 1e9},
+        {"scope": "team", "usd_per_month": 1e9},
+        {"scope": "tenant", "usd_per_day": 1e9},
+        {"scope": "key", "usd_per_day": 1e9},
+        {"scope": "tag", "match": {"tag": "feature-x"}, "usd_per_day": 1e9},
+    ],
+}
+TAGS = "feature-x"
 
 
 def variants(redis_url: str) -> dict[str, dict[str, Any]]:
@@ -60,6 +74,12 @@ def variants(redis_url: str) -> dict[str, dict[str, Any]]:
         MEMORY: base,
         "redis": {**base, "state": {**redis_state, "key_prefix": "bench-a", "replicas": {"share": False}}},
         "redis + shared routing state": {**base, "state": {**redis_state, "key_prefix": "bench-b"}},
+        "memory + hierarchy": {**base, "_policies": HIERARCHY},
+        "redis + hierarchy": {
+            **base,
+            "state": {**redis_state, "key_prefix": "bench-c", "replicas": {"share": False}},
+            "_policies": HIERARCHY,
+        },
     }
 
 
@@ -89,10 +109,16 @@ def start_variant(
     workdir: Path, name: str, extra: dict[str, Any], upstream: int, tree: Path = REPO
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
+    extra = dict(extra)
+    hierarchy = extra.pop("_policies", None)
     config = tokenway_config(workdir / re.sub(r"\W+", "-", name), [upstream], port, extra)
     policies = config.parent / "policies.yaml"
     doc = yaml.safe_load(policies.read_text())
     doc["limits"] = LIMITS
+    if hierarchy is not None:
+        doc.update(hierarchy)
+        for tenant in doc["tenants"].values():
+            tenant["team"] = "search"
     policies.write_text(yaml.safe_dump(doc))
     argv = ["taskset", "-c", PROXY_CORE, sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve",
             "--config", str(config)]  # fmt: skip
@@ -162,10 +188,11 @@ def main() -> int:
                 order.reverse()  # neither variant always runs first after the other's burst
             for name, (proc, port) in order:
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                wrk(url, args.connections, 1.0)
+                tags = TAGS if "hierarchy" in name else ""
+                wrk(url, args.connections, 1.0, tags)
                 errors0, local0 = limiter_counters(port)
                 before = cpu_seconds(proc.pid)
-                rps, pct, errors = wrk(url, args.connections, args.duration)
+                rps, pct, errors = wrk(url, args.connections, args.duration, tags)
                 cpu_us = (cpu_seconds(proc.pid) - before) / max(rps * args.duration, 1) * 1e6
                 errors1, local1 = limiter_counters(port)
                 point = Point(name, r, rps, pct["50"], pct["99"], errors, cpu_us, errors1 - errors0, local1 - local0)

@@ -130,6 +130,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
             ("Budget remaining", "currencyUSD", [
                 {"expr": "tokenway_budget_remaining_usd", "legend": "{{scope}} {{id}} per {{period}}"},
             ], 12),
+            ("Spend drift: enforced counters vs the ledger (alert: TokenwaySpendDrift)", "percentunit", [
+                {"expr": "max by (period) (tokenway_spend_drift_ratio)", "legend": "drift ratio per {{period}}"},
+                {"expr": "max by (period) (tokenway_spend_drift_usd)", "legend": "drift $ per {{period}}"},
+                {"expr": "max by (period) (tokenway_spend_drift_keys)", "legend": "keys past tolerance per {{period}}"},
+            ], 12),
         ],
     ),
     (
@@ -159,6 +164,25 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
                 {"expr": "tokenway_ledger_pending_records", "legend": "pending"},
                 {"expr": "rate(tokenway_ledger_dropped_total[$__rate_interval])", "legend": "dropped/s"},
             ], 12),
+        ],
+    ),
+    (
+        "LoRA adapters",
+        [
+            ("Adapter requests/s", "reqps", [
+                {"expr": "sum by (lora_name, status) (rate(tokenway_lora_requests_total[$__rate_interval]))",
+                 "legend": "{{lora_name}} {{status}}"},
+            ], 6),
+            ("Adapter tokens/s", "short", [
+                {"expr": "sum by (lora_name, token_type) (rate(tokenway_lora_tokens_total[$__rate_interval]))",
+                 "legend": "{{lora_name}} {{token_type}}"},
+            ], 6),
+            ("Adapter time to first token (loads show here)", "s",
+             _quantiles("tokenway_lora_time_to_first_token_seconds", "lora_name", "", (0.5, 0.9)), 6),
+            ("Adapter loads, preloads, idle unloads, losses/s", "ops", [
+                {"expr": "sum by (lora_name, event) (rate(tokenway_lora_adapter_events_total[$__rate_interval]))",
+                 "legend": "{{lora_name}} {{event}}"},
+            ], 6),
         ],
     ),
     (

@@ -91,8 +91,8 @@ class MessagesCall:
             raise InvalidRequest("stream: must be a boolean", param="stream")
         return self.body
 
-    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
-        return None
+    async def prepare(self, body: dict[str, Any], principal: Principal, program: str | None) -> str | None:
+        return program
 
     async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
         return await estimator.count("chat", self.chat, model)

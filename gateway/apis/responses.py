@@ -12,7 +12,7 @@ answer and the stream translated back (`backends.protocols.responses`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,7 @@ from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_r
 from gateway.request.apis import UnaryTransform
 from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
+from policies.routing.session import bounded_key
 from policies.types import ApiKind, Principal, RequestFacts, Usage
 
 
@@ -75,6 +76,7 @@ class ResponsesCall:
         self.prior: list[dict[str, Any]] = []
         self.chat: dict[str, Any] = {}
         self.principal: Principal | None = None
+        self.program: str | None = None  # kept with the stored response: the chain's next turn inherits it
         self.native = False
         self.final: dict[str, Any] | None = None
         self.final_bytes: bytes | None = None  # `final` as the client got it, where it was encoded here
@@ -92,11 +94,15 @@ class ResponsesCall:
         self.chat = self._translate()  # every item checked before anything is admitted
         return self.body
 
-    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
+    async def prepare(self, body: dict[str, Any], principal: Principal, program: str | None) -> str | None:
+        """The stored conversation this turn continues; the program is the request's own, else the
+        chain's (kept with each stored response), else the chain's first response id: a conversation
+        continued by `previous_response_id` is one program without the client naming it."""
         self.principal = principal
+        self.program = program
         previous = body.get("previous_response_id")
         if previous is None:
-            return
+            return program
         entry = await self.store.get(principal.key_id, previous) if self.store is not None else None
         if entry is None:
             raise PreviousResponseNotFound(
@@ -104,6 +110,10 @@ class ResponsesCall:
             )
         self.prior = list(entry.get("items") or ())
         self.chat = self._translate()
+        if program is None:
+            chained = entry.get("program")
+            self.program = chained if isinstance(chained, str) and chained else bounded_key(previous)
+        return self.program
 
     async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
         # vLLM's Responses renderer tokenizes the rendered chat with the tokenizer's special tokens
@@ -186,7 +196,7 @@ class ResponsesCall:
         if self.prior:
             items = [*self.prior, *items]
         response = self.final_bytes if self.final_bytes is not None else orjson.dumps(final)
-        await self.store.put(self.principal.key_id, self.response_id, entry_blob(response, items))
+        await self.store.put(self.principal.key_id, self.response_id, entry_blob(response, items, self.program))
 
 
 def _chat_usage(usage: Any) -> Usage | None:
@@ -225,6 +235,10 @@ class _Holding:
 
     def broken(self, message: str) -> bytes:
         return self.inner.broken(message)
+
+    def failover(self, marker: Mapping[str, Any]) -> bytes:
+        """The failover marker of a translated stream (a native one is never failed over)."""
+        return self.inner.failover(marker) if isinstance(self.inner, ResponsesFromChat) else b""
 
     def end(self) -> bytes:
         out = self.inner.end()

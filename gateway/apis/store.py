@@ -68,9 +68,11 @@ class ResponseStore(Protocol):
     async def close(self) -> None: ...
 
 
-def entry_blob(response: bytes, items: list[dict[str, Any]]) -> bytes:
-    """The stored entry `{"response": ..., "items": [...]}` around the response's JSON bytes."""
-    return b'{"response":' + response + b',"items":' + orjson.dumps(items) + b"}"
+def entry_blob(response: bytes, items: list[dict[str, Any]], program: str | None = None) -> bytes:
+    """The stored entry `{"response": ..., "items": [...], "program": ...}` around the response's JSON
+    bytes (`program`: the agent program of the conversation, when there is one)."""
+    tail = b',"program":' + orjson.dumps(program) if program is not None else b""
+    return b'{"response":' + response + b',"items":' + orjson.dumps(items) + tail + b"}"
 
 
 def _fits(settings: ResponseStoreSettings, blob: bytes) -> bool:

@@ -21,7 +21,7 @@ from backends.protocols import anthropic
 from backends.protocols.responses_stream import ResponsesStream
 from backends.protocols.sse import split_event, typed_event
 from backends.types import LoadTicket
-from gateway.upstream.relay import RelayOutcome
+from gateway.upstream.relay import RelayOutcome, cost_figure
 from policies.types import Usage
 
 _DONE = b"data: [DONE]"
@@ -52,6 +52,12 @@ def _output(outcome: RelayOutcome, ticket: LoadTicket, reserved_tokens: int, tok
     outcome.counted_completion_tokens += tokens
     outcome.last_token_at_s = now
     ticket.inflight.last_token_s = time.monotonic()
+
+
+def _show_cost(usage: Any, outcome: RelayOutcome) -> None:
+    """`cost_usd` into the final usage object, for a caller whose policy shows it (`outcome.price`)."""
+    if outcome.price is not None and outcome.usage is not None and type(usage) is dict:
+        usage["cost_usd"] = cost_figure(outcome.price(outcome.usage))
 
 
 def responses_usage(usage: Any) -> Usage | None:
@@ -146,6 +152,7 @@ class NativeResponses:
             return event
         payload, response = parsed
         outcome.usage = responses_usage(response.get("usage"))
+        _show_cost(response.get("usage"), outcome)
         if self.previous is not None:
             response["previous_response_id"] = self.previous
         self.final = response
@@ -181,31 +188,37 @@ class NativeMessages:
             if b"content_block_delta" in head:
                 _output(outcome, ticket, self.reserved_tokens)
             elif b"message_delta" in head or b"message_start" in head:
-                self._usage(event, outcome)
+                event = self._usage(event, outcome)
             if swap is not None and b"message_start" in head:
                 event = event.replace(swap[0], swap[1], 1)
             out.append(event)
         return b"\n\n".join(out) + b"\n\n" if out else b""
 
-    def _usage(self, event: bytes, outcome: RelayOutcome) -> None:
+    def _usage(self, event: bytes, outcome: RelayOutcome) -> bytes:
+        """Usage from `message_start` / `message_delta`; the event as it goes out (with `cost_usd` in
+        `message_delta`'s usage for a caller shown its cost)."""
         _name, data = split_event(event)
         try:
             payload = orjson.loads(data or b"")
         except orjson.JSONDecodeError:
-            return
+            return event
         if not isinstance(payload, dict):
-            return
+            return event
         if payload.get("type") == "message_start":
             message = payload.get("message")
             usage = messages_usage(message.get("usage") if isinstance(message, dict) else None)
             if usage is not None:
                 self.prompt = usage
-            return
+            return event
         usage = messages_usage(payload.get("usage"))
         if usage is not None:
             prompt = usage.prompt_tokens or self.prompt.prompt_tokens  # message_delta may carry output only
             cached = usage.cached_tokens or self.prompt.cached_tokens
             outcome.usage = Usage(prompt_tokens=prompt, completion_tokens=usage.completion_tokens, cached_tokens=cached)
+            if outcome.price is not None:
+                _show_cost(payload["usage"], outcome)
+                return typed_event(payload).rstrip(b"\n")
+        return event
 
     def broken(self, message: str) -> bytes:
         return typed_event(anthropic.error_body(500, message, kind="api_error"))
@@ -242,6 +255,9 @@ class _FromChat:
                 continue
             if chunk.get("usage") and not chunk.get("choices"):
                 outcome.usage = Usage.from_chat(chunk["usage"])
+                if type(chunk["usage"]) is dict:  # the translation carries `cost_usd` over, when set here
+                    chunk["usage"].pop("cost_usd", None)  # never an upstream's own figure
+                    _show_cost(chunk["usage"], outcome)
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
                 if delta.get("content") or delta.get("tool_calls"):
@@ -275,6 +291,12 @@ class ResponsesFromChat(_FromChat):
     def broken(self, message: str) -> bytes:
         return self.stream.fail(message, "upstream_error")
 
+    def failover(self, marker: Mapping[str, Any]) -> bytes:
+        """Where the stream moved to a fallback model (gateway/transport/failover.py): an event of
+        tokenway's own type in the stream's sequence; the response goes on under its id, one
+        `response.created`, the text in the same output item."""
+        return self.stream.extension({"type": "tokenway.failover", "tokenway": {"failover": dict(marker)}})
+
     def end(self) -> bytes:
         return b"" if self.stream.ended else self.stream.finish()
 
@@ -293,6 +315,12 @@ class MessagesFromChat(_FromChat):
 
     def broken(self, message: str) -> bytes:
         return self.stream.fail(message)
+
+    def failover(self, marker: Mapping[str, Any]) -> bytes:
+        """Where the stream moved to a fallback model (gateway/transport/failover.py): a `ping` event
+        (Anthropic's grammar has no extension event; its SDKs skip pings) carrying `tokenway.failover`;
+        the message goes on with one `message_start` and its open text block."""
+        return typed_event({"type": "ping", "tokenway": {"failover": dict(marker)}})
 
     def end(self) -> bytes:
         return b"" if self.stream.ended else self.stream.finish()

@@ -48,7 +48,25 @@ def config_findings(
     found += _unpriced(policies, pools, gw)
     found += _allow_lists(policies, served, policies_source)
     found += _adapter_routing(settings, policies, pools)
+    found += _role_teams(settings, policies, policies_source)
     return sorted(found, key=lambda f: f.severity != "error")
+
+
+def _role_teams(settings: GatewaySettings, policies: PoliciesConfig, source: str) -> list[Finding]:
+    """Teams a team admin manages (server.users, server.oidc.group_roles) that policies.yaml lacks: a
+    warning, not an error (the team may come with the next policies.yaml), but it grants nothing now."""
+    named = [(f"server.users[{i}].teams", u.teams) for i, u in enumerate(settings.server.users)]
+    oidc = settings.server.oidc
+    if oidc is not None:
+        named += [(f"server.oidc.group_roles.{g}.teams", r.teams) for g, r in oidc.group_roles.items()]
+    return [
+        Finding(
+            "warning", f"{settings.source}: {where}", f"team {team!r} is not in {source}'s teams: it manages nothing"
+        )
+        for where, teams in named
+        for team in teams
+        if team not in policies.teams
+    ]
 
 
 def errors(findings: Iterable[Finding]) -> list[Finding]:

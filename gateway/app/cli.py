@@ -20,12 +20,29 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tokenway: {exc}", file=sys.stderr)
         return 2
-    if args.host or args.port is not None:
-        server = settings.server.model_copy(
-            update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        )
-        settings = settings.model_copy(update={"server": server})
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers)) if v is not None}
+    if updates:
+        settings = settings.model_copy(update={"server": settings.server.model_copy(update=updates)})
+    from gateway.workers.plan import worker_count
+
+    workers = worker_count(settings.server.workers)
+    if workers > 1:  # a group of processes on one port (gateway/workers)
+        from gateway.workers.group import run_group
+
+        return run_group(settings, workers, log_level=args.log_level)
     return run(settings)
+
+
+def _workers_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of processes or auto (got {value!r})") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 (got {count})")
+    return count
 
 
 def _epp(args: argparse.Namespace) -> int:
@@ -141,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default="config/gateway.yaml")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--workers",
+        type=_workers_arg,
+        help="gateway processes on the port, sharing state (default server.workers, 1; auto: one per core)",
+    )
     serve.set_defaults(func=_serve)
 
     epp = sub.add_parser("epp", help="serve as a Gateway API Inference Extension endpoint picker (Envoy ext_proc)")
@@ -156,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.app.cli_keys import add_parsers as add_key_parsers
 
     add_key_parsers(sub)
+    from gateway.app.cli_users import add_parsers as add_user_parsers
+
+    add_user_parsers(sub)
 
     check = sub.add_parser("check", help="validate gateway.yaml with its policies.yaml; print every problem")
     check.add_argument("--config", default="config/gateway.yaml")

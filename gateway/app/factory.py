@@ -29,12 +29,14 @@ from gateway.app import keys as appkeys
 from gateway.app.checks import config_findings, errors
 from gateway.app.policy_reload import PolicyWatcher
 from gateway.app.settings import GatewaySettings, StateSettings
+from gateway.audit.api import audit_ctx, audit_routes
 from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
 from gateway.console.activity import ConsoleActivity
 from gateway.console.routes import console_admin_routes, console_routes
 from gateway.console.sessions import ConsoleSessions
+from gateway.console.shared import SharedActivity
 from gateway.flow.check import Check
 from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
@@ -43,11 +45,14 @@ from gateway.flow.slo import SloHook
 from gateway.flow.spill import Spill
 from gateway.http.admin import admin_routes, limiter_gauges, predictor_gauges
 from gateway.http.admin_keys import key_routes, own_key
+from gateway.http.admin_overrides import override_routes
 from gateway.http.bodies import body_bounds, bounded_bodies
 from gateway.http.openapi import setup_openapi_route
+from gateway.http.outcome import setup_outcome_routes
 from gateway.http.routes import METRICS_RENDER, METRICS_TOKEN, setup_routes
 from gateway.ledger import open_ledger
-from gateway.replicas.bus import ReplicaBus
+from gateway.ledger.reconcile import reconcile_ctx
+from gateway.replicas.bus import ReplicaBus, default_replica_id
 from gateway.request import Director, Hook, Hooks
 from gateway.request.accounting import Accounting
 from gateway.request.dispatch import Dispatch
@@ -58,14 +63,17 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.transport.engine import EngineTransport
 from gateway.transport.hosted import HostedCalls, HostedTransport, PoolTransports
-from gateway.transport.observers import RouteMetrics
+from gateway.transport.lora_keeper import keeping
+from gateway.transport.observers import RouteMetrics, ToolBoundary
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
 from gateway.upstream.stalls import StallWatch, watching
 from policies.estimate import PromptEstimator
 from policies.flow.bands import band_name
 from policies.flow.counters import Counters, MemoryCounters
+from policies.flow.programs import MemoryPrograms, ProgramService
 from policies.flow.redis_counters import RedisCounters
+from policies.flow.redis_programs import RedisPrograms
 from policies.holder import PolicyHolder, ReloadResult
 from policies.keys.directory import KeyDirectory
 from policies.keys.mirrored import MirroredDirectoryStore
@@ -95,8 +103,10 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app[appkeys.BACKENDS] = settings.backends
     app[appkeys.ROUTING_CONFIG] = settings.routing
     app.cleanup_ctx.append(_telemetry_ctx)
+    app.cleanup_ctx.append(audit_ctx)  # admin changes, fsync'd one by one (gateway/audit)
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_policies_ctx)
+    app.cleanup_ctx.append(reconcile_ctx)  # enforced spend vs the ledger, per key (gateway/ledger/reconcile.py)
     app.cleanup_ctx.append(_fleet_ctx)
     app.cleanup_ctx.append(autoscale_ctx)  # elastic pools: the planner, its executor, the cold-start hold
     app.cleanup_ctx.append(_predictor_ctx)
@@ -104,11 +114,13 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.cleanup_ctx.append(_replicas_ctx)
     app.cleanup_ctx.append(_flow_ctx)
     app.cleanup_ctx.append(_director_ctx)
+    app.cleanup_ctx.append(_shared_activity_ctx)  # the console's overview and tail of every replica
     app.cleanup_ctx.append(_response_store_ctx)
     app.cleanup_ctx.append(batch_ctx)  # files, batches and the runner (after the walk it runs lines on)
-    setup_routes(app, admin_routes() + key_routes() + console_admin_routes())
+    setup_routes(app, admin_routes() + key_routes() + override_routes() + console_admin_routes() + audit_routes())
     app.router.add_get("/v1/key", own_key)
     app.router.add_get("/key/info", own_key)  # LiteLLM's name for the same question
+    setup_outcome_routes(app)  # POST /v1/programs/{id}/outcome: cost per outcome (gateway/http/outcome.py)
     for method, path, handler in console_routes():
         app.router.add_route(method, path, handler)
     app[appkeys.CONSOLE_SESSIONS] = ConsoleSessions()
@@ -314,6 +326,22 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
         await bus.stop()
 
 
+async def _shared_activity_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With shared state, publish this process's console activity and read every replica's
+    (gateway/console/shared.py); without it, the console shows this process alone."""
+    state = app[appkeys.SETTINGS].state
+    shared: SharedActivity | None = None
+    if state.backend == "redis" and state.redis_url is not None:
+        bus = app[appkeys.REPLICAS]
+        name = bus.replica_id if bus is not None else default_replica_id()
+        shared = SharedActivity(app[appkeys.CONSOLE_ACTIVITY], state.redis_url, state.key_prefix, name)
+        await shared.start()
+    app[appkeys.SHARED_ACTIVITY] = shared
+    yield
+    if shared is not None:
+        await shared.stop()
+
+
 async def _name_replica(request: web.Request, response: web.StreamResponse) -> None:
     bus = request.app[appkeys.REPLICAS]
     if bus is not None:
@@ -345,8 +373,15 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     flow = settings.flow_control
     state = settings.state
     counters: Counters = MemoryCounters()
+    programs: ProgramService = MemoryPrograms()  # program-fair queueing's attained service (docs/agents.md)
     if state.backend == "redis" and state.redis_url:
         counters = RedisCounters.from_url(
+            state.redis_url,
+            prefix=state.key_prefix,
+            refresh_s=flow.advanced.counters_refresh_ms / 1000.0,
+            flush_s=flow.advanced.counters_flush_ms / 1000.0,
+        )
+        programs = RedisPrograms.from_url(
             state.redis_url,
             prefix=state.key_prefix,
             refresh_s=flow.advanced.counters_refresh_ms / 1000.0,
@@ -364,6 +399,8 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         share_window_s=flow.share_window_s,
         active_s=flow.reserve_active_s,
         on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
+        programs=programs,
+        program_half_life=lambda tenant: holder.current.program_half_life(tenant),
     )
     flow_metrics.set_status(queue.status)
     bus = app[appkeys.REPLICAS]
@@ -375,6 +412,7 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     if bus is not None:
         bus.activity = None
     await counters.close()
+    await programs.close()
 
 
 async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -419,6 +457,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     if metrics_on:
         hook_list.append(RouteMetrics(metrics))  # each attempt's route and retry, observed
+    hook_list.append(ToolBoundary(app[appkeys.ROUTER]))  # answers ending in tool calls: their program returns
     hooks = Hooks(hook_list)
     sinks = [sink for sink in (metrics if metrics_on else None, ledger, activity) if sink is not None]
     accounting = Accounting(app[appkeys.ADMISSION], app[appkeys.POLICIES], sinks, hooks, audit=estimator.audit)
@@ -469,7 +508,8 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         start_trace=app[appkeys.TRACING].start_request,
     )
     try:
-        async with watching(engine.stalls):  # frozen replicas out of routing (gateway/upstream/stalls.py)
+        # frozen replicas out of routing (gateway/upstream/stalls.py); LoRA preloads and idle unloads
+        async with watching(engine.stalls), keeping(engine.lora_keeper):
             yield
     finally:
         if hosted_calls is not None:
@@ -505,4 +545,5 @@ def _allow_labels(metrics: GatewayMetrics, policy: Policy, fleet: Fleet) -> None
         pools=fleet.pools.keys(),
         endpoints=[e.id for e in fleet.endpoints()],
         key_ids=[k.id for k in policy.config.keys],
+        loras=policy.adapters.keys(),  # LoRA adapters: the `lora_name` label's values (docs/adapters.md)
     )

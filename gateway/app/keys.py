@@ -14,6 +14,7 @@ from gateway.app.policy_reload import PolicyWatcher
 from gateway.app.settings import GatewaySettings
 from gateway.console.activity import ConsoleActivity
 from gateway.console.sessions import ConsoleSessions
+from gateway.console.shared import SharedActivity
 from gateway.flow.queue import FlowQueue
 from gateway.ledger.writer import LedgerWriter
 from gateway.replicas.bus import ReplicaBus
@@ -48,6 +49,8 @@ PREDICTOR: web.AppKey[LatencyPredictor | None] = web.AppKey("predictor")  # None
 POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy (hot-reloaded)
 POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
+# None: the console shows this process's activity alone (no shared state: gateway/console/shared.py)
+SHARED_ACTIVITY: web.AppKey[SharedActivity | None] = web.AppKey("shared_activity")
 REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replicas do not share routing state
 DIRECTORY = web.AppKey("directory", KeyDirectory)  # keys and tenants made through the admin API
 CONSOLE_SESSIONS = web.AppKey("console_sessions", ConsoleSessions)  # logins of the web console

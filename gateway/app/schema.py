@@ -42,6 +42,104 @@ class FirstTokenDeadline(_Strict):
     )
 
 
+class UserConfig(_Strict):
+    """`server.users[]`: a person or a service with a role on the operator surfaces, and the API
+    tokens it presents (`Authorization: Bearer`), stored as SHA-256 digests like policies.yaml keys
+    (`tokenway users token NAME` prints a fresh token and its digest). docs/security.md#roles."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}$", description="who, as the audit log names them (user:NAME)"
+    )
+    role: Literal["admin", "team_admin", "viewer"] = Field(
+        description="admin: everything; team_admin: reads, and its teams' keys and tenants; viewer: reads"
+    )
+    teams: list[str] = Field(default_factory=list, description="the teams of policies.yaml a team_admin manages")
+    tokens_sha256: list[str] = Field(
+        default_factory=list, description="SHA-256 (hex) of each API token of this user; several while rotating"
+    )
+    emails: list[str] = Field(
+        default_factory=list, description="OIDC logins whose verified `email` claim is one of these become this user"
+    )
+
+    @field_validator("tokens_sha256")
+    @classmethod
+    def _hex_digests(cls, value: list[str]) -> list[str]:
+        for digest in value:
+            if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+                raise ValueError(f"{digest[:80]!r}: a SHA-256 digest is 64 hex characters")
+        return [digest.lower() for digest in value]
+
+    @field_validator("emails")
+    @classmethod
+    def _lower_emails(cls, value: list[str]) -> list[str]:
+        return [email.strip().lower() for email in value]
+
+
+OidcAlgorithm = Literal["RS256", "RS384", "RS512", "PS256", "ES256", "ES384", "EdDSA"]
+
+
+def _default_algorithms() -> list[OidcAlgorithm]:
+    return ["RS256", "ES256"]
+
+
+class OidcGroupRole(_Strict):
+    """`server.oidc.group_roles.<group>`: the role a value of the groups claim grants."""
+
+    role: Literal["admin", "team_admin", "viewer"] = Field(description="the role of members of this group")
+    teams: list[str] = Field(default_factory=list, description="the teams a team_admin of this group manages")
+
+
+class OidcConfig(_Strict):
+    """`server.oidc`: console login through an OpenID Connect provider (authorization code + PKCE),
+    beside the token login (gateway/console/oidc.py, docs/security.md#single-sign-on-oidc)."""
+
+    issuer: str = Field(description="the provider's issuer URL (its /.well-known/openid-configuration is read)")
+    client_id: str = Field(min_length=1, description="this gateway's client id at the provider")
+    client_secret: str | None = Field(
+        default=None, description="for a confidential client (use ${ENV}); a public client sends PKCE only"
+    )
+    redirect_url: str | None = Field(
+        default=None,
+        description="the callback registered at the provider, ending in /ui/oidc/callback; "
+        "default: the request's scheme and Host + /ui/oidc/callback",
+    )
+    scopes: list[str] = Field(default_factory=lambda: ["openid", "email", "profile"], description="asked for")
+    groups_claim: str = Field(default="groups", description="the ID token claim listing the user's groups")
+    group_roles: dict[str, OidcGroupRole] = Field(
+        default_factory=dict, description="groups claim value -> role (and teams); the highest role of a user's wins"
+    )
+    trust_unverified_email: bool = Field(
+        default=False, description="map an `email` to server.users[].emails even without email_verified: true"
+    )
+    label: str = Field(default="Log in with single sign-on", max_length=80, description="the console's button")
+    algorithms: list[OidcAlgorithm] = Field(
+        default_factory=_default_algorithms, description="ID token signatures accepted (never none or HS*)"
+    )
+    timeout_s: float = Field(default=10.0, gt=0, description="each call to the provider")
+    leeway_s: float = Field(default=60.0, ge=0, le=600, description="clock skew allowed on exp and iat")
+
+    @field_validator("issuer")
+    @classmethod
+    def _https_issuer(cls, value: str) -> str:
+        if not _https_or_loopback(value):
+            raise ValueError("https:// (http:// only on a loopback address, for tests)")
+        return value.rstrip("/")
+
+    @field_validator("redirect_url")
+    @classmethod
+    def _callback(cls, value: str | None) -> str | None:
+        if value is not None and (not _https_or_loopback(value) or not value.endswith("/ui/oidc/callback")):
+            raise ValueError("an https:// URL ending in /ui/oidc/callback (http:// only on a loopback address)")
+        return value
+
+
+def _https_or_loopback(url: str) -> bool:
+    if url.startswith("https://"):
+        return True
+    host = url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+    return url.startswith("http://") and host in ("127.0.0.1", "localhost", "::1")
+
+
 class ServerSettings(_Strict):
     host: str = Field(
         default="127.0.0.1",
@@ -77,6 +175,14 @@ class ServerSettings(_Strict):
         description="extra Host names (name or name:port) /admin/* and /ui/* answer to besides loopback "
         "literals and localhost on the listening port; set, they are checked with an admin token too",
     )
+    users: list[UserConfig] = Field(
+        default_factory=list,
+        description="operators with a role (admin, team_admin, viewer) and their API tokens, beside admin_token "
+        "(docs/security.md#roles-and-user-tokens)",
+    )
+    oidc: OidcConfig | None = Field(
+        default=None, description="console single sign-on through an OpenID Connect provider (null: token login only)"
+    )
     retry_after_s: int = Field(default=1, ge=0, description="retry-after on 503 no_healthy_backend")
     ready_when: Literal["all_pools", "default_pool", "any_pool"] = Field(
         default="all_pools",
@@ -86,11 +192,40 @@ class ServerSettings(_Strict):
     gc_young_threshold: int = Field(
         default=20_000, ge=0, description="allocations between young-generation GC passes; 0: Python's default"
     )
+    workers: int | Literal["auto"] = Field(
+        default=1,
+        description="gateway processes sharing the port (SO_REUSEPORT) and their state; auto: one per core "
+        "(docs/scale-out.md#workers-several-processes-on-one-host)",
+    )
+
+    @field_validator("workers")
+    @classmethod
+    def _positive_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("at least 1 (or auto)")
+        return value
 
     @field_validator("admin_token")
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
         return value or None  # `${TOKENWAY_ADMIN_TOKEN:-}` unset: no token (and no start beyond loopback)
+
+    @field_validator("users")
+    @classmethod
+    def _distinct_users(cls, value: list[UserConfig]) -> list[UserConfig]:
+        names: set[str] = set()
+        digests: set[str] = set()
+        for user in value:
+            if user.name in names:
+                raise ValueError(f"user {user.name!r} is listed twice")
+            names.add(user.name)
+            if user.role == "team_admin" and not user.teams:
+                raise ValueError(f"user {user.name!r}: a team_admin names the teams it manages (teams: [...])")
+            for digest in user.tokens_sha256:
+                if digest in digests:
+                    raise ValueError(f"user {user.name!r}: a token digest is listed twice")
+                digests.add(digest)
+        return value
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -232,6 +367,69 @@ class RedisStreamConfig(_Strict):
     max_pending_batches: int = Field(default=256, ge=1, description="beyond this, oldest batches are dropped")
 
 
+class LedgerPostgresConfig(_Strict):
+    """A copy of every ledger record in a PostgreSQL table (gateway/ledger/postgres.py), for
+    `tokenway usage sql --dsn`. Needs the `postgres` extra (psycopg)."""
+
+    dsn: str = Field(description="postgresql://user@host:5432/db (use ${ENV} for a password)")
+    table: str = Field(
+        default="usage", pattern=r"^[a-z_][a-z0-9_]{0,62}$", description="the table, created when missing"
+    )
+    timeout_s: float = Field(
+        default=5.0, gt=0, description="connecting and each batch's insert; a slow database drops, never blocks"
+    )
+    max_pending_batches: int = Field(
+        default=256, ge=1, description="committed groups waiting for PostgreSQL; beyond this the oldest are dropped"
+    )
+
+
+class AuditConfig(_Strict):
+    """The audit log of admin changes (gateway/audit): one fsync'd line per change, rotated by size."""
+
+    enabled: bool = Field(default=True, description="record every admin change (who, when, what, before and after)")
+    dir: str = Field(
+        default="var/audit",
+        description="directory of the audit files, relative to the working directory like ledger.dir; one per host",
+    )
+    file_prefix: str = Field(
+        default="audit",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="files are PREFIX.jsonl, PREFIX.jsonl.1, …",
+    )
+    rotate_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=4096, description="the current file is rotated before it would pass this size"
+    )
+    keep_files: int = Field(
+        default=10, ge=1, le=1000, description="rotated files kept beside the current one; older ones are deleted"
+    )
+    redis_stream: str = Field(
+        default="tokenway:audit",
+        min_length=1,
+        description="with ledger.redis_stream set, each record is also XADDed to this stream (same Redis)",
+    )
+
+
+class ReconcileConfig(_Strict):
+    """Spend reconciliation (gateway/ledger/reconcile.py, docs/governance.md)."""
+
+    enabled: bool = Field(
+        default=True, description="compare each key's enforced spend counters with the ledger's records"
+    )
+    interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="how often; with Redis also how often this replica's recorded sums reach the others",
+    )
+    tolerance_usd: float = Field(default=0.01, ge=0, description="a key's drift past this many dollars ...")
+    tolerance_ratio: float = Field(
+        default=0.01, ge=0, description="... and past this share of its recorded spend is listed and counted"
+    )
+    max_keys: int = Field(
+        default=1000, ge=1, le=100_000, description="keys compared per period (those that spent most); the rest summed"
+    )
+
+
 class LedgerConfig(_Strict):
     enabled: bool = Field(default=True, description="write one usage record per finished request")
     dir: str = Field(
@@ -259,6 +457,16 @@ class LedgerConfig(_Strict):
     )
     redis_stream: RedisStreamConfig | None = Field(
         default=None, description="also XADD every record to a Redis stream, for collection from many replicas"
+    )
+    reconcile: ReconcileConfig = Field(
+        default_factory=lambda: ReconcileConfig(),
+        description="the enforced spend counters against the ledger, per key and period, with a drift gauge",
+    )
+    postgres: LedgerPostgresConfig | None = Field(
+        default=None, description="also insert every record into a PostgreSQL table (`tokenway usage sql --dsn`)"
+    )
+    audit: AuditConfig = Field(
+        default_factory=AuditConfig, description="the audit log of admin changes, beside the ledger and its sinks"
     )
 
 

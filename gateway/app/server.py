@@ -13,7 +13,8 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -45,26 +46,39 @@ def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunne
 AppFactory = Callable[[GatewaySettings], web.Application]
 
 
-async def serve(settings: GatewaySettings, *, banner: bool = True, app_factory: AppFactory = create_app) -> int:
-    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines."""
+async def serve(
+    settings: GatewaySettings, *, banner: bool = True, app_factory: AppFactory = create_app, reuse_port: bool = False
+) -> int:
+    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests, stop engines.
+
+    `reuse_port`: one of several workers on the same port (gateway/workers), each its own socket. A
+    worker binds only once its app has started: the kernel hands a share of new connections to every
+    socket of the group, and one whose process is still starting would hold them unanswered (the
+    group's parent checked the port before anything started)."""
     problem = exposure_problem(settings.server.host, settings.server.admin_token)
     if problem is not None:  # checked before anything starts (engines included)
         print(f"tokenway: {problem}", file=sys.stderr, flush=True)
         return 2
-    try:  # the port first: nothing (no engine) starts when it is taken
-        sock = listen_socket(settings.server.host, settings.server.port)
-    except OSError as exc:
-        print(f"tokenway: {port_problem(settings.server.host, settings.server.port, exc)}", file=sys.stderr, flush=True)
-        return 2
+    sock: socket.socket | None = None
+    if not reuse_port:  # the port first: nothing (no engine) starts when it is taken
+        sock = _listen_or_say(settings)
+        if sock is None:
+            return 2
     app = app_factory(settings)
     runner = make_runner(app, settings)
     try:
         await runner.setup()
     except (PolicyFileError, PlanError, ConfigError) as exc:  # a bad file stops start-up with its message
         print(f"tokenway: {exc}", file=sys.stderr, flush=True)
-        sock.close()
+        if sock is not None:
+            sock.close()
         await runner.cleanup()
         return 2
+    if sock is None:
+        sock = _listen_or_say(settings, reuse_port=True)
+        if sock is None:
+            await runner.cleanup()
+            return 2
     site = web.SockSite(runner, sock)
     await site.start()
     if settings.server.gc_young_threshold:
@@ -85,13 +99,27 @@ async def serve(settings: GatewaySettings, *, banner: bool = True, app_factory: 
     return 0
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything else starts (raises OSError when it cannot be)."""
+def _listen_or_say(settings: GatewaySettings, *, reuse_port: bool = False) -> socket.socket | None:
+    """The listening socket, or None after telling the operator why it cannot be opened."""
+    host, port = settings.server.host, settings.server.port
+    try:
+        return listen_socket(host, port, reuse_port=reuse_port)
+    except OSError as exc:
+        print(f"tokenway: {port_problem(host, port, exc)}", file=sys.stderr, flush=True)
+        return None
+
+
+def listen_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """The listening socket, bound before anything else starts (raises OSError when it cannot be).
+    With `reuse_port` the kernel spreads new connections over every socket bound so (SO_REUSEPORT,
+    the same user only): how a group of workers shares one port without a balancer in front."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         sock.listen(2048)
     except OSError:
@@ -172,12 +200,20 @@ async def _announce_ready(app: web.Application) -> None:
     print(f"tokenway ready: pools {', '.join(ready) or '(none)'} serving{note}", flush=True)
 
 
-def run(settings: GatewaySettings, app_factory: AppFactory = create_app) -> int:
+def run(
+    settings: GatewaySettings, app_factory: AppFactory = create_app, *, reuse_port: bool = False, banner: bool = True
+) -> int:
+    main = serve(settings, app_factory=app_factory, reuse_port=reuse_port, banner=banner)
+    return run_loop(main)
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` on uvloop (asyncio's own loop where uvloop is missing)."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(serve(settings, app_factory=app_factory))
+        return asyncio.run(main)
     if sys.version_info >= (3, 12):
-        return uvloop.run(serve(settings, app_factory=app_factory))
+        return uvloop.run(main)
     uvloop.install()
-    return asyncio.run(serve(settings, app_factory=app_factory))
+    return asyncio.run(main)

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.audit.api import note
 from gateway.autoscale.loop import Autoscaler
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.http.admin_replies import admin_error, json_reply
@@ -98,12 +99,14 @@ async def floor_put(request: web.Request) -> web.Response:
     try:
         autoscaler, name, roles = _pool(request)
         count, start_in_s, for_s, role = parse_floor(await request.read(), roles)
+        before = _listing(autoscaler, name)
         try:
             floor = autoscaler.set_floor(name, count, start_in_s, for_s, role)
         except ValueError as exc:
             raise _Refused(409, str(exc)) from None
     except _Refused as refused:
         return _error(refused)
+    note(request, target=name, before=before, after=_listing(autoscaler, name))
     return json_reply({"pool": name, "floor": scheduled.view(floor, autoscaler.clock())})
 
 
@@ -120,5 +123,8 @@ async def floor_delete(request: web.Request) -> web.Response:
         autoscaler, name, _roles = _pool(request)
     except _Refused as refused:
         return _error(refused)
+    before = _listing(autoscaler, name)
     dropped = autoscaler.clear_floors(name)
-    return json_reply({**_listing(autoscaler, name), "cleared": dropped})
+    after = _listing(autoscaler, name)
+    note(request, target=name, before=before, after=after)
+    return json_reply({**after, "cleared": dropped})

@@ -110,37 +110,47 @@ class ConsoleActivity:
             return False
         return not (slo.tpot_ms is not None and record.tpot_s is not None and record.tpot_s * 1000.0 > slo.tpot_ms)
 
+    def minutes(self) -> list[dict[str, Any]]:
+        """The counters of the minutes of the last hour that saw a request (what replicas share)."""
+        horizon = int(self._clock() // 60) * 60 - (MINUTES - 1) * 60
+        return [m.as_dict() for m in self._minutes if m.start_s >= horizon]
+
     def overview(self) -> dict[str, Any]:
         """Per-minute counters of the last hour and their totals (rates per second over the span)."""
-        now_s = self._clock()
-        current = int(now_s // 60) * 60
-        horizon = current - (MINUTES - 1) * 60
-        seen = [m for m in self._minutes if m.start_s >= horizon]
-        by_start = {m.start_s: m for m in seen}
-        dense = [(by_start.get(t) or _Minute(t)).as_dict() for t in range(horizon, current + 60, 60)]  # a full hour
-        minutes = [m.as_dict() for m in seen]
-        total = {k: sum(m[k] for m in minutes) for k in minutes[0] if k != "t"} if minutes else {}
-        span_s = max(60.0, now_s - minutes[0]["t"]) if minutes else 60.0
-        tokens = total.get("input_tokens", 0) + total.get("output_tokens", 0)
-        requests = total.get("requests", 0)
-        summary = {
-            "window_s": round(span_s, 1),
-            "requests_per_s": requests / span_s if minutes else 0.0,
-            "tokens_per_s": tokens / span_s if minutes else 0.0,
-            "spend_per_hour_usd": total.get("cost_usd", 0.0) / span_s * 3600.0 if minutes else 0.0,
-            "cpm_usd": total["cost_usd"] / tokens * 1e6 if tokens else None,
-            "error_rate": total["errors"] / requests if requests else None,
-            "rejection_rate": total["rejected"] / requests if requests else None,
-            "fallback_rate": total["fallbacks"] / requests if requests else None,
-            "slo_attainment": total["slo_met"] / total["slo_requests"] if total.get("slo_requests") else None,
-            **{k: total.get(k, 0) for k in ("requests", "served", "rejected", "errors", "fallbacks")},
-        }
-        return {"summary": summary, "minutes": dense}
+        return overview_of(self.minutes(), self._clock())
 
     def tail(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         """The newest requests after sequence number `after`, newest first."""
         rows = [_row(seq, record) for seq, record in reversed(self._tail) if seq > after]
         return rows[:limit]
+
+
+def overview_of(minutes: list[dict[str, Any]], now_s: float) -> dict[str, Any]:
+    """Per-minute counters of the last hour and their totals (rates per second over the span), from
+    the minutes that saw requests (one replica's, or several replicas' summed: gateway/console/shared.py)."""
+    current = int(now_s // 60) * 60
+    horizon = current - (MINUTES - 1) * 60
+    minutes = sorted((m for m in minutes if m["t"] >= horizon), key=lambda m: m["t"])
+    by_start = {m["t"]: m for m in minutes}
+    empty = _Minute(0).as_dict()
+    dense = [by_start.get(t) or {**empty, "t": t} for t in range(horizon, current + 60, 60)]  # a full hour
+    total = {k: sum(m[k] for m in minutes) for k in minutes[0] if k != "t"} if minutes else {}
+    span_s = max(60.0, now_s - minutes[0]["t"]) if minutes else 60.0
+    tokens = total.get("input_tokens", 0) + total.get("output_tokens", 0)
+    requests = total.get("requests", 0)
+    summary = {
+        "window_s": round(span_s, 1),
+        "requests_per_s": requests / span_s if minutes else 0.0,
+        "tokens_per_s": tokens / span_s if minutes else 0.0,
+        "spend_per_hour_usd": total.get("cost_usd", 0.0) / span_s * 3600.0 if minutes else 0.0,
+        "cpm_usd": total["cost_usd"] / tokens * 1e6 if tokens else None,
+        "error_rate": total["errors"] / requests if requests else None,
+        "rejection_rate": total["rejected"] / requests if requests else None,
+        "fallback_rate": total["fallbacks"] / requests if requests else None,
+        "slo_attainment": total["slo_met"] / total["slo_requests"] if total.get("slo_requests") else None,
+        **{k: total.get(k, 0) for k in ("requests", "served", "rejected", "errors", "fallbacks")},
+    }
+    return {"summary": summary, "minutes": dense}
 
 
 def _row(seq: int, record: RequestRecord) -> dict[str, Any]:

@@ -11,16 +11,28 @@ import hmac
 import logging
 from pathlib import Path
 
+import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.console.oidc import (
+    CALLBACK_PATH,
+    FLOW_COOKIE,
+    PENDING_TTL_S,
+    OidcClient,
+    OidcNotConfigured,
+    OidcRefused,
+    identity_of_claims,
+    redirect_uri_of,
+)
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.console.throttle import LoginThrottle, retry_after_header
 from gateway.console.usage import usage_async
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.http import access
 from gateway.http.admin_replies import json_reply
+from gateway.http.roles import CONSOLE, Identity
 from gateway.http.routes import Handler, caller_of, gate_of
 from gateway.ledger.report import ReportError
 
@@ -73,22 +85,25 @@ async def session(request: web.Request) -> web.Response:
     origin can read), and whether logging in needs the admin token."""
     gate = gate_of(request.app)
     caller = caller_of(request)
-    csrf = request.app[appkeys.CONSOLE_SESSIONS].csrf_of(request.cookies.get(COOKIE))
-    if csrf is not None and not gate.admin_token and not access.direct_loopback(caller):
-        csrf = None  # the cookie does not stand in for loopback trust
+    found = request.app[appkeys.CONSOLE_SESSIONS].session_of(request.cookies.get(COOKIE))
+    if found is not None and not gate.admin_token and not access.direct_loopback(caller):
+        found = None  # the cookie does not stand in for loopback trust
     body: dict[str, object] = {
-        "authenticated": csrf is not None,
+        "authenticated": found is not None,
         "token_required": bool(gate.admin_token),
         "loopback_only": not gate.admin_token,
+        "oidc": oidc.label if (oidc := request.app[appkeys.SETTINGS].server.oidc) is not None else None,
     }
-    if csrf is not None:
-        body["csrf_token"] = csrf
+    if found is not None:
+        body["csrf_token"] = found[0]
+        body["identity"] = found[1].view()  # the page hides what this role may not do
     return json_reply(body, headers=NO_STORE)
 
 
 def login_handler(throttle: LoginThrottle) -> Handler:
     async def login(request: web.Request) -> web.StreamResponse:
-        """The admin token in the body (never the URL) for a session cookie and its CSRF token.
+        """The admin token, or a user's token (`server.users`: the session gets that user's role), in
+        the body (never the URL) for a session cookie and its CSRF token.
 
         Without an admin token only a direct loopback caller logs in (any token); with one, a wrong
         or missing token is a failure: logged (never its text), counted, and after a few, answered
@@ -108,32 +123,42 @@ def login_handler(throttle: LoginThrottle) -> Handler:
         except orjson.JSONDecodeError:
             body = {}
         presented = body.get("token") if isinstance(body, dict) else None
-        if gate.admin_token:
-            given = presented.encode("utf-8", "surrogateescape") if isinstance(presented, str) else b""
-            if not given or not hmac.compare_digest(given, gate.admin_token.encode("utf-8")):
-                failures, wait_s = throttle.failed(client)
-                audit.warning(
-                    "console login failed: wrong admin token from %s (%d recent failures; next try in %.0f s)",
-                    client, failures, wait_s,
-                )  # fmt: skip
-                return error_response(InvalidApiKey("wrong admin token"))
-            throttle.succeeded(client)
-        sessions: ConsoleSessions = request.app[appkeys.CONSOLE_SESSIONS]
-        cookie, csrf = sessions.open()
-        audit.info("console login from %s", client)
-        response = json_reply({"authenticated": True, "csrf_token": csrf}, headers=NO_STORE)
-        response.set_cookie(
-            COOKIE,
-            cookie,
-            max_age=int(sessions.ttl_s),
-            path="/",
-            httponly=True,
-            samesite="Strict",
-            secure=request.secure,
-        )
-        return response
+        given = presented.encode("utf-8", "surrogateescape") if isinstance(presented, str) else b""
+        identity = gate.users.by_token(given) or CONSOLE  # a user's token logs in as that user
+        if gate.admin_token and identity is CONSOLE and not _is_admin_token(given, gate.admin_token):
+            failures, wait_s = throttle.failed(client)
+            audit.warning(
+                "console login failed: wrong admin token from %s (%d recent failures; next try in %.0f s)",
+                client, failures, wait_s,
+            )  # fmt: skip
+            return error_response(InvalidApiKey("wrong admin token"))
+        throttle.succeeded(client)
+        return open_session(request, identity, client)
 
     return login
+
+
+def _is_admin_token(given: bytes, admin_token: str) -> bool:
+    return bool(given) and hmac.compare_digest(given, admin_token.encode("utf-8"))
+
+
+def open_session(request: web.Request, identity: Identity, client: str) -> web.Response:
+    """A console session for `identity`: the cookie, and the CSRF token and identity in the body."""
+    sessions: ConsoleSessions = request.app[appkeys.CONSOLE_SESSIONS]
+    cookie, csrf = sessions.open(identity)
+    audit.info("console login of %s (%s) from %s", identity.actor, identity.role, client)
+    body = {"authenticated": True, "csrf_token": csrf, "identity": identity.view()}
+    response = json_reply(body, headers=NO_STORE)
+    response.set_cookie(
+        COOKIE,
+        cookie,
+        max_age=int(sessions.ttl_s),
+        path="/",
+        httponly=True,
+        samesite="Strict",
+        secure=request.secure,
+    )
+    return response
 
 
 class LoginThrottled(GatewayError):
@@ -154,7 +179,11 @@ async def logout(request: web.Request) -> web.Response:
 
 
 async def activity(request: web.Request) -> web.Response:
-    """This replica's last hour per minute, and its newest requests after `?after=<seq>`."""
+    """The last hour per minute and the newest requests after `?after=<seq>`: of every replica with
+    shared state (gateway/console/shared.py), else of this one."""
+    shared = request.app.get(appkeys.SHARED_ACTIVITY)
+    if shared is not None:
+        return json_reply(await shared.merged())
     recent = request.app[appkeys.CONSOLE_ACTIVITY]
     try:
         after = int(request.query.get("after", "0"))
@@ -174,9 +203,72 @@ async def usage(request: web.Request) -> web.Response:
     return json_reply({**found, "ledger_enabled": config.enabled})
 
 
+def oidc_handlers() -> tuple[Handler, Handler]:
+    """`GET /ui/oidc/login` and `GET /ui/oidc/callback` (gateway/console/oidc.py), sharing one relying
+    party per app, made on first use from `server.oidc` (404 without it)."""
+    clients: dict[int, OidcClient] = {}
+
+    def client_of(request: web.Request) -> OidcClient:
+        config = request.app[appkeys.SETTINGS].server.oidc
+        if config is None:
+            raise OidcNotConfigured("single sign-on is not configured (server.oidc)")
+        return clients.setdefault(id(config), OidcClient(config))
+
+    def loopback_refusal(request: web.Request) -> GatewayError | None:
+        if not gate_of(request.app).admin_token and not access.direct_loopback(caller_of(request)):
+            return access.LoopbackOnly("the console is loopback-only without server.admin_token")
+        return None
+
+    async def start(request: web.Request) -> web.StreamResponse:
+        """Send the browser to the provider, with a cookie that ties the callback to this browser."""
+        try:
+            client = client_of(request)
+            refusal = loopback_refusal(request)
+            if refusal is not None:
+                raise refusal
+            async with aiohttp.ClientSession() as http:
+                url, flow = await client.begin(http, redirect_uri_of(request, client.config))
+        except GatewayError as error:
+            return error_response(error)
+        response = web.Response(status=302, headers={"Location": url, **NO_STORE})
+        response.set_cookie(
+            FLOW_COOKIE, flow, max_age=int(PENDING_TTL_S), path="/ui/oidc", httponly=True,
+            samesite="Lax", secure=request.secure,
+        )  # fmt: skip
+        return response
+
+    async def callback(request: web.Request) -> web.StreamResponse:
+        """The provider's answer: verified, mapped to a role, exchanged for a console session."""
+        client_ip = request.remote or "local"
+        try:
+            client = client_of(request)
+            refusal = loopback_refusal(request)
+            if refusal is not None:
+                raise refusal
+            async with aiohttp.ClientSession() as http:
+                claims = await client.finish(http, request.query, request.cookies.get(FLOW_COOKIE))
+            identity = identity_of_claims(claims, client.config, gate_of(request.app).users)
+            if identity is None:
+                who = str(claims.get("email") or claims.get("sub"))[:200]
+                audit.warning("console sign-on of %r from %s refused: no role maps to it", who, client_ip)
+                raise OidcRefused(f"{who} has no role on this gateway (server.users emails, server.oidc.group_roles)")
+        except GatewayError as error:
+            failed = error_response(error)
+            failed.del_cookie(FLOW_COOKIE, path="/ui/oidc")
+            return failed
+        opened = open_session(request, identity, client_ip)
+        response = web.Response(status=303, headers={"Location": "/ui", **NO_STORE})
+        response.cookies.update(opened.cookies)
+        response.del_cookie(FLOW_COOKIE, path="/ui/oidc")
+        return response
+
+    return start, callback
+
+
 def console_routes() -> list[tuple[str, str, Handler]]:
     """Open routes: the pages and login (the pages hold no data; every read is an admin call), each
     behind the Host/Origin and cross-site checks; login has its own failure backoff."""
+    oidc_start, oidc_callback = oidc_handlers()
     routes: list[tuple[str, str, Handler]] = [
         ("GET", "/ui", index),
         ("GET", "/ui/", index),
@@ -184,6 +276,8 @@ def console_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/ui/session", session),
         ("POST", "/ui/login", login_handler(LoginThrottle())),
         ("POST", "/ui/logout", logout),
+        ("GET", "/ui/oidc/login", oidc_start),
+        ("GET", CALLBACK_PATH, oidc_callback),
     ]
     return [(method, path, console_guard(handler)) for method, path, handler in routes]
 

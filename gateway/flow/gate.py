@@ -84,6 +84,7 @@ class Gate(Hook):
             # at the gate from inside an attempt: a stream flow control cut, waiting to continue
             resumed=ctx.outcome is not None and ctx.outcome.preempted > 0,
             batch=facts.batch_id is not None,
+            program=ctx.record.program,
         )
         turn = Turn(ctx, request, routed.pool.name if routed is not None else "", now, request.deadline_s)
         if routed is not None:

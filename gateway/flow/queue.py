@@ -5,7 +5,8 @@ route to dispatch on, say) when the request may go now, or a `Blocked` saying wh
 waiting in the pool and `ready()` answering a value, the request goes at once (work-conserving: the
 room costs one call then). Otherwise it waits, and each time capacity may have freed on the pool
 (`notify`: a request ended, a first token, a replica became ready) the room offers the turn in flow
-order (`policies.flow.order`: band, then virtual counter, then arrival or predicted cost): the first
+order (`policies.flow.order`: band, then virtual counter, then, for a tenant with program fairness,
+its program's attained service (`policies/flow/programs.py`), then arrival or predicted cost): the first
 request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
 full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round),
 `Blocked.TENANT` to the next tenant's (the slot reserve holds this one's back), and an exception
@@ -49,6 +50,7 @@ from gateway.flow.types import (
 from policies.flow import bounds, order, vtc
 from policies.flow.bands import BANDS, band_name
 from policies.flow.counters import Counters
+from policies.flow.programs import NO_PROGRAM, MemoryPrograms, ProgramService
 from policies.flow.share import ServiceWindow, fair_share_ratios
 
 _TRIES_PER_ROUND: Final = 4  # requests offered the turn per round before waiting for the next event
@@ -67,6 +69,7 @@ class _Entry(Generic[T]):
     enqueued_s: float
     blocked: Blocked | None = None
     floor: float | None = None  # the band's floor it was lifted to on arrival (None: its tenant was waiting)
+    watched: bool = False  # counted in its room's `programs` (its tenant had program fairness on arrival)
 
     @property
     def band(self) -> int:
@@ -86,6 +89,7 @@ class _Room:
     granted: _Entry[Any] | None = None
     granted_s: float = 0.0
     recheck: asyncio.TimerHandle | None = None
+    programs: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, program) -> waiting here
     drain: bounds.DrainRate = field(default_factory=bounds.DrainRate)
     tags: dict[str, int] = field(default_factory=dict)
     batch: int = 0  # batch lines among `entries`
@@ -99,7 +103,8 @@ class _Room:
 class Lease:
     """A dispatched request's fairness account: `finished` corrects its tenant's counter with the real
     cost (once) and tells the room capacity may have freed. An overrun is charged at once; a refund is
-    held back until the tenant's next dispatch (`FlowQueue.hold_credit`): it ends as a slot frees."""
+    held back until the tenant's next dispatch (`FlowQueue.hold_credit`): it ends as a slot frees.
+    With program fairness (`half_life_s` set), its program's attained service is corrected too."""
 
     queue: FlowQueue
     pool: str
@@ -108,6 +113,8 @@ class Lease:
     weight: float
     cost_tokens: float
     queued_s: float  # time it waited in the room (0: it went at once)
+    program: str = NO_PROGRAM
+    half_life_s: float | None = None  # its tenant's program fairness (None: off)
     _done: bool = False
 
     def finished(self, actual_cost_tokens: float | None) -> None:
@@ -124,6 +131,10 @@ class Lease:
                 self.queue.hold_credit(self.pool, self.band, self.tenant, delta)
             if delta:
                 self.queue.share(self.pool).add(self.tenant, delta * self.weight, self.queue.now())
+            if self.half_life_s is not None:
+                tokens = max(actual_cost_tokens, 0.0) - max(self.cost_tokens, 0.0)
+                if tokens:
+                    self.queue.programs.charge(self.tenant, self.program, tokens, self.half_life_s)
         self.queue.notify(self.pool)
 
 
@@ -141,6 +152,8 @@ class FlowQueue:
         active_s: float = 60.0,
         on_wait: WaitObserver | None = None,
         now: Callable[[], float] = time.monotonic,
+        programs: ProgramService | None = None,
+        program_half_life: Callable[[str], float | None] = lambda tenant: None,
     ) -> None:
         self.counters = counters
         self.room_size = room_size
@@ -151,6 +164,8 @@ class FlowQueue:
         self.share_window_s = share_window_s
         self.on_wait = on_wait
         self.now = now
+        self.programs: ProgramService = programs if programs is not None else MemoryPrograms(now=now)
+        self.program_half_life = program_half_life  # tenant -> its program fairness's half-life, or None
         self.activity = Activity(active_s, now=now)
         self._rooms: dict[str, _Room] = {}
         self._shares: dict[str, ServiceWindow] = {}
@@ -318,6 +333,9 @@ class FlowQueue:
             room.tags[request.tag] = room.tags.get(request.tag, 0) + 1
         room.batch += request.batch
         room.waited += 1
+        if self.program_half_life(request.tenant) is not None:
+            entry.watched = True
+            self._watch(room, request, 1)
         self.activity.waiting(room.pool, request.tenant, request.band, request.weight, 1)
         self.counters.watch(room.pool, request.band, True)
         if others:
@@ -333,6 +351,8 @@ class FlowQueue:
         request = entry.request
         room.body_bytes -= request.body_bytes
         room.batch -= request.batch
+        if entry.watched:
+            self._watch(room, request, -1)
         if request.tag:
             left = room.tags.get(request.tag, 0) - 1
             if left > 0:
@@ -366,8 +386,17 @@ class FlowQueue:
         sjf, fair = self.shortest_job_first(), self.fair()
         skip: set[int] = set()
         skip_tenants: set[str] = set()
+        programs = self._ranks()
         for _ in range(_TRIES_PER_ROUND):
-            entry = order.pick(room.bands.items(), counter, sjf=sjf, skip=skip, fair=fair, skip_tenants=skip_tenants)
+            entry = order.pick(
+                room.bands.items(),
+                counter,
+                sjf=sjf,
+                skip=skip,
+                fair=fair,
+                skip_tenants=skip_tenants,
+                programs=programs,
+            )
             if entry is None:
                 break
             if entry.future.done():  # cancelled (its client left, its deadline struck) before its task ran
@@ -395,6 +424,45 @@ class FlowQueue:
             entry.future.set_result(verdict)
             return
         self._arm_recheck(room)
+
+    def _ranks(self) -> Callable[[str], Callable[[_Entry[Any]], float] | None]:
+        """Per tenant, how one round ranks its waiting requests: their program's attained service
+        (read once per program in the round), or None where the tenant has no program fairness."""
+        found: dict[str, Callable[[_Entry[Any]], float] | None] = {}
+        store = self.programs
+
+        def ranks(tenant: str) -> Callable[[_Entry[Any]], float] | None:
+            if tenant in found:
+                return found[tenant]
+            half_life_s = self.program_half_life(tenant)
+            rank: Callable[[_Entry[Any]], float] | None = None
+            if half_life_s is not None:
+                seen: dict[str, float] = {}
+
+                def rank(entry: _Entry[Any]) -> float:
+                    program = entry.request.program or NO_PROGRAM
+                    value = seen.get(program)
+                    if value is None:
+                        value = seen[program] = store.value(tenant, program, half_life_s)
+                    return value
+
+            found[tenant] = rank
+            return rank
+
+        return ranks
+
+    def _watch(self, room: _Room, request: FlowRequest, delta: int) -> None:
+        """Count the requests of a program waiting in the room; a shared store is told when the first
+        arrives and the last leaves."""
+        key = (request.tenant, request.program or NO_PROGRAM)
+        count = room.programs.get(key, 0) + delta
+        if count > 0:
+            room.programs[key] = count
+            if count == 1 and delta > 0:
+                self.programs.watch(key[0], key[1], True)
+        else:
+            room.programs.pop(key, None)
+            self.programs.watch(key[0], key[1], False)
 
     def _arm_recheck(self, room: _Room) -> None:
         if room.recheck is None and room.entries:
@@ -430,9 +498,13 @@ class FlowQueue:
         cost = vtc.charge(request.cost_tokens, request.weight)
         self.counters.charge(pool, band, tenant, cost, dispatch=True, credit=credit, floor=floor)
         self.share(pool).add(tenant, request.cost_tokens, self.now())
+        program = request.program or NO_PROGRAM
+        half_life_s = self.program_half_life(tenant)
+        if half_life_s is not None:
+            self.programs.charge(tenant, program, max(request.cost_tokens, 0.0), half_life_s)
         room.dispatched += 1
         self.activity.inflight(pool, tenant, band, request.weight, 1)
-        return Lease(self, pool, band, tenant, request.weight, request.cost_tokens, queued_s)
+        return Lease(self, pool, band, tenant, request.weight, request.cost_tokens, queued_s, program, half_life_s)
 
     def _rejection(self, room: _Room, entry: _Entry[Any], reason: str) -> QueueRejected:
         waited_s = self.now() - entry.enqueued_s
@@ -483,7 +555,7 @@ class FlowQueue:
                 "bands": bands,
                 "fair_share_ratio": {t: round(r, 4) for t, r in self.fair_share_ratios(pool).items()},
             }
-        return {"counters": self.counters.status(), "pools": pools}
+        return {"counters": self.counters.status(), "programs": self.programs.status(), "pools": pools}
 
 
 def _finite(value: float) -> float | None:

@@ -34,7 +34,9 @@ class FlowRequest:
     requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream
     flow control cut to free its slot, waiting to continue (it was admitted before any of its
     tenant's that wait, so it goes first of them); `batch`: a batch line (not counted among the
-    interactive requests waiting, `FlowQueue.interactive_depth`)."""
+    interactive requests waiting, `FlowQueue.interactive_depth`); `program`: the agent program it
+    belongs to (gateway/request/program.py; None: it names none), what program-fair queueing orders
+    a tenant's requests by."""
 
     request_id: str
     tenant: str
@@ -46,6 +48,7 @@ class FlowRequest:
     tag: str = ""
     resumed: bool = False  # a preempted stream waiting again: first of its tenant's, as the earliest arrival
     batch: bool = False
+    program: str | None = None
 
 
 class QueueRejected(Exception):

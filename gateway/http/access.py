@@ -18,6 +18,9 @@
 - A console cookie stands in for the admin token only: it never lets a request past a check the
   request would fail on its own (Host, Origin, cross-site, proxy).
 - `/metrics` names tenants and models: `telemetry.metrics.token` makes it a bearer-token route.
+- Who got in is an identity with a role (gateway/http/roles.py): the admin token, a loopback caller
+  and a console session opened with the token are `admin`; a user's token of `server.users` (or a
+  session that user opened) has that user's role, which the admin guard then checks per route.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from gateway.errors import GatewayError, InvalidApiKey
+from gateway.http.roles import ADMIN_TOKEN, CONSOLE, LOOPBACK, Identity, Users
 
 PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-IP")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -72,6 +76,7 @@ class Gate:
 
     admin_token: str | None
     allowed_hosts: tuple[str, ...] = ()
+    users: Users = field(default_factory=Users)  # server.users by token digest (gateway/http/roles.py)
 
     @property
     def checks_host(self) -> bool:
@@ -207,24 +212,40 @@ def surface_refusal(caller: Caller, gate: Gate) -> GatewayError | None:
 
 
 def admin_refusal(caller: Caller, gate: Gate, session_csrf: str | None = None) -> GatewayError | None:
-    """The error an admin request gets, or None when it may proceed.
+    """The error an admin request gets, or None when it may proceed (`admin_identity` without the
+    identity: one order of checks for both).
 
     `session_csrf` is the CSRF token of the live console session the request's cookie names (None:
     no such cookie). The cookie stands in for the admin token, never for the other checks."""
+    found = admin_identity(caller, gate, (session_csrf, CONSOLE) if session_csrf is not None else None)
+    return found if isinstance(found, GatewayError) else None
+
+
+def admin_identity(caller: Caller, gate: Gate, session: tuple[str, Identity] | None = None) -> GatewayError | Identity:
+    """Who an admin request is, or the error it gets: the checks of `admin_refusal`, with each
+    credential read as the identity it stands for. In the order checked: the admin token (admin), a
+    user's token (`server.users`: its role), the console session the cookie names (the identity it
+    was opened with; `session` is its CSRF token and identity), and without an admin token, a direct
+    loopback caller (admin). A user token is honoured without an admin token too, but only from a
+    direct loopback caller: a gateway without a token is never reached from elsewhere."""
     refusal = surface_refusal(caller, gate)
     if refusal is not None:
         return refusal
     if gate.admin_token and token_matches(caller.headers, gate.admin_token):
-        return None
+        return ADMIN_TOKEN
     if not gate.admin_token and not direct_loopback(caller):
         return LoopbackOnly("the admin API is loopback-only without server.admin_token (and not through a proxy)")
-    if session_csrf is not None:
-        if caller.method.upper() not in SAFE_METHODS and not csrf_matches(caller.headers, session_csrf):
+    user = gate.users.by_token(bearer_token(caller.headers))
+    if user is not None:
+        return user
+    if session is not None:
+        csrf, identity = session
+        if caller.method.upper() not in SAFE_METHODS and not csrf_matches(caller.headers, csrf):
             return CsrfTokenInvalid(f"console changes need the session's CSRF token in {CSRF_HEADER}")
-        return None
+        return identity
     if gate.admin_token:
-        return InvalidApiKey("admin token required")
-    return None
+        return InvalidApiKey("admin token or a user token (server.users) required")
+    return LOOPBACK
 
 
 def _names_gateway(netloc: str, caller: Caller, gate: Gate, scheme: str) -> bool:

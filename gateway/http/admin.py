@@ -10,10 +10,12 @@ from aiohttp import web
 
 from backends.status import fleet_status
 from gateway.app import keys as appkeys
+from gateway.audit.api import note
 from gateway.autoscale.floor_api import floor_delete, floor_get, floor_put
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.http.admin_replies import json_reply
 from gateway.http.routes import Handler
+from gateway.ledger.reconcile import RECONCILER
 from policies.flow import reserve
 from policies.flow.saturation import saturation_reasons
 from policies.limits.compile import SPEND_RULE_ID
@@ -66,8 +68,15 @@ async def status(request: web.Request) -> web.Response:
             "admission": admission.status(),
             "limits": admission.snapshot(),
             "flow": flow_status(request.app),
+            "spend_reconciliation": _reconciliation(request.app),
         }
     )
+
+
+def _reconciliation(app: web.Application) -> dict[str, Any] | None:
+    """The last comparison of enforced spend with the ledger (gateway/ledger/reconcile.py); null: off."""
+    reconciler = app.get(RECONCILER)
+    return reconciler.status() if reconciler is not None else None
 
 
 def flow_status(app: web.Application) -> dict[str, Any]:
@@ -91,7 +100,9 @@ def flow_status(app: web.Application) -> dict[str, Any]:
 
 async def reload(request: web.Request) -> web.Response:
     """Reload policies.yaml now; 200 with the result, 422 when the file is invalid (old policy stays)."""
+    before = request.app[appkeys.POLICIES].generation
     result = await request.app[appkeys.POLICY_WATCHER].reload("admin")
+    note(request, target="policies", before={"generation": before}, after=result.as_dict())
     return json_reply(result.as_dict(), status=200 if result.ok else 422)
 
 

@@ -21,16 +21,20 @@ import orjson
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.audit.api import note
 from gateway.errors import GatewayError, error_response
 from gateway.http.admin_replies import admin_error, json_reply
+from gateway.http.roles import identity_of, team_refusal
 from gateway.http.routes import Handler
 from gateway.request.intake import authenticate
+from gateway.request.program import PROGRAM_HEADER
 from policies.keys.directory import DirectoryError, KeyDirectory
 from policies.keys.records import KeyRecord, TenantRecord
 from policies.limits.standing import standing
 from policies.policy import Policy
+from policies.routing.session import bounded_key
 from policies.schema import PRIORITY_VALUES
-from policies.types import Principal
+from policies.types import NO_SUBJECTS, Principal, RequestSubjects
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ def _known_models(request: web.Request) -> list[str]:
     return list(request.app[appkeys.FLEET].models)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def read_body(request: web.Request) -> dict[str, Any]:
+    """An admin write's JSON object body ({} when empty); a DirectoryError (400) otherwise."""
     raw = await request.read()
     if not raw.strip():
         return {}
@@ -92,9 +97,15 @@ def _tenant_view(record: TenantRecord) -> dict[str, Any]:
 
 
 def _guarded(handler: Handler) -> Handler:
-    """Directory refusals become their HTTP errors."""
+    """Directory refusals become their HTTP errors; and a team admin reaches a route naming a key or a
+    tenant in its path only when that key's tenant, or that tenant, is of one of its teams (checked
+    here, before the handler, for every such route: gateway/http/roles.py). What only the body names
+    (the tenant of a new key, the team of a new or moved tenant) the handlers check."""
 
     async def run(request: web.Request) -> web.StreamResponse:
+        refusal = _path_team_refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
         try:
             return await handler(request)
         except DirectoryError as exc:
@@ -103,11 +114,55 @@ def _guarded(handler: Handler) -> Handler:
     return run
 
 
+def _tenant_team(request: web.Request, tenant: str | None) -> str | None:
+    """The team of a tenant of policies.yaml or of the admin API (None: no team, or no such tenant)."""
+    if tenant is None:
+        return None
+    file_tenant = _policy(request).config.tenants.get(tenant)
+    if file_tenant is not None:
+        return file_tenant.team
+    record = _directory(request).tenants.get(tenant)
+    return record.team if record is not None else None
+
+
+def _key_tenant(request: web.Request, key_id: str) -> str | None:
+    record = _directory(request).keys.get(key_id)
+    if record is not None:
+        return record.tenant
+    return next((k.tenant for k in _policy(request).config.keys if k.id == key_id), None)
+
+
+def _in_scope(request: web.Request, tenant: str | None) -> bool:
+    scope = identity_of(request).team_scope
+    return scope is None or _tenant_team(request, tenant) in scope
+
+
+def _path_team_refusal(request: web.Request) -> GatewayError | None:
+    """A team admin's refusal for a key or tenant of another team named in the path. An unknown one
+    is refused too (403, not 404: a team admin learns nothing of other teams' names)."""
+    if identity_of(request).team_scope is None:
+        return None
+    if "key_id" in request.match_info:
+        key_id = request.match_info["key_id"]
+        tenant = _key_tenant(request, key_id)
+        return team_refusal(request, _tenant_team(request, tenant), f"key {key_id!r}")
+    if "name" in request.match_info:
+        name = request.match_info["name"]
+        return team_refusal(request, _tenant_team(request, name), f"tenant {name!r}")
+    return None
+
+
 # ---------------------------------------------------------------------- keys
 async def keys_create(request: web.Request) -> web.StreamResponse:
     directory = _directory(request)
-    record, secret = await directory.create_key(await _body(request), _policy(request), _known_models(request))
+    payload = await read_body(request)
+    tenant = payload.get("tenant") if isinstance(payload.get("tenant"), str) else None
+    refusal = team_refusal(request, _tenant_team(request, tenant), f"tenant {tenant!r}")
+    if refusal is not None:
+        return error_response(refusal)
+    record, secret = await directory.create_key(payload, _policy(request), _known_models(request))
     view = _key_view(record, time.time())
+    note(request, target=record.id, after=view)
     return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"}, status=201)
 
 
@@ -120,10 +175,12 @@ async def keys_list(request: web.Request) -> web.StreamResponse:
     rows = [
         _file_key_view(k.id, k.tenant, k.models, k.priority, k.disabled)
         for k in policy.config.keys
-        if tenant is None or k.tenant == tenant
+        if (tenant is None or k.tenant == tenant) and _in_scope(request, k.tenant)
     ]
     for record in directory.keys.values():
         if tenant is not None and record.tenant != tenant:
+            continue
+        if not _in_scope(request, record.tenant):  # a team admin sees its teams' keys only
             continue
         if record.revoked_at_unix_s is not None and not include_revoked:
             continue
@@ -154,8 +211,13 @@ async def keys_patch(request: web.Request) -> web.StreamResponse:
     key_id = request.match_info["key_id"]
     if _is_file_key(request, key_id):
         return admin_error(409, f"key {key_id!r} is defined in policies.yaml: change it there", "id")
-    record = await _directory(request).patch_key(key_id, await _body(request), _policy(request), _known_models(request))
-    return json_reply(_key_view(record, time.time(), _directory(request).last_use_of(key_id)))
+    before = _stored_key_view(request, key_id)
+    record = await _directory(request).patch_key(
+        key_id, await read_body(request), _policy(request), _known_models(request)
+    )
+    view = _key_view(record, time.time(), _directory(request).last_use_of(key_id))
+    note(request, target=key_id, before=before, after=view)
+    return json_reply(view)
 
 
 async def keys_revoke(request: web.Request) -> web.StreamResponse:
@@ -164,17 +226,28 @@ async def keys_revoke(request: web.Request) -> web.StreamResponse:
         return admin_error(
             409, f"key {key_id!r} is defined in policies.yaml: remove it there (or set disabled: true)", "id"
         )
+    before = _stored_key_view(request, key_id)
     record = await _directory(request).revoke_key(key_id)
-    return json_reply({"id": key_id, "revoked": True, "key": _key_view(record, time.time())})
+    view = _key_view(record, time.time())
+    note(request, target=key_id, before=before, after=view)
+    return json_reply({"id": key_id, "revoked": True, "key": view})
 
 
 async def keys_rotate(request: web.Request) -> web.StreamResponse:
     key_id = request.match_info["key_id"]
     if _is_file_key(request, key_id):
         return admin_error(409, f"key {key_id!r} is defined in policies.yaml: rotate it there", "id")
-    record, secret = await _directory(request).rotate_key(key_id, await _body(request))
+    before = _stored_key_view(request, key_id)
+    record, secret = await _directory(request).rotate_key(key_id, await read_body(request))
     view = _key_view(record, time.time())
+    note(request, target=key_id, before=before, after=view)
     return json_reply({"key": view, "secret": secret, "note": "the secret is shown once; store it now"})
+
+
+def _stored_key_view(request: web.Request, key_id: str) -> dict[str, Any] | None:
+    """A stored key's view before a change, for the change's audit record (never its secret)."""
+    record = _directory(request).keys.get(key_id)
+    return _key_view(record, time.time()) if record is not None else None
 
 
 def _is_file_key(request: web.Request, key_id: str) -> bool:
@@ -198,14 +271,21 @@ def _file_key_view(
 
 # ---------------------------------------------------------------------- tenants
 async def tenants_create(request: web.Request) -> web.StreamResponse:
-    record = await _directory(request).create_tenant(await _body(request), _policy(request), _known_models(request))
-    return json_reply(_tenant_view(record), status=201)
+    payload = await read_body(request)
+    team = payload.get("team") if isinstance(payload.get("team"), str) else None
+    refusal = team_refusal(request, team, "a new tenant")  # a team admin's new tenant is of its team
+    if refusal is not None:
+        return error_response(refusal)
+    record = await _directory(request).create_tenant(payload, _policy(request), _known_models(request))
+    view = _tenant_view(record)
+    note(request, target=record.name, after=view)
+    return json_reply(view, status=201)
 
 
 async def tenants_list(request: web.Request) -> web.StreamResponse:
     policy = _policy(request)
-    rows = [_file_tenant_view(name, policy) for name in policy.config.tenants]
-    rows += [_tenant_view(record) for record in _directory(request).tenants.values()]
+    rows = [_file_tenant_view(name, policy) for name in policy.config.tenants if _in_scope(request, name)]
+    rows += [_tenant_view(r) for r in _directory(request).tenants.values() if _in_scope(request, r.name)]
     return json_reply({"object": "list", "data": rows})
 
 
@@ -230,17 +310,27 @@ async def tenants_patch(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name in _policy(request).config.tenants:
         return admin_error(409, f"tenant {name!r} is defined in policies.yaml: change it there", "name")
-    record = await _directory(request).patch_tenant(
-        name, await _body(request), _policy(request), _known_models(request)
-    )
-    return json_reply(_tenant_view(record))
+    found = _directory(request).tenants.get(name)
+    before = _tenant_view(found) if found is not None else None
+    payload = await read_body(request)
+    if "team" in payload:  # a team admin moves a tenant only to another of its teams
+        team = payload["team"] if isinstance(payload["team"], str) else None
+        refusal = team_refusal(request, team, f"tenant {name!r} moved to it")
+        if refusal is not None:
+            return error_response(refusal)
+    record = await _directory(request).patch_tenant(name, payload, _policy(request), _known_models(request))
+    view = _tenant_view(record)
+    note(request, target=name, before=before, after=view)
+    return json_reply(view)
 
 
 async def tenants_delete(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name in _policy(request).config.tenants:
         return admin_error(409, f"tenant {name!r} is defined in policies.yaml: remove it there", "name")
+    found = _directory(request).tenants.get(name)
     await _directory(request).delete_tenant(name)
+    note(request, target=name, before=_tenant_view(found) if found is not None else None)
     return json_reply({"name": name, "deleted": True})
 
 
@@ -253,16 +343,19 @@ def _file_tenant_view(name: str, policy: Policy) -> dict[str, Any]:
         "priority": tenant.priority,
         "allow_fallback": tenant.allow_fallback,
         "slo_class": tenant.slo_class,
+        "team": tenant.team,
         "limits": {},
         "metadata": {},
     }
 
 
 # ---------------------------------------------------------------------- the caller's own standing
-async def _standing(request: web.Request, policy: Policy, principal: Principal) -> dict[str, Any]:
+async def _standing(
+    request: web.Request, policy: Policy, principal: Principal, subjects: RequestSubjects = NO_SUBJECTS
+) -> dict[str, Any]:
     admission = request.app[appkeys.ADMISSION]
     models = request.app[appkeys.FLEET].models
-    return await standing(admission.store, policy, principal, models)  # type: ignore[arg-type]
+    return await standing(admission.store, policy, principal, models, subjects)  # type: ignore[arg-type]
 
 
 async def own_key(request: web.Request) -> web.StreamResponse:
@@ -284,7 +377,12 @@ async def own_key(request: web.Request) -> web.StreamResponse:
     if record is not None:
         data["expires_at"] = _key_view(record, time.time()).get("expires_at")
         data["hint"] = record.hint
-    data.update(await _standing(request, policy, principal))
+    # `?program=` (or the program header): that agent run's caps and what it spent (docs/agents.md)
+    named = request.query.get("program") or request.headers.get(PROGRAM_HEADER)
+    program = bounded_key(named) if named else None
+    if program is not None:
+        data["program"] = program
+    data.update(await _standing(request, policy, principal, RequestSubjects(program=program)))
     return json_reply({"data": data})
 
 

@@ -10,9 +10,11 @@ Each operation carries tokenway's own extensions, which those probes read:
 
 - `x-tokenway-surface`: which surface the route belongs to (inference, responses, files-batch,
   models, health, admin, console, meta): docs/security.md lists the checks each surface passes.
-- `x-tokenway-auth`: `key` (an API key), `admin` (the admin token or a console session; without a
+- `x-tokenway-auth`: `key` (an API key), `admin` (the admin token, a user's token or a console session; without a
   token configured, direct loopback callers only), `metrics` (`telemetry.metrics.token` when set),
   `none`.
+- `x-tokenway-role`: on admin operations, what the caller's role must allow: `read` (every role),
+  `team` (an admin, or a team admin for its own teams' keys and tenants), `admin`.
 - `x-tokenway-ledger`: the route is an inference request and leaves exactly one ledger record.
 - `x-tokenway-owned`: the path's id belongs to the key that made it (another key gets 404).
 
@@ -54,6 +56,7 @@ from gateway.http.openapi_parts import (
     query,
     ref,
 )
+from gateway.http.roles import need_of
 
 __all__ = [
     "AUTH_KINDS",
@@ -152,6 +155,23 @@ def _paths() -> dict[str, dict[str, Schema]]:
         },
         "/v1/key": {"get": op("The calling key's limits, remaining buckets and spend", "models", key)},
         "/key/info": {"get": op("The same as /v1/key (LiteLLM's path)", "models", key)},
+        "/v1/programs/{program}/outcome": {
+            "post": op(
+                "Record how an agent program ended, once (cost per outcome: docs/agents.md)",
+                "inference",
+                key,
+                body=json_body(
+                    obj(
+                        {"success": {"type": "boolean"}, "value": {"type": "number"}},
+                        ("success",),
+                        extra=False,
+                    )
+                ),
+                params=(path_param("program", "the program id the requests named (docs/agents.md)"),),
+                ok="201",
+                errors=("409",),
+            )
+        },
         "/v1/files": {
             "post": op(
                 "Upload a batch input file (JSONL, multipart/form-data)",
@@ -292,6 +312,32 @@ def _paths() -> dict[str, dict[str, Schema]]:
             ),
             "delete": op("Delete a tenant without live keys", "admin", admin, params=(TENANT,), errors=("404", "409")),
         },
+        "/admin/overrides": {
+            "post": op(
+                "Override a rule's limit or budget until a time",
+                "admin",
+                admin,
+                body=json_body(ref("OverrideCreate")),
+                ok="201",
+                errors=("404", "409", "503"),
+            ),
+            "get": op(
+                "The temporary overrides",
+                "admin",
+                admin,
+                params=(query("include_ended", STR, "also those that ended (until deleted or replaced)"),),
+                ok_schema=ref("List"),
+            ),
+        },
+        "/admin/overrides/{override_id}": {
+            "delete": op(
+                "End an override now",
+                "admin",
+                admin,
+                params=(path_param("override_id", "an override's id (ov-...)"),),
+                errors=("404",),
+            ),
+        },
         "/admin/activity": {
             "get": op(
                 "This replica's last hour and newest requests (the console)",
@@ -310,6 +356,21 @@ def _paths() -> dict[str, dict[str, Schema]]:
                     query("until", STR, "a time"),
                     query("by", STR, "comma-separated: tenant, key, model"),
                 ),
+            )
+        },
+        "/admin/audit": {
+            "get": op(
+                "The audit log of admin changes, newest first (who, when, what, before and after)",
+                "admin",
+                admin,
+                params=(
+                    query("since", STR, "24h, 7d or a time: only changes since"),
+                    query("actor", STR, "admin-token, loopback, console (every session) or console:<id>"),
+                    query("action", STR, "a part of METHOD route, e.g. keys or DELETE /admin/keys"),
+                    query("target", STR, "the changed object's id"),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "how many (default 100)"),
+                ),
+                ok_schema=ref("List"),
             )
         },
         "/ui": {"get": op("The console's page", "console", "none", ok_type="text/html", ok_schema=STR)},
@@ -336,6 +397,32 @@ def _paths() -> dict[str, dict[str, Schema]]:
             )
         },
         "/ui/logout": {"post": op("End this browser's session", "console", "none")},
+        "/ui/oidc/login": {
+            "get": op(
+                "Single sign-on: redirect to the OpenID Connect provider (authorization code + PKCE)",
+                "console",
+                "none",
+                ok="302",
+                ok_type="text/plain",
+                ok_schema=STR,
+                errors=("403", "404", "502"),
+            )
+        },
+        "/ui/oidc/callback": {
+            "get": op(
+                "Single sign-on: the provider's answer, verified, for a session cookie (redirects to /ui)",
+                "console",
+                "none",
+                params=(
+                    query("code", STR, "the authorization code"),
+                    query("state", STR, "the login this gateway started"),
+                ),
+                ok="303",
+                ok_type="text/plain",
+                ok_schema=STR,
+                errors=("403", "404", "502"),
+            )
+        },
     }
 
 
@@ -354,9 +441,19 @@ def document() -> Schema:
         "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "servers": [{"url": "/"}],
         "tags": [{"name": surface} for surface in SURFACES],
-        "paths": _paths(),
+        "paths": _with_roles(_paths()),
         "components": {"schemas": SCHEMAS, "responses": RESPONSES, "securitySchemes": SECURITY_SCHEMES},
     }
+
+
+def _with_roles(paths: dict[str, dict[str, Schema]]) -> dict[str, dict[str, Schema]]:
+    """Each admin operation with `x-tokenway-role`: what its caller's role must allow, read from the
+    table the admin guard enforces (gateway/http/roles.py), so the document cannot disagree with it."""
+    for path, item in paths.items():
+        for method, operation in item.items():
+            if operation.get("x-tokenway-auth") == "admin":
+                operation["x-tokenway-role"] = need_of(method, path).value
+    return paths
 
 
 @cache

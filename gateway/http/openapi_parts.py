@@ -7,10 +7,11 @@ Kept apart from the paths so that the list of routes reads as one table.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 from gateway.batch.objects import COMPLETION_WINDOW, ENDPOINTS
 from gateway.console.sessions import COOKIE, CSRF_HEADER
+from policies.keys.records import OverrideDimension
 
 Schema = dict[str, Any]
 OPENAPI_PATH: Final = "/openapi.json"
@@ -271,10 +272,24 @@ SCHEMAS: Final[dict[str, Schema]] = {
             "priority": STR,
             "allow_fallback": BOOL,
             "slo_class": {"type": ["string", "null"]},
+            "team": {"type": ["string", "null"]},
             "limits": LIMITS,
             "metadata": KEY_META,
         },
         ("name",),
+        extra=False,
+    ),
+    "OverrideCreate": obj(
+        {
+            "rule": STR,
+            "subject": {"type": ["string", "null"]},
+            "dimension": {"enum": list(get_args(OverrideDimension))},
+            "value": {"type": "number", "exclusiveMinimum": 0},
+            "until": {"type": ["string", "number"]},
+            "for": STR,
+            "reason": {"type": ["string", "null"]},
+        },
+        ("rule", "dimension", "value"),
         extra=False,
     ),
     "TenantPatch": obj(
@@ -283,6 +298,7 @@ SCHEMAS: Final[dict[str, Schema]] = {
             "priority": {"type": ["string", "null"]},
             "allow_fallback": BOOL,
             "slo_class": {"type": ["string", "null"]},
+            "team": {"type": ["string", "null"]},
             "limits": LIMITS,
             "metadata": KEY_META,
         },
@@ -309,8 +325,9 @@ SECURITY_SCHEMES: Final[dict[str, Schema]] = {
     "adminToken": {
         "type": "http",
         "scheme": "bearer",
-        "description": "server.admin_token. Without one configured, only direct loopback callers whose Host "
-        "names the gateway get in (never through a proxy).",
+        "description": "server.admin_token, or a user's token of server.users (its role: x-tokenway-role). "
+        "Without an admin token configured, only direct loopback callers whose Host names the gateway get in "
+        "(never through a proxy).",
     },
     "consoleSession": {
         "type": "apiKey",
@@ -332,7 +349,8 @@ SECURITY: Final[dict[str, list[dict[str, list[str]]]]] = {
 ERRORS: Final[dict[str, str]] = {
     "400": "the request is malformed (the field is named in `param`)",
     "401": "missing or wrong credentials",
-    "403": "refused: a cross-site or foreign-Host request, or a key that may not use this",
+    "403": "refused: a cross-site or foreign-Host request, a key that may not use this, or an operator whose "
+    "role may not (`role_forbidden`: docs/security.md#roles-and-user-tokens)",
     "404": "no such route, model or object (another key's objects included)",
     "405": "method not allowed on this route",
     "408": "the request did not arrive within server.request_read_timeout_s",
@@ -340,6 +358,7 @@ ERRORS: Final[dict[str, str]] = {
     "413": "the body is larger than the route's bound",
     "429": "a rate, concurrency or budget limit",
     "500": "the gateway failed (logged; `type: server_error`), never a plain-text page",
+    "502": "a service the gateway called for it failed (the OpenID Connect provider of a console sign-on)",
     "503": "the gateway or a store cannot serve it now: `overloaded` (the process-wide budget of request "
     "bodies being read, server.max_inflight_body_bytes, is full) or a store unavailable; retry after "
     "`Retry-After` seconds",

@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.audit.api import record_change
 from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
 from gateway.errors import GatewayError, InvalidApiKey, error_response
-from gateway.http import access
+from gateway.http import access, roles
 from gateway.http.admin_replies import json_reply
 from gateway.http.landing import setup_landing_routes
 from gateway.request.apis import APIS
@@ -21,6 +22,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS_RENDER: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics_render", object)  # type: ignore[arg-type]
 START_TIME: web.AppKey[float] = web.AppKey("start_time", float)
 METRICS_TOKEN: web.AppKey[str | None] = web.AppKey("metrics_token", object)  # type: ignore[arg-type]
+# A worker of a group (gateway/workers) answers /metrics for the whole group: its siblings' merged in
+METRICS_GROUP: web.AppKey[Callable[[], Awaitable[bytes]]] = web.AppKey("metrics_group", object)  # type: ignore[arg-type]
 
 
 def inference(kind: ApiKind) -> Handler:
@@ -83,8 +86,9 @@ async def metrics(request: web.Request) -> web.Response:
     token = request.app[METRICS_TOKEN]
     if token and not access.token_matches(request.headers, token):
         return error_response(InvalidApiKey("metrics token required (telemetry.metrics.token)"))
-    render = request.app[METRICS_RENDER]
-    return web.Response(body=render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    group = request.app.get(METRICS_GROUP)
+    body = await group() if group is not None else request.app[METRICS_RENDER]()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def caller_of(request: web.Request) -> access.Caller:
@@ -95,24 +99,42 @@ def caller_of(request: web.Request) -> access.Caller:
     return access.Caller(request.method, request.headers, request.remote, port, request.secure)
 
 
+USERS: web.AppKey[roles.Users] = web.AppKey("users", roles.Users)
+
+
 def gate_of(app: web.Application) -> access.Gate:
     server = app[appkeys.SETTINGS].server
-    return access.Gate(server.admin_token, tuple(server.allowed_hosts))
+    users = app.get(USERS)
+    if users is None:  # built once per app from server.users (a frozen app cannot take it later)
+        users = roles.Users.of(server.users)
+    return access.Gate(server.admin_token, tuple(server.allowed_hosts), users)
 
 
 def admin_guard(handler: Handler) -> Handler:
-    """Admin routes need the admin token or a console session cookie (whose state-changing calls must
-    also carry the session's CSRF token); without a token configured, only direct loopback callers
-    naming the gateway in `Host` get in; state-changing calls from another site's page never do
-    (gateway/http/access.py)."""
+    """Admin routes need the admin token, a user's token (`server.users`) or a console session cookie
+    (whose state-changing calls must also carry the session's CSRF token); without a token configured,
+    only direct loopback callers naming the gateway in `Host` get in; state-changing calls from another
+    site's page never do (gateway/http/access.py). The caller's role must then allow the route
+    (`roles.ROUTE_NEEDS`; an undeclared route is admin-only), else 403. Each admitted change that
+    succeeds is recorded in the audit log, who, when, what, before and after, durably before its
+    answer leaves (gateway/audit)."""
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         sessions = request.app.get(appkeys.CONSOLE_SESSIONS)
-        csrf = sessions.csrf_of(request.cookies.get(CONSOLE_COOKIE)) if sessions is not None else None
-        refusal = access.admin_refusal(caller_of(request), gate_of(request.app), csrf)
+        cookie = request.cookies.get(CONSOLE_COOKIE)
+        session = sessions.session_of(cookie) if sessions is not None else None
+        found = access.admin_identity(caller_of(request), gate_of(request.app), session)
+        if isinstance(found, GatewayError):
+            return error_response(found)
+        resource = request.match_info.route.resource
+        refusal = roles.role_refusal(found, request.method, resource.canonical if resource is not None else "")
         if refusal is not None:
             return error_response(refusal)
-        return await handler(request)
+        request[roles.IDENTITY] = found
+        if request.method.upper() in access.SAFE_METHODS:
+            return await handler(request)
+        # every admitted change is recorded here, so no admin route can forget to (gateway/audit)
+        return await record_change(request, handler, found.actor, cookie)
 
     return guarded
 
@@ -127,5 +149,7 @@ def setup_routes(app: web.Application, admin: list[tuple[str, str, Handler]]) ->
     app.router.add_get("/metrics", metrics)
     setup_landing_routes(app)  # GET / and GET /v1: what answers here, and links (gateway/http/landing.py)
     app[START_TIME] = time.time()
+    settings = app.get(appkeys.SETTINGS)
+    app[USERS] = roles.Users.of(settings.server.users if settings is not None else ())
     for method, path, handler in admin:
         app.router.add_route(method, path, admin_guard(handler))

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.app.schema import LedgerConfig
+from gateway.ledger.outcomes import OutcomeReport, is_outcome, render_outcomes
 from gateway.ledger.reader import ReadStats, files_in_window, iter_entries
 from gateway.ledger.report import FORMATS, ReportBuilder, ReportError, render
+from gateway.ledger.sqlcli import add_sql_parser
 from policies.times import parse_duration_s, parse_iso_s
 
 
@@ -34,7 +36,7 @@ def parse_time_s(text: str, now_s: float) -> float:
 
 
 def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `usage` (with `report`) to a CLI's subparsers; returns the `usage` parser."""
+    """Add `usage` (with `report` and `sql`) to a CLI's subparsers; returns the `usage` parser."""
     usage: argparse.ArgumentParser = subparsers.add_parser("usage", help="usage ledger: reports of tokens and cost")
     usage_sub = usage.add_subparsers(dest="usage_command", required=True)
     report = usage_sub.add_parser(
@@ -45,7 +47,12 @@ def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     report.add_argument("--since", default="24h", help="window start: a duration back (30m, 24h, 7d) or ISO time")
     report.add_argument("--until", default=None, help="window end (default: now), same forms as --since")
-    report.add_argument("--by", default="tenant,model", help="comma-separated group fields (tenant,key,model,...)")
+    report.add_argument(
+        "--by",
+        default="tenant,model",
+        help="comma-separated group fields (tenant,key,model,adapter,...); `outcome`: cost per successful program "
+        "and per unit of value, per tenant and model",
+    )
     report.add_argument("--format", choices=FORMATS, default="table")
     report.add_argument("--plot", metavar="PNG", default=None, help="also draw spend over time per group")
     report.add_argument("--dir", default=None, help="ledger directory (default: ledger.dir of --config)")
@@ -54,6 +61,7 @@ def add_usage_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--progress", choices=("auto", "on", "off"), default="auto", help="progress bar on stderr (auto: on a terminal)"
     )
     report.set_defaults(func=run_usage)
+    add_sql_parser(usage_sub)
     return usage
 
 
@@ -77,6 +85,8 @@ def run_usage(args: argparse.Namespace) -> int:
     def warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr)
 
+    if [f.strip() for f in by] == ["outcome"]:
+        return _outcome_report(directory, since_s, until_s, args, stats, warn)
     try:
         builder = ReportBuilder(by)
         series = None
@@ -88,6 +98,8 @@ def run_usage(args: argparse.Namespace) -> int:
             for entry in iter_entries(
                 directory, since_unix_s=since_s, until_unix_s=until_s, stats=stats, warn=warn, on_bytes=on_bytes
             ):
+                if is_outcome(entry):  # a program's end, not a request (--by outcome reads them)
+                    continue
                 builder.add(entry)
                 if series is not None:
                     series.add(entry)
@@ -98,6 +110,25 @@ def run_usage(args: argparse.Namespace) -> int:
     except (ReportError, RuntimeError) as exc:
         print(f"tokenway usage report: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _outcome_report(
+    directory: Path,
+    since_s: float | None,
+    until_s: float | None,
+    args: argparse.Namespace,
+    stats: ReadStats,
+    warn: Callable[[str], None],
+) -> int:
+    """`--by outcome` (gateway/ledger/outcomes.py)."""
+    report = OutcomeReport()
+    with _progress(directory, since_s, args.progress) as on_bytes:
+        for entry in iter_entries(
+            directory, since_unix_s=since_s, until_unix_s=until_s, stats=stats, warn=warn, on_bytes=on_bytes
+        ):
+            report.add(entry)
+    sys.stdout.write(render_outcomes(report.rows(), args.format))
     return 0
 
 

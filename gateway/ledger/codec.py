@@ -9,13 +9,21 @@ requested_model, model, served_model, fallback_from, fallback_reason, pool, endp
 prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
 (includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
 duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
-`batch_id` on the records of batch lines (Batch API); `program` on the records of requests that
-name their agent program (docs/agents.md); cache_write_input_tokens,
+`batch_id` on the records of batch lines (Batch API); `base_model` on the records of requests for a
+LoRA adapter (`model` is the adapter; docs/adapters.md); `program` on the records of requests that
+name their agent program (docs/agents.md); `user` (the end user) and `tags` (a list) on the records
+of requests that name them (docs/governance.md); `leg` and `continues` on the records of a stream that
+failed over to a fallback model mid-answer (one record per leg, numbered from 1; `continues` is the
+request id of the leg before, null on the first: docs/agents.md); cache_write_input_tokens,
 cache_write_1h_input_tokens (part of input_tokens, apart from cached_input_tokens, the cache reads),
 reasoning_tokens (part of output_tokens) and cache_saved_usd (the cost with no prompt cache, less
 cost_usd; negative when writes cost more than reads saved) when any is non-zero; and `extra` when
 the record carries any of: slo_class, slo_idle_admit, queue_ms, spill (why it went to an overflow
 pool), engine (the engine's own per-request timings).
+
+Beside request records the ledger holds one record of kind `outcome` per agent program that posted
+how it ended (`gateway/http/outcome.py`): v, kind, ts, started, request_id, tenant, key_id, program,
+success, value. Request reports skip them (`report.py`); `--by outcome` joins them (`outcomes.py`).
 """
 
 from __future__ import annotations
@@ -75,6 +83,15 @@ def record_to_entry(r: RequestRecord) -> dict[str, Any]:
         entry["batch_id"] = r.batch_id
     if r.program is not None:
         entry["program"] = r.program
+    if r.base_model is not None:
+        entry["base_model"] = r.base_model
+    if r.user is not None:
+        entry["user"] = r.user
+    if r.tags:
+        entry["tags"] = list(r.tags)
+    if r.leg:
+        entry["leg"] = r.leg
+        entry["continues"] = r.continues
     extra = _extra(r)
     if extra:
         entry["extra"] = extra

@@ -10,7 +10,9 @@ lifetime), `cached_input_tokens` those read from a cache; `cache_saved_usd` is w
 tokens, input (cached included) plus output. TTFT percentiles are over the requests that had a
 first token: numpy's linear interpolation between ranks while a group has up to 10,000 of them,
 within 1 % above. Group fields are ledger fields (codec.py), plus `key`
-(= key_id), `backend` (= pool), and the time buckets `day` and `hour` (UTC) of the finish time.
+(= key_id), `backend` (= pool), and the time buckets `day` and `hour` (UTC) of the finish time;
+`adapter` is the LoRA adapter a request named ("" for a base model's own requests) and `base_model`
+the model that ran (an adapter's base, else the model): docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ GROUPABLE = frozenset(
     {
         "tenant", "key_id", "requested_model", "model", "served_model", "fallback_from", "fallback_reason",
         "pool", "endpoint", "prefill_endpoint", "engine", "api", "stream", "status", "http_status",
-        "error_code", "reject_reason", "usage_source", "program",
+        "error_code", "reject_reason", "usage_source", "program", "user", "tag", "adapter", "base_model",
     }
 )  # fmt: skip
 METRIC_COLUMNS = (
@@ -155,6 +157,10 @@ def group_key(entry: dict[str, Any], by: Sequence[str]) -> tuple[str, ...]:
     for name in by:
         if name in TIME_FIELDS:
             values.append(datetime.fromtimestamp(float(entry["ts"]), UTC).strftime(TIME_FIELDS[name]))
+        elif name == "adapter":  # the LoRA adapter the request named; "" for a base model's own requests
+            values.append(str(entry.get("model") or "") if entry.get("base_model") else "")
+        elif name == "base_model":  # the model that ran: an adapter's base, else the model itself
+            values.append(str(entry.get("base_model") or entry.get("model") or ""))
         else:
             value = entry.get(name)
             values.append(value if isinstance(value, str) else ("" if value is None else str(value)))
@@ -167,15 +173,31 @@ class ReportBuilder:
     def __init__(self, by: Sequence[str]) -> None:
         self.fields = resolve_fields(by)
         self.groups: dict[tuple[str, ...], GroupTotals] = {}
+        # `--by tag`: a record counts in the group of each of its tags (untagged: ""), so groups may
+        # overlap and the total is kept apart, each record once
+        self._by_tag = "tag" in self.fields
+        self._total = GroupTotals()
 
     def add(self, entry: dict[str, Any]) -> None:
-        key = group_key(entry, self.fields) if self.fields else ()
+        if entry.get("kind") == "outcome":  # a program's end, not a request (outcomes.py reports them)
+            return
+        if not self._by_tag:
+            self._add(group_key(entry, self.fields) if self.fields else (), entry)
+            return
+        self._total.add(entry)
+        tags = entry.get("tags")
+        for tag in tags if isinstance(tags, list) and tags else ("",):
+            self._add(group_key({**entry, "tag": tag}, self.fields), entry)
+
+    def _add(self, key: tuple[str, ...], entry: dict[str, Any]) -> None:
         totals = self.groups.get(key)
         if totals is None:
             totals = self.groups[key] = GroupTotals()
         totals.add(entry)
 
     def report(self) -> Report:
+        if self._by_tag:
+            return Report(self.fields, self.groups, self._total)
         total = GroupTotals()
         for totals in self.groups.values():
             total.merge(totals)

@@ -43,6 +43,12 @@ class BatchSink(Protocol):
     def close_sync(self, timeout_s: float = 5.0) -> None: ...
 
 
+class Tally(Protocol):
+    """Told of every record the ledger accepted (not of those it dropped)."""
+
+    def add(self, record: RequestRecord) -> None: ...
+
+
 def file_name_re(prefix: str) -> re.Pattern[str]:
     return re.compile(rf"^{re.escape(prefix)}-(\d{{8}})-(\d+)\.jsonl$")
 
@@ -59,6 +65,8 @@ class LedgerWriter:
         self.dir = Path(config.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._sink = sink
+        # sums of the costs the ledger accepted, per key and budget period (gateway/ledger/reconcile.py)
+        self.tally: Tally | None = None
         self._wall_clock_s = wall_clock_s
         self._interval_s = config.commit_interval_ms / 1000.0
         self._max_pending = config.max_pending_records
@@ -104,27 +112,31 @@ class LedgerWriter:
 
     # -- event loop side ---------------------------------------------------------------------
 
-    def append(self, record: RequestRecord) -> None:
-        """Queue one finished request. O(1), never blocks on I/O."""
-        self.append_line(codec.encode(record))
+    def append(self, record: RequestRecord) -> bool:
+        """Queue one finished request. O(1), never blocks on I/O. False: dropped (counted)."""
+        accepted = self.append_line(codec.encode(record))
+        if accepted and self.tally is not None:
+            self.tally.add(record)  # what the ledger holds, per key and period (reconcile.py)
+        return accepted
 
     def observe(self, record: RequestRecord) -> None:
         """`append` under the name the walk's record sinks are called by."""
         self.append(record)
 
-    def append_line(self, line: bytes) -> None:
-        """Queue one already encoded line (ending in a newline)."""
+    def append_line(self, line: bytes) -> bool:
+        """Queue one already encoded line (ending in a newline); False when it was dropped."""
         with self._lock:
             if self._closing or len(self._pending) >= self._max_pending:
                 self.dropped_total += 1
                 if self.dropped_total == 1 or self.dropped_total % 10_000 == 0:
                     log.error("usage ledger dropped %d records (closed or disk too slow)", self.dropped_total)
-                return
+                return False
             self.appended_total += 1
             self._pending.append(line)
             if len(self._pending) == 1:
                 self._first_pending_s = time.monotonic()
                 self._wake.notify()
+        return True
 
     def stats(self) -> dict[str, float]:
         """Counters for `tokenway_ledger_*` (see GatewayMetrics.set_ledger_stats)."""

@@ -15,11 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from gateway.errors import EngineRejected, GatewayError, Rejected
 from gateway.request.components import AdmissionPort, RecordSink
 from gateway.request.context import RequestContext
 from gateway.request.hooks import Hooks
+from gateway.request.record import RequestRecord
 from gateway.upstream.relay import RelayOutcome
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
@@ -88,6 +90,14 @@ class Accounting:
         self.sinks = tuple(sinks)
         self.hooks = hooks
 
+    def price(self, ctx: RequestContext) -> Callable[[Usage], float] | None:
+        """What the answer's usage costs its caller, for a caller whose policy shows it (`show_cost`):
+        the figure `fill` records and settlement charges, so the body, the header and the ledger agree.
+        None for everyone else (their bodies stay exactly the API's own)."""
+        if not ctx.facts.principal.show_cost:
+            return None
+        return partial(price_usd, self.policies.current, ctx.model, batch=ctx.facts.batch_id is not None)
+
     def reserve(self, ctx: RequestContext, ticket: Admitted) -> Reservation:
         ctx.reservation = Reservation(self.admission, ticket, ctx.model)
         return ctx.reservation
@@ -103,7 +113,7 @@ class Accounting:
         assert outcome is not None and ctx.reservation is not None
         with ctx.trace.span("accounting"):
             self.fill(ctx, outcome)
-            await ctx.reservation.settle(outcome.usage, outcome.counted_completion_tokens)
+            await ctx.reservation.settle(outcome.leg_usage(), outcome.leg_tokens())
 
     async def settle_unused(self, ctx: RequestContext, error: GatewayError) -> None:
         """The engine refused the request (its own 4xx): it ran nothing, charge nothing but the request."""
@@ -147,26 +157,26 @@ class Accounting:
             # since it is also the output limit the engine was given (gateway/upstream/engine_control.py).
             self.unobserved(ctx, reservation.settle_reserved())
             return
-        reservation.settle_soon(outcome.usage, outcome.counted_completion_tokens)
+        reservation.settle_soon(outcome.leg_usage(), outcome.leg_tokens())
 
     async def close_open(self, ctx: RequestContext) -> None:
         """A path that ended without settling (a bug's exception) releases what it held."""
         if ctx.reservation is not None and not ctx.reservation.ended:
             if ctx.outcome is not None:
-                await ctx.reservation.settle(ctx.outcome.usage, ctx.outcome.counted_completion_tokens)
+                await ctx.reservation.settle(ctx.outcome.leg_usage(), ctx.outcome.leg_tokens())
             else:
                 await ctx.reservation.release()
 
     def fill(self, ctx: RequestContext, outcome: RelayOutcome) -> None:
         facts, record = ctx.facts, ctx.record
         record.stream = facts.stream
-        usage = outcome.usage
+        usage = outcome.leg_usage()  # a stream that failed over: this leg's (its earlier legs have their own records)
         if usage is not None:
             record.usage_source = "engine"
             if self.audit is not None and ctx.model == facts.model:  # a fallback counts with another tokenizer
                 self.audit(facts.model, facts.prompt_tokens, usage.prompt_tokens, facts.prompt_tokens_source)
-        elif outcome.counted_completion_tokens or outcome.aborted or outcome.broken:
-            usage = Usage(prompt_tokens=facts.prompt_tokens, completion_tokens=outcome.counted_completion_tokens)
+        elif outcome.leg_tokens() or outcome.aborted or outcome.broken:
+            usage = Usage(prompt_tokens=facts.prompt_tokens, completion_tokens=outcome.leg_tokens())
             record.usage_source = "counted"
         if usage is not None:
             record.prompt_tokens = usage.prompt_tokens
@@ -194,6 +204,36 @@ class Accounting:
             record.status = "error"
             record.error_code = "upstream_error"
 
+    def close_leg(self, ctx: RequestContext, reservation: Reservation, record: RequestRecord) -> None:
+        """A stream's leg ended where a fallback model took over (gateway/transport/failover.py): the
+        leg is settled with what it sent (the original prompt and the output tokens counted since the
+        leg began, priced at the leg's model: the engine's usage never came) and its record handed to
+        every sink now; the stream goes on with the next leg's reservation and record."""
+        outcome = ctx.outcome
+        assert outcome is not None
+        tokens = outcome.leg_tokens()
+        usage = Usage(prompt_tokens=ctx.facts.prompt_tokens, completion_tokens=tokens)
+        record.stream = True
+        record.usage_source = "counted"
+        record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        record.cost_usd = price_usd(
+            self.policies.current, reservation.model, usage, batch=ctx.facts.batch_id is not None
+        )
+        if outcome.first_token_at_s is not None and record.leg <= 1:
+            record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
+        record.duration_s = time.perf_counter() - ctx.arrived_s
+        outcome.billed_tokens += tokens
+        reservation.settle_soon(usage, tokens)
+        self.emit(record)
+
+    def emit(self, record: RequestRecord) -> None:
+        """Hand `record` to every sink, once (a broken sink costs neither the others nor the answer)."""
+        for sink in self.sinks:
+            try:
+                sink.observe(record)
+            except Exception:  # a broken sink must not break the others or the response
+                log.exception("record sink %s failed", type(sink).__name__)
+
     def unobserved(self, ctx: RequestContext, usage: Usage) -> None:
         """The answer went to the client without passing here: the record carries what was charged
         for it (`usage_source: reserved`), not what the engine reported."""
@@ -209,9 +249,5 @@ class Accounting:
         record = ctx.record
         record.duration_s = time.perf_counter() - ctx.arrived_s
         self.hooks.finished(ctx)
-        for sink in self.sinks:
-            try:
-                sink.observe(record)
-            except Exception:  # a broken sink must not break the others or the response
-                log.exception("record sink %s failed", type(sink).__name__)
+        self.emit(record)
         ctx.trace.end(record)

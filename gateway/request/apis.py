@@ -74,8 +74,10 @@ class Api(Translation, Protocol):
         """The validated body of the parsed JSON (InvalidRequest names the field)."""
         ...
 
-    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
-        """Work that needs the caller (a stored conversation); GatewayError to refuse."""
+    async def prepare(self, body: dict[str, Any], principal: Principal, program: str | None) -> str | None:
+        """Work that needs the caller (a stored conversation); GatewayError to refuse. Returns the
+        request's agent program: `program` (what it names itself), else the program of the stored
+        conversation it continues (Responses' `previous_response_id` chain), else None."""
         ...
 
     async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
@@ -112,8 +114,8 @@ class NativeApi:
     def parse(self, parsed: Any) -> dict[str, Any]:
         return validate_body(self.kind, parsed)
 
-    async def prepare(self, body: dict[str, Any], principal: Principal) -> None:
-        return None
+    async def prepare(self, body: dict[str, Any], principal: Principal, program: str | None) -> str | None:
+        return program
 
     async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
         # the model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate

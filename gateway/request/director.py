@@ -155,6 +155,17 @@ class Director:
         facts = ctx.facts
         if not detour.fallback or not facts.allow_fallback or not detour.trigger:
             return None
+        error = detour.error
+        own = error.rejection.fallback_model if isinstance(error, Rejected) else None
+        if (
+            own is not None  # the refusing rule names its own cheaper model: it goes first
+            and own not in tried
+            and own != ctx.model
+            and facts.principal.may_use(own)
+            and self.fleet.pools_for_model(own)
+        ):
+            tried.add(own)
+            return own
         following = choose_fallback(
             self.policies.current,
             ctx.model,

@@ -40,6 +40,7 @@ from gateway.http.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_
 from gateway.request.context import RequestContext
 from gateway.request.debug import debug_allowed
 from gateway.request.program import program_id
+from gateway.request.subjects import request_subjects
 from gateway.upstream.engine_control import check_min_tokens
 from policies.engine_fields import cache_salt as engine_cache_salt
 from policies.engine_fields import client_body
@@ -232,13 +233,16 @@ class Intake:
         requested: str = body["model"]
         model = policy.resolve_model(requested)
         record.requested_model, record.model = requested, model
+        adapter = self.fleet.adapter(model)
+        record.base_model = adapter.base_model if adapter is not None else None  # `usage report --by adapter`
         if not self.fleet.pools_for_model(model):
             raise ModelNotFound(f"The model '{requested}' does not exist or is not served here.", param="model")
         if not (principal.may_use(model) or principal.may_use(requested)) or not policy.adapter_allows(
             model, principal.tenant
         ):
             raise ModelNotAllowed(f"This key may not use the model '{requested}'.", param="model")
-        await ctx.api.prepare(body, principal)  # work that needs the caller (a stored conversation)
+        # work that needs the caller (a stored conversation, whose program a continued turn inherits)
+        record.program = await ctx.api.prepare(body, principal, record.program)
         return body, requested, model
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -274,6 +278,8 @@ class Intake:
         batch_id: str | None = None,
     ) -> RequestFacts:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
+        subjects = request_subjects(headers, body, ctx.record.program)  # bounded; malformed tags -> 400
+        ctx.record.user, ctx.record.tags = subjects.user, subjects.tags
         prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
         max_tokens = ctx.api.max_tokens(body)
         check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/engine_control.py)
@@ -313,6 +319,7 @@ class Intake:
             allow_fallback=principal.allow_fallback and not opt_out,
             debug=debug_allowed(headers, ctx.http.remote if ctx.http is not None else None, self.server.admin_token),
             slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms) if batch_id is None else None,
+            subjects=subjects,
             prompt_tokens_source=tokens_source,
             batch_id=batch_id,
         )

@@ -21,6 +21,7 @@ class RequestRecord:
     requested_model: str = ""
     model: str = ""  # public model that served (after fallback)
     served_model: str = ""  # upstream model name
+    base_model: str | None = None  # `model` is a LoRA adapter: the model it adapts (docs/adapters.md)
     fallback_from: str | None = None
     fallback_reason: str | None = None
     pool: str = ""
@@ -60,7 +61,13 @@ class RequestRecord:
     preempted: int = 0  # times flow control cut its stream for another tenant's request (it continued)
     batch_id: str | None = None  # a line of this batch (Batch API)
     program: str | None = None  # intake: the agent program it belongs to, bounded (gateway/request/program.py)
+    user: str | None = None  # intake: the end user it names, bounded (gateway/request/subjects.py)
+    tags: tuple[str, ...] = ()  # intake: its tags, bounded (gateway/request/subjects.py)
     spill: str | None = None  # served on an overflow pool, and why (gateway/flow/spill.py)
+    # a stream that failed over to a fallback model mid-answer (gateway/transport/failover.py) leaves one
+    # record per leg: its number (1, 2, ...; 0: the stream never failed over) and the leg it continues
+    leg: int = 0
+    continues: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -55,7 +55,8 @@ REDIS_LATENCY_BUCKETS_S = (
 PREDICTOR_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 _SERIES_CACHE_MAX = 4096
-_GUARDED_LABELS = ("tenant", "model", "pool", "endpoint", "key_id", "reason", "limiter_id")
+_GUARDED_LABELS = ("tenant", "model", "pool", "endpoint", "key_id", "reason", "limiter_id", "lora_name")
+LORA_EVENTS = ("load", "preload", "load_failed", "unload", "lost")  # gateway/transport/lora.py's events
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +76,17 @@ class _RecordSeries:
     ttft_s: HistogramChild | None
     tpot_s: HistogramChild | None
     duration_s: HistogramChild | None
+    lora: _LoraSeries | None  # the request named a LoRA adapter the policy declares
+
+
+@dataclass(slots=True, frozen=True)
+class _LoraSeries:
+    """A request for a LoRA adapter: its `lora_name` series, beside the model-labelled ones."""
+
+    requests: CounterChild
+    input_tokens: CounterChild
+    output_tokens: CounterChild
+    ttft_s: HistogramChild | None
 
 
 class GatewayMetrics:
@@ -92,6 +104,7 @@ class GatewayMetrics:
         self._key_id_labels = labels_cfg.key_id
         self.guards: dict[str, LabelGuard] = {name: LabelGuard(labels_cfg.max_values) for name in _GUARDED_LABELS}
         self._series: dict[tuple[object, ...], _RecordSeries] = {}  # label tuple -> children, a shortcut
+        self._loras: frozenset[str] = frozenset()  # the policy's adapters (allow_label_values)
 
         genai_labels = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
                         "gen_ai_response_model", "pool")  # fmt: skip
@@ -230,6 +243,37 @@ class GatewayMetrics:
             otel_name="tokenway.predictor.error_ratio",
             unit="1",
         )
+        # LoRA adapters (docs/adapters.md): `lora_name` is one of the policy's adapters (at most
+        # `labels.max_values` of them, in policy order; the rest are "other"); base-model requests have none
+        self.lora_requests = CounterFamily(
+            "tokenway_lora_requests_total",
+            "finished requests for a LoRA adapter, by adapter and status",
+            ("lora_name", "status"),
+            otel_name="tokenway.lora.requests",
+            unit="{request}",
+        )
+        self.lora_tokens = CounterFamily(
+            "tokenway_lora_tokens_total",
+            "tokens of requests for a LoRA adapter, by adapter and token_type (input, output)",
+            ("lora_name", "token_type"),
+            otel_name="tokenway.lora.tokens",
+            unit="{token}",
+        )
+        self.lora_ttft = HistogramFamily(
+            "tokenway_lora_time_to_first_token_seconds",
+            "arrival to first content byte of requests for a LoRA adapter (an adapter load on the way shows here)",
+            ("lora_name",),
+            genai.TIME_TO_FIRST_TOKEN_BUCKETS_S,
+            otel_name="tokenway.lora.time_to_first_token",
+            unit="s",
+        )
+        self.lora_events = CounterFamily(
+            "tokenway_lora_adapter_events_total",
+            "adapter loads (on demand, preload), failed loads, idle unloads, and adapters an engine lost, per adapter",
+            ("lora_name", "event"),
+            otel_name="tokenway.lora.adapter_events",
+            unit="{event}",
+        )
         self._predictor_ttft = self.predictor_error.child("ttft")
         self._predictor_tpot = self.predictor_error.child("tpot")
 
@@ -238,6 +282,7 @@ class GatewayMetrics:
             self.tokens, self.cached_tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens,
             self.estimated_hit_tokens,
             self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
+            self.lora_requests, self.lora_tokens, self.lora_ttft, self.lora_events,
         )  # fmt: skip
         self.created_unix_ns = time_ns()  # start of every cumulative series (OTLP start_time)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -276,6 +321,13 @@ class GatewayMetrics:
         series.output_tokens.value += completion
         series.cost_usd.value += record.cost_usd
         series.overhead_s.observe(record.gateway_overhead_s)
+        lora = series.lora
+        if lora is not None:
+            lora.requests.value += 1.0
+            lora.input_tokens.value += prompt
+            lora.output_tokens.value += completion
+            if lora.ttft_s is not None and record.ttft_s is not None:
+                lora.ttft_s.observe(record.ttft_s)
         if series.duration_s is None:
             return
         series.duration_s.observe(record.duration_s)
@@ -324,6 +376,18 @@ class GatewayMetrics:
             ttft_s=self.ttft.child(*gl) if reached_engine else None,
             tpot_s=self.tpot.child(*gl) if reached_engine else None,
             duration_s=self.duration.child(*gl, error_type) if reached_engine else None,
+            lora=self._lora_series(r, reached_engine),
+        )
+
+    def _lora_series(self, r: RequestRecord, reached_engine: bool) -> _LoraSeries | None:
+        if r.model not in self._loras:
+            return None
+        name = self.guards["lora_name"](r.model)
+        return _LoraSeries(
+            requests=self.lora_requests.child(name, r.status),
+            input_tokens=self.lora_tokens.child(name, genai.TOKEN_INPUT),
+            output_tokens=self.lora_tokens.child(name, genai.TOKEN_OUTPUT),
+            ttft_s=self.lora_ttft.child(name) if reached_engine else None,
         )
 
     # -- event hooks ---------------------------------------------------------------------------
@@ -343,6 +407,10 @@ class GatewayMetrics:
         """One failed upstream attempt; `endpoint` is the endpoint id ("<pool>/<role>-<i>")."""
         pool = self.guards["pool"](endpoint.partition("/")[0])
         self.upstream_errors.child(pool, self.guards["endpoint"](endpoint), self.guards["reason"](kind)).value += 1
+
+    def observe_lora_event(self, adapter: str, event: str) -> None:
+        """An adapter loaded, preloaded, refused, unloaded for idleness or lost by an engine (`LORA_EVENTS`)."""
+        self.lora_events.child(self.guards["lora_name"](adapter), event).value += 1.0
 
     def observe_retry(self, pool: str = "") -> None:
         self.retries.child(self.guards["pool"](pool)).value += 1.0
@@ -379,9 +447,15 @@ class GatewayMetrics:
         pools: Iterable[str] | None = None,
         endpoints: Iterable[str] | None = None,
         key_ids: Iterable[str] | None = None,
+        loras: Iterable[str] | None = None,
     ) -> None:
         """Pin label dimensions to the configured values (call at startup and on policy reload);
-        anything else, e.g. a client's unknown model name, is exported as "other"."""
+        anything else, e.g. a client's unknown model name, is exported as "other". `loras`: the policy's
+        adapters, the first `labels.max_values` of them a `lora_name` of their own."""
+        if loras is not None:
+            declared = list(dict.fromkeys(loras))
+            self._loras = frozenset(declared)
+            self.guards["lora_name"].allow(declared[: self.config.labels.max_values])
         for name, values in (("tenant", tenants), ("model", models), ("pool", pools),
                              ("endpoint", endpoints), ("key_id", key_ids)):  # fmt: skip
             if values is not None:

@@ -9,7 +9,8 @@ It keeps the seam's contract (`gateway/request/transport.py`): the `ended` hooks
 reservation settled once anything reached an engine, `NotSent` for a failure before the first
 byte, classified here (a replica that stalled or missed its first-token deadline, a 5xx, no answer,
 an engine that says the request is wrong or crashed on it: `gateway/upstream/engine_errors.py`).
-A plain stream cut mid-way continues on another replica of its pool (`_resumer`).
+A plain stream cut mid-way continues on another replica of its pool (`_resumer`), and for a model
+with `stream_failover`, then on its fallback model (`_failover`, `failover.py`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from gateway.request.detour import Detour
 from gateway.request.hooks import Hooks
 from gateway.request.transport import NotSent
 from gateway.telemetry.metrics import GatewayMetrics
+from gateway.transport import failover
 from gateway.transport.lora import AdapterLoader, LoadFailed
+from gateway.transport.lora_keeper import AdapterKeeper
 from gateway.transport.pd import prefill_leg
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
 from gateway.upstream.engine_control import engine_body
 from gateway.upstream.engine_errors import engine_fault, request_status
-from gateway.upstream.migrate import Resumer, can_migrate
+from gateway.upstream.migrate import Resumer, can_fail_over, can_migrate
 from gateway.upstream.relay import (
     RelayOutcome,
     RetryableUpstream,
@@ -83,6 +86,10 @@ def _no_failure(endpoint: Endpoint, now_s: float) -> None:
     return None
 
 
+def _no_event(adapter: str, event: str) -> None:
+    return None
+
+
 class EngineTransport:
     follows = False
 
@@ -112,7 +119,9 @@ class EngineTransport:
         self.report_success = report_success
         self.report_failure = report_failure
         self.fleet = fleet
-        self.lora = AdapterLoader(upstream)  # LoRA adapters loaded on first demand (transport/lora.py)
+        # LoRA adapters loaded on first demand (transport/lora.py); preloaded and idle-unloaded by the keeper
+        self.lora = AdapterLoader(upstream, on_event=metrics.observe_lora_event if metrics is not None else _no_event)
+        self.lora_keeper = AdapterKeeper(fleet, self.lora)
 
     def unreachable(self, pools: Sequence[Pool]) -> set[str]:
         return set()
@@ -123,8 +132,10 @@ class EngineTransport:
     async def send(self, ctx: RequestContext, routed: Routed, *, last: bool) -> web.StreamResponse:
         endpoint = routed.endpoint
         adapter = self.fleet.adapter(ctx.model)
+        ctx.record.base_model = adapter.base_model if adapter is not None else None  # after any fallback
         if adapter is not None:
             await self._load_adapter(ctx, endpoint, adapter)
+            self.lora.begin(endpoint, adapter.name)  # in use: the keeper does not unload it meanwhile
         watch = self.stalls.begin(endpoint, stream=ctx.facts.stream)
         try:
             response = await self._relay(ctx, routed, watch, deadline=not last)
@@ -132,6 +143,8 @@ class EngineTransport:
             raise self._not_sent(ctx, endpoint, watch, exc) from None
         finally:
             self.stalls.end(watch)
+            if adapter is not None:
+                self.lora.end(endpoint, adapter.name)
         if ctx.outcome is not None:  # served (an engine's 4xx is the request's fault, not theirs)
             for failed in ctx.answered_5xx:  # they answered 5xx to what another endpoint served
                 self.report_failure(failed, time.monotonic())
@@ -159,7 +172,7 @@ class EngineTransport:
         adapter = self.fleet.adapter(ctx.model)
         if adapter is None or not self.lora.registered(endpoint, adapter.name):
             return
-        self.lora.forget(endpoint.id)
+        self.lora.lost(endpoint, adapter.name)  # its listing too: the engine said otherwise since
         log.warning("endpoint %s no longer holds the adapter %s: loading it again", endpoint.id, adapter.name)
         raise NotSent(f"the adapter {adapter.name} was no longer loaded on {endpoint.id}", fault="endpoint")
 
@@ -190,8 +203,11 @@ class EngineTransport:
         endpoint = decision.endpoint
         api: Translation = ctx.api  # the client's API at the seam: what is sent, how the answer reads back
         try:
-            # a translated API writes the engine's own API where it has it, else chat completions
-            path, upstream_api, body = api.upstream(facts, endpoint, decision.prefill_endpoint is not None)
+            # a translated API writes the engine's own API where it has it, else chat completions (and
+            # always, for a stream that may fail over: a fallback model's continuation splices into chat)
+            chat_only = decision.prefill_endpoint is not None or self._fails_over(ctx, routed)
+            path, upstream_api, body = api.upstream(facts, endpoint, chat_only)
+            unshaped = body
             body = self._shaped(ctx, endpoint, body, self._engine_body(ctx, endpoint, body, upstream_api), upstream_api)
             local_prefill = max(facts.prompt_tokens - decision.cached_tokens_estimate, 0)
             if decision.prefill_endpoint is not None:
@@ -208,6 +224,7 @@ class EngineTransport:
                 else presume_prefilled(load, decision, facts.prompt_tokens + facts.output_reservation)
             )
             outcome = ctx.outcome = RelayOutcome()
+            outcome.price = price = self.accounting.price(ctx)  # show_cost: the cost in the final usage
             if facts.stream and deadline:  # moved elsewhere if no token comes by then
                 self.stalls.arm(watch, ctx.prediction or decision.prediction)
                 outcome.on_first_token = partial(_first_token, watch, self.hooks, ctx)
@@ -230,11 +247,14 @@ class EngineTransport:
                             codec=api.stream_codec(
                                 ctx.model, facts.prompt_tokens + facts.output_reservation, facts.prompt_tokens
                             ),
-                            resume=self._resumer(ctx, routed, path),
+                            resume=failover.chain(
+                                self._resumer(ctx, routed, path),
+                                self._failover(ctx, routed, path, upstream_api, unshaped),
+                            ),
                         )
                     else:
                         transform = api.unary_transform(ctx.model)
-                        outcome = ctx.outcome = await relay_unary(self.upstream, target, load, transform)
+                        outcome = ctx.outcome = await relay_unary(self.upstream, target, load, transform, price)
                     if outcome.first_token_at_s is not None:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - ctx.arrived_s)
                         ctx.trace.event("first_token", at_unix_s=at)
@@ -300,6 +320,36 @@ class EngineTransport:
             return turn.endpoint if turn is not None else None
 
         return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send, others, wait_turn)
+
+    def _fails_over(self, ctx: RequestContext, routed: Routed) -> bool:
+        """Whether a stream cut mid-answer may continue on a fallback model (`failover.py`): its model
+        opted in, and its pool is an engine's (a hosted provider's stream is relayed by its own client)."""
+        return ctx.facts.stream and not routed.pool.config.hosted and failover.enabled(ctx, self.accounting)
+
+    def _failover(
+        self, ctx: RequestContext, routed: Routed, path: str, api: ApiKind, sent: dict[str, Any]
+    ) -> failover.Failover | None:
+        """The failover of a stream (`failover.py`), None where it cannot have one: `sent` is the chat
+        or completions body the first leg's engine got (before its cut), continued on a fallback model."""
+        if not self._fails_over(ctx, routed) or api not in ("chat", "completions"):
+            return None
+        if not can_fail_over(ctx.facts.body if isinstance(ctx.api, NativeApi) else sent, api):
+            return None
+        turns = self.turns
+
+        def route(ctx: RequestContext, pools: Sequence[Pool], avoid: Collection[str]) -> Routed | None:
+            return turns.route(ctx, [p for p in pools if not p.config.hosted], avoid)
+
+        async def open_leg(ctx: RequestContext, endpoint: Endpoint, body: dict[str, Any]) -> Response | None:
+            leg = native_body(ctx.facts, endpoint, body)
+            leg = self._shaped(ctx, endpoint, leg, self._engine_body(ctx, endpoint, leg, api), api)
+            try:
+                return await open_stream(self.upstream, self.target(ctx, endpoint, leg, path))
+            except (RetryableUpstream, UpstreamRejected) as exc:
+                log.warning("stream failover to %s failed: %s", endpoint.id, exc)
+                return None
+
+        return failover.Failover(ctx, self.accounting, self.fleet, route, open_leg, sent, api)
 
     def upstream_body(
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None

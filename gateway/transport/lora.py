@@ -1,18 +1,32 @@
 """Gateway-driven LoRA loading: an adapter is registered on a replica the first time a request for it
 goes there, through the engine's `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`, vLLM's
-runtime adapter API: docs.vllm.ai, "LoRA Adapters"). The engine keeps its own LRU of `max_loras` GPU
-slots; registration is what the gateway does (docs/adapters.md).
+runtime adapter API: docs.vllm.ai, "LoRA Adapters"), and unregistered through
+`POST /v1/unload_lora_adapter` (`{"lora_name"}`) when the keeper (`lora_keeper.py`) finds it idle.
+The engine keeps its own LRU of `max_loras` GPU slots; registration is what the gateway does
+(docs/adapters.md).
+
+What an engine holds is known two ways: what this loader registered, and what the engine lists in
+`/v1/models` (`Endpoint.loras`, backends/lora_discovery.py). A listed adapter is not loaded again; one
+registered before the engine's last listing and absent from it was lost (a restart, the engine's own
+unload) and is loaded again.
 
 One load per (endpoint, adapter) at a time: concurrent first requests await the same load. A load is
 bounded by `timeout_s`, so a slow or dead engine fails the request, never hangs it. The answer:
 `LoadFailed(status, message)`: the engine refused (4xx: the adapter is wrong everywhere) or did not
 answer (status 0: that endpoint's fault), the message naming the adapter.
+
+Each pair the gateway holds carries its last use and its requests in flight, so the keeper unloads
+only an adapter nobody is using. Events (`load`, `preload`, `load_failed`, `unload`, `lost`) go to
+`on_event(adapter, event)`: the metrics' per-adapter counters.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import orjson
 
@@ -21,6 +35,13 @@ from backends.types import Endpoint
 from gateway.upstream.client import UpstreamClient
 
 MAX_REGISTERED = 65_536  # (endpoint, adapter) pairs remembered; the policy's names, not client input
+DEMAND_HALF_LIFE_S = 600.0  # recent demand per adapter (the keeper's hottest-N preloads) halves in this
+
+EventSink = Callable[[str, str], None]
+
+
+def _no_event(adapter: str, event: str) -> None:
+    return None
 
 
 class LoadFailed(Exception):
@@ -30,67 +51,195 @@ class LoadFailed(Exception):
         self.message = message
 
 
+@dataclass(slots=True)
+class Held:
+    """One adapter on one endpoint, as the gateway knows it."""
+
+    endpoint: Endpoint
+    adapter: str
+    registered_at_s: float  # monotonic: when the gateway registered it, or first served it there
+    last_used_s: float  # monotonic: a request for it began or ended there
+    inflight: int = 0  # its requests on that endpoint now
+
+
 class AdapterLoader:
-    def __init__(self, upstream: UpstreamClient, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        timeout_s: float = 30.0,
+        *,
+        on_event: EventSink = _no_event,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.upstream = upstream
         self.timeout_s = timeout_s
-        self._registered: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.on_event = on_event
+        self.clock = clock
+        self._registered: OrderedDict[tuple[str, str], Held] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.loads = 0
         self.failures = 0
+        self.unloads = 0
+        self._demand: dict[str, tuple[float, float]] = {}  # adapter -> (decayed requests, as of when)
 
     def registered(self, endpoint: Endpoint, adapter: str) -> bool:
+        """Whether the gateway holds `adapter` on `endpoint` (registered it, or served it where listed)."""
         return (endpoint.id, adapter) in self._registered
 
-    async def ensure(self, endpoint: Endpoint, adapter: LoraAdapter) -> None:
-        """Register `adapter` on `endpoint` unless it is already; LoadFailed when the engine cannot."""
+    def holds(self, endpoint: Endpoint, adapter: str) -> bool:
+        """Whether `adapter` is on `endpoint` as far as anyone knows: registered here or listed there."""
+        listed = endpoint.loras
+        return self._fresh((endpoint.id, adapter), endpoint) or (listed is not None and adapter in listed)
+
+    def loading(self, endpoint: Endpoint, adapter: str) -> bool:
+        return (endpoint.id, adapter) in self._loading
+
+    def held(self) -> Iterator[Held]:
+        """The pairs the gateway holds (a snapshot: the caller may unload while iterating)."""
+        return iter(list(self._registered.values()))
+
+    async def ensure(self, endpoint: Endpoint, adapter: LoraAdapter, *, reason: str = "load") -> None:
+        """Register `adapter` on `endpoint` unless it is already; LoadFailed when the engine cannot.
+        `reason` names the event a load counts as (`load` on demand, `preload` by the keeper)."""
         key = (endpoint.id, adapter.name)
-        if key in self._registered:
+        if self._fresh(key, endpoint):
+            return
+        listed = endpoint.loras
+        if listed is not None and adapter.name in listed:  # the engine holds it already (discovery)
+            self._remember(key, endpoint, adapter.name)
             return
         pending = self._loading.get(key)
         if pending is None:
             pending = asyncio.get_running_loop().create_future()
             self._loading[key] = pending
             try:
-                await self._load(endpoint, adapter)
+                await self._load(endpoint, adapter, reason)
             except LoadFailed as exc:
                 self.failures += 1
+                self.on_event(adapter.name, "load_failed")
                 pending.set_exception(exc)
                 pending.exception()  # retrieved: the waiters (if any) re-raise it
                 raise
             finally:
                 self._loading.pop(key, None)
-            self._registered[key] = None
-            while len(self._registered) > MAX_REGISTERED:
-                self._registered.popitem(last=False)
+            self._remember(key, endpoint, adapter.name)
             pending.set_result(None)
             return
         await asyncio.shield(pending)
+
+    def begin(self, endpoint: Endpoint, adapter: str) -> None:
+        """A request for `adapter` starts on `endpoint`: the keeper leaves the pair alone meanwhile, and
+        the adapter's recent demand grows by one."""
+        now = self.clock()
+        value, at = self._demand.get(adapter, (0.0, now))
+        if adapter in self._demand or len(self._demand) < MAX_REGISTERED:
+            self._demand[adapter] = (value * 0.5 ** ((now - at) / DEMAND_HALF_LIFE_S) + 1.0, now)
+        held = self._registered.get((endpoint.id, adapter))
+        if held is not None:
+            held.inflight += 1
+            held.last_used_s = now
+
+    def hottest(self, names: Iterable[str], count: int) -> list[str]:
+        """The `count` adapters among `names` with the most recent demand (none without any)."""
+        now = self.clock()
+        scored = []
+        for name in names:
+            found = self._demand.get(name)
+            if found is not None:
+                scored.append((found[0] * 0.5 ** ((now - found[1]) / DEMAND_HALF_LIFE_S), name))
+        scored.sort(key=lambda item: (-item[0], item[1]))
+        return [name for _value, name in scored[:count]]
+
+    def end(self, endpoint: Endpoint, adapter: str) -> None:
+        held = self._registered.get((endpoint.id, adapter))
+        if held is not None:
+            held.inflight = max(held.inflight - 1, 0)
+            held.last_used_s = self.clock()
 
     def forget(self, endpoint_id: str) -> None:
         """The endpoint restarted or left: its adapters must be loaded again."""
         for key in [k for k in self._registered if k[0] == endpoint_id]:
             del self._registered[key]
 
-    async def _load(self, endpoint: Endpoint, adapter: LoraAdapter) -> None:
-        headers = {"Content-Type": "application/json"}
-        if endpoint.api_key:
-            headers["Authorization"] = f"Bearer {endpoint.api_key}"
+    def lost(self, endpoint: Endpoint, adapter: str) -> None:
+        """The engine answered that it does not hold `adapter` (a 404): forget it everywhere we look,
+        the engine's last listing included, so the next request loads it again."""
+        self.forget(endpoint.id)
+        if endpoint.loras is not None and adapter in endpoint.loras:
+            endpoint.loras = endpoint.loras - {adapter}
+        self.on_event(adapter, "lost")
+
+    async def unload(self, endpoint: Endpoint, adapter: str) -> bool:
+        """Unregister `adapter` from `endpoint` (vLLM's `/v1/unload_lora_adapter`); True when the engine no
+        longer holds it (unloaded now, or already gone: vLLM answers 404 for a name it does not know)."""
+        key = (endpoint.id, adapter)
+        held = self._registered.get(key)
+        if held is not None and held.inflight:
+            return False
+        body = orjson.dumps({"lora_name": adapter})
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                response = await self.upstream.post(
+                    endpoint.base_url + "/v1/unload_lora_adapter", _headers(endpoint), body
+                )
+                await response.read()
+                response.release()
+        except Exception:  # no answer: try again on a later pass
+            return False
+        if response.status not in (200, 404):
+            return False
+        # a request that began meanwhile meets the engine's 404 and is sent again (`lost`): it reloads
+        self._registered.pop(key, None)
+        if endpoint.loras is not None and adapter in endpoint.loras:
+            endpoint.loras = endpoint.loras - {adapter}
+        self.unloads += 1
+        self.on_event(adapter, "unload")
+        return True
+
+    def _fresh(self, key: tuple[str, str], endpoint: Endpoint) -> bool:
+        """Registered here, and not contradicted by a listing the engine sent after registering it."""
+        held = self._registered.get(key)
+        if held is None:
+            return False
+        listed = endpoint.loras
+        if listed is not None and key[1] not in listed and endpoint.loras_at_s > held.registered_at_s:
+            del self._registered[key]  # lost since (a restart, the engine's own unload)
+            self.on_event(key[1], "lost")
+            return False
+        return True
+
+    def _remember(self, key: tuple[str, str], endpoint: Endpoint, adapter: str) -> None:
+        now = self.clock()
+        self._registered[key] = Held(endpoint, adapter, now, now)
+        while len(self._registered) > MAX_REGISTERED:
+            self._registered.popitem(last=False)
+
+    async def _load(self, endpoint: Endpoint, adapter: LoraAdapter, reason: str) -> None:
         body = orjson.dumps({"lora_name": adapter.name, "lora_path": adapter.source})
         try:
             async with asyncio.timeout(self.timeout_s):
-                response = await self.upstream.post(endpoint.base_url + "/v1/load_lora_adapter", headers, body)
+                response = await self.upstream.post(
+                    endpoint.base_url + "/v1/load_lora_adapter", _headers(endpoint), body
+                )
                 text = await response.read()
                 response.release()
         except Exception as exc:  # no answer: refused, reset, timed out (the client's own errors included)
             raise LoadFailed(0, f"The adapter '{adapter.name}' could not be loaded on {endpoint.id}: {exc!r}") from None
         self.loads += 1
         if response.status == 200 or _already_loaded(response.status, text):
+            self.on_event(adapter.name, reason)
             return
         detail = _message(text)
         raise LoadFailed(
             response.status, f"The adapter '{adapter.name}' could not be loaded ({response.status}): {detail}"
         )
+
+
+def _headers(endpoint: Endpoint) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if endpoint.api_key:
+        headers["Authorization"] = f"Bearer {endpoint.api_key}"
+    return headers
 
 
 def _already_loaded(status: int, text: bytes) -> bool:

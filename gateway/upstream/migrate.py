@@ -16,8 +16,11 @@ client's stream:
 
 Sampling may differ after the splice (another replica, another random state; a seed does not carry
 over). Only plain text streams move: one choice, no tools, no logprobs, no structured output; others
-end with the error event as before. `Splice` and the body builders are pure; `relay_stream` calls
-the `Resume` the walk gives it.
+end with the error event as before. A cut is a reset, a body that ends without a finish, or an error
+event from the engine (`data: {"error": ...}`: nothing after it is relayed). The same continuation and
+splice carry a stream to a fallback model (`gateway/transport/failover.py`), whose chunks then carry
+its name and a marker (`Splice.marker`). `Splice` and the body builders are pure; `relay_stream`
+calls the `Resume` the walk gives it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class Resumed:
     endpoint_id: str
     prompt_tokens: int  # the original request's, as billed
     api: str  # chat | completions
+    # a failover to a fallback model (gateway/transport/failover.py): its public name, which the
+    # continuation's chunks carry, and the marker event that tells the client where the switch was
+    model: str | None = None
+    marker: dict[str, Any] | None = None
 
 
 # (text sent so far, completion tokens sent so far, whether flow control cut it to free its slot)
@@ -63,6 +70,17 @@ def can_migrate(body: Mapping[str, Any], api: str) -> bool:
     if (body.get("n") or 1) != 1 or body.get("echo") or body.get("best_of"):
         return False
     return not any(body.get(name) for name in _BLOCKING_FIELDS)
+
+
+def can_fail_over(body: Mapping[str, Any], api: str) -> bool:
+    """Whether a stream of this request can continue on a fallback model: as `can_migrate`, but tools
+    are allowed (a stream whose tool-call deltas already went out is never continued: the relay's
+    `_Moving.tool_calls`), since the new leg starts any call of its own from scratch."""
+    if api not in ("chat", "completions"):
+        return False
+    if (body.get("n") or 1) != 1 or body.get("echo") or body.get("best_of"):
+        return False
+    return not any(body.get(name) for name in _BLOCKING_FIELDS if name not in ("tools", "functions"))
 
 
 def continuation_body(body: Mapping[str, Any], api: str, text: str, sent_tokens: int) -> dict[str, Any] | None:
@@ -134,11 +152,19 @@ def stream_identity(event: bytes) -> tuple[str, int] | None:
 class Splice:
     """Rewrites a continuation's events so that they read as the original stream's (module doc)."""
 
-    def __init__(self, identity: tuple[str, int] | None, sent_tokens: int, prompt_tokens: int, api: str) -> None:
+    def __init__(
+        self,
+        identity: tuple[str, int] | None,
+        sent_tokens: int,
+        prompt_tokens: int,
+        api: str,
+        model: str | None = None,
+    ) -> None:
         self.identity = identity
         self.sent_tokens = sent_tokens
         self.prompt_tokens = prompt_tokens
         self.api = api
+        self.model = model  # a fallback model's continuation: its chunks name it (None: as the engine wrote)
         self._opened = False
 
     def events(self, events: Sequence[bytes]) -> list[bytes]:
@@ -157,6 +183,8 @@ class Splice:
                 continue
             if self.identity is not None:
                 chunk["id"], chunk["created"] = self.identity
+            if self.model is not None and "model" in chunk:
+                chunk["model"] = self.model
             usage = chunk.get("usage")
             if isinstance(usage, dict) and not chunk.get("choices"):
                 chunk["usage"] = self._usage(usage)
@@ -169,6 +197,21 @@ class Splice:
                     chunk["usage"] = self._usage(usage)
             out.append(b"data: " + orjson.dumps(chunk))
         return out
+
+    def marker(self, failover: Mapping[str, Any]) -> bytes:
+        """The chunk that tells a chat or completions client where its stream moved to a fallback model:
+        the stream's id and created, no choices, and the extension object `tokenway.failover`
+        (OpenAI's clients keep unknown fields and read a chunk without choices as they read the usage one)."""
+        identity = self.identity or ("", 0)
+        chunk: dict[str, Any] = {
+            "id": identity[0],
+            "object": "chat.completion.chunk" if self.api == "chat" else "text_completion",
+            "created": identity[1],
+            "model": self.model or "",
+            "choices": [],
+            "tokenway": {"failover": dict(failover)},
+        }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def _usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
         completion = int(usage.get("completion_tokens") or 0) + self.sent_tokens

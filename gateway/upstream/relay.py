@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -27,6 +27,7 @@ from gateway.errors import UpstreamError, sse_error_event
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
 from gateway.upstream.connection import UpstreamConnectionError
 from gateway.upstream.migrate import MAX_MIGRATIONS, Resume, Resumed, Splice, sent_text, stream_identity
+from gateway.upstream.tool_calls import answer_calls_tools, events_call_tools
 from policies.types import Usage
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -87,7 +88,26 @@ class RelayOutcome:
     # the slot for a tenant under its share: `preempt`), and whether that happened
     upstream: Response | None = field(default=None, repr=False)
     preempted: int = 0  # times flow control cut it (it waited its turn again, then continued)
+    # a stream that failed over to a fallback model (gateway/transport/failover.py): the output tokens
+    # its earlier legs sent, settled and recorded with them; `usage` and the counted tokens span the
+    # whole stream, `leg_usage`/`leg_tokens` are the current leg's
+    billed_tokens: int = 0
+    # the caller's policy shows it the cost (`show_cost`): prices the final usage, which then carries
+    # `cost_usd` (the figure settlement charges: `policies.policy.price_usd`); None: bodies as the API's own
+    price: Callable[[Usage], float] | None = field(default=None, repr=False)
+    # the answer ended asking for tool calls (gateway/upstream/tool_calls.py): its program comes back
+    tool_calls: bool = False
     _preempting: bool = field(default=False, repr=False)
+
+    def leg_tokens(self) -> int:
+        """Output tokens counted since the current leg began (the whole stream when it has one leg)."""
+        return max(self.counted_completion_tokens - self.billed_tokens, 0)
+
+    def leg_usage(self) -> Usage | None:
+        """`usage` less what earlier legs were billed for (the stream's own usage reports their sum)."""
+        if self.usage is None or not self.billed_tokens:
+            return self.usage
+        return replace(self.usage, completion_tokens=max(self.usage.completion_tokens - self.billed_tokens, 0))
 
     def preemptible(self) -> bool:
         """Whether flow control may cut this stream now: it can continue (a plain stream, its first
@@ -201,10 +221,12 @@ async def relay_unary(
     target: UpstreamTarget,
     ticket: LoadTicket,
     transform: Callable[[dict[str, Any]], tuple[bytes | None, Usage | None]] | None = None,
+    price: Callable[[Usage], float] | None = None,
 ) -> RelayOutcome:
     """Forward a non-streamed request; the answer is returned, unsent, with its usage read.
     `transform` writes another API's answer (and reads its usage) from the parsed one; None for
-    the body: the engine's bytes are already the answer (not encoded again)."""
+    the body: the engine's bytes are already the answer (not encoded again). With `price` (the
+    caller's policy shows it the cost) the answer's `usage` gains `cost_usd`."""
     data = await _read_all(await _post(client, target))
     now = time.perf_counter()
     outcome = RelayOutcome(first_token_at_s=now, last_token_at_s=now)
@@ -212,11 +234,13 @@ async def relay_unary(
         parsed = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise RetryableUpstream("upstream answered invalid JSON") from exc
+    answer = parsed  # the client's answer as an object, while it is the parsed one
+    outcome.tool_calls = isinstance(parsed, dict) and answer_calls_tools(parsed)
     if isinstance(parsed, dict) and transform is not None:
         outcome.body_json = parsed
         written, outcome.usage = transform(parsed)
         if written is not None:
-            data = written
+            data, answer = written, None
     elif isinstance(parsed, dict):
         outcome.body_json = parsed
         outcome.usage = _usage_from(parsed.get("usage"))
@@ -225,9 +249,29 @@ async def relay_unary(
         if target.served_model != target.public_model and "model" in parsed:
             parsed["model"] = target.public_model
             data = orjson.dumps(parsed)
+    if price is not None and outcome.usage is not None:
+        # opt-in: the translated answer is read back once more (only for callers shown their cost)
+        data = with_cost(orjson.loads(data) if answer is None else answer, outcome.usage, price, data)
     ticket.first_token(outcome.usage.total_tokens if outcome.usage else 0)
     outcome.response = web.Response(body=data, content_type="application/json")
     return outcome
+
+
+def with_cost(answer: Any, usage: Usage, price: Callable[[Usage], float], data: bytes) -> bytes:
+    """`answer` encoded with `cost_usd` in its `usage` object (`data`, unchanged, when it has none).
+    `cost_usd` rather than OpenRouter's `usage.cost`: the unit is in the name, as in the
+    `x-tokenway-cost-usd` header and the ledger's field, and a client that reads OpenRouter's credits
+    never mistakes it for them."""
+    target = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(target, dict):
+        return data
+    target["cost_usd"] = cost_figure(price(usage))
+    return orjson.dumps(answer)
+
+
+def cost_figure(cost_usd: float) -> float:
+    """The cost as every surface shows it: nano-dollar steps, like `x-tokenway-cost-usd`."""
+    return round(cost_usd, 9)
 
 
 def _has_output(payload: bytes) -> bool:
@@ -279,8 +323,11 @@ async def relay_stream(
     outcome.response = client
     pending = b""
     clean = False
-    moving = _Moving() if resume is not None and codec is None else None
-    if moving is not None:
+    # a translated stream has a `resume` only where its codec reads chat chunks (a failover to a
+    # fallback model: gateway/transport/failover.py): the splice happens before the codec reads them
+    moving = _Moving() if resume is not None else None
+    preemptible = moving is not None and codec is None  # flow control cuts native streams only
+    if preemptible:
         outcome.upstream = upstream
     current = ticket  # the load of the replica relaying now
     # a first-token deadline armed: the client sees nothing before the first token, so until then the
@@ -297,20 +344,30 @@ async def relay_stream(
                 await client.write(head)
         while True:
             cut: str | None = None
-            try:
-                data = await upstream.next_chunk()
-                if not data:
-                    if moving is None or moving.finished:
-                        break
-                    cut = "the upstream ended the stream early"
-            except (UpstreamConnectionError, TimeoutError) as exc:
-                cut = f"{type(exc).__name__}: {exc}"
+            data = b""
+            if moving is not None and moving.error is not None:  # the engine sent an error event
+                cut, moving.error = moving.error, None
+            else:
+                try:
+                    data = await upstream.next_chunk()
+                    if not data:
+                        if moving is None or moving.finished:
+                            break
+                        cut = "the upstream ended the stream early"
+                except (UpstreamConnectionError, TimeoutError) as exc:
+                    cut = f"{type(exc).__name__}: {exc}"
             if cut is not None:
                 if held is not None:  # the client has seen nothing: another replica may serve it
                     raise RetryableUpstream(cut)
                 resumed = None
                 preempted, outcome._preempting = outcome._preempting, False
-                if moving is not None and resume is not None and outcome.migrations < MAX_MIGRATIONS:
+                # a tool call already under way is never spliced: its deltas cannot be taken back
+                if (
+                    moving is not None
+                    and resume is not None
+                    and outcome.migrations < MAX_MIGRATIONS
+                    and not moving.tool_calls
+                ):
                     upstream.close()
                     current.end()  # its slot is free from now: routing and flow control see it
                     outcome.upstream = None
@@ -327,21 +384,28 @@ async def relay_stream(
                 assert moving is not None
                 upstream, pending = resumed.response, b""
                 current = resumed.ticket
-                outcome.upstream = upstream
+                if preemptible:
+                    outcome.upstream = upstream
                 moving.continued(resumed, outcome)
+                if resumed.marker is not None:  # a fallback model continues it: the client is told where
+                    marker = _failover_marker(codec, moving, resumed.marker)
+                    if marker:
+                        await client.write(marker)
                 continue
             pending += data
             if b"\n\n" not in pending:
                 continue
             *events, pending = pending.split(b"\n\n")
+            if not outcome.tool_calls:
+                outcome.tool_calls = events_call_tools(events)
+            if moving is not None:
+                events = moving.relaying(events)
+                if current is not ticket and not current.prefilled and _any_output(events):
+                    current.first_token(current.prefill_tokens)  # the continuation's prompt is prefilled
             if codec is not None:
                 out = codec.events(events, outcome, ticket, swap)
                 await _hold(codec)
             else:
-                if moving is not None:
-                    events = moving.relaying(events)
-                    if current is not ticket and not current.prefilled and _any_output(events):
-                        current.first_token(current.prefill_tokens)  # the continuation's prompt is prefilled
                 out = relay_events(events, outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out and held is not None:
                 held.append(out)
@@ -401,13 +465,21 @@ class _Moving:
         self.splice: Splice | None = None
         self.api = "chat"
         self.tickets: list[LoadTicket] = []
+        self.tool_calls = False  # a tool-call delta went out: the stream is not continued elsewhere
+        self.error: str | None = None  # the engine sent an error event: a cut, as a reset is
 
     def relaying(self, events: list[bytes]) -> list[bytes]:
         if self.splice is not None:
             events = self.splice.events(events)
-        for event in events:
+        for position, event in enumerate(events):
             if not event.startswith(b"data:"):
                 continue
+            if event.startswith(b'data: {"error"') or event.startswith(b'data:{"error"'):
+                # what follows it (a [DONE]) is not the answer's end: the stream failed here
+                self.error = f"the engine sent an error event: {event[5:305].decode('utf-8', 'replace').strip()}"
+                return events[:position]
+            if not self.tool_calls and b'"tool_calls"' in event and _tool_call_delta(event):
+                self.tool_calls = True
             if any(marker in event for marker in _FINISHED):
                 self.finished = True
             if self.identity is None and not event.startswith(b"data: [DONE]"):
@@ -418,7 +490,9 @@ class _Moving:
         return events
 
     def continued(self, resumed: Resumed, outcome: RelayOutcome) -> None:
-        self.splice = Splice(self.identity, outcome.counted_completion_tokens, resumed.prompt_tokens, resumed.api)
+        self.splice = Splice(
+            self.identity, outcome.counted_completion_tokens, resumed.prompt_tokens, resumed.api, resumed.model
+        )
         self.api = resumed.api
         self.tickets.append(resumed.ticket)
         outcome.migrations += 1
@@ -427,6 +501,29 @@ class _Moving:
     def end(self) -> None:
         for ticket in self.tickets:
             ticket.end()
+
+
+def _tool_call_delta(event: bytes) -> bool:
+    """Whether a chat chunk carries a tool-call delta (a non-empty `tool_calls`)."""
+    try:
+        chunk = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return False
+    for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and delta.get("tool_calls"):
+            return True
+    return False
+
+
+def _failover_marker(codec: StreamCodec | None, moving: _Moving, failover: dict[str, Any]) -> bytes:
+    """The event that says where a stream moved to a fallback model, in the client's grammar: the
+    codec's (`failover`, where it has one), else a chat or completions chunk (`Splice.marker`)."""
+    if codec is not None:
+        mark: Callable[[dict[str, Any]], bytes] | None = getattr(codec, "failover", None)
+        return mark(failover) if mark is not None else b""
+    assert moving.splice is not None
+    return moving.splice.marker(failover)
 
 
 def _any_output(events: list[bytes]) -> bool:
@@ -450,9 +547,11 @@ def relay_events(
             out.append(event)
             continue
         if _is_usage_chunk(event):
-            _read_usage_chunk(event, outcome)
+            chunk = _read_usage_chunk(event, outcome)
             if not client_wants_usage:
                 continue
+            if outcome.price is not None and outcome.usage is not None and chunk is not None:
+                event = b"data: " + with_cost(chunk, outcome.usage, outcome.price, event[5:].strip())
         elif event.startswith(b"data:"):
             if outcome.first_token_at_s is None and _has_output(event[5:]):
                 outcome.first_token_at_s = time.perf_counter()
@@ -471,13 +570,14 @@ def relay_events(
     return b"\n\n".join(out) + b"\n\n"
 
 
-def _read_usage_chunk(event: bytes, outcome: RelayOutcome) -> None:
+def _read_usage_chunk(event: bytes, outcome: RelayOutcome) -> dict[str, Any] | None:
+    """The usage chunk's usage (and engine extras) into `outcome`; the chunk, parsed."""
     try:
         chunk = orjson.loads(event[event.find(b"{") :])
     except orjson.JSONDecodeError:
-        return
+        return None
     if not isinstance(chunk, dict):
-        return
+        return None
     outcome.usage = _usage_from(chunk.get("usage"))
     params = chunk.get("kv_transfer_params")
     if isinstance(params, dict):
@@ -485,3 +585,4 @@ def _read_usage_chunk(event: bytes, outcome: RelayOutcome) -> None:
     metrics = chunk.get("metrics")
     if isinstance(metrics, dict):
         outcome.engine_metrics = metrics
+    return chunk

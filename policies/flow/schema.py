@@ -50,6 +50,18 @@ class BandPolicy(_Strict):
         return value
 
 
+class ProgramFairness(_Strict):
+    """`tenants.<name>.program_fairness`: inside the tenant's share, its programs go by least attained
+    service (policies/flow/programs.py)."""
+
+    half_life_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="a program's attained service (tokens served) halves every this many seconds",
+    )
+
+
 def _default_bands() -> dict[str, BandPolicy]:
     return {name: BandPolicy(max_queue_ms=ms) for name, ms in DEFAULT_BAND_QUEUE_MS.items()}
 

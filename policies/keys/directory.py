@@ -23,10 +23,13 @@ from pydantic import ValidationError
 
 from policies.keys.index import KeyIndex, follow, poll
 from policies.keys.records import (
+    MAX_OVERRIDE_S,
     MAX_PREVIOUS_SECRETS,
     KeyCreate,
     KeyPatch,
     KeyRecord,
+    OverrideCreate,
+    OverrideRecord,
     PreviousSecret,
     Rotate,
     TenantCreate,
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SECRET_PREFIX = "tw-"
 FLUSH_INTERVAL_S = 10.0  # last-use times are written this often
+MAX_OVERRIDES = 1000  # live temporary overrides at once
 STOP_ATTEMPTS, STOP_WAIT_S = 20, 0.25  # cancellations of the background tasks at stop, and the wait after each
 
 
@@ -205,6 +209,7 @@ class KeyDirectory(KeyIndex):
             raise DirectoryError(409, f"a tenant named {spec.name!r} already exists", "name")
         _check_models(spec.models, policy, known_models, "models")
         _check_slo_class(spec.slo_class, policy)
+        _check_team(spec.team, policy)
         now_s = self._clock()
         record = TenantRecord(**spec.model_dump(), created_at_unix_s=now_s, updated_at_unix_s=now_s)
         await self._write_tenant(record)
@@ -219,13 +224,15 @@ class KeyDirectory(KeyIndex):
         patch = _validated(TenantPatch, payload)
         given = patch.model_fields_set
         changes: dict[str, Any] = {}
-        for field in ("priority", "allow_fallback", "slo_class", "models"):
+        for field in ("priority", "allow_fallback", "slo_class", "models", "team"):
             if field in given:
                 changes[field] = getattr(patch, field)
         if "models" in given:
             _check_models(patch.models, policy, known_models, "models")
         if "slo_class" in given:
             _check_slo_class(patch.slo_class, policy)
+        if "team" in given:
+            _check_team(patch.team, policy)
         if "limits" in given:
             changes["limits"] = _merge(record.limits, patch.limits or {})
         if "metadata" in given and patch.metadata is not None:
@@ -250,6 +257,56 @@ class KeyDirectory(KeyIndex):
     async def _write_tenant(self, record: TenantRecord) -> None:
         version = await self._store_write("tenant", record.name, record.model_dump_json())
         self._apply_tenant(record.name, record)
+        self.version = max(self.version, version)
+        self.changed()
+
+    # ------------------------------------------------------------------ temporary overrides
+    async def create_override(self, payload: dict[str, Any], policy: Policy) -> OverrideRecord:
+        """A rule's limit raised (or lowered) until a time; expired overrides are dropped first, so
+        the live ones stay under `MAX_OVERRIDES` whatever the API is sent."""
+        spec = _validated(OverrideCreate, payload)
+        rule = _override_rule(policy, spec.rule, spec.dimension)
+        now_s = self._clock()
+        if spec.until is None and spec.for_ is None:
+            raise DirectoryError(400, "until or for: an override ends by itself (e.g. for: 2h)", "until")
+        param = "for" if spec.for_ is not None else "until"
+        try:
+            until = parse_expiry(spec.until, spec.for_, now_s)
+        except ValueError as exc:
+            raise DirectoryError(
+                400, str(exc).replace("expires_in", "for").replace("expires_at", "until"), param
+            ) from None
+        if until is None or until <= now_s:
+            raise DirectoryError(400, f"{param}: must be in the future", param)
+        if until - now_s > MAX_OVERRIDE_S:
+            raise DirectoryError(400, f"{param}: at most a year ahead; change policies.yaml instead", param)
+        for name in [n for n, o in self.overrides.items() if o.until_unix_s <= now_s]:
+            await self._write_override(name, None)
+        if len(self.overrides) >= MAX_OVERRIDES:
+            raise DirectoryError(409, f"{MAX_OVERRIDES} overrides are active; delete one first", "rule")
+        record = OverrideRecord(
+            id=f"ov-{secrets.token_hex(4)}",
+            rule=rule,
+            subject=spec.subject,
+            dimension=spec.dimension,
+            value=spec.value,
+            until_unix_s=until,
+            reason=spec.reason,
+            created_at_unix_s=now_s,
+        )
+        await self._write_override(record.id, record)
+        return record
+
+    async def delete_override(self, override_id: str) -> OverrideRecord:
+        found = self.overrides.get(override_id)
+        if found is None:
+            raise DirectoryError(404, f"no override {override_id!r}", "id")
+        await self._write_override(override_id, None)
+        return found
+
+    async def _write_override(self, name: str, record: OverrideRecord | None) -> None:
+        version = await self._store_write("override", name, record.model_dump_json() if record is not None else None)
+        self._apply_override(name, record)
         self.version = max(self.version, version)
         self.changed()
 
@@ -362,6 +419,24 @@ def _check_models(models: list[str] | None, policy: Policy, known: Iterable[str]
     unknown = [m for m in models if m not in names]
     if unknown:
         raise DirectoryError(400, f"{param}: unknown model {', '.join(map(repr, unknown))}", param)
+
+
+def _override_rule(policy: Policy, rule: str, dimension: str) -> str:
+    """The identity of the policies.yaml rule an override names, which must set `dimension`."""
+    config = policy.config
+    for found in [*config.limits, *config.budgets]:
+        if found.identity(config.resolve_model) == rule:
+            if getattr(found, dimension, None) is None:
+                raise DirectoryError(400, f"rule {rule!r} does not set {dimension}", "dimension")
+            return rule
+    known = sorted({r.identity(config.resolve_model) for r in [*config.limits, *config.budgets]})
+    raise DirectoryError(404, f"no rule {rule!r} in policies.yaml (rules: {', '.join(known) or 'none'})", "rule")
+
+
+def _check_team(name: str | None, policy: Policy) -> None:
+    if name is not None and name not in policy.config.teams:
+        known = ", ".join(sorted(policy.config.teams)) or "none defined"
+        raise DirectoryError(400, f"team: unknown team {name!r} ({known})", "team")
 
 
 def _check_slo_class(name: str | None, policy: Policy) -> None:

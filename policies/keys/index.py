@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from policies.keys.records import KeyRecord, TenantRecord
+from policies.keys.records import KeyRecord, OverrideRecord, TenantRecord
 from policies.keys.store import DirectoryStore, Kind, Snapshot
 from policies.schema import PRIORITY_VALUES, PoliciesConfig, TenantConfig
 from policies.types import Principal
@@ -47,6 +47,8 @@ class KeyIndex:
         self._clock = clock
         self.keys: dict[str, KeyRecord] = {}
         self.tenants: dict[str, TenantRecord] = {}
+        self.overrides: dict[str, OverrideRecord] = {}  # temporary limit overrides (policies/limits/compile.py)
+        self.overrides_generation = 0  # bumped by every change of `overrides`: admission plans are rebuilt
         self._by_digest: dict[str, _Entry] = {}
         self._used: dict[str, float] = {}  # key id -> last use not yet written to the store
         self.version = 0
@@ -97,6 +99,8 @@ class KeyIndex:
             track_spend=True,
             slo_class=api_tenant.slo_class if api_tenant is not None else None,
             source="api",
+            show_cost=file_tenant.show_cost if file_tenant is not None else False,
+            team=tenant.team,
         )
 
     def principal(self, key_id: str, policy: Policy) -> Principal | None:
@@ -162,10 +166,19 @@ class KeyIndex:
             if entry.record.tenant == name:
                 entry.policy = None
 
+    def _apply_override(self, name: str, record: OverrideRecord | None) -> None:
+        if record is None:
+            self.overrides.pop(name, None)
+        else:
+            self.overrides[name] = record
+        self.overrides_generation += 1
+
     def apply_doc(self, kind: Kind, name: str, doc: str | None) -> None:
         try:
             if kind == "key":
                 self._apply_key(name, KeyRecord.model_validate_json(doc) if doc is not None else None)
+            elif kind == "override":
+                self._apply_override(name, OverrideRecord.model_validate_json(doc) if doc is not None else None)
             else:
                 self._apply_tenant(name, TenantRecord.model_validate_json(doc) if doc is not None else None)
         except ValidationError as exc:
@@ -175,11 +188,15 @@ class KeyIndex:
         """Everything anew from a whole copy of the store (start-up, a reload)."""
         self.keys.clear()
         self.tenants.clear()
+        self.overrides.clear()
+        self.overrides_generation += 1
         self._by_digest.clear()
         for name, doc in snapshot.docs["tenant"].items():
             self.apply_doc("tenant", name, doc)
         for name, doc in snapshot.docs["key"].items():
             self.apply_doc("key", name, doc)
+        for name, doc in snapshot.docs["override"].items():
+            self.apply_doc("override", name, doc)
         self.version = self.seen_version = snapshot.version
         self.stats["reloads"] += 1
         self.changed()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -127,6 +127,7 @@ class _TenantSettings(_Strict):
     priority: PriorityName = "normal"
     allow_fallback: bool = True
     slo_class: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    team: str | None = Field(default=None, max_length=MAX_NAME_CHARS, description="a team of policies.yaml")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metadata: Metadata = Field(default_factory=Metadata)
 
@@ -144,6 +145,7 @@ class TenantRecord(_TenantSettings):
             "priority": self.priority,
             "allow_fallback": self.allow_fallback,
             "slo_class": self.slo_class,
+            "team": self.team,
             "limits": self.limits.model_dump(exclude_none=True),
             "metadata": self.metadata.model_dump(exclude_none=True),
             "created_at": _iso(self.created_at_unix_s),
@@ -201,6 +203,7 @@ class TenantPatch(_Strict):
     priority: PriorityName | None = None
     allow_fallback: bool | None = None
     slo_class: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    team: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
     limits: dict[Annotated[str, Field(max_length=64)], float | int | None] | None = Field(default=None, max_length=16)
     metadata: Metadata | None = None
 
@@ -252,3 +255,66 @@ def _iso(unix_s: float | None) -> str | None:
     if unix_s is None:
         return None
     return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------------- temporary overrides
+OverrideDimension = Literal[
+    "rpm",
+    "rpd",
+    "tpm",
+    "tpd",
+    "max_concurrent",
+    "calls_per_run",
+    "tokens_per_run",
+    "usd_per_day",
+    "usd_per_month",
+    "usd_per_period",
+    "usd_per_run",
+]
+MAX_OVERRIDE_S = 366 * 86_400.0  # an override longer than a year is a policy change: edit policies.yaml
+
+
+class OverrideCreate(_Strict):
+    """The body of POST /admin/overrides: one rule's limit set to `value` for one subject (or every
+    subject of the rule) until a time, then back to the rule's own value by itself."""
+
+    rule: str = Field(
+        min_length=1, max_length=MAX_NAME_CHARS, description="a rule's identity (its id, or scope[match])"
+    )
+    subject: str | None = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS, description="null: every one")
+    dimension: OverrideDimension
+    value: float = Field(gt=0, le=MAX_USD)
+    until: str | float | None = Field(default=None, description="ISO time or unix seconds")
+    for_: str | None = Field(default=None, alias="for", description="a duration from now: 2h, 3d")
+    reason: str | None = Field(default=None, max_length=MAX_METADATA_CHARS)
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _until_is_a_time(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("expected an ISO-8601 time or unix seconds, not a boolean")
+        return value
+
+
+class OverrideRecord(_Strict):
+    id: str = Field(pattern=ID_PATTERN)
+    rule: str
+    subject: str | None = None
+    dimension: OverrideDimension
+    value: float
+    until_unix_s: float
+    reason: str | None = None
+    created_at_unix_s: float
+
+    def view(self, now_s: float) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "rule": self.rule,
+            "subject": self.subject,
+            "dimension": self.dimension,
+            "value": self.value,
+            "until": _iso(self.until_unix_s),
+            "active": now_s < self.until_unix_s,
+            "reason": self.reason,
+            "created_at": _iso(self.created_at_unix_s),
+        }

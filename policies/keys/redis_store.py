@@ -1,4 +1,4 @@
-"""Keys and tenants in Redis (`state: redis`): one hash of documents per kind, a version counter,
+"""Keys, tenants and limit overrides in Redis (`state: redis`): one hash of documents per kind, a version counter,
 and a channel on which every write announces itself, so each replica applies it within
 milliseconds (the directory also polls the version: a message lost while a subscriber was
 reconnecting is repaired by a full reload).
@@ -24,14 +24,15 @@ return v
 """
 
 _RESTORE = """
-if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+local version = KEYS[#KEYS]
+if redis.call('EXISTS', version) == 1 then return 0 end
 local i = 2
 while i <= #ARGV do
-  local kind, name, doc = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if kind == 'key' then redis.call('HSET', KEYS[1], name, doc) else redis.call('HSET', KEYS[2], name, doc) end
+  local kind, name, doc = tonumber(ARGV[i]), ARGV[i + 1], ARGV[i + 2]
+  redis.call('HSET', KEYS[kind], name, doc)
   i = i + 3
 end
-redis.call('SET', KEYS[3], ARGV[1])
+redis.call('SET', version, ARGV[1])
 return 1
 """
 
@@ -81,10 +82,10 @@ class RedisDirectoryStore:
         """Put a whole copy back into a Redis that lost everything (no version counter): atomically,
         and only if no other replica did first. True when this call restored it."""
         args: list[str | int] = [max(snapshot.version, 1)]
-        for kind in KINDS:
+        for index, kind in enumerate(KINDS, start=1):  # the kind as its hash's position in KEYS
             for name, doc in snapshot.docs[kind].items():
-                args += [kind, name, doc]
-        keys = [self._docs["key"], self._docs["tenant"], self._version]
+                args += [index, name, doc]
+        keys = [*(self._docs[kind] for kind in KINDS), self._version]
         return bool(await self._restore(keys=keys, args=args))
 
     async def fetch(self, kind: Kind, name: str) -> str | None:

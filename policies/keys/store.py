@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-Kind = Literal["key", "tenant"]
-KINDS: tuple[Kind, ...] = ("key", "tenant")
+Kind = Literal["key", "tenant", "override"]
+KINDS: tuple[Kind, ...] = ("key", "tenant", "override")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class Change:
 @dataclass(slots=True)
 class Snapshot:
     version: int
-    docs: dict[Kind, dict[str, str]] = field(default_factory=lambda: {"key": {}, "tenant": {}})
+    docs: dict[Kind, dict[str, str]] = field(default_factory=lambda: {kind: {} for kind in KINDS})
 
 
 class DirectoryStore(Protocol):

@@ -85,6 +85,7 @@ class Admitted:
     settled: bool = False
     actual_cost_usd: float | None = None  # set by settle
     price_factor: float = 1.0  # a batch line's share of the price (both the estimate and the actual)
+    key_id: str = ""  # whose spend it holds (`Admission.open_usd`)
 
 
 class Admission:
@@ -106,6 +107,9 @@ class Admission:
         self._tasks: set[asyncio.Future[Any]] = set()  # settlements and undos still on their way
         self.counters: Counter[str] = Counter()
         self.shadow_counters: Counter[str] = Counter()
+        # dollars the open reservations of each key hold in its spend counters (spend reconciliation,
+        # gateway/ledger/reconcile.py); bounded by the requests in flight
+        self.open_usd: dict[str, float] = {}
 
     @property
     def policy(self) -> Policy:
@@ -118,7 +122,7 @@ class Admission:
         estimate in every bucket of (key, tenant, model, key x model, global) at once, or none.
         `now` (epoch s) overrides the store's clock (tests)."""
         policy = self._policies.current
-        plan = policy.admission_plan(facts.principal, model)
+        plan = policy.admission_plan(facts.principal, model, facts.subjects)
         prompt_tokens = facts.prompt_tokens
         model_config = policy.model_config(model)
         output_tokens = _output_tokens(facts, model, plan, model_config.context_length if model_config else None)
@@ -139,6 +143,9 @@ class Admission:
         if isinstance(outcome, Rejection):
             return outcome
         shadow = self._shadow_exceeded(plan, charge, outcome)
+        key_id = facts.principal.key_id
+        if cost_usd:
+            self.open_usd[key_id] = self.open_usd.get(key_id, 0.0) + cost_usd
         return Admitted(
             headers=tuple(_success_headers(plan, costs, outcome)),
             model=model,
@@ -153,6 +160,7 @@ class Admission:
             output_tokens=output_tokens,
             shadow_exceeded=shadow,
             price_factor=factor,
+            key_id=key_id,
         )
 
     async def precheck(self, principal: Principal, model: str, now: float | None = None) -> Rejection | None:
@@ -352,7 +360,7 @@ class Admission:
             if wait_s > worst_wait_s:
                 worst_wait_s = wait_s
                 reset_s = buckets.reset_s(used, spec.rate_per_s * scale)
-                headers = ratelimit_headers(spec.kind, capacity, capacity - used, reset_s)
+                headers = ratelimit_headers(spec.kind, capacity, capacity - used, reset_s) if spec.rate_per_s else []
                 worst = rejections.rate_limited(
                     model, spec, capacity=capacity, used=used, requested=cost, wait_s=wait_s, headers=headers
                 )
@@ -417,6 +425,7 @@ class Admission:
         if not isinstance(ticket, Admitted) or ticket.settled:
             return None
         ticket.settled = True
+        self._closed(ticket)
         try:
             writes = (0, 0, 0)  # cache writes (default lifetime, one hour) and reasoning, billed apart
             if usage is not None:
@@ -469,6 +478,7 @@ class Admission:
         if not isinstance(ticket, Admitted) or ticket.settled:
             return None
         ticket.settled = True
+        self._closed(ticket)
         ticket.actual_cost_usd = 0.0
         if ticket.source == "none" or ticket.plan is None:
             return None
@@ -486,6 +496,15 @@ class Admission:
         except Exception:
             log.exception("releasing ticket %s failed", ticket.ticket_id)
             return None
+
+    def _closed(self, ticket: Admitted) -> None:
+        """The ticket's reservation no longer holds its estimate in the key's counters."""
+        if ticket.cost_usd and ticket.key_id in self.open_usd:
+            left = self.open_usd[ticket.key_id] - ticket.cost_usd
+            if left > 1e-12:
+                self.open_usd[ticket.key_id] = left
+            else:
+                del self.open_usd[ticket.key_id]
 
     async def _settled(self, pending: asyncio.Future[Any] | None) -> None:
         """Wait for a settlement under way; the caller's cancellation leaves it running."""
@@ -539,7 +558,7 @@ def _success_headers(plan: Plan, costs: list[float], outcome: Outcome) -> Header
     scale = outcome.capacity_scale
     best: dict[str, tuple[float, float, float]] = {}  # kind -> (remaining, capacity, reset_s)
     for spec, used, cost in zip(plan.buckets, outcome.bucket_used, costs, strict=True):
-        if spec.shadow:
+        if spec.shadow or not spec.rate_per_s:  # an agent run's caps: no reset to announce
             continue
         capacity = spec.capacity * scale
         after = used + cost

@@ -1,20 +1,28 @@
 """Limits and budgets of policies.yaml compiled into the `Plan` of each (key, model).
 
 Resolution, per scope and per dimension: of the rules of that scope whose `match` fits the request's
-(key, tenant, model) and that set the dimension, a rule applies unless another one is strictly more
-specific (its match implies this one's; a key implies its tenant). So a rule for key `demo` overrides
-the rule for every key of tenant `free`, which overrides the rule for every key, while `key_model`
-rules for "key k1" and for "model big" both apply to k1 on big, each with its own bucket. Different
-scopes always stack.
+(key, tenant, team, organisation, model) and that set the dimension, a rule applies unless another
+one is strictly more specific (its match implies this one's; a key implies its tenant, a tenant its
+team, a team its organisation). So a rule for key `demo` overrides the rule for every key of tenant
+`free`, which overrides the rule for every key, while `key_model` rules for "key k1" and for "model
+big" both apply to k1 on big, each with its own bucket. Different scopes always stack: a request of a
+key of a team of an organisation reserves in the key's, the tenant's, the team's and the
+organisation's counters in one atomic step.
 
 Plans are built on first use and cached for the life of the policy object, so a request costs one
-dictionary lookup; a reload builds a new policy and therefore new plans.
+dictionary lookup; a reload builds a new policy and therefore new plans. The request's own subjects
+(end user, tags, agent program: `RequestSubjects`) add their scopes' rules to that plan, cached per
+subjects in a bounded LRU; a policy without such rules never looks at them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeVar
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, TypeVar
 
 from policies.limits.types import (
     DIMENSION_KIND,
@@ -27,20 +35,57 @@ from policies.limits.types import (
     Price,
     StoreSettings,
 )
-from policies.schema import BudgetConfig, LimitConfig, ModelConfig, PoliciesConfig, TierPriceConfig
-from policies.types import Principal
+from policies.schema import (
+    REQUEST_SCOPES,
+    RUN_LIMITS,
+    BudgetConfig,
+    LimitConfig,
+    ModelConfig,
+    PoliciesConfig,
+    TierPriceConfig,
+)
+from policies.types import OwnLimits, Principal, RequestSubjects
 
 Rule = TypeVar("Rule", LimitConfig, BudgetConfig)
 
-SCOPES = ("key", "tenant", "model", "key_model", "global")
+
+class OverrideLike(Protocol):
+    @property
+    def rule(self) -> str: ...
+    @property
+    def subject(self) -> str | None: ...
+    @property
+    def dimension(self) -> str: ...
+    @property
+    def value(self) -> float: ...
+    @property
+    def until_unix_s(self) -> float: ...
+
+
+class OverrideSource(Protocol):
+    """Where temporary overrides live (policies/keys/index.py `KeyIndex`): a map and its generation."""
+
+    @property
+    def overrides(self) -> Mapping[str, OverrideLike]: ...
+    @property
+    def overrides_generation(self) -> int: ...
+
+
+# Scopes compiled once per (key, model), in this order; then the request's own (user, tag, program).
+SCOPES = ("key", "tenant", "team", "org", "model", "key_model", "team_provider", "global")
+ALL_SCOPES = (*SCOPES, *sorted(REQUEST_SCOPES))
 # Rule identities of limits set through the admin API and of the key spend counters: '@' cannot
 # start a policies.yaml rule id, so their counters never mix with a file rule's.
 OWN_RULE_IDS = {"key": "@api-key", "tenant": "@api-tenant"}
 SPEND_RULE_ID = "@spend"
 UNLIMITED_USD = 1e300  # a spend counter's "limit": never reached, finite for the Redis scripts
 MAX_CACHED_PLANS = 100_000
+MAX_REQUEST_PLANS = 20_000  # plans with a request's own subjects: least recently used forgotten first
 BUDGET_PERIODS: tuple[tuple[Period, str], ...] = (("day", "usd_per_day"), ("month", "usd_per_month"))
+RUN_PERIODS: tuple[tuple[Period, str], ...] = (*BUDGET_PERIODS, ("run", "usd_per_run"))
 TOKEN_DIMENSIONS = ("rpm", "rpd", "tpm", "tpd")
+RUN_DIMENSIONS = (*TOKEN_DIMENSIONS, *RUN_LIMITS)
+RUN_HEADER_RULE_ID = "@run-header"  # a run budget the request's header set where no rule sets one
 
 
 def _spend_trackers(key_id: str, budgets: list[BudgetSpec]) -> list[BudgetSpec]:
@@ -106,9 +151,13 @@ def _weights(rule: LimitConfig) -> tuple[float, float, float]:
     return 1.0, 1.0, 1.0
 
 
+# What a match on one field implies: a key has one tenant, a tenant one team, a team one organisation.
+_IMPLIES = {"key": {"tenant", "team", "org"}, "tenant": {"team", "org"}, "team": {"org"}}
+
+
 def _covers(a: set[str], b: set[str]) -> bool:
-    """Does a match on fields `a` imply one on `b`? A key implies its tenant."""
-    return all(f in a or (f == "tenant" and "key" in a) for f in b)
+    """Does a match on fields `a` imply one on `b`? A key implies its tenant, team and organisation."""
+    return all(f in a or any(f in _IMPLIES.get(g, ()) for g in a) for f in b)
 
 
 def _narrower(a: set[str], b: set[str]) -> bool:
@@ -116,41 +165,103 @@ def _narrower(a: set[str], b: set[str]) -> bool:
     return _covers(a, b) and not _covers(b, a)
 
 
-def _subject(scope: str, key_id: str, tenant: str, model: str) -> str:
-    if scope == "key":
-        return key_id
-    if scope == "tenant":
-        return tenant
-    if scope == "model":
-        return model
+def _subject(scope: str, subject: dict[str, str | None]) -> str | None:
+    """Who shares a rule's counters in `scope` (None: the request has no such subject)."""
     if scope == "key_model":
-        return f"{key_id}/{model}"
-    return "*"
+        return f"{subject['key']}/{subject['model']}"
+    if scope == "team_provider":
+        team, provider = subject["team"], subject["provider"]
+        return None if team is None or provider is None else f"{team}/{provider}"
+    if scope == "global":
+        return "*"
+    if scope in ("user", "program"):  # client-named: per tenant, two tenants' `alice` are two people
+        named = subject[scope]
+        return None if named is None else f"{subject['tenant']}/{named}"
+    return subject[scope]
+
+
+@dataclass(slots=True)
+class _Specs:
+    buckets: list[BucketSpec] = field(default_factory=list)
+    leases: list[LeaseSpec] = field(default_factory=list)
+    budgets: list[BudgetSpec] = field(default_factory=list)
 
 
 class LimitIndex:
     def __init__(self, config: PoliciesConfig) -> None:
         self._config = config
         self._settings = settings_of(config)
-        self._limits = {s: [r for r in config.limits if r.scope == s] for s in SCOPES}
-        self._budgets = {s: [r for r in config.budgets if r.scope == s] for s in SCOPES}
+        self._limits = {s: [r for r in config.limits if r.scope == s] for s in ALL_SCOPES}
+        self._budgets = {s: [r for r in config.budgets if r.scope == s] for s in ALL_SCOPES}
+        # request scopes with at least one rule: a request naming only others costs one look-up
+        self._request_scopes = {s for s in REQUEST_SCOPES if self._limits[s] or self._budgets[s]}
+        self._request_plans: OrderedDict[tuple[object, ...], Plan] = OrderedDict()
         # rule -> its match and identity with model aliases resolved, computed once
         self._matches: dict[int, dict[str, str]] = {}
         self._identities: dict[int, str] = {}
+        self._fallbacks: dict[int, str] = {}  # rule -> its own fallback model, alias resolved
         for rule in [*config.limits, *config.budgets]:
             fields = rule.match.fields()
             if "model" in fields:
                 fields["model"] = config.resolve_model(fields["model"])
             self._matches[id(rule)] = fields
             self._identities[id(rule)] = rule.identity(config.resolve_model)
+            if rule.fallback is not None:
+                self._fallbacks[id(rule)] = config.resolve_model(rule.fallback)
+        # budget -> its billing period's store name, the zone's UTC offset taken once, at load
+        self._billing = {id(b): b.billing.period() for b in config.budgets if b.billing is not None}
         self._plans: dict[tuple[str, str, int], Plan] = {}
         self._track_all_keys = config.admission.track_key_spend
+        # temporary overrides (the admin API's, policies/keys): (rule, dimension) -> [(subject or None, value)]
+        self._overrides_source: OverrideSource | None = None
+        self._overrides_generation = -1
+        self._override_values: dict[tuple[str, str], list[tuple[str | None, float]]] = {}
+        self._overrides_end_s = math.inf  # the first active override's end: plans are rebuilt then
+
+    def follow_overrides(self, source: OverrideSource) -> None:
+        """Apply the temporary overrides `source` holds (the key directory), now and as they change or end."""
+        self._overrides_source = source
+
+    def _check_overrides(self) -> None:
+        """Rebuild the plans when an override was added or deleted, or one ended: one attribute read
+        per request, and a clock read only while an override is active."""
+        source = self._overrides_source
+        if source is None:
+            return
+        ended = self._overrides_end_s != math.inf and time.time() >= self._overrides_end_s
+        if source.overrides_generation == self._overrides_generation and not ended:
+            return
+        self._overrides_generation = source.overrides_generation
+        now_s = time.time()
+        values: dict[tuple[str, str], list[tuple[str | None, float]]] = {}
+        end_s = math.inf
+        for override in source.overrides.values():
+            if override.until_unix_s > now_s:
+                values.setdefault((override.rule, override.dimension), []).append((override.subject, override.value))
+                end_s = min(end_s, override.until_unix_s)
+        self._override_values, self._overrides_end_s = values, end_s
+        self._plans.clear()
+        self._request_plans.clear()
+
+    def _value(self, identity: str, dimension: str, who: str, value: float) -> float:
+        """The rule's value for `who`, or an active override's (one naming the subject wins over one for all)."""
+        found = self._override_values.get((identity, dimension))
+        if not found:
+            return value
+        general = None
+        for subject, override in found:
+            if subject == who:
+                return override
+            if subject is None:
+                general = override
+        return value if general is None else general
 
     @property
     def settings(self) -> StoreSettings:
         return self._settings
 
     def plan(self, principal: Principal, model: str) -> Plan:
+        self._check_overrides()
         cache_key = (principal.key_id, model, principal.revision)
         plan = self._plans.get(cache_key)
         if plan is None:
@@ -161,7 +272,7 @@ class LimitIndex:
                 self._plans[cache_key] = plan
         return plan
 
-    def _applicable(self, rules: Sequence[Rule], subject: dict[str, str], dimension: str) -> list[Rule]:
+    def _applicable(self, rules: Sequence[Rule], subject: dict[str, str | None], dimension: str) -> list[Rule]:
         """Matching rules that set `dimension`, less those another matching rule is more specific than."""
         matching = [
             rule
@@ -175,78 +286,179 @@ class LimitIndex:
             if not any(_narrower(fields[j], fields[i]) for j in range(len(matching)) if j != i)
         ]
 
+    def request_plan(self, principal: Principal, model: str, subjects: RequestSubjects) -> Plan:
+        """The plan of (key, model) with the rules of the request's own subjects (user, tags, program)
+        added; the (key, model) plan itself when no rule counts any of them. Cached by subjects,
+        least recently used forgotten first, so an agent run's calls share one plan and its encoding."""
+        plan = self.plan(principal, model)
+        wanted = self._request_scopes
+        if not subjects or (not wanted and subjects.run_usd is None):
+            return plan
+        if subjects.run_usd is None and not (
+            (subjects.user is not None and "user" in wanted)
+            or (subjects.tags and "tag" in wanted)
+            or (subjects.program is not None and "program" in wanted)
+        ):
+            return plan
+        cache_key = (principal.key_id, model, principal.revision, subjects)
+        found = self._request_plans.get(cache_key)
+        if found is not None:
+            self._request_plans.move_to_end(cache_key)
+            return found
+        found = self._extend(plan, principal, model, subjects)
+        if model in self._config.models:
+            if len(self._request_plans) >= MAX_REQUEST_PLANS:
+                self._request_plans.popitem(last=False)
+            self._request_plans[cache_key] = found
+        return found
+
+    def _extend(self, plan: Plan, principal: Principal, model: str, subjects: RequestSubjects) -> Plan:
+        subject = self._subject_of(principal, model)
+        subject["user"], subject["program"] = subjects.user, subjects.program
+        out = _Specs()
+        if subjects.user is not None:
+            self._scope_specs("user", subject, None, out)
+        for tag in subjects.tags:
+            self._scope_specs("tag", {**subject, "tag": tag}, None, out)
+        if subjects.program is not None:
+            self._scope_specs("program", subject, None, out)
+            if subjects.run_usd is not None:
+                _cap_run_budget(out.budgets, subjects.run_usd, _subject("program", subject) or "")
+        return replace(
+            plan,
+            buckets=plan.buckets + tuple(out.buckets),
+            leases=plan.leases + tuple(out.leases),
+            budgets=plan.budgets + tuple(out.budgets),
+            encoded={},
+        )
+
+    def _subject_of(self, principal: Principal, model: str) -> dict[str, str | None]:
+        team = principal.team
+        model_config = self._config.models.get(model)
+        return {
+            "key": principal.key_id,
+            "tenant": principal.tenant,
+            "team": team,
+            "org": self._config.org_of(team),
+            "model": model,
+            "provider": model_config.provider if model_config is not None else None,
+        }
+
     def _build(self, principal: Principal, model: str) -> Plan:
-        key_id, tenant = principal.key_id, principal.tenant
-        subject = {"key": key_id, "tenant": tenant, "model": model}
+        subject = self._subject_of(principal, model)
         own = {"key": principal.key_limits, "tenant": principal.tenant_limits}
-        bucket_specs: list[BucketSpec] = []
-        lease_specs: list[LeaseSpec] = []
-        budget_specs: list[BudgetSpec] = []
+        out = _Specs()
         for scope in SCOPES:
-            who = _subject(scope, key_id, tenant, model)
-            mine = own.get(scope)
-            own_id = OWN_RULE_IDS.get(scope, "")
-            for dimension in TOKEN_DIMENSIONS:
-                window_s = DIMENSION_WINDOW_S[dimension]
-                kind = DIMENSION_KIND[dimension]
-                value = mine.value(dimension) if mine is not None else None
-                if value is not None:  # the key's (tenant's) own: the most specific rule there is
-                    key = f"{own_id}|{dimension}|{who}"
-                    bucket_specs.append(
-                        BucketSpec(key, own_id, scope, who, dimension, kind, value, window_s, value / window_s, False)
-                    )
-                    continue
-                for rule in self._applicable(self._limits[scope], subject, dimension):
-                    capacity = float(getattr(rule, dimension))
-                    w_in, w_cached, w_out = _weights(rule) if kind == "tokens" else (1.0, 1.0, 1.0)
-                    identity = self._identities[id(rule)]
-                    bucket_specs.append(
-                        BucketSpec(
-                            key=f"{identity}|{dimension}|{who}",
-                            rule_id=identity,
-                            scope=scope,
-                            subject=who,
-                            dimension=dimension,
-                            kind=kind,
-                            capacity=capacity,
-                            window_s=window_s,
-                            rate_per_s=capacity / window_s,
-                            shadow=rule.shadow,
-                            w_input=w_in,
-                            w_cached=w_cached,
-                            w_output=w_out,
-                        )
-                    )
-            own_concurrent = mine.max_concurrent if mine is not None else None
-            if own_concurrent is not None:
-                lease_specs.append(
-                    LeaseSpec(f"{own_id}|max_concurrent|{who}", own_id, scope, who, own_concurrent, False)
-                )
-            else:
-                for limit in self._applicable(self._limits[scope], subject, "max_concurrent"):
-                    identity = self._identities[id(limit)]
-                    key = f"{identity}|max_concurrent|{who}"
-                    lease_specs.append(LeaseSpec(key, identity, scope, who, limit.max_concurrent or 0, limit.shadow))
-            for period, field in BUDGET_PERIODS:
-                own_usd = mine.value(field) if mine is not None else None
-                if own_usd is not None:
-                    key = f"{own_id}|{field}|{who}"
-                    budget_specs.append(BudgetSpec(key, own_id, scope, who, period, own_usd, False))
-                    continue
-                for budget in self._applicable(self._budgets[scope], subject, field):
-                    identity = self._identities[id(budget)]
-                    limit_usd = float(getattr(budget, field))
-                    key = f"{identity}|{field}|{who}"
-                    budget_specs.append(BudgetSpec(key, identity, scope, who, period, limit_usd, budget.shadow))
+            self._scope_specs(scope, subject, own.get(scope), out)
         if principal.track_spend or self._track_all_keys:
-            budget_specs += _spend_trackers(key_id, budget_specs)
+            out.budgets += _spend_trackers(principal.key_id, out.budgets)
         model_config = self._config.models.get(model)
         return Plan(
             model=model,
-            buckets=tuple(bucket_specs),
-            leases=tuple(lease_specs),
-            budgets=tuple(budget_specs),
+            buckets=tuple(out.buckets),
+            leases=tuple(out.leases),
+            budgets=tuple(out.budgets),
             price=price_of(model_config),
             default_max_tokens=model_config.default_max_tokens if model_config else 1024,
             settings=self._settings,
         )
+
+    def _scope_specs(self, scope: str, subject: dict[str, str | None], mine: OwnLimits | None, out: _Specs) -> None:
+        """The buckets, leases and budgets of one scope's rules that apply to `subject`: a key's (tenant's)
+        own limits first (the most specific rule there is), else the most specific matching rules."""
+        who = _subject(scope, subject)
+        if who is None:
+            return
+        own_id = OWN_RULE_IDS.get(scope, "")
+        run = scope == "program"
+        for dimension in RUN_DIMENSIONS if run else TOKEN_DIMENSIONS:
+            window_s = DIMENSION_WINDOW_S[dimension]
+            kind = DIMENSION_KIND[dimension]
+            value = mine.value(dimension) if mine is not None else None
+            if value is not None:
+                key = f"{own_id}|{dimension}|{who}"
+                out.buckets.append(
+                    BucketSpec(key, own_id, scope, who, dimension, kind, value, window_s, value / window_s, False)
+                )
+                continue
+            for rule in self._applicable(self._limits[scope], subject, dimension):
+                identity = self._identities[id(rule)]
+                capacity = self._value(identity, dimension, who, float(getattr(rule, dimension)))
+                w_in, w_cached, w_out = _weights(rule) if kind == "tokens" else (1.0, 1.0, 1.0)
+                out.buckets.append(
+                    BucketSpec(
+                        key=f"{identity}|{dimension}|{who}",
+                        rule_id=identity,
+                        scope=scope,
+                        subject=who,
+                        dimension=dimension,
+                        kind=kind,
+                        capacity=capacity,
+                        window_s=window_s,
+                        rate_per_s=capacity / window_s,  # 0 for a run's caps: they never refill
+                        shadow=rule.shadow,
+                        w_input=w_in,
+                        w_cached=w_cached,
+                        w_output=w_out,
+                        fallback=self._fallbacks.get(id(rule)),
+                    )
+                )
+        own_concurrent = mine.max_concurrent if mine is not None else None
+        if own_concurrent is not None:
+            out.leases.append(LeaseSpec(f"{own_id}|max_concurrent|{who}", own_id, scope, who, own_concurrent, False))
+        else:
+            for limit in self._applicable(self._limits[scope], subject, "max_concurrent"):
+                identity = self._identities[id(limit)]
+                key = f"{identity}|max_concurrent|{who}"
+                out.leases.append(
+                    LeaseSpec(
+                        key,
+                        identity,
+                        scope,
+                        who,
+                        int(self._value(identity, "max_concurrent", who, float(limit.max_concurrent or 0))),
+                        limit.shadow,
+                        self._fallbacks.get(id(limit)),
+                    )
+                )
+        for period, budget_field in RUN_PERIODS if run else BUDGET_PERIODS:
+            own_usd = mine.value(budget_field) if mine is not None else None
+            if own_usd is not None:
+                key = f"{own_id}|{budget_field}|{who}"
+                out.budgets.append(BudgetSpec(key, own_id, scope, who, period, own_usd, False))
+                continue
+            for budget in self._applicable(self._budgets[scope], subject, budget_field):
+                identity = self._identities[id(budget)]
+                limit_usd = self._value(identity, budget_field, who, float(getattr(budget, budget_field)))
+                key = f"{identity}|{budget_field}|{who}"
+                out.budgets.append(
+                    BudgetSpec(
+                        key, identity, scope, who, period, limit_usd, budget.shadow, self._fallbacks.get(id(budget))
+                    )
+                )
+        for budget in self._applicable(self._budgets[scope], subject, "usd_per_period"):
+            identity = self._identities[id(budget)]
+            out.budgets.append(
+                BudgetSpec(
+                    f"{identity}|usd_per_period|{who}",
+                    identity,
+                    scope,
+                    who,
+                    self._billing[id(budget)],
+                    self._value(identity, "usd_per_period", who, float(budget.usd_per_period or 0.0)),
+                    budget.shadow,
+                    self._fallbacks.get(id(budget)),
+                )
+            )
+
+
+def _cap_run_budget(budgets: list[BudgetSpec], run_usd: float, who: str) -> None:
+    """The request's run budget header lowers the policy's per-run budget, never raises it; where no
+    rule sets one, it sets its own (a client may always spend less)."""
+    runs = [i for i, b in enumerate(budgets) if b.period == "run" and not b.shadow]
+    for i in runs:
+        if run_usd < budgets[i].limit_usd:
+            budgets[i] = replace(budgets[i], limit_usd=run_usd)
+    if not runs:
+        key = f"{RUN_HEADER_RULE_ID}|usd_per_run|{who}"
+        budgets.append(BudgetSpec(key, RUN_HEADER_RULE_ID, "program", who, "run", run_usd, False))

@@ -90,6 +90,7 @@ class _Budget:
     period: int
     spent_usd: float
     spec: BudgetSpec
+    touched_s: float = 0.0  # last reservation: an agent run's budget (one period) is forgotten when idle
 
 
 class MemoryStore:
@@ -177,6 +178,7 @@ class MemoryStore:
                 self._leases.acquire(lease.key, charge.ticket_id, expires_at_s)
             for budget in budget_states:
                 budget.spent_usd += charge.cost_usd
+                budget.touched_s = now_s
         return Outcome(ok, now_s, used, active, spent, periods, self.source, scale)
 
     async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
@@ -237,7 +239,7 @@ class MemoryStore:
         budget = self._budgets.get(spec.key)
         if budget is None or budget.period != pid:
             seeded = self._seed(spec, now_s) if self._seed is not None else None
-            budget = self._budgets[spec.key] = _Budget(pid, (seeded or 0.0) * scale, spec)
+            budget = self._budgets[spec.key] = _Budget(pid, (seeded or 0.0) * scale, spec, now_s)
         elif budget.spec is not spec:
             budget.spec = spec
         return budget
@@ -245,10 +247,16 @@ class MemoryStore:
     def sweep(self, now_s: float) -> None:
         """Drop full buckets and past budgets so many short-lived subjects cannot grow memory."""
         for key, state in list(self._buckets.items()):
-            if buckets.drained(state.used, state.updated_at_s, now_s, state.spec.rate_per_s * self.scale) <= 0.0:
+            rate = state.spec.rate_per_s * self.scale
+            if rate <= 0.0:  # never drains (an agent run's cap): forgotten once idle long enough
+                if now_s - state.updated_at_s > buckets.IDLE_TTL_S:
+                    del self._buckets[key]
+            elif buckets.drained(state.used, state.updated_at_s, now_s, rate) <= 0.0:
                 del self._buckets[key]
         for key, budget in list(self._budgets.items()):
-            if budget.period != buckets.period_id(budget.spec.period, now_s):
+            if budget.period != buckets.period_id(budget.spec.period, now_s) or (
+                budget.spec.period == "run" and now_s - budget.touched_s > buckets.IDLE_TTL_S
+            ):
                 del self._budgets[key]
         self._leases.sweep(now_s)
         for ticket in [t for t, expires_at_s in self._tickets.items() if expires_at_s <= now_s]:

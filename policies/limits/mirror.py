@@ -103,7 +103,10 @@ class Mirror:
 
     def sweep(self, now_s: float) -> None:
         for key, seen in list(self._buckets.items()):
-            if buckets.drained(seen.used, seen.at_s, now_s, seen.spec.rate_per_s) <= 0.0:
+            rate = seen.spec.rate_per_s
+            if (rate <= 0.0 and now_s - seen.at_s > 3600.0) or buckets.drained(
+                seen.used, seen.at_s, now_s, rate
+            ) <= 0.0:
                 del self._buckets[key]
         for key, budget in list(self._budgets.items()):
             if now_s - budget.at_s > 3600.0:

@@ -38,14 +38,28 @@ local function drained(u, t, now, rate)
 end
 
 -- Write a bucket's use as of `now`; it expires once it would have drained to zero (plus a second).
+-- A bucket that never drains (rate 0: an agent run's call or token cap) expires 32 days after its
+-- last write, as a run's budget does.
 local function store_bucket(key, u, now, rate)
   redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
-  redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+  if rate > 0 then
+    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+  else
+    redis.call('PEXPIRE', key, 2764800000)
+  end
 end
 
--- The budget period `now` falls in: the day number, or for 'month' the month index y*12 + m-1 in UTC
+-- The budget period `now` falls in: the day number, for 'month' the month index y*12 + m-1 in UTC, for
+-- 'billing:<day>:<offset>' the month index of the period that began on that day at 00:00 in the zone
 -- (civil_from_days, H. Hinnant), as policies/limits/buckets.py computes it.
 local function period_id(kind, now)
+  if kind == 'run' then return 0 end -- an agent run's budget: one period, never reset
+  local anchor = 1
+  if string.sub(kind, 1, 1) == 'b' then -- billing:<anchor day>:<UTC offset s>: the zone's wall clock
+    local a, o = string.match(kind, '^billing:(%d+):(-?%d+)$')
+    anchor = tonumber(a)
+    now = now + tonumber(o)
+  end
   local days = math.floor(now / 86400)
   if kind == 'day' then return days end
   local z = days + 719468
@@ -57,6 +71,8 @@ local function period_id(kind, now)
   local mp = math.floor((5 * doy + 2) / 153)
   local m = mp < 10 and mp + 3 or mp - 9
   if m <= 2 then y = y + 1 end
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  if d < anchor then return y * 12 + m - 2 end -- before the anchor: the period that began last month
   return y * 12 + m - 1
 end
 

@@ -24,6 +24,7 @@ from policies.types import Rejection
 NO_RETRY = ("x-should-retry", "false")
 Headers = list[tuple[str, str]]
 MAX_AUTO_RETRY_S = 60.0
+PERIOD_WORD = {"day": "daily", "month": "monthly", "run": "per-run"}
 
 
 def go_duration(seconds: float) -> str:
@@ -74,6 +75,17 @@ def describe(scope: str, subject: str, rule_id: str) -> str:
         who = "all callers of the model"
     elif scope == "key_model":
         who = f"key '{subject.split('/', 1)[0]}' on this model"
+    elif scope in ("team", "tag"):
+        who = f"{scope} '{subject}'"
+    elif scope == "org":
+        who = f"organisation '{subject}'"
+    elif scope == "team_provider":
+        team, _, provider = subject.partition("/")
+        who = f"team '{team}' on {provider}"
+    elif scope == "user":
+        who = f"end user '{subject.split('/', 1)[-1]}'"
+    elif scope == "program":
+        who = f"agent run '{subject.split('/', 1)[-1]}'"
     else:
         who = "the gateway (global)"
     return f"{who} (rule {rule_id})"
@@ -98,18 +110,20 @@ def rate_limited(
 ) -> Rejection:
     kind = spec.kind if isinstance(spec, BucketSpec) else "requests"
     label = DIMENSION_LABEL[spec.dimension if isinstance(spec, BucketSpec) else "max_concurrent"]
+    never = math.isinf(wait_s)  # a cap that does not refill (an agent run's): waiting cannot help
     message = (
         f"Rate limit reached for {model} in {describe(spec.scope, spec.subject, spec.rule_id)} on {label}: "
         f"Limit {_amount(capacity)}, Used {_amount(used)}, Requested {_amount(requested)}. "
-        f"Please try again in {go_duration(wait_s)}."
+        + ("This cap does not reset." if never else f"Please try again in {go_duration(wait_s)}.")
     )
     return Rejection(
         status=429,
         message=message,
         type=kind,
         code="rate_limit_exceeded",
-        headers=(*retry_headers(wait_s), *headers),
+        headers=(NO_RETRY, *headers) if never else (*retry_headers(wait_s), *headers),
         reason="rate_limited",
+        fallback_model=spec.fallback,
     )
 
 
@@ -127,6 +141,7 @@ def too_large(model: str, spec: BucketSpec, *, capacity: float, requested: float
         code="rate_limit_exceeded",
         headers=(NO_RETRY,),
         reason="rate_limited",
+        fallback_model=spec.fallback,
     )
 
 
@@ -148,20 +163,22 @@ def budget_exhausted(
     waiting helps (the request fits a whole budget), `retry-after(-ms)`; a reset over a minute away
     says `x-should-retry: false` as every long wait does. A request costing more than the whole
     budget never fits: no retry-after, and never retried."""
-    resets = datetime.fromtimestamp(resets_at_s, UTC).strftime("%Y-%m-%dT%H:%MZ")
+    never = math.isinf(resets_at_s)  # an agent run's budget: one period
+    resets = "" if never else datetime.fromtimestamp(resets_at_s, UTC).strftime("%Y-%m-%dT%H:%MZ")
     message = (
-        f"You exceeded your current quota: the {'daily' if spec.period == 'day' else 'monthly'} budget of "
+        f"You exceeded your current quota: the {PERIOD_WORD.get(spec.period, 'billing-period')} budget of "
         f"{describe(spec.scope, spec.subject, spec.rule_id)} is ${usd(spec.limit_usd)}, "
         f"${usd(spent_usd)} is spent and this request to {model} may cost up to ${usd(cost_usd)}. "
-        f"The budget resets at {resets}."
+        + ("The budget does not reset." if never else f"The budget resets at {resets}.")
     )
     wait_s = max(0.0, resets_at_s - now_s)
     budget = [
         ("x-ratelimit-limit-usd", usd(spec.limit_usd)),
         ("x-ratelimit-remaining-usd", usd(max(0.0, spec.limit_usd - spent_usd))),
-        ("x-ratelimit-reset-usd", go_duration(wait_s)),
     ]
-    fits_later = cost_usd <= spec.limit_usd
+    if not never:
+        budget.append(("x-ratelimit-reset-usd", go_duration(wait_s)))
+    fits_later = cost_usd <= spec.limit_usd and not never
     retry = retry_headers(wait_s) if fits_later else [NO_RETRY]
     return Rejection(
         status=429,
@@ -170,6 +187,7 @@ def budget_exhausted(
         code="insufficient_quota",
         headers=(*retry, *budget),
         reason="budget_exhausted",
+        fallback_model=spec.fallback,
     )
 
 

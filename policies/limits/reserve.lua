@@ -7,7 +7,7 @@
 --       hashes {p, s}
 -- ARGV: [1] now ('' = TIME) [2] ticket id [3] lease ttl s [4] ticket ttl s [5] cost usd
 --       [6] the plan, space-separated: nb nl nu, per bucket capacity rate/s shadow(0|1),
---           per lease capacity shadow, per budget limit-usd period(day|month) shadow
+--           per lease capacity shadow, per budget limit-usd period(day|month|run) shadow
 --       [7] the bucket costs, space-separated
 -- (The plan string is built once per plan by the caller: fewer, cached arguments are cheaper to
 -- send than one argument per number.)

@@ -5,7 +5,7 @@
 --
 -- KEYS: [1] tickets zset or marker key, then nb bucket hashes, nl lease zsets, nu budget hashes
 -- ARGV: [1] now ('' = TIME) [2] ticket id [3] mode z|m [4] marker ttl s [5] budget delta usd
---       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month)
+--       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month|run)
 --       [7] bucket deltas, space-separated [8] budget period ids, space-separated
 -- Returns 1 when applied, 0 when it had been applied already (or the ticket expired).
 -- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)

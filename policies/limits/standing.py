@@ -14,21 +14,28 @@ from policies.limits import buckets
 from policies.limits.compile import SPEND_RULE_ID
 from policies.limits.types import Outcome, Plan
 from policies.policy import Policy
-from policies.types import Principal
+from policies.types import NO_SUBJECTS, Principal, RequestSubjects
 
 
 class Peekable(Protocol):
     async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome: ...
 
 
-async def standing(store: Peekable, policy: Policy, principal: Principal, models: Iterable[str]) -> dict[str, Any]:
+async def standing(
+    store: Peekable,
+    policy: Policy,
+    principal: Principal,
+    models: Iterable[str],
+    subjects: RequestSubjects = NO_SUBJECTS,
+) -> dict[str, Any]:
+    """`subjects`: also the limits of an end user, tags or an agent run the caller names (`/v1/key?program=`)."""
     rows: dict[str, dict[str, Any]] = {}
     spend: dict[str, float | None] = {"day": None, "month": None}
     left: dict[str, float | None] = {"day": None, "month": None}
     for model in models:
         if not principal.may_use(model):
             continue
-        plan = policy.admission_plan(principal, model)
+        plan = policy.admission_plan(principal, model, subjects)
         if not (plan.buckets or plan.leases or plan.budgets):
             continue
         outcome = await store.peek(plan)
@@ -46,7 +53,8 @@ async def standing(store: Peekable, policy: Policy, principal: Principal, models
                     "limit": capacity,
                     "used": round(used, 3),
                     "remaining": round(max(0.0, capacity - used), 3),
-                    "reset_s": round(buckets.reset_s(used, spec.rate_per_s * scale), 3),
+                    # a run's caps never refill: no reset
+                    "reset_s": round(buckets.reset_s(used, spec.rate_per_s * scale), 3) if spec.rate_per_s else None,
                     "shadow": spec.shadow,
                     "models": [],
                 }
@@ -68,12 +76,12 @@ async def standing(store: Peekable, policy: Policy, principal: Principal, models
                 }
             row["models"].append(model)
         for budget, spent in zip(plan.budgets, outcome.budget_spent, strict=True):
-            if budget.scope == "key" and budget.subject == principal.key_id:
+            if budget.scope == "key" and budget.subject == principal.key_id and budget.period in spend:
                 spend[budget.period] = spent
             if budget.rule_id == SPEND_RULE_ID:
                 continue
             remaining = max(0.0, budget.limit_usd * scale - spent)
-            if not budget.shadow:
+            if not budget.shadow and budget.period in left:
                 current = left[budget.period]
                 left[budget.period] = remaining if current is None else min(current, remaining)
             row = rows.get(budget.key)
@@ -83,7 +91,7 @@ async def standing(store: Peekable, policy: Policy, principal: Principal, models
                     "scope": budget.scope,
                     "rule": budget.rule_id,
                     "subject": budget.subject,
-                    "dimension": f"usd_per_{budget.period}",
+                    "dimension": budget_dimension(budget.period),
                     "limit": budget.limit_usd * scale,
                     "used": round(spent, 6),
                     "remaining": round(remaining, 6),
@@ -100,3 +108,8 @@ async def standing(store: Peekable, policy: Policy, principal: Principal, models
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
+
+
+def budget_dimension(period: str) -> str:
+    """A budget's dimension as policies.yaml names it: usd_per_day / _month / _run, or usd_per_period."""
+    return "usd_per_period" if period.startswith("billing:") else f"usd_per_{period}"

@@ -7,20 +7,39 @@ the dimension and the subject, never a list position, so counters survive reload
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["requests", "tokens"]
-Period = Literal["day", "month"]
+# "day" and "month" (UTC), "run" (an agent run's: never resets), or "billing:<anchor day>:<UTC offset s>"
+Period = str
 
-DIMENSION_WINDOW_S: dict[str, float] = {"rpm": 60.0, "rpd": 86_400.0, "tpm": 60.0, "tpd": 86_400.0}
-DIMENSION_KIND: dict[str, Kind] = {"rpm": "requests", "rpd": "requests", "tpm": "tokens", "tpd": "tokens"}
+# An agent run's caps (`*_per_run`) have an endless window: they never refill (rate 0).
+DIMENSION_WINDOW_S: dict[str, float] = {
+    "rpm": 60.0,
+    "rpd": 86_400.0,
+    "tpm": 60.0,
+    "tpd": 86_400.0,
+    "calls_per_run": math.inf,
+    "tokens_per_run": math.inf,
+}
+DIMENSION_KIND: dict[str, Kind] = {
+    "rpm": "requests",
+    "rpd": "requests",
+    "tpm": "tokens",
+    "tpd": "tokens",
+    "calls_per_run": "requests",
+    "tokens_per_run": "tokens",
+}
 DIMENSION_LABEL: dict[str, str] = {
     "rpm": "requests per min (RPM)",
     "rpd": "requests per day (RPD)",
     "tpm": "tokens per min (TPM)",
     "tpd": "tokens per day (TPD)",
     "max_concurrent": "concurrent requests",
+    "calls_per_run": "calls per agent run",
+    "tokens_per_run": "tokens per agent run",
 }
 
 
@@ -45,6 +64,7 @@ class BucketSpec:
     w_input: float = 1.0
     w_cached: float = 1.0
     w_output: float = 1.0
+    fallback: str | None = None  # the rule's own fallback model when it says no
 
     def reserve_cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """Conservative: no prompt token is assumed cached before the call."""
@@ -69,6 +89,7 @@ class LeaseSpec:
     subject: str
     capacity: int
     shadow: bool
+    fallback: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +103,7 @@ class BudgetSpec:
     period: Period
     limit_usd: float
     shadow: bool
+    fallback: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

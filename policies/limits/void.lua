@@ -8,7 +8,7 @@
 -- KEYS: [1] tickets zset [2] voided zset, then nb bucket hashes, nl lease zsets, nu budget hashes
 -- ARGV: [1] now ('' = TIME) [2] ticket id [3] voided ttl s [4] ticket ttl s (as reserve.lua got it)
 --       [5] cost usd reserved [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget
---       period(day|month) [7] bucket costs reserved, space-separated
+--       period(day|month|run) [7] bucket costs reserved, space-separated
 -- Returns 1 when a reservation was undone, 0 when there was none (not run yet, settled, or voided).
 -- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
 

@@ -234,6 +234,33 @@ class SessionConfig(_Strict):
     max_sessions: int = Field(default=100_000, ge=1, description="LRU bound of the session -> endpoint table")
 
 
+class ToolAffinityConfig(_Strict):
+    """Tool-boundary affinity's state (`policies/routing/tool_affinity.py`): programs expected back on
+    the replica that served their tool-call answer, and the TTL learnt from their gaps. Read by the
+    `tool-affinity` scorer; the table is kept whether or not a pipeline uses it (a few entries)."""
+
+    quantile: float = Field(
+        default=0.9, gt=0, le=1, description="the TTL is this quantile of a tenant's observed tool-call gaps"
+    )
+    window: int = Field(default=128, ge=1, le=4096, description="the last this many gaps per tenant")
+    min_samples: int = Field(default=5, ge=1, description="gaps a tenant needs before its TTL is learnt")
+    min_ttl_s: float = Field(default=1.0, gt=0, description="lower clamp of the learnt TTL")
+    max_ttl_s: float = Field(
+        default=300.0, gt=0, description="upper clamp of the learnt TTL; returns later than this are not learnt"
+    )
+    default_ttl_s: float = Field(default=30.0, gt=0, description="TTL of a tenant with too few gaps yet")
+    max_programs_per_tenant: int = Field(
+        default=10_000, ge=1, description="pending returns kept per tenant (least recently noted forgotten)"
+    )
+    max_tenants: int = Field(default=1_000, ge=1, description="tenants with pending returns or learnt gaps kept")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ToolAffinityConfig:
+        if not self.min_ttl_s <= self.default_ttl_s <= self.max_ttl_s:
+            raise ValueError("need min_ttl_s <= default_ttl_s <= max_ttl_s")
+        return self
+
+
 class PoolRoutingConfig(PipelineConfig):
     """A pool's own pipeline; `pd` overrides the global PD settings for that pool."""
 
@@ -256,6 +283,10 @@ class RoutingConfig(_Strict):
     pd: PDConfig = Field(default_factory=PDConfig, description="prefill/decode disaggregation of pools with both roles")
     kv_tiers: KvTiersConfig = Field(
         default_factory=KvTiersConfig, description="KV-cache tiers below HBM and the credit of a hit there"
+    )
+    tool_affinity: ToolAffinityConfig = Field(
+        default_factory=ToolAffinityConfig,
+        description="programs back from a tool call: the TTL learnt from their gaps (the `tool-affinity` scorer)",
     )
     default: PipelineConfig = Field(
         default_factory=PipelineConfig, description="the pipeline of every pool without an entry in pools"

@@ -5,6 +5,8 @@ A replica of the base model serves an adapter in one of four states (docs/adapte
 - **active**: the adapter is on its GPU: the engine reports it among its running or waiting requests'
   adapters (vLLM's `vllm:lora_requests_info`), or this router sent it there recently enough that the
   engine's LRU of `max_loras` slots still holds it (`AdapterResidency`);
+- **registered**: the engine lists it in `/v1/models` (`Endpoint.loras`, backends/lora_discovery.py)
+  but nothing says it is on the GPU: no registration is needed, at most a load from host memory;
 - **free**: fewer adapters than slots are held: it loads without evicting anyone;
 - **evict**: every slot is held, some by idle adapters: it loads after evicting one (its cost is the
   predicted load time, size / bandwidth);
@@ -27,7 +29,7 @@ from backends.lora import LoraAdapter
 from backends.types import Endpoint
 from policies.routing.types import Candidate, RouteContext
 
-AdapterState = Literal["active", "free", "evict", "full"]
+AdapterState = Literal["active", "registered", "free", "evict", "full"]
 DEFAULT_SLOTS = 8  # a replica's slots when its metrics do not say (vLLM's --max-loras default is 1)
 DEFAULT_ADAPTER_BYTES = 64 * 1024 * 1024  # an adapter whose policy entry gives no size
 MAX_TRACKED_ENDPOINTS = 65_536  # bound of the residency table (endpoints, not client input)
@@ -76,6 +78,8 @@ def adapter_state(
     if adapter in busy or adapter in tracked:
         return "active"
     slots = stats.max_loras or (residency.default_slots if residency is not None else default_slots)
+    if endpoint.loras is not None and adapter in endpoint.loras:
+        return "full" if len(stats.running_loras) >= slots else "registered"
     held = len(busy.union(tracked))
     if held < slots:
         return "free"
@@ -92,6 +96,7 @@ class LoraAffinityScorer:
     request for a base model scores 1 everywhere."""
 
     active: float = 1.0
+    registered: float = 0.9
     free: float = 0.8
     evict: float = 0.6
     full: float = 0.0

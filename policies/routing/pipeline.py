@@ -32,7 +32,7 @@ from backends.kv_events import KvEventBatch
 from backends.perf.presets import DEFAULT_PRESET, resolve_preset
 from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
-from policies.routing.config import KvTiersConfig, PDConfig, PipelineConfig, RoutingConfig
+from policies.routing.config import KvTiersConfig, PDConfig, PipelineConfig, RoutingConfig, ToolAffinityConfig
 from policies.routing.lora import AdapterResidency
 from policies.routing.pd import decide_pd, is_disaggregated
 from policies.routing.prefix.hashing import EngineHasher, HashedPrompt, prompt_tokens_of
@@ -40,6 +40,7 @@ from policies.routing.prefix.index import IndexReport, PrefixIndex
 from policies.routing.prefix.tiers import PHYSICS, TIER_NAMES, TierLink, TierPricing
 from policies.routing.scorers import predict_candidates
 from policies.routing.session import SessionTable, session_key
+from policies.routing.tool_affinity import GapLearner, ToolReturns
 from policies.routing.types import (
     PD_DISAGGREGATED,
     REASON_FALLBACK,
@@ -47,6 +48,7 @@ from policies.routing.types import (
     REASON_ONLY,
     REASON_PREFIX_HIT,
     REASON_SESSION,
+    REASON_TOOL_RETURN,
     Candidate,
     Filter,
     Picker,
@@ -56,6 +58,7 @@ from policies.routing.types import (
     RouteRequest,
     Scorer,
 )
+from policies.types import RequestFacts
 from predictor.service import LatencyPredictor
 
 log = logging.getLogger(__name__)
@@ -107,6 +110,7 @@ class Pipeline:
         self.normalized_weights = [s.weight / weight_sum for s in self.scorers]
         self.uses_session = any(s.name == "session-affinity" for s in self.scorers)
         self.uses_latency = any(s.name == "latency" for s in self.scorers)
+        self.uses_tool_affinity = any(s.name == "tool-affinity" for s in self.scorers)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> Pipeline:
@@ -155,6 +159,8 @@ def decision_reason(ctx: RouteContext, choice: Choice, candidates: Sequence[Cand
     chosen = choice.chosen
     if uses_session and ctx.session_endpoint_id == chosen.id:
         return REASON_SESSION
+    if ctx.tool_return is not None and ctx.tool_return.endpoint_id == chosen.id:
+        return REASON_TOOL_RETURN
     best_cached = max(c.cached_tokens for c in candidates)
     if chosen.cached_tokens > 0 and chosen.cached_tokens >= PREFIX_HIT_SHARE_OF_BEST * best_cached:
         return REASON_PREFIX_HIT
@@ -215,6 +221,9 @@ class ScoringRouter:
     dispatch_listener: Callable[[HashedPrompt, RouteDecision, str | None], None] | None = None
     _pools: dict[str, _PoolRouting] = field(default_factory=dict, init=False)
     residency: AdapterResidency = field(default_factory=AdapterResidency, init=False)  # LoRA (routing/lora.py)
+    # programs expected back after a tool call (routing/tool_affinity.py): fed by the gateway
+    # (`note_tool_call`), read by the `tool-affinity` scorer, gaps learnt at each return's dispatch
+    tool_returns: ToolReturns = field(default_factory=ToolReturns)
     _pricing: dict[str, TierPricing] = field(default_factory=dict, init=False)
     _prompt_tokens: int = field(default=0, init=False)
     _tier_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0], init=False)
@@ -246,6 +255,10 @@ class ScoringRouter:
         pricing = self._pricing.get(pool.name)
         if pricing is None:
             pricing = self._pricing[pool.name] = tier_pricing(pool, self.config.kv_tiers_for(pool.name))
+        if routing.pipeline.uses_tool_affinity:
+            tenant = facts.principal.tenant
+            ctx.tool_return = self.tool_returns.pending(tenant, facts.subjects.program, pool.name, now_s)
+            ctx.reserved_tokens = self.tool_returns.reserved(pool.name, now_s)
         candidates = self._candidates(request, serving, now_s, pricing)
         if self.predictor is not None and (routing.pipeline.uses_latency or facts.slo is not None):
             ctx.predictions = predict_candidates(self.predictor, pool.name, pool.config.model, ctx, candidates)
@@ -306,10 +319,24 @@ class ScoringRouter:
             self.residency.record(decision.endpoint, request.adapter.name)
         key = session_key(request.facts, decision.endpoint.pool, self.config.session.use_user_field)
         self.sessions.pin(key, decision.endpoint.id)
+        program = request.facts.subjects.program
+        if program is not None:
+            self.tool_returns.returned_now(request.facts.principal.tenant, program, now_s)
         if decision.pd_reason is not None:
             self._count_pd(decision, routing.pd)
         if self.dispatch_listener is not None:
             self.dispatch_listener(request.prompt, decision, key)
+
+    def note_tool_call(self, facts: RequestFacts, decision: RouteDecision, prefix_tokens: int, now_s: float) -> None:
+        """The request's answer on `decision.endpoint` ended in tool calls (told by the gateway when
+        its upstream call ended): its program is expected back there with `prefix_tokens` cached."""
+        program = facts.subjects.program
+        if program is None:
+            return
+        endpoint = decision.endpoint
+        self.tool_returns.note_tool_call(
+            facts.principal.tenant, program, endpoint.pool, endpoint.id, prefix_tokens, now_s
+        )
 
     def on_remote_dispatch(self, endpoint: Endpoint, keys: Sequence[int], session: str | None) -> None:
         """Another gateway replica sent a prompt with these block keys (and session) to `endpoint`."""
@@ -405,6 +432,7 @@ ALWAYS_AVAILABLE = frozenset(
         "slo",
         "running-tpot-slo",
         "stats.loras",
+        "tool-returns",
     }
 )
 CONFIGURED = frozenset({"prefix-index", "predictions"})
@@ -437,6 +465,20 @@ def check_consumes(config: RoutingConfig, *, predictor: bool) -> list[str]:
     return warnings
 
 
+def tool_returns(config: ToolAffinityConfig) -> ToolReturns:
+    """The router's pending-returns table from `routing.tool_affinity`."""
+    learner = GapLearner(
+        window=config.window,
+        quantile=config.quantile,
+        min_samples=config.min_samples,
+        min_ttl_s=config.min_ttl_s,
+        max_ttl_s=config.max_ttl_s,
+        default_ttl_s=config.default_ttl_s,
+        max_tenants=config.max_tenants,
+    )
+    return ToolReturns(learner, max_programs_per_tenant=config.max_programs_per_tenant)
+
+
 def build_router(
     config: RoutingConfig | Mapping[str, Any] | None = None,
     *,
@@ -467,6 +509,7 @@ def build_router(
             offload_tokens_of=lambda pool: cfg.kv_tiers_for(pool).offload_capacity_tokens,
         ),
         sessions=SessionTable(cfg.session.max_sessions),
+        tool_returns=tool_returns(cfg.tool_affinity),
         rng=rng or random.Random(cfg.seed),
         predictor=predictor,
     )

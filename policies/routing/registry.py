@@ -24,6 +24,7 @@ from policies.routing.scorers import (
     SessionAffinityScorer,
     WorkCostScorer,
 )
+from policies.routing.tool_affinity import ToolAffinityScorer
 from policies.routing.types import Filter, Picker, Router, Scorer
 
 FILTERS: Mapping[str, Callable[..., Filter]] = MappingProxyType(
@@ -44,6 +45,7 @@ SCORERS: Mapping[str, Callable[..., Scorer]] = MappingProxyType(
         "work-cost": WorkCostScorer,
         "latency": LatencyScorer,
         "lora-affinity": LoraAffinityScorer,
+        "tool-affinity": ToolAffinityScorer,
     }
 )
 

@@ -25,18 +25,25 @@ from predictor.types import Prediction
 
 if TYPE_CHECKING:
     from policies.routing.lora import AdapterResidency
+    from policies.routing.tool_affinity import PendingReturn
 
 NO_RUNNING_SLOS: Final[Mapping[str, float]] = MappingProxyType({})
+NO_RESERVED_TOKENS: Final[Mapping[str, int]] = MappingProxyType({})
 
 
 def _no_running_slos() -> Mapping[str, float]:
     return NO_RUNNING_SLOS
 
 
+def _no_reserved_tokens() -> Mapping[str, int]:
+    return NO_RESERVED_TOKENS
+
+
 # Metric label values of `RouteDecision.reason`.
 REASON_PREFIX_HIT = "prefix-hit"  # chosen endpoint holds the longest cached prefix of the prompt
 REASON_LOAD = "load"  # chosen for load: no useful prefix anywhere, or its holder was too busy
 REASON_SESSION = "session"  # chosen because the session is pinned to it
+REASON_TOOL_RETURN = "tool-return"  # a program back from a tool call, on the replica holding its prefix
 REASON_ONLY = "only"  # a single candidate
 REASON_FALLBACK = "fallback"  # filters (or stale stats) rejected every candidate; chose among all
 
@@ -178,6 +185,10 @@ class RouteContext:
     running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)  # see `RouteRequest`
     adapter: LoraAdapter | None = None  # the LoRA adapter asked for (`RouteRequest.adapter`)
     residency: AdapterResidency | None = None  # which adapters the router sent where (`routing/lora.py`)
+    # tool-boundary affinity (`routing/tool_affinity.py`), filled when the pipeline has `tool-affinity`:
+    # this program's pending return after a tool call, and every endpoint's tokens of pending returns
+    tool_return: PendingReturn | None = None
+    reserved_tokens: Mapping[str, int] = field(default_factory=_no_reserved_tokens)
 
     def uncached_tokens(self, candidate: Candidate) -> int:
         """Prompt tokens the endpoint would compute (real tokens: lower-tier hits are loaded, not computed)."""

@@ -21,7 +21,7 @@ LLAMA = "llama-3.1-8b"
 TOKEN = "console-test-admin-token"
 COLOUR: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
 HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
-PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail")
+PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail", "audit")
 
 
 def wait(driver: Any, condition: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
@@ -52,7 +52,10 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
 ) -> None:
     require_browser()
     engines = sim_factory(count=1, time_scale=50, served_model_name=LLAMA)
-    policy = policies_doc(models={LLAMA: {"price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0}}})
+    policy = policies_doc(
+        models={LLAMA: {"price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0}}},
+        budgets=[{"id": "tenant-daily", "scope": "tenant", "usd_per_day": 100.0}],
+    )
     gateway = gateway_factory(
         pools=[static_pool("p", LLAMA, engines.urls)], policies=policy, server={"admin_token": TOKEN}
     )
@@ -103,6 +106,25 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
         wait(driver, lambda d: "revoked" in d.execute_script(row_text))  # the table is rebuilt: read it afresh
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model=LLAMA, messages=HI, max_tokens=4)
+
+        driver.get(gateway.url + "/ui#audit")  # the console's own changes, by its session, newest first
+        wait(driver, page_ready("audit"))
+        rows = [r.text for r in driver.find_elements("css selector", "#audit-table tbody tr")]
+        assert len(rows) == 2 and all("console:" in r and "browser-key" in r for r in rows), rows
+        assert "DELETE /admin/keys/{key_id}" in rows[0] and "POST /admin/keys" in rows[1]
+        assert "status: active → revoked" in rows[0] and secret not in " ".join(rows)
+
+        driver.get(gateway.url + "/ui#limits")  # a temporary override, made and ended from the page
+        wait(driver, page_ready("limits"))
+        wait(driver, by_css("#override-create-rule")).send_keys("tenant-daily")
+        wait(driver, by_css("#override-create-value")).send_keys("500")
+        wait(driver, by_css("#override-create-for")).send_keys("2h")
+        wait(driver, by_css("#override-create-reason")).send_keys("launch")
+        wait(driver, by_css("#override-create-submit")).click()
+        row = wait(driver, by_css("#overrides-table tbody tr"))
+        assert "tenant-daily" in row.text and "usd_per_day" in row.text and "launch" in row.text
+        wait(driver, by_css('#overrides-table button[data-action="end-override"]')).click()
+        wait(driver, lambda d: not d.find_elements("css selector", "#overrides-table"))
 
         for name in PAGES:
             driver.get(gateway.url + f"/ui#{name}")

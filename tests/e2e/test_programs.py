@@ -80,6 +80,28 @@ def test_ledger_records_carry_the_program(
     assert (entry["api"], entry["program"], entry["status"]) == ("messages", "claude-session-9", "ok")
     assert "program" not in ledger_entry(ledger, ids["none"])
 
+    # a Responses conversation continued by previous_response_id is one program: its first response's id,
+    # inherited turn after turn; a turn naming its own program keeps it, and its successors inherit that
+    first = oai.responses.create(model=MODEL, input="hello", max_output_tokens=4)
+    turns = [uuid.uuid4().hex for _ in range(3)]
+    second = oai.responses.create(
+        model=MODEL, input="more", max_output_tokens=4, previous_response_id=first.id,
+        extra_headers={"x-request-id": turns[0]},
+    )  # fmt: skip
+    oai.responses.create(
+        model=MODEL, input="again", max_output_tokens=4, previous_response_id=second.id,
+        extra_headers={"x-request-id": turns[1]},
+    )  # fmt: skip
+    named = oai.responses.create(
+        model=MODEL, input="named", max_output_tokens=4, previous_response_id=second.id,
+        extra_headers={"x-request-id": uuid.uuid4().hex, "x-tokenway-program": "ticket-7"},
+    )  # fmt: skip
+    oai.responses.create(
+        model=MODEL, input="after", max_output_tokens=4, previous_response_id=named.id,
+        extra_headers={"x-request-id": turns[2]},
+    )  # fmt: skip
+    assert [ledger_entry(ledger, t)["program"] for t in turns] == [first.id, first.id, "ticket-7"]
+
 
 def test_a_looping_agent_is_stopped_by_the_runaway_guard(
     sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway], tmp_path: Path

@@ -75,7 +75,7 @@ def test_stored_entry_holds_the_bytes_the_client_got() -> None:
     async def scenario() -> None:
         store = MemoryResponseStore(ResponseStoreSettings())
         call = _native_responses(store)
-        await call.prepare(call.body, Principal(key_id="k", tenant="t", allowed_models=None, priority=0))
+        await call.prepare(call.body, Principal(key_id="k", tenant="t", allowed_models=None, priority=0), None)
         body, _ = call.unary(_response(), public_model="m")
         assert body is not None
         await call.finished()

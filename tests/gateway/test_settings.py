@@ -61,7 +61,7 @@ def test_unknown_key_is_rejected(tmp_path: Path) -> None:
             "pools:\n  - {name: p, model: m, endpoints: [{url: 'http://h:1', rol: both}]}\n",
             "pools[0].endpoints[0].rol: unknown key; did you mean 'role'?",
         ),
-        ("ledger: {zzz: 1}\n", "ledger.zzz: unknown key; valid keys here: commit_interval_ms, dir, enabled,"),
+        ("ledger: {zzz: 1}\n", "ledger.zzz: unknown key; valid keys here: audit, commit_interval_ms, dir, enabled,"),
         (
             "pools:\n  - {name: p, model: m, engine: vlm, endpoints: [{url: 'http://h:1'}]}\n",
             "pools[0].engine: Input should be 'sim', 'vllm', 'trtllm', 'vllm-ascend', 'openai', 'anthropic', "

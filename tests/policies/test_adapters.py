@@ -44,6 +44,9 @@ def test_adapter_tenants_narrow_who_may_call_it() -> None:
         ({"kind": "adapter", "source": "/a"}, "an adapter needs base"),
         ({"kind": "adapter", "base": "base"}, "an adapter needs source"),
         ({"base": "base"}, "only apply to kind: adapter"),
+        ({"preload": True}, "preload only apply to kind: adapter"),
+        ({"idle_unload_s": 60}, "idle_unload_s only apply to kind: adapter"),
+        ({"kind": "adapter", "base": "base", "source": "/a", "idle_unload_s": 0}, "greater than 0"),
         ({"kind": "adapter", "base": "nope", "source": "/a"}, "unknown model 'nope'"),
         ({"kind": "adapter", "base": "base", "source": "/a", "tenants": ["zz"]}, "unknown tenant 'zz'"),
     ],
@@ -61,3 +64,15 @@ def test_an_adapter_of_an_adapter_is_refused() -> None:
                 sql2={"kind": "adapter", "base": "sql", "source": "/b"},
             )
         )
+
+
+def test_preload_and_idle_unload_reach_the_fleet_view() -> None:
+    config = PoliciesConfig.model_validate(
+        doc(
+            hot={"kind": "adapter", "base": "base", "source": "/a", "preload": True},
+            cold={"kind": "adapter", "base": "base", "source": "/b", "idle_unload_s": 120},
+        )
+    )
+    adapters = Policy(config).adapters
+    assert (adapters["hot"].preload, adapters["hot"].idle_unload_s) == (True, None)
+    assert (adapters["cold"].preload, adapters["cold"].idle_unload_s) == (False, 120.0)

@@ -41,9 +41,9 @@ def test_every_problem_is_reported_with_file_line_and_key_path(tmp_path: Path) -
         f"{path}:9: keys[0].sha256: environment variable MISSING_SECRET is not set (referenced as ${{MISSING_SECRET}})",
         f"{path}:3: admission.store_failure: expected 'fail_open' or 'fail_closed', got 'maybe'",
         f"{path}:12: models.llama.context_length: expected an integer, got 'lots'",
-        f"{path}:16: limits[0].colour: unknown field (expected one of: count, id, match, max_concurrent, rpd, rpm, "
-        "scope, shadow, tpd, tpm, weights)",
-        f"{path}:17: limits[1]: scope 'tenant' cannot match on model (expected tenant)",
+        f"{path}:16: limits[0].colour: unknown field (expected one of: calls_per_run, count, fallback, id, "
+        "match, max_concurrent, rpd, rpm, scope, shadow, tokens_per_run, tpd, tpm, weights)",
+        f"{path}:17: limits[1]: scope 'tenant' cannot match on model (expected org, team, tenant)",
     ]
 
 

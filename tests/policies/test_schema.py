@@ -50,14 +50,17 @@ def problems(data: dict[str, Any]) -> list[str]:
         ({"models": {"a": {"fallbacks": ["zz"]}}}, "models.a.fallbacks.0.model: unknown model 'zz'"),
         (
             {"limits": [{"scope": "tenant", "match": {"model": "a"}, "rpm": 1}]},
-            "limits.0: Value error, scope 'tenant' cannot match on model (expected tenant)",
+            "limits.0: Value error, scope 'tenant' cannot match on model (expected org, team, tenant)",
         ),
         ({"limits": [{"scope": "key"}]}, "limits.0: Value error, expected at least one of rpm"),
         (
             {"limits": [{"scope": "key", "tpm": 1, "weights": {"input": 1}}]},
             "weights are only read with count: weighted",
         ),
-        ({"budgets": [{"scope": "global"}]}, "budgets.0: Value error, expected usd_per_day and/or usd_per_month"),
+        (
+            {"budgets": [{"scope": "global"}]},
+            "budgets.0: Value error, expected usd_per_day, usd_per_month, usd_per_period and/or usd_per_run",
+        ),
     ],
     ids=[
         "key-tenant",

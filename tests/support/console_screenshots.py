@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 from tests.support.procs import REPO, policies_doc, running, start_gateway, start_sim, static_pool
 
 TOKEN = "screenshot-admin-token"
-PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail")
+PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor", "tail", "audit")
 LLAMA, QWEN = "llama-3.1-8b", "qwen2.5-7b"
 
 
@@ -111,6 +111,7 @@ def main() -> int:
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(one, range(args.requests)))
+        admin(url, "PATCH", "/admin/keys/acme-batch", {"limits": {"tpm": 60000}})  # the audit page's before → after
         time.sleep(2)
         with chromium(1400, 1050) as driver:
             from selenium.webdriver.common.by import By

@@ -11,6 +11,10 @@
   let timers = [];
   let csrfToken = "";
   let charts = [];
+  // Who is logged in ({actor, role, teams, user}), from the login answer or GET /ui/session. The page
+  // hides what this role may not do; the gateway refuses it anyway (403), whatever the page shows.
+  let identity = { role: "admin", teams: [] };
+  const mayManageKeys = () => identity.role === "admin" || identity.role === "team_admin";
 
   // ------------------------------------------------------------------ helpers
   function el(tag, attrs, ...children) {
@@ -202,7 +206,7 @@
     page.append(el("h1", {}, "API keys"));
     const tenants = (await api("GET", "/admin/tenants")).data.map((t) => t.name);
     const result = el("div", { id: "key-result" });
-    const createCard = el("div", { class: "card" }, el("h2", {}, "Create a key"),
+    const createCard = !mayManageKeys() ? result : el("div", { class: "card" }, el("h2", {}, "Create a key"),
       form([
         { name: "tenant", label: "Tenant", options: tenants },
         { name: "id", label: "Id (optional)", placeholder: "tenant-xxxxxx", size: 14 },
@@ -239,7 +243,7 @@
         { label: "Own limits", render: (k) => fmt.limits(k.limits) },
         { label: "Last used", render: (k) => fmt.time(k.last_used_at) },
         { label: "Owner", render: (k) => (k.metadata || {}).owner },
-        { label: "", render: (k) => k.source === "api" && k.status !== "revoked" ? keyActions(k) : "" },
+        { label: "", render: (k) => k.source === "api" && k.status !== "revoked" && mayManageKeys() ? keyActions(k) : "" },
       ], doc.data, { id: "keys-table", idOf: (k) => k.id });
       if (old) old.replaceWith(node); else listCard.append(node);
     }
@@ -275,12 +279,12 @@
           el("span", {}, "budget left today ", el("b", {}, fmt.usd(standing.budget_left_usd.day))),
         ),
         limitsTable(standing.limits),
-        el("h2", {}, "Edit its own limits"),
-        form(LIMIT_FIELDS, "Save limits", async (v) => {
+        mayManageKeys() ? el("h2", {}, "Edit its own limits") : null,
+        mayManageKeys() ? form(LIMIT_FIELDS, "Save limits", async (v) => {
           await api("PATCH", `/admin/keys/${encodeURIComponent(id)}`, { limits: limitsOf(v) });
           await showKey(id);
           await refresh();
-        }, "edit-key"),
+        }, "edit-key") : null,
         el("button", { class: "small secondary", id: "key-refresh", onclick: guard(() => showKey(id)) }, "Refresh"),
       ));
     }
@@ -322,14 +326,19 @@
   async function tenantsPage() {
     page.append(el("h1", {}, "Tenants"));
     const listCard = el("div", { class: "card" }, el("h2", {}, "Tenants"));
-    page.append(el("div", { class: "card" }, el("h2", {}, "Create a tenant"), form([
+    const teamField = identity.role === "team_admin"
+      ? { name: "team", label: "Team", options: identity.teams }  // a team admin's tenant is of its team
+      : { name: "team", label: "Team", placeholder: "none", size: 10 };
+    if (mayManageKeys()) page.append(el("div", { class: "card" }, el("h2", {}, "Create a tenant"), form([
       { name: "name", label: "Name", size: 12 },
+      teamField,
       { name: "models", label: "Models (comma)", placeholder: "all", size: 16 },
       { name: "priority", label: "Priority", options: ["normal", "critical", "high", "low", "sheddable"] },
       ...LIMIT_FIELDS,
       { name: "description", label: "Description", size: 18 },
     ], "Create tenant", async (v, inputs) => {
       const body = { name: v.name, priority: v.priority, limits: limitsOf(v), metadata: {} };
+      if (v.team) body.team = v.team;
       if (v.models) body.models = modelsOf(v.models);
       if (v.description) body.metadata.description = v.description;
       await api("POST", "/admin/tenants", body);
@@ -342,13 +351,14 @@
       const old = $("tenants-table");
       const node = table([
         { label: "Name", key: "name" },
+        { label: "Team", key: "team" },
         { label: "Source", key: "source" },
         { label: "Priority", key: "priority" },
         { label: "Models", render: (t) => (t.models || ["*"]).join(", ") },
         { label: "Fallback", render: (t) => (t.allow_fallback ? "allowed" : "no") },
         { label: "SLO class", key: "slo_class" },
         { label: "Own limits", render: (t) => fmt.limits(t.limits) },
-        { label: "", render: (t) => t.source === "api" ? el("span", {},
+        { label: "", render: (t) => t.source === "api" && mayManageKeys() ? el("span", {},
           el("button", { class: "small secondary", "data-action": "edit", onclick: () => editTenant(t) }, "Edit limits"), " ",
           el("button", { class: "small danger", "data-action": "delete", onclick: async () => {
             try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); detail.replaceChildren(); await refresh(); }
@@ -439,10 +449,53 @@
         limit: r.capacity ?? r.limit_usd,
         used: r.used ?? r.active ?? r.spent_usd,
         remaining: r.remaining ?? r.remaining_usd ?? (r.capacity - (r.active || 0)),
-        dimension: r.dimension || `usd_per_${r.period}`,
+        dimension: r.dimension || (String(r.period).startsWith("billing:") ? "usd_per_period" : `usd_per_${r.period}`),
       }));
       card.replaceChildren(rows.length ? limitsTable(rows) : el("p", { class: "muted" }, "No limit has been used yet."));
     });
+    overridesCard();
+  }
+
+  // Temporary overrides of a policies.yaml rule (POST/GET/DELETE /admin/overrides, docs/governance.md)
+  const OVERRIDE_DIMENSIONS = ["usd_per_day", "usd_per_month", "usd_per_period", "usd_per_run", "rpm", "rpd", "tpm",
+    "tpd", "max_concurrent", "calls_per_run", "tokens_per_run"];
+
+  function overridesCard() {
+    const admin = identity.role === "admin";
+    const list = el("div", { id: "overrides-list" });
+    const card = el("div", { class: "card", id: "overrides" }, el("h2", {}, "Temporary overrides"),
+      el("p", { class: "muted" }, "A rule's limit changed until a time, then back by itself (every replica)."));
+    if (admin) card.append(form([
+      { name: "rule", label: "Rule", placeholder: "team-daily", size: 14 },
+      { name: "subject", label: "Subject", placeholder: "every", size: 10 },
+      { name: "dimension", label: "Dimension", options: OVERRIDE_DIMENSIONS },
+      { name: "value", label: "Value", type: "number", size: 8 },
+      { name: "for", label: "For", placeholder: "2h", size: 5 },
+      { name: "reason", label: "Reason", size: 16 },
+    ], "Override", async (v, inputs) => {
+      const body = { rule: v.rule, dimension: v.dimension, value: Number(v.value), for: v.for };
+      if (v.subject) body.subject = v.subject;
+      if (v.reason) body.reason = v.reason;
+      await api("POST", "/admin/overrides", body);
+      for (const input of Object.values(inputs)) if (input.tagName === "INPUT") input.value = "";
+      await refresh();
+    }, "override-create"));
+    card.append(list);
+    page.append(card);
+    async function refresh() {
+      const doc = await api("GET", "/admin/overrides");
+      const columns = [
+        { label: "Rule", key: "rule" }, { label: "Subject", render: (o) => o.subject || "every" },
+        { label: "Dimension", key: "dimension" }, { label: "Value", key: "value", num: true },
+        { label: "Until (UTC)", key: "until" }, { label: "Reason", key: "reason" },
+      ];
+      if (admin) columns.push({ label: "", render: (o) => el("button", { class: "small danger", "data-action": "end-override",
+        onclick: guard(async () => { await api("DELETE", `/admin/overrides/${encodeURIComponent(o.id)}`); await refresh(); }) },
+        "End now") });
+      list.replaceChildren(doc.data.length ? table(columns, doc.data, { id: "overrides-table", idOf: (o) => o.id })
+        : el("p", { class: "muted" }, "No override is active."));
+    }
+    every(5000, refresh);
   }
 
   // ------------------------------------------------------------------ pools
@@ -576,8 +629,54 @@
     });
   }
 
+  // ------------------------------------------------------------------ audit
+  // the fields of an object that a change altered, as "field: before → after"
+  function changedFields(before, after) {
+    const show = (v) => (v === undefined || v === null ? "–" : typeof v === "object" ? JSON.stringify(v) : String(v));
+    const isObj = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+    const empty = (v) => v === null || v === undefined || (typeof v === "object" && Object.keys(v).length === 0);
+    const fields = (obj) => Object.entries(obj).filter(([, v]) => !empty(v)).map(([k, v]) => `${k}: ${show(v)}`);
+    if (before === null && after === null) return [];
+    if (before === null && isObj(after)) return ["created", ...fields(after)];
+    if (after === null && isObj(before)) return ["removed", ...fields(before)];
+    if (!isObj(before) || !isObj(after)) return [`${show(before)} → ${show(after)}`];
+    const names = [...new Set([...Object.keys(before), ...Object.keys(after)])];
+    return names.filter((k) => JSON.stringify(before[k]) !== JSON.stringify(after[k]))
+      .map((k) => `${k}: ${show(before[k])} → ${show(after[k])}`);
+  }
+
+  async function auditPage() {
+    page.append(el("h1", {}, "Audit log"), el("p", { class: "muted" },
+      "Every admin change that succeeded on this replica, newest first: who (admin token, console session or loopback), when, what, before → after. Secrets are never recorded."));
+    const actor = el("select", { id: "audit-actor" }, ["", "admin-token", "console", "loopback"].map((a) => el("option", { value: a }, a || "anyone")));
+    const action = el("input", { id: "audit-action", placeholder: "keys, DELETE, floor…", size: 16 });
+    const limit = el("select", { id: "audit-limit" }, ["100", "500", "1000"].map((n) => el("option", { value: n }, n)));
+    const go = el("button", { id: "audit-go" }, "Show");
+    const card = el("div", { class: "card" });
+    page.append(el("div", { class: "toolbar" }, el("label", {}, "Actor", actor), el("label", {}, "Action", action), el("label", {}, "Newest", limit), go), card);
+    async function load() {
+      const query = new URLSearchParams({ limit: limit.value });
+      if (actor.value) query.set("actor", actor.value);
+      if (action.value.trim()) query.set("action", action.value.trim());
+      const doc = await api("GET", `/admin/audit?${query}`);
+      if (!doc.enabled) { card.replaceChildren(el("p", { class: "muted" }, "The audit log is disabled (ledger.audit.enabled: false).")); return; }
+      card.replaceChildren(...[doc.data.length ? table([
+        { label: "Time", render: (r) => fmt.time(r.time) },
+        { label: "Actor", render: (r) => el("code", { class: "nowrap" }, r.actor) },
+        { label: "Action", key: "action" },
+        { label: "Target", key: "target" },
+        { label: "Status", num: true, key: "status" },
+        { label: "Client", key: "client" },
+        { label: "Before → after", render: (r) => el("div", { class: "changes" }, changedFields(r.before, r.after).map((line) => el("div", {}, line))) },
+      ], doc.data, { id: "audit-table" }) : el("p", { class: "muted" }, "No change recorded yet."),
+      doc.has_more ? el("p", { class: "muted" }, "Older changes exist: narrow the filter or ask for more.") : null].filter(Boolean));
+    }
+    go.addEventListener("click", () => load().catch((e) => { if (!quiet(e)) card.replaceChildren(errorBox(e)); }));
+    await load();
+  }
+
   // ------------------------------------------------------------------ routing and login
-  const PAGES = { overview, keys, tenants: tenantsPage, usage: usagePage, limits: limitsPage, pools: poolsPage, predictor: predictorPage, tail: tailPage };
+  const PAGES = { overview, keys, tenants: tenantsPage, usage: usagePage, limits: limitsPage, pools: poolsPage, predictor: predictorPage, tail: tailPage, audit: auditPage };
 
   async function route() {
     const name = (location.hash || "#overview").slice(1);
@@ -594,11 +693,17 @@
     clearPage();
     $("nav").hidden = true;
     $("logout").hidden = true;
+    $("whoami").hidden = true;
     $("login").hidden = false;
     $("token").focus();
   }
 
-  function showConsole() {
+  function showConsole(who) {
+    identity = who || { role: "admin", teams: [] };
+    const teams = identity.role === "team_admin" ? ` of ${identity.teams.join(", ")}` : "";
+    $("whoami").textContent = `${identity.actor || "admin"} · ${identity.role.replace("_", " ")}${teams}`;
+    $("whoami").dataset.role = identity.role;
+    $("whoami").hidden = false;
     $("login").hidden = true;
     $("nav").hidden = false;
     $("logout").hidden = false;
@@ -614,7 +719,7 @@
       body: JSON.stringify({ token: $("token").value }),
     });
     $("token").value = "";
-    if (response.ok) { csrfToken = (await response.json()).csrf_token || ""; showConsole(); }
+    if (response.ok) { const doc = await response.json(); csrfToken = doc.csrf_token || ""; showConsole(doc.identity); }
     else $("login-error").textContent = ((await response.json()).error || {}).message || "login failed";
   });
 
@@ -630,6 +735,7 @@
     const session = await (await fetch("/ui/session", { credentials: "same-origin" })).json();
     if (!session.token_required) $("login-note").textContent = "No admin token is configured: the console answers loopback callers only. Log in with an empty token.";
     csrfToken = session.csrf_token || "";
-    if (session.authenticated) showConsole(); else showLogin();
+    if (session.oidc) { $("oidc-login").hidden = false; $("oidc-login").textContent = session.oidc; }
+    if (session.authenticated) showConsole(session.identity); else showLogin();
   })();
 })();

@@ -111,3 +111,20 @@ def test_prefix_hashes_differ_per_adapter() -> None:
     a, b = index.blocks(plain.prompt, e), index.blocks(adapted.prompt, e)
     assert a is not None and b is not None and a.keys and set(a.keys).isdisjoint(b.keys)
     assert b.keys == hash_blocks(ids, 16, lora_salt(None, "sql"))  # the engine's own salted hashes
+
+
+def test_an_adapter_the_engine_lists_needs_no_load() -> None:
+    """Discovery (`Endpoint.loras`, from /v1/models) puts a replica between active and free; a listed
+    adapter behind slots pinned by other adapters' running requests still waits (full)."""
+    listed = _ep("listed")
+    listed.loras = frozenset({"sql"})
+    assert adapter_state(listed, "sql", AdapterResidency()) == "registered"
+    assert adapter_state(listed, "other", AdapterResidency()) == "free"
+    pinned = _ep("pinned", running=frozenset({"x", "y"}))
+    pinned.loras = frozenset({"sql"})
+    assert adapter_state(pinned, "sql", AdapterResidency()) == "full"
+    ctx = context()
+    ctx.adapter, ctx.residency = SQL, AdapterResidency()
+    scores = LoraAffinityScorer().score(ctx, [candidate(e) for e in (_ep("free"), listed, pinned)])
+    assert scores[1] > scores[0] > scores[2]
+    assert [c.endpoint.id for c in LoraSlotsFilter().filter(ctx, [candidate(listed), candidate(pinned)])] == [listed.id]

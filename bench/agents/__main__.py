@@ -1,0 +1,3 @@
+from bench.agents.run import main
+
+main()

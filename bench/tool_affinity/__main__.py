@@ -1,0 +1,3 @@
+from bench.tool_affinity.run import main
+
+main()

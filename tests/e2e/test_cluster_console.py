@@ -1,0 +1,66 @@
+"""The console's overview and live tail across replicas: two real gateways sharing one Redis, each
+asked for `/admin/activity`, show the requests both served, each tail row naming its replica; a
+replica that stops drops out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from policies.policy import hash_key
+from tests.policies.limits.redis_proc import RedisProcess
+from tests.support.polling import wait_for
+from tests.support.procs import TEST_KEY, running, start_gateway, start_sim, static_pool, stop_process
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.timeout(180)]
+
+MODEL = "llama-3.1-8b"
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    server = RedisProcess()
+    server.start()
+    yield server
+    server.kill()
+
+
+def activity(url: str) -> dict[str, Any]:
+    found: dict[str, Any] = httpx.get(url + "/admin/activity", timeout=10).json()
+    return found
+
+
+def test_every_replica_shows_the_traffic_of_all(tmp_path: Path, own_redis: RedisProcess) -> None:
+    engines = start_sim(tmp_path, count=1, served_model_name=MODEL, time_scale=50.0)
+    policies = {
+        "tenants": {"t": {}},
+        "keys": [{"id": "k", "tenant": "t", "sha256": hash_key(TEST_KEY)}],
+        "models": {MODEL: {"default_max_tokens": 8}},
+    }
+    state = {"backend": "redis", "redis_url": own_redis.url}
+    with running(engines):
+        pools = [static_pool("llama", MODEL, engines.urls)]
+        one, other = (start_gateway(tmp_path / f"gw{i}", pools=pools, policies=policies, state=state) for i in (0, 1))
+        with running(one, other):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            auth = {"Authorization": f"Bearer {TEST_KEY}"}
+            for gw, n in ((one, 3), (other, 5)):
+                for _ in range(n):
+                    assert httpx.post(gw.base_url + "/chat/completions", json=body, headers=auth, timeout=30).is_success
+
+            def both_seen() -> dict[str, Any] | None:
+                doc = activity(one.url)
+                return doc if doc["summary"]["requests"] == 8 and len(doc["replicas"]) == 2 else None
+
+            doc = wait_for(both_seen, timeout_s=20, what="the other replica's activity")
+            assert len(doc["tail"]) == 8 and len({row["replica"] for row in doc["tail"]}) == 2
+            assert [row["ts"] for row in doc["tail"]] == sorted((row["ts"] for row in doc["tail"]), reverse=True)
+            assert activity(other.url)["summary"]["requests"] == 8
+            stop_process(other.proc)
+            wait_for(
+                lambda: len(activity(one.url)["replicas"]) == 1, timeout_s=30, what="the stopped replica to drop out"
+            )

@@ -1,0 +1,133 @@
+"""The admin guard's recording step over a real aiohttp server: every admitted change that succeeded
+leaves one record naming how its caller authenticated, a route whose handler says nothing still
+leaves one, refusals and reads leave none, and `GET /admin/audit` filters and bounds what it answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.app import keys as appkeys
+from gateway.app.schema import AuditConfig, ServerSettings
+from gateway.app.settings import GatewaySettings
+from gateway.audit.api import AUDIT_LOG, actor_of, audit_list, note
+from gateway.audit.store import AuditLog
+from gateway.console.sessions import COOKIE, ConsoleSessions
+from gateway.http.access import CSRF_HEADER
+from gateway.http.admin_replies import admin_error, json_reply
+from gateway.http.routes import admin_guard
+
+TOKEN = "a-test-admin-token-0123"
+
+
+async def noted(request: web.Request) -> web.StreamResponse:
+    note(request, target="t1", before={"rpm": 1}, after={"rpm": 2, "secret": "tw-shh"})
+    return json_reply({"ok": True})
+
+
+async def silent(request: web.Request) -> web.StreamResponse:
+    return json_reply({"ok": True})
+
+
+async def refused(request: web.Request) -> web.StreamResponse:
+    return admin_error(409, "no")
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Callable[[str | None], Any]]:
+    servers: list[TestServer] = []
+
+    async def start(admin_token: str | None) -> tuple[TestServer, AuditLog, ConsoleSessions]:
+        app = web.Application()
+        app[appkeys.SETTINGS] = GatewaySettings(server=ServerSettings(admin_token=admin_token))
+        audit = AuditLog(AuditConfig(dir=str(tmp_path / f"audit{len(servers)}")))
+        app[AUDIT_LOG] = audit
+        sessions = ConsoleSessions()
+        app[appkeys.CONSOLE_SESSIONS] = sessions
+        for method, path, handler in [
+            ("PATCH", "/admin/things/{thing}", noted),
+            ("DELETE", "/admin/things/{thing}", silent),
+            ("POST", "/admin/refused", refused),
+            ("GET", "/admin/things/{thing}", silent),
+            ("GET", "/admin/audit", audit_list),
+        ]:
+            app.router.add_route(method, path, admin_guard(handler))
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return server, audit, sessions
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+async def call(server: TestServer, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, server.make_url(path), headers=headers or {}) as response,
+    ):
+        return response.status, await response.json()
+
+
+async def test_each_successful_change_is_recorded_with_its_actor_and_nothing_else_is(served: Any) -> None:
+    server, audit, sessions = await served(TOKEN)
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    assert (await call(server, "PATCH", "/admin/things/a", bearer))[0] == 200
+    assert (await call(server, "DELETE", "/admin/things/b", bearer))[0] == 200
+    assert (await call(server, "POST", "/admin/refused", bearer))[0] == 409  # refused: nothing changed
+    assert (await call(server, "GET", "/admin/things/a", bearer))[0] == 200  # a read
+    assert (await call(server, "PATCH", "/admin/things/a"))[0] == 401  # no credential
+    cookie, csrf = sessions.open()
+    console = {"Cookie": f"{COOKIE}={cookie}", CSRF_HEADER: csrf}
+    assert (await call(server, "DELETE", "/admin/things/c", console))[0] == 200
+
+    status, body = await call(server, "GET", "/admin/audit", bearer)
+    assert status == 200 and body["object"] == "list" and body["enabled"] and not body["has_more"]
+    rows = body["data"]
+    assert [(r["method"], r["route"], r["target"]) for r in rows] == [
+        ("DELETE", "/admin/things/{thing}", "c"),
+        ("DELETE", "/admin/things/{thing}", "b"),  # the handler said nothing: the path's id
+        ("PATCH", "/admin/things/{thing}", "t1"),
+    ]
+    assert rows[0]["actor"] == actor_of("console", cookie) and rows[0]["actor"].startswith("console:")
+    assert cookie not in str(rows) and csrf not in str(rows)
+    assert rows[1]["actor"] == rows[2]["actor"] == "admin-token"
+    assert rows[1]["before"] is None and rows[1]["after"] is None and rows[1]["status"] == 200
+    assert rows[2]["before"] == {"rpm": 1} and rows[2]["after"] == {"rpm": 2, "secret": "[redacted]"}
+    assert all(r["client"] == "127.0.0.1" for r in rows)
+    assert audit.written_total == 3
+
+
+async def test_a_gateway_without_a_token_names_its_loopback_callers(served: Any) -> None:
+    server, _audit, _sessions = await served(None)
+    assert (await call(server, "DELETE", "/admin/things/x"))[0] == 200
+    rows = (await call(server, "GET", "/admin/audit?actor=loopback"))[1]["data"]
+    assert [(r["actor"], r["target"]) for r in rows] == [("loopback", "x")]
+
+
+async def test_the_listing_filters_and_bounds_what_it_answers(served: Any) -> None:
+    server, _audit, _sessions = await served(None)
+    for thing in ("a", "b", "c"):
+        await call(server, "DELETE", f"/admin/things/{thing}")
+    await call(server, "PATCH", "/admin/things/d")
+
+    async def targets(query: str) -> list[str]:
+        status, body = await call(server, "GET", "/admin/audit?" + query)
+        assert status == 200, body
+        return [r["target"] for r in body["data"]]
+
+    assert await targets("limit=2") == ["t1", "c"]
+    assert await targets("action=DELETE") == ["c", "b", "a"]
+    assert await targets("target=b") == ["b"]
+    assert await targets("since=1h&actor=loopback") == ["t1", "c", "b", "a"]
+    assert await targets("since=2000-01-01T00:00&actor=console") == []
+    for bad in ("limit=0", "limit=1001", "limit=ten", "since=yesterday", "actor=" + "x" * 300):
+        status, body = await call(server, "GET", "/admin/audit?" + bad)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
