@@ -234,6 +234,19 @@ class PoolConfig(_Strict):
         description="hosted pools: a request field the provider has no counterpart for is dropped and named "
         "in x-tokenway-dropped-fields, instead of refused with a 400 naming it",
     )
+    cache_breakpoints: Literal["off", "auto"] = Field(
+        default="off",
+        description="engines anthropic and bedrock: `auto` marks the end of the system prompt and of the "
+        "conversation for the provider's prompt cache when the client marked nothing (backends/hosted/breakpoints.py)",
+    )
+    cache_breakpoint_min_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="`auto` marks only parts at least this long (estimated): shorter ones are not cached",
+    )
+    cache_breakpoint_ttl: Literal["5m", "1h"] | None = Field(
+        default=None, description="the marks' cache lifetime; null: the provider's default (5 minutes)"
+    )
     overflow: bool = Field(
         default=False,
         description="spill-over: the model's other pools come first; this one takes what they cannot "
@@ -315,6 +328,8 @@ class PoolConfig(_Strict):
                     )
             if self.anthropic_beta or self.allow_dropped_fields:
                 raise ValueError("`anthropic_beta` / `allow_dropped_fields` apply to hosted engines only")
+            if self.cache_breakpoints != "off":
+                raise ValueError("`cache_breakpoints` applies to engines anthropic and bedrock only")
             return
         engine = self.engine
         if self.launched_replicas or self.autoscale is not None or self.discovery is not None:
@@ -334,6 +349,10 @@ class PoolConfig(_Strict):
             raise ValueError("`region` applies to engine `bedrock` only")
         if self.anthropic_beta and engine != "anthropic":
             raise ValueError("`anthropic_beta` applies to engine `anthropic` only")
+        if self.cache_breakpoints != "off" and engine not in ("anthropic", "bedrock"):
+            raise ValueError(
+                f"`cache_breakpoints` applies to engines anthropic and bedrock only (`{engine}` caches on its own)"
+            )
         if engine == "azure-openai" and not self.endpoints:
             raise ValueError(
                 "engine `azure-openai` needs `endpoints` (the resource's URL, https://NAME.openai.azure.com)"

@@ -111,6 +111,9 @@ def start_variant(
     port = free_port()
     extra = dict(extra)
     hierarchy = extra.pop("_policies", None)
+    slug = re.sub(r"\W+", "-", name)  # each variant its own ledger files and batch folder (one process each)
+    extra["ledger"] = {**extra.get("ledger", {}), "file_prefix": f"bench-{slug}"}
+    extra["batch"] = {**extra.get("batch", {}), "dir": str(workdir / slug / "batch")}
     config = tokenway_config(workdir / re.sub(r"\W+", "-", name), [upstream], port, extra)
     policies = config.parent / "policies.yaml"
     doc = yaml.safe_load(policies.read_text())
@@ -230,7 +233,10 @@ def write(
         f"{args.duration:g} s per point), the instant upstream (nginx `return 200`) and a private redis-server "
         f"share core {LOAD_CORE}. Policy: three buckets (key rpm + key tpm + tenant tpm, never exhausted), "
         "metrics and ledger on, predictor off, one upstream endpoint. `redis` keeps the buckets in Redis with "
-        "the replicas' shared routing state off; the last variant has it on (the default with `state: redis`). "
+        "the replicas' shared routing state off; `redis + shared routing state` has it on (the default with "
+        "`state: redis`). The `+ hierarchy` variants add budgets of the organisation, the team, the project "
+        "(tenant), the key and a tag every request carries (`x-tokenway-tags`), never exhausted: five more "
+        "counters in the same atomic reservation (issue 45). "
         f"{args.rounds} rounds, the variants interleaved in each (alternating order). Host load average "
         f"{load0:.1f} at the start, {load1:.1f} at the end, on 2 cores shared with other work: absolute RPS "
         "moves with it; the ratios within a round, and CPU µs per request, much less.",

@@ -65,6 +65,7 @@ from gateway.transport.engine import EngineTransport
 from gateway.transport.hosted import HostedCalls, HostedTransport, PoolTransports
 from gateway.transport.lora_keeper import keeping
 from gateway.transport.observers import RouteMetrics, ToolBoundary
+from gateway.transport.provider_quota import ProviderQuotaCheck, ProviderQuotas
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
 from gateway.upstream.stalls import StallWatch, watching
@@ -449,7 +450,10 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     slo = SloHook(predictor=predictor, waiting=queue.waiting_with)  # latency objectives, running TPOT SLOs
     spill = Spill(queue, app[appkeys.POLICIES], fleet)  # owned pools first, overflow pools for the rest
     # the gate: every wait in one room (band / fair-share order), its checks asked in this order
-    checks: list[Check] = [spill, cold, *([batch] if batch is not None else []), saturation, slo]
+    hosted = {name: pool for name, pool in fleet.pools.items() if pool.config.hosted}
+    quotas = app[appkeys.PROVIDER_QUOTAS] = ProviderQuotas()  # hosted providers' own limits, learnt from answers
+    quota = [ProviderQuotaCheck(quotas, hosted)] if hosted else []
+    checks: list[Check] = [spill, *quota, cold, *([batch] if batch is not None else []), saturation, slo]
     gate = Gate(queue, app[appkeys.FLOW_SETTINGS], app[appkeys.POLICIES], predictor, checks=checks)
     hook_list.extend(check for check in checks if isinstance(check, Hook))  # checks that observe, too
     hook_list.append(gate)  # the fairness accounts: charged at dispatch, corrected at the end
@@ -487,7 +491,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     transport: EngineTransport | PoolTransports = engine
     hosted_calls: HostedCalls | None = None
     if any(pool.config.hosted for pool in fleet.pools.values()):  # hosted providers' pools (transport/hosted.py)
-        hosted_calls = HostedCalls(fleet)
+        hosted_calls = HostedCalls(fleet, quotas=quotas)
         await hosted_calls.start()  # credentials, off the loop: refuses to start without them
         transport = PoolTransports(engine, HostedTransport(calls=hosted_calls, **common))
     intake = Intake(

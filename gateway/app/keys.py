@@ -22,6 +22,7 @@ from gateway.request import Director
 from gateway.telemetry.flow import FlowMetrics
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import Tracing
+from gateway.transport.provider_quota import ProviderQuotas
 from gateway.upstream.client import UpstreamClient
 from policies.flow.config import FlowSettings
 from policies.holder import PolicyHolder
@@ -49,6 +50,9 @@ PREDICTOR: web.AppKey[LatencyPredictor | None] = web.AppKey("predictor")  # None
 POLICIES = web.AppKey("policies", PolicyHolder)  # `.current` is the live Policy (hot-reloaded)
 POLICY_WATCHER = web.AppKey("policy_watcher", PolicyWatcher)
 ADMISSION = web.AppKey("admission", Admission)
+PROVIDER_QUOTAS = web.AppKey(
+    "provider_quotas", ProviderQuotas
+)  # hosted providers' limits (transport/provider_quota.py)
 # None: the console shows this process's activity alone (no shared state: gateway/console/shared.py)
 SHARED_ACTIVITY: web.AppKey[SharedActivity | None] = web.AppKey("shared_activity")
 REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replicas do not share routing state

@@ -5,6 +5,13 @@ A record sink like the metrics and the ledger: `observe` adds one finished reque
 minute's counters and to a bounded ring. Memory is 60 minute buckets and `tail_size` small dicts.
 SLO attainment counts requests of an SLO class: met when the observed TTFT (and TPOT) are within the
 class's targets, missed when not or when the request was turned away as `slo_unattainable`.
+
+Each minute also counts per model (the overview's per-model latency and error charts): requests,
+errors, the summed duration of those served, and for streamed ones the TTFT's count, sum and a
+fixed-bucket histogram (`ttft_le_ms`, cumulative-free counts per upper bound) from which a p90 is
+read within a bucket's width. Percentiles cannot be summed across replicas; bucket counts can, and
+every field of `models` is a number or a dict of numbers, so shared.py sums it like the rest. The map
+is bounded by the models of policies.yaml (`MAX_MODELS` at most); any other name counts as `(other)`.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.request.record import RequestRecord
@@ -20,6 +27,21 @@ from policies.policy import Policy
 
 MINUTES = 60
 TAIL_SIZE = 200
+MAX_MODELS = 64  # per-model counters per minute, beyond which models count as OTHER
+OTHER = "(other)"
+TTFT_BOUNDS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10000)  # and "inf" above the last
+
+
+def _model_counters() -> dict[str, Any]:
+    return {
+        "requests": 0,
+        "errors": 0,
+        "served": 0,
+        "duration_sum_ms": 0.0,
+        "ttft_n": 0,
+        "ttft_sum_ms": 0.0,
+        "ttft_le_ms": {str(b): 0 for b in (*TTFT_BOUNDS_MS, "inf")},
+    }
 
 
 @dataclass(slots=True)
@@ -35,6 +57,7 @@ class _Minute:
     cost_usd: float = 0.0
     slo_requests: int = 0
     slo_met: int = 0
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -49,6 +72,15 @@ class _Minute:
             "cost_usd": round(self.cost_usd, 9),
             "slo_requests": self.slo_requests,
             "slo_met": self.slo_met,
+            "models": {
+                name: {
+                    **m,
+                    "ttft_le_ms": dict(m["ttft_le_ms"]),
+                    "duration_sum_ms": round(m["duration_sum_ms"], 3),
+                    "ttft_sum_ms": round(m["ttft_sum_ms"], 3),
+                }
+                for name, m in self.models.items()
+            },
         }
 
 
@@ -94,6 +126,27 @@ class ConsoleActivity:
         if met is not None:
             minute.slo_requests += 1
             minute.slo_met += int(met)
+        self._count_model(minute, record)
+
+    def _count_model(self, minute: _Minute, record: RequestRecord) -> None:
+        name = record.model or record.requested_model
+        if name not in self._policy().config.models or (name not in minute.models and len(minute.models) >= MAX_MODELS):
+            name = OTHER  # a name a client made up never becomes a key of the map
+        counters = minute.models.get(name)
+        if counters is None:
+            counters = minute.models[name] = _model_counters()
+        counters["requests"] += 1
+        if record.status == "ok":
+            counters["served"] += 1
+            counters["duration_sum_ms"] += record.duration_s * 1000.0
+        elif record.status != "rejected":
+            counters["errors"] += 1
+        if record.ttft_s is not None and record.status == "ok":
+            ttft_ms = record.ttft_s * 1000.0
+            counters["ttft_n"] += 1
+            counters["ttft_sum_ms"] += ttft_ms
+            bound = next((str(b) for b in TTFT_BOUNDS_MS if ttft_ms <= b), "inf")
+            counters["ttft_le_ms"][bound] += 1
 
     def _slo_met(self, record: RequestRecord) -> bool | None:
         name = record.slo_class
@@ -134,7 +187,11 @@ def overview_of(minutes: list[dict[str, Any]], now_s: float) -> dict[str, Any]:
     by_start = {m["t"]: m for m in minutes}
     empty = _Minute(0).as_dict()
     dense = [by_start.get(t) or {**empty, "t": t} for t in range(horizon, current + 60, 60)]  # a full hour
-    total = {k: sum(m[k] for m in minutes) for k in minutes[0] if k != "t"} if minutes else {}
+    total = (
+        {k: sum(m[k] for m in minutes) for k, v in minutes[0].items() if k != "t" and not isinstance(v, dict)}
+        if minutes
+        else {}
+    )
     span_s = max(60.0, now_s - minutes[0]["t"]) if minutes else 60.0
     tokens = total.get("input_tokens", 0) + total.get("output_tokens", 0)
     requests = total.get("requests", 0)
@@ -150,7 +207,11 @@ def overview_of(minutes: list[dict[str, Any]], now_s: float) -> dict[str, Any]:
         "slo_attainment": total["slo_met"] / total["slo_requests"] if total.get("slo_requests") else None,
         **{k: total.get(k, 0) for k in ("requests", "served", "rejected", "errors", "fallbacks")},
     }
-    return {"summary": summary, "minutes": dense}
+    return {
+        "summary": summary,
+        "minutes": dense,
+        "models": sorted({name for m in minutes for name in m.get("models") or ()}),
+    }
 
 
 def _row(seq: int, record: RequestRecord) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.console.check import model_check
 from gateway.console.oidc import (
     CALLBACK_PATH,
     FLOW_COOKIE,
@@ -283,4 +284,8 @@ def console_routes() -> list[tuple[str, str, Handler]]:
 
 
 def console_admin_routes() -> list[tuple[str, str, Handler]]:
-    return [("GET", "/admin/activity", activity), ("GET", "/admin/usage", usage)]
+    return [
+        ("GET", "/admin/activity", activity),
+        ("GET", "/admin/usage", usage),
+        ("POST", "/admin/models/{model}/check", model_check),
+    ]

@@ -119,7 +119,7 @@ class SharedActivity:
                 else:
                     for field, value in minute.items():
                         if field != "t":
-                            into[field] = into.get(field, 0) + value
+                            into[field] = _summed(into.get(field), value)
             rows.extend({**row, "replica": name, "seq": int(row["ts"] * 1e6)} for row in part.get("tail") or ())
         rows.sort(key=lambda r: r["ts"], reverse=True)
         found = overview_of(list(summed.values()), now_s)
@@ -128,3 +128,14 @@ class SharedActivity:
         if unavailable:
             found["replicas_unavailable"] = True
         return found
+
+
+def _summed(into: Any, value: Any) -> Any:
+    """Two replicas' counters added: numbers summed, dicts of them (a minute's per-model counters)
+    summed key by key into a new dict; a field one side lacks is the other's."""
+    if isinstance(value, dict):
+        merged = dict(into) if isinstance(into, dict) else {}
+        for key, part in value.items():
+            merged[key] = _summed(merged.get(key), part)
+        return merged
+    return value if into is None else into + value

@@ -53,6 +53,9 @@ async def pools(request: web.Request) -> web.Response:
     actions, learnt start-up times (`?signals=POOL` adds the planner's recorded inputs)."""
     autoscaler = request.app[AUTOSCALER]
     body = autoscaler.status()
+    quotas = request.app.get(appkeys.PROVIDER_QUOTAS)
+    if quotas is not None:  # hosted pools whose provider said "no more until ..." (transport/provider_quota.py)
+        body["provider_quotas"] = quotas.status()
     pool = request.query.get("signals")
     if pool:
         body["signals"] = autoscaler.recorded(pool)

@@ -12,6 +12,7 @@ OpenAI-compatible base URL, so `client.get("/key", cast_to=object)` of the opena
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from gateway.request.intake import authenticate
 from gateway.request.program import PROGRAM_HEADER
 from policies.keys.directory import DirectoryError, KeyDirectory
 from policies.keys.records import KeyRecord, TenantRecord
-from policies.limits.standing import standing
+from policies.limits.standing import key_spend, standing
 from policies.policy import Policy
 from policies.routing.session import bounded_key
 from policies.schema import PRIORITY_VALUES
@@ -185,7 +186,45 @@ async def keys_list(request: web.Request) -> web.StreamResponse:
         if record.revoked_at_unix_s is not None and not include_revoked:
             continue
         rows.append(_key_view(record, now_s, directory.last_use_of(record.id)))
+    for row in rows:
+        row["team"] = _tenant_team(request, row.get("tenant"))
+    if _wants_spend(request):
+        await _add_spend(request, policy, rows)
     return json_reply({"object": "list", "data": rows})
+
+
+MAX_SPEND_ROWS = 5000  # a listing reads at most this many keys' spend counters (the rest: spend_usd null)
+SPEND_BATCH = 200  # peeks in flight at once (the Redis store pipelines them)
+
+
+def _wants_spend(request: web.Request) -> bool:
+    return request.query.get("spend") in ("1", "true", "yes")
+
+
+async def _add_spend(request: web.Request, policy: Policy, rows: list[dict[str, Any]]) -> None:
+    """`spend_usd: {day, month}` on each key row: one peek of the key's spend counters per key (not a
+    standing per model), at most `MAX_SPEND_ROWS` keys, `SPEND_BATCH` at a time; only when asked
+    (`?spend=1`), so a plain listing reads nothing from the store. A revoked, expired or unreadable
+    key's row has none."""
+    directory = _directory(request)
+    store = request.app[appkeys.ADMISSION].store
+    models = _known_models(request)
+    wanted: list[tuple[dict[str, Any], Principal]] = []
+    for row in rows:
+        row["spend_usd"] = None
+        if row.get("status") != "active" or len(wanted) >= MAX_SPEND_ROWS:
+            continue
+        key_id = str(row.get("id"))
+        principal = (
+            policy.file_principal(key_id) if row.get("source") == "file" else directory.principal(key_id, policy)
+        )
+        if principal is not None:
+            wanted.append((row, principal))
+    for start in range(0, len(wanted), SPEND_BATCH):
+        batch = wanted[start : start + SPEND_BATCH]
+        found = await asyncio.gather(*(key_spend(store, policy, p, models) for _, p in batch))  # type: ignore[arg-type]
+        for (row, _), spend in zip(batch, found, strict=True):
+            row["spend_usd"] = spend
 
 
 async def keys_show(request: web.Request) -> web.StreamResponse:
@@ -286,7 +325,35 @@ async def tenants_list(request: web.Request) -> web.StreamResponse:
     policy = _policy(request)
     rows = [_file_tenant_view(name, policy) for name in policy.config.tenants if _in_scope(request, name)]
     rows += [_tenant_view(r) for r in _directory(request).tenants.values() if _in_scope(request, r.name)]
+    if _wants_spend(request):
+        await _add_tenant_spend(request, policy, rows)
     return json_reply({"object": "list", "data": rows})
+
+
+async def _add_tenant_spend(request: web.Request, policy: Policy, rows: list[dict[str, Any]]) -> None:
+    """`spend_usd: {day, month}` per tenant: the sum of its active keys' counters (the same batched
+    peeks as the key list). There is no tenant-wide spend counter to read: a tenant budget counts
+    only where policies.yaml sets one, so this sum is what every tenant has; a key with no counter
+    (a file key without `admission.track_key_spend`) adds nothing."""
+    names = {str(row.get("name")) for row in rows}
+    keys: list[dict[str, Any]] = [
+        _file_key_view(k.id, k.tenant, k.models, k.priority, k.disabled)
+        for k in policy.config.keys
+        if k.tenant in names
+    ]
+    now_s = time.time()
+    keys += [_key_view(r, now_s) for r in _directory(request).keys.values() if r.tenant in names]
+    await _add_spend(request, policy, keys)
+    totals: dict[str, dict[str, float | None]] = {name: {"day": None, "month": None} for name in names}
+    for key in keys:
+        spend = key.get("spend_usd") or {}
+        total = totals[str(key["tenant"])]
+        for period in ("day", "month"):
+            value = spend.get(period)
+            if value is not None:
+                total[period] = round((total[period] or 0.0) + value, 6)
+    for row in rows:
+        row["spend_usd"] = totals[str(row.get("name"))]
 
 
 async def tenants_show(request: web.Request) -> web.StreamResponse:

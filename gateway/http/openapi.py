@@ -263,6 +263,7 @@ def _paths() -> dict[str, dict[str, Schema]]:
                 params=(
                     query("tenant", STR, "only this tenant's keys"),
                     query("include_revoked", STR, "1 to list revoked keys too"),
+                    query("spend", STR, "1 to add each key's spend_usd {day, month} (one store read per key)"),
                 ),
                 ok_schema=ref("List"),
             ),
@@ -298,7 +299,13 @@ def _paths() -> dict[str, dict[str, Schema]]:
                 ok="201",
                 errors=("409", "503"),
             ),
-            "get": op("Every tenant", "admin", admin, ok_schema=ref("List")),
+            "get": op(
+                "Every tenant",
+                "admin",
+                admin,
+                params=(query("spend", STR, "1 to add spend_usd {day, month}: the sum of its keys' counters"),),
+                ok_schema=ref("List"),
+            ),
         },
         "/admin/tenants/{name}": {
             "get": op("A tenant and its keys", "admin", admin, params=(TENANT,), errors=("404",)),
@@ -356,6 +363,15 @@ def _paths() -> dict[str, dict[str, Schema]]:
                     query("until", STR, "a time"),
                     query("by", STR, "comma-separated: tenant, key, model"),
                 ),
+            )
+        },
+        "/admin/models/{model}/check": {
+            "post": op(
+                "Test a model: one max_tokens=1 chat request through the gateway, its outcome and latency",
+                "admin",
+                admin,
+                params=(path_param("model", "a model (or alias) served here"),),
+                errors=("404",),
             )
         },
         "/admin/audit": {

@@ -61,6 +61,7 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("DELETE", "/admin/tenants/{name}"): Need.TEAM,
     ("GET", "/admin/activity"): Need.READ,
     ("GET", "/admin/usage"): Need.READ,
+    ("POST", "/admin/models/{model}/check"): Need.ADMIN,
     ("GET", "/admin/audit"): Need.READ,
     ("GET", "/admin/overrides"): Need.READ,
     ("POST", "/admin/overrides"): Need.ADMIN,

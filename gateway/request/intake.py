@@ -223,6 +223,16 @@ class Intake:
         body, requested, model = await self._resolve(ctx, policy, body, principal)
         return await self._estimate(ctx, {}, policy, body, principal, requested, model, batch_id=batch_id)
 
+    async def internal(self, ctx: RequestContext, parsed: object, principal: Principal) -> RequestFacts:
+        """The facts of a request the gateway makes for an operator (the console's model check,
+        gateway/console/check.py): its body already parsed, its caller a principal no key
+        authenticates as; admitted, priced and recorded like any request, never a fallback."""
+        body = ctx.api.parse(parsed)
+        policy = self.policies.current
+        ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
+        body, requested, model = await self._resolve(ctx, policy, body, principal)
+        return await self._estimate(ctx, {"x-tokenway-no-fallback": "1"}, policy, body, principal, requested, model)
+
     async def _resolve(
         self, ctx: RequestContext, policy: Policy, body: dict[str, Any], principal: Principal
     ) -> tuple[dict[str, Any], str, str]:

@@ -58,11 +58,13 @@ from backends.hosted.base import (
     UpstreamCall,
 )
 from backends.hosted.bedrock import BedrockCodec
+from backends.hosted.breakpoints import with_breakpoints
 from backends.hosted.gemini import GeminiCodec, VertexToken, api_key_headers, is_vertex
 from backends.types import Endpoint
 from gateway.errors import GatewayError
 from gateway.request.context import RequestContext, Routed
 from gateway.transport.engine import EngineTransport
+from gateway.transport.provider_quota import ProviderQuotas
 from gateway.upstream.client import CallWatch
 from gateway.upstream.connection import UpstreamConnectionError
 from gateway.upstream.relay import UpstreamTarget
@@ -182,6 +184,15 @@ class Provider:
         return {**dict(call.headers), **self.key_headers}
 
 
+def _exhausted(headers: Mapping[str, str]) -> bool:
+    """Whether a provider's answer says one of its limits has nothing left (`...-remaining...: 0`)."""
+    return any(value == "0" and "remaining" in name.lower() for name, value in headers.items())
+
+
+def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
 def _stamp(completion: dict[str, Any], request_id: str, created: int) -> dict[str, Any]:
     """Codecs are clock-free: the answer's `id` and `created` are the gateway's."""
     if not completion.get("id"):
@@ -272,8 +283,16 @@ class HostedCalls:
     """The client under the relay for hosted pools: `post` as the engine client's, the provider's
     answer read back into chat completions by the pool's codec."""
 
-    def __init__(self, fleet: Fleet, *, connect_timeout_s: float = 10.0, read_timeout_s: float | None = 600.0) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float | None = 600.0,
+        quotas: ProviderQuotas | None = None,
+    ) -> None:
         self.pools = {pool.name: pool.config for pool in fleet.pools.values() if pool.config.hosted}
+        self.quotas = quotas  # what each provider says of its own limits, learnt (provider_quota.py)
         self.providers = {name: Provider.of(config) for name, config in self.pools.items()}
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -300,6 +319,9 @@ class HostedCalls:
         counterpart) is carried to `post` as a 400 naming the field. Dropped fields are named on the answer."""
         provider = self.providers[endpoint.pool]
         marks = {_POOL: endpoint.pool, _REQUEST: ctx.facts.request_id}
+        config = self.pools[endpoint.pool]
+        if config.cache_breakpoints == "auto":  # the provider caches only where told (breakpoints.py)
+            chat = with_breakpoints(chat, config.cache_breakpoint_min_tokens, config.cache_breakpoint_ttl)
         try:
             call = provider.codec.request(chat, provider.target)
         except Untranslatable as exc:
@@ -334,6 +356,8 @@ class HostedCalls:
             raise UpstreamConnectionError(f"{type(exc).__name__}: {exc}") from exc
         if response.status != 200:
             return await self._refused(provider, response)
+        if self.quotas is not None and _exhausted(response.headers):  # parsed only when a limit ran out
+            self.quotas.observe(provider.pool, provider.codec.rate_limits(_lower(response.headers)))
         if stream:
             return HostedResponse(
                 200, upstream=response, decoder=provider.codec.stream(provider.target), request_id=request_id
@@ -361,9 +385,9 @@ class HostedCalls:
             raw = b""
         finally:
             response.release()
-        error: ProviderError = provider.codec.error(
-            response.status, {k.lower(): v for k, v in response.headers.items()}, raw
-        )
+        error: ProviderError = provider.codec.error(response.status, _lower(response.headers), raw)
+        if self.quotas is not None and (response.status in (429, 529) or error.kind == "rate_limit_error"):
+            self.quotas.throttled(provider.pool, error.retry_after_s)
         status = error.status
         if error.retryable and status < 500:
             status = 503  # throttled: the walk tries another endpoint, then the fallback chain

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from policies.limits import buckets
 from policies.limits.compile import SPEND_RULE_ID
-from policies.limits.types import Outcome, Plan
+from policies.limits.types import BudgetSpec, Outcome, Plan
 from policies.policy import Policy
 from policies.types import NO_SUBJECTS, Principal, RequestSubjects
 
@@ -104,6 +104,40 @@ async def standing(
         "budget_left_usd": {"day": _round(left["day"]), "month": _round(left["month"])},
         "limits": list(rows.values()),
     }
+
+
+async def key_spend(
+    store: Peekable, policy: Policy, principal: Principal, models: Iterable[str]
+) -> dict[str, float | None]:
+    """A key's spend this day and month, as its standing shows them, for one row of a long list.
+
+    A key's spend counters (its own day/month budgets, else the shadow `@spend` trackers the
+    compiler adds) are the same store keys whichever model it calls, so one plan of a model it may
+    use names them, and one peek of those budgets alone reads them: no bucket, lease or other rule's
+    budget is read. None for a period no counter tracks (a file key without `track_key_spend`).
+    """
+    plan = next((policy.admission_plan(principal, m) for m in models if principal.may_use(m)), None)
+    if plan is None:
+        return {"day": None, "month": None}
+    counters = spend_counters(plan, principal.key_id)
+    if not counters:
+        return {"day": None, "month": None}
+    only = Plan(plan.model, (), (), tuple(counters.values()), plan.price, plan.default_max_tokens, plan.settings)
+    outcome = await store.peek(only)
+    spent = dict(zip(counters, outcome.budget_spent, strict=True))
+    return {"day": _round(spent.get("day")), "month": _round(spent.get("month"))}
+
+
+def spend_counters(plan: Plan, key_id: str) -> dict[str, BudgetSpec]:
+    """The budget that counts a key's spend per period (day, month) in `plan`: the `@spend` tracker
+    when there is one, else the key's own budget of that period (what `standing` reports)."""
+    found: dict[str, BudgetSpec] = {}
+    for budget in plan.budgets:
+        if budget.scope != "key" or budget.subject != key_id or budget.period not in ("day", "month"):
+            continue
+        if budget.period not in found or budget.rule_id == SPEND_RULE_ID:
+            found[budget.period] = budget
+    return found
 
 
 def _round(value: float | None) -> float | None:

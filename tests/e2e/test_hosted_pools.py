@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -273,3 +274,58 @@ def test_a_saturated_owned_pool_spills_to_the_hosted_overflow_pool_and_requests_
             pytest.fail("no request spilled while the owned pool was full")
         assert busy.result() == "owned"
     assert served_by(4) == "owned"  # capacity is back: the next request stays home
+
+
+def test_a_provider_that_announced_its_limit_is_not_sent_to_until_its_reset(
+    keys: None, bedrock_standin: StandIn, gateway_factory: Callable[..., Gateway]
+) -> None:
+    """The provider's headers said no requests remain: the next request goes straight to the fallback
+    model without a round trip to the provider (it sees no refused call); a 429 it sends blocks it too."""
+    chain = {SONNET: {"fallbacks": [{"model": HAIKU, "triggers": ["rate_limited", "upstream_error"]}]}}
+    with standin("anthropic", "--rpm", "2") as limited:
+        gateway = gateway_factory(
+            pools=[anthropic_pool(limited.url), bedrock_pool(bedrock_standin.url)],
+            policies=policies_doc(models=models(SONNET, HAIKU, **chain)),
+        )
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
+        served = [client.chat.completions.create(model=SONNET, messages=HI, max_tokens=8).model for _ in range(4)]
+        assert served == [SONNET, SONNET, HAIKU, HAIKU], served
+        usage: Any = limited.usage()
+        assert sum(m["refused"] for m in usage["models"].values()) == 0, usage  # never sent into its announced limit
+        assert sum(m["requests"] for m in usage["models"].values()) == 2, usage
+        status = gateway_status(gateway)
+        assert status["claude"]["blocked_s"] > 0 and status["claude"]["blocks"] >= 1
+
+
+def gateway_status(gateway: Gateway) -> dict[str, Any]:
+    found: dict[str, Any] = httpx.get(gateway.url + "/admin/pools", timeout=10).json().get("provider_quotas", {})
+    return found
+
+
+@pytest.mark.parametrize("policy", ["off", "auto"])
+def test_cache_breakpoints_by_policy_turn_an_unmarked_agent_loop_into_cache_reads(
+    keys: None, anthropic_standin: StandIn, gateway_factory: Callable[..., Gateway], policy: str
+) -> None:
+    """An OpenAI-style client marks nothing: with `cache_breakpoints: auto` its second turn reads the
+    system prompt and the first turn back from Anthropic's cache (billed at the cache price); off, nothing."""
+    gateway = gateway_factory(
+        pools=[anthropic_pool(anthropic_standin.url, cache_breakpoints=policy)],
+        policies=policies_doc(models=models(SONNET, **{SONNET: {"price": PRICE}})),
+    )
+    client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
+    messages: list[Any] = [
+        {"role": "system", "content": "You answer briefly. " * 400},
+        {"role": "user", "content": "hi"},
+    ]
+    first = client.chat.completions.create(model=SONNET, messages=messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "more"},
+    ]
+    second = client.chat.completions.create(model=SONNET, messages=messages, max_tokens=8)
+    details = second.usage.prompt_tokens_details if second.usage is not None else None
+    cached = details.cached_tokens if details is not None and details.cached_tokens else 0
+    if policy == "auto":
+        assert cached > 1024  # the system prompt and the first turn, read back
+    else:
+        assert cached == 0

@@ -159,7 +159,7 @@ def test_every_admin_route_of_the_document_checks_the_role(gateway: Gateway) -> 
     or a tenant's, and no read of its own team's (the team routes: the test above)."""
     from gateway.http.openapi import operations
 
-    others = {"key_id": "ads-1", "name": "ads-bid", "pool": "p", "override_id": "none"}
+    others = {"key_id": "ads-1", "name": "ads-bid", "pool": "p", "override_id": "none", "model": "none"}
     own = {**others, "key_id": "search-1", "name": "search-web"}
     admin_ops = [(m, p, op) for m, p, op in operations() if op["x-tokenway-auth"] == "admin"]
     assert len(admin_ops) >= 20

@@ -62,7 +62,12 @@
     usd: (v) => (v === null || v === undefined ? "–" : "$" + Number(v).toFixed(Math.abs(v) >= 1 ? 2 : 6)),
     pct: (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + " %"),
     ms: (v) => (v === null || v === undefined ? "–" : Number(v).toFixed(1) + " ms"),
-    time: (iso) => (iso ? iso.replace("T", " ").replace("Z", " UTC") : "–"),
+    // every time the console shows: YYYY-MM-DD HH:MM:SS in UTC (an ISO string or unix seconds)
+    time: (v) => {
+      if (v === null || v === undefined || v === "") return "–";
+      const d = typeof v === "number" ? new Date(v * 1000) : new Date(v);
+      return Number.isNaN(d.getTime()) ? String(v) : d.toISOString().slice(0, 19).replace("T", " ");
+    },
     limits: (obj) => Object.entries(obj || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "–",
   };
 
@@ -80,6 +85,52 @@
     });
     return el("table", { id: opts.id }, el("thead", {}, head), el("tbody", {}, body));
   }
+
+  // ---- lists: a text search and a status filter over rows, and the shown rows as a CSV file
+  function listTools(prefix, statuses, placeholder, onChange) {
+    const search = el("input", { id: `${prefix}-search`, type: "search", placeholder, size: 26, oninput: onChange });
+    const status = statuses ? el("select", { id: `${prefix}-status`, onchange: onChange },
+      ["", ...statuses].map((s) => el("option", { value: s }, s || "any"))) : null;
+    const csv = el("button", { type: "button", class: "small secondary", id: `${prefix}-csv` }, "Export CSV");
+    const node = el("div", { class: "toolbar" }, el("label", {}, "Search", search), status ? el("label", {}, "Status", status) : null, csv);
+    return { node, search, status, csv };
+  }
+
+  // rows whose named fields contain every word of the search text (case-insensitive), of the chosen status
+  function filtered(rows, fields, tools) {
+    const words = tools.search.value.toLowerCase().split(/\s+/).filter(Boolean);
+    const want = tools.status ? tools.status.value : "";
+    return rows.filter((row) => {
+      if (want && row.status !== want) return false;
+      const text = fields.map((f) => f(row) ?? "").join(" ").toLowerCase();
+      return words.every((w) => text.includes(w));
+    });
+  }
+
+  // a cell as text; a leading = + - @ is quoted with ' so that a spreadsheet never runs it as a formula
+  function csvCell(v) {
+    let text = v === null || v === undefined ? "" : v instanceof Node ? v.textContent : String(v);
+    if (/^[=+@\t\r]/.test(text) || /^-[^0-9.]/.test(text)) text = "'" + text;
+    return /[",\n\r]/.test(text) ? `"${text.replaceAll('"', '""')}"` : text;
+  }
+
+  function csvOf(columns, rows) {
+    const shown = columns.filter((c) => c.label && !c.noCsv);
+    const line = (cells) => cells.map(csvCell).join(",");
+    return [line(shown.map((c) => c.label)),
+      ...rows.map((row) => line(shown.map((c) => (c.csv ? c.csv(row) : c.render ? c.render(row) : row[c.key]))))].join("\r\n") + "\r\n";
+  }
+
+  function download(name, text) {
+    const url = URL.createObjectURL(new Blob([text], { type: "text/csv;charset=utf-8" }));
+    const a = el("a", { href: url, download: name });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  }
+
+  const stamp = () => new Date().toISOString().slice(0, 19).replaceAll(":", "").replace("T", "-");
 
   function stat(label, value, id) {
     return el("div", { class: "stat", id }, el("div", { class: "label" }, label), el("div", { class: "value" }, value));
@@ -114,7 +165,9 @@
         label: s.label, stroke: s.color || palette[i % palette.length], width: s.width || 1.5,
         value: (u, v) => (v === null ? "–" : opts.value ? opts.value(v) : v),
       }))],
-      axes: [{}, { size: opts.axisSize || 70, values: (u, ticks) => ticks.map((t) => (opts.axis ? opts.axis(t) : t)) }],
+      // time axes and legends in UTC, like every time the console shows
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
+      axes: [{ label: "UTC", labelSize: 18 }, { size: opts.axisSize || 70, values: (u, ticks) => ticks.map((t) => (opts.axis ? opts.axis(t) : t)) }],
       scales: { x: opts.xRange ? { time: true, range: () => opts.xRange } : { time: true } },
     }, [xs, ...series.map((s) => s.data)], container);
     charts.push(plot);
@@ -166,7 +219,8 @@
     const cards = el("div", { class: "cards", id: "overview-cards" });
     const grid = el("div", { class: "charts" });
     const c1 = el("div", { class: "card" }), c2 = el("div", { class: "card" }), c3 = el("div", { class: "card" });
-    grid.append(c1, c2, c3);
+    const c4 = el("div", { class: "card", id: "chart-model-latency" }), c5 = el("div", { class: "card", id: "chart-model-errors" });
+    grid.append(c1, c2, c3, c4, c5);
     page.append(cards, grid);
     every(5000, async () => {
       const doc = await api("GET", "/admin/activity");
@@ -184,7 +238,7 @@
       $("overview-window").textContent = `The last ${Math.round(s.window_s / 60)} min of this replica: ${fmt.num(s.requests)} requests.`;
       for (const c of charts) c.destroy();
       charts = [];
-      for (const c of [c1, c2, c3]) c.replaceChildren();
+      for (const c of [c1, c2, c3, c4, c5]) c.replaceChildren();
       const m = doc.minutes;
       const xs = m.map((r) => r.t);
       chart(c1, "Requests per minute", xs, [
@@ -198,7 +252,27 @@
       ]);
       chart(c3, "Spend per minute (USD)", xs, [{ label: "USD", data: m.map((r) => r.cost_usd) }],
         { value: (v) => "$" + v.toFixed(6), axis: (t) => "$" + Number(t.toPrecision(2)), axisSize: 90 });
+      const models = doc.models || [];
+      const of = (r, name) => (r.models || {})[name];
+      const latency = [];
+      for (const name of models) {
+        latency.push({ label: `${name} mean`, data: m.map((r) => { const c = of(r, name); return c && c.served ? c.duration_sum_ms / c.served : null; }) });
+        if (m.some((r) => (of(r, name) || {}).ttft_n)) latency.push({ label: `${name} TTFT p90`, data: m.map((r) => ttftP90(of(r, name))) });
+      }
+      chart(c4, "Latency per model (ms)", xs, latency, { value: (v) => v.toFixed(1) + " ms", axis: (t) => t + " ms" });
+      chart(c5, "Errors per minute per model", xs, models.map((name) => ({ label: name, data: m.map((r) => (of(r, name) || {}).errors || 0) })));
+      c4.dataset.models = c5.dataset.models = models.join(",");
     });
+  }
+
+  // the 90th percentile TTFT of a minute's fixed buckets: the upper bound of the bucket that holds it
+  // (within that bucket's width); above the last bound, the minute's mean
+  function ttftP90(c) {
+    if (!c || !c.ttft_n) return null;
+    const bounds = Object.keys(c.ttft_le_ms).filter((b) => b !== "inf").map(Number).sort((a, b) => a - b);
+    let seen = 0;
+    for (const b of bounds) { seen += c.ttft_le_ms[String(b)]; if (seen >= 0.9 * c.ttft_n) return b; }
+    return Math.max(bounds[bounds.length - 1], c.ttft_sum_ms / c.ttft_n);
   }
 
   // ------------------------------------------------------------------ keys
@@ -227,25 +301,37 @@
         showSecret(result, made.key.id, made.secret, "created");
         await refresh();
       }, "create-key"), result);
-    const listCard = el("div", { class: "card" }, el("h2", {}, "Keys"));
+    const tools = listTools("keys", ["active", "revoked", "expired", "disabled"], "id, tenant, team, owner", () => show());
+    const listCard = el("div", { class: "card" }, el("h2", {}, "Keys"), tools.node);
     const detail = el("div", { id: "key-detail" });
     page.append(createCard, listCard, detail);
+    let allKeys = [];
+    const searched = [(k) => k.id, (k) => k.tenant, (k) => k.team, (k) => (k.metadata || {}).owner];
+    const columns = [
+      { label: "Id", render: (k) => k.source === "api" ? el("a", { href: "#", class: "key-link", onclick: guard(async (e) => { e.preventDefault(); await showKey(k.id); }) }, k.id) : k.id },
+      { label: "Tenant", key: "tenant" },
+      { label: "Team", key: "team" },
+      { label: "Source", key: "source" },
+      { label: "Status", render: (k) => pill(k.status), csv: (k) => k.status },
+      { label: "Spend today", num: true, render: (k) => fmt.usd((k.spend_usd || {}).day), csv: (k) => (k.spend_usd || {}).day },
+      { label: "Spend this month", num: true, render: (k) => fmt.usd((k.spend_usd || {}).month), csv: (k) => (k.spend_usd || {}).month },
+      { label: "Models", render: (k) => (k.models || ["*"]).join(", ") },
+      { label: "Own limits", render: (k) => fmt.limits(k.limits) },
+      { label: "Last used (UTC)", render: (k) => fmt.time(k.last_used_at) },
+      { label: "Owner", render: (k) => (k.metadata || {}).owner },
+      { label: "", render: (k) => k.source === "api" && k.status !== "revoked" && mayManageKeys() ? keyActions(k) : "" },
+    ];
+    tools.csv.addEventListener("click", () => download(`tokenway-keys-${stamp()}.csv`, csvOf(columns, filtered(allKeys, searched, tools))));
+
+    function show() {
+      const old = $("keys-table");
+      const node = table(columns, filtered(allKeys, searched, tools), { id: "keys-table", idOf: (k) => k.id });
+      if (old) old.replaceWith(node); else listCard.append(node);
+    }
 
     async function refresh() {
-      const doc = await api("GET", "/admin/keys?include_revoked=1");
-      const old = $("keys-table");
-      const node = table([
-        { label: "Id", render: (k) => k.source === "api" ? el("a", { href: "#", class: "key-link", onclick: guard(async (e) => { e.preventDefault(); await showKey(k.id); }) }, k.id) : k.id },
-        { label: "Tenant", key: "tenant" },
-        { label: "Source", key: "source" },
-        { label: "Status", render: (k) => pill(k.status) },
-        { label: "Models", render: (k) => (k.models || ["*"]).join(", ") },
-        { label: "Own limits", render: (k) => fmt.limits(k.limits) },
-        { label: "Last used", render: (k) => fmt.time(k.last_used_at) },
-        { label: "Owner", render: (k) => (k.metadata || {}).owner },
-        { label: "", render: (k) => k.source === "api" && k.status !== "revoked" && mayManageKeys() ? keyActions(k) : "" },
-      ], doc.data, { id: "keys-table", idOf: (k) => k.id });
-      if (old) old.replaceWith(node); else listCard.append(node);
+      allKeys = (await api("GET", "/admin/keys?include_revoked=1&spend=1")).data;
+      show();
     }
 
     function keyActions(k) {
@@ -271,8 +357,8 @@
         el("div", { class: "kv" },
           el("span", {}, "tenant ", el("b", {}, k.tenant)),
           el("span", {}, "status ", pill(k.status)),
-          el("span", {}, "created ", el("b", {}, fmt.time(k.created_at))),
-          el("span", {}, "expires ", el("b", {}, fmt.time(k.expires_at))),
+          el("span", {}, "created ", el("b", {}, fmt.time(k.created_at) + " UTC")),
+          el("span", {}, "expires ", el("b", {}, k.expires_at ? fmt.time(k.expires_at) + " UTC" : "–")),
           el("span", {}, "hint ", el("code", {}, k.hint || "")),
           el("span", {}, "spend today ", el("b", { id: "key-spend-day" }, fmt.usd(standing.spend_usd.day))),
           el("span", {}, "this month ", el("b", { id: "key-spend-month" }, fmt.usd(standing.spend_usd.month))),
@@ -346,26 +432,39 @@
       await refresh();
     }, "create-tenant")), listCard);
 
-    async function refresh() {
-      const doc = await api("GET", "/admin/tenants");
+    const tools = listTools("tenants", null, "name, team, owner", () => show());
+    listCard.append(tools.node);
+    let allTenants = [];
+    const searched = [(t) => t.name, (t) => t.team, (t) => (t.metadata || {}).owner];
+    const columns = [
+      { label: "Name", key: "name" },
+      { label: "Team", key: "team" },
+      { label: "Spend today", num: true, render: (t) => fmt.usd((t.spend_usd || {}).day), csv: (t) => (t.spend_usd || {}).day },
+      { label: "Spend this month", num: true, render: (t) => fmt.usd((t.spend_usd || {}).month), csv: (t) => (t.spend_usd || {}).month },
+      { label: "Source", key: "source" },
+      { label: "Priority", key: "priority" },
+      { label: "Models", render: (t) => (t.models || ["*"]).join(", ") },
+      { label: "Fallback", render: (t) => (t.allow_fallback ? "allowed" : "no") },
+      { label: "SLO class", key: "slo_class" },
+      { label: "Own limits", render: (t) => fmt.limits(t.limits) },
+      { label: "", render: (t) => t.source === "api" && mayManageKeys() ? el("span", {},
+        el("button", { class: "small secondary", "data-action": "edit", onclick: () => editTenant(t) }, "Edit limits"), " ",
+        el("button", { class: "small danger", "data-action": "delete", onclick: async () => {
+          try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); detail.replaceChildren(); await refresh(); }
+          catch (e) { if (!quiet(e)) detail.replaceChildren(errorBox(e)); }
+        } }, "Delete")) : "" },
+    ];
+    tools.csv.addEventListener("click", () => download(`tokenway-tenants-${stamp()}.csv`, csvOf(columns, filtered(allTenants, searched, tools))));
+
+    function show() {
       const old = $("tenants-table");
-      const node = table([
-        { label: "Name", key: "name" },
-        { label: "Team", key: "team" },
-        { label: "Source", key: "source" },
-        { label: "Priority", key: "priority" },
-        { label: "Models", render: (t) => (t.models || ["*"]).join(", ") },
-        { label: "Fallback", render: (t) => (t.allow_fallback ? "allowed" : "no") },
-        { label: "SLO class", key: "slo_class" },
-        { label: "Own limits", render: (t) => fmt.limits(t.limits) },
-        { label: "", render: (t) => t.source === "api" && mayManageKeys() ? el("span", {},
-          el("button", { class: "small secondary", "data-action": "edit", onclick: () => editTenant(t) }, "Edit limits"), " ",
-          el("button", { class: "small danger", "data-action": "delete", onclick: async () => {
-            try { await api("DELETE", `/admin/tenants/${encodeURIComponent(t.name)}`); detail.replaceChildren(); await refresh(); }
-            catch (e) { if (!quiet(e)) detail.replaceChildren(errorBox(e)); }
-          } }, "Delete")) : "" },
-      ], doc.data, { id: "tenants-table", idOf: (t) => t.name });
+      const node = table(columns, filtered(allTenants, searched, tools), { id: "tenants-table", idOf: (t) => t.name });
       if (old) old.replaceWith(node); else listCard.append(node);
+    }
+
+    async function refresh() {
+      allTenants = (await api("GET", "/admin/tenants?spend=1")).data;
+      show();
     }
 
     function editTenant(t) {
@@ -389,9 +488,12 @@
     const range = el("select", { id: "usage-range" }, ["1h", "6h", "24h", "7d", "30d"].map((r) => el("option", { value: r, selected: r === "24h" }, r)));
     const by = el("select", { id: "usage-by" }, ["tenant", "key", "model", "tenant,model", "key,model"].map((b) => el("option", { value: b }, b)));
     const go = el("button", { id: "usage-go" }, "Show");
+    const csv = el("button", { type: "button", class: "secondary", id: "usage-csv", disabled: true }, "Export CSV");
     const chartCard = el("div", { class: "card" });
     const tableCard = el("div", { class: "card" });
-    page.append(el("div", { class: "toolbar" }, el("label", {}, "Range", range), el("label", {}, "Group by", by), go), chartCard, tableCard);
+    page.append(el("div", { class: "toolbar" }, el("label", {}, "Range", range), el("label", {}, "Group by", by), go, csv), chartCard, tableCard);
+    let exported = null;  // the table shown, as [columns, rows, range]
+    csv.addEventListener("click", () => { if (exported) download(`tokenway-usage-${exported[2]}-${stamp()}.csv`, csvOf(exported[0], exported[1])); });
     async function load() {
       const doc = await api("GET", `/admin/usage?since=${encodeURIComponent(range.value)}&by=${encodeURIComponent(by.value)}`);
       for (const c of charts) c.destroy();
@@ -408,7 +510,7 @@
         chartCard.append(el("p", { class: "muted" }, "No usage in this range."));
       }
       const fields = doc.by.map((f) => ({ label: f, render: (r) => r[f] || "(none)" }));
-      tableCard.replaceChildren(table([
+      const columns = [
         ...fields,
         { label: "Requests", num: true, render: (r) => fmt.num(r.requests) },
         { label: "Served", num: true, render: (r) => fmt.num(r.served) },
@@ -420,7 +522,17 @@
         { label: "CPM", num: true, render: (r) => (r.cpm_usd === null ? "–" : "$" + r.cpm_usd.toFixed(4)) },
         { label: "TTFT p50", num: true, render: (r) => fmt.ms(r.ttft_p50_ms) },
         { label: "TTFT p90", num: true, render: (r) => fmt.ms(r.ttft_p90_ms) },
-      ], [...doc.rows, { ...doc.total, ...Object.fromEntries(doc.by.map((f, i) => [f, i === 0 ? "TOTAL" : ""])) }], { id: "usage-table" }));
+      ];
+      // the CSV carries the numbers unformatted (full precision, no $ or thousands separators)
+      for (const c of columns.slice(fields.length)) {
+        const key = { Requests: "requests", Served: "served", Rejected: "rejected", Errors: "errors", "Input tok": "input_tokens",
+          "Output tok": "output_tokens", Cost: "cost_usd", CPM: "cpm_usd", "TTFT p50": "ttft_p50_ms", "TTFT p90": "ttft_p90_ms" }[c.label];
+        c.csv = (r) => r[key];
+      }
+      const rows = [...doc.rows, { ...doc.total, ...Object.fromEntries(doc.by.map((f, i) => [f, i === 0 ? "TOTAL" : ""])) }];
+      exported = [columns, rows, range.value];
+      csv.disabled = false;
+      tableCard.replaceChildren(table(columns, rows, { id: "usage-table" }));
     }
     go.addEventListener("click", () => load().catch((e) => { if (!quiet(e)) chartCard.replaceChildren(errorBox(e)); }));
     await load();
@@ -487,7 +599,7 @@
       const columns = [
         { label: "Rule", key: "rule" }, { label: "Subject", render: (o) => o.subject || "every" },
         { label: "Dimension", key: "dimension" }, { label: "Value", key: "value", num: true },
-        { label: "Until (UTC)", key: "until" }, { label: "Reason", key: "reason" },
+        { label: "Until (UTC)", render: (o) => fmt.time(o.until) }, { label: "Reason", key: "reason" },
       ];
       if (admin) columns.push({ label: "", render: (o) => el("button", { class: "small danger", "data-action": "end-override",
         onclick: guard(async () => { await api("DELETE", `/admin/overrides/${encodeURIComponent(o.id)}`); await refresh(); }) },
@@ -516,7 +628,7 @@
     const decisions = Array.isArray(auto.decisions) ? auto.decisions : [];
     const events = Array.isArray(auto.events) ? auto.events : [];
     if (!decisions.length && !events.length) return null;
-    const when = (t) => new Date(t * 1000).toISOString().slice(11, 19);
+    const when = fmt.time;
     return el("div", { class: "decisions" },
       decisions.length ? el("h2", {}, "Recent decisions") : null,
       decisions.length ? el("ul", { class: "pool-decisions" }, decisions.slice(-10).reverse().map((d) => el("li", {},
@@ -530,9 +642,30 @@
     return Object.entries(obj).filter(([k, v]) => !known.has(k) && (v === null || typeof v !== "object"));
   }
 
+  // "Test this model": one max_tokens=1 request through the gateway (gateway/console/check.py); the
+  // answers outlive the page's 5-second redraws
+  function modelCheck(model, results) {
+    const out = el("span", { class: "check-result", "data-model": model });
+    const show = (node, r) => node.replaceChildren(r.running ? el("span", { class: "muted" }, "checking…")
+      : el("span", {}, pill(r.ok ? "ok" : "error"), ` ${r.status} in ${fmt.num(r.latency_ms, 0)} ms`,
+        r.endpoint ? ` via ${r.endpoint}` : "", r.error ? el("span", { class: "error" }, ` ${r.error.code}: ${r.error.message || ""}`) : "",
+        el("span", { class: "muted" }, ` · ${fmt.time(r.at)} UTC`)));
+    const showAll = () => { for (const node of document.querySelectorAll(".check-result")) if (node.dataset.model === model) show(node, results[model]); };
+    if (results[model]) show(out, results[model]);
+    const button = el("button", { class: "small secondary", "data-action": "check", "data-model": model, onclick: guard(async () => {
+      results[model] = { running: true };
+      showAll();
+      try { results[model] = { ...(await api("POST", `/admin/models/${encodeURIComponent(model)}/check`)), at: Date.now() / 1000 }; }
+      catch (e) { if (quiet(e)) throw e; results[model] = { ok: false, status: "–", error: { code: "failed", message: e.message }, at: Date.now() / 1000 }; }
+      showAll();
+    }) }, "Test this model");
+    return el("span", { class: "model-check" }, button, " ", out);
+  }
+
   async function poolsPage() {
     page.append(el("h1", {}, "Pools and endpoints"));
     const holder = el("div", { id: "pools" });
+    const checks = {};
     page.append(holder);
     every(5000, async () => {
       const doc = await api("GET", "/admin/backends");
@@ -546,6 +679,7 @@
         const merged = { ...auto, ...pool };
         return el("div", { class: "card", "data-pool": pool.name },
           el("h2", {}, `${pool.name} `, el("span", { class: "muted" }, `${pool.model} · ${pool.engine}`)),
+          identity.role === "admin" ? modelCheck(pool.model, checks) : null,
           el("div", { class: "kv" },
             el("span", {}, "ready ", el("b", {}, `${pool.ready}/${pool.total}`)),
             pool.disaggregated ? el("span", {}, el("b", {}, "prefill/decode")) : null,
@@ -611,7 +745,7 @@
     every(2000, async () => {
       const doc = await api("GET", "/admin/activity");
       card.replaceChildren(table([
-        { label: "Time", render: (r) => new Date(r.ts * 1000).toISOString().slice(11, 23) },
+        { label: "Time (UTC)", render: (r) => fmt.time(r.ts) },
         { label: "Request", key: "request_id" },
         { label: "Tenant", key: "tenant" },
         { label: "Key", key: "key_id" },
@@ -661,7 +795,7 @@
       const doc = await api("GET", `/admin/audit?${query}`);
       if (!doc.enabled) { card.replaceChildren(el("p", { class: "muted" }, "The audit log is disabled (ledger.audit.enabled: false).")); return; }
       card.replaceChildren(...[doc.data.length ? table([
-        { label: "Time", render: (r) => fmt.time(r.time) },
+        { label: "Time (UTC)", render: (r) => fmt.time(r.time) },
         { label: "Actor", render: (r) => el("code", { class: "nowrap" }, r.actor) },
         { label: "Action", key: "action" },
         { label: "Target", key: "target" },
