@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import redis
 from aiohttp import web
 
 from gateway.app import keys as appkeys
@@ -194,11 +195,16 @@ async def activity(request: web.Request) -> web.Response:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """Spend and usage from the ledger: `?since=24h&until=&by=tenant,model`."""
+    """Spend and usage from the ledger (the Redis stream's copy, every replica's, when configured):
+    `?since=24h&until=&by=tenant,model`."""
     config = request.app[appkeys.SETTINGS].ledger
     by = [f for f in request.query.get("by", "tenant").split(",") if f.strip()]
-    try:
-        found = await usage_async(Path(config.dir), request.query.get("since", "24h"), request.query.get("until"), by)
+    since, until = request.query.get("since", "24h"), request.query.get("until")
+    try:  # every replica's records when the ledger is copied to a Redis stream (usage.py), else the files
+        found = await usage_async(Path(config.dir), since, until, by, stream=config.redis_stream)
+    except redis.RedisError as exc:  # the stream is unreachable: this replica's files, saying so
+        found = await usage_async(Path(config.dir), since, until, by)
+        found["stream_error"] = str(exc)[:200]
     except (ReportError, ValueError) as exc:
         return json_reply({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
     return json_reply({**found, "ledger_enabled": config.enabled})

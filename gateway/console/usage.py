@@ -2,36 +2,63 @@
 
 The same streaming report as `tokenway usage report` (bounded memory whatever the range), run in a
 worker thread so a long range never stalls the event loop, plus the spend-over-time lines of the
-plot. Only this replica's ledger files are read (a shared ledger is the Redis stream's job).
+plot. The records come from the ledger's files in this replica's directory (every replica or worker
+writing there), or, when the ledger is copied to a Redis stream (`ledger.redis_stream`), from the
+stream: every replica's records, wherever its files are. Stream entry ids are the time they were
+added in milliseconds, so the range is read with XRANGE in chunks; the stream is capped (`maxlen`),
+so the answer says from when it covers (`covers_since`) when the range starts before its oldest
+entry; delivery is at least once, so a record seen again (same request id, among the last
+`DEDUPE_WINDOW`) is counted once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from gateway.app.schema import RedisStreamConfig
 from gateway.ledger.cli import parse_time_s
 from gateway.ledger.plot import SpendSeries
 from gateway.ledger.reader import iter_entries
 from gateway.ledger.report import ReportBuilder
 
 MAX_GROUPS = 200  # rows returned to the page; the total still counts every record
+STREAM_CHUNK = 5_000  # entries per XRANGE
+DEDUPE_WINDOW = 100_000  # request ids remembered to count a re-delivered record once
 
 
-def usage(directory: Path, since: str, until: str | None, by: list[str], top: int = 8) -> dict[str, Any]:
+def usage(
+    directory: Path,
+    since: str,
+    until: str | None,
+    by: list[str],
+    top: int = 8,
+    stream: RedisStreamConfig | None = None,
+) -> dict[str, Any]:
     now_s = time.time()
     since_s = parse_time_s(since, now_s)
     until_s = parse_time_s(until, now_s) if until else None
     builder = ReportBuilder(by)
     series = SpendSeries(by)
-    if directory.is_dir():
-        for entry in iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, warn=lambda _: None):
-            builder.add(entry)
-            series.add(entry)
+    found: dict[str, Any] = {"source": "files"}
+    if stream is not None:
+        entries: Iterable[dict[str, Any]] = _stream_entries(stream, since_s, until_s, found)
+    elif directory.is_dir():
+        entries = iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, warn=lambda _: None)
+    else:
+        entries = ()
+    for entry in entries:
+        builder.add(entry)
+        series.add(entry)
     report = builder.report()
     return {
+        **found,
         "by": report.by,
         "since": since_s,
         "until": until_s if until_s is not None else now_s,
@@ -42,5 +69,54 @@ def usage(directory: Path, since: str, until: str | None, by: list[str], top: in
     }
 
 
-async def usage_async(directory: Path, since: str, until: str | None, by: list[str]) -> dict[str, Any]:
-    return await asyncio.to_thread(usage, directory, since, until, by)
+def _stream_entries(
+    config: RedisStreamConfig, since_s: float, until_s: float | None, found: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """The ledger records of every replica in [since, until], read from the Redis stream in chunks."""
+    import redis
+
+    client = redis.Redis.from_url(config.url, socket_timeout=10.0, socket_connect_timeout=5.0)
+    found["source"] = "redis-stream"
+    seen: OrderedDict[str, None] = OrderedDict()
+    try:
+        info: Any = client.xinfo_stream(config.stream) if client.exists(config.stream) else {}
+        trimmed = int(info.get("entries-added", 0) or 0) > int(info.get("length", 0) or 0)  # Redis 7: ever added
+        first = info.get("first-entry")
+        if trimmed and first:
+            first_s = _id_ms(first[0]) / 1000.0
+            if first_s > since_s:
+                found["covers_since"] = first_s  # the stream was trimmed (maxlen) after the range began
+        start = f"{int(since_s * 1000)}-0"
+        end = f"{int(until_s * 1000)}-99999999" if until_s is not None else "+"
+        while True:
+            chunk: Any = client.xrange(config.stream, min=start, max=end, count=STREAM_CHUNK) or []
+            for _, fields in chunk:
+                raw = (fields or {}).get(b"record")
+                if raw is None:
+                    continue
+                entry = orjson.loads(raw)
+                request_id = str(entry.get("request_id", ""))
+                if request_id in seen:
+                    continue
+                seen[request_id] = None
+                if len(seen) > DEDUPE_WINDOW:
+                    seen.popitem(last=False)
+                yield entry
+            if len(chunk) < STREAM_CHUNK:
+                return
+            last = chunk[-1][0]
+            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+    finally:
+        client.close()
+
+
+def _id_ms(entry_id: bytes | str) -> int:
+    """A stream entry id's milliseconds (`<ms>-<seq>`)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+async def usage_async(
+    directory: Path, since: str, until: str | None, by: list[str], stream: RedisStreamConfig | None = None
+) -> dict[str, Any]:
+    return await asyncio.to_thread(usage, directory, since, until, by, stream=stream)

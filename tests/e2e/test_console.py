@@ -67,8 +67,8 @@ def test_log_in_make_a_key_use_it_see_its_spend_revoke_it(
         wait(driver, by_css("#token")).send_keys(TOKEN)
         wait(driver, by_css("#login-submit")).click()
         wait(driver, by_css("#nav"))
-        cookie = driver.get_cookie("tokenway_console")
-        assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+        cookie = wait(driver, lambda d: d.get_cookie("tokenway_console"))  # set by the login answer, read when it lands
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert TOKEN not in driver.current_url and TOKEN not in cookie["value"]
         assert driver.execute_script("return document.cookie") == ""  # invisible to page scripts
 
