@@ -19,10 +19,8 @@ shutdown), rejected (refused rows), errors (failed round trips), pending_batches
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,6 +29,7 @@ from psycopg import sql as pgsql
 
 from gateway.app.schema import LedgerPostgresConfig
 from gateway.ledger import codec
+from gateway.ledger.sender import QueuedSender
 from gateway.ledger.sqlrows import COLUMNS, INDEXED, POSTGRES_TYPES, entry_to_row
 from gateway.ledger.sqlstore import SqlError
 
@@ -68,16 +67,13 @@ def ensure_table(conn: psycopg.Connection[Any], table: str) -> None:
             )
 
 
-class PostgresSink:
+class PostgresSink(QueuedSender):
     """A ledger BatchSink (writer.py) inserting every committed group into PostgreSQL."""
 
     def __init__(self, config: LedgerPostgresConfig) -> None:
+        super().__init__(config.max_pending_batches, "ledger-postgres")
         self.config = config
         self.source = uuid.uuid4().hex[:16]
-        self._next_seq = 0
-        self._queue: deque[tuple[int, Sequence[bytes]]] = deque()
-        self._cond = threading.Condition()
-        self._stopping = False
         self._conn: psycopg.Connection[Any] | None = None
         names = [*(name for name, _ in COLUMNS), "source", "seq"]
         self._insert = pgsql.SQL("INSERT INTO {} ({}) VALUES ({}) ON CONFLICT DO NOTHING").format(
@@ -86,23 +82,8 @@ class PostgresSink:
             pgsql.SQL(", ").join(pgsql.Placeholder() for _ in names),
         )
         self.inserted_total = 0
-        self.dropped_total = 0
         self.rejected_total = 0
-        self.errors_total = 0
-        self.round_trips_total = 0
-        self.round_trip_seconds_total = 0.0
-        self._thread = threading.Thread(target=self._run, name="ledger-postgres", daemon=True)
-        self._thread.start()
-
-    def submit(self, lines: Sequence[bytes]) -> None:
-        """Queue one committed group. Never blocks; drops the oldest group when full."""
-        with self._cond:
-            if len(self._queue) >= self.config.max_pending_batches:
-                _, dropped = self._queue.popleft()
-                self.dropped_total += len(dropped)
-            self._queue.append((self._next_seq, lines))
-            self._next_seq += len(lines)
-            self._cond.notify()
+        self._start()
 
     def stats(self) -> dict[str, float]:
         return {
@@ -112,15 +93,10 @@ class PostgresSink:
             "postgres_errors_total": self.errors_total,
             "postgres_round_trips_total": self.round_trips_total,
             "postgres_round_trip_seconds_total": self.round_trip_seconds_total,
-            "postgres_pending_batches": len(self._queue),
+            "postgres_pending_batches": self.pending_batches(),
         }
 
-    def close_sync(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (best effort within `timeout_s`), then stop; what is left is dropped."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
+    def _closed(self) -> None:
         with self._cond:
             left = sum(len(lines) for _, lines in self._queue)
             if left and self._thread.is_alive():
@@ -128,37 +104,11 @@ class PostgresSink:
                 self.dropped_total += left
                 log.error("usage ledger: %d records not copied to PostgreSQL at shutdown", left)
 
-    # -- the sender thread ------------------------------------------------------------------
+    def _dropped_at_stop(self, records: int) -> None:
+        log.error("usage ledger: %d records not copied to PostgreSQL at shutdown", records)
 
-    def _run(self) -> None:
-        backoff_s = 0.0
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._stopping:
-                        self._cond.wait()
-                    if not self._queue:
-                        return
-                    first_seq, lines = self._queue[0]
-                if self._send(first_seq, lines):
-                    backoff_s = 0.0
-                    with self._cond:
-                        if self._queue and self._queue[0][1] is lines:
-                            self._queue.popleft()
-                    continue
-                if self._stopping:
-                    with self._cond:
-                        left = sum(len(b) for _, b in self._queue)
-                        self.dropped_total += left
-                        self._queue.clear()
-                    if left:
-                        log.error("usage ledger: %d records not copied to PostgreSQL at shutdown", left)
-                    return
-                backoff_s = min(max(backoff_s * 2, 0.1), 5.0)
-                with self._cond:
-                    self._cond.wait(backoff_s)  # woken early only by close
-        finally:
-            self._disconnect()
+    def _exiting(self) -> None:
+        self._disconnect()
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:

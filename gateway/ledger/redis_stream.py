@@ -14,13 +14,12 @@ so consumers dedupe on `request_id`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from gateway.app.schema import RedisStreamConfig
+from gateway.ledger.sender import QueuedSender
 
 log = logging.getLogger("tokenway.ledger")
 
@@ -28,7 +27,7 @@ FIELD = b"record"
 _CHUNK = 1000  # XADDs per pipeline round trip
 
 
-class RedisStreamExporter:
+class RedisStreamExporter(QueuedSender):
     def __init__(
         self,
         config: RedisStreamConfig,
@@ -38,6 +37,7 @@ class RedisStreamExporter:
         """`client`: a synchronous redis.Redis (built from `config.url` when None). Its latency is
         kept in `stats()` rather than reported to GatewayMetrics, whose series are written from the
         event loop thread only."""
+        super().__init__(config.max_pending_batches, "ledger-redis-stream")
         self.config = config
         if client is None:
             import redis
@@ -46,25 +46,8 @@ class RedisStreamExporter:
                 config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s
             )
         self._client = client
-        self._queue: deque[Sequence[bytes]] = deque()
-        self._cond = threading.Condition()
-        self._stopping = False
         self.exported_total = 0
-        self.dropped_total = 0
-        self.errors_total = 0
-        self.round_trips_total = 0
-        self.round_trip_seconds_total = 0.0
-        self._thread = threading.Thread(target=self._run, name="ledger-redis-stream", daemon=True)
-        self._thread.start()
-
-    def submit(self, lines: Sequence[bytes]) -> None:
-        """Queue one committed group. Never blocks; drops the oldest group when full."""
-        with self._cond:
-            if len(self._queue) >= self.config.max_pending_batches:
-                dropped = self._queue.popleft()
-                self.dropped_total += len(dropped)
-            self._queue.append(lines)
-            self._cond.notify()
+        self._start()
 
     def stats(self) -> dict[str, float]:
         return {
@@ -73,45 +56,16 @@ class RedisStreamExporter:
             "redis_errors_total": self.errors_total,
             "redis_round_trips_total": self.round_trips_total,
             "redis_round_trip_seconds_total": self.round_trip_seconds_total,
-            "redis_pending_batches": len(self._queue),
+            "redis_pending_batches": self.pending_batches(),
         }
 
-    def close_sync(self, timeout_s: float = 5.0) -> None:
-        """Send what is queued (best effort within `timeout_s`), then stop."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
+    def _closed(self) -> None:
         try:
             self._client.close()
         except Exception as exc:  # closing a broken connection: nothing left to lose, say so and go on
             log.debug("closing the usage stream's Redis client failed: %s", exc)
 
-    def _run(self) -> None:
-        backoff_s = 0.0
-        while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                lines = self._queue[0]
-            if self._send(lines):
-                backoff_s = 0.0
-                with self._cond:
-                    if self._queue and self._queue[0] is lines:
-                        self._queue.popleft()
-            else:
-                if self._stopping:
-                    with self._cond:
-                        self.dropped_total += sum(len(b) for b in self._queue)
-                        self._queue.clear()
-                    return
-                backoff_s = min(max(backoff_s * 2, 0.1), 5.0)
-                with self._cond:
-                    self._cond.wait(backoff_s)  # woken early only by close
-
-    def _send(self, lines: Sequence[bytes]) -> bool:
+    def _send(self, first_seq: int, lines: Sequence[bytes]) -> bool:
         cfg = self.config
         for start in range(0, len(lines), _CHUNK):
             started_s = time.perf_counter()

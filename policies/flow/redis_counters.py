@@ -39,8 +39,9 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from policies.flow.flusher import BatchedFlush
 from policies.limits.resp import load_script
-from policies.limits.scriptpipe import ScriptPipe, script_pipeline
+from policies.limits.scriptpipe import script_pipeline
 
 log = logging.getLogger("tokenway.flow.counters")
 
@@ -91,7 +92,7 @@ class _View:
         return bool(self.queued) or self.read
 
 
-class RedisCounters:
+class RedisCounters(BatchedFlush):
     source = "redis"
 
     def __init__(
@@ -104,9 +105,7 @@ class RedisCounters:
         self._script = load_script("policies.flow", "vtc_batch.lua")
         self.pipeline = script_pipeline(client, (self._script,))  # the limiter's raw pipe, a connection of its own
         self._views: dict[tuple[str, int], _View] = {}
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._flushing: asyncio.Task[None] | None = None
-        self._refresher: asyncio.Task[None] | None = None
+        self._init_flush()
         self.calls = 0
         self.changes = 0
         self.errors = 0
@@ -207,45 +206,14 @@ class RedisCounters:
             "pending": sum(1 for view in self._views.values() if view.sent is not None or view.due()),
         }
 
-    async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        if self._flushing is not None:
-            await asyncio.wait([self._flushing], timeout=1.0)
-        if any(view.due() for view in self._views.values()):
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())  # the last changes
-            await asyncio.wait([self._flushing], timeout=1.0)
-        if isinstance(self.pipeline, ScriptPipe):
-            await self.pipeline.close()
-        await self.client.aclose()
-
     # --- Redis ---------------------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        return any(view.due() for view in self._views.values())
 
     def _changed(self) -> None:
         self.changes += 1
-        if self._flush_timer is None and self._flushing is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a synchronous caller in a test): it stays queued
-                return
-            self._flush_timer = loop.call_later(self.flush_s, self._start_flush)
-
-    def _start_flush(self) -> None:
-        self._flush_timer = None
-        if self._flushing is None and any(view.due() for view in self._views.values()):
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-            self._flushing.add_done_callback(self._flushed)
-
-    def _flushed(self, task: asyncio.Task[None]) -> None:
-        if self._flushing is task:
-            self._flushing = None
-        if self._flush_timer is None and any(view.due() for view in self._views.values()):
-            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_s, self._start_flush)
+        super()._changed()
 
     async def _flush(self) -> None:
         """Send every band's queued changes (or a read of a watched band), one call per band."""

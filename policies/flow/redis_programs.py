@@ -34,9 +34,10 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from policies.flow.flusher import BatchedFlush
 from policies.flow.programs import MAX_PROGRAMS_PER_TENANT, decayed
 from policies.limits.resp import load_script
-from policies.limits.scriptpipe import ScriptPipe, script_pipeline
+from policies.limits.scriptpipe import script_pipeline
 
 log = logging.getLogger("tokenway.flow.programs")
 
@@ -64,7 +65,7 @@ class _Tenant:
         return bool(self.queued) or (self.read and bool(self.watched))
 
 
-class RedisPrograms:
+class RedisPrograms(BatchedFlush):
     source = "redis"
 
     def __init__(
@@ -84,9 +85,7 @@ class RedisPrograms:
         self._script = load_script("policies.flow", "program_batch.lua")
         self.pipeline = script_pipeline(client, (self._script,))
         self._tenants: dict[str, _Tenant] = {}
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._flushing: asyncio.Task[None] | None = None
-        self._refresher: asyncio.Task[None] | None = None
+        self._init_flush()
         self.calls = 0
         self.errors = 0
 
@@ -158,44 +157,13 @@ class RedisPrograms:
             "pending": sum(1 for view in self._tenants.values() if view.sent is not None or view.queued),
         }
 
-    async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        if self._flushing is not None:
-            await asyncio.wait([self._flushing], timeout=1.0)
-        if any(view.queued for view in self._tenants.values()):
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())  # the last changes
-            await asyncio.wait([self._flushing], timeout=1.0)
-        if isinstance(self.pipeline, ScriptPipe):
-            await self.pipeline.close()
-        await self.client.aclose()
-
     # --- Redis ---------------------------------------------------------------------------------
 
-    def _changed(self) -> None:
-        if self._flush_timer is None and self._flushing is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a synchronous caller in a test): it stays queued
-                return
-            self._flush_timer = loop.call_later(self.flush_s, self._start_flush)
+    def _due(self) -> bool:
+        return any(view.due() for view in self._tenants.values())
 
-    def _start_flush(self) -> None:
-        self._flush_timer = None
-        if self._flushing is None and any(view.due() for view in self._tenants.values()):
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-            self._flushing.add_done_callback(self._flushed)
-
-    def _flushed(self, task: asyncio.Task[None]) -> None:
-        if self._flushing is task:
-            self._flushing = None
-        if self._flush_timer is None and any(view.queued for view in self._tenants.values()):
-            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_s, self._start_flush)
+    def _pending(self) -> bool:
+        return any(view.queued for view in self._tenants.values())
 
     async def _flush(self) -> None:
         """Send every tenant's queued adds and a read of its watched programs, one call per tenant."""

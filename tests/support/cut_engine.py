@@ -22,12 +22,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-BODIES = web.AppKey("bodies", list)
+from tests.support.recording_engine import BODIES, bodies, health, metrics, models  # the same engine routes
+
 OPTIONS = web.AppKey("options", argparse.Namespace)
-METRICS = (
-    "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
-    "vllm:prefix_cache_queries_total 0\nvllm:prefix_cache_hits_total 0\n"
-)
 PROMPT_TOKENS = 11
 
 
@@ -100,24 +97,6 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     payload = {"count": PROMPT_TOKENS, "max_model_len": 8192, "tokens": list(range(PROMPT_TOKENS))}
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
-
-
-async def bodies(request: web.Request) -> web.Response:
-    return web.Response(body=orjson.dumps(request.app[BODIES]), content_type="application/json")
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="")
-
-
-async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=METRICS, content_type="text/plain")
-
-
-async def models(request: web.Request) -> web.Response:
-    return web.Response(
-        body=orjson.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}), content_type="application/json"
-    )
 
 
 def main() -> None:

@@ -1,0 +1,84 @@
+"""Changes batched for Redis: what `redis_counters.py` (tenants' virtual counters) and
+`redis_programs.py` (programs' attained service) share.
+
+Each keeps a local view per key group that ordering reads at once, and sends what changed as one
+script call per group every `flush_s`, at most one flush in flight: a change arms a timer, the timer
+starts a flush when something is due, the flush's end re-arms the timer if more is pending. At
+close, a last flush sends what is left (bounded by a second). The stores say what is due (`_due`),
+what must still go out at close (`_pending`), and how a flush runs (`_flush`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from policies.limits.scriptpipe import ScriptPipe
+
+
+class BatchedFlush(ABC):
+    """The timer and the one flush in flight of a Redis-shared view (see the module docstring)."""
+
+    client: Any
+    pipeline: Any
+    flush_s: float
+
+    def _init_flush(self) -> None:
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Task[None] | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    @abstractmethod
+    def _due(self) -> bool:
+        """Some group has changes (or reads) to send now."""
+
+    def _pending(self) -> bool:
+        """Some group has changes that must still reach Redis (at close)."""
+        return self._due()
+
+    @abstractmethod
+    async def _flush(self) -> None:
+        """One script call per due group."""
+
+    def _idle(self) -> bool:
+        """No flush armed or running (the refresh loop starts one of its own only then)."""
+        return self._flush_timer is None and self._flushing is None
+
+    def _changed(self) -> None:
+        if self._idle():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller in a test): it stays queued
+                return
+            self._flush_timer = loop.call_later(self.flush_s, self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_timer = None
+        if self._flushing is None and self._due():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            self._flushing.add_done_callback(self._flushed)
+
+    def _flushed(self, task: asyncio.Task[None]) -> None:
+        if self._flushing is task:
+            self._flushing = None
+        if self._flush_timer is None and self._pending():
+            self._flush_timer = asyncio.get_running_loop().call_later(self.flush_s, self._start_flush)
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._flushing is not None:
+            await asyncio.wait([self._flushing], timeout=1.0)
+        if self._pending():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())  # the last changes
+            await asyncio.wait([self._flushing], timeout=1.0)
+        if isinstance(self.pipeline, ScriptPipe):
+            await self.pipeline.close()
+        await self.client.aclose()
