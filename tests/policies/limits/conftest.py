@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -12,7 +12,6 @@ from policies.limits.failover import FailoverStore
 from policies.limits.memory_store import MemoryStore
 from policies.limits.redis_store import RedisStore
 from policies.policy import Policy
-from tests.policies.limits.redis_proc import RedisProcess
 
 AdmissionFactory = Callable[[Policy], Admission]
 
@@ -38,12 +37,3 @@ async def make_admission(request: pytest.FixtureRequest) -> AsyncIterator[Admiss
     yield factory
     for admission in made:
         await admission.close()
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
-    """A Redis started by the test on its own port (killed at the end)."""
-    server = RedisProcess()
-    server.start()
-    yield server
-    server.kill()
