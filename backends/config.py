@@ -84,6 +84,12 @@ class StaticEndpointConfig(_Strict):
     api_key: str | None = Field(
         default=None, description="bearer key sent to this endpoint (use ${ENV}); default: the pool's"
     )
+    api_key_env: str | None = Field(
+        default=None,
+        description="hosted pools: the environment variable holding this endpoint's own key (another account or "
+        "project, balanced with the pool's other endpoints); default: the pool's",
+    )
+    region: str | None = Field(default=None, description="engine bedrock: this endpoint's region; default: the pool's")
     kv_events_endpoint: str | None = Field(
         default=None,
         description="the engine's ZMQ KV-event socket (tcp://host:port): the precise prefix index follows it",
@@ -330,6 +336,8 @@ class PoolConfig(_Strict):
                 raise ValueError("`anthropic_beta` / `allow_dropped_fields` apply to hosted engines only")
             if self.cache_breakpoints != "off":
                 raise ValueError("`cache_breakpoints` applies to engines anthropic and bedrock only")
+            if any(e.api_key_env is not None or e.region is not None for e in self.endpoints):
+                raise ValueError("an endpoint's `api_key_env` / `region` apply to hosted engines only")
             return
         engine = self.engine
         if self.launched_replicas or self.autoscale is not None or self.discovery is not None:
@@ -341,11 +349,11 @@ class PoolConfig(_Strict):
         if any(e.role is not Role.BOTH for e in self.endpoints) or any(e.kv_events_endpoint for e in self.endpoints):
             raise ValueError(f"engine `{engine}` has no prefill/decode roles or KV events")
         if engine == "bedrock":
-            if self.region is None:
+            if self.region is None and any(e.region is None for e in self.endpoints):
                 raise ValueError("engine `bedrock` needs `region` (SigV4 signs for it)")
-            if self.api_key_env is not None:
+            if self.api_key_env is not None or any(e.api_key_env is not None for e in self.endpoints):
                 raise ValueError("engine `bedrock` signs with the AWS credential chain: no `api_key_env`")
-        elif self.region is not None:
+        elif self.region is not None or any(e.region is not None for e in self.endpoints):
             raise ValueError("`region` applies to engine `bedrock` only")
         if self.anthropic_beta and engine != "anthropic":
             raise ValueError("`anthropic_beta` applies to engine `anthropic` only")
@@ -359,7 +367,7 @@ class PoolConfig(_Strict):
             )
         vertex = engine == "gemini" and self.upstream_model.startswith("projects/")
         keyed = engine in ("anthropic", "azure-openai") or (engine == "gemini" and not vertex)
-        if keyed and self.api_key_env is None:
+        if keyed and self.api_key_env is None and any(e.api_key_env is None for e in self.endpoints):
             raise ValueError(f"engine `{engine}` needs `api_key_env` (the environment variable holding the key)")
 
     @property

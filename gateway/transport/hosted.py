@@ -43,7 +43,7 @@ import orjson
 import yarl
 from aiohttp import web
 
-from backends.config import PoolConfig
+from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
 from backends.hosted import sigv4
 from backends.hosted.anthropic import AnthropicCodec
@@ -78,7 +78,7 @@ CODECS: Mapping[str, type[Any]] = {
     "azure-openai": AzureOpenAICodec,
 }
 # Headers between the transport and its client only (taken out before anything is sent).
-_POOL = "x-tokenway-hosted-pool"
+_ENDPOINT = "x-tokenway-hosted-endpoint"
 _REFUSED = "x-tokenway-hosted-refused"
 _REQUEST = "x-tokenway-hosted-request"
 REFRESH_BEFORE_S = 300.0  # credentials that expire sooner are refreshed (off the loop) before the next call
@@ -102,6 +102,8 @@ class Provider:
     engine: str
     codec: ProviderCodec
     target: ProviderTarget
+    endpoint: str = ""  # the endpoint id: a pool's endpoints may each hold their own key or region
+    key_env: str | None = None  # the environment variable of its key (the endpoint's, else the pool's)
     key_headers: dict[str, str] = field(default_factory=dict)
     region: str | None = None
     aws: sigv4.CredentialSource | None = None
@@ -111,21 +113,24 @@ class Provider:
     refreshing: asyncio.Task[None] | None = None
 
     @classmethod
-    def of(cls, pool: PoolConfig) -> Provider:
+    def of(cls, pool: PoolConfig, endpoint: str = "", static: StaticEndpointConfig | None = None) -> Provider:
+        """The provider of one endpoint of `pool`: its own key or region (`static`) where it names one."""
         target = ProviderTarget(
             model=pool.upstream_model,
             api_version=pool.api_version,
             beta=tuple(pool.anthropic_beta),
             allow_drop=pool.allow_dropped_fields,
         )
-        return cls(pool.name, pool.engine, CODECS[pool.engine](), target, region=pool.region)
+        key_env = (static.api_key_env if static is not None else None) or pool.api_key_env
+        region = (static.region if static is not None else None) or pool.region
+        return cls(pool.name, pool.engine, CODECS[pool.engine](), target, endpoint, key_env, region=region)
 
     def resolve(self, pool: PoolConfig) -> None:
         """The credentials, once (blocking: run off the loop). HostedConfigError when there are none."""
-        if pool.api_key_env is not None:
-            key = os.environ.get(pool.api_key_env)
+        if self.key_env is not None:
+            key = os.environ.get(self.key_env)
             if not key:
-                raise HostedConfigError(f"pool {pool.name!r}: environment variable {pool.api_key_env} is not set")
+                raise HostedConfigError(f"pool {pool.name!r}: environment variable {self.key_env} is not set")
             if self.engine == "anthropic":
                 self.key_headers = {"x-api-key": key}
             elif self.engine == "azure-openai":
@@ -293,7 +298,13 @@ class HostedCalls:
     ) -> None:
         self.pools = {pool.name: pool.config for pool in fleet.pools.values() if pool.config.hosted}
         self.quotas = quotas  # what each provider says of its own limits, learnt (provider_quota.py)
-        self.providers = {name: Provider.of(config) for name, config in self.pools.items()}
+        # one provider per endpoint: a pool's endpoints may be several keys or regions, balanced by routing
+        self.providers = {
+            endpoint.id: Provider.of(pool.config, endpoint.id, static)
+            for pool in fleet.pools.values()
+            if pool.config.hosted
+            for endpoint, static in zip(pool.endpoints, pool.config.endpoints, strict=False)
+        }
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -301,8 +312,8 @@ class HostedCalls:
     async def start(self) -> None:
         """Credentials resolved off the loop (files, IMDS, token endpoints may block); HostedConfigError
         when a pool has none: the gateway does not start half-configured."""
-        for name, provider in self.providers.items():
-            await asyncio.to_thread(provider.resolve, self.pools[name])
+        for provider in self.providers.values():
+            await asyncio.to_thread(provider.resolve, self.pools[provider.pool])
         self._session = aiohttp.ClientSession(
             trust_env=True,
             auto_decompress=True,
@@ -317,8 +328,8 @@ class HostedCalls:
     def call(self, ctx: RequestContext, endpoint: Endpoint, chat: dict[str, Any]) -> tuple[str, dict[str, str], bytes]:
         """The URL, headers and body of `chat` for `endpoint`'s provider; a refusal (a field with no
         counterpart) is carried to `post` as a 400 naming the field. Dropped fields are named on the answer."""
-        provider = self.providers[endpoint.pool]
-        marks = {_POOL: endpoint.pool, _REQUEST: ctx.facts.request_id}
+        provider = self.providers[endpoint.id]
+        marks = {_ENDPOINT: endpoint.id, _REQUEST: ctx.facts.request_id}
         config = self.pools[endpoint.pool]
         if config.cache_breakpoints == "auto":  # the provider caches only where told (breakpoints.py)
             chat = with_breakpoints(chat, config.cache_breakpoint_min_tokens, config.cache_breakpoint_ttl)
@@ -339,7 +350,7 @@ class HostedCalls:
         """Send the call; the answer as chat completions (or an OpenAI-shaped error with the status the
         walk acts on). Raises UpstreamConnectionError or TimeoutError as the engine client does."""
         sent = dict(headers)
-        provider = self.providers[sent.pop(_POOL)]
+        provider = self.providers[sent.pop(_ENDPOINT)]
         request_id = sent.pop(_REQUEST, "")
         if sent.pop(_REFUSED, None):
             return HostedResponse(400, body)
@@ -357,7 +368,7 @@ class HostedCalls:
         if response.status != 200:
             return await self._refused(provider, response)
         if self.quotas is not None and _exhausted(response.headers):  # parsed only when a limit ran out
-            self.quotas.observe(provider.pool, provider.codec.rate_limits(_lower(response.headers)))
+            self.quotas.observe(provider.endpoint, provider.codec.rate_limits(_lower(response.headers)))
         if stream:
             return HostedResponse(
                 200, upstream=response, decoder=provider.codec.stream(provider.target), request_id=request_id
@@ -387,7 +398,7 @@ class HostedCalls:
             response.release()
         error: ProviderError = provider.codec.error(response.status, _lower(response.headers), raw)
         if self.quotas is not None and (response.status in (429, 529) or error.kind == "rate_limit_error"):
-            self.quotas.throttled(provider.pool, error.retry_after_s)
+            self.quotas.throttled(provider.endpoint, error.retry_after_s)
         status = error.status
         if error.retryable and status < 500:
             status = 503  # throttled: the walk tries another endpoint, then the fallback chain

@@ -6,7 +6,7 @@ Azure's and OpenAI's `x-ratelimit-*`, read by each codec's `rate_limits`) and re
 and `retry-after` once over. Sending into a known refusal costs a round trip to the provider, counts
 against the account on some providers, and delays the fallback the gateway would take anyway. So:
 
-- after a successful answer, a limit with nothing `remaining` blocks the pool until its reset;
+- after a successful answer, a limit with nothing `remaining` blocks the endpoint until its reset;
 - a throttling refusal (429, 529, Bedrock's ThrottlingException) blocks it for `retry-after`, else for
   the reset the last answer named, else for `DEFAULT_BLOCK_S`;
 - a block never lasts longer than `MAX_BLOCK_S` (a wrong or hostile header cannot park a pool).
@@ -15,7 +15,8 @@ against the account on some providers, and delays the fallback the gateway would
 avoided, so the room routes the request to the model's other pools (owned replicas, another
 provider); with none left the request is refused as `rate_limited`, which walks the model's fallback
 chain or answers 429 with `retry-after` until the provider's reset. State is per gateway process
-and per pool (a pool is one provider account): one small entry per hosted pool.
+and per endpoint (an endpoint is one provider key or region; a pool may list several, and a request
+avoids only the exhausted ones): one small entry per hosted endpoint.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class _Quota:
 
 
 class ProviderQuotas:
-    """Per hosted pool: until when its provider is known to refuse."""
+    """Per hosted endpoint (one key or region of a provider): until when it is known to refuse."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -83,7 +84,7 @@ class ProviderQuotas:
         return max(0.0, quota.blocked_until_s - self._clock())
 
     def status(self) -> dict[str, dict[str, float | int]]:
-        """Per pool: seconds still blocked and blocks so far (`/admin/pools`)."""
+        """Per endpoint: seconds still blocked and blocks so far (`/admin/pools`)."""
         return {
             pool: {"blocked_s": round(self.blocked_s(pool), 3), "blocks": q.blocks} for pool, q in self._pools.items()
         }
@@ -100,11 +101,11 @@ class ProviderQuotaCheck(Check):
         endpoint = routed.endpoint
         if endpoint.pool not in self.hosted:
             return GO
-        wait_s = self.quotas.blocked_s(endpoint.pool)
+        wait_s = self.quotas.blocked_s(endpoint.id)
         if wait_s <= 0.0:
             return GO
         message = (
-            f"The provider of pool '{endpoint.pool}' for {turn.ctx.model} is over its rate limits; "
+            f"The provider of pool '{endpoint.pool}' for {turn.ctx.model} is over its rate limits on every key; "
             f"it accepts requests again in {wait_s:.1f} s."
         )
         rejection = Rejection(

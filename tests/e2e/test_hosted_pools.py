@@ -294,7 +294,7 @@ def test_a_provider_that_announced_its_limit_is_not_sent_to_until_its_reset(
         assert sum(m["refused"] for m in usage["models"].values()) == 0, usage  # never sent into its announced limit
         assert sum(m["requests"] for m in usage["models"].values()) == 2, usage
         status = gateway_status(gateway)
-        assert status["claude"]["blocked_s"] > 0 and status["claude"]["blocks"] >= 1
+        assert status["claude/both-s0"]["blocked_s"] > 0 and status["claude/both-s0"]["blocks"] >= 1
 
 
 def gateway_status(gateway: Gateway) -> dict[str, Any]:
@@ -329,3 +329,31 @@ def test_cache_breakpoints_by_policy_turn_an_unmarked_agent_loop_into_cache_read
         assert cached > 1024  # the system prompt and the first turn, read back
     else:
         assert cached == 0
+
+
+def test_a_pool_of_several_provider_keys_is_balanced_and_each_keys_limit_kept(
+    keys: None, bedrock_standin: StandIn, gateway_factory: Callable[..., Gateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two Anthropic accounts (each its own key, each `--rpm 2`) in one pool: four requests are served by
+    Sonnet across both, no account is sent into its announced limit, and the fifth falls back to Haiku."""
+    monkeypatch.setenv("TW_KEY_A", "key-a")
+    monkeypatch.setenv("TW_KEY_B", "key-b")
+    chain = {SONNET: {"fallbacks": [{"model": HAIKU, "triggers": ["rate_limited", "upstream_error"]}]}}
+    with (
+        standin("anthropic", "--rpm", "2", "--api-key", "key-a") as a,
+        standin("anthropic", "--rpm", "2", "--api-key", "key-b") as b,
+    ):
+        pool = anthropic_pool(a.url)
+        pool.pop("api_key_env")
+        pool["endpoints"] = [{"url": a.url, "api_key_env": "TW_KEY_A"}, {"url": b.url, "api_key_env": "TW_KEY_B"}]
+        gateway = gateway_factory(
+            pools=[pool, bedrock_pool(bedrock_standin.url)],
+            policies=policies_doc(models=models(SONNET, HAIKU, **chain)),
+        )
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
+        served = [client.chat.completions.create(model=SONNET, messages=HI, max_tokens=8).model for _ in range(5)]
+        assert served == [SONNET] * 4 + [HAIKU], served
+        for account in (a, b):
+            usage: Any = account.usage()
+            assert sum(m["requests"] for m in usage["models"].values()) == 2, usage  # each key took its share
+            assert sum(m["refused"] for m in usage["models"].values()) == 0, usage
