@@ -349,7 +349,7 @@ class PoolConfig(_Strict):
         if any(e.role is not Role.BOTH for e in self.endpoints) or any(e.kv_events_endpoint for e in self.endpoints):
             raise ValueError(f"engine `{engine}` has no prefill/decode roles or KV events")
         if engine == "bedrock":
-            if self.region is None and any(e.region is None for e in self.endpoints):
+            if self.region is None and (not self.endpoints or any(e.region is None for e in self.endpoints)):
                 raise ValueError("engine `bedrock` needs `region` (SigV4 signs for it)")
             if self.api_key_env is not None or any(e.api_key_env is not None for e in self.endpoints):
                 raise ValueError("engine `bedrock` signs with the AWS credential chain: no `api_key_env`")
