@@ -410,6 +410,9 @@ def _record_attributes(r: RequestRecord) -> dict[str, AttrValue]:
         "tokenway.status": r.status,
         "tokenway.tenant": r.tenant or None,
         "tokenway.key_id": r.key_id or None,
+        "tokenway.program": r.program,  # the agent run (bounded at intake: gateway/request/program.py)
+        "tokenway.user": r.user,  # the end user (bounded: gateway/request/subjects.py)
+        "tokenway.tags": ",".join(r.tags) or None,
         "tokenway.served_model": r.served_model or None,
         "tokenway.pool": r.pool or None,
         "tokenway.endpoint": r.endpoint or None,

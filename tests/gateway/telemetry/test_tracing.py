@@ -30,6 +30,8 @@ def finished_record(request_id: str) -> RequestRecord:
         started_at_unix_s=time.time(),
         tenant="acme",
         key_id="acme-k1",
+        program="run-7",
+        tags=("feature-x", "team:a"),
         requested_model="llama",
         model="llama-3.1-8b",
         served_model="meta-llama/Llama-3.1-8B",
@@ -109,6 +111,8 @@ async def test_spans_and_metrics_reach_the_otlp_receiver(receiver: Receiver) -> 
     assert root_attrs["gen_ai.operation.name"] == "chat"
     assert root_attrs["tokenway.request_id"] == "req-1"
     assert root_attrs["tokenway.tenant"] == "acme"
+    assert (root_attrs["tokenway.program"], root_attrs["tokenway.tags"]) == ("run-7", "feature-x,team:a")
+    assert "tokenway.user" not in root_attrs  # none named: no attribute
     assert attrs(names["routing"])["reason"] == "prefix-affinity"
     assert attrs(names["auth"])["key_id"] == "acme-k1"
     assert attrs(names["admission"]) == {"model": "llama-3.1-8b", "decision": "admitted"}
