@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from policies.limits.scriptpipe import ScriptPipe
@@ -24,6 +25,7 @@ class BatchedFlush(ABC):
     client: Any
     pipeline: Any
     flush_s: float
+    calls: int  # script calls made (the subclass starts it at 0)
 
     def _init_flush(self) -> None:
         self._flush_timer: asyncio.TimerHandle | None = None
@@ -40,7 +42,26 @@ class BatchedFlush(ABC):
 
     @abstractmethod
     async def _flush(self) -> None:
-        """One script call per due group."""
+        """One script call per due group (then `_answered`)."""
+
+    @abstractmethod
+    def _failed(self, view: Any, exc: BaseException) -> None:
+        """A group's call failed: its sent changes stay in this replica's view."""
+
+    @abstractmethod
+    def _apply(self, view: Any, reply: Any) -> None:
+        """A group's call answered: the values Redis holds now."""
+
+    async def _answered(self, batch: Sequence[tuple[Any, Any]], calls: Sequence[Awaitable[Any]]) -> None:
+        """Wait for a flush's calls, one per (key, view) of `batch`, and apply each answer or failure."""
+        self.calls += len(calls)
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        for (_, view), reply in zip(batch, replies, strict=True):
+            if isinstance(reply, BaseException):
+                self._failed(view, reply)
+            else:
+                view.sent = None
+                self._apply(view, reply)
 
     def _idle(self) -> bool:
         """No flush armed or running (the refresh loop starts one of its own only then)."""

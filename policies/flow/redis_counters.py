@@ -230,14 +230,7 @@ class RedisCounters(BatchedFlush):
             for tenant, change in view.sent.items():
                 args += [tenant, repr(change.add), _floor_arg(change.floor)]
             calls.append(self.pipeline.call(self._script, self.keys(pool, band), args))
-        self.calls += len(calls)
-        replies = await asyncio.gather(*calls, return_exceptions=True)
-        for (_, view), reply in zip(batch, replies, strict=True):
-            if isinstance(reply, BaseException):
-                self._failed(view, reply)
-            else:
-                view.sent = None
-                self._apply(view, reply)
+        await self._answered(batch, calls)
 
     def _failed(self, view: _View, exc: BaseException) -> None:
         """Changes Redis never got: they stay in this replica's view only."""

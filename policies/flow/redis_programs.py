@@ -176,14 +176,7 @@ class RedisPrograms(BatchedFlush):
                 args += [program, repr(tokens)]
             args += [program for program in view.watched if program not in view.sent]
             calls.append(self.pipeline.call(self._script, self.keys(tenant), args))
-        self.calls += len(calls)
-        replies = await asyncio.gather(*calls, return_exceptions=True)
-        for (_, view), reply in zip(batch, replies, strict=True):
-            if isinstance(reply, BaseException):
-                self._failed(view, reply)
-            else:
-                view.sent = None
-                self._apply(view, reply)
+        await self._answered(batch, calls)
 
     def _failed(self, view: _Tenant, exc: BaseException) -> None:
         """Adds Redis never got: they stay in this replica's view only."""

@@ -331,9 +331,10 @@ class ScoringRouter:
         """The request's answer on `decision.endpoint` ended in tool calls (told by the gateway when
         its upstream call ended): its program is expected back there with `prefix_tokens` cached."""
         program = facts.subjects.program
-        if program is None:
-            return
         endpoint = decision.endpoint
+        pipeline = self._routing(endpoint.pool).pipeline
+        if program is None or pipeline is None or not pipeline.uses_tool_affinity:
+            return  # the pool's routing does not weigh tool returns: nothing to keep
         self.tool_returns.note_tool_call(
             facts.principal.tenant, program, endpoint.pool, endpoint.id, prefix_tokens, now_s
         )
