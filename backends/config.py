@@ -18,6 +18,7 @@ from backends.autoscale.config import AutoscaleConfig, ShareConfig
 from backends.discovery.config import DiscoveryConfig
 from backends.perf.capacity import batch_defaults, num_gpu_blocks
 from backends.perf.presets import DEFAULT_PRESET, UnknownPresetError, preset_names, resolve_preset
+from backends.topology import Topology
 from backends.types import Role
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai", "anthropic", "bedrock", "gemini", "azure-openai"]
@@ -76,6 +77,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TopologyConfig(_Strict):
+    """Where an endpoint sits (backends/topology.py): the link class of a PD pair's KV transfer."""
+
+    node: str | None = Field(default=None, max_length=253, description="the machine (a Kubernetes node name)")
+    rack: str | None = Field(
+        default=None, max_length=253, description="the rack or NVLink domain (endpoints sharing its switch)"
+    )
+    zone: str | None = Field(default=None, max_length=253, description="the zone (topology.kubernetes.io/zone)")
+
+    def labels(self) -> Topology:
+        return Topology(node=self.node, rack=self.rack, zone=self.zone)
+
+
 class StaticEndpointConfig(_Strict):
     """An endpoint the gateway does not launch."""
 
@@ -97,6 +111,9 @@ class StaticEndpointConfig(_Strict):
     kv_events_replay_endpoint: str | None = Field(
         default=None, description="the engine's KV-event replay socket: gaps and late subscriptions repair"
     )
+    topology: TopologyConfig | None = Field(
+        default=None, description="node / rack / zone: PD pairing prices the KV transfer by link (docs/routing.md)"
+    )
 
     @field_validator("url")
     @classmethod
@@ -117,6 +134,21 @@ class KvEventsConfig(_Strict):
     port_base: int | None = Field(default=None, description="first ZMQ port; one per replica; auto if null")
     topic: str = Field(default="kv-events", description="ZMQ topic of the events")
     replay: bool = Field(default=True, description="a replay socket per replica, so subscribers can catch up")
+
+
+class KvStoreConfig(_Strict):
+    """A KV store every replica of the pool can read (LMCache's remote backend, Mooncake Store): a block
+    it holds is a hit on every replica, loaded at the store's link (docs/routing.md#kv-cache-tiers)."""
+
+    capacity_tokens: int = Field(
+        ge=1,
+        description="tokens of KV the store holds (least recently used go first); the simulated store's size "
+        "(bench/kv_tiers): the router follows the store's events, not this bound",
+    )
+    bandwidth_gbps: float = Field(
+        default=10.0, gt=0, description="GB/s per device (10^9 bytes/s) of loading KV from the store"
+    )
+    latency_ms: float = Field(default=1.0, ge=0, description="fixed cost of one load from the store, ms")
 
 
 class PoolConfig(_Strict):
@@ -145,6 +177,11 @@ class PoolConfig(_Strict):
         default=None, description="endpoints found at run time (Kubernetes EndpointSlices), see backends/discovery"
     )
     # launch spec
+    topology: TopologyConfig | None = Field(
+        default=None,
+        description="node / rack / zone of the launched replicas (they run on the gateway's host): PD pairing "
+        "prices the KV transfer by link (docs/routing.md)",
+    )
     host: str = Field(default="127.0.0.1", description="address launched replicas listen on")
     port_base: int | None = Field(
         default=None, description="first HTTP port of this pool's replicas; default: from backends.port_base"
@@ -181,6 +218,11 @@ class PoolConfig(_Strict):
     )
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     kv_transfer: dict[str, object] | None = Field(default=None, description="engine KV-transfer config for PD")
+    kv_store: KvStoreConfig | None = Field(
+        default=None,
+        description="a KV store shared by the pool's replicas: its blocks count as hits on every replica, priced "
+        "at its link (instead of routing.kv_tiers.remote); events of medium other than GPU/CPU/DISK name it",
+    )
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters the engine loads: name -> path"
     )
@@ -196,6 +238,13 @@ class PoolConfig(_Strict):
         description="the N LoRA adapters of this pool's model most in demand lately (10-minute half-life) are "
         "loaded on every ready replica and not idle-unloaded; 0: only those marked `preload: true`",
     )
+    lora_memory_budget_mb: float | None = Field(
+        default=None,
+        gt=0,
+        description="LoRA adapters registered on one replica stay within this many MB (their `size_mb`, else "
+        "their files' size): loading one more unloads the least recently used idle ones first, and an adapter "
+        "larger than the budget is refused (400); null: `max_loras` alone bounds a replica",
+    )
     api_key: str | None = Field(default=None, description="upstream key (use ${ENV} in YAML)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines")
     extra_args: list[str] = Field(default_factory=list, description="extra command-line flags of launched engines")
@@ -204,6 +253,12 @@ class PoolConfig(_Strict):
         default=30.0, ge=0, description="a stopping replica finishes its requests within this"
     )
     preset: str | None = Field(default=None, description="model@hardware for the sim and the latency prior")
+    usd_per_gpu_hour: float | None = Field(
+        default=None,
+        gt=0,
+        description="what one of the pool's accelerators costs per hour, USD: prices the prefill GPU-seconds its "
+        "prefix cache saved (tokenway_prefill_saved_usd_total, docs/routing.md); null: not priced",
+    )
     priority_scheduling: bool = Field(
         default=True,
         description="engines schedule by request priority (vLLM --scheduling-policy priority, TRT-LLM "
@@ -226,6 +281,12 @@ class PoolConfig(_Strict):
         default=None,
         pattern=r"^[a-z]{2}(-[a-z]+)+-\d+$",
         description="engine bedrock: the AWS region signed for; its public endpoint is the default URL",
+    )
+    auth: Literal["key", "entra"] = Field(
+        default="key",
+        description="engine azure-openai: `entra` sends a Microsoft Entra ID bearer token from azure-identity's "
+        "DefaultAzureCredential (the `azure` extra), fetched at start-up and refreshed before it expires, "
+        "instead of `api_key_env`'s key",
     )
     api_version: str | None = Field(
         default=None,
@@ -253,10 +314,19 @@ class PoolConfig(_Strict):
     cache_breakpoint_ttl: Literal["5m", "1h"] | None = Field(
         default=None, description="the marks' cache lifetime; null: the provider's default (5 minutes)"
     )
+    first_token_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="hosted pools: a stream that has shown its client nothing this long after the call is cut "
+        "and retried on another endpoint of the pool, then the fallback chain; null (default): it waits "
+        "as long as the provider takes (a cut call may still be billed by the provider). Engine pools use "
+        "`server.first_token_deadline`",
+    )
     overflow: bool = Field(
         default=False,
         description="spill-over: the model's other pools come first; this one takes what they cannot "
-        "(waiting room over `spill.max_wait_ms`, SLO unattainable, down), for tenants whose policy lets them spill",
+        "(waiting room over `spill.max_wait_ms`, or a wait worth more than its extra price with "
+        "`spill.usd_per_wait_second`, SLO unattainable, down), for tenants whose policy lets them spill",
     )
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
@@ -334,8 +404,14 @@ class PoolConfig(_Strict):
                     )
             if self.anthropic_beta or self.allow_dropped_fields:
                 raise ValueError("`anthropic_beta` / `allow_dropped_fields` apply to hosted engines only")
+            if self.auth != "key":
+                raise ValueError("`auth: entra` applies to engine `azure-openai` only")
             if self.cache_breakpoints != "off":
                 raise ValueError("`cache_breakpoints` applies to engines anthropic and bedrock only")
+            if self.first_token_timeout_s is not None:
+                raise ValueError(
+                    "`first_token_timeout_s` applies to hosted engines (engines: server.first_token_deadline)"
+                )
             if any(e.api_key_env is not None or e.region is not None for e in self.endpoints):
                 raise ValueError("an endpoint's `api_key_env` / `region` apply to hosted engines only")
             return
@@ -365,8 +441,16 @@ class PoolConfig(_Strict):
             raise ValueError(
                 "engine `azure-openai` needs `endpoints` (the resource's URL, https://NAME.openai.azure.com)"
             )
+        if self.auth == "entra":
+            if engine != "azure-openai":
+                raise ValueError("`auth: entra` applies to engine `azure-openai` only")
+            if self.api_key_env is not None or any(e.api_key_env is not None for e in self.endpoints):
+                raise ValueError("`auth: entra` sends an Entra ID token: no `api_key_env`")
         vertex = engine == "gemini" and self.upstream_model.startswith("projects/")
-        keyed = engine in ("anthropic", "azure-openai") or (engine == "gemini" and not vertex)
+        entra = engine == "azure-openai" and self.auth == "entra"
+        keyed = (
+            (engine == "anthropic") or (engine == "azure-openai" and not entra) or (engine == "gemini" and not vertex)
+        )
         if keyed and self.api_key_env is None and any(e.api_key_env is None for e in self.endpoints):
             raise ValueError(f"engine `{engine}` needs `api_key_env` (the environment variable holding the key)")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from backends.config import PoolConfig
 from backends.lora import LoraAdapter
+from backends.topology import UNKNOWN
 from backends.types import Endpoint, EndpointState, Role
 
 
@@ -105,6 +106,7 @@ class Fleet:
                         max_model_len=cfg.max_model_len,
                         kv_events_endpoint=static.kv_events_endpoint,
                         kv_events_replay_endpoint=static.kv_events_replay_endpoint,
+                        topology=static.topology.labels() if static.topology is not None else UNKNOWN,
                     )
                 )
             pools.append(pool)

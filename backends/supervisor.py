@@ -35,6 +35,7 @@ from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.plan import PlannedReplica, is_port_free, launch_spec, plan_replicas
 from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
+from backends.topology import UNKNOWN
 from backends.types import Endpoint, EndpointState, EndpointStats
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class Supervisor:
                 launched=True,
                 log_path=item.spec.log_path,
                 devices=item.replica.devices,
+                topology=item.pool.topology.labels() if item.pool.topology is not None else UNKNOWN,
             )
             fleet.pools[item.pool.name].endpoints.append(endpoint)
             replica = Replica(item, endpoint)

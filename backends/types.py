@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from backends.topology import UNKNOWN, Topology
+
 
 class EndpointState(StrEnum):
     """Lifecycle of one endpoint as routing sees it. Only READY endpoints take new requests."""
@@ -207,6 +209,8 @@ class Endpoint:
     # `loras_at_s`: monotonic time the answering request was sent (older registrations may be gone)
     loras: frozenset[str] | None = None
     loras_at_s: float = 0.0
+    # node / rack / zone (backends/topology.py): prices a PD pair's KV transfer; UNKNOWN: no labels
+    topology: Topology = UNKNOWN
 
     @property
     def ready(self) -> bool:

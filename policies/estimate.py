@@ -62,16 +62,30 @@ class PromptCounter(Protocol):
 
 @dataclass(slots=True)
 class TokenAudit:
-    """Counted prompt tokens against the engine's `usage.prompt_tokens`, per model and source."""
+    """Counted prompt tokens against the engine's `usage.prompt_tokens`, per model and source.
+
+    Besides equal / not, the error's size: the counted and reported totals (their ratio is how far a
+    reservation sized by the count is from what was billed, the measure an `estimate` source, a hosted
+    provider's, needs) and the lowest and highest ratio of one request. A few numbers per model."""
 
     requests: int = 0
     equal: int = 0
     last_mismatch: dict[str, Any] | None = None
     by_source: dict[str, int] = field(default_factory=dict)
+    counted_tokens: int = 0
+    reported_tokens: int = 0
+    ratio_min: float | None = None  # counted / reported of one request (requests reporting 0 left out)
+    ratio_max: float | None = None
 
     def observe(self, counted: int, engine: int, source: str) -> None:
         self.requests += 1
         self.by_source[source] = self.by_source.get(source, 0) + 1
+        self.counted_tokens += counted
+        self.reported_tokens += engine
+        if engine > 0:
+            ratio = counted / engine
+            self.ratio_min = ratio if self.ratio_min is None else min(self.ratio_min, ratio)
+            self.ratio_max = ratio if self.ratio_max is None else max(self.ratio_max, ratio)
         if counted == engine:
             self.equal += 1
         else:
@@ -84,6 +98,11 @@ class TokenAudit:
             "mismatches": self.requests - self.equal,
             "by_source": dict(self.by_source),
             "last_mismatch": self.last_mismatch,
+            "counted_tokens": self.counted_tokens,
+            "reported_tokens": self.reported_tokens,
+            "ratio": round(self.counted_tokens / self.reported_tokens, 4) if self.reported_tokens else None,
+            "ratio_min": None if self.ratio_min is None else round(self.ratio_min, 4),
+            "ratio_max": None if self.ratio_max is None else round(self.ratio_max, 4),
         }
 
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.lora import LoraAdapter
+from backends.lora import MB, LoraAdapter, local_size_bytes
 from policies.keys.records import KeyRecord, TenantRecord
-from policies.limits.compile import LimitIndex, price_of
+from policies.limits.compile import LimitIndex, pool_prices_of, price_of
 from policies.limits.types import Plan, Price
 from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.slo import Slo
@@ -83,6 +83,9 @@ class Policy:
             for name, model in config.models.items()
         }
         self._prices: dict[str, Price] = {name: price_of(model) for name, model in config.models.items()}
+        self._pool_prices: dict[tuple[str, str], Price] = {
+            (name, pool): price for name, model in config.models.items() for pool, price in pool_prices_of(model)
+        }
         self.adapters: Mapping[str, LoraAdapter] = compile_adapters(config)
         self._adapter_tenants = {
             name: frozenset(model.tenants)
@@ -153,8 +156,13 @@ class Policy:
         """The model's fallback chain, targets resolved to model names."""
         return self._fallbacks.get(model, ())
 
-    def price(self, model: str) -> Price:
-        """USD per token of `model` (zero for a model without a price)."""
+    def price(self, model: str, pool: str | None = None) -> Price:
+        """USD per token of `model` served by `pool`: the pool's own price for it (`pool_prices`), else
+        the model's (zero for a model without a price)."""
+        if pool is not None and self._pool_prices:
+            found = self._pool_prices.get((model, pool))
+            if found is not None:
+                return found
         return self._prices.get(model) or Price()
 
     def batch_price_factor(self, model: str) -> float:
@@ -199,7 +207,8 @@ def compile_adapters(config: PoliciesConfig) -> dict[str, LoraAdapter]:
     out: dict[str, LoraAdapter] = {}
     for name, model in config.models.items():
         if model.kind == "adapter" and model.base is not None and model.source is not None:
-            size = int(model.size_mb * 1024 * 1024) if model.size_mb is not None else None
+            # the policy's size, else the files' when the source is a local path readable here
+            size = int(model.size_mb * MB) if model.size_mb is not None else local_size_bytes(model.source)
             out[name] = LoraAdapter(
                 name,
                 config.resolve_model(model.base),
@@ -223,22 +232,25 @@ def usage_cost_usd(price: Price, usage: Usage) -> float:
     )
 
 
-def cache_saving_usd(policy: Policy, model: str, usage: Usage, cost_usd: float, batch: bool = False) -> float:
+def cache_saving_usd(
+    policy: Policy, model: str, usage: Usage, cost_usd: float, batch: bool = False, pool: str | None = None
+) -> float:
     """What the prompt cache saved on a request that cost `cost_usd`: its cost with every prompt token
     at the plain input rate, less `cost_usd` (negative when cache writes cost more than reads saved)."""
-    price = policy.price(model)
+    price = policy.price(model, pool)
     uncached = price.uncached_usd(usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens)
     return (uncached * policy.batch_price_factor(model) if batch else uncached) - cost_usd
 
 
-def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False) -> float:
-    """USD cost of `usage` on `model`; 0.0 for a model without a price. A batch line pays the
-    model's batch share of it (`Policy.batch_price_factor`).
+def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False, pool: str | None = None) -> float:
+    """USD cost of `usage` on `model` served by `pool` (its `pool_prices` entry, else the model's
+    price; None: the model's); 0.0 for a model without a price. A batch line pays the model's batch
+    share of it (`Policy.batch_price_factor`).
 
     Usage x the model's price table (USD per million tokens, cached input apart). Cached prompt
     tokens (served from the engine's prefix cache) are billed at `cached_input_per_mtok`, which
     defaults to the input price. Budgets are charged with this same figure after each request. Batch
     lines pay a share of it (`batch.price_factor`, or the model's `price.batch_factor`).
     """
-    cost = usage_cost_usd(policy.price(model), usage)
+    cost = usage_cost_usd(policy.price(model, pool), usage)
     return cost * policy.batch_price_factor(model) if batch else cost

@@ -62,7 +62,7 @@ SCOPE_MATCH_FIELDS: dict[str, frozenset[str]] = {
 }
 # Scopes whose subject comes with each request rather than with the key (compiled per request).
 REQUEST_SCOPES = frozenset({"user", "tag", "program"})
-RUN_LIMITS = ("calls_per_run", "tokens_per_run")
+RUN_LIMITS = ("calls_per_run", "tokens_per_run", "seconds_per_run")
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
 _TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"  # the request tags' own rule (gateway/request/tags.py)
@@ -109,6 +109,12 @@ class SpillPolicy(_Strict):
     max_waiting: int | None = Field(
         default=None, ge=1, description="with this many waiting in an owned pool's room, arrivals spill at once"
     )
+    usd_per_wait_second: float | None = Field(
+        default=None,
+        ge=0,
+        description="what a second of a request's waiting is worth: it spills as soon as its predicted wait for "
+        "an owned pool times this exceeds what the overflow pool costs it more (null: wait and crowding only)",
+    )
 
 
 class OrgConfig(_Strict):
@@ -151,6 +157,13 @@ class TenantConfig(_Strict):
         le=10_000,
         description="runaway guard: an agent program may send the same last turn this many times in a row, the "
         "next is refused 429 `program_loop` (docs/agents.md); null = off",
+    )
+    program_max_cycle: int = Field(
+        default=4,
+        ge=1,
+        le=16,
+        description="runaway guard: loops of up to this many different turns (a cycle of tool calls) are counted "
+        "too, each full round as one repeat; 1 = only the same turn again (docs/agents.md)",
     )
     show_cost: bool = Field(
         default=False,
@@ -218,12 +231,19 @@ class LongContextPriceConfig(TierPriceConfig):
     above_prompt_tokens: int = Field(ge=1, description="prompts longer than this pay the long-context table")
 
 
-class PriceConfig(TierPriceConfig):
-    """USD per million tokens."""
+class PoolPriceConfig(TierPriceConfig):
+    """A pool's own price for a model (`models.<m>.pool_prices.<pool>`), USD per million tokens: the
+    same tables as the model's `price`, without `batch_factor` (a batch line pays the model's share of
+    whichever pool's price applies)."""
 
     long_context: LongContextPriceConfig | None = Field(
         default=None, description="a dearer table for long prompts (Anthropic's 1M context, Gemini's over 200k)"
     )
+
+
+class PriceConfig(PoolPriceConfig):
+    """USD per million tokens."""
+
     batch_factor: float | None = Field(
         default=None, ge=0, le=1, description="batch lines pay this share of the price (default: batch.price_factor)"
     )
@@ -252,6 +272,11 @@ class ModelConfig(_Strict):
     context_length: int | None = Field(default=None, ge=1, description="prompt + max_tokens limit")
     default_max_tokens: int = Field(default=1024, ge=1, description="output reservation without max_tokens")
     price: PriceConfig = Field(default_factory=PriceConfig)
+    pool_prices: dict[str, PoolPriceConfig] = Field(
+        default_factory=dict,
+        description="per gateway.yaml pool name: that pool's own price for this model (a hosted provider's, say); "
+        'pools not named pay `price` (docs/providers.md, "Prices per pool")',
+    )
     provider: str | None = Field(
         default=None,
         pattern=_ID_PATTERN,
@@ -270,7 +295,12 @@ class ModelConfig(_Strict):
     source: str | None = Field(
         default=None, min_length=1, description="adapter: what the engine loads (local path or object-store URI)"
     )
-    size_mb: float | None = Field(default=None, gt=0, description="adapter: its size, for the predicted load time")
+    size_mb: float | None = Field(
+        default=None,
+        gt=0,
+        description="adapter: its size, for the predicted load time and a pool's `lora_memory_budget_mb` "
+        "(default: its files' size when the source is a local path readable here)",
+    )
     tenants: list[str] | None = Field(
         default=None, description="adapter: the tenants that may call it (null: any the keys allow)"
     )
@@ -386,6 +416,9 @@ class LimitConfig(_Rule):
     max_concurrent: int | None = Field(default=None, ge=1, description="requests in flight")
     calls_per_run: int | None = Field(default=None, ge=1, description="scope program: calls in one agent run")
     tokens_per_run: int | None = Field(default=None, ge=1, description="scope program: tokens in one agent run")
+    seconds_per_run: float | None = Field(
+        default=None, gt=0, le=31_536_000, description="scope program: wall-clock seconds from a run's first call"
+    )
     count: CountMode = Field(default="total", description="which tokens tpm/tpd count")
     weights: TokenWeights | None = None
 
@@ -395,7 +428,7 @@ class LimitConfig(_Rule):
         if all(getattr(self, d) is None for d in dimensions):
             raise ValueError(f"expected at least one of {', '.join(dimensions)}")
         if self.scope != "program" and any(getattr(self, d) is not None for d in RUN_LIMITS):
-            raise ValueError("calls_per_run and tokens_per_run count an agent run: scope program")
+            raise ValueError("calls_per_run, tokens_per_run and seconds_per_run count an agent run: scope program")
         if self.weights is not None and self.count != "weighted":
             raise ValueError(f"weights are only read with count: weighted (count is {self.count!r})")
         return self

@@ -35,12 +35,14 @@ class OwnLimits:
 @dataclass(frozen=True, slots=True)
 class RequestSubjects:
     """What a request names beside its key (gateway/request/subjects.py reads them, bounded): its end
-    user, its tags, its agent program, and the run budget its header asks for (within the policy's)."""
+    user, its tags, its agent program, and the run budget and wall-clock cap its headers ask for (within
+    the policy's)."""
 
     user: str | None = None
     tags: tuple[str, ...] = ()
     program: str | None = None
     run_usd: float | None = None
+    run_s: float | None = None
 
     def __bool__(self) -> bool:
         return self.user is not None or bool(self.tags) or self.program is not None

@@ -41,6 +41,7 @@ def build_features(
     prior: LatencyPrior,
     prefill_rates_tps: Sequence[float] | None = None,
     now_s: float = 0.0,
+    lower_cached_tokens: Sequence[int] | None = None,
 ) -> FloatArray:
     """Rows (len(endpoints) x NUM_FEATURES, float32), one per endpoint, columns in `Feature` order.
 
@@ -48,21 +49,30 @@ def build_features(
     cache; it is clipped to [0, input_tokens]. `prefill_rates_tps[i]` is endpoint i's recent
     uncached prompt tokens per second (recent.py; 0 when omitted). `now_s` (monotonic) dates the
     last token the gateway relayed from each endpoint (`SINCE_LAST_TOKEN_MS`, see `_last_token_s`).
+    `lower_cached_tokens[i]`: of endpoint i's cached tokens, those expected below HBM (clipped to the
+    cached ones; omitted: all in HBM, the index before tiers), so the model tells a DRAM hit from an
+    HBM one (`CACHED_GPU_TOKENS`, `CACHED_LOWER_TOKENS`).
     Negative counters (an accounting bug upstream) are read as 0 so they never reach the model.
     """
     if len(endpoints) != len(cached_tokens):
         raise ValueError(f"{len(endpoints)} endpoints but {len(cached_tokens)} cached-token estimates")
     rates = prefill_rates_tps if prefill_rates_tps is not None else [0.0] * len(endpoints)
+    lowers = lower_cached_tokens if lower_cached_tokens is not None else [0] * len(endpoints)
     inputs = float(max(input_tokens, 0))
     outputs = float(max(output_tokens, 1))
     estimate = prior.estimate
     rows: list[tuple[float, ...]] = []
-    for endpoint, cached_estimate, rate_tps in zip(endpoints, cached_tokens, rates, strict=True):
+    for endpoint, cached_estimate, rate_tps, lower_estimate in zip(
+        endpoints, cached_tokens, rates, lowers, strict=True
+    ):
         stats = endpoint.stats
         inflight = endpoint.inflight
         cached = float(cached_estimate) if cached_estimate > 0 else 0.0
         if cached > inputs:
             cached = inputs
+        lower = float(lower_estimate) if lower_estimate > 0 else 0.0
+        if lower > cached:
+            lower = cached
         running = float(stats.running) if stats.running > 0 else 0.0
         waiting = float(stats.waiting) if stats.waiting > 0 else 0.0
         kv_usage = stats.kv_usage_ratio if stats.kv_usage_ratio > 0 else 0.0
@@ -95,6 +105,8 @@ def build_features(
                 p.prefill_steps,
                 p.ttft_ms,
                 p.tpot_ms,
+                cached - lower,
+                lower,
             )
         )
     return np.array(rows, dtype=np.float32).reshape(len(rows), NUM_FEATURES)

@@ -145,11 +145,13 @@ class LatencyPredictor:
         endpoints: Sequence[Endpoint],
         cached_tokens: Sequence[int],
         now_s: float | None = None,
+        lower_cached_tokens: Sequence[int] | None = None,
     ) -> list[Prediction]:
         """Predictions for `request` on each endpoint, in order; one batched evaluation.
 
-        `cached_tokens[i]`: the router's prefix-cache estimate on endpoint i. `now_s`: monotonic
-        now (defaults to `time.monotonic()`), to age each endpoint's last relayed token.
+        `cached_tokens[i]`: the router's prefix-cache estimate on endpoint i; `lower_cached_tokens[i]`:
+        of them, those below HBM (omitted: none). `now_s`: monotonic now (defaults to
+        `time.monotonic()`), to age each endpoint's last relayed token.
         """
         if not endpoints:
             return []
@@ -157,7 +159,9 @@ class LatencyPredictor:
         rates = [self._rates.rate_tps(endpoint) for endpoint in endpoints]
         output_tokens = self._output_tokens(request)
         now = time.monotonic() if now_s is None else now_s
-        rows = build_features(request.input_tokens, output_tokens, endpoints, cached_tokens, state.prior, rates, now)
+        rows = build_features(
+            request.input_tokens, output_tokens, endpoints, cached_tokens, state.prior, rates, now, lower_cached_tokens
+        )
         model = state.model  # read once: a swap during this call cannot mix two models
         latency = rows[:, _PRIOR_OF_SLOT].astype(np.float64) * self._prior_scale
         if model is not None:

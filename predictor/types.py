@@ -43,11 +43,15 @@ class Feature(IntEnum):
     PREFILL_STEPS = 17  # chunked-prefill steps until its first token (prior's estimate)
     PRIOR_TTFT_MS = 18  # analytic prior (prior.py)
     PRIOR_TPOT_MS = 19
+    # CACHED_TOKENS split by KV tier (docs/routing.md "KV-cache tiers"): a lower-tier hit is loaded over
+    # PCIe, NVMe or the network before the prefill goes on, so it is not as fast as an HBM one
+    CACHED_GPU_TOKENS = 20  # of them, expected in HBM
+    CACHED_LOWER_TOKENS = 21  # of them, expected below HBM (host DRAM, disk, a remote or shared store)
 
 
 NUM_FEATURES: Final = len(Feature)
 FEATURE_NAMES: Final = tuple(f.name.lower() for f in Feature)
-FEATURES_VERSION: Final = 1
+FEATURES_VERSION: Final = 2  # 2: the cached tokens per tier
 
 _Z90: Final = 1.2815515655446004  # standard normal quantile at 0.9
 

@@ -109,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-load-bandwidth-gbps", type=float, default=1.0, help="GB/s at which an adapter loads onto the GPU"
     )
+    p.add_argument(
+        "--lora-memory-budget-mb",
+        type=float,
+        default=None,
+        help="MB of adapters on the GPU besides --max-loras (the gateway's lora_memory_budget_mb); default: none",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             max_loras=args.max_loras,
             lora_modules=_lora_modules(args.lora_modules),
             lora_load_bandwidth_gbps=args.lora_load_bandwidth_gbps,
+            lora_memory_budget_mb=args.lora_memory_budget_mb,
         )
     except ValueError as exc:
         log.error("cannot start: %s", exc)

@@ -77,6 +77,7 @@ class EngineConfig:
     max_loras: int = 1
     lora_modules: dict[str, str] = field(default_factory=dict)
     lora_load_bandwidth: float = 1e9
+    lora_memory_budget: int | None = None  # bytes of adapters on the GPU besides max_loras (None: slots alone)
 
     @property
     def served_model_name(self) -> str:
@@ -117,6 +118,7 @@ def build_engine_config(
     max_loras: int = 1,
     lora_modules: dict[str, str] | None = None,
     lora_load_bandwidth_gbps: float = 1.0,
+    lora_memory_budget_mb: float | None = None,
 ) -> EngineConfig:
     """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
 
@@ -197,9 +199,12 @@ def build_engine_config(
         max_loras=max_loras,
         lora_modules=dict(lora_modules or {}),
         lora_load_bandwidth=lora_load_bandwidth_gbps * 1e9,
+        lora_memory_budget=int(lora_memory_budget_mb * 1024 * 1024) if lora_memory_budget_mb is not None else None,
     )
     if max_loras < 1 or lora_load_bandwidth_gbps <= 0:
         raise ValueError("--max-loras must be >= 1 and --lora-load-bandwidth-gbps > 0")
+    if lora_memory_budget_mb is not None and lora_memory_budget_mb <= 0:
+        raise ValueError("--lora-memory-budget-mb must be > 0")
     if transfer:
         extra = transfer.get("kv_connector_extra_config") or {}
         config.kv_lease_s = float(extra.get("kv_lease_duration", config.kv_lease_s))

@@ -64,7 +64,10 @@ class SimEngine:
         self.lora: LoraSlots | None = None  # --enable-lora (sim/lora.py)
         if config.enable_lora:
             self.lora = LoraSlots(
-                config.max_loras, load_bandwidth=config.lora_load_bandwidth, base_model=config.served_model_name
+                config.max_loras,
+                load_bandwidth=config.lora_load_bandwidth,
+                base_model=config.served_model_name,
+                memory_budget=config.lora_memory_budget,
             )
             for name, path in config.lora_modules.items():
                 self.lora.register(name, path)

@@ -248,7 +248,10 @@ class KVCacheManager:
             if index > run_start:  # one event per contiguous run of newly cached blocks
                 parent = hashes[run_start - 1] if run_start else None
                 extra: tuple[tuple[str, ...] | None, ...] | None = None
-                if run_start == 0 and req.cache_salt:
+                if req.lora_name:  # vLLM names the adapter first in every block's keys, block 0's salt after it
+                    lora, salt = req.lora_name, req.cache_salt
+                    extra = tuple((lora, salt) if i == 0 and salt else (lora,) for i in range(run_start, index))
+                elif run_start == 0 and req.cache_salt:
                     extra = ((req.cache_salt,), *([None] * (index - 1)))
                 pool.events.append(
                     KVEvent(

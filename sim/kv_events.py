@@ -7,7 +7,8 @@
   offloading connector publishes them).
 - Events, vLLM 0.33 ("tagged"): maps ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
   "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}`` (the first
-  block of a salted prompt carries its `cache_salt` in `extra_keys`), ``{"type":
+  block of a salted prompt carries its `cache_salt` in `extra_keys`, after the adapter's name that every
+  block of a LoRA request carries first, as vLLM's `to_event_extra_keys` writes them), ``{"type":
   "BlockRemoved", "block_hashes", "medium", "group_idx"}``, ``{"type": "AllBlocksCleared"}``. Older
   releases ("positional"): ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium]``,
   ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.

@@ -13,6 +13,11 @@
   v1/offloading_connector.py, `take_events`): `BlockStored` with `medium: "CPU"`, the blocks' hashes,
   no parent and no token ids; `BlockRemoved` with `medium: "CPU"` when DRAM drops them.
 
+- With a pool's shared store attached (`store`, `kv_store.py`), evictions are written there too (a
+  store that writes on eviction), and
+  the run a request loads goes on through the store's blocks after the DRAM ones (the DRAM part over
+  PCIe, then the store part over the store's link).
+
 `kv_cache.KVCacheManager.offload` holds the tier; `attach` wires the eviction hook.
 """
 
@@ -25,10 +30,12 @@ from typing import TYPE_CHECKING
 
 from backends.perf.capacity import kv_bytes_per_token_per_device
 from sim.kv_cache import KVEvent
+from sim.kv_store import WRITE_ON_EVICT
 
 if TYPE_CHECKING:
     from sim.config import EngineConfig
     from sim.kv_cache import BlockPool, KVCacheManager
+    from sim.kv_store import SharedStore
     from sim.request import Request
 
 CPU_MEDIUM = "CPU"
@@ -56,6 +63,8 @@ class HostOffload:
         self.loading: dict[str, int] = {}  # request id -> tokens being loaded for it
         self.stats = OffloadStats()
         self._pool: BlockPool | None = None
+        self.store: SharedStore | None = None  # the pool's shared store below DRAM (kv_store.py)
+        self._from_store: dict[str, int] = {}  # request id -> blocks of its matched run held by the store
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> HostOffload:
@@ -87,6 +96,8 @@ class HostOffload:
             removed.append(blocks.popitem(last=False)[0])
         self.stats.offloaded_blocks += len(stored)
         self.stats.evicted_blocks += len(removed)
+        if self.store is not None and self.store.write == WRITE_ON_EVICT:
+            self.store.put(hashes)
         pool = self._pool
         if pool is not None and pool.record_events:
             if stored:
@@ -97,8 +108,9 @@ class HostOffload:
     # --- DRAM -> HBM ---------------------------------------------------------------------------------
 
     def match(self, req: Request, start_block: int, max_blocks: int) -> int:
-        """Consecutive blocks of `req` from `start_block` (its HBM hits end there) held in DRAM, up to
-        `max_blocks` in all; they are touched, so loading them does not race their eviction."""
+        """Consecutive blocks of `req` from `start_block` (its HBM hits end there) held in DRAM, then
+        in the shared store, up to `max_blocks` in all; they are touched, so loading them does not race
+        their eviction."""
         hashes = req.block_hashes
         blocks = self.blocks
         n = 0
@@ -106,15 +118,26 @@ class HostOffload:
         while start_block + n < end and hashes[start_block + n] in blocks:
             blocks.move_to_end(hashes[start_block + n])
             n += 1
+        if self.store is not None:
+            shared = self.store.run(hashes, start_block + n, end)
+            if shared:
+                self._from_store[req.request_id] = shared
+            else:
+                self._from_store.pop(req.request_id, None)
+            n += shared
         return n
 
     def start_load(self, req: Request, num_blocks: int, block_size: int, now_s: float) -> float:
         """Begin loading `num_blocks` blocks for `req`; returns when they are in HBM (simulated s)."""
-        load_s = num_blocks * self.bytes_per_block / self.bandwidth
+        shared = min(self._from_store.pop(req.request_id, 0), num_blocks)
+        local = num_blocks - shared
+        load_s = local * self.bytes_per_block / self.bandwidth
+        if shared and self.store is not None:
+            load_s += self.store.record_load(shared)
         self.loading[req.request_id] = num_blocks * block_size
         stats = self.stats
         stats.loads += 1
-        stats.loaded_blocks += num_blocks
+        stats.loaded_blocks += local
         stats.load_s += load_s
         return now_s + load_s
 

@@ -10,7 +10,10 @@ the batched kernels):
   (object-store URIs, hub ids) are accepted, the engine resolving them.
 - **GPU slots.** At most `max_loras` distinct adapters run in one batch (the scheduler skips a waiting
   request whose adapter would be one too many, as vLLM V1's does) and `max_loras` adapters are
-  resident on the GPU, least recently used first out. A step whose batch holds an adapter that is not
+  resident on the GPU, least recently used first out; with a memory budget (`--lora-memory-budget-mb`,
+  the gateway's `lora_memory_budget_mb`) the resident adapters' sizes stay within it too (a batch's
+  adapters must fit it together, and one larger than the whole budget is refused at registration, 400).
+  A step whose batch holds an adapter that is not
   resident loads it first: the step takes `size / bandwidth + fixed` longer (the load is synchronous
   in vLLM's model runner, so every request of the batch waits for it).
 - **Per-step cost**: each distinct adapter in the batch adds `per_adapter_step_s` (the batched LoRA
@@ -101,6 +104,7 @@ class LoraSlots:
         per_adapter_step_s: float = DEFAULT_PER_ADAPTER_STEP_S,
         default_size_bytes: int = DEFAULT_SIZE_BYTES,
         base_model: str = "",
+        memory_budget: int | None = None,
     ) -> None:
         if max_loras < 1:
             raise ValueError("max_loras must be >= 1")
@@ -112,6 +116,7 @@ class LoraSlots:
         self.per_adapter_step_s = per_adapter_step_s
         self.default_size_bytes = default_size_bytes
         self.base_model = base_model
+        self.memory_budget = memory_budget
         self.registered: dict[str, Adapter] = {}
         self.resident: OrderedDict[str, None] = OrderedDict()  # GPU slots, least recently used first
         self.loads = 0
@@ -130,6 +135,11 @@ class LoraSlots:
         if os.path.isabs(path) and not os.path.exists(path):
             raise LoraError(404, f"Loading lora {name} failed: No adapter found for {path}")
         size = size_bytes if size_bytes is not None else adapter_size(path, self.default_size_bytes)
+        if self.memory_budget is not None and size > self.memory_budget:
+            raise LoraError(
+                400,
+                f"Loading lora {name} failed: its {size} bytes exceed the LoRA memory budget of {self.memory_budget}",
+            )
         adapter = Adapter(name, path, size, self._next_id)
         self._next_id += 1
         self.registered[name] = adapter
@@ -153,9 +163,19 @@ class LoraSlots:
 
     # --- scheduling --------------------------------------------------------------------------------
 
+    def size_of(self, name: str) -> int:
+        adapter = self.registered.get(name)
+        return adapter.size_bytes if adapter is not None else self.default_size_bytes
+
     def admissible(self, name: str, batch: set[str]) -> bool:
-        """Whether a request of adapter `name` may join a batch already running `batch`'s adapters."""
-        return name in batch or len(batch) < self.max_loras
+        """Whether a request of adapter `name` may join a batch already running `batch`'s adapters (at
+        most `max_loras` of them, their sizes within the memory budget together)."""
+        if name in batch:
+            return True
+        if len(batch) >= self.max_loras:
+            return False
+        budget = self.memory_budget
+        return budget is None or sum(map(self.size_of, batch)) + self.size_of(name) <= budget
 
     def step_cost_s(self, active: Iterable[str]) -> float:
         """Extra simulated seconds of a step whose batch runs `active` adapters: loads of those not
@@ -169,7 +189,7 @@ class LoraSlots:
             if name in resident:
                 resident.move_to_end(name)
                 continue
-            while len(resident) >= self.max_loras:
+            while len(resident) >= self.max_loras or self._over_budget(name):
                 victim = next((n for n in resident if n not in names), None)
                 if victim is None:  # cannot happen while the scheduler caps the batch at max_loras
                     break
@@ -181,6 +201,11 @@ class LoraSlots:
             self.loads += 1
             self.load_s_total += cost
         return extra
+
+    def _over_budget(self, name: str) -> bool:
+        """Whether bringing `name` onto the GPU would take the resident adapters over the memory budget."""
+        budget = self.memory_budget
+        return budget is not None and sum(map(self.size_of, self.resident)) + self.size_of(name) > budget
 
     # --- reporting ---------------------------------------------------------------------------------
 

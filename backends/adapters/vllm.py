@@ -421,7 +421,10 @@ class SimAdapter(VllmAdapter):
     device_tool: str | None = None
 
     def platform_args(self, pool: PoolConfig, replica: ReplicaPlan) -> list[str]:
-        return ["--preset", pool.preset] if pool.preset else []
+        argv = ["--preset", pool.preset] if pool.preset else []
+        if pool.lora_memory_budget_mb is not None:  # the simulated GPU holds what the gateway budgets
+            argv += ["--lora-memory-budget-mb", _num(pool.lora_memory_budget_mb)]
+        return argv
 
 
 SIM = SimAdapter()

@@ -188,6 +188,13 @@ class AutoscaleConfig(_Strict):
     )
     forecast_alpha: float = Field(default=0.5, gt=0, le=1, description="EWMA weight of the newest rate")
     forecast_beta: float = Field(default=0.3, ge=0, le=1, description="EWMA weight of the newest trend")
+    adapter_loads_per_min: float = Field(
+        default=30.0,
+        ge=0,
+        description="LoRA adapter loads on demand per minute per ready replica above which the pool thrashes "
+        "loading adapters: one more replica (within max_replicas), and no scale-down that would push the rate "
+        "above it (0: off)",
+    )
     forecast_step_z: float = Field(
         default=3.0,
         ge=0,

@@ -53,6 +53,12 @@ class KubernetesDiscoveryConfig(_Strict):
     kv_events_port: int | None = Field(
         default=None, ge=1, le=65535, description="ZMQ port each engine publishes KV events on (precise index)"
     )
+    rack_label: str | None = Field(
+        default=None,
+        max_length=317,
+        description="a node label naming each node's rack or NVLink domain: read once per node an endpoint runs "
+        "on (needs `get` on nodes) for PD pairing's link classes; node and zone come from the slices",
+    )
 
     @model_validator(mode="after")
     def _selects(self) -> KubernetesDiscoveryConfig:

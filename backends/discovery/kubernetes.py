@@ -9,6 +9,8 @@ the caller):
                      only move the resourceVersion on; each watch ends after `watch_timeout_s`
                      and the next one starts from the last resourceVersion seen
     410 Gone      -> that resourceVersion is too old: list again (a fresh Reset)
+    `rack_label`  -> before a Reset or Upsert naming nodes not seen yet, each such node is read once
+                     (GET /api/v1/nodes/NAME) and NodeRacks(node -> that label's value) delivered
     other errors  -> Failure(why), wait (exponential backoff), watch again from the last version
 
 Objects stay plain JSON dicts (`_preload_content=False`): the decisions in `slices.py` read four
@@ -31,7 +33,17 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from backends.discovery.config import KubernetesDiscoveryConfig
-from backends.discovery.slices import Delete, Failure, Reset, Upsert, WatchEvent, resource_version, slice_name
+from backends.discovery.slices import (
+    Delete,
+    Failure,
+    NodeRacks,
+    Reset,
+    Upsert,
+    WatchEvent,
+    node_names,
+    resource_version,
+    slice_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +51,7 @@ SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/
 LIST_PAGE = 500
 CONNECT_TIMEOUT_S = 5.0
 HTTP_GONE = 410
+HTTP_NOT_FOUND = 404
 
 
 def default_namespace(config: KubernetesDiscoveryConfig) -> str:
@@ -89,6 +102,8 @@ class SliceWatch:
         self._thread: threading.Thread | None = None
         self._response: Any = None
         self._lock = threading.Lock()
+        self._core: k8s_client.CoreV1Api | None = None  # reads nodes' rack label (`rack_label` set)
+        self.racks: dict[str, str | None] = {}  # node -> its rack label, read once per node
         self.lists = 0  # full lists done (the first one and one per 410 Gone)
         self.watches = 0  # watch requests made
 
@@ -118,6 +133,7 @@ class SliceWatch:
             self._deliver(Failure(f"no API client: {exc}"))
             return
         discovery = k8s_client.DiscoveryV1Api(api)
+        self._core = k8s_client.CoreV1Api(api) if self.config.rack_label else None
         version: str | None = None
         backoff_s = self.config.retry_backoff_s
         while not self._stop.is_set():
@@ -164,6 +180,7 @@ class SliceWatch:
             if not cont:
                 break
         self.lists += 1
+        self._learn_racks(items)
         self._deliver(Reset(tuple(items), version))
         return version
 
@@ -193,6 +210,7 @@ class SliceWatch:
                     raise ApiException(status=code if isinstance(code, int) else 500, reason=str(obj.get("message")))
                 version = resource_version(obj) or version
                 if kind in ("ADDED", "MODIFIED"):
+                    self._learn_racks([obj])
                     self._deliver(Upsert(obj))
                 elif kind == "DELETED":
                     self._deliver(Delete(slice_name(obj)))
@@ -203,6 +221,38 @@ class SliceWatch:
             response.close()
             response.release_conn()
         return version
+
+    def _learn_racks(self, slices: list[dict[str, Any]]) -> None:
+        """Read the rack label of nodes not seen yet and deliver it before the slices that name them
+        (a node's rack is where it stands: read once, kept for the watch's life, at most
+        `max_endpoints` x 4 nodes). A node that cannot be read stays unknown and is asked again later."""
+        if self._core is None:
+            return
+        label = self.config.rack_label
+        learnt: list[tuple[str, str | None]] = []
+        for node in sorted(set().union(*(node_names(s) for s in slices))) if slices else []:
+            if node in self.racks or len(self.racks) >= 4 * self.config.max_endpoints:
+                continue
+            try:
+                response: Any = self._core.read_node(
+                    node, _preload_content=False, _request_timeout=(CONNECT_TIMEOUT_S, 30.0)
+                )
+                labels = (json.loads(response.data).get("metadata") or {}).get("labels") or {}
+            except ApiException as exc:
+                if exc.status != HTTP_NOT_FOUND:
+                    log.warning(
+                        "kubernetes discovery %s: node %s unreadable (%s): rack unknown", self._name, node, exc.status
+                    )
+                    continue
+                labels = {}
+            except Exception as exc:  # connection refused or reset, timeouts, bad JSON
+                log.warning("kubernetes discovery %s: node %s unreadable (%s): rack unknown", self._name, node, exc)
+                continue
+            rack = labels.get(label) if isinstance(labels, dict) else None
+            self.racks[node] = str(rack) if isinstance(rack, str) and rack else None
+            learnt.append((node, self.racks[node]))
+        if learnt:
+            self._deliver(NodeRacks(tuple(learnt)))
 
     def _events(self, response: Any) -> Iterator[dict[str, Any]]:
         for line in iter_resp_lines(response):  # type: ignore[no-untyped-call, unused-ignore]

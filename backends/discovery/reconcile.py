@@ -14,12 +14,14 @@ the draining old one in the pool at once; requests in flight on the old object s
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from backends.config import PoolConfig
 from backends.discovery.config import KubernetesDiscoveryConfig
 from backends.discovery.slices import Address
 from backends.fleet import Pool
+from backends.topology import Topology
 from backends.types import Endpoint, EndpointState
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,15 @@ class Changes:
         return bool(self.added or self.draining or self.removed)
 
 
-def endpoint_for(pool: PoolConfig, address: Address, config: KubernetesDiscoveryConfig) -> Endpoint:
+def topology_of(address: Address, racks: Mapping[str, str | None]) -> Topology:
+    """The endpoint's labels: node and zone from its slice, the rack from its node's label."""
+    rack = racks.get(address.node) if address.node is not None else None
+    return Topology(node=address.node, rack=rack, zone=address.zone)
+
+
+def endpoint_for(
+    pool: PoolConfig, address: Address, config: KubernetesDiscoveryConfig, racks: Mapping[str, str | None] = {}
+) -> Endpoint:
     kv_events = None
     if config.kv_events_port is not None:
         host = f"[{address.host}]" if ":" in address.host else address.host
@@ -51,11 +61,16 @@ def endpoint_for(pool: PoolConfig, address: Address, config: KubernetesDiscovery
         max_model_len=pool.max_model_len,
         kv_events_endpoint=kv_events,
         state_reason="discovered: waiting for its first health check",
+        topology=topology_of(address, racks),
     )
 
 
 def reconcile(
-    pool: Pool, discovered: dict[str, Endpoint], wanted: dict[str, Address], config: KubernetesDiscoveryConfig
+    pool: Pool,
+    discovered: dict[str, Endpoint],
+    wanted: dict[str, Address],
+    config: KubernetesDiscoveryConfig,
+    racks: Mapping[str, str | None] = {},
 ) -> Changes:
     """Apply `wanted` (by URL) to the pool. `discovered` (URL -> endpoint) is the reconciler's own
     record of what it added, updated in place; static and launched endpoints are never touched."""
@@ -69,12 +84,13 @@ def reconcile(
     for url, address in wanted.items():
         current = discovered.get(url)
         if current is not None:
+            current.topology = topology_of(address, racks)  # a node's rack may be learnt after its pod
             if current.state is EndpointState.DRAINING:  # back before its drain ended
                 current.state = EndpointState.STARTING
                 current.state_reason = "discovered again: waiting for a health check"
                 changes.added.append(current)
             continue
-        endpoint = endpoint_for(pool.config, address, config)
+        endpoint = endpoint_for(pool.config, address, config, racks)
         for other_url, other in list(discovered.items()):
             if other.id == endpoint.id:  # same pod, new address: the old one is gone for good
                 remove(pool, discovered, other_url)

@@ -19,7 +19,16 @@ from typing import Any, Protocol
 
 from backends.discovery.config import KubernetesDiscoveryConfig
 from backends.discovery.reconcile import reconcile, remove
-from backends.discovery.slices import Delete, Failure, Reset, Upsert, WatchEvent, desired_addresses, slice_name
+from backends.discovery.slices import (
+    Delete,
+    Failure,
+    NodeRacks,
+    Reset,
+    Upsert,
+    WatchEvent,
+    desired_addresses,
+    slice_name,
+)
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 
@@ -63,6 +72,7 @@ class PoolDiscovery:
         self._watch_factory = watch_factory
         self.slices: dict[str, dict[str, Any]] = {}
         self.discovered: dict[str, Endpoint] = {}  # URL -> endpoint this discovery added
+        self.racks: dict[str, str | None] = {}  # node -> rack label (`rack_label`), as the watch read it
         self.synced = False  # a first list arrived
         self.resets = 0
         self.last_failure: str | None = None
@@ -109,6 +119,9 @@ class PoolDiscovery:
                     touched = True
                 elif isinstance(event, Delete):
                     touched = self.slices.pop(event.name, None) is not None or touched
+                elif isinstance(event, NodeRacks):
+                    self.racks.update(event.racks)
+                    touched = True
                 elif isinstance(event, Failure):
                     self.last_failure, self.last_failure_unix_s = event.reason, time.time()
             if touched and self.synced:
@@ -116,7 +129,7 @@ class PoolDiscovery:
 
     def _apply(self) -> None:
         wanted = desired_addresses(self.slices.values(), self.config)
-        changes = reconcile(self.pool, self.discovered, wanted, self.config)
+        changes = reconcile(self.pool, self.discovered, wanted, self.config, self.racks)
         for endpoint in changes.draining:
             url = endpoint.base_url
             if url not in self._drains:

@@ -22,7 +22,8 @@ class Address:
     url: str  # "http://10.0.3.7:8000"
     name: str  # stable name for the endpoint id: the pod's name, else the address
     host: str  # the IP (for a KV-event socket on the same pod)
-    zone: str | None = None
+    zone: str | None = None  # the endpoint's `zone`: its node's topology.kubernetes.io/zone label
+    node: str | None = None  # the endpoint's `nodeName`
 
 
 def slice_name(obj: Mapping[str, Any]) -> str:
@@ -72,15 +73,28 @@ def addresses_of(obj: Mapping[str, Any], config: KubernetesDiscoveryConfig) -> l
         name = ref.get("name") if isinstance(ref, Mapping) and ref.get("kind") == "Pod" else None
         netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         zone = endpoint.get("zone")
+        node = endpoint.get("nodeName")
         found.append(
             Address(
                 url=f"{config.scheme}://{netloc}",
                 name=str(name) if name else netloc.replace("[", "").replace("]", ""),
                 host=host,
                 zone=str(zone) if isinstance(zone, str) else None,
+                node=str(node) if isinstance(node, str) and node else None,
             )
         )
     return found
+
+
+def node_names(obj: Mapping[str, Any]) -> set[str]:
+    """The nodes an EndpointSlice's endpoints run on (`nodeName`)."""
+    names = set()
+    for endpoint in obj.get("endpoints") or []:
+        if isinstance(endpoint, Mapping):
+            node = endpoint.get("nodeName")
+            if isinstance(node, str) and node:
+                names.add(node)
+    return names
 
 
 def desired_addresses(slices: Iterable[Mapping[str, Any]], config: KubernetesDiscoveryConfig) -> dict[str, Address]:
@@ -119,10 +133,17 @@ class Delete:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeRacks:
+    """The rack label (`rack_label`) of nodes the slices name, read from the API server; None: unlabelled."""
+
+    racks: tuple[tuple[str, str | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Failure:
     """The list or watch failed; the watch retries by itself."""
 
     reason: str
 
 
-WatchEvent = Reset | Upsert | Delete | Failure
+WatchEvent = Reset | Upsert | Delete | NodeRacks | Failure

@@ -103,6 +103,12 @@ _HANDLED = {
     "frequency_penalty", "store", "service_tier", "modalities",
 }  # fmt: skip
 _IGNORED = {"stream_options", "prompt_cache_key", "metadata"}
+# Fields that are never refused whatever their value: a body of only these skips the refusal checks.
+_NEVER_REFUSED = frozenset(
+    {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "tools", "tool_choice",
+     "parallel_tool_calls", "response_format", "stop", "user", "safety_identifier", "reasoning_effort"}
+    | _IGNORED
+)  # fmt: skip
 
 
 def _image_block(url: str) -> dict[str, Any]:
@@ -199,7 +205,7 @@ def _messages(chat: Mapping[str, Any], refusals: Refusals) -> tuple[list[dict[st
 
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, Mapping):
+        if type(message) is not dict and not isinstance(message, Mapping):  # dict first: the ABC check is slow
             raise Untranslatable(f"{where} must be an object", where)
         role = message.get("role")
         if "name" in message:
@@ -280,6 +286,8 @@ def _tool_choice(chat: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _refuse_fields(chat: Mapping[str, Any], refusals: Refusals, version: str) -> None:
+    if _NEVER_REFUSED.issuperset(chat):  # the usual body: nothing below applies
+        return
     for name in chat:
         if name not in _HANDLED and name not in _IGNORED:
             refusals.refuse(name, "not a field the Anthropic codec translates")
@@ -320,6 +328,16 @@ def _reasoning(chat: Mapping[str, Any], max_tokens: int, refusals: Refusals) -> 
     return {"type": "enabled", "budget_tokens": budget}
 
 
+def _response_format(fmt: Any, body: dict[str, Any], refusals: Refusals) -> None:
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
+        schema = fmt.get("json_schema")
+        if not isinstance(schema, Mapping) or not isinstance(schema.get("schema"), Mapping):
+            raise Untranslatable("response_format.json_schema.schema must be an object", "response_format")
+        body["output_config"] = {"format": {"type": "json_schema", "schema": schema["schema"]}}
+    elif isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
+        refusals.refuse("response_format", f"{fmt.get('type')!r} has no Anthropic counterpart (json_schema does)")
+
+
 def messages_body(chat: Mapping[str, Any], target: ProviderTarget) -> tuple[dict[str, Any], list[str]]:
     """The Messages request body for a chat body, and the fields dropped (only when the target allows)."""
     refusals = Refusals(target.allow_drop)
@@ -355,13 +373,8 @@ def messages_body(chat: Mapping[str, Any], target: ProviderTarget) -> tuple[dict
             refusals.refuse("temperature", "Anthropic takes no temperature with thinking on")
             body.pop("temperature", None)
     fmt = chat.get("response_format")
-    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
-        schema = fmt.get("json_schema")
-        if not isinstance(schema, Mapping) or not isinstance(schema.get("schema"), Mapping):
-            raise Untranslatable("response_format.json_schema.schema must be an object", "response_format")
-        body["output_config"] = {"format": {"type": "json_schema", "schema": schema["schema"]}}
-    elif isinstance(fmt, Mapping) and fmt.get("type") not in (None, "text"):
-        refusals.refuse("response_format", f"{fmt.get('type')!r} has no Anthropic counterpart (json_schema does)")
+    if fmt is not None:
+        _response_format(fmt, body, refusals)
     if chat.get("stream"):
         body["stream"] = True
     return body, refusals.dropped
@@ -375,13 +388,13 @@ def usage_from(raw: Mapping[str, Any] | None) -> ProviderUsage:
     read = int(raw.get("cache_read_input_tokens") or 0)
     written = int(raw.get("cache_creation_input_tokens") or 0)
     split = raw.get("cache_creation")
-    if isinstance(split, Mapping):
+    if split is not None and isinstance(split, Mapping):
         write_1h = int(split.get("ephemeral_1h_input_tokens") or 0)
         write_5m = int(split.get("ephemeral_5m_input_tokens") or 0)
     else:
         write_1h, write_5m = 0, written
     details = raw.get("output_tokens_details")
-    reasoning = int(details.get("thinking_tokens") or 0) if isinstance(details, Mapping) else 0
+    reasoning = int(details.get("thinking_tokens") or 0) if details is not None and isinstance(details, Mapping) else 0
     return ProviderUsage(
         input_tokens=uncached + read + write_5m + write_1h,
         output_tokens=int(raw.get("output_tokens") or 0),
@@ -397,7 +410,7 @@ def _completion_message(content: list[Any]) -> dict[str, Any]:
     thinking: list[str] = []
     calls: list[dict[str, Any]] = []
     for block in content:
-        kind = block.get("type") if isinstance(block, Mapping) else None
+        kind = block.get("type") if type(block) is dict or isinstance(block, Mapping) else None
         if kind == "text":
             texts.append(str(block.get("text", "")))
         elif kind == "thinking":

@@ -208,7 +208,9 @@ class AzureOpenAICodec:
     def answer(self, body: bytes, target: ProviderTarget) -> tuple[dict[str, Any], ProviderUsage]:
         completion = orjson.loads(body)
         usage = usage_from(completion.get("usage"))
-        return _clean(completion, target.model), usage
+        cleaned = _clean(completion, target.model)
+        cleaned["usage"] = usage.chat_usage()  # normalised as every codec's (tokenway's cache detail keys)
+        return cleaned, usage
 
     def stream(self, target: ProviderTarget) -> AzureStreamDecoder:
         return AzureStreamDecoder(target.model)

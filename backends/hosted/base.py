@@ -21,7 +21,12 @@ class Untranslatable(ProtocolError):
     """A request field the provider has no place for: refused (400, `param` names it), never dropped silently."""
 
 
-@dataclass(frozen=True, slots=True)
+# UpstreamCall and ProviderUsage are made once per request and never changed after: value objects, but
+# not `frozen` dataclasses, whose __init__ (object.__setattr__ per field) costs about three times a
+# plain one's on the per-request path (bench/results/overhead-translation.md).
+
+
+@dataclass(slots=True)
 class UpstreamCall:
     """One HTTP request to a provider, before signing (SigV4 and bearer tokens sign these exact bytes)."""
 
@@ -33,7 +38,7 @@ class UpstreamCall:
     dropped: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ProviderUsage:
     """Tokens as the provider billed them; `input_tokens` is the whole prompt (cache reads and writes included).
 
@@ -127,7 +132,10 @@ class ProviderCodec(Protocol):
 
     def request(self, chat: Mapping[str, Any], target: ProviderTarget) -> UpstreamCall: ...
 
-    def answer(self, body: bytes, target: ProviderTarget) -> tuple[dict[str, Any], ProviderUsage]: ...
+    def answer(self, body: bytes, target: ProviderTarget) -> tuple[dict[str, Any], ProviderUsage]:
+        """The chat completion (its `usage` already `ProviderUsage.chat_usage()`: the transport sends
+        it as it is) and the usage; one parse of `body`."""
+        ...
 
     def stream(self, target: ProviderTarget) -> StreamDecoder: ...
 

@@ -40,6 +40,7 @@ from tests.support.procs import (  # noqa: E402
     start_sim,
     static_pool,
     stop_process,
+    wait_redis,
 )
 
 RESULTS = REPO / "bench" / "results"
@@ -93,14 +94,7 @@ class OwnRedis:
         if self.aof:
             argv += ["--appendonly", "yes", "--appendfsync", "always"]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
-        for _ in range(300):
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        wait_redis(self.url)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=10)

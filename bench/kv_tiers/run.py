@@ -18,12 +18,17 @@ picks the engine for every request, with the same arrivals for every variant:
 - `physics`: every tier seen, a lower-tier hit credited with the prefill time it saves minus its
   load time (`policies/routing/prefix/tiers.py`).
 - `flat` (reference): every tier seen at weight 1 (the precise index before tiers).
+- `physics+store`: `physics` on a fleet that also shares a KV store (`sim/kv_store.py`, the pool's
+  `kv_store`): blocks are written there once computed (`--store-write evict`: on HBM eviction), any
+  engine loads its blocks at the store's link after its own HBM and DRAM runs, and the router is fed
+  the store's events, so a block in the store counts on every replica (credit by physics at the
+  store's link).
 
 Load: arrivals keep the trace's shape, compressed to `--load` x the fleet's capacity, measured per
 seed as the throughput of an all-at-once burst under `gpu-only`. Each seed draws another subset of
-conversations. Hit rate: prompt tokens the engines served from HBM or DRAM over all prompt tokens;
-oracle: at each dispatch, the best any engine could have served (HBM prefix plus its DRAM
-continuation, read from the engines themselves).
+conversations. Hit rate: prompt tokens the engines served from HBM, DRAM or the store over all prompt
+tokens; oracle: at each dispatch, the best any engine could have served (HBM prefix plus its DRAM
+continuation, then the store's, read from the engines and the store themselves).
 
 Writes bench/results/kv-tiers.md and kv-tiers.png. The trace: $TOKENWAY_TRACES (default
 ../shared/data/traces next to the repository) / mooncake/synthetic_trace.jsonl.
@@ -41,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backends.config import PoolConfig, StaticEndpointConfig
+from backends.config import PoolConfig
 from backends.fleet import Pool
 from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 from backends.perf.capacity import kv_bytes_per_token_per_device
@@ -56,6 +61,7 @@ from policies.routing.types import RouteRequest
 from policies.types import Principal, RequestFacts
 from sim.kv_cache import KVCacheManager, KVEvent
 from sim.kv_offload import HostOffload
+from sim.kv_store import WRITE_ON_COMPUTE, SharedStore
 from sim.request import Request
 from sim.scheduler import Scheduler
 
@@ -64,7 +70,8 @@ RESULTS = REPO / "bench" / "results"
 PRESET = "llama-3.1-8b@h100"
 BLOCK = 16
 PRINCIPAL = Principal(key_id="k", tenant="t", allowed_models=None, priority=0)
-VARIANTS = ("gpu-only", "constant", "physics", "flat")
+VARIANTS = ("gpu-only", "constant", "physics", "flat", "physics+store")
+STORE_SUFFIX = "+store"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +80,10 @@ class FleetSpec:
     hbm_blocks: int
     dram_blocks: int
     dram_bandwidth: float  # bytes/s per device
+    store_blocks: int = 0  # the shared store of the `+store` variants
+    store_bandwidth: float = 10e9  # bytes/s per device
+    store_latency_s: float = 1e-3
+    store_write: str = "compute"  # when blocks reach the store (sim/kv_store.py): on compute or on eviction
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
 
@@ -99,6 +110,7 @@ class Outcome:
     oracle_tokens: int
     loaded_tokens: int
     gpu_hit_tokens: int
+    store_tokens: int = 0
 
 
 def _block_ids(hash_id: int, cache: dict[int, list[int]]) -> list[int]:
@@ -129,13 +141,17 @@ def _wire(events: Sequence[KVEvent]) -> list[KvEvent]:
 
 
 def _true_hit_blocks(engine: Engine, req: Request) -> int:
-    """What the engine could serve now without computing: its HBM prefix, then DRAM (no LRU touch)."""
+    """What the engine could serve now without computing: its HBM prefix, then DRAM, then the shared
+    store (no LRU touch)."""
     hits = len(engine.kv.computed_blocks(req))
     max_blocks = (req.num_tokens - 1) // BLOCK
     dram = engine.offload.blocks
     n = hits
     while n < max_blocks and req.block_hashes[n] in dram:
         n += 1
+    store = engine.offload.store
+    if store is not None:
+        n += store.run(req.block_hashes, n, max_blocks, touch=False)
     return n
 
 
@@ -148,20 +164,38 @@ def simulate(
     ids_cache: dict[int, list[int]],
 ) -> Outcome:
     preset = resolve_preset(PRESET)
+    with_store = variant.endswith(STORE_SUFFIX)
+    credit = variant.removesuffix(STORE_SUFFIX)
     router: ScoringRouter = build_router(
-        {"seed": seed, "prefix_index": {"mode": "precise"}, "kv_tiers": {"credit": variant}}
+        {"seed": seed, "prefix_index": {"mode": "precise"}, "kv_tiers": {"credit": credit}}
     )
-    config = PoolConfig(
-        name="p",
-        model="m",
-        preset=PRESET,
-        endpoints=[StaticEndpointConfig(url=f"http://e{i}") for i in range(spec.engines)],
+    bytes_per_block = BLOCK * kv_bytes_per_token_per_device(preset)
+    store: SharedStore | None = None
+    kv_store: dict[str, float] | None = None
+    if with_store:
+        store = SharedStore(
+            spec.store_blocks, spec.store_bandwidth, spec.store_latency_s, bytes_per_block, spec.store_write
+        )
+        kv_store = {
+            "capacity_tokens": spec.store_blocks * BLOCK,
+            "bandwidth_gbps": spec.store_bandwidth / 1e9,
+            "latency_ms": spec.store_latency_s * 1e3,
+        }
+    config = PoolConfig.model_validate(
+        {
+            "name": "p",
+            "model": "m",
+            "preset": PRESET,
+            "endpoints": [{"url": f"http://e{i}"} for i in range(spec.engines)],
+            "kv_store": kv_store,
+        }
     )
     engines: list[Engine] = []
-    bytes_per_block = BLOCK * kv_bytes_per_token_per_device(preset)
+    store_seq = 0
     for i in range(spec.engines):
         kv = KVCacheManager(spec.hbm_blocks, BLOCK)
         offload = HostOffload(spec.dram_blocks, spec.dram_bandwidth, bytes_per_block).attach(kv)
+        offload.store = store
         stats = EndpointStats(block_size=BLOCK, num_gpu_blocks=spec.hbm_blocks, scraped_at_s=0.0)
         endpoint = Endpoint(
             id=f"e{i}",
@@ -186,8 +220,17 @@ def simulate(
     prompt_total = 0
 
     def publish(engine: Engine, now: float) -> None:
+        nonlocal store_seq
+        if store is not None and store.events:
+            store_seq += 1
+            shared = KvEventBatch(seq=store_seq, ts=now, events=_wire(store.drain_events()), received_at_s=now)
+            router.on_store_batch("p", shared)
         events = engine.pending + engine.kv.pool.drain_events()
         engine.pending = []
+        if store is not None and store.write == WRITE_ON_COMPUTE:  # what the step computed, as LMCache stores it
+            for e in events:
+                if e.kind == "stored" and e.medium == "GPU":
+                    store.put(e.block_hashes)
         for req in engine.changed:
             ticket = tickets.get(req.request_id)
             if ticket is not None:
@@ -283,7 +326,8 @@ def simulate(
         hit_tokens=hit,
         oracle_tokens=min(oracle, prompt_total),
         loaded_tokens=loaded,
-        gpu_hit_tokens=hit - loaded,
+        gpu_hit_tokens=hit - loaded - (store.stats.loaded_blocks * BLOCK if store is not None else 0),
+        store_tokens=store.stats.loaded_blocks * BLOCK if store is not None else 0,
     )
 
 
@@ -308,6 +352,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-tokens", type=int, default=80_000, help="HBM KV capacity per engine (tokens)")
     p.add_argument("--dram-tokens", type=int, default=400_000, help="host-DRAM tier per engine (tokens)")
     p.add_argument("--dram-gbps", type=float, default=25.0, help="PCIe bandwidth per device, GB/s")
+    p.add_argument("--store-tokens", type=int, default=2_000_000, help="the shared store of `+store` (tokens)")
+    p.add_argument("--store-gbps", type=float, default=10.0, help="the store's link per device, GB/s")
+    p.add_argument("--store-latency-ms", type=float, default=1.0, help="the store's fixed cost per load, ms")
+    p.add_argument("--store-write", choices=("compute", "evict"), default="compute", help="when blocks reach it")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
     p.add_argument("--max-input", type=int, default=64_000, help="drop longer prompts (must fit HBM)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "kv-tiers.md")
@@ -326,7 +375,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         hbm_blocks=args.hbm_tokens // BLOCK,
         dram_blocks=args.dram_tokens // BLOCK,
         dram_bandwidth=args.dram_gbps * 1e9,
+        store_blocks=args.store_tokens // BLOCK,
+        store_bandwidth=args.store_gbps * 1e9,
+        store_latency_s=args.store_latency_ms / 1e3,
+        store_write=args.store_write,
     )
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     ids_cache: dict[int, list[int]] = {}
     outcomes: list[Outcome] = []
     rates: dict[int, float] = {}
@@ -337,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cap = capacity(requests, spec, seed, ids_cache)
         rates[seed] = cap
         arrivals = scaled_arrivals(requests, args.load * cap)
-        for variant in VARIANTS:
+        for variant in variants:
             out = simulate(variant, requests, arrivals, spec, seed, ids_cache)
             outcomes.append(out)
             print(

@@ -28,11 +28,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from backends.fleet import Pool
 from backends.model_tokenizer import ModelTokenizer
 from backends.types import Endpoint, EndpointState
+from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
 from policies.estimate import PromptEstimator
 from policies.model_count import ModelTokenizerCounter
@@ -77,7 +76,7 @@ async def run(repeats: int) -> list[dict[str, Any]]:
     engines = start_sim(workdir, time_scale=10.0, served_model_name="m")
     rows: list[dict[str, Any]] = []
     try:
-        async with aiohttp.ClientSession() as session:
+        async with UpstreamClient() as session:
             pool = Pool(_pool_config())
             endpoint = Endpoint(id="p/both-0", pool="p", base_url=engines.urls[0], engine="vllm", served_model="m")
             endpoint.state = EndpointState.READY
@@ -102,7 +101,7 @@ async def run(repeats: int) -> list[dict[str, Any]]:
 Count = Callable[[dict[str, Any]], Awaitable[Any]]
 
 
-def _counters(tokenizer: ModelTokenizer, session: aiohttp.ClientSession, pool: Pool) -> dict[str, Count]:
+def _counters(tokenizer: ModelTokenizer, session: UpstreamClient, pool: Pool) -> dict[str, Count]:
     cl100k = PromptEstimator()
     model = ModelTokenizerCounter(tokenizer)
     engine = EngineTokenizeCounter(session, pool, timeout_s=30)

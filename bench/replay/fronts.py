@@ -2,7 +2,8 @@
 
 tokenway variants differ only in gateway.yaml's `routing:` section (the baselines are its own
 `routing.default.router: round-robin | least-inflight`); the pool is the fleet's engines as static
-`engine: sim` endpoints (each with its `kv_events_endpoint`, used in precise mode only).
+`engine: sim` endpoints (each with its `kv_events_endpoint`, used in precise mode only). llm-d's
+"sticky until saturated" default runs as one more tokenway variant (`llmd_sticky_routing`, NOTES.md).
 vllm-router (PyPI `vllm-router`, a Rust binary) runs from `bench/.venv-vllm-router/`.
 """
 
@@ -45,7 +46,45 @@ class RouterSpec:
     state: dict[str, Any] = field(default_factory=dict)  # tokenway: the state: section (redis for sharing)
 
 
-def tokenway_routers(seed: int) -> list[RouterSpec]:
+# llm-d's "sticky until saturated" (its default for prefill-bound traffic): the affinity filter's
+# threshold and TTFT penalty at llm-d's defaults; its peak prefill rate calibrated on our engines the
+# way llm-d's recipe does (one max_num_batched_tokens chunk over its cache-miss TTFT: NOTES.md).
+LLMD_AFFINITY_THRESHOLD = 0.8
+LLMD_MAX_TTFT_PENALTY_S = 18.0
+LLMD_CHUNK_TOKENS = 8192  # the fleet's max_num_batched_tokens
+
+
+def peak_prefill_tokens_per_s(preset: str, chunk_tokens: int = LLMD_CHUNK_TOKENS) -> float:
+    """llm-d's `peakPrefillThroughput` for the simulated preset: chunk / TTFT of one uncached chunk
+    on an idle engine (the simulator's own step-time model, which is what a measurement returns)."""
+    from backends.perf.presets import resolve_preset
+    from backends.perf.roofline import prefill_time_s
+
+    return chunk_tokens / prefill_time_s(resolve_preset(preset, None), chunk_tokens)
+
+
+def llmd_sticky_routing(seed: int, preset: str) -> dict[str, Any]:
+    """`prefix-cache-affinity-filter` + `token-load-scorer` + `max-score-picker` as a tokenway
+    pipeline: the `prefix-affinity` filter, then `work-cost` without its decode and per-request terms
+    (= in-flight uncached prefill tokens + this request's uncached tokens), the least of them wins."""
+    affinity = {
+        "threshold": LLMD_AFFINITY_THRESHOLD,
+        "max_ttft_penalty_s": LLMD_MAX_TTFT_PENALTY_S,
+        "peak_prefill_tokens_per_s": round(peak_prefill_tokens_per_s(preset)),
+    }
+    return {
+        "seed": seed,
+        "default": {
+            "filters": [{"type": "prefix-affinity", "params": affinity}, {"type": "context-length"}],
+            "scorers": [{"type": "work-cost", "weight": 1.0, "params": {"decode_weight": 0.0, "request_tokens": 0.0}}],
+            "picker": {"type": "max-score"},
+        },
+    }
+
+
+def tokenway_routers(seed: int, preset: str = "llama-3.1-8b@h100") -> list[RouterSpec]:
+    sticky = llmd_sticky_routing(seed, preset)
+    tau = LLMD_MAX_TTFT_PENALTY_S * sticky["default"]["filters"][0]["params"]["peak_prefill_tokens_per_s"]
     return [
         RouterSpec("round-robin", "tokenway", {"default": {"router": "round-robin"}},
                    note="tokenway `routing.default.router: round-robin`"),
@@ -55,6 +94,11 @@ def tokenway_routers(seed: int) -> list[RouterSpec]:
                    note="tokenway default scoring pipeline, approximate prefix index"),
         RouterSpec("tokenway-precise", "tokenway", {"seed": seed, "prefix_index": {"mode": "precise"}},
                    note="tokenway default scoring pipeline, precise prefix index (engines' KV events)"),
+        RouterSpec("llm-d-sticky", "tokenway", sticky,
+                   note="llm-d's \"sticky until saturated\" default (`prefix-cache-affinity-filter` 0.8, "
+                        f"release at {tau:,.0f} in-flight uncached tokens ahead = 18 s x "
+                        f"{tau / LLMD_MAX_TTFT_PENALTY_S:,.0f} tok/s; `token-load-scorer`; `max-score-picker`) "
+                        "re-implemented as a tokenway pipeline, approximate prefix index"),
     ]  # fmt: skip
 
 
@@ -133,7 +177,15 @@ def start_tokenway(spec: RouterSpec, fleet: Fleet, workdir: Path) -> Front:
                                                                            strict=True)],
     }  # fmt: skip
     config = {
-        "server": {"host": "127.0.0.1", "port": port, "drain_timeout_s": 5},
+        # no first-token deadline and no stall ejection: a request stays where the router put it (at
+        # a burst or a deep queue both would move or cut requests, which no other router here does)
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "drain_timeout_s": 5,
+            "stall_after_s": 600.0,
+            "first_token_deadline": {"enabled": False},
+        },
         "policies": "policies.yaml",
         "pools": [pool],
         "routing": spec.routing,

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity is not None:
             capacity = args.capacity
         else:
-            capacity, _ = measure_capacity(fleet, workload, args, workdir)
+            capacity, _ = measure_capacity(fleet, workload, args, workdir, args.seed)
         rate = args.load * capacity
         arrivals = [a / workload.time_scale for a in scaled_arrivals(workload.requests, rate)]
         for spec in specs(args.seed, args.redis_url, prefix):

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.replay.run                      # the full run (~20 min on 2 cores)
     .venv/bin/python -m bench.replay.run --quick              # a smoke run (small subsets, 2 routers)
+    .venv/bin/python -m bench.replay.run --seeds 7,8 --kv-aware --loads 0.8   # issue 42's two rounds
 
 One `sim` process runs `--engines` simulated `llama-3.1-8b@h100` engines (prefix caching,
 KV events on). For every (trace, load, router) a fresh router process is started in front of them,
@@ -41,10 +42,11 @@ from typing import Any
 from bench.loadgen import Shot, bearer, completion_body, write_plan
 from bench.replay import fleet as fleet_mod
 from bench.replay import fronts, report
-from bench.replay.stats import RunSummary, capacity_from_burst, queue_p90, summarize
+from bench.replay.stats import RunSummary, capacity_from_burst, percentile, queue_p90, summarize, ttft_floors
 from bench.replay.workload import (
     PromptBuilder,
     TraceRequest,
+    best_case_cached_tokens,
     infinite_cache_hit_ratio,
     load_azure,
     load_mooncake,
@@ -86,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", default="all", help="comma-separated router names, or all")
     p.add_argument("--kv-aware", action="store_true", help="also run vllm-router --policy kv_aware")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, one full round each (Mooncake subset, prompt words, router RNG); "
+        "default: --seed alone",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: small subsets, two routers, one load")
     p.add_argument(
         "--out",
@@ -102,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _routers(args: argparse.Namespace) -> list[fronts.RouterSpec]:
-    specs = fronts.tokenway_routers(args.seed) + fronts.vllm_router_routers(args.kv_aware)
+def _routers(args: argparse.Namespace, seed: int) -> list[fronts.RouterSpec]:
+    specs = fronts.tokenway_routers(seed, args.preset) + fronts.vllm_router_routers(args.kv_aware)
     if args.routers != "all":
         wanted = [r.strip() for r in args.routers.split(",") if r.strip()]
         unknown = set(wanted) - {s.name for s in specs}
@@ -172,14 +180,14 @@ def replay(
 
 
 def measure_capacity(
-    fleet: fleet_mod.Fleet, workload: Workload, args: argparse.Namespace, workdir: Path
+    fleet: fleet_mod.Fleet, workload: Workload, args: argparse.Namespace, workdir: Path, seed: int, tag: str = ""
 ) -> tuple[float, dict[str, Any]]:
     """Least-load throughput under an all-at-once burst of the workload (sim req/s)."""
-    spec = next(s for s in fronts.tokenway_routers(args.seed) if s.name == "least-load")
+    spec = next(s for s in fronts.tokenway_routers(seed, args.preset) if s.name == "least-load")
     # every arrival within ~3 simulated seconds: the queue never empties until the tail
     arrivals = [a / workload.time_scale for a in scaled_arrivals(workload.requests, len(workload.requests) / 3.0)]
     outcomes, hit, _, wall_s, cpu_busy = replay(
-        spec, fleet, workload.requests, arrivals, label=f"capacity {workload.name}", workdir=workdir, seed=args.seed
+        spec, fleet, workload.requests, arrivals, label=f"capacity {workload.name}{tag}", workdir=workdir, seed=seed
     )
     capacity = capacity_from_burst(outcomes, workload.time_scale)
     ok = sum(1 for o in outcomes if o["ok"])
@@ -194,19 +202,26 @@ def _run_dir(workdir: Path, label: str) -> Path:
     return workdir / label.replace(" ", "_").replace("/", "-")
 
 
-def write_report(workdir: Path, out: Path) -> None:
+def run_label(trace: str, load: float, router: str, seed: int | None) -> str:
+    """A replay's label (and workdir folder): `s<seed> ` first in multi-seed runs, the router last."""
+    return f"{'' if seed is None else f's{seed} '}{trace} {load:.0%} {router}"
+
+
+def write_report(workdir: Path, out: Path, args: argparse.Namespace | None = None) -> None:
     """The report and plot from a finished run's workdir (`replay.json` + per-replay results)."""
     raw = json.loads((workdir / "replay.json").read_text())
+    if args is not None:
+        _add_floors(raw["meta"], args)
     summaries: list[RunSummary] = []
-    outcomes_by_run: dict[str, list[dict[str, Any]]] = {}
+    outcomes_by_run: dict[tuple[str, float, str, int], list[dict[str, Any]]] = {}
     for row in raw["runs"]:
         s = RunSummary(**row)
-        label = f"{s.trace} {s.load:.0%} {s.router}"
+        label = run_label(s.trace, s.load, s.router, s.seed if raw["meta"].get("seeds") else None)
         path = _run_dir(workdir, label) / "results.json"
         if path.exists():
-            outcomes_by_run[label] = json.loads(path.read_text())
+            outcomes = outcomes_by_run[(s.trace, s.load, s.router, s.seed)] = json.loads(path.read_text())
             if math.isnan(s.queue_p90_s):  # written before the field existed
-                s = dataclasses.replace(s, queue_p90_s=queue_p90(outcomes_by_run[label]))
+                s = dataclasses.replace(s, queue_p90_s=queue_p90(outcomes))
         summaries.append(s)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot_path = out.with_name(out.stem + "-ttft-cdf.png")
@@ -214,26 +229,27 @@ def write_report(workdir: Path, out: Path) -> None:
     out.write_text(report.markdown(raw["meta"], summaries, plot_path.name if plotted else None))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.report_only:
-        if args.workdir is None:
-            raise SystemExit("--report-only needs --workdir")
-        write_report(args.workdir, args.out or RESULTS / "replay.md")
-        return 0
-    if args.quick:
-        args.mooncake_requests, args.azure_requests = min(args.mooncake_requests, 60), min(args.azure_requests, 40)
-        args.loads, args.azure_loads = "0.8", "0.8"
-        if args.routers == "all":
-            args.routers = "round-robin,tokenway-approx"
-    mooncake_path = args.traces / "mooncake" / "synthetic_trace.jsonl"
-    if not mooncake_path.exists():
-        print(f"trace missing: {mooncake_path} (the shared traces folder is needed)", file=sys.stderr)
-        return 2
+def _add_floors(meta: dict[str, Any], args: argparse.Namespace) -> None:
+    """Each workload's no-queue TTFT floor p90 (`stats.ttft_floors`), for runs recorded without it."""
+    preset = meta.get("preset", args.preset)
+    for key, w in meta["workloads"].items():
+        if "ttft_floor_p90_s" in w:
+            continue
+        name, _, tag = key.partition(" s")
+        seed = int(tag) if tag else int(meta.get("seed", args.seed))
+        found = [
+            x for x in _workloads(args, seed, args.traces / "mooncake" / "synthetic_trace.jsonl") if x.name == name
+        ]
+        if found and len(found[0].requests) == w["requests"]:
+            w["ttft_floor_p90_s"] = percentile(ttft_floors(best_case_cached_tokens(found[0].requests), preset), 90)
+
+
+def _workloads(args: argparse.Namespace, seed: int, mooncake_path: Path) -> list[Workload]:
+    """The traces of one round: the Mooncake subset depends on the seed, the Azure rows do not."""
     workloads = [
         Workload(
             "mooncake",
-            load_mooncake(mooncake_path, args.mooncake_requests, args.seed, MAX_MODEL_LEN),
+            load_mooncake(mooncake_path, args.mooncake_requests, seed, MAX_MODEL_LEN),
             [float(x) for x in args.loads.split(",")],
             "Mooncake synthetic trace, random whole conversations",
             args.time_scale,
@@ -253,88 +269,124 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             print(f"note: {azure_path} missing, Azure rows skipped", file=sys.stderr)
-    routers = _routers(args)
+    return workloads
+
+
+def _describe(w: Workload, preset: str) -> dict[str, Any]:
+    floors = ttft_floors(best_case_cached_tokens(w.requests), preset)
+    return {
+        "ttft_floor_p90_s": percentile(floors, 90),
+        "description": w.description,
+        "requests": len(w.requests),
+        "mean_prompt_tokens": sum(r.input_tokens for r in w.requests) / len(w.requests),
+        "mean_output_tokens": sum(r.output_tokens for r in w.requests) / len(w.requests),
+        "infinite_cache_hit_ratio": infinite_cache_hit_ratio(w.requests),
+        "trace_span_s": w.requests[-1].arrival_s - w.requests[0].arrival_s,
+        "loads": w.loads,
+        "time_scale": w.time_scale,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.report_only:
+        if args.workdir is None:
+            raise SystemExit("--report-only needs --workdir")
+        write_report(args.workdir, args.out or RESULTS / "replay.md", args)
+        return 0
+    if args.quick:
+        args.mooncake_requests, args.azure_requests = min(args.mooncake_requests, 60), min(args.azure_requests, 40)
+        args.loads, args.azure_loads = "0.8", "0.8"
+        if args.routers == "all":
+            args.routers = "round-robin,tokenway-approx"
+    mooncake_path = args.traces / "mooncake" / "synthetic_trace.jsonl"
+    if not mooncake_path.exists():
+        print(f"trace missing: {mooncake_path} (the shared traces folder is needed)", file=sys.stderr)
+        return 2
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    multi = len(seeds) > 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tokenway-replay-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"workdir {workdir}", file=sys.stderr)
     if args.out is None:
         args.out = workdir / "replay.md" if args.quick else RESULTS / "replay.md"
-    for w in workloads:
-        n = len(w.requests)
-        mean_in = sum(r.input_tokens for r in w.requests) / n
-        mean_out = sum(r.output_tokens for r in w.requests) / n
-        hit = infinite_cache_hit_ratio(w.requests)
-        print(f"{w.name}: {n} requests, mean prompt {mean_in:,.0f} tokens, mean output {mean_out:,.0f}, "
-              f"infinite-cache block hit ratio {hit:.1%}", file=sys.stderr)  # fmt: skip
     t_start = time.monotonic()
     cpu_start = os.times()
     summaries: list[RunSummary] = []
     capacities: dict[str, dict[str, Any]] = {}
-    for w in workloads:
-        fleet = fleet_mod.start_fleet(
-            workdir / w.name, engines=args.engines, preset=args.preset, time_scale=w.time_scale, served_model=MODEL
-        )
-        try:
-            given = args.capacity if w.name == "mooncake" else args.azure_capacity
-            if given is not None:
-                capacity, detail = given, {"capacity_rps": given, "given": True}
-            else:
-                capacity, detail = measure_capacity(fleet, w, args, workdir)
-            capacities[w.name] = detail
-            for load in w.loads:
-                rate = load * capacity
-                arrivals = [a / w.time_scale for a in scaled_arrivals(w.requests, rate)]
-                for spec in routers:
-                    label = f"{w.name} {load:.0%} {spec.name}"
-                    outcomes, hit, per_engine, wall_s, cpu_busy = replay(
-                        spec, fleet, w.requests, arrivals, label=label, workdir=workdir, seed=args.seed
-                    )
-                    summary = summarize(
-                        trace=w.name, load=load, router=spec.name, offered_rps=rate, outcomes=outcomes,
-                        wall_s=wall_s, time_scale=w.time_scale, cache_hit_rate=hit, per_engine=per_engine,
-                        host_cpu_busy=cpu_busy,
-                    )  # fmt: skip
-                    summaries.append(summary)
-                    print(f"  {label}: ttft p50 {summary.ttft_p50_s:.2f}s p90 {summary.ttft_p90_s:.2f}s "
-                          f"hit {hit:.1%} ok {summary.ok}/{summary.requests} cpu {cpu_busy:.0%}",
-                          file=sys.stderr)  # fmt: skip
-        finally:
-            with contextlib.suppress(Exception):
-                fleet.stop()
-    elapsed_s = time.monotonic() - t_start
-    cpu_end = os.times()
-    cpu_s = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
-    meta = {
-        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "engines": args.engines,
-        "preset": args.preset,
-        "time_scales": {w.name: w.time_scale for w in workloads},
-        "elapsed_s": elapsed_s,
-        "children_cpu_s": cpu_s,
-        "seed": args.seed,
-        "capacities": capacities,
-        "cpu": CPU_LOG,
-        "workloads": {
-            w.name: {
-                "description": w.description,
-                "requests": len(w.requests),
-                "mean_prompt_tokens": sum(r.input_tokens for r in w.requests) / len(w.requests),
-                "mean_output_tokens": sum(r.output_tokens for r in w.requests) / len(w.requests),
-                "infinite_cache_hit_ratio": infinite_cache_hit_ratio(w.requests),
-                "trace_span_s": w.requests[-1].arrival_s - w.requests[0].arrival_s,
-                "loads": w.loads,
-                "time_scale": w.time_scale,
-            }
-            for w in workloads
-        },
-        "routers": [{"name": s.name, "note": s.note} for s in routers],
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
-    raw = {"meta": meta, "runs": [s.row() for s in summaries]}
-    (workdir / "replay.json").write_text(json.dumps(raw, indent=1))
-    write_report(workdir, args.out)
-    print(f"wrote {args.out} ({elapsed_s / 60:.1f} min)", file=sys.stderr)
+    described: dict[str, dict[str, Any]] = {}
+    time_scales: dict[str, float] = {}
+    routers: list[fronts.RouterSpec] = []
+
+    def save() -> None:
+        """replay.json after every replay: a run cut short still reports what it measured."""
+        cpu_now = os.times()
+        meta = {
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "host": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+            "engines": args.engines,
+            "preset": args.preset,
+            "time_scales": time_scales,
+            "elapsed_s": time.monotonic() - t_start,
+            "children_cpu_s": (cpu_now.children_user + cpu_now.children_system)
+            - (cpu_start.children_user + cpu_start.children_system),
+            "seed": seeds[0],
+            "seeds": seeds if multi else None,
+            "capacities": capacities,
+            "cpu": CPU_LOG,
+            "workloads": described,
+            "routers": [{"name": s.name, "note": s.note} for s in routers],
+            "argv": sys.argv[1:] if argv is None else argv,
+        }
+        raw = {"meta": meta, "runs": [s.row() for s in summaries]}
+        (workdir / "replay.json").write_text(json.dumps(raw, indent=1))
+
+    for seed in seeds:
+        tag = f" s{seed}" if multi else ""
+        workloads = _workloads(args, seed, mooncake_path)
+        routers = _routers(args, seed)
+        for w in workloads:
+            n = len(w.requests)
+            hit = infinite_cache_hit_ratio(w.requests)
+            described[w.name + tag] = _describe(w, args.preset)
+            time_scales[w.name] = w.time_scale
+            print(f"{w.name}{tag}: {n} requests, mean prompt {described[w.name + tag]['mean_prompt_tokens']:,.0f} "
+                  f"tokens, infinite-cache block hit ratio {hit:.1%}", file=sys.stderr)  # fmt: skip
+            fleet = fleet_mod.start_fleet(
+                workdir / (w.name + tag.replace(" ", "-")), engines=args.engines, preset=args.preset,
+                time_scale=w.time_scale, served_model=MODEL,
+            )  # fmt: skip
+            try:
+                given = args.capacity if w.name == "mooncake" else args.azure_capacity
+                if given is not None:
+                    capacity, detail = given, {"capacity_rps": given, "given": True}
+                else:
+                    capacity, detail = measure_capacity(fleet, w, args, workdir, seed, tag)
+                capacities[w.name + tag] = detail
+                for load in w.loads:
+                    rate = load * capacity
+                    arrivals = [a / w.time_scale for a in scaled_arrivals(w.requests, rate)]
+                    for spec in routers:
+                        label = run_label(w.name, load, spec.name, seed if multi else None)
+                        outcomes, hit, per_engine, wall_s, cpu_busy = replay(
+                            spec, fleet, w.requests, arrivals, label=label, workdir=workdir, seed=seed
+                        )
+                        summary = summarize(
+                            trace=w.name, load=load, router=spec.name, offered_rps=rate, outcomes=outcomes,
+                            wall_s=wall_s, time_scale=w.time_scale, cache_hit_rate=hit, per_engine=per_engine,
+                            host_cpu_busy=cpu_busy, seed=seed,
+                        )  # fmt: skip
+                        summaries.append(summary)
+                        save()
+                        print(f"  {label}: ttft p50 {summary.ttft_p50_s:.2f}s p90 {summary.ttft_p90_s:.2f}s "
+                              f"hit {hit:.1%} ok {summary.ok}/{summary.requests} cpu {cpu_busy:.0%}",
+                              file=sys.stderr)  # fmt: skip
+            finally:
+                with contextlib.suppress(Exception):
+                    fleet.stop()
+    save()
+    write_report(workdir, args.out, args)
+    print(f"wrote {args.out} ({(time.monotonic() - t_start) / 60:.1f} min)", file=sys.stderr)
     return 0
 
 

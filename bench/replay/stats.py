@@ -47,6 +47,7 @@ class RunSummary:
     host_cpu_busy: float  # share of all host CPU time busy during the replay
     per_engine: list[int]
     queue_p90_s: float = float("nan")  # engine-reported time waiting for the first schedule (simulated)
+    seed: int = 7  # the round (Mooncake subset, prompt words, router RNG); 7 before rounds existed
 
     def row(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -64,6 +65,7 @@ def summarize(
     cache_hit_rate: float,
     per_engine: list[int],
     host_cpu_busy: float,
+    seed: int = 7,
 ) -> RunSummary:
     ok = [o for o in outcomes if o["ok"]]
     ttft = [o["engine"].get("ttft_s", float("nan")) for o in ok]
@@ -98,6 +100,7 @@ def summarize(
         host_cpu_busy=host_cpu_busy,
         per_engine=per_engine,
         queue_p90_s=queue_p90(outcomes),
+        seed=seed,
     )
 
 
@@ -115,3 +118,24 @@ def capacity_from_burst(outcomes: Sequence[dict[str, Any]], time_scale: float, s
     start = min(o["scheduled_s"] + o["late_s"] for o in outcomes)
     k = max(1, int(share * len(done)))
     return float(k / ((done[k - 1] - start) * time_scale))
+
+
+def ttft_floors(prompts: Sequence[tuple[int, int]], preset: str, chunk_tokens: int = 8192) -> list[float]:
+    """Per request (prompt tokens, best-case cached tokens), its TTFT alone on an idle engine: the
+    uncached part prefilled in `chunk_tokens` steps (the simulator's step-time model). With every
+    earlier-seen block counted as cached, no router can beat it: the p90 of these is the floor a
+    routing target has to sit above."""
+    from backends.perf.presets import resolve_preset
+    from backends.perf.roofline import step_time_s
+
+    spec = resolve_preset(preset, None)
+    out = []
+    for prompt, cached in prompts:
+        done = min(max(cached, 0), max(prompt - 1, 0))
+        total = 0.0
+        while done < prompt:
+            n = min(chunk_tokens, prompt - done)
+            total += step_time_s(spec, [(n, done)])
+            done += n
+        out.append(total)
+    return out

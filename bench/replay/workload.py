@@ -116,6 +116,22 @@ def infinite_cache_hit_ratio(requests: Sequence[TraceRequest]) -> float:
     return hits / total if total else 0.0
 
 
+def best_case_cached_tokens(requests: Sequence[TraceRequest]) -> list[tuple[int, int]]:
+    """(prompt tokens, tokens of its leading blocks seen earlier in the subset) per request: what an
+    unbounded cache on one engine would hold for it."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in requests:
+        hit = 0
+        for k in range(1, len(r.hash_ids) + 1):
+            prefix = r.hash_ids[:k]
+            if prefix in seen and hit == k - 1:
+                hit = k
+            seen.add(prefix)
+        out.append((r.input_tokens, min(hit * BLOCK_TOKENS, r.input_tokens)))
+    return out
+
+
 def scaled_arrivals(requests: Sequence[TraceRequest], rate_per_s: float) -> list[float]:
     """Arrival times (same unit as 1 / rate) that keep the trace's shape at a mean of `rate_per_s`."""
     if len(requests) < 2:

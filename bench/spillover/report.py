@@ -50,8 +50,14 @@ def write(
         "mean offered concurrency); hosted: an Anthropic stand-in, TTFT "
         f"{meta['hosted']['ttft_ms']:.0f} ms, {meta['hosted']['tpot_ms']:.0f} ms/token, "
         f"${meta['hosted']['in']:g}/${meta['hosted']['out']:g} per Mtok in/out; the GPU at "
-        f"${meta['gpu_hour_usd']:.2f}/h; spill after {meta['spill_wait_ms']:.0f} ms waiting. "
-        f"SLO: TTFT <= {meta['slo']['ttft_s']:g} s, TPOT <= {meta['slo']['tpot_s'] * 1000:.0f} ms. "
+        f"${meta['gpu_hour_usd']:.2f}/h; spill after {meta['spill_wait_ms']:.0f} ms waiting"
+        + (
+            f" (spill-priced: also once the predicted wait x ${meta['usd_per_wait_s']:g}/s exceeds the hosted "
+            "pool's price for the request's tokens). "
+            if meta.get("usd_per_wait_s") is not None
+            else ". "
+        )
+        + f"SLO: TTFT <= {meta['slo']['ttft_s']:g} s, TPOT <= {meta['slo']['tpot_s'] * 1000:.0f} ms. "
         f"Host: {meta['host_cpus']} CPUs shared by the gateway, the sim, the stand-in and the client.",
         "",
         "| variant | SLO attainment (mean, min-max over windows) | $/Mtok | hosted share of tokens | "

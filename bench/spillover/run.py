@@ -16,6 +16,14 @@ same arrivals (their own lengths, prompts capped at 3072 and answers at 256 toke
     spill-over    both: the hosted pool is `overflow: true`, a request that waited over
                   `spill.max_wait_ms` (300) for the self-hosted pool goes there
 
+and, on request (`--variants spill-over,spill-priced --out spillover-priced`: the default report
+stays the default policy's):
+
+    spill-priced  spill-over, plus `spill.usd_per_wait_second` (--usd-per-wait-s, $0.01: $36 an hour
+                  of a user's waiting) with the hosted pool's own price (`pool_prices`) and the
+                  self-hosted pool's at 0 (its GPU is paid by the hour): a request also spills as soon
+                  as its predicted wait is worth more than the hosted pool's price for its tokens
+
 SLO: TTFT <= 2 s and TPOT <= 60 ms at the client, answered in full. Money: the hosted pool at
 Claude Sonnet 4.5's list price ($3 input, $15 output per Mtok: docs.anthropic.com, "Pricing"),
 the self-hosted replica at an assumed $2.50 per GPU-hour for the window's wall time (the sim runs
@@ -62,7 +70,7 @@ PRICE_IN, PRICE_OUT = 3.0, 15.0  # USD per Mtok, the hosted pool's
 GPU_HOUR_USD = 2.50  # assumed cost of the self-hosted replica's GPU
 SPILL_WAIT_MS = 300.0
 ALONE_S, ALONE_TPOT_S = 0.020, 0.0075  # one request alone on the simulated replica
-VARIANTS = ("self-hosted", "all-hosted", "spill-over")
+VARIANTS = ("self-hosted", "all-hosted", "spill-over")  # the default report; "spill-priced" on request
 
 
 def trace_path() -> Path:
@@ -100,23 +108,28 @@ def hosted_pool(url: str, overflow: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def policies() -> dict[str, Any]:
+def policies(usd_per_wait_s: float | None = None) -> dict[str, Any]:
     price = {"input_per_mtok": PRICE_IN, "output_per_mtok": PRICE_OUT}
+    model: dict[str, Any] = {"default_max_tokens": MAX_OUTPUT, "price": price}
+    spill: dict[str, Any] = {"max_wait_ms": SPILL_WAIT_MS}
+    if usd_per_wait_s is not None:  # spill-priced: the owned pool at 0 per token, the hosted at its list price
+        model = {"default_max_tokens": MAX_OUTPUT, "price": {}, "pool_prices": {"hosted": price}}
+        spill["usd_per_wait_second"] = usd_per_wait_s
     return {
         "tenants": {"bench": {"spill": {"allowed": True}}},
         "keys": [{"id": "bench", "tenant": "bench", "sha256": hash_key(KEY)}],
-        "models": {MODEL: {"default_max_tokens": MAX_OUTPUT, "price": price}},
-        "spill": {"max_wait_ms": SPILL_WAIT_MS},
+        "models": {MODEL: model},
+        "spill": spill,
         "flow_control": {"bands": {"normal": {"max_queue_ms": 30_000}}},
     }
 
 
-def gateway(workdir: Path, pools: list[dict[str, Any]]) -> Gateway:
+def gateway(workdir: Path, pools: list[dict[str, Any]], usd_per_wait_s: float | None = None) -> Gateway:
     ports = {name: free_port() for name in ("port_base", "kv_events_port_base", "kv_events_replay_port_base")}
     return start_gateway(
         workdir,
         pools=pools,
-        policies=policies(),
+        policies=policies(usd_per_wait_s),
         backends={"devices": [0], "log_dir": str(workdir / "logs"), "run_dir": str(workdir / "run"), **ports},
         predictor={"enabled": False},
         ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 50},
@@ -134,7 +147,9 @@ class Run:
     ledger: list[dict[str, Any]]
 
 
-async def run_variant(variant: str, index: int, arrivals: list[Arrival], seqs: int, workdir: Path) -> Run:
+async def run_variant(
+    variant: str, index: int, arrivals: list[Arrival], seqs: int, workdir: Path, usd_per_wait_s: float = 0.01
+) -> Run:
     os.environ["TW_BENCH_ANTHROPIC_KEY"] = "test-key"
     flags = ["--ttft-ms", str(HOSTED_TTFT_MS), "--tpot-ms", str(HOSTED_TPOT_MS), "--max-output-tokens", "100000"]
     with standin("anthropic", *flags) as hosted:
@@ -142,8 +157,9 @@ async def run_variant(variant: str, index: int, arrivals: list[Arrival], seqs: i
             "self-hosted": [owned_pool(seqs)],
             "all-hosted": [hosted_pool(hosted.url, overflow=False)],
             "spill-over": [owned_pool(seqs), hosted_pool(hosted.url, overflow=True)],
+            "spill-priced": [owned_pool(seqs), hosted_pool(hosted.url, overflow=True)],
         }[variant]
-        gw = gateway(workdir / f"{variant}-{index}", pools)
+        gw = gateway(workdir / f"{variant}-{index}", pools, usd_per_wait_s if variant == "spill-priced" else None)
         try:
             payloads = bodies(arrivals, salt=f"{variant}-{index}")
             started = time.perf_counter()
@@ -203,13 +219,13 @@ async def main_async(args: argparse.Namespace) -> None:
             arrivals = window(start, args.window_s)
             seqs = args.seqs or mean_seqs(arrivals, args.window_s, args.headroom)
             for variant in args.variants.split(","):
-                run = await run_variant(variant, index, arrivals, seqs, Path(tmp))
+                run = await run_variant(variant, index, arrivals, seqs, Path(tmp), args.usd_per_wait_s)
                 row = summarise(run, seqs)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if index == 0:
                     timelines[variant] = [(o.sent_s, variant, met(o, SLO_TTFT_S, SLO_TPOT_S)) for o in run.outcomes]
-                    if variant == "spill-over":
+                    if variant == "spill-over" or (variant == "spill-priced" and "spill-over" not in timelines):
                         timelines["spill-pools"] = [
                             (float(e["started"]), str(e.get("pool") or ""), bool((e.get("extra") or {}).get("spill")))
                             for e in run.ledger
@@ -224,9 +240,10 @@ async def main_async(args: argparse.Namespace) -> None:
         "hosted": {"ttft_ms": HOSTED_TTFT_MS, "tpot_ms": HOSTED_TPOT_MS, "in": PRICE_IN, "out": PRICE_OUT},
         "gpu_hour_usd": GPU_HOUR_USD,
         "spill_wait_ms": SPILL_WAIT_MS,
+        "usd_per_wait_s": args.usd_per_wait_s if "spill-priced" in args.variants.split(",") else None,
         "host_cpus": os.cpu_count(),
     }
-    report.write(RESULTS, "spillover", rows, timelines, meta)
+    report.write(RESULTS, args.out, rows, timelines, meta)
 
 
 def main() -> None:
@@ -235,7 +252,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--seqs", type=int, default=0, help="the self-hosted replica's max_num_seqs (0: sized)")
     parser.add_argument("--headroom", type=float, default=1.5, help="slots per unit of mean offered concurrency")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join((*VARIANTS, 'spill-priced'))}")
+    parser.add_argument("--usd-per-wait-s", type=float, default=0.01, help="spill-priced: spill.usd_per_wait_second")
+    parser.add_argument("--out", default="spillover", help="the report's name under bench/results")
     parser.add_argument("--quick", action="store_true", help="one 20 s window (a smoke run)")
     args = parser.parse_args()
     if args.quick:

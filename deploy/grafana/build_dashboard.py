@@ -85,7 +85,32 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
                 {"expr": "sum by (pool) (rate(tokenway_prefix_cache_estimated_hit_tokens_total[$__rate_interval])) / "
                          "sum by (pool) (rate(tokenway_routing_prompt_tokens_total[$__rate_interval]))",
                  "legend": "estimated {{pool}}"},
+                {"expr": "sum by (pool, tier) (rate(tokenway_prefix_cache_tier_tokens_total[$__rate_interval])) / "
+                         "on (pool) group_left "
+                         "sum by (pool) (rate(tokenway_routing_prompt_tokens_total[$__rate_interval]))",
+                 "legend": "estimated {{pool}} from {{tier}}"},
             ], 8),
+        ],
+    ),
+    (
+        "KV cache: the supply side (docs/routing.md, KV-cache tiers)",
+        [
+            ("Prefill tokens not recomputed/s: real and credited", "short", [
+                {"expr": "sum by (pool, measure) (rate(tokenway_prefill_tokens_saved_total[$__rate_interval]))",
+                 "legend": "{{pool}} {{measure}}"},
+            ], 6),
+            ("Prefill GPU-seconds saved per second", "short", [
+                {"expr": "sum by (pool) (rate(tokenway_prefill_gpu_seconds_saved_total[$__rate_interval]))",
+                 "legend": "{{pool}}"},
+            ], 6),
+            ("Prefill saved over the range (pool GPU cost)", "currencyUSD", [
+                {"expr": "sum by (pool) (increase(tokenway_prefill_saved_usd_total[$__range]))",
+                 "legend": "{{pool}}"},
+            ], 6),
+            ("KV bytes moved by link (PD transfers, lower-tier loads)", "Bps", [
+                {"expr": "sum by (pool, link) (rate(tokenway_kv_bytes_moved_total[$__rate_interval]))",
+                 "legend": "{{pool}} {{link}}"},
+            ], 6),
         ],
     ),
     (

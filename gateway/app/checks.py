@@ -18,8 +18,9 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from backends.config import PoolConfig
+from backends.lora import MB, budget_bytes, local_size_bytes
 from gateway.app.settings import GatewaySettings
-from policies.schema import PoliciesConfig
+from policies.schema import PoliciesConfig, TierPriceConfig
 
 Severity = Literal["error", "warning"]
 
@@ -46,8 +47,10 @@ def config_findings(
     found += _shadowing(policies, pools, policies_source)
     found += _fallbacks(policies, served, policies_source)
     found += _unpriced(policies, pools, gw)
+    found += _pool_prices(policies, pools, policies_source)
     found += _allow_lists(policies, served, policies_source)
     found += _adapter_routing(settings, policies, pools)
+    found += _adapter_budgets(policies, pools, policies_source)
     found += _role_teams(settings, policies, policies_source)
     return sorted(found, key=lambda f: f.severity != "error")
 
@@ -131,7 +134,7 @@ def _unpriced(policies: PoliciesConfig, pools: Sequence[PoolConfig], gw: str) ->
                     "free), no context length check, no fallbacks",
                 )
             )
-        elif model.price.input_per_mtok == 0 and model.price.output_per_mtok == 0:
+        elif _free(model.pool_prices.get(pool.name) or model.price):
             found.append(
                 Finding(
                     "warning",
@@ -139,6 +142,33 @@ def _unpriced(policies: PoliciesConfig, pools: Sequence[PoolConfig], gw: str) ->
                     f"model {pool.model!r} of pool {pool.name!r} has no price: budgets never charge it",
                 )
             )
+    return found
+
+
+def _free(price: TierPriceConfig) -> bool:
+    return price.input_per_mtok == 0 and price.output_per_mtok == 0
+
+
+def _pool_prices(policies: PoliciesConfig, pools: Sequence[PoolConfig], source: str) -> list[Finding]:
+    """A `pool_prices` entry naming no pool of its model: it never prices a request, yet every
+    reservation for the model still holds the dearest of its prices (a warning: the pool may come with
+    the next gateway.yaml)."""
+    serving: dict[str, set[str]] = {}
+    for pool in pools:
+        serving.setdefault(policies.resolve_model(pool.model), set()).add(pool.name)
+    found = []
+    for name, model in policies.models.items():
+        base = policies.resolve_model(model.base) if model.kind == "adapter" and model.base else name
+        found += [
+            Finding(
+                "warning",
+                f"{source}: models.{name}.pool_prices.{pool}",
+                f"no pool {pool!r} serves {name!r} in gateway.yaml: this price never applies, though "
+                "reservations for the model still hold the dearest of its prices",
+            )
+            for pool in model.pool_prices
+            if pool not in serving.get(base, set())
+        ]
     return found
 
 
@@ -168,6 +198,36 @@ def _adapter_routing(settings: GatewaySettings, policies: PoliciesConfig, pools:
                     "holds them (docs/adapters.md)",
                 )
             )
+    return found
+
+
+def _adapter_budgets(policies: PoliciesConfig, pools: Sequence[PoolConfig], source: str) -> list[Finding]:
+    """A LoRA adapter larger than a pool's `lora_memory_budget_mb` (its `size_mb`, else its files' size
+    when readable here) can never be loaded there: an error when no pool serving its base can hold it
+    (every request for it would be refused with a 400), a warning when some cannot (they never get it)."""
+    found = []
+    for name, model in policies.models.items():
+        if model.kind != "adapter" or model.base is None or model.source is None:
+            continue
+        size = int(model.size_mb * MB) if model.size_mb is not None else local_size_bytes(model.source)
+        base = policies.resolve_model(model.base)
+        serving = [(pool.name, budget_bytes(pool.lora_memory_budget_mb)) for pool in pools if pool.model == base]
+        if size is None or not serving:
+            continue
+        small = [(pool, budget) for pool, budget in serving if budget is not None and size > budget]
+        if not small:
+            continue
+        listed = ", ".join(f"{pool} ({budget / MB:g} MB)" for pool, budget in small)
+        everywhere = len(small) == len(serving)
+        found.append(
+            Finding(
+                "error" if everywhere else "warning",
+                f"{source}: models.{name}",
+                f"adapter {name!r} ({size / MB:g} MB) is larger than the LoRA memory budget (lora_memory_budget_mb) "
+                f"of {listed}: "
+                + ("every request for it would be refused" if everywhere else "those pools never serve it"),
+            )
+        )
     return found
 
 

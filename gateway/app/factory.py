@@ -30,13 +30,15 @@ from gateway.app.checks import config_findings, errors
 from gateway.app.policy_reload import PolicyWatcher
 from gateway.app.settings import GatewaySettings, StateSettings
 from gateway.audit.api import audit_ctx, audit_routes
-from gateway.autoscale.wiring import ELASTIC_HOOK, autoscale_ctx
+from gateway.autoscale.wiring import AUTOSCALER, ELASTIC_HOOK, autoscale_ctx
 from gateway.batch.routes import setup_batch_routes
 from gateway.batch.setup import batch_ctx, batch_gate
 from gateway.console.activity import ConsoleActivity
+from gateway.console.adapters import LORA_LOADER
 from gateway.console.routes import console_admin_routes, console_routes
 from gateway.console.sessions import ConsoleSessions
 from gateway.console.shared import SharedActivity
+from gateway.console.tenant_spend import TenantSpend
 from gateway.flow.check import Check
 from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
@@ -64,6 +66,7 @@ from gateway.telemetry.tracing import Tracing
 from gateway.transport.engine import EngineTransport
 from gateway.transport.hosted import HostedCalls, HostedTransport, PoolTransports
 from gateway.transport.lora_keeper import keeping
+from gateway.transport.lora_shared import SharedAdapters, sharing
 from gateway.transport.observers import RouteMetrics, ToolBoundary
 from gateway.transport.provider_quota import ProviderQuotaCheck, ProviderQuotas
 from gateway.upstream.client import UpstreamClient
@@ -145,6 +148,9 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     app[appkeys.METRICS] = metrics
     app[appkeys.TRACING] = tracing
     app[appkeys.LEDGER] = ledger
+    app[appkeys.TENANT_SPEND] = (
+        TenantSpend(ledger_config.dir, ledger_config.redis_stream) if ledger_config.enabled else None
+    )
     app[METRICS_RENDER] = metrics.render if telemetry.metrics.enabled else (lambda: b"")
     app[METRICS_TOKEN] = telemetry.metrics.token or None
     if ledger is not None:
@@ -319,11 +325,13 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
         assert state.redis_url is not None
         bus = ReplicaBus(state.replicas, state.redis_url, state.key_prefix, app[appkeys.FLEET], app[appkeys.ROUTER])
         app[appkeys.ROUTER].dispatch_listener = bus.dispatched
+        app[appkeys.ROUTER].tool_share = bus  # tool-boundary affinity's notes and returns ride the bus too
         await bus.start()
     app[appkeys.REPLICAS] = bus
     yield
     if bus is not None:
         app[appkeys.ROUTER].dispatch_listener = None
+        app[appkeys.ROUTER].tool_share = None
         await bus.stop()
 
 
@@ -437,11 +445,11 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
     estimator = PromptEstimator()
-    build_counters(fleet, estimator, app[appkeys.SESSION])  # reads tokenizer files once, at start-up
+    build_counters(fleet, estimator, app[appkeys.UPSTREAM])  # reads tokenizer files once, at start-up
     hook_list: list[Hook] = []
     hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, streams moved
     if app[appkeys.ROUTING_CONFIG].prefix_index.mode == "precise":
-        hook_list.append(EngineTokenizer(app[appkeys.SESSION], fleet))  # real engines' own token ids
+        hook_list.append(EngineTokenizer(app[appkeys.UPSTREAM], fleet))  # real engines' own token ids
     queue = app[appkeys.FLOW]
     cold = app[ELASTIC_HOOK].cold  # a request for a pool at zero waits in the room while it starts
     cold.room = queue
@@ -460,7 +468,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     if predictor is not None:
         hook_list.append(LearningHook(predictor))  # predictions to learn from, first-token correction
     if metrics_on:
-        hook_list.append(RouteMetrics(metrics))  # each attempt's route and retry, observed
+        hook_list.append(RouteMetrics(metrics, app[appkeys.ROUTER]))  # each attempt's route, retry, KV savings
     hook_list.append(ToolBoundary(app[appkeys.ROUTER]))  # answers ending in tool calls: their program returns
     hooks = Hooks(hook_list)
     sinks = [sink for sink in (metrics if metrics_on else None, ledger, activity) if sink is not None]
@@ -489,6 +497,19 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         **common,
     )
     transport: EngineTransport | PoolTransports = engine
+    lora_share: SharedAdapters | None = None  # `state: redis`: adapters' uses, demand, loads fleet-wide
+    if settings.state.backend == "redis" and settings.state.redis_url:
+        lora_share = SharedAdapters.from_url(
+            settings.state.redis_url,
+            engine.lora,
+            fleet,
+            prefix=settings.state.key_prefix,
+            residency=app[appkeys.ROUTER].residency,
+        )
+        engine.lora.share = lora_share
+    # LoRA adapter demand (docs/autoscaling.md): every process's loads when shared
+    app[AUTOSCALER].adapter_loads = lora_share.pool_loads if lora_share is not None else engine.lora.pool_loads
+    app[LORA_LOADER] = engine.lora  # the console's adapter view (GET /admin/adapters)
     hosted_calls: HostedCalls | None = None
     if any(pool.config.hosted for pool in fleet.pools.values()):  # hosted providers' pools (transport/hosted.py)
         hosted_calls = HostedCalls(fleet, quotas=quotas)
@@ -513,7 +534,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     try:
         # frozen replicas out of routing (gateway/upstream/stalls.py); LoRA preloads and idle unloads
-        async with watching(engine.stalls), keeping(engine.lora_keeper):
+        async with watching(engine.stalls), sharing(lora_share), keeping(engine.lora_keeper):
             yield
     finally:
         if hosted_calls is not None:

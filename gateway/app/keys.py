@@ -15,6 +15,7 @@ from gateway.app.settings import GatewaySettings
 from gateway.console.activity import ConsoleActivity
 from gateway.console.sessions import ConsoleSessions
 from gateway.console.shared import SharedActivity
+from gateway.console.tenant_spend import TenantSpend
 from gateway.flow.queue import FlowQueue
 from gateway.ledger.writer import LedgerWriter
 from gateway.replicas.bus import ReplicaBus
@@ -59,6 +60,8 @@ REPLICAS: web.AppKey[ReplicaBus | None] = web.AppKey("replicas")  # None: replic
 DIRECTORY = web.AppKey("directory", KeyDirectory)  # keys and tenants made through the admin API
 CONSOLE_SESSIONS = web.AppKey("console_sessions", ConsoleSessions)  # logins of the web console
 CONSOLE_ACTIVITY = web.AppKey("console_activity", ConsoleActivity)  # the last hour and the live tail
+# each tenant's spend from the ledger (the tenant list's column); None: the ledger is off
+TENANT_SPEND: web.AppKey[TenantSpend | None] = web.AppKey("tenant_spend")
 FLOW = web.AppKey("flow", FlowQueue)  # flow control's waiting rooms, one per pool
 FLOW_SETTINGS = web.AppKey("flow_settings", FlowSettings)
 FLOW_METRICS = web.AppKey("flow_metrics", FlowMetrics)

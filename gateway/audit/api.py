@@ -27,6 +27,7 @@ from gateway.app import keys as appkeys
 from gateway.audit.record import Change
 from gateway.audit.store import DEFAULT_LIMIT, MAX_LIMIT, AuditLog, LineSink, Query
 from gateway.http.admin_replies import admin_error, json_reply
+from gateway.http.team_scope import team_view
 from gateway.ledger.cli import parse_time_s
 
 log = logging.getLogger("tokenway.audit")
@@ -120,7 +121,8 @@ def _filter(request: web.Request, name: str) -> str | None:
 
 
 async def audit_list(request: web.Request) -> web.Response:
-    """Admin changes, newest first: `?since=24h|ISO&actor=&action=&target=&limit=` (default 100, max 1000)."""
+    """Admin changes, newest first: `?since=24h|ISO&actor=&action=&target=&limit=` (default 100, max 1000);
+    a team admin's: its own changes and its teams' objects' only (gateway/http/team_scope.py)."""
     audit_log = request.app.get(AUDIT_LOG)
     try:
         since = _filter(request, "since")
@@ -130,6 +132,7 @@ async def audit_list(request: web.Request) -> web.Response:
             action=_filter(request, "action"),
             target=_filter(request, "target"),
             limit=_limit(request.query.get("limit")),
+            visible=view.sees_change if (view := team_view(request)) is not None else None,
         )
     except ValueError as exc:
         return admin_error(400, str(exc))

@@ -59,8 +59,11 @@ class Query:
     action: str | None = None  # a case-insensitive part of "METHOD route" ("keys", "DELETE /admin/keys")
     target: str | None = None
     limit: int = DEFAULT_LIMIT
+    visible: Callable[[dict[str, Any]], bool] | None = None  # a team admin's reach (gateway/http/team_scope.py)
 
     def matches(self, record: dict[str, Any]) -> bool:
+        if self.visible is not None and not self.visible(record):
+            return False
         actor = str(record.get("actor", ""))
         if self.actor is not None and actor != self.actor and not actor.startswith(self.actor + ":"):
             return False

@@ -84,6 +84,9 @@ class Autoscaler:
         self.wall_clock: Callable[[], float] = time.time
         self.held: Callable[[str], int] = lambda pool: 0
         self.queued: QueuedSource = lambda pool: (0, 0.0)
+        # LoRA adapter loads on demand per pool since start (the engine transport's loader): adapter demand
+        self.adapter_loads: Callable[[str], int] = lambda pool: 0
+        self._adapter_loads: dict[str, tuple[int, float]] = {}  # pool -> (count at the last window, its rate)
         self.interval_s = min((p.config.autoscale.interval_s for p in self.pools if p.config.autoscale), default=5.0)
         self._poke = asyncio.Event()
         self._last_pass_s = float("-inf")
@@ -265,6 +268,7 @@ class Autoscaler:
             prefill = prefill.update(prefill_tokens / dt * scale, now, alpha, beta, step=step)
             decode = decode.update(decode_tokens / dt * scale, now, alpha, beta, step=step)
             self.forecasts[pool.name] = (prefill, decode)
+        adapter_rate = self._adapter_rate(pool, dt)
         held = self.held(pool.name)
         queued, queued_tokens = self.queued(pool.name)
         # the backlog: prompt tokens waiting in the gateway, plus those dispatched and not yet prefilled
@@ -287,7 +291,23 @@ class Autoscaler:
             device_group=group_of(config),
             awake_since_s=self.executor.awake_since_s.get(pool.name, float("-inf")),
             floors=self.pool_floors(pool.name, now),
+            adapter_loads_per_min=adapter_rate,
         )
+
+    def _adapter_rate(self, pool: Pool, dt: float | None) -> float:
+        """LoRA adapter loads on demand per minute per ready replica over the window `dt` (the last rate
+        on a pass off the schedule; 0 on the first)."""
+        count = self.adapter_loads(pool.name)
+        seen, rate = self._adapter_loads.get(pool.name, (count, 0.0))
+        if dt is None:
+            rate = 0.0
+        elif dt > 0:
+            ready = sum(1 for e in pool.endpoints if e.state is EndpointState.READY)
+            rate = round(max(count - seen, 0) / dt * 60.0 / max(ready, 1), 3)
+        else:
+            count = seen
+        self._adapter_loads[pool.name] = (count, rate)
+        return rate
 
     # --- what operators see ----------------------------------------------------------------------
 
@@ -335,6 +355,7 @@ class Autoscaler:
                         "output_tokens": round(traffic.mix.output_tokens, 1),
                     },
                     "calibration": round(traffic.calibration.factor, 3),
+                    "adapter_loads_per_min": self._adapter_loads.get(name, (0, 0.0))[1],
                     "held": self.held(name),
                     "floors": [scheduled.view(f, now) for f in self.pool_floors(name, now)],
                     "startup_s": round(self.executor.lead.startup_s(name), 3),

@@ -104,7 +104,10 @@ class BatchGate(Check, Hook):
             facts = ctx.facts
             shape = RequestShape(facts.prompt_tokens, facts.max_tokens, facts.principal.tenant, ctx.model)
             endpoints, cached = [decision.endpoint], [decision.cached_tokens_estimate]
-            prediction = self.predictor.predict(routed.pool.name, shape, endpoints, cached)[0]
+            lower = [decision.cached_lower_tokens]
+            prediction = self.predictor.predict(routed.pool.name, shape, endpoints, cached, lower_cached_tokens=lower)[
+                0
+            ]
         if prediction is None:
             return None
         return LinePrediction(prediction.ttft_ms, prediction.tpot_ms)

@@ -12,6 +12,12 @@ fixed-bucket histogram (`ttft_le_ms`, cumulative-free counts per upper bound) fr
 read within a bucket's width. Percentiles cannot be summed across replicas; bucket counts can, and
 every field of `models` is a number or a dict of numbers, so shared.py sums it like the rest. The map
 is bounded by the models of policies.yaml (`MAX_MODELS` at most); any other name counts as `(other)`.
+
+Each minute also counts per team (`teams`: the minute's scalar counters, requests to SLO, for the
+requests of the tenants of each team), so that a team admin's overview is its teams' own figures
+rather than a share of everyone's (gateway/http/team_scope.py). The team is looked up from the
+record's tenant in policies.yaml, then in the admin API's directory; a tenant of no team counts in
+no team. The map is bounded by the teams of policies.yaml (a tenant may only name one of those).
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ def _model_counters() -> dict[str, Any]:
     }
 
 
+TEAM_FIELDS = (
+    "requests",
+    "served",
+    "rejected",
+    "errors",
+    "fallbacks",
+    "input_tokens",
+    "output_tokens",
+    "cost_usd",
+    "slo_requests",
+    "slo_met",
+)
+
+
 @dataclass(slots=True)
 class _Minute:
     start_s: int
@@ -58,6 +78,7 @@ class _Minute:
     slo_requests: int = 0
     slo_met: int = 0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    teams: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +102,7 @@ class _Minute:
                 }
                 for name, m in self.models.items()
             },
+            "teams": {name: {**c, "cost_usd": round(c["cost_usd"], 9)} for name, c in self.teams.items()},
         }
 
 
@@ -127,6 +149,38 @@ class ConsoleActivity:
             minute.slo_requests += 1
             minute.slo_met += int(met)
         self._count_model(minute, record)
+        self._count_team(minute, record, met)
+
+    def _count_team(self, minute: _Minute, record: RequestRecord, met: bool | None) -> None:
+        team = self._team_of(record.tenant)
+        if team is None:
+            return
+        counters = minute.teams.get(team)
+        if counters is None:
+            counters = minute.teams[team] = dict.fromkeys(TEAM_FIELDS, 0)
+        counters["requests"] += 1
+        status = record.status
+        counters["served" if status == "ok" else "rejected" if status == "rejected" else "errors"] += 1
+        counters["fallbacks"] += 1 if record.fallback_from else 0
+        counters["input_tokens"] += record.prompt_tokens
+        counters["output_tokens"] += record.completion_tokens
+        counters["cost_usd"] += record.cost_usd
+        if met is not None:
+            counters["slo_requests"] += 1
+            counters["slo_met"] += int(met)
+
+    def _team_of(self, tenant: str) -> str | None:
+        """The team of a tenant of policies.yaml or of the admin API, when it is one of the file's
+        teams (the only names a tenant may carry: the map stays bounded by them)."""
+        policy = self._policy()
+        config = policy.config
+        file_tenant = config.tenants.get(tenant)
+        if file_tenant is not None:
+            team = file_tenant.team
+        else:
+            record = policy.directory.tenants.get(tenant) if policy.directory is not None and tenant else None
+            team = record.team if record is not None else None
+        return team if team is not None and team in config.teams else None
 
     def _count_model(self, minute: _Minute, record: RequestRecord) -> None:
         name = record.model or record.requested_model
@@ -172,9 +226,14 @@ class ConsoleActivity:
         """Per-minute counters of the last hour and their totals (rates per second over the span)."""
         return overview_of(self.minutes(), self._clock())
 
-    def tail(self, after: int = 0, limit: int = 100) -> list[dict[str, Any]]:
-        """The newest requests after sequence number `after`, newest first."""
+    def tail(
+        self, after: int = 0, limit: int = 100, keep: Callable[[dict[str, Any]], bool] | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest requests after sequence number `after`, newest first; only those `keep` keeps
+        (a team admin's: gateway/http/team_scope.py), counted before `limit`."""
         rows = [_row(seq, record) for seq, record in reversed(self._tail) if seq > after]
+        if keep is not None:
+            rows = [row for row in rows if keep(row)]
         return rows[:limit]
 
 
@@ -212,6 +271,21 @@ def overview_of(minutes: list[dict[str, Any]], now_s: float) -> dict[str, Any]:
         "minutes": dense,
         "models": sorted({name for m in minutes for name in m.get("models") or ()}),
     }
+
+
+def team_overview(minutes: list[dict[str, Any]], teams: frozenset[str], now_s: float) -> dict[str, Any]:
+    """The overview of `teams` alone (a team admin's): each minute's counters of those teams summed,
+    the same summary and dense hour as the fleet's, and no per-model or per-team breakdown (a minute's
+    `models` sum every team's requests; its `teams` name other teams)."""
+    own: list[dict[str, Any]] = []
+    for minute in minutes:
+        parts = [c for name, c in (minute.get("teams") or {}).items() if name in teams]
+        if parts:
+            own.append({"t": minute["t"], **{k: sum(p.get(k, 0) for p in parts) for k in TEAM_FIELDS}})
+    found = overview_of(own, now_s)
+    found["minutes"] = [{"t": m["t"], **{k: m.get(k, 0) for k in TEAM_FIELDS}} for m in found["minutes"]]
+    found["models"] = []
+    return found
 
 
 def _row(seq: int, record: RequestRecord) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -17,6 +19,8 @@ import redis
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.console.activity import team_overview
+from gateway.console.adapters import adapters_view
 from gateway.console.check import model_check
 from gateway.console.oidc import (
     CALLBACK_PATH,
@@ -28,14 +32,17 @@ from gateway.console.oidc import (
     identity_of_claims,
     redirect_uri_of,
 )
+from gateway.console.programs import programs
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.console.throttle import LoginThrottle, retry_after_header
-from gateway.console.usage import usage_async
+from gateway.console.usage import MAX_GROUPS, usage_async
+from gateway.console.usage_csv import MAX_CSV_ROWS, csv_response
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.http import access
 from gateway.http.admin_replies import json_reply
 from gateway.http.roles import CONSOLE, Identity
 from gateway.http.routes import Handler, caller_of, gate_of
+from gateway.http.team_scope import TeamView, team_view
 from gateway.ledger.report import ReportError
 
 audit = logging.getLogger("tokenway.audit")
@@ -183,30 +190,57 @@ async def logout(request: web.Request) -> web.Response:
 async def activity(request: web.Request) -> web.Response:
     """The last hour per minute and the newest requests after `?after=<seq>`: of every replica with
     shared state (gateway/console/shared.py), else of this one."""
+    view = team_view(request)  # a team admin: its teams' requests and counters, no fleet-wide ones
+    keep = view.sees_request if view is not None else None
     shared = request.app.get(appkeys.SHARED_ACTIVITY)
     if shared is not None:
-        return json_reply(await shared.merged())
-    recent = request.app[appkeys.CONSOLE_ACTIVITY]
-    try:
-        after = int(request.query.get("after", "0"))
-    except ValueError:
-        after = 0
-    return json_reply({**recent.overview(), "tail": recent.tail(after)})
+        found = await shared.merged(keep=keep)
+    else:
+        recent = request.app[appkeys.CONSOLE_ACTIVITY]
+        try:
+            after = int(request.query.get("after", "0"))
+        except ValueError:
+            after = 0
+        found = {**recent.overview(), "tail": recent.tail(after, keep=keep)}
+    return json_reply(found if view is None else team_activity(found, view))
+
+
+def team_activity(found: dict[str, Any], view: TeamView) -> dict[str, Any]:
+    """A team admin's overview: the minute counters its teams kept of their own (activity.py), never
+    the fleet's (they sum every team's requests) nor the per-model charts (the same); the tail is
+    already its teams' only."""
+    own = team_overview(found["minutes"], view.teams, time.time())
+    return {
+        **found,
+        **own,
+        "team_scope": {"teams": sorted(view.teams), "withheld": ["models"]},
+    }
 
 
 async def usage(request: web.Request) -> web.Response:
     """Spend and usage from the ledger (the Redis stream's copy, every replica's, when configured):
-    `?since=24h&until=&by=tenant,model`."""
+    `?since=24h&until=&by=tenant,model&format=json|csv`; a team admin's count its teams' records only."""
     config = request.app[appkeys.SETTINGS].ledger
     by = [f for f in request.query.get("by", "tenant").split(",") if f.strip()]
     since, until = request.query.get("since", "24h"), request.query.get("until")
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "csv"):
+        return json_reply({"error": {"message": "format must be json or csv", "type": "invalid_request_error",
+                                     "param": "format", "code": None}}, status=400)  # fmt: skip
+    view = team_view(request)
+    keep = view.sees_request if view is not None else None
+    rows = MAX_CSV_ROWS if fmt == "csv" else MAX_GROUPS
     try:  # every replica's records when the ledger is copied to a Redis stream (usage.py), else the files
-        found = await usage_async(Path(config.dir), since, until, by, stream=config.redis_stream)
+        found = await usage_async(Path(config.dir), since, until, by, config.redis_stream, keep, rows)
     except redis.RedisError as exc:  # the stream is unreachable: this replica's files, saying so
-        found = await usage_async(Path(config.dir), since, until, by)
+        found = await usage_async(Path(config.dir), since, until, by, None, keep, rows)
         found["stream_error"] = str(exc)[:200]
     except (ReportError, ValueError) as exc:
         return json_reply({"error": {"message": str(exc), "type": "invalid_request_error"}}, status=400)
+    if fmt == "csv":
+        return csv_response(found)
+    if view is not None:
+        found["team_scope"] = {"teams": sorted(view.teams)}
     return json_reply({**found, "ledger_enabled": config.enabled})
 
 
@@ -294,4 +328,6 @@ def console_admin_routes() -> list[tuple[str, str, Handler]]:
         ("GET", "/admin/activity", activity),
         ("GET", "/admin/usage", usage),
         ("POST", "/admin/models/{model}/check", model_check),
+        ("GET", "/admin/programs", programs),
+        ("GET", "/admin/adapters", adapters_view),
     ]

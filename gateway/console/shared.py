@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -88,9 +89,10 @@ class SharedActivity:
             pipe.pexpire(self._members, int(self.ttl_s * 6000))
             await pipe.execute()
 
-    async def merged(self, limit: int = 100) -> dict[str, Any]:
+    async def merged(self, limit: int = 100, keep: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
         """The overview and tail of every live replica, this one's read live; this one's alone when
-        Redis does not answer (with `replicas_unavailable` saying so)."""
+        Redis does not answer (with `replicas_unavailable` saying so). The tail holds only the rows
+        `keep` keeps (a team admin's), counted before `limit`."""
         now_s = time.time()
         own = self._snapshot()
         parts: list[tuple[str, dict[str, Any]]] = [(self.name, own)]
@@ -120,7 +122,11 @@ class SharedActivity:
                     for field, value in minute.items():
                         if field != "t":
                             into[field] = _summed(into.get(field), value)
-            rows.extend({**row, "replica": name, "seq": int(row["ts"] * 1e6)} for row in part.get("tail") or ())
+            rows.extend(
+                {**row, "replica": name, "seq": int(row["ts"] * 1e6)}
+                for row in part.get("tail") or ()
+                if keep is None or keep(row)
+            )
         rows.sort(key=lambda r: r["ts"], reverse=True)
         found = overview_of(list(summed.values()), now_s)
         found["tail"] = rows[:limit]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +40,21 @@ def usage(
     by: list[str],
     top: int = 8,
     stream: RedisStreamConfig | None = None,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+    max_rows: int = MAX_GROUPS,
 ) -> dict[str, Any]:
+    """The report of the records in [since, until] grouped `by`, its `max_rows` most expensive rows
+    and the plot's lines; only the records `keep` keeps (a team admin's teams': gateway/http/team_scope.py)
+    count, in the rows and the total alike."""
     now_s = time.time()
     since_s = parse_time_s(since, now_s)
     until_s = parse_time_s(until, now_s) if until else None
     builder = ReportBuilder(by)
     series = SpendSeries(by)
     found: dict[str, Any] = {"source": "files"}
-    if stream is not None:
-        entries: Iterable[dict[str, Any]] = _stream_entries(stream, since_s, until_s, found)
-    elif directory.is_dir():
-        entries = iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, warn=lambda _: None)
-    else:
-        entries = ()
-    for entry in entries:
+    for entry in ledger_entries(directory, stream, since_s, until_s, found):
+        if keep is not None and not keep(entry):
+            continue
         builder.add(entry)
         series.add(entry)
     report = builder.report()
@@ -62,11 +63,23 @@ def usage(
         "by": report.by,
         "since": since_s,
         "until": until_s if until_s is not None else now_s,
-        "rows": report.rows()[:MAX_GROUPS],
+        "rows": report.rows()[:max_rows],
         "groups": len(report.groups),
         "total": report.total.metrics(),
         "series": {"bucket_s": series.bucket_s, "slots": series.slots(), "lines": series.lines(top)},
     }
+
+
+def ledger_entries(
+    directory: Path, stream: RedisStreamConfig | None, since_s: float, until_s: float | None, found: dict[str, Any]
+) -> Iterable[dict[str, Any]]:
+    """The ledger's entries in [since, until]: every replica's from the Redis stream when the ledger
+    is copied there (`found` then says so, and from when it covers), else this replica's files."""
+    if stream is not None:
+        return _stream_entries(stream, since_s, until_s, found)
+    if directory.is_dir():
+        return iter_entries(directory, since_unix_s=since_s, until_unix_s=until_s, warn=lambda _: None)
+    return ()
 
 
 def _stream_entries(
@@ -117,6 +130,12 @@ def _id_ms(entry_id: bytes | str) -> int:
 
 
 async def usage_async(
-    directory: Path, since: str, until: str | None, by: list[str], stream: RedisStreamConfig | None = None
+    directory: Path,
+    since: str,
+    until: str | None,
+    by: list[str],
+    stream: RedisStreamConfig | None = None,
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+    max_rows: int = MAX_GROUPS,
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(usage, directory, since, until, by, stream=stream)
+    return await asyncio.to_thread(usage, directory, since, until, by, stream=stream, keep=keep, max_rows=max_rows)

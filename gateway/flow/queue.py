@@ -517,6 +517,22 @@ class FlowQueue:
             blocked=entry.blocked,
         )
 
+    def predicted_wait_s(self, pool: str, band: int, *, held: bool) -> float | None:
+        """How long a request of `band` should still wait in `pool`'s room: the requests waiting at its
+        band or a better one (itself included once it waits), at least one when `held` (a check told it
+        to wait), divided by the room's drain rate. 0.0 when nobody is ahead and it is not held (it
+        goes now); None when nothing left the room lately (no rate to go by)."""
+        room = self._rooms.get(pool)
+        ahead = (
+            0
+            if room is None
+            else sum(len(es) for b, tenants in room.bands.items() if b <= band for es in tenants.values())
+        )
+        if ahead == 0 and not held:
+            return 0.0
+        rate = room.drain.per_s(self.now()) if room is not None else 0.0
+        return max(ahead, 1) / rate if rate > 1e-9 else None
+
     def _retry_after(self, room: _Room, request: FlowRequest, unknown_s: float) -> int:
         ahead = sum(len(es) for band, tenants in room.bands.items() if band <= request.band for es in tenants.values())
         return bounds.retry_after_s(ahead, room.drain.per_s(self.now()), unknown_s=unknown_s)

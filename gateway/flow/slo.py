@@ -55,6 +55,7 @@ class PredictsLatency(Protocol):
         endpoints: Sequence[Endpoint],
         cached_tokens: Sequence[int],
         now_s: float | None = None,
+        lower_cached_tokens: Sequence[int] | None = None,
     ) -> list[Prediction]: ...
 
 
@@ -231,7 +232,11 @@ class SloHook(Check, Hook):
             facts = ctx.facts
             shape = RequestShape(facts.prompt_tokens, facts.max_tokens, facts.principal.tenant, ctx.model)
             prediction = self.predictor.predict(
-                routed.pool.name, shape, [decision.endpoint], [decision.cached_tokens_estimate]
+                routed.pool.name,
+                shape,
+                [decision.endpoint],
+                [decision.cached_tokens_estimate],
+                lower_cached_tokens=[decision.cached_lower_tokens],
             )[0]
             made = decision.predictions = {decision.endpoint.id: prediction}
         return decide(

@@ -7,8 +7,10 @@ owned endpoint is left to it. This check's verdict on a route:
 
 - on an owned pool of a model that has an overflow pool: GO, unless the request has waited in the
   owned pool's room longer than `spill.max_wait_ms`, or that room holds `spill.max_waiting` requests
-  already; then `Avoid` every owned endpoint of the model (the room routes again, to the overflow
-  pool), otherwise GO (no overflow endpoint is ready: it stays);
+  already, or (with `spill.usd_per_wait_second`) its predicted further wait there is worth more than
+  what the dearest overflow pool costs it more (`policies/spill.py`); then `Avoid` every owned
+  endpoint of the model (the room routes again, to the overflow pool), otherwise GO (no overflow
+  endpoint is ready: it stays);
 - on an overflow pool: GO when the tenant may spill (`tenants.<t>.spill.allowed`, and its spill
   spend this UTC day under `spill.usd_per_day`, this replica's share of it with `admission.replicas`
   replicas), else `Avoid` it and wait (`Wait(REQUEST)`) for owned capacity. Batch lines never spill.
@@ -24,7 +26,7 @@ capacity returns, requests stay home. Spilled requests are counted on their pool
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -35,6 +37,7 @@ from gateway.flow.types import Blocked
 from gateway.request import Hook, RequestContext, Routed
 from policies.holder import PolicyHolder
 from policies.schema import TenantSpillConfig
+from policies.spill import extra_usd, worth_spilling
 
 _REFUSED: Final = Wait(Blocked.REQUEST, "spill_refused")
 _DEFAULT: Final = TenantSpillConfig()
@@ -42,6 +45,7 @@ _MAX_TENANTS: Final = 100_000  # spend counters kept (tenants may be made at run
 REASON_WAITED: Final = "waited"  # over spill.max_wait_ms in the owned pool's room
 REASON_CROWDED: Final = "crowded"  # the owned pool's room held spill.max_waiting
 REASON_NO_ROUTE: Final = "owned_unavailable"  # no owned endpoint left to it (down, or the SLO check avoided them)
+REASON_PRICED: Final = "wait_costlier"  # its predicted wait x spill.usd_per_wait_second > the overflow's extra $
 
 
 def is_overflow(pool: Pool) -> bool:
@@ -68,7 +72,7 @@ class Spill(Check, Hook):
                     ctx.record.spill = REASON_NO_ROUTE
                 return GO
             return Avoid([e.id for e in routed.pool.endpoints], _REFUSED)
-        reason = self._over_budget(turn, routed.pool)
+        reason = self._over_budget(turn, routed.pool, pools)
         if reason is None or not self.may_spill(ctx):
             return GO
         ctx.record.spill = reason
@@ -109,10 +113,32 @@ class Spill(Check, Hook):
         held = self._spent.get(tenant)
         return held[1] if held is not None and held[0] == int(self.wall() // 86_400) else 0.0
 
-    def _over_budget(self, turn: Turn, pool: Pool) -> str | None:
+    def _over_budget(self, turn: Turn, pool: Pool, pools: Sequence[Pool]) -> str | None:
         policy = self.policies.current.config.spill
         if (self.now() - turn.began_s) * 1000.0 > policy.max_wait_ms:
             return REASON_WAITED
         if policy.max_waiting is not None and self.queue.depth(pool.name) >= policy.max_waiting:
             return REASON_CROWDED
+        if policy.usd_per_wait_second is not None and self._wait_costlier(
+            turn, pool, pools, policy.usd_per_wait_second
+        ):
+            return REASON_PRICED
         return None
+
+    def _wait_costlier(self, turn: Turn, pool: Pool, pools: Sequence[Pool], usd_per_s: float) -> bool:
+        """The priced bound: the room's predicted wait against the overflow's extra dollars for this
+        request (its prompt and predicted output), at the dearest overflow pool it may be sent to."""
+        wait_s = self.queue.predicted_wait_s(pool.name, turn.request.band, held=turn.last_wait is not None)
+        if not wait_s:  # nobody ahead, or no rate to predict by: only the fixed bounds decide
+            return False
+        ctx = turn.ctx
+        policy = self.policies.current
+        facts = ctx.facts
+        output = round(ctx.output_prediction.tokens) if ctx.output_prediction is not None else facts.output_reservation
+        owned = policy.price(ctx.model, pool.name)
+        extra = max(
+            extra_usd(owned, policy.price(ctx.model, p.name), facts.prompt_tokens, output)
+            for p in pools
+            if is_overflow(p)
+        )
+        return worth_spilling(wait_s, usd_per_s, extra)

@@ -15,6 +15,7 @@ from gateway.autoscale.floor_api import floor_delete, floor_get, floor_put
 from gateway.autoscale.wiring import AUTOSCALER
 from gateway.http.admin_replies import json_reply
 from gateway.http.routes import Handler
+from gateway.http.team_scope import TeamView, team_view
 from gateway.ledger.reconcile import RECONCILER
 from policies.flow import reserve
 from policies.flow.saturation import saturation_reasons
@@ -63,8 +64,12 @@ async def pools(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    """The running policy (and the last reload error, if any), the limiter store and every bucket."""
+    """The running policy (and the last reload error, if any), the limiter store and every bucket;
+    to a team admin, its teams' buckets only (`team_status`)."""
     admission = request.app[appkeys.ADMISSION]
+    view = team_view(request)
+    if view is not None:
+        return json_reply(team_status(view, request.app[appkeys.POLICIES].status(), admission))
     return json_reply(
         {
             "policy": request.app[appkeys.POLICIES].status(),
@@ -74,6 +79,25 @@ async def status(request: web.Request) -> web.Response:
             "spend_reconciliation": _reconciliation(request.app),
         }
     )
+
+
+TEAM_WITHHELD = ("policy.last_error", "admission.decisions", "admission.shadow_exceeded", "flow",
+                 "spend_reconciliation")  # fmt: skip
+
+
+def team_status(view: TeamView, policy: dict[str, Any], admission: Any) -> dict[str, Any]:
+    """`/admin/status` for a team admin: the counters of its teams' keys, tenants and teams; what sums
+    or names every team (decision counts, waiting rooms per tenant, spend reconciliation, a rejected
+    reload's messages) is withheld (null) rather than split, and `team_scope` says so."""
+    store = {k: v for k, v in admission.status().items() if k not in ("decisions", "shadow_exceeded")}
+    return {
+        "policy": {**policy, "last_error": None, "last_error_at_unix_s": None},
+        "admission": store,
+        "limits": [row for row in admission.snapshot() if view.sees_counter(row.get("scope"), row.get("subject"))],
+        "flow": None,
+        "spend_reconciliation": None,
+        "team_scope": {"teams": sorted(view.teams), "withheld": list(TEAM_WITHHELD)},
+    }
 
 
 def _reconciliation(app: web.Application) -> dict[str, Any] | None:

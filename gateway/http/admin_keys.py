@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+import redis
 from aiohttp import web
 
 from gateway.app import keys as appkeys
@@ -27,6 +28,7 @@ from gateway.errors import GatewayError, error_response
 from gateway.http.admin_replies import admin_error, json_reply
 from gateway.http.roles import identity_of, team_refusal
 from gateway.http.routes import Handler
+from gateway.http.team_scope import key_tenant, tenant_team
 from gateway.request.intake import authenticate
 from gateway.request.program import PROGRAM_HEADER
 from policies.keys.directory import DirectoryError, KeyDirectory
@@ -117,20 +119,11 @@ def _guarded(handler: Handler) -> Handler:
 
 def _tenant_team(request: web.Request, tenant: str | None) -> str | None:
     """The team of a tenant of policies.yaml or of the admin API (None: no team, or no such tenant)."""
-    if tenant is None:
-        return None
-    file_tenant = _policy(request).config.tenants.get(tenant)
-    if file_tenant is not None:
-        return file_tenant.team
-    record = _directory(request).tenants.get(tenant)
-    return record.team if record is not None else None
+    return tenant_team(_policy(request), _directory(request), tenant)
 
 
 def _key_tenant(request: web.Request, key_id: str) -> str | None:
-    record = _directory(request).keys.get(key_id)
-    if record is not None:
-        return record.tenant
-    return next((k.tenant for k in _policy(request).config.keys if k.id == key_id), None)
+    return key_tenant(_policy(request), _directory(request), key_id)
 
 
 def _in_scope(request: web.Request, tenant: str | None) -> bool:
@@ -331,11 +324,30 @@ async def tenants_list(request: web.Request) -> web.StreamResponse:
 
 
 async def _add_tenant_spend(request: web.Request, policy: Policy, rows: list[dict[str, Any]]) -> None:
-    """`spend_usd: {day, month}` per tenant: the sum of its active keys' counters (the same batched
-    peeks as the key list). There is no tenant-wide spend counter to read: a tenant budget counts
-    only where policies.yaml sets one, so this sum is what every tenant has; a key with no counter
-    (a file key without `admission.track_key_spend`) adds nothing."""
+    """`spend_usd: {day, month}` per tenant, and `spend_source` saying from what: the tenant's own
+    figure from the ledger (gateway/console/tenant_spend.py: no counter added to admission, a scan
+    shared for a few seconds) when the ledger is on and readable, else the sum of its keys' counters."""
     names = {str(row.get("name")) for row in rows}
+    spend = request.app.get(appkeys.TENANT_SPEND)
+    if spend is not None:
+        try:
+            found, about = await spend.of(names)
+        except (OSError, ValueError, redis.RedisError) as exc:  # stream unreachable or unreadable: keys
+            log.warning("tenant spend from the ledger unavailable: %s", exc)
+        else:
+            for row in rows:
+                row["spend_usd"] = found[str(row.get("name"))]
+                row["spend_source"] = about
+            return
+    await _add_key_sum_spend(request, policy, rows, names)
+    for row in rows:
+        row["spend_source"] = {"source": "keys"}
+
+
+async def _add_key_sum_spend(request: web.Request, policy: Policy, rows: list[dict[str, Any]], names: set[str]) -> None:
+    """`spend_usd` per tenant as the sum of its active keys' counters (the same batched peeks as the
+    key list), when there is no ledger to read: a key with no counter (a file key without
+    `admission.track_key_spend`) adds nothing."""
     keys: list[dict[str, Any]] = [
         _file_key_view(k.id, k.tenant, k.models, k.priority, k.disabled)
         for k in policy.config.keys

@@ -19,6 +19,7 @@ from gateway.audit.api import note
 from gateway.http.admin_keys import read_body
 from gateway.http.admin_replies import admin_error, json_reply
 from gateway.http.routes import Handler
+from gateway.http.team_scope import team_view
 from policies.keys.directory import DirectoryError
 
 
@@ -27,6 +28,9 @@ async def overrides_list(request: web.Request) -> web.StreamResponse:
     now_s = time.time()
     include_ended = request.query.get("include_ended") in ("1", "true", "yes")
     rows = [o.view(now_s) for o in directory.overrides.values() if include_ended or o.until_unix_s > now_s]
+    view = team_view(request)
+    if view is not None:  # a team admin: overrides of its teams' keys, tenants and teams only
+        rows = [row for row in rows if view.sees_override(row)]
     rows.sort(key=lambda row: (row["until"], row["id"]))
     return json_reply({"object": "list", "data": rows})
 

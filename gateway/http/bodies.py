@@ -82,12 +82,27 @@ def parse_json_body(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    # Each level of nesting needs its own bracket, so a body with few brackets cannot be deep:
-    # the common case (a chat turn, a small admin body) skips the walk. Counting is done in C.
+    bound_depth(raw, value, max_depth)
+    return value
+
+
+# Above this many bytes a body is mostly text (a long prompt), and walking its containers costs far
+# less than counting brackets byte by byte: bench/results/overhead-long-prompt.md.
+_COUNT_BRACKETS_UP_TO: Final = 16 * 1024
+
+
+def bound_depth(raw: bytes | str, value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """InvalidRequest when `value` (parsed from `raw`) nests deeper than `max_depth`.
+
+    Each level of nesting needs its own bracket, so a small body with few brackets cannot be deep and
+    skips the walk (counting is done in C). A large body is walked instead: the walk's cost follows
+    its containers, the count's its bytes, and a long prompt is bytes in a handful of containers."""
+    if len(raw) > _COUNT_BRACKETS_UP_TO:
+        check_depth(value, max_depth)
+        return
     opened = raw.count(b"{") + raw.count(b"[") if isinstance(raw, bytes) else raw.count("{") + raw.count("[")
     if opened > max_depth:
         check_depth(value, max_depth)
-    return value
 
 
 def check_depth(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -304,8 +319,7 @@ def _parse_if_json(raw: bytes) -> Any:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return NOT_PARSED
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH:
-        check_depth(value, MAX_JSON_DEPTH)
+    bound_depth(raw, value)
     return value
 
 

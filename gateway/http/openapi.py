@@ -15,6 +15,8 @@ Each operation carries tokenway's own extensions, which those probes read:
   `none`.
 - `x-tokenway-role`: on admin operations, what the caller's role must allow: `read` (every role),
   `team` (an admin, or a team admin for its own teams' keys and tenants), `admin`.
+- `x-tokenway-team-scope`: on admin reads, what a team admin reads there (`roles.TEAM_READS`):
+  `fleet` (nothing per tenant or key, as a viewer), `team` (its teams' rows only), `none` (refused).
 - `x-tokenway-ledger`: the route is an inference request and leaves exactly one ledger record.
 - `x-tokenway-owned`: the path's id belongs to the key that made it (another key gets 404).
 
@@ -56,7 +58,7 @@ from gateway.http.openapi_parts import (
     query,
     ref,
 )
-from gateway.http.roles import need_of
+from gateway.http.roles import Need, need_of, reach_of
 
 __all__ = [
     "AUTH_KINDS",
@@ -303,7 +305,14 @@ def _paths() -> dict[str, dict[str, Schema]]:
                 "Every tenant",
                 "admin",
                 admin,
-                params=(query("spend", STR, "1 to add spend_usd {day, month}: the sum of its keys' counters"),),
+                params=(
+                    query(
+                        "spend",
+                        STR,
+                        "1 to add spend_usd {day, month} (UTC) and spend_source: the tenant's own, summed from the "
+                        "ledger (kept 30 s); the sum of its keys' counters when the ledger is off or unreadable",
+                    ),
+                ),
                 ok_schema=ref("List"),
             ),
         },
@@ -347,7 +356,7 @@ def _paths() -> dict[str, dict[str, Schema]]:
         },
         "/admin/activity": {
             "get": op(
-                "This replica's last hour and newest requests (the console)",
+                "The last hour and newest requests (the console); a team admin's: its teams' counters",
                 "admin",
                 admin,
                 params=(query("after", {"type": "integer"}, "newest requests after this sequence number"),),
@@ -362,6 +371,21 @@ def _paths() -> dict[str, dict[str, Schema]]:
                     query("since", STR, "24h, 7d or a time"),
                     query("until", STR, "a time"),
                     query("by", STR, "comma-separated: tenant, key, model"),
+                    query("format", {"type": "string", "enum": ["json", "csv"]}, "json (default) or csv: a download"),
+                ),
+                ok_also=("text/csv",),
+            )
+        },
+        "/admin/programs": {
+            "get": op(
+                "Live agent runs (programs) and what each spent: calls, tokens, dollars, wall-clock cap, "
+                "every run cap with what is left, from the runs' own counters (the console)",
+                "admin",
+                admin,
+                params=(
+                    query("tenant", STR, "only this tenant's runs"),
+                    query("sort", {"type": "string", "enum": ["spend", "recent"]}, "spend (default) or last call"),
+                    query("limit", {"type": "integer", "minimum": 1, "maximum": 200}, "how many (default 50)"),
                 ),
             )
         },
@@ -372,6 +396,14 @@ def _paths() -> dict[str, dict[str, Schema]]:
                 admin,
                 params=(path_param("model", "a model (or alias) served here"),),
                 errors=("404",),
+            )
+        },
+        "/admin/adapters": {
+            "get": op(
+                "LoRA adapters per pool and replica: where each is, its size against the memory budget, "
+                "loads, preloads, evictions and unloads (the console)",
+                "admin",
+                admin,
             )
         },
         "/admin/audit": {
@@ -469,6 +501,8 @@ def _with_roles(paths: dict[str, dict[str, Schema]]) -> dict[str, dict[str, Sche
         for method, operation in item.items():
             if operation.get("x-tokenway-auth") == "admin":
                 operation["x-tokenway-role"] = need_of(method, path).value
+                if need_of(method, path) is Need.READ:
+                    operation["x-tokenway-team-scope"] = reach_of(method, path).value
     return paths
 
 

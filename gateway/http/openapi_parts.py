@@ -406,6 +406,7 @@ def op(
     ok: str = "200",
     ok_schema: Schema | None = None,
     ok_type: str = "application/json",
+    ok_also: tuple[str, ...] = (),
     errors: tuple[str, ...] = (),
     ledger: bool = False,
     owned: bool = False,
@@ -430,6 +431,8 @@ def op(
     responses: Schema = {
         ok: {"description": "success", "content": {ok_type: {"schema": ok_schema or {"type": "object"}}}},
     }
+    for media in ok_also:  # another form of the same answer (`?format=csv`)
+        responses[ok]["content"][media] = {"schema": {"type": "string"}}
     for code in sorted(codes):
         responses[code] = {"$ref": f"#/components/responses/{prefix}{code}"}
     operation: Schema = {

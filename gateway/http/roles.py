@@ -2,7 +2,10 @@
 what each admin route needs of it: one decision, taken in the admin guard before any handler runs.
 
 Roles (issue 45): `admin` may do everything; `viewer` may read (every GET of the admin API); a
-`team_admin` reads like a viewer and may change the keys and tenants of its own teams only. The shared
+`team_admin` reads only its own teams' data and may change the keys and tenants of its own teams only.
+What a team admin reads on each admin read is declared in `TEAM_READS` (fleet data as a viewer does,
+its teams' rows filtered by the handler through gateway/http/team_scope.py, or nothing); a read the
+table does not name is refused to team admins. The shared
 `server.admin_token`, a console session opened with it, and a loopback caller of a gateway without a
 token are `admin`, as they always were; `server.users` adds people and services with their own tokens.
 
@@ -61,11 +64,46 @@ ROUTE_NEEDS: dict[tuple[str, str], Need] = {
     ("DELETE", "/admin/tenants/{name}"): Need.TEAM,
     ("GET", "/admin/activity"): Need.READ,
     ("GET", "/admin/usage"): Need.READ,
+    ("GET", "/admin/programs"): Need.READ,  # a team admin: its teams' runs only (gateway/console/programs.py)
     ("POST", "/admin/models/{model}/check"): Need.ADMIN,
+    ("GET", "/admin/adapters"): Need.READ,
     ("GET", "/admin/audit"): Need.READ,
     ("GET", "/admin/overrides"): Need.READ,
     ("POST", "/admin/overrides"): Need.ADMIN,
     ("DELETE", "/admin/overrides/{override_id}"): Need.ADMIN,
+}
+
+
+class Reach(Enum):
+    """What a team admin reads on an admin `GET` route (a viewer and an admin read it whole)."""
+
+    FLEET = "fleet"  # nothing per tenant or key (replicas, pools, the predictor): read as a viewer does
+    TEAM = "team"  # per-tenant or per-key data: the handler keeps its teams' only (gateway/http/team_scope.py)
+    NONE = "none"  # refused (403): data of every team that cannot be split by team
+
+
+# What a team admin reads on each admin read. A read missing from this table is refused to team admins
+# (fail closed: a new route that returns every tenant's rows cannot leak them before someone decides),
+# and tests/e2e/test_team_scope.py walks every documented admin read as a team admin, asserting that
+# no other team's tenant or key appears in any answer.
+TEAM_READS: dict[tuple[str, str], Reach] = {
+    ("GET", "/admin/backends"): Reach.FLEET,
+    ("GET", "/admin/status"): Reach.TEAM,
+    ("GET", "/admin/predictor"): Reach.FLEET,
+    ("GET", "/admin/predictor/samples"): Reach.FLEET,
+    ("GET", "/admin/replicas"): Reach.FLEET,
+    ("GET", "/admin/pools"): Reach.FLEET,
+    ("GET", "/admin/pools/{pool}/floor"): Reach.FLEET,
+    ("GET", "/admin/adapters"): Reach.FLEET,  # adapters per replica: fleet state, no tenant's traffic
+    ("GET", "/admin/keys"): Reach.TEAM,
+    ("GET", "/admin/keys/{key_id}"): Reach.TEAM,
+    ("GET", "/admin/tenants"): Reach.TEAM,
+    ("GET", "/admin/tenants/{name}"): Reach.TEAM,
+    ("GET", "/admin/activity"): Reach.TEAM,
+    ("GET", "/admin/usage"): Reach.TEAM,
+    ("GET", "/admin/programs"): Reach.TEAM,
+    ("GET", "/admin/audit"): Reach.TEAM,
+    ("GET", "/admin/overrides"): Reach.TEAM,
 }
 
 
@@ -139,14 +177,26 @@ def need_of(method: str, route: str) -> Need:
     return ROUTE_NEEDS.get((method, route), Need.ADMIN)
 
 
+def reach_of(method: str, route: str) -> Reach:
+    """What a team admin reads on a route (by its method and path template); undeclared: nothing."""
+    method = "GET" if method.upper() == "HEAD" else method.upper()
+    return TEAM_READS.get((method, route), Reach.NONE)
+
+
 def role_refusal(identity: Identity, method: str, route: str) -> GatewayError | None:
     """The one decision: may `identity` call `method route`? None when it may (a team route still has
-    its target checked by the handler)."""
+    its target checked by the handler, and a team admin's read is filtered to its teams by it)."""
     need = need_of(method, route)
     if identity.role == "admin":
         return None
-    if need is Need.READ:
+    if need is Need.READ and (identity.role == "viewer" or reach_of(method, route) is not Reach.NONE):
         return None
+    if need is Need.READ:
+        teams = ", ".join(sorted(identity.teams))
+        return RoleForbidden(
+            f"{identity.actor} has role team_admin (teams {teams}); {method.upper()} {route} "
+            "shows every team's data, which only viewers and admins read"
+        )
     if need is Need.TEAM and identity.role == "team_admin":
         return None
     return RoleForbidden(f"{identity.actor} has role {identity.role}, which may not {method.upper()} {route}")

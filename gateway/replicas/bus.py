@@ -13,6 +13,12 @@ returns; nothing per request touches Redis. Two tasks do the rest:
   peer's load report, records their dispatches in the prefix index and session table, and drops
   peers silent for `ttl_s`.
 
+Tool-boundary affinity rides the same batches (`tool_noted` / `tool_returned`: the router's
+`ToolShare`, an append each): a program whose tool-call answer one replica served is noted on every
+replica, with its age, so its next turn goes back to the holder whichever replica receives it; a
+return dispatched anywhere ends the entry everywhere and teaches every replica's learner its gap.
+Notes are applied live only (a replayed one's age is unknown); gaps replay too, as samples.
+
 A starting replica first replays the stream's last `bootstrap_entries` entries (index and
 sessions only: old load reports are stale by definition), so a fresh replica routes with the
 fleet's memory rather than from nothing. If Redis is away, batches are dropped (counted), the
@@ -39,7 +45,7 @@ from backends.fleet import Fleet
 from backends.types import Endpoint
 from gateway.app.schema import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
-from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, TenantLoad, decode, encode
+from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, TenantLoad, ToolGap, ToolNote, decode, encode
 from policies.limits.resp import command
 from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 from policies.routing.pipeline import ScoringRouter
@@ -90,6 +96,9 @@ class ReplicaBus:
         self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(
             maxlen=settings.advanced.max_pending_dispatches
         )
+        # tool-boundary affinity: (tenant, program) -> (endpoint id, prefix tokens, noted at); gaps
+        self._tool_notes: dict[tuple[str, str], tuple[str, int, float]] = {}
+        self._tool_gaps: deque[ToolGap] = deque(maxlen=settings.advanced.max_pending_dispatches)
         self._own = self.replica_id.encode()
         self._writer: aioredis.Redis | None = None
         self._pipe: ScriptPipe | None = None  # the publisher's raw connection (plain TCP or unix socket)
@@ -107,6 +116,8 @@ class ReplicaBus:
         self.malformed = 0
         self.read_errors = 0
         self.bootstrapped = 0
+        self.tool_notes_applied = 0
+        self.tool_gaps_applied = 0
         self.last_error: str | None = None
 
     # -- hot path ----------------------------------------------------------------------------------
@@ -123,6 +134,32 @@ class ReplicaBus:
             if len(pending) == pending.maxlen:
                 self.dispatches_dropped += 1
             pending.append((prefill.id, prompt, None))
+
+    def tool_noted(self, tenant: str, program: str, endpoint: Endpoint, prefix_tokens: int, now_s: float) -> None:
+        """The router's `ToolShare`: an answer on a shared endpoint ended in tool calls (an append)."""
+        if endpoint.launched:  # this process's own engine: no other replica routes there
+            return
+        notes = self._tool_notes
+        notes.pop((tenant, program), None)
+        if len(notes) >= self.settings.advanced.max_pending_dispatches:
+            del notes[next(iter(notes))]  # the oldest waiting
+        notes[(tenant, program)] = (endpoint.id, max(int(prefix_tokens), 0), now_s)
+
+    def tool_returned(self, tenant: str, program: str, gap_s: float) -> None:
+        """The router's `ToolShare`: a program came back `gap_s` after its tool-call answer (an append).
+        A note of it still waiting is dropped: it is over, and so a batch's gaps all precede its notes."""
+        self._tool_notes.pop((tenant, program), None)
+        self._tool_gaps.append((tenant, program, max(int(gap_s * 1000.0), 0)))
+
+    def _take_tools(self, now_s: float) -> tuple[list[ToolNote], list[ToolGap]]:
+        notes = [
+            (tenant, program, endpoint_id, tokens, max(int((now_s - noted_s) * 1000.0), 0))
+            for (tenant, program), (endpoint_id, tokens, noted_s) in self._tool_notes.items()
+        ]
+        gaps = list(self._tool_gaps)
+        self._tool_notes.clear()
+        self._tool_gaps.clear()
+        return notes, gaps
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -207,10 +244,17 @@ class ReplicaBus:
                 or now_s - reported_at_s >= self.settings.advanced.heartbeat_s
             )
             dispatches = self._take_dispatches()
-            if not report and not dispatches:
+            notes, gaps = self._take_tools(now_s)
+            if not report and not dispatches and not notes and not gaps:
                 continue
             batch = Batch(
-                self.replica_id, self._sequence, loads if report else None, dispatches, tenants if report else None
+                self.replica_id,
+                self._sequence,
+                loads if report else None,
+                dispatches,
+                tenants if report else None,
+                notes,
+                gaps,
             )
             try:
                 assert self._writer is not None
@@ -315,6 +359,14 @@ class ReplicaBus:
             if endpoint is not None:
                 self.router.on_remote_dispatch(endpoint, keys, session)
                 self.dispatches_applied += 1
+        for tenant, program, gap_ms in batch.tool_gaps:  # first: a batch's notes all follow its returns
+            self.router.on_remote_return(tenant, program, gap_ms / 1000.0)
+            self.tool_gaps_applied += 1
+        for tenant, program, endpoint_id, tokens, age_ms in batch.tool_notes if live else ():
+            endpoint = self._shared_endpoint(endpoint_id)
+            if endpoint is not None:
+                self.router.on_remote_tool_call(tenant, program, endpoint, tokens, now_s - age_ms / 1000.0)
+                self.tool_notes_applied += 1
         return True
 
     def _note_error(self, message: str) -> None:
@@ -335,6 +387,8 @@ class ReplicaBus:
             "publish_errors": self.publish_errors,
             "batches_read": self.batches_read,
             "dispatches_applied": self.dispatches_applied,
+            "tool_notes_applied": self.tool_notes_applied,
+            "tool_gaps_applied": self.tool_gaps_applied,
             "bootstrapped_entries": self.bootstrapped,
             "malformed": self.malformed,
             "read_errors": self.read_errors,

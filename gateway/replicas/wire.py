@@ -4,19 +4,24 @@ the publisher's id as well, so a reader skips its own entries without decoding t
     {"r": replica id, "q": sequence number,
      "l": [[endpoint id, requests, prefill tokens, decode tokens], ...]   # present: a full load report
      "d": [[endpoint id, [block key, ...], session or None], ...]         # dispatches since the last batch
-     "t": [[pool, tenant, band, weight, in flight, waiting, peak, claimed], ...]}  # with "l": its active tenants
+     "t": [[pool, tenant, band, weight, in flight, waiting, peak, claimed], ...],  # with "l": its active tenants
+     "n": [[tenant, program, endpoint id, prefix tokens, age ms], ...],   # tool-call answers since the last batch
+     "g": [[tenant, program, gap ms], ...]}                                # returns from a tool call dispatched
 
 A load report is the replica's whole share on every shared endpoint (an endpoint left out has none
 of its requests), so a report replaces the previous one and nothing accumulates when one is lost;
 the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads;
 `claimed`, slots preemption cut for the tenant and not yet taken, may be left out: 0).
-Decoding checks every type: an entry is read from a store other processes write, and a malformed
-one is dropped whole, never half applied.
+A tool-call note carries its age when published (ms on the publisher's clock), not a time: replicas'
+clocks need not agree, and the reader dates it on its own clock less that age (the stream's transit,
+milliseconds, is not counted). Decoding checks every type: an entry is read from a store other
+processes write, and a malformed one is dropped whole, never half applied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import msgpack
 
@@ -26,8 +31,11 @@ Load = tuple[str, int, int, int]
 Dispatch = tuple[str, list[int], str | None]
 # pool, tenant, band, weight, in flight, waiting, peak, claimed
 TenantLoad = tuple[str, str, int, float, int, int, int, int]
+ToolNote = tuple[str, str, str, int, int]  # tenant, program, endpoint id, prefix tokens, age ms
+ToolGap = tuple[str, str, int]  # tenant, program, gap ms
 
 _MASK64 = (1 << 64) - 1
+_MAX_TEXT = 1024  # a tenant, program or endpoint id longer than this is not one the gateway wrote
 _MAX_BAND = len(BANDS) - 1
 
 
@@ -38,6 +46,8 @@ class Batch:
     loads: list[Load] | None = None  # None: no load report in this batch
     dispatches: list[Dispatch] = field(default_factory=list)
     tenants: list[TenantLoad] | None = None  # None: no activity report in this batch
+    tool_notes: list[ToolNote] = field(default_factory=list)  # tool-boundary affinity (routing/tool_affinity.py)
+    tool_gaps: list[ToolGap] = field(default_factory=list)
 
 
 def encode(batch: Batch) -> bytes:
@@ -48,6 +58,10 @@ def encode(batch: Batch) -> bytes:
         doc["d"] = [[e, keys, s] for e, keys, s in batch.dispatches]
     if batch.tenants is not None:
         doc["t"] = [list(row) for row in batch.tenants]
+    if batch.tool_notes:
+        doc["n"] = [list(note) for note in batch.tool_notes]
+    if batch.tool_gaps:
+        doc["g"] = [list(gap) for gap in batch.tool_gaps]
     return bytes(msgpack.packb(doc, use_bin_type=True))
 
 
@@ -88,7 +102,33 @@ def decode(data: bytes) -> Batch:
         batch.dispatches.append((item[0], keys, session))
     if "t" in doc:
         batch.tenants = _tenants(doc["t"])
+    for item in _rows(doc.get("n"), "tool notes", 5):
+        tenant, program, endpoint_id, tokens, age = item
+        if not (_text(tenant) and _text(program) and _text(endpoint_id) and _count(tokens) and _count(age)):
+            raise MalformedBatch("tool note")
+        batch.tool_notes.append((tenant, program, endpoint_id, tokens, age))
+    for item in _rows(doc.get("g"), "tool gaps", 3):
+        tenant, program, gap = item
+        if not (_text(tenant) and _text(program) and _count(gap)):
+            raise MalformedBatch("tool gap")
+        batch.tool_gaps.append((tenant, program, gap))
     return batch
+
+
+def _rows(rows: object, what: str, width: int) -> list[list[object]]:
+    if rows is None:
+        return []
+    if not isinstance(rows, list) or not all(isinstance(row, list) and len(row) == width for row in rows):
+        raise MalformedBatch(what)
+    return rows
+
+
+def _text(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MASK64
 
 
 def _tenants(rows: object) -> list[TenantLoad]:

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from gateway.errors import EngineRejected, GatewayError, Rejected
 from gateway.request.components import AdmissionPort, RecordSink
@@ -32,15 +31,18 @@ log = logging.getLogger("tokenway.request")
 
 
 class Reservation:
-    """One admitted reservation on one model; `settle` or `release` ends it, once."""
+    """One admitted reservation on one model; `settle` or `release` ends it, once. Made before
+    routing (it reserves at the dearest pool's price); `pool` is the pool that serves it, set when the
+    walk commits to a route (`Dispatch.commit`), and the settlement charges that pool's price."""
 
-    __slots__ = ("_admission", "ended", "model", "ticket")
+    __slots__ = ("_admission", "ended", "model", "pool", "ticket")
 
     def __init__(self, admission: AdmissionPort, ticket: Admitted, model: str):
         self._admission = admission
         self.ticket = ticket
         self.model = model
         self.ended = False
+        self.pool: str | None = None
 
     async def settle(self, usage: Usage | None, counted_output_tokens: int) -> None:
         """Charge what was used (see `settle_soon`: the store is not waited for)."""
@@ -56,7 +58,7 @@ class Reservation:
         if not self.ended:
             self.ended = True
             self._admission.settle_soon(
-                self.ticket, usage, model=self.model, charged_output_tokens=counted_output_tokens
+                self.ticket, usage, model=self.model, charged_output_tokens=counted_output_tokens, pool=self.pool
             )
 
     def release_soon(self) -> None:
@@ -71,7 +73,7 @@ class Reservation:
         usage = Usage(prompt_tokens=self.ticket.prompt_tokens, completion_tokens=self.ticket.output_tokens)
         if not self.ended:
             self.ended = True
-            self._admission.settle_soon(self.ticket, None, model=self.model)
+            self._admission.settle_soon(self.ticket, None, model=self.model, pool=self.pool)
         return usage
 
 
@@ -96,7 +98,12 @@ class Accounting:
         None for everyone else (their bodies stay exactly the API's own)."""
         if not ctx.facts.principal.show_cost:
             return None
-        return partial(price_usd, self.policies.current, ctx.model, batch=ctx.facts.batch_id is not None)
+        policy, model, batch = self.policies.current, ctx.model, ctx.facts.batch_id is not None
+
+        def price(usage: Usage) -> float:  # the serving pool is read when the usage comes (a stream may move)
+            return price_usd(policy, model, usage, batch=batch, pool=_pool(ctx))
+
+        return price
 
     def reserve(self, ctx: RequestContext, ticket: Admitted) -> Reservation:
         ctx.reservation = Reservation(self.admission, ticket, ctx.model)
@@ -186,10 +193,11 @@ class Accounting:
             record.cache_write_1h_tokens = usage.cache_write_1h_tokens
             record.reasoning_tokens = usage.reasoning_tokens
             batch = facts.batch_id is not None
-            record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=batch)
+            pool = _pool(ctx)
+            record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=batch, pool=pool)
             if usage.cached_tokens or usage.cache_write_tokens or usage.cache_write_1h_tokens:
                 record.cache_saved_usd = cache_saving_usd(
-                    self.policies.current, ctx.model, usage, record.cost_usd, batch
+                    self.policies.current, ctx.model, usage, record.cost_usd, batch, pool
                 )
         if outcome.first_token_at_s is not None and facts.stream:
             record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
@@ -217,7 +225,11 @@ class Accounting:
         record.usage_source = "counted"
         record.prompt_tokens, record.completion_tokens = usage.prompt_tokens, usage.completion_tokens
         record.cost_usd = price_usd(
-            self.policies.current, reservation.model, usage, batch=ctx.facts.batch_id is not None
+            self.policies.current,
+            reservation.model,
+            usage,
+            batch=ctx.facts.batch_id is not None,
+            pool=reservation.pool,
         )
         if outcome.first_token_at_s is not None and record.leg <= 1:
             record.ttft_s = outcome.first_token_at_s - ctx.arrived_s
@@ -242,7 +254,9 @@ class Accounting:
         record.usage_source = "reserved"
         record.prompt_tokens = usage.prompt_tokens
         record.completion_tokens = usage.completion_tokens
-        record.cost_usd = price_usd(self.policies.current, ctx.model, usage, batch=ctx.facts.batch_id is not None)
+        record.cost_usd = price_usd(
+            self.policies.current, ctx.model, usage, batch=ctx.facts.batch_id is not None, pool=_pool(ctx)
+        )
 
     def finish(self, ctx: RequestContext) -> None:
         """The request is over: hooks see its record, then every sink, once."""
@@ -251,3 +265,10 @@ class Accounting:
         self.hooks.finished(ctx)
         self.emit(record)
         ctx.trace.end(record)
+
+
+def _pool(ctx: RequestContext) -> str | None:
+    """The pool whose price the request's current leg pays: its reservation's (the one settlement
+    charges), so the ledger's `cost_usd` and the budget's charge are the same figure."""
+    reservation = ctx.reservation
+    return reservation.pool if reservation is not None else None

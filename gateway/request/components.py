@@ -18,15 +18,28 @@ class AdmissionPort(Protocol):
     async def admit(self, facts: RequestFacts, model: str, now: float | None = None) -> Admitted | Rejection: ...
 
     async def settle(
-        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        pool: str | None = None,
     ) -> None: ...
 
     async def release(self, ticket: Admitted) -> None: ...
 
     def settle_soon(
-        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        pool: str | None = None,
     ) -> object:
-        """`settle` begun now and finished in the background (the walk does not wait for the store)."""
+        """`settle` begun now and finished in the background (the walk does not wait for the store);
+        `pool`, the pool that served it, picks its price (`pool_prices`)."""
 
     def release_soon(self, ticket: Admitted) -> object:
         """`release` begun now and finished in the background."""

@@ -6,7 +6,8 @@
 new turn included, comes through it); `commit` tells the record, the router (prefix index, session)
 and the dispatched hooks where the request goes; the `Transport` (`transport.py`) sends it and
 answers whoever asked. A send that fails before anything reached the client is tried again on
-another endpoint of the model (`server.upstream_retries` times); when none could serve, a
+another endpoint of the model (`server.upstream_retries` times; on the same one too when it only lacked
+the request's LoRA adapter, which the retry loads again: `adapter_lost`); when none could serve, a
 `Detour("upstream_error")` hands the request back to the director's fallback chain.
 """
 
@@ -17,9 +18,10 @@ from collections.abc import Collection, Sequence
 from typing import TypeVar
 
 from backends.fleet import Fleet, Pool
+from backends.lora import LoraAdapter, budget_bytes, too_large
 from backends.types import Endpoint
 from gateway.app.settings import ServerSettings
-from gateway.errors import NoHealthyBackend, UpstreamError
+from gateway.errors import InvalidRequest, NoHealthyBackend, UpstreamError
 from gateway.request.context import RequestContext, Routed
 from gateway.request.detour import Detour
 from gateway.request.hooks import OPEN_GATE, Gate, Hooks
@@ -42,8 +44,11 @@ class Dispatch:
     async def serve(self, ctx: RequestContext, transport: Transport[A]) -> A:
         """Serve on `ctx.model` (its reservation held) through `transport`, or raise `Detour("upstream_error")`."""
         pools = self.fleet.pools_for_model(ctx.model)
+        adapter = self.fleet.adapter(ctx.model)
+        if adapter is not None:  # only the pools whose LoRA memory budget can hold it (else a 400)
+            pools = fitting_pools(adapter, pools)
         if ctx.routing is not None:  # a LoRA adapter routes (and hashes its prefix) as itself
-            ctx.routing.use_adapter(self.fleet.adapter(ctx.model))
+            ctx.routing.use_adapter(adapter)
         exclude = transport.unreachable(pools)
         scoped = bool(exclude)
         retries = self.server.upstream_retries
@@ -60,7 +65,8 @@ class Dispatch:
             try:
                 return await transport.send(ctx, routed, last=last)
             except NotSent as failed:
-                exclude.add(routed.endpoint.id)
+                if failed.fault != "adapter_lost":  # else the retry may go there again: it reloads the adapter
+                    exclude.add(routed.endpoint.id)
                 detail = failed.detail
                 ctx.outcome = None  # nothing reached the client: this attempt is not charged
                 if failed.fault == "request" and failed.error is not None:  # so it is everywhere
@@ -108,6 +114,8 @@ class Dispatch:
         record, decision = ctx.record, routed.decision
         endpoint = decision.endpoint
         record.pool, record.endpoint, record.route_reason = routed.pool.name, endpoint.id, decision.reason
+        if ctx.reservation is not None:  # settled at the serving pool's price (policies.yaml `pool_prices`)
+            ctx.reservation.pool = routed.pool.name
         record.engine = endpoint.engine
         adapter = self.fleet.adapter(ctx.model)  # a LoRA adapter is served under its own name
         record.served_model = adapter.name if adapter is not None else endpoint.served_model
@@ -117,6 +125,22 @@ class Dispatch:
         assert ctx.routing is not None
         self.router.on_dispatch(ctx.routing, decision)
         self.hooks.dispatched(ctx)
+
+
+def fitting_pools(adapter: LoraAdapter, pools: Sequence[Pool]) -> list[Pool]:
+    """The pools whose replicas' LoRA memory budget (`lora_memory_budget_mb`) can hold `adapter`; an
+    adapter larger than every one is the request's dead end (400 naming it, no fallback: the policy
+    serves it where it cannot fit, which no other replica changes)."""
+    budgets = [(pool.name, budget_bytes(pool.config.lora_memory_budget_mb)) for pool in pools]
+    refusal = too_large(adapter, budgets)
+    if refusal is not None:
+        raise Detour("upstream_error", InvalidRequest(refusal, param="model", code="adapter_too_large"), fallback=False)
+    size = adapter.size_bytes
+    return [
+        pool
+        for pool, (_name, budget) in zip(pools, budgets, strict=True)
+        if budget is None or not size or size <= budget
+    ]
 
 
 def _others(pools: Sequence[Pool], exclude: Collection[str], endpoint: Endpoint) -> bool:

@@ -201,7 +201,9 @@ class Intake:
         """The runaway guard (policies/program.py), where the caller's tenant sets it: one look-up if not."""
         tenant = policy.config.tenants.get(principal.tenant)
         if tenant is not None and tenant.program_max_repeats is not None:
-            rejection = self.runaway.check(principal.tenant, program, body, tenant.program_max_repeats)
+            rejection = self.runaway.check(
+                principal.tenant, program, body, tenant.program_max_repeats, tenant.program_max_cycle
+            )
             if rejection is not None:
                 raise Rejected(rejection)
 

@@ -13,6 +13,8 @@ once, at intake:
   dropped: a dropped tag would bill its spend to nobody.
 - **run budget**: `x-tokenway-run-budget-usd`, a positive number of dollars; it lowers the agent run's
   `usd_per_run` for this program (never raises it: policies/limits/compile.py) and needs a program.
+- **run wall-clock cap**: `x-tokenway-run-seconds`, a positive number of seconds from the run's first
+  call; it lowers the run's `seconds_per_run` the same way, and needs a program too.
 
 Limits and budgets apply to them only where policies.yaml has rules of scope `user`, `tag` or
 `program` (docs/governance.md); the ledger records user and tags whatever the rules.
@@ -32,6 +34,8 @@ from policies.types import NO_SUBJECTS, RequestSubjects
 USER_HEADER: Final = "x-tokenway-user"
 TAGS_HEADER: Final = "x-tokenway-tags"
 RUN_BUDGET_HEADER: Final = "x-tokenway-run-budget-usd"
+RUN_SECONDS_HEADER: Final = "x-tokenway-run-seconds"
+MAX_RUN_SECONDS: Final = 31_536_000.0  # a year: policies.yaml's bound on seconds_per_run
 MAX_TAGS: Final = 8
 _TAG: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")
 
@@ -42,9 +46,10 @@ def request_subjects(headers: Mapping[str, str], body: Mapping[str, Any], progra
     user = _user(headers, body)
     tags = _tags(headers, body)
     run_usd = _run_usd(headers.get(RUN_BUDGET_HEADER), program)
+    run_s = _run_seconds(headers.get(RUN_SECONDS_HEADER), program)
     if user is None and not tags and program is None:
         return NO_SUBJECTS
-    return RequestSubjects(user=user, tags=tags, program=program, run_usd=run_usd)
+    return RequestSubjects(user=user, tags=tags, program=program, run_usd=run_usd, run_s=run_s)
 
 
 def _user(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -113,3 +118,22 @@ def _run_usd(value: str | None, program: str | None) -> float | None:
             f"{RUN_BUDGET_HEADER} budgets an agent run: name the run (x-tokenway-program)", param=RUN_BUDGET_HEADER
         )
     return usd
+
+
+def _run_seconds(value: str | None, program: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_RUN_SECONDS:
+        raise InvalidRequest(
+            f"{RUN_SECONDS_HEADER}: expected a positive number of seconds, at most {MAX_RUN_SECONDS:.0f}",
+            param=RUN_SECONDS_HEADER,
+        )
+    if program is None:
+        raise InvalidRequest(
+            f"{RUN_SECONDS_HEADER} caps an agent run: name the run (x-tokenway-program)", param=RUN_SECONDS_HEADER
+        )
+    return seconds

@@ -36,7 +36,11 @@ class LearningHook(Hook):
             facts = ctx.facts
             shape = RequestShape(facts.prompt_tokens, facts.max_tokens, facts.principal.tenant, ctx.model)
             prediction = self.predictor.predict(
-                routed.pool.name, shape, [decision.endpoint], [decision.cached_tokens_estimate]
+                routed.pool.name,
+                shape,
+                [decision.endpoint],
+                [decision.cached_tokens_estimate],
+                lower_cached_tokens=[decision.cached_lower_tokens],
             )[0]
         ctx.prediction = prediction
 

@@ -42,6 +42,7 @@ from gateway.telemetry.state import (
     PredictorSource,
     StateCollector,
 )
+from policies.routing.supply import KvSupply
 
 # Reject reasons that mean "shed under load" rather than "over a limit".
 SHED_REASONS = frozenset({"shed", "load_shed", "queue_full", "queue_timeout", "queue_shed", "overloaded"})
@@ -56,7 +57,10 @@ PREDICTOR_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 _SERIES_CACHE_MAX = 4096
 _GUARDED_LABELS = ("tenant", "model", "pool", "endpoint", "key_id", "reason", "limiter_id", "lora_name")
-LORA_EVENTS = ("load", "preload", "load_failed", "unload", "lost")  # gateway/transport/lora.py's events
+KV_TIERS = ("gpu", "cpu", "disk", "remote")  # policies/routing/prefix/tiers.py's TIER_NAMES: a bounded label
+# tokenway_kv_bytes_moved_total's `link`: backends/topology.py's LINK_CLASSES, a pair without labels, lower tiers
+KV_LINKS = frozenset(("same_node", "same_rack", "cross_rack", "cross_zone", "unknown", "cpu", "disk", "remote"))
+LORA_EVENTS = ("load", "preload", "load_failed", "unload", "evict", "lost")  # gateway/transport/lora.py's events
 
 
 @dataclass(slots=True, frozen=True)
@@ -212,6 +216,47 @@ class GatewayMetrics:
             otel_name="tokenway.prefix_cache.estimated_hit_tokens",
             unit="{token}",
         )
+        self.tier_tokens = CounterFamily(
+            "tokenway_prefix_cache_tier_tokens_total",
+            "prompt tokens the router expected the chosen endpoint to serve from each KV tier (gpu: HBM, cpu: host "
+            "DRAM, disk, remote: a remote or shared store) instead of recomputing them",
+            ("pool", "tier"),
+            otel_name="tokenway.prefix_cache.tier_tokens",
+            unit="{token}",
+        )
+        # the supply side of a dispatch (policies/routing/supply.py): what the cached prefix saved the pool
+        self.saved_tokens = CounterFamily(
+            "tokenway_prefill_tokens_saved_total",
+            "prompt tokens the chosen endpoint was expected not to recompute, by measure: real (tokens of every KV "
+            "tier the pool's credit sees) or credited (prefill-token equivalents once lower-tier loads are paid)",
+            ("pool", "measure"),
+            otel_name="tokenway.prefill.tokens_saved",
+            unit="{token}",
+        )
+        self.saved_gpu_seconds = CounterFamily(
+            "tokenway_prefill_gpu_seconds_saved_total",
+            "GPU-seconds of prefill the cached prefix saved: roofline compute of the cached tokens minus the "
+            "lower tiers' load time, times the replica's GPUs",
+            ("pool",),
+            otel_name="tokenway.prefill.gpu_seconds_saved",
+            unit="s",
+        )
+        self.saved_usd = CounterFamily(
+            "tokenway_prefill_saved_usd_total",
+            "the prefill GPU-seconds saved priced at the pool's usd_per_gpu_hour (pools that set one)",
+            ("pool",),
+            otel_name="tokenway.prefill.saved_usd",
+            unit="USD",
+        )
+        self.kv_bytes_moved = CounterFamily(
+            "tokenway_kv_bytes_moved_total",
+            "KV bytes the router expected to move, by link: a disaggregated request's prefill-to-decode transfer "
+            "by link class (same_node, same_rack, cross_rack, cross_zone, unknown) and lower-tier loads by tier "
+            "(cpu, disk, remote)",
+            ("pool", "link"),
+            otel_name="tokenway.kv.bytes_moved",
+            unit="By",
+        )
         self.upstream_errors = CounterFamily(
             "tokenway_upstream_errors_total",
             "upstream failures by kind (connect, timeout, http_5xx, http_4xx, stream_broken, ...)",
@@ -280,7 +325,8 @@ class GatewayMetrics:
         self.families: tuple[Family, ...] = (
             self.token_usage, self.ttft, self.tpot, self.duration, self.requests, self.admission, self.fallbacks,
             self.tokens, self.cached_tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens,
-            self.estimated_hit_tokens,
+            self.estimated_hit_tokens, self.tier_tokens, self.saved_tokens, self.saved_gpu_seconds, self.saved_usd,
+            self.kv_bytes_moved,
             self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
             self.lora_requests, self.lora_tokens, self.lora_ttft, self.lora_events,
         )  # fmt: skip
@@ -393,15 +439,40 @@ class GatewayMetrics:
     # -- event hooks ---------------------------------------------------------------------------
 
     def observe_route(
-        self, reason: str, pool: str = "", *, prompt_tokens: int = 0, estimated_hit_tokens: int = 0
+        self,
+        reason: str,
+        pool: str = "",
+        *,
+        prompt_tokens: int = 0,
+        estimated_hit_tokens: int = 0,
+        tier_tokens: Sequence[int] = (),
     ) -> None:
         """One routing decision (a request may be routed again on retry). `estimated_hit_tokens`:
-        prompt tokens the prefix index expects the chosen endpoint to have cached."""
+        prompt tokens the prefix index expects the chosen endpoint to have cached; `tier_tokens`: of
+        them, those per KV tier in `KV_TIERS` order (`TierTokens.as_tuple()`)."""
         pool = self.guards["pool"](pool)
         self.routes.child(pool, self.guards["reason"](reason)).value += 1.0
         if prompt_tokens:
             self.routed_prompt_tokens.child(pool).value += prompt_tokens
             self.estimated_hit_tokens.child(pool).value += estimated_hit_tokens
+        for tier, tokens in zip(KV_TIERS, tier_tokens, strict=False):
+            if tokens:
+                self.tier_tokens.child(pool, tier).value += tokens
+
+    def observe_supply(self, pool: str, supply: KvSupply) -> None:
+        """What one dispatch's cached prefix saved its pool and the KV bytes it moved
+        (`ScoringRouter.supply`). `link` values are bounded: `KV_LINKS`."""
+        pool = self.guards["pool"](pool)
+        if supply.real_tokens:
+            self.saved_tokens.child(pool, "real").value += supply.real_tokens
+            self.saved_tokens.child(pool, "credited").value += supply.credited_tokens
+        if supply.gpu_seconds:
+            self.saved_gpu_seconds.child(pool).value += supply.gpu_seconds
+            if supply.usd is not None:
+                self.saved_usd.child(pool).value += supply.usd
+        for link, moved in supply.bytes_by_link:
+            if link in KV_LINKS:
+                self.kv_bytes_moved.child(pool, link).value += moved
 
     def observe_upstream_error(self, endpoint: str, kind: str) -> None:
         """One failed upstream attempt; `endpoint` is the endpoint id ("<pool>/<role>-<i>")."""
@@ -409,7 +480,8 @@ class GatewayMetrics:
         self.upstream_errors.child(pool, self.guards["endpoint"](endpoint), self.guards["reason"](kind)).value += 1
 
     def observe_lora_event(self, adapter: str, event: str) -> None:
-        """An adapter loaded, preloaded, refused, unloaded for idleness or lost by an engine (`LORA_EVENTS`)."""
+        """An adapter loaded, preloaded, refused, unloaded for idleness or the memory budget, or lost by an
+        engine (`LORA_EVENTS`)."""
         self.lora_events.child(self.guards["lora_name"](adapter), event).value += 1.0
 
     def observe_retry(self, pool: str = "") -> None:

@@ -40,7 +40,7 @@ from gateway.request.hooks import Hooks
 from gateway.request.transport import NotSent
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.transport import failover
-from gateway.transport.lora import AdapterLoader, LoadFailed
+from gateway.transport.lora import AdapterLoader, LoadFailed, fleet_budget
 from gateway.transport.lora_keeper import AdapterKeeper
 from gateway.transport.pd import prefill_leg
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
@@ -120,8 +120,14 @@ class EngineTransport:
         self.report_failure = report_failure
         self.fleet = fleet
         # LoRA adapters loaded on first demand (transport/lora.py); preloaded and idle-unloaded by the keeper
-        self.lora = AdapterLoader(upstream, on_event=metrics.observe_lora_event if metrics is not None else _no_event)
+        self.lora = AdapterLoader(
+            upstream,
+            on_event=metrics.observe_lora_event if metrics is not None else _no_event,
+            budget_of=fleet_budget(fleet),  # a pool's lora_memory_budget_mb: room made before a load
+            adapter_of=fleet.adapter,
+        )
         self.lora_keeper = AdapterKeeper(fleet, self.lora)
+        self.lora.kept = self.lora_keeper.hot_on  # a pool's hottest adapters: evicted for the memory budget last
 
     def unreachable(self, pools: Sequence[Pool]) -> set[str]:
         return set()
@@ -174,7 +180,7 @@ class EngineTransport:
             return
         self.lora.lost(endpoint, adapter.name)  # its listing too: the engine said otherwise since
         log.warning("endpoint %s no longer holds the adapter %s: loading it again", endpoint.id, adapter.name)
-        raise NotSent(f"the adapter {adapter.name} was no longer loaded on {endpoint.id}", fault="endpoint")
+        raise NotSent(f"the adapter {adapter.name} was no longer loaded on {endpoint.id}", fault="adapter_lost")
 
     def _not_sent(self, ctx: RequestContext, endpoint: Endpoint, watch: CallWatch, exc: RetryableUpstream) -> NotSent:
         """What a failure before the first byte says, and whose it is."""

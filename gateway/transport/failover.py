@@ -194,11 +194,13 @@ class Failover:
         if outcome is None or outcome.price is None:
             return
         before_usd, before_tokens = self.billed_usd, outcome.billed_tokens
-        policy, batch = self.accounting.policies.current, self.ctx.facts.batch_id is not None
+        ctx = self.ctx
+        policy, batch = self.accounting.policies.current, ctx.facts.batch_id is not None
 
         def price(usage: Usage) -> float:
             share = replace(usage, completion_tokens=max(usage.completion_tokens - before_tokens, 0))
-            return before_usd + price_usd(policy, model, share, batch=batch)
+            pool = ctx.reservation.pool if ctx.reservation is not None else None  # the new leg's serving pool
+            return before_usd + price_usd(policy, model, share, batch=batch, pool=pool)
 
         outcome.price = price
 

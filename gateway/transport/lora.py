@@ -16,8 +16,21 @@ bounded by `timeout_s`, so a slow or dead engine fails the request, never hangs 
 answer (status 0: that endpoint's fault), the message naming the adapter.
 
 Each pair the gateway holds carries its last use and its requests in flight, so the keeper unloads
-only an adapter nobody is using. Events (`load`, `preload`, `load_failed`, `unload`, `lost`) go to
-`on_event(adapter, event)`: the metrics' per-adapter counters.
+only an adapter nobody is using. Events (`load`, `preload`, `load_failed`, `unload`, `evict`, `lost`)
+go to `on_event(adapter, event)`: the metrics' per-adapter counters; per replica they are counted in
+`activity` too (the console's adapter view, and the autoscaler's adapter demand: on-demand loads per
+pool, `pool_loads`). With `state: redis` the uses, demand and loads are shared with the fleet's other
+gateway processes (`share`, `lora_shared.py`): the idle unload and the budget's LRU order read the
+fleet-wide last use (`last_used`).
+
+A pool's memory budget (`lora_memory_budget_mb`, `budget_of`): before a load that would take the
+adapters registered on a replica (those the gateway holds there, and those the engine lists) over it,
+the least recently used adapters the gateway holds there with no request in flight and not
+`preload: true` are unloaded (event `evict`; a pool's hottest, which the keeper preloads, last) until
+it fits, as the engine's LRU evicts for `max_loras`. When what is left (in use, preloaded, or the
+engine's own) leaves too little room, the load fails as that endpoint's fault (status 0), so the
+request tries another replica. An adapter larger than the whole budget never reaches here: the
+dispatch answers 400 (`backends.lora.too_large`).
 """
 
 from __future__ import annotations
@@ -27,10 +40,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
-from backends.lora import LoraAdapter
+from backends.fleet import Fleet
+from backends.lora import DEFAULT_ADAPTER_BYTES, MB, LoraAdapter, budget_bytes
 from backends.types import Endpoint
 from gateway.upstream.client import UpstreamClient
 
@@ -38,10 +53,49 @@ MAX_REGISTERED = 65_536  # (endpoint, adapter) pairs remembered; the policy's na
 DEMAND_HALF_LIFE_S = 600.0  # recent demand per adapter (the keeper's hottest-N preloads) halves in this
 
 EventSink = Callable[[str, str], None]
+BudgetOf = Callable[[Endpoint], int | None]  # an endpoint's LoRA memory budget in bytes (None: none)
+AdapterOf = Callable[[str], LoraAdapter | None]  # the policy's adapter by name
 
 
 def _no_event(adapter: str, event: str) -> None:
     return None
+
+
+def _no_budget(endpoint: Endpoint) -> int | None:
+    return None
+
+
+def _no_adapter(name: str) -> LoraAdapter | None:
+    return None
+
+
+def _none_kept(endpoint: Endpoint) -> frozenset[str]:
+    return frozenset()
+
+
+class AdapterShare(Protocol):
+    """Adapter activity shared with the fleet's other gateway processes (`lora_shared.py`): told of this
+    process's uses and loads (no I/O: it batches them), asked for the fleet-wide last use."""
+
+    def begun(self, endpoint: Endpoint, adapter: str) -> None: ...
+
+    def ended(self, endpoint: Endpoint, adapter: str) -> None: ...
+
+    def loaded(self, endpoint: Endpoint) -> None: ...
+
+    def last_used_s(self, endpoint: Endpoint, adapter: str) -> float | None: ...
+
+
+@dataclass(slots=True)
+class ReplicaActivity:
+    """What the gateway did with adapters on one replica since it started (monotonic counters)."""
+
+    pool: str
+    loads: int = 0  # on first demand
+    preloads: int = 0  # by the keeper
+    evictions: int = 0  # unloaded to fit the pool's memory budget
+    unloads: int = 0  # unloaded for idleness
+    failures: int = 0  # loads the engine refused or did not answer
 
 
 class LoadFailed(Exception):
@@ -70,17 +124,25 @@ class AdapterLoader:
         *,
         on_event: EventSink = _no_event,
         clock: Callable[[], float] = time.monotonic,
+        budget_of: BudgetOf = _no_budget,
+        adapter_of: AdapterOf = _no_adapter,
     ) -> None:
         self.upstream = upstream
         self.timeout_s = timeout_s
         self.on_event = on_event
         self.clock = clock
+        self.budget_of = budget_of
+        self.adapter_of = adapter_of
+        self.activity: dict[str, ReplicaActivity] = {}  # endpoint id -> counters (the fleet's endpoints)
+        # adapters the keeper keeps on an endpoint (its pool's hottest): evicted for the budget last
+        self.kept: Callable[[Endpoint], frozenset[str]] = _none_kept
         self._registered: OrderedDict[tuple[str, str], Held] = OrderedDict()
         self._loading: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.loads = 0
         self.failures = 0
         self.unloads = 0
         self._demand: dict[str, tuple[float, float]] = {}  # adapter -> (decayed requests, as of when)
+        self.share: AdapterShare | None = None  # with `state: redis`: the other processes' uses and loads
 
     def registered(self, endpoint: Endpoint, adapter: str) -> bool:
         """Whether the gateway holds `adapter` on `endpoint` (registered it, or served it where listed)."""
@@ -113,9 +175,11 @@ class AdapterLoader:
             pending = asyncio.get_running_loop().create_future()
             self._loading[key] = pending
             try:
+                await self._make_room(endpoint, adapter)
                 await self._load(endpoint, adapter, reason)
             except LoadFailed as exc:
                 self.failures += 1
+                self._activity(endpoint).failures += 1
                 self.on_event(adapter.name, "load_failed")
                 pending.set_exception(exc)
                 pending.exception()  # retrieved: the waiters (if any) re-raise it
@@ -131,13 +195,27 @@ class AdapterLoader:
         """A request for `adapter` starts on `endpoint`: the keeper leaves the pair alone meanwhile, and
         the adapter's recent demand grows by one."""
         now = self.clock()
-        value, at = self._demand.get(adapter, (0.0, now))
-        if adapter in self._demand or len(self._demand) < MAX_REGISTERED:
-            self._demand[adapter] = (value * 0.5 ** ((now - at) / DEMAND_HALF_LIFE_S) + 1.0, now)
+        self.add_demand(adapter, 1.0)
         held = self._registered.get((endpoint.id, adapter))
         if held is not None:
             held.inflight += 1
             held.last_used_s = now
+        if self.share is not None:
+            self.share.begun(endpoint, adapter)
+
+    def add_demand(self, adapter: str, count: float) -> None:
+        """`count` requests for `adapter` now: this process's (`begin`), or the other processes' as the
+        shared state reports them."""
+        now = self.clock()
+        value, at = self._demand.get(adapter, (0.0, now))
+        if adapter in self._demand or len(self._demand) < MAX_REGISTERED:
+            self._demand[adapter] = (value * 0.5 ** ((now - at) / DEMAND_HALF_LIFE_S) + count, now)
+
+    def last_used(self, held: Held) -> float:
+        """When `held` was last used (monotonic): here, or by any gateway process sharing state with this
+        one (the idle unload and the memory budget's LRU order judge by the fleet's uses)."""
+        shared = self.share.last_used_s(held.endpoint, held.adapter) if self.share is not None else None
+        return held.last_used_s if shared is None else max(held.last_used_s, shared)
 
     def hottest(self, names: Iterable[str], count: int) -> list[str]:
         """The `count` adapters among `names` with the most recent demand (none without any)."""
@@ -155,6 +233,8 @@ class AdapterLoader:
         if held is not None:
             held.inflight = max(held.inflight - 1, 0)
             held.last_used_s = self.clock()
+        if self.share is not None:
+            self.share.ended(endpoint, adapter)
 
     def forget(self, endpoint_id: str) -> None:
         """The endpoint restarted or left: its adapters must be loaded again."""
@@ -169,9 +249,18 @@ class AdapterLoader:
             endpoint.loras = endpoint.loras - {adapter}
         self.on_event(adapter, "lost")
 
-    async def unload(self, endpoint: Endpoint, adapter: str) -> bool:
+    def pool_loads(self, pool: str) -> int:
+        """On-demand loads on `pool`'s replicas since start (the autoscaler's adapter demand)."""
+        return sum(a.loads for a in self.activity.values() if a.pool == pool)
+
+    def held_on(self, endpoint_id: str) -> list[Held]:
+        """The adapters the gateway holds on one endpoint, least recently used first."""
+        return sorted((h for h in self._registered.values() if h.endpoint.id == endpoint_id), key=self.last_used)
+
+    async def unload(self, endpoint: Endpoint, adapter: str, *, reason: str = "unload") -> bool:
         """Unregister `adapter` from `endpoint` (vLLM's `/v1/unload_lora_adapter`); True when the engine no
-        longer holds it (unloaded now, or already gone: vLLM answers 404 for a name it does not know)."""
+        longer holds it (unloaded now, or already gone: vLLM answers 404 for a name it does not know).
+        `reason`: `unload` (idle, the keeper) or `evict` (to fit the memory budget)."""
         key = (endpoint.id, adapter)
         held = self._registered.get(key)
         if held is not None and held.inflight:
@@ -193,8 +282,58 @@ class AdapterLoader:
         if endpoint.loras is not None and adapter in endpoint.loras:
             endpoint.loras = endpoint.loras - {adapter}
         self.unloads += 1
-        self.on_event(adapter, "unload")
+        counts = self._activity(endpoint)
+        if reason == "evict":
+            counts.evictions += 1
+        else:
+            counts.unloads += 1
+        self.on_event(adapter, reason)
         return True
+
+    def _activity(self, endpoint: Endpoint) -> ReplicaActivity:
+        found = self.activity.get(endpoint.id)
+        if found is None:
+            found = ReplicaActivity(endpoint.pool)
+            if len(self.activity) < MAX_REGISTERED:
+                self.activity[endpoint.id] = found
+        return found
+
+    def _size(self, name: str) -> int:
+        adapter = self.adapter_of(name)
+        return adapter.size_bytes if adapter is not None and adapter.size_bytes else DEFAULT_ADAPTER_BYTES
+
+    async def _make_room(self, endpoint: Endpoint, adapter: LoraAdapter) -> None:
+        """Unload the least recently used idle adapters the gateway holds on `endpoint` until `adapter`
+        fits the pool's memory budget; LoadFailed (status 0: this endpoint's) when it cannot."""
+        budget = self.budget_of(endpoint)
+        if budget is None:
+            return
+        need = adapter.size_bytes or DEFAULT_ADAPTER_BYTES
+        kept = self.kept(endpoint)
+        # least recently used first, the pool's hottest (the keeper would preload them again) last
+        held = sorted(
+            (h for h in self.held_on(endpoint.id) if h.adapter != adapter.name), key=lambda h: h.adapter in kept
+        )
+        mine = {h.adapter for h in held}
+        others = (endpoint.loras or frozenset()) - mine - {adapter.name}  # the engine's own: not ours to unload
+        used = sum(self._size(h.adapter) for h in held) + sum(self._size(name) for name in others)
+        for victim in held:
+            if used + need <= budget:
+                return
+            if self._registered.get((endpoint.id, victim.adapter)) is not victim:  # gone meanwhile (another load)
+                used -= self._size(victim.adapter)
+                continue
+            policy = self.adapter_of(victim.adapter)
+            if victim.inflight or (policy is not None and policy.preload):
+                continue
+            if await self.unload(endpoint, victim.adapter, reason="evict"):
+                used -= self._size(victim.adapter)
+        if used + need > budget:
+            raise LoadFailed(
+                0,
+                f"The adapter '{adapter.name}' ({need / MB:g} MB) does not fit the LoRA memory budget of "
+                f"{endpoint.id} ({budget / MB:g} MB): {used / MB:g} MB are held by adapters in use or kept there",
+            )
 
     def _fresh(self, key: tuple[str, str], endpoint: Endpoint) -> bool:
         """Registered here, and not contradicted by a listing the engine sent after registering it."""
@@ -227,12 +366,30 @@ class AdapterLoader:
             raise LoadFailed(0, f"The adapter '{adapter.name}' could not be loaded on {endpoint.id}: {exc!r}") from None
         self.loads += 1
         if response.status == 200 or _already_loaded(response.status, text):
+            counts = self._activity(endpoint)
+            if reason == "preload":
+                counts.preloads += 1
+            else:
+                counts.loads += 1
+                if self.share is not None:
+                    self.share.loaded(endpoint)
             self.on_event(adapter.name, reason)
             return
         detail = _message(text)
         raise LoadFailed(
             response.status, f"The adapter '{adapter.name}' could not be loaded ({response.status}): {detail}"
         )
+
+
+def fleet_budget(fleet: Fleet) -> BudgetOf:
+    """Each endpoint's budget from its pool's `lora_memory_budget_mb`, read at each load (a reload's
+    pools are the fleet's)."""
+
+    def budget_of(endpoint: Endpoint) -> int | None:
+        pool = fleet.pools.get(endpoint.pool)
+        return budget_bytes(pool.config.lora_memory_budget_mb) if pool is not None else None
+
+    return budget_of
 
 
 def _headers(endpoint: Endpoint) -> dict[str, str]:

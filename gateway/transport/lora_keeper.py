@@ -11,9 +11,10 @@ replica that starts or comes back holds them before their next request; the set 
 The opposite end: an adapter nobody asked for on a replica for `idle_unload_s` (the adapter's own,
 else the pool's `lora_idle_unload_s`) is unloaded by the gateway (`/v1/unload_lora_adapter`), so the
 engine's registered set, its CPU cache and the routing view shrink back to what is used ("scale an
-adapter to zero"). Unset, the engine's LRU alone evicts. Each gateway process judges idleness by its
-own requests (several workers or replicas: set `idle_unload_s` well above the gap between one
-process's requests for an adapter; an unload another process did not expect costs it one reload).
+adapter to zero"). Unset, the engine's LRU alone evicts. With `state: redis` idleness is the fleet's
+(`lora_shared.py`): an adapter another gateway process used on that engine within `idle_unload_s`
+stays; without it each process judges by its own requests (an unload another process did not expect
+costs it one reload).
 
 Only pairs the gateway holds are unloaded (registered by it, or served where the engine listed the
 adapter), and never one with a request in flight. One pass every `tick_s`; every load or unload runs
@@ -73,6 +74,15 @@ class AdapterKeeper:
                 out[name] = frozenset(self.loader.hottest(mine, count))
         return out
 
+    def hot_on(self, endpoint: Endpoint) -> frozenset[str]:
+        """The adapters the keeper keeps on `endpoint` for demand (its pool's `lora_preload_hottest`)."""
+        pool = self.fleet.pools.get(endpoint.pool)
+        count = pool.config.lora_preload_hottest if pool is not None else 0
+        if pool is None or not count:
+            return frozenset()
+        mine = [a.name for a in self.fleet.adapters.values() if a.base_model == pool.config.model]
+        return frozenset(self.loader.hottest(mine, count))
+
     def idle_after_s(self, held: Held, hot: dict[str, frozenset[str]] | None = None) -> float | None:
         """How long `held` may go unused before it is unloaded; None: never (preloaded, among its pool's
         hottest, unset, unknown)."""
@@ -102,7 +112,7 @@ class AdapterKeeper:
             after = self.idle_after_s(held, hot)
             if after is None or held.inflight or held.endpoint.state not in UNLOADABLE:
                 continue
-            if now - held.last_used_s >= after:
+            if now - self.loader.last_used(held) >= after:
                 self._start((held.endpoint.id, held.adapter), self._unload(held.endpoint, held.adapter))
 
     def _replicas(self, adapter: LoraAdapter) -> list[Endpoint]:

@@ -2,7 +2,9 @@
 
 `RouteMetrics` counts each committed attempt's route (its reason, its pool, the prefix-cache hit the
 router expected) and each retry on another endpoint, for the engine transport and the endpoint
-picker alike (the app factory plugs it in when metrics are on).
+picker alike (the app factory plugs it in when metrics are on). Given the router, it also counts the
+supply side of each dispatch (`ScoringRouter.supply`: prefill tokens, GPU-seconds and dollars the
+cached prefix saved, KV bytes moved per link).
 
 `ToolBoundary` tells the router when an agent program's answer ended in tool calls (the relay's
 `RelayOutcome.tool_calls`), so that its return after the tool run is kept on that replica
@@ -20,8 +22,9 @@ from policies.routing.pipeline import ScoringRouter
 
 
 class RouteMetrics(Hook):
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, router: ScoringRouter | None = None) -> None:
         self.metrics = metrics
+        self.router = router
 
     def dispatched(self, ctx: RequestContext) -> None:
         routed = ctx.routed
@@ -32,7 +35,13 @@ class RouteMetrics(Hook):
             pool,
             prompt_tokens=ctx.facts.prompt_tokens,
             estimated_hit_tokens=decision.cached_tokens_estimate,
+            tier_tokens=decision.cached_tiers.as_tuple() if decision.cached_tiers is not None else (),
         )
+        prompt_tokens = ctx.facts.prompt_tokens
+        if self.router is not None and prompt_tokens:
+            supply = self.router.supply(decision, prompt_tokens)
+            if supply is not None:
+                self.metrics.observe_supply(pool, supply)
         if ctx.record.upstream_attempts > 1:  # commit counted this one: it follows a failed one
             self.metrics.observe_retry(pool)
 

@@ -26,6 +26,7 @@ import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from gateway.upstream.connection import Connection, UpstreamConnectionError, expire
@@ -52,6 +53,16 @@ def _parse_url(url: str) -> tuple[_Origin, bytes]:
     return origin, f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: ".encode()
 
 
+class Abortable(Protocol):
+    """What a watch cuts: the engine client's `Connection`, or a hosted call over another client
+    (gateway/transport/hosted.py) that keeps the same two promises."""
+
+    @property
+    def last_data_s(self) -> float: ...
+
+    def abort(self) -> None: ...
+
+
 class CallWatch:
     """One upstream call as the stall watch sees it: when it began, when its connection last received
     bytes, and `cut` to drop it now (the engine sees the disconnect and aborts the request; the caller
@@ -64,7 +75,7 @@ class CallWatch:
         self.stream = stream  # a stream shows tokens as they come; a non-streamed call only its end
         self.started_s = time.monotonic() if now_s is None else now_s
         self.reason = ""
-        self._conn: Connection | None = None
+        self._conn: Abortable | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def arm(self, seconds: float, reason: str) -> None:
@@ -87,7 +98,7 @@ class CallWatch:
         """Monotonic time its connection last received bytes (0.0: none yet)."""
         return self._conn.last_data_s if self._conn is not None else 0.0
 
-    def attach(self, conn: Connection) -> None:
+    def attach(self, conn: Abortable) -> None:
         self._conn = conn
         if self.reason:
             conn.abort()  # cut before it had a connection
@@ -209,7 +220,7 @@ class UpstreamClient:
         return await self._exchange(conn, origin, request, watch)
 
     async def _exchange(
-        self, conn: Connection, origin: _Origin, request: bytes, watch: CallWatch | None = None
+        self, conn: Connection, origin: _Origin, request: bytes | tuple[bytes, bytes], watch: CallWatch | None = None
     ) -> Response:
         if watch is not None:
             watch.attach(conn)
@@ -303,7 +314,13 @@ class UpstreamClient:
         self._idle.clear()
 
 
-def _request_bytes(start: bytes, headers: Mapping[str, str], body: bytes) -> bytes:
+# A body larger than this goes to the socket beside its head, not copied into one buffer with it.
+_JOIN_UP_TO = 64 * 1024
+
+
+def _request_bytes(start: bytes, headers: Mapping[str, str], body: bytes) -> bytes | tuple[bytes, bytes]:
+    """The request's bytes: one buffer, or (head, body) for a large body (a long prompt is not
+    copied again only to sit after its headers)."""
     parts = [start, str(len(body)).encode(), b"\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
@@ -311,5 +328,7 @@ def _request_bytes(start: bytes, headers: Mapping[str, str], body: bytes) -> byt
         # the client's bytes as they came (aiohttp decodes header values as UTF-8, surrogate-escaped)
         parts.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
     parts.append(b"\r\n")
+    if len(body) > _JOIN_UP_TO:
+        return b"".join(parts), body
     parts.append(body)
     return b"".join(parts)

@@ -240,11 +240,14 @@ class Connection(asyncio.Protocol):
                 timer.cancel()
             self._waiter = None
 
-    def send(self, request: bytes) -> None:
+    def send(self, request: bytes | tuple[bytes, bytes]) -> None:
         assert self.transport is not None
         self.used = True
         self.head_done = self._loop.create_future()
-        self.transport.write(request)
+        if isinstance(request, tuple):
+            self.transport.writelines(request)
+        else:
+            self.transport.write(request)
 
     def abort(self) -> None:
         self.closed = True

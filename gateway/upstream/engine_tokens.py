@@ -13,19 +13,21 @@ cl100k estimate (their ids are not the engine's): it asks `/tokenize` once more 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from array import array
 from collections.abc import Mapping
 from concurrent.futures import Executor
 from typing import Any
 
-import aiohttp
 import orjson
 import xxhash
 
 from backends.fleet import Fleet, Pool
 from backends.model_tokenizer import ModelTokenizer, TokenizerLoadError, tokenizer_directory
 from gateway.request import Hook, RequestContext
+from gateway.upstream.client import UpstreamClient
+from gateway.upstream.connection import UpstreamConnectionError
 from policies.estimate import (
     EXACT_SOURCES,
     SOURCE_ENGINE,
@@ -52,7 +54,7 @@ def tokenizer_path(pool: Pool) -> str | None:
 
 
 def build_counters(
-    fleet: Fleet, estimator: PromptEstimator, session: aiohttp.ClientSession, executor: Executor | None = None
+    fleet: Fleet, estimator: PromptEstimator, client: UpstreamClient, executor: Executor | None = None
 ) -> None:
     """Configure `estimator` with every model's counters (see the module docstring)."""
     loaded: dict[str, ModelTokenizerCounter] = {}
@@ -74,7 +76,7 @@ def build_counters(
             if loaded[path] not in counters:
                 counters.append(loaded[path])
         counters += [
-            EngineTokenizeCounter(session, pool) for pool in pools if pool.config.engine in ENGINES_WITH_TOKENIZE
+            EngineTokenizeCounter(client, pool) for pool in pools if pool.config.engine in ENGINES_WITH_TOKENIZE
         ]
         cl100k_exact = bool(pools) and all(p.config.engine in ENGINES_SHARING_OUR_TOKENIZER for p in pools)
         if not counters and not cl100k_exact:
@@ -90,25 +92,29 @@ class EngineTokenizeCounter:
     """A pool's engine counts the prompt (vLLM's `POST /tokenize`, vllm/entrypoints/serve/tokenize/): the
     chat form applies the server's own template, so the ids are exactly the ones the engine hashes. New prompts cost one
     round trip to a ready endpoint (spread over the pool); repeats hit a bounded LRU of packed ids.
-    An error, a timeout or no ready endpoint returns None: the next counter decides."""
+    An error, a timeout or no ready endpoint returns None: the next counter decides.
+
+    The round trip goes through the engine client every relayed request uses (pooled keep-alive
+    connections, no per-call client objects), and the prompt is encoded once: the same bytes key the
+    cache and, with the model spliced in front, make the request."""
 
     source = SOURCE_ENGINE
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         pool: Pool,
         max_entries: int = 20_000,
         timeout_s: float = 2.0,
         max_tokens: int = 4_000_000,
     ) -> None:
-        self._session = session
+        self._client = client
         self.pool = pool
         # Bounded in entries and in tokens held (4 bytes each): long prompts cannot grow it past
         # `max_tokens`, and one huge prompt is not cached at all rather than flush the rest.
         self._cache = _IdCache(max_tokens, max_entries)
         self.max_tokens = max_tokens
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
         self.calls = 0
         self.errors = 0
         self._turn = 0
@@ -127,16 +133,18 @@ class EngineTokenizeCounter:
         request = _tokenize_body(api, body)
         if request is None:
             return None
-        key = xxhash.xxh3_64_intdigest(orjson.dumps(request))
+        encoded = orjson.dumps(request)
+        key = xxhash.xxh3_64_intdigest(encoded)
         ids = self._cache.get(key)
         if ids is None:
-            ids = await self.tokenize(request)
+            ids = await self.tokenize(encoded)
             if ids is None:
                 return None
             self._cache.put(key, ids)
         return PromptCount(len(ids), ids, SOURCE_ENGINE)
 
-    async def tokenize(self, request: dict[str, Any]) -> array[int] | None:
+    async def tokenize(self, request: bytes) -> array[int] | None:
+        """The engine's ids for `request` (an encoded /tokenize body without its `model`)."""
         ready = self.pool.ready_endpoints()
         if not ready:
             return None
@@ -146,18 +154,19 @@ class EngineTokenizeCounter:
         if endpoint.api_key:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
         self.calls += 1
+        # the model spliced in front of the encoded request: one copy of the prompt, no second encode
+        rest = memoryview(request)[1:] if len(request) > 2 else b"}"
+        body = b"".join((b'{"model":', orjson.dumps(endpoint.served_model), b"," if len(request) > 2 else b"", rest))
         try:
-            async with self._session.post(
-                endpoint.base_url + "/tokenize",
-                data=orjson.dumps({"model": endpoint.served_model, **request}),
-                timeout=self._timeout,
-                headers=headers,
-            ) as response:
-                if response.status != 200:
-                    self.errors += 1
-                    return None
-                tokens = orjson.loads(await response.read()).get("tokens")
-        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            async with asyncio.timeout(self.timeout_s):
+                response = await self._client.post(endpoint.base_url + "/tokenize", headers, body)
+                async with response:
+                    if response.status != 200:
+                        self.errors += 1
+                        return None
+                    answer = orjson.loads(await response.read())
+            tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        except (UpstreamConnectionError, TimeoutError, orjson.JSONDecodeError) as exc:
             self.errors += 1
             log.debug("tokenize on %s failed: %s", endpoint.id, exc)
             return None
@@ -185,13 +194,13 @@ class EngineTokenizer(Hook):
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         fleet: Fleet,
         max_entries: int = 20_000,
         timeout_s: float = 2.0,
         max_tokens: int = 4_000_000,
     ) -> None:
-        self._session = session
+        self._client = client
         self._fleet = fleet
         self._counters: dict[str, EngineTokenizeCounter] = {}
         self.max_entries = max_entries
@@ -220,7 +229,7 @@ class EngineTokenizer(Hook):
         counter = self._counters.get(pool.name)
         if counter is None:
             counter = self._counters[pool.name] = EngineTokenizeCounter(
-                self._session, pool, self.max_entries, self.timeout_s, self.max_tokens
+                self._client, pool, self.max_entries, self.timeout_s, self.max_tokens
             )
         counted = await counter.count(facts.api, facts.body)
         return counted.ids if counted is not None else None

@@ -29,12 +29,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
 from backends.types import Endpoint, LoadTicket
 from gateway.upstream.client import Response
+
+if TYPE_CHECKING:
+    from gateway.upstream.relay import RelayOutcome
 
 MAX_MIGRATIONS: Final = 2  # continuations per stream (a second cut moves it again, then it ends)
 _BLOCKING_FIELDS: Final = ("tools", "functions", "logprobs", "top_logprobs", "response_format", "guided_json")
@@ -75,7 +78,7 @@ def can_migrate(body: Mapping[str, Any], api: str) -> bool:
 def can_fail_over(body: Mapping[str, Any], api: str) -> bool:
     """Whether a stream of this request can continue on a fallback model: as `can_migrate`, but tools
     are allowed (a stream whose tool-call deltas already went out is never continued: the relay's
-    `_Moving.tool_calls`), since the new leg starts any call of its own from scratch."""
+    `Moving.tool_calls`), since the new leg starts any call of its own from scratch."""
     if api not in ("chat", "completions"):
         return False
     if (body.get("n") or 1) != 1 or body.get("echo") or body.get("best_of"):
@@ -306,3 +309,68 @@ class Resumer:
             if endpoint is not None or time.monotonic() >= deadline or not self.others(frozenset(self.avoid)):
                 return endpoint
             await asyncio.sleep(self.poll_s)
+
+
+_FINISHED = (b'"finish_reason":"', b'"finish_reason": "', b"data: [DONE]")
+
+
+class Moving:
+    """A stream's migration state: what was sent (to continue after it), whether it finished, the
+    splice of the continuation under way and its load tickets."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.finished = False
+        self.identity: tuple[str, int] | None = None
+        self.splice: Splice | None = None
+        self.api = "chat"
+        self.tickets: list[LoadTicket] = []
+        self.tool_calls = False  # a tool-call delta went out: the stream is not continued elsewhere
+        self.error: str | None = None  # the engine sent an error event: a cut, as a reset is
+
+    def relaying(self, events: list[bytes]) -> list[bytes]:
+        if self.splice is not None:
+            events = self.splice.events(events)
+        for position, event in enumerate(events):
+            if not event.startswith(b"data:"):
+                continue
+            if event.startswith(b'data: {"error"') or event.startswith(b'data:{"error"'):
+                # what follows it (a [DONE]) is not the answer's end: the stream failed here
+                self.error = f"the engine sent an error event: {event[5:305].decode('utf-8', 'replace').strip()}"
+                return events[:position]
+            if not self.tool_calls and b'"tool_calls"' in event and _tool_call_delta(event):
+                self.tool_calls = True
+            if any(marker in event for marker in _FINISHED):
+                self.finished = True
+            if self.identity is None and not event.startswith(b"data: [DONE]"):
+                self.identity = stream_identity(event)
+                if b'"object":"text_completion"' in event or b'"object": "text_completion"' in event:
+                    self.api = "completions"
+            self.sent.append(event)
+        return events
+
+    def continued(self, resumed: Resumed, outcome: RelayOutcome) -> None:
+        self.splice = Splice(
+            self.identity, outcome.counted_completion_tokens, resumed.prompt_tokens, resumed.api, resumed.model
+        )
+        self.api = resumed.api
+        self.tickets.append(resumed.ticket)
+        outcome.migrations += 1
+        outcome.migrated_to.append(resumed.endpoint_id)
+
+    def end(self) -> None:
+        for ticket in self.tickets:
+            ticket.end()
+
+
+def _tool_call_delta(event: bytes) -> bool:
+    """Whether a chat chunk carries a tool-call delta (a non-empty `tool_calls`)."""
+    try:
+        chunk = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return False
+    for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and delta.get("tool_calls"):
+            return True
+    return False

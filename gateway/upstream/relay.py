@@ -26,7 +26,8 @@ from backends.types import LoadTicket
 from gateway.errors import UpstreamError, sse_error_event
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
 from gateway.upstream.connection import UpstreamConnectionError
-from gateway.upstream.migrate import MAX_MIGRATIONS, Resume, Resumed, Splice, sent_text, stream_identity
+from gateway.upstream.engine_fields import carries_engine_fields, drop_engine_fields, without_engine_fields
+from gateway.upstream.migrate import MAX_MIGRATIONS, Moving, Resume, sent_text
 from gateway.upstream.tool_calls import answer_calls_tools, events_call_tools
 from policies.types import Usage
 
@@ -79,7 +80,6 @@ class RelayOutcome:
     done_sent: bool = False  # a stream's `data: [DONE]` was written: the client has the whole answer
     error_detail: str | None = None
     response: web.StreamResponse | None = None  # for non-streamed answers: not yet sent
-    body_json: dict[str, Any] | None = field(default=None, repr=False)
     # called with first_token_at_s as the first token is relayed (the predictor learns of it then)
     on_first_token: Callable[[float], None] | None = field(default=None, repr=False)
     migrations: int = 0  # times the stream continued on another replica after its own cut it
@@ -237,17 +237,17 @@ async def relay_unary(
     answer = parsed  # the client's answer as an object, while it is the parsed one
     outcome.tool_calls = isinstance(parsed, dict) and answer_calls_tools(parsed)
     if isinstance(parsed, dict) and transform is not None:
-        outcome.body_json = parsed
         written, outcome.usage = transform(parsed)
         if written is not None:
             data, answer = written, None
     elif isinstance(parsed, dict):
-        outcome.body_json = parsed
         outcome.usage = _usage_from(parsed.get("usage"))
         metrics = parsed.get("metrics")
         outcome.engine_metrics = metrics if isinstance(metrics, dict) else None
-        if target.served_model != target.public_model and "model" in parsed:
+        renamed = target.served_model != target.public_model and "model" in parsed
+        if renamed:
             parsed["model"] = target.public_model
+        if (carries_engine_fields(data) and drop_engine_fields(parsed)) or renamed:
             data = orjson.dumps(parsed)
     if price is not None and outcome.usage is not None:
         # opt-in: the translated answer is read back once more (only for callers shown their cost)
@@ -325,7 +325,7 @@ async def relay_stream(
     clean = False
     # a translated stream has a `resume` only where its codec reads chat chunks (a failover to a
     # fallback model: gateway/transport/failover.py): the splice happens before the codec reads them
-    moving = _Moving() if resume is not None else None
+    moving = Moving() if resume is not None else None
     preemptible = moving is not None and codec is None  # flow control cuts native streams only
     if preemptible:
         outcome.upstream = upstream
@@ -451,72 +451,7 @@ async def relay_stream(
             moving.end()
 
 
-_FINISHED = (b'"finish_reason":"', b'"finish_reason": "', b"data: [DONE]")
-
-
-class _Moving:
-    """A stream's migration state: what was sent (to continue after it), whether it finished, the
-    splice of the continuation under way and its load tickets."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-        self.finished = False
-        self.identity: tuple[str, int] | None = None
-        self.splice: Splice | None = None
-        self.api = "chat"
-        self.tickets: list[LoadTicket] = []
-        self.tool_calls = False  # a tool-call delta went out: the stream is not continued elsewhere
-        self.error: str | None = None  # the engine sent an error event: a cut, as a reset is
-
-    def relaying(self, events: list[bytes]) -> list[bytes]:
-        if self.splice is not None:
-            events = self.splice.events(events)
-        for position, event in enumerate(events):
-            if not event.startswith(b"data:"):
-                continue
-            if event.startswith(b'data: {"error"') or event.startswith(b'data:{"error"'):
-                # what follows it (a [DONE]) is not the answer's end: the stream failed here
-                self.error = f"the engine sent an error event: {event[5:305].decode('utf-8', 'replace').strip()}"
-                return events[:position]
-            if not self.tool_calls and b'"tool_calls"' in event and _tool_call_delta(event):
-                self.tool_calls = True
-            if any(marker in event for marker in _FINISHED):
-                self.finished = True
-            if self.identity is None and not event.startswith(b"data: [DONE]"):
-                self.identity = stream_identity(event)
-                if b'"object":"text_completion"' in event or b'"object": "text_completion"' in event:
-                    self.api = "completions"
-            self.sent.append(event)
-        return events
-
-    def continued(self, resumed: Resumed, outcome: RelayOutcome) -> None:
-        self.splice = Splice(
-            self.identity, outcome.counted_completion_tokens, resumed.prompt_tokens, resumed.api, resumed.model
-        )
-        self.api = resumed.api
-        self.tickets.append(resumed.ticket)
-        outcome.migrations += 1
-        outcome.migrated_to.append(resumed.endpoint_id)
-
-    def end(self) -> None:
-        for ticket in self.tickets:
-            ticket.end()
-
-
-def _tool_call_delta(event: bytes) -> bool:
-    """Whether a chat chunk carries a tool-call delta (a non-empty `tool_calls`)."""
-    try:
-        chunk = orjson.loads(event[5:])
-    except orjson.JSONDecodeError:
-        return False
-    for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict) and delta.get("tool_calls"):
-            return True
-    return False
-
-
-def _failover_marker(codec: StreamCodec | None, moving: _Moving, failover: dict[str, Any]) -> bytes:
+def _failover_marker(codec: StreamCodec | None, moving: Moving, failover: dict[str, Any]) -> bytes:
     """The event that says where a stream moved to a fallback model, in the client's grammar: the
     codec's (`failover`, where it has one), else a chat or completions chunk (`Splice.marker`)."""
     if codec is not None:
@@ -550,9 +485,15 @@ def relay_events(
             chunk = _read_usage_chunk(event, outcome)
             if not client_wants_usage:
                 continue
-            if outcome.price is not None and outcome.usage is not None and chunk is not None:
-                event = b"data: " + with_cost(chunk, outcome.usage, outcome.price, event[5:].strip())
+            if chunk is not None:
+                dropped = carries_engine_fields(event) and drop_engine_fields(chunk)
+                if outcome.price is not None and outcome.usage is not None:
+                    event = b"data: " + with_cost(chunk, outcome.usage, outcome.price, event[5:].strip())
+                elif dropped:
+                    event = b"data: " + orjson.dumps(chunk)
         elif event.startswith(b"data:"):
+            if carries_engine_fields(event):
+                event = without_engine_fields(event)
             if outcome.first_token_at_s is None and _has_output(event[5:]):
                 outcome.first_token_at_s = time.perf_counter()
                 ticket.first_token(prompt_tokens)

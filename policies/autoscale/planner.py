@@ -28,6 +28,8 @@ example):
                 executor starts them and puts them to sleep, so a step is absorbed by a wake)
     wanted    = clamp(·, min_replicas, max_replicas + surge_replicas); the device budget grants the
                 surge above max_replicas only from devices no other pool's planner wants
+    adapters  = one more replica while LoRA adapter loads per minute per replica pass
+                adapter_loads_per_min, no scale-down that would pass it (`policies.autoscale.adapters`)
 
 The forecast looks ahead by the lead time so a replica starts before the load needs it; only a rising
 trend moves demand (a falling one waits for the measured level).
@@ -42,6 +44,7 @@ from typing import Final
 
 from backends.autoscale.config import AutoscaleConfig
 from policies.autoscale import floors as scheduled
+from policies.autoscale.adapters import adapter_demand
 from policies.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan, RoleSignals
 
 _EPSILON = 1e-9
@@ -50,6 +53,7 @@ HPA_TOLERANCE = 0.1
 
 def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemory) -> PoolPlan:
     """The pool's wanted replicas per role before the device budget (`desired` = `wanted` here)."""
+    before = memory
     now = signals.now_s
     lead_s = lead_time_s(signals, policy)
     opened = scheduled.in_force(signals.floors, now, lead_s, memory.floors)
@@ -134,7 +138,7 @@ def plan_pool(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemo
         wanted=tuple((r.role, r.wanted) for r in roles),
         floors=opened,
     )
-    return PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory)
+    return adapter_demand(signals, policy, before, PoolPlan(signals.pool, tuple(roles), "; ".join(reasons), memory))
 
 
 def lead_time_s(signals: PoolSignals, policy: AutoscaleConfig) -> float:
@@ -246,7 +250,7 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
             RolePlan(role.role, current, round(metric / policy.hpa_target_running * max(ready, 1), 3), wanted, wanted)
         )
         reasons.append(why)
-    return PoolPlan(
+    plan = PoolPlan(
         signals.pool,
         tuple(roles),
         "hpa: " + "; ".join(reasons),
@@ -257,6 +261,7 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
             floors=opened,
         ),
     )
+    return adapter_demand(signals, policy, memory, plan)
 
 
 Planner = Callable[[PoolSignals, AutoscaleConfig, PlannerMemory], PoolPlan]

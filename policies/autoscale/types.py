@@ -50,6 +50,7 @@ class PoolSignals:
     device_group: str = ""  # the budget the replicas' devices come from ("" = unmanaged)
     awake_since_s: float = NEVER  # when its newest replica became active (shared devices)
     floors: tuple[Floor, ...] = ()  # scheduled capacity near now (policies/autoscale/floors.py)
+    adapter_loads_per_min: float = 0.0  # LoRA adapters loaded on demand per minute per ready replica, lately
 
     def role(self, name: str) -> RoleSignals | None:
         return next((r for r in self.roles if r.role == name), None)

@@ -266,6 +266,7 @@ OverrideDimension = Literal[
     "max_concurrent",
     "calls_per_run",
     "tokens_per_run",
+    "seconds_per_run",
     "usd_per_day",
     "usd_per_month",
     "usd_per_period",

@@ -133,7 +133,7 @@ class Admission:
                 (), model, plan=plan, prompt_tokens=prompt_tokens, output_tokens=output_tokens, price_factor=factor
             )
         costs = [spec.reserve_cost(prompt_tokens, output_tokens) for spec in plan.buckets]
-        cost_usd = plan.price.reserve_usd(prompt_tokens, output_tokens) * factor if plan.budgets else 0.0
+        cost_usd = plan.reserve_usd(prompt_tokens, output_tokens) * factor if plan.budgets else 0.0
         never = self._never_fits(plan, model, costs, cost_usd, now)
         if never is not None:
             self.counters[never.reason] += 1
@@ -359,8 +359,16 @@ class Admission:
             wait_s = buckets.wait_s(used, cost, capacity, spec.rate_per_s * scale)
             if wait_s > worst_wait_s:
                 worst_wait_s = wait_s
+                if spec.kind == "seconds":  # a run's clock: `used` is its age (scaled like the cap)
+                    elapsed_s = used / scale if scale else used
+                    worst = rejections.run_time_exceeded(
+                        model, spec, capacity=spec.capacity, elapsed_s=elapsed_s, now_s=outcome.now_s
+                    )
+                    continue
                 reset_s = buckets.reset_s(used, spec.rate_per_s * scale)
-                headers = ratelimit_headers(spec.kind, capacity, capacity - used, reset_s) if spec.rate_per_s else []
+                headers = (
+                    ratelimit_headers(spec.kind, capacity, capacity - used, reset_s) if spec.rate_per_s > 0 else []
+                )
                 worst = rejections.rate_limited(
                     model, spec, capacity=capacity, used=used, requested=cost, wait_s=wait_s, headers=headers
                 )
@@ -401,13 +409,15 @@ class Admission:
         model: str,
         charged_output_tokens: int | None = None,
         now: float | None = None,
+        pool: str | None = None,
     ) -> None:
         """Reconcile with real usage and release the lease. `usage=None` (the stream broke before usage
-        arrived) charges `charged_output_tokens` if counted, else the whole output reservation.
+        arrived) charges `charged_output_tokens` if counted, else the whole output reservation. `pool`:
+        the pool that served it, whose price applies (`pool_prices`; None: the model's price).
         Idempotent; never raises (accounting must not fail a response that already went out). Waits
         for the store; a cancelled caller does not cut the settlement short."""
         await self._settled(self.settle_soon(ticket, usage, model=model, charged_output_tokens=charged_output_tokens,
-                                             now=now, lazy=False))  # fmt: skip
+                                             now=now, lazy=False, pool=pool))  # fmt: skip
 
     def settle_soon(
         self,
@@ -418,6 +428,7 @@ class Admission:
         charged_output_tokens: int | None = None,
         now: float | None = None,
         lazy: bool = True,
+        pool: str | None = None,
     ) -> asyncio.Future[Any] | None:
         """`settle` without waiting: the ticket is settled from now on (a second call is a no-op) and the
         store's work is under way (for Redis, queued on the connection before this returns, so a
@@ -437,7 +448,7 @@ class Admission:
             plan = ticket.plan
             if plan is None:
                 return None
-            price = plan.price if model == ticket.model else self._policies.current.price(model)
+            price = plan.price_at(pool) if model == ticket.model else self._policies.current.price(model, pool)
             actual_usd = (
                 price.cost_usd(
                     prompt,
@@ -558,7 +569,7 @@ def _success_headers(plan: Plan, costs: list[float], outcome: Outcome) -> Header
     scale = outcome.capacity_scale
     best: dict[str, tuple[float, float, float]] = {}  # kind -> (remaining, capacity, reset_s)
     for spec, used, cost in zip(plan.buckets, outcome.bucket_used, costs, strict=True):
-        if spec.shadow or not spec.rate_per_s:  # an agent run's caps: no reset to announce
+        if spec.shadow or spec.rate_per_s <= 0:  # an agent run's caps and clock: no reset to announce
             continue
         capacity = spec.capacity * scale
         after = used + cost

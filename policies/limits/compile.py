@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from policies.limits.types import (
+    CLOCK_RATE_PER_S,
     DIMENSION_KIND,
     DIMENSION_WINDOW_S,
     BucketSpec,
@@ -33,6 +34,7 @@ from policies.limits.types import (
     Period,
     Plan,
     Price,
+    RunRef,
     StoreSettings,
 )
 from policies.schema import (
@@ -42,6 +44,7 @@ from policies.schema import (
     LimitConfig,
     ModelConfig,
     PoliciesConfig,
+    PoolPriceConfig,
     TierPriceConfig,
 )
 from policies.types import OwnLimits, Principal, RequestSubjects
@@ -86,6 +89,9 @@ RUN_PERIODS: tuple[tuple[Period, str], ...] = (*BUDGET_PERIODS, ("run", "usd_per
 TOKEN_DIMENSIONS = ("rpm", "rpd", "tpm", "tpd")
 RUN_DIMENSIONS = (*TOKEN_DIMENSIONS, *RUN_LIMITS)
 RUN_HEADER_RULE_ID = "@run-header"  # a run budget the request's header set where no rule sets one
+# A run's clock is one counter whichever rule caps it (its start is the run's, not a rule's): the
+# tightest applicable cap is checked against it, and a reload that changes the rule keeps the start.
+RUN_CLOCK_ID = "@run-clock"
 
 
 def _spend_trackers(key_id: str, budgets: list[BudgetSpec]) -> list[BudgetSpec]:
@@ -102,7 +108,18 @@ def price_of(model: ModelConfig | None) -> Price:
     """A model's price tables in USD per token (divided once here, never per request)."""
     if model is None:
         return Price()
-    p = model.price
+    return price_table(model.price)
+
+
+def pool_prices_of(model: ModelConfig | None) -> tuple[tuple[str, Price], ...]:
+    """The pools with a price of their own for `model` (`pool_prices`), each compiled like `price_of`."""
+    if model is None:
+        return ()
+    return tuple((pool, price_table(p)) for pool, p in model.pool_prices.items())
+
+
+def price_table(p: PoolPriceConfig) -> Price:
+    """One price (base table and its long-context tier) in USD per token."""
     long = p.long_context
     if long is None:
         return _table(p)
@@ -292,9 +309,10 @@ class LimitIndex:
         least recently used forgotten first, so an agent run's calls share one plan and its encoding."""
         plan = self.plan(principal, model)
         wanted = self._request_scopes
-        if not subjects or (not wanted and subjects.run_usd is None):
+        asked = subjects.run_usd is not None or subjects.run_s is not None  # the run's own headers
+        if not subjects or (not wanted and not asked):
             return plan
-        if subjects.run_usd is None and not (
+        if not asked and not (
             (subjects.user is not None and "user" in wanted)
             or (subjects.tags and "tag" in wanted)
             or (subjects.program is not None and "program" in wanted)
@@ -324,11 +342,21 @@ class LimitIndex:
             self._scope_specs("program", subject, None, out)
             if subjects.run_usd is not None:
                 _cap_run_budget(out.budgets, subjects.run_usd, _subject("program", subject) or "")
+            if subjects.run_s is not None:
+                _cap_run_clock(out.buckets, subjects.run_s, _subject("program", subject) or "")
+        counts_run = (
+            any(b.scope == "program" for b in out.buckets)
+            or any(lease.scope == "program" for lease in out.leases)
+            or any(b.scope == "program" for b in out.budgets)
+        )
+        program = subjects.program
+        run = RunRef(principal.tenant, program, principal.key_id) if counts_run and program is not None else None
         return replace(
             plan,
             buckets=plan.buckets + tuple(out.buckets),
             leases=plan.leases + tuple(out.leases),
             budgets=plan.budgets + tuple(out.budgets),
+            run=run,
             encoded={},
         )
 
@@ -359,8 +387,36 @@ class LimitIndex:
             leases=tuple(out.leases),
             budgets=tuple(out.budgets),
             price=price_of(model_config),
+            pool_prices=pool_prices_of(model_config),
             default_max_tokens=model_config.default_max_tokens if model_config else 1024,
             settings=self._settings,
+        )
+
+    def _run_clock(self, subject: dict[str, str | None], who: str) -> BucketSpec | None:
+        """The run's wall-clock cap: the smallest enforced `seconds_per_run` of the applicable rules
+        (several can apply when none is more specific), else the smallest shadow one, on the run's
+        one clock (`RUN_CLOCK_ID`)."""
+        best: tuple[bool, float, LimitConfig] | None = None
+        for rule in self._applicable(self._limits["program"], subject, "seconds_per_run"):
+            identity = self._identities[id(rule)]
+            cap = self._value(identity, "seconds_per_run", who, float(rule.seconds_per_run or 0.0))
+            if best is None or (rule.shadow, cap) < best[:2]:
+                best = (rule.shadow, cap, rule)
+        if best is None:
+            return None
+        _, cap, rule = best
+        return BucketSpec(
+            key=f"{RUN_CLOCK_ID}|seconds_per_run|{who}",
+            rule_id=self._identities[id(rule)],
+            scope="program",
+            subject=who,
+            dimension="seconds_per_run",
+            kind="seconds",
+            capacity=cap,
+            window_s=math.inf,
+            rate_per_s=CLOCK_RATE_PER_S,
+            shadow=rule.shadow,
+            fallback=self._fallbacks.get(id(rule)),
         )
 
     def _scope_specs(self, scope: str, subject: dict[str, str | None], mine: OwnLimits | None, out: _Specs) -> None:
@@ -380,6 +436,11 @@ class LimitIndex:
                 out.buckets.append(
                     BucketSpec(key, own_id, scope, who, dimension, kind, value, window_s, value / window_s, False)
                 )
+                continue
+            if kind == "seconds":
+                clock = self._run_clock(subject, who)
+                if clock is not None:
+                    out.buckets.append(clock)
                 continue
             for rule in self._applicable(self._limits[scope], subject, dimension):
                 identity = self._identities[id(rule)]
@@ -462,3 +523,21 @@ def _cap_run_budget(budgets: list[BudgetSpec], run_usd: float, who: str) -> None
     if not runs:
         key = f"{RUN_HEADER_RULE_ID}|usd_per_run|{who}"
         budgets.append(BudgetSpec(key, RUN_HEADER_RULE_ID, "program", who, "run", run_usd, False))
+
+
+def _cap_run_clock(specs: list[BucketSpec], run_s: float, who: str) -> None:
+    """The request's wall-clock header lowers the policy's `seconds_per_run`, never raises it; where no
+    rule enforces one, it sets its own on the run's clock (a client may always stop sooner)."""
+    for i, spec in enumerate(specs):
+        if spec.kind != "seconds":
+            continue
+        if spec.shadow:  # the run's one clock: the header's cap is enforced on it, the shadow rule yields
+            specs[i] = replace(spec, rule_id=RUN_HEADER_RULE_ID, capacity=run_s, shadow=False, fallback=None)
+        elif run_s < spec.capacity:
+            specs[i] = replace(spec, capacity=run_s)
+        return
+    key = f"{RUN_CLOCK_ID}|seconds_per_run|{who}"
+    specs.append(
+        BucketSpec(key, RUN_HEADER_RULE_ID, "program", who, "seconds_per_run", "seconds", run_s, math.inf,
+                   CLOCK_RATE_PER_S, False)
+    )  # fmt: skip

@@ -39,6 +39,7 @@ from policies.limits.admission import Store
 from policies.limits.memory_store import MemoryStore
 from policies.limits.mirror import Mirror
 from policies.limits.redis_store import RedisStore, VoidedTicket
+from policies.limits.run_index import RunSeen
 from policies.limits.types import Charge, Outcome, Plan, Settlement, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,19 @@ class FailoverStore:
                 self._succeeded()
                 return outcome
         return self.local.peek_now(plan, self.store_now(now_s))
+
+    async def recent_runs(self, limit: int, now_s: float | None = None) -> list[RunSeen]:
+        """The live agent runs Redis indexes (every replica's); while Redis is unreachable, the runs this
+        replica admitted on its own."""
+        if self.breaker.allow():
+            try:
+                found = await self.redis.recent_runs(limit, self.store_now(now_s))
+            except STORE_ERRORS as exc:
+                self._failed(exc)
+            else:
+                self._succeeded()
+                return found
+        return await self.local.recent_runs(limit, self.store_now(now_s))
 
     def store_now(self, now_s: float | None = None) -> float:
         """The store's clock: the caller's `now_s` (tests), else the local clock corrected to Redis TIME."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.limits import buckets
+from policies.limits.run_index import RunIndex, RunSeen
 from policies.limits.types import (
     BucketSpec,
     BudgetSpec,
@@ -116,6 +117,7 @@ class MemoryStore:
         self._leases = LeaseTable()
         self._lease_specs: dict[str, LeaseSpec] = {}
         self._tickets: dict[str, float] = {}  # open ticket -> expiry (s)
+        self.runs = RunIndex()  # the agent runs admitted last (policies/limits/runs.py)
         self._sweep_every = sweep_every
         self._ops = 0
 
@@ -179,7 +181,13 @@ class MemoryStore:
             for budget in budget_states:
                 budget.spent_usd += charge.cost_usd
                 budget.touched_s = now_s
+            if plan.run is not None:
+                self.runs.touch(plan.run, plan.model, now_s)
         return Outcome(ok, now_s, used, active, spent, periods, self.source, scale)
+
+    async def recent_runs(self, limit: int, now_s: float | None = None) -> list[RunSeen]:
+        """The agent runs admitted last, newest first (at most `limit`)."""
+        return self.runs.recent(limit, self._clock() if now_s is None else now_s)
 
     async def peek(self, plan: Plan, now_s: float | None = None) -> Outcome:
         return self.peek_now(plan, self._clock() if now_s is None else now_s)
@@ -271,6 +279,7 @@ class MemoryStore:
         self._leases.clear()
         self._lease_specs.clear()
         self._tickets.clear()
+        self.runs.clear()
 
     def holds_state(self) -> bool:
         """Anything counted here (the fail-open store: an outage, however short, left numbers)."""

@@ -37,16 +37,35 @@ local function drained(u, t, now, rate)
   return u
 end
 
--- Write a bucket's use as of `now`; it expires once it would have drained to zero (plus a second).
+-- Write a bucket's use as of the script's time, `stamp` (fmt(now), formatted once per script: a
+-- number's 17 digits cost more than the command that carries them); it expires once it would have
+-- drained to zero (plus a second).
 -- A bucket that never drains (rate 0: an agent run's call or token cap) expires 32 days after its
--- last write, as a run's budget does.
-local function store_bucket(key, u, now, rate)
-  redis.call('HSET', key, 'u', fmt(u), 't', fmt(now))
+-- last write, as a run's budget does. `covered`: the key exists and `u` is at most what it held as of
+-- now (a refund), so the expiry set when it held more already comes after `u` has drained: the
+-- PEXPIRE, a command per bucket, is left out (reads are the same either way: a drained bucket and a
+-- missing one both read 0).
+local function store_bucket(key, u, stamp, rate, covered)
+  redis.call('HSET', key, 'u', fmt(u), 't', stamp)
   if rate > 0 then
-    redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000)
+    if not covered then redis.call('PEXPIRE', key, math.ceil(u / rate * 1000) + 1000) end
   else
     redis.call('PEXPIRE', key, 2764800000)
   end
+end
+
+-- Write a budget's spend `s` in period `pid` (a string). `fresh`: the key held another period (or
+-- did not exist), so this write starts the period and sets the expiry, 2 days for a day's budget,
+-- 32 days otherwise: longer than any period, so writes later in the same period need no EXPIRE of
+-- their own (and leave the period id as it is). An agent run's budget (kind 'run', one period that
+-- never ends) expires 32 days after its last write instead, so each of its writes sets it.
+local function store_budget(key, pid, s, kind, fresh)
+  if fresh then
+    redis.call('HSET', key, 'p', pid, 's', fmt(s))
+  else
+    redis.call('HSET', key, 's', fmt(s))
+  end
+  if fresh or kind == 'run' then redis.call('EXPIRE', key, kind == 'day' and 172800 or 2764800) end
 end
 
 -- The budget period `now` falls in: the day number, for 'month' the month index y*12 + m-1 in UTC, for

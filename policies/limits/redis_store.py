@@ -23,7 +23,9 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from policies.limits import buckets
 from policies.limits.resp import Arg, EvalSha, Pre, Script, load_script
+from policies.limits.run_index import INDEX_MAX, RunSeen, parse_entry
 from policies.limits.scriptpipe import script_pipeline
 from policies.limits.types import Charge, Outcome, Plan, Settlement, ticket_ttl_s
 
@@ -34,6 +36,10 @@ _TICKET_MODE = Pre("z")
 
 class VoidedTicket(Exception):
     """The ticket was voided before its reservation ran (a caller retried a ticket it gave up on)."""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _script(name: str) -> Script:
@@ -62,6 +68,8 @@ class RedisStore:
         self._tag = "{" + prefix + "}:"
         self._tickets = self._tag + "tickets"
         self._voided = self._tag + "voided"
+        self._runs = self._tag + "runs"  # the index of live agent runs (policies/limits/runs.py)
+        self._runs_meta = self._tag + "runs:by"
         self._reserve = _script("reserve.lua")
         self._settle = _script("settle.lua")
         self._void = _script("void.lua")
@@ -107,6 +115,7 @@ class RedisStore:
             repr(charge.cost_usd),
             enc.reserve_plan,
             " ".join(map(repr, charge.bucket_costs)),
+            *enc.run_args,
         ]
         reply = await self.pipeline.send(enc.reserve, args)
         if reply[0] == b"v":
@@ -121,6 +130,27 @@ class RedisStore:
         i += nu
         periods = [int(v) for v in reply[i : i + nu]]
         return Outcome(reply[0] == b"1", float(reply[1]), used, active, spent, periods, self.source)
+
+    async def recent_runs(self, limit: int, now_s: float | None = None) -> list[RunSeen]:
+        """The agent runs admitted last, newest first (at most `limit`), from the index reserve.lua
+        keeps; entries idle past the counters' expiry are skipped."""
+        reply: Any = await self.client.zrevrange(self._runs, 0, max(0, limit - 1), withscores=True)
+        found: list[tuple[bytes | str, float]] = [(member, float(score)) for member, score in reply or ()]
+        if not found:
+            return []
+        subjects = [_text(member) for member, _ in found]
+        metas: list[bytes | str | None] = await self.client.hmget(self._runs_meta, subjects)
+        latest = float(now_s) if now_s is not None else None
+        out: list[RunSeen] = []
+        for (_, score), subject, meta in zip(found, subjects, metas, strict=True):
+            if meta is None:
+                continue
+            if latest is not None and latest - float(score) > buckets.IDLE_TTL_S:
+                continue
+            seen = parse_entry(subject, float(score), _text(meta))
+            if seen is not None:
+                out.append(seen)
+        return out
 
     async def void(self, plan: Plan, charge: Charge, now_s: float | None = None) -> bool:
         """Make sure `charge` holds nothing in Redis, whether or not its reservation ran (or will).
@@ -210,6 +240,7 @@ class _Encoded:
         "reserve",
         "reserve_keys",
         "reserve_plan",
+        "run_args",
         "settle",
         "settle_plan",
         "ticket_ttl",
@@ -239,7 +270,13 @@ class _Encoded:
         self.charge_plan = Pre(" ".join([str(len(plan.buckets)), "0", str(len(plan.budgets)), *rates, *periods]))
         self.lease_ttl = Pre(repr(plan.settings.lease_ttl_s))
         self.ticket_ttl = Pre(repr(ticket_ttl_s(plan.settings.lease_ttl_s)))
-        self.reserve = EvalSha(store._reserve, self.reserve_keys, 7)
+        run = plan.run
+        self.run_args: tuple[Pre, ...] = ()
+        reserve_keys = self.reserve_keys
+        if run is not None:  # the run's calls also note it in the index of live runs
+            reserve_keys = [*reserve_keys, store._runs, store._runs_meta]
+            self.run_args = (Pre(run.subject), Pre(f"{run.key_id} {plan.model}"), Pre(str(INDEX_MAX)))
+        self.reserve = EvalSha(store._reserve, reserve_keys, 7 + len(self.run_args))
         self.void = EvalSha(store._void, self.reserve_keys, 7)
         self.settle = EvalSha(store._settle, self.keys, 8)
         self.peek = EvalSha(store._peek, self.keys, 2)

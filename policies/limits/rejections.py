@@ -127,6 +127,26 @@ def rate_limited(
     )
 
 
+def run_time_exceeded(model: str, spec: BucketSpec, *, capacity: float, elapsed_s: float, now_s: float) -> Rejection:
+    """An agent run past its wall-clock cap (`seconds_per_run`, or the run's header): its clock never
+    turns back, so no retry, as for the run's other caps. The message says when the run started."""
+    started = datetime.fromtimestamp(now_s - elapsed_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    message = (
+        f"Time limit reached for {model} in {describe(spec.scope, spec.subject, spec.rule_id)} on "
+        f"{DIMENSION_LABEL[spec.dimension]}: Limit {_amount(capacity)}s, the run started at {started}, "
+        f"{_amount(elapsed_s)}s ago. This cap does not reset."
+    )
+    return Rejection(
+        status=429,
+        message=message,
+        type="seconds",
+        code="rate_limit_exceeded",
+        headers=(NO_RETRY,),
+        reason="rate_limited",
+        fallback_model=spec.fallback,
+    )
+
+
 def too_large(model: str, spec: BucketSpec, *, capacity: float, requested: float) -> Rejection:
     """The request exceeds the bucket's whole capacity: waiting cannot help, so no retry."""
     message = (

@@ -9,6 +9,9 @@
 --       [6] the plan, space-separated: nb nl nu, per bucket capacity rate/s shadow(0|1),
 --           per lease capacity shadow, per budget limit-usd period(day|month|run) shadow
 --       [7] the bucket costs, space-separated
+--       A plan that counts an agent run has two more keys and three more arguments, the index of
+--       live runs (policies/limits/runs.py): KEYS [n+1] zset run -> its last admitted call,
+--       [n+2] hash run -> 'key model'; ARGV [8] the run ('tenant/program') [9] 'key model' [10] bound
 -- (The plan string is built once per plan by the caller: fewer, cached arguments are cheaper to
 -- send than one argument per number.)
 -- Returns: {admitted 0|1|v, now, used x nb, active x nl, spent x nu, period x nu}, all as strings;
@@ -18,9 +21,10 @@
 -- it is, admitted 1), and a ticket voided before this script ran (void.lua, sent by a caller whose
 -- reply timed out) is refused, admitted 'v': a reservation that runs late, after its caller gave up,
 -- changes nothing.
--- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
+-- (fmt, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
 
 local now = clock(ARGV[1])
+local stamp = fmt(now)
 local ticket = ARGV[2]
 local lease_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost_usd = tonumber(ARGV[5])
@@ -56,21 +60,30 @@ for i = 1, nl do
   active[i] = n
   if ok == 1 and shadow == '0' and n + 1 > cap then ok = 0 end
 end
-local spent, periods, kinds = {}, {}, {}
+-- per budget: spend (number, and as stored: reported as read, not formatted again), period id
+-- (string), kind, whether this write starts its period
+local spent, spent_s, periods, kinds, fresh = {}, {}, {}, {}, {}
+local pid_of, pid_s_of = {}, {} -- the hierarchy's budgets mostly share a period: its calendar runs once
 for i = 1, nu do
   local limit, kind, shadow = tonumber(plan[a]), plan[a + 1], plan[a + 2]
   a = a + 3
-  local pid = period_id(kind, now)
+  local pid = pid_of[kind]
+  if pid == nil then
+    pid = period_id(kind, now)
+    pid_of[kind], pid_s_of[kind] = pid, tostring(pid)
+  end
   local st = redis.call('HMGET', KEYS[base + nb + nl + i], 'p', 's')
-  local s = 0
-  if tonumber(st[1]) == pid then s = tonumber(st[2]) or 0 end
-  spent[i], periods[i], kinds[i] = s, pid, kind
+  local s, s_text = 0, '0'
+  local same = tonumber(st[1]) == pid
+  local v = same and tonumber(st[2])
+  if v then s, s_text = v, st[2] end
+  spent[i], spent_s[i], periods[i], kinds[i], fresh[i] = s, s_text, pid_s_of[kind], kind, not same
   if ok == 1 and shadow == '0' and s + cost_usd > limit then ok = 0 end
 end
 
 if ok == 1 then
   for i = 1, nb do
-    store_bucket(KEYS[base + i], used[i] + costs[i], now, rates[i])
+    store_bucket(KEYS[base + i], used[i] + costs[i], stamp, rates[i])
   end
   for i = 1, nl do
     local key = KEYS[base + nb + i]
@@ -78,20 +91,33 @@ if ok == 1 then
     redis.call('PEXPIRE', key, math.ceil(lease_ttl * 1000) + 1000)
   end
   for i = 1, nu do
-    local key = KEYS[base + nb + nl + i]
-    redis.call('HSET', key, 'p', periods[i], 's', fmt(spent[i] + cost_usd))
-    redis.call('EXPIRE', key, kinds[i] == 'day' and 172800 or 2764800)
+    store_budget(KEYS[base + nb + nl + i], periods[i], spent[i] + cost_usd, kinds[i], fresh[i])
   end
   -- the ticket makes settle idempotent: it applies only while the ticket is still there to remove
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
   redis.call('ZADD', KEYS[1], now + ticket_ttl, ticket)
+  local n = base + nb + nl + nu
+  if #KEYS > n then -- an agent run: note it in the index of live runs, bounded (oldest leave in a batch)
+    local runs, meta, run = KEYS[n + 1], KEYS[n + 2], ARGV[8]
+    redis.call('ZADD', runs, now, run)
+    redis.call('HSET', meta, run, ARGV[9])
+    local bound = tonumber(ARGV[10])
+    local count = redis.call('ZCARD', runs)
+    if count > bound + 64 then
+      local old = redis.call('ZRANGE', runs, 0, count - bound - 1)
+      redis.call('ZREMRANGEBYRANK', runs, 0, count - bound - 1)
+      redis.call('HDEL', meta, unpack(old))
+    end
+    redis.call('PEXPIRE', runs, 2764800000)
+    redis.call('PEXPIRE', meta, 2764800000)
+  end
 end
 
 if ok == 'again' then ok = 1 end
 out[1] = tostring(ok)
-out[2] = fmt(now)
+out[2] = stamp
 for i = 1, nb do out[#out + 1] = fmt(used[i]) end
 for i = 1, nl do out[#out + 1] = tostring(active[i]) end
-for i = 1, nu do out[#out + 1] = fmt(spent[i]) end
-for i = 1, nu do out[#out + 1] = tostring(periods[i]) end
+for i = 1, nu do out[#out + 1] = spent_s[i] end
+for i = 1, nu do out[#out + 1] = periods[i] end
 return out

@@ -8,7 +8,7 @@
 --       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month|run)
 --       [7] bucket deltas, space-separated [8] budget period ids, space-separated
 -- Returns 1 when applied, 0 when it had been applied already (or the ticket expired).
--- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
+-- (fmt, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
 
 local now = clock(ARGV[1])
 local ticket, mode = ARGV[2], ARGV[3]
@@ -23,6 +23,7 @@ local deltas = numbers(ARGV[7])
 local pids = numbers(ARGV[8])
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 
+local stamp = nb > 0 and fmt(now) or ''
 for i = 1, nb do
   local key = KEYS[1 + i]
   local rate, delta = tonumber(plan[3 + i]), deltas[i]
@@ -30,7 +31,7 @@ for i = 1, nb do
     local st = redis.call('HMGET', key, 'u', 't')
     local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) + delta
     if u < 0 then u = 0 end
-    store_bucket(key, u, now, rate)
+    store_bucket(key, u, stamp, rate, st[1] and delta < 0)
   end
 end
 for i = 1, nl do
@@ -42,12 +43,12 @@ if delta_usd ~= 0 then
     local kind, pid = plan[3 + nb + i], pids[i]
     local st = redis.call('HMGET', key, 'p', 's')
     local p, s = tonumber(st[1]), tonumber(st[2]) or 0
-    if mode == 'm' and (p == nil or p < pid) then p, s = pid, 0 end
+    local fresh = false
+    if mode == 'm' and (p == nil or p < pid) then p, s, fresh = pid, 0, true end
     if p == pid then
       s = s + delta_usd
       if s < 0 then s = 0 end
-      redis.call('HSET', key, 'p', pid, 's', fmt(s))
-      redis.call('EXPIRE', key, kind == 'day' and 172800 or 2764800)
+      store_budget(key, fresh and tostring(pid), s, kind, fresh) -- (the id is written only when it changes)
     end
   end
 end

@@ -27,8 +27,10 @@ async def standing(
     principal: Principal,
     models: Iterable[str],
     subjects: RequestSubjects = NO_SUBJECTS,
+    now_s: float | None = None,
 ) -> dict[str, Any]:
-    """`subjects`: also the limits of an end user, tags or an agent run the caller names (`/v1/key?program=`)."""
+    """`subjects`: also the limits of an end user, tags or an agent run the caller names (`/v1/key?program=`).
+    `now_s` overrides the store's clock (tests)."""
     rows: dict[str, dict[str, Any]] = {}
     spend: dict[str, float | None] = {"day": None, "month": None}
     left: dict[str, float | None] = {"day": None, "month": None}
@@ -38,7 +40,7 @@ async def standing(
         plan = policy.admission_plan(principal, model, subjects)
         if not (plan.buckets or plan.leases or plan.budgets):
             continue
-        outcome = await store.peek(plan)
+        outcome = await store.peek(plan, now_s)
         scale = outcome.capacity_scale
         for spec, used in zip(plan.buckets, outcome.bucket_used, strict=True):
             capacity = spec.capacity * scale
@@ -54,10 +56,15 @@ async def standing(
                     "used": round(used, 3),
                     "remaining": round(max(0.0, capacity - used), 3),
                     # a run's caps never refill: no reset
-                    "reset_s": round(buckets.reset_s(used, spec.rate_per_s * scale), 3) if spec.rate_per_s else None,
+                    "reset_s": round(buckets.reset_s(used, spec.rate_per_s * scale), 3)
+                    if spec.rate_per_s > 0
+                    else None,
                     "shadow": spec.shadow,
                     "models": [],
                 }
+                if spec.kind == "seconds":  # its use and cap scale alike: the whole cap, the run's age
+                    row["limit"] = spec.capacity
+                    row.update(run_clock(used / scale if scale else used, spec.capacity, outcome.now_s))
             row["models"].append(model)
         for lease, active in zip(plan.leases, outcome.lease_active, strict=True):
             row = rows.get(lease.key)
@@ -138,6 +145,18 @@ def spend_counters(plan: Plan, key_id: str) -> dict[str, BudgetSpec]:
         if budget.period not in found or budget.rule_id == SPEND_RULE_ID:
             found[budget.period] = budget
     return found
+
+
+def run_clock(elapsed_s: float, cap_s: float, now_s: float) -> dict[str, Any]:
+    """A run's wall-clock cap as a standing row shows it: when its first admitted call started it (None:
+    no call yet) and the seconds it has left. The clock's `used` is the run's age in seconds."""
+    started = elapsed_s > 0.0
+    return {
+        "used": round(elapsed_s, 3),
+        "remaining": round(max(0.0, cap_s - elapsed_s), 3),
+        "started_at": round(now_s - elapsed_s, 3) if started else None,
+        "seconds_left": round(max(0.0, cap_s - elapsed_s), 3) if started else round(cap_s, 3),
+    }
 
 
 def _round(value: float | None) -> float | None:

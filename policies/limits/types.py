@@ -11,11 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Kind = Literal["requests", "tokens"]
+Kind = Literal["requests", "tokens", "seconds"]
 # "day" and "month" (UTC), "run" (an agent run's: never resets), or "billing:<anchor day>:<UTC offset s>"
 Period = str
 
-# An agent run's caps (`*_per_run`) have an endless window: they never refill (rate 0).
+# An agent run's caps (`*_per_run`) have an endless window: they never refill (rate 0). Its wall-clock
+# cap (`seconds_per_run`) is a bucket that fills instead of draining (`CLOCK_RATE_PER_S`).
 DIMENSION_WINDOW_S: dict[str, float] = {
     "rpm": 60.0,
     "rpd": 86_400.0,
@@ -23,6 +24,7 @@ DIMENSION_WINDOW_S: dict[str, float] = {
     "tpd": 86_400.0,
     "calls_per_run": math.inf,
     "tokens_per_run": math.inf,
+    "seconds_per_run": math.inf,
 }
 DIMENSION_KIND: dict[str, Kind] = {
     "rpm": "requests",
@@ -31,6 +33,7 @@ DIMENSION_KIND: dict[str, Kind] = {
     "tpd": "tokens",
     "calls_per_run": "requests",
     "tokens_per_run": "tokens",
+    "seconds_per_run": "seconds",
 }
 DIMENSION_LABEL: dict[str, str] = {
     "rpm": "requests per min (RPM)",
@@ -40,7 +43,15 @@ DIMENSION_LABEL: dict[str, str] = {
     "max_concurrent": "concurrent requests",
     "calls_per_run": "calls per agent run",
     "tokens_per_run": "tokens per agent run",
+    "seconds_per_run": "wall-clock seconds per agent run",
 }
+# A run's clock is a bucket charged nothing per call whose `used` grows by one every second from the
+# run's first admitted call: the first reservation writes it (atomically, in the same step as every
+# other counter, in memory and in Redis alike), every later one reads the seconds since, and the
+# check `used + 0 <= capacity` is "the run is still inside its wall-clock cap". A negative drain
+# rate is all it takes: `buckets.drained` and preamble.lua's `drained` need no special case, and the
+# start (`updated_at - used`) survives every rewrite.
+CLOCK_RATE_PER_S = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +59,8 @@ class BucketSpec:
     """One continuous-refill bucket: `capacity` per `window_s`, refilled at `rate_per_s`.
 
     Token buckets count `w_input * uncached prompt + w_cached * cached prompt + w_output * output`;
-    request buckets count 1 per request (weights unused).
+    request buckets count 1 per request (weights unused); a run's clock (kind `seconds`) counts
+    nothing per request and fills with time (`CLOCK_RATE_PER_S`).
     """
 
     key: str  # store key (without the store's prefix)
@@ -70,11 +82,15 @@ class BucketSpec:
         """Conservative: no prompt token is assumed cached before the call."""
         if self.kind == "requests":
             return 1.0
+        if self.kind == "seconds":
+            return 0.0
         return self.w_input * prompt_tokens + self.w_output * output_tokens
 
     def actual_cost(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> float:
         if self.kind == "requests":
             return 1.0
+        if self.kind == "seconds":
+            return 0.0
         cached = min(cached_tokens, prompt_tokens)
         return self.w_input * (prompt_tokens - cached) + self.w_cached * cached + self.w_output * completion_tokens
 
@@ -203,6 +219,22 @@ class StoreSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class RunRef:
+    """The agent run a plan counts (policies/limits/runs.py): its admitted calls also note it in the
+    store's index of live runs, with the key and model that called it last, so the console can find
+    the runs whose counters to read."""
+
+    tenant: str
+    program: str
+    key_id: str
+
+    @property
+    def subject(self) -> str:
+        """The run's subject in the store (tenant/program), as its counters' keys carry it."""
+        return f"{self.tenant}/{self.program}"
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Everything that applies to one (key, model): compiled once, shared by its requests."""
 
@@ -213,9 +245,29 @@ class Plan:
     price: Price
     default_max_tokens: int
     settings: StoreSettings
+    run: RunRef | None = None  # the agent run it counts, if any of its rules is a run's
+    # pools with a price of their own for this model (policies.yaml `pool_prices`); the others pay `price`
+    pool_prices: tuple[tuple[str, Price], ...] = ()
     # A store's precomputed encoding of this plan (Redis keys and script arguments), filled on first
     # use so the hot path only formats the per-request amounts.
     encoded: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def price_at(self, pool: str | None) -> Price:
+        """The price `pool` bills this model at: its own when it has one, else the model's."""
+        if pool is not None:
+            for name, price in self.pool_prices:
+                if name == pool:
+                    return price
+        return self.price
+
+    def reserve_usd(self, prompt_tokens: int, output_tokens: int) -> float:
+        """The reservation before routing, when the serving pool is not known yet: the dearest of
+        every price the model may be served at (`Price.reserve_usd` of each), so that it covers the
+        settlement at whichever pool serves it."""
+        reserved = self.price.reserve_usd(prompt_tokens, output_tokens)
+        for _, price in self.pool_prices:
+            reserved = max(reserved, price.reserve_usd(prompt_tokens, output_tokens))
+        return reserved
 
 
 @dataclass(slots=True)

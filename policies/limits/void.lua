@@ -28,6 +28,7 @@ local plan = words(ARGV[6])
 local costs = numbers(ARGV[7])
 local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 local base = 2
+local stamp = fmt(now)
 
 for i = 1, nb do
   local key = KEYS[base + i]
@@ -36,7 +37,7 @@ for i = 1, nb do
   if st[1] then
     local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) - costs[i]
     if u < 0 then u = 0 end
-    store_bucket(key, u, now, rate)
+    store_bucket(key, u, stamp, rate, costs[i] >= 0)
   end
 end
 for i = 1, nl do

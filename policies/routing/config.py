@@ -116,6 +116,51 @@ class ConvertibleConfig(_Strict):
     )
 
 
+class LinkConfig(_Strict):
+    """One class of link a PD pair's KV crosses (per device: each GPU has its own NIC or NVLink ports)."""
+
+    bandwidth_gbps: float = Field(gt=0, description="GB/s (10^9 bytes/s) per device of KV moved over this link")
+    latency_ms: float = Field(default=0.0, ge=0, description="fixed cost of one transfer over this link, ms")
+
+
+def _link(bandwidth_gbps: float, latency_ms: float) -> Any:
+    return Field(
+        default_factory=lambda: LinkConfig(bandwidth_gbps=bandwidth_gbps, latency_ms=latency_ms),
+        description=f"default {bandwidth_gbps:g} GB/s and {latency_ms:g} ms (docs/routing.md#topology-aware-pairing)",
+    )
+
+
+class LinkClassesConfig(_Strict):
+    """Bandwidth and latency per link class (backends/topology.py), to be calibrated per deployment.
+
+    Defaults: same node, NVLink 4 of an H100 SXM (900 GB/s both directions together, 450 per
+    direction); same rack, one 400 Gb/s NDR InfiniBand / Ethernet NIC per GPU (50 GB/s); across racks
+    a spine oversubscribed 4:1 (12.5 GB/s per GPU); across zones 10 Gb/s (1.25 GB/s) and 2 ms.
+    """
+
+    same_node: LinkConfig = _link(450.0, 0.0)
+    same_rack: LinkConfig = _link(50.0, 0.05)
+    cross_rack: LinkConfig = _link(12.5, 0.2)
+    cross_zone: LinkConfig = _link(1.25, 2.0)
+
+
+class PDTopologyConfig(_Strict):
+    """Topology-aware pairing: a PD pair's cost includes the KV transfer over the link between them."""
+
+    aware: bool = Field(
+        default=True,
+        description="pair prefill and decode endpoints by prefill time + KV transfer time over their link; "
+        "endpoints without topology labels are paired as if blind",
+    )
+    decode_slack: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="decode endpoints whose pipeline total is within this of the best may be chosen for a faster link",
+    )
+    links: LinkClassesConfig = Field(default_factory=LinkClassesConfig, description="link classes")
+
+
 class PDConfig(_Strict):
     """Disaggregated pools (endpoints with roles prefill/decode): when a separate prefill pays off."""
 
@@ -130,6 +175,9 @@ class PDConfig(_Strict):
         default=None, description="decode endpoints with headroom prefill during a prefill backlog"
     )
     prefill: PipelineConfig = Field(default_factory=_default_prefill_pipeline)
+    topology: PDTopologyConfig = Field(
+        default_factory=PDTopologyConfig, description="pairing by the KV transfer over the endpoints' link"
+    )
     warn_after_requests: int = Field(
         default=200, ge=1, description="log a warning when a PD pool served this many with none disaggregated"
     )

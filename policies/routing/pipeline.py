@@ -11,7 +11,8 @@
       filters     run in order; one that would leave nothing is skipped (reason `fallback`)
       total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
       picker      chooses from the totals
-      PD pools    then decide prefill placement (`policies.routing.pd`)
+      PD pools    then decide prefill placement (`policies.routing.pd`) and, with topology labels,
+                  the pair by prefill + KV transfer time over its link (`policies.routing.topology`)
 
 Decisions are synchronous and read the fleet as it is; `on_dispatch` records the prompt's blocks on
 the chosen endpoint(s) and pins the session. Prompt hashes are computed once per request and reused
@@ -29,18 +30,21 @@ from typing import Any
 
 from backends.fleet import Pool
 from backends.kv_events import KvEventBatch
+from backends.lora import budget_bytes
 from backends.perf.presets import DEFAULT_PRESET, resolve_preset
 from backends.types import Endpoint, EndpointState, Role
 from policies.routing import registry
 from policies.routing.config import KvTiersConfig, PDConfig, PipelineConfig, RoutingConfig, ToolAffinityConfig
 from policies.routing.lora import AdapterResidency
-from policies.routing.pd import decide_pd, is_disaggregated
+from policies.routing.pd import PDOutcome, decide_pd, is_disaggregated
 from policies.routing.prefix.hashing import EngineHasher, HashedPrompt, prompt_tokens_of
 from policies.routing.prefix.index import IndexReport, PrefixIndex
 from policies.routing.prefix.tiers import PHYSICS, TIER_NAMES, TierLink, TierPricing
 from policies.routing.scorers import predict_candidates
 from policies.routing.session import SessionTable, session_key
-from policies.routing.tool_affinity import GapLearner, ToolReturns
+from policies.routing.supply import KvSupply, SupplyMeter
+from policies.routing.tool_affinity import GapLearner, ToolReturns, ToolShare
+from policies.routing.topology import Pair, PairCosts, choose_pair, price
 from policies.routing.types import (
     PD_DISAGGREGATED,
     REASON_FALLBACK,
@@ -184,19 +188,32 @@ class RoutingReport:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
-def tier_pricing(pool: Pool, tiers: KvTiersConfig) -> TierPricing:
+def tier_pricing(pool: Pool, tiers: KvTiersConfig, credit: str | None = None) -> TierPricing:
     """A pool's tier credit: its preset (`model@hw`, the latency prior's default when it names none)
-    gives the KV bytes per token and the prefill compute a hit saves; `tiers` the links."""
+    gives the KV bytes per token and the prefill compute a hit saves; `tiers` the links, the pool's
+    shared store (`kv_store`) the `remote` one when it has a store. `credit` overrides `tiers.credit`
+    (the supply metrics price load times whatever the routing credit)."""
+    mode = tiers.credit if credit is None else credit
     links = None
     preset = None
-    if tiers.credit == PHYSICS:
+    if mode == PHYSICS:
         preset = resolve_preset(pool.config.preset or DEFAULT_PRESET, pool.config.tensor_parallel)
+        store = pool.config.kv_store
+        remote = tiers.remote if store is None else store
         links = (
             TierLink(tiers.cpu.bandwidth_gbps * 1e9, tiers.cpu.latency_ms / 1e3),
             TierLink(tiers.disk.bandwidth_gbps * 1e9, tiers.disk.latency_ms / 1e3),
-            TierLink(tiers.remote.bandwidth_gbps * 1e9, tiers.remote.latency_ms / 1e3),
+            TierLink(remote.bandwidth_gbps * 1e9, remote.latency_ms / 1e3),
         )
-    return TierPricing(tiers.credit, preset=preset, links=links, constant=tiers.constant_credits)
+    return TierPricing(mode, preset=preset, links=links, constant=tiers.constant_credits)
+
+
+def supply_meter(pool: Pool, pricing: TierPricing, tiers: KvTiersConfig) -> SupplyMeter:
+    """A pool's supply meter (`policies.routing.supply`): its preset, its credit, its tier links (the
+    pool's config resolves its preset, the default one included, when it is loaded)."""
+    physics = pricing if pricing.mode == PHYSICS else tier_pricing(pool, tiers, PHYSICS)
+    assert physics.preset is not None
+    return SupplyMeter(physics.preset, pricing, physics, pool.config.usd_per_gpu_hour)
 
 
 @dataclass(slots=True)
@@ -224,7 +241,11 @@ class ScoringRouter:
     # programs expected back after a tool call (routing/tool_affinity.py): fed by the gateway
     # (`note_tool_call`), read by the `tool-affinity` scorer, gaps learnt at each return's dispatch
     tool_returns: ToolReturns = field(default_factory=ToolReturns)
+    # told of this replica's tool-call notes and returns (gateway replicas share them: the replica bus)
+    tool_share: ToolShare | None = None
     _pricing: dict[str, TierPricing] = field(default_factory=dict, init=False)
+    _pair_costs: dict[str, PairCosts] = field(default_factory=dict, init=False)
+    _meters: dict[str, SupplyMeter] = field(default_factory=dict, init=False)  # supply metrics, per pool
     _prompt_tokens: int = field(default=0, init=False)
     _tier_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0], init=False)
 
@@ -251,10 +272,15 @@ class ScoringRouter:
             running_tpot_slo_ms=request.running_tpot_slo_ms,
             adapter=request.adapter,
             residency=self.residency,
+            lora_budget_bytes=budget_bytes(pool.config.lora_memory_budget_mb),
         )
         pricing = self._pricing.get(pool.name)
         if pricing is None:
-            pricing = self._pricing[pool.name] = tier_pricing(pool, self.config.kv_tiers_for(pool.name))
+            tiers_cfg = self.config.kv_tiers_for(pool.name)
+            pricing = self._pricing[pool.name] = tier_pricing(pool, tiers_cfg)
+            self._meters[pool.name] = supply_meter(pool, pricing, tiers_cfg)
+            if pool.config.kv_store is not None:
+                self.index.add_store(pool.name)
         if routing.pipeline.uses_tool_affinity:
             tenant = facts.principal.tenant
             ctx.tool_return = self.tool_returns.pending(tenant, facts.subjects.program, pool.name, now_s)
@@ -294,12 +320,63 @@ class ScoringRouter:
                 routing.pd,
             )
             decision.pd_reason = outcome.reason
+            if outcome.prefill is not None and routing.pd.topology.aware:
+                pair = self._pair(ctx, pool, choice, outcome.prefill, prefill_choice[0], routing.pd, pricing)
+            else:
+                pair = None
+            if pair is not None:
+                outcome = PDOutcome(pair.prefill, outcome.reason)
+                if pair.decode is not chosen:
+                    chosen = pair.decode
+                    moved = Choice(
+                        choice.candidates, choice.candidates.index(chosen), choice.totals, {}, choice.fallback
+                    )
+                    decision.reason = decision_reason(ctx, moved, candidates, routing.pipeline.uses_session)
+                    decision.endpoint = chosen.endpoint
+                    decision.cached_tokens_estimate = chosen.cached_tokens
+                    decision.cached_tiers = chosen.tiers
+                if debug:
+                    decision.scores["pair"] = {"cost_s": pair.cost_s}
             if outcome.prefill is not None:
                 decision.prefill_endpoint = outcome.prefill.endpoint
                 decision.prefill_cached_tokens_estimate = outcome.prefill.cached_tokens
+                decision.prefill_cached_tiers = outcome.prefill.tiers
             if debug and prefill_choice:
                 decision.scores.update(prefill_choice[0].debug_scores(prefix="prefill:"))
         return decision
+
+    def _pair(
+        self,
+        ctx: RouteContext,
+        pool: Pool,
+        decode_choice: Choice,
+        prefill: Candidate,
+        prefill_choice: Choice,
+        pd: PDConfig,
+        pricing: TierPricing,
+    ) -> Pair | None:
+        """The PD pair with the KV transfer over its link in its cost (`policies.routing.topology`);
+        None when no decode or no prefill candidate carries topology labels (nothing to price)."""
+        if not any(c.endpoint.topology.known for c in decode_choice.candidates) or not any(
+            c.endpoint.topology.known for c in prefill_choice.candidates
+        ):
+            return None
+        costs = self._pair_costs.get(pool.name)
+        if costs is None:
+            preset = pricing.preset or resolve_preset(pool.config.preset or DEFAULT_PRESET, pool.config.tensor_parallel)
+            costs = self._pair_costs[pool.name] = PairCosts(preset, pd.topology.links)
+        chosen = price(ctx, decode_choice.chosen, prefill, costs)
+        decodes = list(zip(decode_choice.candidates, decode_choice.totals, strict=True))
+        return choose_pair(
+            ctx,
+            decodes,
+            chosen,
+            prefill_choice.candidates,
+            costs,
+            pd.topology.decode_slack,
+            pd.min_uncached_tokens,
+            pd.max_prefill_backlog_tokens,
+        )
 
     def on_dispatch(self, request: RouteRequest, decision: RouteDecision) -> None:
         routing = self._routing(decision.endpoint.pool)
@@ -316,16 +393,24 @@ class ScoringRouter:
         if decision.prefill_endpoint is not None:
             self.index.record(request.prompt, decision.prefill_endpoint, now_s)
         if request.adapter is not None:
-            self.residency.record(decision.endpoint, request.adapter.name)
+            self.residency.record(decision.endpoint, request.adapter.name, request.adapter.size_bytes, now_s)
         key = session_key(request.facts, decision.endpoint.pool, self.config.session.use_user_field)
         self.sessions.pin(key, decision.endpoint.id)
         program = request.facts.subjects.program
         if program is not None:
-            self.tool_returns.returned_now(request.facts.principal.tenant, program, now_s)
+            gap_s = self.tool_returns.returned_now(request.facts.principal.tenant, program, now_s)
+            if gap_s is not None and self.tool_share is not None:
+                self.tool_share.tool_returned(request.facts.principal.tenant, program, gap_s)
         if decision.pd_reason is not None:
             self._count_pd(decision, routing.pd)
         if self.dispatch_listener is not None:
             self.dispatch_listener(request.prompt, decision, key)
+
+    def supply(self, decision: RouteDecision, prompt_tokens: int) -> KvSupply | None:
+        """What the dispatch's cached prefix saved its pool and the KV bytes it moved
+        (`policies.routing.supply`); None for a pool this router has not scored (baseline routers)."""
+        meter = self._meters.get(decision.endpoint.pool)
+        return meter.measure(decision, prompt_tokens) if meter is not None else None
 
     def note_tool_call(self, facts: RequestFacts, decision: RouteDecision, prefix_tokens: int, now_s: float) -> None:
         """The request's answer on `decision.endpoint` ended in tool calls (told by the gateway when
@@ -338,6 +423,19 @@ class ScoringRouter:
         self.tool_returns.note_tool_call(
             facts.principal.tenant, program, endpoint.pool, endpoint.id, prefix_tokens, now_s
         )
+        if self.tool_share is not None:
+            self.tool_share.tool_noted(facts.principal.tenant, program, endpoint, prefix_tokens, now_s)
+
+    def on_remote_tool_call(
+        self, tenant: str, program: str, endpoint: Endpoint, prefix_tokens: int, noted_s: float
+    ) -> None:
+        """Another gateway replica's answer on `endpoint` ended in tool calls at `noted_s` (this
+        process's clock): the program's next turn, whichever replica receives it, goes back there."""
+        self.tool_returns.note_tool_call(tenant, program, endpoint.pool, endpoint.id, prefix_tokens, noted_s)
+
+    def on_remote_return(self, tenant: str, program: str, gap_s: float) -> None:
+        """Another gateway replica dispatched `program`'s return, `gap_s` after its tool-call answer."""
+        self.tool_returns.returned_elsewhere(tenant, program, gap_s)
 
     def on_remote_dispatch(self, endpoint: Endpoint, keys: Sequence[int], session: str | None) -> None:
         """Another gateway replica sent a prompt with these block keys (and session) to `endpoint`."""
@@ -354,6 +452,10 @@ class ScoringRouter:
     def on_kv_reset(self, endpoint_id: str, reason: str) -> None:
         """`KvEventHub` reset callback: events were lost or the engine restarted."""
         self.index.on_kv_reset(endpoint_id, reason, time.monotonic())
+
+    def on_store_batch(self, pool: str, batch: KvEventBatch) -> None:
+        """Events of `pool`'s shared KV store (`kv_store`): its blocks count on every replica."""
+        self.index.on_store_batch(pool, batch)
 
     def forget_endpoints_except(self, endpoint_ids: Collection[str]) -> None:
         """Call when the fleet changes: drop index state of endpoints that left."""

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from policies.routing.baselines import LeastInflightRouter, RoundRobinRouter
-from policies.routing.filters import ContextLengthFilter, LoadGateFilter
+from policies.routing.filters import ContextLengthFilter, LoadGateFilter, PrefixAffinityFilter
 from policies.routing.lora import LoraAffinityScorer, LoraSlotsFilter
 from policies.routing.pickers import MaxScorePicker, NearBestRandomPicker, RandomPicker, WeightedRandomPicker
 from policies.routing.scorers import (
@@ -32,6 +32,7 @@ FILTERS: Mapping[str, Callable[..., Filter]] = MappingProxyType(
         "load-gate": LoadGateFilter,
         "context-length": ContextLengthFilter,
         "lora-slots": LoraSlotsFilter,
+        "prefix-affinity": PrefixAffinityFilter,
     }
 )
 

@@ -198,7 +198,10 @@ def predict_candidates(
     facts = ctx.facts
     shape = RequestShape(ctx.prompt_tokens, facts.max_tokens, facts.principal.tenant, model)
     endpoints = [c.endpoint for c in candidates]
-    made = predictor.predict(pool, shape, endpoints, [c.cached_tokens for c in candidates], ctx.now_s)
+    cached = [c.cached_tokens for c in candidates]
+    # of them, those below HBM (the tiers the credit sees: `cached_tokens` counts them, `tiers.gpu` does not)
+    lower = [max(c.cached_tokens - c.tiers.gpu, 0) if c.tiers is not None else 0 for c in candidates]
+    made = predictor.predict(pool, shape, endpoints, cached, ctx.now_s, lower)
     return {p.endpoint_id: p for p in made}
 
 

@@ -19,6 +19,12 @@ Three pieces, all plain state and functions (the gateway feeds them, `gateway/tr
   returns as KV already taken, so unrelated work drifts to replicas with room instead of evicting
   prefixes that are about to be read again.
 
+Shared by gateway replicas (`state: redis`): each replica's router tells its `ToolShare` (the replica
+bus, gateway/replicas/bus.py) of every note and every return it dispatched, and folds in the others'
+(`on_remote_tool_call`, `on_remote_return` in pipeline.py): a program whose tool-call answer one
+replica served finds its holder on whichever replica receives its next turn, and every replica's
+learner sees every gap. The table itself stays local, so routing reads no Redis.
+
 Why reservation rather than a hard pin: a pin sends the return to its holder however full it got;
 vLLM then preempts or the return queues behind the holder's backlog. Counting the expected prefixes
 as used KV is the one signal both sides read: the return weighs its hit against the holder's
@@ -30,7 +36,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from backends.types import Endpoint
 from policies.routing.types import Candidate, RouteContext
 
 DEFAULT_CAPACITY_TOKENS = 500_000  # an endpoint whose engine reports no KV size (the prefix index's default)
@@ -155,12 +163,22 @@ class ToolReturns:
             else:
                 self._unreserve(active.popitem(last=False)[1])
 
-    def returned_now(self, tenant: str, program: str, now_s: float) -> None:
-        """`program` sent its next request (it was dispatched): learn the gap, forget the entry."""
+    def returned_now(self, tenant: str, program: str, now_s: float) -> float | None:
+        """`program` sent its next request (it was dispatched): learn the gap, forget the entry. The
+        gap, or None when no return was pending (nothing to tell other replicas)."""
         entry = self._drop(tenant, program)
-        if entry is not None:
-            self.returned += 1
-            self.learner.observe(tenant, now_s - entry.noted_s)
+        if entry is None:
+            return None
+        self.returned += 1
+        gap_s = now_s - entry.noted_s
+        self.learner.observe(tenant, gap_s)
+        return gap_s
+
+    def returned_elsewhere(self, tenant: str, program: str, gap_s: float) -> None:
+        """Another gateway replica dispatched `program`'s return `gap_s` after its tool-call answer:
+        its entry here is done, and the gap teaches this replica's learner too."""
+        self._drop(tenant, program)
+        self.learner.observe(tenant, gap_s)
 
     # -- what routing reads ------------------------------------------------------------------------
 
@@ -226,6 +244,15 @@ class ToolReturns:
 
 
 _NONE: Mapping[str, int] = {}
+
+
+class ToolShare(Protocol):
+    """Where a router tells other gateway replicas of its tool-call notes and returns (the replica
+    bus): called on the hot path, so an implementation only queues them."""
+
+    def tool_noted(self, tenant: str, program: str, endpoint: Endpoint, prefix_tokens: int, now_s: float) -> None: ...
+
+    def tool_returned(self, tenant: str, program: str, gap_s: float) -> None: ...
 
 
 def capacity_tokens(candidate: Candidate) -> int:

@@ -96,6 +96,7 @@ class RouteDecision:
     cached_tokens_estimate: int = 0  # prompt tokens expected to hit the prefix cache on `endpoint`
     cached_tiers: TierTokens | None = None  # the same per KV tier (HBM, DRAM, disk, remote), when known
     prefill_cached_tokens_estimate: int = 0  # same, on `prefill_endpoint`
+    prefill_cached_tiers: TierTokens | None = None  # its split per KV tier, when known
     pd_reason: str | None = None  # disaggregated pools: why (not) disaggregated; None elsewhere
     decided_at_s: float = 0.0  # `now_s` of the route call (speculative index entries start here)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # endpoint id -> scorer -> score
@@ -111,6 +112,13 @@ class RouteDecision:
     @property
     def disaggregated(self) -> bool:
         return self.prefill_endpoint is not None
+
+    @property
+    def cached_lower_tokens(self) -> int:
+        """Of `cached_tokens_estimate`, the tokens expected from tiers below HBM (loaded, not computed):
+        the latency predictor's per-tier feature."""
+        tiers = self.cached_tiers
+        return max(self.cached_tokens_estimate - tiers.gpu, 0) if tiers is not None else 0
 
     def uncached_prefill_tokens(self, prompt_tokens: int) -> int:
         """Prompt tokens the engine will compute: what `InFlight.begin` should count on the prefill side."""
@@ -185,6 +193,7 @@ class RouteContext:
     running_tpot_slo_ms: Mapping[str, float] = field(default_factory=_no_running_slos)  # see `RouteRequest`
     adapter: LoraAdapter | None = None  # the LoRA adapter asked for (`RouteRequest.adapter`)
     residency: AdapterResidency | None = None  # which adapters the router sent where (`routing/lora.py`)
+    lora_budget_bytes: int | None = None  # the pool's LoRA memory budget per replica (None: slots alone)
     # tool-boundary affinity (`routing/tool_affinity.py`), filled when the pipeline has `tool-affinity`:
     # this program's pending return after a tool call, and every endpoint's tokens of pending returns
     tool_return: PendingReturn | None = None

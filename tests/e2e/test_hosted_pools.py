@@ -357,3 +357,36 @@ def test_a_pool_of_several_provider_keys_is_balanced_and_each_keys_limit_kept(
             usage: Any = account.usage()
             assert sum(m["requests"] for m in usage["models"].values()) == 2, usage  # each key took its share
             assert sum(m["refused"] for m in usage["models"].values()) == 0, usage
+
+
+def test_two_pools_of_one_model_bill_each_at_its_own_price(
+    keys: None, gateway_factory: Callable[..., Gateway], tmp_path: Path
+) -> None:
+    """One model on two Anthropic pools, the second dearer (`pool_prices`): the first takes requests
+    until its provider says none remain (`--rpm 2`), then the second serves; the ledger prices every
+    request at the pool that served it, and the key's daily budget is charged the same figures."""
+    ledger = tmp_path / "usage"
+    dear = {"input_per_mtok": 6.0, "output_per_mtok": 30.0}
+    with standin("anthropic", "--rpm", "2") as cheap_api, standin("anthropic") as dear_api:
+        gateway = gateway_factory(
+            pools=[anthropic_pool(cheap_api.url, name="cheap"), anthropic_pool(dear_api.url, name="dear")],
+            policies=policies_doc(
+                models=models(SONNET, **{SONNET: {"price": PRICE, "pool_prices": {"dear": dear}}}),
+                budgets=[{"scope": "key", "usd_per_day": 5.0}],
+            ),
+            ledger={"dir": str(ledger), "commit_interval_ms": 20},
+        )
+        client = openai.OpenAI(base_url=gateway.base_url, api_key=TEST_KEY, max_retries=0)
+        records = []
+        for _ in range(4):
+            answer = client.chat.completions.with_raw_response.create(model=SONNET, messages=HI, max_tokens=8)
+            (record,) = ledger_records(ledger, answer.headers["x-request-id"])
+            records.append(record)
+    assert [r["pool"] for r in records] == ["cheap", "cheap", "dear", "dear"]
+    m = 1e-6
+    for record in records:
+        rates = (3.0, 15.0) if record["pool"] == "cheap" else (6.0, 30.0)
+        expected = (record["input_tokens"] * rates[0] + record["output_tokens"] * rates[1]) * m
+        assert record["cost_usd"] == pytest.approx(expected), record
+    key = httpx.get(f"{gateway.base_url}/key", headers={"authorization": f"Bearer {TEST_KEY}"}).json()
+    assert key["data"]["spend_usd"]["day"] == pytest.approx(sum(r["cost_usd"] for r in records), rel=1e-6), key

@@ -104,3 +104,26 @@ def test_adapters_route_load_and_return_to_their_replica(sim_factory: Any, gatew
     reloaded = _ask(gateway.base_url, "sql-lora")
     assert reloaded.status_code == 200, reloaded.text
     assert sum("sql-lora" in names for names in (_adapters(u) for u in engines.urls)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_single_replica_that_lost_an_adapter_reloads_it_for_the_same_request(
+    sim_factory: Any, gateway_factory: Any
+) -> None:
+    """The only replica of a pool answers 404 for an adapter unloaded behind the gateway's back (before any
+    listing shows it: discovery is slow here): the gateway loads it there again and sends the request
+    again to the same replica, since no other could take it."""
+    engines = sim_factory(count=1, served_model_name=MODEL, args=["--enable-lora", "--max-loras", "2"])
+    gateway = gateway_factory(
+        pools=[static_pool("base", MODEL, engines.urls)],
+        policies=_policies(),
+        routing=ROUTING,
+        backends={"lora_discovery_interval_s": 3600},
+    )
+    assert _ask(gateway.base_url, "sql-lora").status_code == 200
+    (url,) = engines.urls
+    gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "sql-lora"}, timeout=10)
+    assert gone.status_code == 200, gone.text
+    again = _ask(gateway.base_url, "sql-lora")
+    assert again.status_code == 200, again.text
+    assert "sql-lora" in _adapters(url)

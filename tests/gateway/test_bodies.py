@@ -55,6 +55,17 @@ def test_brackets_inside_strings_do_not_count() -> None:
     assert parse_json_body(body.decode()) == {"text": "[" * 500}
 
 
+def test_a_large_body_is_judged_by_its_containers_not_its_bytes() -> None:
+    # above the size where brackets are no longer counted, the walk still finds a deep field
+    padding = "word " * 10_000
+    deep = {"prompt": padding, "x": orjson.loads(nested(MAX_JSON_DEPTH))}
+    with pytest.raises(InvalidRequest) as caught:
+        parse_json_body(orjson.dumps(deep))
+    assert caught.value.param is not None and caught.value.param.startswith("x.a.b")
+    shallow = {"prompt": padding, "messages": [{"role": "user", "content": "[" * 5_000}]}
+    assert parse_json_body(orjson.dumps(shallow)) == shallow
+
+
 def test_not_json_is_a_400() -> None:
     with pytest.raises(InvalidRequest, match="not valid JSON"):
         parse_json_body(b"{nope")

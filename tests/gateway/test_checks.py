@@ -31,6 +31,11 @@ def findings(policy: dict[str, Any], gateway: GatewaySettings | None = None) -> 
 
 def test_a_clean_pair_has_no_findings() -> None:
     assert findings({"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": PRICED}}) == []
+    # a pool's own price prices it: the model needs none of its own
+    assert (
+        findings({"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": {"pool_prices": {"hosted": PRICED["price"]}}}})
+        == []
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,6 +60,11 @@ def test_a_clean_pair_has_no_findings() -> None:
             {"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": {}}},
             "warning: gateway.yaml: pools[1].model: model 'gpt-4o-mini' of pool 'hosted' has no price",
             id="pool-without-price",
+        ),
+        pytest.param(
+            {"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": {**PRICED, "pool_prices": {"llama": PRICED["price"]}}}},
+            "warning: policies.yaml: models.gpt-4o-mini.pool_prices.llama: no pool 'llama' serves 'gpt-4o-mini'",
+            id="pool-price-for-a-pool-of-another-model",
         ),
         pytest.param(
             {"models": {"llama-3.1-8b": PRICED, "gpt-4o-mini": PRICED}, "tenants": {"t": {"models": ["gpt-5"]}}},

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import orjson
 import pytest
 
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, Role
+from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
 from tests.support.procs import SimEngines, start_sim
 
@@ -37,9 +38,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimEngines]:
 
 
 @pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+async def session() -> AsyncIterator[UpstreamClient]:
+    async with UpstreamClient() as client:
+        yield client
 
 
 def pool_of(engine: SimEngines) -> Pool:
@@ -59,7 +60,7 @@ def chat(i: int, words: int = 40) -> dict[str, Any]:
 
 async def truth(oracle: EngineTokenizeCounter, body: dict[str, Any]) -> int:
     """The engine's own count, asked directly (no cache): the /tokenize request of a chat."""
-    ids = await oracle.tokenize({"messages": body["messages"], "add_generation_prompt": True})
+    ids = await oracle.tokenize(orjson.dumps({"messages": body["messages"], "add_generation_prompt": True}))
     assert ids is not None
     return len(ids)
 
@@ -71,7 +72,7 @@ def held(counter: EngineTokenizeCounter) -> tuple[int, int]:
 
 
 async def test_a_flood_of_long_prompts_leaves_the_cache_at_its_token_bound(
-    engine: SimEngines, session: aiohttp.ClientSession
+    engine: SimEngines, session: UpstreamClient
 ) -> None:
     pool = pool_of(engine)
     counter = EngineTokenizeCounter(session, pool, max_entries=100_000, max_tokens=3_000)
@@ -94,7 +95,7 @@ async def test_a_flood_of_long_prompts_leaves_the_cache_at_its_token_bound(
 
 
 async def test_a_flood_of_short_prompts_leaves_the_cache_at_its_entry_bound(
-    engine: SimEngines, session: aiohttp.ClientSession
+    engine: SimEngines, session: UpstreamClient
 ) -> None:
     counter = EngineTokenizeCounter(session, pool_of(engine), max_entries=25, max_tokens=4_000_000)
     for i in range(300):
@@ -105,7 +106,7 @@ async def test_a_flood_of_short_prompts_leaves_the_cache_at_its_entry_bound(
 
 
 async def test_one_huge_prompt_is_counted_but_does_not_flush_the_cache(
-    engine: SimEngines, session: aiohttp.ClientSession
+    engine: SimEngines, session: UpstreamClient
 ) -> None:
     pool = pool_of(engine)
     counter = EngineTokenizeCounter(session, pool, max_entries=1_000, max_tokens=2_000)

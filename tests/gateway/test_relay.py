@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
 from gateway.upstream.client import CallWatch, UpstreamClient
+from gateway.upstream.engine_fields import drop_engine_fields
 from gateway.upstream.relay import (
     RelayOutcome,
     RetryableUpstream,
@@ -201,6 +202,76 @@ async def test_unary_swaps_model_and_reads_usage(upstream: tuple[Upstream, str])
     assert outcome.response is not None
     assert isinstance(outcome.response, web.Response) and outcome.response.body is not None
     assert orjson.loads(outcome.response.body)["model"] == "public-name"  # type: ignore[arg-type]
+
+
+# vLLM's own fields, as vLLM 0.32 writes them (vllm/entrypoints/openai/chat_completion/protocol.py)
+VLLM_UNARY = {
+    "id": "c1",
+    "object": "chat.completion",
+    "model": "engine-name",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi"},
+            "logprobs": None,
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "token_ids": None,
+        }
+    ],
+    "usage": USAGE,
+    "prompt_logprobs": None,
+    "prompt_token_ids": [1, 2, 3],  # the client asked for them (vLLM's `return_token_ids`)
+    "kv_transfer_params": None,
+    "metrics": {"ttft_s": 0.1},
+}
+
+
+async def test_a_unary_answer_carries_only_what_the_client_asked_for(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response(VLLM_UNARY)
+
+    state.script = answer
+    inflight = InFlight()
+    async with UpstreamClient(read_timeout_s=10) as session:
+        outcome = await relay_unary(session, target(url, public="engine-name"), inflight.begin(5))
+    assert isinstance(outcome.response, web.Response) and outcome.response.body is not None
+    sent = orjson.loads(outcome.response.body)  # type: ignore[arg-type]
+    assert set(sent) == {"id", "object", "model", "choices", "usage", "prompt_token_ids", "metrics"}
+    assert set(sent["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+    assert outcome.engine_metrics == {"ttft_s": 0.1}  # read before anything was taken out
+
+
+def test_an_anthropic_messages_own_stop_reason_stays() -> None:
+    # vLLM's native Messages answer (vllm/entrypoints/anthropic/protocol.py): `stop_reason` is Anthropic's
+    message: dict[str, Any] = {"type": "message", "content": [], "stop_reason": "end_turn", "kv_transfer_params": None}
+    assert drop_engine_fields(message) and message == {"type": "message", "content": [], "stop_reason": "end_turn"}
+    responses: dict[str, Any] = {"object": "response", "output": [], "input_messages": None, "ec_transfer_params": None}
+    assert drop_engine_fields(responses) and responses == {"object": "response", "output": []}
+    assert not drop_engine_fields({"choices": "not a list"})
+
+
+async def test_a_streams_engine_fields_are_taken_out_of_its_events(upstream: tuple[Upstream, str]) -> None:
+    state, url = upstream
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        last: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk", "model": "engine-name"}
+        last["choices"] = [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "END"}]
+        usage: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk", "model": "engine-name", "choices": []}
+        usage |= {"usage": USAGE, "kv_transfer_params": {"remote": "x"}}
+        await response.write(chunk("a") + b"data: " + orjson.dumps(last) + b"\n\n")
+        await response.write(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    state.script = stream
+    body, outcome, _ = await relay_through(url, wants_usage=True)
+    assert b"stop_reason" not in body and b"kv_transfer_params" not in body
+    assert b'"finish_reason":"stop"' in body and body.endswith(b"data: [DONE]\n\n")
+    assert outcome.kv_transfer_params == {"remote": "x"}  # the gateway read it before the client's copy lost it
 
 
 async def test_client_disconnect_closes_the_upstream(upstream: tuple[Upstream, str]) -> None:

@@ -19,11 +19,14 @@ from gateway.http.roles import (
     CONSOLE,
     LOOPBACK,
     ROUTE_NEEDS,
+    TEAM_READS,
     Identity,
     Need,
+    Reach,
     RoleForbidden,
     Users,
     need_of,
+    reach_of,
     role_refusal,
 )
 
@@ -77,7 +80,8 @@ def test_each_role_on_each_route(method: str, path: str) -> None:
     for admin in (ADMIN_TOKEN, CONSOLE, LOOPBACK, Identity("user:ann", "admin", user="ann")):
         assert role_refusal(admin, method, path) is None
     assert (role_refusal(VIEWER, method, path) is None) == (need is Need.READ)
-    assert (role_refusal(TEAM_ADMIN, method, path) is None) == (need in (Need.READ, Need.TEAM))
+    team_reads = need is Need.READ and reach_of(method, path) is not Reach.NONE  # TEAM_READS decides
+    assert (role_refusal(TEAM_ADMIN, method, path) is None) == (team_reads or need is Need.TEAM)
     refusal = role_refusal(VIEWER, method, path)
     if refusal is not None:
         assert refusal.status == 403 and refusal.code == "role_forbidden"
@@ -161,3 +165,29 @@ def test_tokenway_check_warns_of_a_team_policies_yaml_lacks() -> None:
         for f in config_findings(settings, PoliciesConfig.model_validate({"teams": {"search": {}}}))
         if "manages" in f.message
     ]
+
+
+def test_team_reads_name_served_reads_and_an_undeclared_read_is_refused_to_team_admins_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a team admin reads is declared per read (roles.TEAM_READS); a read added without a thought
+    about team admins is refused to them (fail closed), never to viewers."""
+    reads = {route for route, need in ROUTE_NEEDS.items() if need is Need.READ}
+    assert set(TEAM_READS) <= reads, "TEAM_READS names a route that is not a read"
+    monkeypatch.setitem(ROUTE_NEEDS, ("GET", "/admin/new-read"), Need.READ)
+    assert reach_of("GET", "/admin/new-read") is Reach.NONE
+    assert role_refusal(VIEWER, "GET", "/admin/new-read") is None
+    refusal = role_refusal(TEAM_ADMIN, "GET", "/admin/new-read")
+    assert isinstance(refusal, RoleForbidden) and "viewers and admins" in str(refusal)
+    monkeypatch.setitem(TEAM_READS, ("GET", "/admin/new-read"), Reach.TEAM)
+    assert role_refusal(TEAM_ADMIN, "GET", "/admin/new-read") is None
+
+
+def test_the_openapi_document_names_what_a_team_admin_reads() -> None:
+    from gateway.http.openapi import operations
+
+    for method, path, op in operations():
+        if op["x-tokenway-auth"] == "admin" and method == "GET":
+            assert op["x-tokenway-team-scope"] == reach_of(method, path).value, path
+        else:
+            assert "x-tokenway-team-scope" not in op, (method, path)

@@ -13,8 +13,8 @@ from backends.protocols.sse import split_event
 from gateway.apis.streams import MessagesFromChat, ResponsesFromChat
 from gateway.ledger.codec import record_to_entry
 from gateway.request.record import RequestRecord
-from gateway.upstream.migrate import Splice, can_fail_over, can_migrate
-from gateway.upstream.relay import RelayOutcome, _Moving
+from gateway.upstream.migrate import Moving, Splice, can_fail_over, can_migrate
+from gateway.upstream.relay import RelayOutcome
 from policies.types import Usage
 
 MARKER = {"from": "big", "to": "small", "at_tokens": 3}
@@ -64,7 +64,7 @@ def test_the_marker_in_the_translated_grammars() -> None:
 
 
 def test_an_error_event_is_a_cut_and_nothing_after_it_is_relayed() -> None:
-    moving = _Moving()
+    moving = Moving()
     error = b'data: {"error": {"message": "boom"}}'
     out = moving.relaying([chunk({"content": " a1"}), error, b"data: [DONE]"])
     assert out == [chunk({"content": " a1"})]
@@ -73,7 +73,7 @@ def test_an_error_event_is_a_cut_and_nothing_after_it_is_relayed() -> None:
 
 
 def test_a_tool_call_delta_marks_the_stream() -> None:
-    moving = _Moving()
+    moving = Moving()
     moving.relaying([chunk({"content": " a1", "tool_calls": []})])
     assert not moving.tool_calls
     moving.relaying([chunk({"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{"}}]})])

@@ -54,3 +54,12 @@ def test_the_run_budget_header_needs_a_program_and_a_positive_amount() -> None:
             request_subjects({"x-tokenway-run-budget-usd": value}, {}, "run")
     with pytest.raises(InvalidRequest, match="name the run"):
         request_subjects({"x-tokenway-run-budget-usd": "1"}, {}, None)
+
+
+def test_the_run_seconds_header_needs_a_program_and_a_positive_number_of_seconds() -> None:
+    assert request_subjects({"x-tokenway-run-seconds": "90"}, {}, "run").run_s == 90.0
+    for value in ("0", "-1", "nan", "inf", "soon", "1e9"):
+        with pytest.raises(InvalidRequest, match="x-tokenway-run-seconds"):
+            request_subjects({"x-tokenway-run-seconds": value}, {}, "run")
+    with pytest.raises(InvalidRequest, match="name the run"):
+        request_subjects({"x-tokenway-run-seconds": "60"}, {}, None)

@@ -92,6 +92,19 @@ async def test_content_length_answer_and_keep_alive_reuse(serve: Callable[[Scrip
     assert sent.endswith(b"\r\n\r\n" + BODY)
 
 
+async def test_a_large_body_goes_out_whole_after_its_head(serve: Callable[[Script], Awaitable[Server]]) -> None:
+    # a body above the join size is written beside its head rather than copied into one buffer
+    server = await serve(fixed(OK))
+    body = b'{"prompt":"' + b"x" * 300_000 + b'"}'
+    async with UpstreamClient() as client:
+        response = await client.post(server.url, {"Content-Type": "application/json"}, body)
+        async with response:
+            assert (response.status, await response.read()) == (200, b'{"ok":true}')
+    sent = server.requests[0]
+    assert f"\r\nContent-Length: {len(body)}\r\n".encode() in sent
+    assert sent.endswith(b"\r\n\r\n" + body)
+
+
 async def test_chunked_answer_split_anywhere(serve: Callable[[Script], Awaitable[Server]]) -> None:
     events = [b'data: {"a":1}\n\n', b'data: {"b":22}\n\n', b"data: [DONE]\n\n"]
     wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"

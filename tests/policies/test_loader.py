@@ -42,7 +42,7 @@ def test_every_problem_is_reported_with_file_line_and_key_path(tmp_path: Path) -
         f"{path}:3: admission.store_failure: expected 'fail_open' or 'fail_closed', got 'maybe'",
         f"{path}:12: models.llama.context_length: expected an integer, got 'lots'",
         f"{path}:16: limits[0].colour: unknown field (expected one of: calls_per_run, count, fallback, id, "
-        "match, max_concurrent, rpd, rpm, scope, shadow, tokens_per_run, tpd, tpm, weights)",
+        "match, max_concurrent, rpd, rpm, scope, seconds_per_run, shadow, tokens_per_run, tpd, tpm, weights)",
         f"{path}:17: limits[1]: scope 'tenant' cannot match on model (expected org, team, tenant)",
     ]
 

@@ -51,3 +51,32 @@ def test_state_is_bounded_per_tenant_least_recent_forgotten() -> None:
     assert guard.check("t1", "p0", turn(1, "x", "c"), max_repeats=2) is None
     assert guard.check("t1", "p0", turn(1, "x", "c"), max_repeats=2) is None
     assert guard.check("t1", "p0", turn(1, "x", "c"), max_repeats=2) is not None
+
+
+def test_a_cycle_of_different_turns_is_a_loop_too() -> None:
+    # read, edit, test, read, edit, test, ...: no turn repeats twice in a row, the cycle does
+    guard = RunawayGuard()
+    cycle = ["read file", "edit file", "run tests"]
+    verdicts = [guard.check("t", "p", turn(i, cycle[i % 3], f"c{i}"), max_repeats=2, max_cycle=4) for i in range(10)]
+    assert [v is None for v in verdicts] == [True] * 8 + [False, False]  # the call closing a third round is refused
+    rejection = verdicts[8]
+    assert rejection is not None and rejection.code == "program_loop"
+    assert "cycle of 3 turns 3 times" in rejection.message and "program_max_cycle" in rejection.message
+
+
+def test_cycles_longer_than_the_setting_are_not_counted() -> None:
+    guard = RunawayGuard()
+    cycle = ["a", "b", "c"]
+    verdicts = [guard.check("t", "p", turn(i, cycle[i % 3], f"c{i}"), max_repeats=2, max_cycle=2) for i in range(9)]
+    assert all(v is None for v in verdicts)
+
+
+def test_a_broken_cycle_starts_the_count_again() -> None:
+    guard = RunawayGuard()
+    turns = ["a", "b", "a", "b", "x", "a", "b", "a", "b"]
+    verdicts = [
+        guard.check("t", "p", turn(i, text, f"c{i}"), max_repeats=2, max_cycle=4) for i, text in enumerate(turns)
+    ]
+    assert all(v is None for v in verdicts)  # two rounds, a detour, two rounds: never a third in a row
+    assert guard.check("t", "p", turn(9, "a", "c9"), max_repeats=2, max_cycle=4) is None
+    assert guard.check("t", "p", turn(10, "b", "c10"), max_repeats=2, max_cycle=4) is not None

@@ -77,3 +77,13 @@ def test_empty_prompt_and_mismatched_lengths() -> None:
     assert rows[0, Feature.CACHED_RATIO] == 0
     with pytest.raises(ValueError, match="cached-token"):
         build_features(100, 10, [endpoint(0), endpoint(1)], [0], prior())
+
+
+def test_cached_tokens_split_by_tier() -> None:
+    rows = build_features(4000, 10, [endpoint(0), endpoint(1), endpoint(2)], [3000, 3000, 500], prior(),
+                          lower_cached_tokens=[1000, 0, 900])  # fmt: skip
+    assert (rows[0, Feature.CACHED_GPU_TOKENS], rows[0, Feature.CACHED_LOWER_TOKENS]) == (2000, 1000)
+    assert (rows[1, Feature.CACHED_GPU_TOKENS], rows[1, Feature.CACHED_LOWER_TOKENS]) == (3000, 0)
+    assert (rows[2, Feature.CACHED_GPU_TOKENS], rows[2, Feature.CACHED_LOWER_TOKENS]) == (0, 500)  # clipped
+    untiered = build_features(4000, 10, [endpoint(0)], [3000], prior())  # no split: all in HBM
+    assert (untiered[0, Feature.CACHED_GPU_TOKENS], untiered[0, Feature.CACHED_LOWER_TOKENS]) == (3000, 0)

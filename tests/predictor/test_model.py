@@ -8,9 +8,10 @@ import pytest
 from predictor.accuracy import mape_pct, p90_coverage
 from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
+from predictor.features import build_features
 from predictor.model import SLOT_OF, PoolModel, predict_ms, train_target, usable
 from predictor.types import Feature, Quantity, Target
-from tests.predictor.synthetic import TPOT_NOISE_SIGMA, TTFT_NOISE_SIGMA, samples
+from tests.predictor.synthetic import TPOT_NOISE_SIGMA, TTFT_NOISE_SIGMA, endpoint, prior, samples
 
 XGB = XGBoostSettings()
 
@@ -126,3 +127,32 @@ def test_without_calibration_the_p90_is_at_least_the_mean(data: tuple[Samples, S
     assert model is not None and model.p90_floor == 0.0
     mean_ms, p90_ms = predict_ms(replace(model, p90_offset=-5.0), test.rows)
     np.testing.assert_array_equal(p90_ms, mean_ms)
+
+
+def test_the_ttft_model_learns_that_a_lower_tier_hit_is_slower_than_an_hbm_one() -> None:
+    """The cached tokens per tier reach the model: in a world where loading from DRAM costs time the
+    prior does not see (it counts every cached token alike), the trees learn the split."""
+    rng = np.random.default_rng(11)
+    latency_prior = prior()
+
+    def world(n: int) -> Samples:
+        rows = []
+        for _ in range(n):
+            inputs = int(rng.integers(2000, 6000))
+            cached = int(rng.integers(0, inputs))
+            lower = int(rng.integers(0, cached + 1)) if rng.random() < 0.5 else 0
+            rows.append(
+                build_features(inputs, 50, [endpoint(0)], [cached], latency_prior, lower_cached_tokens=[lower])[0]
+            )
+        m = np.stack(rows)
+        ttft = m[:, Feature.PRIOR_TTFT_MS] * (1 + 2.0 * m[:, Feature.CACHED_LOWER_TOKENS] / m[:, Feature.INPUT_TOKENS])
+        return Samples(m, ttft.astype(np.float64), m[:, Feature.PRIOR_TPOT_MS].astype(np.float64))
+
+    model = train_target(world(2000), world(300), Target.TTFT, XGB, min_samples=100, conformal_p90=False)
+    assert model is not None
+    hbm = build_features(4000, 50, [endpoint(0)], [3000], latency_prior, lower_cached_tokens=[0])
+    dram = build_features(4000, 50, [endpoint(0)], [3000], latency_prior, lower_cached_tokens=[3000])
+    assert hbm[0, Feature.PRIOR_TTFT_MS] == dram[0, Feature.PRIOR_TTFT_MS]  # the prior cannot tell them apart
+    (hbm_ms,), _ = predict_ms(model, hbm)
+    (dram_ms,), _ = predict_ms(model, dram)
+    assert dram_ms > 1.5 * hbm_ms  # the truth: 2.5x

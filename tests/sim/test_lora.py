@@ -76,3 +76,14 @@ def test_an_adapter_salts_its_blocks_and_names_itself_in_events() -> None:
     assert adapted.block_hashes[:4] == hash_blocks(list(range(64)), 16, lora_salt(None, "sql"))
     names = [event.lora_name for event in kv.pool.drain_events() if event.kind == "stored"]
     assert names == [None, "sql"]
+
+
+def test_an_adapters_events_name_it_first_in_every_blocks_extra_keys_as_vllm_does() -> None:
+    """vLLM 0.32's `to_event_extra_keys`: the adapter in every block's keys, block 0's cache salt after it."""
+    kv = KVCacheManager(100, 16)
+    kv.pool.record_events = True
+    request = _req("1", "sql")
+    request.cache_salt = "tenant-1"
+    kv.allocate_slots(request, 64)
+    (event,) = [event for event in kv.pool.drain_events() if event.kind == "stored"]
+    assert event.extra_keys == (("sql", "tenant-1"), ("sql",), ("sql",), ("sql",))

@@ -10,7 +10,8 @@ What it speaks, as the API server does:
   set; the stream ends after `timeoutSeconds`;
 - a watch from a version older than the retained history is answered `410 Gone` (as an HTTP
   status or, like a watch cache that expires mid-stream, as an ERROR event with a Status of code
-  410), and `compact()` ends every open watch that way.
+  410), and `compact()` ends every open watch that way;
+- `GET /api/v1/nodes/{name}`: a node with the labels in `nodes`, else 404 (read for `rack_label`).
 
 The server runs on its own event loop in a thread, so tests may block (sync clients) without
 stalling it. Control methods are thread-safe.
@@ -31,6 +32,7 @@ from aiohttp import web
 from tests.support.procs import free_port
 
 PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+NODE_PATH = "/api/v1/nodes/{name}"
 
 
 def endpoint_slice(
@@ -86,6 +88,8 @@ class FakeKubeApi:
         self.watch_versions: list[str] = []  # resourceVersion of each watch request, in order
         self.authorizations: set[str] = set()
         self.bookmarks_sent: list[int] = []  # the version each BOOKMARK event carried
+        self.nodes: dict[str, dict[str, str]] = {}  # node name -> its labels (GET /api/v1/nodes/NAME)
+        self.node_reads: list[str] = []  # the nodes read, in order
         self._watchers: list[_Watcher] = []
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
@@ -119,6 +123,7 @@ class FakeKubeApi:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_get(PATH, self._handle)
+        app.router.add_get(NODE_PATH, self._node)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -179,6 +184,16 @@ class FakeKubeApi:
     async def _drop(self) -> None:
         for watcher in self._watchers:
             watcher.queue.put_nowait(None)
+
+    async def _node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.node_reads.append(name)
+        labels = self.nodes.get(name)
+        if labels is None:
+            status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+            return web.Response(status=404, body=orjson.dumps(status), content_type="application/json")
+        body = {"kind": "Node", "apiVersion": "v1", "metadata": {"name": name, "labels": labels}}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         auth = request.headers.get("Authorization")

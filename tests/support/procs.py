@@ -95,6 +95,26 @@ def redis_argv(binary: str, port: int, workdir: str | Path) -> list[str]:
     ]
 
 
+def wait_redis(url: str, timeout_s: float = 6.0) -> None:
+    """Until the redis-server at `url` answers PING (RuntimeError after `timeout_s`): a server just
+    spawned takes a moment to listen."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server at {url} did not start") from None
+                time.sleep(0.02)
+    finally:
+        client.close()
+
+
 def free_ports(count: int) -> list[int]:
     """`count` consecutive free ports (the simulator's --instances takes P..P+N-1)."""
     for _ in range(200):

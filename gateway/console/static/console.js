@@ -15,6 +15,11 @@
   // hides what this role may not do; the gateway refuses it anyway (403), whatever the page shows.
   let identity = { role: "admin", teams: [] };
   const mayManageKeys = () => identity.role === "admin" || identity.role === "team_admin";
+  // A team admin reads its teams' rows only: the gateway filters every answer (gateway/http/team_scope.py);
+  // the page only says so, on the pages whose data it narrows.
+  const teamNote = (what) => (identity.role === "team_admin"
+    ? el("p", { class: "muted team-note", "data-team-scope": identity.teams.join(",") }, `${what} of your teams only (${identity.teams.join(", ")}).`)
+    : "");
 
   // ------------------------------------------------------------------ helpers
   function el(tag, attrs, ...children) {
@@ -224,6 +229,16 @@
     page.append(cards, grid);
     every(5000, async () => {
       const doc = await api("GET", "/admin/activity");
+      if (!doc.summary) {  // an older gateway withheld the overview from a team admin
+        grid.hidden = true;
+        $("overview-window").textContent = "The overview sums every team's requests, so it is shown to viewers and admins only.";
+        cards.replaceChildren(el("p", { id: "overview-withheld" }, "Your teams' requests: ",
+          el("a", { href: "#usage" }, "Usage"), " and ", el("a", { href: "#tail" }, "Live tail"), "."));
+        return;
+      }
+      // a team admin's: its teams' own minute counters; the per-model charts sum every team's requests
+      const teams = doc.team_scope ? doc.team_scope.teams : null;
+      c4.hidden = c5.hidden = Boolean(teams);
       const s = doc.summary;
       cards.replaceChildren(
         stat("Requests / s", fmt.num(s.requests_per_s, 2), "stat-rps"),
@@ -235,7 +250,9 @@
         stat("Fallback rate", fmt.pct(s.fallback_rate), "stat-fallbacks"),
         stat("SLO attainment", fmt.pct(s.slo_attainment), "stat-slo"),
       );
-      $("overview-window").textContent = `The last ${Math.round(s.window_s / 60)} min of this replica: ${fmt.num(s.requests)} requests.`;
+      $("overview-window").textContent = teams
+        ? `The last ${Math.round(s.window_s / 60)} min of your teams (${teams.join(", ")}): ${fmt.num(s.requests)} requests.`
+        : `The last ${Math.round(s.window_s / 60)} min of this replica: ${fmt.num(s.requests)} requests.`;
       for (const c of charts) c.destroy();
       charts = [];
       for (const c of [c1, c2, c3, c4, c5]) c.replaceChildren();
@@ -394,7 +411,7 @@
       { label: "Limit", num: true, render: (r) => fmt.num(r.limit ?? r.capacity ?? r.limit_usd, r.kind === "budget" ? 2 : 0) },
       { label: "Remaining", num: true, render: (r) => fmt.num(r.remaining ?? r.remaining_usd ?? (r.capacity - (r.active || 0)), r.kind === "budget" ? 4 : 0) },
       { label: "Used", render: (r) => usedBar(r) },
-      { label: "Reset", num: true, render: (r) => (r.reset_s === undefined ? null : r.reset_s.toFixed(1) + " s") },
+      { label: "Reset", num: true, render: (r) => (r.reset_s === undefined || r.reset_s === null ? null : r.reset_s.toFixed(1) + " s") },  // null: an agent run's cap, never reset
       { label: "Shadow", render: (r) => (r.shadow ? "yes" : "") },
     ], rows || [], { id: "limits-table" });
   }
@@ -484,16 +501,21 @@
 
   // ------------------------------------------------------------------ usage
   async function usagePage() {
-    page.append(el("h1", {}, "Spend and usage"), el("p", { class: "muted" }, "From this replica's usage ledger."));
+    page.append(el("h1", {}, "Spend and usage"), el("p", { class: "muted" }, "From this replica's usage ledger."), teamNote("Requests"));
     const range = el("select", { id: "usage-range" }, ["1h", "6h", "24h", "7d", "30d"].map((r) => el("option", { value: r, selected: r === "24h" }, r)));
-    const by = el("select", { id: "usage-by" }, ["tenant", "key", "model", "tenant,model", "key,model"].map((b) => el("option", { value: b }, b)));
+    const by = el("select", { id: "usage-by" }, ["tenant", "key", "model", "pool", "tenant,model", "key,model", "tenant,pool", "model,pool"].map((b) => el("option", { value: b }, b)));
     const go = el("button", { id: "usage-go" }, "Show");
     const csv = el("button", { type: "button", class: "secondary", id: "usage-csv", disabled: true }, "Export CSV");
     const chartCard = el("div", { class: "card" });
     const tableCard = el("div", { class: "card" });
     page.append(el("div", { class: "toolbar" }, el("label", {}, "Range", range), el("label", {}, "Group by", by), go, csv), chartCard, tableCard);
-    let exported = null;  // the table shown, as [columns, rows, range]
-    csv.addEventListener("click", () => { if (exported) download(`tokenway-usage-${exported[2]}-${stamp()}.csv`, csvOf(exported[0], exported[1])); });
+    // the CSV comes from the gateway (GET /admin/usage?format=csv): every group, not only those shown
+    csv.addEventListener("click", () => {
+      const link = el("a", { href: `/admin/usage?since=${encodeURIComponent(range.value)}&by=${encodeURIComponent(by.value)}&format=csv`, download: "" });
+      document.body.append(link);
+      link.click();
+      link.remove();
+    });
     async function load() {
       const doc = await api("GET", `/admin/usage?since=${encodeURIComponent(range.value)}&by=${encodeURIComponent(by.value)}`);
       for (const c of charts) c.destroy();
@@ -519,18 +541,14 @@
         { label: "Input tok", num: true, render: (r) => fmt.num(r.input_tokens) },
         { label: "Output tok", num: true, render: (r) => fmt.num(r.output_tokens) },
         { label: "Cost", num: true, render: (r) => fmt.usd(r.cost_usd) },
+        // each group's share of the range's tokens and dollars: by pool, what spilled to an overflow pool
+        { label: "Token share", num: true, render: (r) => share(r.input_tokens + r.output_tokens, doc.total.input_tokens + doc.total.output_tokens) },
+        { label: "$ share", num: true, render: (r) => share(r.cost_usd, doc.total.cost_usd) },
         { label: "CPM", num: true, render: (r) => (r.cpm_usd === null ? "–" : "$" + r.cpm_usd.toFixed(4)) },
         { label: "TTFT p50", num: true, render: (r) => fmt.ms(r.ttft_p50_ms) },
         { label: "TTFT p90", num: true, render: (r) => fmt.ms(r.ttft_p90_ms) },
       ];
-      // the CSV carries the numbers unformatted (full precision, no $ or thousands separators)
-      for (const c of columns.slice(fields.length)) {
-        const key = { Requests: "requests", Served: "served", Rejected: "rejected", Errors: "errors", "Input tok": "input_tokens",
-          "Output tok": "output_tokens", Cost: "cost_usd", CPM: "cpm_usd", "TTFT p50": "ttft_p50_ms", "TTFT p90": "ttft_p90_ms" }[c.label];
-        c.csv = (r) => r[key];
-      }
       const rows = [...doc.rows, { ...doc.total, ...Object.fromEntries(doc.by.map((f, i) => [f, i === 0 ? "TOTAL" : ""])) }];
-      exported = [columns, rows, range.value];
       csv.disabled = false;
       tableCard.replaceChildren(table(columns, rows, { id: "usage-table" }));
     }
@@ -538,11 +556,14 @@
     await load();
   }
 
+  function share(part, whole) { return whole > 0 ? (100 * part / whole).toFixed(1) + " %" : "–"; }
+
   function bucketLabel(s) { return s % 86400 === 0 ? `${s / 86400} d` : s % 3600 === 0 ? `${s / 3600} h` : `${s / 60} min`; }
 
   // ------------------------------------------------------------------ limits
   async function limitsPage() {
-    page.append(el("h1", {}, "Limits"), el("p", { class: "muted" }, "Every bucket, concurrency limit and budget this replica has touched, as it stands now."));
+    page.append(el("h1", {}, "Limits"), el("p", { class: "muted" }, "Every bucket, concurrency limit and budget this replica has touched, as it stands now."),
+      teamNote("Limits and overrides"));
     const status = el("div", { class: "kv", id: "policy-status" });
     const card = el("div", { class: "card" });
     page.append(status, card);
@@ -570,7 +591,7 @@
 
   // Temporary overrides of a policies.yaml rule (POST/GET/DELETE /admin/overrides, docs/governance.md)
   const OVERRIDE_DIMENSIONS = ["usd_per_day", "usd_per_month", "usd_per_period", "usd_per_run", "rpm", "rpd", "tpm",
-    "tpd", "max_concurrent", "calls_per_run", "tokens_per_run"];
+    "tpd", "max_concurrent", "calls_per_run", "tokens_per_run", "seconds_per_run"];
 
   function overridesCard() {
     const admin = identity.role === "admin";
@@ -706,6 +727,45 @@
     });
   }
 
+  // ------------------------------------------------------------------ LoRA adapters
+  // per pool serving an adapter's base model, per replica: the adapters there (running or waiting
+  // on the engine, held by the gateway, listed by the engine), memory against the pool's budget,
+  // and the gateway's loads, preloads, evictions and unloads there (docs/adapters.md)
+  function adapterNames(r) {
+    return r.adapters.filter((a) => a.held || a.listed).map((a) => a.name + (a.inflight ? ` (${a.inflight})` : "")).join(", ") || "–";
+  }
+
+  async function adaptersPage() {
+    page.append(el("h1", {}, "LoRA adapters"), el("p", { class: "muted" },
+      "Per replica: the adapters its engine runs or queues requests for (active), those registered there (held by this gateway or listed by the engine; requests in flight in brackets), their memory against the pool's budget, and what this gateway process did there since it started."));
+    const holder = el("div", { id: "adapters" });
+    page.append(holder);
+    every(5000, async () => {
+      const doc = await api("GET", "/admin/adapters");
+      if (!doc.pools.length) { holder.replaceChildren(el("p", { class: "muted" }, "No pool serves the base model of a LoRA adapter (policies.yaml: kind: adapter).")); return; }
+      holder.replaceChildren(...doc.pools.map((pool) => el("div", { class: "card", "data-pool": pool.name },
+        el("h2", {}, `${pool.name} `, el("span", { class: "muted" }, pool.model)),
+        el("div", { class: "kv" },
+          el("span", {}, "adapters ", el("b", {}, String(pool.adapters.length))),
+          el("span", {}, "memory budget ", el("b", {}, pool.memory_budget_mb === null ? "none (max_loras only)" : `${fmt.num(pool.memory_budget_mb, 1)} MB`)),
+        ),
+        table([
+          { label: "Replica", key: "id" },
+          { label: "State", render: (r) => pill(r.state) },
+          { label: "Active", render: (r) => r.active.join(", ") || "–" },
+          { label: "Registered", render: adapterNames },
+          { label: "Slots", num: true, render: (r) => (r.max_loras === null ? "–" : `${r.adapters.filter((a) => a.running || a.waiting).length}/${r.max_loras}`) },
+          { label: "Memory", num: true, render: (r) => `${fmt.num(r.memory_used_mb, 1)}${pool.memory_budget_mb === null ? "" : " / " + fmt.num(pool.memory_budget_mb, 1)} MB` },
+          { label: "Loads", num: true, key: "loads" },
+          { label: "Preloads", num: true, key: "preloads" },
+          { label: "Evictions", num: true, key: "evictions" },
+          { label: "Unloads", num: true, key: "unloads" },
+          { label: "Failed", num: true, key: "failures" },
+        ], pool.replicas, { id: `adapters-${pool.name}`, idOf: (r) => r.id }),
+      )));
+    });
+  }
+
   // ------------------------------------------------------------------ predictor
   async function predictorPage() {
     page.append(el("h1", {}, "Predictor accuracy"));
@@ -739,7 +799,7 @@
 
   // ------------------------------------------------------------------ live tail
   async function tailPage() {
-    page.append(el("h1", {}, "Live tail"), el("p", { class: "muted" }, "This replica's newest requests (metadata only; never prompt text)."));
+    page.append(el("h1", {}, "Live tail"), el("p", { class: "muted" }, "This replica's newest requests (metadata only; never prompt text)."), teamNote("Requests"));
     const card = el("div", { class: "card" });
     page.append(card);
     every(2000, async () => {
@@ -781,7 +841,8 @@
 
   async function auditPage() {
     page.append(el("h1", {}, "Audit log"), el("p", { class: "muted" },
-      "Every admin change that succeeded on this replica, newest first: who (admin token, console session or loopback), when, what, before → after. Secrets are never recorded."));
+      "Every admin change that succeeded on this replica, newest first: who (admin token, console session or loopback), when, what, before → after. Secrets are never recorded."),
+      teamNote("Your own changes, and changes of the keys, tenants and overrides"));
     const actor = el("select", { id: "audit-actor" }, ["", "admin-token", "console", "loopback"].map((a) => el("option", { value: a }, a || "anyone")));
     const action = el("input", { id: "audit-action", placeholder: "keys, DELETE, floor…", size: 16 });
     const limit = el("select", { id: "audit-limit" }, ["100", "500", "1000"].map((n) => el("option", { value: n }, n)));
@@ -809,8 +870,48 @@
     await load();
   }
 
+  // ------------------------------------------------------------------ programs (agent runs)
+  // Live agent runs and what each spent (GET /admin/programs, docs/console.md): read from the runs' own
+  // counters (in Redis, every replica's), the newest runs only; a team admin gets its teams' runs.
+  function capLine(c) {
+    const usd = c.dimension === "usd_per_run";
+    const show = (v) => (usd ? fmt.usd(v) : fmt.num(v));
+    return el("div", { class: "nowrap", "data-dimension": c.dimension }, `${c.dimension}: ${show(c.remaining)} left of ${show(c.limit)}${c.shadow ? " (shadow)" : ""}`);
+  }
+
+  async function programsPage() {
+    page.append(el("h1", {}, "Programs"), el("p", { class: "muted" },
+      "Live agent runs (programs) that a run rule counts: calls, tokens and dollars so far, when the run started against its wall-clock cap, and what each cap has left. Program ids are shown as stored (a long one as its hash)."));
+    const tenant = el("input", { id: "programs-tenant", type: "search", placeholder: "any tenant", size: 14 });
+    const sort = el("select", { id: "programs-sort" }, [["spend", "top spend"], ["recent", "last call"]].map(([v, t]) => el("option", { value: v }, t)));
+    const limit = el("select", { id: "programs-limit" }, ["50", "100", "200"].map((n) => el("option", { value: n }, n)));
+    const card = el("div", { class: "card" });
+    page.append(el("div", { class: "toolbar" }, el("label", {}, "Tenant", tenant), el("label", {}, "Order", sort), el("label", {}, "Show", limit)), card);
+    async function load() {
+      const query = new URLSearchParams({ sort: sort.value, limit: limit.value });
+      if (tenant.value.trim()) query.set("tenant", tenant.value.trim());
+      const doc = await api("GET", `/admin/programs?${query}`);
+      card.replaceChildren(doc.data.length ? table([
+        { label: "Tenant", key: "tenant" },
+        { label: "Program", render: (r) => el("code", { class: "nowrap" }, r.program) },
+        { label: "Key", key: "key_id" },
+        { label: "Model", key: "model" },
+        { label: "Calls", num: true, render: (r) => fmt.num(r.calls) },
+        { label: "Tokens", num: true, render: (r) => fmt.num(r.tokens) },
+        { label: "Spent", num: true, render: (r) => fmt.usd(r.spent_usd) },
+        { label: "Started (UTC)", render: (r) => fmt.time(r.started_at) },
+        { label: "Seconds left", num: true, render: (r) => fmt.num(r.seconds_left) },
+        { label: "Caps left", render: (r) => el("div", {}, r.caps.map(capLine)) },
+        { label: "Last call (UTC)", render: (r) => fmt.time(r.last_seen) },
+      ], doc.data, { id: "programs-table", idOf: (r) => `${r.tenant}/${r.program}` })
+        : el("p", { class: "muted" }, "No agent run that a run rule counts (policies.yaml scope: program) has called lately."));
+    }
+    for (const input of [tenant, sort, limit]) input.addEventListener("change", guard(load));
+    every(5000, load);
+  }
+
   // ------------------------------------------------------------------ routing and login
-  const PAGES = { overview, keys, tenants: tenantsPage, usage: usagePage, limits: limitsPage, pools: poolsPage, predictor: predictorPage, tail: tailPage, audit: auditPage };
+  const PAGES = { overview, keys, tenants: tenantsPage, usage: usagePage, limits: limitsPage, pools: poolsPage, adapters: adaptersPage, programs: programsPage, predictor: predictorPage, tail: tailPage, audit: auditPage };
 
   async function route() {
     const name = (location.hash || "#overview").slice(1);

@@ -109,6 +109,19 @@ class PrefixIndex:
         if self.precise is not None:
             self.precise.reset(endpoint_id, reason, now_s)
 
+    # A pool's shared KV store (`kv_store`): its own events, or its engines' events of a store medium.
+    def add_store(self, pool: str) -> None:
+        if self.precise is not None:
+            self.precise.add_store(pool)
+
+    def on_store_batch(self, pool: str, batch: KvEventBatch) -> None:
+        if self.precise is not None:
+            self.precise.apply_store(pool, batch)
+
+    def on_store_reset(self, pool: str, reason: str, now_s: float) -> None:
+        if self.precise is not None:
+            self.precise.reset_store(pool, reason, now_s)
+
     def retain(self, endpoint_ids: Iterable[str]) -> None:
         """Forget endpoints that left the fleet."""
         keep = set(endpoint_ids)

@@ -25,6 +25,15 @@ stored event without token ids (vLLM's offloading connector publishes hashes onl
 the token key its hash already maps to. Limit: an offload block size larger than the GPU block size
 (one hash per group of GPU blocks) is not matched.
 
+Shared store (a pool's `kv_store`: LMCache's remote backend, Mooncake Store). Its blocks are readable by
+every replica of the pool, so they are kept once per pool, in a state of their own (a slot like an
+endpoint's), and a lookup on any replica of the pool continues its match through them, as tier
+`remote` (each block in its fastest tier: a replica's own HBM or DRAM copy wins). The index learns them
+from the store's own event stream (`apply_store`: stored, removed when the store evicts, cleared) or,
+for a pool registered with `add_store`, from its engines' events whose medium is not GPU/CPU/DISK
+(an engine publishing what it wrote to the store, and what it saw dropped there). Store events may carry
+hashes only: their keys are then found through the pool's engines' hash -> key maps.
+
 Between a dispatch and the engine's first event about it, speculative entries (TTL
 `speculative_ttl_s`) stand in, so a burst of same-prefix requests sees the first one's blocks.
 
@@ -79,11 +88,17 @@ def _medium_bit(medium: str | None) -> int:
     return _MEDIUM_BITS.get(medium.upper(), _OTHER_MEDIUM)
 
 
-def salt_from_extra_keys(extra: Any) -> str | None:
-    """The cache salt in a block's extra keys: a bare string, or a ("cache_salt", salt) pair."""
+def salt_from_extra_keys(extra: Any, lora_name: str | None = None) -> str | None:
+    """The cache salt in a block's extra keys: a bare string, or a ("cache_salt", salt) pair.
+
+    vLLM puts a LoRA request's adapter name first in every block's extra keys, also a bare string
+    (`to_event_extra_keys` in vllm/v1/core/kv_cache_utils.py: block 0 of a salted request for an adapter
+    is `[lora_name, cache_salt]`), so with `lora_name` set that leading name is not the salt."""
     if extra is None:
         return None
     items = extra if isinstance(extra, list | tuple) else [extra]
+    if lora_name and items and items[0] == lora_name:
+        items = items[1:]
     for item in items:
         if isinstance(item, str):
             return item
@@ -109,6 +124,8 @@ class _EndpointBlocks:
     batches: int = 0
     orphans: int = 0
     lower: int = 0  # keys held in a tier below HBM (lookups split tiers only when some are)
+    pool: str | None = None  # the endpoint's pool, once a lookup or dispatch told it; a store's own pool
+    store: bool = False  # the pool's shared KV store, not an endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +162,7 @@ class PrecisePrefixIndex:
         self._spec_queue: deque[tuple[float, int, int]] = deque()  # (expiry, slot, key), expiry ascending
         self._endpoints: dict[str, _EndpointBlocks] = {}
         self._by_slot: dict[int, _EndpointBlocks] = {}
+        self._stores: dict[str, _EndpointBlocks] = {}  # pool -> its shared store's blocks (bounded by config)
 
     # -- event side -----------------------------------------------------------------------------
 
@@ -154,18 +172,78 @@ class PrecisePrefixIndex:
         st.batches += 1
         st.last_event_s = max(st.last_event_s, batch.received_at_s)
         st.awaiting_since_s = None
+        store = self._stores.get(st.pool) if st.pool is not None else None
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(st, event)
+                if store is not None and _medium_bit(event.medium) == _OTHER_MEDIUM:
+                    store.seen = True  # an engine wrote these blocks to the pool's store
+                    self._stored(store, event)
+            elif isinstance(event, BlockRemoved):
+                bit = _medium_bit(event.medium)
+                self._removed(st, event.block_hashes, bit)
+                if store is not None and bit == _OTHER_MEDIUM:
+                    self._removed(store, event.block_hashes, ALL_MEDIA)
+            elif isinstance(event, AllBlocksCleared):
+                self._clear(st)
+
+    def add_store(self, pool: str) -> None:
+        """`pool` has a shared KV store: its engines' events of a store medium (not GPU/CPU/DISK) tell
+        the store's blocks too. Idempotent."""
+        self._store_state(pool)
+
+    def apply_store(self, pool: str, batch: KvEventBatch) -> None:
+        """The pool's shared store's own events: what it holds, whichever replica wrote it."""
+        st = self._store_state(pool)
+        st.seen = True
+        st.batches += 1
+        st.last_event_s = max(st.last_event_s, batch.received_at_s)
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(st, event)
             elif isinstance(event, BlockRemoved):
-                bit = _medium_bit(event.medium)
-                for engine_hash in event.block_hashes:
-                    self._remove(st, engine_hash, bit)
-                    key = st.engine_to_key.get(engine_hash, NO_KEY)
-                    if key != NO_KEY:
-                        self._remove(st, key, bit)
+                self._removed(st, event.block_hashes, ALL_MEDIA)
             elif isinstance(event, AllBlocksCleared):
                 self._clear(st)
+
+    def reset_store(self, pool: str, reason: str, now_s: float) -> None:
+        """The store's event stream broke: forget its blocks; after a gap, distrust it for a while."""
+        st = self._store_state(pool)
+        self._clear(st)
+        if reason == RESET_GAP:
+            st.degraded_until_s = now_s + self.resync_s
+
+    def _store_state(self, pool: str) -> _EndpointBlocks:
+        st = self._stores.get(pool)
+        if st is None:
+            st = _EndpointBlocks(slot=self._slots.slot("\x00store:" + pool), pool=pool, store=True)
+            self._stores[pool] = st
+            self._by_slot[st.slot] = st
+        return st
+
+    def _live_store(self, pool: str, now_s: float) -> _EndpointBlocks | None:
+        st = self._stores.get(pool)
+        if st is None or not st.seen or not st.present or now_s < st.degraded_until_s:
+            return None
+        return st
+
+    def _key_of(self, st: _EndpointBlocks, engine_hash: int) -> int:
+        """The token key an engine hash maps to; for a store, as any engine of its pool mapped it."""
+        key = st.engine_to_key.get(engine_hash, NO_KEY)
+        if key == NO_KEY and st.store:
+            for other in self._endpoints.values():
+                if other.pool == st.pool:
+                    key = other.engine_to_key.get(engine_hash, NO_KEY)
+                    if key != NO_KEY:
+                        break
+        return key
+
+    def _removed(self, st: _EndpointBlocks, hashes: Sequence[int], bit: int) -> None:
+        for engine_hash in hashes:
+            self._remove(st, engine_hash, bit)
+            key = self._key_of(st, engine_hash)
+            if key != NO_KEY:
+                self._remove(st, key, bit)
 
     def reset(self, endpoint_id: str, reason: str, now_s: float) -> None:
         """The event stream broke: forget what the endpoint holds; after a gap, distrust it for a while."""
@@ -179,14 +257,14 @@ class PrecisePrefixIndex:
         bs = event.block_size or st.block_tokens or self.default_block_tokens
         if event.token_ids:  # offload events (hashes only) may carry the offload tier's block size
             st.block_tokens = bs
-        medium = _medium_bit(event.medium)
+        medium = _OTHER_MEDIUM if st.store else _medium_bit(event.medium)  # a store's blocks are its own tier
         mapping = st.engine_to_key
         keys: list[int] = []  # token keys of the event's blocks, as far as they can be derived
         if event.parent_block_hash is None:
             first_extra = event.extra_keys[0] if event.extra_keys else None
-            parent: int | None = seed_of("precise", event.lora_name, salt_from_extra_keys(first_extra))
+            parent: int | None = seed_of("precise", event.lora_name, salt_from_extra_keys(first_extra, event.lora_name))
         else:
-            parent = mapping.get(event.parent_block_hash, NO_KEY)
+            parent = self._key_of(st, event.parent_block_hash)
             if parent == NO_KEY:
                 parent = None
                 st.orphans += len(event.block_hashes)
@@ -205,7 +283,7 @@ class PrecisePrefixIndex:
                 mapping.move_to_end(engine_hash)
             key = keys[i] if i < len(keys) else NO_KEY
             if key == NO_KEY and not event.token_ids:  # a copy to another medium: hashes only
-                key = mapping.get(engine_hash, NO_KEY)
+                key = self._key_of(st, engine_hash)
             mapping[engine_hash] = key
             for k in (engine_hash if st.engine_keys else NO_KEY, key):
                 if k == NO_KEY:
@@ -318,31 +396,38 @@ class PrecisePrefixIndex:
             spec = self._spec_owners.owners
             for i, slot in zip(indexes, slots, strict=True):
                 n = matched.get(slot, 0)
-                if spec:  # extend through blocks dispatched here but not yet confirmed by an event
-                    bit = 1 << slot
-                    while n < len(keys) and (confirmed.get(keys[n], 0) | spec.get(keys[n], 0)) & bit:
+                store = self._live_store(endpoints[i].pool, now_s) if self._stores else None
+                if spec or store is not None:
+                    # extend through blocks dispatched here but not yet confirmed by an event, and
+                    # through the blocks the pool's shared store holds
+                    bits = 1 << slot | (1 << store.slot if store is not None else 0)
+                    while n < len(keys) and (confirmed.get(keys[n], 0) | spec.get(keys[n], 0)) & bits:
                         n += 1
                 st = self._by_slot[slot]
                 if not n:
                     out[i] = TierTokens()
-                elif not st.lower:
+                elif not st.lower and store is None:
                     out[i] = TierTokens(gpu=blocks.cached_tokens(n))
                 else:
-                    out[i] = self._split_tiers(st, keys, n, blocks)
+                    out[i] = self._split_tiers(st, keys, n, blocks, store)
         return out
 
     @staticmethod
-    def _split_tiers(st: _EndpointBlocks, keys: Sequence[int], n: int, blocks: PromptBlocks) -> TierTokens:
+    def _split_tiers(
+        st: _EndpointBlocks, keys: Sequence[int], n: int, blocks: PromptBlocks, store: _EndpointBlocks | None = None
+    ) -> TierTokens:
         """The leading HBM run of the n matched blocks, then the run held in lower tiers (each block
-        counted in its fastest one); a block in neither ends the match, as it ends the engine's."""
+        counted in its fastest one, the pool's store as `remote`); a block in none ends the match, as
+        it ends the engine's."""
         present, spec = st.present, st.spec
+        shared = store.present if store is not None else {}
         g = 0
         while g < n and (present.get(keys[g], 0) & 1 or keys[g] in spec):
             g += 1
         counts = [g, 0, 0, 0]
         j = g
         while j < n:
-            tier = lower_tier_of(present.get(keys[j], 0))
+            tier = lower_tier_of(present.get(keys[j], 0) | shared.get(keys[j], 0))
             if tier < 0:
                 break
             counts[tier] += 1
@@ -386,6 +471,7 @@ class PrecisePrefixIndex:
 
         Also learns the endpoint's engine kind, so later events are indexed under one kind of key."""
         st = self._state(endpoint.id)
+        st.pool = endpoint.pool
         if st.restarts is None:
             st.restarts = endpoint.restarts
             st.engine_keys = endpoint.engine in self.engine_hashers
@@ -421,10 +507,11 @@ class PrecisePrefixIndex:
                 self.forget(endpoint_id)
 
     def entries(self) -> int:
-        return sum(len(st.present) for st in self._endpoints.values())
+        return sum(len(st.present) for st in (*self._endpoints.values(), *self._stores.values()))
 
     def memory_bytes(self) -> int:
-        entries = sum(len(st.present) + len(st.engine_to_key) + len(st.spec) for st in self._endpoints.values())
+        states = (*self._endpoints.values(), *self._stores.values())
+        entries = sum(len(st.present) + len(st.engine_to_key) + len(st.spec) for st in states)
         return entries * BYTES_PER_ENTRY
 
     def stats(self, now_s: float) -> dict[str, PreciseEndpointStats]:

@@ -16,6 +16,7 @@ from backends.config import PoolConfig
 from backends.discovery.config import KubernetesDiscoveryConfig
 from backends.discovery.service import PoolDiscovery
 from backends.fleet import Pool
+from backends.topology import Topology
 from backends.types import EndpointState
 from tests.support.fake_kube import FakeKubeApi, endpoint_slice
 from tests.support.polling import wait_for_async
@@ -205,3 +206,39 @@ async def test_stop_ends_the_watch_thread_promptly(api: FakeKubeApi) -> None:
     await discovery.stop()  # closes the blocked read; the join is bounded either way
     assert not watcher.is_alive()
     del pool
+
+
+def _on_node(obj: dict[str, object], *nodes: str) -> dict[str, object]:
+    for endpoint, node in zip(obj["endpoints"], nodes, strict=True):  # type: ignore[call-overload]
+        endpoint.update({"nodeName": node, "zone": "z1"})
+    return obj
+
+
+async def test_rack_label_is_read_once_per_node_and_reaches_the_topology(api: FakeKubeApi) -> None:
+    api.nodes = {"gpu-1": {"example.com/rack": "r1"}, "gpu-2": {"example.com/rack": "r2"}}
+    api.upsert(_on_node(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1"), ("10.0.0.2", "pod-2")],
+                                       port=8000), "gpu-1", "gpu-1"))  # fmt: skip
+    pool, discovery, _ = await _discover(_config(api, rack_label="example.com/rack"))
+    try:
+        await wait_for_async(lambda: len(pool.endpoints) == 2)
+        assert {e.topology for e in pool.endpoints} == {Topology(node="gpu-1", rack="r1", zone="z1")}
+        api.upsert(_on_node(endpoint_slice("engines-b", "engines", [("10.0.0.3", "pod-3"), ("10.0.0.4", "pod-4")],
+                                           port=8000), "gpu-2", "gpu-9"))  # fmt: skip
+        await wait_for_async(lambda: len(pool.endpoints) == 4)
+        by_id = {e.id: e.topology for e in pool.endpoints}
+        assert by_id["p/pod-3"] == Topology(node="gpu-2", rack="r2", zone="z1")
+        assert by_id["p/pod-4"] == Topology(node="gpu-9", zone="z1")  # no such node: rack unknown
+        assert sorted(api.node_reads) == ["gpu-1", "gpu-2", "gpu-9"]  # each node once
+    finally:
+        await discovery.stop()
+
+
+async def test_without_a_rack_label_no_node_is_read(api: FakeKubeApi) -> None:
+    api.upsert(_on_node(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000), "gpu-1"))
+    pool, discovery, _ = await _discover(_config(api))
+    try:
+        await wait_for_async(lambda: len(pool.endpoints) == 1)
+        assert pool.endpoints[0].topology == Topology(node="gpu-1", zone="z1")
+        assert api.node_reads == []
+    finally:
+        await discovery.stop()

@@ -19,7 +19,7 @@ from gateway.flow.check import Check
 from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
 from gateway.flow.saturation import Saturation
-from gateway.flow.spill import REASON_CROWDED, REASON_NO_ROUTE, REASON_WAITED, Spill
+from gateway.flow.spill import REASON_CROWDED, REASON_NO_ROUTE, REASON_PRICED, REASON_WAITED, Spill
 from gateway.request import RequestContext
 from policies.flow.config import FlowSettings
 from policies.flow.counters import MemoryCounters
@@ -140,4 +140,45 @@ async def test_a_tenant_over_its_spill_cap_stays_home(engines: list[str]) -> Non
     assert spill.spent_today("t") == pytest.approx(1.5)
     status, _, _ = await served_on(walk)
     assert status != 200  # over the cap: no overflow, and no owned endpoint up either
+    await walk.upstream.close()
+
+
+def reprice(gate: Gate, usd_per_wait_second: float, hosted_output_per_mtok: float, max_wait_ms: float) -> None:
+    """`small` at $1 / $2 per million tokens on its owned pool and its own price on the overflow pool,
+    the priced spill policy on (a reload: the next ask reads it)."""
+    doc = gate.policies.current.config.model_dump(mode="json")
+    doc["models"]["small"]["price"] = {"input_per_mtok": 1.0, "output_per_mtok": 2.0}
+    doc["models"]["small"]["pool_prices"] = {
+        "hosted": {"input_per_mtok": 3.0, "output_per_mtok": hosted_output_per_mtok}
+    }
+    doc["spill"] = {"max_wait_ms": max_wait_ms, "usd_per_wait_second": usd_per_wait_second}
+    gate.policies.current = Policy(PoliciesConfig.model_validate(doc))
+
+
+async def test_a_wait_worth_more_than_the_overflows_extra_price_spills_before_max_wait(engines: list[str]) -> None:
+    """`spill.usd_per_wait_second`: the room's drain rate predicts the wait; valued above the hosted
+    pool's extra dollars for the request it spills at once (long before `max_wait_ms`), valued below
+    them it waits for the fixed bound."""
+    the_fleet = two_pools(*engines)
+    gate = spill_gate(the_fleet)
+    walk = build(the_fleet, gate=gate)
+    reprice(gate, usd_per_wait_second=1.0, hosted_output_per_mtok=15.0, max_wait_ms=60_000)
+    # a first request waits its turn (no rate to predict by yet: it does not spill on price) and goes
+    # home when capacity frees, which gives the room its drain rate
+    saturate(walk, "owned", 3)
+    first = asyncio.ensure_future(walk.director.handle(chat_request("small"), "chat"))
+    await asyncio.sleep(0.2)
+    assert not first.done()
+    saturate(walk, "owned", 0)
+    gate.queue.notify("owned")
+    assert (await first).status == 200 and walk.records.records[-1].pool == "owned"
+    saturate(walk, "owned", 3)
+    wait_s = gate.queue.predicted_wait_s("owned", 0, held=True)
+    assert wait_s is not None and wait_s > 1.0  # about 10 s: one dispatch per 10 s window
+    # seconds of waiting at $1/s against a few cents more on the hosted pool: it spills at once
+    assert await asyncio.wait_for(served_on(walk), 30) == (200, "hosted", REASON_PRICED)
+    # a wait valued at a millionth of a dollar a second is not worth the hosted pool's extra price:
+    # it waits for max_wait_ms and spills for that reason instead
+    reprice(gate, usd_per_wait_second=1e-6, hosted_output_per_mtok=15.0, max_wait_ms=300)
+    assert await served_on(walk) == (200, "hosted", REASON_WAITED)
     await walk.upstream.close()

@@ -77,3 +77,37 @@ def test_malformed(doc: object) -> None:
 def test_garbage_bytes() -> None:
     with pytest.raises(MalformedBatch):
         decode(b"\xc1\xc1\xc1")
+
+
+def test_tool_affinity_notes_and_gaps_round_trip() -> None:
+    batch = Batch("gw0", 3, None, [], None, [("acme", "run-1", "p/e0", 5200, 12)], [("acme", "run-0", 7400)])
+    assert decode(encode(batch)) == batch
+    assert decode(encode(Batch("gw0", 4, None, []))).tool_notes == []
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"r": "gw", "q": 1, "n": "x"},
+        {"r": "gw", "q": 1, "n": [["t", "p", "e", 1]]},
+        {"r": "gw", "q": 1, "n": [["t", "p", "e", -1, 0]]},
+        {"r": "gw", "q": 1, "n": [["t", 5, "e", 1, 0]]},
+        {"r": "gw", "q": 1, "n": [["t", "p", "", 1, 0]]},
+        {"r": "gw", "q": 1, "n": [["t", "p" * 2000, "e", 1, 0]]},
+        {"r": "gw", "q": 1, "g": [["t", "p", 1.5]]},
+        {"r": "gw", "q": 1, "g": [["t", "p", True]]},
+    ],
+    ids=[
+        "notes-type",
+        "short-note",
+        "negative-tokens",
+        "program-type",
+        "empty-endpoint",
+        "long-program",
+        "gap-float",
+        "gap-bool",
+    ],
+)
+def test_malformed_tool_rows_refuse_the_batch(doc: object) -> None:
+    with pytest.raises(MalformedBatch):
+        decode(msgpack.packb(doc))

@@ -94,7 +94,13 @@ class RecordingAdmission:
         return ticket
 
     async def settle(
-        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        pool: str | None = None,
     ) -> None:
         await asyncio.sleep(0)
         self.events.append(("settle", ticket.ticket_id))
@@ -104,7 +110,13 @@ class RecordingAdmission:
         self.events.append(("release", ticket.ticket_id))
 
     def settle_soon(
-        self, ticket: Admitted, usage: Usage | None, *, model: str, charged_output_tokens: int | None = None
+        self,
+        ticket: Admitted,
+        usage: Usage | None,
+        *,
+        model: str,
+        charged_output_tokens: int | None = None,
+        pool: str | None = None,
     ) -> None:
         self.events.append(("settle", ticket.ticket_id))
 
@@ -161,6 +173,7 @@ class ScriptedPredictor:
         endpoints: Sequence[Endpoint],
         cached_tokens: Sequence[int],
         now_s: float | None = None,
+        lower_cached_tokens: Sequence[int] | None = None,
     ) -> list[Prediction]:
         ttft_ms = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1

@@ -102,7 +102,9 @@ def traffic(metrics: GatewayMetrics) -> None:
     metrics.observe(
         ok_record(request_id="req-6", status="error", http_status=502, error_code="upstream_error", ttft_s=None)
     )
-    metrics.observe_route("prefix-affinity", "llama-8b", prompt_tokens=1200, estimated_hit_tokens=800)
+    metrics.observe_route(
+        "prefix-affinity", "llama-8b", prompt_tokens=1200, estimated_hit_tokens=800, tier_tokens=(500, 300, 0, 0)
+    )
     metrics.observe_route("least-load", "llama-8b")
     metrics.observe_upstream_error("llama-8b/both-1", "connect")
     metrics.observe_retry("llama-8b")
@@ -134,6 +136,7 @@ EXPECTED_LABELS = {
     "tokenway_routing_decisions": {"pool", "reason"},
     "tokenway_routing_prompt_tokens": {"pool"},
     "tokenway_prefix_cache_estimated_hit_tokens": {"pool"},
+    "tokenway_prefix_cache_tier_tokens": {"pool", "tier"},
     "tokenway_upstream_errors": {"pool", "endpoint", "kind"},
     "tokenway_upstream_retries": {"pool"},
     "tokenway_redis_command_duration_seconds": {"op"},
@@ -182,6 +185,9 @@ def test_request_counts_outcomes_and_tokens() -> None:
     assert value(s, "tokenway_gateway_overhead_seconds_count") == 6
     assert value(s, "tokenway_routing_decisions_total", reason="prefix-affinity") == 1
     assert value(s, "tokenway_prefix_cache_estimated_hit_tokens_total", pool="llama-8b") == 800
+    assert value(s, "tokenway_prefix_cache_tier_tokens_total", pool="llama-8b", tier="cpu") == 300
+    tiers = {dict(ls)["tier"] for n, ls in s if n == "tokenway_prefix_cache_tier_tokens_total"}
+    assert tiers == {"gpu", "cpu"}  # a tier nothing came from has no series yet
     assert value(s, "tokenway_routing_prompt_tokens_total", pool="llama-8b") == 1200
     assert value(s, "tokenway_upstream_errors_total", endpoint="llama-8b/both-1", kind="connect") == 1
     assert value(s, "tokenway_upstream_retries_total", pool="llama-8b") == 1

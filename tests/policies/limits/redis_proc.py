@@ -9,13 +9,12 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from tests.support.procs import free_port, redis_argv
+from tests.support.procs import free_port, redis_argv, wait_redis
 
 
 class RedisProcess:
@@ -41,14 +40,7 @@ class RedisProcess:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)
-        for _ in range(200):
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        wait_redis(self.url)
 
     def kill(self) -> None:
         """SIGKILL: a crash, not a shutdown (nothing is saved, connections just drop)."""

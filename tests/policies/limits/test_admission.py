@@ -329,3 +329,24 @@ async def test_a_batch_line_reserves_and_spends_its_batch_price(make_admission: 
     )
     assert cheaper.batch_price_factor("big") == 0.2
     assert p.batch_price_factor("small") == 0.5
+
+
+async def test_pool_prices_reserve_the_dearest_and_settle_at_the_serving_pool(
+    make_admission: AdmissionFactory,
+) -> None:
+    # big: $10 / M input, $30 / M output on its own pools; pool "hosted" bills $20 / $60
+    models = policy().config.model_dump()["models"]
+    models["big"]["pool_prices"] = {"hosted": {"input_per_mtok": 20.0, "output_per_mtok": 60.0}}
+    p = policy(models=models, budgets=[{"scope": "tenant", "usd_per_day": 1.0}])
+    adm = make_admission(p)
+    who = principal(p)
+    (spec,) = p.admission_plan(who, "big").budgets
+    owned = admitted(await adm.admit(facts(who, prompt_tokens=1000, max_tokens=1000), "big", now=T0))
+    assert owned.cost_usd == pytest.approx(1000 * 20e-6 + 1000 * 60e-6)  # before routing: the dearest pool
+    await adm.settle(owned, Usage(prompt_tokens=1000, completion_tokens=500), model="big", now=T0, pool="owned")
+    assert owned.actual_cost_usd == pytest.approx(1000 * 10e-6 + 500 * 30e-6)  # the model's price
+    hosted = admitted(await adm.admit(facts(who, prompt_tokens=1000, max_tokens=1000), "big", now=T0))
+    await adm.settle(hosted, Usage(prompt_tokens=1000, completion_tokens=1000), model="big", now=T0, pool="hosted")
+    assert hosted.actual_cost_usd == pytest.approx(hosted.cost_usd)  # the whole reservation, not over it
+    assert owned.actual_cost_usd is not None and hosted.actual_cost_usd is not None
+    assert await budget_spent(adm, spec) == pytest.approx(owned.actual_cost_usd + hosted.actual_cost_usd)

@@ -7,9 +7,9 @@ import pytest
 
 from policies.limits.compile import price_of
 from policies.limits.types import Price
-from policies.policy import Policy, cache_saving_usd, price_usd
+from policies.policy import Policy, cache_saving_usd, price_usd, usage_cost_usd
 from policies.schema import ModelConfig, PoliciesConfig
-from policies.types import Usage
+from policies.types import Principal, Usage
 
 M = 1e-6
 # Claude Sonnet 4.5's published table (USD per million tokens; docs/providers.md cites it)
@@ -126,3 +126,72 @@ def test_chat_usage_carries_cache_writes_and_reasoning() -> None:
 def test_a_long_context_table_needs_its_threshold() -> None:
     with pytest.raises(ValueError, match="above_prompt_tokens"):
         ModelConfig.model_validate({"price": {"long_context": {"input_per_mtok": 6.0}}})
+
+
+# A model served by an owned pool at its own price and by two hosted pools with dearer tables: one
+# dearer per token, one with a long-context tier and dear cache writes.
+POOLED = {
+    "price": {"input_per_mtok": 1.0, "output_per_mtok": 2.0},
+    "pool_prices": {
+        "hosted-a": {"input_per_mtok": 3.0, "cached_input_per_mtok": 0.3, "output_per_mtok": 15.0},
+        "hosted-b": SONNET,
+    },
+}
+
+
+def pooled_policy() -> Policy:
+    return Policy(PoliciesConfig.model_validate({"models": {"chat": POOLED}}))
+
+
+def test_a_pool_with_its_own_price_bills_at_it_and_the_others_at_the_models() -> None:
+    policy = pooled_policy()
+    usage = Usage(prompt_tokens=1000, completion_tokens=100, cached_tokens=400)
+    assert price_usd(policy, "chat", usage) == pytest.approx(1000 * 1.0 * M + 100 * 2.0 * M)
+    assert price_usd(policy, "chat", usage, pool="owned") == price_usd(policy, "chat", usage)
+    assert price_usd(policy, "chat", usage, pool="hosted-a") == pytest.approx(
+        600 * 3.0 * M + 400 * 0.3 * M + 100 * 15.0 * M
+    )
+    assert cache_saving_usd(policy, "chat", usage, 0.0, pool="hosted-a") == pytest.approx(1000 * 3.0 * M + 100 * 15 * M)
+    assert policy.price("other-model", "hosted-a") == Price()  # a pool's price is per model
+
+
+@pytest.mark.parametrize("prompt", [10, 4000, 199_999, 200_001, 900_000])
+@pytest.mark.parametrize("output", [1, 4096])
+def test_the_reservation_before_routing_covers_the_settlement_at_every_pool(prompt: int, output: int) -> None:
+    """The reservation is made before routing: at the dearest pool's reservation, so whichever pool
+    serves, its settlement of the same prompt and output (any mix of reads, writes, reasoning) fits."""
+    policy = pooled_policy()
+    plan = policy.admission_plan(_anyone(), "chat")
+    reserved = plan.reserve_usd(prompt, output)
+    for pool in (None, "owned", "hosted-a", "hosted-b"):
+        price = plan.price_at(pool)
+        assert price == policy.price("chat", pool)
+        for usage in (
+            Usage(prompt, output),
+            Usage(prompt, output, cached_tokens=prompt),
+            Usage(prompt, output, cache_write_tokens=prompt),
+            Usage(prompt, output, cache_write_1h_tokens=prompt),
+            Usage(prompt, output, reasoning_tokens=output),
+        ):
+            assert usage_cost_usd(price, usage) <= reserved + 1e-12, (pool, usage)
+    # and it is the dearest pool's reservation, not a sum or a guess
+    assert reserved == pytest.approx(
+        max(plan.price_at(p).reserve_usd(prompt, output) for p in ("hosted-a", "hosted-b", None))
+    )
+
+
+def test_a_model_without_pool_prices_reserves_at_its_own_price() -> None:
+    policy = Policy(PoliciesConfig.model_validate({"models": {"chat": {"price": SONNET}}}))
+    plan = policy.admission_plan(_anyone(), "chat")
+    assert plan.pool_prices == ()
+    assert plan.reserve_usd(1000, 100) == sonnet().reserve_usd(1000, 100)
+    assert plan.price_at("any-pool") == plan.price
+
+
+def test_a_pool_price_takes_no_batch_factor() -> None:
+    with pytest.raises(ValueError, match="batch_factor"):
+        ModelConfig.model_validate({"pool_prices": {"p": {"input_per_mtok": 1.0, "batch_factor": 0.5}}})
+
+
+def _anyone() -> Principal:
+    return Principal(key_id="k", tenant="t", allowed_models=None, priority=0)

@@ -157,3 +157,13 @@ def test_router_keeps_a_returning_program_on_its_holder_against_load() -> None:
     router.on_dispatch(back, again)  # the return went: the gap (2 s) is learnt, the entry gone
     assert router.tool_returns.returned == 1
     assert router.tool_returns.pending("t", "prog", "p", NOW_S + 3.0) is None
+
+
+def test_a_return_dispatched_by_another_replica_ends_the_entry_and_teaches_the_gap() -> None:
+    table = ToolReturns(GapLearner(min_samples=1))
+    table.note_tool_call("t", "prog", "p", "e1", 5000, now_s=100.0)
+    assert table.returned_now("t", "other", 101.0) is None  # nothing pending: nothing to tell the others
+    table.returned_elsewhere("t", "prog", 4.0)
+    assert table.pending("t", "prog", "p", 102.0) is None
+    assert dict(table.reserved("p", 102.0)) == {}
+    assert table.learner.ttl_s("t") == 4.0

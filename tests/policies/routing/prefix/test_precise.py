@@ -1,9 +1,9 @@
 import pytest
 
-from backends.kv_events import RESET_GAP, RESET_RESTART
-from policies.routing.prefix.hashing import ENGINE_HASHERS
+from backends.kv_events import RESET_GAP, RESET_RESTART, BlockStored
+from policies.routing.prefix.hashing import ENGINE_HASHERS, HashedPrompt
 from policies.routing.prefix.precise import PrecisePrefixIndex, salt_from_extra_keys
-from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
+from tests.policies.routing.factories import NOW_S, endpoint, facts, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, removed, stored
 
 PROMPT = token_ids(160)  # 10 blocks of 16
@@ -184,6 +184,39 @@ def test_tracked_blocks_bounded_per_endpoint() -> None:
 )
 def test_salt_from_extra_keys(extra: object, salt: str | None) -> None:
     assert salt_from_extra_keys(extra) == salt
+
+
+@pytest.mark.parametrize(
+    ("extra", "salt"),
+    [
+        pytest.param(["sql-lora", "s"], "s", id="adapter-then-salt"),
+        pytest.param(["sql-lora"], None, id="adapter-only"),
+        pytest.param(["s"], "s", id="salt-only"),
+    ],
+)
+def test_salt_from_extra_keys_skips_the_adapter_vllm_puts_first(extra: object, salt: str | None) -> None:
+    """vLLM 0.32's events for a request for an adapter: block 0's extra keys are [lora_name, cache_salt]."""
+    assert salt_from_extra_keys(extra, "sql-lora") == salt
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-1"])
+def test_token_keys_match_an_adapters_blocks_as_vllm_publishes_them(salt: str | None) -> None:
+    """vLLM names the adapter in `lora_name` and first in every block's extra keys; the request for that
+    adapter (same salt) matches, the base model and another adapter do not."""
+    blocks = len(PROMPT) // 16
+    extra = [("sql-lora", salt) if salt else ("sql-lora",)] + [("sql-lora",)] * (blocks - 1)
+    event = BlockStored(
+        block_hashes=list(range(1, blocks + 1)), parent_block_hash=None, token_ids=PROMPT, block_size=16,
+        medium="GPU", lora_name="sql-lora", extra_keys=extra,
+    )  # fmt: skip
+    idx = index()
+    a = endpoint("a", engine="vllm")
+    idx.apply("a", batch(event))
+
+    def cached(lora: str | None) -> int | None:
+        return idx.lookup(HashedPrompt(facts(PROMPT, cache_salt=salt), lora=lora), [a], NOW_S)[0]
+
+    assert (cached("sql-lora"), cached(None), cached("chat-lora")) == (159, 0, 0)
 
 
 def test_forget() -> None:

@@ -11,8 +11,10 @@ from policies.routing.types import RouteContext
 from policies.slo import Slo
 from predictor.config import PredictorSettings
 from predictor.service import LatencyPredictor
-from predictor.types import NUM_FEATURES, Prediction
-from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request
+from predictor.types import NUM_FEATURES, Feature, Prediction
+from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request, token_ids
+from tests.policies.routing.prefix.events import batch, removed, stored
+from tests.policies.routing.prefix.test_tiers import offloaded
 
 
 def prediction(endpoint_id: str, ttft_ms: float, tpot_ms: float, p90: float = 1.0) -> Prediction:
@@ -136,3 +138,24 @@ def test_router_predicts_for_an_slo_even_without_the_latency_scorer() -> None:
     assert plain_decision is not None and plain_decision.predictions is None  # nothing would read them
     assert slo_decision is not None and slo_decision.predictions is not None
     assert set(slo_decision.predictions) == {"a", "b"}  # the SLO gate will
+
+
+def test_router_predictions_carry_the_cached_tokens_per_tier() -> None:
+    """The latency model's features split a candidate's cached tokens into HBM and lower tiers."""
+    ids = token_ids(8000)
+    predictor = LatencyPredictor(PredictorSettings(online_training=False), {})
+    router = build_router(
+        {"seed": 1, "prefix_index": {"mode": "precise"}, "default": {"filters": [], "scorers": [{"type": "latency"}]}},
+        predictor=predictor,
+    )
+    held = list(range(4000 // 16))
+    router.on_kv_batch("dram", batch(stored(ids[:4000]), removed(ids[:4000], held), offloaded(ids[:4000], held)))
+    router.on_kv_batch("hbm", batch(stored(ids[:2000])))
+    decision = router.route(request(ids), pool([endpoint("dram"), endpoint("hbm"), endpoint("cold")]), NOW_S)
+    assert decision is not None and decision.predictions is not None
+    rows = {k: p.features for k, p in decision.predictions.items()}
+    assert (rows["dram"][Feature.CACHED_GPU_TOKENS], rows["dram"][Feature.CACHED_LOWER_TOKENS]) == (0, 4000)
+    assert (rows["hbm"][Feature.CACHED_GPU_TOKENS], rows["hbm"][Feature.CACHED_LOWER_TOKENS]) == (2000, 0)
+    assert rows["cold"][Feature.CACHED_TOKENS] == 0
+    chosen = decision.cached_tiers
+    assert chosen is not None and decision.cached_lower_tokens == chosen.lower

@@ -1,0 +1,1 @@
+"""How far the gateway's prompt-token estimate for a hosted model is from the provider's own count."""

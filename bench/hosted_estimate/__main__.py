@@ -1,0 +1,181 @@
+"""How far the prompt-token estimate a hosted pool admits with is from what the provider bills.
+
+A hosted model has no tokenizer the gateway can run offline (Anthropic publishes none for its current
+models; Gemini's and Azure's need files fetched at run time), so its prompts are counted with the
+gateway's last resort, the cl100k rendering (`policies/estimate.py`, labelled `estimate` in
+`/admin/backends`), and every request is settled from the provider's usage. The estimate sizes the
+reservation, the admission checks and the context check, so its error is what a budget or a
+tokens-per-minute limit is off by until the usage arrives.
+
+Reference: the public tau2-bench retail agent trace (`exgentic_tau2_retail_10`, 10 sessions, 102
+calls of claude-haiku-4-5 through litellm, bench/traces.py), each row holding the OpenAI-format
+request (messages and tools) and the prompt tokens Anthropic billed for it (no prompt caching: every
+prompt token billed at the input price). Each request is counted here exactly as a hosted pool counts
+it (`PromptEstimator.count("chat", body, model)` with no exact counter), next to a bytes / 4 rule
+(the stand-ins' count) over the same body. Also per session, the tokens a turn added (this call's
+count less the previous call's, the same conversation extended), which leaves out what every call
+pays once (the tool schemas, Anthropic's own tool-use prompt) and shows the tokenizers' ratio on
+the new text alone.
+
+    .venv/bin/python -m bench.hosted_estimate
+
+Writes bench/results/hosted-estimate.md. Nothing is downloaded; the trace is read from
+`$TOKENWAY_TRACES` (else shared/data/traces beside the checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.traces import TRACES, require
+from policies.estimate import SOURCE_ESTIMATE, PromptEstimator
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+TRACE = TRACES / "exgentic_tau2_retail_10"
+
+
+@dataclass(slots=True)
+class Call:
+    session: str
+    turn: int
+    billed: int  # the provider's prompt tokens
+    estimate: int  # the gateway's count for a hosted pool
+    quarter_bytes: int  # ceil(bytes / 4) of the request's messages and tools as JSON
+    tools: bool
+
+
+def calls() -> list[Call]:
+    """Every call of the trace, counted as a hosted pool counts it."""
+    folder = require(TRACE)
+    estimator = PromptEstimator()
+    out: list[Call] = []
+
+    async def count(body: dict[str, Any]) -> int:
+        counted = await estimator.count("chat", body, "claude-haiku-4-5")
+        assert counted.source == SOURCE_ESTIMATE
+        return counted.tokens
+
+    for path in sorted(folder.glob("*/trace.jsonl")):
+        for turn, line in enumerate(path.read_bytes().splitlines()):
+            row = orjson.loads(line)
+            if row.get("status") != "success" or not row.get("prompt_tokens"):
+                continue
+            request = row["request"]
+            body: dict[str, Any] = {"model": request["model"], "messages": request["messages"]}
+            if request.get("tools"):
+                body["tools"] = request["tools"]
+            sent = orjson.dumps({"messages": body["messages"], "tools": body.get("tools") or []})
+            out.append(
+                Call(
+                    session=path.parent.name,
+                    turn=turn,
+                    billed=int(row["prompt_tokens"]),
+                    estimate=asyncio.run(count(body)),
+                    quarter_bytes=-(-len(sent) // 4),
+                    tools=bool(body.get("tools")),
+                )
+            )
+    return out
+
+
+def spread(values: list[float]) -> str:
+    """min / p10 / median / p90 / max."""
+    ordered = sorted(values)
+    cuts = statistics.quantiles(ordered, n=10, method="inclusive") if len(ordered) > 1 else ordered * 9
+    return " / ".join(f"{v:.3f}" for v in (ordered[0], cuts[0], statistics.median(ordered), cuts[-1], ordered[-1]))
+
+
+def write(found: list[Call], out: Path) -> str:
+    agent = [c for c in found if c.tools]
+    plain = [c for c in found if not c.tools]
+    steps: list[tuple[int, int, int]] = []  # (billed, estimate, quarter_bytes) added by a turn
+    by_session: dict[str, list[Call]] = {}
+    for c in agent:
+        by_session.setdefault(c.session, []).append(c)
+    for session_calls in by_session.values():
+        for before, after in itertools.pairwise(session_calls):
+            if after.billed > before.billed:
+                steps.append(
+                    (
+                        after.billed - before.billed,
+                        after.estimate - before.estimate,
+                        after.quarter_bytes - before.quarter_bytes,
+                    )
+                )
+    billed_total = sum(c.billed for c in agent)
+    lines = [
+        "# Hosted prompt-token estimate against the provider's count",
+        "",
+        f"Generated by `python -m bench.hosted_estimate` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        "(see its docstring). Reference: the prompt tokens Anthropic billed for each call of the public "
+        f"tau2-bench retail agent trace (`exgentic_tau2_retail_10`: {len(found)} calls of claude-haiku-4-5 in "
+        f"{len({c.session for c in found})} sessions, OpenAI-format messages and tools, no prompt caching). "
+        "`estimate`: the count a hosted pool admits with (the cl100k rendering, `policies/estimate.py`); "
+        "`bytes/4`: ceil(bytes / 4) of the messages and tools as JSON. Ratios are counted ÷ billed "
+        "(below 1: the gateway reserved fewer tokens than the provider billed).",
+        "",
+        "| calls | n | billed tokens (median) | estimate ÷ billed: min / p10 / median / p90 / max "
+        "| bytes/4 ÷ billed: median |",
+        "| --- | ---: | ---: | --- | ---: |",
+    ]
+    for label, group in (("agent turns (tools offered)", agent), ("health check (`hi`, no tools)", plain)):
+        if not group:
+            continue
+        lines.append(
+            f"| {label} | {len(group)} | {statistics.median(c.billed for c in group):,.0f} | "
+            f"{spread([c.estimate / c.billed for c in group])} | "
+            f"{statistics.median(c.quarter_bytes / c.billed for c in group):.3f} |"
+        )
+    first = [session_calls[0] for session_calls in by_session.values()]
+    if first:
+        lines.append(
+            f"| first agent turn of each session (the shared policy text and tools) | {len(first)} | "
+            f"{statistics.median(c.billed for c in first):,.0f} | {spread([c.estimate / c.billed for c in first])} | "
+            f"{statistics.median(c.quarter_bytes / c.billed for c in first):.3f} |"
+        )
+    if steps:
+        lines.append(
+            f"| tokens a turn added (same session, n={len(steps)}) | {len(steps)} | "
+            f"{statistics.median(s[0] for s in steps):,.0f} | {spread([s[1] / s[0] for s in steps])} | "
+            f"{statistics.median(s[2] / s[0] for s in steps):.3f} |"
+        )
+    estimate_total = sum(c.estimate for c in agent)
+    under = max(agent, key=lambda c: c.billed - c.estimate) if agent else None
+    lines += [
+        "",
+        f"Over all agent turns: {estimate_total:,} estimated against {billed_total:,} billed "
+        f"({estimate_total / max(billed_total, 1):.3f}x); the largest shortfall is "
+        + (f"{under.billed - under.estimate:,} tokens ({under.estimate:,} vs {under.billed:,})." if under else "none.")
+        + (
+            f" What a turn adds is estimated at {sum(s[1] for s in steps) / max(sum(s[0] for s in steps), 1):.3f}x "
+            "the billed tokens; the larger part of the gap is in what every call of a session starts with "
+            "(the policy text, the tool schemas as Anthropic renders them, and the tool-use system prompt "
+            "Anthropic adds when tools are offered), which the estimate renders as cl100k JSON."
+            if steps
+            else ""
+        ),
+    ]
+    text = "\n".join(lines) + "\n"
+    out.write_text(text)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(RESULTS / "hosted-estimate.md"))
+    args = parser.parse_args()
+    print(write(calls(), Path(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

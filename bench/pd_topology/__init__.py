@@ -1,0 +1,1 @@
+"""PD pairing across a two-rack topology (bench/pd_topology/run.py)."""

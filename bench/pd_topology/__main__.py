@@ -1,0 +1,3 @@
+from bench.pd_topology.run import main
+
+main()

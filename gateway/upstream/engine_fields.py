@@ -1,0 +1,69 @@
+"""What an engine's answer may carry to the client: the API's own fields, not vLLM's additions.
+
+vLLM writes fields of its own into its answers; a strict client (one that refuses unknown fields)
+then refuses the answer. The relay (`relay.py`) takes them out after the gateway has read what it
+needs from them (usage, `kv_transfer_params`, `metrics`), and only touches an answer or a stream
+event that holds one (a substring test in C first, so most stream events are never parsed here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+# vLLM's own fields in its answers (vllm/entrypoints/openai/*/protocol.py, .../anthropic/protocol.py),
+# none of them in the API's schema: a strict client refuses an answer that carries them. The transfer
+# parameters (the gateway's prefill/decode business) and a chat or completions choice's `stop_reason`
+# (the matched stop string; `finish_reason` says "stop") never reach the client; the others only when
+# they hold something, which the client asked for with vLLM's own request fields (where the pool
+# forwards them). `metrics` stays: an engine sends it only when its operator runs it with
+# `--enable-per-request-metrics`. Only the top level and chat/completions choices are looked at: an
+# Anthropic message's own `stop_reason` is its API's.
+_ENGINE_ALWAYS = ("kv_transfer_params", "ec_transfer_params")
+_ENGINE_UNASKED = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "input_messages", "output_messages")
+_CHOICE_ALWAYS = ("stop_reason",)
+_CHOICE_UNASKED = ("token_ids", "routed_experts")
+_ENGINE_MARKS = tuple(
+    f'"{name}"'.encode() for name in (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED)
+)
+
+
+def carries_engine_fields(data: bytes) -> bool:
+    """Whether an answer or event may hold one of vLLM's own fields (a substring test, in C)."""
+    return any(mark in data for mark in _ENGINE_MARKS)
+
+
+def drop_engine_fields(answer: dict[str, Any]) -> bool:
+    """Take vLLM's own fields out of a chat or completions answer or chunk, at the top and in each
+    choice; whether anything was taken."""
+    dropped = _drop(answer, _ENGINE_ALWAYS, _ENGINE_UNASKED)
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict):
+            dropped = _drop(choice, _CHOICE_ALWAYS, _CHOICE_UNASKED) or dropped
+    return dropped
+
+
+def _drop(node: dict[str, Any], always: tuple[str, ...], unasked: tuple[str, ...]) -> bool:
+    dropped = False
+    for name in always:
+        if name in node:
+            del node[name]
+            dropped = True
+    for name in unasked:
+        if name in node and node[name] is None:
+            del node[name]
+            dropped = True
+    return dropped
+
+
+def without_engine_fields(event: bytes) -> bytes:
+    """One `data:` event without vLLM's own fields (the event as it was when it holds none)."""
+    try:
+        chunk = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return event
+    if isinstance(chunk, dict) and drop_engine_fields(chunk):
+        return b"data: " + orjson.dumps(chunk)
+    return event

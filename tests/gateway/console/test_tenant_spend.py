@@ -1,0 +1,101 @@
+"""A tenant's own spend this UTC day and month (issue 45), summed from the ledger's records rather
+than counted at admission: from a replica's ledger files and from the ledger's Redis stream (every
+replica's records), kept for a few seconds, bounded by the tenants asked for."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from gateway.app.schema import RedisStreamConfig
+from gateway.console.tenant_spend import TenantSpend, period_starts
+
+NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC).timestamp()
+DAY, MONTH = period_starts(NOW)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = NOW
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def entry(i: int, tenant: str, cost: float, ts: float, **extra: Any) -> dict[str, Any]:
+    return {"v": 1, "ts": ts, "request_id": f"r{i}", "tenant": tenant, "cost_usd": cost, **extra}
+
+
+ENTRIES = [
+    entry(1, "web", 0.5, NOW - 60),  # today
+    entry(2, "web", 0.25, DAY - 3600),  # yesterday, this month
+    entry(3, "bid", 1.0, NOW - 10),
+    entry(4, "web", 9.0, MONTH - 60),  # last month: neither
+    entry(5, "web", 0.0, NOW - 5, kind="outcome"),  # a program's outcome, not a request
+]
+
+
+def write_ledger(folder: Path, entries: list[dict[str, Any]]) -> None:
+    """Ledger files as the writer names them, one per UTC day (gateway/ledger/reader.py reads them)."""
+    for item in entries:
+        day = datetime.fromtimestamp(item["ts"], UTC).strftime("%Y%m%d")
+        with (folder / f"ledger-{day}-0.jsonl").open("ab") as f:
+            f.write(orjson.dumps(item) + b"\n")
+
+
+async def test_each_tenants_day_and_month_from_the_ledger_files(tmp_path: Path) -> None:
+    write_ledger(tmp_path, ENTRIES)
+    spend, about = await TenantSpend(tmp_path, None, clock=Clock()).of({"web", "bid", "idle"})
+    assert spend == {
+        "web": {"day": 0.5, "month": 0.75},
+        "bid": {"day": 1.0, "month": 1.0},
+        "idle": {"day": 0.0, "month": 0.0},  # a tenant with no record spent nothing
+    }
+    assert about == {"source": "ledger-files", "as_of": NOW}
+
+
+async def test_the_totals_are_kept_a_while_then_read_again_and_reset_with_the_day(tmp_path: Path) -> None:
+    clock = Clock()
+    write_ledger(tmp_path, ENTRIES)
+    spend = TenantSpend(tmp_path, None, ttl_s=10.0, clock=clock)
+    assert (await spend.of({"web"}))[0]["web"]["day"] == 0.5
+    write_ledger(tmp_path, [entry(6, "web", 2.0, NOW - 1)])
+    clock.now_s = NOW + 5
+    assert (await spend.of({"web"}))[0]["web"]["day"] == 0.5  # within ttl_s: the scan is reused
+    clock.now_s = NOW + 11
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 2.5, "month": 2.75}
+    clock.now_s = DAY + 86_400 + 1  # a new day of the same month
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.0, "month": 2.75}
+
+
+async def test_no_ledger_directory_is_no_spend(tmp_path: Path) -> None:
+    spend, about = await TenantSpend(tmp_path / "none", None, clock=Clock()).of({"web"})
+    assert spend == {"web": {"day": 0.0, "month": 0.0}} and about["source"] == "ledger-files"
+
+
+@pytest.mark.redis
+async def test_every_replicas_records_from_the_ledgers_redis_stream(redis_url: str, redis_prefix: str) -> None:
+    stream = f"{redis_prefix}:usage"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for item in sorted(ENTRIES, key=lambda e: e["ts"]):  # stream ids only grow
+            client.xadd(stream, {"record": orjson.dumps(item)}, id=f"{int(item['ts'] * 1000)}-0")
+        client.xadd(stream, {"record": orjson.dumps(ENTRIES[0])}, id=f"{int(NOW * 1000)}-1")  # delivered twice
+        config = RedisStreamConfig(url=redis_url, stream=stream)
+        spend, about = await TenantSpend(Path("/nonexistent"), config, clock=Clock()).of({"web", "bid"})
+        assert spend == {"web": {"day": 0.5, "month": 0.75}, "bid": {"day": 1.0, "month": 1.0}}
+        assert about["source"] == "ledger-redis-stream"
+    finally:
+        client.delete(stream)
+        client.close()
+
+
+async def test_an_unreachable_stream_raises_for_the_caller_to_fall_back() -> None:
+    config = RedisStreamConfig(url="redis://127.0.0.1:1/0", stream="s", timeout_s=0.5)
+    with pytest.raises(redis.RedisError):
+        await TenantSpend(Path("/nonexistent"), config, clock=Clock()).of({"web"})
