@@ -24,8 +24,12 @@ _ENGINE_ALWAYS = ("kv_transfer_params", "ec_transfer_params")
 _ENGINE_UNASKED = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "input_messages", "output_messages")
 _CHOICE_ALWAYS = ("stop_reason",)
 _CHOICE_UNASKED = ("token_ids", "routed_experts")
+# a choice's message (or a chunk's delta): vLLM's `reasoning` (older versions: `reasoning_content`)
+# holds the reasoning parser's output; empty, it is one more unknown field
+_MESSAGE_UNASKED = ("reasoning", "reasoning_content")
 _ENGINE_MARKS = tuple(
-    f'"{name}"'.encode() for name in (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED)
+    f'"{name}"'.encode()
+    for name in (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED, *_MESSAGE_UNASKED)
 )
 
 
@@ -42,6 +46,9 @@ def drop_engine_fields(answer: dict[str, Any]) -> bool:
     for choice in choices if isinstance(choices, list) else ():
         if isinstance(choice, dict):
             dropped = _drop(choice, _CHOICE_ALWAYS, _CHOICE_UNASKED) or dropped
+            message = choice.get("message", choice.get("delta"))
+            if isinstance(message, dict):
+                dropped = _drop(message, (), _MESSAGE_UNASKED) or dropped
     return dropped
 
 

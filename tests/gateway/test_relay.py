@@ -212,7 +212,7 @@ VLLM_UNARY = {
     "choices": [
         {
             "index": 0,
-            "message": {"role": "assistant", "content": "hi"},
+            "message": {"role": "assistant", "content": "hi", "reasoning": None},
             "logprobs": None,
             "finish_reason": "stop",
             "stop_reason": None,
@@ -241,6 +241,7 @@ async def test_a_unary_answer_carries_only_what_the_client_asked_for(upstream: t
     sent = orjson.loads(outcome.response.body)  # type: ignore[arg-type]
     assert set(sent) == {"id", "object", "model", "choices", "usage", "prompt_token_ids", "metrics"}
     assert set(sent["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+    assert sent["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     assert outcome.engine_metrics == {"ttft_s": 0.1}  # read before anything was taken out
 
 
