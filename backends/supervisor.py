@@ -285,8 +285,9 @@ class Supervisor:
                 return _Startup.READY
             # Sleep until the next poll, waking early if the process exits.
             pause_s = min(self.settings.ready_poll_interval_s, max(0.0, deadline_s - self.clock()))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(process.exited()), timeout=pause_s)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(pause_s):
+                    await asyncio.shield(process.exited())
 
     async def _probe(self, url: str, headers: dict[str, str], timeout_s: float, adapter: EngineAdapter) -> Probe:
         assert self._session is not None

@@ -361,8 +361,9 @@ class SimEngine:
         self._wakeup.clear()
         timers = [t for t in (self.scheduler.next_pull_s(), self._next_pin_expiry()) if t is not None]
         timeout = self.clock.real_delay(min(timers)) if timers else None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
 
     def _next_pin_expiry(self) -> float | None:
         return min((expiry for _, expiry in self.scheduler.pinned.values()), default=None)

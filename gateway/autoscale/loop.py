@@ -162,8 +162,9 @@ class Autoscaler:
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), timeout=self.interval_s)
+            with contextlib.suppress(TimeoutError):  # asyncio.timeout: 3.11's wait_for can swallow a cancel
+                async with asyncio.timeout(self.interval_s):
+                    await self._poke.wait()
             self._poke.clear()
             gap = _MIN_PASS_GAP_S - (self.clock() - self._last_pass_s)
             if gap > 0:

@@ -205,8 +205,11 @@ class BatchRunner:
                 await asyncio.sleep(self.outage.backoff_s(runner.tick_s, runner.retry_max_s))
                 continue
             self.outage.ok()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that lands
+            # as the wait ends, and `stop` would then wait for this loop forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), runner.tick_s)
+                async with asyncio.timeout(runner.tick_s):
+                    await self._wake.wait()
 
     # --- one tick -----------------------------------------------------------------------------------
     async def tick(self) -> None:
