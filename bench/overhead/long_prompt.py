@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +40,7 @@ import orjson
 from bench.overhead.apis import start_api_upstream
 from bench.overhead.instructions import control, dumped_instructions
 from bench.overhead.run import KEY, RESULTS, ensure_tools, tokenway_config
-from tests.support.procs import free_port, http_get
+from tests.support.procs import free_port, wait_http
 
 REPO = Path(__file__).resolve().parents[2]
 _WORDS = (
@@ -125,19 +124,6 @@ def under_callgrind(dumps: Path, argv: list[str], tree: Path = REPO) -> subproce
     return subprocess.Popen(prefix + argv, cwd=tree, env=env, stderr=subprocess.DEVNULL)
 
 
-def wait_ready(url: str) -> None:
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            if http_get(url)[0] in (200, 404, 405):
-                return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} never answered under callgrind")
-        time.sleep(1)
-
-
 WORKLOADS = ("short", "long, same prompt", "long, growing conversation")
 
 
@@ -196,7 +182,7 @@ def main() -> int:
         argv = [sys.executable, "-m", "bench.overhead.passthrough", str(port), f"http://127.0.0.1:{upstream_port}"]
         bare = under_callgrind(dumps, argv)
         try:
-            wait_ready(f"http://127.0.0.1:{port}/v1/chat/completions")
+            wait_http(f"http://127.0.0.1:{port}/v1/chat/completions", 900, bare, status=405)  # POST only
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             results["bare aiohttp pass-through"] = measure("bare", bare, url, dumps, args, auth=False)
         finally:
@@ -214,7 +200,7 @@ def main() -> int:
             argv = [sys.executable, "-m", "gateway.app.cli", "--log-level", "WARNING", "serve", "--config", str(config)]
             gateway = under_callgrind(dumps, argv, tree)
             try:
-                wait_ready(f"http://127.0.0.1:{port}/readyz")
+                wait_http(f"http://127.0.0.1:{port}/readyz", 900, gateway)
                 url = f"http://127.0.0.1:{port}/v1/chat/completions"
                 results[label] = measure(label, gateway, url, dumps, args, auth=True)
             finally:

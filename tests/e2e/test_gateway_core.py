@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -116,6 +117,23 @@ def test_stream_without_usage_gets_no_usage_chunk(fleet: tuple[Gateway, SimEngin
     )
     assert chunks and all(c.usage is None for c in chunks)
     assert all(c.model == "llama-3.1-8b" for c in chunks)
+
+
+def test_answers_carry_no_engine_only_fields(fleet: tuple[Gateway, SimEngines]) -> None:
+    # the simulated engine writes vLLM's own fields (`stop_reason`, `prompt_logprobs`, `kv_transfer_params`):
+    # a strict client refuses them, so the gateway's answers, unary and streamed, must not carry them
+    gateway, _ = fleet
+    engine_only = ("stop_reason", "prompt_logprobs", "kv_transfer_params", "token_ids", "prompt_token_ids")
+    raw = client(gateway).chat.completions.with_raw_response.create(
+        model="llama-3.1-8b", messages=MESSAGES, max_tokens=8, stop=["the"]
+    )
+    answer = json.loads(raw.text)
+    assert not [name for name in engine_only if name in answer or name in answer["choices"][0]], answer
+    with client(gateway).chat.completions.with_streaming_response.create(
+        model="llama-3.1-8b", messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    ) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert events and not [e for e in events if any(f'"{name}"' in e for name in engine_only)], events
 
 
 def test_completions_endpoint(fleet: tuple[Gateway, SimEngines]) -> None:
