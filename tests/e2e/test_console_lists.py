@@ -140,5 +140,7 @@ def test_key_and_tenant_lists_show_team_and_spend_filter_and_export(
         # by pool: each pool's share of the range's tokens and dollars (what spilled to an overflow pool)
         driver.execute_script("document.getElementById('usage-by').value = 'pool';")
         wait(driver, by_css("#usage-go")).click()
-        wait(driver, lambda d: "Token share" in d.find_element("id", "usage-table").text)
-        assert "100.0 %" in driver.find_element("id", "usage-table").text  # the total row: all of it
+        # read through the page's script: the table is replaced when the report arrives (no stale element)
+        table_text = "const t = document.getElementById('usage-table'); return t ? t.innerText : '';"
+        wait(driver, lambda d: "Token share" in d.execute_script(table_text))
+        assert "100.0 %" in driver.execute_script(table_text)  # the total row: all of it
