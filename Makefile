@@ -13,8 +13,11 @@ UNIT_JOBS ?= 2
 # Test runs keep compiled bytecode and pytest's rewritten test modules (in __pycache__/, ignored by git)
 # even where the environment sets PYTHONDONTWRITEBYTECODE: recompiling the tree and ~250 test modules
 # in every worker of every run is most of the collection time. langsmith (a dependency of
-# langchain-openai) registers a pytest plugin that the suite does not use.
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -p no:langsmith_plugin
+# langchain-openai) and hypothesis (bench/chaos fuzzes with it outside pytest) register pytest plugins
+# that the suite does not use (hypothesis's costs a quarter second of CPU per process). anyio's stays:
+# it imports trio before the unit guard (tests/conftest.py) is up, and trio's import runs `ldconfig`.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider -p no:langsmith_plugin \
+	-p no:hypothesispytest
 
 .PHONY: run test check e2e test-vllm vllm-venv lint unit install clean bootstrap
 

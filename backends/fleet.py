@@ -20,13 +20,12 @@ class Pool:
     config: PoolConfig
     endpoints: list[Endpoint] = field(default_factory=list)
     disaggregated: bool = field(init=False)  # has prefill/decode roles (fixed by its config)
+    # its config's name, kept as a field: the request path reads it a dozen times per request
+    name: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.disaggregated = self.config.disaggregated
-
-    @property
-    def name(self) -> str:
-        return self.config.name
+        self.name = self.config.name
 
     def ready_endpoints(self, role: Role | None = None) -> list[Endpoint]:
         return [
@@ -42,6 +41,18 @@ class Pool:
             for e in self.endpoints
             if e.state is EndpointState.READY and e.role is not Role.PREFILL and e.id not in exclude
         ]
+
+    def serves_besides(self, endpoint: Endpoint, exclude: Collection[str]) -> bool:
+        """Whether a `servable` endpoint other than `endpoint` is left (asked on every send: no list built)."""
+        for e in self.endpoints:
+            if (
+                e is not endpoint
+                and e.state is EndpointState.READY
+                and e.role is not Role.PREFILL
+                and e.id not in exclude
+            ):
+                return True
+        return False
 
     @property
     def has_ready(self) -> bool:

@@ -40,6 +40,8 @@ def client_body(body: Mapping[str, Any], allowed: Collection[str] = ()) -> tuple
     """`body` without the engine-control fields `allowed` does not name, and the names dropped. The
     body is returned as it is (no copy) when it carries none, which is almost always."""
     present = ENGINE_CONTROL_FIELDS.intersection(body)
+    if not present:  # almost always: no generator, no sort
+        return body if isinstance(body, dict) else dict(body), ()
     dropped = tuple(sorted(name for name in present if name not in allowed))
     if not dropped:
         return body if isinstance(body, dict) else dict(body), ()

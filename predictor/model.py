@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import numpy as np
-import xgboost as xgb
 
 from predictor.accuracy import AccuracyScore
 from predictor.buffers import Samples
@@ -154,6 +153,10 @@ def train_target(
     if len(actual) < min_samples:
         return None
     z = log_ratio(rows, actual, target)
+    # imported here, not at the top: only the trainer (a worker process by default) trains, and the
+    # gateway's own start-up then skips XGBoost's import; serving reads the compiled forest
+    import xgboost as xgb
+
     data = xgb.DMatrix(rows, label=z, nthread=settings.threads)
     boosters = {
         quantity: xgb.train(_params(settings, quantity), data, num_boost_round=settings.n_trees)

@@ -13,12 +13,9 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import uvloop
-
-from tests.policies.limits.redis_proc import RedisProcess
 
 # Processes a failing fixture or test started are ended at once; the session's end sweeps the rest.
 from tests.support.cleanup import pytest_fixture_setup, pytest_runtest_call, pytest_sessionfinish  # noqa: F401
@@ -33,6 +30,9 @@ from tests.support.procs import (
     start_sim,
     stop_process,
 )
+
+if TYPE_CHECKING:  # imported where used: every pytest process (xdist's controller too) loads this file
+    from tests.policies.limits.redis_proc import RedisProcess
 
 BOTH_LOOPS_IN = ("test_upstream.py",)  # modules whose async tests run on asyncio's loop and on uvloop
 
@@ -132,6 +132,8 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     """asyncio's loop for async tests; also uvloop (what the gateway runs on, whose transports are not
     asyncio's classes) for the modules named in BOTH_LOOPS_IN."""
     if item.path.name in BOTH_LOOPS_IN:
+        import uvloop
+
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
 
@@ -277,6 +279,8 @@ collect_ignore = [] if os.environ.get("TOKENWAY_VLLM_VENV") else ["real_vllm"]
 def own_redis() -> Iterator[RedisProcess]:
     """A Redis started by the test on its own port (killed at the end): for tests that stop, restart
     or inspect a Redis no other test shares."""
+    from tests.policies.limits.redis_proc import RedisProcess
+
     server = RedisProcess()
     server.start()
     yield server

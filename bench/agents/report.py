@@ -20,11 +20,13 @@ import numpy as np
 from bench import notes
 
 TARGET = 1.5
-MODES_ORDER = ("request", "program", "program-2")
+MODES_ORDER = ("request", "program", "program-2", "program-reserve", "program-reserve-2")
 LABELS = {
     "request": "request-level (arrival order inside the tenant)",
     "program": "program-fair (least attained service)",
     "program-2": "program-fair, 2 gateways sharing it in Redis",
+    "program-reserve": "program-fair + program slot reserve",
+    "program-reserve-2": "program-fair + program slot reserve, 2 gateways (Redis)",
 }
 
 
@@ -143,7 +145,14 @@ def render(
         " control holds what the engines cannot start now. One tenant. Programs per seed: "
         f"{widths}, replaying τ²-bench retail sessions (a turn = `width` parallel calls, a tool run of"
         f" {args['tool_s']} s between turns); the 40-way program starts first, the others within"
-        f" {args['stagger_s']} s. Seeds: {', '.join(seeds)}. Machine: {raw['machine']}.",
+        f" {args['stagger_s']} s. Seeds: {', '.join(seeds)}. Machine: {raw['machine']}."
+        + (
+            f" The program slot reserve modes keep {raw['program_reserve_slots']} of each engine's"
+            " slots from a program over its share of the tenant's calls in flight while a smaller one is active"
+            " (`program_reserve_slots`)."
+            if any(m.startswith("program-reserve") for m in raw["runs"]) and "program_reserve_slots" in raw
+            else ""
+        ),
         "",
         "Slowdown = a program's completion time over its completion time alone on the pool (same"
         " program, fresh engines); p50 / p99 / worst over every seed's programs of that width."

@@ -13,7 +13,10 @@
    `request` (flow control, the tenant's requests in arrival order: request-level fairness),
    `program` (the tenant's `program_fairness: {half_life_s: 60}`: least attained service first) and
    `program-2` (the same on two gateways sharing the attained service through Redis, each turn's
-   calls alternating between them; needs Redis on 127.0.0.1:6379).
+   calls alternating between them; needs Redis on 127.0.0.1:6379), and `program-reserve` /
+   `program-reserve-2` (the same with the program slot reserve, `program_reserve_slots`: a program
+   over its share of the tenant's calls in flight leaves that many of an engine's slots free while a
+   smaller program is active).
 5. Per program: completion time (first call sent to last answer) over its solo time; per width,
    p50 and p99 over the programs of every seed. Written to bench/results/agents.md and agents.png
    (report.py). Target: the 1-way programs' p99 at most 1.5x their solo time.
@@ -55,6 +58,7 @@ ENGINES = 2
 KEY = "sk-bench-agents-0001"
 TENANT = "agents"
 HALF_LIFE_S = 60.0
+PROGRAM_RESERVE_SLOTS = 3  # of MAX_NUM_SEQS per engine
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TRACE = TRACES / "exgentic_tau2_retail_10"
 WIDTHS: tuple[tuple[int, int], ...] = ((40, 1), (4, 2), (1, 3))  # (calls per turn, programs of it)
@@ -65,6 +69,10 @@ MODES: dict[str, dict[str, Any]] = {
     "program": {"tenant": FAIR, "replicas": 1},
     # two gateways sharing the attained service through Redis, each program's calls spread over both
     "program-2": {"tenant": FAIR, "replicas": 2},
+    # program-fair, and the program slot reserve: a program over its share of the tenant's calls in
+    # flight keeps `--program-reserve-slots` of each engine's slots free while a smaller one is active
+    "program-reserve": {"tenant": FAIR, "replicas": 1, "program_reserve": True},
+    "program-reserve-2": {"tenant": FAIR, "replicas": 2, "program_reserve": True},
 }
 
 
@@ -232,8 +240,11 @@ def start(workdir: Path, mode: str, args: argparse.Namespace) -> tuple[SimEngine
         served_model_name=MODEL,
         args=["--max-num-seqs", str(MAX_NUM_SEQS)],
     )
+    saturation: dict[str, Any] = {"max_engine_waiting": 0}
+    if MODES[mode].get("program_reserve"):
+        saturation["program_reserve_slots"] = args.program_reserve_slots
     sections: dict[str, Any] = {
-        "flow_control": {"enabled": True, "saturation": {"max_engine_waiting": 0}},
+        "flow_control": {"enabled": True, "saturation": saturation},
         "predictor": {"worker": "thread", "online_training": False, "prior": {"time_scale": args.time_scale}},
         "backends": {"scrape_interval_s": 0.05},
         "ledger": {"enabled": False},
@@ -291,7 +302,13 @@ def main() -> None:
     parser.add_argument("--tool-s", type=float, default=0.2, help="a tool run between two turns (wall seconds)")
     parser.add_argument("--stagger-s", type=float, default=8.0, help="the smaller programs start within this")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a call gives up after this")
-    parser.add_argument("--modes", default="request,program,program-2")
+    parser.add_argument("--modes", default="request,program,program-2,program-reserve,program-reserve-2")
+    parser.add_argument(
+        "--program-reserve-slots",
+        type=int,
+        default=PROGRAM_RESERVE_SLOTS,
+        help="the program-reserve modes' `program_reserve_slots` (free slots kept per engine)",
+    )
     parser.add_argument("--quick", action="store_true", help="one seed, fewer turns (smoke run; numbers are noisy)")
     parser.add_argument("--out", type=Path, default=RESULTS / "agents.md")
     parser.add_argument("--raw", type=Path, default=None, help="also write every program and call here (JSON)")
@@ -318,6 +335,7 @@ def main() -> None:
         "pool": {"engines": ENGINES, "max_num_seqs": MAX_NUM_SEQS, "preset": PRESET},
         "widths": [list(w) for w in WIDTHS],
         "half_life_s": HALF_LIFE_S,
+        "program_reserve_slots": args.program_reserve_slots,
         "sessions": {s.name: [[t.prompt_tokens, t.output_tokens] for t in s.turns] for s in sessions},
         "runs": results,
     }

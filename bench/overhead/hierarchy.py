@@ -8,8 +8,10 @@ Admission runs in this process (the gateway's own `Admission`, its stores and pl
 mocked, the HTTP walk is left out so the difference is not diluted by it); each round runs every
 variant once, interleaved, and reports CPU µs per request of this process (`time.process_time`:
 less sensitive to the 2-core host's other load than wall time) and, for Redis, of the redis-server
-(from /proc). The target (issue 45): the hierarchy costs at most 1.15x the three buckets' CPU.
-Writes bench/results/overhead-hierarchy.md and .png.
+(from /proc), and the commands the scripts run per request (`INFO commandstats`). The target (issue
+45): the hierarchy costs at most 1.15x the three buckets' CPU. Writes bench/results/overhead-hierarchy.md
+and .png, with the hand-written reading of bench/results/overhead-hierarchy.notes.md (`bench/notes.py`);
+where in the scripts Redis's CPU goes: `python -m bench.overhead.script_stages`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import redis as redis_client
+
 from bench.limiter.common import RedisServer
+from bench.notes import section
 from bench.overhead.run import RESULTS, cpu_seconds
 from policies.limits.admission import Admission, Admitted
 from policies.limits.failover import FailoverStore
@@ -36,6 +41,7 @@ from policies.schema import PoliciesConfig
 from policies.types import RequestFacts, RequestSubjects, Usage
 
 KEY = "sk-bench-hierarchy"
+WARM = 200  # admit + settle pairs before the measured ones
 THREE = [{"scope": "key", "rpm": 10**9, "tpm": 10**12}, {"scope": "tenant", "tpm": 10**12}]
 HIERARCHY_BUDGETS = [
     {"scope": "org", "usd_per_month": 1e9},
@@ -70,6 +76,7 @@ class Sample:
     cpu_us: float
     redis_cpu_us: float | None
     counters: int
+    redis_commands: float | None = None  # commands the scripts ran per admit + settle (INFO commandstats)
 
 
 async def run_variant(hierarchy: bool, redis_url: str | None, requests: int, concurrency: int) -> tuple[float, int]:
@@ -101,7 +108,7 @@ async def run_variant(hierarchy: bool, redis_url: str | None, requests: int, con
             assert isinstance(ticket, Admitted), ticket
             admission.settle_soon(ticket, usage, model="m")
 
-    for _ in range(200):  # warm: plans compiled, scripts loaded, connections open
+    for _ in range(WARM):  # warm: plans compiled, scripts loaded, connections open
         ticket = await admission.admit(facts, "m")
         assert isinstance(ticket, Admitted)
         admission.settle_soon(ticket, usage, model="m")
@@ -115,10 +122,18 @@ async def run_variant(hierarchy: bool, redis_url: str | None, requests: int, con
     return spent, len(plan.buckets) + len(plan.budgets) + len(plan.leases)
 
 
+def script_commands(client: redis_client.Redis) -> int:
+    """Commands run so far, not counting the script calls themselves and this bench's own."""
+    stats: dict[str, Any] = client.info("commandstats")
+    skip = ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_info", "cmdstat_script", "cmdstat_config", "cmdstat_ping")
+    return sum(int(v["calls"]) for k, v in stats.items() if not k.startswith(skip) and k != "cmdstat_hello")
+
+
 def measure(rounds: int, requests: int, concurrency: int) -> tuple[list[Sample], str]:
     samples: list[Sample] = []
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp))
+        client = redis_client.Redis(host="127.0.0.1", port=redis.port)
         try:
             for r in range(rounds):
                 order = [(h, s) for h in (False, True) for s in ("memory", "redis")]
@@ -127,8 +142,10 @@ def measure(rounds: int, requests: int, concurrency: int) -> tuple[list[Sample],
                 for hierarchy, store in order:
                     url = redis.url if store == "redis" else None
                     redis_before = cpu_seconds(redis.proc.pid)
+                    commands_before = script_commands(client) if url else 0
                     spent, counters = asyncio.run(run_variant(hierarchy, url, requests, concurrency))
                     redis_spent = cpu_seconds(redis.proc.pid) - redis_before
+                    commands = (script_commands(client) - commands_before) / (requests + WARM) if url else None
                     samples.append(
                         Sample(
                             "hierarchy" if hierarchy else "three buckets",
@@ -137,6 +154,7 @@ def measure(rounds: int, requests: int, concurrency: int) -> tuple[list[Sample],
                             spent / requests * 1e6,
                             redis_spent / requests * 1e6 if url else None,
                             counters,
+                            commands,
                         )
                     )
             version = redis.version
@@ -167,7 +185,10 @@ def write(samples: list[Sample], args: argparse.Namespace, version: str, took_s:
         "on the same host. `three buckets`: key rpm + key tpm + tenant tpm (the `bench/overhead` policy). "
         "`hierarchy`: the same three plus budgets of the organisation, the team, the project (tenant), the "
         "key and a tag the request carries, in the same atomic reservation. CPU is this process's "
-        "(`time.process_time`) per request, and the redis-server's for the Redis store. "
+        "(`time.process_time`) per request, and the redis-server's for the Redis store; Redis commands are "
+        "those the scripts run (`INFO commandstats`, the EVALSHAs themselves left out) per admit + settle. "
+        "Both variants run the same code: the three buckets are today's baseline re-measured in the same "
+        "rounds, with every cut made for the hierarchy applied to them too. "
         f"Host load average (1 min) {os.getloadavg()[0]:.1f} at the end, on 2 cores shared with other work.",
         "",
         "Target (issue 45): the hierarchy's CPU per request at most 1.15x the three buckets'. This table is "
@@ -177,8 +198,8 @@ def write(samples: list[Sample], args: argparse.Namespace, version: str, took_s:
         "([overhead-store-hierarchy.md](overhead-store-hierarchy.md), `--out`).",
         "",
         "| store | variant | counters | CPU µs / req (median) | Redis CPU µs / req (median) | "
-        "hierarchy / three (median, min-max of rounds) |",
-        "| --- | --- | ---: | ---: | ---: | --- |",
+        "Redis commands / req | hierarchy / three (median, min-max of rounds) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for store in ("memory", "redis"):
         for variant in ("three buckets", "hierarchy"):
@@ -193,14 +214,19 @@ def write(samples: list[Sample], args: argparse.Namespace, version: str, took_s:
                 if redis_values:
                     rr = ratios(samples, store, "redis_cpu_us")
                     ratio += f"; Redis {statistics.median(rr):.2f} ({min(rr):.2f}-{max(rr):.2f})"
-            lines.append(f"| {store} | {variant} | {rows[0].counters} | {cpu:.1f} | {redis_cpu} | {ratio} |")
+            counts = [s.redis_commands for s in rows if s.redis_commands is not None]
+            commands = f"{statistics.median(counts):.1f}" if counts else "-"
+            lines.append(
+                f"| {store} | {variant} | {rows[0].counters} | {cpu:.1f} | {redis_cpu} | {commands} | {ratio} |"
+            )
     lines += ["", "Every round:", "", "| round | store | variant | CPU µs / req | Redis CPU µs / req |"]
     lines.append("| ---: | --- | --- | ---: | ---: |")
     for s in samples:
         redis_cpu = f"{s.redis_cpu_us:.1f}" if s.redis_cpu_us is not None else "-"
         lines.append(f"| {s.round} | {s.store} | {s.variant} | {s.cpu_us:.1f} | {redis_cpu} |")
     out = RESULTS / "overhead-hierarchy.md"
-    out.write_text("\n".join(lines) + "\n")
+    lines += ["", *section(out)]
+    out.write_text("\n".join(lines).rstrip("\n") + "\n")
     plot(samples, RESULTS / "overhead-hierarchy.png")
     return out
 

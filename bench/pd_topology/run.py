@@ -1,6 +1,6 @@
 """PD pairing across a two-rack topology: topology-blind vs topology-aware, p90 TTFT.
 
-    .venv/bin/python -m bench.pd_topology              # the full run (5 seeds)
+    .venv/bin/python -m bench.pd_topology              # the full run (5 seeds; --jobs N: in parallel)
     .venv/bin/python -m bench.pd_topology --quick      # a smoke run
 
 A disaggregated pool of simulated `llama-3.1-8b@h100` engines in two racks, each rack holding
@@ -21,7 +21,14 @@ The router is told the same link classes (`routing.pd.topology.links`), so it pr
 simulator charges:
 
 - `blind`: `pd.topology.aware: false` (the pipelines choose decode and prefill endpoints on their own);
-- `aware`: the pair's cost includes the transfer over its link (`policies/routing/topology.py`).
+- `aware`: the pair's cost includes the transfer over its link (`policies/routing/topology.py`);
+- `no-spine` (a bound, not a router): `aware` on a fabric whose cross-rack link is as fast as the
+  rack's, so no pair pays the spine. It is the p90 any pairing could reach on the spec's fabric with the
+  same prefill choices, so blind / no-spine is the most a pairing policy can gain there.
+
+Also reported per seed: the no-queue floor, the p90 over requests of their prefill alone on an idle
+replica (the roofline, chunks of `max_num_batched_tokens`) plus the transfer over the rack's link:
+what TTFT would be with no queueing anywhere.
 
 Workload: synthetic, seeded: Poisson arrivals, prompts log-normal around `--prompt-median` tokens
 (1k to 16k, no shared prefixes, so every request is disaggregated), outputs 32 to 256 tokens; the
@@ -38,7 +45,9 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from backends.config import PoolConfig
@@ -61,7 +70,8 @@ RESULTS = REPO / "bench" / "results"
 PRESET = "llama-3.1-8b@h100"
 BLOCK = 16
 PRINCIPAL = Principal(key_id="k", tenant="t", allowed_models=None, priority=0)
-VARIANTS = ("blind", "aware")
+VARIANTS = ("blind", "aware", "no-spine")
+NO_SPINE = "no-spine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +86,10 @@ class Spec:
     hbm_tokens: int = 400_000
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+
+    def without_spine(self) -> Spec:
+        """The same fleet with the cross-rack link as fast as the rack's (the `no-spine` bound)."""
+        return replace(self, spine_gbps=self.rack_gbps, spine_latency_ms=self.rack_latency_ms)
 
     @property
     def label(self) -> str:
@@ -149,10 +163,13 @@ def arrival_rate(jobs: Sequence[Job], spec: Spec, load: float) -> float:
 
 
 def simulate(variant: str, jobs: Sequence[Job], arrivals: Sequence[float], spec: Spec, seed: int) -> Outcome:
+    label = spec.label
+    if variant == NO_SPINE:
+        spec = spec.without_spine()
     preset = resolve_preset(PRESET)
     kv_bytes = kv_bytes_per_token_per_device(preset)
     router: ScoringRouter = build_router(
-        {"seed": seed, "pd": {"topology": {"aware": variant == "aware", "links": spec.links()}}}
+        {"seed": seed, "pd": {"topology": {"aware": variant != "blind", "links": spec.links()}}}
     )
     links = {
         "same_rack": (spec.rack_gbps * 1e9, spec.rack_latency_ms / 1e3),
@@ -320,7 +337,21 @@ def simulate(variant: str, jobs: Sequence[Job], arrivals: Sequence[float], spec:
     if len(ttft) != len(jobs):
         raise RuntimeError(f"{len(jobs) - len(ttft)} requests never produced a first token")
     mean_transfer = sum(transfers) / len(transfers) if transfers else 0.0
-    return Outcome(variant, spec.label, seed, ttft, cross, disagg, mean_transfer)
+    return Outcome(variant, label, seed, ttft, cross, disagg, mean_transfer)
+
+
+def no_queue_floor(jobs: Sequence[Job], spec: Spec) -> list[float]:
+    """Per request, TTFT with no queueing anywhere: its prefill alone on an idle replica (chunks of
+    `max_num_batched_tokens`, the roofline) plus its KV's transfer over the rack's link (s)."""
+    preset = resolve_preset(PRESET)
+    kv_bytes = kv_bytes_per_token_per_device(preset)
+    chunk = spec.max_num_batched_tokens
+    out = []
+    for job in jobs:
+        n = len(job.prompt_ids)
+        prefill = sum(step_cost(preset, [(min(chunk, n - done), done)]).total_s for done in range(0, n, chunk))
+        out.append(prefill + spec.rack_latency_ms / 1e3 + n * kv_bytes / (spec.rack_gbps * 1e9))
+    return out
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -341,9 +372,32 @@ def _parser() -> argparse.ArgumentParser:
         default="50:5,25:2.5,50:2.5",
         help="comma-separated RACK:SPINE pairs, GB/s per device of the same-rack and cross-rack links",
     )
+    p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (results do not change)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "pd-topology.md")
     return p
+
+
+def _seed_workload(
+    seed: int, requests: int, prompt_median: int, spec: Spec, load: float
+) -> tuple[list[Job], float, list[float]]:
+    """A seed's jobs, arrival rate and arrival times (the same for every variant and link)."""
+    jobs = workload(seed, requests, prompt_median)
+    rate = arrival_rate(jobs, spec, load)
+    rng = random.Random(seed + 10_000)
+    at, arrivals = 0.0, []
+    for _ in jobs:
+        at += rng.expovariate(rate)
+        arrivals.append(at)
+    return jobs, rate, arrivals
+
+
+def _run_task(task: tuple[int, int, int, float, Spec, Spec, str]) -> Outcome:
+    """One (seed, links, variant) run; a process of its own under `--jobs` (the clock is simulated, so
+    the numbers do not depend on how runs share the host)."""
+    seed, requests, prompt_median, load, rate_spec, spec, variant = task
+    jobs, _, arrivals = _seed_workload(seed, requests, prompt_median, rate_spec, load)
+    return simulate(variant, jobs, arrivals, spec, seed)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -360,22 +414,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         for rack, spine in (pair.split(":") for pair in args.links.split(",") if pair)
     ]
-    outcomes: list[Outcome] = []
     rates: dict[int, float] = {}
+    floors: dict[tuple[int, str], float] = {}  # (seed, links) -> p90 of the no-queue floor
     started = time.perf_counter()
     for seed in seeds:
-        jobs = workload(seed, args.requests, args.prompt_median)
-        rate = rates[seed] = arrival_rate(jobs, specs[0], args.load)
-        rng = random.Random(seed + 10_000)
-        at, arrivals = 0.0, []
-        for _ in jobs:
-            at += rng.expovariate(rate)
-            arrivals.append(at)
-        for spec, variant in ((spec, variant) for spec in specs for variant in VARIANTS):
-            out = simulate(variant, jobs, arrivals, spec, seed)
+        jobs, rates[seed], _ = _seed_workload(seed, args.requests, args.prompt_median, specs[0], args.load)
+        for spec in specs:
+            floors[seed, spec.label] = pct(no_queue_floor(jobs, spec), 0.9)
+    tasks = [
+        (seed, args.requests, args.prompt_median, args.load, specs[0], spec, variant)
+        for seed in seeds
+        for spec in specs
+        for variant in VARIANTS
+    ]
+    outcomes: list[Outcome] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) if args.jobs > 1 else nullcontext() as pool:
+        runs = pool.map(_run_task, tasks) if pool is not None else map(_run_task, tasks)
+        for (seed, *_, spec, variant), out in zip(tasks, runs, strict=True):
             outcomes.append(out)
             print(
-                f"seed {seed} {spec.label:8s} {variant:6s} p50 {pct(out.ttft_s, 0.5):6.3f}s "
+                f"seed {seed} {spec.label:8s} {variant:8s} p50 {pct(out.ttft_s, 0.5):6.3f}s "
                 f"p90 {pct(out.ttft_s, 0.9):6.3f}s "
                 f"cross-rack {out.cross_rack / max(out.disaggregated, 1):5.1%} transfer {out.transfer_s * 1e3:6.1f} ms",
                 file=sys.stderr,
@@ -384,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from bench.pd_topology.report import render
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    text, plot = render(args, specs, outcomes, rates, elapsed)
+    text, plot = render(args, specs, outcomes, rates, floors, elapsed)
     args.out.write_text(text)
     plot(args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)

@@ -140,7 +140,8 @@ async def _telemetry_ctx(app: web.Application) -> AsyncIterator[None]:
     """Metrics, traces and the usage ledger: set up first, torn down last (after the drain)."""
     settings = app[appkeys.SETTINGS]
     telemetry = settings.telemetry
-    ledger_config = settings.ledger
+    # the stream every replica's records meet in: `ledger.redis_stream`, or the state's Redis by default
+    ledger_config = settings.ledger.model_copy(update={"redis_stream": settings.ledger.stream(settings.state)})
     metrics = GatewayMetrics(telemetry.metrics, version=__version__)
     app[appkeys.FLOW_METRICS] = FlowMetrics(metrics)  # before the OTLP export reads the families
     tracing = Tracing(telemetry.otlp, metrics=metrics, version=__version__)
@@ -410,6 +411,7 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
         programs=programs,
         program_half_life=lambda tenant: holder.current.program_half_life(tenant),
+        program_active_s=flow.program_active_s,
     )
     flow_metrics.set_status(queue.status)
     bus = app[appkeys.REPLICAS]

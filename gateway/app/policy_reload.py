@@ -21,6 +21,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from backends.tasks import cancel_and_wait
 from policies.holder import PolicyHolder, ReloadResult
 
 log = logging.getLogger("tokenway.policies")
@@ -86,9 +87,7 @@ class PolicyWatcher:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             self._sighup = False
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task], what="policy reload")
             self._task = None
         for task in list(self._signal_tasks):
             with contextlib.suppress(Exception):

@@ -405,7 +405,8 @@ class AuditConfig(_Strict):
     redis_stream: str = Field(
         default="tokenway:audit",
         min_length=1,
-        description="with ledger.redis_stream set, each record is also XADDed to this stream (same Redis)",
+        description="with the ledger's Redis stream on, each record is also XADDed to this stream (same Redis); "
+        "on the state's default stream this default reads `<state.key_prefix>:audit`",
     )
 
 
@@ -458,6 +459,16 @@ class LedgerConfig(_Strict):
     redis_stream: RedisStreamConfig | None = Field(
         default=None, description="also XADD every record to a Redis stream, for collection from many replicas"
     )
+    shared_stream: bool | None = Field(
+        default=None,
+        description="without redis_stream, copy every record to the state's Redis (stream `<state.key_prefix>:usage`) "
+        "so the console's usage and tenant spend count every replica; default: on with `state: redis`",
+    )
+    shared_stream_maxlen: int = Field(
+        default=100_000,
+        ge=1,
+        description="entries that shared stream keeps (approximate trim); about 1.3 KB of Redis memory each",
+    )
     reconcile: ReconcileConfig = Field(
         default_factory=lambda: ReconcileConfig(),
         description="the enforced spend counters against the ledger, per key and period, with a drift gauge",
@@ -468,6 +479,19 @@ class LedgerConfig(_Strict):
     audit: AuditConfig = Field(
         default_factory=AuditConfig, description="the audit log of admin changes, beside the ledger and its sinks"
     )
+
+    def stream(self, state: StateSettings) -> RedisStreamConfig | None:
+        """The Redis stream every record is copied to: `redis_stream` when set, else, with `state: redis`,
+        one on the state's own Redis. Replicas that already share a Redis then need no more setup for
+        the console to count all of them (docs/console.md#every-replicas-usage), and the cap keeps the
+        Redis memory it costs bounded. None: the records stay in this replica's files only."""
+        if self.redis_stream is not None:
+            return self.redis_stream
+        if self.shared_stream is False or state.backend != "redis" or state.redis_url is None:
+            return None
+        return RedisStreamConfig(
+            url=state.redis_url, stream=f"{state.key_prefix}:usage", maxlen=self.shared_stream_maxlen
+        )
 
 
 # --- telemetry: Prometheus and OpenTelemetry -------------------------------------------------------

@@ -148,13 +148,18 @@ def audit_routes() -> list[tuple[str, str, Handler]]:
 
 
 def _redis_sink(app: web.Application) -> LineSink | None:
-    """The ledger's Redis stream, when configured, with the audit's own stream key."""
-    ledger = app[appkeys.SETTINGS].ledger
-    if ledger.redis_stream is None:
+    """The ledger's Redis stream (configured, or the state's by default), with the audit's own stream key."""
+    settings = app[appkeys.SETTINGS]
+    ledger = settings.ledger
+    stream = ledger.stream(settings.state)
+    if stream is None:
         return None
     from gateway.ledger.redis_stream import RedisStreamExporter
 
-    return RedisStreamExporter(ledger.redis_stream.model_copy(update={"stream": ledger.audit.redis_stream}))
+    name = ledger.audit.redis_stream
+    if ledger.redis_stream is None and name == type(ledger.audit).model_fields["redis_stream"].default:
+        name = f"{settings.state.key_prefix}:audit"  # on the state's Redis: under its prefix, like every key
+    return RedisStreamExporter(stream.model_copy(update={"stream": name}))
 
 
 async def audit_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -26,6 +26,12 @@ When its store fails (Redis down), a tick fails: the first failure of an outage 
 traceback, the next ones only counted (a warning with the count at most every
 `_OUTAGE_SUMMARY_S`, one line when it recovers), and the ticks back off, doubling from `tick_s`
 to `retry_max_s`, instead of logging a traceback every `tick_s`.
+
+`stop` does not trust one cancel to end a task: on Python 3.11, `asyncio.wait_for` returns the
+result instead of raising when a cancel lands in the step where the awaited operation completes,
+and redis-py wraps each socket write in it (`socket_timeout`), so a cancel that meets a Redis
+command as it finishes is dropped and the task runs on. The tick loop also checks a stop flag,
+and tasks still running after a cancel are cancelled again until they end.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Any, Final, Protocol
 
 import orjson
 
+from backends.tasks import cancel_and_wait
 from gateway.batch.capacity import BatchCapacity
 from gateway.batch.config import BatchSettings
 from gateway.batch.finalize import write_outputs
@@ -157,6 +164,7 @@ class BatchRunner:
         self._models: dict[str, list[str]] = {}  # batch -> the models its lines use (resolved)
         self._wake = asyncio.Event()
         self._main: asyncio.Task[None] | None = None
+        self._stopping = False
         self._turn = 0
         self._renewed_s = 0.0
         self._janitor_s = 0.0
@@ -166,19 +174,17 @@ class BatchRunner:
 
     # --- life ---------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._stopping = False
         self._main = asyncio.get_running_loop().create_task(self._run(), name="batch-runner")
 
     async def stop(self) -> None:
         """Stop taking lines and stop the running ones (their lines are claimed again later, here
         after a restart or at once by another replica)."""
+        self._stopping = True
+        self._wake.set()
         if self._main is not None:
-            self._main.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._main
-        tasks = [task for lines in self._tasks.values() for task in lines.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait([self._main], what="batch runner")
+        await cancel_and_wait([task for lines in self._tasks.values() for task in lines.values()], what="batch line")
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def wake(self) -> None:
@@ -190,7 +196,7 @@ class BatchRunner:
 
     async def _run(self) -> None:
         runner = self.settings.runner
-        while True:
+        while not self._stopping:  # a cancel from `stop` may be dropped (see the module's docstring)
             self._wake.clear()
             try:
                 await self.tick()
@@ -201,6 +207,8 @@ class BatchRunner:
                 raise
             except Exception as exc:
                 self.outage.failed(exc)
+                if self._stopping:
+                    return
                 # backing off: a wake-up (a line ending, a new batch) does not cut the wait short
                 await asyncio.sleep(self.outage.backoff_s(runner.tick_s, runner.retry_max_s))
                 continue
@@ -291,7 +299,7 @@ class BatchRunner:
 
     async def _schedule(self, batches: list[BatchMeta]) -> None:
         free = self.settings.runner.max_lines_in_flight - self.lines_in_flight
-        if free <= 0 or not batches:
+        if free <= 0 or not batches or self._stopping:
             return
         self._turn = (self._turn + 1) % len(batches)
         ordered = batches[self._turn :] + batches[: self._turn]
@@ -377,10 +385,16 @@ class BatchRunner:
         if not lines:
             del self._tasks[batch_id]
         self.capacity.load.finished(request_id)
+        self._give_back_in_background(batch_id, index)
+        self.wake()
+
+    def _give_back_in_background(self, batch_id: str, index: int) -> asyncio.Task[None]:
+        """A claim given back by a task of its own, which `stop` waits for: the line's task may
+        be cancelled again while it waits (see `backends.tasks.cancel_and_wait`), the giving back goes on."""
         giving = asyncio.get_running_loop().create_task(self._give_back(batch_id, index))
         self._background.add(giving)
         giving.add_done_callback(self._background.discard)
-        self.wake()
+        return giving
 
     # --- one line -----------------------------------------------------------------------------------
     async def _line(
@@ -424,7 +438,7 @@ class BatchRunner:
             result = answered(index, custom_id, answer.status, request_id, answer.body)
             await self._record(meta, result, "ok" if result.ok else "error")
         except asyncio.CancelledError:
-            await asyncio.shield(self._give_back(meta.id, index))
+            await asyncio.shield(self._give_back_in_background(meta.id, index))
             raise
         except Exception as exc:  # the store failed (Redis down): logged once per outage
             self._record_outage.failed(exc)

@@ -218,9 +218,10 @@ def team_activity(found: dict[str, Any], view: TeamView) -> dict[str, Any]:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """Spend and usage from the ledger (the Redis stream's copy, every replica's, when configured):
+    """Spend and usage from the ledger (its Redis stream's copy, every replica's, with `state: redis`):
     `?since=24h&until=&by=tenant,model&format=json|csv`; a team admin's count its teams' records only."""
-    config = request.app[appkeys.SETTINGS].ledger
+    settings = request.app[appkeys.SETTINGS]
+    config, stream = settings.ledger, settings.ledger.stream(settings.state)
     by = [f for f in request.query.get("by", "tenant").split(",") if f.strip()]
     since, until = request.query.get("since", "24h"), request.query.get("until")
     fmt = request.query.get("format", "json")
@@ -231,7 +232,7 @@ async def usage(request: web.Request) -> web.Response:
     keep = view.sees_request if view is not None else None
     rows = MAX_CSV_ROWS if fmt == "csv" else MAX_GROUPS
     try:  # every replica's records when the ledger is copied to a Redis stream (usage.py), else the files
-        found = await usage_async(Path(config.dir), since, until, by, config.redis_stream, keep, rows)
+        found = await usage_async(Path(config.dir), since, until, by, stream, keep, rows)
     except redis.RedisError as exc:  # the stream is unreachable: this replica's files, saying so
         found = await usage_async(Path(config.dir), since, until, by, None, keep, rows)
         found["stream_error"] = str(exc)[:200]

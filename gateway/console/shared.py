@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 import redis.asyncio as redis
 
+from backends.tasks import cancel_and_wait
 from gateway.console.activity import ConsoleActivity, overview_of
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,7 @@ class SharedActivity:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task], what="console activity")
         with contextlib.suppress(Exception):
             await self._client.zrem(self._members, self.name)
         await self._client.aclose()

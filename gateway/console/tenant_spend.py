@@ -5,29 +5,37 @@ Why not a counter: a tenant-wide counter that every tenant has would be one more
 month hash) reserved and settled on every request, and Redis's CPU per admission grows with each
 budget a request carries (docs/governance.md, bench/results/overhead-hierarchy.md). The ledger
 already holds every finished request's dollars and tenant, so the figure costs the request path
-nothing; it is exact for what the ledger holds (every replica's records with `ledger.redis_stream`,
-else this replica's directory) and up to `ttl_s` old.
+nothing; it is exact for what the ledger holds (every replica's records with its Redis stream, the
+default with `state: redis`, else this replica's directory) and up to `ttl_s` old. Once a process has
+read the month, a stream trimmed by its cap no longer matters: only entries added since are read.
 
-One scan from the start of the UTC month (the calendar of a `usd_per_day`/`usd_per_month` budget)
-sums each tenant's `cost_usd`, the records since the start of the day apart. The totals are kept
-`ttl_s` and computed by one caller at a time in a worker thread, so a console refreshing the list
-costs at most one scan per `ttl_s`, never blocks the event loop, and concurrent callers share it.
-Memory: one pair of floats per tenant seen, at most `MAX_TENANTS` (records of further names are not
-summed: the list asks only for tenants that exist).
+The first scan reads from the start of the UTC month (the calendar of a `usd_per_day`/`usd_per_month`
+budget) and sums each tenant's `cost_usd`, the records since the start of the day apart; every later
+one reads only what was added since, from where the last stopped (each file's byte offset, or the
+stream's last entry id), so a refresh costs the records of the last `ttl_s`, not the month's. A new
+UTC day zeroes the day's sums and goes on; a new month, or a file that shrank (replaced), starts over
+with a whole scan. The totals are kept `ttl_s` and computed by one caller at a time in a worker
+thread, so a console refreshing the list never blocks the event loop and concurrent callers share
+one read. Memory: one pair of floats per tenant seen, at most `MAX_TENANTS` (records of further names
+are not summed: the list asks only for tenants that exist), one offset per ledger file of the month,
+and with the stream the last `DEDUPE_WINDOW` request ids (a record delivered twice is counted once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gateway.app.schema import RedisStreamConfig
-from gateway.console.usage import ledger_entries
+from gateway.console.usage import stream_entries
+from gateway.ledger import codec
+from gateway.ledger.reader import files_in_window
 
 TTL_S = 30.0
 MAX_TENANTS = 100_000
@@ -35,14 +43,18 @@ MAX_TENANTS = 100_000
 
 @dataclass(slots=True)
 class SpendTotals:
-    """One scan's answer: per tenant [day, month] in USD, and what the scan covered."""
+    """One scan's answer: per tenant [day, month] in USD, what the scan covered, and where the next
+    one goes on from (`offsets`: file name → bytes read; `last_id` and `seen`: the stream's)."""
 
     computed_at: float
     day_start: float
     month_start: float
     by_tenant: dict[str, list[float]] = field(default_factory=dict)
     source: str = "files"
-    covers_since: float | None = None  # the stream was trimmed after the month began
+    covers_since: float | None = None  # the stream was trimmed past records not read
+    offsets: dict[str, int] = field(default_factory=dict)
+    last_id: str | None = None
+    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
 
 def period_starts(now_s: float) -> tuple[float, float]:
@@ -52,18 +64,60 @@ def period_starts(now_s: float) -> tuple[float, float]:
     return day.timestamp(), day.replace(day=1).timestamp()
 
 
-def scan(directory: Path, stream: RedisStreamConfig | None, now_s: float) -> SpendTotals:
-    """Sum the ledger's request records of this month per tenant (blocking: a worker thread's)."""
+class _Rewound(Exception):
+    """A ledger file is shorter than the offset read before: it was replaced, start over."""
+
+
+def scan(
+    directory: Path, stream: RedisStreamConfig | None, now_s: float, previous: SpendTotals | None = None
+) -> SpendTotals:
+    """This month's request records summed per tenant (blocking: a worker thread's): those added since
+    `previous` on top of its sums when it is of the same UTC month and source (a new day only zeroes
+    the day's sums: a record read before it finished before it), else all of them. Going on across
+    days keeps the month whole once read, however far the stream's cap has trimmed it since.
+    `previous` is never changed (its readers may still be reading it)."""
     day_start, month_start = period_starts(now_s)
-    totals = SpendTotals(now_s, day_start, month_start)
-    found: dict[str, Any] = {"source": "files"}
-    by_tenant = totals.by_tenant
-    for entry in ledger_entries(directory, stream, month_start, None, found):
+    source = "files" if stream is None else "redis-stream"
+    if previous is not None and (previous.month_start != month_start or previous.source != source):
+        previous = None
+    if previous is not None:
+        try:
+            return _scan(directory, stream, now_s, previous, day_start)
+        except _Rewound:
+            pass
+    return _scan(directory, stream, now_s, SpendTotals(now_s, day_start, month_start, source=source), day_start)
+
+
+def _scan(
+    directory: Path, stream: RedisStreamConfig | None, now_s: float, base: SpendTotals, day_start: float
+) -> SpendTotals:
+    same_day = base.day_start == day_start
+    totals = SpendTotals(
+        now_s,
+        day_start,
+        base.month_start,
+        {name: [day if same_day else 0.0, month] for name, (day, month) in base.by_tenant.items()},
+        base.source,
+        base.covers_since,
+        dict(base.offsets),
+        base.last_id,
+        base.seen,  # only this scan's thread touches it; a failed scan discards its owner (TenantSpend)
+    )
+    if stream is not None:
+        found: dict[str, Any] = {}
+        entries = stream_entries(stream, base.month_start, None, found, after=base.last_id, seen=totals.seen)
+    else:
+        entries = _new_file_entries(directory, base.month_start, totals.offsets)
+    by_tenant, day_start = totals.by_tenant, totals.day_start
+    for entry in entries:
         if entry.get("kind") not in (None, "request"):  # a program's outcome, not a request
             continue
         tenant = entry.get("tenant")
         cost = entry.get("cost_usd")
+        ts = entry.get("ts")
         if not isinstance(tenant, str) or not isinstance(cost, int | float) or not cost:
+            continue
+        if not isinstance(ts, int | float) or ts < totals.month_start:
             continue
         pair = by_tenant.get(tenant)
         if pair is None:
@@ -71,13 +125,51 @@ def scan(directory: Path, stream: RedisStreamConfig | None, now_s: float) -> Spe
                 continue
             pair = by_tenant[tenant] = [0.0, 0.0]
         pair[1] += cost
-        ts = entry.get("ts")
-        if isinstance(ts, int | float) and ts >= day_start:
+        if ts >= day_start:
             pair[0] += cost
-    totals.source = str(found.get("source", "files"))
-    covers = found.get("covers_since")
-    totals.covers_since = float(covers) if isinstance(covers, int | float) else None
+    if stream is not None:
+        totals.last_id = found.get("last_id", totals.last_id)
+        covers = found.get("covers_since")
+        if isinstance(covers, int | float):
+            totals.covers_since = float(covers)
     return totals
+
+
+def _new_file_entries(directory: Path, month_start: float, offsets: dict[str, int]) -> Iterator[dict[str, Any]]:
+    """The whole records written to this month's ledger files past `offsets` (updated as they are
+    read). A last line without its newline is a group still being written unless it is a whole JSON
+    object (no proper prefix of one is): it is left for the next scan."""
+    if not directory.is_dir():
+        return
+    present = set()
+    for path in files_in_window(directory, month_start):
+        name = path.name
+        present.add(name)
+        start = offsets.get(name, 0)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:  # deleted (retention) since it was listed
+            continue
+        if size < start:
+            raise _Rewound(name)
+        if size == start:
+            continue
+        with path.open("rb") as f:
+            f.seek(start)
+            position = start
+            for line in f:
+                try:
+                    entry = codec.decode(line) if line.strip() else None
+                except ValueError:  # torn (still being written) or corrupt: the reader's warning is the report's
+                    if not line.endswith(b"\n"):
+                        break
+                    entry = None
+                position += len(line)
+                if isinstance(entry, dict):
+                    yield entry
+            offsets[name] = position
+    for name in [n for n in offsets if n not in present]:  # files of past months, or deleted
+        del offsets[name]
 
 
 class TenantSpend:
@@ -115,7 +207,8 @@ class TenantSpend:
         async with self._lock:
             found = self._fresh(self._clock())
             if found is None:
-                found = await asyncio.to_thread(scan, self.directory, self.stream, self._clock())
+                previous, self._totals = self._totals, None  # a scan that fails leaves no half-read state
+                found = await asyncio.to_thread(scan, self.directory, self.stream, self._clock(), previous)
                 self._totals = found
             return found
 

@@ -2,13 +2,13 @@
 
 The same streaming report as `tokenway usage report` (bounded memory whatever the range), run in a
 worker thread so a long range never stalls the event loop, plus the spend-over-time lines of the
-plot. The records come from the ledger's files in this replica's directory (every replica or worker
-writing there), or, when the ledger is copied to a Redis stream (`ledger.redis_stream`), from the
-stream: every replica's records, wherever its files are. Stream entry ids are the time they were
-added in milliseconds, so the range is read with XRANGE in chunks; the stream is capped (`maxlen`),
-so the answer says from when it covers (`covers_since`) when the range starts before its oldest
-entry; delivery is at least once, so a record seen again (same request id, among the last
-`DEDUPE_WINDOW`) is counted once.
+plot. The records come from the ledger's Redis stream when there is one (`ledger.redis_stream`, or by
+default with `state: redis` the state's own: `LedgerConfig.stream`): every replica's records, wherever
+its files are; else from the ledger's files in this replica's directory (every worker writing
+there). Stream entry ids are the time they were added in milliseconds, so the range is read with
+XRANGE in chunks; the stream is capped (`maxlen`), so the answer says from when it covers
+(`covers_since`) when the range starts before its oldest entry; delivery is at least once, so a
+record seen again (same request id, among the last `DEDUPE_WINDOW`) is counted once.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def usage(
         builder.add(entry)
         series.add(entry)
     report = builder.report()
+    found.pop("last_id", None)  # where an incremental reader would go on from: not the page's
     return {
         **found,
         "by": report.by,
@@ -86,24 +87,45 @@ def _stream_entries(
     config: RedisStreamConfig, since_s: float, until_s: float | None, found: dict[str, Any]
 ) -> Iterator[dict[str, Any]]:
     """The ledger records of every replica in [since, until], read from the Redis stream in chunks."""
+    return stream_entries(config, since_s, until_s, found)
+
+
+def stream_entries(
+    config: RedisStreamConfig,
+    since_s: float,
+    until_s: float | None,
+    found: dict[str, Any],
+    *,
+    after: str | None = None,
+    seen: OrderedDict[str, None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The stream's records in [since, until], or, with `after` (an entry id read before), those added
+    since: an incremental reader (tenant_spend.py) keeps the last id read in `found["last_id"]` and its
+    `seen` request ids across calls, so a record delivered again later is still counted once.
+    `found["covers_since"]` says from when the records are complete when the cap trimmed entries
+    that were not read (before the range, or past `after`)."""
     import redis
 
     client = redis.Redis.from_url(config.url, socket_timeout=10.0, socket_connect_timeout=5.0)
     found["source"] = "redis-stream"
-    seen: OrderedDict[str, None] = OrderedDict()
+    seen = seen if seen is not None else OrderedDict()
     try:
         info: Any = client.xinfo_stream(config.stream) if client.exists(config.stream) else {}
         trimmed = int(info.get("entries-added", 0) or 0) > int(info.get("length", 0) or 0)  # Redis 7: ever added
         first = info.get("first-entry")
         if trimmed and first:
-            first_s = _id_ms(first[0]) / 1000.0
-            if first_s > since_s:
-                found["covers_since"] = first_s  # the stream was trimmed (maxlen) after the range began
-        start = f"{int(since_s * 1000)}-0"
+            first_ms = _id_ms(first[0])
+            if after is not None:
+                if _id_key(first[0]) > _id_key(after):  # the entry last read is gone: some after it may be too
+                    found["covers_since"] = first_ms / 1000.0
+            elif first_ms / 1000.0 > since_s:
+                found["covers_since"] = first_ms / 1000.0  # the stream was trimmed (maxlen) after the range began
+        start = "(" + after if after is not None else f"{int(since_s * 1000)}-0"
         end = f"{int(until_s * 1000)}-99999999" if until_s is not None else "+"
         while True:
             chunk: Any = client.xrange(config.stream, min=start, max=end, count=STREAM_CHUNK) or []
-            for _, fields in chunk:
+            for entry_id, fields in chunk:
+                found["last_id"] = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 raw = (fields or {}).get(b"record")
                 if raw is None:
                     continue
@@ -117,8 +139,7 @@ def _stream_entries(
                 yield entry
             if len(chunk) < STREAM_CHUNK:
                 return
-            last = chunk[-1][0]
-            start = "(" + (last.decode() if isinstance(last, bytes) else str(last))
+            start = "(" + found["last_id"]
     finally:
         client.close()
 
@@ -127,6 +148,13 @@ def _id_ms(entry_id: bytes | str) -> int:
     """A stream entry id's milliseconds (`<ms>-<seq>`)."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.split("-", 1)[0])
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id (`<ms>-<seq>`) as a pair that sorts as Redis orders ids."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 async def usage_async(

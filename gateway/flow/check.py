@@ -7,7 +7,8 @@ room (`docs/architecture.md`, "The gate: one room, many checks"). Each answers o
 - `GO`: nothing against it here; the next check is asked (the last one's GO dispatches);
 - `Wait(scope, reason, answer)`: not now; the request waits in its pool's room, in flow order.
   `scope` says who else that holds back (`Blocked.POOL`: nobody waiting there goes;
-  `Blocked.TENANT`: nobody of this tenant; `Blocked.REQUEST`: only this one). `answer`, when set, is
+  `Blocked.TENANT`: nobody of this tenant; `Blocked.PROGRAM`: nobody of this request's program;
+  `Blocked.REQUEST`: only this one). `answer`, when set, is
   what the request is told if it waits this out until its deadline (else its band's answer);
 - `Avoid(endpoints, otherwise)`: not on these endpoints: the room routes again without them (and
   without any an earlier check avoided) and asks every check again on the new route; when no route

@@ -9,7 +9,8 @@ order (`policies.flow.order`: band, then virtual counter, then, for a tenant wit
 its program's attained service (`policies/flow/programs.py`), then arrival or predicted cost): the first
 request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
 full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round),
-`Blocked.TENANT` to the next tenant's (the slot reserve holds this one's back), and an exception
+`Blocked.TENANT` to the next tenant's (the slot reserve holds this one's back), `Blocked.PROGRAM` to
+the next program's (the program slot reserve holds this program's back), and an exception
 (the gate's "not here, instead") takes that request out with it. The
 head of the room also rechecks every `recheck_s`, since load that is scraped and predictions move
 with time too.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic
 
 from gateway.flow.activity import Activity
+from gateway.flow.program_activity import ProgramActivity
 from gateway.flow.types import (
     REASON_QUEUE_FULL,
     REASON_QUEUE_TIMEOUT,
@@ -135,6 +137,8 @@ class Lease:
                 tokens = max(actual_cost_tokens, 0.0) - max(self.cost_tokens, 0.0)
                 if tokens:
                     self.queue.programs.charge(self.tenant, self.program, tokens, self.half_life_s)
+        if self.half_life_s is not None:
+            self.queue.program_activity.inflight(self.pool, self.tenant, self.program, -1)
         self.queue.notify(self.pool)
 
 
@@ -154,6 +158,7 @@ class FlowQueue:
         now: Callable[[], float] = time.monotonic,
         programs: ProgramService | None = None,
         program_half_life: Callable[[str], float | None] = lambda tenant: None,
+        program_active_s: float = 10.0,
     ) -> None:
         self.counters = counters
         self.room_size = room_size
@@ -167,6 +172,8 @@ class FlowQueue:
         self.programs: ProgramService = programs if programs is not None else MemoryPrograms(now=now)
         self.program_half_life = program_half_life  # tenant -> its program fairness's half-life, or None
         self.activity = Activity(active_s, now=now)
+        # the programs of tenants with program fairness, per pool: what the program reserve reads
+        self.program_activity = ProgramActivity(program_active_s, now=now)
         self._rooms: dict[str, _Room] = {}
         self._shares: dict[str, ServiceWindow] = {}
         self._credits: dict[tuple[str, int, str], float] = {}  # refunds waiting for the tenant's next dispatch
@@ -416,6 +423,9 @@ class FlowQueue:
                 if verdict is Blocked.TENANT:
                     skip_tenants.add(entry.request.tenant)
                     continue
+                if verdict is Blocked.PROGRAM:
+                    skip.update(self._program_entries(room, entry))
+                    continue
                 skip.add(entry.seq)
                 continue
             self._leave(room, entry)
@@ -424,6 +434,15 @@ class FlowQueue:
             entry.future.set_result(verdict)
             return
         self._arm_recheck(room)
+
+    @staticmethod
+    def _program_entries(room: _Room, entry: _Entry[Any]) -> list[int]:
+        """The waiting requests of `entry`'s program (its tenant's, in its band): none of them can go
+        now (the program slot reserve holds it back); another program's may."""
+        request = entry.request
+        program = request.program or NO_PROGRAM
+        own = room.bands.get(request.band, {}).get(request.tenant, ())
+        return [e.seq for e in own if (e.request.program or NO_PROGRAM) == program] or [entry.seq]
 
     def _ranks(self) -> Callable[[str], Callable[[_Entry[Any]], float] | None]:
         """Per tenant, how one round ranks its waiting requests: their program's attained service
@@ -455,6 +474,7 @@ class FlowQueue:
         """Count the requests of a program waiting in the room; a shared store is told when the first
         arrives and the last leaves."""
         key = (request.tenant, request.program or NO_PROGRAM)
+        self.program_activity.waiting(room.pool, key[0], key[1], delta)
         count = room.programs.get(key, 0) + delta
         if count > 0:
             room.programs[key] = count
@@ -502,6 +522,7 @@ class FlowQueue:
         half_life_s = self.program_half_life(tenant)
         if half_life_s is not None:
             self.programs.charge(tenant, program, max(request.cost_tokens, 0.0), half_life_s)
+            self.program_activity.inflight(pool, tenant, program, 1)
         room.dispatched += 1
         self.activity.inflight(pool, tenant, band, request.weight, 1)
         return Lease(self, pool, band, tenant, request.weight, request.cost_tokens, queued_s, program, half_life_s)
@@ -571,7 +592,12 @@ class FlowQueue:
                 "bands": bands,
                 "fair_share_ratio": {t: round(r, 4) for t, r in self.fair_share_ratios(pool).items()},
             }
-        return {"counters": self.counters.status(), "programs": self.programs.status(), "pools": pools}
+        return {
+            "counters": self.counters.status(),
+            "programs": self.programs.status(),
+            "programs_active": self.program_activity.status(),
+            "pools": pools,
+        }
 
 
 def _finite(value: float) -> float | None:

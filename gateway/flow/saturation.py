@@ -12,7 +12,12 @@ Its verdict on a route, each time the room asks:
   endpoint with no prefill pending when there is one, while (`reserve_clear_lane`) one over its share
   starts only where no prefill is pending and another endpoint with a free slot stays clear
   (`Wait(TENANT)` until a first token, else), and so does one within its share by slots but over its
-  weighted share of the band's recent tokens beside a tenant under it.
+  weighted share of the band's recent tokens beside a tenant under it;
+- with a program slot reserve (`program_reserve_slots`, a tenant with program fairness), a program over
+  its share of its tenant's requests in flight starts only on an endpoint that keeps that many free
+  slots after it while another program of the tenant is light (`Avoid` the others; none:
+  `Wait(PROGRAM)`: another program's request may go), so the engines serving a small program's calls
+  are not filled with a wide program's (`policies.flow.program_reserve`).
 
 As a hook it keeps the streams in flight that flow control may cut: per pool, the contexts of the
 streams dispatched on a pool that preempts (`ctx.flow_running_since_s` says since when), each
@@ -30,9 +35,10 @@ from gateway.flow.check import GO, Avoid, Check, Turn, Verdict, Wait
 from gateway.flow.queue import FlowQueue
 from gateway.flow.types import Blocked, FlowRequest
 from gateway.request import Hook, RequestContext, Routed
-from policies.flow import preempt, reserve
+from policies.flow import preempt, program_reserve, reserve
 from policies.flow.bands import band_rank
 from policies.flow.config import FlowSettings
+from policies.flow.programs import NO_PROGRAM
 from policies.flow.saturation import SaturationLimits, endpoint_saturation, open_endpoints
 
 _LIMITS_KEPT: Final = 256
@@ -42,6 +48,7 @@ _POOL_FULL: Final = Wait(Blocked.POOL, "saturated")
 _RESERVED: Final = Wait(Blocked.TENANT, "reserve")
 _CLAIMED: Final = Wait(Blocked.TENANT, "claimed")
 _LANE: Final = Wait(Blocked.TENANT, "clear_lane")
+_PROGRAM_RESERVED: Final = Wait(Blocked.PROGRAM, "program_reserve")
 
 
 @dataclass(slots=True)
@@ -162,10 +169,12 @@ class Saturation(Check, Hook):
                 within = reserve.within_share(request.tenant, request.band, request.weight, active)
                 avoid_prefills = limits.reserve_avoid_prefills and within
                 lane = limits.reserve_clear_lane and (not within or self._heavier(pool.name, request, active))
+        program_held = self._program_held(pool.name, request, limits)
         predicted = self._predicted_ttft(routed)
         if (
             not avoid_prefills
             and not lane
+            and not program_held
             and endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None
         ):
             return GO
@@ -178,10 +187,26 @@ class Saturation(Check, Hook):
             opened = reserve.clear_lane(opened, pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             if not opened:
                 return _LANE  # until a pending prefill has its first token (the room is told)
+        if program_held and limits.max_num_seqs:
+            k, seqs, age = limits.program_reserve_slots, limits.max_num_seqs, limits.max_stats_age_s
+            opened = [e for e in opened if program_reserve.keeps_reserve(reserve.free_on(e, seqs, now, age), k)]
+            if not opened:
+                return _PROGRAM_RESERVED  # another program of the tenant may go; this one waits for a slot
         can = {e.id for e in opened}
         if routed.endpoint.id in can:
             return GO
         return Avoid([e.id for e in pool.servable() if e.id not in can], _POOL_FULL)
+
+    def _program_held(self, pool: str, request: FlowRequest, limits: SaturationLimits) -> bool:
+        """Whether the program slot reserve holds the request's program back from an endpoint's last
+        `program_reserve_slots` free slots (`policies.flow.program_reserve`): its tenant has program
+        fairness, the program is over its share of the tenant's requests in flight, another is light."""
+        if not limits.program_reserve_slots or not limits.max_num_seqs:
+            return False
+        if self.queue.program_half_life(request.tenant) is None:
+            return False
+        program = request.program or NO_PROGRAM
+        return program_reserve.held(self.queue.program_activity.standing(pool, request.tenant, program))
 
     def _heavier(self, pool: str, request: FlowRequest, active: Mapping[str, reserve.Active]) -> bool:
         """Whether the request's tenant is over its token share of the band beside a tenant under it."""

@@ -20,6 +20,7 @@ class Blocked(Enum):
     POOL = "pool"  # the pool is saturated: nobody waiting there can go
     REQUEST = "request"  # this request cannot (its SLO, say); the next one may
     TENANT = "tenant"  # no request of this tenant can (the slot reserve); another tenant's may
+    PROGRAM = "program"  # no request of this program can (the program slot reserve); another program's may
 
 
 Ready = Callable[[], "T | Blocked"]

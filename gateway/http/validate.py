@@ -31,6 +31,7 @@ _RANGES: tuple[tuple[str, float, float], ...] = (
     ("presence_penalty", -2.0, 2.0),
     ("frequency_penalty", -2.0, 2.0),
 )
+_RANGE_FIELDS = frozenset(field for field, _low, _high in _RANGES)
 
 
 def _is_int(value: Any) -> bool:
@@ -51,14 +52,16 @@ def _int_in(body: Mapping[str, Any], field: str, low: int, high: int) -> int | N
 
 
 def _check_sampling(api: ApiKind, body: Mapping[str, Any]) -> None:
-    for field, low, high in _RANGES:
-        value = body.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise InvalidRequest(f"'{field}' must be a number", param=field)
-        if not low <= value <= high:  # NaN fails too
-            raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
+    # one C-level test first: most requests set none of these (the loop then checks them in order)
+    if not _RANGE_FIELDS.isdisjoint(body):
+        for field, low, high in _RANGES:
+            value = body.get(field)
+            if value is None:
+                continue
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise InvalidRequest(f"'{field}' must be a number", param=field)
+            if not low <= value <= high:  # NaN fails too
+                raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
     n = _int_in(body, "n", 1, 128)
     if api == "chat":
         logprobs = body.get("logprobs")

@@ -46,6 +46,7 @@ from aiohttp import web
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from redis.asyncio import Redis
 
+from backends.tasks import cancel_and_wait
 from gateway.app import keys as appkeys
 from gateway.request.record import RequestRecord
 from policies.limits.buckets import period_id, period_ttl_s
@@ -158,9 +159,7 @@ class SpendReconciler:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task], what="spend reconciler")
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await self._flush()  # what this replica recorded stays counted after it stops

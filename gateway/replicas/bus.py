@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from backends.fleet import Fleet
+from backends.tasks import cancel_and_wait
 from backends.types import Endpoint
 from gateway.app.schema import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
@@ -177,11 +178,7 @@ class ReplicaBus:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks, what="replicas bus")
         self._tasks = []
         if self._pipe is not None:
             with contextlib.suppress(Exception):

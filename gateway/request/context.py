@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from aiohttp import web
 
@@ -57,7 +57,10 @@ class RequestContext:
     trace: RequestTrace
     arrived_s: float  # perf_counter at arrival
     headers: list[tuple[str, str]]  # carried by every answer: x-request-id, x-tokenway-fallback
-    _facts: RequestFacts | None = field(default=None, repr=False)  # intake
+    # intake: the request's frozen facts; anything after it reads them. A plain field, not a checked
+    # property: the walk reads it a few dozen times per request. None (typed away) until intake ran:
+    # `has_facts` says whether it has (a record of a request refused at intake has none)
+    facts: RequestFacts = field(default=cast("RequestFacts", None), repr=False)
     engine_fields: tuple[str, ...] = ()  # intake: engine-control fields the caller's tenant may set
     dropped_fields: tuple[str, ...] = ()  # intake: the client's engine-control fields it dropped
     routing: RouteRequest | None = None  # director (prepare hooks fill its routing inputs)
@@ -77,14 +80,8 @@ class RequestContext:
     answered_5xx: list[Endpoint] = field(default_factory=list)
 
     @property
-    def facts(self) -> RequestFacts:
-        """The request's frozen facts (intake builds them first: anything later may read them)."""
-        assert self._facts is not None, "intake has not run"
-        return self._facts
-
-    @property
     def has_facts(self) -> bool:
-        return self._facts is not None
+        return cast("RequestFacts | None", self.facts) is not None
 
     def render_error(self, error: GatewayError, headers: Iterable[tuple[str, str]]) -> web.Response:
         """`error` in the shape of the API the client called."""

@@ -96,7 +96,7 @@ class Director:
         leaves the record to the transport."""
         open_after = False
         try:
-            ctx._facts = await read()
+            ctx.facts = await read()
             answer = await self._chain(ctx, transport)
             open_after = transport.follows
             return answer

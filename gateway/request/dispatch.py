@@ -144,8 +144,9 @@ def fitting_pools(adapter: LoraAdapter, pools: Sequence[Pool]) -> list[Pool]:
 
 
 def _others(pools: Sequence[Pool], exclude: Collection[str], endpoint: Endpoint) -> bool:
-    """Whether an endpoint besides `endpoint` (and those tried) could take the request."""
-    return any(e is not endpoint and e.id not in exclude for pool in pools for e in pool.servable())
+    """Whether an endpoint besides `endpoint` (and those tried) could take the request (asked on
+    every send: no `servable()` list built per pool)."""
+    return any(pool.serves_besides(endpoint, exclude) for pool in pools)
 
 
 def _crashed(model: str, crashes: int, detail: str) -> UpstreamError:

@@ -259,8 +259,9 @@ class Intake:
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.server.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise RequestTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+        length = request.content_length  # a property that parses the header: read once
+        if length is not None and length > limit:
+            raise RequestTooLarge(f"request body of {length} bytes exceeds the limit of {limit}")
         try:
             # bounded (deadline, size, budget, encoding) by gateway/http/bodies.py; the timer below is for
             # an app built without its middleware, and small bodies, which arrive with the headers

@@ -108,6 +108,8 @@ class GatewayMetrics:
         self._key_id_labels = labels_cfg.key_id
         self.guards: dict[str, LabelGuard] = {name: LabelGuard(labels_cfg.max_values) for name in _GUARDED_LABELS}
         self._series: dict[tuple[object, ...], _RecordSeries] = {}  # label tuple -> children, a shortcut
+        # (pool, reason) as given -> (the pool's label, the routes child): a shortcut like `_series`
+        self._route_series: dict[tuple[str, str], tuple[str, CounterChild]] = {}
         self._loras: frozenset[str] = frozenset()  # the policy's adapters (allow_label_values)
 
         genai_labels = ("gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model",
@@ -450,8 +452,17 @@ class GatewayMetrics:
         """One routing decision (a request may be routed again on retry). `estimated_hit_tokens`:
         prompt tokens the prefix index expects the chosen endpoint to have cached; `tier_tokens`: of
         them, those per KV tier in `KV_TIERS` order (`TierTokens.as_tuple()`)."""
-        pool = self.guards["pool"](pool)
-        self.routes.child(pool, self.guards["reason"](reason)).value += 1.0
+        found = self._route_series.get((pool, reason))
+        if found is None:  # through the label guards once per (pool, reason)
+            if len(self._route_series) >= _SERIES_CACHE_MAX:
+                self._route_series.clear()
+            label = self.guards["pool"](pool)
+            found = self._route_series[(pool, reason)] = (
+                label,
+                self.routes.child(label, self.guards["reason"](reason)),
+            )
+        pool, routes = found
+        routes.value += 1.0
         if prompt_tokens:
             self.routed_prompt_tokens.child(pool).value += prompt_tokens
             self.estimated_hit_tokens.child(pool).value += estimated_hit_tokens
@@ -533,6 +544,7 @@ class GatewayMetrics:
             if values is not None:
                 self.guards[name].allow(values)
         self._series.clear()
+        self._route_series.clear()
 
     # -- exposition ----------------------------------------------------------------------------
 

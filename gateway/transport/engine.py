@@ -284,10 +284,11 @@ class EngineTransport:
         response = outcome.response
         assert response is not None
         if not facts.stream:
+            out = response.headers  # a property of aiohttp's: read once, not per header
             for name, value in headers:
-                response.headers[name] = value
+                out[name] = value
             # what this answer cost the caller, priced by settle (policies' Price.cost_usd): docs/governance.md
-            response.headers["x-tokenway-cost-usd"] = f"{record.cost_usd:.9f}"
+            out["x-tokenway-cost-usd"] = f"{record.cost_usd:.9f}"
         return response
 
     def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:

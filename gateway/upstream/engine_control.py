@@ -85,13 +85,15 @@ def cap_output(body: dict[str, Any], api: ApiKind | str, limit: int, context_roo
     fields = OUTPUT_LIMIT_FIELDS.get(api)
     if not fields or limit <= 0:
         return
-    present = [name for name in fields if _count(body.get(name)) is not None]
+    present = False
+    for name in fields:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):  # _count, inlined: once per request
+            present = True
+            if value > limit:
+                body[name] = limit
     if not present:
         body[fields[-1]] = min(limit, context_room) if context_room is not None and context_room > 0 else limit
-        return
-    for name in present:
-        if body[name] > limit:
-            body[name] = limit
 
 
 def engine_body(

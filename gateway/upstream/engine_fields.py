@@ -3,11 +3,13 @@
 vLLM writes fields of its own into its answers; a strict client (one that refuses unknown fields)
 then refuses the answer. The relay (`relay.py`) takes them out after the gateway has read what it
 needs from them (usage, `kv_transfer_params`, `metrics`), and only touches an answer or a stream
-event that holds one (a substring test in C first, so most stream events are never parsed here).
+event that holds one: a stream event is tested for them as bytes first (one regex search in C, so most
+events are never parsed here); a non-streamed answer, parsed already, is looked at as a dict.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -27,15 +29,15 @@ _CHOICE_UNASKED = ("token_ids", "routed_experts")
 # a choice's message (or a chunk's delta): vLLM's `reasoning` (older versions: `reasoning_content`)
 # holds the reasoning parser's output; empty, it is one more unknown field
 _MESSAGE_UNASKED = ("reasoning", "reasoning_content")
-_ENGINE_MARKS = tuple(
-    f'"{name}"'.encode()
-    for name in (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED, *_MESSAGE_UNASKED)
-)
+_ENGINE_NAMES = (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED, *_MESSAGE_UNASKED)
+# any of the names as a JSON key ("name", quotes included): one pass of the regex engine over the
+# event, where a substring test per name scanned it a dozen times (about 4x the time for an event)
+_ENGINE_MARK = re.compile(b'"(?:' + b"|".join(re.escape(name.encode()) for name in _ENGINE_NAMES) + b')"')
 
 
 def carries_engine_fields(data: bytes) -> bool:
-    """Whether an answer or event may hold one of vLLM's own fields (a substring test, in C)."""
-    return any(mark in data for mark in _ENGINE_MARKS)
+    """Whether an answer or event may hold one of vLLM's own fields (as a quoted key, in C)."""
+    return _ENGINE_MARK.search(data) is not None
 
 
 def drop_engine_fields(answer: dict[str, Any]) -> bool:

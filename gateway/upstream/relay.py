@@ -197,11 +197,12 @@ open_stream = _post  # a streamed call whose answer the caller reads (a stream's
 
 
 async def _read_all(response: Response) -> bytes:
-    async with response:
-        try:
-            return await response.read()
-        except (UpstreamConnectionError, TimeoutError) as exc:
-            raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    try:  # `async with response` without its two coroutines: released however the read ends
+        return await response.read()
+    except (UpstreamConnectionError, TimeoutError) as exc:
+        raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        response.release()
 
 
 async def call_json(client: UpstreamClient, target: UpstreamTarget) -> dict[str, Any]:
@@ -247,7 +248,8 @@ async def relay_unary(
         renamed = target.served_model != target.public_model and "model" in parsed
         if renamed:
             parsed["model"] = target.public_model
-        if (carries_engine_fields(data) and drop_engine_fields(parsed)) or renamed:
+        # the parsed answer is at hand: a few dict look-ups, not the byte scan a stream's events get
+        if drop_engine_fields(parsed) or renamed:
             data = orjson.dumps(parsed)
     if price is not None and outcome.usage is not None:
         # opt-in: the translated answer is read back once more (only for callers shown their cost)
@@ -486,7 +488,7 @@ def relay_events(
             if not client_wants_usage:
                 continue
             if chunk is not None:
-                dropped = carries_engine_fields(event) and drop_engine_fields(chunk)
+                dropped = drop_engine_fields(chunk)  # parsed already: dict look-ups, no byte scan
                 if outcome.price is not None and outcome.usage is not None:
                     event = b"data: " + with_cost(chunk, outcome.usage, outcome.price, event[5:].strip())
                 elif dropped:

@@ -98,5 +98,7 @@ def worker_settings(
         replicas = replicas.model_copy(update={"id": f"{replicas.id}-w{index}"})
     state = state.model_copy(update={"replicas": replicas})
     ledger = group.ledger.model_copy(update={"file_prefix": f"{group.ledger.file_prefix}.w{index}"})
+    if private_redis_url is not None:  # the workers' files share one directory already: no copy in the private Redis
+        ledger = ledger.model_copy(update={"shared_stream": False})
     server = group.server.model_copy(update={"port": port, "workers": 1})
     return group.model_copy(update={"server": server, "state": state, "ledger": ledger, "pools": pools})

@@ -15,9 +15,12 @@ flow_control:
     preempt: false               # a request finding the pool full may cut a stream of a tenant over its share
     reserve_clear_lane: false    # with a reserve: those over their share start only where no prefill is
                                  # pending, and only while another endpoint with a free slot has none either
+    program_reserve_slots: 0     # per endpoint, inside a tenant with program fairness: a program over its
+                                 # share may not take the last N free slots while another program is light
   max_queued: 1024               # per pool, requests waiting in the gateway
   max_queued_bytes: 67108864     # per pool, their request bodies
   reserve_active_s: 60           # a tenant keeps its claim on the reserve (and its peak) this long
+  program_active_s: 10           # a program keeps its claim on the program reserve this long
   pools:
     llama: {saturation: {max_engine_waiting: 0}, max_queued: 256}
 ```
@@ -74,6 +77,16 @@ class SaturationConfig(_Strict):
             " another endpoint with a free slot has none pending either (policies/flow/reserve.py)"
         ),
     )
+    program_reserve_slots: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "per endpoint, inside a tenant with program fairness: a program over its share of the tenant's"
+            " requests in flight may not take an endpoint's last N free batch slots while another of the"
+            " tenant's programs is active and has nothing waiting (needs max_num_seqs;"
+            " policies/flow/program_reserve.py)"
+        ),
+    )
 
 
 class PoolFlowConfig(_Strict):
@@ -108,6 +121,11 @@ class FlowSettings(_Strict):
         default=60.0,
         gt=0,
         description="a tenant keeps its claim on the slot reserve this long after its last request (and its peak)",
+    )
+    program_active_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a program keeps its claim on the program slot reserve this long after its last request",
     )
     pools: dict[str, PoolFlowConfig] = Field(
         default_factory=dict, description="per pool: overrides of saturation and the room sizes"

@@ -11,11 +11,11 @@ what must still go out at close (`_pending`), and how a flush runs (`_flush`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
+from backends.tasks import cancel_and_wait
 from policies.limits.scriptpipe import ScriptPipe
 
 
@@ -89,9 +89,7 @@ class BatchedFlush(ABC):
 
     async def close(self) -> None:
         if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+            await cancel_and_wait([self._refresher], what="flow counters refresher")
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None

@@ -52,6 +52,7 @@ class SaturationLimits:
     reserve_avoid_prefills: bool = True
     preempt: bool = False  # policies.flow.preempt
     reserve_clear_lane: bool = False  # policies.flow.reserve.clear_lane
+    program_reserve_slots: int = 0  # policies.flow.program_reserve: per endpoint, inside a tenant
 
     @property
     def reserve(self) -> ReserveSize:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from backends.tasks import cancel_and_wait
 from policies.keys.index import KeyIndex, follow, poll
 from policies.keys.records import (
     MAX_OVERRIDE_S,
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 SECRET_PREFIX = "tw-"
 FLUSH_INTERVAL_S = 10.0  # last-use times are written this often
 MAX_OVERRIDES = 1000  # live temporary overrides at once
-STOP_ATTEMPTS, STOP_WAIT_S = 20, 0.25  # cancellations of the background tasks at stop, and the wait after each
 
 
 class DirectoryError(Exception):
@@ -82,18 +82,7 @@ class KeyDirectory(KeyIndex):
         """Cancel the background tasks, again while one is still running: a cancellation that
         lands while redis-py reads under its own timeout can be swallowed (asyncio.timeout on
         Python 3.11), and the subscriber would then listen on, holding shutdown forever."""
-        pending = set(self._tasks)
-        for _ in range(STOP_ATTEMPTS):
-            if not pending:
-                break
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=STOP_WAIT_S)
-        if pending:
-            log.warning("%d key directory task(s) ignored cancellation; left behind", len(pending))
-        for task in self._tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: a crash of a finished loop is not logged again at exit
+        await cancel_and_wait(self._tasks, what="key directory")
         self._tasks.clear()
         with contextlib.suppress(Exception):
             await self.flush()

@@ -44,7 +44,10 @@ def test_kill_9_of_the_gateway_leaves_no_process_behind(
     gateway_factory: Callable[..., Gateway], sim_factory: Callable[..., SimEngines]
 ) -> None:
     engines = sim_factory(count=1, served_model_name="llama-3.1-8b")
-    gateway = gateway_factory(pools=[static_pool("llama", "llama-3.1-8b", engines.urls)])
+    # the product's default worker, named: the test gateways train in a thread otherwise (tests/support/procs.py)
+    gateway = gateway_factory(
+        pools=[static_pool("llama", "llama-3.1-8b", engines.urls)], predictor={"worker": "process"}
+    )
     deadline = time.monotonic() + 60
     started: list[int] = []
     while time.monotonic() < deadline and len(started) < 2:  # the training worker and the resource tracker

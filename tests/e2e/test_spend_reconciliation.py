@@ -8,6 +8,7 @@ the gateway's back, shows up as drift on `/admin/status` and in `tokenway_spend_
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ POLICY: dict[str, Any] = {
     "budgets": [{"id": "k2-day", "scope": "key", "match": {"key": "k2"}, "usd_per_day": 0.02}],
 }
 FAST = {"reconcile": {"interval_s": 0.2, "tolerance_usd": 1e-6, "tolerance_ratio": 0.0}}
+REQUESTS = 12  # made by `mixed_load`: each leaves one ledger record (answered, aborted or refused)
 
 
 def reconciliation(gw: Gateway) -> dict[str, Any]:
@@ -46,17 +48,36 @@ def reconciliation(gw: Gateway) -> dict[str, Any]:
     return found
 
 
-def ledger_total(gws: list[Gateway]) -> float:
-    total = 0.0
+def ledger_records(gws: list[Gateway]) -> list[dict[str, Any]]:
+    """The records in the gateways' ledger files: whole lines only (the writer may be mid-line)."""
+    records = []
     for gw in gws:
         for path in Path(gw.workdir, "var", "usage").glob("*.jsonl"):
-            total += sum(float(json.loads(line).get("cost_usd") or 0) for line in path.read_text().splitlines())
-    return total
+            data = path.read_bytes()
+            records += [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
+    return records
+
+
+def ledger_total(gws: list[Gateway]) -> float:
+    return sum(float(record.get("cost_usd") or 0) for record in ledger_records(gws))
+
+
+def load_recorded(gws: list[Gateway]) -> float:
+    """The wall clock once every request of `mixed_load` is in the ledgers' files: a reconciliation
+    computed before then may agree with ledgers that lack the last request's record, because its
+    counters did not hold that request yet either (a stream's charge and record come after the
+    client has read its last chunk)."""
+    wait_for(
+        lambda: len(ledger_records(gws)) >= REQUESTS,
+        timeout_s=20,
+        what=lambda: f"{REQUESTS} ledger records, found {len(ledger_records(gws))}",
+    )
+    return time.time()
 
 
 def mixed_load(urls: list[str]) -> None:
     """Answers, streams, streams left after their first chunk, and budget refusals, spread over `urls`."""
-    for i in range(12):
+    for i in range(REQUESTS):
         base = urls[i % len(urls)]
         key = TEST_KEY if i % 3 else OTHER_KEY
         client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
@@ -90,9 +111,12 @@ def mixed_load(urls: list[str]) -> None:
             client.close()
 
 
-def agreed(gw: Gateway, gws: list[Gateway]) -> dict[str, Any] | None:
-    """The reconciliation once it has seen both keys and every record, with no drift."""
+def agreed(gw: Gateway, gws: list[Gateway], since: float) -> dict[str, Any] | None:
+    """The reconciliation once it has seen both keys and every record, with no drift: one computed
+    after `since` (`/admin/status` shows the last tick's, which may be older than the load's end)."""
     found = reconciliation(gw)
+    if (found.get("checked_at_unix_s") or 0) <= since:
+        return None
     day = (found.get("periods") or {}).get("day")
     if not day or day["keys"] != 2:
         return None
@@ -114,7 +138,10 @@ def engines(sim_factory: Callable[..., SimEngines]) -> SimEngines:
 def test_memory_books_agree_after_mixed_load(engines: SimEngines, gateway_factory: Callable[..., Gateway]) -> None:
     gw = gateway_factory(pools=[static_pool("p", LLAMA, engines.urls)], policies=POLICY, ledger=FAST)
     mixed_load([gw.base_url])
-    found = wait_for(lambda: agreed(gw, [gw]), timeout_s=20)
+    since = load_recorded([gw])
+    found = wait_for(
+        lambda: agreed(gw, [gw], since), timeout_s=20, what=lambda: f"agreeing books: {reconciliation(gw)}"
+    )
     assert found is not None, reconciliation(gw)
     assert found["store"] == "memory" and found["over_tolerance"] == []
     assert found["periods"]["month"]["drift_usd"] < 1e-9
@@ -172,8 +199,13 @@ def test_redis_books_agree_across_two_gateways_and_a_bumped_counter_shows(
         for _ in range(2)
     ]
     mixed_load([gw.base_url for gw in gws])
+    since = load_recorded(gws)
     for gw in gws:  # each compares the cluster's counters with both gateways' ledgers
-        found = wait_for(lambda gw=gw: agreed(gw, gws), timeout_s=20)  # type: ignore[misc]
+        found = wait_for(
+            lambda gw=gw: agreed(gw, gws, since),  # type: ignore[misc]
+            timeout_s=20,
+            what=lambda gw=gw: f"agreeing books: {reconciliation(gw)}",  # type: ignore[misc]
+        )
         assert found is not None, reconciliation(gw)
         assert found["store"] == "redis" and found["over_tolerance"] == []
 

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
 from gateway.upstream.client import CallWatch, UpstreamClient
-from gateway.upstream.engine_fields import drop_engine_fields
+from gateway.upstream.engine_fields import _ENGINE_NAMES, carries_engine_fields, drop_engine_fields
 from gateway.upstream.relay import (
     RelayOutcome,
     RetryableUpstream,
@@ -252,6 +252,15 @@ def test_an_anthropic_messages_own_stop_reason_stays() -> None:
     responses: dict[str, Any] = {"object": "response", "output": [], "input_messages": None, "ec_transfer_params": None}
     assert drop_engine_fields(responses) and responses == {"object": "response", "output": []}
     assert not drop_engine_fields({"choices": "not a list"})
+
+
+def test_an_event_is_looked_at_only_when_it_names_an_engine_field_as_a_key() -> None:
+    event = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"stop_reason token_ids"}}]}'
+    assert not carries_engine_fields(event)  # the names as words of the text, not as keys
+    for name in _ENGINE_NAMES:
+        quoted = f'"{name}"'.encode()
+        assert carries_engine_fields(event[:20] + quoted + b":null," + event[20:]), name
+        assert not carries_engine_fields(event[:20] + quoted[:-1] + b'x":null,' + event[20:]), name
 
 
 async def test_a_streams_engine_fields_are_taken_out_of_its_events(upstream: tuple[Upstream, str]) -> None:

@@ -341,3 +341,5 @@ async def test_bad_urls_and_headers() -> None:
             await client.post("ftp://example.org/x", {}, b"")
         with pytest.raises(ValueError, match="line break"):
             await client.post("http://127.0.0.1:1/x", {"x-request-id": "a\r\nInjected: 1"}, b"")
+        with pytest.raises(ValueError, match="line break"):
+            await client.post("http://127.0.0.1:1/x", {"x-request-id": "a", "x-a\nb": "1"}, b"")

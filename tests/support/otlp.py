@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from aiohttp import web
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+
+# aiohttp and the OTLP messages are imported by the fixture: tests/conftest.py registers it in every
+# pytest process (pytest-xdist's controller too), and most never start a receiver.
+if TYPE_CHECKING:
+    from aiohttp import web
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
 @dataclass
@@ -46,6 +44,16 @@ class Receiver:
 
 @pytest.fixture
 async def receiver() -> AsyncIterator[Receiver]:
+    from aiohttp import web
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+        ExportMetricsServiceResponse,
+    )
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
+
     found = Receiver(url="")
 
     async def traces(request: web.Request) -> web.Response:

@@ -32,8 +32,6 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.policy import hash_key
-
 REPO = Path(__file__).resolve().parents[2]
 TEST_KEY = "sk-tokenway-test-0001"
 OTHER_KEY = "sk-tokenway-test-0002"
@@ -412,6 +410,10 @@ def policies_doc(
     **extra: Any,
 ) -> dict[str, Any]:
     """A policies.yaml document with a test tenant and two keys (TEST_KEY, OTHER_KEY)."""
+    # imported here: tests/conftest.py imports this module in every pytest process, pytest-xdist's
+    # controller included, and `policies` brings pydantic and numpy (most of a second of CPU there)
+    from policies.policy import hash_key
+
     return {
         "tenants": tenants if tenants is not None else {"t1": {}, "t2": {"models": ["llama-3.1-8b"]}},
         "keys": keys
@@ -453,6 +455,19 @@ class Gateway:
         return stop_process(self.proc, sig)
 
 
+def _predictor_section(given: Any) -> Any:
+    """The test's `predictor` section, training in a thread unless it names its worker. The product's
+    default worker is a spawned process whose warm-up (a second interpreter importing XGBoost) the
+    gateway awaits before its port answers: about 0.7 s of CPU, 1-3 s of wall and a slower stop on
+    every gateway a test starts, for a process most tests never send a job. Tests of that process set
+    `worker: process` themselves (tests/e2e/test_process_lifetime.py)."""
+    if given is None:
+        return {"worker": "thread"}
+    if isinstance(given, dict):
+        return {"worker": "thread", **given}
+    return given
+
+
 def start_gateway(
     workdir: Path,
     *,
@@ -467,10 +482,12 @@ def start_gateway(
     `epp`) on a free port.
 
     `sections` are extra top-level gateway.yaml sections (server overrides merge into `server`).
+    The predictor trains in a thread unless the test sets `predictor.worker` (see `_predictor_section`).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     server = {"host": "127.0.0.1", "port": port, "drain_timeout_s": 5, **sections.pop("server", {})}
+    sections["predictor"] = _predictor_section(sections.get("predictor"))
     config = {"server": server, "policies": "policies.yaml", "pools": pools, **sections}
     (workdir / "policies.yaml").write_text(yaml.safe_dump(policies or policies_doc(), sort_keys=False))
     config_path = workdir / "gateway.yaml"

@@ -501,7 +501,9 @@
 
   // ------------------------------------------------------------------ usage
   async function usagePage() {
-    page.append(el("h1", {}, "Spend and usage"), el("p", { class: "muted" }, "From this replica's usage ledger."), teamNote("Requests"));
+    // where the records came from, said after each load: every replica's (the ledger's stream) or this one's files
+    const origin = el("p", { class: "muted", id: "usage-origin" }, "From the usage ledger.");
+    page.append(el("h1", {}, "Spend and usage"), origin, teamNote("Requests"));
     const range = el("select", { id: "usage-range" }, ["1h", "6h", "24h", "7d", "30d"].map((r) => el("option", { value: r, selected: r === "24h" }, r)));
     const by = el("select", { id: "usage-by" }, ["tenant", "key", "model", "pool", "tenant,model", "key,model", "tenant,pool", "model,pool"].map((b) => el("option", { value: b }, b)));
     const go = el("button", { id: "usage-go" }, "Show");
@@ -518,6 +520,7 @@
     });
     async function load() {
       const doc = await api("GET", `/admin/usage?since=${encodeURIComponent(range.value)}&by=${encodeURIComponent(by.value)}`);
+      origin.textContent = usageOrigin(doc);
       for (const c of charts) c.destroy();
       charts = [];
       chartCard.replaceChildren();
@@ -554,6 +557,16 @@
     }
     go.addEventListener("click", () => load().catch((e) => { if (!quiet(e)) chartCard.replaceChildren(errorBox(e)); }));
     await load();
+  }
+
+  // a partial answer says so: a stream trimmed by its cap, or unreachable (this replica's files instead)
+  function usageOrigin(doc) {
+    if (doc.source === "redis-stream") {
+      const since = doc.covers_since ? ` It holds records from ${fmt.time(doc.covers_since)} UTC on: older ones were trimmed by its cap.` : "";
+      return "Every replica's records, from the ledger's Redis stream." + since;
+    }
+    const failed = doc.stream_error ? ` The ledger's Redis stream did not answer (${doc.stream_error}): every replica's records are not shown.` : "";
+    return "This replica's records, from its ledger files." + failed;
   }
 
   function share(part, whole) { return whole > 0 ? (100 * part / whole).toFixed(1) + " %" : "–"; }

@@ -128,13 +128,22 @@ async def create(store: DiskBatchStore, file: FileMeta, expires_in_s: float = 86
 
 
 class Harness:
-    def __init__(self, tmp_path: Path, script: Script = ok, settings: BatchSettings = SETTINGS, waiting: int = 0):
-        self.store = DiskBatchStore(tmp_path / "batch")
+    def __init__(
+        self,
+        tmp_path: Path,
+        script: Script = ok,
+        settings: BatchSettings = SETTINGS,
+        waiting: int = 0,
+        *,
+        store: DiskBatchStore | None = None,
+        walk: type[Walk] = Walk,
+    ):
+        self.store = store or DiskBatchStore(tmp_path / "batch")
         self.fleet = fleet()
         self.waiting = waiting
         limits = settings.spare.limits(settings.runner.max_lines_per_endpoint)
         self.capacity = BatchCapacity(self.fleet, limits, waiting=lambda pool: self.waiting)
-        self.walk = Walk(self.fleet, self.capacity.load, script)
+        self.walk = walk(self.fleet, self.capacity.load, script)
         self.runner = BatchRunner(self.store, settings, policy_holder(), self.capacity, self.walk)
 
     async def __aenter__(self) -> Harness:
@@ -276,6 +285,73 @@ async def test_a_line_cancelled_before_its_first_step_gives_its_claim_back(tmp_p
         assert done.final_counts is not None and done.final_counts[0] == 3
     finally:
         await h.runner.stop()
+        await h.store.close()
+
+
+class StoreDroppingOneCancel(DiskBatchStore):
+    """The disk store with one fault: its first `active_batches` waits until it is cancelled, then
+    drops the cancel and answers. redis-py does this on Python 3.11 (each socket write runs under
+    `asyncio.wait_for`, which returns the result when a cancel lands as the write completes): a
+    runner's tick then goes on after `stop` cancelled it."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.waiting = asyncio.Event()
+        self.dropped = 0
+
+    async def active_batches(self) -> list[str]:
+        found = await super().active_batches()
+        if not self.waiting.is_set():
+            self.waiting.set()
+            try:
+                await asyncio.Event().wait()  # until cancelled
+            except asyncio.CancelledError:
+                self.dropped += 1
+        return found
+
+
+class WalkDroppingOneCancel(Walk):
+    """A walk whose line, cancelled while it waits, drops that cancel and waits again (an HTTP
+    client that swallows a cancel the way `asyncio.wait_for` does on Python 3.11)."""
+
+    dropped = 0
+
+    async def __call__(self, line: LineRequest) -> LineAnswer:
+        try:
+            return await super().__call__(line)
+        except asyncio.CancelledError:
+            self.dropped += 1
+            return await super().__call__(line)
+
+
+async def test_stop_ends_the_runner_when_a_store_call_drops_its_cancel(tmp_path: Path) -> None:
+    store = StoreDroppingOneCancel(tmp_path / "batch")
+    h = Harness(tmp_path, store=store)
+    await h.runner.start()
+    try:
+        # a ceiling, checked after: its cancel reaches the runner's task through `stop`'s await too
+        async with asyncio.timeout(30) as ceiling:
+            await store.waiting.wait()
+            await h.runner.stop()
+        assert not ceiling.expired() and store.dropped == 1
+    finally:
+        await store.close()
+
+
+async def test_stop_ends_lines_that_drop_their_cancel_and_gives_their_claims_back(tmp_path: Path) -> None:
+    h = Harness(tmp_path, walk=WalkDroppingOneCancel)
+    h.walk.gate.clear()  # lines start and wait
+    await h.runner.start()
+    try:
+        batch = await create(h.store, await upload(h.store, tmp_path, 4))
+        await eventually(lambda: asyncio.sleep(0, len(h.walk.calls)), lambda n: n >= 4)
+        async with asyncio.timeout(30) as ceiling:
+            await h.runner.stop()
+        assert not ceiling.expired()
+        assert isinstance(h.walk, WalkDroppingOneCancel) and h.walk.dropped == 4
+        assert h.runner.lines_in_flight == 0 and h.capacity.load.lines == 0
+        assert await h.store.held(batch.id) == 0  # claimed again after a restart, not held by a dead lease
+    finally:
         await h.store.close()
 
 

@@ -34,7 +34,6 @@ def test_backoff_doubles_from_the_tick_up_to_its_ceiling() -> None:
 
 
 @pytest.mark.redis
-@pytest.mark.serial  # hangs now and then under the parallel end-to-end run: cause not yet found
 async def test_a_redis_outage_is_logged_once_and_the_runner_recovers(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -99,3 +99,86 @@ async def test_an_unreachable_stream_raises_for_the_caller_to_fall_back() -> Non
     config = RedisStreamConfig(url="redis://127.0.0.1:1/0", stream="s", timeout_s=0.5)
     with pytest.raises(redis.RedisError):
         await TenantSpend(Path("/nonexistent"), config, clock=Clock()).of({"web"})
+
+
+async def test_a_refresh_reads_only_what_was_added_and_a_new_month_reads_all_again(tmp_path: Path) -> None:
+    clock = Clock()
+    write_ledger(tmp_path, ENTRIES)
+    spend = TenantSpend(tmp_path, None, ttl_s=10.0, clock=clock)
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.5, "month": 0.75}
+    today = tmp_path / f"ledger-{datetime.fromtimestamp(NOW, UTC):%Y%m%d}-0.jsonl"
+    text = today.read_bytes()
+    today.write_bytes(text.replace(b'"cost_usd":0.5', b'"cost_usd":0.9'))  # a read record changed in place
+    write_ledger(tmp_path, [entry(6, "web", 2.0, NOW - 1)])
+    clock.now_s = NOW + 11
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 2.5, "month": 2.75}  # only the new bytes were read
+    clock.now_s = DAY + 86_400 + 1  # a new day of the month: its sums go on, the day's from zero
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.0, "month": 2.75}
+    write_ledger(tmp_path, [entry(7, "web", 0.0625, DAY + 86_400 + 0.5)])
+    clock.now_s = DAY + 86_400 + 12
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.0625, "month": 2.8125}
+    next_month = datetime(2027, 1, 1, 0, 0, 30, tzinfo=UTC).timestamp()
+    write_ledger(tmp_path, [entry(8, "web", 0.5, next_month - 1)])
+    clock.now_s = next_month  # a new month: one whole scan of it
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.5, "month": 0.5}
+
+
+async def test_a_record_still_being_written_is_counted_once_when_whole(tmp_path: Path) -> None:
+    clock = Clock()
+    write_ledger(tmp_path, ENTRIES)
+    spend = TenantSpend(tmp_path, None, ttl_s=10.0, clock=clock)
+    await spend.of({"bid"})
+    today = tmp_path / f"ledger-{datetime.fromtimestamp(NOW, UTC):%Y%m%d}-0.jsonl"
+    line = orjson.dumps(entry(7, "bid", 4.0, NOW - 2)) + b"\n"
+    with today.open("ab") as f:
+        f.write(line[:20])  # the writer's group is half on disk
+    clock.now_s = NOW + 11
+    assert (await spend.of({"bid"}))[0]["bid"]["day"] == 1.0
+    with today.open("ab") as f:
+        f.write(line[20:])
+    clock.now_s = NOW + 22
+    assert (await spend.of({"bid"}))[0]["bid"]["day"] == 5.0
+    clock.now_s = NOW + 33
+    assert (await spend.of({"bid"}))[0]["bid"]["day"] == 5.0
+
+
+async def test_a_file_replaced_by_a_shorter_one_is_read_again_whole(tmp_path: Path) -> None:
+    clock = Clock()
+    write_ledger(tmp_path, ENTRIES)
+    spend = TenantSpend(tmp_path, None, ttl_s=10.0, clock=clock)
+    assert (await spend.of({"web"}))[0]["web"]["month"] == 0.75
+    today = tmp_path / f"ledger-{datetime.fromtimestamp(NOW, UTC):%Y%m%d}-0.jsonl"
+    today.write_bytes(orjson.dumps(entry(8, "web", 0.125, NOW - 3)) + b"\n")
+    clock.now_s = NOW + 11
+    assert (await spend.of({"web"}))[0]["web"] == {"day": 0.125, "month": 0.375}
+
+
+@pytest.mark.redis
+async def test_the_stream_is_read_on_from_the_last_entry_and_a_trimmed_gap_is_said(
+    redis_url: str, redis_prefix: str
+) -> None:
+    stream = f"{redis_prefix}:usage"
+    client = redis.Redis.from_url(redis_url)
+    clock = Clock()
+    try:
+        for item in sorted(ENTRIES, key=lambda e: e["ts"]):
+            client.xadd(stream, {"record": orjson.dumps(item)}, id=f"{int(item['ts'] * 1000)}-0")
+        spend = TenantSpend(Path("/nonexistent"), RedisStreamConfig(url=redis_url, stream=stream), clock=clock)
+        spend.ttl_s = 10.0
+        assert (await spend.of({"web"}))[0]["web"] == {"day": 0.5, "month": 0.75}
+        client.xadd(stream, {"record": orjson.dumps(ENTRIES[2])}, id=f"{int(NOW * 1000)}-1")  # re-delivered later
+        client.xadd(stream, {"record": orjson.dumps(entry(9, "web", 1.5, NOW + 1))}, id=f"{int(NOW * 1000) + 1000}-0")
+        clock.now_s = NOW + 11
+        spent, about = await spend.of({"web", "bid"})
+        assert spent == {"web": {"day": 2.0, "month": 2.25}, "bid": {"day": 1.0, "month": 1.0}}
+        assert "covers_since" not in about
+        for n in range(3):  # more than the cap between two reads: the entry last read is trimmed away
+            stamp = int(NOW * 1000) + 2000 + n
+            client.xadd(stream, {"record": orjson.dumps(entry(10 + n, "bid", 0.25, stamp / 1000))}, id=f"{stamp}-0")
+        client.xtrim(stream, maxlen=2, approximate=False)
+        clock.now_s = NOW + 22
+        spent, about = await spend.of({"bid"})
+        assert spent["bid"]["day"] == 1.5 and about["covers_since"] == (int(NOW * 1000) + 2001) / 1000
+    finally:
+        client.delete(stream)
+        client.close()

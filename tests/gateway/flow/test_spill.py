@@ -53,10 +53,17 @@ def two_pools(owned: str, hosted: str) -> Fleet:
     return built
 
 
-def spill_gate(the_fleet: Fleet, spill: dict[str, Any] | None = None, tenant: dict[str, Any] | None = None) -> Gate:
+def spill_gate(
+    the_fleet: Fleet,
+    spill: dict[str, Any] | None = None,
+    tenant: dict[str, Any] | None = None,
+    max_queue_ms: float | None = None,
+) -> Gate:
     doc = policy().config.model_dump(mode="json")
     doc["spill"] = {"max_wait_ms": 20, **(spill or {})}
     doc["tenants"]["t"]["spill"] = tenant or {}
+    if max_queue_ms is not None:  # the `normal` band's wait before its 429 (default 10 s)
+        doc["flow_control"] = {"bands": {"normal": {"max_queue_ms": max_queue_ms, "on_timeout": 429}}}
     queue = FlowQueue(MemoryCounters(), recheck_s=0.01)
     holder = PolicyHolder(Policy(PoliciesConfig.model_validate(doc)))
     checks: list[Check] = [Spill(queue, holder, the_fleet), Saturation(queue, SETTINGS)]
@@ -126,7 +133,7 @@ async def test_a_tenant_that_may_not_spill_waits_for_owned_capacity(engines: lis
 
 async def test_a_tenant_over_its_spill_cap_stays_home(engines: list[str]) -> None:
     the_fleet = two_pools(*engines)
-    gate = spill_gate(the_fleet, tenant={"usd_per_day": 1.0})
+    gate = spill_gate(the_fleet, tenant={"usd_per_day": 1.0}, max_queue_ms=300)
     spill = gate.checks[0]
     assert isinstance(spill, Spill)
     walk = build(the_fleet, gate=gate)

@@ -49,6 +49,10 @@ def test_memory_state_moves_to_the_private_redis_and_per_process_things_stay_apa
     assert first.state.keys_db == second.state.keys_db == "var/k.sqlite3"  # each writes what it changes
     assert {first.state.replicas.id, second.state.replicas.id} == {"gw-w0", "gw-w1"}
     assert {first.ledger.file_prefix, second.ledger.file_prefix} == {"usage.w0", "usage.w1"}
+    # their ledger files share a directory: no copy of every record in the private Redis
+    assert first.ledger.stream(first.state) is None
+    revalidated = GatewaySettings.model_validate(first.model_dump())  # as the worker process reads it
+    assert revalidated.ledger.stream(revalidated.state) is None
 
 
 def test_a_configured_redis_is_kept() -> None:
@@ -57,6 +61,8 @@ def test_a_configured_redis_is_kept() -> None:
     )
     worker = worker_settings(group, 1, port=1, pools=list(group.pools), private_redis_url=None)
     assert worker.state.redis_url == "redis://10.0.0.2:6379/0" and worker.state.replicas.id is None
+    stream = worker.ledger.stream(worker.state)  # the cluster's records meet on the state's Redis
+    assert stream is not None and stream.url == "redis://10.0.0.2:6379/0" and stream.stream == "tokenway:usage"
 
 
 def test_autoscaled_pools_are_refused_and_auto_counts_cores() -> None:
