@@ -1,6 +1,7 @@
 """Agent programs on a saturated pool: request-level fairness and program-fair queueing side by side.
 
     .venv/bin/python -m bench.agents [--seeds 1,2,3] [--time-scale 1] [--quick]
+    .venv/bin/python -m bench.agents --modes program-reserve-2 --solo-from RAW  # rerun some modes
 
 1. Two simulated Llama-3.1-8B@H100 engines (`--max-num-seqs 8`: 16 batch slots), flow control
    holding what they cannot start now (`max_engine_waiting: 0`), one tenant.
@@ -312,6 +313,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, fewer turns (smoke run; numbers are noisy)")
     parser.add_argument("--out", type=Path, default=RESULTS / "agents.md")
     parser.add_argument("--raw", type=Path, default=None, help="also write every program and call here (JSON)")
+    parser.add_argument(
+        "--solo-from",
+        type=Path,
+        default=None,
+        help="take the solo runs from this raw JSON (same seeds and options) instead of running them again:"
+        " a rerun of some modes is then read against the same solo times as the run it completes",
+    )
     parser.add_argument("--report-only", type=Path, default=None, help="re-render a raw JSON file")
     args = parser.parse_args()
     if args.report_only is not None:
@@ -326,7 +334,13 @@ def main() -> None:
     builder = PromptBuilder(seeds[0])
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tokenway-agents-") as tmp:
-        results["solo"] = run_mode("solo", Path(tmp), runs, builder, args)
+        if args.solo_from is not None:
+            earlier = json.loads(args.solo_from.read_text())
+            if {int(seed) for seed in earlier["runs"]["solo"]} != set(seeds):
+                raise SystemExit(f"{args.solo_from}: its solo runs are of other seeds")
+            results["solo"] = earlier["runs"]["solo"]
+        else:
+            results["solo"] = run_mode("solo", Path(tmp), runs, builder, args)
         for mode in args.modes.split(","):
             results[mode] = run_mode(mode, Path(tmp), runs, builder, args)
     raw = {

@@ -415,13 +415,15 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     flow_metrics.set_status(queue.status)
     bus = app[appkeys.REPLICAS]
-    if bus is not None:  # the slot reserve judges from every replica's tenants, not this one's alone
+    if bus is not None:  # the slot reserves judge from every replica's tenants and programs, not this one's alone
         bus.activity = queue.activity
+        bus.programs = queue.program_activity
     app[appkeys.FLOW_SETTINGS] = flow
     app[appkeys.FLOW] = queue
     yield
     if bus is not None:
         bus.activity = None
+        bus.programs = None
     await counters.close()
     await programs.close()
 

@@ -7,7 +7,8 @@ returns; nothing per request touches Redis. Two tasks do the rest:
   replica's load on a shared endpoint or its tenants' activity) or a heartbeat is due, appends one
   batch to the stream (`XADD ... MAXLEN ~ stream_max_len`): its full load report (and, once flow
   control shares its `Activity`, each active tenant's requests in flight, waiting and recent peak:
-  what the slot reserve reads) and the block keys and session of every dispatch since the last batch;
+  what the slot reserve reads, and each active program's requests in flight and waiting: what the
+  program slot reserve reads) and the block keys and session of every dispatch since the last batch;
 - the reader blocks on `XREAD` from the last entry it saw, skips its own entries (by the entry's
   `r` field, before decoding: under load most entries a replica reads are its own), replaces each
   peer's load report, records their dispatches in the prefix index and session table, and drops
@@ -46,7 +47,18 @@ from backends.tasks import cancel_and_wait
 from backends.types import Endpoint
 from gateway.app.schema import ReplicasSettings
 from gateway.replicas.view import RemoteLoads
-from gateway.replicas.wire import Batch, Dispatch, Load, MalformedBatch, TenantLoad, ToolGap, ToolNote, decode, encode
+from gateway.replicas.wire import (
+    Batch,
+    Dispatch,
+    Load,
+    MalformedBatch,
+    ProgramLoad,
+    TenantLoad,
+    ToolGap,
+    ToolNote,
+    decode,
+    encode,
+)
 from policies.limits.resp import command
 from policies.limits.scriptpipe import ScriptPipe, script_pipeline
 from policies.routing.pipeline import ScoringRouter
@@ -66,6 +78,16 @@ class SharedActivity(Protocol):
     def report(self) -> list[TenantLoad]: ...
 
     def set_remote(self, replica: str, rows: Iterable[TenantLoad]) -> None: ...
+
+    def drop_remote(self, replica: str | None = None) -> None: ...
+
+
+class SharedPrograms(Protocol):
+    """Per-program activity shared between replicas (`gateway.flow.program_activity.ProgramActivity`)."""
+
+    def report(self) -> list[ProgramLoad]: ...
+
+    def set_remote(self, replica: str, rows: Iterable[ProgramLoad]) -> None: ...
 
     def drop_remote(self, replica: str | None = None) -> None: ...
 
@@ -93,6 +115,7 @@ class ReplicaBus:
         self.clock = clock
         self.remote = RemoteLoads(settings.advanced.ttl_s, self._shared_endpoint)
         self.activity: SharedActivity | None = None  # flow control's, once its context has set it
+        self.programs: SharedPrograms | None = None  # flow control's program activity, likewise
         self._redis_url = redis_url
         self._pending: deque[tuple[str, HashedPrompt, str | None]] = deque(
             maxlen=settings.advanced.max_pending_dispatches
@@ -194,6 +217,8 @@ class ReplicaBus:
                 endpoint.inflight.set_remote(0, 0, 0)
         if self.activity is not None:
             self.activity.drop_remote()
+        if self.programs is not None:
+            self.programs.drop_remote()
 
     # -- publishing --------------------------------------------------------------------------------
 
@@ -229,15 +254,18 @@ class ReplicaBus:
         interval_s = self.settings.advanced.publish_interval_ms / 1000.0
         reported: list[Load] | None = None
         reported_tenants: list[TenantLoad] | None = None
+        reported_programs: list[ProgramLoad] | None = None
         reported_at_s = float("-inf")
         while True:
             await asyncio.sleep(interval_s)
             now_s = self.clock()
             loads = self._local_loads()
             tenants = self.activity.report() if self.activity is not None else None
+            programs = self.programs.report() if self.programs is not None else None
             report = (
                 loads != reported
                 or tenants != reported_tenants
+                or programs != reported_programs
                 or now_s - reported_at_s >= self.settings.advanced.heartbeat_s
             )
             dispatches = self._take_dispatches()
@@ -252,6 +280,7 @@ class ReplicaBus:
                 tenants if report else None,
                 notes,
                 gaps,
+                programs=programs if report else None,
             )
             try:
                 assert self._writer is not None
@@ -271,6 +300,7 @@ class ReplicaBus:
             self.dispatches_published += len(dispatches)
             if report:
                 reported, reported_tenants, reported_at_s = loads, tenants, now_s
+                reported_programs = programs
 
     async def _xadd(self, payload: bytes) -> None:
         """One entry: over the raw pipe (the command encoded here, no redis-py per batch: under load
@@ -326,6 +356,8 @@ class ReplicaBus:
         for replica in self.remote.expire(now_s):
             if self.activity is not None:
                 self.activity.drop_remote(replica)
+            if self.programs is not None:
+                self.programs.drop_remote(replica)
 
     def _apply(self, fields: Any, now_s: float, *, live: bool) -> bool:
         if not isinstance(fields, dict):
@@ -351,6 +383,8 @@ class ReplicaBus:
                 self.remote.report(batch.replica, batch.loads)
             if batch.tenants is not None and self.activity is not None:
                 self.activity.set_remote(batch.replica, batch.tenants)
+            if batch.programs is not None and self.programs is not None:
+                self.programs.set_remote(batch.replica, batch.programs)
         for endpoint_id, keys, session in batch.dispatches:
             endpoint = self._shared_endpoint(endpoint_id)
             if endpoint is not None:

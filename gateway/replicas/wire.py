@@ -5,13 +5,16 @@ the publisher's id as well, so a reader skips its own entries without decoding t
      "l": [[endpoint id, requests, prefill tokens, decode tokens], ...]   # present: a full load report
      "d": [[endpoint id, [block key, ...], session or None], ...]         # dispatches since the last batch
      "t": [[pool, tenant, band, weight, in flight, waiting, peak, claimed], ...],  # with "l": its active tenants
+     "p": [[pool, tenant, program, in flight, waiting], ...],             # with "l": its active programs
      "n": [[tenant, program, endpoint id, prefix tokens, age ms], ...],   # tool-call answers since the last batch
      "g": [[tenant, program, gap ms], ...]}                                # returns from a tool call dispatched
 
 A load report is the replica's whole share on every shared endpoint (an endpoint left out has none
 of its requests), so a report replaces the previous one and nothing accumulates when one is lost;
 the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads;
-`claimed`, slots preemption cut for the tenant and not yet taken, may be left out: 0).
+`claimed`, slots preemption cut for the tenant and not yet taken, may be left out: 0), and for its
+programs' activity (`gateway.flow.program_activity`: what the program slot reserve reads; a batch
+without "p" from a replica that never shares it leaves nothing behind).
 A tool-call note carries its age when published (ms on the publisher's clock), not a time: replicas'
 clocks need not agree, and the reader dates it on its own clock less that age (the stream's transit,
 milliseconds, is not counted). Decoding checks every type: an entry is read from a store other
@@ -31,6 +34,7 @@ Load = tuple[str, int, int, int]
 Dispatch = tuple[str, list[int], str | None]
 # pool, tenant, band, weight, in flight, waiting, peak, claimed
 TenantLoad = tuple[str, str, int, float, int, int, int, int]
+ProgramLoad = tuple[str, str, str, int, int]  # pool, tenant, program, in flight, waiting
 ToolNote = tuple[str, str, str, int, int]  # tenant, program, endpoint id, prefix tokens, age ms
 ToolGap = tuple[str, str, int]  # tenant, program, gap ms
 
@@ -48,6 +52,7 @@ class Batch:
     tenants: list[TenantLoad] | None = None  # None: no activity report in this batch
     tool_notes: list[ToolNote] = field(default_factory=list)  # tool-boundary affinity (routing/tool_affinity.py)
     tool_gaps: list[ToolGap] = field(default_factory=list)
+    programs: list[ProgramLoad] | None = None  # None: no programs' report in this batch
 
 
 def encode(batch: Batch) -> bytes:
@@ -58,6 +63,8 @@ def encode(batch: Batch) -> bytes:
         doc["d"] = [[e, keys, s] for e, keys, s in batch.dispatches]
     if batch.tenants is not None:
         doc["t"] = [list(row) for row in batch.tenants]
+    if batch.programs is not None:
+        doc["p"] = [list(row) for row in batch.programs]
     if batch.tool_notes:
         doc["n"] = [list(note) for note in batch.tool_notes]
     if batch.tool_gaps:
@@ -102,6 +109,13 @@ def decode(data: bytes) -> Batch:
         batch.dispatches.append((item[0], keys, session))
     if "t" in doc:
         batch.tenants = _tenants(doc["t"])
+    if "p" in doc:
+        batch.programs = []
+        for item in _rows(doc["p"], "programs", 5):
+            pool, tenant, program, inflight, waiting = item
+            if not (_text(pool) and _text(tenant) and _text(program) and _count(inflight) and _count(waiting)):
+                raise MalformedBatch("program")
+            batch.programs.append((pool, tenant, program, inflight, waiting))
     for item in _rows(doc.get("n"), "tool notes", 5):
         tenant, program, endpoint_id, tokens, age = item
         if not (_text(tenant) and _text(program) and _text(endpoint_id) and _count(tokens) and _count(age)):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
-from bench.pd_topology.run import Spec, arrival_rate, no_queue_floor, simulate, workload
+from bench.pd_topology.run import Job, Spec, arrival_rate, no_queue_floor, simulate, workload
 
 
-def run(variant: str, spec: Spec) -> tuple[float, int, int, int]:
+def jobs_and_arrivals(spec: Spec) -> tuple[list[Job], list[float]]:
+    """The tests' small workload (40 requests) and its Poisson arrival times at half the fleet's rate."""
     jobs = workload(7, 40, 2048)
     rate = arrival_rate(jobs, spec, 0.5)
     rng = random.Random(3)
@@ -15,6 +16,11 @@ def run(variant: str, spec: Spec) -> tuple[float, int, int, int]:
     for _ in jobs:
         at += rng.expovariate(rate)
         arrivals.append(at)
+    return jobs, arrivals
+
+
+def run(variant: str, spec: Spec) -> tuple[float, int, int, int]:
+    jobs, arrivals = jobs_and_arrivals(spec)
     out = simulate(variant, jobs, arrivals, spec, seed=5)
     assert len(out.ttft_s) == len(jobs) and all(t > 0 for t in out.ttft_s)
     return out.transfer_s, out.cross_rack, out.disaggregated, len(jobs)
@@ -46,13 +52,7 @@ def test_the_no_spine_bound_charges_every_pair_the_racks_link() -> None:
 
 def test_no_request_beats_its_no_queue_floor() -> None:
     spec = Spec(rack_gbps=50.0, spine_gbps=5.0)
-    jobs = workload(7, 40, 2048)
-    rate = arrival_rate(jobs, spec, 0.5)
-    rng = random.Random(3)
-    at, arrivals = 0.0, []
-    for _ in jobs:
-        at += rng.expovariate(rate)
-        arrivals.append(at)
+    jobs, arrivals = jobs_and_arrivals(spec)
     floors = no_queue_floor(jobs, spec)
     assert len(floors) == len(jobs) and all(f > 0 for f in floors)
     out = simulate("no-spine", jobs, arrivals, spec, seed=5)

@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.support.polling import wait_for
 from tests.support.procs import TEST_KEY, Gateway, free_port, http_get, start_gateway
 
 pytestmark = pytest.mark.e2e
@@ -65,6 +66,11 @@ def roles(gw: Gateway) -> dict[str, int]:
     return {role: info["current"] for role, info in pool["roles"].items()}
 
 
+def ready(gw: Gateway) -> dict[str, int]:
+    pool = pools(gw)["pools"][0]
+    return {role: info["replicas"]["ready"] for role, info in pool["roles"].items()}
+
+
 def test_prefill_burst_converts_a_decoder(tmp_path: Path) -> None:
     backends = {
         "devices": [0, 1, 2], "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), **ports(),
@@ -91,6 +97,12 @@ def test_prefill_burst_converts_a_decoder(tmp_path: Path) -> None:
             reasons.extend(p.split("=", 1)[1] for p in route.split("; ") if p.startswith("pd="))
 
     try:
+        # the burst starts once every replica serves: on a loaded host the prefill replica can still be
+        # starting when it begins, every request then routes `no-prefill-endpoint`, and the pool may
+        # convert before the prefill replica was ever backed up (the phase this test is about)
+        wait_for(
+            lambda: ready(gw) == {"prefill": 1, "decode": 2}, timeout_s=120, interval_s=0.2, what="all replicas ready"
+        )
         workers = [threading.Thread(target=burst, daemon=True) for _ in range(8)]
         for worker in workers:
             worker.start()

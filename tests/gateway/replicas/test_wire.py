@@ -111,3 +111,13 @@ def test_tool_affinity_notes_and_gaps_round_trip() -> None:
 def test_malformed_tool_rows_refuse_the_batch(doc: object) -> None:
     with pytest.raises(MalformedBatch):
         decode(msgpack.packb(doc))
+
+
+def test_program_activity_round_trips_and_a_malformed_row_refuses_the_batch() -> None:
+    rows = [("llama", "t", "wide", 6, 30), ("llama", "t", "small", 0, 0)]
+    batch = Batch("gw0", 3, [], [], [], programs=rows)
+    assert decode(encode(batch)) == batch
+    assert decode(encode(Batch("gw0", 4, [], []))).programs is None  # not shared: nothing replaced
+    for row in (["llama", "t", "", 1, 0], ["llama", "t", "x", -1, 0], ["llama", "t", "x", True, 0], ["llama", "t"]):
+        with pytest.raises(MalformedBatch):
+            decode(msgpack.packb({"r": "gw1", "q": 1, "p": [row]}))
