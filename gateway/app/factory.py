@@ -417,7 +417,8 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
     bus = app[appkeys.REPLICAS]
     if bus is not None:  # the slot reserves judge from every replica's tenants and programs, not this one's alone
         bus.activity = queue.activity
-        bus.programs = queue.program_activity
+        # program counts go out beside the load report only where a program reserve reads them
+        bus.programs = queue.program_activity if flow.program_reserve_on() else None
     app[appkeys.FLOW_SETTINGS] = flow
     app[appkeys.FLOW] = queue
     yield

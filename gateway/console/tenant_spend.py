@@ -84,7 +84,7 @@ def scan(
         try:
             return _scan(directory, stream, now_s, previous, day_start)
         except _Rewound:
-            pass
+            pass  # a file replaced or the stream rewound: the month is read again from its start
     return _scan(directory, stream, now_s, SpendTotals(now_s, day_start, month_start, source=source), day_start)
 
 

@@ -146,6 +146,15 @@ class FlowSettings(_Strict):
             merged.update({k: getattr(override.saturation, k) for k in override.saturation.model_fields_set})
         return SaturationLimits(**merged, max_num_seqs=max_num_seqs)
 
+    def program_reserve_on(self) -> bool:
+        """Whether any pool keeps a program slot reserve (only then are program counts shared)."""
+        if not self.enabled:
+            return False
+        pools = (o.saturation for o in self.pools.values() if o.saturation is not None)
+        return self.saturation.program_reserve_slots > 0 or any(
+            "program_reserve_slots" in s.model_fields_set and s.program_reserve_slots > 0 for s in pools
+        )
+
     def room(self, pool: str) -> tuple[int, int]:
         """(max_queued, max_queued_bytes) of the pool's waiting room."""
         override = self.pools.get(pool)

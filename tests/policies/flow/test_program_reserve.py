@@ -40,3 +40,12 @@ def test_the_setting_is_off_by_default_and_reaches_the_pool_limits() -> None:
     assert settings.limits("p", 8).program_reserve_slots == 2
     assert settings.limits("q", 8).program_reserve_slots == 0
     assert FlowSettings.model_validate({"enabled": False}).limits("p", 8).program_reserve_slots == 0
+
+
+def test_the_reserve_is_on_where_a_pool_or_the_default_keeps_slots() -> None:
+    """Program counts are shared between replicas only where some pool's reserve reads them."""
+    assert not FlowSettings().program_reserve_on()
+    assert FlowSettings.model_validate({"saturation": {"program_reserve_slots": 2}}).program_reserve_on()
+    one_pool = {"pools": {"p": {"saturation": {"program_reserve_slots": 1}}}}
+    assert FlowSettings.model_validate(one_pool).program_reserve_on()
+    assert not FlowSettings.model_validate({**one_pool, "enabled": False}).program_reserve_on()
