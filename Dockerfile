@@ -15,7 +15,7 @@ WORKDIR /src
 COPY . /src
 # `plot` adds matplotlib for `tokenway usage report --plot`; `k8s` the client for EndpointSlice
 # discovery (deploy/k8s); `epp` gRPC for `tokenway epp`, whose Envoy types (xds-protos) go beside the
-# environment: they would overwrite opentelemetry-proto's modules (gateway/epp/protos.py)
+# environment: they would overwrite opentelemetry-proto's modules (gateway/epp/protocol.py)
 ENV TOKENWAY_XDS_PROTOS=/opt/xds-protos
 RUN pip install ".[plot,k8s,epp]" \
     && pip install --no-deps --target /opt/xds-protos "xds-protos>=1.62" \

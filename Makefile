@@ -29,7 +29,7 @@ $(RUNTIME): pyproject.toml
 
 # The dev extra (tests, lint, the optional k8s/epp/plot parts the tests cover), and Envoy's generated
 # types for `tokenway epp`, beside the environment: xds-protos also ships old copies of
-# opentelemetry-proto's modules that would replace the real ones (gateway/epp/protos.py)
+# opentelemetry-proto's modules that would replace the real ones (gateway/epp/protocol.py)
 $(DEV): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	rm -rf $(VENV)/xds-protos

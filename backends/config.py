@@ -15,11 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from backends.autoscale.config import AutoscaleConfig, ShareConfig
-from backends.discovery.config import DiscoveryConfig
-from backends.perf.capacity import batch_defaults, num_gpu_blocks
+from backends.discovery.slices import DiscoveryConfig
 from backends.perf.presets import DEFAULT_PRESET, UnknownPresetError, preset_names, resolve_preset
-from backends.topology import Topology
-from backends.types import Role
+from backends.perf.roofline import batch_defaults, num_gpu_blocks
+from backends.types import Role, Topology
 
 EngineKind = Literal["sim", "vllm", "trtllm", "vllm-ascend", "openai", "anthropic", "bedrock", "gemini", "azure-openai"]
 
@@ -78,7 +77,7 @@ class _Strict(BaseModel):
 
 
 class TopologyConfig(_Strict):
-    """Where an endpoint sits (backends/topology.py): the link class of a PD pair's KV transfer."""
+    """Where an endpoint sits (backends/types.py): the link class of a PD pair's KV transfer."""
 
     node: str | None = Field(default=None, max_length=253, description="the machine (a Kubernetes node name)")
     rack: str | None = Field(
@@ -304,7 +303,7 @@ class PoolConfig(_Strict):
     cache_breakpoints: Literal["off", "auto"] = Field(
         default="off",
         description="engines anthropic and bedrock: `auto` marks the end of the system prompt and of the "
-        "conversation for the provider's prompt cache when the client marked nothing (backends/hosted/breakpoints.py)",
+        "conversation for the provider's prompt cache when the client marked nothing (backends/hosted/chat_in.py)",
     )
     cache_breakpoint_min_tokens: int = Field(
         default=1024,

@@ -35,8 +35,7 @@ from backends.config import BackendsSettings
 from backends.fleet import Fleet
 from backends.plan import PlannedReplica, is_port_free, launch_spec, plan_replicas
 from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
-from backends.topology import UNKNOWN
-from backends.types import Endpoint, EndpointState, EndpointStats
+from backends.types import UNKNOWN, Endpoint, EndpointState, EndpointStats
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ Translation at the boundaries: the relay maps the upstream client's errors into 
 / `UpstreamRejected` (`gateway/upstream/relay.py`), which the dispatch stage turns into this tree; policies
 return `Rejection` values (they cannot import this room) which `Rejected` wraps. "Not here, instead"
 — a rejection the model's fallback chain may still turn into an answer — travels as a
-`gateway.request.detour.Detour` carrying one of these errors.
+`gateway.request.director.Detour` carrying one of these errors.
 """
 
 from __future__ import annotations

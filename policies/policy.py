@@ -1,25 +1,76 @@
-"""A compiled, immutable policy: policies.yaml turned into the lookup tables the hot path needs.
+"""A compiled, immutable policy and the decisions read straight off it: the lookup tables the hot path
+needs, what a request cost (and whether a spill is worth its price), the next model of a fallback chain,
+and the engine fields a client may send.
+
+They live together because each reads only what the compiled policy holds: a model's `fallbacks`
+and context length, a tenant's `engine_fields` and `cache_group`, a pool's prices.
+
+The compiled policy
+-------------------
+
+A compiled, immutable policy: policies.yaml turned into the lookup tables the hot path needs.
 
 Compiling once per (re)load keeps per-request work to dictionary lookups. Hot reload swaps the whole
 object atomically (one attribute assignment on the holder), so a request sees one policy end to end.
 `price_usd` is what a request cost under it.
+
+Fallback chains and the context check
+-------------------------------------
+
+What to run instead: the next model of a fallback chain, and the context-length check before a call.
+
+Pure functions of (policy, model, trigger, principal). A chain is the model's own `fallbacks` list,
+followed transitively (a fallback's own fallbacks come after), each step gated by the triggers it
+lists; `tried` lets the caller walk it without cycles whether it passes the original model or the one
+it just tried.
+
+Engine fields and the cache salt
+--------------------------------
+
+Request fields that steer the engine itself, which clients may not set unless the policy says so.
+
+OpenAI-compatible engines accept, beside the OpenAI fields, fields that control their own machinery
+(vLLM `vllm/entrypoints/openai/chat_completion/protocol.py`, TensorRT-LLM's `openai_protocol.py`):
+the KV-transfer handshake of disaggregated serving (a client naming `do_remote_prefill` with its own
+`remote_host` makes the engine connect there and report the prompt as cached), the scheduler's
+priority, the prefix-cache salt, the engine's request and session ids, extra sampling arguments
+and, on TensorRT-LLM, LoRA adapters by path. The gateway sets those it needs from its own decisions
+(the PD handshake from the prefill engine's answer, the priority from the tenant's tier); from a
+client they are dropped, unless the tenant's `engine_fields` names them (a trusted tenant, e.g. one
+that runs its own disaggregated client).
+
+The prefix-cache salt is always the gateway's (`cache_salt` below): a tenant allowed to name
+`cache_salt` only splits its own cache further, it never reaches another tenant's blocks. The fields
+themselves (`ENGINE_CONTROL_FIELDS`) are listed in `policies/schema.py`, which checks a tenant's
+`engine_fields` against them.
+
+Spill-over priced
+-----------------
+
+Spill-over priced: is a request's predicted wait for its owned pool worth more than what the
+overflow pool costs it more? (`spill.usd_per_wait_second`, docs/providers.md, "Spill-over".)
+
+The gate's spill check (`gateway/flow/checks.py`) asks this on every wake of the owned pool's room,
+next to its two fixed bounds (`max_wait_ms`, `max_waiting`), so the policy can only make a request
+spill sooner, never hold it longer. Plain functions of numbers and price tables: the check brings
+the prediction (the room's drain rate) and the prices (`Policy.price(model, pool)`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from backends.lora import MB, LoraAdapter, local_size_bytes
+from backends.fleet import MB, LoraAdapter, local_size_bytes
 from policies.keys.records import KeyRecord, TenantRecord
-from policies.limits.compile import LimitIndex, pool_prices_of, price_of
-from policies.limits.types import Plan, Price
-from policies.schema import PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
+from policies.limits.plan import LimitIndex, Plan, Price, pool_prices_of, price_of
+from policies.schema import ENGINE_CONTROL_FIELDS, PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
 from policies.slo import Slo
-from policies.types import NO_SUBJECTS, Principal, RequestSubjects, Usage
+from policies.types import NO_SUBJECTS, Principal, Rejection, RequestSubjects, Usage
 
 
 class KeyAuthority(Protocol):
@@ -254,3 +305,131 @@ def price_usd(policy: Policy, model: str, usage: Usage, *, batch: bool = False, 
     """
     cost = usage_cost_usd(policy.price(model, pool), usage)
     return cost * policy.batch_price_factor(model) if batch else cost
+
+
+def choose_fallback(
+    policy: Policy,
+    model: str,
+    trigger: str,
+    principal: Principal,
+    opt_out: bool = False,
+    *,
+    tried: Collection[str] = (),
+    min_context_tokens: int | None = None,
+) -> str | None:
+    """The first model of `model`'s chain that `trigger` may use, the caller may call, and that was not
+    tried; None when the tenant disallows fallbacks, the request opted out, or none is left.
+    For `context_too_long`, `min_context_tokens` (prompt + max_tokens) skips models too small."""
+    if opt_out or not principal.allow_fallback:
+        return None
+    seen = {model}
+    queue = [model]
+    while queue:
+        current = queue.pop(0)
+        for step in policy.fallbacks(current):
+            candidate = step.model
+            if trigger not in step.triggers or candidate in seen:
+                continue  # a step the trigger may not take also hides what lies behind it
+            seen.add(candidate)
+            queue.append(candidate)
+            if candidate in tried or not principal.may_use(candidate):
+                continue
+            if trigger == "context_too_long" and not _fits(policy, candidate, min_context_tokens):
+                continue
+            return candidate
+    return None
+
+
+def _fits(policy: Policy, model: str, need_tokens: int | None) -> bool:
+    config = policy.model_config(model)
+    if config is None or config.context_length is None or need_tokens is None:
+        return True
+    return need_tokens <= config.context_length
+
+
+def context_tokens(prompt_tokens: int, max_tokens: int | None) -> int:
+    """Context a request needs: prompt + max_tokens, or prompt + 1 (room for one token) without it."""
+    return prompt_tokens + (max_tokens if max_tokens is not None else 1)
+
+
+def check_context(policy: Policy, model: str, prompt_tokens: int, max_tokens: int | None) -> Rejection | None:
+    """400 `context_length_exceeded` (param `messages`, reason `context_too_long`) when prompt +
+    max_tokens exceed the model's context length; None when it fits or the length is unknown."""
+    config = policy.model_config(model)
+    if config is None or config.context_length is None:
+        return None
+    needed = context_tokens(prompt_tokens, max_tokens)
+    if needed <= config.context_length:
+        return None
+    completion = f"{max_tokens} in the completion" if max_tokens is not None else "at least 1 in the completion"
+    message = (
+        f"This model's maximum context length is {config.context_length} tokens. However, you requested "
+        f"{needed} tokens ({prompt_tokens} in the messages, {completion}). "
+        "Please reduce the length of the messages or completion."
+    )
+    return Rejection(
+        status=400,
+        message=message,
+        type="invalid_request_error",
+        code="context_length_exceeded",
+        param="messages",
+        reason="context_too_long",
+    )
+
+
+def client_body(body: Mapping[str, Any], allowed: Collection[str] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """`body` without the engine-control fields `allowed` does not name, and the names dropped. The
+    body is returned as it is (no copy) when it carries none, which is almost always."""
+    present = ENGINE_CONTROL_FIELDS.intersection(body)
+    if not present:  # almost always: no generator, no sort
+        return body if isinstance(body, dict) else dict(body), ()
+    dropped = tuple(sorted(name for name in present if name not in allowed))
+    if not dropped:
+        return body if isinstance(body, dict) else dict(body), ()
+    return {k: v for k, v in body.items() if k not in dropped}, dropped
+
+
+# The salt needs no secret: clients cannot set the engine's `cache_salt` (it is dropped above), so a
+# salt only has to differ between cache groups, be the same on every gateway replica (the engines'
+# caches and the prefix index are shared by all of them) and not spell the tenant's name out in the
+# engine's logs. A keyed BLAKE2b of the group does all three; the key only separates this use.
+_SALT_KEY = b"tokenway prefix-cache salt v1"
+
+
+def cache_salt(group: str, client_salt: str | None = None) -> str:
+    """The engine's `cache_salt` for a request of cache group `group` (`tenants.<t>.cache_group`,
+    else the tenant's name). A trusted tenant's own salt (`engine_fields: [cache_salt]`) is folded
+    in, so it splits that group's cache but can never name another group's."""
+    if not client_salt:
+        return _group_salt(group)  # every request pays this: the groups are few, their salts kept
+    return _salt(group, client_salt)
+
+
+@functools.lru_cache(maxsize=4096)  # groups are tenants' (configuration or the admin API): bounded anyway
+def _group_salt(group: str) -> str:
+    return _salt(group, None)
+
+
+def _salt(group: str, client_salt: str | None) -> str:
+    name = group.encode("utf-8", "surrogatepass")
+    material = b"%d:%s" % (len(name), name)  # length-prefixed: no (group, salt) pair spells another
+    if client_salt:
+        material += client_salt.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(material, key=_SALT_KEY, digest_size=16).hexdigest()
+
+
+def extra_usd(owned: Price, overflow: Price, prompt_tokens: int, output_tokens: int) -> float:
+    """USD the overflow pool costs a request of `prompt_tokens` and `output_tokens` more than the owned
+    pool (negative when it is cheaper). Both at their plain rates, the long-context tier included: a
+    prompt cache hit on either side is not known before the call, so neither is assumed."""
+    return overflow.uncached_usd(prompt_tokens, output_tokens) - owned.uncached_usd(prompt_tokens, output_tokens)
+
+
+def worth_spilling(predicted_wait_s: float | None, usd_per_wait_second: float, extra: float) -> bool:
+    """Spill when waiting would cost more than spilling: `predicted_wait_s` (s) x `usd_per_wait_second`
+    (USD/s) > `extra` (USD). No prediction (None: nothing has left the room lately to measure it by) or
+    no wait ahead (0) never spills on price: the fixed bounds decide then. An overflow pool cheaper
+    than the owned one (`extra` < 0) is worth any wait, even one valued at nothing."""
+    if predicted_wait_s is None or predicted_wait_s <= 0.0:
+        return False
+    return predicted_wait_s * usd_per_wait_second > extra

@@ -3,7 +3,7 @@
 A looping agent sends the same turn again and again: the same tool result, the same user nudge,
 after a history that grows by the same step each time. Its prompts are never equal (they grow), but
 their *suffix* — the last message — is, once the ids the runtime mints per call (`tool_call_id`,
-`tool_use_id`, `call_id`, `id`) are left out. So each program (gateway/request/program.py) keeps the
+`tool_use_id`, `call_id`, `id`) are left out. So each program (gateway/request/intake.py) keeps the
 digest of its last suffix and how many calls in a row carried it; when a tenant's
 `program_max_repeats` is set and a program sends the same suffix more than that many times in a row,
 the call is refused with a 429 naming the rule (code `program_loop`). A call with another suffix

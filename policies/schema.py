@@ -19,8 +19,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.engine_fields import ENGINE_CONTROL_FIELDS
-from policies.flow.schema import FlowPolicy, ProgramFairness
+from policies.flow.room import FlowPolicy, ProgramFairness
 
 PriorityName = Literal["critical", "high", "normal", "low", "sheddable"]
 PRIORITY_VALUES: dict[str, int] = {"critical": 2, "high": 1, "normal": 0, "low": -1, "sheddable": -2}
@@ -65,7 +64,24 @@ REQUEST_SCOPES = frozenset({"user", "tag", "program"})
 RUN_LIMITS = ("calls_per_run", "tokens_per_run", "seconds_per_run")
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
-_TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"  # the request tags' own rule (gateway/request/tags.py)
+_TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"  # the request tags' own rule (`_tags` in gateway/request/intake.py)
+
+
+# Request fields that steer the engine itself (vLLM, TensorRT-LLM): clients may not set them unless their
+# tenant's `engine_fields` names them (`policies.policy.client_body`, which drops the others).
+ENGINE_CONTROL_FIELDS = frozenset(
+    {
+        "kv_transfer_params",  # vLLM / vllm-ascend PD handshake
+        "ec_transfer_params",  # vLLM encoder-cache transfer
+        "disaggregated_params",  # TensorRT-LLM PD handshake
+        "priority",  # scheduler priority: from the tenant's tier
+        "cache_salt",  # prefix-cache isolation
+        "request_id",  # the engine's own id (collisions, log confusion)
+        "session_id",
+        "vllm_xargs",  # SamplingParams.extra_args
+        "lora_request",  # TensorRT-LLM: an adapter by path
+    }
+)
 
 
 class _Strict(BaseModel):
@@ -140,7 +156,7 @@ class TenantConfig(_Strict):
     weight: float = Field(default=1.0, gt=0, description="its share of a saturated pool, relative to others'")
     engine_fields: list[str] = Field(
         default_factory=list,
-        description="engine-control request fields its clients may set (policies/engine_fields.py); none by default",
+        description="engine-control request fields its clients may set (policies/policy.py); none by default",
     )
     cache_group: str | None = Field(
         default=None,
@@ -452,7 +468,7 @@ class BillingPeriod(_Strict):
         return value
 
     def period(self, now: datetime | None = None) -> str:
-        """The store's name of this period: `billing:<anchor day>:<UTC offset s>` (policies/limits/buckets.py)."""
+        """The store's name of this period: `billing:<anchor day>:<UTC offset s>` (policies/limits/memory_store.py)."""
         offset = None if self.timezone == "UTC" else ZoneInfo(self.timezone).utcoffset(now or datetime.now(UTC))
         return f"billing:{self.anchor_day}:{int(offset.total_seconds()) if offset is not None else 0}"
 

@@ -2,7 +2,7 @@
 
 Pure functions of (the request's effective SLO, the candidates' predictions, the tightest TPOT SLO
 already running on each endpoint, the caller's priority). The gateway does the I/O around it:
-parsing the headers, waiting in the queue, rendering the 503 (`gateway/flow/slo.py`).
+parsing the headers, waiting in the queue, rendering the 503 (`gateway/flow/checks.py`).
 
 What is compared. An endpoint *meets* the SLO, with the class's `compare`:
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.schema import DEFAULT_MAX_QUEUE_MS, DEFAULT_MIN_PROBABILITY, MissAction, SloClassConfig
-from predictor.types import Feature, Prediction, Target
+from predictor.features import Feature, Prediction, Target
 
 Compare = Literal["probability", "p90", "mean"]
 Action = Literal["fallback", "queue", "reject", "shed", "proceed"]

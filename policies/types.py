@@ -1,4 +1,20 @@
-"""Vocabulary of the policies room: who is calling, and the facts of one request that decisions read."""
+"""Vocabulary of the policies room: who is calling, the facts of one request that decisions read, and times
+as people type them.
+
+Times live here because a key's expiry (a `KeyRecord`'s) and a usage report's window read the same
+forms, and neither owns the other.
+
+Callers and requests
+--------------------
+
+Vocabulary of the policies room: who is calling, and the facts of one request that decisions read.
+
+Times as people type them
+-------------------------
+
+Times as people type them: durations (`90s`, `30m`, `24h`, `7d`, `2w`) and ISO-8601 times or
+dates, in seconds. A key's expiry in the admin API and a usage report's window read the same forms.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # policies.slo imports the predictor room; the facts only carry its value
     from policies.slo import Slo
+import re
+from datetime import UTC, datetime
 
 ApiKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
@@ -34,7 +52,7 @@ class OwnLimits:
 
 @dataclass(frozen=True, slots=True)
 class RequestSubjects:
-    """What a request names beside its key (gateway/request/subjects.py reads them, bounded): its end
+    """What a request names beside its key (gateway/request/intake.py reads them, bounded): its end
     user, its tags, its agent program, and the run budget and wall-clock cap its headers ask for (within
     the policy's)."""
 
@@ -178,3 +196,23 @@ class Rejection:
     headers: tuple[tuple[str, str], ...] = ()
     reason: str = ""  # short machine label for metrics: rate_limited, budget_exhausted, slo_unattainable...
     fallback_model: str | None = None  # the refusing rule's own fallback (policies.yaml `fallback`)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration_s(text: str) -> float:
+    """'90s', '30m', '24h', '7d', '2w' -> seconds; ValueError when it is none of them."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (e.g. 30m, 24h, 7d)")
+    return float(m[1]) * _UNIT_S[m[2]]
+
+
+def parse_iso_s(text: str) -> float:
+    """An ISO-8601 time or date (UTC when it names no offset) -> unix seconds; ValueError if it is not one."""
+    moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()

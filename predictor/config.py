@@ -18,7 +18,7 @@ class _Strict(BaseModel):
 
 
 class BufferSettings(_Strict):
-    """Training samples per pool, stratified by load regime (see buffers.py)."""
+    """Training samples per pool, stratified by load regime (see features.py)."""
 
     capacity: int = Field(default=20_000, ge=1, description="training samples kept, shared by all strata")
     waiting_edges: tuple[int, ...] = Field(
@@ -80,7 +80,7 @@ class PriorSettings(_Strict):
 
 
 class LengthSettings(_Strict):
-    """Output-length estimates per (tenant, model) (see length.py)."""
+    """Output-length estimates per (tenant, model) (see prior.py)."""
 
     max_keys: int = Field(
         default=10_000, ge=1, description="(tenant, model) pairs tracked; least recently used dropped beyond"
@@ -102,13 +102,13 @@ class PredictorAdvanced(_Strict):
         default=0.005, ge=0, le=0.5, description="online p90 correction per outcome (0: off; service.py)"
     )
     prefill_rate_time_constant_s: float = Field(
-        default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (recent.py)"
+        default=5.0, gt=0, description="averaging time of each endpoint's recent prefill rate (service.py)"
     )
     recent_ttft_window_s: float = Field(
         default=1.0, ge=0, description="engine seconds of first tokens that correct TTFT predictions (0: off)"
     )
     recent_ttft_weight: float = Field(
-        default=0.5, ge=0, le=1, description="share of their median log error applied (recent.py; 0: off)"
+        default=0.5, ge=0, le=1, description="share of their median log error applied (service.py; 0: off)"
     )
     buffer: BufferSettings = Field(default_factory=BufferSettings, description="training samples per pool")
     xgboost: XGBoostSettings = Field(default_factory=XGBoostSettings, description="the regressors' parameters")
@@ -127,7 +127,7 @@ class PredictorSettings(_Strict):
     retrain_min_new_samples: int = Field(default=200, ge=1, description="new samples that trigger a retrain")
     retrain_interval_s: float = Field(default=5.0, gt=0, description="shortest time between two retrains")
     worker: Literal["thread", "process"] = Field(
-        default="process", description="where XGBoost trains: one spawned process (see trainer.py), or a thread"
+        default="process", description="where XGBoost trains: one spawned process (see model.py), or a thread"
     )
     keep_versions: int = Field(default=3, ge=1, description="saved model versions kept per pool")
     accuracy_window: int = Field(default=1000, ge=10, description="recent predictions MAPE/coverage cover")

@@ -29,10 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from predictor.accuracy import AccuracyScore
-from predictor.buffers import Samples
+from predictor.features import FEATURE_NAMES, FEATURES_VERSION, AccuracyScore, Quantity, Samples, Target
 from predictor.model import PoolModel, TargetModel
-from predictor.types import FEATURE_NAMES, FEATURES_VERSION, Quantity, Target
 
 log = logging.getLogger(__name__)
 

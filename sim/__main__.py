@@ -1,5 +1,5 @@
-"""`python -m sim [serve] [MODEL] [vLLM flags]`: see sim/cli.py."""
+"""`python -m sim [serve] [MODEL] [vLLM flags]`: see sim/server.py."""
 
-from sim.cli import main
+from sim.server import main
 
 raise SystemExit(main())

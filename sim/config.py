@@ -9,10 +9,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.perf import loading
-from backends.perf.capacity import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
+from backends.perf import roofline
 from backends.perf.hardware import GIB
 from backends.perf.presets import Preset, resolve_preset
+from backends.perf.roofline import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
 
 log = logging.getLogger("tokenway.sim")
 
@@ -68,7 +68,7 @@ class EngineConfig:
     embedding_dim: int = 256  # /v1/embeddings vectors when the request names no `dimensions`
     enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode
     server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: development routes (/sleep, /wake_up, ...)
-    load_bandwidth: float = loading.DEFAULT_LOAD_BANDWIDTH  # bytes/s: start-up and level-2 wake reloads
+    load_bandwidth: float = roofline.DEFAULT_LOAD_BANDWIDTH  # bytes/s: start-up and level-2 wake reloads
     startup_s: float = 0.0  # simulated seconds from launch to listening (0: start at once)
     # tests only: a generation request whose body holds this text answers 500 (an engine that fails on it)
     fail_on_marker: str | None = None
@@ -123,11 +123,11 @@ def build_engine_config(
     """Resolve a preset and vLLM-style options into an EngineConfig, applying vLLM's defaults.
 
     `server_dev_mode` None reads ``VLLM_SERVER_DEV_MODE`` as vLLM does. With `simulate_startup` the
-    engine listens only after `loading.startup_s` simulated seconds (weights at the load bandwidth,
+    engine listens only after `roofline.startup_s` simulated seconds (weights at the load bandwidth,
     none with `load_format="dummy"`, plus `init_s`); without it, at once, as tests want.
 
     `kv_offloading_size_gib` (vLLM's `--kv-offloading-size`, GiB of host memory per engine) adds the
-    host-DRAM tier (`kv_offload.py`), reached at `kv_offload_bandwidth_gbps` (GB/s per device).
+    host-DRAM tier (`HostOffload`, kv_cache.py), reached at `kv_offload_bandwidth_gbps` (GB/s per device).
 
     Raises ValueError where vLLM would refuse to start (model does not fit, max_model_len over
     the KV capacity).
@@ -155,13 +155,13 @@ def build_engine_config(
     else:
         events = KVEventsConfig.from_json(kv_events_config)
     transfer = json.loads(kv_transfer_config) if isinstance(kv_transfer_config, str) else kv_transfer_config
-    load_bandwidth = loading.DEFAULT_LOAD_BANDWIDTH if load_bandwidth_gbps is None else load_bandwidth_gbps * 1e9
+    load_bandwidth = roofline.DEFAULT_LOAD_BANDWIDTH if load_bandwidth_gbps is None else load_bandwidth_gbps * 1e9
     if load_bandwidth <= 0:
         raise ValueError("the load bandwidth must be > 0")
     startup = 0.0
     if simulate_startup:
-        init = loading.DEFAULT_INIT_S if init_s is None else init_s
-        startup = loading.startup_s(resolved, load_bandwidth, init, load_weights=load_format != "dummy")
+        init = roofline.DEFAULT_INIT_S if init_s is None else init_s
+        startup = roofline.startup_s(resolved, load_bandwidth, init, load_weights=load_format != "dummy")
     offload_blocks = 0
     if kv_offloading_size_gib:
         if kv_offload_bandwidth_gbps <= 0:

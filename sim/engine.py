@@ -1,10 +1,12 @@
-"""One simulated engine: the step loop that turns schedules into simulated time and visible tokens.
+"""One simulated engine: the step loop that turns schedules into simulated time and visible tokens,
+the clock that keeps simulated time apart from host latency, and vLLM's sleep mode.
 
 Loop: schedule a step (scheduler.py), price it (roofline.py), sleep until its simulated end is
-due (clock.py), then reveal its tokens, update metrics, publish KV events and call the `notify` of
-the requests that changed (a stream's notify writes its new tokens to the socket, sse.py; the others
-wake their handler once finished). Tokens therefore appear only when their step ends, and TTFT, TPOT
-and queueing come out of the schedule rather than a per-request formula.
+due (the clock below), then reveal its tokens, update metrics, publish KV events and call the
+`notify` of the requests that changed (a stream's notify writes its new tokens to the socket,
+generation.py; the others wake their handler once finished). Tokens therefore appear only when
+their step ends, and TTFT, TPOT and queueing come out of the schedule rather than a per-request
+formula.
 
 When the host falls behind real time, a step's end is already due when it is priced: the loop then
 ends it at once and runs on (for up to `BURST_S` of real time before yielding to the other engines
@@ -17,6 +19,50 @@ the prompt, asks the prefill instance (HTTP ``POST /internal/kv_pull`` at remote
 to hand over the pinned KV, waits bytes / link bandwidth in simulated time, then decodes with the
 prompt counted as cached. If the prefill instance does not know the request (unknown, expired,
 unreachable), the decode leg recomputes the prompt (``kv_load_failure_policy: recompute``).
+
+The clock
+---------
+`SimClock`, the simulated clock of one engine: step durations in, real sleeps out, host latency
+left out.
+
+Simulated time advances only by computed step durations while the engine is busy; the engine sleeps
+so that simulated time tracks real time x `time_scale`. When the host falls behind (a loaded CPU, many
+engines in one process), the clock re-anchors instead of catching up, so simulated latencies never
+include host delays.
+
+While idle, simulated time follows the wall clock, but only to stamp arrivals: the gaps between
+clients' requests are real (scaled). The next step starts at the latest of the last step's end and
+the arrival (or KV-transfer landing) that woke the engine, never at the moment the event loop got
+round to it, so wake-up latency is not simulated time either. At a 10x scale, 1 ms of host latency
+would otherwise be 10 ms of fake queueing.
+
+Arrivals during a step map into that step's simulated interval (never later than its end), which is
+what makes a request arriving mid-step wait for the next step, as on a real engine.
+
+Sleep mode
+----------
+`SleepMode` and `install`, vLLM's sleep mode on the simulated engine: `POST /sleep`,
+`POST /wake_up`, `GET /is_sleeping`.
+
+As in vLLM, the routes exist only when the server runs in development mode (``VLLM_SERVER_DEV_MODE=1``)
+and the engine with ``--enable-sleep-mode``; otherwise they answer 404.
+
+- ``POST /sleep?level=1|2&mode=abort|wait|keep`` (defaults 1, abort): `abort` ends every request in
+  the engine at once (finish reason ``abort``), `wait` lets them finish first, `keep` holds them in the
+  queue and recomputes them after the wake-up. Then the KV cache is dropped (``AllBlocksCleared``) and
+  level 1 copies the weights to host memory over PCIe; level 2 discards them. The response comes when
+  the engine is asleep. Sleeping twice is a no-op, as in vLLM.
+- ``POST /wake_up[?tags=weights&tags=kv_cache]``: brings back the tagged memory (all of it by default)
+  and answers once it is back: weights over PCIe after level 1, reloaded from storage after level 2
+  (`backends/perf/roofline.py`). The engine is awake when no tag is left asleep.
+- ``GET /is_sleeping`` → ``{"is_sleeping": bool}``.
+
+While asleep, or going to sleep, the routes that need the weights (chat, completions, embeddings,
+responses, messages) answer 503 with vLLM's ``ModelSleepingError`` body; `/tokenize`, `/v1/models`,
+`/health` and `/metrics` keep working. `vllm:engine_sleep_state` (``awake``, ``weights_offloaded``, ``discard_all``)
+is exported by `metrics.py`; each operation's simulated duration goes to
+`vllm:sleep_mode_operation_duration_seconds{operation}`. Durations are simulated seconds, slept in
+real time divided by the engine's time scale.
 """
 
 from __future__ import annotations
@@ -25,22 +71,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
+import orjson
+from aiohttp import web
 
 from backends.perf import roofline
 from sim import text_gen
-from sim.clock import MIN_SLEEP_S, SimClock
 from sim.config import EngineConfig
-from sim.kv_cache import KVCacheManager
+from sim.kv_cache import HostOffload, KVCacheManager
 from sim.kv_events import KVEventPublisher
-from sim.kv_offload import HostOffload
 from sim.lora import LoraSlots, batch_adapters
 from sim.metrics import EngineMetrics
-from sim.request import Request, Status, new_id
-from sim.scheduler import Scheduler
-from sim.sleep import SleepMode
+from sim.scheduler import Request, Scheduler, Status, new_id
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
 
 log = logging.getLogger("tokenway.sim")
 
@@ -83,7 +130,7 @@ class SimEngine:
         self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
         self.steps = 0
         self.metrics.state_source = self._state
-        # Asleep (sleep.py): the loop runs no step; queued requests wait for the wake-up.
+        # Asleep (sleep mode, below): the loop runs no step; queued requests wait for the wake-up.
         self.paused = False
         self._drained = asyncio.Event()  # set whenever the loop finds nothing to run
         self.sleep_mode = SleepMode(self)
@@ -231,7 +278,7 @@ class SimEngine:
         self._flush_events()
         return ok
 
-    # --- sleep mode (sleep.py drives these) ------------------------------------------------------
+    # --- sleep mode (SleepMode drives these) ---------------------------------------------------
 
     def abort_all(self, pulling_only: bool = False) -> int:
         """Abort every request in the engine (or only the PD decode legs waiting for their KV) and
@@ -430,3 +477,216 @@ class SimEngine:
             log.info("kv pull from %s failed (%s); recomputing", url, exc)
             return 0
         return int(data.get("num_tokens", 0))
+
+
+# --- the clock ------------------------------------------------------------------------------------
+
+# Real seconds the engine may fall behind its schedule before the clock forgives the lag.
+MAX_LAG_S = 0.05
+# Shorter waits are not slept (timers have ~1 ms granularity): the step ends at once.
+MIN_SLEEP_S = 0.0005
+
+
+class SimClock:
+    def __init__(self, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.scale = time_scale
+        self._sim_anchor = 0.0
+        self._real_anchor = time.monotonic()
+        self._step_start = 0.0
+        self._step_end: float | None = None  # None while idle
+        self._last_end = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self._step_end is None
+
+    def now(self) -> float:
+        """Simulated now: during a step, clamped to the step's interval; idle, the scaled wall clock."""
+        mapped = self._sim_anchor + (time.monotonic() - self._real_anchor) * self.scale
+        if self._step_end is None:
+            return max(mapped, self._last_end)
+        return min(max(mapped, self._step_start), self._step_end)
+
+    def next_start(self) -> float:
+        """Earliest start of the next step: the last step's end (busy or idle)."""
+        return self._last_end
+
+    def real_delay(self, sim_s: float) -> float:
+        """Real seconds from now until simulated time `sim_s` (idle mapping; >= 0)."""
+        return max(0.0, (sim_s - self.now()) / self.scale)
+
+    def begin_step(self, duration_s: float, start_s: float | None = None) -> tuple[float, float]:
+        """Start a step of `duration_s` simulated seconds at `start_s` (default: the last step's end,
+        or now when idle); returns its (start, end)."""
+        if self._step_end is None:
+            start = self.now() if start_s is None else max(start_s, self._last_end)
+            self._sim_anchor, self._real_anchor = start, time.monotonic()
+        else:
+            start = self._step_end if start_s is None else max(start_s, self._step_end)
+            lag = time.monotonic() - self._real_target(start)
+            if lag > MAX_LAG_S:
+                self._sim_anchor, self._real_anchor = start, time.monotonic()
+        self._step_start, self._step_end = start, start + duration_s
+        self._last_end = start + duration_s
+        return start, start + duration_s
+
+    def step_delay(self) -> float:
+        """Real seconds until the current step's end is due (<= 0: overdue)."""
+        assert self._step_end is not None
+        return self._real_target(self._step_end) - time.monotonic()
+
+    async def sleep_step(self) -> None:
+        """Sleep (really) until the current step's end is due."""
+        delay = self.step_delay()
+        # Timer granularity is ~1 ms: sleep only what matters; tiny steps just yield.
+        await asyncio.sleep(delay if delay > MIN_SLEEP_S else 0)
+
+    def go_idle(self) -> None:
+        """No more work: from here simulated time follows the wall clock from the last step's end."""
+        if self._step_end is None:
+            return
+        self._sim_anchor, self._real_anchor = self._step_end, time.monotonic()
+        self._step_end = None
+
+    def _real_target(self, sim_s: float) -> float:
+        return self._real_anchor + (sim_s - self._sim_anchor) / self.scale
+
+
+# --- sleep mode -----------------------------------------------------------------------------------
+
+
+TAGS: Final = ("weights", "kv_cache")
+MODES: Final = ("abort", "wait", "keep")
+# Routes that run the model: refused while the weights are away.
+PROTECTED_PATHS: Final = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"}
+)
+SLEEPING_MESSAGE: Final = "Model is currently in sleep mode. Please wake it up first with a POST request to /wake_up"
+
+
+class SleepMode:
+    """One engine's sleep state and its transitions (one at a time)."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self.level = 0  # the level it went to sleep at; 0 while awake
+        self.sleeping_tags: set[str] = set()
+        self.pausing = False  # between a /sleep call and the engine being asleep
+        self._lock = asyncio.Lock()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether requests that need the weights may enter."""
+        return not self.sleeping_tags and not self.pausing
+
+    def state_level(self) -> int:
+        """0 awake, else the level slept at (the `vllm:engine_sleep_state` series that is 1)."""
+        return self.level if self.sleeping_tags else 0
+
+    async def sleep(self, level: int, mode: str) -> None:
+        engine = self.engine
+        duration = 0.0
+        async with self._lock:
+            if self.sleeping_tags:
+                log.warning("the engine is already sleeping")
+                return
+            self.pausing = True
+            try:
+                if mode == "abort":
+                    engine.abort_all()
+                elif mode == "wait":
+                    await engine.wait_drained()
+                else:  # keep: queued and running requests stay, to be recomputed after the wake-up
+                    engine.paused = True
+                    engine.abort_all(pulling_only=True)
+                engine.paused = True
+                if not engine.discard_kv():
+                    log.warning("KV blocks still in use while going to sleep")
+                duration = roofline.sleep_s(engine.preset, level)
+                await self._take(duration)
+                engine.metrics.observe_sleep_operation("sleep", duration)
+                self.level = level
+                self.sleeping_tags = set(TAGS)
+            except BaseException:
+                engine.resume()
+                raise
+            finally:
+                self.pausing = False
+        log.info("engine asleep at level %d (%.2f s simulated)", level, duration)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        engine = self.engine
+        async with self._lock:
+            if not self.sleeping_tags:
+                log.warning("the engine is not sleeping")
+                return
+            wanted = set(tags) if tags else set(self.sleeping_tags)
+            wanted &= self.sleeping_tags
+            duration = 0.0
+            if "weights" in wanted:
+                duration = roofline.wake_s(engine.preset, self.level, engine.config.load_bandwidth)
+            await self._take(duration)
+            engine.metrics.observe_sleep_operation("wake", duration)
+            self.sleeping_tags -= wanted
+            if not self.sleeping_tags:
+                self.level = 0
+                engine.resume()
+        log.info("woke %s (%.2f s simulated)", ", ".join(sorted(wanted)) or "nothing", duration)
+
+    async def _take(self, simulated_s: float) -> None:
+        if simulated_s > 0:
+            await asyncio.sleep(simulated_s / self.engine.config.time_scale)
+
+
+def routes_enabled(engine: SimEngine) -> bool:
+    return engine.config.enable_sleep_mode and engine.config.server_dev_mode
+
+
+def install(app: web.Application, engine: SimEngine) -> None:
+    """Add the sleep routes and the 503 guard to the engine's app, when vLLM would have them."""
+    if not routes_enabled(engine):
+        return
+    state = engine.sleep_mode
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not state.accepting and request.path in PROTECTED_PATHS:
+            return _error(503, "ModelSleepingError", SLEEPING_MESSAGE)
+        return await handler(request)
+
+    async def sleep(request: web.Request) -> web.StreamResponse:
+        level_text = request.query.get("level", "1")
+        mode = request.query.get("mode", "abort")
+        if not level_text.isdigit() or int(level_text) not in roofline.SLEEP_LEVELS:
+            return _error(400, "BadRequestError", f"level must be one of {roofline.SLEEP_LEVELS}")
+        if mode not in MODES:
+            return _error(400, "BadRequestError", f"mode must be one of {MODES}")
+        await state.sleep(int(level_text), mode)
+        return web.Response(status=200)
+
+    async def wake_up(request: web.Request) -> web.StreamResponse:
+        tags = request.query.getall("tags", [])
+        unknown = [tag for tag in tags if tag not in TAGS]
+        if unknown:
+            return _error(400, "BadRequestError", f"unknown tags {unknown}; known: {list(TAGS)}")
+        await state.wake_up(tags or None)
+        return web.Response(status=200)
+
+    async def is_sleeping(_request: web.Request) -> web.StreamResponse:
+        return web.Response(body=orjson.dumps({"is_sleeping": state.is_sleeping}), content_type="application/json")
+
+    app.middlewares.append(guard)
+    app.router.add_post("/sleep", sleep)
+    app.router.add_post("/wake_up", wake_up)
+    app.router.add_get("/is_sleeping", is_sleeping)
+
+
+def _error(status: int, kind: str, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP surface of one simulated engine, shaped like `vllm serve`'s.
+"""The HTTP surface of one simulated engine, shaped like `vllm serve`'s: the OpenAI-compatible routes,
+the Responses and Anthropic Messages routes, and the vectors `/v1/embeddings` answers.
 
 Routes: POST /v1/chat/completions, /v1/completions (stream or not), /v1/embeddings (prefill-only
-requests through the scheduler; vectors from `embeddings.py`), GET /health, /ping, /version,
+requests through the scheduler; vectors below), GET /health, /ping, /version,
 /v1/models, /metrics, /load, POST /tokenize, /detokenize, and two internal ones: POST
 /internal/kv_pull (the PD side channel a decode instance calls) and POST /reset_prefix_cache
 (vLLM's dev-mode route; emits AllBlocksCleared). `--api-key` guards /v1/* only, with vLLM's bare
@@ -13,29 +14,54 @@ aborts the request in the engine, which frees its blocks at once and counts it a
 Prompts in bodies over ``OFFLOAD_BODY_BYTES`` are tokenized in a worker thread (tiktoken releases the
 GIL), as vLLM's API server tokenizes off its engine loop: a burst of long prompts must not stop
 /health and /metrics from answering, or a gateway would take a busy engine for a dead one.
+
+Responses and Messages
+----------------------
+The simulated engine's Responses and Anthropic Messages routes (`add_routes`), as `vllm serve` has them:
+POST /v1/responses, GET /v1/responses/{id}, POST /v1/messages, POST /v1/messages/count_tokens.
+
+Both run as chat requests (`backends.protocols` translates the body; `generation.py` runs it and
+re-encodes the answer or the stream), so a prompt costs the same ids, and hits the same prefix
+cache, through any of the three APIs. Stored responses (`store`, default true; vLLM keeps them
+when its responses store is enabled) live in a small bounded map per engine, enough for
+`previous_response_id` against the engine alone; the gateway keeps its own store and sends the
+whole conversation instead.
+
+Embedding vectors
+-----------------
+`embed`, what the simulated model "embeds": deterministic unit vectors hashed from the token ids.
+
+Feature hashing over the bag of tokens: every token adds +1 or -1 to `HASHES_PER_TOKEN` coordinates
+picked by a 64-bit mix (splitmix64) of its id and the engine seed; the sum is scaled to unit length.
+The same ids give the same vector (any dimension), texts that share tokens point in similar
+directions (cosine ~ overlap), unrelated texts are near orthogonal. float32, as vLLM returns them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from backends import tokenization
-from backends.protocols import anthropic
-from sim import agent_api, embeddings, generation, prompt_cache, sleep, text_gen, validation
+from backends.protocols import ProtocolError, anthropic, responses
+from sim import generation, text_gen
 from sim.config import VLLM_VERSION
 from sim.engine import SimEngine
+from sim.engine import install as install_sleep_routes
+from sim.generation import BadRequest, ChunkTemplate, FinishWaiter, TokenWriter
 from sim.lora import LoraError, adapter_names, adapter_of
-from sim.request import Request, new_id
-from sim.sse import ChunkTemplate, FinishWaiter, TokenWriter
-from sim.validation import BadRequest
+from sim.scheduler import Request, new_id
 
 ENGINE_KEY = web.AppKey("engine", SimEngine)
 CREATED_KEY = web.AppKey("created", int)
@@ -135,8 +161,8 @@ def build_app(engine: SimEngine) -> web.Application:
         app.router.add_post("/v1/unload_lora_adapter", _unload_lora_adapter)
     if config.fail_on_marker:
         app.router.add_get("/internal/faults", _faults)
-    agent_api.add_routes(app, engine)
-    sleep.install(app, engine)  # vLLM's sleep routes, with VLLM_SERVER_DEV_MODE and --enable-sleep-mode
+    add_routes(app, engine)  # /v1/responses and /v1/messages (below)
+    install_sleep_routes(app, engine)  # vLLM's sleep routes, with VLLM_SERVER_DEV_MODE and --enable-sleep-mode
     return app
 
 
@@ -213,7 +239,7 @@ async def _load(request: web.Request) -> web.Response:
     return _json({"server_load": len(s.running) + s.num_waiting})
 
 
-_read_json = validation.read_json
+_read_json = generation.read_json
 
 
 def _long(request: web.Request) -> bool:
@@ -225,14 +251,14 @@ async def _chat_ids(request: web.Request, messages: list[dict[str, Any]], tools:
     (the cache is the loop's; both give the same ids)."""
     if _long(request):
         return await asyncio.to_thread(tokenization.chat_prompt_ids, messages, tools)
-    return prompt_cache.chat_prompt_ids(messages, tools)
+    return generation.chat_prompt_ids(messages, tools)
 
 
 async def _chat_prompt(request: web.Request, body: dict[str, Any]) -> list[int]:
     """A chat request's prompt ids. With vLLM's `continue_final_message` (and `add_generation_prompt:
     false`) the last message, an assistant's, is continued: its text follows the assistant header
     without the end-of-message footer, so generation picks up where it stops."""
-    messages = validation.messages(body)
+    messages = generation.messages(body)
     if not body.get("continue_final_message"):
         return await _chat_ids(request, messages, body.get("tools"))
     if body.get("add_generation_prompt", True):
@@ -253,7 +279,7 @@ async def _tokenize(request: web.Request) -> web.Response:
     body = await _read_json(request)
     config = request.app[ENGINE_KEY].config
     if "messages" in body:
-        ids = await _chat_ids(request, validation.messages(body), body.get("tools"))
+        ids = await _chat_ids(request, generation.messages(body), body.get("tools"))
     elif "prompt" in body:
         ids = await _completion_ids(request, _single_prompt(body["prompt"]))
     else:
@@ -301,7 +327,7 @@ def _single_prompt(prompt: Any) -> str | list[int]:
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    validation.check_common(body, engine.config, adapter_names(engine.lora))
+    generation.check_common(body, engine.config, adapter_names(engine.lora))
     prompt_ids = await _chat_prompt(request, body)
     if not generation.read_spec(body, chat=True).plain:
         return await generation.generate(
@@ -323,7 +349,7 @@ def _response_id(request: web.Request, prefix: str) -> str:
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
-    validation.check_common(body, engine.config, adapter_names(engine.lora))
+    generation.check_common(body, engine.config, adapter_names(engine.lora))
     if "prompt" not in body:
         raise BadRequest("'prompt' is required", "prompt")
     prompt_ids = await _completion_ids(request, _single_prompt(body["prompt"]))
@@ -345,13 +371,13 @@ async def _generate(
 ) -> web.StreamResponse:
     config = engine.config
     max_tokens = (
-        validation.int_field(body, "max_completion_tokens", "max_tokens")
+        generation.int_field(body, "max_completion_tokens", "max_tokens")
         if chat
-        else validation.int_field(body, "max_tokens")
+        else generation.int_field(body, "max_tokens")
     )
-    min_tokens = validation.int_field(body, "min_tokens") or 0
-    validation.check_length(len(prompt_ids), max_tokens, config)
-    validation.check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
+    min_tokens = generation.int_field(body, "min_tokens") or 0
+    generation.check_length(len(prompt_ids), max_tokens, config)
+    generation.check_blocks(len(prompt_ids), config, "messages" if chat else "prompt")
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise BadRequest("'kv_transfer_params' must be an object", "kv_transfer_params")
@@ -398,7 +424,7 @@ async def _generate(
             "created": created,
             "model": model_name,
             "choices": [choice],
-            "usage": validation.usage(req),
+            "usage": generation.usage(req),
             "prompt_logprobs": None,
             "kv_transfer_params": engine.kv_transfer_params(req) if req.remote_decode else None,
             "metrics": req.timings(),
@@ -419,8 +445,8 @@ def _embedding_inputs(body: dict[str, Any], cached: bool = True) -> list[list[in
     """Token ids of each input: a string, a list of strings, a list of ids, a list of id lists, or
     vLLM's chat-style `messages` (one input). `cached` False: off the loop, without the cache."""
     if "input" not in body and "messages" in body:
-        chat_ids = prompt_cache.chat_prompt_ids if cached else tokenization.chat_prompt_ids
-        return [chat_ids(validation.messages(body))]
+        chat_ids = generation.chat_prompt_ids if cached else tokenization.chat_prompt_ids
+        return [chat_ids(generation.messages(body))]
     value = body.get("input")
     if isinstance(value, str):
         inputs = [tokenization.completion_prompt_ids(value)]
@@ -452,7 +478,7 @@ async def _embeddings(request: web.Request) -> web.Response:
     body = await _read_json(request)
     engine = request.app[ENGINE_KEY]
     config = engine.config
-    validation.check_common(body, config, adapter_names(engine.lora))
+    generation.check_common(body, config, adapter_names(engine.lora))
     inputs = await asyncio.to_thread(_embedding_inputs, body, False) if _long(request) else _embedding_inputs(body)
     dimensions = body.get("dimensions")
     if dimensions is None:
@@ -474,7 +500,7 @@ async def _embeddings(request: web.Request) -> web.Response:
                 "length of the input.",
                 "input",
             )
-        validation.check_blocks(len(ids), config, "input")
+        generation.check_blocks(len(ids), config, "input")
     loop = asyncio.get_running_loop()
     requests: list[tuple[Request, asyncio.Future[None]]] = []
     for ids in inputs:
@@ -494,12 +520,12 @@ async def _embeddings(request: web.Request) -> web.Response:
                 engine.abort(req)
     data: list[dict[str, Any]] = []
     for index, (req, _done) in enumerate(requests):
-        vector = embeddings.embed(req.prompt_ids, dimensions, config.seed)
+        vector = embed(req.prompt_ids, dimensions, config.seed)
         data.append(
             {
                 "index": index,
                 "object": "embedding",
-                "embedding": embeddings.encode_base64(vector) if encoding == "base64" else vector,
+                "embedding": encode_base64(vector) if encoding == "base64" else vector,
             }
         )
     prompt_tokens = sum(req.num_prompt for req, _ in requests)
@@ -530,7 +556,7 @@ async def _stream(
     chat: bool,
     include_usage: bool,
 ) -> web.StreamResponse:
-    """Role chunk here; token chunks from the engine loop (sse.TokenWriter); the rest here once the
+    """Role chunk here; token chunks from the engine loop (generation.TokenWriter); the rest here once the
     request has finished."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -574,6 +600,150 @@ async def _stream(
         data["kv_transfer_params"] = engine.kv_transfer_params(req)
     tail = event(data)
     if include_usage:
-        tail += event({**base, "choices": [], "usage": validation.usage(req), "metrics": timings})
+        tail += event({**base, "choices": [], "usage": generation.usage(req), "metrics": timings})
     await response.write_eof(tail + b"data: [DONE]\n\n")
     return response
+
+
+# --- Responses and Messages -----------------------------------------------------------------------
+
+MAX_STORED_RESPONSES = 1024
+_STORE: web.AppKey[OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]]] = web.AppKey("responses_store")
+_ENGINE: web.AppKey[SimEngine] = web.AppKey("agent_engine")
+
+
+def add_routes(app: web.Application, engine: SimEngine) -> None:
+    app[_ENGINE] = engine
+    app[_STORE] = OrderedDict()
+    app.router.add_post("/v1/responses", _create_response)
+    app.router.add_get("/v1/responses/{response_id}", _get_response)
+    app.router.add_post("/v1/messages", _create_message)
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
+
+
+def _translate(call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = call(*args, **kwargs)
+    except ProtocolError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+    return result
+
+
+def _salted(chat: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """The translated chat body with the request's prefix-cache salt (vLLM's `cache_salt`, which its
+    Responses and Messages routes take as its chat route does): the translation keeps only the API's
+    own fields."""
+    if "cache_salt" in body:
+        chat["cache_salt"] = body["cache_salt"]
+    return chat
+
+
+def _model_name(body: dict[str, Any], engine: SimEngine) -> str:
+    generation.check_common({"model": body.get("model")}, engine.config, adapter_names(engine.lora))
+    return str(body.get("model") or engine.config.served_model_name)
+
+
+async def _create_response(request: web.Request) -> web.StreamResponse:
+    body = await generation.read_json(request)
+    engine = request.app[_ENGINE]
+    store = request.app[_STORE]
+    model = _model_name(body, engine)
+    prior: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        found = store.get(str(previous))
+        if found is None:
+            raise BadRequest(f"Response with id '{previous}' not found.", "previous_response_id", status=404)
+        prior = [*found[0], *found[1].get("output", ())]
+    chat = _salted(_translate(responses.to_chat, body, prior), body)
+    prompt_ids = generation.chat_prompt_ids(chat["messages"], chat.get("tools"))
+    response_id = f"resp_{request.headers.get('X-Request-Id') or new_id()}"
+    history = [*prior, *responses.input_items(body.get("input"))]
+
+    def keep(result: dict[str, Any]) -> None:
+        if body.get("store", True) is not False:
+            store[response_id] = (history, result)
+            while len(store) > MAX_STORED_RESPONSES:
+                store.popitem(last=False)
+
+    return await generation.generate(
+        request,
+        engine,
+        chat,
+        prompt_ids,
+        api="responses",
+        response_id=response_id,
+        model_name=model,
+        original=body,
+        on_result=keep,
+    )
+
+
+async def _get_response(request: web.Request) -> web.Response:
+    found = request.app[_STORE].get(request.match_info["response_id"])
+    if found is None:
+        raise BadRequest(f"Response with id '{request.match_info['response_id']}' not found.", "response_id", 404)
+    return web.json_response(found[1])
+
+
+async def _create_message(request: web.Request) -> web.StreamResponse:
+    body = await generation.read_json(request)
+    engine = request.app[_ENGINE]
+    model = _model_name(body, engine)
+    chat = _salted(_translate(anthropic.to_chat, body), body)
+    prompt_ids = generation.chat_prompt_ids(chat["messages"], chat.get("tools"))
+    message_id = f"msg_{request.headers.get('X-Request-Id') or new_id()}"
+    return await generation.generate(
+        request, engine, chat, prompt_ids, api="messages", response_id=message_id, model_name=model, original=body
+    )
+
+
+async def _count_tokens(request: web.Request) -> web.Response:
+    body = await generation.read_json(request)
+    engine = request.app[_ENGINE]
+    _model_name(body, engine)
+    chat = _translate(anthropic.to_chat, body, count_only=True)
+    prompt_ids = generation.chat_prompt_ids(chat["messages"], chat.get("tools"))
+    return web.json_response(anthropic.count_tokens_body(len(prompt_ids)))
+
+
+# --- embedding vectors ----------------------------------------------------------------------------
+
+HASHES_PER_TOKEN = 4
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _MIX1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def embed(token_ids: Sequence[int], dimensions: int, seed: int = 0) -> npt.NDArray[np.float32]:
+    """The unit vector (float32, `dimensions` long) of one input's token ids."""
+    if dimensions < 1:
+        raise ValueError("dimensions must be >= 1")
+    ids = np.asarray(token_ids, dtype=np.uint64).reshape(-1, 1)
+    salts = (
+        np.arange(1, HASHES_PER_TOKEN + 1, dtype=np.uint64)
+        + np.uint64(seed & (2**32 - 1)) * np.uint64(HASHES_PER_TOKEN + 1)
+    ) * _GOLDEN
+    hashed = _splitmix64(ids * _MIX2 + salts).ravel()  # wraps mod 2**64, as intended
+    index = (hashed >> np.uint64(1)) % np.uint64(dimensions)
+    sign = 1.0 - 2.0 * (hashed & np.uint64(1)).astype(np.float64)
+    vector = np.bincount(index.astype(np.intp), weights=sign, minlength=dimensions)
+    norm = float(np.linalg.norm(vector))
+    if norm == 0.0:  # no tokens, or every contribution cancelled: a fixed axis of the seed
+        vector[int(seed) % dimensions] = 1.0
+        norm = 1.0
+    result: npt.NDArray[np.float32] = (vector / norm).astype(np.float32)
+    return result
+
+
+def encode_base64(vector: npt.NDArray[np.float32]) -> str:
+    """OpenAI's `encoding_format: "base64"`: the float32 little-endian bytes, base64."""
+    return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")

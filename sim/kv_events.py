@@ -3,7 +3,7 @@
 - PUB socket: endpoints with ``*``, ``::``, ``ipc://`` or ``inproc://`` bind, others connect; instance
   `i` of a multi-instance process uses port + i (as vLLM's DP ranks do).
 - Each step with events sends ``[topic, seq (8-byte big-endian, from 0), msgpack([ts, events, 0])]``.
-- `medium` is "GPU", or "CPU" for the host-DRAM tier (kv_offload.py: hashes only, as vLLM's
+- `medium` is "GPU", or "CPU" for the host-DRAM tier (kv_cache.py, HostOffload: hashes only, as vLLM's
   offloading connector publishes them).
 - Events, vLLM 0.33 ("tagged"): maps ``{"type": "BlockStored", "block_hashes", "parent_block_hash",
   "token_ids", "block_size", "lora_id", "medium", "lora_name", "group_idx", "extra_keys"}`` (the first

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sim.request import Request
+    from sim.scheduler import Request
 
 DEFAULT_MAX_LORAS = 1  # vLLM's default --max-loras
 DEFAULT_SIZE_BYTES = 64 * 1024 * 1024  # a rank-16 adapter of an 8B model is tens of MB

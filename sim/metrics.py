@@ -24,8 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from sim.config import EngineConfig
-from sim.request import Request
-from sim.scheduler import StepStats
+from sim.scheduler import Request, StepStats
 
 TTFT_BUCKETS = (
     0.001,
@@ -187,7 +186,7 @@ class EngineMetrics:
         self._state = (0, 0, 0.0)
         # Where the state gauges come from at scrape time; set_state's values until the engine sets it.
         self.state_source: Callable[[], tuple[int, int, float]] = lambda: self._state
-        # 0 awake, else the sleep level (sleep.py); one-hot over SLEEP_STATES at scrape time.
+        # 0 awake, else the sleep level (SleepMode, engine.py); one-hot over SLEEP_STATES at scrape time.
         self.sleep_level_source: Callable[[], int] = lambda: 0
 
         def gauge(name: str, doc: str, index: int) -> None:

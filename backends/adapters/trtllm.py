@@ -21,12 +21,14 @@ from backends.adapters.base import (
     LaunchSpec,
     Probe,
     ReplicaPlan,
-    clamp_priority,
     connect_host,
-    wants_priority,
+    first_present,
+    mean,
+    parse_samples,
+    total,
 )
+from backends.adapters.vllm import clamp_priority, wants_priority
 from backends.config import PoolConfig
-from backends.promtext import first_present, mean, parse_samples, total
 from backends.types import EndpointStats, MetricsFormatError, PdHandshakeError, Role
 
 # Prometheus names (tensorrt_llm/metrics/collector.py).

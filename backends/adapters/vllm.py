@@ -1,9 +1,23 @@
-"""vLLM (V1 engine): `vllm serve`, `/health`, `vllm:*` Prometheus metrics, NIXL PD handshake.
+"""vLLM and the engines that speak its protocol: vLLM itself, vllm-ascend, and the simulated engine;
+and the priority mapping every engine with priority scheduling shares.
+
+vLLM
+----
+vLLM (V1 engine): `vllm serve`, `/health`, `vllm:*` Prometheus metrics, NIXL PD handshake.
 
 Checked against a real `vllm serve` (the CPU build 0.32.0, `make test-vllm`): every argv this adapter
 emits parses with vLLM's own argument parser, and the metrics below are read from a live engine.
 Facts from vLLM 0.33.0's source (each comment names its file) and the real CPU engine (docs/engines.md).
 vllm-ascend and the simulated engine speak the same protocol and reuse this class with other defaults.
+
+vllm-ascend
+-----------
+vllm-ascend: `vllm serve` on Ascend NPUs. Same HTTP API, `/health` and `vllm:*` metrics as vLLM
+(it is a platform plugin, pinned to vLLM v0.27.1); facts from vllm-ascend's source (`vllm-project/vllm-ascend`).
+
+Differences from vLLM: devices through `ASCEND_RT_VISIBLE_DEVICES`, block size 128 by default,
+Ascend options through `--additional-config` (the pool's `engine_config`), PD through Mooncake
+connectors, and a prefill leg that also sets `min_tokens=1`.
 """
 
 from __future__ import annotations
@@ -16,15 +30,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.adapters.base import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     LaunchSpec,
     Probe,
     ReplicaPlan,
-    clamp_priority,
     connect_host,
-    wants_priority,
+    first_present,
+    mean,
+    parse_samples,
+    total,
 )
 from backends.config import PoolConfig
-from backends.promtext import first_present, mean, parse_samples, total
 from backends.types import EndpointStats, MetricsFormatError, Role
 
 # Metric names, new first, then the pre-0.10 names they replaced (vllm/v1/metrics/loggers.py; removal
@@ -82,6 +99,17 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_port": None,
 }
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def clamp_priority(value: Any) -> int | None:
+    """tokenway priority as an int within [PRIORITY_MIN, PRIORITY_MAX]; None when not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return max(PRIORITY_MIN, min(PRIORITY_MAX, round(value)))
+
+
+def wants_priority(pool: PoolConfig | None) -> bool:
+    return pool is None or pool.priority_scheduling
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,3 +456,34 @@ class SimAdapter(VllmAdapter):
 
 
 SIM = SimAdapter()
+
+
+@dataclass(frozen=True, slots=True)
+class VllmAscendAdapter(VllmAdapter):
+    kind: str = "vllm-ascend"
+    device_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"  # vllm_ascend/platform.py
+    device_tool: str | None = "npu-smi"
+    default_kv_connector: str = "MooncakeConnectorV1"  # vllm_ascend/distributed/kv_transfer/__init__.py
+    prefill_min_tokens: int | None = 1  # kv_p2p/mooncake_connector.py handshake
+
+    def validate(self, pool: PoolConfig) -> list[str]:
+        return []  # engine_config is Ascend's --additional-config
+
+    def platform_args(self, pool: PoolConfig, replica: ReplicaPlan) -> list[str]:
+        if not pool.engine_config:
+            return []
+        return ["--additional-config", _json(pool.engine_config)]
+
+    def kv_transfer_config(self, pool: PoolConfig, replica: ReplicaPlan) -> dict[str, Any] | None:
+        config = VllmAdapter.kv_transfer_config(self, pool, replica)
+        if config is not None and str(config.get("kv_connector", "")).startswith("Mooncake"):
+            # Mooncake wants both sides' parallel layout (the producer example of vllm-ascend's Mooncake PD tutorial).
+            layout = {"dp_size": 1, "tp_size": pool.tensor_parallel}
+            extra = dict(config.get("kv_connector_extra_config") or {})
+            extra.setdefault("prefill", layout)
+            extra.setdefault("decode", layout)
+            config["kv_connector_extra_config"] = extra
+        return config
+
+
+VLLM_ASCEND = VllmAscendAdapter()

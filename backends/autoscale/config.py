@@ -29,7 +29,7 @@ DAYS: Final = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """One `autoscale.schedule` entry as the planner's floors read it (`policies.autoscale.floors`):
+    """One `autoscale.schedule` entry as the planner's floors read it (`policies.autoscale.forecast`):
     resolved from the validated config, so the planner never parses text."""
 
     start_min: int  # minutes after UTC midnight
@@ -90,7 +90,7 @@ class RoleBounds(_Strict):
 
 class ScheduleWindow(_Strict):
     """A daily window of scheduled capacity (UTC): at least `min_replicas` from `start` to `end`,
-    kept a start-up early so the replicas serve when it opens (policies/autoscale/floors.py)."""
+    kept a start-up early so the replicas serve when it opens (policies/autoscale/forecast.py)."""
 
     start: str = Field(description='"HH:MM" UTC')
     end: str = Field(description='"HH:MM" UTC; before start: the window wraps midnight; equal: all day')

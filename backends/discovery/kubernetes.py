@@ -32,10 +32,10 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from backends.discovery.config import KubernetesDiscoveryConfig
 from backends.discovery.slices import (
     Delete,
     Failure,
+    KubernetesDiscoveryConfig,
     NodeRacks,
     Reset,
     Upsert,

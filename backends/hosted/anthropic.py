@@ -62,7 +62,7 @@ from backends.hosted.base import (
     UpstreamCall,
 )
 from backends.hosted.chat_in import Refusals, header
-from backends.protocols.sse import split_event
+from backends.protocols import split_event
 
 DEFAULT_VERSION = "2023-06-01"
 SAMPLING_FREE_VERSION = "2026-10-21"  # from this version on, temperature / top_p / top_k are rejected

@@ -1,4 +1,9 @@
-"""Chat completions → Azure OpenAI, for pools with `engine: azure-openai`.
+"""Azure OpenAI: the codec of chat completions to Azure's deployments, and the Microsoft Entra ID bearer
+tokens its `auth: entra` pools send.
+
+The codec
+---------
+Chat completions → Azure OpenAI, for pools with `engine: azure-openai`.
 
 Azure speaks chat completions itself, so the codec is mostly the address and the field checks:
 
@@ -20,13 +25,27 @@ Azure speaks chat completions itself, so the codec is mostly the address and the
   part of the completion.
 - Errors: `{"error": {"code", "message", ...}}`; 429 carries `retry-after-ms` / `retry-after`;
   rate limits arrive as `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`.
+
+Entra ID tokens
+---------------
+Microsoft Entra ID bearer tokens for Azure OpenAI pools (`auth: entra`).
+
+Azure OpenAI accepts `Authorization: Bearer TOKEN` with a token for the Cognitive Services scope
+instead of an `api-key` (Microsoft Learn, "How to configure Azure OpenAI in Azure AI Foundry Models
+with Microsoft Entra ID authentication"). The token comes from azure-identity's
+`DefaultAzureCredential` (environment, workload identity, managed identity, Azure CLI, ...): its
+`get_token` may block on a token endpoint or a subprocess, so the transport calls `refresh` off the
+event loop at start-up and again before the token's expiry, never per request, as it does for
+Bedrock's and Vertex AI's credentials. azure-identity is optional (`pip install 'tokenway[azure]'`),
+imported on first use. Any object with azure-core's `get_token(*scopes)` returning an `AccessToken`
+(`token`, `expires_on` in epoch seconds) may stand in for the default credential.
 """
 
 from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -40,8 +59,8 @@ from backends.hosted.base import (
     UpstreamCall,
 )
 from backends.hosted.chat_in import header
+from backends.protocols import split_event
 from backends.protocols.anthropic import duration_s
-from backends.protocols.sse import split_event
 
 DEFAULT_API_VERSION = "2024-10-21"
 V1_VERSIONS = ("v1", "preview")
@@ -252,3 +271,34 @@ class AzureOpenAICodec:
             exhausted = [s for kind, s in resets.items() if state.extra.get(f"x-ratelimit-remaining-{kind}") == "0"]
             state.reset_s = max(exhausted) if exhausted else (min(resets.values()) if resets else None)
         return state
+
+
+SCOPE: Final = "https://cognitiveservices.azure.com/.default"
+
+
+class TokenCredential(Protocol):
+    """azure-core's `TokenCredential`, as far as it is used here."""
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any: ...
+
+
+class EntraToken:
+    """One pool endpoint's Entra ID token source; `refresh` blocks (run it off the loop)."""
+
+    def __init__(self, credential: TokenCredential | None = None) -> None:
+        self._credential = credential
+
+    def refresh(self) -> tuple[str, float]:
+        """(access token, its expiry in epoch seconds) for the Cognitive Services scope."""
+        if self._credential is None:
+            try:
+                from azure.identity import DefaultAzureCredential
+            except ImportError as exc:  # pragma: no cover - depends on the install
+                raise RuntimeError("`auth: entra` needs azure-identity: pip install 'tokenway[azure]'") from exc
+            self._credential = DefaultAzureCredential()
+        token = self._credential.get_token(SCOPE)
+        return str(token.token), float(token.expires_on)
+
+    @staticmethod
+    def headers(token: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {token}"}

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backends.protocols.errors import ProtocolError
+from backends.protocols import ProtocolError
 
 
 class Untranslatable(ProtocolError):

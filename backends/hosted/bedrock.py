@@ -31,7 +31,7 @@ Answer: text blocks join into `content`, `toolUse` into `tool_calls`, `reasoning
 `reasoning_content`; `stopReason` → `finish_reason`. Usage: Converse's `inputTokens` excludes cache
 reads and writes (reported as `cacheReadInputTokens` / `cacheWriteInputTokens`, the 1 h share in
 `cacheDetails`), so the whole prompt is their sum. The stream is the eventstream framing
-(`backends.hosted.eventstream`); its exception frames raise `ProviderStreamError`. The codec is
+(`backends.hosted.aws`); its exception frames raise `ProviderStreamError`. The codec is
 pure: ids are derived from the answer's bytes and `created` is 0 (the transport stamps both).
 """
 
@@ -46,6 +46,7 @@ from urllib.parse import quote
 
 import orjson
 
+from backends.hosted.aws import EventMessage, EventStreamDecoder, EventStreamError
 from backends.hosted.base import (
     ProviderError,
     ProviderStreamError,
@@ -65,8 +66,7 @@ from backends.hosted.chat_in import (
     tool_function,
     unpack_signed_id,
 )
-from backends.hosted.eventstream import EventMessage, EventStreamDecoder, EventStreamError
-from backends.protocols.errors import ProtocolError
+from backends.protocols import ProtocolError
 
 __all__ = ["THINKING_BUDGETS", "BedrockCodec", "BedrockStreamDecoder", "endpoint_url", "pack_call_id", "unpack_call_id"]
 

@@ -69,7 +69,7 @@ from backends.hosted.chat_in import (
     tool_function,
     unpack_signed_id,
 )
-from backends.protocols.errors import ProtocolError
+from backends.protocols import ProtocolError
 
 __all__ = [
     "THINKING_BUDGETS",

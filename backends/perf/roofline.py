@@ -1,4 +1,35 @@
-"""How long one engine step takes on a preset: the roofline shared by the simulated engine and the prior.
+"""An engine's performance on a preset, as numbers: its KV capacity and batch defaults, how long it takes
+to load, sleep and wake, and how long one engine step takes (the roofline).
+
+One module because the three are one model of the same engine: the step time and the load times
+both read the weight and KV bytes the capacity part computes.
+
+KV capacity
+-----------
+How much a device holds: KV bytes per token, vLLM's KV block count and its batch defaults.
+
+The simulated engine sizes its KV cache with these, and the predictor's prior uses the same engine
+limits, so both see the engine a `Preset` describes.
+
+Loading, sleeping, waking
+-------------------------
+How long an engine takes to come up, to go to sleep and to wake: weights moved over a link.
+
+- Start-up: the weights read from storage at the load bandwidth, plus a fixed initialisation
+  (CUDA context, memory profiling, CUDA-graph capture, compilation). `--load-format dummy` reads no
+  weights (random ones are generated on the device), so only the initialisation remains.
+- Sleep level 1 (vLLM's sleep mode): each device copies its share of the weights to pinned host
+  memory over its own PCIe link and drops the KV cache; waking copies them back the same way.
+- Sleep level 2: weights and KV cache are dropped at once; waking reloads the weights from storage at
+  the load bandwidth (what an operator does after a level-2 wake). The process, its CUDA graphs and
+  its compiled kernels survive both levels, so neither wake pays the initialisation again.
+
+The load bandwidth and the initialisation are properties of the host and of the engine build more
+than of the GPU, hence one default for every preset, overridable per engine.
+
+Step time
+---------
+How long one engine step takes on a preset: the roofline shared by the simulated engine and the prior.
 
 A step of a vLLM-style engine runs every scheduled token through the model once: prefill chunks
 (many new tokens of one request, after `context_before` tokens already in its KV cache) and decode
@@ -27,9 +58,129 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
-from backends.perf.capacity import kv_bytes_per_token, kv_bytes_per_token_per_device
+from backends.perf.hardware import GIB
 from backends.perf.presets import Preset
+
+# Memory vLLM's profiler sees besides weights and KV: CUDA context, NCCL buffers, cuBLAS workspaces
+# and CUDA graphs. About 1.5-3 GiB on Hopper in practice; one constant keeps the estimate simple.
+NON_TORCH_BYTES = int(2.0 * GIB)
+
+
+def kv_bytes_per_token(preset: Preset) -> int:
+    """Bytes of K and V one token occupies across the whole model (all layers, all TP ranks).
+
+    This is what a PD transfer moves per prompt token.
+    """
+    m = preset.model
+    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype_bytes
+
+
+def kv_bytes_per_token_per_device(preset: Preset) -> int:
+    """Bytes per token on one device: KV heads are split over TP, replicated when TP > KV heads."""
+    m = preset.model
+    heads_per_device = max(1, math.ceil(m.num_kv_heads / preset.tp))
+    return 2 * m.num_layers * heads_per_device * m.head_dim * m.dtype_bytes
+
+
+def weight_bytes_per_device(preset: Preset) -> int:
+    return preset.model.weight_bytes // preset.tp
+
+
+def activation_peak_bytes(preset: Preset, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """vLLM's profile run peak beyond weights: hidden states and MLP intermediates of a full token
+    budget, plus float32 logits for every sequence of a full batch."""
+    m = preset.model
+    per_token = (4 * m.hidden_size + 2 * m.intermediate_size // preset.tp) * m.dtype_bytes
+    logits = max_num_seqs * m.vocab_size * 4
+    return max_num_batched_tokens * per_token + logits
+
+
+def num_gpu_blocks(
+    preset: Preset,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int = 8192,
+    max_num_seqs: int = 256,
+) -> int:
+    """KV blocks vLLM would allocate: (capacity x utilisation - weights - activations - non-torch)
+    per device over the per-device bytes of one block. Raises ValueError when the model does not fit,
+    as vLLM refuses to start ("No available memory for the cache blocks")."""
+    hw = preset.hardware
+    budget = int(hw.hbm_capacity * gpu_memory_utilization)
+    free = (
+        budget
+        - weight_bytes_per_device(preset)
+        - activation_peak_bytes(preset, max_num_batched_tokens, max_num_seqs)
+        - NON_TORCH_BYTES
+    )
+    block_bytes = block_size * kv_bytes_per_token_per_device(preset)
+    if free < block_bytes:
+        raise ValueError(
+            f"{preset.name}: no memory left for KV cache blocks "
+            f"({free / GIB:.1f} GiB after weights at gpu_memory_utilization={gpu_memory_utilization})"
+        )
+    return free // block_bytes
+
+
+def batch_defaults(preset: Preset) -> tuple[int, int]:
+    """vLLM's (max_num_seqs, max_num_batched_tokens) by device memory (get_batch_defaults)."""
+    memory_gib = preset.hardware.hbm_capacity / GIB
+    if memory_gib >= 160:
+        return 1024, 16384
+    if memory_gib >= 70 and not preset.hardware.name.startswith("a100"):
+        return 1024, 8192
+    return 256, 2048
+
+
+DEFAULT_LOAD_BANDWIDTH: Final = 2e9  # bytes/s from storage to the devices (safetensors, page cache cold)
+DEFAULT_INIT_S: Final = 5.0  # seconds of engine initialisation beyond reading weights
+# Pinned host<->device copies reach about this share of the PCIe link's peak per direction.
+PCIE_EFFICIENCY: Final = 0.8
+SLEEP_LEVELS: Final = (1, 2)
+
+
+def weight_load_s(preset: Preset, load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH) -> float:
+    """Seconds to read the model's weights from storage (all of them, at `load_bandwidth` bytes/s)."""
+    if load_bandwidth <= 0:
+        raise ValueError("load bandwidth must be > 0")
+    return preset.model.weight_bytes / load_bandwidth
+
+
+def startup_s(
+    preset: Preset,
+    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH,
+    init_s: float = DEFAULT_INIT_S,
+    load_weights: bool = True,
+) -> float:
+    """Seconds from launch until the engine serves: weights ÷ load bandwidth + initialisation."""
+    if init_s < 0:
+        raise ValueError("init_s must be >= 0")
+    return (weight_load_s(preset, load_bandwidth) if load_weights else 0.0) + init_s
+
+
+def host_copy_s(preset: Preset) -> float:
+    """Seconds to copy one device's share of the weights between it and pinned host memory (the TP
+    ranks copy in parallel, each over its own link)."""
+    return weight_bytes_per_device(preset) / (preset.hardware.pcie_bandwidth * PCIE_EFFICIENCY)
+
+
+def sleep_s(preset: Preset, level: int) -> float:
+    """Seconds `POST /sleep?level=N` takes: level 1 offloads the weights, level 2 only frees memory."""
+    _check_level(level)
+    return host_copy_s(preset) if level == 1 else 0.0
+
+
+def wake_s(preset: Preset, level: int, load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH) -> float:
+    """Seconds to bring the weights back after sleeping at `level` (the KV cache is only reallocated)."""
+    _check_level(level)
+    return host_copy_s(preset) if level == 1 else weight_load_s(preset, load_bandwidth)
+
+
+def _check_level(level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, not {level}")
 
 
 @dataclass(frozen=True, slots=True)

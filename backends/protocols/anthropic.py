@@ -23,9 +23,7 @@ from typing import Any
 
 import orjson
 
-from backends.protocols.errors import ProtocolError
-from backends.protocols.sse import typed_event
-from backends.protocols.usage import with_cost
+from backends.protocols import ProtocolError, typed_event, with_cost
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 _ERROR_TYPES = {

@@ -216,7 +216,7 @@ async def post(session: aiohttp.ClientSession, url: str, body: bytes, plan: RunP
             else:
                 error = answer.get("error") or {}
                 message = str(error.get("message") or "")
-                # a run's cap says it "does not reset" (policies/limits/rejections.py); anything else is not one
+                # a run's cap says it "does not reset" (policies/limits/admission.py); anything else is not one
                 out.code = f"{error.get('code') or ''}:{'run cap' if 'does not reset' in message else 'other'}"
     except TimeoutError:
         out.code = "client_timeout"

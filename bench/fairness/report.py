@@ -286,7 +286,7 @@ def render(raw: Mapping[str, Any], summaries: Mapping[str, Any], plot_name: str)
         "normal band waits at most "
         + f"{args['phase_s'] / 8:.0f} s (then 429), low {args['phase_s'] / 4:.0f} s (503); "
         + f'"+ reserve": {_reserve(raw)} (of the 16 batch slots, kept for tenants under their share of what is '
-        "in flight, `policies/flow/reserve.py`).",
+        "in flight, `policies/flow/saturation.py`).",
         "",
         f"![fairness]({plot_name})",
         "",

@@ -48,18 +48,18 @@ MAX_NUM_SEQS = 8
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 # of the pool's 2 x 8 batch slots, kept for tenants under their share: at least 4, and as many as
-# their recent peak demand less what they hold, plus 2, up to 12 (policies/flow/reserve.py)
+# their recent peak demand less what they hold, plus 2, up to 12 (policies/flow/saturation.py)
 RESERVE: dict[str, int] = {"reserve_slots": 4, "reserve_max_slots": 12, "reserve_margin": 2}
 FLOW_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0}}
 RESERVE_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, **RESERVE}}
-# a request that finds the pool full cuts a stream of a tenant over its share (policies/flow/preempt.py)
+# a request that finds the pool full cuts a stream of a tenant over its share (policies/flow/saturation.py)
 PREEMPT_SECTION: dict[str, Any] = {"enabled": True, "saturation": {"max_engine_waiting": 0, "preempt": True}}
 RESERVE_PREEMPT_SECTION: dict[str, Any] = {
     "enabled": True,
     "saturation": {"max_engine_waiting": 0, **RESERVE, "preempt": True},
 }
 # ... and a request over its share starts only where no prefill is pending while another endpoint with a
-# free slot stays clear (policies/flow/reserve.py `clear_lane`)
+# free slot stays clear (policies/flow/saturation.py `clear_lane`)
 LANE_SECTION: dict[str, Any] = {
     "enabled": True,
     "saturation": {"max_engine_waiting": 0, **RESERVE, "preempt": True, "reserve_clear_lane": True},

@@ -6,7 +6,7 @@
 
 A fleet of simulated `llama-3.1-8b@h100` engines whose HBM holds a fraction of the working set of a
 long-context multi-turn workload (whole conversations of the Mooncake trace, 512-token blocks), each
-with a host-DRAM offload tier (`sim/kv_offload.py`: HBM evictions land there, a DRAM hit is loaded
+with a host-DRAM offload tier (`sim/kv_cache.py`, `HostOffload`: HBM evictions land there, a DRAM hit is loaded
 over PCIe instead of recomputed, KV events carry medium CPU). The engines (`sim.scheduler`,
 `sim.kv_cache`, the roofline) run in process on one virtual clock: a discrete-event loop, so the
 numbers carry no host noise and a run takes seconds. The gateway's router (`policies.routing`,
@@ -17,9 +17,9 @@ picks the engine for every request, with the same arrivals for every variant:
   sized for HBM alone, can know);
 - `constant`: every tier seen, weighted 1.0 / 0.75 / 0.25 (HBM / DRAM / disk);
 - `physics`: every tier seen, a lower-tier hit credited with the prefill time it saves minus its
-  load time (`policies/routing/prefix/tiers.py`).
+  load time (`policies/routing/kv_tiers.py`).
 - `flat` (reference): every tier seen at weight 1 (the precise index before tiers).
-- `physics+store`: `physics` on a fleet that also shares a KV store (`sim/kv_store.py`, the pool's
+- `physics+store`: `physics` on a fleet that also shares a KV store (`sim/kv_cache.py`, `SharedStore`, the pool's
   `kv_store`): blocks are written there once computed (`--store-write evict`: on HBM eviction), any
   engine loads its blocks at the store's link after its own HBM and DRAM runs, and the router is fed
   the store's events, so a block in the store counts on every replica (credit by physics at the
@@ -57,9 +57,8 @@ from pathlib import Path
 from backends.config import PoolConfig
 from backends.fleet import Pool
 from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
-from backends.perf.capacity import kv_bytes_per_token_per_device
 from backends.perf.presets import resolve_preset
-from backends.perf.roofline import StepTimer, step_cost
+from backends.perf.roofline import StepTimer, kv_bytes_per_token_per_device, step_cost
 from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket
 from bench.replay.workload import BLOCK_TOKENS, TraceRequest, load_mooncake, scaled_arrivals
 from bench.traces import require, traces_dir
@@ -67,11 +66,8 @@ from policies.routing import build_router
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteRequest
 from policies.types import Principal, RequestFacts
-from sim.kv_cache import KVCacheManager, KVEvent
-from sim.kv_offload import HostOffload
-from sim.kv_store import WRITE_ON_COMPUTE, SharedStore
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.kv_cache import WRITE_ON_COMPUTE, HostOffload, KVCacheManager, KVEvent, SharedStore
+from sim.scheduler import Request, Scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -91,7 +87,7 @@ class FleetSpec:
     store_blocks: int = 0  # the shared store of the `+store` variants
     store_bandwidth: float = 10e9  # bytes/s per device
     store_latency_s: float = 1e-3
-    store_write: str = "compute"  # when blocks reach the store (sim/kv_store.py): on compute or on eviction
+    store_write: str = "compute"  # when blocks reach the store (sim/kv_cache.py): on compute or on eviction
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
 

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.config import PoolConfig
-from backends.fleet import Pool
-from backends.lora import LoraAdapter
+from backends.fleet import LoraAdapter, Pool
 from backends.perf.presets import resolve_preset
 from backends.perf.roofline import StepTimer
 from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket, Role
@@ -37,8 +36,7 @@ from policies.routing.types import Router, RouteRequest
 from policies.types import Principal, RequestFacts
 from sim.kv_cache import KVCacheManager
 from sim.lora import LoraSlots, batch_adapters
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 REPLICAS = 4
 MAX_LORAS = 8

@@ -33,7 +33,7 @@ from bench.overhead.run import (
     start_nginx,
     tokenway_config,
 )
-from gateway.app.schema import ReplicasSettings
+from gateway.app.settings import ReplicasSettings
 from tests.support.haproxy import start_haproxy
 from tests.support.procs import _env, free_port, free_ports, http_get, stop_process, wait_http
 
@@ -141,7 +141,7 @@ def micro(n: int = 20_000) -> dict[str, float]:
     from backends.config import PoolConfig
     from backends.fleet import Fleet
     from backends.types import EndpointState
-    from gateway.app.schema import ReplicasSettings
+    from gateway.app.settings import ReplicasSettings
     from gateway.replicas.bus import ReplicaBus
     from gateway.replicas.wire import Batch, decode, encode
     from policies.routing.pipeline import build_router

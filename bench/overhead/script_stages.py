@@ -25,9 +25,9 @@ import hiredis
 from bench.limiter.common import RedisServer
 from bench.overhead.hierarchy import policy
 from bench.overhead.run import cpu_seconds
-from policies.limits import buckets
+from policies.limits import memory_store
 from policies.limits.redis_store import RedisStore
-from policies.limits.resp import Arg, EvalSha, Pre, Script, command, load_script
+from policies.limits.scriptpipe import Arg, EvalSha, Pre, Script, command, load_script
 from policies.types import RequestSubjects
 
 # (label, the line of reserve.lua the stage stops before; None: the whole script)
@@ -71,7 +71,7 @@ def reservations(hierarchy: bool, store: RedisStore, script: Script, n: int, sal
     fixed: list[Arg] = [enc.lease_ttl, enc.ticket_ttl]
     deltas = " ".join(repr(c) for c in [0.0] + [-6.0] * (len(plan.buckets) - 1))
     now = time.time()
-    periods = " ".join(str(buckets.period_id(budget.period, now)) for budget in plan.budgets)
+    periods = " ".join(str(memory_store.period_id(budget.period, now)) for budget in plan.budgets)
     out = []
     for i in range(n):
         ticket = f"s{salt}-{i}"

@@ -21,7 +21,7 @@ The router is told the same link classes (`routing.pd.topology.links`), so it pr
 simulator charges:
 
 - `blind`: `pd.topology.aware: false` (the pipelines choose decode and prefill endpoints on their own);
-- `aware`: the pair's cost includes the transfer over its link (`policies/routing/topology.py`);
+- `aware`: the pair's cost includes the transfer over its link (`policies/routing/pd.py`);
 - `no-spine` (a bound, not a router): `aware` on a fabric whose cross-rack link is as fast as the
   rack's, so no pair pays the spine. It is the p90 any pairing could reach on the spec's fabric with the
   same prefill choices, so blind / no-spine is the most a pairing policy can gain there.
@@ -52,18 +52,15 @@ from pathlib import Path
 
 from backends.config import PoolConfig
 from backends.fleet import Pool
-from backends.perf.capacity import kv_bytes_per_token_per_device
 from backends.perf.presets import resolve_preset
-from backends.perf.roofline import StepTimer, step_cost
-from backends.topology import Topology, link_class
-from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket, Role
+from backends.perf.roofline import StepTimer, kv_bytes_per_token_per_device, step_cost
+from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket, Role, Topology, link_class
 from policies.routing import build_router
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteRequest
 from policies.types import Principal, RequestFacts
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"

@@ -7,7 +7,7 @@ Reads a predictor benchmark run whose client rows carry the engine's per-request
 simulated engine sends them with the last chunk; `loadgen` keeps them: arrival on the engine's
 clock, TTFT, TPOT) and splits the error of the gateway's TTFT prediction, for the gate-off Azure runs:
 
-1. **Host lag**: the engine's TTFT (its clock leaves host delays out, `sim/clock.py`)
+1. **Host lag**: the engine's TTFT (its clock leaves host delays out, `SimClock` in `sim/engine.py`)
    against the client's. What the 2-core testbed adds; no predictor sees it.
 2. **Replay on the engine's arrivals**: the engine's scheduler and step-time model fed every
    request's arrival as the engine stamped it. If it reproduces the engine's TTFT, the engine is a
@@ -40,8 +40,7 @@ from backends.perf.roofline import StepTimer
 from bench.predictor import report
 from bench.predictor.floor import PRESET, Array, mean_ape, replay, run_step
 from sim.config import EngineConfig, build_engine_config
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 SAMPLED_PER_ENDPOINT = 150  # present-only twins per endpoint (each deep-copies the engine: ~1 s)
 

@@ -48,8 +48,7 @@ from backends.perf.roofline import StepTimer
 from bench.predictor import report
 from sim.config import EngineConfig, build_engine_config
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 PRESET = "llama-3.1-8b@h100"
 FUTURE_SHIFTS_S = (-24.0, 24.0, -16.0, 16.0, -8.0, 8.0)  # engine seconds: where borrowed futures come from

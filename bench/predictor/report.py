@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.schema import DEFAULT_MIN_PROBABILITY
-from predictor.types import probability_within
+from predictor.features import probability_within
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TTFT_MAPE_TARGET, TPOT_MAPE_TARGET, COVERAGE_TARGET = 10.0, 5.0, (0.85, 0.95)

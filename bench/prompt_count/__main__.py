@@ -1,7 +1,7 @@
 """What counting prompts as the engine does costs the gateway, per request, side by side in one run.
 
 Counters (policies/estimate.py): `cl100k` (the simulated engine's tokenizer; the estimate for any
-other engine), `model` (the model's own tokenizer.json + chat template, `policies/model_count.py`)
+other engine), `model` (the model's own tokenizer.json + chat template, `policies/estimate.py`)
 and `engine` (a `POST /tokenize` to a simulated engine over a real loopback socket: the round trip a
 pool without local tokenizer files pays). Each counts the same chat requests, of four sizes and
 three kinds of text (English prose, Python code, CJK), twice: a new prompt (cache miss) and the same
@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from backends.fleet import Pool
-from backends.model_tokenizer import ModelTokenizer
+from backends.tokenization import ModelTokenizer
 from backends.types import Endpoint, EndpointState
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
-from policies.estimate import PromptEstimator
-from policies.model_count import ModelTokenizerCounter
+from policies.estimate import ModelTokenizerCounter, PromptEstimator
 from tests.real_vllm.tiny_model import build
 from tests.support.procs import start_sim
 

@@ -14,13 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from backends.perf import roofline
-from backends.perf.capacity import batch_defaults
 from backends.perf.hardware import Efficiency
 from backends.perf.presets import Preset, resolve_preset
+from backends.perf.roofline import batch_defaults
 from bench.sim_calibration.sources import Row
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 # the factors `python_literal` writes, in the order of the results table
 PARAMS = (

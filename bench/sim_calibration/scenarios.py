@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.perf.capacity import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
 from backends.perf.presets import Preset, resolve_preset
+from backends.perf.roofline import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 BLOCK_SIZE = 16  # vLLM's default on GPUs
 GPU_MEMORY_UTILIZATION = 0.9  # the benchmarks ran `vllm serve` with its default

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("vllm_step_probe.py")

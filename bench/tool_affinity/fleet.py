@@ -29,8 +29,7 @@ from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteDecision, RouteRequest
 from policies.types import Principal, RequestFacts, RequestSubjects
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
-from sim.scheduler import Scheduler, Step
+from sim.scheduler import Request, Scheduler, Step
 
 PRINCIPAL = Principal(key_id="k", tenant="agents", allowed_models=None, priority=0)
 BLOCK_SIZE = 16

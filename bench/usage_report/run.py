@@ -2,7 +2,7 @@
 ledgers of growing size, side by side with the former report that held every row in memory.
 
 A synthetic ledger is written once per size (`--dir`, reused when the row count matches): rows in
-the ledger's own line format (codec.record_to_entry of a RequestRecord), 100 keys of 8 tenants,
+the ledger's own line format (writer.record_to_entry of a RequestRecord), 100 keys of 8 tenants,
 3 models, 2 % rejections and 1 % errors, one finish time per 1 ms, rotated like the gateway's
 writer (128 MiB files). Each report runs as its own process (`python -m gateway.app.cli usage report
 --by tenant,model --format csv --plot out.png`); its peak RSS is the child's ru_maxrss. The former
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.ledger.codec import record_to_entry
+from gateway.ledger.writer import record_to_entry
 from gateway.request.record import RequestRecord
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,11 +20,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.protocols import anthropic
-from backends.protocols.errors import ProtocolError
+from backends.protocols import ProtocolError, anthropic
 from backends.types import Endpoint
-from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
-from gateway.apis.responses import _chat_usage
+from gateway.apis.responses import NATIVE_ENGINES, _chat_usage, engine_message, json_response
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
 from gateway.app import keys as appkeys
 from gateway.errors import (

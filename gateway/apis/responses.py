@@ -1,4 +1,23 @@
-"""POST /v1/responses as an `ApiCall`, and GET / DELETE /v1/responses/{id}.
+"""`ApiCall`, the shape of an API translated per request, and the first of them: POST /v1/responses
+(with GET / DELETE /v1/responses/{id}).
+
+## `ApiCall`
+
+An `ApiCall` is an API the gateway translates per request (not chat / completions / embeddings).
+Such an API is an object its route builds for each request, holding that request's translation; the
+walk sees it as any other `Api` (`gateway/request/apis.py`): it reads the body (`parse`, then
+`prepare` once the caller is known), counts the prompt (`estimate`), says what to send to the chosen
+endpoint (`upstream`: natively where the engine serves the API, else a chat completions request),
+how to read the answer (`stream_codec`, `unary_transform`) and how to write errors (`render_error`,
+`engine_error`). Everything else — admission, routing, prediction, fallbacks, accounting — is the
+walk every API shares.
+
+`messages.py` is the other `ApiCall`; both share `NATIVE_ENGINES`, `engine_message` and
+`json_response` from here.
+
+## The Responses API
+
+POST /v1/responses as an `ApiCall`, and GET / DELETE /v1/responses/{id}.
 
 The gateway owns the conversation and names it: every response gets the gateway's own random id
 (`new_response_id`) in place of the engine's (vLLM derives its ids from the request's
@@ -14,23 +33,53 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
-from backends.protocols import responses
-from backends.protocols.errors import ProtocolError
+from backends.protocols import ProtocolError, responses
 from backends.types import Endpoint
-from gateway.apis.base import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.store import ResponseStore, entry_blob, new_response_id
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
-from gateway.request.apis import UnaryTransform
+from gateway.request.apis import Api, UnaryTransform
 from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
-from policies.routing.session import bounded_key
+from policies.routing.pipeline import bounded_key
 from policies.types import ApiKind, Principal, RequestFacts, Usage
+
+# Engines whose own server speaks the Responses and Messages APIs (vLLM's /v1/responses and
+# /v1/messages; the simulator's). Others (TensorRT-LLM, hosted OpenAI-compatible APIs) get chat.
+NATIVE_ENGINES: frozenset[str] = frozenset({"vllm", "vllm-ascend", "sim"})
+
+
+class ApiCall(Api, Protocol):
+    async def finished(self) -> None:
+        """After the answer is complete (and before a non-streamed one is sent): store it."""
+        ...
+
+
+def engine_message(body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, type, code) of an engine's error body, whatever its shape."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:500].decode("utf-8", "replace"), None, None
+    error = parsed.get("error") if isinstance(parsed, Mapping) else None
+    if isinstance(error, Mapping):
+        code = error.get("code")
+        return str(error.get("message", "")), error.get("type"), (str(code) if code is not None else None)
+    if isinstance(error, str):
+        return error, None, None
+    return body[:500].decode("utf-8", "replace"), None, None
+
+
+def json_response(status: int, payload: Any, headers: Iterable[tuple[str, str]]) -> web.Response:
+    response = web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+    for name, value in headers:
+        response.headers[name] = value
+    return response
 
 
 class PreviousResponseNotFound(GatewayError):

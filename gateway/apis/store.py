@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol
 import orjson
 import redis.asyncio as aioredis
 
-from gateway.app.schema import ResponseStoreSettings
+from gateway.app.settings import ResponseStoreSettings
 
 log = logging.getLogger("tokenway.apis.store")
 

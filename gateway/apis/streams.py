@@ -17,9 +17,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from backends.protocols import anthropic
-from backends.protocols.responses_stream import ResponsesStream
-from backends.protocols.sse import split_event, typed_event
+from backends.protocols import anthropic, split_event, typed_event
+from backends.protocols.responses import ResponsesStream
 from backends.types import LoadTicket
 from gateway.upstream.relay import RelayOutcome, cost_figure
 from policies.types import Usage
@@ -292,7 +291,7 @@ class ResponsesFromChat(_FromChat):
         return self.stream.fail(message, "upstream_error")
 
     def failover(self, marker: Mapping[str, Any]) -> bytes:
-        """Where the stream moved to a fallback model (gateway/transport/failover.py): an event of
+        """Where the stream moved to a fallback model (gateway/transport/engine.py): an event of
         tokenway's own type in the stream's sequence; the response goes on under its id, one
         `response.created`, the text in the same output item."""
         return self.stream.extension({"type": "tokenway.failover", "tokenway": {"failover": dict(marker)}})
@@ -317,7 +316,7 @@ class MessagesFromChat(_FromChat):
         return self.stream.fail(message)
 
     def failover(self, marker: Mapping[str, Any]) -> bytes:
-        """Where the stream moved to a fallback model (gateway/transport/failover.py): a `ping` event
+        """Where the stream moved to a fallback model (gateway/transport/engine.py): a `ping` event
         (Anthropic's grammar has no extension event; its SDKs skip pings) carrying `tokenway.failover`;
         the message goes on with one `message_start` and its open text block."""
         return typed_event({"type": "ping", "tokenway": {"failover": dict(marker)}})

@@ -18,7 +18,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from backends.config import PoolConfig
-from backends.lora import MB, budget_bytes, local_size_bytes
+from backends.fleet import MB, budget_bytes, local_size_bytes
 from gateway.app.settings import GatewaySettings
 from policies.schema import PoliciesConfig, TierPriceConfig
 

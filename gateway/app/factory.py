@@ -1,6 +1,16 @@
 """The app factory: builds every long-lived object in `cleanup_ctx` generators (set up before the
-yield, torn down after, in reverse order) and stores them under typed AppKeys. Nothing here runs at
-import time, so tests can build several apps in one process.
+yield, torn down after, in reverse order) and stores them under typed AppKeys, behind the middleware
+chain every route shares. Nothing here runs at import time, so tests can build several apps in one
+process.
+
+## The middleware chain
+
+`not_found_middleware` turns aiohttp's plain-text 404 / 405 into OpenAI's error shape with an
+`x-request-id` (Anthropic's under /v1/messages), and a body that cannot be read (not the
+`Content-Encoding` it claims) into a 400 on every route, whichever handler read it.
+`canonical_path_middleware` answers 400 to any path whose raw form is not the one canonical form (dot
+segments, empty segments, backslashes, percent-encoded dots or slashes), on every route: a route sees
+an id only as the client wrote it, never as a normaliser rewrote it.
 """
 
 from __future__ import annotations
@@ -8,22 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from backends import health, scrape
-from backends.adapters import get_adapter
+from backends import scrape
 from backends.discovery.service import Discovery
-from backends.fleet import Fleet
+from backends.fleet import Fleet, get_adapter, report_success
+from backends.fleet import report_failure as health_report_failure
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
 from backends.types import Endpoint
 from gateway import __version__
-from gateway.apis.messages import error_in_route_shape
-from gateway.apis.routes import RESPONSE_STORE, canonical_path_middleware, not_found_middleware, setup_api_routes
+from gateway.apis.messages import anthropic_error, error_in_route_shape
+from gateway.apis.routes import RESPONSE_STORE, setup_api_routes
 from gateway.apis.store import make_response_store
 from gateway.app import keys as appkeys
 from gateway.app.checks import config_findings, errors
@@ -39,15 +50,11 @@ from gateway.console.routes import console_admin_routes, console_routes
 from gateway.console.sessions import ConsoleSessions
 from gateway.console.shared import SharedActivity
 from gateway.console.tenant_spend import TenantSpend
-from gateway.flow.check import Check
-from gateway.flow.gate import Gate
+from gateway.errors import GatewayError, InvalidRequest, error_response
+from gateway.flow.checks import Saturation, SloHook, Spill
+from gateway.flow.gate import Check, Gate
 from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from gateway.flow.slo import SloHook
-from gateway.flow.spill import Spill
-from gateway.http.admin import admin_routes, limiter_gauges, predictor_gauges
-from gateway.http.admin_keys import key_routes, own_key
-from gateway.http.admin_overrides import override_routes
+from gateway.http.admin import admin_routes, key_routes, limiter_gauges, override_routes, own_key, predictor_gauges
 from gateway.http.bodies import body_bounds, bounded_bodies
 from gateway.http.openapi import setup_openapi_route
 from gateway.http.outcome import setup_outcome_routes
@@ -57,33 +64,32 @@ from gateway.ledger.reconcile import reconcile_ctx
 from gateway.replicas.bus import ReplicaBus, default_replica_id
 from gateway.request import Director, Hook, Hooks
 from gateway.request.accounting import Accounting
-from gateway.request.dispatch import Dispatch
+from gateway.request.director import Dispatch
 from gateway.request.intake import Intake
-from gateway.telemetry.flow import FlowMetrics
-from gateway.telemetry.learning import LearningHook
-from gateway.telemetry.metrics import GatewayMetrics
+from gateway.request.intake import request_id as request_id_of
+from gateway.telemetry.metrics import FlowMetrics, GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.transport.engine import EngineTransport
 from gateway.transport.hosted import HostedCalls, HostedTransport, PoolTransports
-from gateway.transport.lora_keeper import keeping
+from gateway.transport.lora import keeping
 from gateway.transport.lora_shared import SharedAdapters, sharing
-from gateway.transport.observers import RouteMetrics, ToolBoundary
+from gateway.transport.observers import LearningHook, RouteMetrics, ToolBoundary
 from gateway.transport.provider_quota import ProviderQuotaCheck, ProviderQuotas
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizer, build_counters
-from gateway.upstream.stalls import StallWatch, watching
+from gateway.upstream.replica_loss import StallWatch, watching
 from policies.estimate import PromptEstimator
-from policies.flow.bands import band_name
-from policies.flow.counters import Counters, MemoryCounters
-from policies.flow.programs import MemoryPrograms, ProgramService
-from policies.flow.redis_counters import RedisCounters
-from policies.flow.redis_programs import RedisPrograms
+from policies.flow.order import Counters, MemoryCounters, MemoryPrograms, ProgramService, band_name
+from policies.flow.redis_counters import RedisCounters, RedisPrograms
 from policies.holder import PolicyHolder, ReloadResult
 from policies.keys.directory import KeyDirectory
-from policies.keys.mirrored import MirroredDirectoryStore
-from policies.keys.redis_store import RedisDirectoryStore
-from policies.keys.sqlite_store import SqliteDirectoryStore
-from policies.keys.store import DirectoryStore, MemoryDirectoryStore
+from policies.keys.store import (
+    DirectoryStore,
+    MemoryDirectoryStore,
+    MirroredDirectoryStore,
+    RedisDirectoryStore,
+    SqliteDirectoryStore,
+)
 from policies.limits.admission import Admission
 from policies.limits.failover import make_store
 from policies.policy import Policy
@@ -91,6 +97,91 @@ from policies.routing.pipeline import build_router
 from predictor.service import LatencyPredictor
 
 log = logging.getLogger("tokenway.app")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "unknown_url"
+
+
+class NonCanonicalPath(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_path"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+@web.middleware
+async def not_found_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own 404 / 405 answers, in the API's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        error: GatewayError = RouteNotFound(f"Unknown request URL: {request.method} {request.path}.")
+    except web.HTTPMethodNotAllowed as exc:
+        error = MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path} (allowed: {', '.join(sorted(exc.allowed_methods))})."
+        )
+        error.headers.append(("Allow", ", ".join(sorted(exc.allowed_methods))))
+    except RequestPayloadError as exc:  # the client's body, not the gateway: 400
+        error = InvalidRequest(f"the request body could not be read: {str(exc).strip()}")
+    request_id = request_id_of(request.headers)
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(error, [("x-request-id", request_id)], request_id)
+    return error_response(error, [("x-request-id", request_id)])
+
+
+# Percent-encoded bytes a canonical path never holds: an unreserved dot (RFC 3986 keeps those
+# unencoded), slashes and backslashes (a path's structure is its raw slashes), NUL.
+_ENCODED = ("%2e", "%2f", "%5c", "%00")
+# Model names may hold a slash ("org/model"): that route takes it percent-encoded.
+_SLASHED_IDS = "/v1/models/"
+
+
+def path_problem(raw_path: str) -> str | None:
+    """Why the raw request target's path is not canonical, or None when it is."""
+    path = raw_path.partition("?")[0].partition("#")[0]
+    if not path.startswith("/"):
+        return "the request path must be absolute"
+    if "//" in path:
+        return "the request path holds an empty segment ('//')"
+    if "\\" in path:
+        return "the request path holds a backslash"
+    if "/." in path and any(segment in (".", "..") for segment in path.split("/")):
+        return "the request path holds a '.' or '..' segment"
+    if "%" in path:
+        lowered = path.lower()
+        for encoded in _ENCODED:
+            if encoded in lowered:
+                if encoded in ("%2f", "%5c") and lowered.startswith(_SLASHED_IDS) and lowered.count("/") == 3:
+                    continue
+                return f"the request path holds a percent-encoded {encoded!r}"
+    return None
+
+
+@web.middleware
+async def canonical_path_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A 400 for a path that is not in its canonical form, before any route (or normaliser) sees it."""
+    raw = request.raw_path
+    if "//" not in raw and "\\" not in raw and "/." not in raw and "%" not in raw:
+        return await handler(request)  # the common case: nothing to look at
+    problem = path_problem(raw)
+    if problem is None:
+        return await handler(request)
+    error = NonCanonicalPath(f"{problem}: send each path in its one canonical form.")
+    request_id = request_id_of(request.headers)
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(error, [("x-request-id", request_id)], request_id)
+    return error_response(error, [("x-request-id", request_id)])
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
@@ -223,7 +314,7 @@ async def _policies_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def directory_store(state: StateSettings) -> DirectoryStore:
     """Where keys made through the admin API live: Redis with `state: redis` (with the SQLite file as
-    its durable copy, restored into a Redis that lost them: policies/keys/mirrored.py), else the file."""
+    its durable copy, restored into a Redis that lost them: policies/keys/store.py), else the file."""
     if state.backend == "redis" and state.redis_url:
         shared = RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
         return MirroredDirectoryStore(shared, SqliteDirectoryStore(state.keys_db)) if state.keys_db else shared
@@ -440,7 +531,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         return get_adapter(endpoint.engine).shape_request(body, api, fleet.pools[endpoint.pool].config)
 
     def report_failure(endpoint: Endpoint, now_s: float) -> None:
-        health.report_failure(endpoint, now_s, ejection, fleet.pools.get(endpoint.pool))
+        health_report_failure(endpoint, now_s, ejection, fleet.pools.get(endpoint.pool))
 
     metrics = app[appkeys.METRICS]
     metrics_on = settings.telemetry.metrics.enabled
@@ -493,10 +584,10 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         "turns": dispatch,
         "metrics": metrics if metrics_on else None,
         "shape_body": shape_body,
-        "report_success": health.report_success,
+        "report_success": report_success,
         "report_failure": report_failure,
     }
-    engine = EngineTransport(  # the answer relayed from an engine over HTTP (gateway/request/transport.py)
+    engine = EngineTransport(  # the answer relayed from an engine over HTTP (gateway/request/context.py)
         upstream=app[appkeys.UPSTREAM],
         stalls=StallWatch(fleet, settings.server.first_token_deadline, settings.server.stall_after_s, ejection),
         **common,
@@ -538,7 +629,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
         start_trace=app[appkeys.TRACING].start_request,
     )
     try:
-        # frozen replicas out of routing (gateway/upstream/stalls.py); LoRA preloads and idle unloads
+        # frozen replicas out of routing (gateway/upstream/replica_loss.py); LoRA preloads and idle unloads
         async with watching(engine.stalls), sharing(lora_share), keeping(engine.lora_keeper):
             yield
     finally:

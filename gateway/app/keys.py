@@ -20,12 +20,11 @@ from gateway.flow.queue import FlowQueue
 from gateway.ledger.writer import LedgerWriter
 from gateway.replicas.bus import ReplicaBus
 from gateway.request import Director
-from gateway.telemetry.flow import FlowMetrics
-from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.metrics import FlowMetrics, GatewayMetrics
 from gateway.telemetry.tracing import Tracing
 from gateway.transport.provider_quota import ProviderQuotas
 from gateway.upstream.client import UpstreamClient
-from policies.flow.config import FlowSettings
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.keys.directory import KeyDirectory
 from policies.limits.admission import Admission

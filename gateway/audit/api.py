@@ -24,8 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.app import keys as appkeys
-from gateway.audit.record import Change
-from gateway.audit.store import DEFAULT_LIMIT, MAX_LIMIT, AuditLog, LineSink, Query
+from gateway.audit.store import DEFAULT_LIMIT, MAX_LIMIT, AuditLog, Change, LineSink, Query
 from gateway.http.admin_replies import admin_error, json_reply
 from gateway.http.team_scope import team_view
 from gateway.ledger.cli import parse_time_s
@@ -55,7 +54,7 @@ def note(request: web.Request, *, target: str | None = None, before: Any = None,
 
 def actor_of(credential: str, session_cookie: str | None) -> str:
     """`credential` ("admin-token", "console", "loopback", or "user:NAME" for a user of
-    `server.users`, by token or console session: gateway/http/roles.py) as the record names it; a
+    `server.users`, by token or console session: gateway/http/access.py) as the record names it; a
     console session opened with the admin token by the first characters of the SHA-256 of its cookie, the id the
     gateway keeps for it (gateway/console/sessions.py), never the cookie itself."""
     if credential == "console" and session_cookie:
@@ -154,7 +153,7 @@ def _redis_sink(app: web.Application) -> LineSink | None:
     stream = ledger.stream(settings.state)
     if stream is None:
         return None
-    from gateway.ledger.redis_stream import RedisStreamExporter
+    from gateway.ledger.sinks import RedisStreamExporter
 
     name = ledger.audit.redis_stream
     if ledger.redis_stream is None and name == type(ledger.audit).model_fields["redis_stream"].default:

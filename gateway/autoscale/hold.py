@@ -1,5 +1,11 @@
-"""The cold start: the gate's check that holds a request for a pool with nothing serving while a
-replica starts or wakes.
+"""Elastic pools in the walk of a request: the cold-start check at the gate, and the hook that counts
+demand on arrival and learns from each request's end. One module because they are the autoscaler's
+two places in the walk and work on the same requests: the hook counts a request for a pool at zero
+(the planner's demand), the check holds it in the waiting room while a replica starts (and notes the
+hold in its record), and the hook learns from its end.
+
+The cold start: the gate's check that holds a request for a pool with nothing serving
+-------------------------------------------------------------------------------------
 
 When routing finds no endpoint for the request's model, no pool of the model serves and an
 autoscaled one can start or wake, `enter` holds the request in that pool's waiting room
@@ -11,6 +17,17 @@ planner runs at once (`on_hold`). Past either bound the request is answered 503 
 from the expected start time, unless the model's fallback chain takes it (trigger `cold_start`).
 The wait is part of its TTFT, is reported in `x-tokenway-cold-start-ms` and the record's
 `cold_start_ms` (`went`), and counts in the room's own wait too (`x-tokenway-queued-ms`).
+
+The hook: counted on arrival, learnt from
+-----------------------------------------
+
+- `prepare` (each model of the chain): the request counts towards its pool's token rates (the
+  planner's demand, also while the pool is at zero). It never waits: a request for a pool at zero
+  is held by the gate's cold-start check (above), in the one waiting room.
+- `ended`: a stream its replica cut is counted as migrated (it continued on another replica) or
+  failed (`tokenway_stream_migrations_total`).
+- `finished`: the request's real prompt, cache hits and output teach the pool's mix, its TPOT beside
+  the batch it ran in calibrates the capacity model, and the record carries the hold.
 """
 
 from __future__ import annotations
@@ -18,15 +35,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
 
 from backends.fleet import Fleet, Pool
+from gateway.autoscale.loop import Autoscaler
 from gateway.errors import NoHealthyBackend
-from gateway.flow.check import GO, Check, Turn, Verdict, Wait
-from gateway.flow.queue import FlowQueue
-from gateway.flow.types import Blocked
-from gateway.request import Detour, Routed
+from gateway.flow.gate import GO, Check, Turn, Verdict, Wait
+from gateway.flow.queue import Blocked, FlowQueue
+from gateway.request import Detour, Hook, RequestContext, Routed
+from gateway.telemetry.metrics import PoolMetrics
 
 COLD_START_HEADER: Final = "x-tokenway-cold-start-ms"
 TRIGGER: Final = "cold_start"
@@ -122,4 +141,45 @@ class ColdStart(Check):
         return ColdStartRejected(
             f"No replica of '{pool.config.model}' is serving yet (pool {pool.name!r} is starting); {why}.",
             headers=[("retry-after", str(retry))],
+        )
+
+
+@dataclass(slots=True)
+class ElasticHook(Hook):
+    fleet: Fleet
+    autoscaler: Autoscaler
+    cold: ColdStart  # the gate's cold-start check (the app factory puts it among the gate's checks)
+    metrics: PoolMetrics | None = None
+    _elastic: frozenset[str] = field(init=False)  # models served by an autoscaled pool
+
+    def __post_init__(self) -> None:
+        self._elastic = frozenset(p.config.model for p in self.fleet.pools.values() if p.config.elastic)
+
+    async def prepare(self, ctx: RequestContext) -> None:
+        if ctx.model not in self._elastic:
+            return
+        facts = ctx.facts
+        pools = [p for p in self.fleet.pools_for_model(ctx.model) if p.config.elastic]
+        self.autoscaler.arrived(pools[0].name, facts.prompt_tokens, facts.max_tokens)
+
+    def ended(self, ctx: RequestContext) -> None:
+        outcome, routed = ctx.outcome, ctx.routed
+        if outcome is None or routed is None or (not routed.pool.config.elastic and not outcome.migrations):
+            return
+        moved = outcome.migrations - outcome.preempted  # a preemption's continuation is flow control's
+        ctx.record.migrations = moved
+        if self.metrics is not None:
+            for _ in range(moved):
+                self.metrics.observe_migration(routed.pool.name, "migrated")
+            if outcome.broken:
+                self.metrics.observe_migration(routed.pool.name, "failed")
+
+    def finished(self, ctx: RequestContext) -> None:
+        record, routed = ctx.record, ctx.routed
+        if routed is None or not routed.pool.config.elastic or record.status != "ok":
+            return
+        tpot_ms = record.tpot_s * 1000.0 if record.tpot_s else None
+        batch = max(routed.endpoint.stats.running, 1)
+        self.autoscaler.finished(
+            routed.pool.name, record.prompt_tokens, record.cached_tokens, record.completion_tokens, tpot_ms, batch
         )

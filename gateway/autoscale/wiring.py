@@ -11,10 +11,9 @@ from aiohttp import web
 
 from backends.autoscale.executor import Executor
 from gateway.app import keys as appkeys
-from gateway.autoscale.hold import ColdStart
-from gateway.autoscale.hook import ElasticHook
+from gateway.autoscale.hold import ColdStart, ElasticHook
 from gateway.autoscale.loop import Autoscaler
-from gateway.telemetry.pools import PoolMetrics
+from gateway.telemetry.metrics import PoolMetrics
 from policies.autoscale.forecast import LeadTimes
 
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)

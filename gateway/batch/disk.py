@@ -3,11 +3,25 @@
     <dir>/LOCK                  flock'd by the process that owns the directory
     <dir>/files/<id>.json       a file's record; <id>.jsonl its bytes; <id>.idx its request spans
     <dir>/batches/<id>.json     a batch's record (rewritten atomically at each status change)
-    <dir>/batches/<id>.wal      its results (gateway/batch/result_log.py)
+    <dir>/batches/<id>.wal      its results (`ResultLog`, below)
     <dir>/tmp/                  uploads and output files being written
 
 Records (file, batch) are written to a temporary name, fsynced and renamed. The lines' progress and
 their write-ahead result logs are the `ResultLog`'s; at start-up each unfinished batch's is read back.
+
+## Per-line progress (`ResultLog`)
+
+The embedded batch store's per-line progress: which lines of each running batch are free, claimed
+or done, and the write-ahead log that makes a line done.
+
+    <dir>/batches/<id>.wal      a batch's results, append-only: one `<header>\t<line>\n` per line done
+
+`record` appends the results of every line finished since the last write, fsyncs the log once for
+all of them (group commit) and only then answers, so a line counts as done only when its result
+survives a crash. A batch's progress is read back from its log the first time it is asked for (at
+start-up for each unfinished batch): its lines with a result are done, a torn last record (the crash
+came mid-write) is cut off, and every other line is free to run again. `DiskBatchStore`
+keeps the file and batch records beside it.
 """
 
 from __future__ import annotations
@@ -15,22 +29,274 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import heapq
 import logging
 import os
 import shutil
+import time
 from array import array
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import IO, Any, Final, TypeVar
 
 import orjson
 
 from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta
-from gateway.batch.result_log import ResultLog
-from gateway.batch.results import LineResult
-from gateway.batch.store import QuotaExceeded
+from gateway.batch.store import LineResult, QuotaExceeded
 
 log = logging.getLogger("tokenway.batch.disk")
+
+_FREE, _CLAIMED, _OK, _FAILED, _RECORDING = 0, 1, 2, 3, 4
+
+
+@dataclass(slots=True)
+class _Progress:
+    total: int
+    state: bytearray
+    queue: deque[int]
+    deferred: list[tuple[float, int]] = field(default_factory=list)
+    counts: Counts = field(default_factory=Counts)
+    held: int = 0
+    wal: IO[bytes] | None = None
+
+
+class ResultLog:
+    """The line protocol of `BatchStore` for one process: progress in memory, results in one
+    append-only log per batch under `batches_dir`. `meta` finds a batch's record when its progress
+    is first needed."""
+
+    def __init__(self, batches_dir: Path, meta: Callable[[str], BatchMeta], *, fsync: bool) -> None:
+        self.batches_dir = batches_dir
+        self.fsync = fsync
+        self._meta = meta
+        self._progress: dict[str, _Progress] = {}
+        self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def wal_path(self, batch_id: str) -> Path:
+        return self.batches_dir / f"{batch_id}.wal"
+
+    def has(self, batch_id: str) -> bool:
+        return batch_id in self._progress
+
+    def load(self, batch: BatchMeta) -> None:
+        """Read the batch's progress back from its log (a batch that runs, or runs again)."""
+        self._progress[batch.id] = self._read_progress(batch)
+
+    def _read_progress(self, batch: BatchMeta) -> _Progress:
+        state = bytearray(batch.total)
+        counts = Counts()
+        path = self.wal_path(batch.id)
+        if path.exists():
+            good = 0
+            with open(path, "rb") as fh:
+                for raw in fh:
+                    if not raw.endswith(b"\n"):
+                        break  # torn: the crash came mid-write
+                    try:
+                        result = LineResult.parse(raw)
+                    except (ValueError, KeyError, IndexError, TypeError):
+                        log.error("batch %s: unreadable result record at byte %d: skipped", batch.id, good)
+                        good += len(raw)
+                        continue
+                    good += len(raw)
+                    if 0 <= result.index < batch.total and state[result.index] == _FREE:
+                        state[result.index] = _OK if result.ok else _FAILED
+                        counts.add(result.ok, result.usage)
+            if good < path.stat().st_size:
+                log.warning("batch %s: cut a torn result record off its log", batch.id)
+                with open(path, "r+b") as fh:
+                    fh.truncate(good)
+        queue = deque(i for i in range(batch.total) if state[i] == _FREE)
+        return _Progress(batch.total, state, queue, counts=counts)
+
+    def _of(self, batch_id: str) -> _Progress:
+        progress = self._progress.get(batch_id)
+        if progress is None:
+            progress = self._progress[batch_id] = self._read_progress(self._meta(batch_id))
+        return progress
+
+    async def counts(self, batch_id: str) -> Counts:
+        progress = self._progress.get(batch_id)
+        return progress.counts if progress is not None else Counts()
+
+    async def claim(self, batch_id: str, n: int) -> list[int]:
+        """Up to `n` free lines (those whose deferral is over first); one process: a claim lasts until
+        the line is recorded, deferred, or the process ends."""
+        progress = self._of(batch_id)
+        out: list[int] = []
+        now = time.monotonic()
+        deferred = progress.deferred
+        while deferred and len(out) < n and deferred[0][0] <= now:
+            _due, i = heapq.heappop(deferred)
+            if progress.state[i] == _FREE:
+                out.append(i)
+        queue = progress.queue
+        while queue and len(out) < n:
+            i = queue.popleft()
+            if progress.state[i] == _FREE:
+                out.append(i)
+        for i in out:
+            progress.state[i] = _CLAIMED
+        progress.held += len(out)
+        return out
+
+    async def defer(self, batch_id: str, indices: Collection[int], delay_s: float) -> None:
+        progress = self._progress.get(batch_id)
+        if progress is None:
+            return
+        due = time.monotonic() + delay_s
+        for i in indices:
+            if progress.state[i] != _CLAIMED:
+                continue
+            progress.state[i] = _FREE
+            progress.held -= 1
+            if delay_s <= 0:
+                progress.queue.appendleft(i)
+            else:
+                heapq.heappush(progress.deferred, (due, i))
+
+    async def record(self, batch_id: str, results: Sequence[LineResult]) -> list[bool]:
+        progress = self._of(batch_id)
+        fresh: dict[int, LineResult] = {}
+        for r in results:
+            if progress.state[r.index] in (_FREE, _CLAIMED) and r.index not in fresh:
+                fresh[r.index] = r
+        if not fresh:
+            return [False] * len(results)
+        before = {i: progress.state[i] for i in fresh}
+        for i in fresh:
+            progress.state[i] = _RECORDING
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def durable(done: asyncio.Future[None]) -> None:
+            """Runs when the write ends, even if the caller was cancelled meanwhile."""
+            ok = not done.cancelled() and done.exception() is None
+            for i, r in fresh.items():
+                if ok:
+                    if before[i] == _CLAIMED:
+                        progress.held -= 1
+                    progress.state[i] = _OK if r.ok else _FAILED
+                    progress.counts.add(r.ok, r.usage)
+                else:  # not on disk: the line is not done
+                    progress.state[i] = before[i]
+
+        future.add_done_callback(durable)  # before the caller's own wake-up: states are set when it resumes
+        self._pending.append((batch_id, b"".join(r.record() for r in fresh.values()), future))
+        self._ensure_writer()
+        self._wake.set()
+        await asyncio.shield(future)
+        return [r.index in fresh and fresh[r.index] is r for r in results]
+
+    def _ensure_writer(self) -> None:
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def _write_loop(self) -> None:
+        while True:
+            if not self._pending:  # checked before waiting: a wake-up set while writing is not lost
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            pending, self._pending = self._pending, []
+            try:
+                await asyncio.to_thread(self._append, pending)
+            except Exception as exc:
+                log.exception("writing batch results failed")
+                for _batch, _data, future in pending:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for _batch, _data, future in pending:
+                if not future.done():
+                    future.set_result(None)
+
+    def _append(self, pending: list[tuple[str, bytes, asyncio.Future[None]]]) -> None:
+        touched: dict[str, IO[bytes]] = {}
+        for batch_id, data, _future in pending:
+            progress = self._progress[batch_id]
+            if progress.wal is None:
+                progress.wal = open(self.wal_path(batch_id), "ab")  # noqa: SIM115 - kept open while it runs
+            progress.wal.write(data)
+            touched[batch_id] = progress.wal
+        for wal in touched.values():
+            wal.flush()
+            if self.fsync:
+                os.fsync(wal.fileno())
+
+    async def held(self, batch_id: str) -> int:
+        progress = self._progress.get(batch_id)
+        return progress.held if progress is not None else 0
+
+    async def unrecorded(self, batch_id: str) -> list[int]:
+        progress = self._of(batch_id)
+        return [i for i, s in enumerate(progress.state) if s in (_FREE, _CLAIMED)]
+
+    async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
+        path = self.wal_path(batch_id)
+        if batch_id in self._progress and self._progress[batch_id].wal is not None:
+            await asyncio.to_thread(self._progress[batch_id].wal.flush)  # type: ignore[union-attr]
+        spans = await asyncio.to_thread(_result_spans, path)
+        if not spans:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for start in range(0, len(spans), 256):
+                chunk = spans[start : start + 256]
+                for raw in await asyncio.to_thread(_pread_all, fd, chunk):
+                    yield LineResult.parse(raw)
+        finally:
+            os.close(fd)
+
+    async def drop_progress(self, batch_id: str) -> None:
+        progress = self._progress.pop(batch_id, None)
+        if progress is not None and progress.wal is not None:
+            progress.wal.close()
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(self.wal_path(batch_id).unlink)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await self._writer
+        for progress in self._progress.values():
+            if progress.wal is not None:
+                progress.wal.close()
+                progress.wal = None
+
+
+def _pread_all(fd: int, spans: list[tuple[int, int, int]]) -> list[bytes]:
+    return [os.pread(fd, length, offset) for _index, offset, length in spans]
+
+
+def _result_spans(path: Path) -> list[tuple[int, int, int]]:
+    """(index, offset, length) of each line's first result record, in line order."""
+    found: dict[int, tuple[int, int]] = {}
+    if not path.exists():
+        return []
+    offset = 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            header = raw.partition(b"\t")[0]
+            try:
+                index = int(orjson.loads(header)["i"])
+            except (ValueError, KeyError, TypeError):
+                offset += len(raw)
+                continue
+            found.setdefault(index, (offset, len(raw)))
+            offset += len(raw)
+    return [(i, *found[i]) for i in sorted(found)]
+
 
 _CHUNK: Final = 1 << 20
 

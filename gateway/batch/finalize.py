@@ -17,8 +17,7 @@ from typing import IO, Final
 import orjson
 
 from gateway.batch.objects import BatchMeta, FileMeta
-from gateway.batch.results import unanswered
-from gateway.batch.store import BatchStore
+from gateway.batch.store import BatchStore, unanswered
 
 _READ: Final = 256
 _UNRUN: Final = {

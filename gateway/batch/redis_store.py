@@ -37,8 +37,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta
-from gateway.batch.results import LineResult
-from gateway.batch.store import QuotaExceeded
+from gateway.batch.store import LineResult, QuotaExceeded
 
 _CHUNK: Final = 1 << 20
 _READ_BATCH: Final = 500

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from backends.fleet import Fleet
-from backends.lora import DEFAULT_ADAPTER_BYTES, MB, budget_bytes
-from backends.lora_discovery import serving_pools
+from backends.fleet import DEFAULT_ADAPTER_BYTES, MB, Fleet, budget_bytes
+from backends.scrape import serving_pools
 from backends.types import Endpoint
 from gateway.app import keys as appkeys
 from gateway.http.admin_replies import json_reply

@@ -1,7 +1,7 @@
 """`POST /admin/models/{model}/check`: the console's "Test this model", one tiny chat request through
 the gateway's own walk, answered with its outcome and latency.
 
-The check runs as the batch lines do (gateway/batch/walk.py: in process, the engine transport's answer
+The check runs as the batch lines do (gateway/batch/lines.py: in process, the engine transport's answer
 read whole), through the same intake, admission, routing and accounting as a client's request, so it
 tests what a client would meet: the model's pool, a ready replica, the engine answering. Its caller
 is an internal principal that no key authenticates as: key `check:<actor>` (the admin who asked, as
@@ -23,9 +23,9 @@ from aiohttp import web
 
 from gateway.app import keys as appkeys
 from gateway.audit.api import note
-from gateway.batch.walk import LineTransport
+from gateway.batch.lines import LineTransport
+from gateway.http.access import identity_of
 from gateway.http.admin_replies import admin_error, json_reply
-from gateway.http.roles import identity_of
 from gateway.request.apis import APIS
 from policies.schema import PRIORITY_VALUES
 from policies.types import Principal

@@ -1,6 +1,6 @@
 """`GET /admin/programs`: the live agent runs and what each has spent, for the console's Programs page.
 
-The runs come from the limiter's index of live runs (policies/limits/runs.py: the runs whose calls
+The runs come from the limiter's index of live runs (policies/limits/standing.py: the runs whose calls
 were admitted last, in Redis when the gateway shares state, so any replica answers for all) and what
 each used from the run's own counters, the ones `GET /v1/key?program=` reads: calls, tokens, dollars,
 its wall-clock cap, every run cap with what is left. Bounded: the newest `READ_MAX` index entries are
@@ -18,8 +18,8 @@ from aiohttp import web
 from gateway.app import keys as appkeys
 from gateway.http.admin_replies import admin_error, json_reply
 from gateway.http.team_scope import team_view
-from policies.limits.run_index import READ_MAX, RunSeen
-from policies.limits.runs import order, run_standing
+from policies.limits.memory_store import READ_MAX, RunSeen
+from policies.limits.standing import order, run_standing
 from policies.policy import Policy
 from policies.types import RequestSubjects
 

@@ -22,25 +22,26 @@ from gateway.app import keys as appkeys
 from gateway.console.activity import team_overview
 from gateway.console.adapters import adapters_view
 from gateway.console.check import model_check
-from gateway.console.oidc import (
+from gateway.console.programs import programs
+from gateway.console.sessions import (
     CALLBACK_PATH,
+    COOKIE,
     FLOW_COOKIE,
     PENDING_TTL_S,
+    ConsoleSessions,
+    LoginThrottle,
     OidcClient,
     OidcNotConfigured,
     OidcRefused,
     identity_of_claims,
     redirect_uri_of,
+    retry_after_header,
 )
-from gateway.console.programs import programs
-from gateway.console.sessions import COOKIE, ConsoleSessions
-from gateway.console.throttle import LoginThrottle, retry_after_header
-from gateway.console.usage import MAX_GROUPS, usage_async
-from gateway.console.usage_csv import MAX_CSV_ROWS, csv_response
+from gateway.console.usage import MAX_CSV_ROWS, MAX_GROUPS, csv_response, usage_async
 from gateway.errors import GatewayError, InvalidApiKey, error_response
 from gateway.http import access
+from gateway.http.access import CONSOLE, Identity
 from gateway.http.admin_replies import json_reply
-from gateway.http.roles import CONSOLE, Identity
 from gateway.http.routes import Handler, caller_of, gate_of
 from gateway.http.team_scope import TeamView, team_view
 from gateway.ledger.report import ReportError
@@ -116,7 +117,7 @@ def login_handler(throttle: LoginThrottle) -> Handler:
 
         Without an admin token only a direct loopback caller logs in (any token); with one, a wrong
         or missing token is a failure: logged (never its text), counted, and after a few, answered
-        429 with `Retry-After` until the backoff has passed (gateway/console/throttle.py)."""
+        429 with `Retry-After` until the backoff has passed (gateway/console/sessions.py)."""
         gate = gate_of(request.app)
         caller = caller_of(request)
         client = caller.remote or "local"
@@ -246,7 +247,7 @@ async def usage(request: web.Request) -> web.Response:
 
 
 def oidc_handlers() -> tuple[Handler, Handler]:
-    """`GET /ui/oidc/login` and `GET /ui/oidc/callback` (gateway/console/oidc.py), sharing one relying
+    """`GET /ui/oidc/login` and `GET /ui/oidc/callback` (gateway/console/sessions.py), sharing one relying
     party per app, made on first use from `server.oidc` (404 without it)."""
     clients: dict[int, OidcClient] = {}
 

@@ -32,10 +32,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.app.schema import RedisStreamConfig
+from gateway.app.settings import RedisStreamConfig
 from gateway.console.usage import stream_entries
-from gateway.ledger import codec
 from gateway.ledger.reader import files_in_window
+from gateway.ledger.writer import decode
 
 TTL_S = 30.0
 MAX_TENANTS = 100_000
@@ -159,7 +159,7 @@ def _new_file_entries(directory: Path, month_start: float, offsets: dict[str, in
             position = start
             for line in f:
                 try:
-                    entry = codec.decode(line) if line.strip() else None
+                    entry = decode(line) if line.strip() else None
                 except ValueError:  # torn (still being written) or corrupt: the reader's warning is the report's
                     if not line.endswith(b"\n"):
                         break

@@ -7,6 +7,6 @@ sends the request there. Here tokenway's own admission, routing and SLO gate mak
 the response stream is followed for usage and first-token time. See docs/scale-out.md.
 
 Needs the optional extra `tokenway[epp]` (grpcio) and Envoy's generated types (xds-protos), which
-`protos.py` finds beside the environment (they would overwrite opentelemetry-proto's modules
+`protocol.py` finds beside the environment (they would overwrite opentelemetry-proto's modules
 inside it).
 """

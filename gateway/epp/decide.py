@@ -38,9 +38,8 @@ from gateway.epp.exchange import Picked, Refused
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest
 from gateway.request.accounting import Accounting
 from gateway.request.apis import APIS
-from gateway.request.context import RequestContext, Routed
+from gateway.request.context import Hooks, RequestContext, Routed
 from gateway.request.director import Director
-from gateway.request.hooks import Hooks
 from gateway.transport.engine import EngineTransport, answer_headers
 from gateway.upstream.relay import RelayOutcome, relay_events
 from policies.types import RequestFacts, Usage

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.epp import protocol
-from gateway.epp.protos import Envoy
+from gateway.epp.protocol import Envoy
 
 
 @dataclass(slots=True)

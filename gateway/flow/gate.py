@@ -1,7 +1,13 @@
-"""The gate: the one place a request waits, and the one place its route changes before it goes.
+"""The gate: the one place a request waits, and the one place its route changes before it goes; and
+the one interface it asks, `Check`. One module because the two are one decision ("may this request
+go now, on this route?"): the gate builds a request's `Turn`, asks every `Check` for a verdict on
+it and acts on that verdict; a newcomer reads the question and its answers side by side.
 
-`Gate.admit(ctx, routed, reroute)` is what the walk asks once per attempt (`gateway.request.hooks.Gate`).
-It builds the request's turn (`gateway/flow/check.py`), lets every check `enter` it, and asks the
+The gate
+--------
+
+`Gate.admit(ctx, routed, reroute)` is what the walk asks once per attempt (`gateway.request.context.Gate`).
+It builds the request's turn (`Turn`, below), lets every check `enter` it, and asks the
 pool's waiting room (`gateway/flow/queue.py`) to hold it until every check says GO, in flow order.
 Its `ready()`, each time the room offers the request the turn:
 
@@ -19,27 +25,51 @@ As a hook the gate keeps the fairness accounts: each dispatch charges its tenant
 with the predicted cost (uncached prompt + predicted output tokens, the latter corrected for drift;
 the lease lives on the context, `ctx.flow_lease`), each attempt's end corrects it with the real cost
 and tells the room that capacity may have freed, as does each first token.
+
+The gate's one interface: a `Check` answers "may this request go now, on this route?"
+-------------------------------------------------------------------------------------
+
+The waiting room's front door (`Gate`) asks every check, in the order the app
+factory lists them, each time the request might go: on arrival, then on every wake of its pool's
+room (`docs/architecture.md`, "The gate: one room, many checks"). Each answers one verdict:
+
+- `GO`: nothing against it here; the next check is asked (the last one's GO dispatches);
+- `Wait(scope, reason, answer)`: not now; the request waits in its pool's room, in flow order.
+  `scope` says who else that holds back (`Blocked.POOL`: nobody waiting there goes;
+  `Blocked.TENANT`: nobody of this tenant; `Blocked.PROGRAM`: nobody of this request's program;
+  `Blocked.REQUEST`: only this one). `answer`, when set, is
+  what the request is told if it waits this out until its deadline (else its band's answer);
+- `Avoid(endpoints, otherwise)`: not on these endpoints: the room routes again without them (and
+  without any an earlier check avoided) and asks every check again on the new route; when no route
+  is left, `otherwise` is the verdict;
+- `Refuse(detour)`: not here at all: the request leaves the room with that `Detour` (the director
+  answers it or walks the model's fallback chain).
+
+A check never waits, sleeps or routes itself: waiting and routing again are the room's job, in one
+place. Besides `check`, a check may shape the turn before the first ask (`enter`: bound or stretch
+its deadline, hold a request that has no route yet, refuse at once) and hear that the request goes
+(`went`). Per-request state a check needs while the request waits lives on the `Turn` (this wait)
+or on the request context (`gateway/request/context.py`), never in a table keyed by request.
+Flow control's own checks are in `gateway/flow/checks.py`; others live with their feature.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from gateway.errors import Rejected
-from gateway.flow.check import Avoid, Check, Go, Turn, Wait
-from gateway.flow.queue import FlowQueue
-from gateway.flow.types import Blocked, FlowRequest, QueueRejected
+from gateway.flow.queue import Blocked, FlowQueue, FlowRequest, QueueRejected
 from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
-from policies.flow import vtc
-from policies.flow.bands import band_name, band_rank
-from policies.flow.config import FlowSettings
-from policies.flow.rejections import REASON_QUEUE_TIMEOUT, queue_rejection
+from policies.flow import order
+from policies.flow.order import band_name, band_rank
+from policies.flow.room import REASON_QUEUE_TIMEOUT, queue_rejection
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
-from predictor.length import OutputPrediction
+from predictor.prior import OutputPrediction
 
 REASON_QUEUED: Final = "queued"  # record.reject_reason of a request served after waiting (status ok)
 _MAX_ROUTES: Final = 8  # routes one ask may try (each `Avoid` takes at least one endpoint out)
@@ -76,7 +106,7 @@ class Gate(Hook):
             facts.request_id,
             facts.principal.tenant,
             band,
-            vtc.request_cost(facts.prompt_tokens, cached, output.tokens),
+            order.request_cost(facts.prompt_tokens, cached, output.tokens),
             policy.tenant_weight(facts.principal.tenant),
             now + band_policy.max_queue_ms / 1000.0,
             (ctx.http.content_length or 0) if ctx.http is not None else 0,  # the endpoint picker holds no body
@@ -166,9 +196,9 @@ class Gate(Hook):
         if outcome is not None:
             usage = outcome.usage
             if usage is not None:
-                actual = vtc.request_cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+                actual = order.request_cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
             elif outcome.counted_completion_tokens:
-                actual = vtc.request_cost(ctx.facts.prompt_tokens, 0, outcome.counted_completion_tokens)
+                actual = order.request_cost(ctx.facts.prompt_tokens, 0, outcome.counted_completion_tokens)
             elif not outcome.aborted and not outcome.broken:
                 actual = None  # served, usage unknown: the prediction stands
         self._end(ctx, actual)
@@ -224,3 +254,77 @@ class Gate(Hook):
             f"band={band_name(request.band)};cost={request.cost_tokens:.0f};output={output.tokens:.1f};"
             f"raw={output.raw_tokens:.1f};counter={counter:.0f}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    """Nothing against the request going on this route."""
+
+
+GO: Final = Go()
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Not now: wait in the room. `answer(waited_s)`: the reply to a request that waits this out."""
+
+    scope: Blocked
+    reason: str
+    answer: Callable[[float], Detour] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Not on this model: leave the room with `detour`."""
+
+    detour: Detour
+
+
+@dataclass(frozen=True, slots=True)
+class Avoid:
+    """Not on these endpoints: route again without them; `otherwise` when no route is left."""
+
+    endpoints: Collection[str]
+    otherwise: Go | Wait | Refuse
+
+
+Verdict = Go | Wait | Avoid | Refuse
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request's turn at the gate (one `Gate.admit`): what the checks read and may note.
+
+    `pool`: the room it waits in (its route's pool; set by a check's `enter` when it has no route);
+    `deadline_s`: monotonic, the band's bound until every `enter` had its say; `unrouted`: the wait
+    that holds a request with no route (a cold start), None when such a request is not held;
+    `routed_s`: when it first had a route; `last_wait`: the latest `Wait` it got (its answer applies
+    at the deadline); `preempt_asked_s`: when a stream was last cut for it (flow control)."""
+
+    ctx: RequestContext
+    request: FlowRequest
+    pool: str
+    began_s: float
+    deadline_s: float
+    unrouted: Wait | None = None
+    routed_s: float | None = None
+    last_wait: Wait | None = None
+    preempt_asked_s: float = field(default=float("-inf"))
+
+
+class Check(Protocol):
+    """One reason a request may not go now (see the module docstring). Subclass it and override
+    `check`, and `enter` / `went` where the check needs them."""
+
+    def enter(self, turn: Turn, routed: Routed | None) -> None:
+        """Once per turn, before the first ask; may change `turn.deadline_s`, set `turn.pool` and
+        `turn.unrouted` (hold a request that has no route), or raise a `Detour` (refuse at once)."""
+        return None
+
+    def check(self, turn: Turn, routed: Routed) -> Verdict:
+        """The verdict on `routed` now."""
+        ...
+
+    def went(self, turn: Turn, routed: Routed) -> None:
+        """The request goes on `routed` (after every check said GO)."""
+        return None

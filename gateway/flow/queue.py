@@ -1,4 +1,9 @@
-"""The waiting room: one per pool, the only place a request waits in the gateway.
+"""The waiting room: one per pool, the only place a request waits in the gateway; and its vocabulary,
+what a request brings to the room (`FlowRequest`) and what it gets back (a grant, `Blocked`,
+`QueueRejected`), kept with the room that defines them.
+
+The waiting room
+----------------
 
 A request asks `hold(pool, request, ready)`. `ready()` is the caller's gate: it returns a value (the
 route to dispatch on, say) when the request may go now, or a `Blocked` saying why not. With nobody
@@ -6,7 +11,7 @@ waiting in the pool and `ready()` answering a value, the request goes at once (w
 room costs one call then). Otherwise it waits, and each time capacity may have freed on the pool
 (`notify`: a request ended, a first token, a replica became ready) the room offers the turn in flow
 order (`policies.flow.order`: band, then virtual counter, then, for a tenant with program fairness,
-its program's attained service (`policies/flow/programs.py`), then arrival or predicted cost): the first
+its program's attained service (`policies/flow/order.py`), then arrival or predicted cost): the first
 request whose `ready()` answers a value is dispatched; `Blocked.POOL` stops the round (the pool is
 full for everyone), `Blocked.REQUEST` passes the turn to the next in order (a few per round),
 `Blocked.TENANT` to the next tenant's (the slot reserve holds this one's back), `Blocked.PROGRAM` to
@@ -26,6 +31,12 @@ from the room's drain rate.
 `ready()` is the gate's (`gateway/flow/gate.py`): it asks every check (saturation and the slot
 reserve, the SLO, batch spare capacity, a cold start) and routes again where one says so, so a
 request for a pool at zero waits here too, until a replica is ready (`notify(pool)` when it is).
+
+Flow control's vocabulary: what a request brings to the waiting room, what it gets back
+---------------------------------------------------------------------------------------
+
+`FlowRequest` is a request as the room sees it, `Blocked` why a waiting request cannot go now, and
+`QueueRejected` how it leaves the room unserved (queue_full, queue_timeout, queue_shed).
 """
 
 from __future__ import annotations
@@ -35,25 +46,87 @@ import itertools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic
+from enum import Enum
+from typing import Any, Final, Generic, TypeVar
 
-from gateway.flow.activity import Activity
-from gateway.flow.program_activity import ProgramActivity
-from gateway.flow.types import (
+from gateway.flow.activity import Activity, ProgramActivity
+from policies.flow import order
+from policies.flow.order import (
+    BANDS,
+    NO_PROGRAM,
+    Counters,
+    MemoryPrograms,
+    ProgramService,
+    ServiceWindow,
+    band_name,
+    fair_share_ratios,
+)
+from policies.flow.room import (
     REASON_QUEUE_FULL,
     REASON_QUEUE_TIMEOUT,
     REASON_SHED,
-    Blocked,
-    FlowRequest,
-    QueueRejected,
-    Ready,
-    T,
+    DrainRate,
+    Held,
+    retry_after_s,
+    shed_for,
 )
-from policies.flow import bounds, order, vtc
-from policies.flow.bands import BANDS, band_name
-from policies.flow.counters import Counters
-from policies.flow.programs import NO_PROGRAM, MemoryPrograms, ProgramService
-from policies.flow.share import ServiceWindow, fair_share_ratios
+
+T = TypeVar("T")
+
+__all__ = ["REASON_QUEUE_FULL", "REASON_QUEUE_TIMEOUT", "REASON_SHED", "Blocked", "FlowRequest", "QueueRejected"]
+
+
+class Blocked(Enum):
+    """Why a waiting request cannot go now (what a `Ready` callable answers instead of a value)."""
+
+    POOL = "pool"  # the pool is saturated: nobody waiting there can go
+    REQUEST = "request"  # this request cannot (its SLO, say); the next one may
+    TENANT = "tenant"  # no request of this tenant can (the slot reserve); another tenant's may
+    PROGRAM = "program"  # no request of this program can (the program slot reserve); another program's may
+
+
+Ready = Callable[[], "T | Blocked"]
+
+
+@dataclass(frozen=True, slots=True)
+class FlowRequest:
+    """A request as the waiting room sees it.
+
+    `cost_tokens`: uncached prompt + predicted output tokens (what its tenant's counter is charged);
+    `deadline_s`: `time.monotonic()` past which it stops waiting; `tag`: a group whose waiting
+    requests can be counted (`FlowQueue.waiting_with`), e.g. its SLO class; `resumed`: a stream
+    flow control cut to free its slot, waiting to continue (it was admitted before any of its
+    tenant's that wait, so it goes first of them); `batch`: a batch line (not counted among the
+    interactive requests waiting, `FlowQueue.interactive_depth`); `program`: the agent program it
+    belongs to (gateway/request/intake.py; None: it names none), what program-fair queueing orders
+    a tenant's requests by."""
+
+    request_id: str
+    tenant: str
+    band: int
+    cost_tokens: float
+    weight: float
+    deadline_s: float
+    body_bytes: int = 0
+    tag: str = ""
+    resumed: bool = False  # a preempted stream waiting again: first of its tenant's, as the earliest arrival
+    batch: bool = False
+    program: str | None = None
+
+
+class QueueRejected(Exception):
+    """The request leaves the waiting room without being dispatched.
+
+    `reason`: queue_full | queue_timeout | queue_shed; `blocked`: what held it last (None when it was
+    never tried); `retry_after_s`: from the room's recent drain rate."""
+
+    def __init__(self, reason: str, *, waited_s: float, retry_after_s: int, blocked: Blocked | None) -> None:
+        super().__init__(f"{reason} after {waited_s * 1000:.0f} ms")
+        self.reason = reason
+        self.waited_s = waited_s
+        self.retry_after_s = retry_after_s
+        self.blocked = blocked
+
 
 _TRIES_PER_ROUND: Final = 4  # requests offered the turn per round before waiting for the next event
 _GRANT_TIMEOUT_S: Final = 1.0  # a grant whose task never resumed stops blocking the room after this
@@ -92,7 +165,7 @@ class _Room:
     granted_s: float = 0.0
     recheck: asyncio.TimerHandle | None = None
     programs: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, program) -> waiting here
-    drain: bounds.DrainRate = field(default_factory=bounds.DrainRate)
+    drain: DrainRate = field(default_factory=DrainRate)
     tags: dict[str, int] = field(default_factory=dict)
     batch: int = 0  # batch lines among `entries`
     dispatched: int = 0
@@ -126,7 +199,7 @@ class Lease:
         self._done = True
         self.queue.activity.inflight(self.pool, self.tenant, self.band, self.weight, -1)
         if actual_cost_tokens is not None:
-            delta = vtc.correction(self.cost_tokens, actual_cost_tokens, self.weight)
+            delta = order.correction(self.cost_tokens, actual_cost_tokens, self.weight)
             if delta > 0:
                 self.queue.counters.charge(self.pool, self.band, self.tenant, delta, dispatch=False)
             elif delta < 0:
@@ -292,10 +365,8 @@ class FlowQueue:
             retry_s = self._retry_after(room, request, 1.0)
             raise QueueRejected(REASON_QUEUE_TIMEOUT, waited_s=0.0, retry_after_s=retry_s, blocked=blocked)
         max_queued, max_bytes = self.room_size(room.pool)
-        held = [
-            bounds.Held(e.seq, e.request.band, e.request.tenant, e.request.body_bytes) for e in room.entries.values()
-        ]
-        shed = bounds.shed_for(
+        held = [Held(e.seq, e.request.band, e.request.tenant, e.request.body_bytes) for e in room.entries.values()]
+        shed = shed_for(
             held,
             self._counter(room.pool),
             band=request.band,
@@ -318,7 +389,7 @@ class FlowQueue:
         own = tenants.get(request.tenant)
         floor: float | None = None
         if not own:  # returning after idling in this band: no banked credit
-            floor = vtc.band_floor(
+            floor = order.band_floor(
                 {t: self.counters.value(room.pool, request.band, t) for t, w in tenants.items() if w},
                 (t for t, w in tenants.items() if w),
                 self.counters.last_served(room.pool, request.band),
@@ -515,7 +586,7 @@ class FlowQueue:
         came) is lifted to the band's floor, and its refunds never take it below that floor."""
         pool, band, tenant = room.pool, request.band, request.tenant
         credit = self._credits.pop((pool, band, tenant), 0.0)
-        cost = vtc.charge(request.cost_tokens, request.weight)
+        cost = order.charge(request.cost_tokens, request.weight)
         self.counters.charge(pool, band, tenant, cost, dispatch=True, credit=credit, floor=floor)
         self.share(pool).add(tenant, request.cost_tokens, self.now())
         program = request.program or NO_PROGRAM
@@ -556,7 +627,7 @@ class FlowQueue:
 
     def _retry_after(self, room: _Room, request: FlowRequest, unknown_s: float) -> int:
         ahead = sum(len(es) for band, tenants in room.bands.items() if band <= request.band for es in tenants.values())
-        return bounds.retry_after_s(ahead, room.drain.per_s(self.now()), unknown_s=unknown_s)
+        return retry_after_s(ahead, room.drain.per_s(self.now()), unknown_s=unknown_s)
 
     def _count_rejection(self, room: _Room, reason: str) -> None:
         room.rejected[reason] = room.rejected.get(reason, 0) + 1

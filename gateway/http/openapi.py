@@ -15,7 +15,7 @@ Each operation carries tokenway's own extensions, which those probes read:
   `none`.
 - `x-tokenway-role`: on admin operations, what the caller's role must allow: `read` (every role),
   `team` (an admin, or a team admin for its own teams' keys and tenants), `admin`.
-- `x-tokenway-team-scope`: on admin reads, what a team admin reads there (`roles.TEAM_READS`):
+- `x-tokenway-team-scope`: on admin reads, what a team admin reads there (`access.TEAM_READS`):
   `fleet` (nothing per tenant or key, as a viewer), `team` (its teams' rows only), `none` (refused).
 - `x-tokenway-ledger`: the route is an inference request and leaves exactly one ledger record.
 - `x-tokenway-owned`: the path's id belongs to the key that made it (another key gets 404).
@@ -33,6 +33,7 @@ import orjson
 from aiohttp import web
 
 from gateway import __version__
+from gateway.http.access import Need, need_of, reach_of
 from gateway.http.openapi_parts import (
     AUTH_KINDS,
     BATCH_ID,
@@ -58,7 +59,6 @@ from gateway.http.openapi_parts import (
     query,
     ref,
 )
-from gateway.http.roles import Need, need_of, reach_of
 
 __all__ = [
     "AUTH_KINDS",
@@ -496,7 +496,7 @@ def document() -> Schema:
 
 def _with_roles(paths: dict[str, dict[str, Schema]]) -> dict[str, dict[str, Schema]]:
     """Each admin operation with `x-tokenway-role`: what its caller's role must allow, read from the
-    table the admin guard enforces (gateway/http/roles.py), so the document cannot disagree with it."""
+    table the admin guard enforces (gateway/http/access.py), so the document cannot disagree with it."""
     for path, item in paths.items():
         for method, operation in item.items():
             if operation.get("x-tokenway-auth") == "admin":

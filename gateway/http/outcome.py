@@ -6,7 +6,7 @@ gateway writes one ledger record of kind `outcome` beside the program's request 
 `tokenway usage report --by outcome` divides the program's cost by its successes and its value.
 
 Programs are per tenant, so the caller is an API key of the tenant whose program it is, and the id is
-bounded exactly as intake bounds program ids (`gateway/request/program.py`): a client posts the id
+bounded exactly as intake bounds program ids (`gateway/request/intake.py`): a client posts the id
 it sent and the record joins the requests that carried it. One outcome per program and tenant: a
 second one answers 409, so a retried POST cannot count a success twice. What was claimed lives in
 Redis with `state: redis` (every replica answers the same; kept `RETAIN_S`), else in this process,
@@ -31,7 +31,7 @@ from gateway.errors import GatewayError, InvalidRequest, Rejected, error_respons
 from gateway.http.admin_replies import json_reply
 from gateway.http.bodies import json_body
 from gateway.request.intake import authenticate, request_id
-from policies.routing.session import bounded_key
+from policies.routing.pipeline import bounded_key
 from policies.types import Principal, Rejection, Usage
 
 log = logging.getLogger("tokenway.outcome")
@@ -114,7 +114,7 @@ def parse_outcome(body: Any) -> tuple[bool, float | None]:
 def outcome_line(
     *, request: str, tenant: str, key_id: str, program: str, success: bool, value: float | None, now_s: float
 ) -> bytes:
-    """The ledger line of an outcome (codec.py: `kind: outcome`; readers of request records skip it)."""
+    """The ledger line of an outcome (gateway/ledger/writer.py: `kind: outcome`; readers of request records skip it)."""
     entry = {
         "v": 1,
         "kind": "outcome",

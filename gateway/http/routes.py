@@ -1,22 +1,43 @@
-"""HTTP routes: the OpenAI surface, health and readiness, metrics, and the admin API."""
+"""HTTP routes: the OpenAI surface, health and readiness, metrics, the admin API, and the landing page.
+
+The route table of `tokenway serve` is set up here, in one place, with the guard every admin route
+is mounted through; the landing page (`GET /`, `GET /v1`) is the table's front door.
+
+The landing page
+----------------
+
+`GET /` and `GET /v1`: a small page saying what answers here and where to go next.
+
+A new operator's first request is often the base URL itself, in a browser or with curl; a 404 there
+reads as "the gateway is broken". The page names the gateway and its version, and links the console,
+the metrics, the OpenAPI document, health and readiness, and says where the documentation lives. It
+is the same for every gateway (no configuration, no secret, no per-request work: the bytes are built
+once), so it is served without credentials, like `/openapi.json`. `LINKS` is also what the start-up
+banner prints (gateway/app/server.py).
+"""
 
 from __future__ import annotations
 
+import html
 import time
 from collections.abc import Awaitable, Callable
+from functools import cache
+from typing import Final
 
 from aiohttp import web
 
+from gateway import __version__
 from gateway.app import keys as appkeys
 from gateway.audit.api import record_change
 from gateway.console.sessions import COOKIE as CONSOLE_COOKIE
 from gateway.errors import GatewayError, InvalidApiKey, error_response
-from gateway.http import access, roles
+from gateway.http import access
 from gateway.http.admin_replies import json_reply
-from gateway.http.landing import setup_landing_routes
 from gateway.request.apis import APIS
 from gateway.request.intake import authenticate
 from policies.types import ApiKind
+
+# ---- The route table
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 METRICS_RENDER: web.AppKey[Callable[[], bytes]] = web.AppKey("metrics_render", object)  # type: ignore[arg-type]
@@ -99,14 +120,14 @@ def caller_of(request: web.Request) -> access.Caller:
     return access.Caller(request.method, request.headers, request.remote, port, request.secure)
 
 
-USERS: web.AppKey[roles.Users] = web.AppKey("users", roles.Users)
+USERS: web.AppKey[access.Users] = web.AppKey("users", access.Users)
 
 
 def gate_of(app: web.Application) -> access.Gate:
     server = app[appkeys.SETTINGS].server
     users = app.get(USERS)
     if users is None:  # built once per app from server.users (a frozen app cannot take it later)
-        users = roles.Users.of(server.users)
+        users = access.Users.of(server.users)
     return access.Gate(server.admin_token, tuple(server.allowed_hosts), users)
 
 
@@ -115,7 +136,7 @@ def admin_guard(handler: Handler) -> Handler:
     (whose state-changing calls must also carry the session's CSRF token); without a token configured,
     only direct loopback callers naming the gateway in `Host` get in; state-changing calls from another
     site's page never do (gateway/http/access.py). The caller's role must then allow the route
-    (`roles.ROUTE_NEEDS`; an undeclared route is admin-only), else 403. Each admitted change that
+    (`access.ROUTE_NEEDS`; an undeclared route is admin-only), else 403. Each admitted change that
     succeeds is recorded in the audit log, who, when, what, before and after, durably before its
     answer leaves (gateway/audit)."""
 
@@ -127,10 +148,10 @@ def admin_guard(handler: Handler) -> Handler:
         if isinstance(found, GatewayError):
             return error_response(found)
         resource = request.match_info.route.resource
-        refusal = roles.role_refusal(found, request.method, resource.canonical if resource is not None else "")
+        refusal = access.role_refusal(found, request.method, resource.canonical if resource is not None else "")
         if refusal is not None:
             return error_response(refusal)
-        request[roles.IDENTITY] = found
+        request[access.IDENTITY] = found
         if request.method.upper() in access.SAFE_METHODS:
             return await handler(request)
         # every admitted change is recorded here, so no admin route can forget to (gateway/audit)
@@ -147,9 +168,69 @@ def setup_routes(app: web.Application, admin: list[tuple[str, str, Handler]]) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    setup_landing_routes(app)  # GET / and GET /v1: what answers here, and links (gateway/http/landing.py)
+    setup_landing_routes(app)  # GET / and GET /v1: what answers here, and links (gateway/http/routes.py)
     app[START_TIME] = time.time()
     settings = app.get(appkeys.SETTINGS)
-    app[USERS] = roles.Users.of(settings.server.users if settings is not None else ())
+    app[USERS] = access.Users.of(settings.server.users if settings is not None else ())
     for method, path, handler in admin:
         app.router.add_route(method, path, admin_guard(handler))
+
+
+# ---- The landing page
+
+LANDING_PATHS: Final = ("/", "/v1")
+# (path, what it is): the banner prints these, the page links them
+LINKS: Final = (
+    ("/ui", "the web console (the admin token)"),
+    ("/metrics", "Prometheus metrics"),
+    ("/openapi.json", "every route of this gateway, its body and who may call it (OpenAPI 3.1)"),
+    ("/v1/models", "the models your key may use (an API key)"),
+    ("/healthz", "the process is alive"),
+    ("/readyz", "the pools can serve"),
+)
+DOCS: Final = "README.md and docs/ in tokenway's source (docs/apis.md: the APIs; docs/operations.md: running it)"
+# the page has no script, style sheet or form: nothing may run, load or be framed
+HEADERS: Final = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; frame-ancestors 'none'; "
+    "base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+@cache
+def page() -> bytes:
+    """The page's bytes (built once; the same for every gateway and request)."""
+    items = "\n".join(
+        f'    <li><a href="{html.escape(path)}"><code>{html.escape(path)}</code></a> — {html.escape(what)}</li>'
+        for path, what in LINKS
+    )
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>tokenway {html.escape(__version__)}</title>
+  <style>body {{ font: 15px/1.5 system-ui, sans-serif; max-width: 46em; margin: 2em auto; padding: 0 1em; }}</style>
+</head>
+<body>
+  <h1>tokenway {html.escape(__version__)}</h1>
+  <p>A token-aware LLM API gateway. Point an OpenAI client's <code>base_url</code> (or an Anthropic
+  client's) at <code>/v1</code> of this address, with an API key as the bearer token.</p>
+  <ul>
+{items}
+  </ul>
+  <p>Documentation: {html.escape(DOCS)}.</p>
+</body>
+</html>
+""".encode()
+
+
+async def landing(request: web.Request) -> web.Response:
+    """`GET /`, `GET /v1`: the landing page, no credentials needed."""
+    return web.Response(body=page(), headers={**HEADERS, "Content-Type": "text/html; charset=utf-8"})
+
+
+def setup_landing_routes(app: web.Application) -> None:
+    for path in LANDING_PATHS:
+        app.router.add_get(path, landing)

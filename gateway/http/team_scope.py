@@ -1,7 +1,7 @@
 """What a team admin may read: its teams, their tenants and keys, and the one filter of each kind of
 row the admin reads return (a request's row, a limit's counters, an override, an audit record).
 
-A route whose answer holds per-tenant or per-key data declares `Reach.TEAM` in `roles.TEAM_READS`; its
+A route whose answer holds per-tenant or per-key data declares `Reach.TEAM` in `access.TEAM_READS`; its
 handler asks `team_view(request)` and, when that is not None (the caller is a team admin), keeps only
 the rows the view `sees`. The view is built once per request from the running policies.yaml and the
 admin API's directory, so a tenant moved to another team moves out of its old team admin's reach at
@@ -21,14 +21,14 @@ from typing import Any
 from aiohttp import web
 
 from gateway.app import keys as appkeys
-from gateway.http.roles import identity_of
+from gateway.http.access import identity_of
 from policies.keys.directory import KeyDirectory
 from policies.policy import Policy
 from policies.schema import BudgetConfig, LimitConfig
 
 # Limit scopes whose subject starts with (or is) a tenant, a key or a team, and how to read it:
 # `key_model` is "KEY/MODEL", `team_provider` "TEAM/PROVIDER", `user` and `program` "TENANT/NAME"
-# (policies/limits/compile.py `_subject`). Names of keys, tenants and teams hold no "/".
+# (policies/limits/plan.py `_subject`). Names of keys, tenants and teams hold no "/".
 _SUBJECT_OWNER = {
     "key": "key",
     "key_model": "key",

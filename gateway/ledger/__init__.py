@@ -3,7 +3,7 @@ copied to a Redis stream and a PostgreSQL table, and read back by `tokenway usag
 
 from __future__ import annotations
 
-from gateway.app.schema import LedgerConfig, RedisStreamConfig
+from gateway.app.settings import LedgerConfig, RedisStreamConfig
 from gateway.ledger.writer import BatchSink, LedgerWriter
 
 
@@ -13,7 +13,7 @@ def open_ledger(config: LedgerConfig) -> LedgerWriter | None:
         return None
     sinks: list[BatchSink] = []
     if config.redis_stream is not None:
-        from gateway.ledger.redis_stream import RedisStreamExporter
+        from gateway.ledger.sinks import RedisStreamExporter
 
         sinks.append(RedisStreamExporter(config.redis_stream))
     if config.postgres is not None:

@@ -27,11 +27,10 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from gateway.app.schema import LedgerPostgresConfig
-from gateway.ledger import codec
-from gateway.ledger.sender import QueuedSender
-from gateway.ledger.sqlrows import COLUMNS, INDEXED, POSTGRES_TYPES, entry_to_row
-from gateway.ledger.sqlstore import SqlError
+from gateway.app.settings import LedgerPostgresConfig
+from gateway.ledger.sinks import QueuedSender
+from gateway.ledger.sqlstore import COLUMNS, INDEXED, POSTGRES_TYPES, SqlError, entry_to_row
+from gateway.ledger.writer import decode
 
 log = logging.getLogger("tokenway.ledger")
 
@@ -139,7 +138,7 @@ class PostgresSink(QueuedSender):
         rows = []
         for i, line in enumerate(lines):
             try:
-                entry = codec.decode(line)
+                entry = decode(line)
             except ValueError:
                 self.rejected_total += 1  # the writer encoded it: cannot happen short of a bug
                 continue

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.ledger import codec
+from gateway.ledger.writer import decode
 
 log = logging.getLogger("tokenway.ledger")
 
@@ -57,7 +57,7 @@ def iter_entries(
     warn: Warn | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Ledger entries (dicts, see codec.py) with `since <= ts < until`, one at a time (nothing is
+    """Ledger entries (dicts, see writer.py) with `since <= ts < until`, one at a time (nothing is
     kept: the caller aggregates). `on_bytes(n)` is told every few thousand lines how many bytes were
     read since its last call (a progress bar)."""
     stats = stats if stats is not None else ReadStats()
@@ -113,7 +113,7 @@ def _file_entries(
             continue
         stats.lines += 1
         try:
-            entry = codec.decode(line)
+            entry = decode(line)
         except ValueError as exc:  # orjson.JSONDecodeError is a ValueError
             if not line.endswith(b"\n"):  # only the last line of a file can lack its newline
                 stats.torn_lines += 1

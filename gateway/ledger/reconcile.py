@@ -1,7 +1,7 @@
 """Spend reconciliation: what the budgets enforced against what the ledger recorded, per key.
 
 Two books count a key's dollars: the admission store's spend counters (a key budget's, else the
-shadow `@spend` day and month counters: `policies/limits/compile.py`), which decide the 429s, and the
+shadow `@spend` day and month counters: `policies/limits/plan.py`), which decide the 429s, and the
 usage ledger, which operators bill from. They are charged the same figure (`price_usd` at settlement),
 so for each key and budget period `enforced - open reservations - recorded` is zero; anything else
 is a bug or a loss (a counter charged twice, a record the ledger dropped, a settlement that never
@@ -9,7 +9,7 @@ arrived, a reload that re-priced a request in flight). A LiteLLM key's enforced 
 twice its spend log, refusing at 74 % of the budget, until a user did the sums by hand
 (BerriAI/litellm#36926); this module does them, periodically.
 
-- `SpendTally` is told of every record the ledger accepted (`LedgerWriter.tally`) and sums its cost
+- `SpendTally` (`writer.py`) is told of every record the ledger accepted (`LedgerWriter.tally`) and sums its cost
   per (period, period id, key), bounded: at most `max_keys` keys per period, the rest in one
   overflow sum. Only the current and the previous period of each kind are kept.
 - `Admission.open_usd` is what the keys' reservations in flight on this replica hold.
@@ -48,56 +48,16 @@ from redis.asyncio import Redis
 
 from backends.tasks import cancel_and_wait
 from gateway.app import keys as appkeys
-from gateway.request.record import RequestRecord
-from policies.limits.buckets import period_id, period_ttl_s
-from policies.limits.types import Outcome, Plan
+from gateway.ledger.writer import PERIODS, SpendTally
+from policies.limits.memory_store import period_id, period_ttl_s
+from policies.limits.plan import Outcome, Plan
 from policies.policy import Policy
 from policies.types import Principal
 
 log = logging.getLogger("tokenway.reconcile")
 
-PERIODS: Final = ("day", "month")
 MAX_LISTED: Final = 20  # keys past the tolerance listed on /admin/status, worst first
 OVERFLOW: Final = "(other keys)"
-
-
-class SpendTally:
-    """The cost the ledger accepted, per (period, period id) and key; bounded."""
-
-    def __init__(self, max_keys: int = 10_000) -> None:
-        self.max_keys = max_keys
-        self.recorded: dict[tuple[str, int], dict[str, float]] = {}
-        self.overflow: dict[tuple[str, int], float] = {}
-        self.pending: dict[tuple[str, int, str], float] = {}  # not yet added to Redis's sums
-        self.models: dict[str, str] = {}  # key -> the last model it used (to find its spend counters)
-
-    def add(self, record: RequestRecord) -> None:
-        key, cost = record.key_id, record.cost_usd
-        if not key or not cost:
-            return
-        for period in PERIODS:
-            pid = period_id(period, record.started_at_unix_s)
-            sums = self.recorded.get((period, pid))
-            if sums is None:
-                sums = self.recorded[(period, pid)] = {}
-                self._prune(period, pid)
-            if key in sums or len(sums) < self.max_keys:
-                sums[key] = sums.get(key, 0.0) + cost
-                self.pending[(period, pid, key)] = self.pending.get((period, pid, key), 0.0) + cost
-            else:
-                self.overflow[(period, pid)] = self.overflow.get((period, pid), 0.0) + cost
-        if key in self.models or len(self.models) < self.max_keys:
-            self.models[key] = record.model
-
-    def _prune(self, period: str, pid: int) -> None:
-        """Keep this period and the one before it (a request that began before midnight)."""
-        for old in [k for k in self.recorded if k[0] == period and k[1] < pid - 1]:
-            del self.recorded[old]
-            self.overflow.pop(old, None)
-
-    def take_pending(self) -> dict[tuple[str, int, str], float]:
-        pending, self.pending = self.pending, {}
-        return pending
 
 
 class Peekable(Protocol):

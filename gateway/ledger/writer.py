@@ -1,4 +1,5 @@
-"""The usage ledger writer: JSON lines appended from the event loop, group-committed by a thread.
+"""The usage ledger writer: its line format, the lines appended from the event loop and
+group-committed by a thread, and the spend it tallies per key.
 
 `append(record)` encodes the record (a few µs of orjson) and puts the line in a list under a lock;
 no I/O happens on the event loop. A writer thread wakes when the first record of a group arrives,
@@ -9,6 +10,41 @@ power-loss durability but never the group commits; `close()` writes, fsyncs and 
 
 Files are `<prefix>-YYYYMMDD-NNN.jsonl` by UTC day of the commit, a new one per day, past
 `rotate_bytes`, and at every start (so a torn last line of a crashed run is never appended to).
+
+## The line format (`encode`, `decode`)
+
+The usage ledger's line format: one JSON object per finished request, one line per object.
+
+Field names are the ledger's own, decoupled from `RequestRecord`'s attributes, so files written
+today stay readable whatever the dataclass becomes; `v` is the schema version. Readers must accept
+unknown fields (newer writers) and missing optional ones (older writers).
+
+v1 fields: v, ts (finish, unix s), started (arrival, unix s), request_id, api, tenant, key_id,
+requested_model, model, served_model, fallback_from, fallback_reason, pool, endpoint,
+prefill_endpoint, engine, stream, status, http_status, error_code, reject_reason, input_tokens
+(includes cached), cached_input_tokens, output_tokens, usage_source, cost_usd, ttft_s, tpot_s,
+duration_s, gateway_overhead_s, upstream_attempts, route_reason, pd_reason, kv_transfer_failed,
+`batch_id` on the records of batch lines (Batch API); `base_model` on the records of requests for a
+LoRA adapter (`model` is the adapter; docs/adapters.md); `program` on the records of requests that
+name their agent program (docs/agents.md); `user` (the end user) and `tags` (a list) on the records
+of requests that name them (docs/governance.md); `leg` and `continues` on the records of a stream that
+failed over to a fallback model mid-answer (one record per leg, numbered from 1; `continues` is the
+request id of the leg before, null on the first: docs/agents.md); cache_write_input_tokens,
+cache_write_1h_input_tokens (part of input_tokens, apart from cached_input_tokens, the cache reads),
+reasoning_tokens (part of output_tokens) and cache_saved_usd (the cost with no prompt cache, less
+cost_usd; negative when writes cost more than reads saved) when any is non-zero; and `extra` when
+the record carries any of: slo_class, slo_idle_admit, queue_ms, spill (why it went to an overflow
+pool), engine (the engine's own per-request timings).
+
+Beside request records the ledger holds one record of kind `outcome` per agent program that posted
+how it ended (`gateway/http/outcome.py`): v, kind, ts, started, request_id, tenant, key_id, program,
+success, value. Request reports skip them (`report.py`); `--by outcome` joins them (`outcomes.py`).
+
+## The spend tally (`SpendTally`)
+
+Told of every record the ledger accepted (`LedgerWriter.tally`), it sums each record's cost per
+(period, period id, key) for the spend reconciliation (`reconcile.py`, which reads the sums); it
+lives beside the writer that calls it on every request.
 """
 
 from __future__ import annotations
@@ -23,11 +59,121 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Final, Protocol
 
-from gateway.app.schema import LedgerConfig
-from gateway.ledger import codec
+import orjson
+
+from gateway.app.settings import LedgerConfig
 from gateway.request.record import RequestRecord
+from policies.limits.memory_store import period_id
+
+SCHEMA_VERSION = 1
+
+
+def record_to_entry(r: RequestRecord) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "ts": round(r.started_at_unix_s + r.duration_s, 6),
+        "started": round(r.started_at_unix_s, 6),
+        "request_id": r.request_id,
+        "api": r.api,
+        "tenant": r.tenant,
+        "key_id": r.key_id,
+        "requested_model": r.requested_model,
+        "model": r.model,
+        "served_model": r.served_model,
+        "fallback_from": r.fallback_from,
+        "fallback_reason": r.fallback_reason,
+        "pool": r.pool,
+        "endpoint": r.endpoint,
+        "prefill_endpoint": r.prefill_endpoint,
+        "engine": r.engine,
+        "stream": r.stream,
+        "status": r.status,
+        "http_status": r.http_status,
+        "error_code": r.error_code,
+        "reject_reason": r.reject_reason,
+        "input_tokens": r.prompt_tokens,
+        "cached_input_tokens": r.cached_tokens,
+        "output_tokens": r.completion_tokens,
+        "usage_source": r.usage_source,
+        "cost_usd": r.cost_usd,
+        "ttft_s": r.ttft_s,
+        "tpot_s": r.tpot_s,
+        "duration_s": r.duration_s,
+        "gateway_overhead_s": r.gateway_overhead_s,
+        "upstream_attempts": r.upstream_attempts,
+        "route_reason": r.route_reason,
+        "pd_reason": r.pd_reason,
+        "kv_transfer_failed": r.kv_transfer_failed,
+    }
+    if r.cache_write_tokens or r.cache_write_1h_tokens or r.reasoning_tokens or r.cache_saved_usd:
+        entry["cache_write_input_tokens"] = r.cache_write_tokens
+        entry["cache_write_1h_input_tokens"] = r.cache_write_1h_tokens
+        entry["reasoning_tokens"] = r.reasoning_tokens
+        entry["cache_saved_usd"] = r.cache_saved_usd
+    if r.batch_id is not None:
+        entry["batch_id"] = r.batch_id
+    if r.program is not None:
+        entry["program"] = r.program
+    if r.base_model is not None:
+        entry["base_model"] = r.base_model
+    if r.user is not None:
+        entry["user"] = r.user
+    if r.tags:
+        entry["tags"] = list(r.tags)
+    if r.leg:
+        entry["leg"] = r.leg
+        entry["continues"] = r.continues
+    extra = _extra(r)
+    if extra:
+        entry["extra"] = extra
+    return entry
+
+
+def _extra(r: RequestRecord) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if r.slo_class:
+        extra["slo_class"] = r.slo_class
+    if r.slo_idle_admit:
+        extra["slo_idle_admit"] = True
+    if r.queue_ms is not None:
+        extra["queue_ms"] = r.queue_ms
+    if r.spill is not None:
+        extra["spill"] = r.spill
+    if r.engine_metrics:
+        extra["engine"] = r.engine_metrics
+    return extra
+
+
+def encode(record: RequestRecord) -> bytes:
+    """One ledger line, newline included. Unknown types in `extra` are written as strings; text that
+    is not valid UTF-8 (a header's undecodable bytes) is written with replacement characters, so a
+    request never goes unrecorded for what a client sent."""
+    entry = record_to_entry(record)
+    try:
+        return orjson.dumps(entry, default=str, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return orjson.dumps(_valid_text(entry), default=str, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def _valid_text(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_valid_text(v) for v in value]
+    return value
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """One entry from a line (newline optional); raises ValueError when it is not a JSON object."""
+    entry = orjson.loads(line)
+    if not isinstance(entry, dict):
+        raise ValueError("a ledger line must be a JSON object")
+    return entry
+
 
 log = logging.getLogger("tokenway.ledger")
 
@@ -47,6 +193,48 @@ class Tally(Protocol):
     """Told of every record the ledger accepted (not of those it dropped)."""
 
     def add(self, record: RequestRecord) -> None: ...
+
+
+PERIODS: Final = ("day", "month")  # the budget periods a key's spend is tallied for
+
+
+class SpendTally:
+    """The cost the ledger accepted, per (period, period id) and key; bounded."""
+
+    def __init__(self, max_keys: int = 10_000) -> None:
+        self.max_keys = max_keys
+        self.recorded: dict[tuple[str, int], dict[str, float]] = {}
+        self.overflow: dict[tuple[str, int], float] = {}
+        self.pending: dict[tuple[str, int, str], float] = {}  # not yet added to Redis's sums
+        self.models: dict[str, str] = {}  # key -> the last model it used (to find its spend counters)
+
+    def add(self, record: RequestRecord) -> None:
+        key, cost = record.key_id, record.cost_usd
+        if not key or not cost:
+            return
+        for period in PERIODS:
+            pid = period_id(period, record.started_at_unix_s)
+            sums = self.recorded.get((period, pid))
+            if sums is None:
+                sums = self.recorded[(period, pid)] = {}
+                self._prune(period, pid)
+            if key in sums or len(sums) < self.max_keys:
+                sums[key] = sums.get(key, 0.0) + cost
+                self.pending[(period, pid, key)] = self.pending.get((period, pid, key), 0.0) + cost
+            else:
+                self.overflow[(period, pid)] = self.overflow.get((period, pid), 0.0) + cost
+        if key in self.models or len(self.models) < self.max_keys:
+            self.models[key] = record.model
+
+    def _prune(self, period: str, pid: int) -> None:
+        """Keep this period and the one before it (a request that began before midnight)."""
+        for old in [k for k in self.recorded if k[0] == period and k[1] < pid - 1]:
+            del self.recorded[old]
+            self.overflow.pop(old, None)
+
+    def take_pending(self) -> dict[tuple[str, int, str], float]:
+        pending, self.pending = self.pending, {}
+        return pending
 
 
 def file_name_re(prefix: str) -> re.Pattern[str]:
@@ -114,7 +302,7 @@ class LedgerWriter:
 
     def append(self, record: RequestRecord) -> bool:
         """Queue one finished request. O(1), never blocks on I/O. False: dropped (counted)."""
-        accepted = self.append_line(codec.encode(record))
+        accepted = self.append_line(encode(record))
         if accepted and self.tally is not None:
             self.tally.add(record)  # what the ledger holds, per key and period (reconcile.py)
         return accepted

@@ -13,7 +13,7 @@ A load report is the replica's whole share on every shared endpoint (an endpoint
 of its requests), so a report replaces the previous one and nothing accumulates when one is lost;
 the same holds for its tenants' activity (`gateway.flow.activity`: what the slot reserve reads;
 `claimed`, slots preemption cut for the tenant and not yet taken, may be left out: 0), and for its
-programs' activity (`gateway.flow.program_activity`: what the program slot reserve reads; a batch
+programs' activity (`gateway.flow.activity`: what the program slot reserve reads; a batch
 without "p" from a replica that never shares it leaves nothing behind).
 A tool-call note carries its age when published (ms on the publisher's clock), not a time: replicas'
 clocks need not agree, and the reader dates it on its own clock less that age (the stream's transit,
@@ -28,7 +28,7 @@ from typing import TypeGuard
 
 import msgpack
 
-from policies.flow.bands import BANDS
+from policies.flow.order import BANDS
 
 Load = tuple[str, int, int, int]
 Dispatch = tuple[str, list[int], str | None]

@@ -17,9 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.errors import EngineRejected, GatewayError, Rejected
-from gateway.request.components import AdmissionPort, RecordSink
-from gateway.request.context import RequestContext
-from gateway.request.hooks import Hooks
+from gateway.request.context import AdmissionPort, Hooks, RecordSink, RequestContext
 from gateway.request.record import RequestRecord
 from gateway.upstream.relay import RelayOutcome
 from policies.holder import PolicyHolder
@@ -161,7 +159,7 @@ class Accounting:
             # An answer the engine was still writing: what it produced so far is nowhere the gateway
             # can read it (the engines' counters are not per request, and the body comes whole or not
             # at all), so the whole reservation is charged: the most the engine may have produced,
-            # since it is also the output limit the engine was given (gateway/upstream/engine_control.py).
+            # since it is also the output limit the engine was given (gateway/upstream/relay.py).
             self.unobserved(ctx, reservation.settle_reserved())
             return
         reservation.settle_soon(outcome.leg_usage(), outcome.leg_tokens())
@@ -213,7 +211,7 @@ class Accounting:
             record.error_code = "upstream_error"
 
     def close_leg(self, ctx: RequestContext, reservation: Reservation, record: RequestRecord) -> None:
-        """A stream's leg ended where a fallback model took over (gateway/transport/failover.py): the
+        """A stream's leg ended where a fallback model took over (gateway/transport/engine.py): the
         leg is settled with what it sent (the original prompt and the output tokens counted since the
         leg began, priced at the leg's model: the engine's usage never came) and its record handed to
         every sink now; the stream goes on with the next leg's reservation and record."""

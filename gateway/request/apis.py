@@ -25,7 +25,7 @@ from aiohttp import web
 
 from backends.types import Endpoint
 from gateway.errors import EngineRejected, GatewayError, error_response
-from gateway.http.validate import validate_body
+from gateway.http.bodies import validate_body
 from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, RequestFacts, Usage
@@ -35,7 +35,7 @@ UnaryTransform = Callable[[dict[str, Any]], tuple[bytes | None, Usage | None]]
 
 
 class Translation(Protocol):
-    """The part of an `Api` a transport asks (`gateway/request/transport.py`): the request written for
+    """The part of an `Api` a transport asks (`gateway/request/context.py`): the request written for
     the endpoint, and its answer, stream and errors read back in the client's API. A native API
     passes them through; a translated one (`gateway/apis/`) writes chat completions where the engine
     lacks the client's API and translates the answer back."""

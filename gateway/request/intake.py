@@ -1,4 +1,7 @@
-"""Intake: from the HTTP request to the request's frozen facts.
+"""Intake: from the HTTP request to the request's frozen facts, and everything it reads from the
+client's headers and body on the way (the key, the request id, the SLO, the agent program, the end
+user, tags and run budget, who may have the debug headers). Each of these is client input, bounded
+and checked here, once; nothing after intake re-reads the headers or the body.
 
 authenticate (headers only) → read (size limit, read deadline, memory budget: gateway/http/bodies.py) →
 one orjson parse (nesting bounded) → validate (the API's own checks) → resolve the model (alias,
@@ -10,12 +13,72 @@ Headers are read safely: values reach aiohttp as bytes and come out as `str` wit
 kept as lone surrogates, which fail the moment anything encodes them (a digest, a log line, a ledger
 record, a forwarded header). So every header read here is either checked (an API key with such bytes
 is simply not a key: 401) or replaced (a request id that is not short visible ASCII gets a generated
-one). Session keys are bounded where they are kept (`policies/routing/session.py`).
+one). Session keys are bounded where they are kept (`policies/routing/pipeline.py`).
+
+Program identity: which agent program (one task's run of many calls) a request belongs to
+-----------------------------------------------------------------------------------------
+
+An agent's task is tens of calls whose prompts grow each turn; billing and scheduling them one by one
+hides the task. Clients already name it, in several ways, so the first one present wins:
+
+1. `x-tokenway-program` — the gateway's own header, for clients that set it on purpose;
+2. the session headers agent runtimes send (`x-session-id`, `x-claude-code-session-id`,
+   `x-session-affinity`);
+3. Anthropic Messages' `metadata.user_id` (Claude Code writes its session into it);
+4. OpenAI's `prompt_cache_key`, then `user` (a stable end-user or conversation identifier).
+
+The value is client input that reaches the ledger, the console and (later) maps keyed by program, so
+it is bounded like session keys (`policies/routing/pipeline.py`): kept as sent when short valid text,
+else '#' + a 128-bit hash of its bytes, so the same program always gets the same id. It is read once
+at intake from the already-parsed body (no second parse) and costs a few dictionary look-ups.
+Programs are per tenant: two tenants' "run-1" are different programs (the record carries both).
+
+Subjects: what a request names beside its key: its end user, its tags, and the run budget it asks for
+-------------------------------------------------------------------------------------------------------
+
+Operators count spend and set limits by more than the key: per end user of an app (OpenAI's `user`),
+per feature or cost centre (tags), per agent run (the program, above). These are client input that
+reaches admission's counters, the ledger and the console, so each is bounded here, once, at intake:
+
+- **end user**: `x-tokenway-user`, else the body's `user` (OpenAI) or `safety_identifier` (OpenAI's
+  newer name for it); kept like program ids (short valid text as sent, else '#' + a 128-bit hash).
+- **tags**: `x-tokenway-tags` (comma-separated) and the body's `metadata.tags` (a list, or a
+  comma-separated string: OpenAI's `metadata` values are strings), merged, at most `MAX_TAGS`, each
+  1-64 characters of `[A-Za-z0-9_.:/-]`. A tag outside that is a 400 naming it, never silently
+  dropped: a dropped tag would bill its spend to nobody.
+- **run budget**: `x-tokenway-run-budget-usd`, a positive number of dollars; it lowers the agent run's
+  `usd_per_run` for this program (never raises it: policies/limits/plan.py) and needs a program.
+- **run wall-clock cap**: `x-tokenway-run-seconds`, a positive number of seconds from the run's first
+  call; it lowers the run's `seconds_per_run` the same way, and needs a program too.
+
+Limits and budgets apply to them only where policies.yaml has rules of scope `user`, `tag` or
+`program` (docs/governance.md); the ledger records user and tags whatever the rules.
+
+Who gets the debug headers (`x-tokenway-debug`): operators only
+---------------------------------------------------------------
+
+The debug answer names every replica's routing scores, the prefix-cache hit the router expected
+(`x-tokenway-route`), the predictor's numbers and the fields that did not reach the engine. The
+expected hit alone is a side channel: a tenant resending another's prompt would read from the
+router's estimate what the prefix caches hold. So the headers are answered to the operator only:
+
+- with `server.admin_token` set, the request must carry it in `x-tokenway-admin-token` (the
+  `Authorization` header holds the API key), compared in constant time;
+- without one (a loopback-only gateway, where `/admin/*` trusts direct local callers), to a caller
+  straight from a loopback address and not through a reverse proxy (no `Forwarded`,
+  `X-Forwarded-For`, `X-Forwarded-Host`, `X-Real-IP`), the same trust as the admin API's; a
+  caller whose address the gateway does not see (the endpoint picker's, behind Envoy) needs the
+  token.
+
+Anyone else asking for them is served as if they had not asked. Intake decides (`facts.debug`);
+the engine transport writes them (`debug_headers`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import math
 import os
 import re
@@ -38,18 +101,17 @@ from gateway.errors import (
 )
 from gateway.http.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
 from gateway.request.context import RequestContext
-from gateway.request.debug import debug_allowed
-from gateway.request.program import program_id
-from gateway.request.subjects import request_subjects
-from gateway.upstream.engine_control import check_min_tokens
-from policies.engine_fields import cache_salt as engine_cache_salt
-from policies.engine_fields import client_body
+from gateway.upstream.relay import check_min_tokens
 from policies.estimate import PromptEstimator, output_reservation
 from policies.holder import PolicyHolder
-from policies.policy import Policy
+from policies.policy import Policy, client_body
+from policies.policy import cache_salt as engine_cache_salt
 from policies.program import RunawayGuard
+from policies.routing.pipeline import MAX_SESSION_KEY_CHARS, bounded_key
+from policies.routing.types import RouteDecision
 from policies.slo import effective_slo
-from policies.types import Principal, Rejection, RequestFacts
+from policies.types import NO_SUBJECTS, Principal, Rejection, RequestFacts, RequestSubjects
+from predictor.features import Prediction
 
 SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
@@ -295,10 +357,10 @@ class Intake:
         ctx.record.user, ctx.record.tags = subjects.user, subjects.tags
         prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
         max_tokens = ctx.api.max_tokens(body)
-        check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/engine_control.py)
+        check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/relay.py)
         model_config = policy.model_config(model)
         # Without max_tokens the reservation is the model's default, and the engine is told it as its
-        # limit (gateway/upstream/engine_control.py): a learnt typical length would cut the longer answers short.
+        # limit (gateway/upstream/relay.py): a learnt typical length would cut the longer answers short.
         estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
         session_key = headers.get("x-session-id") or body.get("user")
         client_salt = body.get("cache_salt")  # there only where the tenant may name one
@@ -336,3 +398,190 @@ class Intake:
             prompt_tokens_source=tokens_source,
             batch_id=batch_id,
         )
+
+
+PROGRAM_HEADER: Final = "x-tokenway-program"
+SESSION_HEADERS: Final = ("x-session-id", "x-claude-code-session-id", "x-session-affinity")
+MAX_PROGRAM_CHARS: Final = MAX_SESSION_KEY_CHARS  # longer ids are kept as '#' + 32 hex characters
+
+
+def program_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The request's bounded program id from the first source present, or None when it names none."""
+    value = headers.get(PROGRAM_HEADER)
+    if not value:
+        for name in SESSION_HEADERS:
+            value = headers.get(name)
+            if value:
+                break
+        else:
+            value = _body_program(body)
+            if value is None:
+                return None
+    return bounded_key(value)
+
+
+def _body_program(body: Mapping[str, Any]) -> str | None:
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        user_id = metadata.get("user_id")
+        if isinstance(user_id, str) and user_id:
+            return user_id
+    for field in ("prompt_cache_key", "user"):
+        value = body.get(field)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+USER_HEADER: Final = "x-tokenway-user"
+TAGS_HEADER: Final = "x-tokenway-tags"
+RUN_BUDGET_HEADER: Final = "x-tokenway-run-budget-usd"
+RUN_SECONDS_HEADER: Final = "x-tokenway-run-seconds"
+MAX_RUN_SECONDS: Final = 31_536_000.0  # a year: policies.yaml's bound on seconds_per_run
+MAX_TAGS: Final = 8
+_TAG: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")
+
+
+def request_subjects(headers: Mapping[str, str], body: Mapping[str, Any], program: str | None) -> RequestSubjects:
+    """The request's end user, tags, program and run budget, bounded; a 400 for a malformed tag or
+    run budget. A request naming none gets the shared empty value (no allocation)."""
+    user = _user(headers, body)
+    tags = _tags(headers, body)
+    run_usd = _run_usd(headers.get(RUN_BUDGET_HEADER), program)
+    run_s = _run_seconds(headers.get(RUN_SECONDS_HEADER), program)
+    if user is None and not tags and program is None:
+        return NO_SUBJECTS
+    return RequestSubjects(user=user, tags=tags, program=program, run_usd=run_usd, run_s=run_s)
+
+
+def _user(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    value: Any = headers.get(USER_HEADER)
+    if not value:
+        value = body.get("user") or body.get("safety_identifier")
+    return bounded_key(value) if isinstance(value, str) and value else None
+
+
+def _tags(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, ...]:
+    found: list[str] = []
+    header = headers.get(TAGS_HEADER)
+    if header:
+        found += _split(header, TAGS_HEADER)
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        tags = metadata.get("tags")
+        if isinstance(tags, str):
+            found += _split(tags, "metadata.tags")
+        elif isinstance(tags, list):
+            if len(tags) > MAX_TAGS:
+                raise InvalidRequest(f"at most {MAX_TAGS} tags, got {len(tags)}", param="metadata.tags")
+            for tag in tags:
+                if not isinstance(tag, str):
+                    raise InvalidRequest("metadata.tags: expected strings", param="metadata.tags")
+                found.append(_checked(tag.strip(), "metadata.tags"))
+        elif tags is not None:
+            raise InvalidRequest("metadata.tags: expected a list of strings", param="metadata.tags")
+    if not found:
+        return ()
+    unique = tuple(sorted(set(found)))  # one order: the same tags are the same admission plan
+    if len(unique) > MAX_TAGS:
+        raise InvalidRequest(f"at most {MAX_TAGS} tags, got {len(unique)}", param="tags")
+    return unique
+
+
+def _split(value: str, where: str) -> list[str]:
+    parts = [part.strip() for part in value.split(",", MAX_TAGS + 1) if part.strip()]
+    if len(parts) > MAX_TAGS:
+        raise InvalidRequest(f"at most {MAX_TAGS} tags in {where}", param=where)
+    return [_checked(part, where) for part in parts]
+
+
+def _checked(tag: str, where: str) -> str:
+    if _TAG.fullmatch(tag) is None:
+        shown = tag[:40] + ("..." if len(tag) > 40 else "")
+        raise InvalidRequest(
+            f"invalid tag {shown!r} in {where}: 1-64 characters of letters, digits and _ . : / -, "
+            "starting with a letter or digit",
+            param=where,
+        )
+    return tag
+
+
+def _run_usd(value: str | None, program: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        usd = float(value)
+    except ValueError:
+        usd = math.nan
+    if not math.isfinite(usd) or usd <= 0:
+        raise InvalidRequest(f"{RUN_BUDGET_HEADER}: expected a positive number of dollars", param=RUN_BUDGET_HEADER)
+    if program is None:
+        raise InvalidRequest(
+            f"{RUN_BUDGET_HEADER} budgets an agent run: name the run (x-tokenway-program)", param=RUN_BUDGET_HEADER
+        )
+    return usd
+
+
+def _run_seconds(value: str | None, program: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0 or seconds > MAX_RUN_SECONDS:
+        raise InvalidRequest(
+            f"{RUN_SECONDS_HEADER}: expected a positive number of seconds, at most {MAX_RUN_SECONDS:.0f}",
+            param=RUN_SECONDS_HEADER,
+        )
+    if program is None:
+        raise InvalidRequest(
+            f"{RUN_SECONDS_HEADER} caps an agent run: name the run (x-tokenway-program)", param=RUN_SECONDS_HEADER
+        )
+    return seconds
+
+
+DEBUG_HEADER = "x-tokenway-debug"
+ADMIN_TOKEN_HEADER = "x-tokenway-admin-token"
+_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-IP")
+
+
+def _loopback(remote: str | None) -> bool:
+    if not remote:  # unknown: the endpoint picker's requests (Envoy holds the client), a unix socket
+        return False
+    try:
+        return ipaddress.ip_address(remote.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def debug_allowed(headers: Mapping[str, str], remote: str | None, admin_token: str | None) -> bool:
+    """Whether this request asked for the debug headers and may have them (see the module doc)."""
+    if headers.get(DEBUG_HEADER) != "1":
+        return False
+    if admin_token:
+        given = headers.get(ADMIN_TOKEN_HEADER, "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, admin_token.encode("utf-8"))
+    return _loopback(remote) and not any(name in headers for name in _PROXY_HEADERS)
+
+
+def debug_headers(ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
+    """The debug headers of an answer (`ctx.facts.debug`: asked for and allowed): the routing scores
+    (`x-tokenway-route`), the fields that did not reach the engine, the prompt count and its source,
+    and what the predictor expected of the serving endpoint."""
+    headers = [("x-tokenway-route", decision.debug_header())]
+    if ctx.unforwarded_fields:
+        headers.append(("x-tokenway-dropped-fields", ",".join(ctx.unforwarded_fields)))
+    source = ctx.facts.prompt_tokens_source
+    headers.append(("x-tokenway-prompt-tokens", f"{ctx.facts.prompt_tokens};source={source}"))
+    if ctx.prediction is not None:
+        headers.append(("x-tokenway-prediction", _prediction_header(ctx.prediction)))
+    return headers
+
+
+def _prediction_header(p: Prediction) -> str:
+    """`x-tokenway-prediction`: what the predictor expected of the serving endpoint, in ms."""
+    return (
+        f"ttft={p.ttft_ms:.2f};ttft_p90={p.ttft_p90_ms:.2f};tpot={p.tpot_ms:.3f};tpot_p90={p.tpot_p90_ms:.3f};"
+        f"source={p.source};version={p.model_version}"
+    )

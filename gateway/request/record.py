@@ -60,11 +60,11 @@ class RequestRecord:
     migrations: int = 0  # times its stream continued on another replica after its own cut it
     preempted: int = 0  # times flow control cut its stream for another tenant's request (it continued)
     batch_id: str | None = None  # a line of this batch (Batch API)
-    program: str | None = None  # intake: the agent program it belongs to, bounded (gateway/request/program.py)
-    user: str | None = None  # intake: the end user it names, bounded (gateway/request/subjects.py)
-    tags: tuple[str, ...] = ()  # intake: its tags, bounded (gateway/request/subjects.py)
-    spill: str | None = None  # served on an overflow pool, and why (gateway/flow/spill.py)
-    # a stream that failed over to a fallback model mid-answer (gateway/transport/failover.py) leaves one
+    program: str | None = None  # intake: the agent program it belongs to, bounded (gateway/request/intake.py)
+    user: str | None = None  # intake: the end user it names, bounded (gateway/request/intake.py)
+    tags: tuple[str, ...] = ()  # intake: its tags, bounded (gateway/request/intake.py)
+    spill: str | None = None  # served on an overflow pool, and why (gateway/flow/checks.py)
+    # a stream that failed over to a fallback model mid-answer (gateway/transport/engine.py) leaves one
     # record per leg: its number (1, 2, ...; 0: the stream never failed over) and the leg it continues
     leg: int = 0
     continues: str | None = None

@@ -1,4 +1,12 @@
-"""Lean counter and histogram families for the per-request hot path, rendered by prometheus_client.
+"""Lean counter and histogram families for the per-request hot path, rendered by prometheus_client,
+and the label guards that keep their series bounded.
+
+The families are what every series is built of; the guards are what keeps their label values
+bounded. Both serve every metrics module (`metrics.py`, the OTLP push in `tracing.py`, the batch
+API's), and neither knows any series by name.
+
+Lean families
+-------------
 
 prometheus_client's own children take a lock per update (about 0.7 µs per counter increment and
 1.6 µs per histogram observation here); one request touches a dozen series. These children are
@@ -7,16 +15,29 @@ ordinary metric families at scrape time, so the exposition format is still prome
 
 Contract: updates come from one thread (the event loop). A scrape from another thread may see a
 histogram whose bucket counts and sum are one observation apart; it never sees a torn number.
+
+Label guards
+------------
+
+One guard per label dimension so no client input can grow the series count.
+
+Tenants, models, pools and endpoints are bounded by configuration, but some values reach a label
+from the client (an unknown model name on a 404, say). A guard passes values from its allow-list
+(when one is set) or, without one, the first `max_values` distinct values; everything else becomes
+`OTHER`. Values are cut to `MAX_VALUE_CHARS` before anything else, so the memo of values seen is
+bounded in bytes too (at most 4 x `max_values` entries of at most `MAX_VALUE_CHARS` characters).
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
+
+# ---- Lean families
 
 
 class CounterChild:
@@ -46,7 +67,7 @@ class HistogramChild:
 
 
 class CounterFamily:
-    """`otel_name`/`unit` name the family in the OTLP export (otlp_metrics.py)."""
+    """`otel_name`/`unit` name the family in the OTLP export (tracing.py)."""
 
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str], *, otel_name: str = "", unit: str = ""
@@ -151,3 +172,56 @@ class FamiliesCollector:
 def _format_le(bound: float) -> str:
     # The same text prometheus_client writes for its own histograms.
     return str(floatToGoString(bound))  # type: ignore[no-untyped-call, unused-ignore]
+
+
+# ---- Label guards
+
+OTHER = "other"
+MAX_VALUE_CHARS = 128
+
+
+class LabelGuard:
+    __slots__ = ("_allowed", "_max_values", "_seen", "overflowed")
+
+    def __init__(self, max_values: int, allowed: Iterable[str] | None = None) -> None:
+        self._max_values = max_values
+        self._allowed: frozenset[str] | None = None
+        self._seen: dict[str, str] = {}
+        self.overflowed = 0  # values folded into OTHER (a hint that an allow-list or the cap is wrong)
+        self.allow(allowed)
+
+    def allow(self, allowed: Iterable[str] | None) -> None:
+        """Replace the allow-list (None = first come, up to the cap); forgets values seen so far."""
+        self._allowed = frozenset(allowed) if allowed is not None else None
+        self._seen = {}
+
+    def __len__(self) -> int:
+        """Values in the memo (admitted and refused): at most 4 x `max_values`."""
+        return len(self._seen)
+
+    @property
+    def memo_chars(self) -> int:
+        """Characters held by the memo's keys: at most `len(self)` x `MAX_VALUE_CHARS`."""
+        return sum(map(len, self._seen))
+
+    def __call__(self, value: str) -> str:
+        if len(value) > MAX_VALUE_CHARS:
+            value = value[:MAX_VALUE_CHARS]
+        found = self._seen.get(value)
+        if found is not None:
+            return found
+        return self._admit(value)
+
+    def _admit(self, value: str) -> str:
+        if self._allowed is not None:
+            admitted = value if value in self._allowed or value == "" else OTHER
+        elif len(self._seen) < self._max_values:
+            admitted = value
+        else:
+            admitted = OTHER
+        if admitted == OTHER:
+            self.overflowed += 1
+            if len(self._seen) >= 4 * self._max_values:
+                return OTHER  # do not let rejected values grow the memo either
+        self._seen[value] = admitted
+        return admitted

@@ -4,26 +4,54 @@ process; nothing touches prometheus_client's global registry).
 
 Per request the lifecycle calls `observe(record)` once. The record's label values are looked up in a
 small bounded cache of pre-resolved children, so a repeat combination costs a tuple, one dict lookup
-and a dozen float additions. Label values pass a `LabelGuard` per dimension (see labels.py).
+and a dozen float additions. Label values pass a `LabelGuard` per dimension (`gateway/telemetry/families.py`).
 
 Families (see README.md for the full catalogue): GenAI semconv histograms
 `gen_ai_client_token_usage`, `gen_ai_server_time_to_first_token_seconds`,
 `gen_ai_server_time_per_output_token_seconds`, `gen_ai_server_request_duration_seconds`, and
 `tokenway_*` counters/histograms for requests, admission outcomes, tokens, cost, overhead, routing,
 upstream errors/retries, Redis, predictor error; gauges for endpoints, limiter and budgets.
+
+Two features register their own families on the same registry (and its OTLP export), below:
+flow control's waiting rooms (`FlowMetrics`) and elastic pools (`PoolMetrics`). Each is built by
+the app factory only when its feature is on, so a gateway without them exports none of their series.
+
+Flow control's series
+---------------------
+
+Waiting-room depth, time waited, fair-share ratios, counter staleness.
+
+`tokenway_queue_wait_seconds{pool,band,tenant}` is a lean histogram observed once per request that
+went through a waiting room (0 for those that went at once, so its count is every such request);
+the gauges are read from the rooms' status at scrape time, so nothing else runs per request. Tenant
+and pool labels pass the gateway's label guards: bounded by the configured tenants and pools.
+
+Elastic pools' series
+---------------------
+
+Replicas by state, the planner's desired count, cold starts, migrations.
+
+`tokenway_pool_replicas{pool,role,state}` and `tokenway_pool_desired_replicas{pool,role}` are read
+from the autoscaler's status at scrape time, so a Kubernetes HPA or KEDA can scale engine
+Deployments from the same decision; scale events and drain timeouts are counters read the same
+way. `tokenway_cold_start_wait_seconds{pool}` is observed once per request held for a replica to
+start or wake, `tokenway_stream_migrations_total{pool,outcome}` once per stream cut by its replica
+(`migrated`: it continued elsewhere; `failed`: it could not). Pool labels pass the label guard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from time import monotonic, time_ns
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gateway.app.schema import MetricsConfig
+from gateway.app.settings import MetricsConfig
 from gateway.request.record import RequestRecord
 from gateway.telemetry import genai
 from gateway.telemetry.families import (
@@ -33,8 +61,8 @@ from gateway.telemetry.families import (
     Family,
     HistogramChild,
     HistogramFamily,
+    LabelGuard,
 )
-from gateway.telemetry.labels import LabelGuard
 from gateway.telemetry.state import (
     EndpointsSource,
     LedgerSource,
@@ -42,7 +70,9 @@ from gateway.telemetry.state import (
     PredictorSource,
     StateCollector,
 )
-from policies.routing.supply import KvSupply
+from policies.routing.kv_tiers import KvSupply
+
+# ---- Per-request series and event hooks
 
 # Reject reasons that mean "shed under load" rather than "over a limit".
 SHED_REASONS = frozenset({"shed", "load_shed", "queue_full", "queue_timeout", "queue_shed", "overloaded"})
@@ -57,8 +87,8 @@ PREDICTOR_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 _SERIES_CACHE_MAX = 4096
 _GUARDED_LABELS = ("tenant", "model", "pool", "endpoint", "key_id", "reason", "limiter_id", "lora_name")
-KV_TIERS = ("gpu", "cpu", "disk", "remote")  # policies/routing/prefix/tiers.py's TIER_NAMES: a bounded label
-# tokenway_kv_bytes_moved_total's `link`: backends/topology.py's LINK_CLASSES, a pair without labels, lower tiers
+KV_TIERS = ("gpu", "cpu", "disk", "remote")  # policies/routing/kv_tiers.py's TIER_NAMES: a bounded label
+# tokenway_kv_bytes_moved_total's `link`: backends/types.py's LINK_CLASSES, a pair without labels, lower tiers
 KV_LINKS = frozenset(("same_node", "same_rack", "cross_rack", "cross_zone", "unknown", "cpu", "disk", "remote"))
 LORA_EVENTS = ("load", "preload", "load_failed", "unload", "evict", "lost")  # gateway/transport/lora.py's events
 
@@ -226,7 +256,7 @@ class GatewayMetrics:
             otel_name="tokenway.prefix_cache.tier_tokens",
             unit="{token}",
         )
-        # the supply side of a dispatch (policies/routing/supply.py): what the cached prefix saved the pool
+        # the supply side of a dispatch (policies/routing/kv_tiers.py): what the cached prefix saved the pool
         self.saved_tokens = CounterFamily(
             "tokenway_prefill_tokens_saved_total",
             "prompt tokens the chosen endpoint was expected not to recompute, by measure: real (tokens of every KV "
@@ -579,3 +609,161 @@ def merged_stats(*sources: Callable[[], Mapping[str, float]]) -> Callable[[], di
         return out
 
     return read
+
+
+# ---- Flow control's series
+
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+StatusSource = Callable[[], Mapping[str, Any]]
+
+
+class FlowMetrics:
+    """Registers the flow families on a `GatewayMetrics` registry (and its OTLP export)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._guards = metrics.guards
+        self.wait = HistogramFamily(
+            "tokenway_queue_wait_seconds",
+            "time a request waited in its pool's waiting room (0: it went at once)",
+            ("pool", "band", "tenant"),
+            QUEUE_WAIT_BUCKETS_S,
+            otel_name="tokenway.queue.wait",
+            unit="s",
+        )
+        self._status: StatusSource | None = None
+        metrics.registry.register(FamiliesCollector((self.wait,)))
+        metrics.registry.register(_FlowGauges(self))
+        metrics.families = (*metrics.families, self.wait)
+
+    def observe_wait(self, pool: str, band: str, tenant: str, seconds: float) -> None:
+        self.wait.child(self._guards["pool"](pool), band, self._guards["tenant"](tenant)).observe(seconds)
+
+    def set_status(self, source: StatusSource) -> None:
+        """`FlowQueue.status` (read at scrape time)."""
+        self._status = source
+
+    def gauges(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("tokenway_queue_depth", "requests waiting per pool and band", labels=("pool", "band"))
+        share = GaugeMetricFamily(
+            "tokenway_fair_share_ratio",
+            "a tenant's share of the pool's recent service over its weight's share (1: exactly fair)",
+            labels=("pool", "tenant"),
+        )
+        age = GaugeMetricFamily(
+            "tokenway_fair_counters_age_seconds",
+            "age of the shared virtual counters this replica orders by (0 in memory)",
+            labels=("pool", "band"),
+        )
+        status = self._status() if self._status is not None else {}
+        pool_guard, tenant_guard = self._guards["pool"], self._guards["tenant"]
+        for pool, room in (status.get("pools") or {}).items():
+            pool_label = pool_guard(pool)
+            for band, info in (room.get("bands") or {}).items():
+                depth.add_metric((pool_label, band), float(sum(info.get("waiting", {}).values())))
+                if info.get("counters_age_s") is not None:
+                    age.add_metric((pool_label, band), float(info["counters_age_s"]))
+            for tenant, ratio in (room.get("fair_share_ratio") or {}).items():
+                share.add_metric((pool_label, tenant_guard(tenant)), float(ratio))
+        yield depth
+        yield share
+        yield age
+
+
+class _FlowGauges:
+    def __init__(self, owner: FlowMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._owner.gauges()
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
+# ---- Elastic pools' series
+
+COLD_START_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+STATES = ("ready", "starting", "draining", "sleeping", "stopped")
+
+
+class PoolMetrics:
+    """Registers the elastic-pool families on a `GatewayMetrics` registry (and its OTLP export)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._pool = metrics.guards["pool"]
+        self.cold_start = HistogramFamily(
+            "tokenway_cold_start_wait_seconds",
+            "time a request was held while a replica of its pool started or woke",
+            ("pool",),
+            COLD_START_BUCKETS_S,
+            otel_name="tokenway.cold_start.wait",
+            unit="s",
+        )
+        self.migrations = CounterFamily(
+            "tokenway_stream_migrations_total",
+            "streams cut by their replica (killed, or stopped by a drain): continued on another one or not",
+            ("pool", "outcome"),
+            otel_name="tokenway.stream.migrations",
+            unit="{stream}",
+        )
+        self._status: StatusSource | None = None
+        metrics.registry.register(FamiliesCollector((self.cold_start, self.migrations)))
+        metrics.registry.register(_PoolGauges(self))
+        metrics.families = (*metrics.families, self.cold_start, self.migrations)
+
+    def observe_cold_start(self, pool: str, seconds: float) -> None:
+        self.cold_start.child(self._pool(pool)).observe(seconds)
+
+    def observe_migration(self, pool: str, outcome: str) -> None:
+        self.migrations.child(self._pool(pool), outcome).inc()
+
+    def set_status(self, source: StatusSource) -> None:
+        """`Autoscaler.status` (read at scrape time)."""
+        self._status = source
+
+    def gauges(self) -> Iterator[Metric]:
+        replicas = GaugeMetricFamily(
+            "tokenway_pool_replicas",
+            "replicas of an autoscaled pool by role and state",
+            labels=("pool", "role", "state"),
+        )
+        desired = GaugeMetricFamily(
+            "tokenway_pool_desired_replicas", "replicas the autoscaler wants per pool and role", labels=("pool", "role")
+        )
+        held = GaugeMetricFamily("tokenway_pool_held_requests", "requests held for a cold start", labels=("pool",))
+        startup = GaugeMetricFamily(
+            "tokenway_pool_startup_seconds", "start-up time learnt from measured launches", labels=("pool",)
+        )
+        scale = CounterMetricFamily(
+            "tokenway_pool_scale_events", "replicas added or removed by the autoscaler", labels=("pool", "direction")
+        )
+        drains = CounterMetricFamily(
+            "tokenway_pool_drain_timeouts", "scale-down drains that outlived drain_timeout_s", labels=("pool",)
+        )
+        status = self._status() if self._status is not None else {}
+        for pool in status.get("pools") or ():
+            name = self._pool(pool["name"])
+            for role, info in (pool.get("roles") or {}).items():
+                counts = info.get("replicas") or {}
+                for state in STATES:
+                    replicas.add_metric((name, role, state), float(counts.get(state, 0)))
+                if info.get("desired") is not None:
+                    desired.add_metric((name, role), float(info["desired"]))
+            held.add_metric((name,), float(pool.get("held", 0)))
+            startup.add_metric((name,), float(pool.get("startup_s", 0.0)))
+            for direction, count in (pool.get("scale_events") or {}).items():
+                scale.add_metric((name, direction), float(count))
+            drains.add_metric((name,), float(pool.get("drain_timeouts", 0)))
+        yield from (replicas, desired, held, startup, scale, drains)
+
+
+class _PoolGauges:
+    def __init__(self, owner: PoolMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._owner.gauges()
+
+    def describe(self) -> list[Metric]:
+        return []

@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from backends.types import Endpoint, EndpointState
-from gateway.telemetry.labels import LabelGuard
+from gateway.telemetry.families import LabelGuard
 
 log = logging.getLogger("tokenway.telemetry")
 

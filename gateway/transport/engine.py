@@ -2,15 +2,52 @@
 
     the API's request for the endpoint (`Api.upstream`: a translated API writes chat completions
     where the engine lacks its own) → the engine-control fields as policy allows → the adapter's cut
-    → the PD prefill leg (`pd.py`) → the relay (`gateway/upstream/relay.py`: streamed or whole,
+    → the PD prefill leg (below) → the relay (`gateway/upstream/relay.py`: streamed or whole,
     through the API's codec) → settled
 
-It keeps the seam's contract (`gateway/request/transport.py`): the `ended` hooks once per send, the
+It keeps the seam's contract (`gateway/request/context.py`): the `ended` hooks once per send, the
 reservation settled once anything reached an engine, `NotSent` for a failure before the first
 byte, classified here (a replica that stalled or missed its first-token deadline, a 5xx, no answer,
 an engine that says the request is wrong or crashed on it: `gateway/upstream/engine_errors.py`).
 A plain stream cut mid-way continues on another replica of its pool (`_resumer`), and for a model
-with `stream_failover`, then on its fallback model (`_failover`, `failover.py`).
+with `stream_failover`, then on its fallback model (`_failover`, below).
+
+The prefill leg and the failover to a fallback model live here too: both are legs of the engine
+transport's send, called only from it, and each decides one thing its send needs (where the KV cache
+comes from; where a cut stream goes when its pool has no replica left).
+
+The PD prefill leg
+------------------
+
+A disaggregated request's prompt prefilled on the prefill endpoint the router
+chose (`policies/routing/pd.py`), its KV cache handed to the decode endpoint through the transfer
+parameters the prefill answer carries (the engine adapter writes both legs' bodies).
+
+A failed leg (refused, 5xx, 4xx, no transfer parameters) is a KV-transfer failure: the record says
+so and the request goes on as prefill + decode on the decode endpoint; a 5xx counts against the
+prefill endpoint only if the decode endpoint then serves the request.
+
+Failover inside a stream
+------------------------
+
+A stream cut mid-answer continues on the next model of its fallback chain.
+
+A model with `stream_failover: true` (policies.yaml) lets a stream its engine cuts after the first
+byte (a reset, a truncated stream, an error event) continue on a fallback model when no other replica
+of its pool can take it (`gateway/upstream/replica_loss.py` moves it within the pool first). Why a leg of
+its own: the fallback model has its own limits, budgets and price, so the new leg is a request to
+admission like any (`Admission.admit` on the fallback model: a refusal ends the stream with the error
+event, as a cut without failover does) and leaves its own record; the leg it ends is settled with what
+it sent and recorded at once (`Accounting.close_leg`). Each leg is settled once and recorded once:
+the records share the request's `x-request-id` stem (`<id>`, then `<id>.leg2`, ...), carry `leg` and
+`continues` (the id of the leg before), and the stream's usage reports the first prompt and every
+leg's output (docs/agents.md).
+
+The continuation is the migration's (the prompt plus the text so far, `continue_final_message`, the
+output budget less what was sent) sent to a replica of the fallback model, and spliced the same way:
+the stream's id and created, the continuation's role chunk dropped, its usage rewritten; its chunks
+name the fallback model, and a marker event in the client's grammar says where the switch happened.
+The new leg is routed as a migration is (not queued by flow control: the client is mid-answer).
 """
 
 from __future__ import annotations
@@ -18,7 +55,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -26,45 +64,52 @@ import orjson
 from aiohttp import web
 
 from backends.config import EjectionSettings
-from backends.fleet import Fleet, Pool
-from backends.lora import LoraAdapter
-from backends.types import Endpoint, LoadTicket
+from backends.fleet import Fleet, LoraAdapter, Pool, get_adapter
+from backends.types import Endpoint, LoadTicket, PdError
 from gateway.app.settings import ServerSettings
 from gateway.errors import EngineRejected, GatewayError, UpstreamError
-from gateway.request.accounting import Accounting
+from gateway.request.accounting import Accounting, Reservation
 from gateway.request.apis import NativeApi, Translation, native_body
-from gateway.request.context import RequestContext, Routed
-from gateway.request.debug import debug_headers
-from gateway.request.detour import Detour
-from gateway.request.hooks import Hooks
-from gateway.request.transport import NotSent
+from gateway.request.context import Hooks, NotSent, RequestContext, Routed
+from gateway.request.director import Detour
+from gateway.request.intake import debug_headers
+from gateway.request.record import RequestRecord
 from gateway.telemetry.metrics import GatewayMetrics
-from gateway.transport import failover
-from gateway.transport.lora import AdapterLoader, LoadFailed, fleet_budget
-from gateway.transport.lora_keeper import AdapterKeeper
-from gateway.transport.pd import prefill_leg
+from gateway.transport.lora import AdapterKeeper, AdapterLoader, LoadFailed, fleet_budget
 from gateway.upstream.client import CallWatch, Response, UpstreamClient
-from gateway.upstream.engine_control import engine_body
 from gateway.upstream.engine_errors import engine_fault, request_status
-from gateway.upstream.migrate import Resumer, can_fail_over, can_migrate
 from gateway.upstream.relay import (
     RelayOutcome,
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTarget,
+    call_json,
+    engine_body,
     open_stream,
     relay_stream,
     relay_unary,
 )
-from gateway.upstream.stalls import DEADLINE, StallWatch
+from gateway.upstream.replica_loss import (
+    DEADLINE,
+    Resume,
+    Resumed,
+    Resumer,
+    StallWatch,
+    can_fail_over,
+    can_migrate,
+    continuation_body,
+)
+from policies.policy import check_context, choose_fallback, context_tokens, price_usd
 from policies.routing.types import RouteDecision
-from policies.types import ApiKind
+from policies.types import ApiKind, Rejection, Usage
+
+# ---- The engine transport
 
 log = logging.getLogger("tokenway.request")
 
 
 class Turns(Protocol):
-    """The walk's routing and gate (`gateway/request/dispatch.py`'s `Dispatch`), for a cut stream."""
+    """The walk's routing and gate (`gateway/request/director.py`'s `Dispatch`), for a cut stream."""
 
     def route(self, ctx: RequestContext, pools: Sequence[Pool], exclude: Collection[str]) -> Routed | None: ...
 
@@ -108,7 +153,7 @@ class EngineTransport:
         report_failure: Callable[[Endpoint, float], None] = _no_failure,
         stalls: StallWatch | None = None,
     ) -> None:
-        # first-token deadlines and stalled replicas (gateway/upstream/stalls.py; the app runs its checks)
+        # first-token deadlines and stalled replicas (gateway/upstream/replica_loss.py; the app runs its checks)
         self.stalls = stalls or StallWatch(fleet, server.first_token_deadline, server.stall_after_s, EjectionSettings())
         self.upstream = upstream
         self.hooks = hooks
@@ -253,7 +298,7 @@ class EngineTransport:
                             codec=api.stream_codec(
                                 ctx.model, facts.prompt_tokens + facts.output_reservation, facts.prompt_tokens
                             ),
-                            resume=failover.chain(
+                            resume=chain(
                                 self._resumer(ctx, routed, path),
                                 self._failover(ctx, routed, path, upstream_api, unshaped),
                             ),
@@ -293,7 +338,7 @@ class EngineTransport:
 
     def _resumer(self, ctx: RequestContext, routed: Routed, path: str) -> Resumer | None:
         """How a plain stream continues on another replica of its pool if its own cuts it
-        (`gateway/upstream/migrate.py` splices it); None where the pool or the request does not allow
+        (`gateway/upstream/replica_loss.py` splices it); None where the pool or the request does not allow
         it (a translated API's stream is not continued). A stream flow control preempted waits its
         new turn through the walk's routing and gate (`Dispatch.turn`), like any request of the pool."""
         facts, pool = ctx.facts, routed.pool
@@ -329,14 +374,14 @@ class EngineTransport:
         return Resumer(facts.body, facts.api, facts.prompt_tokens, routed.endpoint.id, route, send, others, wait_turn)
 
     def _fails_over(self, ctx: RequestContext, routed: Routed) -> bool:
-        """Whether a stream cut mid-answer may continue on a fallback model (`failover.py`): its model
+        """Whether a stream cut mid-answer may continue on a fallback model (`Failover`, below): its model
         opted in, and its pool is an engine's (a hosted provider's stream is relayed by its own client)."""
-        return ctx.facts.stream and not routed.pool.config.hosted and failover.enabled(ctx, self.accounting)
+        return ctx.facts.stream and not routed.pool.config.hosted and enabled(ctx, self.accounting)
 
     def _failover(
         self, ctx: RequestContext, routed: Routed, path: str, api: ApiKind, sent: dict[str, Any]
-    ) -> failover.Failover | None:
-        """The failover of a stream (`failover.py`), None where it cannot have one: `sent` is the chat
+    ) -> Failover | None:
+        """The failover of a stream (`Failover`), None where it cannot have one: `sent` is the chat
         or completions body the first leg's engine got (before its cut), continued on a fallback model."""
         if not self._fails_over(ctx, routed) or api not in ("chat", "completions"):
             return None
@@ -356,13 +401,13 @@ class EngineTransport:
                 log.warning("stream failover to %s failed: %s", endpoint.id, exc)
                 return None
 
-        return failover.Failover(ctx, self.accounting, self.fleet, route, open_leg, sent, api)
+        return Failover(ctx, self.accounting, self.fleet, route, open_leg, sent, api)
 
     def upstream_body(
         self, ctx: RequestContext, endpoint: Endpoint, client_body: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """The body `endpoint` gets for this request (the endpoint picker's: Envoy sends it), or for
-        `client_body`, a native stream's continuation of it (`gateway/upstream/migrate.py`)."""
+        `client_body`, a native stream's continuation of it (`gateway/upstream/replica_loss.py`)."""
         if client_body is None:
             _path, upstream_api, body = ctx.api.upstream(ctx.facts, endpoint, False)
         else:
@@ -389,7 +434,7 @@ class EngineTransport:
     ) -> dict[str, Any]:
         """A copy of `body` whose engine-control fields are the policy's: a client's dropped unless its
         tenant may set them, the scheduling priority from its tier, the output limit the reservation
-        on this model, the cache salt the tenant's (gateway/upstream/engine_control.py)."""
+        on this model, the cache salt the tenant's (gateway/upstream/relay.py)."""
         reserved = ctx.reservation.ticket.output_tokens if ctx.reservation is not None else 0
         return engine_body(
             body,
@@ -421,7 +466,7 @@ class EngineTransport:
 
 def answer_headers(ctx: RequestContext, decision: RouteDecision) -> list[tuple[str, str]]:
     """The gateway's headers on the answer: the request's, the limits', where it ran, how long it
-    waited, and to an operator who asked, the debug headers (`gateway/request/debug.py`)."""
+    waited, and to an operator who asked, the debug headers (`gateway/request/intake.py`)."""
     assert ctx.reservation is not None
     headers = [
         *ctx.headers,
@@ -452,3 +497,222 @@ def _first_token(watch: CallWatch, hooks: Hooks, ctx: RequestContext, at_s: floa
     watch.disarm()
     if hooks.want_first_token:
         hooks.first_token(ctx, at_s)
+
+
+# ---- The PD prefill leg
+
+
+async def prefill_leg(
+    engine: EngineTransport, ctx: RequestContext, decision: RouteDecision, body: dict[str, Any], path: str
+) -> dict[str, Any] | None:
+    """Run the prefill leg; the decode leg's body, or None when the decode endpoint must prefill."""
+    prefill = decision.prefill_endpoint
+    assert prefill is not None
+    adapter = get_adapter(decision.endpoint.engine)
+    load = prefill.inflight.begin(decision.uncached_prefill_tokens(ctx.facts.prompt_tokens))
+    try:
+        leg = engine.target(ctx, prefill, adapter.prefill_leg_body(body), path)
+        with ctx.trace.span("prefill", endpoint=prefill.id):
+            answer = await call_json(engine.upstream, leg)
+        decode_body = adapter.decode_leg_body(body, answer)
+    except (RetryableUpstream, UpstreamRejected, PdError) as exc:
+        if isinstance(exc, RetryableUpstream) and exc.status:
+            ctx.answered_5xx.append(prefill)  # counted only if the decode endpoint then serves it
+        elif isinstance(exc, RetryableUpstream):
+            engine.report_failure(prefill, time.monotonic())
+        ctx.record.kv_transfer_failed = True
+        log.warning("PD prefill leg on %s failed, decoding endpoint prefills: %s", prefill.id, exc)
+        return None
+    finally:
+        load.end()
+    engine.report_success(prefill)
+    if "kv_transfer_params" not in decode_body and "disaggregated_params" not in decode_body:
+        ctx.record.kv_transfer_failed = True
+        return None
+    return decode_body
+
+
+# ---- Failover inside a stream
+
+
+TRIGGER = "upstream_error"  # the fallback chain's steps a cut stream may take
+
+
+# (ctx, endpoint, continuation body of the chat or completions request) -> the stream opened there, or None
+Open = Callable[[RequestContext, Endpoint, dict[str, Any]], Awaitable[Response | None]]
+# (ctx, pools, endpoints to avoid) -> a ready endpoint of those pools (the walk's router, as for a
+# migration), or None
+Route = Callable[[RequestContext, Sequence[Pool], Collection[str]], Routed | None]
+
+
+def enabled(ctx: RequestContext, accounting: Accounting) -> bool:
+    """Whether the model `ctx` is on opted in (`models.<m>.stream_failover`) and the request allows
+    fallbacks (the tenant's, `x-tokenway-no-fallback`)."""
+    config = accounting.policies.current.model_config(ctx.model)
+    return config is not None and config.stream_failover and ctx.facts.allow_fallback
+
+
+@dataclass(slots=True)
+class Failover:
+    """The failover of one stream: called with the text sent so far and its output tokens when the
+    stream's own pool could not continue it; the continuation on a fallback model, or None.
+
+    `body` is the chat or completions request the first leg sent before the engine's cut (the client's
+    own, or a translated API's chat translation) and `api` its kind."""
+
+    ctx: RequestContext
+    accounting: Accounting
+    fleet: Fleet
+    route: Route
+    open: Open
+    body: Mapping[str, Any]
+    api: str
+    tried: set[str] = field(default_factory=set)
+    legs: int = 1
+    billed_usd: float = 0.0  # what the legs that ended were charged (their records' cost)
+    moved: bool = False  # a leg ran on a fallback model: the pool's migration no longer applies
+
+    async def __call__(self, text: str, sent_tokens: int) -> Resumed | None:
+        ctx = self.ctx
+        if not enabled(ctx, self.accounting):
+            return None
+        facts, policy = ctx.facts, self.accounting.policies.current
+        self.tried.update((facts.model, ctx.model))
+        following = choose_fallback(
+            policy,
+            ctx.model,
+            TRIGGER,
+            facts.principal,
+            tried=self.tried,
+            min_context_tokens=context_tokens(facts.prompt_tokens, facts.max_tokens),
+        )
+        if following is None or not self.fleet.pools_for_model(following):
+            log.warning("stream %s: no fallback model can continue it", facts.request_id)
+            return None
+        self.tried.add(following)
+        admission = self.accounting.admission
+        rejection = check_context(policy, following, facts.prompt_tokens, facts.max_tokens)
+        try:
+            admitted = await admission.admit(facts, following) if rejection is None else rejection
+        except Exception:  # a store that fails mid-stream ends it as a refusal would, never as a 500
+            log.exception("stream %s: admission on %s failed", facts.request_id, following)
+            return None
+        if isinstance(admitted, Rejection):  # its limits or budget say no: the stream ends as a cut does
+            log.warning("stream %s: fallback %s refused (%s)", facts.request_id, following, admitted.reason)
+            return None
+        reservation = Reservation(admission, admitted, following)
+        previous = (ctx.model, ctx.reservation)
+        ctx.model, ctx.reservation = following, reservation  # the body and target are the new leg's
+        try:
+            opened = await self._open(following, text, sent_tokens, reservation)
+        except BaseException:  # the client went away while it opened: the first leg is the one to settle
+            ctx.model, ctx.reservation = previous
+            reservation.release_soon()
+            raise
+        if opened is None:
+            ctx.model, ctx.reservation = previous
+            reservation.release_soon()  # the new leg never ran: nothing to charge on it
+            return None
+        (pool, endpoint), response = opened
+        old_reservation = previous[1]
+        assert old_reservation is not None
+        self._next_leg(old_reservation, following, endpoint, pool)
+        self.moved = True
+        ticket = endpoint.inflight.begin(facts.prompt_tokens + sent_tokens)
+        marker = {"from": previous[0], "to": following, "at_tokens": sent_tokens}
+        log.info("stream %s failed over from %s to %s after %d tokens", facts.request_id, *marker.values())
+        return Resumed(response, ticket, endpoint.id, facts.prompt_tokens, self.api, model=following, marker=marker)
+
+    async def _open(
+        self, model: str, text: str, sent_tokens: int, reservation: Reservation
+    ) -> tuple[tuple[Pool, Endpoint], Response] | None:
+        """The continuation opened on a replica of `model` (two tries), or None."""
+        ctx = self.ctx
+        body = continuation_body(self.body, self.api, text, sent_tokens)
+        if body is None:
+            return None
+        if not any(name in body for name in ("max_tokens", "max_completion_tokens")):
+            # no limit of the client's: what the new leg reserved, less what was sent, bounds the whole answer
+            body["max_tokens"] = max(reservation.ticket.output_tokens - sent_tokens, 1)
+        pools = self.fleet.pools_for_model(model)
+        if ctx.routing is not None:  # a LoRA adapter routes (and hashes its prefix) as itself
+            ctx.routing.use_adapter(self.fleet.adapter(model))
+        avoid: set[str] = set()
+        for _ in range(2):
+            routed = self.route(ctx, pools, frozenset(avoid))
+            if routed is None:
+                return None
+            avoid.add(routed.endpoint.id)
+            response = await self.open(ctx, routed.endpoint, body)
+            if response is not None:
+                return (routed.pool, routed.endpoint), response
+        return None
+
+    def _next_leg(self, ended: Reservation, model: str, endpoint: Endpoint, pool: Pool) -> None:
+        """The leg that ended is settled and recorded; `ctx` goes on with a record for the new leg."""
+        ctx = self.ctx
+        record = ctx.record
+        if not record.leg:
+            record.leg = 1
+        self.accounting.close_leg(ctx, ended, record)
+        self.billed_usd += record.cost_usd
+        self._show_cost(model)
+        self.legs += 1
+        stem = ctx.facts.request_id
+        ctx.record = RequestRecord(
+            request_id=f"{stem}.leg{self.legs}",
+            api=record.api,
+            started_at_unix_s=record.started_at_unix_s,
+            tenant=record.tenant,
+            key_id=record.key_id,
+            requested_model=record.requested_model,
+            model=model,
+            served_model=endpoint.served_model,
+            fallback_from=record.requested_model or ctx.facts.model,
+            fallback_reason=TRIGGER,
+            pool=pool.name,
+            endpoint=endpoint.id,
+            engine=endpoint.engine,
+            route_reason="stream_failover",
+            stream=True,
+            upstream_attempts=1,
+            slo_class=record.slo_class,
+            batch_id=record.batch_id,
+            program=record.program,
+            leg=self.legs,
+            continues=record.request_id,
+        )
+        ctx.prediction = None  # the first leg's endpoint's: learning must not read the new leg against it
+
+    def _show_cost(self, model: str) -> None:
+        """For a caller shown its cost (`show_cost`), the final usage's `cost_usd` is every leg's: the
+        legs that ended as charged, the new one at its own model's price for its share of the usage."""
+        outcome = self.ctx.outcome
+        if outcome is None or outcome.price is None:
+            return
+        before_usd, before_tokens = self.billed_usd, outcome.billed_tokens
+        ctx = self.ctx
+        policy, batch = self.accounting.policies.current, ctx.facts.batch_id is not None
+
+        def price(usage: Usage) -> float:
+            share = replace(usage, completion_tokens=max(usage.completion_tokens - before_tokens, 0))
+            pool = ctx.reservation.pool if ctx.reservation is not None else None  # the new leg's serving pool
+            return before_usd + price_usd(policy, model, share, batch=batch, pool=pool)
+
+        outcome.price = price
+
+
+def chain(first: Resume | None, failover: Failover | None) -> Resume | None:
+    """The stream's `Resume`: another replica of its pool first (not after it moved to a fallback
+    model, nor for a stream flow control preempted: that one waits its turn), then the fallback model."""
+    if failover is None:
+        return first
+
+    async def resume(text: str, sent_tokens: int, preempted: bool = False) -> Resumed | None:
+        if first is not None and not failover.moved:
+            resumed = await first(text, sent_tokens, preempted)
+            if resumed is not None or preempted:
+                return resumed
+        return await failover(text, sent_tokens)
+
+    return resume

@@ -32,7 +32,7 @@ First-token deadline (a pool's `first_token_timeout_s`, off unless set): a strea
 client nothing that long after the call began is cut (the call's connection dropped, over either
 client) and fails as a failure before the first byte does: the walk sends it to another endpoint of
 the pool, then down the fallback chain; the attempt is not charged. It is the engine path's watch
-(`gateway/upstream/stalls.py`) with two differences, as a provider is not a replica: the deadline is
+(`gateway/upstream/replica_loss.py`) with two differences, as a provider is not a replica: the deadline is
 the pool's fixed number, not a multiple of a predicted TTFT, and it is armed on every try, the last
 included, since the operator set it as the longest wait worth having; and a provider that misses it
 is never judged stalled (it stays in routing: slow is not frozen). Once a token reached the client,
@@ -66,9 +66,9 @@ from aiohttp.helpers import get_env_proxy_for_url, strip_auth_from_url
 
 from backends.config import EjectionSettings, PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
-from backends.hosted import sigv4
 from backends.hosted.anthropic import AnthropicCodec
-from backends.hosted.azure_openai import AzureOpenAICodec
+from backends.hosted.aws import AwsCredentials, CredentialSource, SigV4Error, sign
+from backends.hosted.azure_openai import AzureOpenAICodec, EntraToken
 from backends.hosted.base import (
     ProviderCodec,
     ProviderError,
@@ -79,19 +79,17 @@ from backends.hosted.base import (
     UpstreamCall,
 )
 from backends.hosted.bedrock import BedrockCodec
-from backends.hosted.breakpoints import with_breakpoints
-from backends.hosted.entra import EntraToken
+from backends.hosted.chat_in import with_breakpoints
 from backends.hosted.gemini import GeminiCodec, VertexToken, api_key_headers, is_vertex
 from backends.types import Endpoint
 from gateway.errors import GatewayError
 from gateway.request.context import RequestContext, Routed
 from gateway.transport.engine import EngineTransport
 from gateway.transport.provider_quota import ProviderQuotas
-from gateway.upstream.client import CallWatch, UpstreamClient
-from gateway.upstream.connection import UpstreamConnectionError
+from gateway.upstream.client import CallWatch, UpstreamClient, UpstreamConnectionError
 from gateway.upstream.relay import UpstreamTarget
-from gateway.upstream.stalls import DEADLINE, StallWatch
-from predictor.types import Prediction
+from gateway.upstream.replica_loss import DEADLINE, StallWatch
+from predictor.features import Prediction
 
 log = logging.getLogger("tokenway.hosted")
 
@@ -159,8 +157,8 @@ class Provider:
     key_env: str | None = None  # the environment variable of its key (the endpoint's, else the pool's)
     key_headers: dict[str, str] = field(default_factory=dict)
     region: str | None = None
-    aws: sigv4.CredentialSource | None = None
-    aws_credentials: sigv4.AwsCredentials | None = None
+    aws: CredentialSource | None = None
+    aws_credentials: AwsCredentials | None = None
     vertex: VertexToken | None = None
     vertex_expiry: datetime.datetime | None = None
     entra: EntraToken | None = None  # `auth: entra` (Azure OpenAI); set before `resolve` to use another credential
@@ -196,10 +194,10 @@ class Provider:
             else:
                 self.key_headers = api_key_headers(key)
         if self.engine == "bedrock":
-            self.aws = sigv4.CredentialSource()
+            self.aws = CredentialSource()
             try:
                 self.aws_credentials = self.aws.refresh()
-            except sigv4.SigV4Error as exc:
+            except SigV4Error as exc:
                 raise HostedConfigError(f"pool {pool.name!r}: {exc}") from None
         elif self.engine == "gemini" and is_vertex(self.target.model):
             self.vertex = VertexToken()
@@ -231,7 +229,7 @@ class Provider:
 
     def expires_in_s(self) -> float | None:
         if self.aws_credentials is not None:
-            return sigv4.CredentialSource.expires_in_s(self.aws_credentials)
+            return CredentialSource.expires_in_s(self.aws_credentials)
         if self.vertex_expiry is not None:  # google-auth's expiry: naive UTC
             now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
             return (self.vertex_expiry - now).total_seconds()
@@ -257,7 +255,7 @@ class Provider:
         """The call's headers with its credentials: SigV4 over these exact bytes, or the key / bearer."""
         if self.aws_credentials is not None:
             assert self.region is not None
-            call = sigv4.sign(call, base_url, self.aws_credentials, self.region)
+            call = sign(call, base_url, self.aws_credentials, self.region)
             return dict(call.headers)
         return {**dict(call.headers), **self.key_headers}
 
@@ -576,7 +574,7 @@ class HostedCalls:
         provider = self.providers[endpoint.id]
         marks = {_ENDPOINT: endpoint.id, _REQUEST: request_id, _MODEL: model}
         config = self.pools[endpoint.pool]
-        if config.cache_breakpoints == "auto":  # the provider caches only where told (breakpoints.py)
+        if config.cache_breakpoints == "auto":  # the provider caches only where told (backends/hosted/chat_in.py)
             chat = with_breakpoints(chat, config.cache_breakpoint_min_tokens, config.cache_breakpoint_ttl)
         try:
             call = provider.codec.request(chat, provider.target)

@@ -54,9 +54,8 @@ from redis.backoff import NoBackoff
 from backends.fleet import Fleet
 from backends.types import Endpoint
 from gateway.transport.lora import AdapterLoader
-from policies.flow.flusher import BatchedFlush
-from policies.limits.resp import load_script
-from policies.limits.scriptpipe import script_pipeline
+from policies.flow.redis_counters import BatchedFlush
+from policies.limits.scriptpipe import load_script, script_pipeline
 
 log = logging.getLogger("tokenway.lora")
 

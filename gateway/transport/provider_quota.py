@@ -11,7 +11,7 @@ against the account on some providers, and delays the fallback the gateway would
   the reset the last answer named, else for `DEFAULT_BLOCK_S`;
 - a block never lasts longer than `MAX_BLOCK_S` (a wrong or hostile header cannot park a pool).
 
-`ProviderQuotaCheck` is the gate's check (gateway/flow/check.py): a route to a blocked pool is
+`ProviderQuotaCheck` is the gate's check (gateway/flow/gate.py): a route to a blocked pool is
 avoided, so the room routes the request to the model's other pools (owned replicas, another
 provider); with none left the request is refused as `rate_limited`, which walks the model's fallback
 chain or answers 429 with `retry-after` until the provider's reset. State is per gateway process
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from backends.hosted.base import RateLimitState
 from gateway.errors import Rejected
-from gateway.flow.check import GO, Avoid, Check, Refuse, Turn, Verdict
+from gateway.flow.gate import GO, Avoid, Check, Refuse, Turn, Verdict
 from gateway.request import Detour, Routed
-from policies.limits.rejections import retry_headers
+from policies.limits.admission import retry_headers
 from policies.types import Rejection
 
 DEFAULT_BLOCK_S = 1.0

@@ -24,18 +24,17 @@ import orjson
 import xxhash
 
 from backends.fleet import Fleet, Pool
-from backends.model_tokenizer import ModelTokenizer, TokenizerLoadError, tokenizer_directory
+from backends.tokenization import ModelTokenizer, TokenizerLoadError, tokenizer_directory
 from gateway.request import Hook, RequestContext
-from gateway.upstream.client import UpstreamClient
-from gateway.upstream.connection import UpstreamConnectionError
+from gateway.upstream.client import UpstreamClient, UpstreamConnectionError
 from policies.estimate import (
     EXACT_SOURCES,
     SOURCE_ENGINE,
+    ModelTokenizerCounter,
     PromptCount,
     PromptEstimator,
     _IdCache,
 )
-from policies.model_count import ModelTokenizerCounter
 from policies.types import RequestFacts
 
 log = logging.getLogger("tokenway.engine_tokens")

@@ -1,5 +1,14 @@
-"""Upstream call and relay: one POST on the shared upstream client
-(`gateway/upstream/client.py`), the answer passed back as received.
+"""Upstream call and relay: the body the engine gets, one POST on the shared upstream client
+(`gateway/upstream/client.py`), the answer passed back as received, with what it may carry.
+
+One module for one upstream call because each step shapes the next: the engine-control fields
+decide what the engine is asked for (its output limit is the reservation), the relay passes the
+answer back, and on the way it takes out the engine's own fields and notes whether the answer ended
+in tool calls. The sections below say why each is done as it is.
+
+The relay
+---------
+
 
 Streams are relayed event by event without re-serialising them: the only edits are a byte-level
 swap of the `model` value (when the public name differs from the engine's) and dropping the usage
@@ -7,29 +16,284 @@ chunk the gateway asked for on the client's behalf. Errors before the first byte
 `RetryableUpstream` (connect error, 5xx) so it can try another endpoint; after the first byte they
 become one SSE error event and a clean end of stream. A client that goes away closes the upstream
 connection at once (the engine aborts the request). A stream with a first-token deadline
-(`gateway/upstream/stalls.py`) shows its client nothing before its first token, so a replica that stays silent
+(`gateway/upstream/replica_loss.py`) shows its client nothing before its first token, so a replica that stays silent
 that long still fails "before the first byte" and the request moves to another.
+
+The engine-control fields
+-------------------------
+
+The engine-control fields of an upstream body: the client's dropped (unless its tenant may set
+them, `policies/policy.py`), the gateway's own set.
+
+The priority the engine schedules by is the tenant's tier (`tenants.<t>.priority`, a key's override)
+on tokenway's scale; each adapter maps it onto its engine's (vLLM: lower runs first) or drops it
+where the pool does not schedule by priority. The `normal` tier is every engine's default (vLLM 0,
+TensorRT-LLM 0.5), so it is not written. The PD handshake fields are added later by the adapter,
+from the prefill engine's answer, never from the client.
+
+Two more fields are always the gateway's, because what is billed and what is shared depend on them:
+
+- **The output limit.** Admission reserved a number of output tokens for the request; an engine
+  left to its own default generates until the context is full (vLLM) or until its own default
+  limit, however long a `json_schema` with `minItems` or `min_tokens` makes the answer. So the
+  engine is told the reservation: the API's limit field is set to the reservation per choice when
+  the client gave none, and lowered to it where the client's is larger (a reservation made on a
+  fallback model's terms). The engine can then never produce more than was reserved.
+- **The prefix-cache salt** (`cache_salt`, vLLM's): each tenant's requests are salted with a value
+  derived from its cache group (`tenants.<t>.cache_group`, else the tenant), so a tenant's prompts
+  never hit another tenant's cached blocks and `cached_tokens` says nothing about what others sent
+  (`policies/policy.py: cache_salt`). The prefix index keys its blocks with the same salt
+  (`RequestFacts.cache_salt`), so routing hits stay per tenant too.
+
+The engine's own fields
+-----------------------
+
+What an engine's answer may carry to the client: the API's own fields, not vLLM's additions.
+
+vLLM writes fields of its own into its answers; a strict client (one that refuses unknown fields)
+then refuses the answer. The relay takes them out after the gateway has read what it
+needs from them (usage, `kv_transfer_params`, `metrics`), and only touches an answer or a stream
+event that holds one: a stream event is tested for them as bytes first (one regex search in C, so most
+events are never parsed here); a non-streamed answer, parsed already, is looked at as a dict.
+
+Tool-call endings
+-----------------
+
+Whether an engine's answer ended asking for tool calls: the boundary tool-boundary affinity
+(`policies/routing/tool_affinity.py`) keeps a program's replica across.
+
+Read from what the relay already holds (the parsed unary answer; each stream event's bytes), in the
+three grammars an engine or a hosted provider answers in:
+
+- chat completions: a choice's `finish_reason` is `tool_calls` (or the legacy `function_call`);
+- Anthropic Messages: `stop_reason` is `tool_use`;
+- Responses: an output item of type `function_call` (the model's turn ends there: the client must
+  send the call's output back).
+
+Streams are matched on bytes, not parsed: the relay does not parse every event, and these markers
+appear only in the event that ends the answer (or announces a call), so a substring test per event
+costs what `_FINISHED`'s does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 from aiohttp import web
 
 from backends.types import LoadTicket
-from gateway.errors import UpstreamError, sse_error_event
-from gateway.upstream.client import CallWatch, Response, UpstreamClient
-from gateway.upstream.connection import UpstreamConnectionError
-from gateway.upstream.engine_fields import carries_engine_fields, drop_engine_fields, without_engine_fields
-from gateway.upstream.migrate import MAX_MIGRATIONS, Moving, Resume, sent_text
-from gateway.upstream.tool_calls import answer_calls_tools, events_call_tools
-from policies.types import Usage
+from gateway.errors import InvalidRequest, UpstreamError, sse_error_event
+from gateway.upstream.client import CallWatch, Response, UpstreamClient, UpstreamConnectionError
+from gateway.upstream.replica_loss import MAX_MIGRATIONS, Moving, Resume, sent_text
+from policies.policy import client_body
+from policies.types import ApiKind, Principal, Usage
+
+# ---- The engine-control fields of the upstream body
+
+NORMAL_PRIORITY = 0  # policies.schema.PRIORITY_VALUES["normal"]
+
+# The output-limit fields each upstream API reads, the one the gateway writes when none is set last
+# (chat: `max_tokens`, the one every engine knows; vLLM reads `max_completion_tokens` first when both
+# are set, TensorRT-LLM's adapter maps it, so a client's `max_completion_tokens` is lowered in place).
+OUTPUT_LIMIT_FIELDS: Mapping[str, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",),
+    "messages": ("max_tokens",),
+}
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_min_tokens(body: Mapping[str, Any], max_tokens: int | None) -> None:
+    """`min_tokens` (vLLM, TensorRT-LLM: generate at least that many) must be a count no larger
+    than the request's output limit: a larger one asks for more output than may be produced (and
+    than was reserved), so it is refused up front, naming the field, rather than by the engine."""
+    if "min_tokens" not in body or body["min_tokens"] is None:
+        return
+    value = _count(body["min_tokens"])
+    if value is None or value < 0:
+        raise InvalidRequest("min_tokens: must be an integer >= 0", param="min_tokens")
+    if max_tokens is not None and value > max_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({value}) must not be greater than the output limit ({max_tokens})", param="min_tokens"
+        )
+
+
+def choices(body: Mapping[str, Any]) -> int:
+    """The number of choices a body asks for (`n`, 1 when absent or malformed)."""
+    n = _count(body.get("n"))
+    return n if n is not None and n > 0 else 1
+
+
+def output_limit(reserved_tokens: int, body: Mapping[str, Any]) -> int:
+    """The per-choice output limit that keeps `body`'s answer within `reserved_tokens` (for all of
+    its choices); 0 when nothing was reserved (an API that generates nothing)."""
+    if reserved_tokens <= 0:
+        return 0
+    return max(reserved_tokens // choices(body), 1)
+
+
+def cap_output(body: dict[str, Any], api: ApiKind | str, limit: int, context_room: int | None = None) -> None:
+    """Make `body` (the gateway's own copy) ask for at most `limit` output tokens per choice. A limit
+    the gateway adds is also kept within `context_room` (the context the endpoint has left after the
+    prompt) when known: an engine refuses a prompt + max_tokens beyond its context, where without
+    the field it would have stopped at the context's end by itself."""
+    fields = OUTPUT_LIMIT_FIELDS.get(api)
+    if not fields or limit <= 0:
+        return
+    present = False
+    for name in fields:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):  # _count, inlined: once per request
+            present = True
+            if value > limit:
+                body[name] = limit
+    if not present:
+        body[fields[-1]] = min(limit, context_room) if context_room is not None and context_room > 0 else limit
+
+
+def engine_body(
+    body: dict[str, Any],
+    principal: Principal,
+    allowed: Collection[str],
+    *,
+    api: ApiKind | str | None = None,
+    reserved_output_tokens: int = 0,
+    context_room: int | None = None,
+    cache_salt: str | None = None,
+) -> dict[str, Any]:
+    """A copy of `body` for the engine: control fields only from policy, priority from the tier, the
+    output limit from the reservation (`api` names the fields) and the cache salt the gateway's."""
+    shaped, _ = client_body(body, allowed)
+    shaped = dict(shaped) if shaped is body else shaped
+    if "priority" not in allowed or "priority" not in shaped:
+        if principal.priority == NORMAL_PRIORITY:
+            shaped.pop("priority", None)  # the engine's default: nothing to say
+        else:
+            shaped["priority"] = principal.priority
+    if api is not None:
+        cap_output(shaped, api, output_limit(reserved_output_tokens, shaped), context_room)
+    if cache_salt is not None:
+        shaped["cache_salt"] = cache_salt
+    else:
+        shaped.pop("cache_salt", None)  # only ever the gateway's (a trusted tenant's is folded into it)
+    return shaped
+
+
+# ---- The engine's own fields, out of the answer
+
+# vLLM's own fields in its answers (vllm/entrypoints/openai/*/protocol.py, .../anthropic/protocol.py),
+# none of them in the API's schema: a strict client refuses an answer that carries them. The transfer
+# parameters (the gateway's prefill/decode business) and a chat or completions choice's `stop_reason`
+# (the matched stop string; `finish_reason` says "stop") never reach the client; the others only when
+# they hold something, which the client asked for with vLLM's own request fields (where the pool
+# forwards them). `metrics` stays: an engine sends it only when its operator runs it with
+# `--enable-per-request-metrics`. Only the top level and chat/completions choices are looked at: an
+# Anthropic message's own `stop_reason` is its API's.
+_ENGINE_ALWAYS = ("kv_transfer_params", "ec_transfer_params")
+_ENGINE_UNASKED = ("prompt_logprobs", "prompt_token_ids", "prompt_text", "input_messages", "output_messages")
+_CHOICE_ALWAYS = ("stop_reason",)
+_CHOICE_UNASKED = ("token_ids", "routed_experts")
+# a choice's message (or a chunk's delta): vLLM's `reasoning` (older versions: `reasoning_content`)
+# holds the reasoning parser's output; empty, it is one more unknown field
+_MESSAGE_UNASKED = ("reasoning", "reasoning_content")
+_ENGINE_NAMES = (*_ENGINE_ALWAYS, *_ENGINE_UNASKED, *_CHOICE_ALWAYS, *_CHOICE_UNASKED, *_MESSAGE_UNASKED)
+# any of the names as a JSON key ("name", quotes included): one pass of the regex engine over the
+# event, where a substring test per name scanned it a dozen times (about 4x the time for an event)
+_ENGINE_MARK = re.compile(b'"(?:' + b"|".join(re.escape(name.encode()) for name in _ENGINE_NAMES) + b')"')
+
+
+def carries_engine_fields(data: bytes) -> bool:
+    """Whether an answer or event may hold one of vLLM's own fields (as a quoted key, in C)."""
+    return _ENGINE_MARK.search(data) is not None
+
+
+def drop_engine_fields(answer: dict[str, Any]) -> bool:
+    """Take vLLM's own fields out of a chat or completions answer or chunk, at the top and in each
+    choice; whether anything was taken."""
+    dropped = _drop(answer, _ENGINE_ALWAYS, _ENGINE_UNASKED)
+    choices = answer.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict):
+            dropped = _drop(choice, _CHOICE_ALWAYS, _CHOICE_UNASKED) or dropped
+            message = choice.get("message", choice.get("delta"))
+            if isinstance(message, dict):
+                dropped = _drop(message, (), _MESSAGE_UNASKED) or dropped
+    return dropped
+
+
+def _drop(node: dict[str, Any], always: tuple[str, ...], unasked: tuple[str, ...]) -> bool:
+    dropped = False
+    for name in always:
+        if name in node:
+            del node[name]
+            dropped = True
+    for name in unasked:
+        if name in node and node[name] is None:
+            del node[name]
+            dropped = True
+    return dropped
+
+
+def without_engine_fields(event: bytes) -> bytes:
+    """One `data:` event without vLLM's own fields (the event as it was when it holds none)."""
+    try:
+        chunk = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return event
+    if isinstance(chunk, dict) and drop_engine_fields(chunk):
+        return b"data: " + orjson.dumps(chunk)
+    return event
+
+
+# ---- Whether the answer ended in tool calls
+
+_TOOL_FINISH: Final = ("tool_calls", "function_call")
+_MARKERS: Final = (
+    b'"finish_reason":"tool_calls"',
+    b'"finish_reason": "tool_calls"',
+    b'"finish_reason":"function_call"',
+    b'"stop_reason":"tool_use"',
+    b'"stop_reason": "tool_use"',
+    b'"type":"function_call"',
+    b'"type": "function_call"',
+)
+
+
+def answer_calls_tools(body: Mapping[str, Any] | None) -> bool:
+    """Whether a parsed (non-streamed) answer ends asking for tool calls."""
+    if not body:
+        return False
+    choices = body.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(c, dict) and c.get("finish_reason") in _TOOL_FINISH for c in choices)
+    if body.get("stop_reason") == "tool_use":
+        return True
+    output = body.get("output")
+    if isinstance(output, list):
+        return any(isinstance(item, dict) and item.get("type") == "function_call" for item in output)
+    return False
+
+
+def events_call_tools(events: Iterable[bytes]) -> bool:
+    """Whether one of a stream's raw SSE events ends its answer in tool calls (or announces one)."""
+    for event in events:
+        # one cheap test before the exact markers
+        if (b"_call" in event or b"tool_use" in event) and any(marker in event for marker in _MARKERS):
+            return True
+    return False
+
+
+# ---- The call and the relay
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]"
@@ -61,7 +325,7 @@ class UpstreamTarget:
     body: bytes
     served_model: str
     public_model: str
-    # the walk's handle on the call (gateway/upstream/stalls.py): cut when its replica stalls or its first-token
+    # the walk's handle on the call (gateway/upstream/replica_loss.py): cut when its replica stalls or its first-token
     # deadline passes; with a deadline armed a stream shows its client nothing before its first token
     watch: CallWatch | None = None
 
@@ -88,14 +352,14 @@ class RelayOutcome:
     # the slot for a tenant under its share: `preempt`), and whether that happened
     upstream: Response | None = field(default=None, repr=False)
     preempted: int = 0  # times flow control cut it (it waited its turn again, then continued)
-    # a stream that failed over to a fallback model (gateway/transport/failover.py): the output tokens
+    # a stream that failed over to a fallback model (gateway/transport/engine.py): the output tokens
     # its earlier legs sent, settled and recorded with them; `usage` and the counted tokens span the
     # whole stream, `leg_usage`/`leg_tokens` are the current leg's
     billed_tokens: int = 0
     # the caller's policy shows it the cost (`show_cost`): prices the final usage, which then carries
     # `cost_usd` (the figure settlement charges: `policies.policy.price_usd`); None: bodies as the API's own
     price: Callable[[Usage], float] | None = field(default=None, repr=False)
-    # the answer ended asking for tool calls (gateway/upstream/tool_calls.py): its program comes back
+    # the answer ended asking for tool calls (gateway/upstream/relay.py): its program comes back
     tool_calls: bool = False
     _preempting: bool = field(default=False, repr=False)
 
@@ -124,7 +388,7 @@ class RelayOutcome:
 
     def preempt(self) -> bool:
         """Cut the stream's upstream so that its slot frees now; the relay continues it after it
-        waited its turn again (`gateway/upstream/migrate.py`). False when it cannot be cut."""
+        waited its turn again (`gateway/upstream/replica_loss.py`). False when it cannot be cut."""
         if not self.preemptible():
             return False
         assert self.upstream is not None
@@ -315,7 +579,7 @@ async def relay_stream(
 
     `outcome` is the caller's so that it stays readable when the client's disconnect cancels this
     coroutine: the caller accounts what was generated and re-raises. With `resume` (plain streams),
-    a stream its replica cuts continues on another one, spliced in (`gateway/upstream/migrate.py`).
+    a stream its replica cuts continues on another one, spliced in (`gateway/upstream/replica_loss.py`).
     """
     upstream = await _post(upstream_client, target)
     swap = _model_swap(target)
@@ -326,7 +590,7 @@ async def relay_stream(
     pending = b""
     clean = False
     # a translated stream has a `resume` only where its codec reads chat chunks (a failover to a
-    # fallback model: gateway/transport/failover.py): the splice happens before the codec reads them
+    # fallback model: gateway/transport/engine.py): the splice happens before the codec reads them
     moving = Moving() if resume is not None else None
     preemptible = moving is not None and codec is None  # flow control cuts native streams only
     if preemptible:

@@ -20,7 +20,7 @@ example):
                 the last stabilization_s, and only scale_down_cooldown_s after any scale event;
                 at most scale_down_step replicas fewer per scale-down (an idle pool goes to zero at once)
     floor     = 1 while requests are held, queued or in flight, or arrived within idle_s; at least a
-                scheduled floor (`policies.autoscale.floors`) from `lead` before its window opens to
+                scheduled floor (`policies.autoscale.forecast`: `floor_at`) from `lead` before its window opens to
                 its end, clamped to max_replicas (an idle pool keeps it too)
     reserve   = warm_reserve replicas on top of max(up, floor) and max(down, floor) while the pool
                 is in use (floor 1), in a pool that does not sleep; a pool that sleeps keeps them
@@ -29,22 +29,44 @@ example):
     wanted    = clamp(·, min_replicas, max_replicas + surge_replicas); the device budget grants the
                 surge above max_replicas only from devices no other pool's planner wants
     adapters  = one more replica while LoRA adapter loads per minute per replica pass
-                adapter_loads_per_min, no scale-down that would pass it (`policies.autoscale.adapters`)
+                adapter_loads_per_min, no scale-down that would pass it (`adapter_demand`, below)
 
 The forecast looks ahead by the lead time so a replica starts before the load needs it; only a rising
 trend moves demand (a falling one waits for the measured level).
+
+Adapter demand: a pool whose replicas thrash loading LoRA adapters asks for one more replica.
+
+Each replica holds a bounded set of adapters (`max_loras` slots, and a pool's `lora_memory_budget_mb`);
+when the adapters in demand outgrow what the replicas hold together, every replica keeps evicting one
+adapter to load another, and each load stalls its batch for size / bandwidth (docs/adapters.md). The
+token rates do not see it: the work is the same, its replicas are not busier, yet the requests wait
+for loads. One more replica spreads the same adapters over more slots, and the adapter-aware router
+(`policies/routing/lora.py`) sends each adapter where it is held.
+
+The signal is the gateway's count of on-demand loads (`PoolSignals.adapter_loads_per_min`, per ready
+replica over the last window; preloads are left out, so a starting replica preloading its adapters is
+not read as thrash). Against `autoscale.adapter_loads_per_min` (0: off):
+
+    rate > threshold               wanted = max(wanted, current + 1), within max_replicas (no surge),
+                                   not within scale_up_cooldown_s of the last scale-up
+    rate · current / wanted > it   a scale-down is held at current (the same loads on fewer replicas
+                                   would thrash): the token planner's scale-down does not undo the
+                                   replica the adapters asked for
+
+A pure function of the plan the planner made, its signals and the memory it started from, as the
+planners are (`tests/policies/autoscale/test_adapters.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
 from backends.autoscale.config import AutoscaleConfig
-from policies.autoscale import floors as scheduled
-from policies.autoscale.adapters import adapter_demand
+from policies.autoscale import forecast as scheduled
 from policies.autoscale.types import PlannerMemory, PoolPlan, PoolSignals, RolePlan, RoleSignals
 
 _EPSILON = 1e-9
@@ -207,7 +229,7 @@ def plan_hpa(signals: PoolSignals, policy: AutoscaleConfig, memory: PlannerMemor
 
     It sees load only once it runs on the engines (no token rates, no forecast, no start-up lead) and
     cannot start from zero replicas on its own: a request held for a cold start activates it (one
-    replica), as KEDA's activation does. A scheduled floor (`policies.autoscale.floors`) raises the
+    replica), as KEDA's activation does. A scheduled floor (`policies.autoscale.forecast`) raises the
     recommendation from a start-up before its window to its end, as KEDA's cron scaler beside the HPA's
     metric does (the HPA takes the largest of its metrics' recommendations). Same inputs and outputs as
     `plan_pool`.
@@ -281,3 +303,45 @@ def replay(
         memory = plan.memory
         plans.append(plan)
     return plans
+
+
+SERVING_ROLES = ("both", "decode")  # the role whose replicas serve the adapters' requests
+
+
+def adapter_demand(signals: PoolSignals, policy: AutoscaleConfig, before: PlannerMemory, plan: PoolPlan) -> PoolPlan:
+    """`plan` with the adapter demand applied: one replica more for a pool that thrashes, or a
+    scale-down held that would make it thrash (see the module's docstring)."""
+    threshold = policy.adapter_loads_per_min
+    rate = signals.adapter_loads_per_min
+    if threshold <= 0 or rate <= 0:
+        return plan
+    role = next((r for name in SERVING_ROLES if (r := plan.role(name)) is not None), None)
+    if role is None or role.current <= 0:
+        return plan
+    now = signals.now_s
+    current = role.current
+    cap = policy.bounds(role.role)[1]
+    wanted = role.wanted
+    memory = plan.memory
+    if rate > threshold:
+        target = min(current + 1, cap)
+        if wanted >= target:
+            return plan  # the planner asks for as much already, or the pool is at its max
+        if now - before.last_up_s < policy.scale_up_cooldown_s:
+            return _replace(plan, role.role, max(wanted, current), f"adapters {rate:.1f} loads/min; scale-up cooldown")
+        why = f"adapters {rate:.1f} loads/min/replica > {threshold:g}: +1"
+        if dict(before.wanted).get(role.role, current) < target:  # a new want, not one still awaiting devices
+            memory = dataclasses.replace(memory, last_up_s=now)
+        return _replace(plan, role.role, target, why, memory)
+    if wanted < current and (wanted == 0 or rate * current / wanted > threshold):
+        why = f"scale-down held: adapters {rate:.1f} loads/min/replica would pass {threshold:g} on {wanted}"
+        memory = dataclasses.replace(memory, last_down_s=before.last_down_s)
+        return _replace(plan, role.role, current, why, memory)
+    return plan
+
+
+def _replace(plan: PoolPlan, role: str, wanted: int, why: str, memory: PlannerMemory | None = None) -> PoolPlan:
+    roles = tuple(dataclasses.replace(r, wanted=wanted, desired=wanted) if r.role == role else r for r in plan.roles)
+    memory = memory or plan.memory
+    memory = dataclasses.replace(memory, wanted=tuple((r.role, r.wanted) for r in roles))
+    return dataclasses.replace(plan, roles=roles, reason=f"{plan.reason}; {why}", memory=memory)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from backends.autoscale.executor import RoleState
-from policies.autoscale.floors import Floor
-from policies.autoscale.forecast import Forecast
+from policies.autoscale.forecast import Floor, Forecast
 
 NEVER = float("-inf")
 
@@ -49,7 +48,7 @@ class PoolSignals:
     devices_per_replica: int = 1
     device_group: str = ""  # the budget the replicas' devices come from ("" = unmanaged)
     awake_since_s: float = NEVER  # when its newest replica became active (shared devices)
-    floors: tuple[Floor, ...] = ()  # scheduled capacity near now (policies/autoscale/floors.py)
+    floors: tuple[Floor, ...] = ()  # scheduled capacity near now (policies/autoscale/forecast.py)
     adapter_loads_per_min: float = 0.0  # LoRA adapters loaded on demand per minute per ready replica, lately
 
     def role(self, name: str) -> RoleSignals | None:
@@ -68,7 +67,7 @@ class PlannerMemory:
     # not a new one every pass (which would hold the other roles' scale-down cooldown for ever)
     wanted: tuple[tuple[str, int], ...] = ()
     # the scheduled floors in force at the last pass: they stay in force until they end, whatever
-    # the lead learnt since (policies/autoscale/floors.py)
+    # the lead learnt since (policies/autoscale/forecast.py)
     floors: tuple[Floor, ...] = ()
 
 

@@ -1,5 +1,5 @@
 -- The changes one replica made to one tenant's programs since its last call, and a read of the
--- programs waiting there (policies/flow/redis_programs.py). A program's attained service is stored as
+-- programs waiting there (policies/flow/redis_counters.py). A program's attained service is stored as
 -- its value at its last change and when that was (Redis's clock); it halves every half-life after.
 -- KEYS[1]: hash program -> attained service as of its last change; KEYS[2]: zset program -> that time
 -- ARGV[1]: TTL in ms; ARGV[2]: half-life in s; ARGV[3]: most programs kept (least recently changed go);

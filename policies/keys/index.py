@@ -47,7 +47,7 @@ class KeyIndex:
         self._clock = clock
         self.keys: dict[str, KeyRecord] = {}
         self.tenants: dict[str, TenantRecord] = {}
-        self.overrides: dict[str, OverrideRecord] = {}  # temporary limit overrides (policies/limits/compile.py)
+        self.overrides: dict[str, OverrideRecord] = {}  # temporary limit overrides (policies/limits/plan.py)
         self.overrides_generation = 0  # bumped by every change of `overrides`: admission plans are rebuilt
         self._by_digest: dict[str, _Entry] = {}
         self._used: dict[str, float] = {}  # key id -> last use not yet written to the store

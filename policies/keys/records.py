@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policies.schema import PriorityName
-from policies.times import parse_duration_s, parse_iso_s
-from policies.types import OwnLimits
+from policies.types import OwnLimits, parse_duration_s, parse_iso_s
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 MAX_PREVIOUS_SECRETS = 4  # rotations still in their grace period at once

@@ -1,19 +1,57 @@
-"""Where keys and tenants made through the admin API are kept: the store's contract, and the
-in-memory store (tests, and gateways configured without a database).
+"""Where keys and tenants made through the admin API are kept: the store's contract and its four
+stores: in memory (tests, and gateways configured without a database), a local SQLite file, Redis,
+and Redis with a durable SQLite copy behind it.
 
 A store holds JSON documents by (kind, name) and a version that every write increments. The
 directory keeps the authoritative copy in memory (authentication is a dictionary lookup) and the
 store makes it survive restarts (SQLite under `var/`) and reach every replica (Redis: each write is
 published, and the version is polled as a safety net for a missed message). `last_used` times
 travel apart from the documents: they change on every request, the documents almost never.
+
+SQLite: keys and tenants in a local SQLite file (the embedded default: `state: memory`, `var/keys.sqlite3`).
+
+One process owns the file. Every call runs in a worker thread (sqlite3 blocks), serialised by a
+lock over one connection; the gateway only calls it when an operator changes something or, every
+few seconds, to save last-use times, never per request. WAL journaling keeps a crash from
+corrupting the file and lets `tokenway keys list` read it while the gateway writes.
+
+Redis: keys, tenants and limit overrides in Redis (`state: redis`): one hash of documents per kind, a version counter,
+and a channel on which every write announces itself, so each replica applies it within
+milliseconds (the directory also polls the version: a message lost while a subscriber was
+reconnecting is repaired by a full reload).
+
+A write is one script: store (or delete) the document, increment the version, publish
+`"<version> <kind> <name>"`, so the versions a subscriber sees are consecutive unless it missed one.
+
+Mirrored: keys in Redis with a durable copy behind them (`state: redis` with `state.keys_db` set, the default).
+
+Redis is what replicas share: every write goes there first, is announced, and every replica applies
+it. But a Redis run as a cache (no RDB, no AOF) forgets everything when it restarts, and keys made
+through the admin API exist nowhere else: every one of them would answer 401 on every replica.
+So each replica also keeps what it wrote or applied in a local SQLite file (the same format as the
+single-process store), and a load that finds Redis empty, with no version counter (a restart or a
+flush, not a fresh deployment's first write), puts that copy back: atomically, and only once
+however many replicas notice together (`RedisDirectoryStore.restore`). Replicas notice within a
+second: their subscription drops with the connection and resubscribing reloads; the version poll
+sees the counter go back.
+
+The copy is written after Redis acknowledged the write; a failure to write it is logged, never the
+API's error (Redis holds the change; the next full load rewrites the copy whole).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal, Protocol, TypeVar
+
+from redis.asyncio import Redis
 
 Kind = Literal["key", "tenant", "override"]
 KINDS: tuple[Kind, ...] = ("key", "tenant", "override")
@@ -100,3 +138,327 @@ class MemoryDirectoryStore:
 
     async def close(self) -> None:
         await asyncio.sleep(0)
+
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (kind TEXT NOT NULL, name TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (kind, name));
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS last_used (id TEXT PRIMARY KEY, at_s REAL NOT NULL);
+INSERT OR IGNORE INTO meta (k, v) VALUES ('version', 0);
+"""
+
+
+class SqliteDirectoryStore:
+    name = "sqlite"
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def locked() -> T:
+            with self._lock:
+                return fn(self._db)
+
+        return await asyncio.to_thread(locked)
+
+    async def load(self) -> Snapshot:
+        def read(db: sqlite3.Connection) -> Snapshot:
+            snapshot = Snapshot(_version(db))
+            for kind, name, doc in db.execute("SELECT kind, name, doc FROM docs"):
+                if kind in snapshot.docs:
+                    snapshot.docs[kind][name] = doc
+            return snapshot
+
+        return await self._run(read)
+
+    async def write(self, kind: Kind, name: str, doc: str | None) -> int:
+        def write(db: sqlite3.Connection) -> int:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                if doc is None:
+                    db.execute("DELETE FROM docs WHERE kind = ? AND name = ?", (kind, name))
+                else:
+                    db.execute("INSERT OR REPLACE INTO docs (kind, name, doc) VALUES (?, ?, ?)", (kind, name, doc))
+                db.execute("UPDATE meta SET v = v + 1 WHERE k = 'version'")
+                version = _version(db)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            return version
+
+        return await self._run(write)
+
+    async def fetch(self, kind: Kind, name: str) -> str | None:
+        def read(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT doc FROM docs WHERE kind = ? AND name = ?", (kind, name)).fetchone()
+            return None if row is None else str(row[0])
+
+        return await self._run(read)
+
+    async def version(self) -> int:
+        return await self._run(_version)
+
+    async def touch(self, last_used: dict[str, float]) -> None:
+        rows = list(last_used.items())
+
+        def write(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "INSERT INTO last_used (id, at_s) VALUES (?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET at_s = max(at_s, excluded.at_s)",
+                rows,
+            )
+
+        if rows:
+            await self._run(write)
+
+    async def last_used(self) -> dict[str, float]:
+        def read(db: sqlite3.Connection) -> dict[str, float]:
+            return {str(i): float(t) for i, t in db.execute("SELECT id, at_s FROM last_used")}
+
+        return await self._run(read)
+
+    async def put(self, kind: Kind, name: str, doc: str | None, version: int | None) -> None:
+        """Keep a document as another store wrote it (this file as that store's durable copy):
+        the version is the other store's, kept when it is newer, never incremented here."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                _put(db, kind, name, doc)
+                if version is not None:
+                    db.execute("UPDATE meta SET v = max(v, ?) WHERE k = 'version'", (version,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    async def replace_all(self, snapshot: Snapshot) -> None:
+        """Make this file hold exactly `snapshot` (a whole copy of the store it backs)."""
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM docs")
+                for kind, docs in snapshot.docs.items():
+                    for name, doc in docs.items():
+                        _put(db, kind, name, doc)
+                db.execute("UPDATE meta SET v = ? WHERE k = 'version'", (snapshot.version,))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    def changes(self) -> AsyncIterator[Change] | None:
+        return None
+
+    async def close(self) -> None:
+        await self._run(lambda db: db.close())
+
+
+def _put(db: sqlite3.Connection, kind: str, name: str, doc: str | None) -> None:
+    if doc is None:
+        db.execute("DELETE FROM docs WHERE kind = ? AND name = ?", (kind, name))
+    else:
+        db.execute("INSERT OR REPLACE INTO docs (kind, name, doc) VALUES (?, ?, ?)", (kind, name, doc))
+
+
+def _version(db: sqlite3.Connection) -> int:
+    row = db.execute("SELECT v FROM meta WHERE k = 'version'").fetchone()
+    return int(row[0]) if row else 0
+
+
+_WRITE = """
+if ARGV[3] == '1' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+local v = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[4], v .. ' ' .. ARGV[5] .. ' ' .. ARGV[1])
+return v
+"""
+
+_RESTORE = """
+local version = KEYS[#KEYS]
+if redis.call('EXISTS', version) == 1 then return 0 end
+local i = 2
+while i <= #ARGV do
+  local kind, name, doc = tonumber(ARGV[i]), ARGV[i + 1], ARGV[i + 2]
+  redis.call('HSET', KEYS[kind], name, doc)
+  i = i + 3
+end
+redis.call('SET', version, ARGV[1])
+return 1
+"""
+
+_TOUCH = """
+for i = 1, #ARGV, 2 do
+  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if tonumber(ARGV[i + 1]) > old then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return 1
+"""
+
+
+class RedisDirectoryStore:
+    name = "redis"
+
+    def __init__(self, client: Redis, prefix: str = "tokenway") -> None:
+        self.client = client
+        tag = "{" + prefix + "}:dir:"
+        self._docs = {kind: f"{tag}{kind}s" for kind in KINDS}
+        self._version = tag + "version"
+        self._last_used = tag + "last_used"
+        self.channel = tag + "changes"
+        self._write = client.register_script(_WRITE)
+        self._touch = client.register_script(_TOUCH)
+        self._restore = client.register_script(_RESTORE)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "tokenway") -> RedisDirectoryStore:
+        return cls(Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0), prefix)
+
+    async def load(self) -> Snapshot:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.get(self._version)
+            for kind in KINDS:
+                pipe.hgetall(self._docs[kind])
+            version, *maps = await pipe.execute()
+        snapshot = Snapshot(int(version or 0))
+        for kind, docs in zip(KINDS, maps, strict=True):
+            snapshot.docs[kind] = {_text(k): _text(v) for k, v in docs.items()}
+        return snapshot
+
+    async def write(self, kind: Kind, name: str, doc: str | None) -> int:
+        args = [name, doc or "", "1" if doc is None else "0", self.channel, kind]
+        return int(await self._write(keys=[self._docs[kind], self._version], args=args))
+
+    async def restore(self, snapshot: Snapshot) -> bool:
+        """Put a whole copy back into a Redis that lost everything (no version counter): atomically,
+        and only if no other replica did first. True when this call restored it."""
+        args: list[str | int] = [max(snapshot.version, 1)]
+        for index, kind in enumerate(KINDS, start=1):  # the kind as its hash's position in KEYS
+            for name, doc in snapshot.docs[kind].items():
+                args += [index, name, doc]
+        keys = [*(self._docs[kind] for kind in KINDS), self._version]
+        return bool(await self._restore(keys=keys, args=args))
+
+    async def fetch(self, kind: Kind, name: str) -> str | None:
+        found = await self.client.hget(self._docs[kind], name)
+        return None if found is None else _text(found)
+
+    async def version(self) -> int:
+        return int(await self.client.get(self._version) or 0)
+
+    async def touch(self, last_used: dict[str, float]) -> None:
+        if last_used:
+            args = [item for key_id, at_s in last_used.items() for item in (key_id, repr(at_s))]
+            await self._touch(keys=[self._last_used], args=args)
+
+    async def last_used(self) -> dict[str, float]:
+        found = await self.client.hgetall(self._last_used)
+        return {_text(k): float(v) for k, v in found.items()}
+
+    def changes(self) -> AsyncIterator[Change] | None:
+        return self._listen()
+
+    async def _listen(self) -> AsyncIterator[Change]:
+        """Every write's announcement, in order, after a version-0 marker once subscribed; raises when
+        the connection drops (the caller resubscribes and reloads)."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.channel)
+        try:
+            yield Change(0, "key", "")  # subscribed: the caller reloads to cover what it missed before
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None or message.get("type") != "message":
+                    continue
+                version, kind, name = _text(message["data"]).split(" ", 2)
+                if kind in KINDS:
+                    yield Change(int(version), kind, name)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+log = logging.getLogger(__name__)
+
+
+class MirroredDirectoryStore:
+    name = "redis+sqlite"
+
+    def __init__(self, primary: RedisDirectoryStore, copy: SqliteDirectoryStore) -> None:
+        self.primary = primary
+        self.copy = copy
+        self.restored = 0  # how many times this replica put the copy back into an empty Redis
+
+    async def load(self) -> Snapshot:
+        snapshot = await self.primary.load()
+        if snapshot.version == 0 and not any(snapshot.docs.values()):
+            kept = await self.copy.load()
+            if any(kept.docs.values()):
+                if await self.primary.restore(kept):
+                    self.restored += 1
+                    counts = ", ".join(f"{len(docs)} {kind}(s)" for kind, docs in kept.docs.items())
+                    log.warning("the key store in Redis was empty: restored %s from %s", counts, self.copy.path)
+                snapshot = await self.primary.load()
+                return snapshot  # the copy already holds it (or another replica's, which came from the same)
+        await self._keep(self.copy.replace_all(snapshot))
+        return snapshot
+
+    async def write(self, kind: Kind, name: str, doc: str | None) -> int:
+        if await self.primary.version() == 0:  # Redis lost everything and no reload restored it yet:
+            await self.load()  # restore first, so this write does not start a new, empty history
+        version = await self.primary.write(kind, name, doc)
+        await self._keep(self.copy.put(kind, name, doc, version))
+        return version
+
+    async def fetch(self, kind: Kind, name: str) -> str | None:
+        """Another replica's write, as announced: applied here, so kept here too."""
+        doc = await self.primary.fetch(kind, name)
+        await self._keep(self.copy.put(kind, name, doc, None))
+        return doc
+
+    async def version(self) -> int:
+        return await self.primary.version()
+
+    async def touch(self, last_used: dict[str, float]) -> None:
+        await self.primary.touch(last_used)
+        await self._keep(self.copy.touch(last_used))
+
+    async def last_used(self) -> dict[str, float]:
+        found = await self.copy.last_used()
+        for key_id, at_s in (await self.primary.last_used()).items():
+            found[key_id] = max(at_s, found.get(key_id, 0.0))
+        return found
+
+    def changes(self) -> AsyncIterator[Change] | None:
+        return self.primary.changes()
+
+    async def close(self) -> None:
+        try:
+            await self.primary.close()
+        finally:
+            await self.copy.close()
+
+    async def _keep(self, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except Exception as exc:
+            log.warning("writing the local copy of the key store (%s) failed: %s", self.copy.path, exc)

@@ -1,4 +1,14 @@
-"""The in-process store: every bucket, lease and budget in dictionaries, for one gateway process.
+"""The in-process store and the bucket arithmetic every store shares: buckets, leases, budgets and the
+index of live agent runs, in dictionaries for one gateway process.
+
+The memory store decides and writes a whole reservation without an await; the Redis scripts
+(reserve.lua, preamble.lua) implement the same bucket formulas, which the tests hold both to; the Redis
+store and the mirror use the arithmetic below as well.
+
+The in-process store
+--------------------
+
+The in-process store: every bucket, lease and budget in dictionaries, for one gateway process.
 
 All of a reservation is decided and written without an await, so on one event loop it is atomic
 with no lock. It is also the fail-open fallback of the Redis store, where it holds this replica's
@@ -8,28 +18,185 @@ Like the Redis store it keeps the open tickets: reserving a ticket twice charges
 settlement of a ticket it does not hold (never reserved, settled already, or reserved before a
 `clear`) changes nothing. Open tickets are bounded by the requests in flight; one never settled
 (a bug) is forgotten after the ticket TTL.
+
+Bucket arithmetic
+-----------------
+
+Bucket arithmetic shared by the memory store, the Redis script's mirror and the headers.
+
+A bucket holds `used` (tokens or requests consumed) that drains continuously at `rate_per_s`; a
+request fits when `used + cost <= capacity`. Storing what is used rather than what is left keeps a
+reload that changes the capacity meaningful (consumption is kept) and lets a reconciled charge push
+`used` past capacity (debt), which then delays later requests by exactly the overrun. reserve.lua
+implements the same formulas; the tests hold both to them.
+
+The index of live agent runs
+----------------------------
+
+The index of live agent runs (policies/limits/standing.py): the runs whose calls were admitted last,
+when, and by which key and model. The memory store keeps it here; reserve.lua keeps the same in Redis.
+It only names runs: what each used stays in the run's own counters.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from policies.limits import buckets
-from policies.limits.run_index import RunIndex, RunSeen
-from policies.limits.types import (
+from policies.limits.plan import (
     BucketSpec,
     BudgetSpec,
     Charge,
     LeaseSpec,
     Outcome,
     Plan,
+    RunRef,
     Settlement,
     ticket_ttl_s,
 )
+
+
+def drained(used: float, updated_at_s: float, now_s: float, rate_per_s: float) -> float:
+    """`used` after draining from `updated_at_s` to `now_s` (never below zero; a clock step back is ignored)."""
+    if now_s <= updated_at_s:
+        return used
+    left = used - (now_s - updated_at_s) * rate_per_s
+    return left if left > 0.0 else 0.0
+
+
+# A counter that never drains or resets (an agent run's caps and budget) is forgotten this long after
+# its last write: the Redis scripts' expiry, and the memory store's sweep.
+IDLE_TTL_S = 32 * 86_400
+
+
+def wait_s(used: float, cost: float, capacity: float, rate_per_s: float) -> float:
+    """Seconds until `cost` fits, with no other traffic; inf when it exceeds the whole capacity or
+    the bucket never drains."""
+    if cost > capacity:
+        return math.inf
+    over = used + cost - capacity
+    if over <= 0.0:
+        return 0.0
+    return over / rate_per_s if rate_per_s > 0.0 else math.inf
+
+
+def reset_s(used: float, rate_per_s: float) -> float:
+    """Seconds until the bucket is full again (OpenAI's x-ratelimit-reset-* meaning); inf for one that
+    never drains."""
+    if used <= 0.0:
+        return 0.0
+    return used / rate_per_s if rate_per_s > 0.0 else math.inf
+
+
+def period_id(period: str, now_s: float) -> int:
+    """Calendar period index (UTC): days since the epoch, months since year 0 (`y*12 + m-1`), or 0
+    for an agent run's budget (one period that never ends)."""
+    day = int(now_s // 86_400)
+    if period == "day":
+        return day
+    if period == "run":
+        return 0
+    if period[0] == "b":  # billing:<anchor day>:<UTC offset s>
+        anchor, offset = billing_of(period)
+        moment = datetime.fromtimestamp(now_s + offset, UTC)  # the wall clock of the period's zone
+        month = moment.year * 12 + moment.month - 1
+        return month if moment.day >= anchor else month - 1
+    if day != _month_of[0]:  # one calendar conversion per day, not one per budget per request
+        moment = datetime.fromtimestamp(now_s, UTC)
+        _month_of[:] = [day, moment.year * 12 + moment.month - 1]
+    return _month_of[1]
+
+
+_month_of: list[int] = [-1, 0]  # [day number, its month index]: period_id's cache of one day
+
+
+def period_end_s(period: str, pid: int) -> float:
+    """Epoch seconds at which period `pid` ends (when its budget resets); inf for a run's."""
+    if period == "day":
+        return (pid + 1) * 86_400.0
+    if period == "run":
+        return math.inf
+    year, month0 = divmod(pid + 1, 12)
+    if period[0] == "b":
+        anchor, offset = billing_of(period)
+        return datetime(year, month0 + 1, anchor, tzinfo=UTC).timestamp() - offset
+    return datetime(year, month0 + 1, 1, tzinfo=UTC).timestamp()
+
+
+@functools.cache
+def billing_of(period: str) -> tuple[int, int]:
+    """(anchor day, UTC offset in seconds) of a `billing:<day>:<offset>` period (policies' BillingPeriod):
+    period `y*12 + m-1` starts on day `anchor` of month m at 00:00 in the zone, the Redis scripts alike."""
+    _, day, offset = period.split(":")
+    return int(day), int(offset)
+
+
+def period_ttl_s(period: str) -> int:
+    """How long a budget counter outlives its last write (longer than any period)."""
+    return 2 * 86_400 if period == "day" else IDLE_TTL_S
+
+
+INDEX_MAX = 10_000  # runs kept in the index, the least recently seen forgotten first
+TRIM_SLACK = 64  # Redis trims the index once it is this far over its bound, in one batch
+READ_MAX = 1_000  # newest index entries one listing reads (before its tenant filter)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSeen:
+    """One index entry: a run, when its last admitted call was, and the key and model that made it."""
+
+    tenant: str
+    program: str
+    last_seen_s: float
+    key_id: str
+    model: str
+
+
+def parse_entry(subject: str, last_seen_s: float, meta: str) -> RunSeen | None:
+    """An entry as the Redis index stores it (`tenant/program`, and `key model`); None if malformed."""
+    tenant, sep, program = subject.partition("/")
+    key_id, _, model = meta.partition(" ")
+    if not sep or not tenant or not program or not key_id:
+        return None
+    return RunSeen(tenant, program, last_seen_s, key_id, model)
+
+
+class RunIndex:
+    """The memory store's index: run subject -> (last seen, key, model), least recently seen first."""
+
+    def __init__(self, max_runs: int = INDEX_MAX) -> None:
+        self.max_runs = max_runs
+        self._runs: OrderedDict[str, tuple[float, RunRef, str]] = OrderedDict()
+
+    def touch(self, run: RunRef, model: str, now_s: float) -> None:
+        subject = run.subject
+        self._runs[subject] = (now_s, run, model)
+        self._runs.move_to_end(subject)
+        while len(self._runs) > self.max_runs:
+            self._runs.popitem(last=False)
+
+    def recent(self, limit: int, now_s: float) -> list[RunSeen]:
+        """The `limit` runs seen last, newest first, none idle past the counters' expiry."""
+        out: list[RunSeen] = []
+        for seen_s, run, model in reversed(self._runs.values()):
+            if len(out) >= limit:
+                break
+            if now_s - seen_s <= IDLE_TTL_S:
+                out.append(RunSeen(run.tenant, run.program, seen_s, run.key_id, model))
+        return out
+
+    def clear(self) -> None:
+        self._runs.clear()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
 
 # (spec, now_s) -> global `used` of a bucket / `spent` of a budget's current period, when known.
 SeedFn = Callable[[BucketSpec | BudgetSpec, float], float | None]
@@ -117,7 +284,7 @@ class MemoryStore:
         self._leases = LeaseTable()
         self._lease_specs: dict[str, LeaseSpec] = {}
         self._tickets: dict[str, float] = {}  # open ticket -> expiry (s)
-        self.runs = RunIndex()  # the agent runs admitted last (policies/limits/runs.py)
+        self.runs = RunIndex()  # the agent runs admitted last (policies/limits/standing.py)
         self._sweep_every = sweep_every
         self._ops = 0
 
@@ -143,7 +310,7 @@ class MemoryStore:
         used: list[float] = []
         for spec, cost in zip(plan.buckets, charge.bucket_costs, strict=True):
             state = self._bucket(spec, now_s, scale)
-            u = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
+            u = drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
             state.used, state.updated_at_s = u, now_s
             states.append(state)
             used.append(u)
@@ -199,14 +366,12 @@ class MemoryStore:
         for spec in plan.buckets:
             state = self._buckets.get(spec.key)
             used.append(
-                0.0
-                if state is None
-                else buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
+                0.0 if state is None else drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * scale)
             )
         active = [self._leases.active(lease.key, now_s) for lease in plan.leases]
         spent, periods = [], []
         for budget_spec in plan.budgets:
-            pid = buckets.period_id(budget_spec.period, now_s)
+            pid = period_id(budget_spec.period, now_s)
             budget = self._budgets.get(budget_spec.key)
             spent.append(budget.spent_usd if budget is not None and budget.period == pid else 0.0)
             periods.append(pid)
@@ -222,7 +387,7 @@ class MemoryStore:
                 if delta <= 0.0:
                     continue
                 state = self._buckets[spec.key] = _Bucket(0.0, now_s, spec)
-            u = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale) + delta
+            u = drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale) + delta
             state.used, state.updated_at_s = (u if u > 0.0 else 0.0), now_s
         for lease in plan.leases:
             self._leases.release(lease.key, settlement.ticket_id)
@@ -243,7 +408,7 @@ class MemoryStore:
         return state
 
     def _budget(self, spec: BudgetSpec, now_s: float, scale: float) -> _Budget:
-        pid = buckets.period_id(spec.period, now_s)
+        pid = period_id(spec.period, now_s)
         budget = self._budgets.get(spec.key)
         if budget is None or budget.period != pid:
             seeded = self._seed(spec, now_s) if self._seed is not None else None
@@ -257,13 +422,13 @@ class MemoryStore:
         for key, state in list(self._buckets.items()):
             rate = state.spec.rate_per_s * self.scale
             if rate <= 0.0:  # never drains (an agent run's cap): forgotten once idle long enough
-                if now_s - state.updated_at_s > buckets.IDLE_TTL_S:
+                if now_s - state.updated_at_s > IDLE_TTL_S:
                     del self._buckets[key]
-            elif buckets.drained(state.used, state.updated_at_s, now_s, rate) <= 0.0:
+            elif drained(state.used, state.updated_at_s, now_s, rate) <= 0.0:
                 del self._buckets[key]
         for key, budget in list(self._budgets.items()):
-            if budget.period != buckets.period_id(budget.spec.period, now_s) or (
-                budget.spec.period == "run" and now_s - budget.touched_s > buckets.IDLE_TTL_S
+            if budget.period != period_id(budget.spec.period, now_s) or (
+                budget.spec.period == "run" and now_s - budget.touched_s > IDLE_TTL_S
             ):
                 del self._budgets[key]
         self._leases.sweep(now_s)
@@ -297,7 +462,7 @@ class MemoryStore:
         rows: list[dict[str, Any]] = []
         for state in self._buckets.values():
             spec = state.spec
-            used = buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale)
+            used = drained(state.used, state.updated_at_s, now_s, spec.rate_per_s * self.scale)
             rows.append(bucket_row(spec, used, self.source, self.scale))
         for key, active in self._leases.items(now_s):
             lease = self._lease_specs.get(key)
@@ -318,7 +483,7 @@ def bucket_row(spec: BucketSpec, used: float, store: str, scale: float = 1.0) ->
         "capacity": capacity,
         "used": used,
         "remaining": max(0.0, capacity - used),
-        "reset_s": buckets.reset_s(used, spec.rate_per_s * scale),
+        "reset_s": reset_s(used, spec.rate_per_s * scale),
         "shadow": spec.shadow,
         "store": store,
     }

@@ -1,6 +1,6 @@
 -- tokenway: the helpers the Redis scripts share (the limiter's reserve, settle, void and peek, the flow
 -- counters' vtc_batch), put in front of each script's text when it is loaded (`load_script` in
--- policies/limits/resp.py), so that each is defined once. Only local functions: a script's own names
+-- policies/limits/scriptpipe.py), so that each is defined once. Only local functions: a script's own names
 -- cannot clash with anything outside it.
 
 -- A number as the string that reads back as the same double.
@@ -28,7 +28,7 @@ local function numbers(s)
 end
 
 -- A token bucket's use at `now`: `u` as of `t`, drained at `rate` per second since, never below zero
--- (the formula of policies/limits/buckets.py).
+-- (the formula of policies/limits/memory_store.py).
 local function drained(u, t, now, rate)
   if now > t then
     u = u - (now - t) * rate
@@ -70,7 +70,7 @@ end
 
 -- The budget period `now` falls in: the day number, for 'month' the month index y*12 + m-1 in UTC, for
 -- 'billing:<day>:<offset>' the month index of the period that began on that day at 00:00 in the zone
--- (civil_from_days, H. Hinnant), as policies/limits/buckets.py computes it.
+-- (civil_from_days, H. Hinnant), as policies/limits/memory_store.py computes it.
 local function period_id(kind, now)
   if kind == 'run' then return 0 end -- an agent run's budget: one period, never reset
   local anchor = 1

@@ -23,11 +23,10 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from policies.limits import buckets
-from policies.limits.resp import Arg, EvalSha, Pre, Script, load_script
-from policies.limits.run_index import INDEX_MAX, RunSeen, parse_entry
-from policies.limits.scriptpipe import script_pipeline
-from policies.limits.types import Charge, Outcome, Plan, Settlement, ticket_ttl_s
+from policies.limits import memory_store
+from policies.limits.memory_store import INDEX_MAX, RunSeen, parse_entry
+from policies.limits.plan import Charge, Outcome, Plan, Settlement, ticket_ttl_s
+from policies.limits.scriptpipe import Arg, EvalSha, Pre, Script, load_script, script_pipeline
 
 MARKER_TTL_S = 86_400  # fail-open charges replayed after an outage are deduplicated this long
 _MARKER_TTL = Pre(str(MARKER_TTL_S))
@@ -68,7 +67,7 @@ class RedisStore:
         self._tag = "{" + prefix + "}:"
         self._tickets = self._tag + "tickets"
         self._voided = self._tag + "voided"
-        self._runs = self._tag + "runs"  # the index of live agent runs (policies/limits/runs.py)
+        self._runs = self._tag + "runs"  # the index of live agent runs (policies/limits/standing.py)
         self._runs_meta = self._tag + "runs:by"
         self._reserve = _script("reserve.lua")
         self._settle = _script("settle.lua")
@@ -145,7 +144,7 @@ class RedisStore:
         for (_, score), subject, meta in zip(found, subjects, metas, strict=True):
             if meta is None:
                 continue
-            if latest is not None and latest - float(score) > buckets.IDLE_TTL_S:
+            if latest is not None and latest - float(score) > memory_store.IDLE_TTL_S:
                 continue
             seen = parse_entry(subject, float(score), _text(meta))
             if seen is not None:

@@ -1,5 +1,5 @@
 -- tokenway: reserve one request across every bucket, lease and budget that applies, all or nothing.
--- Same formulas as policies/limits/buckets.py. Every key shares one hash tag ({prefix}), so the
+-- Same formulas as policies/limits/memory_store.py. Every key shares one hash tag ({prefix}), so the
 -- script is one EVALSHA on one slot, also on Redis Cluster. Time is Redis's own (TIME) unless the
 -- caller passes one (tests).
 --
@@ -10,7 +10,7 @@
 --           per lease capacity shadow, per budget limit-usd period(day|month|run) shadow
 --       [7] the bucket costs, space-separated
 --       A plan that counts an agent run has two more keys and three more arguments, the index of
---       live runs (policies/limits/runs.py): KEYS [n+1] zset run -> its last admitted call,
+--       live runs (policies/limits/standing.py): KEYS [n+1] zset run -> its last admitted call,
 --       [n+2] hash run -> 'key model'; ARGV [8] the run ('tenant/program') [9] 'key model' [10] bound
 -- (The plan string is built once per plan by the caller: fewer, cached arguments are cheaper to
 -- send than one argument per number.)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.routing import registry
+from policies.routing import components
 
 
 class _Strict(BaseModel):
@@ -40,7 +40,7 @@ class ComponentSpec(_Strict):
 
 def _check(kind: str, specs: list[ComponentSpec]) -> None:
     for spec in specs:
-        registry.build(kind, spec.type, spec.params)
+        components.build(kind, spec.type, spec.params)
 
 
 def _default_filters() -> list[ComponentSpec]:
@@ -131,7 +131,7 @@ def _link(bandwidth_gbps: float, latency_ms: float) -> Any:
 
 
 class LinkClassesConfig(_Strict):
-    """Bandwidth and latency per link class (backends/topology.py), to be calibrated per deployment.
+    """Bandwidth and latency per link class (backends/types.py), to be calibrated per deployment.
 
     Defaults: same node, NVLink 4 of an H100 SXM (900 GB/s both directions together, 450 per
     direction); same rack, one 400 Gb/s NDR InfiniBand / Ethernet NIC per GPU (50 GB/s); across racks

@@ -5,7 +5,7 @@ A replica of the base model serves an adapter in one of four states (docs/adapte
 - **active**: the adapter is on its GPU: the engine reports it among its running or waiting requests'
   adapters (vLLM's `vllm:lora_requests_info`), or this router sent it there recently enough that the
   engine's LRU of `max_loras` slots still holds it (`AdapterResidency`);
-- **registered**: the engine lists it in `/v1/models` (`Endpoint.loras`, backends/lora_discovery.py)
+- **registered**: the engine lists it in `/v1/models` (`Endpoint.loras`, backends/scrape.py)
   but nothing says it is on the GPU: no registration is needed, at most a load from host memory;
 - **free**: fewer adapters than slots are held, and the adapter fits the pool's memory budget
   (`lora_memory_budget_mb`) beside those registered there: it loads without evicting anyone;
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from backends.lora import DEFAULT_ADAPTER_BYTES, LoraAdapter
+from backends.fleet import DEFAULT_ADAPTER_BYTES, LoraAdapter
 from backends.types import Endpoint
 from policies.routing.types import Candidate, RouteContext
 

@@ -1,22 +1,30 @@
-"""The scoring router: per pool, filters -> weighted scorers -> picker, over a shared prefix index.
+"""The scoring router: per pool, filters -> weighted scorers -> picker, over a shared prefix index,
+with the session table that pins conversations.
 
     route(request, pool, now_s, exclude):
       candidates  = ready endpoints of the pool not in `exclude` (decode/mixed ones in a PD pool),
                     each with the prefix index's cached tokens per KV tier, priced by the pool's
-                    tier credit (`prefix.tiers`); stale stats -> saturated
+                    tier credit (`kv_tiers.py`); stale stats -> saturated
       saturated   are dropped unless every candidate is (then: reason `fallback`)
       predictions with a predictor, when the pipeline has the `latency` scorer or the request an
-                  SLO: every candidate in one call (`scorers.predict_candidates`), read by the scorer
-                  and carried by the decision
+                  SLO: every candidate in one call (`components.predict_candidates`), read by the
+                  scorer and carried by the decision
       filters     run in order; one that would leave nothing is skipped (reason `fallback`)
       total_i     = sum_k w_k * clamp(score_k,i, 0, 1) / sum_k w_k          (in [0, 1])
       picker      chooses from the totals
       PD pools    then decide prefill placement (`policies.routing.pd`) and, with topology labels,
-                  the pair by prefill + KV transfer time over its link (`policies.routing.topology`)
+                  the pair by prefill + KV transfer time over its link (`policies.routing.pd`:
+                  `choose_pair`)
 
 Decisions are synchronous and read the fleet as it is; `on_dispatch` records the prompt's blocks on
 the chosen endpoint(s) and pins the session. Prompt hashes are computed once per request and reused
 across candidates, retries and `on_dispatch`.
+
+Session table: session key -> the endpoint that served the session last (bounded LRU). Keys come
+from the client (`x-session-id`, the body's `user`), so the table is bounded in entries
+(`max_sessions`) and in bytes per entry: a key longer than MAX_SESSION_KEY_CHARS is kept as a 128-bit
+hash of its bytes (the same session still maps to the same pin; `bounded_key`, which the gateway also
+uses for the other client-named ids it keeps).
 """
 
 from __future__ import annotations
@@ -24,27 +32,26 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.fleet import Pool
+import xxhash
+
+from backends.fleet import Pool, budget_bytes
 from backends.kv_events import KvEventBatch
-from backends.lora import budget_bytes
 from backends.perf.presets import DEFAULT_PRESET, resolve_preset
 from backends.types import Endpoint, EndpointState, Role
-from policies.routing import registry
+from policies.routing import components
+from policies.routing.components import predict_candidates
 from policies.routing.config import KvTiersConfig, PDConfig, PipelineConfig, RoutingConfig, ToolAffinityConfig
+from policies.routing.kv_tiers import PHYSICS, TIER_NAMES, KvSupply, SupplyMeter, TierLink, TierPricing
 from policies.routing.lora import AdapterResidency
-from policies.routing.pd import PDOutcome, decide_pd, is_disaggregated
-from policies.routing.prefix.hashing import EngineHasher, HashedPrompt, prompt_tokens_of
-from policies.routing.prefix.index import IndexReport, PrefixIndex
-from policies.routing.prefix.tiers import PHYSICS, TIER_NAMES, TierLink, TierPricing
-from policies.routing.scorers import predict_candidates
-from policies.routing.session import SessionTable, session_key
-from policies.routing.supply import KvSupply, SupplyMeter
+from policies.routing.pd import Pair, PairCosts, PDOutcome, choose_pair, decide_pd, price
+from policies.routing.prefix_blocks import EngineHasher, HashedPrompt, prompt_tokens_of
+from policies.routing.prefix_index import IndexReport, PrefixIndex
 from policies.routing.tool_affinity import GapLearner, ToolReturns, ToolShare
-from policies.routing.topology import Pair, PairCosts, choose_pair, price
 from policies.routing.types import (
     PD_DISAGGREGATED,
     REASON_FALLBACK,
@@ -119,11 +126,11 @@ class Pipeline:
     @classmethod
     def from_config(cls, config: PipelineConfig) -> Pipeline:
         return cls(
-            filters=[registry.build("filter", f.type, f.params) for f in config.filters],
+            filters=[components.build("filter", f.type, f.params) for f in config.filters],
             scorers=[
-                WeightedScorer(s.type, s.weight, registry.build("scorer", s.type, s.params)) for s in config.scorers
+                WeightedScorer(s.type, s.weight, components.build("scorer", s.type, s.params)) for s in config.scorers
             ],
-            picker=registry.build("picker", config.picker.type, config.picker.params),
+            picker=components.build("picker", config.picker.type, config.picker.params),
         )
 
     def choose(self, ctx: RouteContext, candidates: Sequence[Candidate], rng: random.Random) -> Choice:
@@ -171,6 +178,11 @@ def decision_reason(ctx: RouteContext, choice: Choice, candidates: Sequence[Cand
     return REASON_LOAD
 
 
+def is_disaggregated(pool: Pool) -> bool:
+    """A pool is disaggregated when any endpoint (ready or not) has the prefill or decode role."""
+    return pool.disaggregated or any(e.role is not Role.BOTH for e in pool.endpoints)
+
+
 @dataclass(slots=True)
 class PDCounters:
     served: int = 0
@@ -209,7 +221,7 @@ def tier_pricing(pool: Pool, tiers: KvTiersConfig, credit: str | None = None) ->
 
 
 def supply_meter(pool: Pool, pricing: TierPricing, tiers: KvTiersConfig) -> SupplyMeter:
-    """A pool's supply meter (`policies.routing.supply`): its preset, its credit, its tier links (the
+    """A pool's supply meter (`policies.routing.kv_tiers`): its preset, its credit, its tier links (the
     pool's config resolves its preset, the default one included, when it is loaded)."""
     physics = pricing if pricing.mode == PHYSICS else tier_pricing(pool, tiers, PHYSICS)
     assert physics.preset is not None
@@ -355,7 +367,7 @@ class ScoringRouter:
         pd: PDConfig,
         pricing: TierPricing,
     ) -> Pair | None:
-        """The PD pair with the KV transfer over its link in its cost (`policies.routing.topology`);
+        """The PD pair with the KV transfer over its link in its cost (`policies.routing.pd`);
         None when no decode or no prefill candidate carries topology labels (nothing to price)."""
         if not any(c.endpoint.topology.known for c in decode_choice.candidates) or not any(
             c.endpoint.topology.known for c in prefill_choice.candidates
@@ -408,7 +420,7 @@ class ScoringRouter:
 
     def supply(self, decision: RouteDecision, prompt_tokens: int) -> KvSupply | None:
         """What the dispatch's cached prefix saved its pool and the KV bytes it moved
-        (`policies.routing.supply`); None for a pool this router has not scored (baseline routers)."""
+        (`policies.routing.kv_tiers`); None for a pool this router has not scored (baseline routers)."""
         meter = self._meters.get(decision.endpoint.pool)
         return meter.measure(decision, prompt_tokens) if meter is not None else None
 
@@ -480,7 +492,7 @@ class ScoringRouter:
             if cfg.router == "scoring":
                 routing = _PoolRouting(Pipeline.from_config(cfg), None, pd_cfg, Pipeline.from_config(pd_cfg.prefill))
             else:
-                routing = _PoolRouting(None, registry.BASELINE_ROUTERS[cfg.router](), pd_cfg, None)
+                routing = _PoolRouting(None, components.BASELINE_ROUTERS[cfg.router](), pd_cfg, None)
             self._pools[pool_name] = routing
         return routing
 
@@ -560,7 +572,7 @@ def check_consumes(config: RoutingConfig, *, predictor: bool) -> list[str]:
             continue
         specs = [("filter", f) for f in pipeline.filters] + [("scorer", s) for s in pipeline.scorers]
         for kind, spec in specs:
-            for name in getattr(registry.build(kind, spec.type, spec.params), "consumes", ()):
+            for name in getattr(components.build(kind, spec.type, spec.params), "consumes", ()):
                 if name not in ALWAYS_AVAILABLE and name not in CONFIGURED:
                     raise ValueError(f"routing.{where}: {kind} {spec.type!r} consumes unknown input {name!r}")
                 if name not in available and where != "pd.prefill":
@@ -592,7 +604,7 @@ def build_router(
     """The gateway's router from gateway.yaml's `routing:` section (a dict, a model, or None for defaults).
 
     `engine_hashers` (engine kind -> hasher) overrides which engines the precise index matches by
-    their own block hashes (default `prefix.hashing.ENGINE_HASHERS`, see `prefix/precise.py`);
+    their own block hashes (default `prefix_blocks.ENGINE_HASHERS`, see `prefix_precise.py`);
     `rng` overrides `config.seed` for the pickers' random choices. `predictor` (None: disabled)
     predicts the candidates for the `latency` scorer and the gateway's SLO gate.
     """
@@ -616,3 +628,56 @@ def build_router(
         rng=rng or random.Random(cfg.seed),
         predictor=predictor,
     )
+
+
+MAX_SESSION_KEY_CHARS = 64
+
+
+def bounded_key(key: str) -> str:
+    """`key` itself when short and valid text, else '#' + its 128-bit hash (32 hex characters)."""
+    if len(key) <= MAX_SESSION_KEY_CHARS:
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        else:
+            return key
+    return "#" + xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogateescape"))
+
+
+def session_key(facts: RequestFacts, pool: str, use_user_field: bool) -> str | None:
+    """The request's session in one pool: `RequestFacts.session_key` (a header), else the OpenAI
+    `user` field. Keyed per pool so a session that falls back to another model keeps both pins."""
+    key = facts.session_key
+    if key is None and use_user_field:
+        user = facts.body.get("user")
+        if isinstance(user, str) and user:
+            key = user
+    return f"{pool}\x00{bounded_key(key)}" if key else None
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        self.max_sessions = max_sessions
+        self._pins: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    @property
+    def key_chars(self) -> int:
+        """Characters held by the session keys (each a bounded `session_key`): memory, not count."""
+        return sum(map(len, self._pins))
+
+    def get(self, key: str | None) -> str | None:
+        return self._pins.get(key) if key is not None else None
+
+    def pin(self, key: str | None, endpoint_id: str) -> None:
+        if key is None:
+            return
+        pins = self._pins
+        if key in pins:
+            pins.move_to_end(key)
+        pins[key] = endpoint_id
+        while len(pins) > self.max_sessions:
+            pins.popitem(last=False)

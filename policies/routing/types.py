@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, Protocol
 
-from backends.fleet import Pool
-from backends.lora import LoraAdapter
+from backends.fleet import LoraAdapter, Pool
 from backends.types import Endpoint
-from policies.routing.prefix.hashing import HashedPrompt
-from policies.routing.prefix.tiers import TierTokens
+from policies.routing.kv_tiers import TierTokens
+from policies.routing.prefix_blocks import HashedPrompt
 from policies.types import RequestFacts
-from predictor.types import Prediction
+from predictor.features import Prediction
 
 if TYPE_CHECKING:
     from policies.routing.lora import AdapterResidency
@@ -160,7 +159,7 @@ class Candidate:
     `cached_tokens` is the prefix index's estimate of this prompt's tokens already in the endpoint's KV
     cache, every tier the pool's tier credit sees (real tokens: the engine will not compute them);
     `tiers` splits them per KV tier and `credited_tokens` is what they are worth in prefill-token
-    equivalents once loading from the lower tiers is paid (`prefix.tiers`; None: `cached_tokens`).
+    equivalents once loading from the lower tiers is paid (`kv_tiers.py`; None: `cached_tokens`).
     `saturated` is set by the framework when the endpoint's scraped stats are older than
     `max_stats_age_s`: such an endpoint is only chosen when every candidate is saturated.
     """

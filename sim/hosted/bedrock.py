@@ -37,8 +37,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.hosted import sigv4
-from backends.hosted.eventstream import encode_event, encode_exception
+from backends.hosted.aws import encode_event, encode_exception, verify
 from sim.hosted.common import (
     CONFIG,
     FAULTS,
@@ -388,7 +387,7 @@ def _authenticate(request: web.Request, body: bytes, cfg: StandinConfig) -> None
             raise _Refused("UnrecognizedClientException", "Invalid API Key format: Must start with pre-defined prefix")
         return
     url = f"http://{request.headers.get('Host', request.host)}{request.raw_path}"
-    verdict = sigv4.verify(
+    verdict = verify(
         request.method,
         url,
         request.headers,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from backends.chat_template import ChatTemplate, UnsupportedPrompt, normalize_tools, to_conversation
+from backends.tokenization import ChatTemplate, UnsupportedPrompt, normalize_tools, to_conversation
 
 LOOPS_OVER_PARTS = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
 STRING_CONTENT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from backends.devices import DeviceRequest, allocate_devices, detect_devices, parse_npu_smi, parse_nvidia_smi
+from backends.plan import DeviceRequest, allocate_devices, detect_devices, parse_npu_smi, parse_nvidia_smi
 from backends.types import PlanError
 
 

@@ -8,11 +8,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backends import health
 from backends.adapters.base import Probe
 from backends.config import BackendsSettings, EjectionSettings
-from backends.fleet import Fleet, Pool
-from backends.health import HealthChecker, report_failure, report_success
+from backends.fleet import Fleet, HealthChecker, Pool, probe, report_failure, report_success, run
 from backends.types import Endpoint, EndpointState
 from tests.backends.builders import pool
 from tests.backends.fake_engine import fake_engine
@@ -113,6 +111,7 @@ def test_static_endpoint_becomes_ready_after_its_first_probe() -> None:
     assert e.state is EndpointState.READY
 
 
+@pytest.mark.slow
 async def test_ejected_endpoint_recovers_through_a_real_half_open_probe() -> None:
     settings = BackendsSettings(
         health_interval_s=0.05, ejection=EjectionSettings(consecutive_failures=2, cooldown_s=0.05)
@@ -121,7 +120,7 @@ async def test_ejected_endpoint_recovers_through_a_real_half_open_probe() -> Non
         engine.set("/health", 503)
         fleet = Fleet.from_configs([pool(name="p", engine="vllm", endpoints=[{"url": engine.base_url}])])
         e = fleet.pools["p"].endpoints[0]
-        task = asyncio.create_task(health.run(fleet, session, settings))
+        task = asyncio.create_task(run(fleet, session, settings))
         try:
             await wait_for_state(e, EndpointState.UNHEALTHY)  # static: first probe fails
             assert e.state_reason.startswith("ejected: not answering its health check")  # the probe's 503
@@ -142,10 +141,10 @@ async def test_remote_api_health_uses_models_with_its_key() -> None:
     async with fake_engine() as engine, aiohttp.ClientSession() as session:
         engine.set("/v1/models", 200, '{"data": []}')
         e = endpoint(engine="openai", base_url=engine.base_url, api_key="sk-x", state=EndpointState.STARTING)
-        assert await health.probe(e, session, 1.0) is Probe.READY
+        assert await probe(e, session, 1.0) is Probe.READY
         assert engine.hits == {"/v1/models": 1}
         closed = endpoint(engine="openai", base_url="http://127.0.0.1:9", state=EndpointState.STARTING)
-        assert await health.probe(closed, session, 1.0) is Probe.FAILING
+        assert await probe(closed, session, 1.0) is Probe.FAILING
 
 
 async def wait_for_state(e: Endpoint, state: EndpointState) -> None:

@@ -172,6 +172,7 @@ def endpoints() -> list[Endpoint]:
     return [endpoint(name, engine="sim", scraped_at_s=0.0) for name in ("a", "b")]
 
 
+@pytest.mark.slow
 async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
     pub, address = publisher
     router = build_router({"seed": 1, "prefix_index": {"mode": "precise", "advanced": {"precise_keys": "tokens"}}})
@@ -196,6 +197,7 @@ async def test_subscriber_feeds_the_precise_index_in_both_shapes(publisher: tupl
     await stop(sub, task)
 
 
+@pytest.mark.slow
 async def test_gap_without_replay_resets(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
     pub, address = publisher
     rec = Recorder()
@@ -230,6 +232,7 @@ async def serve_replay(
         await router_sock.send_multipart([identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
 
+@pytest.mark.slow
 async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socket, str]) -> None:
     pub, address = publisher
     replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
@@ -257,6 +260,7 @@ async def test_gap_is_repaired_through_replay(publisher: tuple[zmq.asyncio.Socke
         replay.close(0)
 
 
+@pytest.mark.slow
 async def test_a_late_subscription_catches_up_through_replay_at_once(
     publisher: tuple[zmq.asyncio.Socket, str],
 ) -> None:
@@ -286,6 +290,7 @@ async def test_a_late_subscription_catches_up_through_replay_at_once(
         replay.close(0)
 
 
+@pytest.mark.slow
 async def test_a_batch_the_slow_joiner_lost_is_caught_up_without_a_later_batch(
     publisher: tuple[zmq.asyncio.Socket, str],
 ) -> None:

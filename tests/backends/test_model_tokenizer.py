@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from backends.chat_template import UnsupportedPrompt
-from backends.model_tokenizer import ChatOptions, ModelTokenizer, TokenizerLoadError, tokenizer_directory
+from backends.tokenization import (
+    ChatOptions,
+    ModelTokenizer,
+    TokenizerLoadError,
+    UnsupportedPrompt,
+    tokenizer_directory,
+)
 from tests.real_vllm.tiny_model import BOS
 
 

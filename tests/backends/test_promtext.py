@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.promtext import first_present, mean, parse_samples, total
+from backends.adapters.base import first_present, mean, parse_samples, total
 
 
 def test_reads_wanted_names_with_labels() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.fleet import Fleet
-from backends.status import fleet_status, format_status
+from backends.scrape import fleet_status, format_status
 from backends.types import EndpointState, EndpointStats
 from tests.backends.builders import pool
 

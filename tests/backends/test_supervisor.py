@@ -23,7 +23,7 @@ import pytest
 from backends.config import BackendsSettings, PoolConfig
 from backends.fleet import Fleet
 from backends.plan import is_port_free
-from backends.status import fleet_status, format_status
+from backends.scrape import fleet_status, format_status
 from backends.supervisor import Supervisor
 from backends.types import Endpoint, EndpointState, PlanError
 from tests.backends.builders import pool

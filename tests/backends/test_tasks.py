@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from backends.tasks import cancel_and_wait
 
 
@@ -38,6 +40,7 @@ async def test_a_task_that_drops_a_cancel_is_cancelled_again_until_it_ends() -> 
     assert left == set() and task.cancelled()
 
 
+@pytest.mark.slow
 async def test_a_task_that_ignores_every_cancel_is_left_behind_and_named() -> None:
     started, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(_ignores_every_cancel(started, stop))

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from backends.config import PoolConfig
-from backends.discovery.config import KubernetesDiscoveryConfig
-from backends.discovery.reconcile import endpoint_for
-from backends.discovery.slices import addresses_of
+from backends.discovery.service import endpoint_for
+from backends.discovery.slices import KubernetesDiscoveryConfig, addresses_of
 from backends.fleet import Fleet
-from backends.topology import UNKNOWN, Topology, link_class
+from backends.types import UNKNOWN, Topology, link_class
 from tests.support.fake_kube import endpoint_slice
 
 

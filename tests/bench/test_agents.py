@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.agents.report import critical, slowdowns, summarize, write
 from bench.agents.workload import SHARED_BLOCKS, load_sessions, programs
 from bench.replay.workload import BLOCK_TOKENS, PromptBuilder
@@ -45,6 +47,7 @@ def program(name: str, width: int, completion_s: float, waits: list[float], engi
             "calls": calls, "ok": True}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_report_divides_by_the_solo_run_and_splits_waiting_from_engine_time(tmp_path: Path) -> None:
     raw: dict[str, Any] = {
         "args": {"seeds": "1", "time_scale": 1.0, "tool_s": 0.2, "stagger_s": 8.0, "quick": False},

@@ -18,6 +18,7 @@ def test_every_benchmark_folder_has_a_main_module() -> None:
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.slow
 def test_python_m_bench_name_help_prints_its_usage(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

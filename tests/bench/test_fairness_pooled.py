@@ -54,6 +54,7 @@ def test_phase_one_only_and_served_only() -> None:
     assert phase1_ttfts(raw["runs"]["solo-B"], PHASE_S) == [0.2]
 
 
+@pytest.mark.slow
 def test_the_pooled_ratio_is_of_both_days_together() -> None:
     solo7, flood7 = [0.10] * 49 + [0.30], [0.11] * 50
     solo8, flood8 = [0.10] * 50, [0.11] * 49 + [0.40]
@@ -67,6 +68,7 @@ def test_the_pooled_ratio_is_of_both_days_together() -> None:
     assert "| flow control + reserve + preemption | 2 | 100 / 100 |" in text
 
 
+@pytest.mark.slow
 def test_the_interval_holds_the_point_estimate() -> None:
     rng = np.random.default_rng(3)
     solo = list(rng.gamma(9.0, 0.01, 300))
@@ -77,6 +79,7 @@ def test_the_interval_holds_the_point_estimate() -> None:
     assert low < high
 
 
+@pytest.mark.slow
 def test_the_engine_clock_adds_the_queue_and_leaves_the_lag_out() -> None:
     raw = day(7, [0.2] * 50, [0.3] * 50)
     for run in raw["runs"].values():
@@ -97,6 +100,7 @@ def test_the_engine_clock_adds_the_queue_and_leaves_the_lag_out() -> None:
     assert "| 100 / 100 ms | 200 / 200 ms |" in text  # the lag columns: the queue is not lag
 
 
+@pytest.mark.slow
 def test_days_without_engine_timings_leave_the_engine_table_empty() -> None:
     text = render([day(7, [0.1] * 10, [0.1] * 10)], ["a-raw.json"])
     table = text.split("## Pooled on the engine's clock")[1].split("The interval")[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from bench.pd_topology.run import Job, Spec, arrival_rate, no_queue_floor, simulate, workload
 
 
@@ -26,6 +28,7 @@ def run(variant: str, spec: Spec) -> tuple[float, int, int, int]:
     return out.transfer_s, out.cross_rack, out.disaggregated, len(jobs)
 
 
+@pytest.mark.slow
 def test_aware_pairs_stay_in_their_rack_and_move_their_kv_faster() -> None:
     spec = Spec(rack_gbps=50.0, spine_gbps=5.0)
     blind_s, blind_cross, blind_pd, n = run("blind", spec)
@@ -35,12 +38,14 @@ def test_aware_pairs_stay_in_their_rack_and_move_their_kv_faster() -> None:
     assert aware_s < blind_s
 
 
+@pytest.mark.slow
 def test_a_spine_as_fast_as_the_rack_charges_the_same_per_token() -> None:
     fast, _, _, _ = run("blind", Spec(rack_gbps=50.0, spine_gbps=50.0, spine_latency_ms=0.05))
     slow, _, _, _ = run("blind", Spec(rack_gbps=50.0, spine_gbps=5.0))
     assert fast < slow
 
 
+@pytest.mark.slow
 def test_the_no_spine_bound_charges_every_pair_the_racks_link() -> None:
     spec = Spec(rack_gbps=50.0, spine_gbps=5.0)
     bound_s, bound_cross, _, _ = run("no-spine", spec)

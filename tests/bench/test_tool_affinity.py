@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.tool_affinity.run import _parser, replay, summarize
 from bench.tool_affinity.workload import SHARED_TOKENS, load_sessions, programs
 
@@ -41,6 +43,7 @@ def test_sessions_keep_finish_reasons_and_gaps(tmp_path: Path) -> None:
     assert len(own) == 7000 - SHARED_TOKENS and own != batch[1].own_ids()
 
 
+@pytest.mark.slow
 def test_a_replay_keeps_returns_on_their_holder_with_the_scorer(tmp_path: Path) -> None:
     turns = [(5300 + 400 * i, 60, "tool_calls" if i % 2 == 0 else "stop", 1.5) for i in range(6)]
     trace(tmp_path, "a", turns)

@@ -137,7 +137,7 @@ def test_state_and_ledger(settings: GatewaySettings) -> None:
 
 
 def test_sim_command_serves_the_sim_pool(settings: GatewaySettings) -> None:
-    from sim.cli import _parser
+    from sim.server import _parser
 
     argv = SERVICES["sim"]["command"]
     assert argv[0] == "sim"
@@ -350,7 +350,7 @@ def test_the_demo_key_and_model_names_are_those_of_make_run(settings: GatewaySet
 
 
 def test_every_sim_service_serves_its_pool(settings: GatewaySettings) -> None:
-    from sim.cli import _parser
+    from sim.server import _parser
 
     served: dict[str, str] = {}
     for name, service in SERVICES.items():

@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from backends.discovery.config import SERVICE_NAME_LABEL
+from backends.discovery.slices import SERVICE_NAME_LABEL
 from gateway.app.settings import load_settings
 from policies.loader import load_config
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from policies.engine_fields import cache_salt
+from policies.policy import cache_salt
 from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.procs import REPO, TEST_KEY, Gateway, free_port, http_get, stop_process, wait_http
 

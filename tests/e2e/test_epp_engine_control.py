@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
-from policies.engine_fields import cache_salt
+from policies.policy import cache_salt
 from tests.support.engine_control import HOSTILE_FIELDS, SHED_KEY, TRUSTED_KEY, engine_control_policies
 from tests.support.envoy_side import Answer, EnvoySide, Picker, envoy_pair, running_picker
 from tests.support.procs import TEST_KEY, start_sim, static_pool

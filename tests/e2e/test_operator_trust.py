@@ -22,7 +22,7 @@ import redis as redis_lib
 import yaml
 
 from policies.keys.records import KeyRecord
-from policies.keys.sqlite_store import SqliteDirectoryStore
+from policies.keys.store import SqliteDirectoryStore
 from tests.support.browser import chromium, require_browser
 from tests.support.polling import wait_for
 from tests.support.procs import Gateway, _env, free_port, policies_doc, redis_argv, start_gateway, stop_process

@@ -12,7 +12,7 @@ How "no endpoint can meet" is made deterministic: the llama engine runs with `--
 request's predicted TTFT includes waiting for that slot (the prior assumes half the new request's
 own output is left to run), far over the objective, while an idle engine meets it easily. The
 engines run at time scale 2 and the predictor's prior is told so. No model is trained in those
-tests (default min_samples) and the correction from recent first tokens is off (predictor/recent.py;
+tests (default min_samples) and the correction from recent first tokens is off (predictor/service.py;
 the first test turns it on), so every decision is the prior's.
 """
 

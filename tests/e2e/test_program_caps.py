@@ -5,7 +5,7 @@ it has left, `GET /admin/programs` on either lists the live runs with what each 
 its teams' runs only), and the console's Programs page shows them in Debian's headless Chromium.
 
 No sleep stands for time passing: a run that started long ago is one whose clock (the bucket the
-first admitted call writes, policies/limits/types.py `CLOCK_RATE_PER_S`) is written into Redis as
+first admitted call writes, policies/limits/plan.py `CLOCK_RATE_PER_S`) is written into Redis as
 that call would have written it then."""
 
 from __future__ import annotations

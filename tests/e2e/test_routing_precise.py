@@ -26,7 +26,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from policies.engine_fields import cache_salt
+from policies.policy import cache_salt
 from tests.support.procs import (
     TEST_KEY,
     Gateway,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.console.throttle import Backoff, LoginThrottle
+from gateway.console.sessions import Backoff, LoginThrottle
 from gateway.errors import InvalidApiKey
 from gateway.http.access import (
     CSRF_HEADER,

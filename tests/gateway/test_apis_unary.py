@@ -11,7 +11,7 @@ import orjson
 from gateway.apis.messages import MessagesCall
 from gateway.apis.responses import ResponsesCall
 from gateway.apis.store import MemoryResponseStore, entry_blob
-from gateway.app.schema import ResponseStoreSettings
+from gateway.app.settings import ResponseStoreSettings
 from policies.types import Principal
 
 MESSAGE = {

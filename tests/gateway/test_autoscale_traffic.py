@@ -4,8 +4,8 @@ default mix; the first finished request takes over, and finishes teach it from t
 
 from __future__ import annotations
 
-from gateway.autoscale.traffic import PoolTraffic
-from predictor.capacity import Mix
+from gateway.autoscale.loop import PoolTraffic
+from predictor.prior import Mix
 
 
 def test_a_cold_pool_takes_its_mix_from_the_arrivals() -> None:

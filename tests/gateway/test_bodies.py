@@ -19,13 +19,13 @@ from gateway.http.bodies import (
     MAX_JSON_DEPTH,
     BodyBounds,
     BodyBudget,
+    GatewayRunner,
     bounded_bodies,
     check_depth,
     decode_body,
     json_body,
     parse_json_body,
 )
-from gateway.http.half_close import GatewayRunner
 
 
 def nested(levels: int) -> bytes:
@@ -71,6 +71,7 @@ def test_not_json_is_a_400() -> None:
         parse_json_body(b"{nope")
 
 
+@pytest.mark.slow
 def test_the_walk_is_iterative() -> None:
     value: Any = []
     for _ in range(100_000):  # far deeper than the interpreter's recursion limit

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.apis.routes import path_problem
+from gateway.app.factory import path_problem
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import logging
 
 from aiohttp.http_exceptions import BadHttpMessage
 
-from gateway.http.half_close import ClientFaults
+from gateway.http.bodies import ClientFaults
 
 
 def record(error: BaseException | None) -> logging.LogRecord:

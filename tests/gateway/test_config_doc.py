@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from gateway.app.config_doc import COMMAND, DOC_PATH, main, render
 from gateway.app.settings import MOVED_TO_ADVANCED, GatewaySettings
 
 
+@pytest.mark.slow
 def test_the_committed_reference_is_current() -> None:
     current = DOC_PATH.read_text(encoding="utf-8") if DOC_PATH.exists() else ""
     assert current == render(), f"docs/configuration.md is stale: regenerate it with `{COMMAND}`"
 
 
+@pytest.mark.slow
 def test_check_mode_says_whether_it_is_stale() -> None:
     assert main(["--check"]) == (0 if DOC_PATH.read_text(encoding="utf-8") == render() else 1)
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.upstream.engine_control import check_min_tokens, engine_body
-from policies.engine_fields import cache_salt
+from gateway.upstream.relay import check_min_tokens, engine_body
+from policies.policy import cache_salt
 from policies.types import Principal
 
 PRINCIPAL = Principal(key_id="k1", tenant="t1", allowed_models=None, priority=0)

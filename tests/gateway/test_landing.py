@@ -8,8 +8,8 @@ from aiohttp.test_utils import make_mocked_request
 
 from gateway.app.factory import create_app
 from gateway.app.settings import GatewaySettings
-from gateway.http.landing import LANDING_PATHS, landing
 from gateway.http.openapi import operations
+from gateway.http.routes import LANDING_PATHS, landing
 
 
 @pytest.mark.parametrize("path", LANDING_PATHS)

@@ -12,12 +12,10 @@ import pytest
 import yaml
 
 from backends.config import PoolConfig
-from backends.fleet import Pool
-from backends.lora import MB, LoraAdapter, local_size_bytes, too_large
+from backends.fleet import MB, LoraAdapter, Pool, local_size_bytes, too_large
 from gateway.app.checks import config_findings
 from gateway.app.settings import GatewaySettings
-from gateway.request.detour import Detour
-from gateway.request.dispatch import fitting_pools
+from gateway.request.director import Detour, fitting_pools
 from policies.loader import parse_config
 from policies.policy import compile_adapters
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 
 from backends.types import Endpoint
-from gateway.upstream.migrate import Resumer, Splice, can_migrate, continuation_body, sent_text, stream_identity
+from gateway.upstream.replica_loss import Resumer, Splice, can_migrate, continuation_body, sent_text, stream_identity
 
 CHAT: dict[str, Any] = {
     "model": "m",

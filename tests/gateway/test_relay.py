@@ -15,12 +15,14 @@ from aiohttp.test_utils import TestServer
 
 from backends.types import InFlight
 from gateway.upstream.client import CallWatch, UpstreamClient
-from gateway.upstream.engine_fields import _ENGINE_NAMES, carries_engine_fields, drop_engine_fields
 from gateway.upstream.relay import (
+    _ENGINE_NAMES,
     RelayOutcome,
     RetryableUpstream,
     UpstreamRejected,
     UpstreamTarget,
+    carries_engine_fields,
+    drop_engine_fields,
     relay_stream,
     relay_unary,
 )
@@ -341,6 +343,7 @@ async def role_then_silence(request: web.Request) -> web.StreamResponse:
     return response
 
 
+@pytest.mark.slow
 async def test_with_a_first_token_deadline_nothing_reaches_the_client_before_the_first_token(
     upstream: tuple[Upstream, str],
 ) -> None:

@@ -16,7 +16,7 @@ from gateway.apis.store import (
     is_response_id,
     new_response_id,
 )
-from gateway.app.schema import ResponseStoreSettings
+from gateway.app.settings import ResponseStoreSettings
 
 SETTINGS = ResponseStoreSettings(max_responses_per_key=5, max_bytes_per_key=64 * 1024, max_response_bytes=32 * 1024)
 

@@ -1,4 +1,4 @@
-"""Roles on the operator surfaces (gateway/http/roles.py): every admin route the router serves declares
+"""Roles on the operator surfaces (gateway/http/access.py): every admin route the router serves declares
 what it needs, the one decision reads that table (a route it does not name is admin-only), and each
 credential is read as the identity it stands for (admin token, user token, console session, loopback)."""
 
@@ -10,21 +10,24 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.app.factory import create_app
-from gateway.app.schema import ServerSettings, UserConfig
-from gateway.app.settings import GatewaySettings
+from gateway.app.settings import GatewaySettings, ServerSettings, UserConfig
 from gateway.errors import InvalidApiKey
-from gateway.http.access import Caller, CsrfTokenInvalid, Gate, LoopbackOnly, admin_identity
-from gateway.http.roles import (
+from gateway.http.access import (
     ADMIN_TOKEN,
     CONSOLE,
     LOOPBACK,
     ROUTE_NEEDS,
     TEAM_READS,
+    Caller,
+    CsrfTokenInvalid,
+    Gate,
     Identity,
+    LoopbackOnly,
     Need,
     Reach,
     RoleForbidden,
     Users,
+    admin_identity,
     need_of,
     reach_of,
     role_refusal,
@@ -60,7 +63,7 @@ def admin_routes() -> set[tuple[str, str]]:
 def test_every_admin_route_declares_its_need_and_every_declared_route_is_served() -> None:
     served = admin_routes()
     assert served, "the walk found no admin route"
-    assert served - set(ROUTE_NEEDS) == set(), "admin routes without a need (declare them in roles.ROUTE_NEEDS)"
+    assert served - set(ROUTE_NEEDS) == set(), "admin routes without a need (declare them in access.ROUTE_NEEDS)"
     assert set(ROUTE_NEEDS) - served == set(), "needs declared for routes the gateway does not serve"
     for method, path in served:  # reads are for viewers, and no write is
         assert (ROUTE_NEEDS[(method, path)] is Need.READ) == (method == "GET"), (method, path)
@@ -170,7 +173,7 @@ def test_tokenway_check_warns_of_a_team_policies_yaml_lacks() -> None:
 def test_team_reads_name_served_reads_and_an_undeclared_read_is_refused_to_team_admins_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What a team admin reads is declared per read (roles.TEAM_READS); a read added without a thought
+    """What a team admin reads is declared per read (access.TEAM_READS); a read added without a thought
     about team admins is refused to them (fail closed), never to viewers."""
     reads = {route for route, need in ROUTE_NEEDS.items() if need is Need.READ}
     assert set(TEAM_READS) <= reads, "TEAM_READS names a route that is not a read"

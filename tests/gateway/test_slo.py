@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import InvalidRequest, Rejected
-from gateway.flow.slo import (
+from gateway.flow.checks import (
     REASON_QUEUE_TIMEOUT,
     REASON_SHED,
     RunningTpotSlos,

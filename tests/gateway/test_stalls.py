@@ -1,4 +1,4 @@
-"""The stall watch's verdicts (gateway/upstream/stalls.py) over real endpoints and pools, on a test clock:
+"""The stall watch's verdicts (gateway/upstream/replica_loss.py) over real endpoints and pools, on a test clock:
 first-token deadlines from the predictor's p90, clamped; a replica silent with streams in flight, or
 silent with its metrics silent too, is stalled (ejected within the pool's cap, every call on it cut);
 deadline misses count only while the replica shows no life between them; a busy replica is not."""
@@ -14,8 +14,8 @@ from backends.config import EjectionSettings
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 from gateway.app.settings import FirstTokenDeadline
-from gateway.upstream.stalls import DEADLINE, STALLED, StallWatch
-from predictor.types import Prediction
+from gateway.upstream.replica_loss import DEADLINE, STALLED, StallWatch
+from predictor.features import Prediction
 from tests.backends.builders import pool
 
 

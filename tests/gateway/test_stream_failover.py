@@ -9,12 +9,12 @@ from typing import Any
 
 import orjson
 
-from backends.protocols.sse import split_event
+from backends.protocols import split_event
 from gateway.apis.streams import MessagesFromChat, ResponsesFromChat
-from gateway.ledger.codec import record_to_entry
+from gateway.ledger.writer import record_to_entry
 from gateway.request.record import RequestRecord
-from gateway.upstream.migrate import Moving, Splice, can_fail_over, can_migrate
 from gateway.upstream.relay import RelayOutcome
+from gateway.upstream.replica_loss import Moving, Splice, can_fail_over, can_migrate
 from policies.types import Usage
 
 MARKER = {"from": "big", "to": "small", "at_tokens": 3}

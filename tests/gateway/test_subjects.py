@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.request.subjects import MAX_TAGS, request_subjects
+from gateway.request.intake import MAX_TAGS, request_subjects
 from policies.types import NO_SUBJECTS
 
 

@@ -1,6 +1,6 @@
 """A team admin's reach (gateway/http/team_scope.py): which tenants, keys, limit counters, overrides
 and audit records are its teams', from a real policies.yaml and a real key directory; and the usage
-CSV's cells (gateway/console/usage_csv.py), which a spreadsheet must never run as formulas."""
+CSV's cells (gateway/console/usage.py), which a spreadsheet must never run as formulas."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from gateway.console.usage_csv import safe_cell, usage_csv
+from gateway.console.usage import safe_cell, usage_csv
 from gateway.http.team_scope import TeamView, build_view, key_tenant, tenant_team
 from gateway.ledger.report import METRIC_COLUMNS
 from policies.policy import Policy

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.upstream.tool_calls import answer_calls_tools, events_call_tools
+from gateway.upstream.relay import answer_calls_tools, events_call_tools
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.http.bodies import BodyBounds, BodyBudget, bounded_bodies
-from gateway.http.half_close import GatewayRunner
+from gateway.http.bodies import BodyBounds, BodyBudget, GatewayRunner, bounded_bodies
 
 
 async def broken(request: web.Request) -> web.StreamResponse:

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream.client import CallWatch, UpstreamClient
-from gateway.upstream.connection import UpstreamConnectionError
+from gateway.upstream.client import CallWatch, UpstreamClient, UpstreamConnectionError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Server"], Awaitable[None]]
 
@@ -195,6 +194,7 @@ async def test_connection_refused(serve: Callable[[Script], Awaitable[Server]]) 
             await post(client, f"http://127.0.0.1:{free_port()}/v1/x")
 
 
+@pytest.mark.slow
 async def test_silence_longer_than_read_timeout(serve: Callable[[Script], Awaitable[Server]]) -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
         await reader.read()  # wait for the client to give up
@@ -274,6 +274,7 @@ async def test_malformed_answers_raise(serve: Callable[[Script], Awaitable[Serve
         assert client.idle_connections() == 0
 
 
+@pytest.mark.slow
 async def test_large_body_with_back_pressure(serve: Callable[[Script], Awaitable[Server]]) -> None:
     body = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: reading pauses above 1 MiB buffered
 
@@ -313,6 +314,7 @@ async def test_close_mid_body_drops_the_connection(serve: Callable[[Script], Awa
         assert client.idle_connections() == 0
 
 
+@pytest.mark.slow
 async def test_idle_limits(serve: Callable[[Script], Awaitable[Server]]) -> None:
     async def slow_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
         await asyncio.sleep(0.05)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from policies.engine_fields import ENGINE_CONTROL_FIELDS, cache_salt, client_body
+from policies.policy import cache_salt, client_body
+from policies.schema import ENGINE_CONTROL_FIELDS
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

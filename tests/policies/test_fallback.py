@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from policies.fallback import check_context, choose_fallback
-from policies.policy import Policy, hash_key
+from policies.policy import Policy, check_context, choose_fallback, hash_key
 from policies.schema import PoliciesConfig
 
 ALL = ["rate_limited", "budget_exhausted", "upstream_error", "context_too_long", "slo_unattainable"]

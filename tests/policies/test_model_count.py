@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from backends.model_tokenizer import ModelTokenizer
-from policies.estimate import SOURCE_ESTIMATE, SOURCE_MODEL, PromptEstimator
-from policies.model_count import ModelTokenizerCounter
+from backends.tokenization import ModelTokenizer
+from policies.estimate import SOURCE_ESTIMATE, SOURCE_MODEL, ModelTokenizerCounter, PromptEstimator
 
 
 @pytest.fixture(scope="module")

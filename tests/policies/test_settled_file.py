@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from gateway.app.policy_reload import _identity
-from policies.holder import PolicyHolder
+from policies.holder import PolicyHolder, UnsettledFile, read_settled
 from policies.policy import hash_key
-from policies.settled_file import UnsettledFile, read_settled
 
 
 def doc(limits: list[dict[str, Any]]) -> str:
@@ -69,6 +68,7 @@ def test_a_file_that_keeps_changing_is_not_loaded(tmp_path: Path) -> None:
         read_settled(path, settle_s=0.5, max_wait_s=1.0, sleep=rewrite)
 
 
+@pytest.mark.slow
 def test_an_mtime_in_the_future_settles_by_watching(tmp_path: Path) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(FULL)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from policies.policy import Policy, hash_key
 from policies.schema import PoliciesConfig
 from policies.slo import Meet, Miss, Slo, check_endpoint, decide, effective_slo
-from predictor.types import NUM_FEATURES, Feature, Prediction, Target
+from predictor.features import NUM_FEATURES, Feature, Prediction, Target
 
 FAST = Slo(ttft_ms=200.0, tpot_ms=20.0, on_miss="fallback", class_name="fast")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from policies.limits.types import Price
+from policies.limits.plan import Price
+from policies.policy import extra_usd, worth_spilling
 from policies.schema import SpillPolicy
-from policies.spill import extra_usd, worth_spilling
 
 M = 1e-6
 OWNED = Price(0.2 * M, 0.2 * M, 0.8 * M)  # a self-hosted pool's price, per token

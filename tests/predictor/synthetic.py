@@ -13,11 +13,9 @@ import numpy as np
 
 from backends.config import PoolConfig
 from backends.types import Endpoint, EndpointState, EndpointStats, InFlight, Role
-from predictor.buffers import Samples
 from predictor.config import PredictorSettings, PriorSettings
-from predictor.features import build_features
+from predictor.features import Feature, FloatArray, RequestShape, Samples, build_features
 from predictor.prior import LatencyPrior
-from predictor.types import Feature, FloatArray, RequestShape
 
 POOL = "p"
 PRESET = "llama-3.1-8b@h100"

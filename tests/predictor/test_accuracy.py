@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from predictor.accuracy import AccuracyScore, OnlineAccuracy, mape_pct, p90_coverage
+from predictor.features import AccuracyScore, OnlineAccuracy, mape_pct, p90_coverage
 
 
 def test_mape_and_coverage_math() -> None:

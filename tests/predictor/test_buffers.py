@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from predictor.buffers import StratifiedBuffer
 from predictor.config import BufferSettings
-from predictor.types import NUM_FEATURES, Feature, Target
+from predictor.features import NUM_FEATURES, Feature, StratifiedBuffer, Target
 
 
 def _row(waiting: float = 0.0, kv: float = 0.0, cached_ratio: float = 0.0, marker: float = 0.0) -> np.ndarray:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from backends.config import PoolConfig
-from predictor.capacity import Calibration, Mix, replica_velocity
 from predictor.config import PriorSettings
-from predictor.prior import LatencyPrior
+from predictor.prior import Calibration, LatencyPrior, Mix, replica_velocity
 
 
 def prior(preset: str = "llama-3.1-8b@h100", time_scale: float = 1.0) -> LatencyPrior:

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from backends.types import InFlight, Role
-from predictor.features import build_features
-from predictor.types import FEATURE_NAMES, NUM_FEATURES, Feature
+from predictor.features import FEATURE_NAMES, NUM_FEATURES, Feature, build_features
 from tests.predictor.synthetic import endpoint, prior
 
 

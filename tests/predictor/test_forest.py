@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import xgboost as xgb
 
-from predictor.forest import CompiledForest
+from predictor.model import CompiledForest
 
 
 def _data(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from predictor.config import LengthSettings
-from predictor.length import OutputLengthEstimator
+from predictor.prior import OutputLengthEstimator
 
 
 def test_estimates_follow_the_observed_distribution() -> None:

@@ -5,12 +5,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from predictor.accuracy import mape_pct, p90_coverage
-from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
-from predictor.features import build_features
+from predictor.features import Feature, Quantity, Samples, Target, build_features, mape_pct, p90_coverage
 from predictor.model import SLOT_OF, PoolModel, predict_ms, train_target, usable
-from predictor.types import Feature, Quantity, Target
 from tests.predictor.synthetic import TPOT_NOISE_SIGMA, TTFT_NOISE_SIGMA, endpoint, prior, samples
 
 XGB = XGBoostSettings()
@@ -27,6 +24,7 @@ def test_too_few_samples_means_no_model(data: tuple[Samples, Samples, Samples]) 
     assert train_target(train, heldout, Target.TTFT, XGB, min_samples=5000, conformal_p90=True) is None
 
 
+@pytest.mark.slow
 def test_models_learn_what_the_prior_misses(data: tuple[Samples, Samples, Samples]) -> None:
     train, heldout, test = data
     for target, actual, sigma in (
@@ -69,6 +67,7 @@ def test_log_ratio_target_extrapolates_with_the_prior(data: tuple[Samples, Sampl
     assert np.median(ratio) == pytest.approx(10, rel=0.25)
 
 
+@pytest.mark.slow
 def test_conformal_offset_calibrates_the_p90(data: tuple[Samples, Samples, Samples]) -> None:
     train, heldout, test = data
     raw = train_target(train, heldout, Target.TTFT, XGB, min_samples=100, conformal_p90=False)
@@ -79,6 +78,7 @@ def test_conformal_offset_calibrates_the_p90(data: tuple[Samples, Samples, Sampl
     assert abs(coverage - 0.9) <= abs(p90_coverage(predict_ms(raw, test.rows)[1], test.ttft_ms) - 0.9) + 0.02
 
 
+@pytest.mark.slow
 def test_pool_model_evaluates_all_targets_in_one_forest(data: tuple[Samples, Samples, Samples]) -> None:
     train, heldout, test = data
     models = {t: train_target(train, heldout, t, XGB, 100, True) for t in Target}
@@ -129,6 +129,7 @@ def test_without_calibration_the_p90_is_at_least_the_mean(data: tuple[Samples, S
     np.testing.assert_array_equal(p90_ms, mean_ms)
 
 
+@pytest.mark.slow
 def test_the_ttft_model_learns_that_a_lower_tier_hit_is_slower_than_an_hbm_one() -> None:
     """The cached tokens per tier reach the model: in a world where loading from DRAM costs time the
     prior does not see (it counts every cached token alike), the trees learn the split."""

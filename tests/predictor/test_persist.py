@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from predictor.config import XGBoostSettings
+from predictor.features import FloatArray, Target
 from predictor.model import PoolModel, TargetModel, train_target
 from predictor.persist import ModelStore
-from predictor.types import FloatArray, Target
 from tests.predictor.synthetic import POOL, samples
 
 PRIOR_ID = "llama-3.1-8b@h100|v1|seqs=256|tokens=8192"
@@ -34,6 +34,7 @@ def _model(factory: Factory, version: int) -> PoolModel:
     return PoolModel.assemble(version, factory[0])
 
 
+@pytest.mark.slow
 def test_round_trip_predicts_identically(tmp_path: Path, model_factory: Factory) -> None:
     store = ModelStore(tmp_path)
     model = _model(model_factory, 4)

@@ -3,9 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from backends.perf.capacity import batch_defaults
 from backends.perf.presets import DEFAULT_PRESET, resolve_preset
-from backends.perf.roofline import decode_step_time_s, prefill_time_s, step_time_s
+from backends.perf.roofline import batch_defaults, decode_step_time_s, prefill_time_s, step_time_s
 from predictor.config import PriorSettings
 from predictor.prior import LatencyPrior, Roofline
 from tests.predictor.synthetic import pool_config

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from backends.types import EndpointStats
-from predictor.recent import PrefillRateTracker
+from predictor.service import PrefillRateTracker
 from tests.predictor.synthetic import endpoint
 
 

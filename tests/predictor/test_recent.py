@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from predictor.recent import RecentTtftCorrection
+from predictor.service import RecentTtftCorrection
 
 
 def test_no_correction_until_three_first_tokens() -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from predictor.config import PriorSettings
+from predictor.features import Feature, Prediction, RequestShape, Target
+from predictor.model import TrainingWorker, TrainJob, TrainOutcome
 from predictor.service import LatencyPredictor
-from predictor.trainer import TrainingWorker, TrainJob, TrainOutcome
-from predictor.types import Feature, Prediction, RequestShape, Target
 from tests.predictor.synthetic import (
     POOL,
     endpoint,
@@ -63,6 +63,7 @@ def test_prior_predicts_before_any_model() -> None:
 
 
 @pytest.mark.parametrize("worker", ["thread", pytest.param("process", marks=pytest.mark.e2e)])
+@pytest.mark.slow
 async def test_training_runs_off_loop_then_the_model_is_swapped_in(worker: str) -> None:
     predictor = _predictor(worker=worker)
     rng = np.random.default_rng(21)
@@ -119,6 +120,7 @@ async def test_model_predictions_beat_the_prior_online() -> None:
         assert 0.8 <= model["p90_coverage"] <= 0.97
 
 
+@pytest.mark.slow
 async def test_saved_model_is_loaded_at_restart(tmp_path: Path) -> None:
     # the online p90 correction is runtime state, not part of a saved model: off here
     first = _predictor(model_dir=tmp_path, online_training=False, advanced={"p90_adaptation_rate": 0})
@@ -154,6 +156,7 @@ async def test_versions_continue_after_restart(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / POOL).iterdir()) == ["samples.npz", "v000001", "v000002"]
 
 
+@pytest.mark.slow
 async def test_samples_survive_a_restart_and_the_next_model_trains_on_them(tmp_path: Path) -> None:
     first = _predictor(model_dir=tmp_path, online_training=False)
     await first.start()
@@ -215,6 +218,7 @@ def test_observe_scores_predictions_and_counts_samples() -> None:
         predictor.observe(POOL, np.zeros(3, dtype=np.float32), 1.0, 1.0)
 
 
+@pytest.mark.slow
 def test_p90_adapts_online_to_a_world_the_prior_misjudges() -> None:
     """Everything is 3x slower than the prior thinks: its fixed 1.5x p90 would cover nothing."""
     predictor = _predictor(advanced={"p90_adaptation_rate": 0.02})

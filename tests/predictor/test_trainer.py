@@ -3,11 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from predictor.buffers import Samples
 from predictor.config import XGBoostSettings
-from predictor.model import TargetModel
-from predictor.trainer import Decision, TrainingWorker, TrainJob, run_train_job, worse_beyond_noise
-from predictor.types import Target
+from predictor.features import Samples, Target
+from predictor.model import Decision, TargetModel, TrainingWorker, TrainJob, run_train_job, worse_beyond_noise
 from tests.predictor.synthetic import POOL, samples
 
 
@@ -37,6 +35,7 @@ def world() -> dict[str, Samples]:
     }
 
 
+@pytest.mark.slow
 def test_first_training_replaces_the_prior(world: dict[str, Samples]) -> None:
     outcome = run_train_job(_job(world["train"], world["heldout"]))
     assert outcome.decisions == {Target.TTFT: Decision.TRAINED, Target.TPOT: Decision.TRAINED}
@@ -58,6 +57,7 @@ def test_a_challenger_worse_than_the_prior_is_not_served(world: dict[str, Sample
     assert outcome.model is None
 
 
+@pytest.mark.slow
 def test_a_challenger_worse_than_the_incumbent_is_not_served(world: dict[str, Samples]) -> None:
     good = run_train_job(_job(world["train"], world["heldout"])).model
     assert good is not None
@@ -67,6 +67,7 @@ def test_a_challenger_worse_than_the_incumbent_is_not_served(world: dict[str, Sa
 
 
 @pytest.mark.parametrize("kind", ["thread", pytest.param("process", marks=pytest.mark.e2e)])
+@pytest.mark.slow
 async def test_worker_runs_jobs_off_the_loop(kind: str, world: dict[str, Samples]) -> None:
     worker = TrainingWorker(kind)  # type: ignore[arg-type]
     await worker.start()
@@ -82,6 +83,7 @@ async def test_worker_runs_jobs_off_the_loop(kind: str, world: dict[str, Samples
     np.testing.assert_allclose(outcome.model.latency_ms(rows), local.latency_ms(rows), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_challenger_as_good_as_the_incumbent_is_served(world: dict[str, Samples]) -> None:
     # the same traffic, the same data: equal held-out errors, and the fresher model wins the tie
     good = run_train_job(_job(world["train"], world["heldout"])).model

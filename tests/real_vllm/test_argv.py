@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.adapters.base import ReplicaPlan
-from backends.adapters.vllm import VLLM
-from backends.adapters.vllm_ascend import VLLM_ASCEND
+from backends.adapters.vllm import VLLM, VLLM_ASCEND
 from backends.config import PoolConfig
 from backends.types import Role
 from tests.real_vllm.conftest import VLLM_PYTHON, engine_env

@@ -24,8 +24,7 @@ import openai
 import pytest
 
 from backends.process import group_has_live_members
-from policies.engine_fields import cache_salt
-from policies.policy import hash_key
+from policies.policy import cache_salt, hash_key
 from tests.real_vllm.conftest import (
     MODEL,
     START_TIMEOUT_S,

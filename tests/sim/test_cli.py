@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cli import _parser, split_known
+from sim.server import _parser, split_known
 from tests.support.procs import free_ports
 
 pytestmark = pytest.mark.e2e  # starts real processes

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from backends.tokenization import encode
-from sim import embeddings
+from sim import http_api
 from sim.server import SimInstance
 from tests.sim.conftest import metric, post_json, scrape
 
@@ -66,10 +66,11 @@ async def test_base64_is_float32_little_endian_of_the_float_answer(
     ][0]["embedding"]
     raw = base64.b64decode(encoded)
     assert list(struct.unpack("<32f", raw)) == pytest.approx(floats, abs=1e-7)
-    expected = embeddings.embed(encode("same text"), 32, engine.engine.config.seed)
+    expected = http_api.embed(encode("same text"), 32, engine.engine.config.seed)
     assert np.array_equal(np.frombuffer(raw, dtype="<f4"), expected)
 
 
+@pytest.mark.slow
 async def test_embeddings_run_as_prefill_only_requests(engine: SimInstance, http: aiohttp.ClientSession) -> None:
     url = engine.url + "/v1/embeddings"
     before = await scrape(http, engine.url)
@@ -123,9 +124,9 @@ async def test_an_input_over_the_context_length_is_a_400(engine: SimInstance, ht
 
 def test_vectors_are_deterministic_unit_length_and_seeded() -> None:
     ids = encode("deterministic vectors")
-    a, b = embeddings.embed(ids, 128), embeddings.embed(list(ids), 128)
+    a, b = http_api.embed(ids, 128), http_api.embed(list(ids), 128)
     assert a.dtype == np.float32 and np.array_equal(a, b)
     assert math.isclose(float(np.linalg.norm(a)), 1.0, rel_tol=1e-6)
-    assert not np.array_equal(a, embeddings.embed(ids, 128, seed=1))
-    empty = embeddings.embed([], 8)
+    assert not np.array_equal(a, http_api.embed(ids, 128, seed=1))
+    empty = http_api.embed([], 8)
     assert math.isclose(float(np.linalg.norm(empty)), 1.0)

@@ -17,11 +17,9 @@ from backends.perf import roofline
 from backends.perf.presets import preset_names, resolve_preset
 from sim import text_gen
 from sim.config import build_engine_config
+from sim.generation import WRITE_BUFFER_LIMIT, ChunkTemplate, MessageIdsCache, TokenWriter
 from sim.metrics import TOKEN_LATENCY_BUCKETS, EngineMetrics
-from sim.prompt_cache import MessageIdsCache
-from sim.request import Request, Status
-from sim.scheduler import StepStats
-from sim.sse import WRITE_BUFFER_LIMIT, ChunkTemplate, TokenWriter
+from sim.scheduler import Request, Status, StepStats
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ async def test_required_and_named_tool_calls_validate(engine: SimInstance) -> No
             assert reply.usage is not None and reply.usage.completion_tokens > 0
 
 
+@pytest.mark.slow
 async def test_auto_tool_calls_sometimes_and_never_after_a_tool_result(engine: SimInstance) -> None:
     async with _client(engine) as client:
         model = engine.engine.config.served_model_name

@@ -59,6 +59,7 @@ async def test_completion_with_token_id_prompt(engine: SimInstance, http: aiohtt
     assert text_prompt["usage"]["prompt_tokens"] == len(completion_prompt_ids("one two"))
 
 
+@pytest.mark.slow
 async def test_output_length_without_ignore_eos_is_seeded_and_capped(
     engine: SimInstance, http: aiohttp.ClientSession
 ) -> None:

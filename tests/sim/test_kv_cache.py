@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from backends.block_hash import NONE_HASH, hash_block, hash_blocks
 from sim.kv_cache import KVCacheManager
-from sim.request import Request
+from sim.scheduler import Request
 
 
 def make_request(prompt: list[int], salt: str | None = None) -> Request:

@@ -27,6 +27,7 @@ async def _collect(sub: zmq.asyncio.Socket, until: Any, timeout_s: float = 5.0) 
 
 
 @pytest.mark.parametrize("shape", ["tagged", "positional"])
+@pytest.mark.slow
 async def test_block_stored_events_match_the_prompt_blocks(shape: str, http: aiohttp.ClientSession) -> None:
     port = free_port()
     config = {
@@ -77,6 +78,7 @@ async def test_block_stored_events_match_the_prompt_blocks(shape: str, http: aio
         assert first[0] == "BlockStored" and first[4] == 16 and first[6] == "GPU"
 
 
+@pytest.mark.slow
 async def test_reset_prefix_cache_publishes_all_blocks_cleared(http: aiohttp.ClientSession) -> None:
     port = free_port()
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}

@@ -7,21 +7,20 @@ import asyncio
 
 import aiohttp
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
 from backends.kv_events import decode_frames
 from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint, EndpointState
-from policies.routing.prefix.hashing import ENGINE_HASHERS, HashedPrompt
-from policies.routing.prefix.precise import PrecisePrefixIndex
+from policies.routing.prefix_blocks import ENGINE_HASHERS, HashedPrompt
+from policies.routing.prefix_precise import PrecisePrefixIndex
 from policies.types import Principal, RequestFacts
 from sim.config import build_engine_config
-from sim.kv_cache import KVCacheManager, KVEvent
+from sim.kv_cache import HostOffload, KVCacheManager, KVEvent
 from sim.kv_events import encode_event
-from sim.kv_offload import HostOffload
-from sim.request import Request, Status
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler, Status
 from sim.server import run_sim_engines
 from tests.sim.conftest import post_json
 from tests.support.procs import free_port
@@ -137,6 +136,7 @@ def test_kv_offloading_size_is_gib_of_host_memory() -> None:
     assert build_engine_config("llama-3.1-8b@h100").kv_offload_blocks == 0
 
 
+@pytest.mark.slow
 async def test_an_offloading_engine_publishes_cpu_blocks_the_precise_index_routes_to(
     http: aiohttp.ClientSession,
 ) -> None:

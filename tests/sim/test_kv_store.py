@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.kv_cache import KVCacheManager
-from sim.kv_offload import HostOffload
-from sim.kv_store import STORE_MEDIUM, WRITE_ON_COMPUTE, SharedStore
-from sim.request import Request, Status
-from sim.scheduler import Scheduler
+from sim.kv_cache import STORE_MEDIUM, WRITE_ON_COMPUTE, HostOffload, KVCacheManager, SharedStore
+from sim.scheduler import Request, Scheduler, Status
 
 BLOCK = 4
 BYTES_PER_BLOCK = 1000

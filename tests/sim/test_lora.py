@@ -8,8 +8,7 @@ import pytest
 from backends.block_hash import hash_blocks, lora_salt
 from sim.kv_cache import KVCacheManager
 from sim.lora import LoraError, LoraSlots
-from sim.request import Request
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler
 
 
 def _req(rid: str, lora: str | None, prompt: list[int] | None = None) -> Request:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.perf import capacity, roofline
+from backends.perf import roofline
 from backends.perf.presets import resolve_preset
 
 H100_8B = resolve_preset("llama-3.1-8b@h100")
@@ -10,25 +10,25 @@ H100_8B = resolve_preset("llama-3.1-8b@h100")
 
 def test_kv_bytes_per_token_of_llama_3_1_8b() -> None:
     # 2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes
-    assert capacity.kv_bytes_per_token(H100_8B) == 131072
+    assert roofline.kv_bytes_per_token(H100_8B) == 131072
 
 
 def test_tp_splits_kv_heads_across_devices() -> None:
     tp4 = resolve_preset("llama-3.1-70b-tp4@h100")
-    assert capacity.kv_bytes_per_token_per_device(tp4) * 4 == capacity.kv_bytes_per_token(tp4)
+    assert roofline.kv_bytes_per_token_per_device(tp4) * 4 == roofline.kv_bytes_per_token(tp4)
 
 
 def test_num_gpu_blocks_is_what_fits_after_the_weights() -> None:
-    blocks = capacity.num_gpu_blocks(H100_8B, 16, 0.9)
+    blocks = roofline.num_gpu_blocks(H100_8B, 16, 0.9)
     tokens = blocks * 16
     # 80 GiB x 0.9 minus ~16 GB of weights leaves room for a few hundred thousand tokens.
     assert 300_000 < tokens < 500_000
-    assert capacity.num_gpu_blocks(H100_8B, 16, 0.5) < blocks
+    assert roofline.num_gpu_blocks(H100_8B, 16, 0.5) < blocks
 
 
 def test_a_model_that_does_not_fit_is_refused() -> None:
     with pytest.raises(ValueError, match="no memory"):
-        capacity.num_gpu_blocks(resolve_preset("llama-3.1-70b@h100"), 16, 0.9)
+        roofline.num_gpu_blocks(resolve_preset("llama-3.1-70b@h100"), 16, 0.9)
 
 
 def test_empty_step_takes_no_time() -> None:

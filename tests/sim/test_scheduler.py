@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 from sim.kv_cache import KVCacheManager
-from sim.request import Request, Status
-from sim.scheduler import Scheduler
+from sim.scheduler import Request, Scheduler, Status
 
 
 def make(rid: str, prompt_len: int, output_len: int, base: int = 0) -> Request:

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from backends.perf import loading
+from backends.perf import roofline
 from backends.perf.presets import resolve_preset
 from sim.server import SimInstance, run_sim_engines
 from tests.sim.conftest import chat_body, metric, post_json, scrape
@@ -92,6 +92,7 @@ def test_dev_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.slow
 async def test_sleep_refuses_generation_until_woken(
     sleepy: SimInstance, http: aiohttp.ClientSession, level: int
 ) -> None:
@@ -124,8 +125,8 @@ async def test_sleep_refuses_generation_until_woken(
     samples = await scrape(http, url)
     preset = resolve_preset(PRESET)
     name = "vllm:sleep_mode_operation_duration_seconds_sum"
-    assert metric(samples, name, operation="sleep") == pytest.approx(loading.sleep_s(preset, level))
-    assert metric(samples, name, operation="wake") == pytest.approx(loading.wake_s(preset, level))
+    assert metric(samples, name, operation="sleep") == pytest.approx(roofline.sleep_s(preset, level))
+    assert metric(samples, name, operation="wake") == pytest.approx(roofline.wake_s(preset, level))
     assert _sleep_states(samples)["awake"] == 1.0
 
 
@@ -177,6 +178,7 @@ async def test_wait_mode_lets_requests_finish(sleepy: SimInstance, http: aiohttp
     assert await _is_sleeping(http, url)
 
 
+@pytest.mark.slow
 async def test_keep_mode_resumes_requests_after_the_wake_up(sleepy: SimInstance, http: aiohttp.ClientSession) -> None:
     url = sleepy.url
     plain = await post_json(http, url + "/v1/chat/completions", chat_body("a tale", max_tokens=300))

@@ -7,12 +7,11 @@ import socket
 
 import pytest
 
-from backends.perf import loading
-from backends.perf.capacity import weight_bytes_per_device
+from backends.perf import roofline
 from backends.perf.presets import resolve_preset
-from sim.cli import _parser, split_known
+from backends.perf.roofline import weight_bytes_per_device
 from sim.config import build_engine_config
-from sim.server import start_instance, stop_instance
+from sim.server import _parser, split_known, start_instance, stop_instance
 from tests.support.procs import free_port
 
 H100_8B = resolve_preset("llama-3.1-8b@h100")
@@ -20,36 +19,36 @@ H100_8B = resolve_preset("llama-3.1-8b@h100")
 
 def test_startup_is_weights_over_load_bandwidth_plus_init() -> None:
     weights = H100_8B.model.weight_bytes
-    assert loading.startup_s(H100_8B) == pytest.approx(weights / 2e9 + 5.0)
-    assert loading.startup_s(H100_8B, load_bandwidth=4e9, init_s=1.0) == pytest.approx(weights / 4e9 + 1.0)
-    assert loading.startup_s(H100_8B, load_weights=False) == pytest.approx(5.0)
+    assert roofline.startup_s(H100_8B) == pytest.approx(weights / 2e9 + 5.0)
+    assert roofline.startup_s(H100_8B, load_bandwidth=4e9, init_s=1.0) == pytest.approx(weights / 4e9 + 1.0)
+    assert roofline.startup_s(H100_8B, load_weights=False) == pytest.approx(5.0)
     seventy = resolve_preset("llama-3.1-70b-tp4@h100")
-    assert loading.startup_s(seventy) > loading.startup_s(H100_8B)
+    assert roofline.startup_s(seventy) > roofline.startup_s(H100_8B)
     with pytest.raises(ValueError):
-        loading.startup_s(H100_8B, load_bandwidth=0)
+        roofline.startup_s(H100_8B, load_bandwidth=0)
 
 
 def test_sleep_and_wake_times() -> None:
-    pcie = H100_8B.hardware.pcie_bandwidth * loading.PCIE_EFFICIENCY
-    assert loading.sleep_s(H100_8B, 1) == pytest.approx(weight_bytes_per_device(H100_8B) / pcie)
-    assert loading.wake_s(H100_8B, 1) == loading.sleep_s(H100_8B, 1)
-    assert loading.sleep_s(H100_8B, 2) == 0.0
-    assert loading.wake_s(H100_8B, 2) == pytest.approx(loading.weight_load_s(H100_8B))
-    assert loading.wake_s(H100_8B, 1) < loading.wake_s(H100_8B, 2) < loading.startup_s(H100_8B)
+    pcie = H100_8B.hardware.pcie_bandwidth * roofline.PCIE_EFFICIENCY
+    assert roofline.sleep_s(H100_8B, 1) == pytest.approx(weight_bytes_per_device(H100_8B) / pcie)
+    assert roofline.wake_s(H100_8B, 1) == roofline.sleep_s(H100_8B, 1)
+    assert roofline.sleep_s(H100_8B, 2) == 0.0
+    assert roofline.wake_s(H100_8B, 2) == pytest.approx(roofline.weight_load_s(H100_8B))
+    assert roofline.wake_s(H100_8B, 1) < roofline.wake_s(H100_8B, 2) < roofline.startup_s(H100_8B)
     # TP ranks copy their shards in parallel: a TP-4 wake moves a quarter per link
     tp4 = resolve_preset("llama-3.1-8b-tp4@h100")
-    assert loading.wake_s(tp4, 1) == pytest.approx(loading.wake_s(H100_8B, 1) / 4, rel=1e-3)
+    assert roofline.wake_s(tp4, 1) == pytest.approx(roofline.wake_s(H100_8B, 1) / 4, rel=1e-3)
     with pytest.raises(ValueError):
-        loading.wake_s(H100_8B, 3)
+        roofline.wake_s(H100_8B, 3)
 
 
 def test_config_models_startup_only_when_asked() -> None:
     assert build_engine_config("llama-3.1-8b@h100").startup_s == 0.0
     config = build_engine_config("llama-3.1-8b@h100", simulate_startup=True, load_bandwidth_gbps=4.0, init_s=2.0)
-    assert config.startup_s == pytest.approx(loading.startup_s(H100_8B, 4e9, 2.0))
+    assert config.startup_s == pytest.approx(roofline.startup_s(H100_8B, 4e9, 2.0))
     assert config.load_bandwidth == 4e9
     dummy = build_engine_config("llama-3.1-8b@h100", simulate_startup=True, load_format="dummy")
-    assert dummy.startup_s == pytest.approx(loading.DEFAULT_INIT_S)
+    assert dummy.startup_s == pytest.approx(roofline.DEFAULT_INIT_S)
     with pytest.raises(ValueError):
         build_engine_config("llama-3.1-8b@h100", load_bandwidth_gbps=0.0)
 

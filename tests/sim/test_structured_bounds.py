@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from sim.structured import CUT_DEPTH, MAX_VALUES, generate
+from sim.outputs import CUT_DEPTH, MAX_VALUES, generate
 
 SCHEMAS = [
     pytest.param({"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}, id="required-self"),
@@ -41,6 +41,7 @@ def depth(value: Any) -> int:
 
 
 @pytest.mark.parametrize("schema", SCHEMAS)
+@pytest.mark.slow
 def test_a_recursive_schema_generates_a_bounded_value(schema: dict[str, Any]) -> None:
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(500)  # far below what an unbounded recursion would need

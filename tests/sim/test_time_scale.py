@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
 from sim.server import run_sim_instances
 from tests.sim.conftest import chat_body, metric, post_json, scrape
@@ -20,6 +21,7 @@ async def _workload(http: aiohttp.ClientSession, time_scale: float) -> tuple[lis
     return timings, metric(samples, "vllm:time_to_first_token_seconds_sum")
 
 
+@pytest.mark.slow
 async def test_latencies_in_simulated_seconds_do_not_depend_on_the_time_scale(http: aiohttp.ClientSession) -> None:
     slow, slow_ttft_sum = await _workload(http, 1.0)
     fast, fast_ttft_sum = await _workload(http, 10.0)

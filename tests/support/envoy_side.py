@@ -30,7 +30,7 @@ import aiohttp
 import grpc
 
 from gateway.epp import protocol
-from gateway.epp.protos import Envoy, envoy
+from gateway.epp.protocol import Envoy, envoy
 from tests.support.procs import Gateway, SimEngines, free_port, running, start_gateway
 
 

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from backends.adapters import Probe, get_adapter
+from backends.adapters.base import Probe
 from backends.config import HOSTED_ENGINES, PoolConfig
-from backends.fleet import Fleet
+from backends.fleet import Fleet, get_adapter
 from backends.types import PlanError
 
 
@@ -54,7 +54,7 @@ def test_misconfigured_hosted_pools_are_refused(fields: dict[str, Any], says: st
 def test_adapter_launches_nothing_and_probes_nothing(kind: str) -> None:
     adapter = get_adapter(kind)
     assert adapter.kind == kind and not adapter.launches and not adapter.supports_pd
-    assert adapter.health_path == ""  # backends/health.py makes no call for it
+    assert adapter.health_path == ""  # backends/fleet.py makes no call for it
     assert adapter.classify_health(None, {}) is Probe.READY
     cfg = pool(engine="bedrock", region="us-east-1")
     with pytest.raises(PlanError):
@@ -68,7 +68,7 @@ def test_shape_request_takes_out_engine_fields_only() -> None:
 
 
 async def test_health_probe_makes_no_call() -> None:
-    from backends.health import probe
+    from backends.fleet import probe
 
     fleet = Fleet.from_configs([pool(engine="anthropic", api_key_env="K")])
     endpoint = next(iter(fleet.endpoints()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backends.adapters.base import Probe
-from backends.adapters.openai_remote import OPENAI_REMOTE
+from backends.adapters.hosted import OPENAI_REMOTE
 from backends.types import EndpointStats, PdUnsupportedError, PlanError
 from tests.backends.builders import pool, replica
 

@@ -6,9 +6,9 @@ from typing import get_args
 
 import pytest
 
-from backends.adapters import ADAPTERS, get_adapter
 from backends.adapters.base import PRIORITY_MAX, PRIORITY_MIN
 from backends.config import EngineKind
+from backends.fleet import ADAPTERS, get_adapter
 from policies.schema import PRIORITY_VALUES
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from backends.adapters.vllm_ascend import VLLM_ASCEND
+from backends.adapters.vllm import VLLM_ASCEND
 from backends.types import Role
 from tests.backends.builders import fixture_text, pool, replica
 

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from backends.config import PoolConfig
-from backends.discovery.config import KubernetesDiscoveryConfig
 from backends.discovery.service import PoolDiscovery
+from backends.discovery.slices import KubernetesDiscoveryConfig
 from backends.fleet import Pool
-from backends.topology import Topology
-from backends.types import EndpointState
+from backends.types import EndpointState, Topology
 from tests.support.fake_kube import FakeKubeApi, endpoint_slice
 from tests.support.polling import wait_for_async
 
@@ -63,6 +62,7 @@ async def _discover(config: KubernetesDiscoveryConfig) -> tuple[Pool, PoolDiscov
     return pool, discovery, changes
 
 
+@pytest.mark.slow
 async def test_list_then_watch_adds_and_removes_endpoints(api: FakeKubeApi) -> None:
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     api.upsert(endpoint_slice("other-a", "other", [("10.0.9.9", "pod-x")], port=8000))  # another Service
@@ -85,6 +85,7 @@ async def test_list_then_watch_adds_and_removes_endpoints(api: FakeKubeApi) -> N
         await discovery.stop()
 
 
+@pytest.mark.slow
 async def test_bookmarks_move_the_watch_on_without_a_relist(api: FakeKubeApi) -> None:
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
@@ -123,6 +124,7 @@ async def test_gone_relists_and_converges(as_status: bool) -> None:
             await discovery.stop()
 
 
+@pytest.mark.slow
 async def test_vanished_endpoint_drains_its_requests_first(api: FakeKubeApi) -> None:
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
@@ -145,6 +147,7 @@ async def test_vanished_endpoint_drains_its_requests_first(api: FakeKubeApi) -> 
         await discovery.stop()
 
 
+@pytest.mark.slow
 async def test_an_endpoint_that_comes_back_while_draining_is_checked_again(api: FakeKubeApi) -> None:
     api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
     pool, discovery, _ = await _discover(_config(api))
@@ -214,6 +217,7 @@ def _on_node(obj: dict[str, object], *nodes: str) -> dict[str, object]:
     return obj
 
 
+@pytest.mark.slow
 async def test_rack_label_is_read_once_per_node_and_reaches_the_topology(api: FakeKubeApi) -> None:
     api.nodes = {"gpu-1": {"example.com/rack": "r1"}, "gpu-2": {"example.com/rack": "r2"}}
     api.upsert(_on_node(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1"), ("10.0.0.2", "pod-2")],

@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from backends.discovery.config import KubernetesDiscoveryConfig
-from backends.discovery.slices import addresses_of, desired_addresses
+from backends.discovery.slices import KubernetesDiscoveryConfig, addresses_of, desired_addresses
 from tests.support.fake_kube import endpoint_slice
 
 

@@ -8,9 +8,9 @@ import orjson
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from backends.hosted.aws import encode_event, encode_exception
 from backends.hosted.base import ProviderStreamError, ProviderTarget, Untranslatable
 from backends.hosted.bedrock import BedrockCodec, endpoint_url, pack_call_id, unpack_call_id
-from backends.hosted.eventstream import encode_event, encode_exception
 
 CODEC = BedrockCodec()
 CLAUDE = ProviderTarget(model="anthropic.claude-3-5-haiku-20241022-v1:0")

@@ -12,8 +12,8 @@ from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
+from backends.hosted.aws import AwsCredentials, CredentialSource, sign, verify
 from backends.hosted.base import UpstreamCall
-from backends.hosted.sigv4 import AwsCredentials, CredentialSource, sign, verify
 
 BASE = "http://127.0.0.1:20001"
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)

@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestServer
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from yarl import URL
 
+from backends.hosted.aws import AwsCredentials, sign
 from backends.hosted.base import ProviderError, ProviderStreamError, ProviderTarget, ProviderUsage
 from backends.hosted.bedrock import BedrockCodec
-from backends.hosted.sigv4 import AwsCredentials, sign
 from sim.hosted.bedrock import build_app
 from sim.hosted.common import StandinConfig
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from backends.hosted.anthropic import messages_body
 from backends.hosted.base import ProviderTarget
-from backends.hosted.breakpoints import with_breakpoints
+from backends.hosted.chat_in import with_breakpoints
 
 LONG = "You are a careful assistant. " * 300  # ~2,100 tokens at 4 bytes a token
 TARGET = ProviderTarget(model="claude-sonnet-4-5")

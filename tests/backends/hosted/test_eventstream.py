@@ -8,7 +8,7 @@ import uuid
 import pytest
 from botocore.eventstream import EventStreamBuffer
 
-from backends.hosted.eventstream import (
+from backends.hosted.aws import (
     EventStreamDecoder,
     EventStreamError,
     encode_event,

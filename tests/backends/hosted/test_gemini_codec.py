@@ -98,7 +98,7 @@ def test_tool_calls_and_results_become_function_parts_named_after_their_call() -
 
 
 def test_a_tool_result_answering_no_call_is_refused() -> None:
-    from backends.protocols.errors import ProtocolError
+    from backends.protocols import ProtocolError
 
     with pytest.raises(ProtocolError) as refused:
         CODEC.request({"messages": [user(), {"role": "tool", "tool_call_id": "x", "content": "?"}]}, API)

@@ -7,9 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from backends.protocols import anthropic
-from backends.protocols.errors import ProtocolError
-from backends.protocols.sse import split_event
+from backends.protocols import ProtocolError, anthropic, split_event
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:

@@ -7,10 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from backends.protocols import responses
-from backends.protocols.errors import ProtocolError
-from backends.protocols.responses_stream import ResponsesStream
-from backends.protocols.sse import split_event
+from backends.protocols import ProtocolError, responses, split_event
+from backends.protocols.responses import ResponsesStream
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:

@@ -13,10 +13,9 @@ import orjson
 import pytest
 import redis
 
-from gateway.app.schema import AuditConfig, RedisStreamConfig
-from gateway.audit.record import KIND, MAX_LINE_BYTES, REDACTED, Change, decode, encode, redact, stamp
-from gateway.audit.store import AuditLog, Query
-from gateway.ledger.redis_stream import FIELD, RedisStreamExporter
+from gateway.app.settings import AuditConfig, RedisStreamConfig
+from gateway.audit.store import KIND, MAX_LINE_BYTES, REDACTED, AuditLog, Change, Query, decode, encode, redact, stamp
+from gateway.ledger.sinks import FIELD, RedisStreamExporter
 from tests.support.procs import REPO
 
 
@@ -124,6 +123,7 @@ def test_filters_by_actor_action_target_and_since(tmp_path: Path) -> None:
     audit.close()
 
 
+@pytest.mark.slow
 def test_rotation_keeps_a_bounded_number_of_files_and_reads_across_them(tmp_path: Path) -> None:
     config = AuditConfig(dir=str(tmp_path), rotate_bytes=4096, keep_files=2)
     audit = AuditLog(config, clock=Clock())
@@ -180,9 +180,8 @@ def test_a_refused_write_raises_is_counted_and_the_next_one_succeeds(tmp_path: P
 
 WRITER = """
 import sys
-from gateway.app.schema import AuditConfig
-from gateway.audit.record import Change
-from gateway.audit.store import AuditLog
+from gateway.app.settings import AuditConfig
+from gateway.audit.store import AuditLog, Change
 audit = AuditLog(AuditConfig(dir=sys.argv[1], rotate_bytes=8192, keep_files=100))
 for n in range(int(sys.argv[3])):
     audit.append(Change("loopback", None, "DELETE", "/admin/keys/{key_id}", 200, f"{sys.argv[2]}-{n}"))

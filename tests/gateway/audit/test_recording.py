@@ -14,8 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway.app import keys as appkeys
-from gateway.app.schema import AuditConfig, ServerSettings
-from gateway.app.settings import GatewaySettings
+from gateway.app.settings import AuditConfig, GatewaySettings, ServerSettings
 from gateway.audit.api import AUDIT_LOG, actor_of, audit_list, note
 from gateway.audit.store import AuditLog
 from gateway.console.sessions import COOKIE, ConsoleSessions

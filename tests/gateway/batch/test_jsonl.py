@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.batch.jsonl import check_line, scan_file
+from gateway.batch.routes import check_line, scan_file
 
 
 def line(custom_id: str = "a", url: str = "/v1/chat/completions", **body: object) -> bytes:

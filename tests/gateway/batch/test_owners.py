@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from gateway.batch.owners import owner_principal
+from gateway.batch.runner import owner_principal
 from policies.keys.directory import KeyDirectory
 from policies.keys.store import MemoryDirectoryStore
 from policies.loader import parse_config

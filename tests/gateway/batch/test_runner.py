@@ -18,9 +18,9 @@ from backends.types import EndpointState
 from gateway.batch.capacity import BatchCapacity, BatchLoad
 from gateway.batch.config import BatchSettings
 from gateway.batch.disk import DiskBatchStore
-from gateway.batch.jsonl import scan_file
 from gateway.batch.lines import NO_SPARE_CAPACITY, LineAnswer, LineRequest
 from gateway.batch.objects import BatchMeta, FileMeta, new_batch_id, new_file_id
+from gateway.batch.routes import scan_file
 from gateway.batch.runner import BatchRunner
 from policies.holder import PolicyHolder
 from policies.loader import parse_config

@@ -13,8 +13,7 @@ import pytest
 from gateway.batch.disk import DiskBatchStore, StoreLocked
 from gateway.batch.objects import BatchMeta, FileMeta, new_batch_id, new_file_id
 from gateway.batch.redis_store import RedisBatchStore
-from gateway.batch.results import LineResult, answered
-from gateway.batch.store import BatchStore, QuotaExceeded
+from gateway.batch.store import BatchStore, LineResult, QuotaExceeded, answered
 
 Opener = Callable[[], BatchStore]
 
@@ -115,6 +114,7 @@ async def test_claims_never_hand_out_a_line_twice(store: BatchStore) -> None:
     assert await store.claim(batch.id, 5, 60) == [first[0]]
 
 
+@pytest.mark.slow
 async def test_deferred_lines_wait_their_delay(store: BatchStore) -> None:
     batch = await add_batch(store, await add_file(store, 2))
     got = await store.claim(batch.id, 2, 60)

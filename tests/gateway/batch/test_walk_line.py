@@ -11,17 +11,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.batch.capacity import BatchCapacity
-from gateway.batch.gate import BatchGate
-from gateway.batch.lines import NO_SPARE_CAPACITY, LineRequest, classify
-from gateway.batch.walk import LOWEST_PRIORITY, LineTransport, walk_runner
-from gateway.flow.check import Turn, Verdict
-from gateway.flow.gate import Gate
+from gateway.batch.capacity import BatchCapacity, BatchGate
+from gateway.batch.lines import LOWEST_PRIORITY, NO_SPARE_CAPACITY, LineRequest, LineTransport, classify, walk_runner
+from gateway.flow.gate import Gate, Turn, Verdict
 from gateway.flow.queue import FlowQueue
 from gateway.request import Routed
 from policies.batch import SpareLimits
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from sim.server import run_sim_instances
 from tests.gateway.request.walk import KEY, ScriptedPredictor, Walk, build, chat_request, fleet, policy

@@ -1,4 +1,4 @@
-"""The console's OpenID Connect relying party (gateway/console/oidc.py) against a real provider on a
+"""The console's OpenID Connect relying party (gateway/console/sessions.py) against a real provider on a
 loopback port (tests/support/oidc_provider.py): PKCE, state bound to the browser, the ID token's
 signature, issuer, audience, expiry and nonce; and the mapping of a verified login to a role."""
 
@@ -11,9 +11,9 @@ from urllib.parse import parse_qs, urlsplit
 import aiohttp
 import pytest
 
-from gateway.app.schema import OidcConfig, OidcGroupRole, UserConfig
-from gateway.console.oidc import OidcClient, OidcProviderFailed, OidcRefused, identity_of_claims
-from gateway.http.roles import Users
+from gateway.app.settings import OidcConfig, OidcGroupRole, UserConfig
+from gateway.console.sessions import OidcClient, OidcProviderFailed, OidcRefused, identity_of_claims
+from gateway.http.access import Users
 from tests.support.oidc_provider import Provider, oidc_provider
 
 CLIENT_ID, SECRET = "tokenway-console", "a-client-secret"

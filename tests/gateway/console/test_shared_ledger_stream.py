@@ -11,7 +11,7 @@ from aiohttp import web
 from gateway.app import keys as appkeys
 from gateway.app.settings import GatewaySettings
 from gateway.audit.api import _redis_sink
-from gateway.ledger.redis_stream import RedisStreamExporter
+from gateway.ledger.sinks import RedisStreamExporter
 
 REDIS = {"backend": "redis", "redis_url": "redis://10.0.0.2:6379/3", "key_prefix": "acme"}
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.app.schema import RedisStreamConfig
+from gateway.app.settings import RedisStreamConfig
 from gateway.console.tenant_spend import TenantSpend, period_starts
 
 NOW = datetime(2026, 12, 7, 12, 0, tzinfo=UTC).timestamp()

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.epp import protocol
 from gateway.epp.exchange import Exchange, Picked, Refused
-from gateway.epp.protos import envoy
+from gateway.epp.protocol import envoy
 
 E = envoy()
 

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 
+from gateway.flow.checks import Saturation
 from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from policies.flow.bands import band_rank
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters, band_rank
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.schema import PoliciesConfig
@@ -112,6 +111,7 @@ async def test_waiting_out_the_band_is_answered_as_the_band_says(
     await walk.upstream.close()
 
 
+@pytest.mark.slow
 async def test_a_client_leaving_at_any_await_while_held_leaves_nothing_open(engines: list[str]) -> None:
     hook = flow_hook()
     walk = build(fleet({"small": engines}), gate=hook)

@@ -14,11 +14,11 @@ import pytest
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet
 from backends.types import EndpointState
+from gateway.flow.checks import Saturation
 from gateway.flow.gate import Gate
 from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from sim.server import run_sim_instances
 from tests.gateway.request.walk import QUEUE_KEY, build, chat_request, policy
@@ -45,6 +45,7 @@ def one_pool(url: str) -> Fleet:
     return built
 
 
+@pytest.mark.slow
 async def test_a_tenant_under_its_share_gets_a_slot_cut_for_it(engines: list[str]) -> None:
     queue = FlowQueue(MemoryCounters(), recheck_s=0.01)
     saturation = Saturation(queue, SETTINGS)

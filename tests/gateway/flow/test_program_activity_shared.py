@@ -4,9 +4,11 @@ not light, a peer's rows replace its previous ones and go with it, and every map
 
 from __future__ import annotations
 
-from gateway.flow import program_activity
-from gateway.flow.program_activity import ProgramActivity
-from policies.flow.program_reserve import Standing, held
+import pytest
+
+from gateway.flow import activity
+from gateway.flow.activity import ProgramActivity
+from policies.flow.saturation import Standing, held
 
 
 class Clock:
@@ -104,14 +106,15 @@ def test_the_report_is_the_local_view_and_expires_idle_programs() -> None:
     assert all(row[2] != "elsewhere" for row in a.report())  # a peer's programs are never re-published
 
 
+@pytest.mark.slow
 def test_peers_and_their_rows_are_bounded() -> None:
     a, _ = pair()
-    rows = [("p", "t", f"x{i}", 1, 0) for i in range(program_activity._MAX_REPORT_ROWS + 10)]
+    rows = [("p", "t", f"x{i}", 1, 0) for i in range(activity._MAX_REPORT_ROWS + 10)]
     a.set_remote("gw-big", rows)
-    assert a.standing("p", "t", "x0").active == program_activity._MAX_REPORT_ROWS
-    for i in range(program_activity._MAX_PEERS + 5):
+    assert a.standing("p", "t", "x0").active == activity._MAX_REPORT_ROWS
+    for i in range(activity._MAX_PROGRAM_PEERS + 5):
         a.set_remote(f"gw{i}", [("p", "t", "y", 1, 0)])
-    assert len(a._peers) == program_activity._MAX_PEERS
-    assert a.standing("p", "t", "y").inflight == program_activity._MAX_PEERS  # the first peers went
+    assert len(a._peers) == activity._MAX_PROGRAM_PEERS
+    assert a.standing("p", "t", "y").inflight == activity._MAX_PROGRAM_PEERS  # the first peers went
     a.drop_remote()
     assert not a._remote and not a._peers

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from gateway.flow.queue import FlowQueue
-from gateway.flow.types import FlowRequest
-from policies.flow.counters import MemoryCounters
-from policies.flow.programs import NO_PROGRAM, MemoryPrograms
+import pytest
+
+from gateway.flow.queue import FlowQueue, FlowRequest
+from policies.flow.order import NO_PROGRAM, MemoryCounters, MemoryPrograms
 from tests.gateway.flow.test_queue import POOL, Slots, request
 from tests.support.polling import wait_for_async
 
@@ -24,6 +24,7 @@ async def serve_one_by_one(queue: FlowQueue, slots: Slots, count: int) -> None:
         await wait_for_async(lambda n=len(slots.order) + 1: len(slots.order) == n)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 async def test_a_single_call_goes_within_two_grants_of_a_forty_way_program() -> None:
     programs = MemoryPrograms()
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0, programs=programs, program_half_life=lambda t: 60.0)

@@ -13,16 +13,13 @@ from typing import cast
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState
-from gateway.flow.check import Turn
-from gateway.flow.gate import Gate
-from gateway.flow.program_activity import ProgramActivity
-from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from gateway.flow.types import Blocked, FlowRequest
+from gateway.flow.activity import ProgramActivity
+from gateway.flow.checks import Saturation
+from gateway.flow.gate import Gate, Turn
+from gateway.flow.queue import Blocked, FlowQueue, FlowRequest
 from gateway.request import RequestContext, Routed
-from policies.flow.bands import band_rank
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters, band_rank
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.routing.types import RouteDecision

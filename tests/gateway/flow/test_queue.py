@@ -8,10 +8,17 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.flow.queue import FlowQueue, Lease
-from gateway.flow.types import REASON_QUEUE_FULL, REASON_QUEUE_TIMEOUT, REASON_SHED, Blocked, FlowRequest, QueueRejected
-from policies.flow.bands import band_rank
-from policies.flow.counters import MemoryCounters
+from gateway.flow.queue import (
+    REASON_QUEUE_FULL,
+    REASON_QUEUE_TIMEOUT,
+    REASON_SHED,
+    Blocked,
+    FlowQueue,
+    FlowRequest,
+    Lease,
+    QueueRejected,
+)
+from policies.flow.order import MemoryCounters, band_rank
 from tests.support.polling import wait_for_async
 
 NORMAL, LOW, HIGH = band_rank(0), band_rank(-1), band_rank(1)
@@ -78,6 +85,7 @@ async def test_while_saturated_a_light_tenant_goes_before_a_flood_and_bands_befo
     assert slots.order[3:] == ["high", "b0", "a3", "b1", "a4", "a5", "a6", "a7", "a8", "a9", "low"]
 
 
+@pytest.mark.slow
 async def test_weights_share_a_backlog() -> None:
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
     slots = Slots(queue, free=0)
@@ -95,6 +103,7 @@ async def test_weights_share_a_backlog() -> None:
     assert queue.depth(POOL) == 0
 
 
+@pytest.mark.slow
 async def test_a_request_blocked_for_its_own_reason_passes_the_turn() -> None:
     queue = FlowQueue(MemoryCounters(), recheck_s=10.0)
     slots = Slots(queue, free=0)

@@ -12,13 +12,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from gateway.errors import Rejected
-from gateway.flow.check import GO, Avoid, Check, Refuse, Turn, Verdict, Wait
-from gateway.flow.gate import Gate
-from gateway.flow.queue import FlowQueue
-from gateway.flow.types import Blocked
+from gateway.flow.gate import GO, Avoid, Check, Gate, Refuse, Turn, Verdict, Wait
+from gateway.flow.queue import Blocked, FlowQueue
 from gateway.request import Detour, Routed
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.schema import PoliciesConfig

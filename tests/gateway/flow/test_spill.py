@@ -15,14 +15,12 @@ import pytest
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet
 from backends.types import EndpointState
-from gateway.flow.check import Check
-from gateway.flow.gate import Gate
+from gateway.flow.checks import REASON_CROWDED, REASON_NO_ROUTE, REASON_PRICED, REASON_WAITED, Saturation, Spill
+from gateway.flow.gate import Check, Gate
 from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from gateway.flow.spill import REASON_CROWDED, REASON_NO_ROUTE, REASON_PRICED, REASON_WAITED, Spill
 from gateway.request import RequestContext
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.policy import Policy
 from policies.schema import PoliciesConfig
@@ -131,6 +129,7 @@ async def test_a_tenant_that_may_not_spill_waits_for_owned_capacity(engines: lis
     await walk.upstream.close()
 
 
+@pytest.mark.slow
 async def test_a_tenant_over_its_spill_cap_stays_home(engines: list[str]) -> None:
     the_fleet = two_pools(*engines)
     gate = spill_gate(the_fleet, tenant={"usd_per_day": 1.0}, max_queue_ms=300)
@@ -162,6 +161,7 @@ def reprice(gate: Gate, usd_per_wait_second: float, hosted_output_per_mtok: floa
     gate.policies.current = Policy(PoliciesConfig.model_validate(doc))
 
 
+@pytest.mark.slow
 async def test_a_wait_worth_more_than_the_overflows_extra_price_spills_before_max_wait(engines: list[str]) -> None:
     """`spill.usd_per_wait_second`: the room's drain rate predicts the wait; valued above the hosted
     pool's extra dollars for the request it spills at once (long before `max_wait_ms`), valued below

@@ -14,7 +14,7 @@ import sys
 import time
 from collections import deque
 
-from gateway.app.schema import LedgerConfig
+from gateway.app.settings import LedgerConfig
 from gateway.ledger.writer import LedgerWriter
 from tests.gateway.ledger.records import make_record
 

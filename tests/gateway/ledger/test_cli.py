@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.app.schema import LedgerConfig
+from gateway.app.settings import LedgerConfig
 from gateway.ledger.cli import main, parse_time_s
 from gateway.ledger.writer import LedgerWriter
-from policies.times import parse_duration_s
+from policies.types import parse_duration_s
 from tests.gateway.ledger.records import make_record
 
 

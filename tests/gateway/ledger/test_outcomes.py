@@ -9,9 +9,9 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.http.outcome import outcome_line, parse_outcome
-from gateway.ledger import codec
 from gateway.ledger.outcomes import build_outcome_report, render_outcomes
 from gateway.ledger.report import build_report
+from gateway.ledger.writer import decode
 
 
 def request(program: str | None, cost: float, model: str = "m", tenant: str = "t") -> dict[str, Any]:
@@ -23,7 +23,7 @@ def outcome(program: str, success: bool, value: float | None = None, tenant: str
     line = outcome_line(
         request="r", tenant=tenant, key_id="k", program=program, success=success, value=value, now_s=2.0
     )
-    return codec.decode(line)
+    return decode(line)
 
 
 def test_request_reports_do_not_count_outcomes() -> None:

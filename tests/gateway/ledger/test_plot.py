@@ -4,16 +4,17 @@ from pathlib import Path
 
 import pytest
 
-from gateway.ledger import codec
 from gateway.ledger.plot import SpendSeries, choose_bucket_s, plot_spend
+from gateway.ledger.writer import decode, encode
 from tests.gateway.ledger.records import make_record
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_spend_plot_is_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    entries = [codec.decode(codec.encode(make_record(i, started_at_unix_s=1_750_000_000 + i * 30))) for i in range(300)]
+    entries = [decode(encode(make_record(i, started_at_unix_s=1_750_000_000 + i * 30))) for i in range(300)]
     out = plot_spend(entries, ["tenant"], tmp_path / "spend.png", top=2)
     assert out.read_bytes()[:8] == PNG_MAGIC
     empty = plot_spend([], ["tenant"], tmp_path / "empty.png")

@@ -11,10 +11,11 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from gateway.app.schema import LedgerConfig, LedgerPostgresConfig, RedisStreamConfig
-from gateway.ledger import codec, open_ledger
+from gateway.app.settings import LedgerConfig, LedgerPostgresConfig, RedisStreamConfig
+from gateway.ledger import open_ledger
 from gateway.ledger.cli import main
 from gateway.ledger.postgres import PostgresSink
+from gateway.ledger.writer import encode, record_to_entry
 from tests.gateway.ledger.records import make_record
 from tests.support.polling import wait_for
 from tests.support.procs import free_port
@@ -56,7 +57,7 @@ def test_the_writer_copies_every_record(postgres_dsn: str, table: str, tmp_path:
 
 def test_a_group_sent_again_is_stored_once(postgres_dsn: str, table: str) -> None:
     sink = PostgresSink(LedgerPostgresConfig(dsn=postgres_dsn, table=table))
-    lines = [codec.encode(make_record(i)) for i in range(10)]
+    lines = [encode(make_record(i)) for i in range(10)]
     try:
         assert sink._send(0, lines)  # the commit landed but its answer was lost: the group is retried
         assert sink._send(0, lines)
@@ -66,10 +67,10 @@ def test_a_group_sent_again_is_stored_once(postgres_dsn: str, table: str) -> Non
 
 
 def test_odd_values_do_not_stall_the_copy(postgres_dsn: str, table: str) -> None:
-    entry = codec.record_to_entry(make_record(1))
+    entry = record_to_entry(make_record(1))
     odd = {**entry, "request_id": "nul\x00id", "http_status": 10**30, "next_version_field": [1, "\x00"]}
     sink = PostgresSink(LedgerPostgresConfig(dsn=postgres_dsn, table=table))
-    sink.submit([codec.encode(make_record(0)), json.dumps(odd).encode() + b"\n"])
+    sink.submit([encode(make_record(0)), json.dumps(odd).encode() + b"\n"])
     sink.close_sync()
     assert sink.stats()["postgres_inserted_total"] == 2
     row = select(postgres_dsn, f"SELECT request_id, http_status, other FROM {table} WHERE http_status IS NULL")[0]
@@ -82,7 +83,7 @@ def test_an_unreachable_database_never_blocks_and_drops_with_a_count() -> None:
     sink = PostgresSink(LedgerPostgresConfig(dsn=dsn, timeout_s=0.5, max_pending_batches=3))
     started = time.monotonic()
     for i in range(10):
-        sink.submit([codec.encode(make_record(i))])
+        sink.submit([encode(make_record(i))])
     assert time.monotonic() - started < 1.0  # submit only queues
     wait_for(lambda: sink.stats()["postgres_errors_total"] >= 2, timeout_s=20, what="two failed connections")
     assert sink.stats()["postgres_pending_batches"] <= 3
@@ -97,7 +98,7 @@ def test_usage_sql_dsn_reads_and_cannot_write(
     postgres_dsn: str, table: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sink = PostgresSink(LedgerPostgresConfig(dsn=postgres_dsn, table=table))
-    sink.submit([codec.encode(make_record(i)) for i in range(30)])
+    sink.submit([encode(make_record(i)) for i in range(30)])
     sink.close_sync()
     sql = f"SELECT tenant, count(*) AS requests, sum(cost_usd) AS cost FROM {table} GROUP BY 1 ORDER BY 1"
     assert main(["usage", "sql", sql, "--dsn", postgres_dsn, "--format", "json"]) == 0

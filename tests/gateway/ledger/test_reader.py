@@ -3,8 +3,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gateway.ledger import codec
 from gateway.ledger.reader import ReadStats, iter_entries, ledger_files
+from gateway.ledger.writer import encode
 from tests.gateway.ledger.records import make_record
 
 
@@ -16,7 +16,7 @@ def write(path: Path, *chunks: bytes) -> None:
 def test_files_are_read_in_commit_order(tmp_path: Path) -> None:
     for name, i in (("usage-20250102-010.jsonl", 4), ("usage-20250102-002.jsonl", 3),
                     ("usage-20250101-1000.jsonl", 2), ("usage-20250101-999.jsonl", 1)):  # fmt: skip
-        write(tmp_path / name, codec.encode(make_record(i)))
+        write(tmp_path / name, encode(make_record(i)))
     (tmp_path / "notes.txt").write_text("ignored")
     assert [p.name for p in ledger_files(tmp_path)] == [
         "usage-20250101-999.jsonl", "usage-20250101-1000.jsonl", "usage-20250102-002.jsonl", "usage-20250102-010.jsonl",
@@ -25,10 +25,10 @@ def test_files_are_read_in_commit_order(tmp_path: Path) -> None:
 
 
 def test_torn_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
-    whole = codec.encode(make_record(1))
-    torn = codec.encode(make_record(2))[:-40]
+    whole = encode(make_record(1))
+    torn = encode(make_record(2))[:-40]
     write(tmp_path / "usage-20250101-001.jsonl", whole, torn)
-    write(tmp_path / "usage-20250101-002.jsonl", codec.encode(make_record(3)))
+    write(tmp_path / "usage-20250101-002.jsonl", encode(make_record(3)))
     warnings: list[str] = []
     stats = ReadStats()
     ids = [e["request_id"] for e in iter_entries(tmp_path, stats=stats, warn=warnings.append)]
@@ -38,7 +38,7 @@ def test_torn_last_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
 
 
 def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path) -> None:
-    write(tmp_path / "usage-20250101-001.jsonl", codec.encode(make_record(1))[:-1])
+    write(tmp_path / "usage-20250101-001.jsonl", encode(make_record(1))[:-1])
     stats = ReadStats()
     assert len(list(iter_entries(tmp_path, stats=stats))) == 1
     assert stats.torn_lines == 0
@@ -47,12 +47,12 @@ def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path) -> None
 def test_corrupt_line_is_named_by_file_and_line(tmp_path: Path) -> None:
     write(
         tmp_path / "usage-20250101-001.jsonl",
-        codec.encode(make_record(1)),
+        encode(make_record(1)),
         b'{"v":1,"request_id":"x",GARBAGE\n',
         b"[1,2,3]\n",
         b'{"v":1,"request_id":"no-ts"}\n',
         b"\n",
-        codec.encode(make_record(2)),
+        encode(make_record(2)),
     )
     warnings: list[str] = []
     stats = ReadStats()
@@ -67,11 +67,11 @@ def test_corrupt_line_is_named_by_file_and_line(tmp_path: Path) -> None:
 def test_since_and_until_filter_on_finish_time_and_skip_older_files(tmp_path: Path) -> None:
     day1 = datetime(2025, 1, 1, 12, tzinfo=UTC).timestamp()
     day2 = datetime(2025, 1, 2, 12, tzinfo=UTC).timestamp()
-    write(tmp_path / "usage-20250101-001.jsonl", codec.encode(make_record(1, started_at_unix_s=day1)))
+    write(tmp_path / "usage-20250101-001.jsonl", encode(make_record(1, started_at_unix_s=day1)))
     write(
         tmp_path / "usage-20250102-001.jsonl",
-        codec.encode(make_record(2, started_at_unix_s=day2)),
-        codec.encode(make_record(3, started_at_unix_s=day2 + 3600)),
+        encode(make_record(2, started_at_unix_s=day2)),
+        encode(make_record(3, started_at_unix_s=day2 + 3600)),
     )
     stats = ReadStats()
     since = day2 - 60

@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 import redis
 
-from gateway.app.schema import LedgerConfig, RedisStreamConfig
+from gateway.app.settings import LedgerConfig, RedisStreamConfig
 from gateway.ledger.reader import iter_entries
-from gateway.ledger.redis_stream import FIELD, RedisStreamExporter
+from gateway.ledger.sinks import FIELD, RedisStreamExporter
 from gateway.ledger.writer import LedgerWriter
 from tests.gateway.ledger.records import make_record
 from tests.support.procs import free_port

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from gateway.ledger import codec
 from gateway.ledger.report import (
     METRIC_COLUMNS,
     ReportBuilder,
@@ -18,9 +17,10 @@ from gateway.ledger.report import (
     render,
     resolve_fields,
 )
+from gateway.ledger.writer import decode, encode
 from tests.gateway.ledger.records import make_record
 
-ENTRIES = [codec.decode(codec.encode(make_record(i))) for i in range(400)]
+ENTRIES = [decode(encode(make_record(i))) for i in range(400)]
 
 
 def test_totals_equal_the_sum_of_the_records() -> None:
@@ -140,7 +140,7 @@ def test_cache_writes_and_what_caching_saved_are_summed_per_group() -> None:
     wrote = make_record(1, pool="claude", cache_write_tokens=900, cache_write_1h_tokens=100, cache_saved_usd=-0.001)
     read = make_record(2, pool="claude", cached_tokens=1000, cache_saved_usd=0.0027)
     plain = make_record(3, pool="owned")
-    entries = [codec.decode(codec.encode(r)) for r in (wrote, read, plain)]
+    entries = [decode(encode(r)) for r in (wrote, read, plain)]
     assert "cache_saved_usd" not in entries[2] and entries[0]["cache_write_1h_input_tokens"] == 100
     report = build_report(entries, ["pool"])
     rows = {r["pool"]: r for r in report.rows()}

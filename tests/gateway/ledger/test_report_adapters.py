@@ -3,8 +3,8 @@ base model, so usage splits per adapter and rolls up per base model (docs/adapte
 
 from __future__ import annotations
 
-from gateway.ledger import codec
 from gateway.ledger.report import build_report
+from gateway.ledger.writer import decode, encode
 from tests.gateway.ledger.records import make_record
 
 
@@ -16,7 +16,7 @@ def _entries() -> list[dict[str, object]]:
         make_record(3, model="chat-lora", base_model="llama-3.1-8b"),
         make_record(4, model="qwen2.5-7b"),
     ]
-    return [codec.decode(codec.encode(r)) for r in records]
+    return [decode(encode(r)) for r in records]
 
 
 def test_only_adapter_records_carry_their_base_model() -> None:

@@ -12,13 +12,11 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.app.schema import LedgerConfig
-from gateway.ledger import codec
+from gateway.app.settings import LedgerConfig
 from gateway.ledger.cli import main
 from gateway.ledger.reader import iter_entries
-from gateway.ledger.sqlrows import entry_to_row, entry_to_sqlite_row
-from gateway.ledger.sqlstore import SqlError, db_path, ingest, query
-from gateway.ledger.writer import LedgerWriter
+from gateway.ledger.sqlstore import SqlError, db_path, entry_to_row, entry_to_sqlite_row, ingest, query
+from gateway.ledger.writer import LedgerWriter, encode, record_to_entry
 from tests.gateway.ledger.records import make_record
 
 NOW = time.time()
@@ -88,18 +86,18 @@ def test_rotation_inside_one_run(tmp_path: Path) -> None:
 
 def test_a_torn_last_line_waits_while_its_file_may_grow_then_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "usage-20250101-001.jsonl"
-    whole = codec.encode(make_record(1))
-    torn = codec.encode(make_record(2))[:40]
+    whole = encode(make_record(1))
+    torn = encode(make_record(2))[:40]
     path.write_bytes(whole + torn)
     stats = ingest(tmp_path)
     assert (stats.rows, stats.skipped_lines) == (1, 0)  # the newest file: maybe mid-write
     with path.open("ab") as f:  # the writer finishes the line
-        f.write(codec.encode(make_record(2))[40:])
+        f.write(encode(make_record(2))[40:])
     assert ingest(tmp_path).rows == 1
     with path.open("ab") as f:  # then crashes mid-line
-        f.write(codec.encode(make_record(3))[:30])
+        f.write(encode(make_record(3))[:30])
     assert ingest(tmp_path).rows == 0
-    (tmp_path / "usage-20250101-002.jsonl").write_bytes(codec.encode(make_record(4)))  # restarted: a new file
+    (tmp_path / "usage-20250101-002.jsonl").write_bytes(encode(make_record(4)))  # restarted: a new file
     warnings: list[str] = []
     stats = ingest(tmp_path, warn=warnings.append)
     assert (stats.rows, stats.skipped_lines) == (1, 1)
@@ -113,16 +111,16 @@ def test_a_torn_last_line_waits_while_its_file_may_grow_then_is_skipped(tmp_path
 
 def test_a_whole_last_object_without_its_newline_is_kept_once(tmp_path: Path) -> None:
     path = tmp_path / "usage-20250101-001.jsonl"
-    path.write_bytes(codec.encode(make_record(1)) + codec.encode(make_record(2)).rstrip(b"\n"))
+    path.write_bytes(encode(make_record(1)) + encode(make_record(2)).rstrip(b"\n"))
     assert ingest(tmp_path).rows == 2
     with path.open("ab") as f:
-        f.write(b"\n" + codec.encode(make_record(3)))
+        f.write(b"\n" + encode(make_record(3)))
     assert ingest(tmp_path).rows == 1
     assert count(tmp_path) == 3 == len(list(iter_entries(tmp_path)))
 
 
 def test_corrupt_lines_and_unknown_fields(tmp_path: Path) -> None:
-    entry = codec.record_to_entry(make_record(1))
+    entry = record_to_entry(make_record(1))
     odd = {**entry, "request_id": "req-odd", "input_tokens": "many", "future_field": {"a": 1}}
     lines = [
         orjson.dumps(entry) + b"\n",
@@ -142,9 +140,9 @@ def test_corrupt_lines_and_unknown_fields(tmp_path: Path) -> None:
 @pytest.mark.parametrize("new_records", [3, 8])  # shorter than what was read, and longer
 def test_a_new_file_under_a_name_already_read_is_read_as_new(tmp_path: Path, new_records: int) -> None:
     path = tmp_path / "usage-20250101-001.jsonl"
-    path.write_bytes(b"".join(codec.encode(make_record(i)) for i in range(5)))
+    path.write_bytes(b"".join(encode(make_record(i)) for i in range(5)))
     ingest(tmp_path)
-    path.write_bytes(b"".join(codec.encode(make_record(i)) for i in range(100, 100 + new_records)))
+    path.write_bytes(b"".join(encode(make_record(i)) for i in range(100, 100 + new_records)))
     stats = ingest(tmp_path, warn=lambda m: None)
     assert (stats.replaced_files, stats.rows) == (1, new_records)
     assert count(tmp_path) == 5 + new_records  # the old file's rows stay, as a deleted file's do
@@ -294,9 +292,9 @@ def test_two_ingests_at_once_load_each_line_once(tmp_path: Path) -> None:
 
 
 def test_the_fast_row_path_equals_the_checked_one() -> None:
-    entries = [codec.record_to_entry(make_record(i)) for i in range(40)]
+    entries = [record_to_entry(make_record(i)) for i in range(40)]
     rich = make_record(1, slo_class="interactive", queue_ms=3.5, cache_write_tokens=7, reasoning_tokens=2, leg=2)
-    entries.append(codec.record_to_entry(rich))
+    entries.append(record_to_entry(rich))
     base = entries[0]
     entries += [
         {**base, "stream": 1},  # an integer where a boolean belongs
@@ -311,7 +309,7 @@ def test_the_fast_row_path_equals_the_checked_one() -> None:
 
 
 def test_json_columns_are_queryable(tmp_path: Path) -> None:
-    base = codec.record_to_entry(make_record(1))
+    base = record_to_entry(make_record(1))
     lines = [
         {**base, "request_id": "a", "user": "u-1", "tags": ["team-a", "batch"], "extra": {"slo_class": "fast"}},
         {**base, "request_id": "b", "tags": ["team-a"]},

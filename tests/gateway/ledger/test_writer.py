@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.app.schema import LedgerConfig
+from gateway.app.settings import LedgerConfig
 from gateway.ledger import open_ledger
 from gateway.ledger.reader import ReadStats, iter_entries, ledger_files
 from gateway.ledger.writer import LedgerWriter

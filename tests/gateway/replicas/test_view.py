@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.types import Endpoint
-from gateway.replicas.view import RemoteLoads
+from gateway.replicas.bus import RemoteLoads
 
 
 def _endpoints() -> dict[str, Endpoint]:

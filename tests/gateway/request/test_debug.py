@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from gateway.request.debug import debug_allowed
+from gateway.request.intake import debug_allowed
 
 TOKEN = "s3cret-admin-token-0123456789"
 

@@ -11,8 +11,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.flow.checks import SloHook
 from gateway.flow.gate import Gate
-from gateway.flow.slo import SloHook
 from gateway.request import Hook
 from policies.types import Rejection
 from sim.server import run_sim_instances

@@ -1,4 +1,4 @@
-"""Program identity (gateway/request/program.py): each source, their order, the bounds, and the ledger."""
+"""Program identity (gateway/request/intake.py): each source, their order, the bounds, and the ledger."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from gateway.ledger.codec import decode, encode
-from gateway.request.program import MAX_PROGRAM_CHARS, program_id
+from gateway.ledger.writer import decode, encode
+from gateway.request.intake import MAX_PROGRAM_CHARS, program_id
 from gateway.request.record import RequestRecord
 
 ALL_BODY: dict[str, Any] = {

@@ -21,28 +21,26 @@ from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState
 from gateway.app.settings import ServerSettings
-from gateway.flow.check import Check
-from gateway.flow.gate import Gate
+from gateway.flow.checks import PredictsLatency, Saturation, SloHook
+from gateway.flow.gate import Check, Gate
 from gateway.flow.queue import FlowQueue
-from gateway.flow.saturation import Saturation
-from gateway.flow.slo import PredictsLatency, SloHook
 from gateway.request import OPEN_GATE, Director, Hook, Hooks
 from gateway.request.accounting import Accounting
-from gateway.request.dispatch import Dispatch
+from gateway.request.director import Dispatch
 from gateway.request.intake import Intake
 from gateway.request.record import RequestRecord
 from gateway.transport.engine import EngineTransport
 from gateway.upstream.client import UpstreamClient
 from policies.estimate import PromptEstimator
-from policies.flow.config import FlowSettings
-from policies.flow.counters import MemoryCounters
+from policies.flow.order import MemoryCounters
+from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
 from policies.limits.admission import Admitted
 from policies.policy import Policy, hash_key
 from policies.routing.types import REASON_ONLY, RouteDecision, RouteRequest
 from policies.schema import PoliciesConfig
 from policies.types import Rejection, RequestFacts, Usage
-from predictor.types import NUM_FEATURES, Feature, Prediction, RequestShape
+from predictor.features import NUM_FEATURES, Feature, Prediction, RequestShape
 
 KEY = "sk-walk-test"
 SLO_KEY = "sk-walk-slo"

@@ -6,12 +6,9 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.flow.queue import FlowQueue
-from gateway.flow.types import FlowRequest
-from gateway.telemetry.flow import FlowMetrics
-from gateway.telemetry.metrics import GatewayMetrics
-from policies.flow.bands import band_name
-from policies.flow.counters import MemoryCounters
+from gateway.flow.queue import FlowQueue, FlowRequest
+from gateway.telemetry.metrics import FlowMetrics, GatewayMetrics
+from policies.flow.order import MemoryCounters, band_name
 
 
 def samples(metrics: GatewayMetrics) -> dict[str, list[tuple[dict[str, str], float]]]:

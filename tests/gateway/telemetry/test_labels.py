@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER, LabelGuard
+from gateway.telemetry.families import MAX_VALUE_CHARS, OTHER, LabelGuard
 
 
 @pytest.mark.parametrize(

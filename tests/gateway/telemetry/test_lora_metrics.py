@@ -4,8 +4,8 @@ model's requests; adapter events (loads, preloads, failures, idle unloads, losse
 
 from __future__ import annotations
 
-from gateway.app.schema import MetricLabelsConfig, MetricsConfig
-from gateway.telemetry.labels import OTHER
+from gateway.app.settings import MetricLabelsConfig, MetricsConfig
+from gateway.telemetry.families import OTHER
 from gateway.telemetry.metrics import GatewayMetrics
 from tests.gateway.telemetry.test_metrics import ok_record, parse, value
 

@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.types import Endpoint, EndpointState, Role
-from gateway.app.schema import MetricLabelsConfig, MetricsConfig
+from gateway.app.settings import MetricLabelsConfig, MetricsConfig
 from gateway.request.record import RequestRecord
-from gateway.telemetry.labels import MAX_VALUE_CHARS, OTHER
+from gateway.telemetry.families import MAX_VALUE_CHARS, OTHER
 from gateway.telemetry.metrics import GatewayMetrics
 from policies.policy import Policy, price_usd
 from policies.schema import PoliciesConfig

@@ -10,7 +10,7 @@ from backends.perf.presets import resolve_preset
 from backends.perf.roofline import step_cost
 from gateway.telemetry.metrics import GatewayMetrics
 from policies.routing import build_router
-from policies.routing.supply import KvSupply
+from policies.routing.kv_tiers import KvSupply
 from tests.gateway.telemetry.test_metrics import parse, value
 from tests.policies.routing.factories import NOW_S, endpoint, request, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored

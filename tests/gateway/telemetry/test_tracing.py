@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.app.schema import OtlpConfig
+from gateway.app.settings import OtlpConfig
 from gateway.request.record import RequestRecord
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.tracing import NOOP_TRACE, STAGES, Tracing

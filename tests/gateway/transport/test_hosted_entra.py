@@ -1,4 +1,4 @@
-"""`auth: entra` on an Azure OpenAI pool (backends/hosted/entra.py, transport/hosted.py): the bearer
+"""`auth: entra` on an Azure OpenAI pool (backends/hosted/azure_openai.py, transport/hosted.py): the bearer
 token is fetched off the loop at start, sent as `Authorization: Bearer` instead of `api-key`, and
 refreshed off the loop before it expires. The Azure stand-in process checks it (it accepts a bearer
 equal to its `--api-key`, as Azure accepts a valid Entra ID token, and refuses any other with 401).
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from backends.config import PoolConfig
 from backends.fleet import Fleet
-from backends.hosted.entra import SCOPE, EntraToken
+from backends.hosted.azure_openai import SCOPE, EntraToken
 from gateway.transport.hosted import HostedCalls, HostedConfigError, Provider
 from tests.backends.builders import pool
 from tests.sim.hosted.standin import StandIn, standin

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.upstream.client import CallWatch
-from gateway.upstream.connection import UpstreamConnectionError
-from gateway.upstream.stalls import DEADLINE
+from gateway.upstream.client import CallWatch, UpstreamConnectionError
+from gateway.upstream.replica_loss import DEADLINE
 from tests.gateway.transport.test_hosted_client import CHAT, calls_to, no_proxies
 from tests.sim.hosted.standin import standin
 from tests.support.http_proxy import forward_proxy

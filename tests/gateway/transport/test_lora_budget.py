@@ -12,9 +12,8 @@ import aiohttp
 import pytest
 
 from backends.config import PoolConfig
-from backends.fleet import Fleet, Pool
-from backends.lora import MB, LoraAdapter
-from backends.lora_discovery import listed_adapters
+from backends.fleet import MB, Fleet, LoraAdapter, Pool
+from backends.scrape import listed_adapters
 from backends.types import Endpoint, EndpointState
 from gateway.console.adapters import adapter_view
 from gateway.transport.lora import AdapterLoader, LoadFailed, fleet_budget

@@ -11,12 +11,10 @@ import aiohttp
 import pytest
 
 from backends.config import BackendsSettings, PoolConfig
-from backends.fleet import Fleet, Pool
-from backends.lora import LoraAdapter
-from backends.lora_discovery import LoraDiscovery, listed_adapters
+from backends.fleet import Fleet, LoraAdapter, Pool
+from backends.scrape import LoraDiscovery, listed_adapters
 from backends.types import Endpoint, EndpointState
-from gateway.transport.lora import AdapterLoader
-from gateway.transport.lora_keeper import AdapterKeeper
+from gateway.transport.lora import AdapterKeeper, AdapterLoader
 from gateway.upstream.client import UpstreamClient
 from sim.lora import LoraSlots
 from sim.server import SimInstance, run_sim_engines

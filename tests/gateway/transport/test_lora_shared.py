@@ -13,11 +13,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from backends.config import PoolConfig
-from backends.fleet import Fleet, Pool
-from backends.lora import LoraAdapter
+from backends.fleet import Fleet, LoraAdapter, Pool
 from backends.types import Endpoint, EndpointState
-from gateway.transport.lora import AdapterLoader
-from gateway.transport.lora_keeper import AdapterKeeper
+from gateway.transport.lora import AdapterKeeper, AdapterLoader
 from gateway.transport.lora_shared import SharedAdapters
 from gateway.upstream.client import UpstreamClient
 from policies.routing.lora import AdapterResidency

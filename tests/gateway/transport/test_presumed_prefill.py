@@ -11,7 +11,7 @@ import numpy as np
 from backends.types import Endpoint, EndpointState
 from gateway.transport.engine import presume_prefilled
 from policies.routing.types import RouteDecision
-from predictor.types import Prediction
+from predictor.features import Prediction
 
 
 def endpoint() -> Endpoint:

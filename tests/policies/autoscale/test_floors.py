@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from backends.autoscale.config import AutoscaleConfig, RoleBounds, Window, parse_hhmm
-from policies.autoscale.floors import Floor, floor_at, schedule_floors
+from policies.autoscale.forecast import Floor, floor_at, schedule_floors
 from policies.autoscale.planner import plan_hpa, plan_pool, replay
 from policies.autoscale.types import PlannerMemory
 from tests.policies.autoscale.test_planner import signals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.flow.bounds import DrainRate, Held, retry_after_s, shed_for
+from policies.flow.room import DrainRate, Held, retry_after_s, shed_for
 
 NORMAL, LOW, SHEDDABLE = 2, 3, 4
 

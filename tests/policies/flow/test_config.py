@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from policies.flow.config import FlowSettings
-from policies.flow.reserve import ReserveSize
+from policies.flow.saturation import FlowSettings, ReserveSize
 from policies.loader import parse_config
 from policies.policy import Policy
 

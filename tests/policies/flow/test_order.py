@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from policies.flow.bands import BANDS, band_rank
-from policies.flow.order import Waiting, pick
+from policies.flow.order import BANDS, Waiting, band_rank, pick
 from policies.schema import PRIORITY_VALUES
 
 NORMAL, LOW, CRITICAL = band_rank(0), band_rank(-1), band_rank(2)

@@ -1,9 +1,8 @@
-"""Which running stream gives its slot to a waiting request (policies/flow/preempt.py)."""
+"""Which running stream gives its slot to a waiting request (policies/flow/saturation.py)."""
 
 from __future__ import annotations
 
-from policies.flow.preempt import Running, victim
-from policies.flow.reserve import Active
+from policies.flow.saturation import Active, Running, victim
 
 NORMAL, LOW, HIGH = 2, 3, 1
 

@@ -3,8 +3,7 @@ reserve is kept for someone, and whether an endpoint keeps it."""
 
 from __future__ import annotations
 
-from policies.flow.config import FlowSettings
-from policies.flow.program_reserve import Standing, held, keeps_reserve, over_share
+from policies.flow.saturation import FlowSettings, Standing, held, keeps_reserve, over_share
 
 
 def test_a_wide_program_beside_small_ones_is_over_its_share_and_a_small_one_is_not() -> None:

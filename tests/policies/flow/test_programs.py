@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.flow.order import Waiting, pick
-from policies.flow.programs import NO_PROGRAM, MemoryPrograms, decayed
+from policies.flow.order import NO_PROGRAM, MemoryPrograms, Waiting, decayed, pick
 from policies.loader import PolicyFileError, parse_config
 from policies.policy import Policy
 

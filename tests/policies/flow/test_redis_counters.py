@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.flow.counters import Counters, MemoryCounters
+from policies.flow.order import Counters, MemoryCounters
 from policies.flow.redis_counters import RedisCounters
 from tests.support.polling import wait_for_async
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.flow.redis_programs import RedisPrograms
+from policies.flow.redis_counters import RedisPrograms
 from tests.support.polling import wait_for_async
 
 pytestmark = pytest.mark.redis

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends.types import Endpoint, EndpointState, EndpointStats
-from policies.flow.reserve import (
+from policies.flow.saturation import (
     Active,
     ReserveSize,
     clear_lane,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.flow.share import ServiceWindow, fair_share_ratios
+from policies.flow.order import ServiceWindow, fair_share_ratios
 
 
 def test_window_sums_recent_service_only() -> None:

@@ -11,9 +11,8 @@ import yaml
 
 from policies.holder import PolicyHolder
 from policies.keys.directory import DirectoryError, KeyDirectory
-from policies.keys.sqlite_store import SqliteDirectoryStore
-from policies.keys.store import MemoryDirectoryStore
-from policies.limits.compile import SPEND_RULE_ID
+from policies.keys.store import MemoryDirectoryStore, SqliteDirectoryStore
+from policies.limits.plan import SPEND_RULE_ID
 from policies.loader import PolicyFileError, parse_config
 from policies.policy import Policy, hash_key
 

@@ -12,9 +12,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from policies.keys.directory import KeyDirectory
-from policies.keys.mirrored import MirroredDirectoryStore
-from policies.keys.redis_store import RedisDirectoryStore
-from policies.keys.sqlite_store import SqliteDirectoryStore
+from policies.keys.store import MirroredDirectoryStore, RedisDirectoryStore, SqliteDirectoryStore
 from policies.loader import parse_config
 from policies.policy import Policy
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from policies.keys.directory import KeyDirectory
-from policies.keys.redis_store import RedisDirectoryStore
+from policies.keys.store import RedisDirectoryStore
 from policies.loader import parse_config
 from policies.policy import Policy
 from tests.support.polling import wait_for_async

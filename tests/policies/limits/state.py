@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from policies.limits import buckets
+from policies.limits import memory_store
 from policies.limits.admission import Admission
 from policies.limits.failover import FailoverStore
 from policies.limits.memory_store import MemoryStore
-from policies.limits.types import BucketSpec, BudgetSpec
+from policies.limits.plan import BucketSpec, BudgetSpec
 
 
 async def bucket_used(admission: Admission, spec: BucketSpec, now_s: float) -> float:
     store = admission.store
     if isinstance(store, MemoryStore):
         state = store._buckets.get(spec.key)
-        return 0.0 if state is None else buckets.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s)
+        return 0.0 if state is None else memory_store.drained(state.used, state.updated_at_s, now_s, spec.rate_per_s)
     assert isinstance(store, FailoverStore)
     raw = await store.redis.client.hmget(store.redis.key("b", spec.key), "u", "t")
     if raw[0] is None or raw[1] is None:
         return 0.0
-    return buckets.drained(float(raw[0]), float(raw[1]), now_s, spec.rate_per_s)
+    return memory_store.drained(float(raw[0]), float(raw[1]), now_s, spec.rate_per_s)
 
 
 async def budget_spent(admission: Admission, spec: BudgetSpec) -> float:

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from policies.limits.plan import Charge, Plan
 from policies.limits.redis_store import RedisStore
-from policies.limits.types import Charge, Plan
 from tests.policies.limits.support import policy, principal
 from tests.support.procs import free_port
 

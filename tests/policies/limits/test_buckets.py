@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from policies.limits import buckets
+from policies.limits import memory_store
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ from policies.limits import buckets
     ids=["drains", "floor", "clock-back", "debt"],
 )
 def test_drained(used: float, updated: float, now: float, rate: float, expected: float) -> None:
-    assert buckets.drained(used, updated, now, rate) == pytest.approx(expected)
+    assert memory_store.drained(used, updated, now, rate) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -35,12 +35,12 @@ def test_drained(used: float, updated: float, now: float, rate: float, expected:
     ids=["fits", "short", "in-debt", "never"],
 )
 def test_wait(used: float, cost: float, capacity: float, rate: float, expected: float) -> None:
-    assert buckets.wait_s(used, cost, capacity, rate) == pytest.approx(expected)
+    assert memory_store.wait_s(used, cost, capacity, rate) == pytest.approx(expected)
 
 
 def test_reset_is_time_until_full() -> None:
-    assert buckets.reset_s(600.0, 100.0) == pytest.approx(6.0)
-    assert buckets.reset_s(0.0, 100.0) == 0.0
+    assert memory_store.reset_s(600.0, 100.0) == pytest.approx(6.0)
+    assert memory_store.reset_s(0.0, 100.0) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,8 @@ def test_reset_is_time_until_full() -> None:
 )
 def test_periods_follow_the_utc_calendar(moment: datetime) -> None:
     now = moment.timestamp()
-    month = buckets.period_id("month", now)
+    month = memory_store.period_id("month", now)
     assert month == moment.year * 12 + moment.month - 1
-    assert buckets.period_end_s("month", month) > now >= buckets.period_end_s("month", month - 1)
-    day = buckets.period_id("day", now)
-    assert buckets.period_end_s("day", day) - now <= 86_400
+    assert memory_store.period_end_s("month", month) > now >= memory_store.period_end_s("month", month - 1)
+    day = memory_store.period_id("day", now)
+    assert memory_store.period_end_s("day", day) - now <= 86_400

@@ -12,8 +12,7 @@ import pytest
 from policies.limits.admission import Admission, Admitted
 from policies.limits.failover import FailoverStore
 from policies.limits.redis_store import RedisStore
-from policies.limits.resp import command
-from policies.limits.scriptpipe import ScriptPipe
+from policies.limits.scriptpipe import ScriptPipe, command
 from policies.types import Usage
 from tests.policies.limits.state import active_leases, bucket_used
 from tests.policies.limits.support import facts, policy, principal

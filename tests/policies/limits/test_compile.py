@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.limits.types import Plan
+from policies.limits.plan import Plan
 from tests.policies.limits.support import OTHER_KEY, policy, principal
 
 

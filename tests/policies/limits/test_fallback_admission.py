@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.fallback import choose_fallback
 from policies.limits.admission import Admission, Admitted
-from policies.policy import Policy
+from policies.policy import Policy, choose_fallback
 from policies.types import Rejection, Usage
 from tests.policies.limits.conftest import AdmissionFactory
 from tests.policies.limits.support import facts, policy, principal

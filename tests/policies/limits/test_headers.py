@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.limits.rejections import go_duration, ratelimit_headers, retry_headers, usd
+from policies.limits.admission import go_duration, ratelimit_headers, retry_headers, usd
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from policies.limits import buckets
+from policies.limits import memory_store
 from policies.limits.admission import Admitted
-from policies.limits.types import Charge
+from policies.limits.plan import Charge
 from policies.policy import Policy, hash_key
 from policies.schema import PoliciesConfig
 from policies.types import Rejection, RequestSubjects, Usage
@@ -190,9 +190,9 @@ def test_plans_without_request_rules_ignore_the_subjects() -> None:
 
 
 def test_request_plans_are_cached_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from policies.limits import compile as compile_module
+    from policies.limits import plan as plan_module
 
-    monkeypatch.setattr(compile_module, "MAX_REQUEST_PLANS", 3)
+    monkeypatch.setattr(plan_module, "MAX_REQUEST_PLANS", 3)
     p = org_policy(budgets=[{"scope": "program", "usd_per_run": 1.0}])
     who = principal(p)
     first = p.admission_plan(who, "big", RequestSubjects(program="r0"))
@@ -221,9 +221,9 @@ def test_hierarchy_problems_are_named(doc: dict[str, Any], message: str) -> None
 
 
 def test_a_run_budget_never_resets() -> None:
-    assert buckets.period_id("run", T0) == buckets.period_id("run", T0 * 3) == 0
-    assert math.isinf(buckets.period_end_s("run", 0))
-    assert math.isinf(buckets.wait_s(5.0, 1.0, 5.0, 0.0)) and buckets.wait_s(1.0, 1.0, 5.0, 0.0) == 0.0
+    assert memory_store.period_id("run", T0) == memory_store.period_id("run", T0 * 3) == 0
+    assert math.isinf(memory_store.period_end_s("run", 0))
+    assert math.isinf(memory_store.wait_s(5.0, 1.0, 5.0, 0.0)) and memory_store.wait_s(1.0, 1.0, 5.0, 0.0) == 0.0
 
 
 async def test_a_refusing_rule_names_its_own_fallback(make_admission: AdmissionFactory) -> None:
@@ -260,10 +260,10 @@ async def test_billing_periods_match_between_lua_and_python(
     out = await adm.store.reserve(plan, Charge(f"t-{now}-{offset_s}", [], 0.0), now_s=now)
     local = datetime.fromtimestamp(now + offset_s, UTC)
     expected = local.year * 12 + local.month - 1 - (1 if local.day < 15 else 0)
-    assert out.budget_periods == [expected] == [buckets.period_id(period, now)]
-    end = buckets.period_end_s(period, expected)
+    assert out.budget_periods == [expected] == [memory_store.period_id(period, now)]
+    end = memory_store.period_end_s(period, expected)
     assert datetime.fromtimestamp(end + offset_s, UTC).day == 15 and end > now
-    assert buckets.period_id(period, end) == expected + 1 and buckets.period_id(period, end - 1) == expected
+    assert memory_store.period_id(period, end) == expected + 1 and memory_store.period_id(period, end - 1) == expected
 
 
 async def test_a_billing_period_budget_resets_on_its_anchor_day(make_admission: AdmissionFactory) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from policies.limits.memory_store import MemoryStore
+from policies.limits.plan import Charge
 from policies.limits.redis_store import RedisStore
 from policies.limits.standing import key_spend, standing
-from policies.limits.types import Charge
 from policies.policy import Policy
 from tests.policies.limits.support import policy, principal
 

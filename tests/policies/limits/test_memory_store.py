@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies.limits.memory_store import MemoryStore
-from policies.limits.types import BucketSpec, BudgetSpec, Charge, Settlement
+from policies.limits.plan import BucketSpec, BudgetSpec, Charge, Settlement
 from tests.policies.limits.support import policy, principal
 
 

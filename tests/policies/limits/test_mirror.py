@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from policies.limits.mirror import Mirror
-from policies.limits.types import Charge, Outcome, Settlement
+from policies.limits.failover import Mirror
+from policies.limits.plan import Charge, Outcome, Settlement
 from tests.policies.limits.support import policy, principal
 
 

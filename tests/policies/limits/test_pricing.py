@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.limits.compile import price_of
-from policies.limits.types import Price
+from policies.limits.plan import Price, price_of
 from policies.policy import Policy, cache_saving_usd, price_usd, usage_cost_usd
 from policies.schema import ModelConfig, PoliciesConfig
 from policies.types import Principal, Usage

@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 import pytest
 from redis.crc import key_slot
 
-from policies.limits import buckets
+from policies.limits import memory_store
+from policies.limits.plan import Charge, Plan, Settlement
 from policies.limits.redis_store import RedisStore
-from policies.limits.types import Charge, Plan, Settlement
 from tests.policies.limits.support import policy, principal
 
 pytestmark = pytest.mark.redis
@@ -79,7 +79,7 @@ async def test_settle_applies_once(store: RedisStore) -> None:
 async def test_fail_open_charges_are_pushed_once(store: RedisStore) -> None:
     plan = full_plan()
     now = datetime(2025, 6, 15, tzinfo=UTC).timestamp()
-    periods = [buckets.period_id("day", now), buckets.period_id("month", now)]
+    periods = [memory_store.period_id("day", now), memory_store.period_id("month", now)]
     settlement = Settlement("local-1", "local", [0.0, 0.0], 0.0, periods, 0.25)
     assert await store.charge_budgets(plan, settlement, now_s=now) is True
     assert await store.charge_budgets(plan, settlement, now_s=now) is False
@@ -102,7 +102,7 @@ async def test_lua_calendar_matches_python(store: RedisStore, moment: datetime) 
     plan = full_plan()
     now = moment.timestamp()
     out = await store.reserve(plan, Charge(f"t-{now}", [0.0, 0.0], 0.0), now_s=now)
-    assert out.budget_periods == [buckets.period_id("day", now), buckets.period_id("month", now)]
+    assert out.budget_periods == [memory_store.period_id("day", now), memory_store.period_id("month", now)]
 
 
 async def test_budget_resets_when_the_period_changes(store: RedisStore) -> None:

@@ -1,4 +1,4 @@
-"""The index of live agent runs and what each run used (policies/limits/runs.py), over the memory
+"""The index of live agent runs and what each run used (policies/limits/standing.py), over the memory
 store and a real Redis: admitted calls of runs with a run rule are listed newest first with the key
 and model that made them, the index is bounded, and two replicas on one Redis see the same runs."""
 
@@ -14,7 +14,7 @@ from policies.limits.admission import Admission
 from policies.limits.failover import FailoverStore
 from policies.limits.memory_store import MemoryStore
 from policies.limits.redis_store import RedisStore
-from policies.limits.runs import order, run_standing
+from policies.limits.standing import order, run_standing
 from policies.policy import Policy
 from policies.types import RequestFacts, RequestSubjects, Usage
 from tests.policies.limits.conftest import AdmissionFactory

@@ -9,8 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from policies.limits.plan import Charge, Plan, Settlement
 from policies.limits.redis_store import RedisStore
-from policies.limits.types import Charge, Plan, Settlement
 from policies.types import RequestSubjects
 from tests.policies.limits.support import policy, principal
 from tests.policies.limits.test_hierarchy import org_policy

@@ -15,9 +15,9 @@ import uvloop
 
 from policies.limits.admission import Admission, Admitted
 from policies.limits.failover import FailoverStore
+from policies.limits.plan import Charge, Settlement
 from policies.limits.redis_store import RedisStore
 from policies.limits.scriptpipe import ScriptPipe
-from policies.limits.types import Charge, Settlement
 from policies.types import Usage
 from tests.policies.limits.redis_proc import RedisProcess
 from tests.policies.limits.support import facts, policy, principal

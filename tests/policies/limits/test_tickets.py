@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from policies.limits.memory_store import MemoryStore
+from policies.limits.plan import Charge, Plan, Settlement
 from policies.limits.redis_store import RedisStore, VoidedTicket
-from policies.limits.types import Charge, Plan, Settlement
 from tests.policies.limits.support import policy, principal
 
 T0 = 1_000_000.0

@@ -7,7 +7,7 @@ from typing import Any
 from backends.config import PoolConfig, StaticEndpointConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, EndpointStats, InFlight, Role
-from policies.routing.prefix.hashing import HashedPrompt
+from policies.routing.prefix_blocks import HashedPrompt
 from policies.routing.types import Candidate, RouteContext, RouteRequest
 from policies.slo import Slo
 from policies.types import Principal, RequestFacts

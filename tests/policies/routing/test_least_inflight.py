@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.baselines import LeastInflightRouter
+from policies.routing.components import LeastInflightRouter
 from tests.policies.routing.factories import NOW_S, endpoint, pool, request
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import work_tokens
+from policies.routing.components import work_tokens
 from tests.policies.routing.factories import endpoint
 
 

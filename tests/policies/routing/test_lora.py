@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from backends.block_hash import hash_blocks, lora_salt
-from backends.lora import LoraAdapter
+from backends.fleet import LoraAdapter
 from backends.types import Endpoint
 from policies.routing.lora import AdapterResidency, LoraAffinityScorer, LoraSlotsFilter, adapter_state
 from policies.routing.pipeline import build_router
-from policies.routing.prefix.hashing import ENGINE_HASHERS
-from policies.routing.prefix.precise import PrecisePrefixIndex
+from policies.routing.prefix_blocks import ENGINE_HASHERS
+from policies.routing.prefix_precise import PrecisePrefixIndex
 from tests.policies.routing.factories import candidate, context, endpoint, pool, request, token_ids
 
 SQL = LoraAdapter("sql", "base", "s3://a/sql", 64 * 1024 * 1024)

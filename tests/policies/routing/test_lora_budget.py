@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from backends.config import PoolConfig
-from backends.fleet import Pool
-from backends.lora import MB, LoraAdapter
+from backends.fleet import MB, LoraAdapter, Pool
 from backends.types import Endpoint
 from policies.routing.lora import AdapterResidency, LoraAffinityScorer, LoraSlotsFilter, adapter_state
 from policies.routing.pipeline import build_router

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from backends.lora import LoraAdapter
+from backends.fleet import LoraAdapter
 from backends.types import Endpoint
 from policies.routing.lora import AdapterResidency, LoraAffinityScorer
 from policies.routing.pipeline import build_router

@@ -10,8 +10,8 @@ from backends.config import PoolConfig
 from backends.fleet import Pool
 from backends.types import Endpoint, Role
 from policies.routing.config import PDConfig
-from policies.routing.pd import decide_pd, is_disaggregated
-from policies.routing.pipeline import build_router
+from policies.routing.pd import decide_pd
+from policies.routing.pipeline import build_router, is_disaggregated
 from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request, token_ids
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from backends.types import Endpoint, EndpointState
+from policies.routing.components import MaxScorePicker
 from policies.routing.config import RoutingConfig
-from policies.routing.pickers import MaxScorePicker
 from policies.routing.pipeline import Pipeline, ScoringRouter, WeightedScorer, build_router, check_consumes
 from policies.routing.types import RouteDecision, Router, RouteRequest
 from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, endpoints, pool, request, token_ids

@@ -2,14 +2,14 @@ import re
 
 import pytest
 
-from policies.routing import registry
+from policies.routing import components
 
 
 @pytest.mark.parametrize("kind", ["filter", "scorer", "picker"])
 def test_names_are_kebab_case_and_factories_build_with_defaults(kind: str) -> None:
-    for name in registry.REGISTRIES[kind]:
+    for name in components.REGISTRIES[kind]:
         assert re.fullmatch(r"[a-z]+(-[a-z]+)*", name), name
-        assert registry.build(kind, name, {}) is not None
+        assert components.build(kind, name, {}) is not None
 
 
 @pytest.mark.parametrize(
@@ -22,15 +22,15 @@ def test_names_are_kebab_case_and_factories_build_with_defaults(kind: str) -> No
 )
 def test_build_errors(kind: str, name: str, params: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        registry.build(kind, name, params)
+        components.build(kind, name, params)
 
 
 def test_registries_are_read_only() -> None:
     with pytest.raises(TypeError):
-        registry.SCORERS["x"] = object  # type: ignore[index]
+        components.SCORERS["x"] = object  # type: ignore[index]
 
 
 def test_every_scorer_declares_its_inputs_and_formula() -> None:
-    for name, factory in registry.SCORERS.items():
+    for name, factory in components.SCORERS.items():
         assert getattr(factory, "consumes", None), name
         assert "Range" in (factory.__doc__ or ""), name

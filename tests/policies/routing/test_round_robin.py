@@ -1,5 +1,5 @@
 from backends.types import EndpointState, Role
-from policies.routing.baselines import RoundRobinRouter
+from policies.routing.components import RoundRobinRouter
 from tests.policies.routing.factories import NOW_S, endpoint, pool, request
 
 

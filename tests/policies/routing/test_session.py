@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.session import SessionTable, session_key
+from policies.routing.pipeline import SessionTable, session_key
 from tests.policies.routing.factories import facts
 
 

@@ -8,13 +8,11 @@ from backends.config import PoolConfig
 from backends.fleet import Pool
 from backends.perf.presets import resolve_preset
 from backends.perf.roofline import step_cost
-from backends.topology import Topology
-from backends.types import Role
+from backends.types import Role, Topology
 from policies.routing import build_router
 from policies.routing.config import KvTiersConfig
+from policies.routing.kv_tiers import KvSupply, TierTokens
 from policies.routing.pipeline import supply_meter, tier_pricing
-from policies.routing.prefix.tiers import TierTokens
-from policies.routing.supply import KvSupply
 from policies.routing.types import RouteDecision
 from tests.policies.routing.factories import NOW_S, endpoint, pool, request, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored

@@ -7,11 +7,10 @@ import pytest
 from backends.config import PoolConfig
 from backends.fleet import Pool
 from backends.perf.presets import resolve_preset
-from backends.topology import Topology
-from backends.types import Endpoint, Role
+from backends.types import Endpoint, Role, Topology
 from policies.routing.config import LinkClassesConfig
+from policies.routing.pd import PairCosts, choose_pair, price
 from policies.routing.pipeline import build_router
-from policies.routing.topology import PairCosts, choose_pair, price
 from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, request, token_ids
 
 LLAMA_8B_KV_BYTES = 2 * 32 * 8 * 128 * 2  # K and V x layers x KV heads x head dim x bf16

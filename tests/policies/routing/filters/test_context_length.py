@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.filters import ContextLengthFilter
+from policies.routing.components import ContextLengthFilter
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

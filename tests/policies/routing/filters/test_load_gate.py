@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.filters import LoadGateFilter
+from policies.routing.components import LoadGateFilter
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

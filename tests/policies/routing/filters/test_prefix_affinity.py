@@ -1,7 +1,7 @@
 import pytest
 
+from policies.routing.components import PrefixAffinityFilter
 from policies.routing.config import RoutingConfig
-from policies.routing.filters import PrefixAffinityFilter
 from policies.routing.pipeline import check_consumes
 from tests.policies.routing.factories import candidate, context, endpoint
 

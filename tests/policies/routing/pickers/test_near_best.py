@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from policies.routing.pickers import NearBestRandomPicker
+from policies.routing.components import NearBestRandomPicker
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

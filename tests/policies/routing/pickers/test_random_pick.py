@@ -1,7 +1,7 @@
 import random
 from collections import Counter
 
-from policies.routing.pickers import RandomPicker
+from policies.routing.components import RandomPicker
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from policies.routing.pickers import WeightedRandomPicker
+from policies.routing.components import WeightedRandomPicker
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -3,7 +3,7 @@ import tracemalloc
 
 import pytest
 
-from policies.routing.prefix.approximate import ApproximatePrefixIndex
+from policies.routing.prefix_index import ApproximatePrefixIndex
 from tests.policies.routing.factories import endpoint, prompt, token_ids
 
 

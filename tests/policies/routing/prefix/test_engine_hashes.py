@@ -1,7 +1,7 @@
 import pytest
 
 from backends.block_hash import hash_blocks
-from policies.routing.prefix.hashing import ENGINE_HASHERS, token_bytes
+from policies.routing.prefix_blocks import ENGINE_HASHERS, token_bytes
 from tests.policies.routing.factories import token_ids
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.prefix.hashing import (
+from policies.routing.prefix_blocks import (
     PromptBlocks,
     block_key,
     canonical_prompt_bytes,

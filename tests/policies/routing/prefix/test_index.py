@@ -2,7 +2,7 @@ import pytest
 
 from backends.kv_events import RESET_GAP
 from policies.routing.config import PrefixIndexAdvanced, PrefixIndexConfig
-from policies.routing.prefix.index import PrefixIndex
+from policies.routing.prefix_index import PrefixIndex
 from tests.policies.routing.factories import NOW_S, endpoint, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.prefix.owners import OwnerMap, SlotMap, leading_matches
+from policies.routing.prefix_blocks import OwnerMap, SlotMap, leading_matches
 
 
 def owner_map(holdings: dict[int, list[int]]) -> dict[int, int]:

@@ -1,8 +1,8 @@
 import pytest
 
 from backends.kv_events import RESET_GAP, RESET_RESTART, BlockStored
-from policies.routing.prefix.hashing import ENGINE_HASHERS, HashedPrompt
-from policies.routing.prefix.precise import PrecisePrefixIndex, salt_from_extra_keys
+from policies.routing.prefix_blocks import ENGINE_HASHERS, HashedPrompt
+from policies.routing.prefix_precise import PrecisePrefixIndex, salt_from_extra_keys
 from tests.policies.routing.factories import NOW_S, endpoint, facts, prompt, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, removed, stored
 

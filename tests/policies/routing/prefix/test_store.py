@@ -9,10 +9,10 @@ from backends.fleet import Pool
 from backends.kv_events import BlockStored
 from backends.types import Endpoint
 from policies.routing import build_router
+from policies.routing.kv_tiers import TierLink, TierTokens
 from policies.routing.pipeline import tier_pricing
-from policies.routing.prefix.hashing import ENGINE_HASHERS
-from policies.routing.prefix.precise import PrecisePrefixIndex
-from policies.routing.prefix.tiers import TierLink, TierTokens
+from policies.routing.prefix_blocks import ENGINE_HASHERS
+from policies.routing.prefix_precise import PrecisePrefixIndex
 from tests.policies.routing.factories import NOW_S, endpoint, prompt, request, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, engine_hashes, removed, stored
 

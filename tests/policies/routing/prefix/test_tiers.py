@@ -7,10 +7,10 @@ import pytest
 from backends.kv_events import BlockStored
 from backends.perf.presets import resolve_preset
 from policies.routing import build_router
-from policies.routing.prefix.approximate import ApproximatePrefixIndex
-from policies.routing.prefix.hashing import ENGINE_HASHERS
-from policies.routing.prefix.precise import PrecisePrefixIndex
-from policies.routing.prefix.tiers import CPU, DISK, REMOTE, TierLink, TierPricing, TierTokens
+from policies.routing.kv_tiers import CPU, DISK, REMOTE, TierLink, TierPricing, TierTokens
+from policies.routing.prefix_blocks import ENGINE_HASHERS
+from policies.routing.prefix_index import ApproximatePrefixIndex
+from policies.routing.prefix_precise import PrecisePrefixIndex
 from tests.policies.routing.factories import NOW_S, endpoint, pool, prompt, request, token_ids
 from tests.policies.routing.prefix.events import batch, engine_hashes, removed, stored
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import InflightTokensScorer
+from policies.routing.components import InflightTokensScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import KvUsageScorer
+from policies.routing.components import KvUsageScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

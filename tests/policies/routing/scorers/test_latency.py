@@ -5,13 +5,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from policies.routing.components import LatencyScorer, predict_candidates
 from policies.routing.pipeline import build_router
-from policies.routing.scorers import LatencyScorer, predict_candidates
 from policies.routing.types import RouteContext
 from policies.slo import Slo
 from predictor.config import PredictorSettings
+from predictor.features import NUM_FEATURES, Feature, Prediction
 from predictor.service import LatencyPredictor
-from predictor.types import NUM_FEATURES, Feature, Prediction
 from tests.policies.routing.factories import NOW_S, candidate, context, endpoint, pool, request, token_ids
 from tests.policies.routing.prefix.events import batch, removed, stored
 from tests.policies.routing.prefix.test_tiers import offloaded

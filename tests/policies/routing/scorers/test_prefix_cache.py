@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import PrefixCacheScorer
+from policies.routing.components import PrefixCacheScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import QueueDepthScorer
+from policies.routing.components import QueueDepthScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import SessionAffinityScorer
+from policies.routing.components import SessionAffinityScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.routing.scorers import WorkCostScorer
+from policies.routing.components import WorkCostScorer
 from tests.policies.routing.factories import candidate, context, endpoint
 
 # prompt 4096 tokens; each case: (cached, prefill pending, decode tokens, requests) per endpoint

@@ -1,1 +1,0 @@
-"""Prefix indexes: which endpoint holds which prompt prefix in its KV cache."""
