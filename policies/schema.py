@@ -64,7 +64,8 @@ REQUEST_SCOPES = frozenset({"user", "tag", "program"})
 RUN_LIMITS = ("calls_per_run", "tokens_per_run", "seconds_per_run")
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$"
-_TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"  # the request tags' own rule (`_tags` in gateway/request/intake.py)
+# the request tags' own rule (`_tags` in gateway/request/intake.py)
+_TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$"
 
 
 # Request fields that steer the engine itself (vLLM, TensorRT-LLM): clients may not set them unless their
