@@ -28,6 +28,7 @@ from backends.supervisor import Supervisor
 from backends.types import Endpoint, EndpointState, PlanError
 from tests.backends.builders import pool
 from tests.support.polling import wait_for_async
+from tests.support.procs import free_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -45,7 +46,7 @@ def sim_pool(name: str, replicas: int = 1, **fields: Any) -> PoolConfig:
 
 def make_settings(tmp_path: Path, **fields: Any) -> BackendsSettings:
     defaults: dict[str, Any] = {
-        "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), "port_base": 20000 + os.getpid() % 20000,
+        "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), "port_base": free_ports(8)[0],
         "ready_poll_interval_s": 0.05, "restart_backoff_s": 0.05, "restart_backoff_max_s": 0.2,
         "crash_loop_restarts": 3, "term_grace_s": 5.0, "health_timeout_s": 1.0,
     }  # fmt: skip
@@ -204,7 +205,7 @@ def test_engines_stop_when_the_gateway_gets_sigint(tmp_path: Path) -> None:
 
         async def main():
             pools = [PoolConfig(name="g", model="m", engine="vllm", replicas=2, engine_bin={SIM_BIN!r})]
-            settings = BackendsSettings(log_dir={str(tmp_path)!r}, port_base={21000 + os.getpid() % 20000},
+            settings = BackendsSettings(log_dir={str(tmp_path)!r}, port_base={free_ports(4)[0]},
                                         ready_poll_interval_s=0.05)
             supervisor = Supervisor(settings)
             fleet = Fleet.from_configs(pools)

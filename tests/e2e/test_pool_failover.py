@@ -26,7 +26,7 @@ from backends.fleet import Fleet
 from backends.supervisor import Supervisor
 from backends.types import EndpointState
 from tests.support.polling import wait_for
-from tests.support.procs import TEST_KEY, Gateway, http_get, start_gateway, static_pool
+from tests.support.procs import TEST_KEY, Gateway, free_ports, http_get, start_gateway, static_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -97,7 +97,7 @@ def launched_gateway(tmp_path: Path) -> Iterator[Gateway]:
         "extra_args": ["--time-scale", "10"], "ready_timeout_s": 60,
     }]  # fmt: skip
     backends = {
-        "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), "port_base": 22000 + os.getpid() % 20000,
+        "log_dir": str(tmp_path / "logs"), "run_dir": str(tmp_path / "run"), "port_base": free_ports(6)[0],
         "ready_poll_interval_s": 0.05, "restart_backoff_s": 0.1, "health_interval_s": 0.2,
     }  # fmt: skip
     gateway = start_gateway(tmp_path / "gw", pools=pools, backends=backends, wait_ready=False)
@@ -136,7 +136,7 @@ async def test_supervised_replicas_behind_the_gateway_survive_a_sigkill(tmp_path
     pool = PoolConfig(name="llm", model=MODEL, engine="vllm", engine_bin=SIM_BIN, replicas=3,
                       extra_args=["--time-scale", "10"], ready_timeout_s=60)  # fmt: skip
     settings = BackendsSettings(
-        log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"), port_base=23000 + os.getpid() % 20000,
+        log_dir=str(tmp_path / "logs"), run_dir=str(tmp_path / "run"), port_base=free_ports(6)[0],
         ready_poll_interval_s=0.05, restart_backoff_s=0.1,
     )  # fmt: skip
     fleet = Fleet.from_configs([pool])

@@ -316,8 +316,9 @@ def sweep(since: Snapshot | None = None) -> list[int]:
             _LAST_SEEN[pid] = command_line(pid)
         with contextlib.suppress(Exception):
             stop_process(proc, signal.SIGKILL, timeout_s=5)
+    own = _interpreter_helpers()
     for pid in children(os.getpid()):
-        if since is not None and _started_ticks(pid) < since.ticks:
+        if pid in own or (since is not None and _started_ticks(pid) < since.ticks):
             continue
         _LAST_SEEN[pid] = command_line(pid)
         with contextlib.suppress(OSError):
@@ -327,6 +328,17 @@ def sweep(since: Snapshot | None = None) -> list[int]:
 
 
 _LAST_SEEN: dict[int, str] = {}  # what each swept process was running, for the report that names it
+
+
+def _interpreter_helpers() -> set[int]:
+    """Children this interpreter keeps for itself: multiprocessing's resource tracker, started by the
+    first process a test spawns in it and alive as long as the interpreter (it ends when this process
+    does). Not something a test left running, so a sweep leaves it alone."""
+    import multiprocessing.resource_tracker
+
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    pid = getattr(tracker, "_pid", None)
+    return {pid} if isinstance(pid, int) else set()
 
 
 def command_line(pid: int) -> str:
