@@ -451,15 +451,25 @@ class ProgramActivity:
                     group.both_waiting += 1
 
     def status(self) -> dict[str, object]:
-        """Per pool and tenant: programs active, requests in flight, programs waiting (`/admin/status`)."""
+        """Per pool and tenant: programs active, requests in flight, programs waiting (`/admin/status`),
+        this replica's; with other replicas' reports merged in, `cluster` adds theirs, a program
+        counted once whichever replicas carry its calls (the figures `standing` decides on)."""
         out: dict[str, object] = {}
-        for (pool, tenant), group in sorted(self._groups.items()):
-            self._expire(group)
-            out[f"{pool}/{tenant}"] = {
-                "programs": len(group.programs),
-                "inflight": group.inflight,
-                "waiting_programs": group.waiting_programs,
-            }
+        for key in sorted(self._groups.keys() | self._remote.keys()):
+            group = self._groups.get(key)
+            if group is not None:
+                self._expire(group)
+            local = (len(group.programs), group.inflight, group.waiting_programs) if group is not None else (0, 0, 0)
+            row: dict[str, object] = {"programs": local[0], "inflight": local[1], "waiting_programs": local[2]}
+            remote = self._remote.get(key)
+            if remote is not None:
+                shared, both = (group.shared, group.both_waiting) if group is not None else (0, 0)
+                row["cluster"] = {
+                    "programs": local[0] + len(remote.programs) - shared,
+                    "inflight": local[1] + remote.inflight,
+                    "waiting_programs": local[2] + remote.waiting_programs - both,
+                }
+            out[f"{key[0]}/{key[1]}"] = row
         return out
 
     # --- parts ------------------------------------------------------------------------------------

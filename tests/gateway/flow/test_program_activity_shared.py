@@ -118,3 +118,38 @@ def test_peers_and_their_rows_are_bounded() -> None:
     assert a.standing("p", "t", "y").inflight == activity._MAX_PROGRAM_PEERS  # the first peers went
     a.drop_remote()
     assert not a._remote and not a._peers
+
+
+def test_status_shows_the_fleet_beside_this_replica() -> None:
+    a, b = pair()
+    a.inflight("p", "t", "wide", 1)
+    a.inflight("p", "t", "wide", 1)
+    b.inflight("p", "t", "wide", 1)
+    b.waiting("p", "t", "wide", 1)
+    b.inflight("p", "t", "solo", 1)
+    b.inflight("p", "u", "other", 1)  # a tenant only b has seen
+    assert a.status() == {"p/t": {"programs": 1, "inflight": 2, "waiting_programs": 0}}  # alone: no cluster
+    exchange(a, b)
+    assert a.status() == {
+        "p/t": {
+            "programs": 1,
+            "inflight": 2,
+            "waiting_programs": 0,
+            "cluster": {"programs": 2, "inflight": 4, "waiting_programs": 1},  # `wide` counted once
+        },
+        "p/u": {
+            "programs": 0,
+            "inflight": 0,
+            "waiting_programs": 0,
+            "cluster": {"programs": 1, "inflight": 1, "waiting_programs": 0},
+        },
+    }
+    a.waiting("p", "t", "wide", 1)  # waiting on both replicas: one program waiting
+    assert a.status()["p/t"] == {
+        "programs": 1,
+        "inflight": 2,
+        "waiting_programs": 1,
+        "cluster": {"programs": 2, "inflight": 4, "waiting_programs": 1},
+    }
+    a.drop_remote()
+    assert a.status() == {"p/t": {"programs": 1, "inflight": 2, "waiting_programs": 1}}
