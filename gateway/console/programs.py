@@ -6,16 +6,24 @@ each used from the run's own counters, the ones `GET /v1/key?program=` reads: ca
 its wall-clock cap, every run cap with what is left. Bounded: the newest `READ_MAX` index entries are
 read, at most `PEEK_MAX` runs (after the tenant and team filter) are looked up, one peek each, all
 at once; then ordered by spend or by their last call. A team admin sees its teams' tenants' runs only.
+
+A run no run rule counts has no counters and is not in that index: its row comes from the ledger
+instead (gateway/console/tenant_spend.py: this month's records summed per run, up to `TTL_S` old,
+every replica's with the ledger's Redis stream), `source: "ledger"`, with no caps and no clock. A run
+in both is shown once, from its counters (exact, with its caps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
+import redis
 from aiohttp import web
 
 from gateway.app import keys as appkeys
+from gateway.console.tenant_spend import RunTotals
 from gateway.http.admin_replies import admin_error, json_reply
 from gateway.http.team_scope import team_view
 from policies.limits.memory_store import READ_MAX, RunSeen
@@ -23,6 +31,7 @@ from policies.limits.standing import order, run_standing
 from policies.policy import Policy
 from policies.types import RequestSubjects
 
+log = logging.getLogger("tokenway.console")
 PEEK_MAX = 200  # runs one listing reads the counters of
 DEFAULT_LIMIT = 50
 SORTS = ("spend", "recent")
@@ -42,17 +51,44 @@ async def programs(request: web.Request) -> web.StreamResponse:
     tenant = request.query.get("tenant") or None
     policy = request.app[appkeys.POLICIES].current
     store: Any = request.app[appkeys.ADMISSION].store
-    if not hasattr(store, "recent_runs"):
-        return json_reply({"data": [], "sort": sort, "runs_read": 0})
-    seen: list[RunSeen] = await store.recent_runs(READ_MAX)
+    seen: list[RunSeen] = await store.recent_runs(READ_MAX) if hasattr(store, "recent_runs") else []
     view = team_view(request)  # a team admin: its teams' tenants' runs only
-    wanted = [
-        run
-        for run in seen
-        if (tenant is None or run.tenant == tenant) and (view is None or view.sees_tenant(run.tenant))
-    ][:PEEK_MAX]
-    rows = await asyncio.gather(*(_row(request, policy, store, run) for run in wanted))
-    return json_reply({"data": order(rows, sort)[:limit], "sort": sort, "runs_read": len(wanted)})
+
+    def shown(name: str) -> bool:
+        return (tenant is None or name == tenant) and (view is None or view.sees_tenant(name))
+
+    wanted = [run for run in seen if shown(run.tenant)][:PEEK_MAX]
+    rows = list(await asyncio.gather(*(_row(request, policy, store, run) for run in wanted)))
+    reply: dict[str, Any] = {"sort": sort, "runs_read": len(wanted)}
+    spend = request.app.get(appkeys.TENANT_SPEND)
+    if spend is not None:
+        counted = {(run.tenant, run.program) for run in seen}
+        try:
+            runs, reply["ledger"] = await spend.runs()
+        except (OSError, ValueError, redis.RedisError) as exc:  # stream unreachable: the counted runs answer
+            log.warning("agent runs from the ledger unavailable: %s", exc)
+            reply["ledger"] = {"error": "unavailable"}
+            runs = []
+        rows += [_ledger_row(run) for run in runs if (run.tenant, run.program) not in counted and shown(run.tenant)]
+    reply["data"] = order(rows, sort)[:limit]
+    return json_reply(reply)
+
+
+def _ledger_row(run: RunTotals) -> dict[str, Any]:
+    return {
+        "tenant": run.tenant,
+        "program": run.program,
+        "key_id": run.key_id,
+        "model": run.model,
+        "last_seen": round(run.last_s, 3),
+        "calls": run.calls,
+        "tokens": run.tokens,
+        "spent_usd": round(run.usd, 6),
+        "started_at": round(run.first_s, 3),
+        "seconds_left": None,
+        "caps": [],
+        "source": "ledger",
+    }
 
 
 async def _row(request: web.Request, policy: Policy, store: Any, run: RunSeen) -> dict[str, Any]:
@@ -62,6 +98,7 @@ async def _row(request: web.Request, policy: Policy, store: Any, run: RunSeen) -
         "key_id": run.key_id,
         "model": run.model,
         "last_seen": round(run.last_seen_s, 3),
+        "source": "counters",
     }
     empty: dict[str, Any] = {
         "calls": None,

@@ -19,6 +19,11 @@ thread, so a console refreshing the list never blocks the event loop and concurr
 one read. Memory: one pair of floats per tenant seen, at most `MAX_TENANTS` (records of further names
 are not summed: the list asks only for tenants that exist), one offset per ledger file of the month,
 and with the stream the last `DEDUPE_WINDOW` request ids (a record delivered twice is counted once).
+
+The same pass sums each agent run's calls, tokens and dollars this month (`RunTotals`, per tenant and
+program id as the ledger stores it) for the console's Programs page: a run no run rule counts has no
+counters (docs/agents.md#live-programs-in-the-console), so its spend comes from here. At most
+`MAX_RUNS` runs are kept, those with the latest records (a run idle longest goes first).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,24 @@ from gateway.ledger.writer import decode
 
 TTL_S = 30.0
 MAX_TENANTS = 100_000
+MAX_RUNS = 10_000
+
+
+@dataclass(slots=True)
+class RunTotals:
+    """One agent run's calls (records not rejected at admission), tokens (input + output) and dollars
+    this month as the ledger holds them, its first and last record's time, the key and model of its
+    last call."""
+
+    tenant: str
+    program: str
+    calls: int = 0
+    tokens: int = 0
+    usd: float = 0.0
+    first_s: float = 0.0
+    last_s: float = 0.0
+    key_id: str | None = None
+    model: str | None = None
 
 
 @dataclass(slots=True)
@@ -55,6 +78,7 @@ class SpendTotals:
     offsets: dict[str, int] = field(default_factory=dict)
     last_id: str | None = None
     seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    runs: OrderedDict[tuple[str, str], RunTotals] = field(default_factory=OrderedDict)  # by last record
 
 
 def period_starts(now_s: float) -> tuple[float, float]:
@@ -102,6 +126,7 @@ def _scan(
         dict(base.offsets),
         base.last_id,
         base.seen,  # only this scan's thread touches it; a failed scan discards its owner (TenantSpend)
+        OrderedDict((name, replace(run)) for name, run in base.runs.items()),  # readers may hold `base`
     )
     if stream is not None:
         found: dict[str, Any] = {}
@@ -115,9 +140,12 @@ def _scan(
         tenant = entry.get("tenant")
         cost = entry.get("cost_usd")
         ts = entry.get("ts")
-        if not isinstance(tenant, str) or not isinstance(cost, int | float) or not cost:
+        if not isinstance(tenant, str) or not isinstance(ts, int | float) or ts < totals.month_start:
             continue
-        if not isinstance(ts, int | float) or ts < totals.month_start:
+        program = entry.get("program")
+        if isinstance(program, str):
+            _add_run(totals.runs, tenant, program, entry, float(ts))
+        if not isinstance(cost, int | float) or not cost:
             continue
         pair = by_tenant.get(tenant)
         if pair is None:
@@ -133,6 +161,35 @@ def _scan(
         if isinstance(covers, int | float):
             totals.covers_since = float(covers)
     return totals
+
+
+def _add_run(
+    runs: OrderedDict[tuple[str, str], RunTotals], tenant: str, program: str, entry: dict[str, Any], ts: float
+) -> None:
+    """Count one request record of run `tenant/program` (a record rejected at admission is no call)."""
+    if entry.get("status") == "rejected":
+        return
+    name = (tenant, program)
+    run = runs.get(name)
+    if run is None:
+        run = runs[name] = RunTotals(tenant, program, first_s=ts)
+        while len(runs) > MAX_RUNS:
+            runs.popitem(last=False)
+    run.calls += 1
+    for field_name in ("input_tokens", "output_tokens"):
+        tokens = entry.get(field_name)
+        if isinstance(tokens, int):
+            run.tokens += tokens
+    cost = entry.get("cost_usd")
+    if isinstance(cost, int | float):
+        run.usd += cost
+    run.first_s = min(run.first_s, ts)
+    if ts >= run.last_s:
+        run.last_s = ts
+        key_id, model = entry.get("key_id"), entry.get("model")
+        run.key_id = key_id if isinstance(key_id, str) else run.key_id
+        run.model = model if isinstance(model, str) else run.model
+    runs.move_to_end(name)
 
 
 def _new_file_entries(directory: Path, month_start: float, offsets: dict[str, int]) -> Iterator[dict[str, Any]]:
@@ -220,7 +277,17 @@ class TenantSpend:
         for name in tenants:
             day, month = totals.by_tenant.get(name, (0.0, 0.0))
             spend[name] = {"day": round(day, 6), "month": round(month, 6)}
-        about: dict[str, Any] = {"source": "ledger-" + totals.source, "as_of": round(totals.computed_at, 3)}
-        if totals.covers_since is not None:
-            about["covers_since"] = totals.covers_since
-        return spend, about
+        return spend, _about(totals)
+
+    async def runs(self) -> tuple[list[RunTotals], dict[str, Any]]:
+        """Every agent run with a record this month (at most `MAX_RUNS`, the latest), and what the
+        figures cover, as `of` says it."""
+        totals = await self.totals()
+        return list(totals.runs.values()), _about(totals)
+
+
+def _about(totals: SpendTotals) -> dict[str, Any]:
+    about: dict[str, Any] = {"source": "ledger-" + totals.source, "as_of": round(totals.computed_at, 3)}
+    if totals.covers_since is not None:
+        about["covers_since"] = totals.covers_since
+    return about

@@ -379,7 +379,8 @@ def _paths() -> dict[str, dict[str, Schema]]:
         "/admin/programs": {
             "get": op(
                 "Live agent runs (programs) and what each spent: calls, tokens, dollars, wall-clock cap, "
-                "every run cap with what is left, from the runs' own counters (the console)",
+                "every run cap with what is left, from the runs' own counters; a run no run rule counts from "
+                "the ledger (`source: ledger`, no caps) (the console)",
                 "admin",
                 admin,
                 params=(

@@ -24,6 +24,7 @@ from policies.policy import hash_key
 from tests.e2e.test_console import by_css, page_ready, wait
 from tests.policies.limits.redis_proc import RedisProcess
 from tests.support.browser import chromium, require_browser
+from tests.support.polling import wait_for
 from tests.support.procs import OTHER_KEY, TEST_KEY, Gateway, SimEngines, running, start_gateway, start_sim, static_pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -176,3 +177,36 @@ def test_the_console_lists_live_programs(
         assert "seconds_per_run" in table.text and "calls_per_run" in table.text
         errors = [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
         assert not errors, errors
+
+
+def test_a_run_no_run_rule_counts_is_listed_from_the_ledger(
+    sim_factory: Callable[..., SimEngines], gateway_factory: Callable[..., Gateway]
+) -> None:
+    """Without a `scope: program` rule a run has no counters: its row comes from the ledger's records
+    (docs/agents.md#live-programs-in-the-console), with its spend and no caps; a team admin still sees
+    its teams' runs only."""
+    engines = sim_factory(count=1, time_scale=50, served_model_name=MODEL)
+    doc = {k: v for k, v in policies().items() if k not in ("limits", "budgets")}
+    gateway = gateway_factory(pools=[static_pool("p", MODEL, engines.urls)], policies=doc, server=server())
+    assert call(gateway, "untracked").status_code == 200
+    assert call(gateway, "untracked").status_code == 200
+    assert call(gateway, "app-side", key=OTHER_KEY).status_code == 200
+    ledger = gateway.workdir / "var" / "usage"
+    wait_for(
+        lambda: sum(path.read_bytes().count(b"\n") for path in ledger.glob("*.jsonl")) >= 3,
+        what="the three records in the ledger",
+    )
+    runs = {r["program"]: r for r in programs(gateway)}
+    assert set(runs) == {"untracked", "app-side"}
+    run = runs["untracked"]
+    assert (run["source"], run["tenant"], run["key_id"], run["model"], run["calls"]) == (
+        "ledger",
+        "web",
+        "k-web",
+        MODEL,
+        2,
+    )
+    assert run["spent_usd"] > 0 and run["tokens"] > 0 and run["caps"] == [] and run["seconds_left"] is None
+    assert run["started_at"] <= run["last_seen"]
+    assert [r["program"] for r in programs(gateway, token=TEAM_TOKEN)] == ["app-side"]  # team ads only
+    assert [r["program"] for r in programs(gateway, tenant="web")] == ["untracked"]

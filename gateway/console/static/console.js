@@ -894,7 +894,7 @@
 
   async function programsPage() {
     page.append(el("h1", {}, "Programs"), el("p", { class: "muted" },
-      "Live agent runs (programs) that a run rule counts: calls, tokens and dollars so far, when the run started against its wall-clock cap, and what each cap has left. Program ids are shown as stored (a long one as its hash)."));
+      "Live agent runs (programs): calls, tokens and dollars so far, when the run started, and, for a run that a run rule counts, its wall-clock cap and what each cap has left. A run no rule counts is summed from the ledger (this month, up to 30 s old). Program ids are shown as stored (a long one as its hash)."));
     const tenant = el("input", { id: "programs-tenant", type: "search", placeholder: "any tenant", size: 14 });
     const sort = el("select", { id: "programs-sort" }, [["spend", "top spend"], ["recent", "last call"]].map(([v, t]) => el("option", { value: v }, t)));
     const limit = el("select", { id: "programs-limit" }, ["50", "100", "200"].map((n) => el("option", { value: n }, n)));
@@ -914,10 +914,10 @@
         { label: "Spent", num: true, render: (r) => fmt.usd(r.spent_usd) },
         { label: "Started (UTC)", render: (r) => fmt.time(r.started_at) },
         { label: "Seconds left", num: true, render: (r) => fmt.num(r.seconds_left) },
-        { label: "Caps left", render: (r) => el("div", {}, r.caps.map(capLine)) },
+        { label: "Caps left", render: (r) => (r.caps.length ? el("div", {}, r.caps.map(capLine)) : el("span", { class: "muted" }, r.source === "ledger" ? "no run rule (ledger)" : "–")) },
         { label: "Last call (UTC)", render: (r) => fmt.time(r.last_seen) },
       ], doc.data, { id: "programs-table", idOf: (r) => `${r.tenant}/${r.program}` })
-        : el("p", { class: "muted" }, "No agent run that a run rule counts (policies.yaml scope: program) has called lately."));
+        : el("p", { class: "muted" }, "No agent run has called lately."));
     }
     for (const input of [tenant, sort, limit]) input.addEventListener("change", guard(load));
     every(5000, load);

@@ -182,3 +182,40 @@ async def test_the_stream_is_read_on_from_the_last_entry_and_a_trimmed_gap_is_sa
     finally:
         client.delete(stream)
         client.close()
+
+
+async def test_each_agent_runs_calls_tokens_and_dollars_this_month(tmp_path: Path) -> None:
+    """The Programs page's rows for runs no run rule counts (docs/agents.md#live-programs-in-the-console)."""
+    write_ledger(
+        tmp_path,
+        [
+            entry(
+                1, "web", 0.5, NOW - 60, program="run-a", key_id="k1", model="m1", input_tokens=100, output_tokens=20
+            ),
+            entry(
+                2, "web", 0.25, NOW - 30, program="run-a", key_id="k2", model="m2", input_tokens=150, output_tokens=5
+            ),
+            entry(3, "web", 0.0, NOW - 20, program="run-a", status="rejected", input_tokens=999),  # never admitted
+            entry(4, "bid", 0.0, NOW - 10, program="run-a", input_tokens=7, output_tokens=1),  # same id, other tenant
+            entry(5, "web", 9.0, MONTH - 60, program="run-b", input_tokens=1),  # last month
+            entry(6, "web", 1.0, NOW - 5),  # no program
+        ],
+    )
+    runs, about = await TenantSpend(tmp_path, None, clock=Clock()).runs()
+    found = {(r.tenant, r.program): r for r in runs}
+    assert set(found) == {("web", "run-a"), ("bid", "run-a")}
+    web = found[("web", "run-a")]
+    assert (web.calls, web.tokens, web.usd) == (2, 275, 0.75)
+    assert (web.first_s, web.last_s, web.key_id, web.model) == (NOW - 60, NOW - 30, "k2", "m2")
+    assert (found[("bid", "run-a")].calls, found[("bid", "run-a")].tokens) == (1, 8)
+    assert about["source"] == "ledger-files"
+
+
+async def test_the_runs_kept_are_bounded_the_idlest_going_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gateway.console.tenant_spend.MAX_RUNS", 3)
+    write_ledger(tmp_path, [entry(i, "web", 0.1, NOW - 100 + i, program=f"run-{i}") for i in range(5)])
+    write_ledger(tmp_path, [entry(9, "web", 0.1, NOW - 1, program="run-0")])  # run-0 called again last
+    runs, _ = await TenantSpend(tmp_path, None, clock=Clock()).runs()
+    assert [r.program for r in runs] == ["run-3", "run-4", "run-0"]
