@@ -142,7 +142,8 @@ class KvStoreConfig(_Strict):
     capacity_tokens: int = Field(
         ge=1,
         description="tokens of KV the store holds (least recently used go first); the simulated store's size "
-        "(bench/kv_tiers): the router follows the store's events, not this bound",
+        "(bench/kv_tiers). The precise index follows the store's events; the approximate index (no events) "
+        "keeps this many tokens of what was sent to the pool",
     )
     bandwidth_gbps: float = Field(
         default=10.0, gt=0, description="GB/s per device (10^9 bytes/s) of loading KV from the store"

@@ -42,8 +42,8 @@ def render(
         f"trace, whole conversations (~{args.requests} requests per seed, prompts <= {args.max_input:,} "
         f"tokens), arrivals at {args.load:.0%} of the fleet's burst capacity "
         f"({', '.join(f'seed {s}: {rates[s]:.2f} req/s' for s in seeds)}). Precise prefix index fed the "
-        "engines' KV events (medium GPU / CPU) and the store's (medium STORE). Mean over seeds, ± the "
-        "standard deviation across seeds.",
+        "engines' KV events (medium GPU / CPU) and the store's (medium STORE), except `approximate+store` "
+        "(no events). Mean over seeds, ± the standard deviation across seeds.",
         "",
         "| variant | p50 TTFT (s) | p90 TTFT (s) | p90 vs gpu-only | hit rate | oracle hit rate | hit / oracle "
         "| tokens from HBM | tokens loaded from DRAM | tokens loaded from the store |",
@@ -107,7 +107,8 @@ def render(
         "0.25 per tier; `physics`: prefill time saved minus load time (docs/routing.md#kv-cache-tiers); "
         "`flat`: every tier like HBM (the precise index before tiers, which ignored the medium); "
         "`physics+store`: `physics` with the shared store, whose blocks count on every replica at the store's "
-        "link (the pool's `kv_store`).",
+        "link (the pool's `kv_store`); `approximate+store`: `physics` and the store with no events, the "
+        "approximate index modelling HBM, DRAM and the store from the prompts it sent.",
         "- Hit rate counts HBM hits, DRAM and store loads alike (tokens not recomputed); the oracle is, at "
         "each dispatch, the best any engine could serve from HBM, DRAM and the store (it does not know what "
         "requests in flight will compute or later ones evict, so a router can exceed it slightly).",
@@ -126,7 +127,7 @@ def render(
         means = [statistics.fmean(p90[v]) for v in names]
         errs = [statistics.stdev(p90[v]) if len(p90[v]) > 1 else 0.0 for v in names]
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(names, means, yerr=errs, capsize=4, color=["#999", "#c93", "#393", "#69c", "#936"][: len(names)])
+        ax.bar(names, means, yerr=errs, capsize=4, color=["#999", "#c93", "#393", "#69c", "#936", "#c69"][: len(names)])
         for i, v in enumerate(names):
             ax.scatter([i] * len(p90[v]), p90[v], color="k", s=8, zorder=3)
         ax.set_ylabel("p90 TTFT (simulated s)")

@@ -24,6 +24,9 @@ picks the engine for every request, with the same arrivals for every variant:
   engine loads its blocks at the store's link after its own HBM and DRAM runs, and the router is fed
   the store's events, so a block in the store counts on every replica (credit by physics at the
   store's link).
+- `approximate+store`: the same fleet and credit with no events at all: the approximate prefix index
+  (what the gateway sent where) with its DRAM-sized offload LRU and the pool's store modelled from the
+  prompts sent to the pool (`policies/routing/prefix_index.py`), for engines that publish no events.
 
 Load: arrivals keep the trace's shape, compressed to `--load` x the fleet's capacity, measured per
 seed as the throughput of an all-at-once burst under `gpu-only`. Each seed draws another subset of
@@ -74,8 +77,9 @@ RESULTS = REPO / "bench" / "results"
 PRESET = "llama-3.1-8b@h100"
 BLOCK = 16
 PRINCIPAL = Principal(key_id="k", tenant="t", allowed_models=None, priority=0)
-VARIANTS = ("gpu-only", "constant", "physics", "flat", "physics+store")
+VARIANTS = ("gpu-only", "constant", "physics", "flat", "physics+store", "approximate+store")
 STORE_SUFFIX = "+store"
+APPROXIMATE = "approximate"  # a variant's credit part naming the approximate index (physics credit, no events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +174,11 @@ def simulate(
     preset = resolve_preset(PRESET)
     with_store = variant.endswith(STORE_SUFFIX)
     credit = variant.removesuffix(STORE_SUFFIX)
-    router: ScoringRouter = build_router(
-        {"seed": seed, "prefix_index": {"mode": "precise"}, "kv_tiers": {"credit": credit}}
-    )
+    tiers: dict[str, object] = {"credit": credit}
+    mode = "precise"
+    if credit == APPROXIMATE:  # no events: the index models HBM, DRAM and the store from what it sent
+        mode, tiers = "approximate", {"credit": "physics", "offload_capacity_tokens": spec.dram_blocks * BLOCK}
+    router: ScoringRouter = build_router({"seed": seed, "prefix_index": {"mode": mode}, "kv_tiers": tiers})
     bytes_per_block = BLOCK * kv_bytes_per_token_per_device(preset)
     store: SharedStore | None = None
     kv_store: dict[str, float] | None = None

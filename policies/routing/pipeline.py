@@ -292,7 +292,7 @@ class ScoringRouter:
             pricing = self._pricing[pool.name] = tier_pricing(pool, tiers_cfg)
             self._meters[pool.name] = supply_meter(pool, pricing, tiers_cfg)
             if pool.config.kv_store is not None:
-                self.index.add_store(pool.name)
+                self.index.add_store(pool.name, pool.config.kv_store.capacity_tokens)
         if routing.pipeline.uses_tool_affinity:
             tenant = facts.principal.tenant
             ctx.tool_return = self.tool_returns.pending(tenant, facts.subjects.program, pool.name, now_s)

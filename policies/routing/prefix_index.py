@@ -18,6 +18,13 @@ Tiers: an endpoint whose pool offloads KV below HBM (`offload_tokens_of(pool)` >
 HBM-sized LRU move there (as an offloading engine moves evicted blocks to host DRAM) and count as
 `cpu` tier hits until they leave it too; a dispatch that reuses them brings them back to HBM.
 
+A pool's shared store (`kv_store`, `add_store(pool, capacity_tokens)`): one LRU for the pool of
+`capacity_tokens` (capped by `max_capacity_tokens`), written with every prompt dispatched to any of
+its replicas (LMCache and Mooncake store a request's KV as it is computed). A replica's match goes on
+past its own HBM and offload run through the store's blocks, counted as `remote` tier: what the
+precise index learns from the store's events, estimated from what the gateway sent when no event
+comes (an engine without events, or events that stopped).
+
 Limits: it cannot see evictions caused by traffic that bypasses this gateway, nor other gateway
 replicas' dispatches (use the precise index for that); it assumes a dispatched prompt stays cached
 until `capacity` newer blocks push it out.
@@ -138,7 +145,9 @@ class PrefixIndex:
             self.precise.reset(endpoint_id, reason, now_s)
 
     # A pool's shared KV store (`kv_store`): its own events, or its engines' events of a store medium.
-    def add_store(self, pool: str) -> None:
+    def add_store(self, pool: str, capacity_tokens: int) -> None:
+        if self.approximate is not None:
+            self.approximate.add_store(pool, capacity_tokens)
         if self.precise is not None:
             self.precise.add_store(pool)
 
@@ -209,6 +218,8 @@ class ApproximatePrefixIndex:
         self._capacity: dict[str, int] = {}
         self._cold: dict[str, OrderedDict[int, None]] = {}  # endpoint -> blocks offloaded below HBM
         self._cold_capacity: dict[str, int] = {}
+        self._stores: dict[str, OrderedDict[int, None]] = {}  # pool -> blocks its shared store holds
+        self._store_capacity: dict[str, int] = {}
         self.evictions = 0
 
     # -- request side --------------------------------------------------------------------------
@@ -234,22 +245,34 @@ class ApproximatePrefixIndex:
         matched = leading_matches(blocks.keys, mask, self._owners.owners)
         out: list[TierTokens] = []
         keys = blocks.keys
+        stored: dict[tuple[str, int], int] = {}  # (pool, first block) -> the store's run from there
         for e in endpoints:
             slot = self._slots.get(e.id)
             n = matched.get(slot, 0) if slot is not None else 0
-            if not n:
+            s = 0
+            store = self._stores.get(e.pool) if self._stores else None
+            if store:
+                s = stored.get((e.pool, n), -1)
+                if s < 0:
+                    end = n
+                    while end < len(keys) and keys[end] in store:
+                        end += 1
+                    s = stored[(e.pool, n)] = end - n
+            if not n and not s:
                 out.append(none)
                 continue
-            cached = blocks.cached_tokens(n)
+            cached = blocks.cached_tokens(n + s)
             cold = self._cold.get(e.id)
-            if not cold:
+            if not cold and not s:
                 out.append(TierTokens(gpu=cached))
                 continue
-            hot = self._lrus[e.id]
-            g = 0
-            while g < n and keys[g] in hot:
-                g += 1
-            out.append(TierTokens.from_blocks([g, n - g, 0, 0], blocks.tokens_per_block, cached))
+            g = n
+            if cold:
+                hot = self._lrus[e.id]
+                g = 0
+                while g < n and keys[g] in hot:
+                    g += 1
+            out.append(TierTokens.from_blocks([g, n - g, 0, s], blocks.tokens_per_block, cached))
         return out
 
     def record(self, prompt: HashedPrompt, endpoint: Endpoint) -> None:
@@ -283,6 +306,8 @@ class ApproximatePrefixIndex:
                 if cold and cold.pop(key, 0) is None:
                     continue  # back from the offload tier: its owner bit is already set
                 owners[key] = owners.get(key, 0) | bit
+        if self._stores:
+            self._store_keys(endpoint.pool, keys)
         if cold is None:
             self._evict(lru, capacity, bit)
             return
@@ -290,6 +315,28 @@ class ApproximatePrefixIndex:
             key, _ = lru.popitem(last=False)
             cold[key] = None
         self._evict(cold, cold_capacity, bit)
+
+    def add_store(self, pool: str, capacity_tokens: int) -> None:
+        """`pool`'s replicas share a KV store of `capacity_tokens` (see the module docstring)."""
+        capacity = max(min(capacity_tokens, self.max_capacity_tokens) // self.block_tokens, 1)
+        self._store_capacity[pool] = capacity
+        store = self._stores.setdefault(pool, OrderedDict())
+        while len(store) > capacity:
+            store.popitem(last=False)
+
+    def _store_keys(self, pool: str, keys: Sequence[int]) -> None:
+        store = self._stores.get(pool)
+        if store is None:
+            return
+        capacity = self._store_capacity[pool]
+        move = store.move_to_end
+        for key in reversed(keys[:capacity]):  # the head most recent, as on a replica
+            if key in store:
+                move(key)
+            else:
+                store[key] = None
+        while len(store) > capacity:
+            store.popitem(last=False)
 
     # -- housekeeping --------------------------------------------------------------------------
 
@@ -324,15 +371,20 @@ class ApproximatePrefixIndex:
         }
 
     def entries(self) -> int:
-        return sum(len(lru) for lru in self._lrus.values()) + sum(len(cold) for cold in self._cold.values())
+        return (
+            sum(len(lru) for lru in self._lrus.values())
+            + sum(len(cold) for cold in self._cold.values())
+            + sum(len(store) for store in self._stores.values())
+        )
 
     def memory_bytes(self) -> int:
         """Estimated heap held by the index: entries x the measured per-entry cost (tables included)."""
         return self.entries() * BYTES_PER_ENTRY
 
-    def max_memory_bytes(self, endpoints: int) -> int:
-        """The bound for `endpoints` endpoints: every LRU (HBM and offload) full at the largest allowed capacity."""
-        return 2 * endpoints * max(self.max_capacity_tokens // self.block_tokens, 1) * BYTES_PER_ENTRY
+    def max_memory_bytes(self, endpoints: int, stores: int = 0) -> int:
+        """The bound for `endpoints` endpoints and `stores` pools' stores: every LRU (HBM, offload and
+        store) full at the largest allowed capacity."""
+        return (2 * endpoints + stores) * max(self.max_capacity_tokens // self.block_tokens, 1) * BYTES_PER_ENTRY
 
     def _capacity_blocks(self, endpoint: Endpoint) -> int:
         tokens = endpoint.stats.kv_capacity_tokens or self.default_capacity_tokens

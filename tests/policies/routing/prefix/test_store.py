@@ -12,6 +12,7 @@ from policies.routing import build_router
 from policies.routing.kv_tiers import TierLink, TierTokens
 from policies.routing.pipeline import tier_pricing
 from policies.routing.prefix_blocks import ENGINE_HASHERS
+from policies.routing.prefix_index import ApproximatePrefixIndex
 from policies.routing.prefix_precise import PrecisePrefixIndex
 from tests.policies.routing.factories import NOW_S, endpoint, prompt, request, token_ids
 from tests.policies.routing.prefix.events import batch, cleared, engine_hashes, removed, stored
@@ -116,3 +117,40 @@ def test_the_store_prices_the_remote_tier_of_its_pool() -> None:
     assert with_store.links is not None and without.links is not None
     assert with_store.links[2] == TierLink(40e9, 0.5e-3)
     assert without.links[2] == TierLink(10e9, 1e-3)  # routing.kv_tiers.remote's default
+
+
+def test_the_approximate_index_counts_what_was_sent_to_the_pool_as_in_its_store() -> None:
+    """No events (approximate mode, or an engine whose events stopped): every prompt dispatched to a
+    replica of a pool with `kv_store` is in the pool's store too, a `remote` hit on every replica after
+    that replica's own run; other pools see nothing of it."""
+    idx = ApproximatePrefixIndex(block_tokens=16)
+    a, b, other = endpoint("a"), endpoint("b"), endpoint("c", pool="q")
+    idx.add_store("p", 1_000_000)
+    idx.record(prompt(PROMPT), a)
+    idx.record(prompt(PROMPT[:64]), b)  # b holds the first 4 blocks itself
+    got = idx.lookup_tiers(prompt(PROMPT), [a, b, other])
+    assert got == [TierTokens(gpu=159), TierTokens(gpu=64, remote=95), TierTokens()]
+    assert idx.entries() == 10 + 4 + 10  # a's, b's and the store's blocks
+
+
+def test_the_approximate_store_is_an_lru_of_its_capacity() -> None:
+    idx = ApproximatePrefixIndex(block_tokens=16)
+    a, b = endpoint("a"), endpoint("b")
+    idx.add_store("p", 160)  # 10 blocks
+    first, second = token_ids(160, start=1), token_ids(96, start=2)
+    idx.record(prompt(first), a)
+    idx.record(prompt(second), a)  # 6 blocks more: the store drops first's 6 tail blocks
+    got = idx.lookup_tiers(prompt(first), [b])
+    assert got == [TierTokens(remote=64)]
+    assert idx.memory_bytes() <= idx.max_memory_bytes(2, stores=1)
+
+
+def test_a_router_in_approximate_mode_routes_to_the_store_it_sends_to() -> None:
+    router = build_router({"seed": 1, "prefix_index": {"mode": "approximate", "block_size_tokens": 16}})
+    a, b = endpoint("a"), endpoint("b")
+    first = router.route(request(PROMPT), store_pool([a, b]), NOW_S)
+    assert first is not None
+    router.on_dispatch(request(PROMPT), first)
+    other = b if first.endpoint.id == "a" else a
+    decision = router.route(request(PROMPT, debug=True), store_pool([other]), NOW_S)
+    assert decision is not None and decision.cached_tiers == TierTokens(remote=159)
