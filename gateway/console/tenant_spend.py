@@ -285,6 +285,11 @@ class TenantSpend:
         totals = await self.totals()
         return list(totals.runs.values()), _about(totals)
 
+    async def run(self, tenant: str, program: str) -> tuple[RunTotals | None, dict[str, Any]]:
+        """One run's figures (None: no record of it this month, or it was dropped past `MAX_RUNS`)."""
+        totals = await self.totals()
+        return totals.runs.get((tenant, program)), _about(totals)
+
 
 def _about(totals: SpendTotals) -> dict[str, Any]:
     about: dict[str, Any] = {"source": "ledger-" + totals.source, "as_of": round(totals.computed_at, 3)}

@@ -690,7 +690,32 @@ async def own_key(request: web.Request) -> web.StreamResponse:
     if program is not None:
         data["program"] = program
     data.update(await _standing(request, policy, principal, RequestSubjects(program=program)))
+    if program is not None:
+        await _add_program_spend(request, principal.tenant, program, data)
     return json_reply({"data": data})
+
+
+async def _add_program_spend(request: web.Request, tenant: str, program: str, data: dict[str, Any]) -> None:
+    """`program_spend`: the run's calls, tokens and dollars this month from the ledger, whether or not
+    a run rule counts it (gateway/console/tenant_spend.py; the caps above are the counters' own)."""
+    spend = request.app.get(appkeys.TENANT_SPEND)
+    if spend is None:
+        return
+    try:
+        run, about = await spend.run(tenant, program)
+    except (OSError, ValueError, redis.RedisError) as exc:  # stream unreachable or unreadable
+        log.warning("agent run spend from the ledger unavailable: %s", exc)
+        return
+    figures: dict[str, Any] = {"calls": 0, "tokens": 0, "usd": 0.0, "started_at": None, "last_call_at": None}
+    if run is not None:
+        figures = {
+            "calls": run.calls,
+            "tokens": run.tokens,
+            "usd": round(run.usd, 6),
+            "started_at": round(run.first_s, 3),
+            "last_call_at": round(run.last_s, 3),
+        }
+    data["program_spend"] = {**figures, **about}
 
 
 def key_routes() -> list[tuple[str, str, Handler]]:

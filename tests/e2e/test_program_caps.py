@@ -210,3 +210,13 @@ def test_a_run_no_run_rule_counts_is_listed_from_the_ledger(
     assert run["started_at"] <= run["last_seen"]
     assert [r["program"] for r in programs(gateway, token=TEAM_TOKEN)] == ["app-side"]  # team ads only
     assert [r["program"] for r in programs(gateway, tenant="web")] == ["untracked"]
+    # the run's own caller reads the same from /v1/key?program= (its tenant's run only)
+    own = httpx.get(
+        gateway.base_url + "/key", params={"program": "untracked"}, headers={"Authorization": f"Bearer {TEST_KEY}"}
+    ).json()["data"]
+    assert own["program_spend"]["calls"] == 2 and own["program_spend"]["usd"] == pytest.approx(run["spent_usd"])
+    assert own["program_spend"]["source"] == "ledger-files"
+    other = httpx.get(
+        gateway.base_url + "/key", params={"program": "untracked"}, headers={"Authorization": f"Bearer {OTHER_KEY}"}
+    ).json()["data"]
+    assert other["program_spend"]["calls"] == 0  # another tenant's run of the same name is not its own
