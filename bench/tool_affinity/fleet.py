@@ -28,7 +28,7 @@ from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteDecision, RouteRequest
 from policies.types import Principal, RequestFacts, RequestSubjects
-from sim.kv_cache import KVCacheManager
+from sim.kv_cache import HostOffload, KVCacheManager
 from sim.scheduler import Request, Scheduler, Step
 
 PRINCIPAL = Principal(key_id="k", tenant="agents", allowed_models=None, priority=0)
@@ -59,7 +59,19 @@ class Job:
 
 
 class SimPool:
-    def __init__(self, router: ScoringRouter, replicas: int, *, preset: str, kv_blocks: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        router: ScoringRouter,
+        replicas: int,
+        *,
+        preset: str,
+        kv_blocks: int,
+        max_num_seqs: int,
+        offload_blocks: int = 0,
+        offload_bandwidth: float = 25e9,
+    ) -> None:
+        """`offload_blocks` > 0: each replica also keeps a host-DRAM tier of that many blocks, loaded at
+        `offload_bandwidth` B/s (`sim/kv_cache.py`, `HostOffload`: HBM evictions land there)."""
         self.router = router
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -83,6 +95,9 @@ class SimPool:
             )
             kv = KVCacheManager(kv_blocks, BLOCK_SIZE, True)
             kv.pool.record_events = False  # nobody subscribes: the router's index is the approximate one
+            if offload_blocks:
+                per_block = BLOCK_SIZE * roofline.kv_bytes_per_token_per_device(resolved)
+                HostOffload(offload_blocks, offload_bandwidth, per_block).attach(kv)
             self.pool.endpoints.append(endpoint)
             self.replicas[endpoint.id] = Replica(
                 endpoint, kv, Scheduler(kv, max_num_seqs, 8192, 30.0), roofline.StepTimer(resolved)
@@ -164,23 +179,31 @@ class SimPool:
 
     def _start_step(self, replica: Replica) -> None:
         scheduler = replica.scheduler
+        step: Step | None = None
         for _ in range(4):  # a step that only preempted or started pulls is scheduled again at once
-            if not (scheduler.running or scheduler.waiting):
-                replica.step = None
-                return
+            if not (scheduler.running or scheduler.waiting or scheduler.pulling):
+                break
             step = scheduler.schedule(self.now)
             if not step.empty:
                 break
             if not step.preempted:
-                replica.step = None
-                return
+                break
         else:
+            step = None
+        if step is None or step.empty:
             replica.step = None
+            landing = scheduler.next_pull_s()  # a prefix loading from host DRAM: wake when it lands
+            if landing is not None:
+                self.at(max(landing, self.now), lambda: self._wake(replica))
             return
         chunks = [(n, ctx) for _, n, ctx in step.prefills]
         duration = replica.timer(chunks, len(step.decodes), step.decode_context_sum)
         replica.step = step
         self.at(self.now + duration, lambda: self._end_step(replica, step))
+
+    def _wake(self, replica: Replica) -> None:
+        if replica.step is None:
+            self._start_step(replica)
 
     def _end_step(self, replica: Replica, step: Step) -> None:
         for req in replica.scheduler.complete_step(step, self.now):

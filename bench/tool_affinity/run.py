@@ -51,19 +51,31 @@ VARIANTS = ("default", "session", "tool-affinity")
 TARGET_POINTS = 20.0
 
 
-def routing_config(variant: str, weight: float, seed: int) -> RoutingConfig:
+def routing_config(variant: str, weight: float, seed: int, offload_tokens: int = 0) -> RoutingConfig:
+    """The variant's pipeline; with a DRAM tier on the replicas the approximate index models it too."""
     pipeline = PipelineConfig()
     if variant == "tool-affinity":
         scorers = [*pipeline.scorers, ComponentSpec(type="tool-affinity", weight=weight)]
         pipeline = PipelineConfig(filters=pipeline.filters, scorers=scorers, picker=pipeline.picker)
-    return RoutingConfig(default=pipeline, seed=seed)
+    config = RoutingConfig(default=pipeline, seed=seed)
+    if offload_tokens:
+        tiers = config.kv_tiers.model_copy(update={"offload_capacity_tokens": offload_tokens})
+        config = config.model_copy(update={"kv_tiers": tiers})
+    return config
 
 
 def replay(variant: str, seed: int, args: argparse.Namespace, progs: Sequence[Program]) -> dict[str, Any]:
     """One run: every program and background request through one fresh pool; per-turn results."""
-    router = build_router(routing_config(variant, args.weight, seed))
+    offload_blocks = getattr(args, "offload_blocks", 0)
+    router = build_router(routing_config(variant, args.weight, seed, offload_blocks * 16))
     pool = SimPool(
-        router, args.replicas, preset="llama-3.1-8b@h100", kv_blocks=args.kv_blocks, max_num_seqs=args.max_num_seqs
+        router,
+        args.replicas,
+        preset="llama-3.1-8b@h100",
+        kv_blocks=args.kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        offload_blocks=offload_blocks,
+        offload_bandwidth=getattr(args, "offload_gbps", 25.0) * 1e9,
     )
     shared = shared_ids()
     turns: list[dict[str, Any]] = []
@@ -129,6 +141,16 @@ def replay(variant: str, seed: int, args: argparse.Namespace, progs: Sequence[Pr
     }
 
 
+def _offload_text(args: argparse.Namespace) -> str:
+    blocks = getattr(args, "offload_blocks", 0)
+    if not blocks:
+        return ""
+    return (
+        f"; a host-DRAM tier of {blocks} blocks = {blocks * 16:,} tokens each at "
+        f"{getattr(args, 'offload_gbps', 25.0):g} GB/s, modelled by the router's approximate index too"
+    )
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -191,7 +213,8 @@ def render(args: argparse.Namespace, runs: list[dict[str, Any]], png: str) -> st
         "",
         f"{args.replicas} simulated Llama-3.1-8B@H100 replicas in process (the simulator's scheduler and paged KV, "
         f"{args.kv_blocks} blocks of 16 tokens = {args.kv_blocks * 16:,} tokens of KV each, max_num_seqs "
-        f"{args.max_num_seqs}), {args.programs} τ²-bench retail programs per seed arriving at {args.rate} / s "
+        f"{args.max_num_seqs}{_offload_text(args)}), {args.programs} τ²-bench retail programs per seed arriving "
+        f"at {args.rate} / s "
         f"(pauses = the trace's start-to-start gaps x {args.gap_scale}), unrelated one-shot prompts of "
         f"{args.background_tokens} tokens at {args.background_rps} / s. Seeds {', '.join(map(str, seeds))}; "
         f"`tool-affinity` weight {args.weight} added to the default pipeline. Host: {host}, "
@@ -273,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--background-tokens", type=int, default=3000)
     p.add_argument("--background-output", type=int, default=100)
     p.add_argument("--weight", type=float, default=2.0)
+    p.add_argument("--offload-blocks", type=int, default=0, help="host-DRAM tier per replica, blocks of 16 tokens")
+    p.add_argument("--offload-gbps", type=float, default=25.0, help="its PCIe bandwidth per device, GB/s")
     p.add_argument("--quick", action="store_true", help="one seed, 60 programs")
     p.add_argument("--out", type=Path, default=RESULTS / "tool-affinity.md")
     p.add_argument("--report-only", action="store_true", help="re-render the report from its raw file")
