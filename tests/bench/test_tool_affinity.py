@@ -57,3 +57,17 @@ def test_a_replay_keeps_returns_on_their_holder_with_the_scorer(tmp_path: Path) 
     reasons = {v: [t["reason"] for t in run["turns"] if t["after_tool_call"]] for v, run in runs.items()}
     assert "tool-return" not in reasons["default"]
     assert reasons["tool-affinity"].count("tool-return") >= len(reasons["tool-affinity"]) // 2
+
+
+@pytest.mark.slow
+def test_with_a_dram_tier_every_turn_runs_and_finds_more_cached(tmp_path: Path) -> None:
+    """Prefixes loaded back from host DRAM wake their replica when they land (no turn is left waiting),
+    and a history evicted from HBM during a tool run is found there on the way back."""
+    turns = [(5300 + 400 * i, 60, "tool_calls" if i % 2 == 0 else "stop", 1.5) for i in range(6)]
+    trace(tmp_path, "a", turns)
+    progs = programs(load_sessions(tmp_path), 16, rate_per_s=2.0, seed=1)
+    base = ["--kv-blocks", "1200", "--background-rps", "2", "--max-num-seqs", "16"]
+    without = summarize(replay("default", 1, _parser().parse_args(base), progs))
+    with_dram = summarize(replay("default", 1, _parser().parse_args([*base, "--offload-blocks", "8000"]), progs))
+    assert with_dram["after_tool_turns"] == without["after_tool_turns"] == 16 * 3
+    assert with_dram["hit_after_tool"] > without["hit_after_tool"]
