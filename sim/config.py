@@ -13,6 +13,7 @@ from backends.perf import roofline
 from backends.perf.hardware import GIB
 from backends.perf.presets import Preset, resolve_preset
 from backends.perf.roofline import batch_defaults, kv_bytes_per_token_per_device, num_gpu_blocks
+from backends.types import LINK_CLASSES, UNKNOWN, Topology
 
 log = logging.getLogger("tokenway.sim")
 
@@ -60,7 +61,11 @@ class EngineConfig:
     seed: int = 0
     output_len_mean: float = 200.0
     time_scale: float = 1.0
-    kv_transfer_bandwidth: float = 25e9  # bytes/s of the PD link
+    kv_transfer_bandwidth: float = 25e9  # bytes/s of the PD link (every link, unless `kv_link_bandwidth` names it)
+    # where this engine sits (node / rack / zone) and bytes/s per link class (backends.types.LINK_CLASSES):
+    # a decode leg's pull runs at the class of the link to the prefill engine's labels
+    topology: Topology = UNKNOWN
+    kv_link_bandwidth: dict[str, float] = field(default_factory=dict)
     kv_lease_s: float = 30.0
     kv_offload_blocks: int = 0  # host-DRAM tier below HBM, in blocks (vLLM's --kv-offloading-size); 0: none
     kv_offload_bandwidth: float = 25e9  # bytes/s per device between host DRAM and HBM (PCIe)
@@ -103,6 +108,8 @@ def build_engine_config(
     output_len_mean: float = 200.0,
     time_scale: float = 1.0,
     kv_transfer_bandwidth_gbps: float = 25.0,
+    topology: str | Topology | None = None,
+    kv_link_bandwidth_gbps: str | dict[str, float] | None = None,
     kv_offloading_size_gib: float | None = None,
     kv_offload_bandwidth_gbps: float = 25.0,
     api_key: str | None = None,
@@ -128,6 +135,11 @@ def build_engine_config(
 
     `kv_offloading_size_gib` (vLLM's `--kv-offloading-size`, GiB of host memory per engine) adds the
     host-DRAM tier (`HostOffload`, kv_cache.py), reached at `kv_offload_bandwidth_gbps` (GB/s per device).
+
+    `topology` (`node=N,rack=R,zone=Z`) places the engine; `kv_link_bandwidth_gbps`
+    (`same_rack=50,cross_rack=5`, GB/s per link class) prices a PD pull by the link between the two
+    engines' labels (`backends.types.link_class`), `kv_transfer_bandwidth_gbps` where the class is not
+    named or either engine has no labels.
 
     Raises ValueError where vLLM would refuse to start (model does not fit, max_model_len over
     the KV capacity).
@@ -186,6 +198,8 @@ def build_engine_config(
         output_len_mean=output_len_mean,
         time_scale=time_scale,
         kv_transfer_bandwidth=kv_transfer_bandwidth_gbps * 1e9,
+        topology=parse_topology(topology),
+        kv_link_bandwidth=parse_link_bandwidths(kv_link_bandwidth_gbps),
         kv_offload_blocks=offload_blocks,
         kv_offload_bandwidth=kv_offload_bandwidth_gbps * 1e9,
         api_key=api_key,
@@ -211,3 +225,42 @@ def build_engine_config(
         if transfer.get("engine_id"):
             config.engine_id = str(transfer["engine_id"])
     return config
+
+
+def parse_topology(value: str | Topology | None) -> Topology:
+    """`node=N,rack=R,zone=Z` (any subset) -> Topology; None or empty: no labels."""
+    if isinstance(value, Topology):
+        return value
+    labels: dict[str, str] = {}
+    for part in (value or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, label = part.partition("=")
+        name = name.strip()
+        if not sep or name not in ("node", "rack", "zone") or not label.strip():
+            raise ValueError(f"topology: expected node=..., rack=..., zone=..., got {part!r}")
+        labels[name] = label.strip()
+    return Topology(**labels)
+
+
+def parse_link_bandwidths(value: str | dict[str, float] | None) -> dict[str, float]:
+    """`same_rack=50,cross_rack=5` (GB/s per link class) -> {class: bytes/s}."""
+    pairs: list[tuple[str, float]] = []
+    if isinstance(value, dict):
+        pairs = [(k, float(v)) for k, v in value.items()]
+    else:
+        for part in (value or "").split(","):
+            if not part.strip():
+                continue
+            name, sep, number = part.partition("=")
+            if not sep:
+                raise ValueError(f"kv link bandwidth: expected CLASS=GBPS, got {part!r}")
+            pairs.append((name.strip(), float(number)))
+    out: dict[str, float] = {}
+    for name, gbps in pairs:
+        if name not in LINK_CLASSES:
+            raise ValueError(f"kv link bandwidth: unknown link class {name!r} (one of {', '.join(LINK_CLASSES)})")
+        if gbps <= 0:
+            raise ValueError(f"kv link bandwidth: {name} must be > 0 GB/s")
+        out[name] = gbps * 1e9
+    return out

@@ -78,6 +78,7 @@ import orjson
 from aiohttp import web
 
 from backends.perf import roofline
+from backends.types import UNKNOWN, Topology, link_class
 from sim import text_gen
 from sim.config import EngineConfig
 from sim.kv_cache import HostOffload, KVCacheManager
@@ -128,6 +129,7 @@ class SimEngine:
         self._pull_tasks: set[asyncio.Task[None]] = set()
         self._last_arrival_s = 0.0
         self._http_pulls = 0  # pulls waiting on the prefill instance's HTTP answer
+        self.last_pull_link: str | None = None  # the link class of the last PD pull (tests, metrics)
         self.steps = 0
         self.metrics.state_source = self._state
         # Asleep (sleep mode, below): the loop runs no step; queued requests wait for the wake-up.
@@ -442,12 +444,12 @@ class SimEngine:
     async def _pull(self, req: Request, started_s: float) -> None:
         params = req.remote_prefill or {}
         try:
-            tokens = await self._fetch_remote_kv(params)
+            tokens, remote = await self._fetch_remote_kv(params)
         finally:
             self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
         ok = tokens > 0 and req.status is Status.PULLING
         transfer_s = (
-            roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self.config.kv_transfer_bandwidth)
+            roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self._link_bandwidth(remote))
             if ok
             else 0.0
         )
@@ -456,10 +458,21 @@ class SimEngine:
         self.scheduler.finish_pull(req, done_s, ok)
         self._wakeup.set()
 
-    async def _fetch_remote_kv(self, params: dict[str, Any]) -> int:
+    def _link_bandwidth(self, remote: Topology) -> float:
+        """Bytes/s of the pull from an engine at `remote`: its link class's (`kv_link_bandwidth`), else
+        the one PD link bandwidth."""
+        config = self.config
+        link = link_class(config.topology, remote) if config.kv_link_bandwidth else None
+        self.last_pull_link = link
+        return (
+            config.kv_link_bandwidth.get(link, config.kv_transfer_bandwidth) if link else config.kv_transfer_bandwidth
+        )
+
+    async def _fetch_remote_kv(self, params: dict[str, Any]) -> tuple[int, Topology]:
+        """(tokens the prefill engine holds for the request, that engine's topology labels)."""
         host, port = params.get("remote_host"), params.get("remote_port")
         if not host or not port or not params.get("remote_request_id"):
-            return 0
+            return 0, UNKNOWN
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         url = f"http://{host}:{port}/internal/kv_pull"
@@ -471,12 +484,14 @@ class SimEngine:
         try:
             async with self._session.post(url, json=body) as resp:
                 if resp.status != 200:
-                    return 0
+                    return 0, UNKNOWN
                 data = await resp.json()
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.info("kv pull from %s failed (%s); recomputing", url, exc)
-            return 0
-        return int(data.get("num_tokens", 0))
+            return 0, UNKNOWN
+        labels = data.get("topology") if isinstance(data.get("topology"), dict) else {}
+        remote = Topology(**{k: str(v) for k, v in labels.items() if k in ("node", "rack", "zone") and v})
+        return int(data.get("num_tokens", 0)), remote
 
 
 # --- the clock ------------------------------------------------------------------------------------

@@ -301,8 +301,14 @@ async def _kv_pull(request: web.Request) -> web.Response:
     req = engine.release_pin(str(body.get("remote_request_id", "")), body.get("remote_engine_id"))
     if req is None:
         raise BadRequest("unknown or expired remote request", "remote_request_id", status=404)
+    topology = engine.config.topology
     return _json(
-        {"num_tokens": req.num_prompt, "block_size": engine.config.block_size, "engine_id": engine.config.engine_id}
+        {
+            "num_tokens": req.num_prompt,
+            "block_size": engine.config.block_size,
+            "engine_id": engine.config.engine_id,
+            "topology": {"node": topology.node, "rack": topology.rack, "zone": topology.zone},
+        }
     )
 
 

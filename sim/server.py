@@ -209,6 +209,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-transfer-bandwidth-gbps", type=float, default=25.0, help="PD link bandwidth in GB/s for KV pulls"
     )
+    p.add_argument("--topology", default=None, help="where this engine sits: node=N,rack=R,zone=Z (any of them)")
+    p.add_argument(
+        "--kv-link-gbps",
+        default=None,
+        help="GB/s of a PD pull per link class to the prefill engine's labels: same_node=..,same_rack=..,"
+        "cross_rack=..,cross_zone=.. (unnamed classes: --kv-transfer-bandwidth-gbps)",
+    )
     p.add_argument(
         "--kv-offloading-size", type=float, default=None, help="GiB of host DRAM per engine for offloaded KV (vLLM's)"
     )
@@ -365,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             output_len_mean=args.output_len_mean,
             time_scale=args.time_scale,
             kv_transfer_bandwidth_gbps=args.kv_transfer_bandwidth_gbps,
+            topology=args.topology,
+            kv_link_bandwidth_gbps=args.kv_link_gbps,
             kv_offloading_size_gib=args.kv_offloading_size,
             kv_offload_bandwidth_gbps=args.kv_offload_bandwidth_gbps,
             api_key=args.api_key,
