@@ -43,6 +43,9 @@ class KVEventsConfig:
         return config if config.enable_kv_cache_events else None
 
 
+DEFAULT_STORE_DRAM_GIB = 1.0  # the DRAM tier of an engine given a store and no --kv-offloading-size
+
+
 @dataclass(slots=True)
 class EngineConfig:
     preset: Preset
@@ -69,6 +72,7 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     kv_offload_blocks: int = 0  # host-DRAM tier below HBM, in blocks (vLLM's --kv-offloading-size); 0: none
     kv_offload_bandwidth: float = 25e9  # bytes/s per device between host DRAM and HBM (PCIe)
+    kv_store_url: str | None = None  # a store shared with other engine processes (sim/kv_store.py)
     api_key: str | None = None
     embedding_dim: int = 256  # /v1/embeddings vectors when the request names no `dimensions`
     enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode
@@ -112,6 +116,7 @@ def build_engine_config(
     kv_link_bandwidth_gbps: str | dict[str, float] | None = None,
     kv_offloading_size_gib: float | None = None,
     kv_offload_bandwidth_gbps: float = 25.0,
+    kv_store_url: str | None = None,
     api_key: str | None = None,
     embedding_dim: int = 256,
     fail_on_marker: str | None = None,
@@ -135,6 +140,9 @@ def build_engine_config(
 
     `kv_offloading_size_gib` (vLLM's `--kv-offloading-size`, GiB of host memory per engine) adds the
     host-DRAM tier (`HostOffload`, kv_cache.py), reached at `kv_offload_bandwidth_gbps` (GB/s per device).
+
+    `kv_store_url` shares a KV store with other engine processes (`sim/kv_store.py`); an engine given
+    one without a DRAM tier gets `DEFAULT_STORE_DRAM_GIB` of it (the store is read after that tier).
 
     `topology` (`node=N,rack=R,zone=Z`) places the engine; `kv_link_bandwidth_gbps`
     (`same_rack=50,cross_rack=5`, GB/s per link class) prices a PD pull by the link between the two
@@ -175,6 +183,8 @@ def build_engine_config(
         init = roofline.DEFAULT_INIT_S if init_s is None else init_s
         startup = roofline.startup_s(resolved, load_bandwidth, init, load_weights=load_format != "dummy")
     offload_blocks = 0
+    if kv_store_url and not kv_offloading_size_gib:  # the store is read after a DRAM tier: give it one
+        kv_offloading_size_gib = DEFAULT_STORE_DRAM_GIB
     if kv_offloading_size_gib:
         if kv_offload_bandwidth_gbps <= 0:
             raise ValueError("the KV offload bandwidth must be > 0")
@@ -202,6 +212,7 @@ def build_engine_config(
         kv_link_bandwidth=parse_link_bandwidths(kv_link_bandwidth_gbps),
         kv_offload_blocks=offload_blocks,
         kv_offload_bandwidth=kv_offload_bandwidth_gbps * 1e9,
+        kv_store_url=kv_store_url or None,
         api_key=api_key,
         embedding_dim=embedding_dim,
         fail_on_marker=fail_on_marker or None,

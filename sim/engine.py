@@ -83,6 +83,7 @@ from sim import text_gen
 from sim.config import EngineConfig
 from sim.kv_cache import HostOffload, KVCacheManager
 from sim.kv_events import KVEventPublisher
+from sim.kv_store import RemoteStore, fetch_link
 from sim.lora import LoraSlots, batch_adapters
 from sim.metrics import EngineMetrics
 from sim.scheduler import Request, Scheduler, Status, new_id
@@ -121,6 +122,7 @@ class SimEngine:
                 self.lora.register(name, path)
         self.scheduler.lora = self.lora
         self.publisher: KVEventPublisher | None = None
+        self.store: RemoteStore | None = None  # the KV store shared with other engines (--kv-store-url)
         self.advertised_host = "127.0.0.1"
         self.advertised_port = 0
         self._wakeup = asyncio.Event()
@@ -143,7 +145,9 @@ class SimEngine:
     async def start(self) -> None:
         if self.config.kv_events is not None:
             self.publisher = KVEventPublisher(self.config.kv_events, self.config.block_size, self.instance_index)
-        self.kv.pool.record_events = self.publisher is not None
+        if self.config.kv_store_url is not None:
+            await self._join_store(self.config.kv_store_url)
+        self.kv.pool.record_events = self.publisher is not None or self.store is not None
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
         self._task.add_done_callback(self._engine_died)
 
@@ -157,7 +161,21 @@ class SimEngine:
         if not task.cancelled() and task.exception() is not None:
             log.error("simulated engine loop died", exc_info=task.exception())
 
+    async def _join_store(self, url: str) -> None:
+        """Read the store's link, follow its feed; a store that does not answer stops the start-up."""
+        capacity, bandwidth, latency = await fetch_link(url)
+        offload = self.kv.offload
+        assert offload is not None  # build_engine_config gives an engine with a store a DRAM tier
+        pool = self.kv.pool  # its event list is replaced at every drain: append to the current one
+        self.store = RemoteStore(
+            url, capacity, bandwidth, latency, offload.bytes_per_block, lambda e: pool.events.extend(e)
+        )
+        offload.store = self.store
+        await self.store.start()
+
     async def stop(self) -> None:
+        if self.store is not None:
+            await self.store.stop()
         for task in [self._task, *self._pull_tasks]:
             if task is not None:
                 task.cancel()
@@ -425,6 +443,10 @@ class SimEngine:
 
     def _flush_events(self) -> None:
         events = self.kv.pool.drain_events()
+        if self.store is not None:  # what the step computed goes to the shared store, as LMCache writes it
+            for event in events:
+                if event.kind == "stored" and event.medium == "GPU":
+                    self.store.put(event.block_hashes)
         if events and self.publisher is not None:
             self.publisher.publish(events)
 

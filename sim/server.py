@@ -44,6 +44,7 @@ from backends.perf.presets import DEFAULT_PRESET, is_preset_name, preset_names
 from sim.config import VLLM_VERSION, EngineConfig, build_engine_config
 from sim.engine import SimEngine
 from sim.http_api import build_app
+from sim.kv_store import main as store_main
 
 log = logging.getLogger("tokenway.sim")
 
@@ -209,6 +210,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-transfer-bandwidth-gbps", type=float, default=25.0, help="PD link bandwidth in GB/s for KV pulls"
     )
+    p.add_argument(
+        "--kv-store-url",
+        default=None,
+        help="a KV store shared with other engines (`python -m sim store`): computed blocks are written to it, "
+        "a prefix's continuation there is loaded instead of recomputed",
+    )
     p.add_argument("--topology", default=None, help="where this engine sits: node=N,rack=R,zone=Z (any of them)")
     p.add_argument(
         "--kv-link-gbps",
@@ -331,6 +338,8 @@ def _is_number(token: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["store"]:  # the KV store shared by engine processes (sim/kv_store.py)
+        return store_main(argv[1:])
     parser = _parser()
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
@@ -376,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_link_bandwidth_gbps=args.kv_link_gbps,
             kv_offloading_size_gib=args.kv_offloading_size,
             kv_offload_bandwidth_gbps=args.kv_offload_bandwidth_gbps,
+            kv_store_url=args.kv_store_url,
             api_key=args.api_key,
             embedding_dim=args.embedding_dim,
             fail_on_marker=args.fail_on_marker,

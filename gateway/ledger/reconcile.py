@@ -109,7 +109,8 @@ class SpendReconciler:
         self._tag = "{" + prefix + "}:"
         self._replica = os.urandom(6).hex()
         self._clock = clock
-        self.last: dict[str, Any] = {"checked_at_unix_s": None}
+        # the status's shape before the first check: what a reader indexes is there, empty
+        self.last: dict[str, Any] = {"checked_at_unix_s": None, "periods": {}, "over_tolerance": []}
         self.errors = 0
         self._task: asyncio.Task[None] | None = None
 
