@@ -133,6 +133,9 @@ class EndpointStats:
     running_loras: frozenset[str] = frozenset()
     waiting_loras: frozenset[str] = frozenset()
     max_loras: int = 0
+    # counter: bytes the engine's KV offloading moved per direction (`gpu_to_cpu`, `cpu_to_gpu`;
+    # vLLM's vllm:kv_offload_total_bytes); empty when it offloads nothing
+    kv_offload_bytes: Mapping[str, float] = field(default_factory=dict)
     scraped_at_s: float = 0.0
 
     @property

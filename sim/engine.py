@@ -134,6 +134,7 @@ class SimEngine:
         self.last_pull_link: str | None = None  # the link class of the last PD pull (tests, metrics)
         self.steps = 0
         self.metrics.state_source = self._state
+        self.metrics.offload_source = self._offload_traffic
         # Asleep (sleep mode, below): the loop runs no step; queued requests wait for the wake-up.
         self.paused = False
         self._drained = asyncio.Event()  # set whenever the loop finds nothing to run
@@ -449,6 +450,16 @@ class SimEngine:
                     self.store.put(event.block_hashes)
         if events and self.publisher is not None:
             self.publisher.publish(events)
+
+    def _offload_traffic(self) -> tuple[float, float, float, float]:
+        """(bytes to DRAM, bytes from DRAM, seconds to, seconds from) since start, for the
+        `vllm:kv_offload_total_*` counters (offloads overlap the steps; their time is what the copy takes)."""
+        offload = self.kv.offload
+        if offload is None:
+            return (0.0, 0.0, 0.0, 0.0)
+        stats, per_block = offload.stats, offload.bytes_per_block
+        out_bytes, in_bytes = stats.offloaded_blocks * per_block, stats.loaded_blocks * per_block
+        return (float(out_bytes), float(in_bytes), out_bytes / offload.bandwidth, in_bytes / offload.bandwidth)
 
     def _state(self) -> tuple[int, int, float]:
         """(running, waiting, KV usage) as the gauges report them, read when /metrics is scraped."""

@@ -100,6 +100,7 @@ REQUEST_LATENCY_BUCKETS = (
 )
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+OFFLOAD_TRANSFERS = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's transfer_type: source medium _to_ destination
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:
@@ -171,8 +172,10 @@ class _Collector(Collector):
                     metric.add_sample(family.name + "_count", labels, float(cumulative))
                     metric.add_sample(family.name + "_sum", labels, value.sum)
                     created.append((labels, value.created))
-                else:
-                    metric.add_sample(family.name, labels, float(value()))
+                else:  # read when scraped (a counter's too: its engine keeps the count)
+                    metric.add_sample(
+                        family.name + ("_total" if family.kind == "counter" else ""), labels, float(value())
+                    )
             for labels, stamp in created:
                 metric.add_sample(family.name + "_created", labels, stamp)
             yield metric
@@ -301,6 +304,19 @@ class EngineMetrics:
         for level, state in enumerate(SLEEP_STATES):
             sleep_state.series.append(({"sleep_state": state}, self._sleep_state_reader(level)))
         families.append(sleep_state)
+        # the host-DRAM tier's traffic, as vLLM's OffloadingConnector exports it (OffloadPromMetrics,
+        # vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py): bytes and seconds per
+        # transfer type, read from the engine's HostOffload at scrape time (`offload_source`)
+        self.offload_source: Callable[[], tuple[float, float, float, float]] = lambda: (0.0, 0.0, 0.0, 0.0)
+        if config.kv_offload_blocks:
+            for name, doc, first in (
+                ("vllm:kv_offload_total_bytes", "Number of bytes offloaded by KV connector", 0),
+                ("vllm:kv_offload_total_time", "Total time measured by all KV offloading operations", 2),
+            ):
+                family = _Family(name, doc, "counter", labels)
+                for index, transfer in enumerate(OFFLOAD_TRANSFERS):
+                    family.series.append(({"transfer_type": transfer}, self._offload_reader(first + index)))
+                families.append(family)
         self.sleep_operations: dict[str, _Histogram] = {}
         if config.enable_sleep_mode and config.server_dev_mode:  # vLLM exports it with the sleep routes
             operations = _Family(
@@ -314,6 +330,9 @@ class EngineMetrics:
                 operations.series.append(({"operation": operation}, self.sleep_operations[operation]))
             families.append(operations)
         self.registry.register(_Collector(families))
+
+    def _offload_reader(self, index: int) -> Callable[[], float]:
+        return lambda: self.offload_source()[index]
 
     def _sleep_state_reader(self, level: int) -> Callable[[], float]:
         return lambda: float(self.sleep_level_source() == level)

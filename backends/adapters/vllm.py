@@ -74,6 +74,9 @@ SLEEP_STATE = ("vllm:engine_sleep_state",)
 # adapter names), value the time it was set (vLLM docs, design/metrics: "vllm:lora_requests_info");
 # the latest series wins when several are exported
 LORA_INFO = ("vllm:lora_requests_info",)
+# The offloading connector's traffic (`--kv-offloading-size`): bytes per `transfer_type` (source medium
+# `_to_` destination, e.g. GPU_to_CPU), vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py
+KV_OFFLOAD_BYTES = ("vllm:kv_offload_total_bytes_total", "vllm:kv_offload_total_bytes")
 WANTED = frozenset(
     RUNNING
     + WAITING
@@ -87,6 +90,7 @@ WANTED = frozenset(
     + PROMPT_TOKENS_CACHED
     + SLEEP_STATE
     + LORA_INFO
+    + KV_OFFLOAD_BYTES
 )
 
 # Prefill leg of the NIXL pull handshake (vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
@@ -309,6 +313,7 @@ class VllmAdapter:
             prompt_tokens=_or(total(first_present(samples, PROMPT_TOKENS)), prev.prompt_tokens),
             prompt_tokens_cached=_or(total(first_present(samples, PROMPT_TOKENS_CACHED)), prev.prompt_tokens_cached),
             sleep_state=_sleep_state(first_present(samples, SLEEP_STATE)) or prev.sleep_state,
+            kv_offload_bytes=_offload_bytes(first_present(samples, KV_OFFLOAD_BYTES)) or prev.kv_offload_bytes,
             **_lora_info(samples.get(LORA_INFO[0])),
         )
 
@@ -365,6 +370,21 @@ def _lora_info(samples: list[tuple[dict[str, str], float]] | None) -> dict[str, 
         "waiting_loras": names("waiting_lora_adapters"),
         "max_loras": _int_label(labels.get("max_lora")) or 0,
     }
+
+
+def _offload_bytes(samples: list[tuple[dict[str, str], float]] | None) -> dict[str, float]:
+    """Bytes moved per offload direction, `gpu_to_cpu` / `cpu_to_gpu` (lower case: the medium names'
+    case is the spec's); other transfer types (a connector's own media) are kept under their own name,
+    at most `MAX_OFFLOAD_TRANSFERS` of them."""
+    out: dict[str, float] = {}
+    for key, value in _by_label(samples, "transfer_type").items():
+        name = key.lower()
+        if name in out or len(out) < MAX_OFFLOAD_TRANSFERS:
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+MAX_OFFLOAD_TRANSFERS = 8  # transfer types kept per endpoint (the engine's label values, not a client's)
 
 
 def _by_label(samples: list[tuple[dict[str, str], float]] | None, label: str) -> dict[str, float]:

@@ -110,6 +110,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
             ("KV bytes moved by link (PD transfers, lower-tier loads)", "Bps", [
                 {"expr": "sum by (pool, link) (rate(tokenway_kv_bytes_moved_total[$__rate_interval]))",
                  "legend": "{{pool}} {{link}}"},
+                {"expr": "sum by (pool, transfer_type) "
+                         "(rate(tokenway_endpoint_kv_offload_bytes_total[$__rate_interval]))",
+                 "legend": "engines' own {{pool}} {{transfer_type}}"},
             ], 6),
         ],
     ),

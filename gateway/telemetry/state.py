@@ -158,6 +158,11 @@ class StateCollector:
                 ("restarts", "restarts of a launched replica"),
             )
         }
+        offload = CounterMetricFamily(
+            "tokenway_endpoint_kv_offload_bytes",
+            "bytes the engine's KV offloading moved, as the engine reports them (vllm:kv_offload_total_bytes)",
+            labels=[*labels, "transfer_type"],
+        )
         now_s = self._now_s()
         seen: set[tuple[str, str]] = set()
         for e in endpoints:
@@ -180,7 +185,9 @@ class StateCollector:
             counters["prefix_cache_hits_tokens"].add_metric(values, st.prefix_cache_hits_tokens)
             counters["prefix_cache_queries_tokens"].add_metric(values, st.prefix_cache_queries_tokens)
             counters["restarts"].add_metric(values, e.restarts)
-        return [state, *gauges.values(), *counters.values()]
+            for transfer, moved in st.kv_offload_bytes.items():
+                offload.add_metric([*values, transfer], moved)
+        return [state, *gauges.values(), *counters.values(), offload]
 
     def _limiter_families(self, rows: list[dict[str, Any]]) -> list[Metric]:
         id_g = self._guards["limiter_id"]

@@ -11,6 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from backends.adapters.vllm import VllmAdapter
 from backends.kv_events import decode_frames
 from backends.tokenization import chat_prompt_ids
 from backends.types import Endpoint, EndpointState
@@ -176,3 +177,21 @@ async def test_an_offloading_engine_publishes_cpu_blocks_the_precise_index_route
     assert tiers.gpu > 0 and tiers.cpu >= 16 * 4
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= tiers.total  # not recomputed
     assert instance.engine.kv.offload is not None and instance.engine.kv.offload.stats.loads == 1
+
+
+async def test_the_offload_traffic_is_in_the_metrics_as_vllm_names_it_and_the_gateway_reads_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """`vllm:kv_offload_total_bytes{transfer_type}` (vLLM's OffloadingConnector): what went to DRAM and
+    came back; the vLLM adapter reads it into the endpoint's stats (`kv_offload_bytes`)."""
+    options = {"time_scale": 50, "num_gpu_blocks_override": 64, "kv_offloading_size_gib": 1}
+    async with run_sim_engines(count=1, **options) as (one,):
+        first = "one long prompt " * 200  # 600-odd tokens: most of HBM's 64 blocks of 16
+        for text in (first, "another long prompt " * 200, first):
+            await post_json(http, one.url + "/v1/completions", {"prompt": text, "max_tokens": 1})
+        async with http.get(one.url + "/metrics") as resp:
+            text = await resp.text()
+    stats = VllmAdapter().parse_metrics(text)
+    assert stats.kv_offload_bytes["gpu_to_cpu"] > 0  # evicted from HBM to DRAM
+    assert stats.kv_offload_bytes["cpu_to_gpu"] > 0  # the first prompt came back from DRAM
+    assert 'vllm:kv_offload_total_time_total{engine="0"' in text

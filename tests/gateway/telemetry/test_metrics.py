@@ -327,6 +327,18 @@ def test_endpoint_gauges_read_live_endpoints_at_scrape() -> None:
     assert value(s, "tokenway_endpoint_inflight_prefill_tokens", pool="llama-8b") == 128
     assert value(s, "tokenway_endpoint_stats_age_seconds", endpoint="llama-8b/both-0") == 1.5
     assert value(s, "tokenway_endpoint_prefix_cache_hits_tokens_total", endpoint="llama-8b/both-0") == 500
+    assert value(s, "tokenway_endpoint_kv_offload_bytes_total") == 0  # no engine offloads: no series
+    endpoints[1].stats.kv_offload_bytes = {"gpu_to_cpu": 2e9, "cpu_to_gpu": 5e8}  # the engine's own counters
+    offloaded = parse(metrics)[1]
+    assert (
+        value(
+            offloaded,
+            "tokenway_endpoint_kv_offload_bytes_total",
+            endpoint="llama-8b/both-1",
+            transfer_type="gpu_to_cpu",
+        )
+        == 2e9
+    )
     endpoints[0].stats.running = 42  # live objects: the next scrape sees the change
     assert value(parse(metrics)[1], "tokenway_endpoint_running_requests", endpoint="llama-8b/both-0") == 42
 
