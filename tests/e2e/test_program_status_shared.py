@@ -11,12 +11,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
 import orjson
 import pytest
-import redis
 
 from policies.policy import hash_key
 from tests.support.polling import wait_for
@@ -28,37 +28,31 @@ MODEL = "llama-3.1-8b"
 KEY = "sk-program-status-0001"
 
 
-@pytest.fixture(scope="module")
-def gateways(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[list[Gateway]]:
-    workdir = tmp_path_factory.mktemp("program-status-shared")
-    prefix = f"tokenway-test:{uuid.uuid4().hex[:12]}"
-    engines = start_sim(workdir, count=1, served_model_name=MODEL, time_scale=4.0, args=["--max-num-seqs", "8"])
+@pytest.fixture
+def gateways(tmp_path: Path, redis_url: str, redis_prefix: str) -> Iterator[list[Gateway]]:
+    engines = start_sim(tmp_path, count=1, served_model_name=MODEL, time_scale=4.0, args=["--max-num-seqs", "8"])
     policies = {
         "tenants": {"fair": {"program_fairness": {"half_life_s": 60}}},
         "keys": [{"id": "fair", "tenant": "fair", "sha256": hash_key(KEY)}],
         "models": {MODEL: {}},
     }
+    state = {"backend": "redis", "redis_url": redis_url, "key_prefix": redis_prefix}
 
     def start(i: int) -> Gateway:
         return start_gateway(
-            workdir / f"gw{i}",
+            tmp_path / f"gw{i}",
             pools=[static_pool("llama", MODEL, engines.urls, max_num_seqs=8)],
             policies=policies,
             flow_control={"enabled": True, "saturation": {"program_reserve_slots": 2}},
-            state={"backend": "redis", "redis_url": redis_url, "key_prefix": prefix, "replicas": {"id": f"gw{i}"}},
+            state={**state, "replicas": {"id": f"gw{i}"}},
             predictor={"enabled": False},
             ledger={"enabled": False},
         )
 
-    with ThreadPoolExecutor(2) as pool:
+    with running(engines), ThreadPoolExecutor(2) as pool:
         started = list(pool.map(start, range(2)))
-    try:
-        with running(engines, *started):
+        with running(*started):
             yield started
-    finally:
-        client = redis.Redis.from_url(redis_url)
-        for key in client.scan_iter(match=f"{prefix}*", count=1000):
-            client.delete(key)
 
 
 def _call(gw: Gateway, program: str) -> Any:
