@@ -184,8 +184,7 @@ async def test_the_offload_traffic_is_in_the_metrics_as_vllm_names_it_and_the_ga
 ) -> None:
     """`vllm:kv_offload_total_bytes{transfer_type}` (vLLM's OffloadingConnector): what went to DRAM and
     came back; the vLLM adapter reads it into the endpoint's stats (`kv_offload_bytes`)."""
-    options = {"time_scale": 50, "num_gpu_blocks_override": 64, "kv_offloading_size_gib": 1}
-    async with run_sim_engines(count=1, **options) as (one,):
+    async with run_sim_engines(count=1, time_scale=50, num_gpu_blocks_override=64, kv_offloading_size_gib=1) as (one,):
         first = "one long prompt " * 200  # 600-odd tokens: most of HBM's 64 blocks of 16
         for text in (first, "another long prompt " * 200, first):
             await post_json(http, one.url + "/v1/completions", {"prompt": text, "max_tokens": 1})
