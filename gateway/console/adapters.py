@@ -7,8 +7,11 @@ idle unloads, failed loads).
 Read from state the gateway keeps anyway (docs/adapters.md): the engines' `vllm:lora_requests_info`
 (`EndpointStats.running_loras`, `waiting_loras`, `max_loras`), their `/v1/models` listing
 (`Endpoint.loras`), and the loader's pairs and per-replica counters (`gateway/transport/lora.py`). No
-engine is asked: a read costs the gateway a walk of its own tables. This process's view: with several
-workers or replicas, each answers for the loads it made (idleness and demand are per process too).
+engine is asked: a read costs the gateway a walk of its own tables. The counters of a shared replica
+(static or discovered) are every gateway process's when they share adapter state (`state: redis`,
+`gateway/transport/lora_shared.py`: running totals since the pool's hash began, as of the last flush,
+`counted_by: "fleet"`); otherwise, and for a replica this process launched, this process's own since
+it started (`counted_by: "process"`). Which adapters a replica holds is this process's view.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def _replica(fleet: Fleet, loader: AdapterLoader | None, endpoint: Endpoint, now
                 else None,
             }
         )
-    counts = loader.activity.get(endpoint.id) if loader is not None else None
+    fleet_counts = loader.share.fleet_activity(endpoint) if loader is not None and loader.share is not None else None
+    counts = fleet_counts or (loader.activity.get(endpoint.id) if loader is not None else None)
     counts = counts or ReplicaActivity(endpoint.pool)
     return {
         "id": endpoint.id,
@@ -92,6 +96,7 @@ def _replica(fleet: Fleet, loader: AdapterLoader | None, endpoint: Endpoint, now
         "evictions": counts.evictions,
         "unloads": counts.unloads,
         "failures": counts.failures,
+        "counted_by": "fleet" if fleet_counts is not None else "process",
     }
 
 

@@ -116,6 +116,11 @@ class AdapterShare(Protocol):
 
     def last_used_s(self, endpoint: Endpoint, adapter: str) -> float | None: ...
 
+    def fleet_activity(self, endpoint: Endpoint) -> ReplicaActivity | None: ...
+
+
+ACTIVITY_KINDS = ("loads", "preloads", "evictions", "unloads", "failures")  # ReplicaActivity's counters
+
 
 @dataclass(slots=True)
 class ReplicaActivity:

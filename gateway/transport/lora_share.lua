@@ -1,8 +1,10 @@
 -- One gateway process's adapter activity on one pool since its last call, and a read of the fleet's
--- (gateway/transport/lora_shared.py). The pool's hash holds three kinds of fields:
+-- (gateway/transport/lora_shared.py). The pool's hash holds four kinds of fields:
 --   'u|' endpoint '\31' adapter -> when the adapter was last used on that endpoint (Redis's clock)
 --   'd|' adapter                -> requests for the adapter on the pool, every process's, since the hash began
 --   'l'                         -> on-demand loads on the pool's replicas, likewise
+--   'a|' endpoint '\31' kind    -> what the gateways did with adapters on that replica (loads, preloads,
+--                                  evictions, unloads, failures), likewise
 -- Processes send ages, not times, so their clocks never meet: a use `age` seconds ago is stamped
 -- now - age, and read back as an age.
 -- KEYS[1]: the pool's hash. ARGV[1]: TTL in ms; ARGV[2]: most fields kept; ARGV[3]: a last use older

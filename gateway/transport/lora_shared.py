@@ -16,7 +16,11 @@ share of the pool's adapter loads. Shared per pool, in one Redis hash (`lora_sha
   router's `AdapterResidency.add_demand`): the counts keep their own half-lives (10 min, 60 s), a read
   late by one flush against them;
 - **on-demand loads** of the pool, likewise a running total: `pool_loads` is what the autoscaler reads
-  (`autoscale.adapter_loads_per_min`), every process's loads.
+  (`autoscale.adapter_loads_per_min`), every process's loads;
+- **per replica, what the gateways did there** (loads, preloads, evictions for the budget, idle
+  unloads, failed loads: the loader's `ReplicaActivity`), running totals of every process since the
+  hash began, for the console's adapter view (`fleet_activity`): the growth of this process's counters
+  since its last call is added at each flush.
 
 Only what happens on endpoints that are the same engine for every process is shared (static and
 discovered ones, not those a replica launched itself: `Endpoint.launched`), as the replicas' routing
@@ -53,7 +57,7 @@ from redis.backoff import NoBackoff
 
 from backends.fleet import Fleet
 from backends.types import Endpoint
-from gateway.transport.lora import AdapterLoader
+from gateway.transport.lora import ACTIVITY_KINDS, AdapterLoader, ReplicaActivity
 from policies.flow.redis_counters import BatchedFlush
 from policies.limits.scriptpipe import load_script, script_pipeline
 
@@ -84,6 +88,7 @@ class _Pool:
     totals: dict[str, int] | None = None  # 'd|' / 'l' totals as last read (None: never read)
     remote_loads: int = 0  # the others' loads heard since this process started
     heard: dict[tuple[str, str], float] = field(default_factory=dict)  # (endpoint, adapter) -> last use (monotonic)
+    activity: dict[str, list[int]] = field(default_factory=dict)  # endpoint -> every process's counters, as read
 
     def due(self) -> bool:
         return bool(self.uses or self.demand or self.loads)
@@ -118,6 +123,7 @@ class SharedAdapters(BatchedFlush):
         self._script = load_script("gateway.transport", "lora_share.lua")
         self.pipeline = script_pipeline(client, (self._script,))
         self._pools: dict[str, _Pool] = {}
+        self._counted: dict[str, tuple[int, ...]] = {}  # endpoint -> the loader's counters as last sent
         self._init_flush()
         self.calls = 0
         self.errors = 0
@@ -189,6 +195,13 @@ class SharedAdapters(BatchedFlush):
         view = self._pools.get(pool)
         return self.loader.pool_loads(pool) + (view.remote_loads if view is not None else 0)
 
+    def fleet_activity(self, endpoint: Endpoint) -> ReplicaActivity | None:
+        """What every gateway process did with adapters on `endpoint` (a shared one) since the pool's
+        hash began, as of the last read; None when not shared or not read yet."""
+        view = self._pools.get(endpoint.pool)
+        counts = view.activity.get(endpoint.id) if view is not None and not endpoint.launched else None
+        return ReplicaActivity(endpoint.pool, *counts) if counts is not None else None
+
     def status(self) -> dict[str, object]:
         return {"store": "redis", "pools": len(self._pools), "calls": self.calls, "errors": self.errors}
 
@@ -251,8 +264,25 @@ class SharedAdapters(BatchedFlush):
                 args += ["d|" + adapter, count]
             if loads:
                 args += ["l", loads]
+            args += self._activity_growth(pool)
             calls.append(self.pipeline.call(self._script, (self.key(pool),), args))
         await self._answered(batch, calls)
+
+    def _activity_growth(self, pool: str) -> list[Any]:
+        """'a|' endpoint SEP kind, count: how much the loader's counters on the pool's shared endpoints
+        grew since the last call (sent once: a call that fails loses them from the fleet's totals only)."""
+        args: list[Any] = []
+        for endpoint_id, counts in self.loader.activity.items():
+            endpoint = self.fleet.endpoint(endpoint_id)
+            if counts.pool != pool or endpoint is None or endpoint.launched:
+                continue
+            now = tuple(getattr(counts, kind) for kind in ACTIVITY_KINDS)
+            before = self._counted.get(endpoint_id, (0,) * len(ACTIVITY_KINDS))
+            for kind, value, old in zip(ACTIVITY_KINDS, now, before, strict=True):
+                if value > old:
+                    args += ["a|" + endpoint_id + SEP + kind, value - old]
+            self._counted[endpoint_id] = now
+        return args
 
     def _failed(self, view: _Pool, exc: BaseException) -> None:
         """Redis did not answer: the uses go out with the next call (the latest of each kept); the
@@ -274,15 +304,23 @@ class SharedAdapters(BatchedFlush):
         now = self.clock()
         heard: dict[tuple[str, str], float] = {}
         totals: dict[str, int] = {}
+        activity: dict[str, list[int]] = {}
         for raw_name, raw_value in zip(reply[::2], reply[1::2], strict=True):
             name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
             if name.startswith("u|"):
                 endpoint, _, adapter = name[2:].partition(SEP)
                 if len(heard) < self.max_fields:
                     heard[(endpoint, adapter)] = now - float(raw_value)
+            elif name.startswith("a|"):
+                endpoint, _, kind = name[2:].partition(SEP)
+                if kind in ACTIVITY_KINDS and (endpoint in activity or len(activity) < self.max_fields):
+                    activity.setdefault(endpoint, [0] * len(ACTIVITY_KINDS))[ACTIVITY_KINDS.index(kind)] = int(
+                        raw_value
+                    )
             elif len(totals) < self.max_fields:
                 totals[name] = int(raw_value)
         view.heard = heard
+        view.activity = activity
         before, view.totals = view.totals, totals
         if before is None:  # the first read: what came before this process is history, not new demand
             return

@@ -42,6 +42,13 @@ def _events(gateway: Any, event: str) -> float:
     return metric_total(gateway.url, "tokenway_lora_adapter_events_total", lora_name="chat-lora", event=event)
 
 
+def _replica_loads(gateway: Any) -> tuple[int, str]:
+    answer = httpx.get(f"{gateway.url}/admin/adapters", timeout=10)
+    assert answer.status_code == 200, answer.text
+    (replica,) = answer.json()["pools"][0]["replicas"]
+    return int(replica["loads"]), str(replica["counted_by"])
+
+
 def test_traffic_through_one_gateway_keeps_the_other_from_unloading(
     sim_factory: Any, gateway_factory: Any, redis_url: str, redis_prefix: str
 ) -> None:
@@ -70,6 +77,8 @@ def test_traffic_through_one_gateway_keeps_the_other_from_unloading(
         time.sleep(0.3)
     assert _events(b, "unload") == 0 and _events(a, "unload") == 0
     assert _events(a, "load") == 0  # A served what the engine listed: no reload was ever needed
+    # A's console counts B's load on the engine they share (the adapter view is every gateway's)
+    wait_for(lambda: _replica_loads(a) == (1, "fleet"), what="B's load in A's adapter view")
 
     # nobody asks: unloaded once the fleet's idle time has passed
     wait_for(lambda: "chat-lora" not in _on_engine(url), timeout_s=60, what="chat-lora unloaded when idle fleet-wide")

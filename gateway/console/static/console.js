@@ -750,7 +750,7 @@
 
   async function adaptersPage() {
     page.append(el("h1", {}, "LoRA adapters"), el("p", { class: "muted" },
-      "Per replica: the adapters its engine runs or queues requests for (active), those registered there (held by this gateway or listed by the engine; requests in flight in brackets), their memory against the pool's budget, and what this gateway process did there since it started."));
+      "Per replica: the adapters its engine runs or queues requests for (active), those registered there (held by this gateway or listed by the engine; requests in flight in brackets), their memory against the pool's budget, and what the gateways did there: every gateway process's counts for a shared replica when they share adapter state (state: redis), this process's own since it started otherwise (Counted by)."));
     const holder = el("div", { id: "adapters" });
     page.append(holder);
     every(5000, async () => {
@@ -774,6 +774,7 @@
           { label: "Evictions", num: true, key: "evictions" },
           { label: "Unloads", num: true, key: "unloads" },
           { label: "Failed", num: true, key: "failures" },
+          { label: "Counted by", render: (r) => (r.counted_by === "fleet" ? "all gateways" : "this gateway") },
         ], pool.replicas, { id: `adapters-${pool.name}`, idOf: (r) => r.id }),
       )));
     });

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -15,6 +16,7 @@ import redis.asyncio as aioredis
 from backends.config import PoolConfig
 from backends.fleet import Fleet, LoraAdapter, Pool
 from backends.types import Endpoint, EndpointState
+from gateway.console.adapters import adapter_view
 from gateway.transport.lora import AdapterKeeper, AdapterLoader
 from gateway.transport.lora_shared import SharedAdapters
 from gateway.upstream.client import UpstreamClient
@@ -151,8 +153,17 @@ async def test_demand_and_loads_count_every_process(engine: SimInstance, redis_u
             assert b.loader.hottest(["chat-lora", "sql-lora"], 1) == ["sql-lora"]
             assert b.residency.demand("sql-lora", clock.now_s) == pytest.approx(5.0)
             assert a.residency.demand("chat-lora", clock.now_s) == pytest.approx(1.0)
+            # the console's counters of the shared replica: both processes' loads, from either
+            for gateway in (a, b):
+                found = gateway.share.fleet_activity(gateway.endpoint)
+                assert found is not None and (found.loads, found.failures) == (2, 0)
+                pools: Any = adapter_view(gateway.fleet, gateway.loader, clock.now_s)["pools"]
+                (replica,) = pools[0]["replicas"]
+                assert (replica["loads"], replica["counted_by"]) == (2, "fleet")
             await a.share.sync()  # read again: nothing new, nothing counted twice
             assert a.share.pool_loads("base") == 2
+            found = a.share.fleet_activity(a.endpoint)
+            assert found is not None and found.loads == 2
             assert a.residency.demand("chat-lora", clock.now_s) == pytest.approx(1.0)
 
             client = aioredis.Redis.from_url(redis_url)
