@@ -83,7 +83,7 @@ from sim import text_gen
 from sim.config import EngineConfig
 from sim.kv_cache import HostOffload, KVCacheManager
 from sim.kv_events import KVEventPublisher
-from sim.kv_store import RemoteStore, fetch_link
+from sim.kv_store import RemoteStore
 from sim.lora import LoraSlots, batch_adapters
 from sim.metrics import EngineMetrics
 from sim.scheduler import Request, Scheduler, Status, new_id
@@ -163,14 +163,12 @@ class SimEngine:
             log.error("simulated engine loop died", exc_info=task.exception())
 
     async def _join_store(self, url: str) -> None:
-        """Read the store's link, follow its feed; a store that does not answer stops the start-up."""
-        capacity, bandwidth, latency = await fetch_link(url)
+        """Follow the store's feed and send it what this engine computes (in the background: a store
+        that is not up yet is waited for while the engine serves)."""
         offload = self.kv.offload
         assert offload is not None  # build_engine_config gives an engine with a store a DRAM tier
         pool = self.kv.pool  # its event list is replaced at every drain: append to the current one
-        self.store = RemoteStore(
-            url, capacity, bandwidth, latency, offload.bytes_per_block, lambda e: pool.events.extend(e)
-        )
+        self.store = RemoteStore(url, offload.bytes_per_block, lambda events: pool.events.extend(events))
         offload.store = self.store
         await self.store.start()
 

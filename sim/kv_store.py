@@ -160,16 +160,22 @@ class StoreServer:
 class RemoteStore(SharedStore):
     """The store as one engine sees it: `run` and `load_s` answer from a mirror of the store's blocks
     (kept from its feed), `put` and the reads are sent to it in the background. `on_events` receives
-    the `STORE` KV events this engine publishes (what it wrote, what the store evicted)."""
+    the `STORE` KV events this engine publishes (what it wrote, what the store evicted).
+
+    The link (capacity, bandwidth, latency) is the store's own, read from its `/stats` each time the
+    feed (re)connects; until the first connection the mirror is empty (no hit) and the defaults below
+    stand. A store that is not up yet, or goes away, is waited for: the engine serves meanwhile, as
+    an engine whose remote cache backend is away recomputes."""
 
     def __init__(
         self,
         url: str,
-        capacity_blocks: int,
-        bandwidth_bytes_per_s: float,
-        latency_s: float,
         bytes_per_block: int,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        *,
+        capacity_blocks: int = 1,
+        bandwidth_bytes_per_s: float = 10e9,
+        latency_s: float = 1e-3,
     ) -> None:
         super().__init__(capacity_blocks, bandwidth_bytes_per_s, latency_s, bytes_per_block, WRITE_ON_COMPUTE)
         self.url = url.rstrip("/")
@@ -247,12 +253,17 @@ class RemoteStore(SharedStore):
         backoff = RECONNECT_S[0]
         while True:
             try:
+                async with self._session.get(self.url + "/stats", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    resp.raise_for_status()
+                    link = await resp.json()
+                self.capacity_blocks = int(link["capacity_blocks"])
+                self.bandwidth, self.latency_s = float(link["bandwidth"]), float(link["latency_s"])
                 async with self._session.get(self.url + "/feed") as resp:
                     resp.raise_for_status()
                     async for line in resp.content:
                         self._apply(orjson.loads(line))
                         backoff = RECONNECT_S[0]
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
                 log.info("kv store feed %s: %s; reconnecting", self.url, exc)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_S[1])
@@ -276,17 +287,6 @@ class RemoteStore(SharedStore):
     def _publish_removed(self, removed: list[int]) -> None:
         if removed and self.on_events is not None:
             self.on_events([KVEvent("removed", tuple(removed), medium=STORE_MEDIUM)])
-
-
-async def fetch_link(url: str) -> tuple[int, float, float]:
-    """(capacity in blocks, bandwidth B/s, latency s) the store at `url` reports."""
-    async with (
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-        session.get(url.rstrip("/") + "/stats") as resp,
-    ):
-        resp.raise_for_status()
-        data = await resp.json()
-    return int(data["capacity_blocks"]), float(data["bandwidth"]), float(data["latency_s"])
 
 
 # --- the command line --------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from sim.kv_store import RemoteStore, StoreServer
 from sim.server import start_instances, stop_instance
 from tests.sim.conftest import chat_body, post_json
 from tests.support.polling import wait_for_async
+from tests.support.procs import free_port
 
 PROMPT = "A store shared by the replicas keeps what any of them computed. " * 40
 BYTES_PER_BLOCK = 16 * 128 * 1024  # llama-3.1-8b: 128 KiB of KV per token
@@ -68,10 +69,11 @@ async def test_a_prefix_one_engine_computed_is_loaded_by_the_other(
 async def test_an_engine_publishes_the_store_blocks_and_the_stores_evictions() -> None:
     runner, url, _ = await serve_store(4)
     published: list[KVEvent] = []
-    remote = RemoteStore(url, 4, 10e9, 1e-3, BYTES_PER_BLOCK, published.extend)
+    remote = RemoteStore(url, BYTES_PER_BLOCK, published.extend)
     await remote.start()
     try:
         await wait_for_async(lambda: remote.connected.is_set(), what="the feed's snapshot")
+        assert (remote.capacity_blocks, remote.bandwidth, remote.latency_s) == (4, 10e9, 1e-3)  # the store's link
         remote.put([1, 2, 3])
         assert published == [KVEvent("stored", (1, 2, 3), medium=STORE_MEDIUM)]
         await wait_for_async(lambda: len(remote.blocks) == 3, what="the store's blocks in the mirror")
@@ -93,3 +95,25 @@ async def test_the_store_refuses_what_is_not_a_list_of_hashes(http: aiohttp.Clie
                 assert resp.status == 400
     finally:
         await runner.cleanup()
+
+
+async def test_an_engine_started_before_its_store_serves_and_joins_it_later(http: aiohttp.ClientSession) -> None:
+    port = free_port()
+    config = build_engine_config(time_scale=20, kv_store_url=f"http://127.0.0.1:{port}")
+    (engine,) = await start_instances(config, 1)
+    try:
+        answer = await post_json(http, engine.url + "/v1/chat/completions", chat_body(PROMPT, max_tokens=1))
+        assert answer["usage"]["completion_tokens"] == 1  # no store yet: the engine serves all the same
+        server = StoreServer(SharedStore(1000, 10e9, 1e-3, BYTES_PER_BLOCK, WRITE_ON_COMPUTE))
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            store = engine.engine.store
+            assert store is not None
+            await wait_for_async(lambda: store.connected.is_set(), what="the engine joining the store")
+            assert store.capacity_blocks == 1000
+        finally:
+            await runner.cleanup()
+    finally:
+        await stop_instance(engine)
