@@ -90,6 +90,16 @@ def sign_in(driver: Any, gateway: Gateway, who: str) -> None:
     wait(driver, by_css("#approve")).click()
 
 
+def refused(driver: Any) -> bool:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    try:
+        body = str(driver.find_element("tag name", "body").text)
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
+    return "role_forbidden" in body or "has no role on this gateway" in body
+
+
 # A call the console page itself makes (same origin, its cookie, its session's CSRF token)
 PAGE_PATCH = """
 const done = arguments[arguments.length - 1];
@@ -146,6 +156,7 @@ def test_an_email_of_server_users_signs_in_as_that_user_and_an_unknown_one_is_re
 
     with chromium() as driver:
         sign_in(driver, gateway, "eve")
-        body = driver.find_element("tag name", "body").text
-        assert "role_forbidden" in body or "has no role on this gateway" in body
+        # the refusal is the callback's page: read it once the browser has landed there (a body read
+        # while the provider's redirect is under way is a stale element)
+        wait(driver, refused)
         assert driver.get_cookie("tokenway_console") is None
