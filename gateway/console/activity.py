@@ -14,10 +14,11 @@ every field of `models` is a number or a dict of numbers, so shared.py sums it l
 is bounded by the models of policies.yaml (`MAX_MODELS` at most); any other name counts as `(other)`.
 
 Each minute also counts per team (`teams`: the minute's scalar counters, requests to SLO, for the
-requests of the tenants of each team), so that a team admin's overview is its teams' own figures
-rather than a share of everyone's (gateway/http/team_scope.py). The team is looked up from the
-record's tenant in policies.yaml, then in the admin API's directory; a tenant of no team counts in
-no team. The map is bounded by the teams of policies.yaml (a tenant may only name one of those).
+requests of the tenants of each team; `team_models`: the per-model counters above, per team), so
+that a team admin's overview, its per-model charts included, is its teams' own figures rather than a
+share of everyone's (gateway/http/team_scope.py). The team is looked up from the record's tenant in
+policies.yaml, then in the admin API's directory; a tenant of no team counts in no team. The maps
+are bounded by the teams of policies.yaml (a tenant may only name one of those), times `MAX_MODELS`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _Minute:
     slo_met: int = 0
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     teams: dict[str, dict[str, float]] = field(default_factory=dict)
+    team_models: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,17 +95,34 @@ class _Minute:
             "cost_usd": round(self.cost_usd, 9),
             "slo_requests": self.slo_requests,
             "slo_met": self.slo_met,
-            "models": {
-                name: {
-                    **m,
-                    "ttft_le_ms": dict(m["ttft_le_ms"]),
-                    "duration_sum_ms": round(m["duration_sum_ms"], 3),
-                    "ttft_sum_ms": round(m["ttft_sum_ms"], 3),
-                }
-                for name, m in self.models.items()
-            },
+            "models": _models_dict(self.models),
             "teams": {name: {**c, "cost_usd": round(c["cost_usd"], 9)} for name, c in self.teams.items()},
+            "team_models": {name: _models_dict(models) for name, models in self.team_models.items()},
         }
+
+
+def _models_dict(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            **m,
+            "ttft_le_ms": dict(m["ttft_le_ms"]),
+            "duration_sum_ms": round(m["duration_sum_ms"], 3),
+            "ttft_sum_ms": round(m["ttft_sum_ms"], 3),
+        }
+        for name, m in models.items()
+    }
+
+
+def summed(into: Any, value: Any) -> Any:
+    """Two sets of counters added: numbers summed, dicts of them (a minute's per-model counters)
+    summed key by key into a new dict; a field one side lacks is the other's (replicas' minutes,
+    gateway/console/shared.py; a team admin's teams, `team_overview`)."""
+    if isinstance(value, dict):
+        merged = dict(into) if isinstance(into, dict) else {}
+        for key, part in value.items():
+            merged[key] = summed(merged.get(key), part)
+        return merged
+    return value if into is None else into + value
 
 
 class ConsoleActivity:
@@ -148,13 +167,14 @@ class ConsoleActivity:
         if met is not None:
             minute.slo_requests += 1
             minute.slo_met += int(met)
-        self._count_model(minute, record)
+        self._count_model(minute.models, record)
         self._count_team(minute, record, met)
 
     def _count_team(self, minute: _Minute, record: RequestRecord, met: bool | None) -> None:
         team = self._team_of(record.tenant)
         if team is None:
             return
+        self._count_model(minute.team_models.setdefault(team, {}), record)
         counters = minute.teams.get(team)
         if counters is None:
             counters = minute.teams[team] = dict.fromkeys(TEAM_FIELDS, 0)
@@ -182,13 +202,13 @@ class ConsoleActivity:
             team = record.team if record is not None else None
         return team if team is not None and team in config.teams else None
 
-    def _count_model(self, minute: _Minute, record: RequestRecord) -> None:
+    def _count_model(self, models: dict[str, dict[str, Any]], record: RequestRecord) -> None:
         name = record.model or record.requested_model
-        if name not in self._policy().config.models or (name not in minute.models and len(minute.models) >= MAX_MODELS):
+        if name not in self._policy().config.models or (name not in models and len(models) >= MAX_MODELS):
             name = OTHER  # a name a client made up never becomes a key of the map
-        counters = minute.models.get(name)
+        counters = models.get(name)
         if counters is None:
-            counters = minute.models[name] = _model_counters()
+            counters = models[name] = _model_counters()
         counters["requests"] += 1
         if record.status == "ok":
             counters["served"] += 1
@@ -275,16 +295,24 @@ def overview_of(minutes: list[dict[str, Any]], now_s: float) -> dict[str, Any]:
 
 def team_overview(minutes: list[dict[str, Any]], teams: frozenset[str], now_s: float) -> dict[str, Any]:
     """The overview of `teams` alone (a team admin's): each minute's counters of those teams summed,
-    the same summary and dense hour as the fleet's, and no per-model or per-team breakdown (a minute's
-    `models` sum every team's requests; its `teams` name other teams)."""
+    its per-model counters from those teams' `team_models`, the same summary and dense hour as the
+    fleet's, and no per-team breakdown (a minute's `teams` name other teams; its `models` sum every
+    team's requests)."""
     own: list[dict[str, Any]] = []
     for minute in minutes:
         parts = [c for name, c in (minute.get("teams") or {}).items() if name in teams]
         if parts:
-            own.append({"t": minute["t"], **{k: sum(p.get(k, 0) for p in parts) for k in TEAM_FIELDS}})
+            models: dict[str, Any] = {}
+            for name, counters in (minute.get("team_models") or {}).items():
+                if name in teams:
+                    models = summed(models, counters)
+            counts = {k: sum(p.get(k, 0) for p in parts) for k in TEAM_FIELDS}
+            own.append({"t": minute["t"], **counts, "models": models})
     found = overview_of(own, now_s)
-    found["minutes"] = [{"t": m["t"], **{k: m.get(k, 0) for k in TEAM_FIELDS}} for m in found["minutes"]]
-    found["models"] = []
+    found["minutes"] = [
+        {"t": m["t"], **{k: m.get(k, 0) for k in TEAM_FIELDS}, "models": m.get("models") or {}}
+        for m in found["minutes"]
+    ]
     return found
 
 

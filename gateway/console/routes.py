@@ -207,15 +207,11 @@ async def activity(request: web.Request) -> web.Response:
 
 
 def team_activity(found: dict[str, Any], view: TeamView) -> dict[str, Any]:
-    """A team admin's overview: the minute counters its teams kept of their own (activity.py), never
-    the fleet's (they sum every team's requests) nor the per-model charts (the same); the tail is
-    already its teams' only."""
+    """A team admin's overview: the minute counters its teams kept of their own (activity.py), per
+    model too, never the fleet's (they sum every team's requests); the tail is already its teams'
+    only."""
     own = team_overview(found["minutes"], view.teams, time.time())
-    return {
-        **found,
-        **own,
-        "team_scope": {"teams": sorted(view.teams), "withheld": ["models"]},
-    }
+    return {**found, **own, "team_scope": {"teams": sorted(view.teams)}}
 
 
 async def usage(request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ import orjson
 import redis.asyncio as redis
 
 from backends.tasks import cancel_and_wait
-from gateway.console.activity import ConsoleActivity, overview_of
+from gateway.console.activity import ConsoleActivity, overview_of, summed
 
 log = logging.getLogger(__name__)
 
@@ -110,37 +110,26 @@ class SharedActivity:
             self.errors += 1
             unavailable = True
             log.debug("console activity of other replicas unavailable: %s", exc)
-        summed: dict[int, dict[str, Any]] = {}
+        by_minute: dict[int, dict[str, Any]] = {}
         rows: list[dict[str, Any]] = []
         for name, part in parts:
             for minute in part.get("minutes") or ():
-                into = summed.get(minute["t"])
+                into = by_minute.get(minute["t"])
                 if into is None:
-                    summed[minute["t"]] = dict(minute)
+                    by_minute[minute["t"]] = dict(minute)
                 else:
                     for field, value in minute.items():
                         if field != "t":
-                            into[field] = _summed(into.get(field), value)
+                            into[field] = summed(into.get(field), value)
             rows.extend(
                 {**row, "replica": name, "seq": int(row["ts"] * 1e6)}
                 for row in part.get("tail") or ()
                 if keep is None or keep(row)
             )
         rows.sort(key=lambda r: r["ts"], reverse=True)
-        found = overview_of(list(summed.values()), now_s)
+        found = overview_of(list(by_minute.values()), now_s)
         found["tail"] = rows[:limit]
         found["replicas"] = [name for name, _ in parts]
         if unavailable:
             found["replicas_unavailable"] = True
         return found
-
-
-def _summed(into: Any, value: Any) -> Any:
-    """Two replicas' counters added: numbers summed, dicts of them (a minute's per-model counters)
-    summed key by key into a new dict; a field one side lacks is the other's."""
-    if isinstance(value, dict):
-        merged = dict(into) if isinstance(into, dict) else {}
-        for key, part in value.items():
-            merged[key] = _summed(merged.get(key), part)
-        return merged
-    return value if into is None else into + value

@@ -171,9 +171,10 @@ def test_the_team_scoped_reads_show_the_teams_own_rows(gateway: Gateway) -> None
     activity = call(gateway, tom, "GET", "/admin/activity")[1]
     assert [r["key_id"] for r in activity["tail"]] == ["search-1"]
     assert activity["summary"]["requests"] == 1  # its teams' own minute counters, not the fleet's
-    assert sum(m["requests"] for m in activity["minutes"]) == 1 and activity["models"] == []
-    assert all(set(m) >= {"t", "cost_usd"} and "teams" not in m and "models" not in m for m in activity["minutes"])
-    assert activity["team_scope"] == {"teams": ["search"], "withheld": ["models"]}
+    assert sum(m["requests"] for m in activity["minutes"]) == 1 and activity["models"] == [LLAMA]
+    assert all(set(m) >= {"t", "cost_usd"} and "teams" not in m and "team_models" not in m for m in activity["minutes"])
+    assert sum(m["models"].get(LLAMA, {}).get("requests", 0) for m in activity["minutes"]) == 1  # its teams' own
+    assert activity["team_scope"] == {"teams": ["search"]}
     fleet = call(gateway, vera, "GET", "/admin/activity")[1]
     assert fleet["summary"]["requests"] == 2
     by_team = [m["teams"] for m in fleet["minutes"] if m["teams"]]
@@ -239,9 +240,9 @@ def test_the_console_shows_a_team_admin_its_teams_data_only(gateway: Gateway) ->
         wait(driver, by_css("#login-submit")).click()
         wait(driver, page_ready("overview"))
         assert "team admin of search" in wait(driver, by_css("#whoami")).text
-        wait(driver, by_css("#stat-rps"))  # its teams' own counters, the per-model charts hidden
+        wait(driver, by_css("#stat-rps"))  # its teams' own counters, per model too
         assert "your teams (search): 1 requests" in wait(driver, by_css("#overview-window")).text
-        assert not driver.find_element("css selector", "#chart-model-latency").is_displayed()
+        assert driver.find_element("css selector", "#chart-model-latency").is_displayed()
         assert not [e.text for e in driver.find_elements("css selector", "#page .error") if e.text]
 
         driver.get(gateway.url + "/ui#usage")

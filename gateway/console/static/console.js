@@ -238,7 +238,7 @@
       }
       // a team admin's: its teams' own minute counters; the per-model charts sum every team's requests
       const teams = doc.team_scope ? doc.team_scope.teams : null;
-      c4.hidden = c5.hidden = Boolean(teams);
+      c4.hidden = c5.hidden = Boolean(doc.team_scope && (doc.team_scope.withheld || []).includes("models"));  // an older gateway's
       const s = doc.summary;
       cards.replaceChildren(
         stat("Requests / s", fmt.num(s.requests_per_s, 2), "stat-rps"),

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import yaml
 
-from gateway.console.activity import OTHER, ConsoleActivity, overview_of
-from gateway.console.shared import _summed
+from gateway.console.activity import OTHER, ConsoleActivity, overview_of, summed
 from gateway.request.record import RequestRecord
 from policies.loader import parse_config
 from policies.policy import Policy
@@ -54,7 +53,7 @@ def test_replicas_minutes_sum_model_by_model() -> None:
     two.observe(record(2, model="big", ttft_s=0.04))
     two.observe(record(3, model="small", status="error", http_status=502))
     a, b = one.minutes()[-1], two.minutes()[-1]
-    merged = {k: _summed(a.get(k), v) if k != "t" else v for k, v in b.items()}
+    merged = {k: summed(a.get(k), v) if k != "t" else v for k, v in b.items()}
     assert merged["models"]["big"]["requests"] == 2 and merged["models"]["big"]["ttft_le_ms"]["50"] == 2
     assert merged["models"]["small"]["errors"] == 1 and merged["requests"] == 3
     assert a["models"]["big"]["requests"] == 1  # the parts are left as they were

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from gateway.console.activity import ConsoleActivity, team_overview
-from gateway.console.shared import _summed
+from gateway.console.activity import ConsoleActivity, summed, team_overview
 from gateway.request.record import RequestRecord
 from policies.keys.directory import KeyDirectory
 from policies.keys.store import MemoryDirectoryStore
@@ -60,7 +59,9 @@ def test_a_team_admins_overview_is_its_teams_alone_and_names_no_other() -> None:
     own = team_overview(activity.overview()["minutes"], frozenset({"search"}), NOW)
     assert own["summary"]["requests"] == 1 and own["summary"]["error_rate"] == 0.0
     assert sum(m["cost_usd"] for m in own["minutes"]) == 0.25 and len(own["minutes"]) == 60
-    assert own["models"] == [] and all("teams" not in m and "models" not in m for m in own["minutes"])
+    assert all("teams" not in m and "team_models" not in m for m in own["minutes"])  # no other team named
+    assert own["models"] == ["m"]  # its teams' own per-model counters: search's one request, not ads'
+    assert sum(m["models"].get("m", {}).get("requests", 0) for m in own["minutes"]) == 1
     both = team_overview(activity.minutes(), frozenset({"search", "ads"}), NOW)
     assert both["summary"]["requests"] == 2
     none = team_overview(activity.minutes(), frozenset({"nobody"}), NOW)
@@ -85,8 +86,9 @@ def test_replicas_minutes_sum_team_by_team() -> None:
     two.observe(record(2, "web", cost_usd=0.25))
     two.observe(record(3, "bid"))
     a, b = one.minutes()[-1], two.minutes()[-1]
-    merged = {k: _summed(a.get(k), v) if k != "t" else v for k, v in b.items()}
+    merged = {k: summed(a.get(k), v) if k != "t" else v for k, v in b.items()}
     assert merged["teams"]["search"]["requests"] == 2 and merged["teams"]["search"]["cost_usd"] == 0.75
     assert merged["teams"]["ads"]["requests"] == 1
     own = team_overview([merged], frozenset({"search"}), NOW)
     assert own["summary"]["requests"] == 2
+    assert sum(m["models"].get("m", {}).get("requests", 0) for m in own["minutes"]) == 2  # both replicas' per model
