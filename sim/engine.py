@@ -479,25 +479,17 @@ class SimEngine:
         finally:
             self._http_pulls -= 1  # the clock stays frozen until the loop starts the next step
         ok = tokens > 0 and req.status is Status.PULLING
-        transfer_s = (
-            roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), self._link_bandwidth(remote))
-            if ok
-            else 0.0
+        config = self.config
+        link = link_class(config.topology, remote) if config.kv_link_bandwidth else None
+        self.last_pull_link = link
+        bandwidth = (
+            config.kv_link_bandwidth.get(link, config.kv_transfer_bandwidth) if link else config.kv_transfer_bandwidth
         )
+        transfer_s = roofline.kv_transfer_time_s(self.preset, min(tokens, req.num_prompt), bandwidth) if ok else 0.0
         done_s = started_s + transfer_s if ok else self.clock.now()
         req.kv_pull_s = done_s - started_s
         self.scheduler.finish_pull(req, done_s, ok)
         self._wakeup.set()
-
-    def _link_bandwidth(self, remote: Topology) -> float:
-        """Bytes/s of the pull from an engine at `remote`: its link class's (`kv_link_bandwidth`), else
-        the one PD link bandwidth."""
-        config = self.config
-        link = link_class(config.topology, remote) if config.kv_link_bandwidth else None
-        self.last_pull_link = link
-        return (
-            config.kv_link_bandwidth.get(link, config.kv_transfer_bandwidth) if link else config.kv_transfer_bandwidth
-        )
 
     async def _fetch_remote_kv(self, params: dict[str, Any]) -> tuple[int, Topology]:
         """(tokens the prefill engine holds for the request, that engine's topology labels)."""

@@ -8,7 +8,10 @@ a request's KV once computed) and, after their own HBM and DRAM runs, load a pre
 from it at the store's link (`latency + bytes / bandwidth`, the formula the router prices) instead of
 recomputing it, so a block one replica computed is a hit on every replica of the pool.
 
-The wire (JSON; every body bounded by the server's client_max_size):
+The wire (JSON; every body bounded by `MAX_BODY_BYTES` and `MAX_HASHES`, at most `MAX_FEEDS` feed
+readers, each at most `FEED_QUEUE` changes behind). A test double's side channel like the engine's
+`/internal/kv_pull`: it listens on loopback by default, asks no key and is not the gateway's API
+(no OpenAPI entry, no gateway checklist); a deployment's store is its own product.
 
 - `POST /put {"hashes": [...]}`: blocks an engine wrote (most recent last);
 - `POST /touch {"hashes": [...], "loads": n}`: blocks an engine read (kept from eviction a while
@@ -49,6 +52,7 @@ log = logging.getLogger("tokenway.sim.store")
 MAX_BODY_BYTES: Final = 8 << 20  # one request's hashes (a 128k-token prompt is 8k blocks)
 MAX_HASHES: Final = 65_536  # per request
 FEED_QUEUE: Final = 4_096  # changes waiting for one slow feed reader before it is cut off
+MAX_FEEDS: Final = 256  # feed readers at once (an engine holds one); more are answered 503
 RECONNECT_S: Final = (0.05, 2.0)  # the feed's reconnect backoff, first and longest
 
 
@@ -102,6 +106,8 @@ class StoreServer:
         return web.json_response({})
 
     async def _feed(self, request: web.Request) -> web.StreamResponse:
+        if len(self._feeds) >= MAX_FEEDS:
+            raise web.HTTPServiceUnavailable(text=f"at most {MAX_FEEDS} feed readers")
         queue: asyncio.Queue[bytes | None] = asyncio.Queue(FEED_QUEUE)
         response = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
         await response.prepare(request)

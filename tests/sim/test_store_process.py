@@ -12,7 +12,7 @@ from aiohttp import web
 
 from sim.config import build_engine_config
 from sim.kv_cache import STORE_MEDIUM, WRITE_ON_COMPUTE, KVEvent, SharedStore
-from sim.kv_store import RemoteStore, StoreServer
+from sim.kv_store import MAX_HASHES, RemoteStore, StoreServer
 from sim.server import start_instances, stop_instance
 from tests.sim.conftest import chat_body, post_json
 from tests.support.polling import wait_for_async
@@ -87,12 +87,22 @@ async def test_an_engine_publishes_the_store_blocks_and_the_stores_evictions() -
         await runner.cleanup()
 
 
-async def test_the_store_refuses_what_is_not_a_list_of_hashes(http: aiohttp.ClientSession) -> None:
-    runner, url, _ = await serve_store(4)
+async def test_the_store_refuses_what_is_not_a_list_of_hashes_and_bounds_its_feeds(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, url, server = await serve_store(4)
     try:
-        for body in (b"not json", b'{"hashes": "1,2"}', b'{"hashes": [1.5]}'):
+        for body in (b"not json", b'{"hashes": "1,2"}', b'{"hashes": [1.5]}', b'{"hashes": [1, 2]} trailing'):
             async with http.post(url + "/put", data=body) as resp:
                 assert resp.status == 400
+        async with http.post(url + "/put", json={"hashes": list(range(MAX_HASHES + 1))}) as resp:
+            assert resp.status == 400
+        monkeypatch.setattr("sim.kv_store.MAX_FEEDS", 1)
+        async with http.get(url + "/feed") as first:
+            assert (await first.content.readline()).startswith(b'{"snapshot"')
+            async with http.get(url + "/feed") as second:
+                assert second.status == 503
+        assert len(server._feeds) <= 1
     finally:
         await runner.cleanup()
 
