@@ -25,9 +25,13 @@ PAGES = ("overview", "keys", "tenants", "usage", "limits", "pools", "predictor",
 
 
 def wait(driver: Any, condition: Callable[[Any], Any], timeout_s: float = 30.0) -> Any:
+    """`condition` polled until truthy; an element that went stale under it (the page navigated or
+    re-rendered between finding and reading it) is a "not yet", not a failure."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(condition)
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.1, ignored_exceptions=ignored).until(condition)
 
 
 def by_css(selector: str) -> Callable[[Any], Any]:

@@ -91,12 +91,7 @@ def sign_in(driver: Any, gateway: Gateway, who: str) -> None:
 
 
 def refused(driver: Any) -> bool:
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
-
-    try:
-        body = str(driver.find_element("tag name", "body").text)
-    except (NoSuchElementException, StaleElementReferenceException):
-        return False
+    body = str(driver.find_element("tag name", "body").text)
     return "role_forbidden" in body or "has no role on this gateway" in body
 
 
