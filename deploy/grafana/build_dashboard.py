@@ -214,6 +214,31 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
         ],
     ),
     (
+        "Agent programs",
+        [
+            ("Spend/s of the top runs", "currencyUSD", [
+                {"expr": "topk(10, sum by (tenant, program) "
+                         "(rate(tokenway_program_cost_usd_total[$__rate_interval])))",
+                 "legend": "{{tenant}} {{program}}"},
+            ], 8),
+            ("Calls/s of the top runs", "reqps", [
+                {"expr": "topk(10, sum by (tenant, program) (rate(tokenway_program_calls_total[$__rate_interval])))",
+                 "legend": "{{tenant}} {{program}}"},
+            ], 8),
+            ("Tokens/s of the top runs", "short", [
+                {"expr": "topk(10, sum by (tenant, program, token_type) "
+                         "(rate(tokenway_program_tokens_total[$__rate_interval])))",
+                 "legend": "{{tenant}} {{program}} {{token_type}}"},
+            ], 8),
+            ("Program outcomes and reported value/s", "short", [
+                {"expr": "sum by (tenant, success) (rate(tokenway_program_outcomes_total[$__rate_interval]))",
+                 "legend": "{{tenant}} success={{success}}"},
+                {"expr": "sum by (tenant) (rate(tokenway_program_outcome_value_total[$__rate_interval]))",
+                 "legend": "value {{tenant}}"},
+            ], 24),
+        ],
+    ),
+    (
         "Request shape",
         [
             ("Tokens per request (GenAI semconv)", "short",

@@ -527,6 +527,15 @@ class MetricLabelsConfig(_Strict):
 
     key_id: bool = Field(default=False, description="per-key token and cost series (bounded by the key list)")
     max_values: int = Field(default=200, ge=1, le=100_000, description="distinct values per label")
+    max_programs: int = Field(
+        default=50,
+        ge=0,
+        le=10_000,
+        description="agent runs named at a time on the tokenway_program_* series (others: program=other; 0: none)",
+    )
+    program_idle_s: float = Field(
+        default=300.0, gt=0, description="a named run idle this long gives its program label to a new run"
+    )
 
 
 class MetricsConfig(_Strict):

@@ -167,6 +167,9 @@ async def post_outcome(request: web.Request) -> web.Response:
     if not ledger.append_line(line):  # the ledger is behind its disk: nothing was recorded
         await request.app[BOOK].forget(principal.tenant, program)
         return error_response(LedgerOff("the usage ledger is behind its disk; post the outcome again later"))
+    metrics = request.app.get(appkeys.METRICS)
+    if metrics is not None:
+        metrics.observe_outcome(principal.tenant, success, value)
     body = {"object": "program.outcome", "program": program, "success": success, "value": value}
     return json_reply(body, status=201, headers={"x-request-id": rid})
 

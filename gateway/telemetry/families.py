@@ -91,6 +91,10 @@ class CounterFamily:
             found = self._children[labelvalues] = CounterChild()
         return found
 
+    def remove(self, *labelvalues: str) -> None:
+        """Drop one series (a short-lived label value leaving the exposition); absent is fine."""
+        self._children.pop(labelvalues, None)
+
     def collect(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labelvalues, child in list(self._children.items()):

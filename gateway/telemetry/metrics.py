@@ -10,7 +10,9 @@ Families (see README.md for the full catalogue): GenAI semconv histograms
 `gen_ai_client_token_usage`, `gen_ai_server_time_to_first_token_seconds`,
 `gen_ai_server_time_per_output_token_seconds`, `gen_ai_server_request_duration_seconds`, and
 `tokenway_*` counters/histograms for requests, admission outcomes, tokens, cost, overhead, routing,
-upstream errors/retries, Redis, predictor error; gauges for endpoints, limiter and budgets.
+upstream errors/retries, Redis, predictor error; gauges for endpoints, limiter and budgets; an agent
+program's calls, tokens and dollars with a `program` label kept for the busiest live runs only
+(`programs.py`).
 
 Two features register their own families on the same registry (and its OTLP export), below:
 flow control's waiting rooms (`FlowMetrics`) and elastic pools (`PoolMetrics`). Each is built by
@@ -63,6 +65,7 @@ from gateway.telemetry.families import (
     HistogramFamily,
     LabelGuard,
 )
+from gateway.telemetry.programs import ProgramMetrics
 from gateway.telemetry.state import (
     EndpointsSource,
     LedgerSource,
@@ -351,6 +354,11 @@ class GatewayMetrics:
             otel_name="tokenway.lora.adapter_events",
             unit="{event}",
         )
+        # agent programs (docs/agents.md): the `program` label named for the busiest live runs only
+        self.programs = ProgramMetrics(
+            self.guards["tenant"], max_programs=labels_cfg.max_programs, idle_s=labels_cfg.program_idle_s, now_s=now_s
+        )
+        self._count_programs = labels_cfg.max_programs > 0
         self._predictor_ttft = self.predictor_error.child("ttft")
         self._predictor_tpot = self.predictor_error.child("tpot")
 
@@ -360,7 +368,7 @@ class GatewayMetrics:
             self.estimated_hit_tokens, self.tier_tokens, self.saved_tokens, self.saved_gpu_seconds, self.saved_usd,
             self.kv_bytes_moved,
             self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
-            self.lora_requests, self.lora_tokens, self.lora_ttft, self.lora_events,
+            self.lora_requests, self.lora_tokens, self.lora_ttft, self.lora_events, *self.programs.families,
         )  # fmt: skip
         self.created_unix_ns = time_ns()  # start of every cumulative series (OTLP start_time)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -406,6 +414,8 @@ class GatewayMetrics:
             lora.output_tokens.value += completion
             if lora.ttft_s is not None and record.ttft_s is not None:
                 lora.ttft_s.observe(record.ttft_s)
+        if record.program is not None and self._count_programs:
+            self.programs.observe(record, record.program)
         if series.duration_s is None:
             return
         series.duration_s.observe(record.duration_s)
@@ -524,6 +534,10 @@ class GatewayMetrics:
         """An adapter loaded, preloaded, refused, unloaded for idleness or the memory budget, or lost by an
         engine (`LORA_EVENTS`)."""
         self.lora_events.child(self.guards["lora_name"](adapter), event).value += 1.0
+
+    def observe_outcome(self, tenant: str, success: bool, value: float | None) -> None:
+        """A program's outcome, recorded (`POST /v1/programs/{id}/outcome`)."""
+        self.programs.observe_outcome(tenant, success, value)
 
     def observe_retry(self, pool: str = "") -> None:
         self.retries.child(self.guards["pool"](pool)).value += 1.0

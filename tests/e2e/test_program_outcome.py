@@ -17,7 +17,7 @@ import pytest
 
 from policies.policy import hash_key
 from tests.support.polling import wait_for
-from tests.support.procs import OTHER_KEY, REPO, TEST_KEY, Gateway, SimEngines, static_pool
+from tests.support.procs import OTHER_KEY, REPO, TEST_KEY, Gateway, SimEngines, metric_total, static_pool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -103,6 +103,15 @@ def test_outcomes_once_per_program_and_the_cost_per_success(gateway: Gateway) ->
     def t1_row() -> dict[str, Any] | None:
         rows = [r for r in report(gateway) if r["tenant"] == "t1" and r["model"] == LLAMA]
         return rows[0] if rows and rows[0]["programs"] == 2 and rows[0]["no_outcome_cost_usd"] > 0 else None
+
+    # the metrics: each run's calls and dollars under its id, outcomes per tenant and result
+    assert metric_total(gateway.url, "tokenway_program_calls_total", tenant="t1", program="run-1") == 3
+    assert metric_total(gateway.url, "tokenway_program_cost_usd_total", tenant="t1", program="run-2") == pytest.approx(
+        lost, abs=1e-9
+    )
+    assert metric_total(gateway.url, "tokenway_program_outcomes_total", tenant="t1", success="true") == 1
+    assert metric_total(gateway.url, "tokenway_program_outcomes_total", tenant="t1", success="false") == 1
+    assert metric_total(gateway.url, "tokenway_program_outcome_value_total", tenant="t1") == 4
 
     row = wait_for(t1_row, timeout_s=15)
     assert row is not None
