@@ -99,13 +99,17 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, str]], int]]]] = [
                 {"expr": "sum by (pool, measure) (rate(tokenway_prefill_tokens_saved_total[$__rate_interval]))",
                  "legend": "{{pool}} {{measure}}"},
             ], 6),
-            ("Prefill GPU-seconds saved per second", "short", [
+            ("Prefill GPU-seconds saved per second: router's and engines' count", "short", [
                 {"expr": "sum by (pool) (rate(tokenway_prefill_gpu_seconds_saved_total[$__rate_interval]))",
-                 "legend": "{{pool}}"},
+                 "legend": "{{pool}} router"},
+                {"expr": "sum by (pool) (rate(tokenway_prefill_engine_gpu_seconds_saved_total[$__rate_interval]))",
+                 "legend": "{{pool}} engines"},
             ], 6),
             ("Prefill saved over the range (pool GPU cost)", "currencyUSD", [
                 {"expr": "sum by (pool) (increase(tokenway_prefill_saved_usd_total[$__range]))",
-                 "legend": "{{pool}}"},
+                 "legend": "{{pool}} router"},
+                {"expr": "sum by (pool) (increase(tokenway_prefill_engine_saved_usd_total[$__range]))",
+                 "legend": "{{pool}} engines"},
             ], 6),
             ("KV bytes moved by link (PD transfers, lower-tier loads)", "Bps", [
                 {"expr": "sum by (pool, link) (rate(tokenway_kv_bytes_moved_total[$__rate_interval]))",

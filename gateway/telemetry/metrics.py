@@ -283,6 +283,23 @@ class GatewayMetrics:
             otel_name="tokenway.prefill.saved_usd",
             unit="USD",
         )
+        # the same saving by the engine's own count of cached prompt tokens (SupplyMeter.measure_engine)
+        self.engine_saved_gpu_seconds = CounterFamily(
+            "tokenway_prefill_engine_gpu_seconds_saved_total",
+            "GPU-seconds of prefill saved by the cached prompt tokens the engine reported in each answer's usage, "
+            "priced like tokenway_prefill_gpu_seconds_saved_total over the router's tiers (requests without a "
+            "prefill leg)",
+            ("pool",),
+            otel_name="tokenway.prefill.engine_gpu_seconds_saved",
+            unit="s",
+        )
+        self.engine_saved_usd = CounterFamily(
+            "tokenway_prefill_engine_saved_usd_total",
+            "the engine-counted prefill GPU-seconds saved priced at the pool's usd_per_gpu_hour (pools that set one)",
+            ("pool",),
+            otel_name="tokenway.prefill.engine_saved_usd",
+            unit="USD",
+        )
         self.kv_bytes_moved = CounterFamily(
             "tokenway_kv_bytes_moved_total",
             "KV bytes the router expected to move, by link: a disaggregated request's prefill-to-decode transfer "
@@ -366,7 +383,7 @@ class GatewayMetrics:
             self.token_usage, self.ttft, self.tpot, self.duration, self.requests, self.admission, self.fallbacks,
             self.tokens, self.cached_tokens, self.cost, self.overhead, self.routes, self.routed_prompt_tokens,
             self.estimated_hit_tokens, self.tier_tokens, self.saved_tokens, self.saved_gpu_seconds, self.saved_usd,
-            self.kv_bytes_moved,
+            self.engine_saved_gpu_seconds, self.engine_saved_usd, self.kv_bytes_moved,
             self.upstream_errors, self.retries, self.redis_latency, self.redis_errors, self.predictor_error,
             self.lora_requests, self.lora_tokens, self.lora_ttft, self.lora_events, *self.programs.families,
         )  # fmt: skip
@@ -524,6 +541,15 @@ class GatewayMetrics:
         for link, moved in supply.bytes_by_link:
             if link in KV_LINKS:
                 self.kv_bytes_moved.child(pool, link).value += moved
+
+    def observe_engine_supply(self, pool: str, supply: KvSupply) -> None:
+        """What one answer's cached prompt tokens saved, by its engine's own count
+        (`ScoringRouter.engine_supply`)."""
+        if supply.gpu_seconds:
+            pool = self.guards["pool"](pool)
+            self.engine_saved_gpu_seconds.child(pool).value += supply.gpu_seconds
+            if supply.usd is not None:
+                self.engine_saved_usd.child(pool).value += supply.usd
 
     def observe_upstream_error(self, endpoint: str, kind: str) -> None:
         """One failed upstream attempt; `endpoint` is the endpoint id ("<pool>/<role>-<i>")."""

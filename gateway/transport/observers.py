@@ -6,7 +6,8 @@ watches; each is plugged in by the app factory (the walk imports none of them).
 router expected) and each retry on another endpoint, for the engine transport and the endpoint
 picker alike (the app factory plugs it in when metrics are on). Given the router, it also counts the
 supply side of each dispatch (`ScoringRouter.supply`: prefill tokens, GPU-seconds and dollars the
-cached prefix saved, KV bytes moved per link).
+cached prefix saved, KV bytes moved per link), and, once the answer's usage is in, the same saving
+by the engine's own count of cached prompt tokens (`ScoringRouter.engine_supply`).
 
 `ToolBoundary` tells the router when an agent program's answer ended in tool calls (the relay's
 `RelayOutcome.tool_calls`), so that its return after the tool run is kept on that replica
@@ -65,6 +66,15 @@ class RouteMetrics(Hook):
                 self.metrics.observe_supply(pool, supply)
         if ctx.record.upstream_attempts > 1:  # commit counted this one: it follows a failed one
             self.metrics.observe_retry(pool)
+
+    def finished(self, ctx: RequestContext) -> None:
+        """The saving by the engine's own count, once its usage is in the record."""
+        record, routed = ctx.record, ctx.routed
+        if self.router is None or routed is None or record.usage_source != "engine" or record.cached_tokens <= 0:
+            return
+        supply = self.router.engine_supply(routed.decision, record.cached_tokens)
+        if supply is not None:
+            self.metrics.observe_engine_supply(routed.pool.name, supply)
 
 
 class ToolBoundary(Hook):

@@ -50,7 +50,14 @@ request's transfer from its prefill to its decode endpoint, per link class of th
 (`backends.types.link_class`; `unknown` when either endpoint has no labels): the prompt tokens
 the decode endpoint does not hold already, as `policies.routing.pd` prices it (`PairCosts`).
 
-These are the router's expectations at dispatch (the index's estimate), not the engines' counts.
+These are the router's expectations at dispatch (the index's estimate). The same saving measured
+by the engine (`SupplyMeter.measure_engine`) prices instead the cached tokens the engine reported in
+the answer's usage (`prompt_tokens_details.cached_tokens`, `cache_read_input_tokens`): the engine's
+count, laid over the router's tiers in prompt order (`TierTokens.engine_split`: HBM first, then the
+lower tiers, each up to the router's expectation; tokens the router did not expect continue the
+deepest tier it expected, or HBM), through the same formula. The engine does not say which tier
+served a token, so the tier split stays the router's; the total is the engine's. A disaggregated
+request has none (its legs' usage is the decode engine's, whose prompt came over the link).
 """
 
 from __future__ import annotations
@@ -118,6 +125,21 @@ class TierTokens:
             out[tier] -= cut
             excess -= cut
         return cls(out[0], out[1], out[2], out[3])
+
+    def engine_split(self, cached_tokens: int) -> TierTokens:
+        """`cached_tokens` (the engine's count) laid over these tiers in prompt order: each tier up to
+        its own count, the excess on the deepest non-empty tier (HBM when none)."""
+        out = [0, 0, 0, 0]
+        left = max(cached_tokens, 0)
+        deepest = GPU
+        for tier, n in enumerate(self.as_tuple()):
+            if n > 0:
+                deepest = tier
+            take = min(n, left)
+            out[tier] = take
+            left -= take
+        out[deepest] += left
+        return TierTokens(out[0], out[1], out[2], out[3])
 
 
 GPU_ONLY: Final = "gpu-only"
@@ -231,15 +253,7 @@ class SupplyMeter:
         if self.credit.mode == GPU_ONLY:
             tiers = TierTokens(gpu=tiers.gpu)
         moved: list[tuple[str, int]] = []
-        seconds = step_cost(self.preset, [(tiers.gpu, 0)]).compute_s if tiers.gpu > 0 else 0.0
-        start = tiers.gpu
-        for tier, n in ((CPU, tiers.cpu), (DISK, tiers.disk), (REMOTE, tiers.remote)):
-            if n <= 0:
-                continue
-            compute_s = step_cost(self.preset, [(n, start)]).compute_s
-            seconds += max(compute_s - self.physics.load_s(tier, n), 0.0)
-            moved.append((TIER_NAMES[tier], n * self.kv_bytes_per_token))
-            start += n
+        seconds = self._prefill_s(tiers, moved)
         prefill = decision.prefill_endpoint
         if prefill is not None:
             pulled = max(prompt_tokens - decision.cached_tokens_estimate, 0)
@@ -247,5 +261,30 @@ class SupplyMeter:
                 link = link_class(prefill.topology, decision.endpoint.topology) or UNKNOWN_LINK
                 moved.append((link, pulled * self.kv_bytes_per_token))
         gpu_seconds = seconds * self.preset.tp
-        usd = gpu_seconds * self.usd_per_gpu_hour / 3600.0 if self.usd_per_gpu_hour is not None else None
-        return KvSupply(tiers.total, self.credit.credited(tiers), gpu_seconds, usd, tuple(moved))
+        return KvSupply(tiers.total, self.credit.credited(tiers), gpu_seconds, self._usd(gpu_seconds), tuple(moved))
+
+    def measure_engine(self, decision: RouteDecision, cached_tokens: int) -> KvSupply:
+        """The saving of a dispatch without a prefill leg, from the cached tokens its engine reported
+        (module doc): `real_tokens` is the engine's count, `gpu_seconds` and `usd` its prefill priced
+        over the router's tiers; no credit, no bytes (the router's figures carry those)."""
+        expected = decision.cached_tiers or TierTokens(gpu=decision.cached_tokens_estimate)
+        tiers = expected.engine_split(cached_tokens)
+        gpu_seconds = self._prefill_s(tiers, None) * self.preset.tp
+        return KvSupply(tiers.total, 0.0, gpu_seconds, self._usd(gpu_seconds))
+
+    def _prefill_s(self, tiers: TierTokens, moved: list[tuple[str, int]] | None) -> float:
+        """Seconds of prefill the cached `tiers` spare one GPU (their loads paid); lower-tier bytes to `moved`."""
+        seconds = step_cost(self.preset, [(tiers.gpu, 0)]).compute_s if tiers.gpu > 0 else 0.0
+        start = tiers.gpu
+        for tier, n in ((CPU, tiers.cpu), (DISK, tiers.disk), (REMOTE, tiers.remote)):
+            if n <= 0:
+                continue
+            compute_s = step_cost(self.preset, [(n, start)]).compute_s
+            seconds += max(compute_s - self.physics.load_s(tier, n), 0.0)
+            if moved is not None:
+                moved.append((TIER_NAMES[tier], n * self.kv_bytes_per_token))
+            start += n
+        return seconds
+
+    def _usd(self, gpu_seconds: float) -> float | None:
+        return gpu_seconds * self.usd_per_gpu_hour / 3600.0 if self.usd_per_gpu_hour is not None else None

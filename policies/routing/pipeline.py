@@ -424,6 +424,14 @@ class ScoringRouter:
         meter = self._meters.get(decision.endpoint.pool)
         return meter.measure(decision, prompt_tokens) if meter is not None else None
 
+    def engine_supply(self, decision: RouteDecision, cached_tokens: int) -> KvSupply | None:
+        """What a dispatch without a prefill leg saved by its engine's own count of cached prompt
+        tokens (`SupplyMeter.measure_engine`); None for a disaggregated one or an unscored pool."""
+        if decision.prefill_endpoint is not None:
+            return None
+        meter = self._meters.get(decision.endpoint.pool)
+        return meter.measure_engine(decision, cached_tokens) if meter is not None else None
+
     def note_tool_call(self, facts: RequestFacts, decision: RouteDecision, prefix_tokens: int, now_s: float) -> None:
         """The request's answer on `decision.endpoint` ended in tool calls (told by the gateway when
         its upstream call ended): its program is expected back there with `prefix_tokens` cached."""

@@ -103,3 +103,36 @@ def test_router_measures_its_own_dispatch_and_baseline_pools_have_none() -> None
     baseline = build_router({"default": {"router": "round-robin"}})
     d = baseline.route(request(ids), pool(eps), NOW_S)
     assert d is not None and baseline.supply(d, 8000) is None
+
+
+@pytest.mark.parametrize(
+    ("expected", "engine", "split"),
+    [
+        pytest.param(TierTokens(gpu=1000, cpu=1000), 2000, TierTokens(gpu=1000, cpu=1000), id="as-expected"),
+        pytest.param(TierTokens(gpu=1000, cpu=1000), 1500, TierTokens(gpu=1000, cpu=500), id="fewer: the tail goes"),
+        pytest.param(TierTokens(gpu=1000, cpu=1000), 2600, TierTokens(gpu=1000, cpu=1600), id="more: deepest tier"),
+        pytest.param(TierTokens(), 800, TierTokens(gpu=800), id="unexpected: HBM"),
+        pytest.param(TierTokens(gpu=1000, remote=64), 0, TierTokens(), id="none"),
+    ],
+)  # fmt: skip
+def test_the_engines_count_is_laid_over_the_routers_tiers_in_prompt_order(
+    expected: TierTokens, engine: int, split: TierTokens
+) -> None:
+    assert expected.engine_split(engine) == split
+
+
+def test_the_engines_count_prices_like_the_routers_and_a_disaggregated_request_has_none() -> None:
+    tiers = TierTokens(gpu=1000, cpu=1000)
+    decision = RouteDecision(endpoint("a"), "prefix-hit", cached_tokens_estimate=2000, cached_tiers=tiers)
+    p = meter_pool(usd_per_gpu_hour=3.6)
+    config = KvTiersConfig(credit="physics")
+    meter = supply_meter(p, tier_pricing(p, config), config)
+    router_side, engine_side = meter.measure(decision, 3000), meter.measure_engine(decision, 2000)
+    assert engine_side.gpu_seconds == pytest.approx(router_side.gpu_seconds)
+    assert engine_side.usd == pytest.approx(router_side.usd)
+    assert (engine_side.real_tokens, engine_side.bytes_by_link) == (2000, ())
+    short = meter.measure_engine(decision, 1000)  # the engine found only the HBM run
+    assert short.gpu_seconds == pytest.approx(step_cost(PRESET, [(1000, 0)]).compute_s)
+    router = build_router({"seed": 1})
+    pd = RouteDecision(endpoint("d", role=Role.DECODE), "pd", prefill_endpoint=endpoint("p", role=Role.PREFILL))
+    assert router.engine_supply(pd, 2000) is None
