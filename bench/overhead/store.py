@@ -94,6 +94,7 @@ class Point:
     cpu_us: float
     store_errors: int = 0  # Redis errors during the point (timeouts on this loaded host)
     local: int = 0  # requests admitted locally (fail-open) during the point
+    redis_cpu_us: float = 0.0  # the private redis-server's CPU over the point, per request served
 
 
 def limiter_counters(port: int) -> tuple[int, int]:
@@ -194,14 +195,21 @@ def main() -> int:
                 tags = TAGS if "hierarchy" in name else ""
                 wrk(url, args.connections, 1.0, tags)
                 errors0, local0 = limiter_counters(port)
-                before = cpu_seconds(proc.pid)
+                before, redis_before = cpu_seconds(proc.pid), cpu_seconds(redis_server.proc.pid)
                 rps, pct, errors = wrk(url, args.connections, args.duration, tags)
-                cpu_us = (cpu_seconds(proc.pid) - before) / max(rps * args.duration, 1) * 1e6
+                served = max(rps * args.duration, 1)
+                cpu_us = (cpu_seconds(proc.pid) - before) / served * 1e6
+                redis_us = (cpu_seconds(redis_server.proc.pid) - redis_before) / served * 1e6
                 errors1, local1 = limiter_counters(port)
-                point = Point(name, r, rps, pct["50"], pct["99"], errors, cpu_us, errors1 - errors0, local1 - local0)
+                point = Point(
+                    name, r, rps, pct["50"], pct["99"], errors, cpu_us, errors1 - errors0, local1 - local0, redis_us
+                )
                 points.append(point)
-                print(f"round {r} {name}: {rps:,.0f} rps, {cpu_us:.0f} CPU µs/req, errors {errors}, "
-                      f"store errors {point.store_errors}, local {point.local}", flush=True)  # fmt: skip
+                print(
+                    f"round {r} {name}: {rps:,.0f} rps, {cpu_us:.0f} CPU µs/req, Redis {redis_us:.0f}, "
+                    f"errors {errors}, store errors {point.store_errors}, local {point.local}",
+                    flush=True,
+                )
         if args.profile:
             folder = Path(args.profile)
             folder.mkdir(parents=True, exist_ok=True)
@@ -251,9 +259,10 @@ def write(
             if args.baseline
             else []
         ),
-        "| variant | RPS (median) | CPU µs / req (median) | RPS / memory (median of rounds) | "
-        "memory CPU / variant CPU (median) | p50 ms | p99 ms | errors | Redis errors | admitted locally |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | RPS (median) | CPU µs / req (median) | Redis CPU µs / req (median) | "
+        "RPS / memory (median of rounds) | memory CPU / variant CPU (median) | p50 ms | p99 ms | errors | "
+        "Redis errors | admitted locally |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in names:
         rows = [p for p in points if p.variant == name]
@@ -261,22 +270,56 @@ def write(
         cpu_ratio = [memory[p.round].cpu_us / p.cpu_us for p in rows if p.round in memory and p.cpu_us > 0]
         lines.append(
             f"| {name} | {statistics.median(p.rps for p in rows):,.0f} | "
-            f"{statistics.median(p.cpu_us for p in rows):.0f} | {statistics.median(rps_ratio):.2f} | "
+            f"{statistics.median(p.cpu_us for p in rows):.0f} | "
+            f"{statistics.median(p.redis_cpu_us for p in rows):.0f} | "
+            f"{statistics.median(rps_ratio):.2f} | "
             f"{statistics.median(cpu_ratio):.2f} | {statistics.median(p.p50_ms for p in rows):.2f} | "
             f"{statistics.median(p.p99_ms for p in rows):.2f} | {sum(p.errors for p in rows)} | "
             f"{sum(p.store_errors for p in rows)} | {sum(p.local for p in rows)} |"
         )
-    lines += ["", "Every round:", "", "| round | variant | RPS | CPU µs / req | RPS / memory | errors | Redis errors "
-              "| admitted locally |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += hierarchy_lines(points)
+    lines += ["", "Every round:", "", "| round | variant | RPS | CPU µs / req | Redis CPU µs / req | RPS / memory | "
+              "errors | Redis errors | admitted locally |",
+              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for p in points:
         base = memory.get(p.round)
         ratio = f"{p.rps / base.rps:.2f}" if base else "-"
-        lines.append(f"| {p.round} | {p.variant} | {p.rps:,.0f} | {p.cpu_us:.0f} | {ratio} | {p.errors} | "
-                     f"{p.store_errors} | {p.local} |")  # fmt: skip
+        lines.append(f"| {p.round} | {p.variant} | {p.rps:,.0f} | {p.cpu_us:.0f} | {p.redis_cpu_us:.0f} | {ratio} | "
+                     f"{p.errors} | {p.store_errors} | {p.local} |")  # fmt: skip
     lines.append("")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(out.read_text())
+
+
+def hierarchy_lines(points: list[Point]) -> list[str]:
+    """Issue 45's target, per store: the hierarchy's CPU per request over the three buckets', per round
+    (the two variants of one round ran back to back), for the gateway's CPU (bench/overhead's measure)
+    and for the gateway's plus the redis-server's (the private Redis serves only the variant loaded)."""
+    out: list[str] = []
+    for store in (MEMORY, "redis"):
+        three = {p.round: p for p in points if p.variant == store}
+        both = [(three[p.round], p) for p in points if p.variant == f"{store} + hierarchy" and p.round in three]
+        if not both:
+            continue
+        if not out:
+            out += [
+                "",
+                "Issue 45's target, the hierarchy's CPU per request at most 1.15x the three buckets': "
+                "`+ hierarchy` over its store's three-bucket variant, round by round (median, min-max over rounds). "
+                "`gateway + Redis` adds the private redis-server's CPU per request to the gateway's "
+                "(the limits' scripts, the ledger's stream and anything else the variant sends it).",
+                "",
+                "| store | gateway CPU: hierarchy / three | gateway + Redis CPU: hierarchy / three | rounds |",
+                "| --- | --- | --- | ---: |",
+            ]
+        gw = [h.cpu_us / t.cpu_us for t, h in both if t.cpu_us > 0]
+        total = [(h.cpu_us + h.redis_cpu_us) / (t.cpu_us + t.redis_cpu_us) for t, h in both if t.cpu_us > 0]
+        out.append(
+            f"| {store} | {statistics.median(gw):.3f} ({min(gw):.3f}-{max(gw):.3f}) | "
+            f"{statistics.median(total):.3f} ({min(total):.3f}-{max(total):.3f}) | {len(both)} |"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -412,42 +412,36 @@ class Admission:
         leases = [i for i, lease in enumerate(plan.leases) if lease.scope in _SHARED_SCOPES and not lease.shadow]
         if not (shared or leases):
             return None
-        charge = Charge("", [1.0] * len(plan.buckets), 0.0)  # one request, one token
-        peek_now: Callable[[Plan, float], Outcome] | None = getattr(self.store, "peek_now", None)
-        mirror = getattr(self.store, "mirror", None)
-        if peek_now is not None:
-            outcome = peek_now(plan, self._clock() if now is None else now)
-        elif mirror is not None:
-            store_now: Callable[[float | None], float] = getattr(self.store, "store_now", lambda n: self._clock())
-            found: Outcome | None = mirror.precheck(plan, charge, store_now(now))
-            if found is None:
-                return None
-            outcome = found
-        else:
-            return None
+        # only the shared limits are read: a budget or a model's own bucket is `admit`'s to judge
         narrow = dataclasses.replace(
             plan,
             buckets=tuple(plan.buckets[i] for i in shared),
             leases=tuple(plan.leases[i] for i in leases),
             budgets=(),
         )
-        narrowed = dataclasses.replace(
-            outcome,
-            bucket_used=[outcome.bucket_used[i] for i in shared],
-            lease_active=[outcome.lease_active[i] for i in leases],
-            budget_spent=[],
-            budget_periods=[],
-        )
+        charge = Charge("", [1.0] * len(shared), 0.0)  # one request, one token
+        peek_now: Callable[[Plan, float], Outcome] | None = getattr(self.store, "peek_now", None)
+        mirror = getattr(self.store, "mirror", None)
+        if peek_now is not None:
+            outcome = peek_now(narrow, self._clock() if now is None else now)
+        elif mirror is not None:
+            store_now: Callable[[float | None], float] = getattr(self.store, "store_now", lambda n: self._clock())
+            found: Outcome | None = mirror.precheck(narrow, charge, store_now(now))
+            if found is None:
+                return None
+            outcome = found
+        else:
+            return None
         short = any(
             used + 1.0 > spec.capacity * outcome.capacity_scale
-            for spec, used in zip(narrow.buckets, narrowed.bucket_used, strict=True)
+            for spec, used in zip(narrow.buckets, outcome.bucket_used, strict=True)
         ) or any(
             active + 1 > max(1, math.ceil(lease.capacity * outcome.capacity_scale))
-            for lease, active in zip(narrow.leases, narrowed.lease_active, strict=True)
+            for lease, active in zip(narrow.leases, outcome.lease_active, strict=True)
         )
         if not short:
             return None
-        rejection = self._rejection(narrow, model, Charge("", [1.0] * len(shared), 0.0), narrowed)
+        rejection = self._rejection(narrow, model, charge, outcome)
         self.counters["precheck_" + (rejection.reason or "rejected")] += 1
         return rejection
 
