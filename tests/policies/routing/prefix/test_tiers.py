@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from backends.config import PoolConfig
+from backends.fleet import Pool
 from backends.kv_events import BlockStored
 from backends.perf.presets import resolve_preset
+from backends.types import Role
 from policies.routing import build_router
 from policies.routing.kv_tiers import CPU, DISK, REMOTE, TierLink, TierPricing, TierTokens
 from policies.routing.prefix_blocks import ENGINE_HASHERS
@@ -142,3 +145,38 @@ def test_work_cost_prices_a_dram_hit_between_an_hbm_hit_and_a_miss() -> None:
     work = {k: v["work-cost"] for k, v in decision.scores.items()}
     assert work["gpu"] > work["cpu"] > work["cold"]
     assert 0 < decision.scores["cpu"]["credited"] < 7999
+
+
+@pytest.mark.parametrize(
+    ("credit", "expected"),
+    [
+        pytest.param("physics", ("decode-0", "few-uncached", None), id="pulled-from-its-dram"),
+        pytest.param("gpu-only", (None, "disaggregated", "prefill-0"), id="recomputed-on-the-prefill-leg"),
+    ],
+)
+def test_a_decode_replica_holding_the_prefix_in_dram_loads_it_instead_of_a_prefill_leg(
+    credit: str, expected: tuple[str | None, str, str | None]
+) -> None:
+    """PD: when the conversation so far sits in a decode replica's host DRAM, only the new turn is
+    uncached there, so the replica prefills it itself and its offloading connector loads the rest,
+    with no prefill leg recomputing the prefix and no KV connector parameters sent; a router blind
+    to lower tiers sends the whole prompt through a prefill leg."""
+    history, turn = token_ids(8000), token_ids(200, start=7)
+    router = build_router(
+        {"seed": 1, "prefix_index": {"mode": "precise"}, "kv_tiers": {"credit": credit}, "default": {"filters": []}}
+    )
+    eps = [
+        endpoint("prefill-0", pool="pd", role=Role.PREFILL),
+        endpoint("decode-0", pool="pd", role=Role.DECODE),
+        endpoint("decode-1", pool="pd", role=Role.DECODE),
+    ]
+    blocks = list(range(len(history) // 16))
+    router.on_kv_batch("decode-0", batch(stored(history), removed(history, blocks), offloaded(history, blocks)))
+    pd = Pool(PoolConfig(name="pd", model="m", roles={"prefill": 1, "decode": 2}), endpoints=eps)
+    d = router.route(request(history + turn), pd, NOW_S)
+    assert d is not None
+    prefill = d.prefill_endpoint.id if d.prefill_endpoint is not None else None
+    holder = d.endpoint.id if credit == "physics" else None  # blind: either decode replica
+    assert (holder, d.pd_reason, prefill) == expected
+    if credit == "physics":
+        assert d.cached_tiers == TierTokens(cpu=8000)
