@@ -16,6 +16,12 @@ Replicas
 --------
 Planning: which replicas exist, with which devices and ports, and the exact process of each.
 
+A simulated pool that declares a shared KV store (`kv_store:` on an `engine: sim` pool) gets the
+store too: one `python -m sim store` process per pool, sized and linked as `kv_store` says, on a port
+of its own, which every replica of the pool joins (`--kv-store-url`); the supervisor runs it beside
+them (`PlannedStore`). A real engine's pool that declares `kv_store` names a store deployed apart
+(LMCache's server, Mooncake Store), which the gateway neither starts nor configures.
+
 `plan_replicas` is what the supervisor launches; `render_plan` prints the same plan for operators
 (`tokenway pools plan --config FILE`) without launching anything, so a GPU deployment can be checked
 line by line before it runs. Both go through the adapters, so what is printed is what would run.
@@ -29,6 +35,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -213,6 +220,15 @@ class PortBook:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedStore:
+    """A simulated pool's shared KV store: its URL (what the replicas join) and its process."""
+
+    pool: str
+    url: str
+    spec: LaunchSpec
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedReplica:
     """A replica with its pool, adapter and process, ready to launch or print."""
 
@@ -220,6 +236,7 @@ class PlannedReplica:
     adapter: EngineAdapter
     replica: ReplicaPlan
     spec: LaunchSpec
+    store: PlannedStore | None = None  # its pool's simulated KV store, shared by the pool's replicas
 
     @property
     def endpoint_id(self) -> str:
@@ -269,6 +286,7 @@ def plan_replicas(
 
     planned: list[PlannedReplica] = []
     for pool, adapter in launched:
+        store = _plan_store(pool, adapter, settings, book)
         for k, (role, index) in enumerate(replica_slots(pool)):
             owner = f"pool {pool.name!r} replica {role.value}-{index}"
             port = pool.port_base + k if pool.port_base is not None else book.take(settings.port_base, pool.host, owner)
@@ -299,9 +317,31 @@ def plan_replicas(
                 log_path=os.path.join(settings.log_dir, f"{pool.name}.{role.value}-{index}.log"),
                 run_dir=settings.run_dir,
                 hash_seed=settings.hash_seed,
+                kv_store_url=store.url if store is not None else None,
             )
-            planned.append(PlannedReplica(pool, adapter, replica, launch_spec(adapter, pool, replica)))
+            planned.append(PlannedReplica(pool, adapter, replica, launch_spec(adapter, pool, replica), store))
     return planned
+
+
+def _plan_store(
+    pool: PoolConfig, adapter: EngineAdapter, settings: BackendsSettings, book: PortBook
+) -> PlannedStore | None:
+    """The simulated KV store of a `sim` pool that declares `kv_store` (module doc), else None."""
+    config = pool.kv_store
+    if config is None or adapter.kind != "sim":
+        return None
+    port = book.take(settings.port_base, pool.host, f"pool {pool.name!r} KV store")
+    host = "127.0.0.1" if pool.host in ("0.0.0.0", "::", "") else pool.host  # where the replicas reach it
+    argv = [sys.executable, "-m", "sim", "store", "--host", pool.host, "--port", str(port)]
+    argv += ["--capacity-tokens", str(config.capacity_tokens), "--bandwidth-gbps", repr(config.bandwidth_gbps)]
+    argv += ["--latency-ms", repr(config.latency_ms)]
+    if pool.preset is not None:
+        argv += ["--preset", pool.preset]
+    if pool.block_size is not None:
+        argv += ["--block-size", str(pool.block_size)]
+    log_path = os.path.join(settings.log_dir, f"{pool.name}.kv-store.log")
+    url = f"http://{host}:{port}"
+    return PlannedStore(pool.name, url, LaunchSpec(argv=tuple(argv), log_path=log_path))
 
 
 def launch_spec(adapter: EngineAdapter, pool: PoolConfig, replica: ReplicaPlan) -> LaunchSpec:
@@ -389,7 +429,14 @@ def render_plan(
             f"{pool.launched_replicas} launched, {len(pool.endpoints)} static, "
             f"TP {pool.tensor_parallel} x PP {pool.pipeline_parallel}"
         )
-        for item in by_pool.get(pool.name, []):
+        items = by_pool.get(pool.name, [])
+        store = items[0].store if items else None
+        if store is not None:
+            lines.append(
+                f"  {pool.name}/kv-store: {store.url}  log {store.spec.log_path} (the replicas' shared KV store)"
+            )
+            lines.append(f"    {shlex.join(store.spec.argv)}")
+        for item in items:
             lines += _render_replica(item)
         for i, static in enumerate(pool.endpoints):
             lines.append(f"  {pool.name}/{static.role.value}-s{i}: {static.url} (static, not launched)")

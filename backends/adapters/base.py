@@ -64,6 +64,7 @@ class ReplicaPlan:
     log_path: str | None = None
     run_dir: str = "var/run/engines"  # where generated engine config files go
     hash_seed: str = "0"  # PYTHONHASHSEED for engines that hash prefixes in Python (vLLM)
+    kv_store_url: str | None = None  # the pool's simulated KV store the supervisor runs (sim pools with kv_store)
 
     @property
     def endpoint_id(self) -> str:

@@ -472,6 +472,8 @@ class SimAdapter(VllmAdapter):
         argv = ["--preset", pool.preset] if pool.preset else []
         if pool.lora_memory_budget_mb is not None:  # the simulated GPU holds what the gateway budgets
             argv += ["--lora-memory-budget-mb", _num(pool.lora_memory_budget_mb)]
+        if replica.kv_store_url is not None:  # the pool's store, run by the supervisor (backends/plan.py)
+            argv += ["--kv-store-url", replica.kv_store_url]
         return argv
 
 

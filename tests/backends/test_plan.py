@@ -120,3 +120,27 @@ def test_render_plan_is_exact_and_redacts_secrets() -> None:
 def test_render_plan_notes_unmanaged_devices() -> None:
     text = render_plan([pool(name="g", engine="vllm")], settings(), detect=no_tool)
     assert "devices are not managed" in text
+
+
+def test_a_simulated_pool_with_a_kv_store_gets_the_store_process_and_its_replicas_join_it() -> None:
+    store = {"capacity_tokens": 200_000, "bandwidth_gbps": 5.0, "latency_ms": 2.0}
+    pools = [
+        pool(name="s", engine="sim", replicas=2, kv_store=store, preset="qwen2.5-7b@h100", block_size=32),
+        pool(name="v", engine="vllm", replicas=1, kv_store=store),  # a real engine's store is deployed apart
+    ]
+    planned = plan_replicas(pools, settings(port_base=8100), detect=no_tool)
+    s0, s1, v0 = planned
+    assert s0.store is not None and s0.store is s1.store and v0.store is None
+    assert s0.store.url == "http://127.0.0.1:8100"  # its own port, before the replicas'
+    assert [s0.replica.port, s1.replica.port] == [8101, 8102]
+    argv = list(s0.store.spec.argv)
+    assert argv[1:4] == ["-m", "sim", "store"]
+    assert shlex.join(argv[4:]) == (
+        "--host 127.0.0.1 --port 8100 --capacity-tokens 200000 --bandwidth-gbps 5.0 --latency-ms 2.0 "
+        "--preset qwen2.5-7b@h100 --block-size 32"
+    )
+    assert s0.store.spec.log_path == "var/log/engines/s.kv-store.log"
+    for item in (s0, s1):
+        assert shlex.join(item.spec.argv).endswith("--kv-store-url http://127.0.0.1:8100")
+    assert "--kv-store-url" not in v0.spec.argv
+    assert "s/kv-store: http://127.0.0.1:8100" in render_plan(pools, settings(port_base=8100), detect=no_tool)
