@@ -8,10 +8,8 @@ other pools keep serving. A replica that never becomes ready is stopped and left
 message. Stopping drains first: no new requests (DRAINING), in-flight ones finish up to the pool's
 `drain_timeout_s`, then SIGTERM, then SIGKILL after `term_grace_s`.
 
-A simulated pool with a shared KV store (`kv_store`) has its store process too (`PlannedStore`,
-backends/plan.py), started with the pool's replicas, restarted after a backoff when it exits (its
-replicas serve without it meanwhile and join it again when it is back: sim/kv_store.py), and stopped
-after them.
+A simulated pool with a shared KV store (`kv_store`) has its store process too, started with the
+pool's replicas and stopped after them (backends/kv_store_runner.py).
 
 Endpoint ids are stable across restarts ("<pool>/<role>-<index>"), and so are ports and devices, so
 routing state keyed by endpoint survives a restart. Before a restart the dead replica's whole process
@@ -38,7 +36,8 @@ import aiohttp
 from backends.adapters.base import EngineAdapter, Probe
 from backends.config import BackendsSettings
 from backends.fleet import Fleet
-from backends.plan import PlannedReplica, PlannedStore, is_port_free, launch_spec, plan_replicas
+from backends.kv_store_runner import StoreRunner
+from backends.plan import PlannedReplica, is_port_free, launch_spec, plan_replicas
 from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
 from backends.types import UNKNOWN, Endpoint, EndpointState, EndpointStats
 
@@ -79,19 +78,6 @@ class Replica:
     failure: ReplicaFailure | None = None
     stopping: bool = False
     attempts: int = 0
-
-
-@dataclass(slots=True)
-class StoreRunner:
-    """A simulated pool's KV store process and the task that keeps it running."""
-
-    planned: PlannedStore
-    process: EngineProcess | None = None
-    task: asyncio.Task[None] | None = None
-    exits: int = 0
-
-
-STORE_BACKOFF_MAX_S = 30.0
 
 
 class Supervisor:
@@ -150,8 +136,7 @@ class Supervisor:
                 continue
             replica.task = asyncio.create_task(self._supervise(replica), name=f"supervise {endpoint.id}")
         for store in {item.store.pool: item.store for item in planned if item.store is not None}.values():
-            runner = self.stores[store.pool] = StoreRunner(store)
-            runner.task = asyncio.create_task(self._run_store(runner), name=f"kv store {store.pool}")
+            self.stores[store.pool] = StoreRunner.start(store, stopping=lambda: self._stopping)
         if planned:
             self._register_atexit()
         log.info("supervisor: launching %d replicas", len(planned))
@@ -181,7 +166,9 @@ class Supervisor:
             *(self._stop_replica(r, r.planned.pool.drain_timeout_s) for r in self.replicas.values()),
             return_exceptions=True,
         )
-        await asyncio.gather(*(self._stop_store(runner) for runner in self.stores.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(runner.stop(self.settings.term_grace_s) for runner in self.stores.values()), return_exceptions=True
+        )
         if self._owns_session and self._session is not None:
             await self._session.close()
         self._session = None
@@ -433,39 +420,6 @@ class Supervisor:
             endpoint.state_reason = "stopped"
         replica.settled.set()
 
-    # --- simulated KV stores ------------------------------------------------------------------------
-
-    async def _run_store(self, runner: StoreRunner) -> None:
-        """Keep a pool's store running: spawn, wait for its exit, restart after a backoff."""
-        store = runner.planned
-        while not self._stopping:
-            try:
-                runner.process = await EngineProcess.spawn(store.spec, header=f"kv store of pool {store.pool}")
-            except OSError as exc:
-                log.error("kv store of pool %s could not start: %s", store.pool, exc)
-            else:
-                log.info("kv store of pool %s at %s (pid %s)", store.pool, store.url, runner.process.pid)
-                code = await runner.process.wait()
-                if self._stopping:
-                    return
-                log.error(
-                    "kv store of pool %s exited (%s): its replicas serve without it until it is back; %s",
-                    store.pool,
-                    describe_exit(code),
-                    " | ".join(error_lines(store.spec.log_path)),
-                )
-            runner.exits += 1
-            await asyncio.sleep(min(2.0 ** min(runner.exits, 5), STORE_BACKOFF_MAX_S))
-
-    async def _stop_store(self, runner: StoreRunner) -> None:
-        task = runner.task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if runner.process is not None and runner.process.alive:
-            await runner.process.terminate(self.settings.term_grace_s)
-
     # --- last resort -------------------------------------------------------------------------------
 
     def kill_all_now(self) -> None:
@@ -474,8 +428,7 @@ class Supervisor:
             if replica.process is not None:
                 replica.process.kill_now()
         for runner in self.stores.values():
-            if runner.process is not None:
-                runner.process.kill_now()
+            runner.kill_now()
 
     def _register_atexit(self) -> None:
         if self._atexit is not None:
