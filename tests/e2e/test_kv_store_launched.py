@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,20 @@ MODEL = "llama-3.1-8b"
 
 
 def store_pids(port: int) -> list[int]:
-    """The store processes listening on `port` (by their command line)."""
-    out = subprocess.run(["pgrep", "-f", f"sim store --host 127.0.0.1 --port {port} "], capture_output=True, text=True)
-    return [int(pid) for pid in out.stdout.split()]
+    """The live store processes started for `port` (by their command line, from /proc)."""
+    wanted = ["sim", "store", "--host", "127.0.0.1", "--port", str(port)]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(argv[i : i + len(wanted)] == wanted for i in range(len(argv))):
+            found.append(int(entry.name))
+    return found
 
 
 def stats(url: str) -> dict[str, Any] | None:
