@@ -105,6 +105,11 @@ def test_outcomes_once_per_program_and_the_cost_per_success(gateway: Gateway) ->
         return rows[0] if rows and rows[0]["programs"] == 2 and rows[0]["no_outcome_cost_usd"] > 0 else None
 
     # the metrics: each run's calls and dollars under its id, outcomes per tenant and result
+    wait_for(
+        lambda: metric_total(gateway.url, "tokenway_program_calls_total", tenant="t1", program="run-3") == 1,
+        what="the runs' calls on /metrics",
+        timeout_s=10,
+    )
     assert metric_total(gateway.url, "tokenway_program_calls_total", tenant="t1", program="run-1") == 3
     assert metric_total(gateway.url, "tokenway_program_cost_usd_total", tenant="t1", program="run-2") == pytest.approx(
         lost, abs=1e-9
