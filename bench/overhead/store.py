@@ -13,7 +13,7 @@ background load; the table reports per-round ratios to the memory variant of the
 their medians. CPU µs per request (the proxy process's user + system CPU over the requests it
 served) is less sensitive to other processes' load than requests per second: on a shared host
 the proxy may wait for its core, which lowers RPS but not the CPU it spends per request.
-Writes bench/results/overhead-store.md (or `--out`) with its raw points in bench/results/raw/ and,
+Writes bench/results/overhead-store.md (or `--out`) with its raw points in raw/ beside it and,
 when a `+ hierarchy` variant ran, issue 45's ratio per round (table and .png).
 """
 
@@ -245,7 +245,7 @@ def main() -> int:
         redis_server.stop()
     elapsed_s, load_after, at = time.monotonic() - started, os.getloadavg()[0], time.gmtime()
     out = Path(args.out)
-    raw_path = RESULTS / "raw" / (out.stem + ".json")
+    raw_path = out.parent / "raw" / (out.stem + ".json")
     raw_path.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "rounds": args.rounds, "duration": args.duration, "connections": args.connections,
