@@ -330,9 +330,11 @@ def _plan_store(
     config = pool.kv_store
     if config is None or adapter.kind != "sim":
         return None
-    port = book.take(settings.port_base, pool.host, f"pool {pool.name!r} KV store")
-    host = "127.0.0.1" if pool.host in ("0.0.0.0", "::", "") else pool.host  # where the replicas reach it
-    argv = [sys.executable, "-m", "sim", "store", "--host", pool.host, "--port", str(port)]
+    # Bound where only the pool's replicas (launched on this host) reach it: the store is a test
+    # double's side channel with no key (sim/kv_store.py), so a wildcard host is not passed on.
+    host = "127.0.0.1" if pool.host in ("0.0.0.0", "::", "") else pool.host
+    port = book.take(settings.port_base, host, f"pool {pool.name!r} KV store")
+    argv = [sys.executable, "-m", "sim", "store", "--host", host, "--port", str(port)]
     argv += ["--capacity-tokens", str(config.capacity_tokens), "--bandwidth-gbps", repr(config.bandwidth_gbps)]
     argv += ["--latency-ms", repr(config.latency_ms)]
     if pool.preset is not None:

@@ -144,3 +144,5 @@ def test_a_simulated_pool_with_a_kv_store_gets_the_store_process_and_its_replica
         assert shlex.join(item.spec.argv).endswith("--kv-store-url http://127.0.0.1:8100")
     assert "--kv-store-url" not in v0.spec.argv
     assert "s/kv-store: http://127.0.0.1:8100" in render_plan(pools, settings(port_base=8100), detect=no_tool)
+    exposed = plan_replicas([pool(name="w", engine="sim", host="0.0.0.0", kv_store=store)], settings(), detect=no_tool)
+    assert exposed[0].store is not None and exposed[0].store.spec.argv[4:6] == ("--host", "127.0.0.1")
