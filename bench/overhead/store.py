@@ -326,16 +326,30 @@ def write(
     print(out.read_text())
 
 
-def _hierarchy_pairs(points: list[Point], store: str) -> list[tuple[Point, Point]]:
-    """(three buckets, hierarchy) of each round that ran both on `store`."""
-    three = {p.round: p for p in points if p.variant == store}
-    return [(three[p.round], p) for p in points if p.variant == f"{store} + hierarchy" and p.round in three]
+@dataclass(frozen=True)
+class HierarchyRatios:
+    """Per round that ran both on one store: the hierarchy's CPU per request over the three buckets',
+    the gateway's alone and the gateway's plus the private redis-server's."""
+
+    rounds: list[int]
+    gateway: list[float]
+    with_redis: list[float]
+
+
+def _hierarchy_ratios(points: list[Point], store: str) -> HierarchyRatios:
+    three = {p.round: p for p in points if p.variant == store and p.cpu_us > 0}
+    pairs = [(three[p.round], p) for p in points if p.variant == f"{store} + hierarchy" and p.round in three]
+    return HierarchyRatios(
+        [h.round for _, h in pairs],
+        [h.cpu_us / t.cpu_us for t, h in pairs],
+        [(h.cpu_us + h.redis_cpu_us) / (t.cpu_us + t.redis_cpu_us) for t, h in pairs],
+    )
 
 
 def plot_hierarchy(points: list[Point], path: Path) -> bool:
     """Per round, the hierarchy's CPU per request over the three buckets' (False: no hierarchy variant ran)."""
-    series = {store: _hierarchy_pairs(points, store) for store in (MEMORY, "redis")}
-    if not any(series.values()):
+    series = {store: _hierarchy_ratios(points, store) for store in (MEMORY, "redis")}
+    if not any(r.rounds for r in series.values()):
         return False
     import matplotlib
 
@@ -343,14 +357,12 @@ def plot_hierarchy(points: list[Point], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    for store, pairs in series.items():
-        if not pairs:
+    for store, ratios in series.items():
+        if not ratios.rounds:
             continue
-        rounds = [h.round for _, h in pairs]
-        ax.plot(rounds, [h.cpu_us / t.cpu_us for t, h in pairs], "o-", label=f"{store}: gateway CPU")
+        ax.plot(ratios.rounds, ratios.gateway, "o-", label=f"{store}: gateway CPU")
         if store != MEMORY:
-            total = [(h.cpu_us + h.redis_cpu_us) / (t.cpu_us + t.redis_cpu_us) for t, h in pairs]
-            ax.plot(rounds, total, "s--", label=f"{store}: gateway + Redis CPU")
+            ax.plot(ratios.rounds, ratios.with_redis, "s--", label=f"{store}: gateway + Redis CPU")
     ax.axhline(1.15, color="red", linewidth=1, label="target 1.15x")
     ax.axhline(1.0, color="grey", linewidth=0.5)
     ax.set_xlabel("round")
@@ -369,8 +381,8 @@ def hierarchy_lines(points: list[Point]) -> list[str]:
     and for the gateway's plus the redis-server's (the private Redis serves only the variant loaded)."""
     out: list[str] = []
     for store in (MEMORY, "redis"):
-        both = _hierarchy_pairs(points, store)
-        if not both:
+        ratios = _hierarchy_ratios(points, store)
+        if not ratios.rounds:
             continue
         if not out:
             out += [
@@ -383,11 +395,10 @@ def hierarchy_lines(points: list[Point]) -> list[str]:
                 "| store | gateway CPU: hierarchy / three | gateway + Redis CPU: hierarchy / three | rounds |",
                 "| --- | --- | --- | ---: |",
             ]
-        gw = [h.cpu_us / t.cpu_us for t, h in both if t.cpu_us > 0]
-        total = [(h.cpu_us + h.redis_cpu_us) / (t.cpu_us + t.redis_cpu_us) for t, h in both if t.cpu_us > 0]
+        gw, total = ratios.gateway, ratios.with_redis
         out.append(
             f"| {store} | {statistics.median(gw):.3f} ({min(gw):.3f}-{max(gw):.3f}) | "
-            f"{statistics.median(total):.3f} ({min(total):.3f}-{max(total):.3f}) | {len(both)} |"
+            f"{statistics.median(total):.3f} ({min(total):.3f}-{max(total):.3f}) | {len(gw)} |"
         )
     return out
 
