@@ -24,6 +24,12 @@ tests/gateway/test_openapi.py fails while it is not).
   client-chosen `x-request-id` does not make the same id twice.
 - one_record: an inference request, valid and invalid, each with its own `x-request-id`, leaves
   exactly one ledger record each.
+- header_bytes: the route's valid request, with its credentials, whose other headers the gateway
+  reads (`x-request-id`, session and program headers, `anthropic-version`, an SLO header,
+  `User-Agent`) carry bytes that are not UTF-8: answered, and not with a 5xx (aiohttp hands such
+  bytes over as lone surrogates, which fail whatever encodes them: a record, a digest, a forwarded
+  header). A DELETE removes a fresh key, tenant or override, elsewhere a path id that does not
+  exist, so the objects other checks use stay.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ CHECKS = (
     "rate_limit",
     "ownership",
     "one_record",
+    "header_bytes",
 )
 MET, MISSED, NA = "met", "missed", "n.a."
 REFUSED = (401, 403)
@@ -376,6 +383,29 @@ def check_one_record(s: Surfaces, method: str, path: str, op: dict[str, Any]) ->
     return MET, ""
 
 
+HOSTILE_HEADERS = [
+    (b"x-request-id", b"f\xad\xab"),
+    (b"x-session-id", b"\xea"),
+    (b"x-tokenway-program", b"p\xff\xfe"),
+    (b"x-slo-ttft-ms", b"\xea"),
+    (b"anthropic-version", b"\xea"),
+    (b"User-Agent", b"agent/\xc3\x28"),
+]
+
+
+def check_header_bytes(s: Surfaces, method: str, path: str, op: dict[str, Any]) -> Result:
+    headers, body = example_request(s, method, path)
+    url = path_values(s, path)  # a fresh key, tenant or override where the route removes one
+    if method == "DELETE" and not any(p in path for p in ("{key_id}", "{override_id}", "{name}")):
+        url = url.rsplit("/", 1)[0] + "/none-" + uuid.uuid4().hex[:8]  # keep the probe's shared objects
+    sent = {**headers, **credentials(op["x-tokenway-auth"])}
+    pairs = [(k.encode("latin-1"), v.encode()) for k, v in sent.items()] + HOSTILE_HEADERS
+    status, _, raw = request(s.main.port, method, url, pairs, body)
+    if status == 0 or status >= 500:
+        return MISSED, f"{status} {raw[:80]!r}"
+    return MET, ""
+
+
 CHECKERS: dict[str, Callable[[Surfaces, str, str, dict[str, Any]], Result]] = {
     "auth": check_auth,
     "host": check_host,
@@ -388,6 +418,7 @@ CHECKERS: dict[str, Callable[[Surfaces, str, str, dict[str, Any]], Result]] = {
     "rate_limit": check_rate_limit,
     "ownership": check_ownership,
     "one_record": check_one_record,
+    "header_bytes": check_header_bytes,
 }
 
 

@@ -300,6 +300,17 @@ def session(total_s: float = 120.0) -> aiohttp.ClientSession:
     )
 
 
+# What the gateway logs when a request met a bug rather than a refusal: the walk's catch-all
+# (gateway/request/director.py), aiohttp's own, and the bounded-bodies middleware's (a handler's bug,
+# answered 500: gateway/http/bodies.py).
+UNEXPECTED_IN_LOG = ("failed unexpectedly", "Error handling request", "unhandled error answering")
+
+
+def unexpected_errors(log: str) -> int:
+    """How many times the gateway's log says a request met a bug (`UNEXPECTED_IN_LOG`)."""
+    return sum(log.count(marker) for marker in UNEXPECTED_IN_LOG)
+
+
 def until(condition: Any, timeout_s: float = 60.0, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.common import KEY, MODEL, policies, running, start_stack, until
+from bench.chaos.common import KEY, MODEL, policies, running, start_stack, unexpected_errors, until
 from tests.support.procs import metric_total
 
 KV_TRANSFER = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -116,7 +116,7 @@ def run(workdir: Path, *, clients: int = 160, concurrency: int = 16) -> dict[str
         "duplicate_records": sum(1 for n in by_id.values() if n > 1),
         "statuses": _count(r.get("status", "") for r in records),
         "prefill_legs": prefill_legs,
-        "internal_errors": log.count("failed unexpectedly"),
+        "internal_errors": unexpected_errors(log),
     }
 
 

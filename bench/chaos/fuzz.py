@@ -20,7 +20,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, policies, running, start_stack
+from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, policies, running, start_stack, unexpected_errors
 
 ENDPOINTS: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),
@@ -169,6 +169,6 @@ def run(workdir: Path, *, examples: int = 3000) -> dict[str, Any]:
         "statuses": dict(sorted(statuses.items())),
         "server_errors": len(server_errors),
         "server_error_examples": server_errors[:5],
-        "unexpected_in_log": log.count("failed unexpectedly") + log.count("Error handling request"),
+        "unexpected_in_log": unexpected_errors(log),
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -31,7 +31,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX, fuzz_settings
+from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX, fuzz_settings, unexpected_errors
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import (
     MAX_BODY,
@@ -324,9 +324,7 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
         "statuses": dict(sorted(statuses.items())),
         "server_errors": len(errors),
         "server_error_examples": errors[:5],
-        "unexpected_in_log": log.count("failed unexpectedly")
-        + log.count("Error handling request")
-        + log.count("unhandled error answering"),  # gateway/http/bodies.py: a handler's bug, answered 500
+        "unexpected_in_log": unexpected_errors(log),
         "tickets_left": int(left["tickets"]),
         "leases_left": int(left["leases"]),
         "inflight_left": s.stack.inflight(),

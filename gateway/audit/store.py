@@ -19,6 +19,10 @@ ledger's lines (the Redis stream) without being mistaken for one. Fields:
     target    the changed object's id (the handler's, else the path's), or null
     status    the HTTP status the change was answered with
     before, after   the object as the handler saw it, or null where it did not say
+    request_id      the caller's `x-request-id` when it is 1-128 visible ASCII characters
+
+Text a client sent (a path id, a header) that is not valid UTF-8 is written with replacement
+characters (gateway/client_text.py): a change that was made is always recorded.
 
 Secrets never reach a record: every field whose name says it holds one (`secret`, `sha256`, `token`,
 ...) is replaced by "[redacted]" at any depth, whatever the handler passed, so a handler that hands
@@ -66,6 +70,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.app.settings import AuditConfig
+from gateway.client_text import json_line, valid_request_id
 
 KIND = "admin_change"
 VERSION = 1
@@ -136,19 +141,20 @@ def stamp(change: Change, now_s: float) -> dict[str, Any]:
         "before": redact(change.before),
         "after": redact(change.after),
     }
-    if change.request_id:
-        record["request_id"] = _bounded(change.request_id)
+    request_id = valid_request_id(change.request_id)
+    if request_id:
+        record["request_id"] = request_id
     return record
 
 
 def encode(record: dict[str, Any]) -> bytes:
     """One line, newline-terminated. Past MAX_LINE_BYTES the objects give way to a note: the change
     is still recorded, who and what and when, only its contents are not."""
-    line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+    line = json_line(record)
     if len(line) <= MAX_LINE_BYTES:
         return line
     note = f"omitted: the record was {len(line)} bytes (limit {MAX_LINE_BYTES})"
-    return orjson.dumps({**record, "before": note, "after": note}, option=orjson.OPT_APPEND_NEWLINE)
+    return json_line({**record, "before": note, "after": note})
 
 
 def decode(line: bytes) -> dict[str, Any] | None:

@@ -64,6 +64,7 @@ from typing import Any, Final, Protocol
 import orjson
 
 from gateway.app.settings import LedgerConfig
+from gateway.client_text import json_line
 from gateway.request.record import RequestRecord
 from policies.limits.memory_store import period_id
 
@@ -150,21 +151,7 @@ def encode(record: RequestRecord) -> bytes:
     """One ledger line, newline included. Unknown types in `extra` are written as strings; text that
     is not valid UTF-8 (a header's undecodable bytes) is written with replacement characters, so a
     request never goes unrecorded for what a client sent."""
-    entry = record_to_entry(record)
-    try:
-        return orjson.dumps(entry, default=str, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
-        return orjson.dumps(_valid_text(entry), default=str, option=orjson.OPT_APPEND_NEWLINE)
-
-
-def _valid_text(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-    if isinstance(value, dict):
-        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_valid_text(v) for v in value]
-    return value
+    return json_line(record_to_entry(record), default=str)
 
 
 def decode(line: bytes) -> dict[str, Any]:

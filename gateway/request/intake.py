@@ -90,6 +90,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from backends.fleet import Fleet
 from gateway.app.settings import ServerSettings
+from gateway.client_text import encodable, valid_request_id
 from gateway.errors import (
     InvalidApiKey,
     InvalidRequest,
@@ -117,30 +118,16 @@ SLO_TTFT_HEADER: Final = "x-slo-ttft-ms"
 SLO_TPOT_HEADER: Final = "x-slo-tpot-ms"
 _MAX_SLO_MS: Final = 86_400_000.0  # a day: anything longer is a typo, not an objective
 _DEFAULT_MAX_TOKENS: Final = 1024  # a model without a policies.yaml entry
-MAX_REQUEST_ID_CHARS: Final = 128
-_REQUEST_ID: Final = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 INVALID_KEY: Final = "\x00invalid"  # no stored key can hash to this: keys never contain NUL
 
 
 Precheck = Callable[[Principal, str], Awaitable[Rejection | None]]
 
 
-def encodable(value: str) -> bool:
-    """True when `value` is valid text (no undecodable bytes smuggled in as surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def request_id(headers: Mapping[str, str]) -> str:
     """The client's `x-request-id` when it is 1-128 visible ASCII characters, else a generated one
     (it is echoed in a response header, forwarded to the engine and written to the ledger)."""
-    presented = headers.get("x-request-id")
-    if presented and _REQUEST_ID.fullmatch(presented):
-        return presented
-    return os.urandom(16).hex()
+    return valid_request_id(headers.get("x-request-id")) or os.urandom(16).hex()
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

@@ -2,7 +2,8 @@
 real stack the benchmark uses (a Redis, simulated engines, a gateway with an admin token and one in
 loopback trust): authentication on every route of /openapi.json, and on a route of each surface the
 checks that concern it (Host and Origin, CSRF, the read deadline, body and depth bounds, per-owner
-bounds, rate limits, ownership of ids, one ledger record per inference request).
+bounds, rate limits, ownership of ids, one ledger record per inference request); and on every route,
+headers carrying bytes that are not text answered without a 5xx.
 
 The whole table, every check on every route, is `python -m bench.chaos --only checklist`."""
 
@@ -95,6 +96,16 @@ def test_every_route_refuses_missing_and_wrong_credentials(surfaces: Surfaces, m
     verdict, why = run_check(surfaces, "auth", method, path, OPS[(method, path)])
     assert verdict != MISSED, why
     assert verdict == NA or OPS[(method, path)]["x-tokenway-auth"] != "none"
+
+
+@pytest.mark.parametrize(("method", "path"), sorted(OPS), ids=[f"{m} {p}" for m, p in sorted(OPS)])
+def test_every_route_answers_headers_that_are_not_text_without_a_5xx(
+    surfaces: Surfaces, method: str, path: str
+) -> None:
+    """Found by the fuzz: an admin change whose `x-request-id` held bytes that are not UTF-8 was made
+    and then answered 500, unrecorded (the audit line could not be encoded)."""
+    verdict, why = run_check(surfaces, "header_bytes", method, path, OPS[(method, path)])
+    assert verdict != MISSED, why
 
 
 @pytest.mark.parametrize(("check", "method", "path"), [_param(*row) for row in SUBSET])

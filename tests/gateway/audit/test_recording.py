@@ -4,6 +4,7 @@ leaves one, refusals and reads leave none, and `GET /admin/audit` filters and bo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import keys as appkeys
 from gateway.app.settings import AuditConfig, GatewaySettings, ServerSettings
 from gateway.audit.api import AUDIT_LOG, actor_of, audit_list, note
-from gateway.audit.store import AuditLog
+from gateway.audit.store import AuditLog, Query
 from gateway.console.sessions import COOKIE, ConsoleSessions
 from gateway.http.access import CSRF_HEADER
 from gateway.http.admin_replies import admin_error, json_reply
@@ -130,3 +131,32 @@ async def test_the_listing_filters_and_bounds_what_it_answers(served: Any) -> No
     for bad in ("limit=0", "limit=1001", "limit=ten", "since=yesterday", "actor=" + "x" * 300):
         status, body = await call(server, "GET", "/admin/audit?" + bad)
         assert status == 400 and body["error"]["type"] == "invalid_request_error", bad
+
+
+async def raw_request(server: TestServer, head: bytes) -> int:
+    """One request written byte for byte (headers no client library would send); its status."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(head)
+    await writer.drain()
+    status_line = await reader.readline()
+    writer.close()
+    await writer.wait_closed()
+    return int(status_line.split(b" ", 2)[1])
+
+
+async def test_a_change_whose_headers_or_path_are_not_valid_text_is_answered_and_recorded(served: Any) -> None:
+    """aiohttp keeps undecodable header bytes as lone surrogates, which no JSON encoder accepts: the
+    record is written with replacement characters (and without the unusable request id), never a
+    500 for a change that was made."""
+    server, audit, _ = await served(TOKEN)
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    patch = b"PATCH /admin/things/a HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + auth
+    assert await raw_request(server, patch + b"x-request-id: f\xad\xab\r\nContent-Length: 0\r\n\r\n") == 200
+    assert await raw_request(server, patch + b"x-request-id: req-42\r\nContent-Length: 0\r\n\r\n") == 200
+    delete = b"DELETE /admin/things/%ff%fe HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" + auth
+    assert await raw_request(server, delete + b"x-request-id: \xea\r\nContent-Length: 0\r\n\r\n") == 200
+    rows, _ = audit.read(Query())
+    assert audit.written_total == 3 and len(rows) == 3
+    assert [r["method"] for r in rows] == ["DELETE", "PATCH", "PATCH"]
+    assert rows[1]["request_id"] == "req-42" and "request_id" not in rows[0] and "request_id" not in rows[2]
+    assert isinstance(rows[0]["target"], str) and rows[0]["target"].encode("utf-8")  # valid text, recorded
