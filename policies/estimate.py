@@ -50,6 +50,7 @@ and the estimator asks the next counter (the engine's /tokenize, then the labell
 from __future__ import annotations
 
 import asyncio
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -135,36 +136,40 @@ class TokenAudit:
 
 
 class _IdCache:
-    """LRU of packed token ids bounded by the total number of tokens held and by entries."""
+    """LRU of packed token ids bounded by the total number of tokens held and by entries. Locked:
+    a model tokenizer's pieces are looked up and stored from worker threads."""
 
     def __init__(self, max_tokens: int, max_entries: int = 1_000_000) -> None:
         self.max_tokens = max_tokens
         self.max_entries = max_entries
         self.tokens = 0
         self._entries: OrderedDict[int, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
     def get(self, key: int) -> array[int] | None:
-        ids = self._entries.get(key)
-        if ids is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return ids
+        with self._lock:
+            ids = self._entries.get(key)
+            if ids is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return ids
 
     def put(self, key: int, ids: array[int]) -> None:
         if len(ids) > self.max_tokens // 4:
             return  # one huge message must not flush everything else
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.tokens -= len(old)
-        self._entries[key] = ids
-        self.tokens += len(ids)
-        while (self.tokens > self.max_tokens or len(self._entries) > self.max_entries) and self._entries:
-            _, evicted = self._entries.popitem(last=False)
-            self.tokens -= len(evicted)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.tokens -= len(old)
+            self._entries[key] = ids
+            self.tokens += len(ids)
+            while (self.tokens > self.max_tokens or len(self._entries) > self.max_entries) and self._entries:
+                _, evicted = self._entries.popitem(last=False)
+                self.tokens -= len(evicted)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -390,6 +395,9 @@ def _size(body: Mapping[str, Any], api: str) -> int:
     return 0
 
 
+MAX_SEEN_PROMPTS = 10_000
+
+
 class ModelTokenizerCounter:
     """Counts as the engine does, from the files the engine loads; `source` is "model"."""
 
@@ -407,6 +415,7 @@ class ModelTokenizerCounter:
         self.offload_chars = offload_chars
         self._executor = executor
         self._cache = _IdCache(cache_max_tokens)
+        self._seen: OrderedDict[int, None] = OrderedDict()  # chat prompts counted once, by key
         self.unsupported = 0
 
     def describe(self) -> dict[str, Any]:
@@ -416,6 +425,8 @@ class ModelTokenizerCounter:
             "chat_template": self.tokenizer.has_chat_template,
             "cache_entries": len(self._cache),
             "cache_hits": self._cache.hits,
+            "cache_misses": self._cache.misses,
+            "pieces": self.tokenizer.pieces is not None,
             "unsupported": self.unsupported,
         }
 
@@ -425,21 +436,33 @@ class ModelTokenizerCounter:
             return counted
         key = _prompt_key(api, body)
         ids = self._cache.get(key)
-        if ids is None:
-            computed = await self._run(body, api, _prompt_ids)
-            if computed is None:
-                return None
-            ids = computed
-            self._cache.put(key, ids)
-        return PromptCount(len(ids), ids, SOURCE_MODEL)
+        if ids is not None:
+            return PromptCount(len(ids), ids, SOURCE_MODEL)
+        if api == "chat" and self.tokenizer.pieces is not None:
+            # piece by piece: a grown conversation encodes only its new pieces (backends/tokenization.py,
+            # PieceEncoder). The whole prompt's ids are kept only once it came twice: a conversation's
+            # prompts are each sent once, and holding them beside their pieces would crowd those out.
+            ids = await self._run(body, api, _prompt_ids, self._cache)
+            if ids is not None and key in self._seen:
+                del self._seen[key]
+                self._cache.put(key, ids)
+            elif ids is not None:
+                self._seen[key] = None
+                if len(self._seen) > MAX_SEEN_PROMPTS:
+                    self._seen.popitem(last=False)
+        else:
+            ids = await self._run(body, api, _prompt_ids)
+            if ids is not None:
+                self._cache.put(key, ids)
+        return None if ids is None else PromptCount(len(ids), ids, SOURCE_MODEL)
 
-    async def _run(self, body: Mapping[str, Any], api: str, work: Any) -> Any:
+    async def _run(self, body: Mapping[str, Any], api: str, work: Any, *args: Any) -> Any:
         try:
             if _size(body, api) < self.offload_chars:
-                result = work(self.tokenizer, api, body)
+                result = work(self.tokenizer, api, body, *args)
             else:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, work, self.tokenizer, api, body
+                    self._executor, work, self.tokenizer, api, body, *args
                 )
         except UnsupportedPrompt:
             self.unsupported += 1
@@ -452,12 +475,14 @@ def _prompt_key(api: str, body: Mapping[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(api.encode() + b"\x00" + orjson.dumps(parts))
 
 
-def _prompt_ids(tokenizer: ModelTokenizer, api: str, body: Mapping[str, Any]) -> array[int]:
+def _prompt_ids(
+    tokenizer: ModelTokenizer, api: str, body: Mapping[str, Any], cache: _IdCache | None = None
+) -> array[int]:
     if api == "chat":
-        ids: Sequence[int] = tokenizer.chat_ids(body["messages"], body.get("tools"), ChatOptions.of(body))
+        ids: Sequence[int] = tokenizer.chat_ids(body["messages"], body.get("tools"), ChatOptions.of(body), cache)
     else:
         ids = tokenizer.completion_ids(body["prompt"])
-    return array("I", ids)
+    return ids if isinstance(ids, array) else array("I", ids)
 
 
 def _is_batch(api: str, body: Mapping[str, Any]) -> bool:

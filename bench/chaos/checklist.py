@@ -25,8 +25,8 @@ tests/gateway/test_openapi.py fails while it is not).
 - one_record: an inference request, valid and invalid, each with its own `x-request-id`, leaves
   exactly one ledger record each.
 - header_bytes: the route's valid request, with its credentials, whose other headers the gateway
-  reads (`x-request-id`, session and program headers, `anthropic-version`, an SLO header,
-  `User-Agent`) carry bytes that are not UTF-8: answered, and not with a 5xx (aiohttp hands such
+  reads (request id, session, program, user, tags, run caps, debug, CSRF, SLO, `tracestate`,
+  `anthropic-version`, `User-Agent`) carry bytes that are not UTF-8: answered, and not with a 5xx (aiohttp hands such
   bytes over as lone surrogates, which fail whatever encodes them: a record, a digest, a forwarded
   header). A DELETE removes a fresh key, tenant or override, elsewhere a path id that does not
   exist, so the objects other checks use stay.
@@ -383,11 +383,23 @@ def check_one_record(s: Surfaces, method: str, path: str, op: dict[str, Any]) ->
     return MET, ""
 
 
-HOSTILE_HEADERS = [
+HOSTILE_HEADERS = [  # every header the gateway reads beside credentials, holding bytes that are not UTF-8
     (b"x-request-id", b"f\xad\xab"),
     (b"x-session-id", b"\xea"),
+    (b"x-claude-code-session-id", b"s\xff"),
+    (b"x-session-affinity", b"\xc3\x28"),
     (b"x-tokenway-program", b"p\xff\xfe"),
+    (b"x-tokenway-user", b"u\xea"),
+    (b"x-tokenway-tags", b"team:\xea,env:\xff"),
+    (b"x-tokenway-run-budget-usd", b"1\xea"),
+    (b"x-tokenway-run-seconds", b"\xff"),
+    (b"x-tokenway-no-fallback", b"\xea"),
+    (b"x-tokenway-debug", b"1"),
+    (b"x-tokenway-admin-token", b"\xea\xff"),
     (b"x-slo-ttft-ms", b"\xea"),
+    (b"X-Tokenway-CSRF", b"\xea"),
+    (b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+    (b"tracestate", b"vendor=\xea\xff"),
     (b"anthropic-version", b"\xea"),
     (b"User-Agent", b"agent/\xc3\x28"),
 ]

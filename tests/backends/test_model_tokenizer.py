@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,65 @@ def test_a_tokenizer_without_chat_template_cannot_count_chats(tiny_model_dir: Pa
     assert not tok.has_chat_template
     with pytest.raises(UnsupportedPrompt, match="no chat template"):
         tok.chat_ids([{"role": "user", "content": "x"}])
+
+
+def _chatml_tokenizer(pre_tokenizer: Any, decoder: Any) -> ModelTokenizer:
+    """A small BPE with ChatML's added tokens and template, trained here on a few sentences."""
+    from tokenizers import Tokenizer, models, trainers
+
+    hf = Tokenizer(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizer
+    hf.decoder = decoder
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"], show_progress=False
+    )
+    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, hi there"] * 50, trainer)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return ModelTokenizer(hf, {"default": template})
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_piece_by_piece_ids_are_the_whole_encodes_ids(tiny_model_dir: Path, special: bool) -> None:
+    """The rendered chat cut at the added tokens, each piece encoded alone (or taken from the cache),
+    gives the ids of encoding the rendered text whole: over random conversations, growing turn by
+    turn with one cache, special tokens or not."""
+    import random
+
+    from policies.estimate import _IdCache
+
+    tok = ModelTokenizer.load(tiny_model_dir)
+    assert tok.pieces is not None
+    rng = random.Random(7)
+    alphabet = "abc xyz\n\t  <|>ü東京{}[]()_.,:;'\"0123456789"
+    options = ChatOptions(add_special_tokens=special)
+    for _ in range(20):
+        cache = _IdCache(1_000_000)
+        messages: list[dict[str, Any]] = []
+        for _ in range(rng.randrange(1, 6)):
+            role = rng.choice(["system", "user", "assistant", "user"])
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+            messages.append({"role": role, "content": text})
+            whole = tok.encode(tok.render_chat(messages, None, options), add_special_tokens=special)
+            assert list(tok.chat_ids(messages, None, options, cache)) == whole
+
+
+def test_a_tokenizer_whose_pieces_differ_from_the_whole_is_encoded_whole() -> None:
+    """SentencePiece-style pre-tokenizers that prepend a space to the text's first word only would
+    give a piece that starts a message a word of its own: the check at load time finds it, and such a
+    tokenizer is encoded whole (same ids, no piece cache)."""
+    from tokenizers import decoders, pre_tokenizers
+
+    from policies.estimate import _IdCache
+
+    byte_level = _chatml_tokenizer(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel())
+    assert byte_level.pieces is not None
+    first_only = _chatml_tokenizer(
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first"), decoders.Metaspace()
+    )
+    assert first_only.pieces is None
+    messages = [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "hi there"}]
+    text = first_only.render_chat(messages)
+    assert first_only.chat_ids(messages, cache=_IdCache(1000)) == first_only.encode(text, add_special_tokens=False)

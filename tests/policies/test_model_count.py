@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,33 @@ async def test_batches_and_embeddings_count_each_text_with_special_tokens(tokeni
 async def test_repeated_prompts_hit_the_cache_and_long_ones_are_counted_off_loop(tokenizer: ModelTokenizer) -> None:
     counter = ModelTokenizerCounter(tokenizer, offload_chars=50)
     long = {"messages": [{"role": "user", "content": "def f(x): return x " * 100}]}
-    first = await counter.count("chat", long)
-    second = await counter.count("chat", long)
-    assert first == second and counter.describe()["cache_hits"] == 1
+    misses = []
+    counts = []
+    for _ in range(3):
+        counts.append(await counter.count("chat", long))
+        misses.append(counter.describe()["cache_misses"])
+    assert counts[0] == counts[1] == counts[2]
+    # the first encodes its pieces; the second finds them all (only the whole prompt's key misses) and
+    # keeps the whole prompt, having seen it twice; the third is answered by that one look-up
+    assert misses[0] >= 3 and misses[1] - misses[0] == 1 and misses[2] == misses[1]
+
+
+async def test_a_growing_conversation_encodes_only_its_new_pieces(tokenizer: ModelTokenizer) -> None:
+    """Agent turns: each request repeats the conversation so far and adds a turn. The counts are the
+    whole encode's, and each turn looks up as many pieces as it adds (its old ones are all hits)."""
+    assert tokenizer.pieces is not None and ModelTokenizerCounter(tokenizer).describe()["pieces"]
+    counter = ModelTokenizerCounter(tokenizer, offload_chars=200)
+    messages: list[dict[str, object]] = [{"role": "system", "content": "You are a shell. " * 40}]
+    misses = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"run step {turn}: " + "ls -la /tmp " * (5 + turn)})
+        counted = await counter.count("chat", {"messages": messages, "tools": TOOLS})
+        assert counted is not None and list(counted.ids or ()) == tokenizer.chat_ids(messages, TOOLS)
+        misses.append(counter.describe()["cache_misses"])
+        messages.append({"role": "assistant", "content": f"done {turn}"})
+    new_per_turn = [b - a for a, b in itertools.pairwise(misses)]
+    # the two messages added, the pieces they bring, and the whole prompt's key (never seen before)
+    assert max(new_per_turn) <= 5 and misses[0] >= 4
 
 
 async def test_what_it_cannot_render_falls_through_to_the_next_counter(tokenizer: ModelTokenizer) -> None:
