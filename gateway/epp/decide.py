@@ -34,6 +34,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.fleet import Pool
 from backends.types import Endpoint, LoadTicket
+from gateway.client_text import valid_request_id
 from gateway.epp.exchange import Picked, Refused
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest
 from gateway.request.accounting import Accounting
@@ -81,7 +82,8 @@ class EppDecider:
     async def decide(self, headers: dict[str, str], body: bytes, subset: Sequence[str] | None) -> Picked | Refused:
         path = headers.get(":path", "").split("?", 1)[0]
         kind = API_BY_PATH.get(path)
-        request_id = headers.get("x-request-id") or os.urandom(16).hex()
+        # the client's id only when it is short visible ASCII, as on the gateway's own routes
+        request_id = valid_request_id(headers.get("x-request-id")) or os.urandom(16).hex()
         if kind is None:
             error = InvalidRequest(f"the endpoint picker serves {', '.join(API_BY_PATH)}, not {path!r}")
             error.status = 404

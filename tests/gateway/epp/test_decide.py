@@ -87,3 +87,11 @@ async def test_an_unknown_path_is_a_404_refusal() -> None:
     walk = build(fleet({"big": URLS}))
     refused = await decider(walk).decide(envoy_headers(**{":path": "/v1/images"}), chat_body(), None)
     assert isinstance(refused, Refused) and refused.status == 404
+
+
+async def test_a_request_id_that_is_not_short_visible_ascii_is_replaced_as_on_the_gateways_routes() -> None:
+    walk = build(fleet({"big": URLS}))
+    refused = await decider(walk).decide(envoy_headers(**{"x-request-id": "x" * 5000}), chat_body(), ["10.9.9.9:8000"])
+    assert isinstance(refused, Refused)
+    (record,) = walk.records.records
+    assert len(record.request_id) == 32 and record.request_id != "x" * 5000  # a generated one
