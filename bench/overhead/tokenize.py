@@ -26,60 +26,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
-import json
 import platform
 import random
 import statistics
-import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import xxhash
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from backends.tokenization import ModelTokenizer
-from bench import notes
+from bench import notes, raw
 from policies.estimate import ModelTokenizerCounter
+from tests.real_vllm.tiny_model import corpus, train_tokenizer
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 VARIANTS = ("before", "whole", "pieces")
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-TEMPLATE = (
+TEMPLATE = (  # ChatML, as the conversation's messages need it (no tools)
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def _sources(max_chars: int, skip: int = 0) -> Iterator[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    for path in sorted(root.rglob("*.py"))[skip:]:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        total += len(text)
-        yield text
-        if total >= max_chars:
-            return
-
-
-def train(vocab: int) -> Tokenizer:
-    hf = Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    hf.train_from_iterator(_sources(8_000_000), trainer=trainer)
-    return hf
 
 
 class HoldsTheGil(ModelTokenizer):
@@ -92,12 +61,12 @@ class HoldsTheGil(ModelTokenizer):
 def conversation(hf: Tokenizer, tokens: int, seed: int) -> list[list[dict[str, str]]]:
     """The requests of one agent run: each the messages so far, until the prompt passes `tokens`."""
     rng = random.Random(seed)
-    corpus = "\n".join(_sources(6_000_000, skip=40))
+    text_pool = "\n".join(corpus(6_000_000, recursive=True, skip=40))
     chars_per_token = 4.3
 
     def text(n_tokens: int) -> str:
-        start = rng.randrange(0, len(corpus) - int(n_tokens * chars_per_token) - 1)
-        return corpus[start : start + int(n_tokens * chars_per_token)]
+        start = rng.randrange(0, len(text_pool) - int(n_tokens * chars_per_token) - 1)
+        return text_pool[start : start + int(n_tokens * chars_per_token)]
 
     messages = [{"role": "system", "content": text(5_000)}]
     requests = []
@@ -266,17 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="re-render the report from its raw file")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    raw = args.out.parent / "raw" / f"{args.out.stem}-raw.json.gz"
-    png = args.out.with_suffix(".png")
     if args.report_only:
-        with gzip.open(raw, "rt") as f:
-            stored = json.load(f)
-        saved = argparse.Namespace(**{**stored["args"], "out": args.out})
-        plot(stored["runs"], png)
-        args.out.write_text(render(saved, stored["runs"], png.name))
+        raw.rerender(args.out, render, plot)
         return 0
     args.started = time.time()
-    hf = train(args.vocab)
+    hf = train_tokenizer(args.vocab, corpus_bytes=8_000_000, recursive=True)
     requests = conversation(hf, args.tokens, args.seed)
     runs = []
     for round_ in range(args.rounds):
@@ -290,12 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{s['cpu_tail_ms']:6.1f} ms/request, stall max {s['stall_max_ms']:6.1f} ms",
                 flush=True,
             )
-    plot(runs, png)
-    args.out.write_text(render(args, runs, png.name))
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(raw, "wt") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}, f)
-    print(f"wrote {args.out}, {png}, {raw}")
+    written = raw.write(args.out, args, runs, render, plot)
+    print(f"wrote {args.out}, {args.out.with_suffix('.png')}, {written}")
     return 0
 
 

@@ -20,8 +20,6 @@ Writes bench/results/tool-affinity.md, tool-affinity.png and raw/tool-affinity-r
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import platform
 import random
 import statistics
@@ -30,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import notes
+from bench import notes, raw
 from bench.tool_affinity.fleet import Job, SimPool
 from bench.tool_affinity.workload import (
     SHARED_TOKENS,
@@ -311,14 +309,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.seeds, args.programs = args.seeds[:1], 60
-    raw = args.out.parent / "raw" / f"{args.out.stem}-raw.json.gz"
-    png = args.out.with_suffix(".png")
     if args.report_only:
-        with gzip.open(raw, "rt") as f:
-            stored = json.load(f)
-        saved = argparse.Namespace(**{**stored["args"], "out": args.out})
-        plot(stored["runs"], png)
-        args.out.write_text(render(saved, stored["runs"], png.name))
+        raw.rerender(args.out, render, plot)
         return
     sessions = load_sessions(require(TRACES / SESSIONS))
     runs = []
@@ -334,11 +326,5 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
             runs.append(run)
-    png = args.out.with_suffix(".png")
-    plot(runs, png)
-    args.out.write_text(render(args, runs, png.name))
-    raw = args.out.parent / "raw" / f"{args.out.stem}-raw.json.gz"
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(raw, "wt") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs}, f)
-    print(f"wrote {args.out}, {png}, {raw}")
+    written = raw.write(args.out, args, runs, render, plot)
+    print(f"wrote {args.out}, {args.out.with_suffix('.png')}, {written}")

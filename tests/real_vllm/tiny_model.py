@@ -39,13 +39,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus(max_bytes: int = 500_000) -> Iterator[str]:
+def corpus(max_bytes: int = 500_000, *, recursive: bool = False, skip: int = 0) -> Iterator[str]:
     """Python stdlib sources, in a fixed order, up to `max_bytes` (a deterministic vocabulary). Half a
     megabyte already fills the 2,048-token vocabulary; 3 MB cost six times the training time (about a
-    second of CPU in every pytest worker that builds the model) for the same vocabulary size."""
+    second of CPU in every pytest worker that builds the model) for the same vocabulary size.
+    `recursive`: the packages' sources too (a larger vocabulary needs more text); `skip` files first."""
     root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py") if recursive else root.glob("*.py"))[skip:]:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -56,7 +57,9 @@ def _corpus(max_bytes: int = 500_000) -> Iterator[str]:
             return
 
 
-def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+def train_tokenizer(vocab_size: int = VOCAB_SIZE, *, corpus_bytes: int = 500_000, recursive: bool = False) -> Tokenizer:
+    """A byte-level BPE with ChatML's added tokens and a BOS post-processor, trained on `corpus`
+    (bench/overhead/tokenize.py trains a larger one the same way)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -66,7 +69,7 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus(corpus_bytes, recursive=recursive), trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
