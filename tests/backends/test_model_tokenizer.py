@@ -133,6 +133,8 @@ def test_piece_by_piece_ids_are_the_whole_encodes_ids(tiny_model_dir: Path, spec
         for _ in range(rng.randrange(1, 6)):
             role = rng.choice(["system", "user", "assistant", "user"])
             text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 60)))
+            if rng.random() < 0.2:  # a client that writes an added token: the engine reads it as one too
+                text = text[:10] + rng.choice(["<|im_start|>", "<|im_end|>", BOS]) + text[10:]
             messages.append({"role": role, "content": text})
             whole = tok.encode(tok.render_chat(messages, None, options), add_special_tokens=special)
             assert list(tok.chat_ids(messages, None, options, cache)) == whole
