@@ -202,6 +202,18 @@ class StepCost:
         return self.device_s + self.overhead_s
 
 
+def prefill_compute(preset: Preset) -> tuple[float, float, float]:
+    """`step_cost`'s compute seconds of one prefill chunk of n new tokens after c cached ones, as
+    coefficients: per_token_s * n + per_chunk_s + per_pair_s * n * (c + (n + 1) / 2). For a caller
+    that prices chunks on every request (the router's supply meter, policies/routing/kv_tiers.py): it
+    takes them once per preset and evaluates the sum itself, keeping this module off the request's walk."""
+    m, hw, eff = preset.model, preset.hardware, preset.efficiency
+    peak = preset.tp**eff.tp_scaling * hw.peak_flops
+    linear = peak * eff.compute
+    per_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim / (peak * eff.attention_efficiency)
+    return 2.0 * m.layer_params / linear, 2.0 * m.embedding_params / linear, per_pair
+
+
 def step_cost(
     preset: Preset,
     prefill_chunks: Sequence[tuple[int, int]] = (),

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from backends.perf.presets import Preset
-from backends.perf.roofline import kv_bytes_per_token_per_device, step_cost
+from backends.perf.roofline import kv_bytes_per_token_per_device, prefill_compute
 from backends.types import link_class
 
 if TYPE_CHECKING:  # types.py imports TierTokens from here
@@ -156,6 +156,22 @@ class TierLink:
     latency_s: float = 0.0
 
 
+class ChunkCompute:
+    """The roofline's compute seconds of one prefill chunk of `new_tokens` after `context` cached ones,
+    `step_cost(preset, [(new_tokens, context)]).compute_s`, with its constants taken once per preset
+    (`prefill_compute`): routing and the supply meter price chunks on every request without building
+    a step, and the roofline stays off the request's walk."""
+
+    __slots__ = ("per_chunk_s", "per_pair_s", "per_token_s")
+
+    def __init__(self, preset: Preset) -> None:
+        self.per_token_s, self.per_chunk_s, self.per_pair_s = prefill_compute(preset)
+
+    def __call__(self, new_tokens: int, context: int) -> float:
+        pairs = new_tokens * (context + (new_tokens + 1) / 2)
+        return self.per_token_s * new_tokens + self.per_chunk_s + self.per_pair_s * pairs
+
+
 class TierPricing:
     """What a hit on each tier is worth on one pool, in prefill-token equivalents (see module doc).
 
@@ -178,6 +194,7 @@ class TierPricing:
         self.links = links
         self.constant = constant
         self.kv_bytes_per_token = kv_bytes_per_token_per_device(preset) if preset is not None else 0
+        self._compute_s = ChunkCompute(preset) if preset is not None else None
 
     def visible(self, tiers: TierTokens) -> int:
         return tiers.gpu if self.mode == GPU_ONLY else tiers.total
@@ -200,9 +217,9 @@ class TierPricing:
         """The share in [0, 1] of a run's prefill that loading it from `tier` saves."""
         if tier == GPU:
             return 1.0
-        assert self.preset is not None and self.links is not None
+        assert self._compute_s is not None and self.links is not None
         link = self.links[tier - 1]
-        compute_s = step_cost(self.preset, [(n, start)]).compute_s
+        compute_s = self._compute_s(n, start)
         if compute_s <= 0:
             return 0.0
         load_s = link.latency_s + n * self.kv_bytes_per_token / link.bandwidth_bytes_per_s
@@ -244,6 +261,7 @@ class SupplyMeter:
         self.physics = physics
         self.usd_per_gpu_hour = usd_per_gpu_hour
         self.kv_bytes_per_token = kv_bytes_per_token_per_device(preset) * preset.tp
+        self._compute_s = ChunkCompute(preset)
 
     def measure(self, decision: RouteDecision, prompt_tokens: int) -> KvSupply:
         if decision.prefill_endpoint is not None:
@@ -274,12 +292,12 @@ class SupplyMeter:
 
     def _prefill_s(self, tiers: TierTokens, moved: list[tuple[str, int]] | None) -> float:
         """Seconds of prefill the cached `tiers` spare one GPU (their loads paid); lower-tier bytes to `moved`."""
-        seconds = step_cost(self.preset, [(tiers.gpu, 0)]).compute_s if tiers.gpu > 0 else 0.0
+        seconds = self._compute_s(tiers.gpu, 0) if tiers.gpu > 0 else 0.0
         start = tiers.gpu
         for tier, n in ((CPU, tiers.cpu), (DISK, tiers.disk), (REMOTE, tiers.remote)):
             if n <= 0:
                 continue
-            compute_s = step_cost(self.preset, [(n, start)]).compute_s
+            compute_s = self._compute_s(n, start)
             seconds += max(compute_s - self.physics.load_s(tier, n), 0.0)
             if moved is not None:
                 moved.append((TIER_NAMES[tier], n * self.kv_bytes_per_token))

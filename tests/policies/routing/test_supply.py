@@ -11,7 +11,7 @@ from backends.perf.roofline import step_cost
 from backends.types import Role, Topology
 from policies.routing import build_router
 from policies.routing.config import KvTiersConfig
-from policies.routing.kv_tiers import KvSupply, TierTokens
+from policies.routing.kv_tiers import ChunkCompute, KvSupply, TierTokens
 from policies.routing.pipeline import supply_meter, tier_pricing
 from policies.routing.types import RouteDecision
 from tests.policies.routing.factories import NOW_S, endpoint, pool, request, token_ids
@@ -136,3 +136,15 @@ def test_the_engines_count_prices_like_the_routers_and_a_disaggregated_request_h
     router = build_router({"seed": 1})
     pd = RouteDecision(endpoint("d", role=Role.DECODE), "pd", prefill_endpoint=endpoint("p", role=Role.PREFILL))
     assert router.engine_supply(pd, 2000) is None
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b@h100", "llama-3.1-70b@h100"])
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_a_chunks_compute_time_is_the_rooflines_step_cost(name: str, tp: int) -> None:
+    """The meter and the tier credit price a prefill chunk from constants taken once per preset; they
+    must stay the roofline's own `step_cost(...).compute_s` if that formula changes."""
+    preset = resolve_preset(name, tp)
+    compute = ChunkCompute(preset)
+    for new_tokens, context in [(1, 0), (16, 0), (1000, 0), (4096, 0), (512, 4096), (3, 100_000), (8192, 8192)]:
+        expected = step_cost(preset, [(new_tokens, context)]).compute_s
+        assert compute(new_tokens, context) == pytest.approx(expected, rel=1e-12)
