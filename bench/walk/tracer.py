@@ -446,6 +446,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="traced requests of each kind")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for /readyz")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds before it dumps its stacks and exits")
+    parser.add_argument(
+        "--cwd",
+        type=Path,
+        default=None,
+        help="working directory, where the gateway's var/ files go (default: the tree)",
+    )
     args = parser.parse_args()
     faulthandler.dump_traceback_later(args.deadline, exit=True)  # a hung tree says where, instead of hanging
     global _ROOT
@@ -453,7 +459,8 @@ def main() -> int:
     if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
         sys.path.pop(0)  # this script's folder: nothing there is the tree's
     sys.path.insert(0, str(_ROOT))
-    os.chdir(_ROOT)  # `python -m sim` (the engines) finds the tree first: cwd is sys.path[0] there
+    # `python -m sim` (the engines) finds the tree first: cwd is its sys.path[0], PYTHONPATH the next
+    os.chdir(args.cwd.resolve() if args.cwd is not None else _ROOT)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH", "")]))
     import gateway
 
