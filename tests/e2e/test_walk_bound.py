@@ -28,20 +28,12 @@ def test_a_streamed_chat_walks_at_most_50_modules_of_a_tree_of_at_most_240(tmp_p
     out = tmp_path / "walk.json"
     state = tmp_path / "cwd"  # the default config's var/ (keys, audit, usage, batch) away from the tree's
     state.mkdir()
-    argv = [
-        sys.executable,
-        str(REPO / "bench/walk/tracer.py"),
-        "--root",
-        str(REPO),
-        "--warm-ups",
-        "1",
-        "--cwd",
-        str(state),
-    ]
-    with out.open("wb") as sink:
-        proc = spawn([*argv, "--warm-ups", "1", "--repeats", "1"], stdout=sink, stderr=(tmp_path / "walk.err").open("wb"), cwd=REPO)
+    tracer = [sys.executable, str(REPO / "bench/walk/tracer.py"), "--root", str(REPO), "--cwd", str(state)]
+    errors = tmp_path / "walk.err"
+    with out.open("wb") as sink, errors.open("wb") as err:
+        proc = spawn([*tracer, "--warm-ups", "1", "--repeats", "1"], stdout=sink, stderr=err, cwd=REPO)
         try:
-            assert proc.wait(240) == 0, (tmp_path / "walk.err").read_text()[-2000:]
+            assert proc.wait(240) == 0, errors.read_text()[-2000:]
         finally:
             stop_process(proc)
     found = json.loads(out.read_text())
