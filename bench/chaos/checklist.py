@@ -24,6 +24,9 @@ tests/gateway/test_openapi.py fails while it is not).
   client-chosen `x-request-id` does not make the same id twice.
 - one_record: an inference request, valid and invalid, each with its own `x-request-id`, leaves
   exactly one ledger record each.
+- query_bytes: on a route with query parameters, its valid request with each parameter in turn set
+  to values a parser may choke on (bytes that are not UTF-8, raw and percent-encoded, a NUL, 400
+  digits, 10,000 characters, -1, nan, 1e309, a date out of range): answered, never a 5xx.
 - header_bytes: the route's valid request, with its credentials, whose other headers the gateway
   reads (request id, session, program, user, tags, run caps, debug, CSRF, SLO, `tracestate`,
   `anthropic-version`, `User-Agent`) carry bytes that are not UTF-8: answered, and not with a 5xx (aiohttp hands such
@@ -85,6 +88,7 @@ CHECKS = (
     "ownership",
     "one_record",
     "header_bytes",
+    "query_bytes",
 )
 MET, MISSED, NA = "met", "missed", "n.a."
 REFUSED = (401, 403)
@@ -418,6 +422,35 @@ def check_header_bytes(s: Surfaces, method: str, path: str, op: dict[str, Any]) 
     return MET, ""
 
 
+HOSTILE_QUERY_VALUES = (
+    b"%ff%fe",
+    b"\xea\xff",
+    b"%00",
+    b"9" * 400,
+    b"x" * 10_000,
+    b"-1",
+    b"nan",
+    b"1e309",
+    b"2026-13-45T99:99:99Z",
+    b"",
+)
+
+
+def check_query_bytes(s: Surfaces, method: str, path: str, op: dict[str, Any]) -> Result:
+    names = [p["name"] for p in op.get("parameters", []) if p.get("in") == "query"]
+    if not names:
+        return NA, ""
+    headers, body = example_request(s, method, path)
+    creds = [(k.encode("latin-1"), v.encode()) for k, v in {**headers, **credentials(op["x-tokenway-auth"])}.items()]
+    base = path_values(s, path).encode()
+    for name in names:
+        for value in HOSTILE_QUERY_VALUES:
+            status, _, raw = request(s.main.port, method, base + b"?" + name.encode() + b"=" + value, creds, body)
+            if status == 0 or status >= 500:
+                return MISSED, f"{name}={value[:20]!r}: {status} {raw[:80]!r}"
+    return MET, ""
+
+
 CHECKERS: dict[str, Callable[[Surfaces, str, str, dict[str, Any]], Result]] = {
     "auth": check_auth,
     "host": check_host,
@@ -431,6 +464,7 @@ CHECKERS: dict[str, Callable[[Surfaces, str, str, dict[str, Any]], Result]] = {
     "ownership": check_ownership,
     "one_record": check_one_record,
     "header_bytes": check_header_bytes,
+    "query_bytes": check_query_bytes,
 }
 
 

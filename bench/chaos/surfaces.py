@@ -147,7 +147,7 @@ Headers = list[tuple[bytes, bytes]]
 def request(
     port: int,
     method: str,
-    path: str,
+    path: str | bytes,
     headers: Headers | dict[str, str] | None = None,
     body: bytes = b"",
     *,
@@ -162,7 +162,8 @@ def request(
         else list(headers or [])
     )
     names = {name.lower() for name, _ in pairs}
-    head = [f"{method} {path} HTTP/1.1".encode()]
+    target = path if isinstance(path, bytes) else path.encode()  # bytes: sent as they are (no encoding)
+    head = [method.encode() + b" " + target + b" HTTP/1.1"]
     if b"host" not in names:
         head.append(b"Host: " + host)
     head.append(b"Connection: close")

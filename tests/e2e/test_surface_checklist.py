@@ -3,7 +3,8 @@ real stack the benchmark uses (a Redis, simulated engines, a gateway with an adm
 loopback trust): authentication on every route of /openapi.json, and on a route of each surface the
 checks that concern it (Host and Origin, CSRF, the read deadline, body and depth bounds, per-owner
 bounds, rate limits, ownership of ids, one ledger record per inference request); and on every route,
-headers carrying bytes that are not text answered without a 5xx.
+headers carrying bytes that are not text answered without a 5xx; and on every route with query
+parameters, values that choke parsers answered without a 5xx.
 
 The whole table, every check on every route, is `python -m bench.chaos --only checklist`."""
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos.checklist import MISSED, NA, run_check
+from bench.chaos.checklist import MET, MISSED, NA, run_check
 from bench.chaos.surfaces import Surfaces, create_objects, start_surfaces
 from gateway.http.openapi import operations
 
@@ -106,6 +107,17 @@ def test_every_route_answers_headers_that_are_not_text_without_a_5xx(
     and then answered 500, unrecorded (the audit line could not be encoded)."""
     verdict, why = run_check(surfaces, "header_bytes", method, path, OPS[(method, path)])
     assert verdict != MISSED, why
+
+
+QUERIED = sorted((m, p) for (m, p), op in OPS.items() if any(x.get("in") == "query" for x in op.get("parameters", [])))
+
+
+@pytest.mark.parametrize(("method", "path"), QUERIED, ids=[f"{m} {p}" for m, p in QUERIED])
+def test_every_query_parameter_answers_values_that_choke_parsers_without_a_5xx(
+    surfaces: Surfaces, method: str, path: str
+) -> None:
+    verdict, why = run_check(surfaces, "query_bytes", method, path, OPS[(method, path)])
+    assert verdict == MET, why
 
 
 @pytest.mark.parametrize(("check", "method", "path"), [_param(*row) for row in SUBSET])
