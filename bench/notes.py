@@ -20,6 +20,20 @@ def notes_path(report: Path) -> Path:
     return report.with_name(report.stem + ".notes.md")
 
 
+def with_plot(text: str, report: Path, title: str) -> str:
+    """`text` with the plot's line before its hand-written reading (or at its end)."""
+    line = plot_line(report, title)
+    if HEADING in text:
+        head, _, tail = text.partition(HEADING)
+        return f"{head.rstrip()}\n\n{line}\n\n{HEADING}{tail}"
+    return f"{text.rstrip()}\n\n{line}\n"
+
+
+def plot_line(report: Path, title: str) -> str:
+    """The markdown line that shows the report's plot (`NAME.png` beside `NAME.md`)."""
+    return f"![{title}]({report.with_suffix('.png').name})"
+
+
 def section(report: Path) -> list[str]:
     """The notes' lines under `HEADING` (a blank line after), or [] without a notes file."""
     path = notes_path(report)

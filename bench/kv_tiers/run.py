@@ -63,6 +63,7 @@ from backends.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEv
 from backends.perf.presets import resolve_preset
 from backends.perf.roofline import StepTimer, kv_bytes_per_token_per_device, step_cost
 from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket
+from bench.notes import with_plot
 from bench.replay.workload import BLOCK_TOKENS, TraceRequest, load_mooncake, scaled_arrivals
 from bench.traces import require, traces_dir
 from policies.routing import build_router
@@ -473,7 +474,7 @@ def write_report(
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text, plot = render(args, spec, outcomes, rates, floors, elapsed)
-    args.out.write_text(text)
+    args.out.write_text(with_plot(text, args.out, "p90 TTFT and hit rate per variant"))
     plot(args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)
 

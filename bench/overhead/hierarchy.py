@@ -30,7 +30,7 @@ from typing import Any
 import redis as redis_client
 
 from bench.limiter.common import RedisServer
-from bench.notes import section
+from bench.notes import plot_line, section
 from bench.overhead.run import RESULTS, cpu_seconds
 from policies.limits.admission import Admission, Admitted
 from policies.limits.failover import FailoverStore
@@ -225,7 +225,7 @@ def write(samples: list[Sample], args: argparse.Namespace, version: str, took_s:
         redis_cpu = f"{s.redis_cpu_us:.1f}" if s.redis_cpu_us is not None else "-"
         lines.append(f"| {s.round} | {s.store} | {s.variant} | {s.cpu_us:.1f} | {redis_cpu} |")
     out = RESULTS / "overhead-hierarchy.md"
-    lines += ["", *section(out)]
+    lines += ["", plot_line(out, "CPU per request, hierarchy against three buckets"), "", *section(out)]
     out.write_text("\n".join(lines).rstrip("\n") + "\n")
     plot(samples, RESULTS / "overhead-hierarchy.png")
     return out

@@ -52,6 +52,7 @@ import aiohttp
 import orjson
 import yaml
 
+from bench.notes import with_plot
 from bench.overhead.apis import start_api_upstream
 from bench.overhead.long_prompt import words
 from bench.overhead.run import KEY, LOAD_CORE, PROXY_CORE, RESULTS, ensure_tools, start_nginx, tokenway_config
@@ -458,7 +459,9 @@ def write(
     load_after: tuple[float, float, float],
 ) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(points, idle, args, peer_versions, load_before, load_after))
+    out.write_text(
+        with_plot(render(points, idle, args, peer_versions, load_before, load_after), out, "CPU per request")
+    )
     raw = [p.__dict__ for p in points]
     out.with_name(out.stem + "-raw.json").write_bytes(orjson.dumps(raw, option=orjson.OPT_INDENT_2))
     print(out.read_text())

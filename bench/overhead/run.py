@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from bench.notes import plot_line
 from policies.policy import hash_key
 from tests.support.procs import free_port, free_ports, http_get, wait_http
 
@@ -473,7 +474,7 @@ def write_results(
         "",
     ]
     lines += _probe_table(one_by_one)
-    lines.append("")
+    lines += ["", plot_line(out, "RPS and latency per proxy and connection count"), ""]
     out.write_text("\n".join(lines) + "\n")
     plot(runs, connections, out.with_suffix(".png"))
     print(out.read_text())

@@ -55,6 +55,7 @@ from backends.fleet import Pool
 from backends.perf.presets import resolve_preset
 from backends.perf.roofline import StepTimer, kv_bytes_per_token_per_device, step_cost
 from backends.types import Endpoint, EndpointState, EndpointStats, LoadTicket, Role, Topology, link_class
+from bench.notes import with_plot
 from policies.routing import build_router
 from policies.routing.pipeline import ScoringRouter
 from policies.routing.types import RouteRequest
@@ -440,6 +441,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text, plot = render(args, specs, outcomes, rates, floors, elapsed)
-    args.out.write_text(text)
+    args.out.write_text(with_plot(text, args.out, "p90 TTFT, blind vs aware pairing"))
     plot(args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}", file=sys.stderr)

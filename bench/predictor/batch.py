@@ -335,7 +335,7 @@ def write(results: dict[str, Any], out: Path) -> None:
                 f"{batch['done_s'] / idle['batch']['done_s']:.2f}x its time on an idle fleet "
                 f"({idle['batch']['done_s']:.0f} s)."
             )
-    lines += ["", "![batch beside interactive traffic](batch-slo.png)", ""]
+    lines += ["", notes.plot_line(out, "batch beside interactive traffic"), ""]
     if results.get("misses"):
         lines += report_lines([(m["name"], m) for m in results["misses"]], args)
     lines += ["## Runner counters (each batch run's gateway)", "", "| run | metric | value |", "| --- | --- | ---: |"]

@@ -31,6 +31,7 @@ from typing import Any
 from backends.fleet import Pool
 from backends.tokenization import ModelTokenizer
 from backends.types import Endpoint, EndpointState
+from bench.notes import plot_line
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
 from policies.estimate import ModelTokenizerCounter, PromptEstimator
@@ -178,6 +179,7 @@ def write(rows: list[dict[str, Any]], repeats: int) -> None:
         + " at "
         f"{SIZES_CHARS[-1]:,} characters, for this vocabulary).",
     ]
+    lines += ["", plot_line(RESULTS / "prompt-count.md", "microseconds per request by counter and size")]
     (RESULTS / "prompt-count.md").write_text("\n".join(lines) + "\n")
     _plot(rows)
 

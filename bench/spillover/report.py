@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import notes
+
 TARGET_SLO, TARGET_COST = 0.99, 0.40
 
 
@@ -90,7 +92,10 @@ def write(
             f"**Target** (spill-over >= {TARGET_SLO:.0%} SLO attainment at <= {TARGET_COST:.0%} of all-hosted "
             f"$/Mtok): worst window {slo:.2%}, cost ratio {ratio:.1%}: **{'met' if ok else 'not met'}**.",
         ]
-    (results / f"{name}.md").write_text("\n".join(lines) + "\n")
+    report = results / f"{name}.md"
+    lines += ["", notes.plot_line(report, "SLO attainment and $/Mtok per variant; the first window's timeline")]
+    lines += ["", *notes.section(report)]
+    report.write_text("\n".join(lines).rstrip("\n") + "\n")
     _plot(results / f"{name}.png", by, timelines)
 
 
