@@ -755,11 +755,9 @@ class _Uncached:
         return None
 
 
-def _find(haystack: Sequence[int], needle: Sequence[int]) -> int | None:
-    for i in range(len(haystack) - len(needle) + 1):
-        if list(haystack[i : i + len(needle)]) == list(needle):
-            return i
-    return None
+def _find(haystack: list[int], needle: list[int]) -> int | None:
+    """Where `needle` starts in `haystack` (a few ids: a special token or two around one)."""
+    return next((i for i in range(len(haystack) - len(needle) + 1) if haystack[i : i + len(needle)] == needle), None)
 
 
 def _templates(directory: Path, config: Mapping[str, Any]) -> dict[str, str]:
