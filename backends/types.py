@@ -315,3 +315,17 @@ class PdUnsupportedError(PdError):
 
 class PdHandshakeError(PdError):
     """The prefill leg's response lacks the parameters the decode leg needs."""
+
+
+def usage_count(value: object) -> int:
+    """One count of an upstream's `usage` (tokens) as billing reads it: a non-negative integer.
+    Anything else (a negative count, a string that is not digits, a float that is not finite, null)
+    reads as 0, so an upstream's bad usage can neither refund a budget (a negative cost) nor fail
+    the settlement (an exception). Every reader of an engine's or a provider's usage goes through it."""
+    if type(value) is int:
+        return value if value > 0 else 0
+    if type(value) is float and 0 < value < 1e18:
+        return int(value)
+    if type(value) is str and 0 < len(value) <= 18 and value.isascii() and value.isdigit():
+        return int(value)
+    return 0

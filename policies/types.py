@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # policies.slo imports the predictor room; the facts only car
 import re
 from datetime import UTC, datetime
 
+from backends.types import usage_count
+
 ApiKind = Literal["chat", "completions", "embeddings", "responses", "messages"]
 
 
@@ -165,14 +167,14 @@ class Usage:
         out = obj.get("completion_tokens_details")
         cached = write = write_1h = reasoning = 0
         if type(details) is dict:
-            cached = int(details.get("cached_tokens") or 0)
-            write = int(details.get("cache_write_tokens") or 0)
-            write_1h = int(details.get("cache_write_1h_tokens") or 0)
+            cached = usage_count(details.get("cached_tokens"))
+            write = usage_count(details.get("cache_write_tokens"))
+            write_1h = usage_count(details.get("cache_write_1h_tokens"))
         if type(out) is dict:
-            reasoning = int(out.get("reasoning_tokens") or 0)
+            reasoning = usage_count(out.get("reasoning_tokens"))
         return cls(
-            int(obj.get("prompt_tokens") or 0),
-            int(obj.get("completion_tokens") or 0),
+            usage_count(obj.get("prompt_tokens")),
+            usage_count(obj.get("completion_tokens")),
             cached,
             write,
             write_1h,

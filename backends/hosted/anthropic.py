@@ -63,6 +63,7 @@ from backends.hosted.base import (
 )
 from backends.hosted.chat_in import Refusals, header
 from backends.protocols import split_event
+from backends.types import usage_count
 
 DEFAULT_VERSION = "2023-06-01"
 SAMPLING_FREE_VERSION = "2026-10-21"  # from this version on, temperature / top_p / top_k are rejected
@@ -384,20 +385,22 @@ def usage_from(raw: Mapping[str, Any] | None) -> ProviderUsage:
     """ProviderUsage from a Messages `usage` object (the whole prompt = uncached + read + written)."""
     if not raw:
         return ProviderUsage()
-    uncached = int(raw.get("input_tokens") or 0)
-    read = int(raw.get("cache_read_input_tokens") or 0)
-    written = int(raw.get("cache_creation_input_tokens") or 0)
+    uncached = usage_count(raw.get("input_tokens"))
+    read = usage_count(raw.get("cache_read_input_tokens"))
+    written = usage_count(raw.get("cache_creation_input_tokens"))
     split = raw.get("cache_creation")
     if split is not None and isinstance(split, Mapping):
-        write_1h = int(split.get("ephemeral_1h_input_tokens") or 0)
-        write_5m = int(split.get("ephemeral_5m_input_tokens") or 0)
+        write_1h = usage_count(split.get("ephemeral_1h_input_tokens"))
+        write_5m = usage_count(split.get("ephemeral_5m_input_tokens"))
     else:
         write_1h, write_5m = 0, written
     details = raw.get("output_tokens_details")
-    reasoning = int(details.get("thinking_tokens") or 0) if details is not None and isinstance(details, Mapping) else 0
+    reasoning = (
+        usage_count(details.get("thinking_tokens")) if details is not None and isinstance(details, Mapping) else 0
+    )
     return ProviderUsage(
         input_tokens=uncached + read + write_5m + write_1h,
-        output_tokens=int(raw.get("output_tokens") or 0),
+        output_tokens=usage_count(raw.get("output_tokens")),
         cache_read_tokens=read,
         cache_write_tokens=write_5m,
         cache_write_1h_tokens=write_1h,

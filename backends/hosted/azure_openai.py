@@ -61,6 +61,7 @@ from backends.hosted.base import (
 from backends.hosted.chat_in import header
 from backends.protocols import split_event
 from backends.protocols.anthropic import duration_s
+from backends.types import usage_count
 
 DEFAULT_API_VERSION = "2024-10-21"
 V1_VERSIONS = ("v1", "preview")
@@ -126,10 +127,10 @@ def usage_from(raw: Mapping[str, Any] | None) -> ProviderUsage:
     prompt = raw.get("prompt_tokens_details") or {}
     completion = raw.get("completion_tokens_details") or {}
     return ProviderUsage(
-        input_tokens=int(raw.get("prompt_tokens") or 0),
-        output_tokens=int(raw.get("completion_tokens") or 0),
-        cache_read_tokens=int(prompt.get("cached_tokens") or 0),
-        reasoning_tokens=int(completion.get("reasoning_tokens") or 0),
+        input_tokens=usage_count(raw.get("prompt_tokens")),
+        output_tokens=usage_count(raw.get("completion_tokens")),
+        cache_read_tokens=usage_count(prompt.get("cached_tokens")),
+        reasoning_tokens=usage_count(completion.get("reasoning_tokens")),
     )
 
 

@@ -67,6 +67,7 @@ from backends.hosted.chat_in import (
     unpack_signed_id,
 )
 from backends.protocols import ProtocolError
+from backends.types import usage_count
 
 __all__ = ["THINKING_BUDGETS", "BedrockCodec", "BedrockStreamDecoder", "endpoint_url", "pack_call_id", "unpack_call_id"]
 
@@ -609,16 +610,16 @@ def error_from(name: str, status: int, message: str, retry_after_s: float | None
 
 def usage_from(usage: Mapping[str, Any], reasoning_text: str = "") -> ProviderUsage:
     """Converse usage → the whole prompt (input + cache reads + cache writes), 1 h writes apart."""
-    read = int(usage.get("cacheReadInputTokens") or 0)
-    write = int(usage.get("cacheWriteInputTokens") or 0)
-    write_1h = sum(int(d.get("inputTokens") or 0) for d in usage.get("cacheDetails") or [] if d.get("ttl") == "1h")
+    read = usage_count(usage.get("cacheReadInputTokens"))
+    write = usage_count(usage.get("cacheWriteInputTokens"))
+    write_1h = sum(usage_count(d.get("inputTokens")) for d in usage.get("cacheDetails") or [] if d.get("ttl") == "1h")
     write_1h = min(write_1h, write)
     # Converse does not count reasoning tokens apart; an estimate from the text (4 bytes a token)
     # keeps them visible rather than hidden inside the output count.
-    reasoning = min(-(-len(reasoning_text.encode()) // 4), int(usage.get("outputTokens") or 0))
+    reasoning = min(-(-len(reasoning_text.encode()) // 4), usage_count(usage.get("outputTokens")))
     return ProviderUsage(
-        input_tokens=int(usage.get("inputTokens") or 0) + read + write,
-        output_tokens=int(usage.get("outputTokens") or 0),
+        input_tokens=usage_count(usage.get("inputTokens")) + read + write,
+        output_tokens=usage_count(usage.get("outputTokens")),
         cache_read_tokens=read,
         cache_write_tokens=write - write_1h,
         cache_write_1h_tokens=write_1h,

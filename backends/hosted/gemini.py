@@ -70,6 +70,7 @@ from backends.hosted.chat_in import (
     unpack_signed_id,
 )
 from backends.protocols import ProtocolError
+from backends.types import usage_count
 
 __all__ = [
     "THINKING_BUDGETS",
@@ -636,12 +637,12 @@ def _finish(reason: Any, calls: bool) -> str:
 
 def usage_from(usage: Mapping[str, Any]) -> ProviderUsage:
     """usageMetadata → ProviderUsage (prompt counts include the cache read; thoughts are billed output)."""
-    thoughts = int(usage.get("thoughtsTokenCount") or 0)
-    prompt = int(usage.get("promptTokenCount") or 0) + int(usage.get("toolUsePromptTokenCount") or 0)
+    thoughts = usage_count(usage.get("thoughtsTokenCount"))
+    prompt = usage_count(usage.get("promptTokenCount")) + usage_count(usage.get("toolUsePromptTokenCount"))
     return ProviderUsage(
         input_tokens=prompt,
-        output_tokens=int(usage.get("candidatesTokenCount") or 0) + thoughts,
-        cache_read_tokens=int(usage.get("cachedContentTokenCount") or 0),
+        output_tokens=usage_count(usage.get("candidatesTokenCount")) + thoughts,
+        cache_read_tokens=usage_count(usage.get("cachedContentTokenCount")),
         reasoning_tokens=thoughts,
     )
 

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from backends.protocols import ProtocolError, typed_event, with_cost
+from backends.types import usage_count
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 _ERROR_TYPES = {
@@ -238,13 +239,13 @@ def to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> dict[str, A
 def usage_object(usage: Mapping[str, Any] | None, prompt_estimate: int = 0) -> dict[str, Any]:
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens") or 0)
-    prompt = int(usage.get("prompt_tokens") or prompt_estimate)
+    cached = usage_count(details.get("cached_tokens"))
+    prompt = usage_count(usage.get("prompt_tokens")) or prompt_estimate
     return {
         "input_tokens": max(prompt - cached, 0),
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
-        "output_tokens": int(usage.get("completion_tokens") or 0),
+        "output_tokens": usage_count(usage.get("completion_tokens")),
         **with_cost(usage),
     }
 
@@ -367,7 +368,7 @@ class MessagesStream:
                 {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}
             )
         for call in delta.get("tool_calls") or ():
-            position = int(call.get("index") or 0)
+            position = usage_count(call.get("index"))
             function = call.get("function") or {}
             if position not in self.calls:
                 block = {

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from backends.protocols import ProtocolError, typed_event, with_cost
+from backends.types import usage_count
 
 _MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 _PASSED_FIELDS = ("temperature", "top_p", "user", "seed", "parallel_tool_calls", "top_k", "min_tokens")
@@ -255,11 +256,11 @@ def usage_object(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not usage:
         return None
     details = usage.get("prompt_tokens_details") or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
+    prompt = usage_count(usage.get("prompt_tokens"))
+    completion = usage_count(usage.get("completion_tokens"))
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(details.get("cached_tokens") or 0)},
+        "input_tokens_details": {"cached_tokens": usage_count(details.get("cached_tokens"))},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -507,7 +508,7 @@ class ResponsesStream:
 
     def _feed_call(self, call: Mapping[str, Any]) -> bytes:
         out = b""
-        position = int(call.get("index") or 0)
+        position = usage_count(call.get("index"))
         function = call.get("function") or {}
         index = self._calls.get(position)
         if index is None:

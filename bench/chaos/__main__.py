@@ -2,8 +2,9 @@
 and a real Redis, each with its target, written to bench/results/chaos.md (and chaos.png).
 
     .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
-                                            schema_fuzz,checklist]
+                                            schema_fuzz,checklist,epp_fuzz]
                                     [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
+                                    [--epp-examples 1500] [--seed N]
 
 Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
 some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
@@ -21,10 +22,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import checklist, disconnects, fuzz, gateway_kill, memory, redis_faults, replica_kill, schema_fuzz
+from bench.chaos import (
+    checklist,
+    disconnects,
+    epp_fuzz,
+    fuzz,
+    gateway_kill,
+    memory,
+    redis_faults,
+    replica_kill,
+    schema_fuzz,
+)
 from bench.chaos.common import RESULTS
 
-PROBES = ("replica_kill", "redis", "gateway_kill", "disconnects", "fuzz", "memory", "schema_fuzz", "checklist")
+PROBES = (
+    "replica_kill",
+    "redis",
+    "gateway_kill",
+    "disconnects",
+    "fuzz",
+    "memory",
+    "schema_fuzz",
+    "checklist",
+    "epp_fuzz",
+)
 # How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
 # of some probes keeps the sections of the others from the file as it was.
 HEADINGS = {
@@ -36,6 +57,7 @@ HEADINGS = {
     "memory": ("## Memory:", "memory under hostile client strings"),
     "schema_fuzz": ("## Schema-driven fuzz", "schema-driven fuzz over /openapi.json"),
     "checklist": ("## Per-surface checklist", "per-surface checklist"),
+    "epp_fuzz": ("## The endpoint picker's stream", "the endpoint picker's stream (`tokenway epp`)"),
 }
 
 
@@ -181,7 +203,8 @@ def _section_fuzz(r: dict[str, Any]) -> list[str]:
     lines = [
         "## Fuzzing every endpoint (hypothesis)",
         "",
-        f"{r['examples']} generated requests in {r['seconds']:g} s. Answers by status: {statuses}.",
+        f"{r['examples']} generated requests{schema_fuzz.seeded(r)} in {r['seconds']:g} s. "
+        f"Answers by status: {statuses}.",
         "",
         f"Target 0 5xx: {_ok(r['server_errors'] == 0)} ({r['server_errors']}; unexpected errors in the gateway's "
         f"log: {r['unexpected_in_log']}).",
@@ -223,6 +246,13 @@ def main() -> None:
     parser.add_argument("--fuzz-examples", type=int, default=3000)
     parser.add_argument("--memory-requests", type=int, default=50_000)
     parser.add_argument("--schema-examples", type=int, default=2000)
+    parser.add_argument("--epp-examples", type=int, default=1500)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="draw the fuzz stages' examples from this seed (default: the fixed sequence)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the probes' working directories")
     args = parser.parse_args()
     chosen = [p.strip() for p in args.only.split(",") if p.strip()]
@@ -274,15 +304,22 @@ def main() -> None:
         probe(
             "fuzz",
             "fuzzing every endpoint",
-            lambda: _section_fuzz(fuzz.run(root / "fuzz", examples=args.fuzz_examples)),
+            lambda: _section_fuzz(fuzz.run(root / "fuzz", examples=args.fuzz_examples, seed=args.seed)),
         )
         probe("memory", "memory under hostile client strings", memory_probe)
         probe(
             "schema_fuzz",
             HEADINGS["schema_fuzz"][1],
-            lambda: schema_fuzz.section(schema_fuzz.run(root / "schema", examples=args.schema_examples)),
+            lambda: schema_fuzz.section(
+                schema_fuzz.run(root / "schema", examples=args.schema_examples, seed=args.seed)
+            ),
         )
         probe("checklist", HEADINGS["checklist"][1], lambda: checklist.section(checklist.run(root / "checklist")))
+        probe(
+            "epp_fuzz",
+            HEADINGS["epp_fuzz"][1],
+            lambda: epp_fuzz.section(epp_fuzz.run(root / "epp", examples=args.epp_examples, seed=args.seed)),
+        )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

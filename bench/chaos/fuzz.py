@@ -146,14 +146,14 @@ def _send(port: int, method: str, path: str, headers: list[tuple[bytes, bytes]],
         return int(data.split(b" ", 2)[1])
 
 
-def run(workdir: Path, *, examples: int = 3000) -> dict[str, Any]:
+def run(workdir: Path, *, examples: int = 3000, seed: int | None = None) -> dict[str, Any]:
     stack = start_stack(workdir, engines=2, time_scale=50.0, policy=policies([{"scope": "key", "tpm": 100_000_000}]))
     statuses: dict[int, int] = {}
     server_errors: list[str] = []
     started = time.monotonic()
     with running(stack):
 
-        @fuzz_settings(examples)
+        @fuzz_settings(examples, seed)
         @given(requests())
         def probe(request: tuple[str, str, list[tuple[bytes, bytes]], bytes]) -> None:
             method, path, headers, body = request
@@ -166,6 +166,7 @@ def run(workdir: Path, *, examples: int = 3000) -> dict[str, Any]:
         log = stack.gateway.log()
     return {
         "examples": sum(statuses.values()),
+        "seed": seed,
         "statuses": dict(sorted(statuses.items())),
         "server_errors": len(server_errors),
         "server_error_examples": server_errors[:5],

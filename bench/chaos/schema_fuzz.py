@@ -243,12 +243,12 @@ def _settled(s: Surfaces, timeout_s: float = 60.0) -> tuple[dict[str, float], fl
         time.sleep(0.5)
 
 
-def run(workdir: Path, *, examples: int = 2000) -> dict[str, Any]:
+def run(workdir: Path, *, examples: int = 2000, seed: int | None = None) -> dict[str, Any]:
     with running(start_surfaces(workdir)) as s:
-        return fuzz(s, examples=examples)
+        return fuzz(s, examples=examples, seed=seed)
 
 
-def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
+def fuzz(s: Surfaces, *, examples: int, seed: int | None = None) -> dict[str, Any]:
     ops = s.operations()
     mine = create_objects(s)
     theirs = create_objects(s, OTHER)
@@ -300,7 +300,7 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
             headers["x-request-id"] = draw(st.sampled_from(("same-id-for-all", "")) | st.text(max_size=20))
         return method, template, path, headers, body
 
-    @fuzz_settings(examples)
+    @fuzz_settings(examples, seed)
     @given(requests())
     def probe(sent: tuple[str, str, str, dict[str, str], bytes]) -> None:
         method, template, path, headers, body = sent
@@ -312,12 +312,13 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
         if sum(statuses.values()) % 100 == 0:
             rss.append(s.stack.rss_bytes())
 
-    random.seed(0)
+    random.seed(seed or 0)
     probe()
     left, ledger_usd = _settled(s)
     rss.append(s.stack.rss_bytes())
     log = s.main.log()
     return {
+        "seed": seed,
         "examples": sum(statuses.values()),
         "operations": len(ops),
         "operations_hit": len(by_route),
@@ -337,6 +338,11 @@ def fuzz(s: Surfaces, *, examples: int) -> dict[str, Any]:
     }
 
 
+def seeded(r: dict[str, Any]) -> str:
+    """How the report names the run's examples: the fixed sequence, or the seed that drew them."""
+    return "" if r.get("seed") is None else f" (hypothesis seed {r['seed']})"
+
+
 def section(r: dict[str, Any]) -> list[str]:
     statuses = ", ".join(f"{k}: {v}" for k, v in r["statuses"].items())
     diff = r["budget_usd"] - r["ledger_usd"]
@@ -346,7 +352,8 @@ def section(r: dict[str, Any]) -> list[str]:
     lines = [
         "## Schema-driven fuzz over /openapi.json (hypothesis)",
         "",
-        f"{r['examples']} requests over {r['operations_hit']} of the document's {r['operations']} operations in "
+        f"{r['examples']} requests{seeded(r)} over {r['operations_hit']} of the document's {r['operations']} "
+        "operations in "
         f"{r['seconds']:g} s: "
         "bodies drawn from each operation's request schema, then mutated in depth, size, type and encoding; "
         "no credentials, a wrong key, a file key, an API-made key, another tenant's key, the admin token; "

@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 
 from backends.protocols import ProtocolError, responses
-from backends.types import Endpoint
+from backends.types import Endpoint, usage_count
 from gateway.apis.store import ResponseStore, entry_blob, new_response_id
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
@@ -253,9 +253,9 @@ def _chat_usage(usage: Any) -> Usage | None:
         return None
     details = usage.get("prompt_tokens_details") or {}
     return Usage(
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=usage_count(usage.get("prompt_tokens")),
+        completion_tokens=usage_count(usage.get("completion_tokens")),
+        cached_tokens=usage_count(details.get("cached_tokens")),
     )
 
 

@@ -19,7 +19,7 @@ import orjson
 
 from backends.protocols import anthropic, split_event, typed_event
 from backends.protocols.responses import ResponsesStream
-from backends.types import LoadTicket
+from backends.types import LoadTicket, usage_count
 from gateway.upstream.relay import RelayOutcome, cost_figure
 from policies.types import Usage
 
@@ -65,8 +65,8 @@ def responses_usage(usage: Any) -> Usage | None:
         return None
     details = usage.get("input_tokens_details")
     return Usage(
-        prompt_tokens=int(usage.get("input_tokens") or 0),
-        completion_tokens=int(usage.get("output_tokens") or 0),
+        prompt_tokens=usage_count(usage.get("input_tokens")),
+        completion_tokens=usage_count(usage.get("output_tokens")),
         cached_tokens=int((details.get("cached_tokens") if type(details) is dict else 0) or 0),
     )
 
@@ -75,9 +75,9 @@ def messages_usage(usage: Any) -> Usage | None:
     """Anthropic counts cached prompt tokens apart: the prompt is their sum."""
     if type(usage) is not dict:
         return None
-    cached = int(usage.get("cache_read_input_tokens") or 0)
-    prompt = int(usage.get("input_tokens") or 0) + cached + int(usage.get("cache_creation_input_tokens") or 0)
-    return Usage(prompt_tokens=prompt, completion_tokens=int(usage.get("output_tokens") or 0), cached_tokens=cached)
+    cached = usage_count(usage.get("cache_read_input_tokens"))
+    prompt = usage_count(usage.get("input_tokens")) + cached + usage_count(usage.get("cache_creation_input_tokens"))
+    return Usage(prompt_tokens=prompt, completion_tokens=usage_count(usage.get("output_tokens")), cached_tokens=cached)
 
 
 class NativeResponses:

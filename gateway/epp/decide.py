@@ -192,14 +192,9 @@ class Following:
         except orjson.JSONDecodeError:
             return data
         if isinstance(parsed, dict):
-            usage = parsed.get("usage")
-            if isinstance(usage, dict):
-                details = usage.get("prompt_tokens_details") or {}
-                self.outcome.usage = Usage(
-                    prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                    completion_tokens=int(usage.get("completion_tokens") or 0),
-                    cached_tokens=int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0,
-                )
+            usage = Usage.from_chat(parsed.get("usage"))  # read as the HTTP gateway's relay reads it
+            if usage is not None:
+                self.outcome.usage = usage
             if self._swap is not None and "model" in parsed:
                 parsed["model"] = self.ctx.model
                 data = orjson.dumps(parsed)

@@ -97,6 +97,8 @@ class Exchange:
         if served:
             self._served = served
         if kind == "request_headers":
+            if self._follower is not None or self.refused is not None:
+                return []  # one request per stream: headers again after its decision change nothing
             return await self._request_headers(message)
         if kind == "request_body":
             if self._follower is not None or self.refused is not None:
@@ -116,7 +118,7 @@ class Exchange:
             if self._follower is None:
                 return [protocol.response_headers(self.envoy)]
             headers = protocol.headers_of(message.response_headers)
-            status = int(headers.get(":status", "200") or 200)
+            status = _status(headers.get(":status"))
             added = self._follower.response_headers(status, headers)
             responses = [protocol.response_headers(self.envoy, added)]
             if message.response_headers.end_of_stream:
@@ -188,6 +190,17 @@ class Exchange:
         if self.response_mode == protocol.NONE:
             self._finish(True, observed=False)
         self._finish(False)
+
+
+def _status(value: str | None) -> int:
+    """The response's HTTP status as the follower reads it. Envoy always sends a valid `:status`;
+    one that is not a status (garbage from a broken data plane) is read as a bad gateway, so the
+    answer is settled as failed rather than the stream failing."""
+    if not value:
+        return 200
+    if len(value) == 3 and value.isascii() and value.isdigit() and value[0] in "12345":
+        return int(value)
+    return 502
 
 
 def _unsupported_mode(mode: str) -> Refused:

@@ -77,7 +77,7 @@ import orjson
 
 from backends.config import EjectionSettings
 from backends.fleet import Fleet, eject_capped
-from backends.types import Endpoint, EndpointState, LoadTicket
+from backends.types import Endpoint, EndpointState, LoadTicket, usage_count
 from gateway.app.settings import FirstTokenDeadline
 from gateway.upstream.client import CallWatch, Response
 from predictor.features import Prediction
@@ -391,7 +391,7 @@ class Splice:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def _usage(self, usage: Mapping[str, Any]) -> dict[str, Any]:
-        completion = int(usage.get("completion_tokens") or 0) + self.sent_tokens
+        completion = usage_count(usage.get("completion_tokens")) + self.sent_tokens
         fixed = dict(usage)
         fixed["prompt_tokens"] = self.prompt_tokens
         fixed["completion_tokens"] = completion

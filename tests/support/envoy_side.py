@@ -246,9 +246,10 @@ class Picker:
 
 @contextlib.contextmanager
 def running_picker(
-    workdir: Path, engines: SimEngines, *, pools: list[dict[str, Any]], policies: dict[str, Any]
+    workdir: Path, engines: SimEngines, *, pools: list[dict[str, Any]], policies: dict[str, Any], **sections: Any
 ) -> Iterator[Picker]:
-    """`tokenway epp` serving `pools` of these engines until the block ends; the engines stop with it."""
+    """`tokenway epp` serving `pools` of these engines until the block ends; the engines stop with it.
+    `sections`: more gateway.yaml sections (a ledger, say)."""
     with running(engines):
         grpc_port = free_port()
         gateway = start_gateway(
@@ -260,6 +261,7 @@ def running_picker(
             epp={"host": "127.0.0.1", "port": grpc_port},
             backends={"health_interval_s": 0.2},
             predictor={"enabled": False},
+            **sections,
         )
         with running(gateway):
             yield Picker(gateway, grpc_port, engines)

@@ -254,3 +254,32 @@ async def test_trailers_end_the_request_and_the_response() -> None:
     assert held.WhichOneof("response") == "response_body" and done.WhichOneof("response") == "response_trailers"
     assert follower.chunks == [b"data: x\n\n", b""]  # the follower was asked for what it still held
     assert follower.finished == [(True, None)]
+
+
+@pytest.mark.parametrize("end_of_stream", [True, False])
+async def test_headers_again_after_the_pick_decide_nothing_and_settle_nothing_twice(end_of_stream: bool) -> None:
+    """One stream is one request: request headers sent again after the decision (a data plane out of
+    protocol) neither make a second reservation nor lose the first one's settlement."""
+    follower = FakeFollower()
+    decider = FakeDecider(Picked(["10.0.0.1:8000"], b"{}", follower))
+    exchange = Exchange(E, decider, max_body_bytes=1 << 20)
+    headers = {":path": "/v1/chat/completions"}
+    assert len(await exchange.on(headers_message(headers, end_of_stream=True))) == 1
+    assert await exchange.on(headers_message(headers, end_of_stream=end_of_stream)) == []
+    assert await exchange.on(body_message(b"{}", True)) == []
+    assert len(decider.seen) == 1
+    exchange.close()
+    assert follower.finished == [(False, None)]
+
+
+@pytest.mark.parametrize(
+    ("status", "read"),
+    [("200", 200), ("429", 429), ("", 200), ("abc", 502), ("\ufffd", 502), ("2000", 502), ("099", 502)],
+)
+async def test_a_response_status_that_is_not_one_is_read_as_a_bad_gateway(status: str, read: int) -> None:
+    follower = FakeFollower()
+    exchange = Exchange(E, FakeDecider(Picked(["10.0.0.1:8000"], b"{}", follower)), max_body_bytes=1 << 20)
+    await exchange.on(headers_message({":path": "/v1/chat/completions"}, end_of_stream=True))
+    [answer] = await exchange.on(response_headers_message(status))
+    assert answer.WhichOneof("response") == "response_headers"
+    assert follower.status == read

@@ -122,6 +122,23 @@ def test_chat_usage_carries_cache_writes_and_reasoning() -> None:
     assert Usage.from_chat([1]) is None
 
 
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [(-5, 0), (2.7, 2), (float("nan"), 0), (float("inf"), 0), ("12", 12), ("x", 0), ("9" * 5000, 0), (None, 0),
+     (True, 0), ([3], 0), ("\u00b2", 0)],
+)  # fmt: skip
+def test_usage_an_upstream_got_wrong_bills_nothing_negative_and_never_raises(value: object, read: int) -> None:
+    """Billing reads an answer's usage as non-negative integers: a negative count would refund a
+    budget, and a count that is not a number would fail the settlement."""
+    fields = ("prompt_tokens", "completion_tokens")
+    details = {"cached_tokens": value, "cache_write_tokens": value, "cache_write_1h_tokens": value}
+    usage = Usage.from_chat(
+        {**dict.fromkeys(fields, value), "prompt_tokens_details": details,
+         "completion_tokens_details": {"reasoning_tokens": value}}
+    )  # fmt: skip
+    assert usage == Usage(read, read, read, read, read, read)
+
+
 def test_a_long_context_table_needs_its_threshold() -> None:
     with pytest.raises(ValueError, match="above_prompt_tokens"):
         ModelConfig.model_validate({"price": {"long_context": {"input_per_mtok": 6.0}}})
