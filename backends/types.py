@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 SAME_NODE: Final = "same_node"
 SAME_RACK: Final = "same_rack"
@@ -329,3 +329,27 @@ def usage_count(value: object) -> int:
     if type(value) is str and 0 < len(value) <= 18 and value.isascii() and value.isdigit():
         return int(value)
     return 0
+
+
+def answer_choices(answer: object) -> list[dict[str, Any]]:
+    """The choices of a parsed chat or completions answer (or stream chunk) that are objects; [] for
+    anything else. An engine's answer is input too: every reader of its choices goes through this,
+    so a `null`, a list or a string where an object belongs is no choice rather than an exception."""
+    return objects(answer.get("choices")) if type(answer) is dict else []
+
+
+def objects(value: object) -> list[dict[str, Any]]:
+    """The objects in a list an upstream sent (a delta's `tool_calls`, say); [] when it is no list."""
+    return [item for item in value if type(item) is dict] if type(value) is list else []
+
+
+def object_field(node: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """`node[key]` when it is an object (a choice's `delta` or `message`, an answer's `usage`), else {}."""
+    value = node.get(key)
+    return value if type(value) is dict else {}
+
+
+def call_index(call: Mapping[str, Any]) -> int:
+    """A streamed tool call's `index` (which call a delta continues): 0 when it is not an integer."""
+    index = call.get("index")
+    return index if type(index) is int and index >= 0 else 0

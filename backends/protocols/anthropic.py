@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from backends.protocols import ProtocolError, typed_event, with_cost
-from backends.types import usage_count
+from backends.types import answer_choices, call_index, object_field, objects, usage_count
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
 _ERROR_TYPES = {
@@ -237,8 +237,8 @@ def to_chat(body: Mapping[str, Any], *, count_only: bool = False) -> dict[str, A
 
 
 def usage_object(usage: Mapping[str, Any] | None, prompt_estimate: int = 0) -> dict[str, Any]:
-    usage = usage or {}
-    details = usage.get("prompt_tokens_details") or {}
+    usage = usage if isinstance(usage, Mapping) else {}
+    details = object_field(usage, "prompt_tokens_details")
     cached = usage_count(details.get("cached_tokens"))
     prompt = usage_count(usage.get("prompt_tokens")) or prompt_estimate
     return {
@@ -256,6 +256,8 @@ def stop_reason(choice: Mapping[str, Any], stop_sequences: Iterable[str] = ()) -
     matched = choice.get("stop_reason")
     if finish == "stop" and isinstance(matched, str) and matched in set(stop_sequences):
         return "stop_sequence", matched
+    if not isinstance(finish, str):  # an engine's `finish_reason` that is no reason
+        return ("end_turn" if finish else None), None
     return (_STOP_REASONS.get(finish, "end_turn") if finish else None), None
 
 
@@ -270,13 +272,14 @@ def _tool_input(arguments: str) -> Any:
 def from_chat(
     chat: Mapping[str, Any], request: Mapping[str, Any], message_id: str | None = None, model: str | None = None
 ) -> dict[str, Any]:
-    choice = (chat.get("choices") or [{}])[0]
-    message = choice.get("message") or {}
+    choices = answer_choices(chat)
+    choice = choices[0] if choices else {}
+    message = object_field(choice, "message")
     content: list[dict[str, Any]] = []
     if message.get("content"):
         content.append({"type": "text", "text": str(message["content"])})
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
+    for call in objects(message.get("tool_calls")):
+        function = object_field(call, "function")
         content.append(
             {
                 "type": "tool_use",
@@ -352,24 +355,25 @@ class MessagesStream:
         return out + typed_event({"type": "content_block_start", "index": self.index, "content_block": block})
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes:
-        if chunk.get("usage"):
-            self.usage = dict(chunk["usage"])
-        choices = chunk.get("choices") or ()
+        usage = chunk.get("usage")
+        if type(usage) is dict and usage:
+            self.usage = dict(usage)
+        choices = answer_choices(chunk)
         if not choices:
             return b""
         choice = choices[0]
-        delta = choice.get("delta") or {}
+        delta = object_field(choice, "delta")
         out = b""
         text = delta.get("content")
-        if text:
+        if isinstance(text, str) and text:
             if self.block != "text":
                 out += self._start_block({"type": "text", "text": ""})
             out += typed_event(
                 {"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}
             )
-        for call in delta.get("tool_calls") or ():
-            position = usage_count(call.get("index"))
-            function = call.get("function") or {}
+        for call in objects(delta.get("tool_calls")):
+            position = call_index(call)
+            function = object_field(call, "function")
             if position not in self.calls:
                 block = {
                     "type": "tool_use",
@@ -380,7 +384,7 @@ class MessagesStream:
                 out += self._start_block(block)
                 self.calls[position] = self.index
             arguments = function.get("arguments")
-            if arguments and self.calls[position] == self.index:
+            if isinstance(arguments, str) and arguments and self.calls[position] == self.index:
                 out += typed_event(
                     {
                         "type": "content_block_delta",

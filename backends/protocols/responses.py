@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from backends.protocols import ProtocolError, typed_event, with_cost
-from backends.types import usage_count
+from backends.types import answer_choices, call_index, object_field, objects, usage_count
 
 _MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 _PASSED_FIELDS = ("temperature", "top_p", "user", "seed", "parallel_tool_calls", "top_k", "min_tokens")
@@ -253,9 +253,9 @@ def to_chat(body: Mapping[str, Any], prior_items: Iterable[Mapping[str, Any]] = 
 
 def usage_object(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Chat usage renamed the Responses way."""
-    if not usage:
+    if not usage or not isinstance(usage, Mapping):
         return None
-    details = usage.get("prompt_tokens_details") or {}
+    details = object_field(usage, "prompt_tokens_details")
     prompt = usage_count(usage.get("prompt_tokens"))
     completion = usage_count(usage.get("completion_tokens"))
     return {
@@ -337,16 +337,17 @@ def from_chat(
     chat: Mapping[str, Any], request: Mapping[str, Any], response_id: str | None = None, model: str | None = None
 ) -> dict[str, Any]:
     """The response object for a chat completion answering `to_chat(request)`."""
-    created = int(chat.get("created") or time.time())
+    created = chat.get("created")
+    created = created if type(created) is int and created > 0 else int(time.time())
     response = skeleton(request, response_id or new_id("resp"), created, model or str(chat.get("model", "")))
-    choices = chat.get("choices") or [{}]
-    choice = choices[0]
-    message = choice.get("message") or {}
+    choices = answer_choices(chat)
+    choice = choices[0] if choices else {}
+    message = object_field(choice, "message")
     content = message.get("content")
     if content:
         response["output"].append(message_item(new_id("msg"), str(content), logprobs=choice_logprobs(choice)))
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
+    for call in objects(message.get("tool_calls")):
+        function = object_field(call, "function")
         response["output"].append(
             function_call_item(
                 new_id("fc"),
@@ -356,7 +357,8 @@ def from_chat(
             )
         )
     response["usage"] = usage_object(chat.get("usage"))
-    finish_status(response, choice.get("finish_reason"))
+    finish = choice.get("finish_reason")
+    finish_status(response, finish if isinstance(finish, str) else None)
     return response
 
 
@@ -474,16 +476,17 @@ class ResponsesStream:
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes:
         """Events for one chat chunk (often none: role chunks, the usage chunk)."""
-        if chunk.get("usage"):
-            self.usage = dict(chunk["usage"])
-        choices = chunk.get("choices") or ()
+        usage = chunk.get("usage")
+        if type(usage) is dict and usage:
+            self.usage = dict(usage)
+        choices = answer_choices(chunk)
         if not choices:
             return b""
         choice = choices[0]
         out = b""
-        delta = choice.get("delta") or {}
+        delta = object_field(choice, "delta")
         content = delta.get("content")
-        if content:
+        if isinstance(content, str) and content:
             if self._text_index is None:
                 out += self._close_calls() + self._open_text()
             self._text.append(content)
@@ -500,16 +503,16 @@ class ResponsesStream:
                     "logprobs": lps,
                 }
             )
-        for call in delta.get("tool_calls") or ():
+        for call in objects(delta.get("tool_calls")):
             out += self._feed_call(call)
-        if choice.get("finish_reason"):
+        if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
             self.finish_reason = choice["finish_reason"]
         return out
 
     def _feed_call(self, call: Mapping[str, Any]) -> bytes:
         out = b""
-        position = usage_count(call.get("index"))
-        function = call.get("function") or {}
+        position = call_index(call)
+        function = object_field(call, "function")
         index = self._calls.get(position)
         if index is None:
             out += self._close_text()
@@ -522,7 +525,7 @@ class ResponsesStream:
             self.response["output"].append(item)
             out += self._event({"type": "response.output_item.added", "output_index": index, "item": dict(item)})
         arguments = function.get("arguments")
-        if arguments:
+        if isinstance(arguments, str) and arguments:
             self._arguments.setdefault(index, []).append(arguments)
             item_id = self.response["output"][index]["id"]
             out += self._event(

@@ -2,9 +2,9 @@
 and a real Redis, each with its target, written to bench/results/chaos.md (and chaos.png).
 
     .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
-                                            schema_fuzz,checklist,epp_fuzz]
+                                            schema_fuzz,checklist,epp_fuzz,upstream_fuzz]
                                     [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
-                                    [--epp-examples 1500] [--seed N]
+                                    [--epp-examples 1500] [--upstream-examples 3000] [--seed N]
 
 Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
 some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
@@ -32,6 +32,7 @@ from bench.chaos import (
     redis_faults,
     replica_kill,
     schema_fuzz,
+    upstream_fuzz,
 )
 from bench.chaos.common import RESULTS
 
@@ -45,6 +46,7 @@ PROBES = (
     "schema_fuzz",
     "checklist",
     "epp_fuzz",
+    "upstream_fuzz",
 )
 # How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
 # of some probes keeps the sections of the others from the file as it was.
@@ -58,6 +60,7 @@ HEADINGS = {
     "schema_fuzz": ("## Schema-driven fuzz", "schema-driven fuzz over /openapi.json"),
     "checklist": ("## Per-surface checklist", "per-surface checklist"),
     "epp_fuzz": ("## The endpoint picker's stream", "the endpoint picker's stream (`tokenway epp`)"),
+    "upstream_fuzz": ("## An engine that answers anything", "an engine that answers anything"),
 }
 
 
@@ -247,6 +250,7 @@ def main() -> None:
     parser.add_argument("--memory-requests", type=int, default=50_000)
     parser.add_argument("--schema-examples", type=int, default=2000)
     parser.add_argument("--epp-examples", type=int, default=1500)
+    parser.add_argument("--upstream-examples", type=int, default=3000)
     parser.add_argument(
         "--seed",
         type=int,
@@ -319,6 +323,13 @@ def main() -> None:
             "epp_fuzz",
             HEADINGS["epp_fuzz"][1],
             lambda: epp_fuzz.section(epp_fuzz.run(root / "epp", examples=args.epp_examples, seed=args.seed)),
+        )
+        probe(
+            "upstream_fuzz",
+            HEADINGS["upstream_fuzz"][1],
+            lambda: upstream_fuzz.section(
+                upstream_fuzz.run(root / "upstream", examples=args.upstream_examples, seed=args.seed)
+            ),
         )
     finally:
         if not args.keep:

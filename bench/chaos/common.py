@@ -317,6 +317,20 @@ def unexpected_errors(log: str) -> int:
     return sum(log.count(marker) for marker in UNEXPECTED_IN_LOG)
 
 
+def ledger_tally(ledger: Path, prefix: str) -> tuple[dict[str, int], int]:
+    """The records of a ledger whose request id starts with `prefix`: how many each id has, and how
+    many hold a negative token count or cost (billing must never refund what an answer claimed)."""
+    time.sleep(0.5)  # the ledger's last batch
+    counts: dict[str, int] = {}
+    negative = 0
+    for record in iter_entries(ledger) if ledger.exists() else []:
+        request_id = str(record.get("request_id", ""))
+        if request_id.startswith(prefix):
+            counts[request_id] = counts.get(request_id, 0) + 1
+            negative += any((record.get(k) or 0) < 0 for k in ("input_tokens", "output_tokens", "cost_usd"))
+    return counts, negative
+
+
 def until(condition: Any, timeout_s: float = 60.0, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

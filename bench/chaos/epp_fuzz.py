@@ -33,11 +33,11 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bench.chaos import schema_fuzz
 from bench.chaos.checklist import HOSTILE_HEADERS
-from bench.chaos.common import fuzz_settings, unexpected_errors, until
+from bench.chaos.common import fuzz_settings, ledger_tally, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from gateway.epp import protocol
-from gateway.ledger.reader import iter_entries
 from tests.support.envoy_side import Picker, running_picker
 from tests.support.procs import TEST_KEY, http_get, policies_doc, start_sim, static_pool
 
@@ -236,14 +236,7 @@ def fuzz(picker: Picker, workdir: Path, *, examples: int, seed: int | None = Non
     seconds = time.monotonic() - started
     settled = until(lambda: _held(picker) == (0, 0), timeout_s=30)
     leases, inflight = _held(picker)
-    time.sleep(0.5)  # the ledger's last batch
-    ledger = workdir / "usage"
-    counts: dict[str, int] = {}
-    negative = 0
-    for record in iter_entries(ledger) if ledger.exists() else []:
-        if str(record.get("request_id", "")).startswith("epp-fuzz-"):
-            counts[record["request_id"]] = counts.get(record["request_id"], 0) + 1
-            negative += any((record.get(k) or 0) < 0 for k in ("input_tokens", "output_tokens", "cost_usd"))
+    counts, negative = ledger_tally(workdir / "usage", "epp-fuzz-")
     return {
         "examples": sum(codes.values()),
         "seed": seed,
@@ -295,7 +288,7 @@ def met(r: dict[str, Any]) -> bool:
 def section(r: dict[str, Any]) -> list[str]:
     codes = ", ".join(f"{k}: {v}" for k, v in r["codes"].items())
     immediates = ", ".join(f"{k}: {v}" for k, v in r["immediates"].items()) or "none"
-    seeded = "" if r.get("seed") is None else f" (hypothesis seed {r['seed']})"
+    seeded = schema_fuzz.seeded(r)
     lines = [
         "## The endpoint picker's stream (`tokenway epp`, hypothesis)",
         "",

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from backends.protocols import ProtocolError, anthropic
 from backends.types import Endpoint
-from gateway.apis.responses import NATIVE_ENGINES, _chat_usage, engine_message, json_response
+from gateway.apis.responses import NATIVE_ENGINES, engine_message, json_response
 from gateway.apis.streams import MessagesFromChat, NativeMessages, messages_usage
 from gateway.app import keys as appkeys
 from gateway.errors import (
@@ -124,7 +124,7 @@ class MessagesCall:
             message["model"] = public_model
             return orjson.dumps(message), usage
         message = anthropic.from_chat(parsed, self.body, model=public_model)
-        return orjson.dumps(message), _chat_usage(parsed.get("usage"))
+        return orjson.dumps(message), Usage.from_chat(parsed.get("usage"))
 
     def response_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
         return anthropic_headers(headers)

@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 
 from backends.protocols import ProtocolError, responses
-from backends.types import Endpoint, usage_count
+from backends.types import Endpoint
 from gateway.apis.store import ResponseStore, entry_blob, new_response_id
 from gateway.apis.streams import NativeResponses, ResponsesFromChat, responses_usage
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest, error_response
@@ -213,7 +213,7 @@ class ResponsesCall:
             response["model"] = public_model
         else:
             response = responses.from_chat(parsed, self.body, self.response_id, model=public_model)
-            usage = _chat_usage(parsed.get("usage"))
+            usage = Usage.from_chat(parsed.get("usage"))
         response["previous_response_id"] = previous
         response["store"] = store
         self.final = response
@@ -246,17 +246,6 @@ class ResponsesCall:
             items = [*self.prior, *items]
         response = self.final_bytes if self.final_bytes is not None else orjson.dumps(final)
         await self.store.put(self.principal.key_id, self.response_id, entry_blob(response, items, self.program))
-
-
-def _chat_usage(usage: Any) -> Usage | None:
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details") or {}
-    return Usage(
-        prompt_tokens=usage_count(usage.get("prompt_tokens")),
-        completion_tokens=usage_count(usage.get("completion_tokens")),
-        cached_tokens=usage_count(details.get("cached_tokens")),
-    )
 
 
 class _Holding:

@@ -19,7 +19,7 @@ import orjson
 
 from backends.protocols import anthropic, split_event, typed_event
 from backends.protocols.responses import ResponsesStream
-from backends.types import LoadTicket, usage_count
+from backends.types import LoadTicket, answer_choices, object_field, usage_count
 from gateway.upstream.relay import RelayOutcome, cost_figure
 from policies.types import Usage
 
@@ -67,7 +67,7 @@ def responses_usage(usage: Any) -> Usage | None:
     return Usage(
         prompt_tokens=usage_count(usage.get("input_tokens")),
         completion_tokens=usage_count(usage.get("output_tokens")),
-        cached_tokens=int((details.get("cached_tokens") if type(details) is dict else 0) or 0),
+        cached_tokens=usage_count(details.get("cached_tokens")) if type(details) is dict else 0,
     )
 
 
@@ -257,8 +257,8 @@ class _FromChat:
                 if type(chunk["usage"]) is dict:  # the translation carries `cost_usd` over, when set here
                     chunk["usage"].pop("cost_usd", None)  # never an upstream's own figure
                     _show_cost(chunk["usage"], outcome)
-            for choice in chunk.get("choices") or ():
-                delta = choice.get("delta") or {}
+            for choice in answer_choices(chunk):
+                delta = object_field(choice, "delta")
                 if delta.get("content") or delta.get("tool_calls"):
                     _output(outcome, ticket, self.reserved_tokens)
             out += self._feed(chunk)

@@ -148,10 +148,13 @@ class Following:
         self.headers = headers
         self.status = 0
         self.outcome = ctx.outcome = RelayOutcome()
+        endpoint = ctx.routed.endpoint if ctx.routed is not None else None
+        if endpoint is not None and ctx.api.generates and ctx.reservation is not None:
+            context = endpoint.max_model_len or decider.accounting.context_length(ctx.model)
+            self.outcome.bound_usage(ctx.reservation.ticket.output_tokens, context)
         facts = ctx.facts
         if facts.stream and decider.hooks.want_first_token:
             self.outcome.on_first_token = partial(decider.hooks.first_token, ctx)
-        endpoint = ctx.routed.endpoint if ctx.routed is not None else None
         served = endpoint.served_model if endpoint is not None else ctx.model
         self._swap = (
             None if served == ctx.model else (b'"model":' + orjson.dumps(served), b'"model":' + orjson.dumps(ctx.model))
@@ -225,5 +228,5 @@ class Following:
         else:
             accounting.fill(ctx, self.outcome)
             if reservation is not None:
-                reservation.settle_soon(self.outcome.usage, self.outcome.counted_completion_tokens)
+                reservation.settle_soon(self.outcome.bounded_usage(), self.outcome.counted_completion_tokens)
         accounting.finish(ctx)

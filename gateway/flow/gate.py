@@ -194,7 +194,7 @@ class Gate(Hook):
         if outcome is not None and outcome.preempted:
             ctx.record.preempted = outcome.preempted
         if outcome is not None:
-            usage = outcome.usage
+            usage = outcome.bounded_usage()
             if usage is not None:
                 actual = order.request_cost(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
             elif outcome.counted_completion_tokens:

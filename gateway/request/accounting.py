@@ -90,6 +90,11 @@ class Accounting:
         self.sinks = tuple(sinks)
         self.hooks = hooks
 
+    def context_length(self, model: str) -> int | None:
+        """The model's context length in policy (a prompt no engine of it can read past), if set."""
+        config = self.policies.current.model_config(model)
+        return config.context_length if config is not None else None
+
     def price(self, ctx: RequestContext) -> Callable[[Usage], float] | None:
         """What the answer's usage costs its caller, for a caller whose policy shows it (`show_cost`):
         the figure `fill` records and settlement charges, so the body, the header and the ledger agree.

@@ -276,6 +276,9 @@ class EngineTransport:
             )
             outcome = ctx.outcome = RelayOutcome()
             outcome.price = price = self.accounting.price(ctx)  # show_cost: the cost in the final usage
+            if not routed.pool.config.hosted and ctx.api.generates and ctx.reservation is not None:
+                context = endpoint.max_model_len or self.accounting.context_length(ctx.model)
+                outcome.bound_usage(ctx.reservation.ticket.output_tokens, context)
             if facts.stream and deadline:  # moved elsewhere if no token comes by then
                 self.stalls.arm(watch, ctx.prediction or decision.prediction)
                 outcome.on_first_token = partial(_first_token, watch, self.hooks, ctx)
@@ -305,7 +308,9 @@ class EngineTransport:
                         )
                     else:
                         transform = api.unary_transform(ctx.model)
-                        outcome = ctx.outcome = await relay_unary(self.upstream, target, load, transform, price)
+                        unary = await relay_unary(self.upstream, target, load, transform, price)
+                        unary.bound_usage(outcome.output_cap, outcome.prompt_cap)
+                        outcome = ctx.outcome = unary
                     if outcome.first_token_at_s is not None:
                         at = record.started_at_unix_s + (outcome.first_token_at_s - ctx.arrived_s)
                         ctx.trace.event("first_token", at_unix_s=at)

@@ -90,7 +90,7 @@ class ToolBoundary(Hook):
         facts = ctx.facts
         if facts.subjects.program is None:
             return
-        usage = outcome.usage
+        usage = outcome.bounded_usage()
         # the next prompt starts with this one and the answer: that much is expected in the holder's cache
         prompt = usage.prompt_tokens if usage is not None and usage.prompt_tokens else facts.prompt_tokens
         output = usage.completion_tokens if usage is not None else outcome.counted_completion_tokens

@@ -87,7 +87,7 @@ from typing import Any, Final, Protocol
 import orjson
 from aiohttp import web
 
-from backends.types import LoadTicket
+from backends.types import LoadTicket, answer_choices
 from gateway.errors import InvalidRequest, UpstreamError, sse_error_event
 from gateway.upstream.client import CallWatch, Response, UpstreamClient, UpstreamConnectionError
 from gateway.upstream.replica_loss import MAX_MIGRATIONS, Moving, Resume, sent_text
@@ -361,17 +361,42 @@ class RelayOutcome:
     price: Callable[[Usage], float] | None = field(default=None, repr=False)
     # the answer ended asking for tool calls (gateway/upstream/relay.py): its program comes back
     tool_calls: bool = False
+    # An engine the gateway fronts was sent the reservation as its output limit, and reads no prompt
+    # past its context: it cannot produce or read more, so a usage report beyond these is bounded to
+    # them where it is billed (`bound_usage`). 0: no bound (a hosted provider bills what it reports).
+    output_cap: int = 0
+    prompt_cap: int = 0
     _preempting: bool = field(default=False, repr=False)
+
+    def bound_usage(self, output_tokens: int, max_model_len: int | None) -> None:
+        """Bound the usage billed for this answer (see `output_cap`)."""
+        self.output_cap = max(output_tokens, 0)
+        self.prompt_cap = max(max_model_len or 0, 0)
 
     def leg_tokens(self) -> int:
         """Output tokens counted since the current leg began (the whole stream when it has one leg)."""
         return max(self.counted_completion_tokens - self.billed_tokens, 0)
 
+    def bounded_usage(self) -> Usage | None:
+        """`usage` within what the engine could have produced and read (`output_cap`, `prompt_cap`):
+        what every reader that bills or weighs the answer reads (settlement, the record, fair shares)."""
+        usage = self.usage
+        if usage is None:
+            return None
+        if self.output_cap and usage.completion_tokens > self.output_cap:
+            cap = self.output_cap
+            usage = replace(usage, completion_tokens=cap, reasoning_tokens=min(usage.reasoning_tokens, cap))
+        if self.prompt_cap and usage.prompt_tokens > self.prompt_cap:
+            cap = self.prompt_cap
+            usage = replace(usage, prompt_tokens=cap, cached_tokens=min(usage.cached_tokens, cap))
+        return usage
+
     def leg_usage(self) -> Usage | None:
-        """`usage` less what earlier legs were billed for (the stream's own usage reports their sum)."""
-        if self.usage is None or not self.billed_tokens:
-            return self.usage
-        return replace(self.usage, completion_tokens=max(self.usage.completion_tokens - self.billed_tokens, 0))
+        """`bounded_usage` less what earlier legs were billed for (the stream's own usage reports their sum)."""
+        usage = self.bounded_usage()
+        if usage is None or not self.billed_tokens:
+            return usage
+        return replace(usage, completion_tokens=max(usage.completion_tokens - self.billed_tokens, 0))
 
     def preemptible(self) -> bool:
         """Whether flow control may cut this stream now: it can continue (a plain stream, its first
@@ -546,7 +571,7 @@ def _has_output(payload: bytes) -> bool:
         chunk = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return False
-    for choice in chunk.get("choices") or ():
+    for choice in answer_choices(chunk):  # none in a value that is not a chunk (`data: null`)
         delta = choice.get("delta")
         if isinstance(delta, dict):
             if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):

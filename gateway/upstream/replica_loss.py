@@ -77,7 +77,7 @@ import orjson
 
 from backends.config import EjectionSettings
 from backends.fleet import Fleet, eject_capped
-from backends.types import Endpoint, EndpointState, LoadTicket, usage_count
+from backends.types import Endpoint, EndpointState, LoadTicket, answer_choices, object_field, usage_count
 from gateway.app.settings import FirstTokenDeadline
 from gateway.upstream.client import CallWatch, Response
 from predictor.features import Prediction
@@ -303,12 +303,8 @@ def sent_text(events: Sequence[bytes], api: str) -> str:
             chunk = orjson.loads(event[5:])
         except orjson.JSONDecodeError:
             continue
-        for choice in chunk.get("choices") or ():
-            if api == "chat":
-                delta = choice.get("delta") or {}
-                content = delta.get("content") if isinstance(delta, dict) else None
-            else:
-                content = choice.get("text")
+        for choice in answer_choices(chunk):
+            content = object_field(choice, "delta").get("content") if api == "chat" else choice.get("text")
             if isinstance(content, str):
                 parts.append(content)
     return "".join(parts)
@@ -406,10 +402,10 @@ class Splice:
 
     def _role_only(self, chunk: Mapping[str, Any]) -> bool:
         """The continuation's opening chunk: a role and no content (the client already had one)."""
-        choices = chunk.get("choices") or []
-        if not isinstance(choices, list) or len(choices) != 1 or self.api != "chat":
+        choices = answer_choices(chunk)
+        if len(choices) != 1 or self.api != "chat":
             return False
-        delta = choices[0].get("delta") or {}
+        delta = object_field(choices[0], "delta")
         return bool(delta.get("role")) and not delta.get("content") and not choices[0].get("finish_reason")
 
 
@@ -543,8 +539,4 @@ def _tool_call_delta(event: bytes) -> bool:
         chunk = orjson.loads(event[5:])
     except orjson.JSONDecodeError:
         return False
-    for choice in chunk.get("choices") or () if isinstance(chunk, dict) else ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict) and delta.get("tool_calls"):
-            return True
-    return False
+    return any(object_field(choice, "delta").get("tool_calls") for choice in answer_choices(chunk))

@@ -24,8 +24,9 @@ def test_a_count_is_a_non_negative_integer_whatever_was_sent(value: object, read
     assert usage_count(value) == read
 
 
-# `int(usage.get("output_tokens") or 0)` and the like: a usage count parsed by hand
-_HAND_PARSED = re.compile(r"int\(\s*\w+\.get\(\s*\"\w*(?:[Tt]okens?|TokenCount)\w*\"")
+# `int(usage.get("output_tokens") or 0)`, `int((details.get("cached_tokens") ...) or 0)` and the like:
+# a usage count parsed by hand
+_HAND_PARSED = re.compile(r"int\(\(?\s*\w+\.get\(\s*\"\w*(?:[Tt]okens?|TokenCount)\w*\"")
 
 
 def test_no_reader_of_usage_parses_a_count_by_hand() -> None:

@@ -95,3 +95,16 @@ def test_the_ledger_names_the_legs() -> None:
     assert (first["leg"], first["continues"]) == (1, None)
     second = RequestRecord(request_id="r.leg2", api="chat", started_at_unix_s=1.0, leg=2, continues="r")
     assert (record_to_entry(second)["leg"], record_to_entry(second)["continues"]) == (2, "r")
+
+
+def test_an_engines_usage_is_billed_within_what_it_was_sent() -> None:
+    """An engine the gateway fronts was sent the reservation as its output limit and reads no prompt
+    past its context: a report beyond either (a broken or hostile engine) is billed at the bound."""
+    outcome = RelayOutcome(usage=Usage(prompt_tokens=10**12, completion_tokens=10**12, cached_tokens=10**12))
+    outcome.bound_usage(64, 8192)
+    assert outcome.leg_usage() == Usage(prompt_tokens=8192, completion_tokens=64, cached_tokens=8192)
+    outcome.usage = Usage(prompt_tokens=100, completion_tokens=30, cached_tokens=20)
+    assert outcome.leg_usage() == outcome.usage  # within the bounds: as reported
+    outcome.bound_usage(0, None)  # a hosted provider's answer: billed as it reports it
+    outcome.usage = Usage(prompt_tokens=10**6, completion_tokens=10**6)
+    assert outcome.leg_usage() == outcome.usage

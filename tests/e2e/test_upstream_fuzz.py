@@ -1,0 +1,37 @@
+"""What an engine answers is input too: the chaos suite's upstream fuzz (`bench/chaos/upstream_fuzz.py`)
+in the suite, smaller. A stand-in engine answers each request with a drawn answer (any status and
+content type, completions and events of any shape, usage counts of any value, cut anywhere, the
+connection dropped), as a vLLM pool and as a TensorRT-LLM pool (whose other APIs are translated):
+every request is answered and recorded exactly once, no record is negative, nothing is held after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.chaos import upstream_fuzz
+from bench.chaos.common import MODEL
+
+pytestmark = pytest.mark.e2e
+
+
+def test_whatever_an_engine_answers_every_request_is_answered_and_recorded_once(tmp_path: Path) -> None:
+    result = upstream_fuzz.run(tmp_path, examples=1200)
+    assert result["statuses"].get(200, 0) > 100, result  # the answers reach the readers, not only failures
+    assert upstream_fuzz.met(result), "\n".join(upstream_fuzz.section(result))
+
+
+def test_an_engines_usage_beyond_what_it_was_sent_is_billed_within_it(tmp_path: Path) -> None:
+    """An engine that reports 10^12 tokens for a request sent `max_tokens: 4` is billed 4 output
+    tokens and at most the model's context for the prompt: one broken answer cannot lock a key out
+    of its token limit for a week, nor charge its budget for a trillion tokens."""
+    usage = {"prompt_tokens": 10**12, "completion_tokens": 10**12}
+    body = {"id": "x", "object": "chat.completion", "model": MODEL, "choices": [], "usage": usage}
+    answer = upstream_fuzz.Answer(200, "application/json", [orjson.dumps(body)])
+    with upstream_fuzz.started(tmp_path) as (gateway, engine):
+        records = [upstream_fuzz.send_one(gateway, engine, answer, tmp_path) for _ in range(2)]
+    for record in records:
+        assert record["output_tokens"] == 4 and record["input_tokens"] <= 16384, record
+    assert records[1]["http_status"] == 200  # the first did not exhaust the key's token limit
