@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 import uuid
@@ -96,8 +97,7 @@ class HostileEngine:
         for path, answer in (("/health", b""), ("/metrics", b""), ("/v1/models", orjson.dumps(models))):
             app.router.add_get(path, _fixed(answer))
         app.router.add_post("/tokenize", _fixed(orjson.dumps({"count": 5, "max_model_len": 8192})))
-        for path in PATHS:
-            app.router.add_post(path, self._chat)
+        app.router.add_post("/{tail:.*}", self._chat)  # every API's path, the hosted providers' too
         self._runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
@@ -109,13 +109,14 @@ class HostileEngine:
         answer = self.answer
         self.served += 1
         response = web.StreamResponse(status=answer.status, headers={"Content-Type": answer.content_type})
-        await response.prepare(request)
-        for chunk in answer.chunks:
-            await response.write(chunk)
-        if answer.drop and request.transport is not None:
-            request.transport.abort()
-            return response
-        await response.write_eof()
+        with contextlib.suppress(ConnectionError):  # the gateway may give up on an answer mid-way
+            await response.prepare(request)
+            for chunk in answer.chunks:
+                await response.write(chunk)
+            if answer.drop and request.transport is not None:
+                request.transport.abort()
+                return response
+            await response.write_eof()
         return response
 
 
@@ -224,7 +225,21 @@ def answers(draw: st.DrawFn) -> Answer:
     return Answer(status, content_type, chunks, drop=draw(st.integers(0, 5)) == 0)
 
 
-ENGINES = ("vllm", "trtllm")  # vLLM answers every API natively; TensorRT-LLM's answers are translated
+# vLLM answers every API natively; TensorRT-LLM's answers are translated from chat; the hosted
+# providers' answers go through their codecs (backends/hosted/), keyed from this process's environment
+ENGINES = ("vllm", "trtllm", "anthropic", "azure-openai", "gemini", "bedrock")
+_HOSTED: dict[str, dict[str, Any]] = {
+    "anthropic": {"api_key_env": "TOKENWAY_FUZZ_KEY"},
+    "azure-openai": {"api_key_env": "TOKENWAY_FUZZ_KEY", "api_version": "2024-10-21"},
+    "gemini": {"api_key_env": "TOKENWAY_FUZZ_KEY"},
+    "bedrock": {"region": "us-east-1"},
+}
+_FUZZ_ENV = {  # fake credentials: the stand-in checks none, and nothing leaves this host
+    "TOKENWAY_FUZZ_KEY": "fuzz-key",
+    "AWS_ACCESS_KEY_ID": "AKIDFUZZ",
+    "AWS_SECRET_ACCESS_KEY": "fuzz-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @contextlib.contextmanager
@@ -232,10 +247,12 @@ def started(workdir: Path, engine_kind: str = "vllm") -> Iterator[tuple[Any, Hos
     """The stand-in engine and a gateway whose one pool is it, as an engine of `engine_kind` (a key
     limited in tokens, so each request is reserved and settled)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(_FUZZ_ENV)
+    extra = {"served_model_name": "hostile-model", **_HOSTED[engine_kind]} if engine_kind in _HOSTED else {}
     with HostileEngine() as engine:
         gateway = start_gateway(
             workdir / "gw",
-            pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind)],
+            pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind, **extra)],
             policies=policies([{"scope": "key", "tpm": 100_000_000}]),
             server={"admin_token": ADMIN},
             ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 20},
@@ -369,8 +386,9 @@ def section(r: dict[str, Any]) -> list[str]:
         "## An engine that answers anything (hypothesis)",
         "",
         f"{r['examples']} requests{seeded} (chat, completions, Responses and Messages, streamed or not) in "
-        f"{r['seconds']:g} s to a stand-in engine, as a vLLM pool (every API native) and as a TensorRT-LLM pool "
-        "(the other APIs translated from chat), answering each with a drawn "
+        f"{r['seconds']:g} s to a stand-in engine, in turn as a pool of each of {', '.join(ENGINES)} (vLLM "
+        "answers every API natively, TensorRT-LLM's answers are translated from chat, the hosted providers' "
+        "read by their codecs), answering each with a drawn "
         "answer (any status and content type, completions with fields swapped for any JSON value, usage counts "
         "from -5 to 10^12 or not numbers, event streams mixing valid chunks and garbage, cut at any byte, the "
         f"connection sometimes dropped). Answers to the clients by status: {statuses}.",

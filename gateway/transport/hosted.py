@@ -55,7 +55,7 @@ import urllib.request
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -260,6 +260,12 @@ class Provider:
         return {**dict(call.headers), **self.key_headers}
 
 
+# What a codec raises reading an answer that is not the provider's documented one (a field of the
+# wrong type, JSON that is not JSON, a missing key): the answer is unreadable, a 502 (or, mid-stream,
+# a cut the relay reports), never a request meeting a bug. Found by bench/chaos/upstream_fuzz.py.
+UNREADABLE: Final = (ValueError, KeyError, TypeError, AttributeError, IndexError)
+
+
 def _exhausted(headers: Mapping[str, str]) -> bool:
     """Whether a provider's answer says one of its limits has nothing left (`...-remaining...: 0`);
     `headers` with lower-case names, as both clients' answers are read here."""
@@ -443,6 +449,9 @@ class HostedResponse:
             except ProviderStreamError as exc:
                 self.close()
                 raise UpstreamConnectionError(f"provider error mid-stream: {exc.error.message}") from None
+            except UNREADABLE as exc:  # not the provider's documented stream
+                self.close()
+                raise UpstreamConnectionError(f"unreadable provider stream: {type(exc).__name__}: {exc}") from None
             except UpstreamConnectionError:
                 self.close()
                 raise
@@ -623,7 +632,7 @@ class HostedCalls:
             upstream.release()
         try:
             completion, _ = provider.codec.answer(raw, provider.target)
-        except (ValueError, KeyError, TypeError) as exc:  # not the provider's documented answer
+        except UNREADABLE as exc:  # not the provider's documented answer
             return HostedResponse(502, openai_error(502, "api_error", f"unreadable provider answer: {exc}"))
         return HostedResponse(200, orjson.dumps(_stamp(completion, request_id, int(time.time()), model)))
 

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from backends.fleet import Fleet
 from backends.types import Endpoint
 from gateway.transport.hosted import HostedCalls, aiohttp_proxy, proxy_for
+from gateway.upstream.client import UpstreamConnectionError
 from tests.backends.builders import pool
 from tests.sim.hosted.standin import StandIn, standin
 from tests.support.http_proxy import forward_proxy
@@ -202,3 +203,43 @@ async def test_a_compressed_answer_and_stream_are_inflated_once_whichever_client
                 await calls.close()
         assert proxy.targets  # the second round went through the proxy
     assert asked[:2] == [None, None]  # the engine client asks for no compression (aiohttp does, and inflates)
+
+
+ODD_ANSWERS: list[bytes] = [  # Messages answers that are not Anthropic's documented shape
+    b'{"type": "message", "usage": [1], "content": []}',
+    b'{"type": "message", "usage": 7, "content": "text"}',
+    b"null",
+]
+ODD_EVENTS: list[bytes] = [  # Messages streams that are not
+    b"event: message_start\ndata: [1]\n\n",
+    b"event: message_start\ndata: \n\n",
+    b'event: message_start\ndata: {"type": "message_start", "message": {"usage": [1]}}\n\n',
+]
+
+
+@pytest.mark.parametrize("odd", range(3))
+async def test_an_answer_not_in_the_providers_shape_is_a_502_and_a_cut_stream(
+    no_proxies: pytest.MonkeyPatch, odd: int
+) -> None:
+    """A provider's answer the codec cannot read is the provider's failure: a 502 in OpenAI's shape
+    (a stream: cut, which the relay reports), never an exception out of the transport."""
+
+    async def answer(request: web.Request) -> web.Response:
+        stream = (await request.json()).get("stream")
+        body = ODD_EVENTS[odd] if stream else ODD_ANSWERS[odd]
+        return web.Response(body=body, content_type="text/event-stream" if stream else "application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", answer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    calls, endpoint = calls_to(str(server.make_url("")).rstrip("/"))
+    await calls.start()
+    try:
+        status, body = await ask(calls, endpoint)
+        assert status == 502 and b"unreadable provider answer" in body
+        with pytest.raises(UpstreamConnectionError, match="unreadable provider stream"):
+            await ask(calls, endpoint, stream=True)
+    finally:
+        await calls.close()
+        await server.close()
