@@ -123,6 +123,12 @@ class Accounting:
         assert outcome is not None and ctx.reservation is not None
         with ctx.trace.span("accounting"):
             self.fill(ctx, outcome)
+            if outcome.usage is None and not ctx.facts.stream and ctx.api.generates and not outcome.leg_tokens():
+                # A whole answer whose usage could not be read (an engine's answer without one, or
+                # with one that is no object): as for an answer cut mid-way (`aborted`), the whole
+                # reservation, the most the engine may have produced under the limit it was sent.
+                self.unobserved(ctx, ctx.reservation.settle_reserved())
+                return
             await ctx.reservation.settle(outcome.leg_usage(), outcome.leg_tokens())
 
     async def settle_unused(self, ctx: RequestContext, error: GatewayError) -> None:

@@ -30,8 +30,14 @@ def test_an_engines_usage_beyond_what_it_was_sent_is_billed_within_it(tmp_path: 
     usage = {"prompt_tokens": 10**12, "completion_tokens": 10**12}
     body = {"id": "x", "object": "chat.completion", "model": MODEL, "choices": [], "usage": usage}
     answer = upstream_fuzz.Answer(200, "application/json", [orjson.dumps(body)])
+    unread = {"id": "x", "object": "chat.completion", "model": MODEL, "choices": [], "usage": "n/a"}
     with upstream_fuzz.started(tmp_path) as (gateway, engine):
         records = [upstream_fuzz.send_one(gateway, engine, answer, tmp_path) for _ in range(2)]
+        # an answer whose usage cannot be read: the whole reservation, as for an answer cut mid-way
+        unread_record = upstream_fuzz.send_one(
+            gateway, engine, upstream_fuzz.Answer(200, "application/json", [orjson.dumps(unread)]), tmp_path
+        )
     for record in records:
         assert record["output_tokens"] == 4 and record["input_tokens"] <= 16384, record
     assert records[1]["http_status"] == 200  # the first did not exhaust the key's token limit
+    assert unread_record["usage_source"] == "reserved" and unread_record["output_tokens"] == 4, unread_record
