@@ -210,12 +210,38 @@ def _responses_event(draw: st.DrawFn) -> bytes:
 _OTHER_APIS = (_anthropic_event, _responses_event)
 
 
+def _provider_answer(draw: st.DrawFn) -> bytes:
+    """A hosted provider's own non-streamed answer (Anthropic Messages, Gemini, Bedrock Converse),
+    counts of any value and, sometimes, a field swapped for any JSON value."""
+    text = {"type": "text", "text": "hi"}
+    answer: dict[str, Any] = draw(
+        st.sampled_from(
+            (
+                {"type": "message", "role": "assistant", "content": [text], "stop_reason": "end_turn",
+                 "usage": {"input_tokens": draw(COUNTS), "output_tokens": draw(COUNTS),
+                           "cache_read_input_tokens": draw(COUNTS)}},
+                {"candidates": [{"content": {"parts": [{"text": "hi"}], "role": "model"}, "finishReason": "STOP"}],
+                 "usageMetadata": {"promptTokenCount": draw(COUNTS), "candidatesTokenCount": draw(COUNTS),
+                                   "thoughtsTokenCount": draw(COUNTS)}},
+                {"output": {"message": {"role": "assistant", "content": [{"text": "hi"}]}}, "stopReason": "end_turn",
+                 "usage": {"inputTokens": draw(COUNTS), "outputTokens": draw(COUNTS),
+                           "cacheReadInputTokens": draw(COUNTS)}},
+            )
+        )
+    )  # fmt: skip
+    if draw(st.booleans()):
+        answer[draw(st.sampled_from(sorted(answer)))] = draw(json_values)
+    return json.dumps(answer).encode()
+
+
 @st.composite
 def answers(draw: st.DrawFn) -> Answer:
-    kind = draw(st.integers(0, 3))
+    kind = draw(st.integers(0, 4))
     data = _unary(draw) if kind == 0 else _events(draw) if kind == 1 else draw(st.binary(max_size=300))
     if kind == 3:
         data = _unary(draw)[: draw(st.integers(0, 200))]  # a unary answer cut short
+    elif kind == 4:
+        data = _provider_answer(draw)
     cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=3)))
     chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True) if data[a:b]]
     status = draw(st.sampled_from((200, 200, 200, 200, 400, 404, 500, 503, 204)))  # a 429 pauses the endpoint
@@ -253,7 +279,9 @@ def started(workdir: Path, engine_kind: str = "vllm") -> Iterator[tuple[Any, Hos
         gateway = start_gateway(
             workdir / "gw",
             pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind, **extra)],
-            policies=policies([{"scope": "key", "tpm": 100_000_000}]),
+            # a hosted provider's usage is billed as it reports it (docs/security.md), so one answer
+            # claiming 10^12 tokens would spend a smaller limit and refuse the rest of the run
+            policies=policies([{"scope": "key", "tpm": 10**15 if engine_kind in _HOSTED else 100_000_000}]),
             server={"admin_token": ADMIN},
             ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 20},
             backends={"health_interval_s": 0.2},
