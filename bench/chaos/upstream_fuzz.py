@@ -40,6 +40,7 @@ from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, ledger_tally, p
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import request
 from gateway.ledger.reader import iter_entries
+from gateway.transport.engine import UNBOUNDED_OUTPUT
 from tests.support.procs import free_port, running, start_gateway, static_pool
 
 COUNTS = st.sampled_from((-5, 0, 3, 10**12, "7", "x", None, 1.5, [1], {"a": 1}))
@@ -279,9 +280,9 @@ def started(workdir: Path, engine_kind: str = "vllm") -> Iterator[tuple[Any, Hos
         gateway = start_gateway(
             workdir / "gw",
             pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind, **extra)],
-            # a hosted provider's usage is billed as it reports it (docs/security.md), so one answer
-            # claiming 10^12 tokens would spend a smaller limit and refuse the rest of the run
-            policies=policies([{"scope": "key", "tpm": 10**15 if engine_kind in _HOSTED else 100_000_000}]),
+            # Gemini's usage is billed as it reports it (docs/security.md), so one answer claiming
+            # 10^12 tokens would spend a smaller limit and refuse the rest of the run
+            policies=policies([{"scope": "key", "tpm": 10**15 if engine_kind in UNBOUNDED_OUTPUT else 100_000_000}]),
             server={"admin_token": ADMIN},
             ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 20},
             backends={"health_interval_s": 0.2},

@@ -150,8 +150,8 @@ class Following:
         self.outcome = ctx.outcome = RelayOutcome()
         endpoint = ctx.routed.endpoint if ctx.routed is not None else None
         if endpoint is not None and ctx.api.generates and ctx.reservation is not None:
-            context = endpoint.max_model_len or decider.accounting.context_length(ctx.model)
-            self.outcome.bound_usage(ctx.reservation.ticket.output_tokens, context)
+            prompt_bound = decider.accounting.prompt_bound(ctx.model, endpoint.max_model_len)
+            self.outcome.bound_usage(ctx.reservation.ticket.output_tokens, prompt_bound)
         facts = ctx.facts
         if facts.stream and decider.hooks.want_first_token:
             self.outcome.on_first_token = partial(decider.hooks.first_token, ctx)

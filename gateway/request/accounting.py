@@ -90,10 +90,15 @@ class Accounting:
         self.sinks = tuple(sinks)
         self.hooks = hooks
 
-    def context_length(self, model: str) -> int | None:
-        """The model's context length in policy (a prompt no engine of it can read past), if set."""
+    def prompt_bound(self, model: str, max_model_len: int | None) -> int | None:
+        """The most prompt tokens an answer may be billed (`RelayOutcome.bounded_usage`): the engine's
+        own `max_model_len` where known (it reads no more), else twice the model's `context_length`
+        in policy (the gateway admits prompts by its own estimate, which a provider's count may
+        exceed near the limit, and the configured length may understate the model's), else none."""
+        if max_model_len:
+            return max_model_len
         config = self.policies.current.model_config(model)
-        return config.context_length if config is not None else None
+        return 2 * config.context_length if config is not None and config.context_length else None
 
     def price(self, ctx: RequestContext) -> Callable[[Usage], float] | None:
         """What the answer's usage costs its caller, for a caller whose policy shows it (`show_cost`):

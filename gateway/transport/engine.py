@@ -58,7 +58,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 from aiohttp import web
@@ -106,6 +106,14 @@ from policies.types import ApiKind, Rejection, Usage
 # ---- The engine transport
 
 log = logging.getLogger("tokenway.request")
+
+# Pools whose usage is billed as reported, not bounded by the output limit they were sent
+# (`RelayOutcome.bounded_usage`): Gemini's documentation and its answers disagree on whether
+# `maxOutputTokens` covers thinking tokens, so a bound could bill less than the provider does.
+# Every other pool's output limit is binding by its own documentation: vLLM's and TensorRT-LLM's
+# `max_tokens`, Anthropic's `max_tokens` (thinking included), Bedrock Converse's `maxTokens`, Azure
+# OpenAI's `max_completion_tokens` (reasoning included).
+UNBOUNDED_OUTPUT: Final = frozenset({"gemini"})
 
 
 class Turns(Protocol):
@@ -276,9 +284,9 @@ class EngineTransport:
             )
             outcome = ctx.outcome = RelayOutcome()
             outcome.price = price = self.accounting.price(ctx)  # show_cost: the cost in the final usage
-            if not routed.pool.config.hosted and ctx.api.generates and ctx.reservation is not None:
-                context = endpoint.max_model_len or self.accounting.context_length(ctx.model)
-                outcome.bound_usage(ctx.reservation.ticket.output_tokens, context)
+            if routed.pool.config.engine not in UNBOUNDED_OUTPUT and ctx.api.generates and ctx.reservation is not None:
+                prompt_bound = self.accounting.prompt_bound(ctx.model, endpoint.max_model_len)
+                outcome.bound_usage(ctx.reservation.ticket.output_tokens, prompt_bound)
             if facts.stream and deadline:  # moved elsewhere if no token comes by then
                 self.stalls.arm(watch, ctx.prediction or decision.prediction)
                 outcome.on_first_token = partial(_first_token, watch, self.hooks, ctx)

@@ -25,7 +25,7 @@ def test_whatever_an_engine_answers_every_request_is_answered_and_recorded_once(
 
 def test_an_engines_usage_beyond_what_it_was_sent_is_billed_within_it(tmp_path: Path) -> None:
     """An engine that reports 10^12 tokens for a request sent `max_tokens: 4` is billed 4 output
-    tokens and at most the model's context for the prompt: one broken answer cannot lock a key out
+    tokens and at most twice the model's context for the prompt: one broken answer cannot lock a key out
     of its token limit for a week, nor charge its budget for a trillion tokens."""
     usage = {"prompt_tokens": 10**12, "completion_tokens": 10**12}
     body = {"id": "x", "object": "chat.completion", "model": MODEL, "choices": [], "usage": usage}
@@ -38,6 +38,18 @@ def test_an_engines_usage_beyond_what_it_was_sent_is_billed_within_it(tmp_path: 
             gateway, engine, upstream_fuzz.Answer(200, "application/json", [orjson.dumps(unread)]), tmp_path
         )
     for record in records:
-        assert record["output_tokens"] == 4 and record["input_tokens"] <= 16384, record
+        assert record["output_tokens"] == 4 and record["input_tokens"] <= 2 * 16384, record
     assert records[1]["http_status"] == 200  # the first did not exhaust the key's token limit
     assert unread_record["usage_source"] == "reserved" and unread_record["output_tokens"] == 4, unread_record
+
+
+def test_a_providers_usage_beyond_its_output_limit_is_billed_within_it(tmp_path: Path) -> None:
+    """Anthropic's `max_tokens` covers thinking: an answer claiming 10^12 output tokens for a request
+    sent 4 is a broken answer, billed 4. (Gemini's usage is billed as reported: `UNBOUNDED_OUTPUT`.)"""
+    usage = {"input_tokens": 10**12, "output_tokens": 10**12}
+    body = {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}], "usage": usage}
+    answer = upstream_fuzz.Answer(200, "application/json", [orjson.dumps(body)])
+    with upstream_fuzz.started(tmp_path, "anthropic") as (gateway, engine):
+        records = [upstream_fuzz.send_one(gateway, engine, answer, tmp_path) for _ in range(2)]
+    for record in records:
+        assert record["http_status"] == 200 and record["output_tokens"] == 4 and record["input_tokens"] <= 2 * 16384
