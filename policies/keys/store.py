@@ -244,11 +244,17 @@ class SqliteDirectoryStore:
         await self._run(write)
 
     async def replace_all(self, snapshot: Snapshot) -> None:
-        """Make this file hold exactly `snapshot` (a whole copy of the store it backs)."""
+        """Make this file hold exactly `snapshot` (a whole copy of the store it backs), unless it
+        already holds a later version: a reload's snapshot read before a write can land after that
+        write's `put`, and must not take the copy back (a revocation lost from the copy would come
+        back with it when an emptied Redis is restored from it)."""
 
         def write(db: sqlite3.Connection) -> None:
             db.execute("BEGIN IMMEDIATE")
             try:
+                if _version(db) > snapshot.version:
+                    db.execute("COMMIT")
+                    return
                 db.execute("DELETE FROM docs")
                 for kind, docs in snapshot.docs.items():
                     for name, doc in docs.items():

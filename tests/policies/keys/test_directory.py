@@ -11,7 +11,7 @@ import yaml
 
 from policies.holder import PolicyHolder
 from policies.keys.directory import DirectoryError, KeyDirectory
-from policies.keys.store import MemoryDirectoryStore, SqliteDirectoryStore
+from policies.keys.store import MemoryDirectoryStore, Snapshot, SqliteDirectoryStore
 from policies.limits.plan import SPEND_RULE_ID
 from policies.loader import PolicyFileError, parse_config
 from policies.policy import Policy, hash_key
@@ -200,3 +200,19 @@ async def test_the_sqlite_store_keeps_keys_across_a_restart(tmp_path: Path) -> N
     assert again.last_use_of("k1") is not None
     assert again.version == 4
     await again.stop()
+
+
+async def test_a_mirror_copy_never_goes_back_to_an_older_snapshot(tmp_path: Path) -> None:
+    """The Redis store's local copy: a reload's snapshot read before a write can land after that
+    write's `put`; it must not take the copy back, or a revocation lost from the copy would come back
+    with it when an emptied Redis is restored from the copy."""
+    copy = SqliteDirectoryStore(tmp_path / "copy.sqlite3")
+    await copy.put("key", "gone", '{"revoked": false}', 2)
+    await copy.put("key", "gone", '{"revoked": true}', 3)  # the revocation, version 3
+    older = Snapshot(2, {"key": {"gone": '{"revoked": false}'}, "tenant": {}, "override": {}})
+    await copy.replace_all(older)  # a reload that read version 2, landing late
+    kept = await copy.load()
+    assert kept.version == 3 and kept.docs["key"]["gone"] == '{"revoked": true}'
+    await copy.replace_all(Snapshot(4, {"key": {}, "tenant": {}, "override": {}}))  # a newer one: taken
+    assert (await copy.load()).version == 4
+    await copy.close()
