@@ -274,22 +274,40 @@ def started(workdir: Path, engine_kind: str = "vllm") -> Iterator[tuple[Any, Hos
     """The stand-in engine and a gateway whose one pool is it, as an engine of `engine_kind` (a key
     limited in tokens, so each request is reserved and settled)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(_FUZZ_ENV)
     extra = {"served_model_name": "hostile-model", **_HOSTED[engine_kind]} if engine_kind in _HOSTED else {}
     with HostileEngine() as engine:
-        gateway = start_gateway(
-            workdir / "gw",
-            pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind, **extra)],
-            # Gemini's usage is billed as it reports it (docs/security.md), so one answer claiming
-            # 10^12 tokens would spend a smaller limit and refuse the rest of the run
-            policies=policies([{"scope": "key", "tpm": 10**15 if engine_kind in UNBOUNDED_OUTPUT else 100_000_000}]),
-            server={"admin_token": ADMIN},
-            ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 20},
-            backends={"health_interval_s": 0.2},
-            predictor={"enabled": False},
-        )
+        with _fuzz_env():
+            gateway = start_gateway(
+                workdir / "gw",
+                pools=[static_pool("hostile", MODEL, [engine.url], engine=engine_kind, **extra)],
+                # Gemini's usage is billed as it reports it (docs/security.md), so one answer claiming
+                # 10^12 tokens would spend a smaller limit and refuse the rest of the run
+                policies=policies(
+                    [{"scope": "key", "tpm": 10**15 if engine_kind in UNBOUNDED_OUTPUT else 100_000_000}]
+                ),
+                server={"admin_token": ADMIN},
+                ledger={"dir": str(workdir / "usage"), "commit_interval_ms": 20},
+                backends={"health_interval_s": 0.2},
+                predictor={"enabled": False},
+            )
         with running(gateway):
             yield gateway, engine
+
+
+@contextlib.contextmanager
+def _fuzz_env() -> Iterator[None]:
+    """`_FUZZ_ENV` in this process's environment while the gateway starts (it inherits it), and the
+    environment as it was afterwards (a test process goes on to run other tests)."""
+    saved = {name: os.environ.get(name) for name in _FUZZ_ENV}
+    os.environ.update(_FUZZ_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _held(gateway: Any) -> tuple[int, int]:
