@@ -317,6 +317,19 @@ def unexpected_errors(log: str) -> int:
     return sum(log.count(marker) for marker in UNEXPECTED_IN_LOG)
 
 
+def held(base_url: str, headers: dict[str, str] | None = None) -> tuple[int, int]:
+    """(lease tickets active, requests in flight on the endpoints) of a gateway, from its admin API
+    (`headers`: its admin credentials, where it has any); what a probe must find at 0 afterwards."""
+
+    def admin(path: str) -> Any:
+        status, body = http_get(base_url + path, headers or {}, timeout_s=10)
+        return orjson.loads(body) if status == 200 else {}
+
+    leases = sum(int(r.get("active", 0)) for r in admin("/admin/status").get("limits", []) if r.get("kind") == "lease")
+    pools = admin("/admin/backends").get("pools", [])
+    return leases, sum(int(e["inflight_requests"]) for p in pools for e in p["endpoints"])
+
+
 def ledger_tally(ledger: Path, prefix: str) -> tuple[dict[str, int], int]:
     """The records of a ledger whose request id starts with `prefix`: how many each id has, and how
     many hold a negative token count or cost (billing must never refund what an answer claimed)."""

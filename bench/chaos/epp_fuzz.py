@@ -35,11 +35,11 @@ from hypothesis import strategies as st
 
 from bench.chaos import schema_fuzz
 from bench.chaos.checklist import HOSTILE_HEADERS
-from bench.chaos.common import fuzz_settings, ledger_tally, unexpected_errors, until
+from bench.chaos.common import fuzz_settings, held, ledger_tally, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from gateway.epp import protocol
 from tests.support.envoy_side import Picker, running_picker
-from tests.support.procs import TEST_KEY, http_get, policies_doc, start_sim, static_pool
+from tests.support.procs import TEST_KEY, policies_doc, start_sim, static_pool
 
 MODEL = "llama-3.1-8b"
 FAILED = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
@@ -234,8 +234,8 @@ def fuzz(picker: Picker, workdir: Path, *, examples: int, seed: int | None = Non
     finally:
         channel.close()
     seconds = time.monotonic() - started
-    settled = until(lambda: _held(picker) == (0, 0), timeout_s=30)
-    leases, inflight = _held(picker)
+    settled = until(lambda: held(picker.gateway.url) == (0, 0), timeout_s=30)
+    leases, inflight = held(picker.gateway.url)
     counts, negative = ledger_tally(workdir / "usage", "epp-fuzz-")
     return {
         "examples": sum(codes.values()),
@@ -255,17 +255,6 @@ def fuzz(picker: Picker, workdir: Path, *, examples: int, seed: int | None = Non
         "unexpected_in_log": unexpected_errors(picker.gateway.log()),
         "seconds": round(seconds, 1),
     }
-
-
-def _held(picker: Picker) -> tuple[float, int]:
-    """(leases active, requests in flight on the endpoints), from the picker's admin API."""
-    status, text = http_get(picker.gateway.url + "/admin/status")
-    leases = (
-        sum(r.get("active", 0) for r in json.loads(text)["limits"] if r.get("kind") == "lease") if status == 200 else -1
-    )
-    status, text = http_get(picker.gateway.url + "/admin/backends")
-    pools = json.loads(text)["pools"] if status == 200 else []
-    return float(leases), sum(e["inflight_requests"] for p in pools for e in p["endpoints"])
 
 
 def run(workdir: Path, *, examples: int = 1500, seed: int | None = None) -> dict[str, Any]:

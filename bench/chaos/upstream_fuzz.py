@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.chaos import schema_fuzz
-from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, ledger_tally, policies, unexpected_errors, until
+from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, held, ledger_tally, policies, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import request
 from gateway.ledger.reader import iter_entries
@@ -310,16 +310,6 @@ def _fuzz_env() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _held(gateway: Any) -> tuple[int, int]:
-    def admin(path: str) -> Any:
-        status, _, body = request(gateway.port, "GET", path, {"Authorization": f"Bearer {ADMIN}"}, timeout_s=10)
-        return orjson.loads(body) if status == 200 else {}
-
-    leases = sum(int(r.get("active", 0)) for r in admin("/admin/status").get("limits", []) if r.get("kind") == "lease")
-    pools = admin("/admin/backends").get("pools", [])
-    return leases, sum(int(e["inflight_requests"]) for p in pools for e in p["endpoints"])
-
-
 def send_one(gateway: Any, engine: HostileEngine, answer: Answer, workdir: Path) -> dict[str, Any]:
     """One chat request (not streamed, `max_tokens: 4`) answered with `answer`: its ledger record."""
     engine.answer = answer
@@ -362,8 +352,8 @@ def fuzz(gateway: Any, engine: HostileEngine, workdir: Path, *, examples: int, s
 
     probe()
     seconds = time.monotonic() - started_s
-    settled = until(lambda: _held(gateway) == (0, 0), timeout_s=30)
-    leases, inflight = _held(gateway)
+    settled = until(lambda: held(gateway.url, {"Authorization": f"Bearer {ADMIN}"}) == (0, 0), timeout_s=30)
+    leases, inflight = held(gateway.url, {"Authorization": f"Bearer {ADMIN}"})
     counts, negative = ledger_tally(workdir / "usage", "upstream-fuzz-")
     return {
         "examples": len(sent),
