@@ -225,8 +225,8 @@ class Following:
             accounting.failed(ctx, error)
             if reservation is not None:
                 reservation.settle_soon(Usage(), 0)
+        elif reservation is not None:
+            accounting.settle_soon(ctx)  # the HTTP walk's rule: an unreadable usage charges the reservation
         else:
             accounting.fill(ctx, self.outcome)
-            if reservation is not None:
-                reservation.settle_soon(self.outcome.bounded_usage(), self.outcome.counted_completion_tokens)
         accounting.finish(ctx)

@@ -124,6 +124,12 @@ class Accounting:
 
     async def settle(self, ctx: RequestContext) -> None:
         """The request was served (or its stream broke or its client left mid-stream): charge what it used."""
+        self.settle_soon(ctx)
+        await asyncio.sleep(0)  # one turn of the loop for what the settlement set off
+
+    def settle_soon(self, ctx: RequestContext) -> None:
+        """`settle` without waiting: the one rule for an answer that reached the gateway whole, for the
+        HTTP walk and the endpoint picker alike (gateway/epp/decide.py), so neither bills it otherwise."""
         outcome = ctx.outcome
         assert outcome is not None and ctx.reservation is not None
         with ctx.trace.span("accounting"):
@@ -134,7 +140,7 @@ class Accounting:
                 # reservation, the most the engine may have produced under the limit it was sent.
                 self.unobserved(ctx, ctx.reservation.settle_reserved())
                 return
-            await ctx.reservation.settle(outcome.leg_usage(), outcome.leg_tokens())
+            ctx.reservation.settle_soon(outcome.leg_usage(), outcome.leg_tokens())
 
     async def settle_unused(self, ctx: RequestContext, error: GatewayError) -> None:
         """The engine refused the request (its own 4xx): it ran nothing, charge nothing but the request."""

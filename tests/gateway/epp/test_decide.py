@@ -95,3 +95,21 @@ async def test_a_request_id_that_is_not_short_visible_ascii_is_replaced_as_on_th
     assert isinstance(refused, Refused)
     (record,) = walk.records.records
     assert len(record.request_id) == 32 and record.request_id != "x" * 5000  # a generated one
+
+
+async def test_a_unary_answer_without_readable_usage_is_charged_its_reservation_as_on_the_http_walk() -> None:
+    """The picker settles through the walk's own rule (`Accounting.settle_soon`): an answer whose usage
+    cannot be read is billed the whole reservation, the most the engine may have produced."""
+    walk = build(fleet({"big": URLS}))
+    picker = decider(walk)
+    picked = await picker.decide(envoy_headers(), chat_body(), None)
+    assert isinstance(picked, Picked)
+    picked.follower.response_headers(200, {})
+    answer = orjson.loads(ANSWER)
+    answer["usage"] = "many"
+    picked.follower.body_chunk(orjson.dumps(answer), True)
+    picked.follower.finish(True, None)
+    await walk.settled()
+    (record,) = walk.records.records
+    assert record.usage_source == "reserved"  # not "none": an answer billed nothing
+    assert walk.admission.ends() == {"big-1": ["settle"]}
