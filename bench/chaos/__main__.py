@@ -2,9 +2,10 @@
 and a real Redis, each with its target, written to bench/results/chaos.md (and chaos.png).
 
     .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
-                                            schema_fuzz,checklist,epp_fuzz,upstream_fuzz]
+                                            schema_fuzz,checklist,epp_fuzz,upstream_fuzz,state_fuzz]
                                     [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
-                                    [--epp-examples 1500] [--upstream-examples 3000] [--seed N]
+                                    [--epp-examples 1500] [--upstream-examples 3000] [--state-examples 3000]
+                                    [--seed N]
 
 Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
 some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
@@ -32,6 +33,7 @@ from bench.chaos import (
     redis_faults,
     replica_kill,
     schema_fuzz,
+    state_fuzz,
     upstream_fuzz,
 )
 from bench.chaos.common import RESULTS
@@ -47,6 +49,7 @@ PROBES = (
     "checklist",
     "epp_fuzz",
     "upstream_fuzz",
+    "state_fuzz",
 )
 # How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
 # of some probes keeps the sections of the others from the file as it was.
@@ -61,6 +64,7 @@ HEADINGS = {
     "checklist": ("## Per-surface checklist", "per-surface checklist"),
     "epp_fuzz": ("## The endpoint picker's stream", "the endpoint picker's stream (`tokenway epp`)"),
     "upstream_fuzz": ("## An engine that answers anything", "an engine that answers anything"),
+    "state_fuzz": ("## Shared state that holds anything", "shared state that holds anything"),
 }
 
 
@@ -251,6 +255,7 @@ def main() -> None:
     parser.add_argument("--schema-examples", type=int, default=2000)
     parser.add_argument("--epp-examples", type=int, default=1500)
     parser.add_argument("--upstream-examples", type=int, default=3000)
+    parser.add_argument("--state-examples", type=int, default=3000)
     parser.add_argument(
         "--seed",
         type=int,
@@ -330,6 +335,11 @@ def main() -> None:
             lambda: upstream_fuzz.section(
                 upstream_fuzz.run(root / "upstream", examples=args.upstream_examples, seed=args.seed)
             ),
+        )
+        probe(
+            "state_fuzz",
+            HEADINGS["state_fuzz"][1],
+            lambda: state_fuzz.section(state_fuzz.run(root / "state", examples=args.state_examples, seed=args.seed)),
         )
     finally:
         if not args.keep:

@@ -303,12 +303,14 @@ def session(total_s: float = 120.0) -> aiohttp.ClientSession:
 
 # What the gateway logs when a request met a bug rather than a refusal: the walk's catch-all
 # (gateway/request/director.py), aiohttp's own, the bounded-bodies middleware's (a handler's bug,
-# answered 500: gateway/http/bodies.py), and gRPC's for a servicer that raised (`tokenway epp`).
+# answered 500: gateway/http/bodies.py), gRPC's for a servicer that raised (`tokenway epp`), and the replicas'
+# reader's for a stream entry that met a bug (gateway/replicas/bus.py).
 UNEXPECTED_IN_LOG = (
     "failed unexpectedly",
     "Error handling request",
     "unhandled error answering",
     "raised by servicer method",
+    "failed to apply",
 )
 
 

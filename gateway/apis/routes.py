@@ -51,10 +51,13 @@ async def stored_response(request: web.Request) -> web.StreamResponse:
         return principal
     store = request.app[RESPONSE_STORE]
     response_id = request.match_info["response_id"]
-    if request.method == "DELETE":
-        answer = await delete_response(store, principal, response_id)  # type: ignore[arg-type]
-    else:
-        answer = await get_response(store, principal, response_id)  # type: ignore[arg-type]
+    try:
+        if request.method == "DELETE":
+            answer = await delete_response(store, principal, response_id)  # type: ignore[arg-type]
+        else:
+            answer = await get_response(store, principal, response_id)  # type: ignore[arg-type]
+    except GatewayError as error:  # the shared store did not answer (`StoreUnavailable`)
+        answer = error_response(error)
     answer.headers["x-request-id"] = _request_id(request)
     return answer
 

@@ -19,6 +19,12 @@ neighbour's conversation).
   a hash of their sizes; one script stores a response and trims that key's own oldest beyond its
   bounds. Entries over `max_response_bytes` are not stored by either (the response still answers;
   its id then cannot be continued).
+
+What Redis holds is read as input (another replica's version, a hand edit, a restore can leave
+anything there; `bench/chaos/state_fuzz.py`): an entry that is not one (`read_entry`) is a response
+not found, a key of the wrong type is replaced by the store script, and a Redis that cannot answer
+costs the store, never the answer: a response not kept is still answered, and a read it cannot make
+is a 503 `store_unavailable` (`StoreUnavailable`), not a failure of the gateway.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from typing import Any, Final, Protocol
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.app.settings import ResponseStoreSettings
+from gateway.errors import GatewayError
 
 log = logging.getLogger("tokenway.apis.store")
 
@@ -42,6 +50,32 @@ _WARN_EVERY_S: Final = 60.0  # "the store is full" is logged at most this often
 
 
 _ID_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+class StoreUnavailable(GatewayError):
+    """The shared store did not answer a read (Redis away or timing out): retry, nothing was lost."""
+
+    status = 503
+    type = "server_error"
+    code = "store_unavailable"
+
+
+def read_entry(blob: bytes) -> dict[str, Any] | None:
+    """A stored entry (`entry_blob`), or None for bytes that are not one: a response object, its
+    conversation items (objects) and, maybe, its program (text). Every reader of the shared store
+    goes through here, so a corrupted entry is a response not found, never a failure further on."""
+    try:
+        value = orjson.loads(blob)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("response"), dict):
+        return None
+    items, program = value.get("items"), value.get("program")
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        return None
+    if program is not None and not isinstance(program, str):
+        return None
+    return value
 
 
 def is_response_id(value: str) -> bool:
@@ -201,6 +235,12 @@ _PUT: Final = """
 local index, sizes = KEYS[2], KEYS[3]
 local id, blob, ttl, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_count, max_bytes, prefix = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+-- a key of another type (written by something else) is replaced, not failed on
+local kind = redis.call('TYPE', index).ok
+if kind ~= 'zset' and kind ~= 'none' then redis.call('DEL', index) end
+kind = redis.call('TYPE', sizes).ok
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', sizes) end
+local function size(value) return math.max(tonumber(value) or 0, 0) end
 local expired = redis.call('ZRANGEBYSCORE', index, '-inf', now - ttl)
 for _, old in ipairs(expired) do redis.call('HDEL', sizes, old) end
 redis.call('ZREMRANGEBYSCORE', index, '-inf', now - ttl)
@@ -208,16 +248,17 @@ redis.call('SET', KEYS[1], blob, 'PX', ttl)
 redis.call('ZREM', index, id)
 local newest = redis.call('ZRANGE', index, -1, -1, 'WITHSCORES')[2]
 local score = now
-if newest and tonumber(newest) >= now then score = tonumber(newest) + 0.001 end  -- order within one ms
+newest = tonumber(newest)
+if newest and newest >= now and newest < now + 1000 then score = newest + 0.001 end  -- order within one ms
 redis.call('ZADD', index, score, id)
 redis.call('HSET', sizes, id, string.len(blob))
 local total = 0
-for _, size in ipairs(redis.call('HVALS', sizes)) do total = total + tonumber(size) end
+for _, value in ipairs(redis.call('HVALS', sizes)) do total = total + size(value) end
 local dropped = 0
 while redis.call('ZCARD', index) > 1 and (redis.call('ZCARD', index) > max_count or total > max_bytes) do
   local oldest = redis.call('ZRANGE', index, 0, 0)[1]
   if oldest == id then oldest = redis.call('ZRANGE', index, 1, 1)[1] end
-  total = total - tonumber(redis.call('HGET', sizes, oldest) or '0')
+  total = total - size(redis.call('HGET', sizes, oldest))
   redis.call('ZREM', index, oldest)
   redis.call('HDEL', sizes, oldest)
   redis.call('DEL', prefix .. oldest)
@@ -235,6 +276,8 @@ class RedisResponseStore:
         self.settings = settings
         self.prefix = prefix
         self._put = client.register_script(_PUT)
+        self.failures = 0
+        self._warned_s = -_WARN_EVERY_S
 
     @classmethod
     def from_url(cls, url: str, settings: ResponseStoreSettings, prefix: str) -> RedisResponseStore:
@@ -266,27 +309,53 @@ class RedisResponseStore:
             settings.max_bytes_per_key,
             self._base(key_id),
         ]
-        await self._put(keys=keys, args=args)
+        try:
+            await self._put(keys=keys, args=args)
+        except RedisError as exc:  # the answer goes out all the same: it just cannot be continued
+            self._warn("store", exc)
+            return False
         return True
 
     async def get(self, key_id: str, response_id: str) -> dict[str, Any] | None:
         if not is_response_id(response_id):
             return None
-        blob = await self.client.get(self._key(key_id, response_id))
+        try:
+            blob = await self.client.get(self._key(key_id, response_id))
+        except ResponseError as exc:  # a key of another type: no entry of ours
+            self._warn("read", exc)
+            return None
+        except RedisError as exc:
+            self._warn("read", exc)
+            raise StoreUnavailable("The response store is not answering; retry the request.") from None
         if blob is None:
             return None
-        value: dict[str, Any] = orjson.loads(blob)
-        return value
+        entry = read_entry(blob if isinstance(blob, bytes) else blob.encode())
+        if entry is None:
+            self._warn("read", f"entry {response_id!r} of key {key_id!r} is not a stored response")
+        return entry
 
     async def delete(self, key_id: str, response_id: str) -> bool:
         if not is_response_id(response_id):
             return False
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key(key_id, response_id))
-            pipe.zrem(self._index(key_id), response_id)
-            pipe.hdel(self._sizes(key_id), response_id)
-            deleted, _, _ = await pipe.execute()
-        return bool(deleted)
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.delete(self._key(key_id, response_id))
+                pipe.zrem(self._index(key_id), response_id)
+                pipe.hdel(self._sizes(key_id), response_id)
+                # the entry's DEL is what says it existed; the index and sizes may be of another type
+                deleted, _, _ = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            self._warn("delete", exc)
+            raise StoreUnavailable("The response store is not answering; retry the request.") from None
+        return isinstance(deleted, int) and deleted > 0
+
+    def _warn(self, what: str, problem: object) -> None:
+        """One warning a minute for the store's failures: a Redis away would otherwise log per request."""
+        self.failures += 1
+        now = time.monotonic()
+        if now - self._warned_s >= _WARN_EVERY_S:
+            self._warned_s = now
+            log.warning("response store %s failed (%d failures so far): %s", what, self.failures, problem)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -181,23 +181,42 @@ class RedisStreamExporter(QueuedSender):
             log.debug("closing the usage stream's Redis client failed: %s", exc)
 
     def _send(self, first_seq: int, lines: Sequence[bytes]) -> bool:
-        cfg = self.config
         for start in range(0, len(lines), _CHUNK):
-            started_s = time.perf_counter()
-            try:
-                pipe = self._client.pipeline(transaction=False)
-                for line in lines[start : start + _CHUNK]:
-                    pipe.xadd(cfg.stream, {FIELD: line.rstrip(b"\n")}, maxlen=cfg.maxlen, approximate=True)
-                pipe.execute()
-            except Exception as exc:
-                self.errors_total += 1
-                if self.errors_total == 1 or self.errors_total % 100 == 0:
-                    log.warning("usage stream %s: XADD failed (%d failures): %s", cfg.stream, self.errors_total, exc)
+            if not self._send_chunk(lines[start : start + _CHUNK]):
                 return False
-            finally:
-                self.round_trips_total += 1
-                self.round_trip_seconds_total += time.perf_counter() - started_s
         self.exported_total += len(lines)
+        return True
+
+    def _send_chunk(self, lines: Sequence[bytes], again: bool = True) -> bool:
+        cfg = self.config
+        started_s = time.perf_counter()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for line in lines:
+                pipe.xadd(cfg.stream, {FIELD: line.rstrip(b"\n")}, maxlen=cfg.maxlen, approximate=True)
+            pipe.execute()
+        except Exception as exc:
+            self.errors_total += 1
+            if self.errors_total == 1 or self.errors_total % 100 == 0:
+                log.warning("usage stream %s: XADD failed (%d failures): %s", cfg.stream, self.errors_total, exc)
+            # a key of another type holds no records: replaced, the chunk goes again at once (not after
+            # the backoff: a stopping exporter would drop it)
+            return again and "WRONGTYPE" in str(exc) and self._replace_stream() and self._send_chunk(lines, False)
+        finally:
+            self.round_trips_total += 1
+            self.round_trip_seconds_total += time.perf_counter() - started_s
+        return True
+
+    def _replace_stream(self) -> bool:
+        """The stream's key holds another type (a hand edit, another program on the prefix): it holds
+        no records, so it is deleted and the retry starts the stream afresh, rather than every record
+        waiting (and, past `max_pending_batches`, dropped) until an operator repairs it."""
+        try:
+            if self._client.type(self.config.stream) not in (b"stream", b"none", "stream", "none"):
+                self._client.delete(self.config.stream)
+        except Exception as exc:  # the retry's backoff covers a Redis that does not answer this either
+            log.debug("usage stream %s: replacing it failed: %s", self.config.stream, exc)
+            return False
         return True
 
 

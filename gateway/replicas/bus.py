@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from backends.fleet import Fleet
 from backends.tasks import cancel_and_wait
@@ -357,17 +357,13 @@ class ReplicaBus:
                 programs=programs if report else None,
             )
             try:
-                assert self._writer is not None
-                await self._writer.xadd(
-                    self.stream,
-                    {"r": self._own, "b": encode(batch)},
-                    maxlen=self.settings.advanced.stream_max_len,
-                    approximate=True,
-                )
+                await self._xadd(encode(batch))
             except (RedisError, OSError) as exc:
                 self.publish_errors += 1
                 self.dispatches_dropped += len(dispatches)
                 self._note_error(f"publish: {exc}")
+                if isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE"):
+                    await self._replace_stream()
                 continue
             self._sequence += 1
             self.batches_published += 1
@@ -388,6 +384,16 @@ class ReplicaBus:
         await self._writer.xadd(
             self.stream, {"r": self._own, "b": payload}, maxlen=self.settings.advanced.stream_max_len, approximate=True
         )
+
+    async def _replace_stream(self) -> None:
+        """The stream's key holds another type (nothing of ours writes one there: a hand edit, another
+        program on the prefix): it is deleted, so the next batch starts the stream afresh rather than
+        every replica failing to publish and read until an operator repairs it. What it held is lost,
+        as entries trimmed by `MAXLEN` are: peers' loads come back with their next report."""
+        with contextlib.suppress(RedisError, OSError):
+            assert self._writer is not None
+            if (await self._writer.type(self.stream)) not in (b"stream", b"none", "stream", "none"):
+                await self._writer.delete(self.stream)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -423,7 +429,11 @@ class ReplicaBus:
             for _stream, entries in response or []:
                 for entry_id, fields in entries:
                     last_id = _text(entry_id)
-                    self._apply(fields, now_s, live=True)
+                    try:
+                        self._apply(fields, now_s, live=True)
+                    except Exception:  # a bug on one entry must not end this replica's reading
+                        self.malformed += 1
+                        log.exception("replicas: an entry failed to apply")
             self._expire(now_s)
 
     def _expire(self, now_s: float) -> None:

@@ -23,6 +23,7 @@ processes write, and a malformed one is dropped whole, never half applied.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -98,7 +99,7 @@ def decode(data: bytes) -> Batch:
             ):
                 raise MalformedBatch("load")
             batch.loads.append((item[0], item[1], item[2], item[3]))
-    for item in doc.get("d") or []:
+    for item in _rows(doc.get("d"), "dispatches", 3):
         if not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str):
             raise MalformedBatch("dispatch")
         keys, session = item[1], item[2]
@@ -160,7 +161,7 @@ def _tenants(rows: object) -> list[TenantLoad]:
         band, weight, counts = row[2], row[3], row[4:]
         if not isinstance(band, int) or not 0 <= band <= _MAX_BAND:
             raise MalformedBatch("tenant band")
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
             raise MalformedBatch("tenant weight")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
             raise MalformedBatch("tenant counts")

@@ -6,17 +6,18 @@
 -- ARGV[4]: n, the number of changes; ARGV[5 .. 4+2n]: program, tokens (a dispatch's cost or a
 --   correction); the rest: programs to read
 -- Returns a flat program/value list, every changed and read program's attained service now.
--- (fmt, clock: policies/limits/preamble.lua)
+-- (fmt, num, fix, clock: policies/limits/preamble.lua: a value no script wrote reads as none)
 local values, times = KEYS[1], KEYS[2]
+fix('HLEN', values) -- a key of another type than this script writes is replaced before it is used
+fix('ZCARD', times)
 local now = clock('')
 local half = tonumber(ARGV[2])
 local function current(program)
-  local v = redis.call('HGET', values, program)
-  if not v then return 0 end
+  local value = num(redis.call('HGET', values, program), nil)
+  if not value then return 0 end
   local t = redis.call('ZSCORE', times, program)
-  local value = tonumber(v)
   if t then
-    local dt = now - tonumber(t)
+    local dt = now - num(t, now)
     if dt > 0 then value = value * 0.5 ^ (dt / half) end
   end
   return value

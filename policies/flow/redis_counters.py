@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -182,6 +183,16 @@ log = logging.getLogger("tokenway.flow.counters")
 
 _TTL_MS = 86_400_000
 _NO_FLOOR = float("-inf")
+
+
+def _finite(value: Any) -> float:
+    """A counter Redis returned, or 0 where it holds what no script writes (text, NaN, an infinity: a
+    replica of another version or a hand edit); NaN would break every comparison of fair shares."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return number if math.isfinite(number) else 0.0
 
 
 @dataclass(slots=True)
@@ -382,9 +393,11 @@ class RedisCounters(BatchedFlush):
         view.heard_at_s = time.monotonic()
         last, flat = reply
         if view.queued_dispatch is None:  # else a dispatch not sent yet is the band's latest
-            view.last_served = float(last)
+            view.last_served = _finite(last)
         pairs = zip(flat[::2], flat[1::2], strict=True)
-        view.snapshot = {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in pairs}
+        view.snapshot = {
+            (k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)): _finite(v) for k, v in pairs
+        }
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -549,9 +562,9 @@ class RedisPrograms(BatchedFlush):
     def _apply(self, view: _Tenant, reply: Any) -> None:
         now = time.monotonic()
         for program, value in zip(reply[::2], reply[1::2], strict=True):
-            name = program.decode() if isinstance(program, bytes) else str(program)
+            name = program.decode("utf-8", "replace") if isinstance(program, bytes) else str(program)
             view.heard.pop(name, None)
-            self._heard(view, name, float(value), now)
+            self._heard(view, name, _finite(value), now)
 
     def _heard(self, view: _Tenant, program: str, value: float, now: float) -> None:
         view.heard[program] = (value, now)

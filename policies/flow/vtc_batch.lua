@@ -6,7 +6,7 @@
 --   changes up to just before its charge (add, floor; '' = no floor): its counter then is the band's
 --   last served; ARGV[5..]: tenant, add, floor ('' = no floor), one triple per changed tenant
 -- Returns {last served, counters as a flat field/value list}: the caller's view of the whole band.
--- (fmt: policies/limits/preamble.lua)
+-- (fmt, num, fix: policies/limits/preamble.lua: a counter no script wrote reads as 0)
 local counters, last = KEYS[1], KEYS[2]
 local function mapped(value, add, floor)
   value = value + tonumber(add)
@@ -18,10 +18,10 @@ local function mapped(value, add, floor)
 end
 local served
 if ARGV[2] ~= '' then
-  served = mapped(tonumber(redis.call('HGET', counters, ARGV[2]) or '0'), ARGV[3], ARGV[4])
+  served = mapped(num(fix('HGET', counters, ARGV[2]), 0), ARGV[3], ARGV[4])
 end
 for i = 5, #ARGV, 3 do
-  local before = tonumber(redis.call('HGET', counters, ARGV[i]) or '0')
+  local before = num(fix('HGET', counters, ARGV[i]), 0)
   local after = mapped(before, ARGV[i + 1], ARGV[i + 2])
   if after ~= before then
     redis.call('HSET', counters, ARGV[i], fmt(after))
@@ -31,4 +31,6 @@ if served then
   redis.call('SET', last, fmt(served), 'PX', ARGV[1])
 end
 redis.call('PEXPIRE', counters, ARGV[1])
-return {redis.call('GET', last) or '0', redis.call('HGETALL', counters)}
+local served_last = redis.pcall('GET', last)
+if type(served_last) ~= 'string' then served_last = '0' end -- none, or a key of another type
+return {served_last, fix('HGETALL', counters)}

@@ -21,7 +21,7 @@
 -- it is, admitted 1), and a ticket voided before this script ran (void.lua, sent by a caller whose
 -- reply timed out) is refused, admitted 'v': a reservation that runs late, after its caller gave up,
 -- changes nothing.
--- (fmt, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
+-- (fmt, num, fix, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
 
 local now = clock(ARGV[1])
 local stamp = fmt(now)
@@ -34,9 +34,9 @@ local nb, nl, nu = tonumber(plan[1]), tonumber(plan[2]), tonumber(plan[3])
 local base = 2 -- keys before the first bucket
 
 local ok = 1
-if redis.call('ZSCORE', KEYS[2], ticket) then
+if fix('ZSCORE', KEYS[2], ticket) then
   ok = 'v'
-elseif redis.call('ZSCORE', KEYS[1], ticket) then
+elseif fix('ZSCORE', KEYS[1], ticket) then
   ok = 'again'
 end
 local out = {}
@@ -45,8 +45,8 @@ local a = 4
 for i = 1, nb do
   local cap, rate, shadow = tonumber(plan[a]), tonumber(plan[a + 1]), plan[a + 2]
   a = a + 3
-  local st = redis.call('HMGET', KEYS[base + i], 'u', 't')
-  local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate)
+  local st = fix('HMGET', KEYS[base + i], 'u', 't')
+  local u = drained(num(st[1], 0), num(st[2], now), now, rate)
   used[i], rates[i] = u, rate
   if ok == 1 and shadow == '0' and u + costs[i] > cap then ok = 0 end
 end
@@ -55,8 +55,10 @@ for i = 1, nl do
   local key = KEYS[base + nb + i]
   local cap, shadow = tonumber(plan[a]), plan[a + 1]
   a = a + 2
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  local n = redis.call('ZCARD', key)
+  fix('ZREMRANGEBYSCORE', key, '-inf', now)
+  -- a lease's score is a time (its expiry): one past any time (an infinite score, which no script
+  -- writes) would hold a slot for as long as the key lives, and is not counted
+  local n = redis.call('ZCOUNT', key, '-inf', '1e15')
   active[i] = n
   if ok == 1 and shadow == '0' and n + 1 > cap then ok = 0 end
 end
@@ -72,11 +74,12 @@ for i = 1, nu do
     pid = period_id(kind, now)
     pid_of[kind], pid_s_of[kind] = pid, tostring(pid)
   end
-  local st = redis.call('HMGET', KEYS[base + nb + nl + i], 'p', 's')
+  local st = fix('HMGET', KEYS[base + nb + nl + i], 'p', 's')
   local s, s_text = 0, '0'
-  local same = tonumber(st[1]) == pid
-  local v = same and tonumber(st[2])
+  local same = num(st[1], nil) == pid
+  local v = same and num(st[2], nil)
   if v then s, s_text = v, st[2] end
+  if string.find(s_text, '[xX]') then s_text = fmt(s) end -- a hex number: Lua reads it, the caller would not
   spent[i], spent_s[i], periods[i], kinds[i], fresh[i] = s, s_text, pid_s_of[kind], kind, not same
   if ok == 1 and shadow == '0' and s + cost_usd > limit then ok = 0 end
 end
@@ -99,8 +102,8 @@ if ok == 1 then
   local n = base + nb + nl + nu
   if #KEYS > n then -- an agent run: note it in the index of live runs, bounded (oldest leave in a batch)
     local runs, meta, run = KEYS[n + 1], KEYS[n + 2], ARGV[8]
-    redis.call('ZADD', runs, now, run)
-    redis.call('HSET', meta, run, ARGV[9])
+    fix('ZADD', runs, now, run)
+    fix('HSET', meta, run, ARGV[9])
     local bound = tonumber(ARGV[10])
     local count = redis.call('ZCARD', runs)
     if count > bound + 64 then

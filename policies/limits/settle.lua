@@ -8,12 +8,12 @@
 --       [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget period(day|month|run)
 --       [7] bucket deltas, space-separated [8] budget period ids, space-separated
 -- Returns 1 when applied, 0 when it had been applied already (or the ticket expired).
--- (fmt, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
+-- (fmt, num, fix, clock, words, numbers, drained, store_bucket, store_budget, period_id: policies/limits/preamble.lua)
 
 local now = clock(ARGV[1])
 local ticket, mode = ARGV[2], ARGV[3]
 if mode == 'z' then
-  if redis.call('ZREM', KEYS[1], ticket) == 0 then return 0 end
+  if fix('ZREM', KEYS[1], ticket) == 0 then return 0 end
 else
   if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[4])) then return 0 end
 end
@@ -28,21 +28,21 @@ for i = 1, nb do
   local key = KEYS[1 + i]
   local rate, delta = tonumber(plan[3 + i]), deltas[i]
   if delta ~= 0 then
-    local st = redis.call('HMGET', key, 'u', 't')
-    local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) + delta
+    local st = fix('HMGET', key, 'u', 't')
+    local u = drained(num(st[1], 0), num(st[2], now), now, rate) + delta
     if u < 0 then u = 0 end
     store_bucket(key, u, stamp, rate, st[1] and delta < 0)
   end
 end
 for i = 1, nl do
-  redis.call('ZREM', KEYS[1 + nb + i], ticket)
+  fix('ZREM', KEYS[1 + nb + i], ticket)
 end
 if delta_usd ~= 0 then
   for i = 1, nu do
     local key = KEYS[1 + nb + nl + i]
     local kind, pid = plan[3 + nb + i], pids[i]
-    local st = redis.call('HMGET', key, 'p', 's')
-    local p, s = tonumber(st[1]), tonumber(st[2]) or 0
+    local st = fix('HMGET', key, 'p', 's')
+    local p, s = num(st[1], nil), num(st[2], 0)
     local fresh = false
     if mode == 'm' and (p == nil or p < pid) then p, s, fresh = pid, 0, true end
     if p == pid then

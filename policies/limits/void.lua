@@ -10,16 +10,16 @@
 --       [5] cost usd reserved [6] the plan, space-separated: nb nl nu, per bucket rate/s, per budget
 --       period(day|month|run) [7] bucket costs reserved, space-separated
 -- Returns 1 when a reservation was undone, 0 when there was none (not run yet, settled, or voided).
--- (fmt, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
+-- (fmt, num, fix, clock, words, numbers, drained, store_bucket, period_id: policies/limits/preamble.lua)
 
 local now = clock(ARGV[1])
 local ticket = ARGV[2]
 local voided_ttl, ticket_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cost_usd = tonumber(ARGV[5])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+fix('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 redis.call('ZADD', KEYS[2], now + voided_ttl, ticket)
 redis.call('PEXPIRE', KEYS[2], math.ceil(voided_ttl * 1000) + 1000)
-local expires = redis.call('ZSCORE', KEYS[1], ticket)
+local expires = fix('ZSCORE', KEYS[1], ticket)
 if not expires then return 0 end
 redis.call('ZREM', KEYS[1], ticket)
 local reserved_at = tonumber(expires) - ticket_ttl
@@ -33,24 +33,24 @@ local stamp = fmt(now)
 for i = 1, nb do
   local key = KEYS[base + i]
   local rate = tonumber(plan[3 + i])
-  local st = redis.call('HMGET', key, 'u', 't')
+  local st = fix('HMGET', key, 'u', 't')
   if st[1] then
-    local u = drained(tonumber(st[1]) or 0, tonumber(st[2]) or now, now, rate) - costs[i]
+    local u = drained(num(st[1], 0), num(st[2], now), now, rate) - costs[i]
     if u < 0 then u = 0 end
     store_bucket(key, u, stamp, rate, costs[i] >= 0)
   end
 end
 for i = 1, nl do
-  redis.call('ZREM', KEYS[base + nb + i], ticket)
+  fix('ZREM', KEYS[base + nb + i], ticket)
 end
 if cost_usd ~= 0 then
   for i = 1, nu do
     local key = KEYS[base + nb + nl + i]
     local kind = plan[3 + nb + i]
-    local st = redis.call('HMGET', key, 'p', 's')
+    local st = fix('HMGET', key, 'p', 's')
     -- the budget period the reservation charged: the one current when it ran
-    if tonumber(st[1]) == period_id(kind, reserved_at) then
-      local s = (tonumber(st[2]) or 0) - cost_usd
+    if num(st[1], nil) == period_id(kind, reserved_at) then
+      local s = num(st[2], 0) - cost_usd
       if s < 0 then s = 0 end
       redis.call('HSET', key, 's', fmt(s))
     end

@@ -12,13 +12,24 @@ from gateway.apis.store import (
     MemoryResponseStore,
     RedisResponseStore,
     ResponseStore,
+    StoreUnavailable,
     entry_blob,
     is_response_id,
     new_response_id,
 )
 from gateway.app.settings import ResponseStoreSettings
+from tests.support.procs import free_port
 
 SETTINGS = ResponseStoreSettings(max_responses_per_key=5, max_bytes_per_key=64 * 1024, max_response_bytes=32 * 1024)
+
+
+NOT_ENTRIES = [
+    b"not json",
+    b"[1, 2]",
+    b'{"response": "text", "items": []}',
+    b'{"response": {}, "items": [1]}',
+    b'{"response": {}, "items": [], "program": 5}',
+]
 
 
 def blob(size: int) -> bytes:
@@ -95,3 +106,58 @@ async def test_a_full_process_store_refuses_new_entries_instead_of_evicting_othe
     assert await store.put("c", third := new_response_id(), blob(10))
     assert await store.get("c", third) is not None and await store.get("a", second) is None
     assert store.owned("b") == (0, 0) and len(store) == 1
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("corrupt", ["index", "sizes"])
+async def test_the_owners_keys_of_another_type_or_sizes_that_are_not_numbers_are_repaired(
+    redis_url: str, redis_prefix: str, corrupt: str
+) -> None:
+    """What Redis holds is input: an owner's index or sizes key of another type (or a size that is not
+    a number) is replaced by the store script, so the owner's responses are kept again and its bounds
+    hold, rather than every `store: true` answer failing."""
+    store = RedisResponseStore.from_url(redis_url, SETTINGS, redis_prefix)
+    try:
+        assert await store.put("a", new_response_id(), blob(10))
+        key = store._index("a") if corrupt == "index" else store._sizes("a")
+        await store.client.delete(key)
+        await store.client.set(key, "written by something else")
+        kept = new_response_id()
+        assert await store.put("a", kept, blob(10))
+        await store.client.hset(store._sizes("a"), mapping={"resp_x": "nan", "resp_y": "-5", "resp_z": "text"})
+        for _ in range(10):
+            assert await store.put("a", new_response_id(), blob(10))
+        assert await store.client.zcard(store._index("a")) <= SETTINGS.max_responses_per_key
+        assert store.failures == 0
+    finally:
+        await store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("stored", NOT_ENTRIES)
+async def test_an_entry_that_is_not_one_reads_as_not_found(redis_url: str, redis_prefix: str, stored: bytes) -> None:
+    store = RedisResponseStore.from_url(redis_url, SETTINGS, redis_prefix)
+    try:
+        response_id = new_response_id()
+        await store.client.set(store._key("a", response_id), stored)
+        assert await store.get("a", response_id) is None
+        await store.client.delete(store._key("a", response_id))
+        await store.client.rpush(store._key("a", response_id), b"x")  # a key of another type
+        assert await store.get("a", response_id) is None
+        assert await store.delete("a", response_id)  # the key is the entry's: deleting it is the repair
+    finally:
+        await store.close()
+
+
+async def test_a_redis_that_does_not_answer_costs_the_store_not_the_answer() -> None:
+    """`put` says the response was not kept (the answer still goes out), a read is a 503 to retry."""
+    store = RedisResponseStore.from_url(f"redis://127.0.0.1:{free_port()}/0", SETTINGS, "gone")
+    try:
+        assert not await store.put("a", new_response_id(), blob(10))
+        with pytest.raises(StoreUnavailable) as raised:
+            await store.get("a", new_response_id())
+        assert raised.value.status == 503 and raised.value.code == "store_unavailable"
+        with pytest.raises(StoreUnavailable):
+            await store.delete("a", new_response_id())
+    finally:
+        await store.close()

@@ -57,3 +57,21 @@ async def test_dead_redis_is_counted_and_the_file_ledger_is_intact(tmp_path: Pat
     assert stats["redis_errors_total"] == stats["redis_round_trips_total"] > 0  # every round trip failed
     assert stats["redis_exported_total"] == 0
     assert stats["redis_dropped_total"] == 300 and stats["redis_pending_batches"] == 0  # counted, none kept
+
+
+async def test_a_stream_key_of_another_type_is_replaced_and_every_record_arrives(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """A hand edit (or another program on the prefix) left a string where the stream goes: it holds no
+    records, so the exporter replaces it instead of holding every record until someone repairs it."""
+    stream = f"{redis_prefix}:usage"
+    client = redis.Redis.from_url(redis_url)
+    client.set(stream, "not a stream")
+    exporter = RedisStreamExporter(RedisStreamConfig(url=redis_url, stream=stream, maxlen=100_000))
+    writer = LedgerWriter(LedgerConfig(dir=str(tmp_path / "usage"), commit_interval_ms=10), sink=exporter)
+    for i in range(20):
+        writer.append(make_record(i))
+    await writer.close()
+    entries: Any = client.xrange(stream)
+    assert [orjson.loads(fields[FIELD])["request_id"] for _, fields in entries] == [f"req-{i:08d}" for i in range(20)]
+    assert writer.stats()["redis_exported_total"] == 20

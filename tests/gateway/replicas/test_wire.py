@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.replicas.wire import Batch, MalformedBatch, decode, encode
 
@@ -121,3 +125,36 @@ def test_program_activity_round_trips_and_a_malformed_row_refuses_the_batch() ->
     for row in (["llama", "t", "", 1, 0], ["llama", "t", "x", -1, 0], ["llama", "t", "x", True, 0], ["llama", "t"]):
         with pytest.raises(MalformedBatch):
             decode(msgpack.packb({"r": "gw1", "q": 1, "p": [row]}))
+
+
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=5), st.binary(max_size=5)
+)
+_VALUES = st.recursive(
+    _LEAVES, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=3), c, max_size=4), max_leaves=20
+)
+_DOCS = st.fixed_dictionaries(
+    {"r": st.one_of(st.text(max_size=4), _VALUES), "q": st.one_of(st.integers(-5, 5), _VALUES)},
+    optional={field: _VALUES for field in "ldtpng"},
+)
+
+
+@settings(max_examples=1000, database=None, deadline=None)
+@given(_DOCS)
+def test_any_document_is_a_batch_or_malformed_never_an_error(doc: dict[str, object]) -> None:
+    """An entry of the shared stream is read by every replica's reader, whose loop ends on anything but
+    `MalformedBatch`: a field of any type (dispatches as a number, a weight of infinity) refuses the
+    entry, nothing else."""
+    try:
+        batch = decode(msgpack.packb(doc, use_bin_type=True))
+    except MalformedBatch:
+        return
+    assert all(math.isfinite(row[3]) for row in batch.tenants or ())
+
+
+@pytest.mark.parametrize(
+    "doc", [{"r": "gw1", "q": 1, "d": 10}, {"r": "gw1", "q": 1, "t": [["p", "t", 2, 1e309, 1, 0, 1]]}]
+)
+def test_dispatches_that_are_no_list_and_an_infinite_weight_refuse_the_batch(doc: object) -> None:
+    with pytest.raises(MalformedBatch):
+        decode(msgpack.packb(doc))

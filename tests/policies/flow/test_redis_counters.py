@@ -119,3 +119,29 @@ async def test_a_batch_of_changes_lands_where_the_changes_one_by_one_would(redis
         assert store.status()["errors"] == 0
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("corrupt", ["wrong type", "not numbers"])
+async def test_a_band_holding_what_no_script_wrote_reads_as_zero_and_is_repaired(
+    redis_url: str, redis_prefix: str, corrupt: str
+) -> None:
+    """Another replica's version or a hand edit can leave anything in the band's keys: the script
+    answers all the same (a key of another type replaced, a counter that is not a finite number read as
+    0), and no NaN reaches the order of fair shares."""
+    store = RedisCounters.from_url(redis_url, prefix=redis_prefix, refresh_s=0.02)
+    counters, last = store.keys("pool", 2)
+    try:
+        if corrupt == "wrong type":
+            await store.client.rpush(counters, "x")
+            await store.client.sadd(last, "y")
+        else:
+            await store.client.hset(counters, mapping={"a": "nan", "b": "inf", "c": "text", "\xff": "-inf"})
+            await store.client.set(last, "nan")
+        store.charge("pool", 2, "a", 10.0, dispatch=True)
+        store.charge("pool", 2, "b", 20.0, dispatch=False)
+        await wait_for_async(lambda: store.status()["calls"] != 0 and not store.status()["pending"])
+        assert store.status()["errors"] == 0
+        assert store.value("pool", 2, "a") == 10.0 and store.value("pool", 2, "b") == 20.0
+        assert store.value("pool", 2, "c") == 0.0 and store.last_served("pool", 2) == 0.0
+    finally:
+        await store.close()

@@ -63,3 +63,28 @@ async def test_a_failed_call_keeps_the_changes_locally() -> None:
         assert near(store.value("t", "p", 3600.0), 500.0)
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("corrupt", ["wrong type", "not numbers"])
+async def test_programs_holding_what_no_script_wrote_read_as_none_and_are_repaired(
+    redis_url: str, redis_prefix: str, corrupt: str
+) -> None:
+    """A tenant's program keys of another type are replaced, and a value that is not a finite number
+    reads as no service: the script answers all the same and no NaN reaches the order."""
+    store = RedisPrograms.from_url(redis_url, prefix=redis_prefix, refresh_s=0.02)
+    values, times = store.keys("t")
+    try:
+        if corrupt == "wrong type":
+            await store.client.set(values, "x")
+            await store.client.set(times, "y")
+        else:
+            await store.client.hset(values, mapping={"wide": "nan", "other": "inf"})
+            await store.client.zadd(times, {"wide": float("-inf"), "other": float("inf")})
+        store.charge("t", "wide", 100.0, 3600.0)
+        store.watch("t", "other", True)
+        await wait_for_async(lambda: store.calls >= 1 and not store.status()["pending"])
+        assert store.status()["errors"] == 0
+        assert near(store.value("t", "wide", 3600.0), 100.0)
+        assert store.value("t", "other", 3600.0) == 0.0
+    finally:
+        await store.close()
