@@ -60,7 +60,7 @@ PICK = st.integers(0, 2**16)
 ACTIONS = ("delete", "retype", "garble", "garble", "garble")
 TYPES = ("string", "hash", "list", "set", "zset", "stream")
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-GENERATING = ("chat", "stream", "responses")  # the requests that reserve and are recorded
+GENERATING = ("chat", "stream", "responses", "made")  # the requests that are recorded
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,7 @@ class Pair:
         self.redis = OwnRedis(workdir)
         self.sim: SimEngines | None = None
         self.gateways: list[Gateway] = []
+        self.made = ""  # the secret of a key made through the admin API
         try:
             self.sim = start_sim(workdir, count=2, served_model_name=MODEL, time_scale=100.0)
             policy = policies(
@@ -184,6 +185,16 @@ class Pair:
                         predictor={"enabled": False},
                     )
                 )
+            status, _, raw = request(
+                self.gateways[0].port,
+                "POST",
+                "/admin/keys",
+                {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+                orjson.dumps({"tenant": "bench", "id": "made", "limits": {"tpm": 10_000_000}}),
+            )
+            if status != 201:
+                raise RuntimeError(f"POST /admin/keys: {status} {raw[:200]!r}")
+            self.made = str(orjson.loads(raw)["secret"])
         except Exception:
             self.stop()
             raise
@@ -203,7 +214,7 @@ class Pair:
         return sorted({*client.scan_iter(count=1000), *TRANSIENT})
 
 
-def send(gateway: Gateway, kind: str, stored: list[str], request_id: str) -> tuple[int, bytes]:
+def send(gateway: Gateway, kind: str, stored: list[str], request_id: str, made: str = "") -> tuple[int, bytes]:
     """One request of `kind` (see `KINDS`); (status, body) with status 0 when nothing answered."""
     headers = {**AUTH, "x-request-id": request_id}
     messages = [{"role": "user", "content": "hi " + request_id[-6:]}]
@@ -222,12 +233,22 @@ def send(gateway: Gateway, kind: str, stored: list[str], request_id: str) -> tup
     elif kind == "read":
         path = f"/v1/responses/{stored[-1]}" if stored else "/v1/responses/resp_none"
         status, _, raw = request(gateway.port, "GET", path, headers)
+    elif kind == "made":  # a key made through the admin API: its record lives in Redis
+        headers["Authorization"] = f"Bearer {made}"
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+        status, _, raw = request(gateway.port, "POST", "/v1/chat/completions", headers, orjson.dumps(body))
+    elif kind == "keys":
+        status, _, raw = request(gateway.port, "GET", "/admin/keys?spend=1", {"Authorization": f"Bearer {ADMIN}"})
+    elif kind == "keywrite":  # a write of the key store: a document, the version counter, an announcement
+        admin = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
+        body = {"metadata": {"description": request_id}}
+        status, _, raw = request(gateway.port, "PATCH", "/admin/keys/made", admin, orjson.dumps(body))
     else:
         status, _, raw = request(gateway.port, "GET", "/v1/key", headers)
     return status, raw
 
 
-KINDS = ("chat", "stream", "responses", "read", "key")
+KINDS = ("chat", "stream", "responses", "read", "key", "made", "keys", "keywrite")
 
 
 def peers_seen(gateway: Gateway) -> int:
@@ -281,7 +302,7 @@ def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
     actions: list[str] = []
     for n in range(10):  # every kind of request once per gateway: the keys they write exist
         for kind in KINDS:
-            send(pair.gateways[n % 2], kind, stored, f"state-warm-{n}-{uuid.uuid4().hex[:8]}")
+            send(pair.gateways[n % 2], kind, stored, f"state-warm-{n}-{uuid.uuid4().hex[:8]}", pair.made)
     keys = pair.keys()
     drawn = [0]  # examples so far
     seen = {family(k) for k in keys}  # every kind of key a scan found
@@ -303,12 +324,12 @@ def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
             kind = data.draw(st.sampled_from(KINDS))
             gateway = pair.gateways[data.draw(st.integers(0, 1))]
             request_id = f"state-fuzz-{kind}-{uuid.uuid4().hex[:12]}"
-            status, raw = send(gateway, kind, stored, request_id)
+            status, raw = send(gateway, kind, stored, request_id, pair.made)
             if kind in GENERATING:
                 sent.append(request_id)
             statuses[status] = statuses.get(status, 0) + 1
             samples.setdefault(f"{kind} {status}", raw[:200].decode("utf-8", "replace"))
-            if status == 0 or status == 500:
+            if status in (0, 500, 502, 503):  # Redis answers throughout: a 503 is a failure met, not an outage
                 failures.append(f"{kind}: {status} {raw[:200]!r} after {actions[-3:]}")
 
     probe()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 Kind = Literal["key", "tenant", "override"]
 KINDS: tuple[Kind, ...] = ("key", "tenant", "override")
@@ -70,6 +72,9 @@ class Change:
 class Snapshot:
     version: int
     docs: dict[Kind, dict[str, str]] = field(default_factory=lambda: {kind: {} for kind in KINDS})
+    # Redis held what no replica writes there (a version that is no count, a documents key of another
+    # type): what could be read is here, and a store with a copy puts the rest back (`restore`)
+    damaged: bool = False
 
 
 class DirectoryStore(Protocol):
@@ -293,22 +298,41 @@ redis.call('PUBLISH', ARGV[4], v .. ' ' .. ARGV[5] .. ' ' .. ARGV[1])
 return v
 """
 
+# Put the copy back where Redis lost it (no version counter: a restart without persistence, a flush)
+# or holds what no replica writes there (a version that is no count, a documents key of another type).
+# Only the documents keys that are missing or broken are filled from the copy: a healthy one may be
+# newer than the copy (a revocation the copy has not seen must not be undone). Atomic, so of several
+# replicas noticing together only the first changes anything.
 _RESTORE = """
 local version = KEYS[#KEYS]
-if redis.call('EXISTS', version) == 1 then return 0 end
+local v = redis.call('TYPE', version).ok == 'string' and redis.call('GET', version)
+local counted = v and string.match(v, '^%d+$') and string.len(v) < 19
+local exists = redis.call('EXISTS', version) == 1
+local refill = {}
+for k = 1, #KEYS - 1 do
+  local t = redis.call('TYPE', KEYS[k]).ok
+  if t ~= 'hash' and t ~= 'none' then redis.call('DEL', KEYS[k]) end
+  refill[k] = not exists or (t ~= 'hash' and t ~= 'none')
+end
+local any = not counted
+for k = 1, #KEYS - 1 do any = any or refill[k] end
+if not any then return 0 end
 local i = 2
 while i <= #ARGV do
   local kind, name, doc = tonumber(ARGV[i]), ARGV[i + 1], ARGV[i + 2]
-  redis.call('HSET', KEYS[kind], name, doc)
+  if refill[kind] then redis.call('HSET', KEYS[kind], name, doc) end
   i = i + 3
 end
-redis.call('SET', version, ARGV[1])
+if not counted then redis.call('SET', version, ARGV[1]) end
 return 1
 """
 
 _TOUCH = """
+local t = redis.call('TYPE', KEYS[1]).ok
+if t ~= 'hash' and t ~= 'none' then redis.call('DEL', KEYS[1]) end -- written by something else
 for i = 1, #ARGV, 2 do
-  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i])) or 0
+  if old ~= old then old = 0 end -- NaN
   if tonumber(ARGV[i + 1]) > old then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 end
 return 1
@@ -334,13 +358,23 @@ class RedisDirectoryStore:
         return cls(Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0), prefix)
 
     async def load(self) -> Snapshot:
+        """What Redis holds; a version that is no count or a documents key of another type reads as
+        absent and marks the snapshot `damaged` (connection errors raise as before)."""
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.get(self._version)
             for kind in KINDS:
                 pipe.hgetall(self._docs[kind])
-            version, *maps = await pipe.execute()
-        snapshot = Snapshot(int(version or 0))
+            version, *maps = await pipe.execute(raise_on_error=False)
+        if isinstance(version, Exception):
+            _raise_unless_wrong_type(version)
+            version = b"?"  # a key of another type: no count
+        count = _count(version)
+        snapshot = Snapshot(count or 0, damaged=version is not None and count is None)
         for kind, docs in zip(KINDS, maps, strict=True):
+            if isinstance(docs, Exception):
+                _raise_unless_wrong_type(docs)
+                snapshot.damaged = True
+                continue
             snapshot.docs[kind] = {_text(k): _text(v) for k, v in docs.items()}
         return snapshot
 
@@ -363,7 +397,12 @@ class RedisDirectoryStore:
         return None if found is None else _text(found)
 
     async def version(self) -> int:
-        return int(await self.client.get(self._version) or 0)
+        """The version counter; 0 where it is missing or holds no count (Redis lost it)."""
+        try:
+            return _count(await self.client.get(self._version)) or 0
+        except ResponseError as exc:
+            _raise_unless_wrong_type(exc)
+            return 0
 
     async def touch(self, last_used: dict[str, float]) -> None:
         if last_used:
@@ -371,8 +410,13 @@ class RedisDirectoryStore:
             await self._touch(keys=[self._last_used], args=args)
 
     async def last_used(self) -> dict[str, float]:
-        found = await self.client.hgetall(self._last_used)
-        return {_text(k): float(v) for k, v in found.items()}
+        try:
+            found = await self.client.hgetall(self._last_used)
+        except ResponseError as exc:
+            _raise_unless_wrong_type(exc)
+            return {}
+        times = {_text(k): _seconds(v) for k, v in found.items()}
+        return {key_id: at_s for key_id, at_s in times.items() if at_s is not None}
 
     def changes(self) -> AsyncIterator[Change] | None:
         return self._listen()
@@ -388,9 +432,10 @@ class RedisDirectoryStore:
                 message = await pubsub.get_message(timeout=1.0)
                 if message is None or message.get("type") != "message":
                     continue
-                version, kind, name = _text(message["data"]).split(" ", 2)
-                if kind in KINDS:
-                    yield Change(int(version), kind, name)
+                words = _text(message["data"]).split(" ", 2)
+                count = _count(words[0]) if len(words) == 3 else None
+                if count is not None and words[1] in KINDS:  # else not one of ours: the version poll repairs
+                    yield Change(count, words[1], words[2])
         finally:
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
@@ -400,7 +445,34 @@ class RedisDirectoryStore:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _count(value: bytes | str | None) -> int | None:
+    """A version counter as Redis's INCR writes it (decimal digits, within 64 bits), else None."""
+    text = _text(value) if value is not None else ""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
+
+
+def _seconds(value: bytes | str) -> float | None:
+    """A last-use time (unix s), or None for what is not one."""
+    try:
+        at_s = float(value)
+    except ValueError:
+        return None
+    return at_s if math.isfinite(at_s) else None
+
+
+def _damage(exc: Exception) -> bool:
+    """Whether a script's error is Redis holding what no replica writes: a key of another type, or a
+    version counter that is no count (INCR's error)."""
+    return "WRONGTYPE" in str(exc) or "not an integer" in str(exc)
+
+
+def _raise_unless_wrong_type(exc: Exception) -> None:
+    """A key of another type is damage the caller repairs; any other error is Redis's, raised."""
+    if not str(exc).startswith("WRONGTYPE"):
+        raise exc
 
 
 log = logging.getLogger(__name__)
@@ -416,13 +488,14 @@ class MirroredDirectoryStore:
 
     async def load(self) -> Snapshot:
         snapshot = await self.primary.load()
-        if snapshot.version == 0 and not any(snapshot.docs.values()):
+        if snapshot.damaged or (snapshot.version == 0 and not any(snapshot.docs.values())):
             kept = await self.copy.load()
-            if any(kept.docs.values()):
+            if snapshot.damaged or any(kept.docs.values()):
                 if await self.primary.restore(kept):
                     self.restored += 1
                     counts = ", ".join(f"{len(docs)} {kind}(s)" for kind, docs in kept.docs.items())
-                    log.warning("the key store in Redis was empty: restored %s from %s", counts, self.copy.path)
+                    what = "damaged" if snapshot.damaged else "empty"
+                    log.warning("the key store in Redis was %s: restored %s from %s", what, counts, self.copy.path)
                 snapshot = await self.primary.load()
                 return snapshot  # the copy already holds it (or another replica's, which came from the same)
         await self._keep(self.copy.replace_all(snapshot))
@@ -431,7 +504,13 @@ class MirroredDirectoryStore:
     async def write(self, kind: Kind, name: str, doc: str | None) -> int:
         if await self.primary.version() == 0:  # Redis lost everything and no reload restored it yet:
             await self.load()  # restore first, so this write does not start a new, empty history
-        version = await self.primary.write(kind, name, doc)
+        try:
+            version = await self.primary.write(kind, name, doc)
+        except ResponseError as exc:  # Redis holds what no replica wrote there (a version that is no
+            if not _damage(exc):  # count, documents of another type): repaired from the copy, once
+                raise
+            await self.load()
+            version = await self.primary.write(kind, name, doc)
         await self._keep(self.copy.put(kind, name, doc, version))
         return version
 

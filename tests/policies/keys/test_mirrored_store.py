@@ -88,3 +88,73 @@ async def test_a_write_to_an_emptied_redis_restores_the_copy_first(
         assert policy.authenticate(first) is not None
     finally:
         await directory.stop()
+
+
+@pytest.mark.parametrize("damage", ["version is no count", "keys of another type", "both"])
+async def test_a_damaged_redis_is_repaired_from_the_copy_and_a_healthy_hash_is_kept(
+    redis_url: str, redis_prefix: str, tmp_path: Path, damage: str
+) -> None:
+    """Redis holds what no replica writes there (a hand edit, another program on the prefix): the
+    damaged parts come back from the copy, the healthy ones stay as they are (they may be newer than
+    the copy: a revocation made since must not be undone), and writes work again."""
+    directory = KeyDirectory(mirrored(redis_url, redis_prefix, tmp_path / "d.sqlite3"))
+    await directory.start()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+        _, kept = await directory.create_key({"tenant": "t", "id": "kept"}, policy, ["m"])
+        await directory.create_tenant({"name": "made"}, policy, ["m"])
+        tag = "{" + redis_prefix + "}:dir:"
+        if damage != "keys of another type":
+            await client.set(tag + "version", "nan")
+        if damage != "version is no count":
+            await client.delete(tag + "keys")
+            await client.rpush(tag + "keys", "junk")
+        await client.hset(tag + "tenants", "newer", '{"not": "in the copy"}')  # a healthy hash's own
+        _, second = await directory.create_key({"tenant": "t", "id": "second"}, policy, ["m"])
+        snapshot = await directory.store.load()
+        assert not snapshot.damaged and snapshot.version > 0
+        assert set(snapshot.docs["key"]) == {"kept", "second"}
+        assert set(snapshot.docs["tenant"]) == {"made", "newer"}  # kept as Redis had it
+        assert policy.authenticate(kept) is not None and policy.authenticate(second) is not None
+    finally:
+        await client.aclose()
+        await directory.stop()
+
+
+async def test_last_use_times_that_are_not_times_are_ignored_and_replaced(redis_url: str, redis_prefix: str) -> None:
+    store = RedisDirectoryStore.from_url(redis_url, redis_prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    tag = "{" + redis_prefix + "}:dir:"
+    try:
+        await client.hset(tag + "last_used", mapping={"a": "nan", "b": "text", "c": "5"})
+        assert await store.last_used() == {"c": 5.0}
+        await store.touch({"a": 10.0, "b": 20.0})
+        assert await store.last_used() == {"a": 10.0, "b": 20.0, "c": 5.0}
+        await client.delete(tag + "last_used")
+        await client.set(tag + "last_used", "a string")
+        assert await store.last_used() == {}
+        await store.touch({"a": 30.0})
+        assert await store.last_used() == {"a": 30.0}
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_a_version_of_another_type_is_repaired_too(redis_url: str, redis_prefix: str, tmp_path: Path) -> None:
+    directory = KeyDirectory(mirrored(redis_url, redis_prefix, tmp_path / "e.sqlite3"))
+    await directory.start()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=directory)
+        _, kept = await directory.create_key({"tenant": "t", "id": "kept"}, policy, ["m"])
+        version = "{" + redis_prefix + "}:dir:version"
+        await client.delete(version)
+        await client.sadd(version, "junk")
+        await directory.create_key({"tenant": "t", "id": "second"}, policy, ["m"])
+        snapshot = await directory.store.load()
+        assert not snapshot.damaged and set(snapshot.docs["key"]) == {"kept", "second"}
+        assert policy.authenticate(kept) is not None
+    finally:
+        await client.aclose()
+        await directory.stop()
