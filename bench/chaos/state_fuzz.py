@@ -388,6 +388,7 @@ def met(r: dict[str, Any]) -> bool:
     return bool(
         r["failures"] == 0
         and r["unexpected_in_log"] == 0
+        and r["tracebacks_in_log"] == 0
         and r["unrecorded"] == 0
         and r["recorded_twice"] == 0
         and r["negative_records"] == 0
@@ -416,19 +417,21 @@ def section(r: dict[str, Any]) -> list[str]:
         f"({families}). {r['requests']} requests (chat streamed or not with a program, Responses continuing "
         f"stored answers, reads of stored answers, `GET /v1/key`). Answers by status: {statuses}.",
         "",
-        "| met a bug (500 or no answer) | unexpected errors in the logs | not recorded | recorded twice | "
+        "| met a bug (500, 503 or no answer) | unexpected errors or tracebacks in the logs | not recorded | "
+        "recorded twice | "
         "negative records | limiter breaker trips | served with the garbage left | served after the repair | "
         "leases left | in flight left | peers seen (left, repaired) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        f"| {r['failures']} | {r['unexpected_in_log']} | {r['unrecorded']} | {r['recorded_twice']} | "
+        f"| {r['failures']} | {r['unexpected_in_log'] + r['tracebacks_in_log']} | {r['unrecorded']} | "
+        f"{r['recorded_twice']} | "
         f"{r['negative_records']} | {r['breaker_trips']} | {r['healed']} of {r['recovery_requests']} | "
         f"{r['recovered']} of {r['recovery_requests']} | {r['leases_left']} | {r['inflight_left']} | "
         f"{r['healed_peers']}, {r['peers_seen']} |",
         "",
-        "Targets (no request meets a bug; every generating request recorded exactly once, none negative; no "
-        "corrupted key trips the limiter's breaker, which would move every tenant to local limits; with the "
-        "garbage left in place and again after the corrupted keys are deleted, every request served with no "
-        "restart and each gateway reading the other's reports; nothing held): "
+        "Targets (no request meets a bug and no task logs one; every generating request recorded exactly "
+        "once, none negative; no corrupted key trips the limiter's breaker, which would move every tenant to "
+        "local limits; with the garbage left in place and again after the corrupted keys are deleted, every "
+        "request served with no restart and each gateway reading the other's reports; nothing held): "
         f"{'met' if met(r) else '**missed**'}.",
         "",
     ]

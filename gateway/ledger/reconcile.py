@@ -45,6 +45,7 @@ from typing import Any, Final, Protocol
 from aiohttp import web
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from backends.tasks import cancel_and_wait
 from gateway.app import keys as appkeys
@@ -220,12 +221,15 @@ class SpendReconciler:
 
     # ------------------------------------------------------------------ shared through Redis
     async def _flush(self) -> None:
-        """This replica's new recorded sums and its open reservations, into Redis (one MULTI)."""
+        """This replica's new recorded sums and its open reservations, into Redis (one MULTI). A sum
+        whose hash or field Redis holds as no float (another type, text: written by something else)
+        is refused by Redis alone in the MULTI (the others apply): its hash is repaired and the sum
+        goes with the next flush, rather than every later check failing on it."""
         assert self.redis is not None
-        pending = self.tally.take_pending()
+        pending = list(self.tally.take_pending().items())
         try:
             async with self.redis.pipeline(transaction=True) as pipe:
-                for (period, pid, key), usd in pending.items():
+                for (period, pid, key), usd in pending:
                     name = f"{self._tag}spend:{period}:{pid}"
                     pipe.hincrbyfloat(name, key, usd)
                     pipe.expire(name, period_ttl_s(period))
@@ -235,23 +239,57 @@ class SpendReconciler:
                 if held:
                     pipe.hset(mine, mapping=held)  # type: ignore[arg-type]  # redis-py's Mapping is invariant
                     pipe.expire(mine, max(1, math.ceil(self.interval_s * 3)))
-                await pipe.execute()
+                results = await pipe.execute(raise_on_error=False)
         except Exception:
-            for slot, usd in pending.items():  # counted next time (a lost EXEC reply may count twice)
+            for slot, usd in pending:  # counted next time (a lost EXEC reply may count twice)
                 self.tally.pending[slot] = self.tally.pending.get(slot, 0.0) + usd
             raise
+        refused = [(slot, usd, results[2 * i]) for i, (slot, usd) in enumerate(pending)]
+        refused = [(slot, usd, error) for slot, usd, error in refused if isinstance(error, Exception)]
+        for slot, usd, _ in refused:  # the only sums Redis did not apply: counted next time
+            self.tally.pending[slot] = self.tally.pending.get(slot, 0.0) + usd
+        for error in (r for r in results if isinstance(r, Exception)):
+            if not _damage(error):
+                raise error
+        if refused:
+            await self._repair({f"{self._tag}spend:{period}:{pid}" for (period, pid, _), _, _ in refused})
+
+    async def _repair(self, names: set[str]) -> None:
+        """Drop what no replica writes from the spend hashes `names`: a key of another type, a field
+        that is no finite number."""
+        assert self.redis is not None
+        for name in names:
+            if (await self.redis.type(name)) not in (b"hash", "hash", b"none", "none"):
+                await self.redis.delete(name)
+                continue
+            broken = [k for k, v in (await self.redis.hgetall(name)).items() if _usd(v) is None]
+            if broken:
+                await self.redis.hdel(name, *broken)
 
     async def _shared(self, now_s: float) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
         assert self.redis is not None
         recorded: dict[str, dict[str, float]] = {}
         for period in PERIODS:
-            raw = await self.redis.hgetall(f"{self._tag}spend:{period}:{period_id(period, now_s)}")
-            recorded[period] = {_text(k): float(v) for k, v in raw.items()}
+            raw = await self._hash(f"{self._tag}spend:{period}:{period_id(period, now_s)}")
+            recorded[period] = {_text(k): usd for k, v in raw.items() if (usd := _usd(v)) is not None}
         open_usd: dict[str, float] = {}
         async for name in self.redis.scan_iter(match=f"{self._tag}spend-open:*", count=1000):
-            for k, v in (await self.redis.hgetall(name)).items():
-                open_usd[_text(k)] = open_usd.get(_text(k), 0.0) + float(v)
+            for k, v in (await self._hash(name)).items():
+                usd = _usd(v)
+                if usd is not None:
+                    open_usd[_text(k)] = open_usd.get(_text(k), 0.0) + usd
         return recorded, open_usd
+
+    async def _hash(self, name: str) -> dict[Any, Any]:
+        """A hash's fields; none for a key of another type (what no replica writes reads as absent)."""
+        assert self.redis is not None
+        try:
+            found: dict[Any, Any] = await self.redis.hgetall(name)
+        except ResponseError as exc:
+            if not _damage(exc):
+                raise
+            return {}
+        return found
 
     # ------------------------------------------------------------------ gauges
     def collect(self) -> Iterator[Metric]:
@@ -278,6 +316,20 @@ class SpendReconciler:
 
     def status(self) -> dict[str, Any]:
         return self.last
+
+
+def _usd(value: Any) -> float | None:
+    """A sum Redis holds, or None for what is not one (text, NaN, an infinity)."""
+    try:
+        usd = float(value)
+    except (TypeError, ValueError):
+        return None
+    return usd if math.isfinite(usd) else None
+
+
+def _damage(exc: Exception) -> bool:
+    """Whether Redis refused a command for what a key holds (another type, a field that is no float)."""
+    return isinstance(exc, ResponseError) and ("WRONGTYPE" in str(exc) or "not a" in str(exc))
 
 
 def _text(value: bytes | str) -> str:
