@@ -8,8 +8,10 @@ So between requests the probe corrupts keys the gateways wrote, drawn from a fre
 prefix: deleted, replaced by a value of another type, a hash field or a string set to garbage (not
 numbers, NaN, infinities, ±1e308, JSON of the wrong shape, cut bytes), members with infinite scores,
 stream entries with fields of any bytes. Clients meanwhile send chat requests (streamed or not, with a
-program), Responses requests continuing stored answers, reads of stored answers and `GET /v1/key`,
-alternating between the gateways.
+program), Responses requests continuing stored answers, reads of stored answers, `GET /v1/key`, a
+key made through the admin API (its requests, the key listing, writes to it), and files uploaded and
+batches made of them (read and listed while both gateways' runners claim their lines), alternating
+between the gateways.
 
 Targets:
 - no request meets a bug: no 500, no closed socket, nothing of `UNEXPECTED_IN_LOG` in either log;
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import orjson
 import redis
 from hypothesis import given
@@ -167,6 +170,10 @@ class Pair:
         self.sim: SimEngines | None = None
         self.gateways: list[Gateway] = []
         self.made = ""  # the secret of a key made through the admin API
+        self.stored: list[str] = []  # the newest stored responses' ids
+        self.files: list[str] = []  # the newest uploaded files' and batches' ids
+        self.batches: list[str] = []
+        self.batch_calls = 0
         try:
             self.sim = start_sim(workdir, count=2, served_model_name=MODEL, time_scale=100.0)
             policy = policies(
@@ -214,8 +221,9 @@ class Pair:
         return sorted({*client.scan_iter(count=1000), *TRANSIENT})
 
 
-def send(gateway: Gateway, kind: str, stored: list[str], request_id: str, made: str = "") -> tuple[int, bytes]:
+def send(pair: Pair, gateway: Gateway, kind: str, request_id: str) -> tuple[int, bytes]:
     """One request of `kind` (see `KINDS`); (status, body) with status 0 when nothing answered."""
+    stored, made = pair.stored, pair.made
     headers = {**AUTH, "x-request-id": request_id}
     messages = [{"role": "user", "content": "hi " + request_id[-6:]}]
     if kind in ("chat", "stream"):
@@ -239,6 +247,8 @@ def send(gateway: Gateway, kind: str, stored: list[str], request_id: str, made: 
         status, _, raw = request(gateway.port, "POST", "/v1/chat/completions", headers, orjson.dumps(body))
     elif kind == "keys":
         status, _, raw = request(gateway.port, "GET", "/admin/keys?spend=1", {"Authorization": f"Bearer {ADMIN}"})
+    elif kind == "batch":
+        status, raw = batch_call(pair, gateway, request_id)
     elif kind == "keywrite":  # a write of the key store: a document, the version counter, an announcement
         admin = {"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"}
         body = {"metadata": {"description": request_id}}
@@ -248,7 +258,50 @@ def send(gateway: Gateway, kind: str, stored: list[str], request_id: str, made: 
     return status, raw
 
 
-KINDS = ("chat", "stream", "responses", "read", "key", "made", "keys", "keywrite")
+KINDS = ("chat", "stream", "responses", "read", "key", "made", "keys", "keywrite", "batch")
+
+
+def batch_call(pair: Pair, gateway: Gateway, request_id: str) -> tuple[int, bytes]:
+    """One Files or Batch API call, in turn: a file uploaded and a batch made of it (the runners of
+    both gateways then claim its lines through Redis), the newest batch read, the batches listed, the
+    newest file's content read."""
+    pair.batch_calls += 1
+    step = pair.batch_calls % 4
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        return _batch_step(pair, client, step, request_id)
+
+
+def _batch_step(pair: Pair, client: openai.OpenAI, step: int, request_id: str) -> tuple[int, bytes]:
+    try:
+        if step == 0 or not pair.batches:
+            lines = b"".join(
+                orjson.dumps(
+                    {
+                        "custom_id": f"{request_id}-{i}",
+                        "method": "POST",
+                        "url": "/v1/chat/completions",
+                        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                    }
+                )
+                + b"\n"
+                for i in range(3)
+            )
+            file = client.files.create(file=("in.jsonl", lines), purpose="batch")
+            pair.files = [*pair.files[-7:], file.id]
+            batch = client.batches.create(
+                input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            pair.batches = [*pair.batches[-7:], batch.id]
+            return 200, batch.id.encode()
+        if step == 1:
+            return 200, client.batches.retrieve(pair.batches[-1]).model_dump_json().encode()
+        if step == 2:
+            return 200, orjson.dumps([b.id for b in client.batches.list(limit=20)])
+        return 200, client.files.content(pair.files[-1]).content[:200]
+    except openai.APIStatusError as exc:
+        return exc.status_code, exc.response.content
+    except openai.APIConnectionError as exc:
+        return 0, f"{step}: {exc!r} {exc.__cause__!r}".encode()
 
 
 def peers_seen(gateway: Gateway) -> int:
@@ -271,15 +324,17 @@ def breaker_trips(gateway: Gateway) -> int:
     return int(orjson.loads(raw)["admission"].get("breaker_trips", 0)) if status == 200 else -1
 
 
-def serve_again(pair: Pair, stored: list[str], tag: str) -> int:
-    """How many of `RECOVERY` requests (each kind, alternating gateways) are served (200)."""
+def serve_again(pair: Pair, tag: str) -> int:
+    """How many of `RECOVERY` requests (each kind, alternating gateways) are answered as the state says:
+    served (200), or refused by a limit (429) where a corrupted count that is still a number (a spend
+    of 1e308) reads as what it says until its key expires: the shared store's truth, not a failure."""
     kinds = ("chat", "stream", "responses", "key")
     statuses = [
-        send(pair.gateways[n % 2], kind, stored, f"state-{tag}-{n}-{uuid.uuid4().hex[:8]}")[0]
+        send(pair, pair.gateways[n % 2], kind, f"state-{tag}-{n}-{uuid.uuid4().hex[:8]}")[0]
         for n in range(RECOVERY // len(kinds))
         for kind in kinds
     ]
-    return sum(status == 200 for status in statuses)
+    return sum(status in (200, 429) for status in statuses)
 
 
 RECOVERY = 40
@@ -293,7 +348,6 @@ def run(workdir: Path, *, examples: int = 600, seed: int | None = None) -> dict[
 
 def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
     client = pair.redis.client()
-    stored: list[str] = []
     sent: list[str] = []
     statuses: dict[int, int] = {}
     samples: dict[str, str] = {}  # an answer of each kind and status, for the reader
@@ -302,7 +356,7 @@ def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
     actions: list[str] = []
     for n in range(10):  # every kind of request once per gateway: the keys they write exist
         for kind in KINDS:
-            send(pair.gateways[n % 2], kind, stored, f"state-warm-{n}-{uuid.uuid4().hex[:8]}", pair.made)
+            send(pair, pair.gateways[n % 2], kind, f"state-warm-{n}-{uuid.uuid4().hex[:8]}")
     keys = pair.keys()
     drawn = [0]  # examples so far
     seen = {family(k) for k in keys}  # every kind of key a scan found
@@ -324,7 +378,7 @@ def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
             kind = data.draw(st.sampled_from(KINDS))
             gateway = pair.gateways[data.draw(st.integers(0, 1))]
             request_id = f"state-fuzz-{kind}-{uuid.uuid4().hex[:12]}"
-            status, raw = send(gateway, kind, stored, request_id, pair.made)
+            status, raw = send(pair, gateway, kind, request_id)
             if kind in GENERATING:
                 sent.append(request_id)
             statuses[status] = statuses.get(status, 0) + 1
@@ -334,15 +388,15 @@ def fuzz(pair: Pair, *, examples: int, seed: int | None) -> dict[str, Any]:
 
     probe()
     seconds = time.monotonic() - started_s
-    stored.clear()  # continued from here on: new conversations
-    healed = serve_again(pair, stored, "healed")  # as the fuzz left the keys
+    pair.stored.clear()  # continued from here on: new conversations
+    healed = serve_again(pair, "healed")  # as the fuzz left the keys
     time.sleep(PEER_FRESH_S / 2)  # a report from each, over the stream as the fuzz left it
     healed_peers = [peers_seen(g) for g in pair.gateways]
     trips = sum(breaker_trips(g) for g in pair.gateways)
     if corrupted:
         client.delete(*corrupted)  # the operator's repair
-    stored.clear()  # the conversations' entries went with it
-    recovered = serve_again(pair, stored, "after")
+    pair.stored.clear()  # the conversations' entries went with it
+    recovered = serve_again(pair, "after")
     admin = {"Authorization": f"Bearer {ADMIN}"}
     settled = until(lambda: all(held(g.url, admin) == (0, 0) for g in pair.gateways), timeout_s=30)
     left = [held(g.url, admin) for g in pair.gateways]
@@ -415,11 +469,13 @@ def section(r: dict[str, Any]) -> list[str]:
         "±1e308, hex, JSON of any shape), infinite scores, stream entries of any bytes), a kind of key drawn first: "
         f"{len(r['families_corrupted'])} of the {len(r['families'])} kinds the gateways use were corrupted "
         f"({families}). {r['requests']} requests (chat streamed or not with a program, Responses continuing "
-        f"stored answers, reads of stored answers, `GET /v1/key`). Answers by status: {statuses}.",
+        "stored answers, reads of stored answers, `GET /v1/key`, a key made through the admin API, the key listing "
+        "and writes to that key, files uploaded and batches made of them, read and listed while both gateways' "
+        f"runners claim their lines). Answers by status: {statuses}.",
         "",
         "| met a bug (500, 503 or no answer) | unexpected errors or tracebacks in the logs | not recorded | "
         "recorded twice | "
-        "negative records | limiter breaker trips | served with the garbage left | served after the repair | "
+        "negative records | limiter breaker trips | answered with the garbage left | answered after the repair | "
         "leases left | in flight left | peers seen (left, repaired) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         f"| {r['failures']} | {r['unexpected_in_log'] + r['tracebacks_in_log']} | {r['unrecorded']} | "
@@ -431,7 +487,8 @@ def section(r: dict[str, Any]) -> list[str]:
         "Targets (no request meets a bug and no task logs one; every generating request recorded exactly "
         "once, none negative; no corrupted key trips the limiter's breaker, which would move every tenant to "
         "local limits; with the garbage left in place and again after the corrupted keys are deleted, every "
-        "request served with no restart and each gateway reading the other's reports; nothing held): "
+        "request answered as the state says (served, or refused by a limit a corrupted count still reads as "
+        "spent) with no restart, and each gateway reading the other's reports; nothing held): "
         f"{'met' if met(r) else '**missed**'}.",
         "",
     ]

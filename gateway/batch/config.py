@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.batch.objects import MAX_LINES
 from policies.batch import SpareLimits
 
 _DAY_S = 24 * 3600.0
@@ -92,7 +93,7 @@ class BatchSettings(_Strict):
     max_file_bytes: int = Field(
         default=200 * 1024 * 1024, ge=1024, description="one uploaded file (OpenAI's limit: 200 MB)"
     )
-    max_lines: int = Field(default=50_000, ge=1, description="requests in one file (OpenAI's limit)")
+    max_lines: int = Field(default=50_000, ge=1, le=MAX_LINES, description="requests in one file (OpenAI's limit)")
     tenant: TenantStorage = Field(
         default_factory=TenantStorage, description="bounded storage per tenant (every key of the tenant together)"
     )

@@ -490,6 +490,12 @@ class DiskBatchStore:
         finally:
             os.close(fd)
 
+    async def content_bytes(self, file_id: str) -> int:
+        try:
+            return (await asyncio.to_thread(self._file_path(file_id, ".jsonl").stat)).st_size
+        except FileNotFoundError:
+            return 0
+
     async def content(self, file_id: str) -> AsyncIterator[bytes]:
         fh = await asyncio.to_thread(open, self._file_path(file_id, ".jsonl"), "rb")
         try:

@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
@@ -27,6 +29,7 @@ ENDPOINTS: Final[dict[str, str]] = {  # batch endpoint -> the API kind its lines
 FINISHED: Final[frozenset[str]] = frozenset({"failed", "completed", "expired", "cancelled"})
 RUNNING: Final[frozenset[str]] = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 COMPLETION_WINDOW: Final = "24h"
+MAX_LINES: Final = 10_000_000  # the most `batch.max_lines` may be: a stored total past it is no total
 
 
 _ID_CHARS: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
@@ -213,3 +216,29 @@ def page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": items[-1]["id"] if items else None,
         "has_more": has_more,
     }
+
+
+# What a shared store holds is read as input: another replica's version, a hand edit or a restore can
+# leave anything there (bench/chaos/state_fuzz.py). Each record is validated whole, strictly (a count
+# that is text, a status that is none of the API's, an endpoint tokenway does not batch are refused),
+# so a record that is not one reads as absent instead of failing a listing or a runner later on.
+_FILE_META: Final = TypeAdapter(FileMeta)
+_BATCH_META: Final = TypeAdapter(BatchMeta)
+
+
+def read_file_meta(raw: bytes | str) -> FileMeta | None:
+    """A stored file record, or None for bytes that are not one."""
+    try:
+        meta = _FILE_META.validate_json(raw, strict=True)
+    except ValidationError:
+        return None
+    return meta if meta.bytes >= 0 and 0 <= meta.lines <= MAX_LINES else None
+
+
+def read_batch_meta(raw: bytes | str) -> BatchMeta | None:
+    """A stored batch record, or None for bytes that are not one."""
+    try:
+        meta = _BATCH_META.validate_json(raw, strict=True)
+    except ValidationError:
+        return None
+    return meta if meta.endpoint in ENDPOINTS and 0 <= meta.total <= MAX_LINES else None

@@ -503,6 +503,8 @@ async def _file_content(
     request: web.Request, service: BatchService, principal: Principal, request_id: str
 ) -> web.StreamResponse:
     meta = await _owned_file(service, principal, request.match_info["file_id"])
+    if await service.store.content_bytes(meta.id) != meta.bytes:  # the record outlived its bytes (a damaged store):
+        raise NotFound(f"The content of file {meta.id} is no longer stored", param="file_id")  # never a cut answer
     response = web.StreamResponse(
         headers={"Content-Type": "application/jsonl", "x-request-id": request_id, **dict(request.get(_LIMITS, ()))}
     )

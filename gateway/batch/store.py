@@ -53,6 +53,14 @@ class LineResult:
         return header + b"\t" + self.line + b"\n"
 
     @classmethod
+    def read(cls, raw: bytes) -> LineResult | None:
+        """`parse`, or None for a record that is not one (a shared store holds what anything wrote)."""
+        try:
+            return cls.parse(raw)
+        except (ValueError, KeyError, TypeError, IndexError):  # (orjson's decode error is a ValueError)
+            return None
+
+    @classmethod
     def parse(cls, raw: bytes) -> LineResult:
         header, _, line = raw.rstrip(b"\n").partition(b"\t")
         data = orjson.loads(header)
@@ -145,6 +153,11 @@ class BatchStore(Protocol):
 
     def content(self, file_id: str) -> AsyncIterator[bytes]:
         """The file's bytes, in chunks."""
+        ...
+
+    async def content_bytes(self, file_id: str) -> int:
+        """How many bytes of the file's content the store holds (checked against its record before the
+        content is sent: a download announces its length first)."""
         ...
 
     # --- batches ------------------------------------------------------------------------------------

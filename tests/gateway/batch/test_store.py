@@ -86,6 +86,7 @@ async def test_file_round_trip_and_listing(store: BatchStore) -> None:
     assert await store.read_lines(first.id, [2, 0]) == [lines(3)[2], lines(3)[0]]
     content = b"".join([chunk async for chunk in store.content(first.id)])
     assert content == b"\n".join(lines(3)) + b"\n"
+    assert await store.content_bytes(first.id) == first.bytes == len(content)
     assert await store.delete_file(first.id)
     assert not await store.delete_file(first.id)
     assert await store.get_file(first.id) is None
@@ -218,3 +219,48 @@ async def test_two_redis_replicas_split_the_lines(redis_url: str, redis_prefix: 
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.redis
+async def test_what_redis_holds_damaged_costs_that_record_never_the_store(
+    redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Another replica's version, a hand edit or a restore can leave anything under the prefix: a record
+    that is not one reads as absent, a key of another type as empty (replaced by the next write), a count
+    that is no number restarts; uploads, listings, claims and results go on."""
+    store = RedisBatchStore.from_url(redis_url, redis_prefix, tmp_path / "scratch")
+    client = store.client
+    try:
+        kept = await add_file(store, 3)
+        batch = await add_batch(store, kept)
+        broken = await add_file(store, 2)
+        await client.set(store._k("file", broken.id), b'{"id": 5}')  # a record that is not one
+        await client.set(store._k("seq"), b"not a number")
+        await client.delete(store._k("tenant", "t1", "usage"))
+        await client.rpush(store._k("tenant", "t1", "usage"), b"x")
+        added = await add_file(store, 1, limits=(10, 100_000))  # the quota's key replaced, seq restarted
+        assert [f.id for f in await store.list_files("k1")] == [added.id, kept.id]  # newest first still
+        assert await store.get_file(broken.id) is None
+        cursor, lease, _retry, res, counts = store._line_keys(batch.id)
+        await client.set(cursor, b"nan")
+        await client.sadd(lease, b"x")
+        await client.hset(counts, mapping={"ok": "text", "input": "1e400"})
+        claimed = await store.claim(batch.id, 3, 30.0)
+        assert sorted(claimed) == [0, 1, 2]
+        assert await store.record(batch.id, [result(i) for i in claimed]) == [True, True, True]
+        assert (await store.counts(batch.id)).completed == 3
+        await client.hset(res, b"junk", b"not a result")
+        await client.set(store._k("file", kept.id, "idx"), b"\x01\x02\x03")  # spans cut short
+        await client.delete(store._k("file", kept.id, "data"))
+        await client.sadd(store._k("file", kept.id, "data"), b"x")
+        assert await store.content_bytes(kept.id) == 0  # the download route then answers 404, not a cut body
+        assert await store.read_lines(kept.id, [0, 1]) == [b"", b""]  # the lines fail, the runner goes on
+        assert [r.index for r in [r async for r in store.results(batch.id)]] == [0, 1, 2]
+        await client.set(store._k("batch", batch.id), b'{"id": "batch_x", "total": 10000000000000}')
+        assert await store.get_batch(batch.id) is None and await store.list_batches("k1") == []
+        assert await store.update_batch(batch.id, {"in_progress"}, status="finalizing") is None
+        await client.delete(store._k("owner", "k1", "files"))
+        await client.set(store._k("owner", "k1", "files"), b"x")
+        assert await store.list_files("k1") == []
+    finally:
+        await store.close()
