@@ -14,6 +14,15 @@ once. A successful scrape replaces `endpoint.stats` with
 `stats_max_age_s` count as saturated for routing (`is_stale`). Endpoints whose engine exports no
 metrics (remote APIs) are stamped fresh each tick: their load is the gateway's own accounting.
 
+An engine's metrics are input. The body is read up to `MAX_METRICS_BYTES` (a longer one is not
+parsed); whatever the adapter's parse raises is an unusable scrape (counted per endpoint in
+`Scraper.unusable`, a warning the first time, the old stats left to age), never a task that dies
+with a traceback; and what an adapter made of the text passes `bounded_stats` before routing, the
+autoscaler or the predictor read it: counts and counters finite, non-negative and bounded, the KV
+usage a ratio in 0..1, block sizes and counts in range or unknown, every map and set keyed by the
+engine's label values capped in entries and name length. (The Prometheus reader itself drops
+samples that are not finite numbers: `backends.adapters.base.parse_samples`.)
+
 Listed LoRA adapters
 --------------------
 Which LoRA adapters each engine holds, read from the engine itself: `GET /v1/models`.
@@ -31,7 +40,9 @@ the request was sent: a registration made after it may not be listed yet). Routi
 (`policies/routing/lora.py`: a listed adapter needs no load) and the loader trusts it (a listed adapter
 is not loaded again; one it loaded before `loras_at_s` and no longer listed is loaded again).
 
-Bounded: at most `MAX_LISTED` names per endpoint; endpoints are the fleet's.
+Bounded: a body of at most `MAX_LISTING_BYTES`, at most `MAX_LISTED` names per endpoint, each of at
+most `MAX_NAME_CHARS` (longer ids, and ids or parents that are not strings, are skipped); an answer
+that is not a models list leaves `Endpoint.loras` as it was. Endpoints are the fleet's.
 
 Status
 ------
@@ -45,9 +56,11 @@ print what it fetched from a running gateway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -56,11 +69,90 @@ import orjson
 from backends.config import BackendsSettings
 from backends.fleet import EndpointTasks, Fleet, get_adapter
 from backends.fleet import run as run_health
-from backends.types import Endpoint, EndpointState, MetricsFormatError
+from backends.types import Endpoint, EndpointState, EndpointStats
 
 log = logging.getLogger(__name__)
 
 SCRAPED_STATES = frozenset({EndpointState.READY, EndpointState.DRAINING})
+
+# Bounds on what an engine reports (the module docstring). A vLLM /metrics is 50-200 KiB (its
+# histograms, per data-parallel rank and LoRA label); 4 MiB leaves room for big fleets of labels
+# while one scrape's parse stays in the milliseconds.
+MAX_METRICS_BYTES = 4 << 20
+MAX_ENGINE_REQUESTS = 1_000_000  # running / waiting: engines run ~10^3 sequences and queue ~10^5
+MAX_COUNTER = float(1 << 53)  # as `backends.adapters.base.MAX_SAMPLE_VALUE`
+MAX_BLOCK_SIZE = 1 << 16  # tokens per KV block
+MAX_GPU_BLOCKS = 1 << 32
+MAX_LABEL_KEYS = 16  # entries of a map keyed by an engine's label values (waiting reasons, offload directions)
+MAX_NAME_CHARS = 256  # a label value or adapter id kept as a key or a name
+MAX_LISTED = 4096  # names kept per endpoint (listed adapters, LoRA label lists): an answer is not trusted to be small
+SLEEP_STATES = frozenset({"awake", "weights_offloaded", "discard_all", "asleep"})
+
+
+async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body (decompressed, as aiohttp serves it), or None once it passes `limit` bytes: a longer
+    one is not read on (the connection is closed rather than drained)."""
+    if response.content_length is not None and response.content_length > limit:
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _count(value: float, limit: float) -> float:
+    """In 0..limit; NaN and infinities (unusable) read 0. An int is compared as an int: one past a
+    float's range (10^400) would make `math.isfinite` raise."""
+    if isinstance(value, int):
+        return float(min(max(value, 0), limit))
+    return min(max(value, 0.0), limit) if math.isfinite(value) else 0.0
+
+
+def _size(value: int | None, limit: int) -> int | None:
+    return value if value is not None and 0 < value <= limit else None
+
+
+def _names(names: frozenset[str], limit: int = MAX_LISTED) -> frozenset[str]:
+    if len(names) <= limit and all(len(name) <= MAX_NAME_CHARS for name in names):
+        return names
+    return frozenset(sorted(name for name in names if len(name) <= MAX_NAME_CHARS)[:limit])
+
+
+def _label_map(values: Mapping[str, float], limit: float) -> dict[str, float]:
+    kept: dict[str, float] = {}
+    for key in sorted(values)[: 4 * MAX_LABEL_KEYS]:
+        if len(key) <= MAX_NAME_CHARS and len(kept) < MAX_LABEL_KEYS:
+            kept[key] = _count(values[key], limit)
+    return kept
+
+
+def bounded_stats(stats: EndpointStats) -> EndpointStats:
+    """`stats` with every value an engine reported made safe for routing, the autoscaler and the
+    predictor: no NaN, no infinity, no negative count, no ratio outside 0..1, no block size that is
+    not one, no unbounded map or set. What an adapter parsed is never trusted further than this."""
+    return dataclasses.replace(
+        stats,
+        running=int(_count(stats.running, MAX_ENGINE_REQUESTS)),
+        waiting=int(_count(stats.waiting, MAX_ENGINE_REQUESTS)),
+        kv_usage_ratio=_count(stats.kv_usage_ratio, 1.0),
+        prefix_cache_hits_tokens=_count(stats.prefix_cache_hits_tokens, MAX_COUNTER),
+        prefix_cache_queries_tokens=_count(stats.prefix_cache_queries_tokens, MAX_COUNTER),
+        preemptions=_count(stats.preemptions, MAX_COUNTER),
+        block_size=_size(stats.block_size, MAX_BLOCK_SIZE),
+        num_gpu_blocks=_size(stats.num_gpu_blocks, MAX_GPU_BLOCKS),
+        waiting_by_reason={k: int(v) for k, v in _label_map(stats.waiting_by_reason, MAX_ENGINE_REQUESTS).items()},
+        prompt_tokens=_count(stats.prompt_tokens, MAX_COUNTER),
+        prompt_tokens_cached=_count(stats.prompt_tokens_cached, MAX_COUNTER),
+        sleep_state=stats.sleep_state if stats.sleep_state in SLEEP_STATES else None,
+        running_loras=_names(stats.running_loras),
+        waiting_loras=_names(stats.waiting_loras),
+        max_loras=int(_count(stats.max_loras, MAX_LISTED)),
+        kv_offload_bytes=_label_map(stats.kv_offload_bytes, MAX_COUNTER),
+    )
 
 
 def is_stale(endpoint: Endpoint, now_s: float, max_age_s: float) -> bool:
@@ -79,6 +171,7 @@ class Scraper:
         self._path_index: dict[str, int] = {}
         self._tasks = EndpointTasks("scrape")
         self._warned: set[str] = set()
+        self.unusable: dict[str, int] = {}  # per endpoint: scrapes answered 200 that could not be used
 
     async def scrape(self, endpoint: Endpoint, session: aiohttp.ClientSession) -> bool:
         """One scrape of one endpoint; True when its stats were updated."""
@@ -91,8 +184,8 @@ class Scraper:
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
         try:
             async with session.get(endpoint.base_url + paths[index], timeout=timeout) as response:
-                body = await response.read()
                 status = response.status
+                body = await read_bounded(response, MAX_METRICS_BYTES) if status == 200 else b""
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("scrape %s: %r", endpoint.id, exc)
             return False
@@ -101,17 +194,26 @@ class Scraper:
             return False
         if status != 200:
             return False
+        if body is None:
+            return self._unusable(endpoint, paths[index], f"a body over {MAX_METRICS_BYTES} bytes")
         try:
-            stats = adapter.parse_metrics(body, endpoint.stats)
-        except (MetricsFormatError, UnicodeDecodeError) as exc:
-            if endpoint.id not in self._warned:
-                self._warned.add(endpoint.id)
-                log.warning("endpoint %s: unusable metrics at %s: %s", endpoint.id, paths[index], exc)
-            return False
+            # Whatever the parse raises (MetricsFormatError, a body that is not UTF-8, or a shape the
+            # adapter did not foresee) is the engine's input failing, not a reason to end this task.
+            stats = bounded_stats(adapter.parse_metrics(body, endpoint.stats))
+        except Exception as exc:
+            return self._unusable(endpoint, paths[index], f"{type(exc).__name__}: {exc}")
         stats.scraped_at_s = self.clock()
         endpoint.stats = stats
         endpoint.inflight.scraped()
         return True
+
+    def _unusable(self, endpoint: Endpoint, path: str, why: str) -> bool:
+        """Counted; a warning the first time for the endpoint; the old stats are left to age."""
+        self.unusable[endpoint.id] = self.unusable.get(endpoint.id, 0) + 1
+        if endpoint.id not in self._warned:
+            self._warned.add(endpoint.id)
+            log.warning("endpoint %s: unusable metrics at %s: %s", endpoint.id, path, why[:300])
+        return False
 
     def tick(self, fleet: Fleet, session: aiohttp.ClientSession) -> None:
         for endpoint in fleet.endpoints():
@@ -158,7 +260,7 @@ async def watch(
 # engine kinds whose /v1/models lists runtime LoRA adapters with `parent` (the simulator serves it as vLLM does)
 LISTING_ENGINES = frozenset({"vllm", "vllm-ascend", "sim"})
 LISTED_STATES = frozenset({EndpointState.READY, EndpointState.DRAINING})
-MAX_LISTED = 4096  # names kept per endpoint: an engine's answer is not trusted to be small
+MAX_LISTING_BYTES = 4 << 20  # a /v1/models body: MAX_LISTED entries of a few hundred bytes each
 
 
 def listed_adapters(payload: bytes) -> frozenset[str] | None:
@@ -166,7 +268,7 @@ def listed_adapters(payload: bytes) -> frozenset[str] | None:
     when the answer is not a models list."""
     try:
         parsed = orjson.loads(payload)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError:  # orjson refuses nesting past 1024 levels this way too
         return None
     data = parsed.get("data") if isinstance(parsed, dict) else None
     if not isinstance(data, list):
@@ -177,6 +279,8 @@ def listed_adapters(payload: bytes) -> frozenset[str] | None:
             continue
         name, parent = entry.get("id"), entry.get("parent")
         if isinstance(name, str) and isinstance(parent, str) and parent and parent != name:
+            if len(name) > MAX_NAME_CHARS:
+                continue  # no adapter the gateway declares is named that way; kept, it is unbounded memory
             names.add(name)
             if len(names) >= MAX_LISTED:
                 break
@@ -212,12 +316,12 @@ class LoraDiscovery:
         timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
         try:
             async with session.get(endpoint.base_url + "/v1/models", headers=headers, timeout=timeout) as response:
-                body = await response.read()
                 status = response.status
+                body = await read_bounded(response, MAX_LISTING_BYTES) if status == 200 else b""
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("lora discovery %s: %r", endpoint.id, exc)
             return False
-        names = listed_adapters(body) if status == 200 else None
+        names = listed_adapters(body) if status == 200 and body is not None else None
         if names is None:
             if endpoint.id not in self._warned:
                 self._warned.add(endpoint.id)

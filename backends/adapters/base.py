@@ -18,6 +18,11 @@ Why not `prometheus_client.parser`: it builds every family of every histogram, a
 `/metrics` is mostly histograms we never read; scraping each endpoint four times a second should cost
 microseconds. This reader scans lines, keeps only the requested metric names, and parses labels only
 for those.
+
+An engine's metrics are input: a sample whose value is not a finite number of at most
+`MAX_SAMPLE_VALUE` in magnitude (NaN, +Inf, 1e300) is dropped, so sums over samples stay finite and
+`int()` of them never raises; what the values then mean (a negative gauge, a ratio above 1) is
+bounded once, by `backends.scrape.bounded_stats`, for every adapter.
 """
 
 from __future__ import annotations
@@ -206,6 +211,10 @@ def replica_devices_needed(pool: PoolConfig) -> int:
 
 Sample = tuple[dict[str, str], float]
 
+# 2^53: every integer up to it is exact as a float, and no counter an engine keeps comes near it
+# (a trillion tokens a day for 24 years); a sum of what one bounded scrape holds stays finite.
+MAX_SAMPLE_VALUE = float(1 << 53)
+
 _LABEL = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
@@ -213,8 +222,9 @@ _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 def parse_samples(text: str, wanted: Collection[str]) -> dict[str, list[Sample]]:
     """Samples of the `wanted` metric names: name -> [(labels, value)], in exposition order.
 
-    Lines that are comments, malformed, or of other metrics are skipped; a value that is not a float
-    (or is NaN) drops the sample. Timestamps after the value are ignored.
+    Lines that are comments, malformed, or of other metrics are skipped; a value that is not a float,
+    not finite, or larger in magnitude than `MAX_SAMPLE_VALUE` drops the sample. Timestamps after the
+    value are ignored.
     """
     found: dict[str, list[Sample]] = {}
     for raw in text.splitlines():
@@ -247,7 +257,7 @@ def parse_samples(text: str, wanted: Collection[str]) -> dict[str, list[Sample]]
             value = float(parts[0])
         except ValueError:
             continue
-        if math.isnan(value):
+        if not math.isfinite(value) or abs(value) > MAX_SAMPLE_VALUE:
             continue
         found.setdefault(name, []).append((labels, value))
     return found

@@ -8,6 +8,7 @@ the accepted request fields); each rule below names its file.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from backends.adapters.base import (
+    MAX_SAMPLE_VALUE,
     PRIORITY_MAX,
     PRIORITY_MIN,
     LaunchSpec,
@@ -200,7 +202,7 @@ class TrtllmAdapter:
             if stripped.startswith(("[", "{")):
                 try:
                     payload = json.loads(stripped)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nesting past the stack
                     raise MetricsFormatError(f"trtllm: malformed JSON iteration stats: {exc}") from exc
             else:
                 return self._parse_prometheus(payload, previous)
@@ -242,9 +244,9 @@ class TrtllmAdapter:
         if not stats:
             # Drained and empty: no iteration ran since the last read, so nothing is scheduled.
             return _stats(prev, running=0, waiting=0)
-        last = max(stats, key=lambda s: s.get("iter", 0))
-        kv = last.get("kvCacheStats") or {}
-        batching = last.get("inflightBatchingStats") or {}
+        last = max(stats, key=lambda s: _num(s.get("iter")) or 0.0)
+        kv = _object(last.get("kvCacheStats"))
+        batching = _object(last.get("inflightBatchingStats"))
         if "numActiveRequests" not in last and not kv:
             raise MetricsFormatError("trtllm: iteration stats without numActiveRequests or kvCacheStats")
         max_blocks = _num(kv.get("maxNumBlocks"))
@@ -339,9 +341,18 @@ def _stats(
 
 
 def _num(value: Any) -> float | None:
+    """A JSON number that is one: Python's json reads NaN and Infinity, and an int past a float's
+    range; none is a count (`int()` of an infinity raises)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value)
+    if isinstance(value, int):
+        return float(value) if abs(value) <= MAX_SAMPLE_VALUE else None
+    return value if math.isfinite(value) and abs(value) <= MAX_SAMPLE_VALUE else None
+
+
+def _object(value: Any) -> dict[str, Any]:
+    """A stats sub-object, or an empty one when the engine sent anything else there."""
+    return value if isinstance(value, dict) else {}
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -433,7 +433,7 @@ def zmq_bind_host(host: str) -> str | None:
 def _int_label(value: str | None) -> int | None:
     try:
         number = int(float(value)) if value not in (None, "", "None") else None
-    except ValueError:
+    except (ValueError, OverflowError):  # "1e999" is a float, an infinite one: no int
         return None
     return number if number and number > 0 else None
 

@@ -172,7 +172,12 @@ class EngineTokenizeCounter:
         if not isinstance(tokens, list):
             self.errors += 1
             return None
-        return array("I", tokens)
+        try:
+            return array("I", tokens)  # checks every id: an int of 0..2^32-1
+        except (TypeError, OverflowError) as exc:  # an engine's answer is input: ids that are not ids
+            self.errors += 1
+            log.debug("tokenize on %s: unusable ids: %s", endpoint.id, exc)
+            return None
 
 
 def _tokenize_body(api: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

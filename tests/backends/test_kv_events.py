@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,9 +13,13 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from backends import kv_events
 from backends.block_hash import hash_blocks
 from backends.kv_events import (
+    MAX_MESSAGE_BYTES,
     RESET_GAP,
     RESET_RESTART,
     AllBlocksCleared,
@@ -61,6 +67,11 @@ def stored_array(first: int, last: int) -> list[Any]:
     return ["BlockStored", HASHES[first:last], parent, PROMPT[first * 16 : last * 16], 16, None, "GPU"]
 
 
+def ids(tokens: list[int]) -> array[int]:
+    """Token ids as the decoder keeps them (checked, and ready to hash)."""
+    return array("I", tokens)
+
+
 def payload(*events: Any) -> bytes:
     packed: bytes = msgpack.packb([1700000000.0, list(events), 0], use_bin_type=True)
     return packed
@@ -76,11 +87,11 @@ def frames(seq: int, *events: Any, topic: bytes = b"kv@a") -> list[bytes]:
 @pytest.mark.parametrize(
     ("event", "expected"),
     [
-        pytest.param(stored_map(0, 2), BlockStored(HASHES[:2], None, PROMPT[:32], 16, "GPU"), id="stored-map"),
-        pytest.param(stored_array(0, 2), BlockStored(HASHES[:2], None, PROMPT[:32], 16, "GPU"), id="stored-array"),
+        pytest.param(stored_map(0, 2), BlockStored(HASHES[:2], None, ids(PROMPT[:32]), 16, "GPU"), id="stored-map"),
+        pytest.param(stored_array(0, 2), BlockStored(HASHES[:2], None, ids(PROMPT[:32]), 16, "GPU"), id="stored-array"),
         pytest.param(
             stored_map(1, 2, digest=True),
-            BlockStored([HASHES[1]], HASHES[0], PROMPT[16:32], 16, "GPU"),
+            BlockStored([HASHES[1]], HASHES[0], ids(PROMPT[16:32]), 16, "GPU"),
             id="stored-digest-hashes",
         ),
         pytest.param({"type": "BlockRemoved", "block_hashes": HASHES[:1]}, BlockRemoved(HASHES[:1]), id="removed-map"),
@@ -368,3 +379,164 @@ async def test_simulated_engine_events_drive_routing() -> None:
         assert d is not None and d.endpoint.id == "a" and d.reason == "prefix-hit"
         assert d.cached_tokens_estimate == len(ids) // 16 * 16
         await stop(sub, task)
+
+
+# --- what an engine publishes is input (bench/chaos/engine_channels.py) ------------------------------
+
+
+def batch_of(event: Any, ts: Any = 1.0) -> list[bytes]:
+    return [b"kv", (1).to_bytes(8, "big"), msgpack.packb([ts, [event], 0], use_bin_type=True)]
+
+
+def with_field(name: str, value: Any) -> dict[str, Any]:
+    return {**stored_map(0, 1), name: value}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        # these raised ValueError / TypeError, not KvEventDecodeError: it escaped the subscriber's
+        # `_handle` and ended its `run` loop (the endpoint's events silently stopped)
+        pytest.param(batch_of(with_field("block_size", "16")), id="block-size-string"),
+        pytest.param(batch_of(with_field("block_size", {"a": 1})), id="block-size-map"),
+        pytest.param(batch_of(stored_map(0, 1), ts="now"), id="ts-string"),
+        pytest.param(batch_of(stored_map(0, 1), ts={"a": 1}), id="ts-map"),
+        # these decoded and reached the index: a negative or huge block size, ids that are not ids
+        # ("consumer failed"), names that are not strings, extra keys that are not a list
+        pytest.param(batch_of(with_field("block_size", -16)), id="block-size-negative"),
+        pytest.param(batch_of(with_field("block_size", 1 << 40)), id="block-size-huge"),
+        pytest.param(batch_of(with_field("block_size", 1.5)), id="block-size-float"),
+        pytest.param(batch_of(stored_map(0, 1), ts=float("nan")), id="ts-nan"),
+        pytest.param(batch_of(stored_map(0, 1), ts=float("inf")), id="ts-inf"),
+        # a replayed batch from the far future made every later one look delivered (a duplicate)
+        pytest.param(batch_of(stored_map(0, 1), ts=1e18), id="ts-far-future"),
+        pytest.param(batch_of(with_field("token_ids", ["a"])), id="token-ids-strings"),
+        pytest.param(batch_of(with_field("token_ids", [-1])), id="token-ids-negative"),
+        pytest.param(batch_of(with_field("token_ids", [1 << 32])), id="token-ids-past-32-bits"),
+        pytest.param(batch_of(with_field("token_ids", {"a": 1})), id="token-ids-map"),
+        pytest.param(batch_of(with_field("medium", 5)), id="medium-int"),
+        pytest.param(batch_of(with_field("medium", "G" * 5000)), id="medium-long"),
+        pytest.param(batch_of({"type": "BlockRemoved", "block_hashes": [1], "medium": [1]}), id="removed-medium"),
+        pytest.param(batch_of(with_field("lora_name", [1])), id="lora-name-list"),
+        pytest.param(batch_of(with_field("extra_keys", {"a": 1})), id="extra-keys-map"),
+        pytest.param(batch_of(with_field("extra_keys", 5)), id="extra-keys-int"),
+        pytest.param(batch_of(["BlockStored", [1], None, [1], "x"]), id="array-block-size"),
+        pytest.param([b"kv", (-5).to_bytes(8, "big", signed=True), payload()], id="seq-negative"),
+        pytest.param([b"kv", ((1 << 63) - 1).to_bytes(8, "big"), payload()], id="seq-at-the-end"),
+    ],
+)
+def test_fields_of_the_wrong_type_or_range_are_decode_errors(bad: list[bytes]) -> None:
+    with pytest.raises(KvEventDecodeError):
+        decode_frames(bad)
+
+
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+FIELDS = ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "lora_name", "extra_keys")
+
+
+@st.composite
+def hostile_events(draw: st.DrawFn) -> Any:
+    """A valid event with fields swapped for any msgpack value, or any value at all."""
+    event: Any = draw(st.sampled_from((stored_map(0, 2), stored_array(1, 3), {"type": "BlockRemoved",
+                                       "block_hashes": HASHES[:1]}, ["AllBlocksCleared"])))  # fmt: skip
+    if isinstance(event, dict):
+        event = dict(event)
+        for name in draw(st.lists(st.sampled_from(FIELDS), max_size=3)):
+            event[name] = draw(MSGPACK_VALUES)
+    elif draw(st.booleans()):
+        event = list(event)
+        event[draw(st.integers(0, len(event) - 1))] = draw(MSGPACK_VALUES)
+    return draw(MSGPACK_VALUES) if draw(st.integers(0, 5)) == 0 else event
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(hostile_events(), max_size=4), MSGPACK_VALUES, st.integers(-(1 << 63), (1 << 63) - 1))
+def test_any_message_decodes_or_is_a_decode_error_and_the_index_takes_what_decodes(
+    events: list[Any], ts: Any, seq: int
+) -> None:
+    """The one promise of the decoder: KvEventDecodeError or a batch the precise index applies
+    without raising (before: ValueError/TypeError escaped, or the index failed on what decoded)."""
+    router = build_router({"seed": 1, "prefix_index": {"mode": "precise", "advanced": {"precise_keys": "tokens"}}})
+    message = [b"kv", seq.to_bytes(8, "big", signed=True), msgpack.packb([ts, events, 0], use_bin_type=True)]
+    try:
+        batch = decode_frames(message)
+    except KvEventDecodeError:
+        return
+    router.on_kv_batch("a", batch)
+    router.on_kv_batch("a", batch)  # and again, now that the index knows the blocks
+
+
+@pytest.mark.slow
+async def test_a_subscriber_outlives_any_message_and_applies_the_next_valid_one(
+    publisher: tuple[zmq.asyncio.Socket, str],
+) -> None:
+    pub, address = publisher
+    rec = Recorder()
+    sub = KvEventSubscriber("a", address, rec.on_batch, rec.on_reset)
+    task = await start(sub, pub)
+    await pub.send_multipart(frames(0, stored_map(0, 1)))
+    await pub.send_multipart(batch_of(with_field("block_size", "16")))  # ended `run` before
+    await pub.send_multipart(batch_of(stored_map(0, 1), ts={"a": 1}))
+    await pub.send_multipart([b"kv", b"\x00" * 8, payload(), *([b"x"] * 1000)])  # a message of 1003 frames
+    await pub.send_multipart(frames(1, stored_map(1, 2)))
+    await rec.until(lambda: len(rec.batches) == 2)
+    assert [b.seq for b in rec.batches] == [0, 1] and sub.stats.decode_errors == 3
+    # past MAXMSGSIZE: ZMQ drops the connection and would never reconnect (the subscription dead
+    # for good); a new socket connects, and a batch published once it has is applied
+    await pub.send_multipart([b"kv", b"\x00" * 8, b"\x00" * (MAX_MESSAGE_BYTES + 1)])
+    await wait_for_async(lambda: sub.stats.disconnects == 1, timeout_s=TIMEOUT_S)
+    seq = 2
+    async with asyncio.timeout(TIMEOUT_S):
+        while rec.batches[-1].seq == 1:  # sent until the new connection has subscribed
+            await pub.send_multipart(frames(seq, stored_map(2, 3)))
+            seq += 1
+            await asyncio.sleep(0.05)
+    assert not task.done() and sub.stats.running
+    await stop(sub, task)
+
+
+async def endless_replay(router_sock: zmq.asyncio.Socket, seq: int | None) -> None:
+    """A replay socket that never sends the end marker: the same old batch (`seq`), or garbage, forever."""
+    identity, _empty, _start = await router_sock.recv_multipart()
+    message = [b"kv", b"\x00\x00", b"?"] if seq is None else frames(seq, stored_map(0, 1))
+    with contextlib.suppress(zmq.ZMQError):
+        while True:
+            await router_sock.send_multipart([identity, b"", *message])
+            await asyncio.sleep(0)  # a ROUTER send never blocks: let the subscriber run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq", [0, None], ids=["old-batch-forever", "garbage-forever"])
+async def test_a_replay_that_answers_forever_does_not_hold_the_subscription(
+    publisher: tuple[zmq.asyncio.Socket, str], monkeypatch: pytest.MonkeyPatch, seq: int | None
+) -> None:
+    """Before, a replay answering batches older than asked for kept `_replay` reading for ever: the
+    live stream was never read again."""
+    monkeypatch.setattr(kv_events, "MAX_REPLAY_BATCHES", 50)
+    pub, address = publisher
+    replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.bind("tcp://127.0.0.1:*")
+    rec = Recorder()
+    sub = KvEventSubscriber(
+        "a", address, rec.on_batch, rec.on_reset, replay_address=str(replay.getsockopt_string(zmq.LAST_ENDPOINT))
+    )
+    task = await start(sub, pub)
+    await pub.send_multipart(frames(0, stored_map(0, 1)))
+    await rec.until(lambda: len(rec.batches) >= 1)
+    server = asyncio.get_running_loop().create_task(endless_replay(replay, seq))
+    try:
+        await pub.send_multipart(frames(5, stored_map(1, 2)))  # a gap: asks the replay socket
+        await rec.until(lambda: rec.batches[-1].seq == 5)
+        assert rec.resets == [RESET_GAP]  # the missing batches never came
+        await pub.send_multipart(frames(6, stored_map(2, 3)))
+        await rec.until(lambda: rec.batches[-1].seq == 6)
+    finally:
+        await stop(sub, task)
+        server.cancel()
+        replay.close(0)

@@ -21,6 +21,7 @@ from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, Role
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
+from tests.backends.fake_engine import fake_engine
 from tests.support.procs import SimEngines, start_sim
 
 pytestmark = pytest.mark.e2e  # starts a simulated engine
@@ -121,3 +122,18 @@ async def test_one_huge_prompt_is_counted_but_does_not_flush_the_cache(
     for i in range(5):  # the five small prompts are all still answered from the cache
         await counter.count("chat", chat(i, words=10))
     assert counter.calls == calls
+
+
+@pytest.mark.parametrize(
+    "tokens", [["a"], [-1, 2], [1 << 40], [1.5]], ids=["strings", "negative", "past-32-bits", "floats"]
+)
+async def test_ids_that_are_not_ids_are_an_unusable_answer(session: UpstreamClient, tokens: list[Any]) -> None:
+    """An engine's /tokenize answer is input: ids `array('I')` refuses made it raise (TypeError,
+    OverflowError) out of the counter, into the request (bench/chaos/engine_channels.py)."""
+    async with fake_engine() as fake:
+        fake.set("/tokenize", 200, orjson.dumps({"count": len(tokens), "tokens": tokens}).decode())
+        config = PoolConfig(name="p", model=MODEL, engine="vllm", endpoints=[StaticEndpointConfig(url=fake.base_url)])
+        endpoint = Endpoint(id="p/e0", pool="p", base_url=fake.base_url, engine="vllm", served_model=MODEL,
+                            role=Role.BOTH, state=EndpointState.READY)  # fmt: skip
+        counter = EngineTokenizeCounter(session, Pool(config, endpoints=[endpoint]))
+        assert await counter.tokenize(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})) is None
