@@ -13,9 +13,25 @@ the caller):
                      (GET /api/v1/nodes/NAME) and NodeRacks(node -> that label's value) delivered
     other errors  -> Failure(why), wait (exponential backoff), watch again from the last version
 
-Objects stay plain JSON dicts (`_preload_content=False`): the decisions in `slices.py` read four
-fields and need none of the client's model classes. Stopping closes the open watch response, so
-the thread ends within a moment even when the server is silent.
+Objects are read raw (`_preload_content=False`) and decoded once, here, by `slices.decode_slice`:
+what crosses to the event loop is only validated `Slice` values, never the API server's JSON.
+What the API server answers is input, read within bounds:
+
+    a list page       -> at most MAX_PAGE_BYTES (64 MiB), a JSON object with `items` a list (of at
+                         most the LIST_PAGE asked for) and a
+                         resourceVersion; at most MAX_LIST_PAGES (200) pages; else the whole list
+                         fails (nothing delivered: the pool keeps its last good set)
+    a watch line      -> at most MAX_EVENT_BYTES (4 MiB), a JSON object of a known event type;
+                         else the watch ends as failed and is retried with backoff from the last
+                         version; a line cut by the end of the stream is dropped
+    a slice           -> not one (fields of the wrong type, past the API's own bounds): ignored
+                         with a warning, the pool keeps that slice's last good version
+    ERROR events      -> their `code` when it is an HTTP status, else 500
+    410 right after a list -> a failure with backoff, then a list (no list-410 loop at full speed)
+    a node            -> at most 1 MiB; a rack label that is not a label value reads as unknown
+
+Stopping closes the open watch response, so the thread ends within a moment even when the server
+is silent.
 """
 
 from __future__ import annotations
@@ -30,17 +46,19 @@ from typing import Any
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from backends.discovery.slices import (
     Delete,
     Failure,
+    InvalidSlice,
     KubernetesDiscoveryConfig,
     NodeRacks,
     Reset,
+    Slice,
     Upsert,
     WatchEvent,
-    node_names,
+    decode_slice,
+    label_value,
     resource_version,
     slice_name,
 )
@@ -49,6 +67,12 @@ log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 LIST_PAGE = 500
+MAX_LIST_PAGES = 200  # 100,000 slices: a list that still names a next page after these is refused
+MAX_PAGE_BYTES = 64 * 1024 * 1024  # one page of a list (500 slices of at most 1,000 endpoints each)
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # one watch line: one slice (etcd refuses objects past 1.5 MiB)
+MAX_NODE_BYTES = 1024 * 1024  # one Node object read for its rack label
+READ_CHUNK = 64 * 1024
+WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 CONNECT_TIMEOUT_S = 5.0
 HTTP_GONE = 410
 HTTP_NOT_FOUND = 404
@@ -79,6 +103,50 @@ def api_client(config: KubernetesDiscoveryConfig) -> k8s_client.ApiClient:
         except k8s_config.ConfigException:
             k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call, unused-ignore]
     return k8s_client.ApiClient(configuration)
+
+
+class Unusable(ValueError):
+    """An answer of the API server that cannot be read (not JSON, the wrong shape, beyond its bound):
+    the list or watch fails as if the connection had, and is retried with backoff; nothing of it is
+    applied."""
+
+
+def read_bounded(response: Any, limit: int, what: str) -> bytes:
+    """The whole body of a raw urllib3 response, refused past `limit` bytes (read in chunks: a
+    hostile server's gigabyte is never held)."""
+    body = bytearray()
+    for chunk in response.stream(READ_CHUNK, decode_content=True):
+        body += chunk
+        if len(body) > limit:
+            raise Unusable(f"{what} is larger than {limit} bytes")
+    return bytes(body)
+
+
+def json_object(data: bytes | bytearray, what: str) -> dict[str, Any]:
+    try:
+        found = json.loads(data)
+    except ValueError:  # not JSON, not UTF-8, nested past the parser's depth
+        raise Unusable(f"{what} is not JSON") from None
+    except RecursionError:
+        raise Unusable(f"{what} is nested too deep") from None
+    if not isinstance(found, dict):
+        raise Unusable(f"{what} is a JSON {type(found).__name__}, not an object")
+    return found
+
+
+def lines_of(response: Any, limit: int = MAX_EVENT_BYTES) -> Iterator[bytes]:
+    """The complete lines of a watch stream (a line cut by the end of the stream is dropped, as the
+    event it began never arrived); a line past `limit` bytes ends the stream as unusable."""
+    buffer = bytearray()
+    for chunk in response.stream(READ_CHUNK, decode_content=True):
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", start)) != -1:
+            yield bytes(buffer[start:end])
+            start = end + 1
+        del buffer[:start]
+        if len(buffer) > limit:
+            raise Unusable(f"a watch event longer than {limit} bytes")
 
 
 class SliceWatch:
@@ -137,21 +205,24 @@ class SliceWatch:
         version: str | None = None
         backoff_s = self.config.retry_backoff_s
         while not self._stop.is_set():
+            fresh = False  # this watch starts from a version the list just gave
             try:
                 if version is None:
-                    version = self._list(discovery)
+                    version, fresh = self._list(discovery), True
                 version = self._watch(discovery, version)
                 backoff_s = self.config.retry_backoff_s
             except ApiException as exc:
-                if exc.status == HTTP_GONE:
+                if exc.status == HTTP_GONE and not fresh:
                     log.info("kubernetes discovery %s: resourceVersion %s expired; listing again", self._name, version)
                     version = None
                     continue
-                backoff_s = self._failed(f"API server answered {exc.status}: {exc.reason}", backoff_s)
+                if exc.status == HTTP_GONE:  # the version it just listed is gone: no list-410 loop at full speed
+                    version = None
+                backoff_s = self._failed(f"API server answered {exc.status}: {str(exc.reason)[:200]}", backoff_s)
             except Exception as exc:  # connection refused or reset, timeouts, bad JSON
                 if self._stop.is_set():
                     break
-                backoff_s = self._failed(f"{type(exc).__name__}: {exc}", backoff_s)
+                backoff_s = self._failed(f"{type(exc).__name__}: {str(exc)[:200]}", backoff_s)
 
     def _failed(self, reason: str, backoff_s: float) -> float:
         log.warning("kubernetes discovery %s: %s; retrying in %.1fs", self._name, reason, backoff_s)
@@ -160,10 +231,14 @@ class SliceWatch:
         return min(backoff_s * 2, self.config.retry_backoff_max_s)
 
     def _list(self, discovery: k8s_client.DiscoveryV1Api) -> str:
-        items: list[dict[str, Any]] = []
+        """List every page; deliver the decoded slices as one Reset. A page that cannot be read, a
+        list without a resourceVersion, or one still paging after MAX_LIST_PAGES fails the whole
+        list (nothing delivered: the pool keeps what it has); a slice that is not one is left out."""
+        slices: list[Slice] = []
+        refused, first_refusal = 0, ""
         cont: str | None = None
         version = ""
-        while True:
+        for _ in range(MAX_LIST_PAGES):
             response: Any = discovery.list_namespaced_endpoint_slice(  # the raw urllib3 response
                 self.namespace,
                 label_selector=self.selector,
@@ -172,16 +247,36 @@ class SliceWatch:
                 _preload_content=False,
                 _request_timeout=(CONNECT_TIMEOUT_S, 60.0),
             )
-            body = json.loads(response.data)
-            items.extend(i for i in body.get("items") or [] if isinstance(i, dict))
-            metadata = body.get("metadata") or {}
-            version = str(metadata.get("resourceVersion") or version)
+            try:
+                body = json_object(read_bounded(response, MAX_PAGE_BYTES, "a list page"), "a list page")
+            finally:
+                response.release_conn()
+            items, metadata = body.get("items"), body.get("metadata")
+            items = [] if items is None else items
+            if not isinstance(items, list) or not isinstance(metadata, dict) or len(items) > LIST_PAGE:
+                raise Unusable(f"a list page without `items` as a list of at most {LIST_PAGE} and `metadata`")
+            version = resource_version(body) or ""
             cont = metadata.get("continue") or None
+            if cont is not None and not isinstance(cont, str):
+                raise Unusable("a list page whose `continue` is not a string")
+            for item in items:
+                try:
+                    slices.append(decode_slice(item, self.config))
+                except InvalidSlice as exc:
+                    refused += 1
+                    first_refusal = first_refusal or str(exc)[:200]
             if not cont:
                 break
+        else:
+            raise Unusable(f"a list still paging after {MAX_LIST_PAGES} pages")
+        if not version:
+            raise Unusable("a list without a valid resourceVersion")
+        if refused:
+            log.warning("kubernetes discovery %s: %d listed objects are not EndpointSlices, left out (%s)",
+                        self._name, refused, first_refusal)  # fmt: skip
         self.lists += 1
-        self._learn_racks(items)
-        self._deliver(Reset(tuple(items), version))
+        self._learn_racks(slices)
+        self._deliver(Reset(tuple(slices), version))
         return version
 
     def _watch(self, discovery: k8s_client.DiscoveryV1Api, version: str) -> str:
@@ -203,18 +298,25 @@ class SliceWatch:
             for event in self._events(response):
                 kind = event.get("type")
                 obj = event.get("object")
-                if not isinstance(obj, dict):
-                    continue
+                if kind not in WATCH_EVENTS or not isinstance(obj, dict):
+                    raise Unusable(f"a watch event of type {str(kind)[:40]!r} or without an object")
                 if kind == "ERROR":
                     code = obj.get("code")
-                    raise ApiException(status=code if isinstance(code, int) else 500, reason=str(obj.get("message")))
-                version = resource_version(obj) or version
+                    status = code if type(code) is int and 100 <= code < 600 else 500
+                    raise ApiException(status=status, reason=str(obj.get("message"))[:200])
                 if kind in ("ADDED", "MODIFIED"):
-                    self._learn_racks([obj])
-                    self._deliver(Upsert(obj))
-                elif kind == "DELETED":
+                    try:
+                        found = decode_slice(obj, self.config)
+                    except InvalidSlice as exc:  # the pool keeps this slice's last good version
+                        log.warning("kubernetes discovery %s: %s; ignored", self._name, str(exc)[:200])
+                        found = None
+                    if found is not None:
+                        self._learn_racks([found])
+                        self._deliver(Upsert(found))
+                elif kind == "DELETED" and slice_name(obj):
                     self._deliver(Delete(slice_name(obj)))
                 # BOOKMARK: nothing changed, the version moved on
+                version = resource_version(obj) or version
         finally:
             with self._lock:
                 self._response = None
@@ -222,7 +324,7 @@ class SliceWatch:
             response.release_conn()
         return version
 
-    def _learn_racks(self, slices: list[dict[str, Any]]) -> None:
+    def _learn_racks(self, slices: list[Slice]) -> None:
         """Read the rack label of nodes not seen yet and deliver it before the slices that name them
         (a node's rack is where it stands: read once, kept for the watch's life, at most
         `max_endpoints` x 4 nodes). A node that cannot be read stays unknown and is asked again later."""
@@ -230,14 +332,18 @@ class SliceWatch:
             return
         label = self.config.rack_label
         learnt: list[tuple[str, str | None]] = []
-        for node in sorted(set().union(*(node_names(s) for s in slices))) if slices else []:
+        for node in sorted(set().union(*(s.nodes for s in slices))) if slices else []:
             if node in self.racks or len(self.racks) >= 4 * self.config.max_endpoints:
                 continue
             try:
                 response: Any = self._core.read_node(
                     node, _preload_content=False, _request_timeout=(CONNECT_TIMEOUT_S, 30.0)
                 )
-                labels = (json.loads(response.data).get("metadata") or {}).get("labels") or {}
+                try:
+                    metadata = json_object(read_bounded(response, MAX_NODE_BYTES, "a node"), "a node").get("metadata")
+                finally:
+                    response.release_conn()
+                labels = metadata.get("labels") if isinstance(metadata, dict) else None
             except ApiException as exc:
                 if exc.status != HTTP_NOT_FOUND:
                     log.warning(
@@ -248,18 +354,16 @@ class SliceWatch:
             except Exception as exc:  # connection refused or reset, timeouts, bad JSON
                 log.warning("kubernetes discovery %s: node %s unreadable (%s): rack unknown", self._name, node, exc)
                 continue
-            rack = labels.get(label) if isinstance(labels, dict) else None
-            self.racks[node] = str(rack) if isinstance(rack, str) and rack else None
+            self.racks[node] = label_value(labels.get(label)) if isinstance(labels, dict) else None
             learnt.append((node, self.racks[node]))
         if learnt:
             self._deliver(NodeRacks(tuple(learnt)))
 
     def _events(self, response: Any) -> Iterator[dict[str, Any]]:
-        for line in iter_resp_lines(response):  # type: ignore[no-untyped-call, unused-ignore]
+        """The watch's events, each line read as one JSON object; a line that is not one ends the
+        watch as unusable (retried with backoff from the last version seen)."""
+        for line in lines_of(response):
             if self._stop.is_set():
                 return
-            if not line.strip():
-                continue
-            event = json.loads(line)
-            if isinstance(event, dict):
-                yield event
+            if line.strip():
+                yield json_object(line, "a watch event")

@@ -23,6 +23,10 @@ into the pool on the event loop.
 The watch thread only delivers events; everything that touches the fleet runs here, on the loop,
 between two awaits (routing reads the fleet synchronously and sees either the old set or the new).
 Events that arrive together are applied together: one reconcile per burst, not per slice.
+The slices held between bursts are bounded: only slices with a usable address are kept, and at
+most HELD_PER_ENDPOINT (4) x `max_endpoints` addresses across them (a slice that would pass it is
+left out, logged and counted in `slices_refused`). A burst that fails to apply (a bug) is logged
+and the task goes on: discovery never ends while the gateway runs.
 `on_change(pool)` runs after every change of a pool's endpoint list, so the gateway can drop
 routing state of endpoints that left and admit new ones' metric labels.
 """
@@ -45,10 +49,10 @@ from backends.discovery.slices import (
     KubernetesDiscoveryConfig,
     NodeRacks,
     Reset,
+    Slice,
     Upsert,
     WatchEvent,
     desired_addresses,
-    slice_name,
 )
 from backends.fleet import Fleet, Pool
 from backends.types import Endpoint, EndpointState, Topology
@@ -141,6 +145,7 @@ def remove(pool: Pool, discovered: dict[str, Endpoint], url: str) -> Endpoint | 
 
 
 DRAIN_POLL_S = 0.05
+HELD_PER_ENDPOINT = 4  # addresses held across a pool's slices: at most this many times `max_endpoints`
 
 
 class Watch(Protocol):
@@ -176,7 +181,8 @@ class PoolDiscovery:
         self.config = config
         self.on_change = on_change
         self._watch_factory = watch_factory
-        self.slices: dict[str, dict[str, Any]] = {}
+        self.slices: dict[str, Slice] = {}  # name -> the slice, only those with a usable address
+        self.refused_slices = 0  # slices left out because the pool held addresses up to its bound
         self.discovered: dict[str, Endpoint] = {}  # URL -> endpoint this discovery added
         self.racks: dict[str, str | None] = {}  # node -> rack label (`rack_label`), as the watch read it
         self.synced = False  # a first list arrived
@@ -214,24 +220,50 @@ class PoolDiscovery:
             batch = [await self._queue.get()]
             while not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            touched = False
-            for event in batch:
-                if isinstance(event, Reset):
-                    self.slices = {slice_name(s): s for s in event.slices}
-                    self.synced, touched = True, True
-                    self.resets += 1
-                elif isinstance(event, Upsert):
-                    self.slices[slice_name(event.slice)] = event.slice
-                    touched = True
-                elif isinstance(event, Delete):
-                    touched = self.slices.pop(event.name, None) is not None or touched
-                elif isinstance(event, NodeRacks):
-                    self.racks.update(event.racks)
-                    touched = True
-                elif isinstance(event, Failure):
-                    self.last_failure, self.last_failure_unix_s = event.reason, time.time()
-            if touched and self.synced:
-                self._apply()
+            try:
+                if self._fold(batch) and self.synced:
+                    self._apply()
+            except Exception:  # a bug must not end discovery: the next burst is applied afresh
+                log.exception("discovery %s: applying %d events failed", self.pool.name, len(batch))
+
+    def _fold(self, batch: list[WatchEvent]) -> bool:
+        """Fold a burst of events into the slices held; whether anything changed."""
+        touched = False
+        for event in batch:
+            if isinstance(event, Reset):
+                self.slices = {}
+                for found in sorted(event.slices, key=lambda s: s.name):
+                    self._hold(found)
+                self.synced, touched = True, True
+                self.resets += 1
+            elif isinstance(event, Upsert):
+                touched = self._hold(event.slice) or touched
+            elif isinstance(event, Delete):
+                touched = self.slices.pop(event.name, None) is not None or touched
+            elif isinstance(event, NodeRacks):
+                self.racks.update(event.racks)
+                touched = True
+            elif isinstance(event, Failure):
+                self.last_failure, self.last_failure_unix_s = event.reason, time.time()
+        return touched
+
+    def _hold(self, found: Slice) -> bool:
+        """Keep `found` in place of its name's last version, unless the pool's slices would hold more
+        than HELD_PER_ENDPOINT x `max_endpoints` addresses (refused, logged: the last version stays).
+        A slice with no usable address is the same as none (dropped: it holds nothing)."""
+        if not found.addresses:
+            return self.slices.pop(found.name, None) is not None
+        previous = self.slices.get(found.name)
+        held = sum(len(s.addresses) for s in self.slices.values()) - (len(previous.addresses) if previous else 0)
+        if held + len(found.addresses) > HELD_PER_ENDPOINT * self.config.max_endpoints:
+            self.refused_slices += 1
+            log.warning(
+                "discovery %s: slice %s left out: the pool's slices would hold more than %d addresses",
+                self.pool.name, found.name, HELD_PER_ENDPOINT * self.config.max_endpoints,
+            )  # fmt: skip
+            return False
+        self.slices[found.name] = found
+        return True
 
     def _apply(self) -> None:
         wanted = desired_addresses(self.slices.values(), self.config)
@@ -268,6 +300,7 @@ class PoolDiscovery:
             "selector": self.config.selector,
             "synced": self.synced,
             "slices": len(self.slices),
+            "slices_refused": self.refused_slices,
             "endpoints": {e.id: e.state.value for e in self.discovered.values()},
             "relists": max(self.resets - 1, 0),
             "last_failure": self.last_failure,

@@ -30,10 +30,12 @@ from gateway.console.sessions import (
     PENDING_TTL_S,
     ConsoleSessions,
     LoginThrottle,
+    OidcBadRequest,
     OidcClient,
     OidcNotConfigured,
     OidcRefused,
     identity_of_claims,
+    printable,
     redirect_uri_of,
     retry_after_header,
 )
@@ -284,11 +286,13 @@ def oidc_handlers() -> tuple[Handler, Handler]:
             refusal = loopback_refusal(request)
             if refusal is not None:
                 raise refusal
+            if any(len(request.query.getall(name, ())) > 1 for name in ("state", "code", "error")):
+                raise OidcBadRequest("the callback repeats a parameter (RFC 6749 3.1: each is sent once)")
             async with aiohttp.ClientSession() as http:
                 claims = await client.finish(http, request.query, request.cookies.get(FLOW_COOKIE))
             identity = identity_of_claims(claims, client.config, gate_of(request.app).users)
             if identity is None:
-                who = str(claims.get("email") or claims.get("sub"))[:200]
+                who = printable(claims.get("email") or claims.get("sub"), 200)
                 audit.warning("console sign-on of %r from %s refused: no role maps to it", who, client_ip)
                 raise OidcRefused(f"{who} has no role on this gateway (server.users emails, server.oidc.group_roles)")
         except GatewayError as error:

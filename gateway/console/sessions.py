@@ -54,6 +54,14 @@ audience, expiry, nonce) and opens an ordinary console session for the identity 
   `server.users` becomes that user; otherwise the values of the groups claim are looked up in
   `server.oidc.group_roles`; a login that maps to nothing is refused.
 
+What the provider answers is input, read through one validating step each: the discovery document
+(`_endpoint_url`), the JWKS (`_usable_key`, each key imported on its own: one odd key never spoils the
+set), the ID token's header (`_token_header`, before any key is looked up) and its claims
+(`_claims_of_wrong_type`, before joserfc's checks); the callback's `state` and `code` are the browser's
+and must be visible ASCII. Any failure is a GatewayError (400, 403, or 502 for the provider), never
+an exception a handler did not expect, and text from outside reaches a message only through
+`printable` (a lone surrogate would fail the JSON answer).
+
 Pending logins are held in memory (a restart forgets them: the user clicks again), bounded in number
 and age. Calls to the provider are aiohttp calls with a timeout and bounded answers, never blocking
 the event loop. authlib makes the PKCE challenge and the random values; joserfc (the JOSE library
@@ -70,7 +78,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -239,6 +247,13 @@ DISCOVERY_TTL_S = 3600.0
 MAX_ANSWER_BYTES = 512 * 1024
 MAX_GROUPS = 1000
 MAX_ACTOR_CHARS = 200
+MAX_URL_CHARS = 2048  # an endpoint of the discovery document
+MAX_PARAM_CHARS = 2048  # the callback's `code` (RFC 6749: visible ASCII) and `state`
+MAX_TOKEN_CHARS = 64 * 1024  # the ID token: far beyond any provider's, within MAX_ANSWER_BYTES
+MAX_KEYS = 100  # keys of a JWKS looked at; the rest are ignored
+MAX_RSA_BITS = 8192  # a larger modulus is refused (verifying with a huge one costs the event loop seconds)
+_KEY_TYPES = ("RSA", "EC", "OKP")  # the asymmetric keys of `server.oidc.algorithms`; "oct" never
+_CLAIM_ERRORS = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, OverflowError)
 _RANK = {"viewer": 1, "team_admin": 2, "admin": 3}
 
 
@@ -328,18 +343,24 @@ class OidcClient:
         return url, cookie
 
     async def finish(self, http: aiohttp.ClientSession, query: Mapping[str, str], cookie: str | None) -> dict[str, Any]:
-        """The verified ID token's claims of the login `query` (the callback's) completes."""
+        """The verified ID token's claims of the login `query` (the callback's) completes. The query and
+        the cookie are the browser's, so read as any client input: `state` and `code` are visible
+        ASCII (RFC 6749's VSCHAR) or refused before anything is looked up or sent."""
         state = query.get("state", "")
+        if not _vschar(state):
+            raise OidcBadRequest("the callback's state is not one this gateway makes")
         pending = self._pending.pop(state, None) if state else None
         if pending is None or pending.expires_at <= self._clock():
             raise OidcRefused("this sign-on was not started here, was already used, or is too old: start again")
         if not cookie or not hmac.compare_digest(_digest(cookie), pending.browser):
             raise OidcRefused("this sign-on was started in another browser: start again")
         if "error" in query:
-            raise OidcRefused(f"the provider refused the sign-on: {query.get('error', '')[:100]}")
+            raise OidcRefused(f"the provider refused the sign-on: {printable(query.get('error', ''), 100)}")
         code = query.get("code")
         if not code:
             raise OidcBadRequest("the callback carries no code")
+        if not _vschar(code):
+            raise OidcBadRequest("the callback's code is not visible ASCII of at most 2,048 characters")
         provider = await self._discover(http)
         form = {
             "grant_type": "authorization_code",
@@ -356,10 +377,10 @@ class OidcClient:
             if self.config.client_secret:
                 form["client_secret"] = self.config.client_secret
         status, answer = await self._call(http, "POST", provider.token_endpoint, data=form, headers=headers)
-        if status != 200 or not isinstance(answer.get("id_token"), str):
-            detail = str(answer.get("error", status))[:100]
-            raise OidcRefused(f"the provider did not exchange the code ({detail})")
-        return await self._verified(http, provider, answer["id_token"], pending.nonce)
+        token = answer.get("id_token")
+        if status != 200 or not isinstance(token, str) or not token:
+            raise OidcRefused(f"the provider did not exchange the code ({printable(answer.get('error', status), 100)})")
+        return await self._verified(http, provider, token, pending.nonce)
 
     # ------------------------------------------------------------------ the ID token
     async def _verified(
@@ -369,15 +390,21 @@ class OidcClient:
         from joserfc.errors import JoseError
 
         algorithms = list(self.config.algorithms)
+        kid = _token_header(token, algorithms)
+        keys = await self._key_set(http, provider)
+        if kid is not None and not any(k.kid == kid for k in keys.keys):
+            # a key the cached set lacks (the provider rotated): fetch the set once more
+            keys = await self._key_set(http, provider, fresh=True)
         try:
-            decoded = jwt.decode(token, await self._key_set(http, provider), algorithms=algorithms)
-        except (JoseError, ValueError):
-            # a key the cached set lacks (the provider rotated): fetch the set once more, then give up
-            try:
-                decoded = jwt.decode(token, await self._key_set(http, provider, fresh=True), algorithms=algorithms)
-            except (JoseError, ValueError) as exc:
-                raise OidcRefused(f"the ID token's signature does not verify ({type(exc).__name__})") from None
-        claims = dict(decoded.claims)
+            decoded = jwt.decode(token, keys, algorithms=algorithms)
+        except (JoseError, *_CLAIM_ERRORS) as exc:
+            raise OidcRefused(f"the ID token's signature does not verify ({type(exc).__name__})") from None
+        claims = decoded.claims
+        if not isinstance(claims, dict):
+            raise OidcRefused("the ID token's claims are not an object")
+        wrong = _claims_of_wrong_type(claims)
+        if wrong:
+            raise OidcRefused(f"the ID token's claim {wrong} is not of its type")
         registry = jwt.JWTClaimsRegistry(
             leeway=int(self.config.leeway_s),
             iss={"essential": True, "value": self.config.issuer},
@@ -390,24 +417,38 @@ class OidcClient:
         try:
             registry.validate(claims)
         except JoseError as exc:
-            raise OidcRefused(f"the ID token is not for this login ({exc.error}: {exc.description})") from None
+            why = f"{exc.error}: {printable(exc.description, 200)}"
+            raise OidcRefused(f"the ID token is not for this login ({why})") from None
+        except _CLAIM_ERRORS as exc:
+            raise OidcRefused(f"the ID token's claims cannot be read ({type(exc).__name__})") from None
         audiences = claims["aud"] if isinstance(claims["aud"], list) else [claims["aud"]]
         if len(audiences) > 1 and claims.get("azp") != self.config.client_id:  # OIDC Core 3.1.3.7, 4-5
             raise OidcRefused("the ID token names several audiences and another authorized party")
         return claims
 
     async def _key_set(self, http: aiohttp.ClientSession, provider: _Provider, *, fresh: bool = False) -> KeySet:
+        """The provider's signing keys: each entry of its JWKS read on its own (at most MAX_KEYS), the
+        ones of another kind (symmetric, encryption, unknown, malformed, an RSA modulus past
+        MAX_RSA_BITS) skipped; a set with none left is the provider's failure (502)."""
         from joserfc.errors import JoseError
         from joserfc.jwk import KeySet
 
         if self._keys is None or fresh:
             status, doc = await self._call(http, "GET", provider.jwks_uri)
-            try:
-                if status != 200:
-                    raise ValueError(f"status {status}")
-                self._keys = KeySet.import_key_set(doc)  # type: ignore[arg-type]
-            except (JoseError, ValueError, TypeError, KeyError) as exc:
-                raise OidcProviderFailed(f"the provider's JWKS cannot be read ({exc})") from None
+            found = doc.get("keys")
+            if status != 200 or not isinstance(found, list):
+                raise OidcProviderFailed(f"the provider's JWKS cannot be read (status {status}, no list of keys)")
+            keys = []
+            for entry in found[:MAX_KEYS]:  # a key of a kind not used here is skipped, not fatal to the set
+                if not _usable_key(entry):
+                    continue
+                try:
+                    keys.append(KeySet.import_key_set({"keys": [entry]}).keys[0])
+                except (JoseError, *_CLAIM_ERRORS):
+                    continue
+            if not keys:
+                raise OidcProviderFailed("the provider's JWKS holds no signing key this gateway can use")
+            self._keys = KeySet(keys)
         return self._keys
 
     # ------------------------------------------------------------------ the provider
@@ -417,12 +458,15 @@ class OidcClient:
             return self._provider
         url = self.config.issuer + "/.well-known/openid-configuration"
         status, doc = await self._call(http, "GET", url)
-        endpoints = [doc.get(k) for k in ("authorization_endpoint", "token_endpoint", "jwks_uri")]
-        if status != 200 or not all(isinstance(e, str) and e.startswith(("https://", "http://")) for e in endpoints):
+        endpoints = [_endpoint_url(doc.get(k)) for k in ("authorization_endpoint", "token_endpoint", "jwks_uri")]
+        if status != 200 or not all(endpoints):
             raise OidcProviderFailed(f"{url} is not an OpenID Connect discovery document (status {status})")
         if doc.get("issuer") != self.config.issuer:  # OIDC Discovery 4.3: must be exactly the issuer asked
-            raise OidcProviderFailed(f"{url} names issuer {str(doc.get('issuer'))[:200]!r}, not the one configured")
-        methods = doc.get("token_endpoint_auth_methods_supported") or ["client_secret_basic"]
+            named = printable(doc.get("issuer"), 200)
+            raise OidcProviderFailed(f"{url} names issuer {named!r}, not the one configured")
+        methods = doc.get("token_endpoint_auth_methods_supported")
+        if not isinstance(methods, list) or not methods:  # absent (or not a list): the specification's default
+            methods = ["client_secret_basic"]
         basic = "client_secret_basic" in methods or "client_secret_post" not in methods
         self._provider = _Provider(str(endpoints[0]), str(endpoints[1]), str(endpoints[2]), basic, now)
         self._keys = None
@@ -441,7 +485,7 @@ class OidcClient:
                     if len(body) > MAX_ANSWER_BYTES:
                         raise OidcProviderFailed(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
                 status = response.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
             raise OidcProviderFailed(f"the provider did not answer {method} {url}: {type(exc).__name__}") from None
         try:
             doc = orjson.loads(body) if body else {}
@@ -455,6 +499,82 @@ class OidcClient:
             if first.expires_at > now:
                 return
             del self._pending[state]
+
+
+def printable(value: object, limit: int) -> str:
+    """`value` as text fit for an error message or a log line: visible characters only (a lone
+    surrogate from a percent-escape that is not UTF-8 would fail the JSON answer), at most `limit`."""
+    return "".join(c if c.isprintable() else "?" for c in str(value)[:limit])
+
+
+def _vschar(value: str) -> bool:
+    return len(value) <= MAX_PARAM_CHARS and all("\x20" <= c <= "\x7e" for c in value)
+
+
+def _endpoint_url(value: object) -> str | None:
+    """An endpoint of the discovery document when it is an absolute http(s) URL aiohttp can call and
+    a browser can be sent to (visible ASCII: no header can be split by it), else None."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_URL_CHARS or not _vschar(value) or " " in value:
+        return None
+    from yarl import URL
+
+    try:
+        url = URL(value)
+        port = url.port
+    except (ValueError, TypeError):
+        return None
+    if url.scheme not in ("https", "http") or not url.host or port is None or not 0 < port < 65536:
+        return None
+    return value
+
+
+def _token_header(token: str, algorithms: Sequence[str]) -> str | None:
+    """The `kid` of an ID token whose protected header is one this gateway verifies: three parts,
+    a JSON object naming one of `algorithms` (never `none`, never HMAC), `kid` a string if present,
+    no `crit` extension. Anything else is refused here, before a key is looked up."""
+    parts = token.split(".")
+    if len(token) > MAX_TOKEN_CHARS or len(parts) != 3 or not all(parts):
+        raise OidcRefused("the ID token is not a signed JWT (three parts)")
+    try:
+        header = orjson.loads(base64.urlsafe_b64decode(parts[0] + "=" * (-len(parts[0]) % 4)))
+    except (ValueError, orjson.JSONDecodeError):
+        raise OidcRefused("the ID token's header is not JSON") from None
+    if not isinstance(header, dict) or header.get("alg") not in algorithms:
+        raise OidcRefused(f"the ID token is not signed with one of {', '.join(algorithms)}")
+    kid = header.get("kid")
+    if (kid is not None and not isinstance(kid, str)) or "crit" in header:
+        raise OidcRefused("the ID token's header names a key that is not a string, or an extension")
+    return kid
+
+
+def _usable_key(entry: object) -> bool:
+    """A JWKS entry worth importing: an object of an asymmetric key type, for signatures (or of no
+    stated use), with an RSA modulus of at most MAX_RSA_BITS."""
+    if not isinstance(entry, dict) or entry.get("kty") not in _KEY_TYPES or entry.get("use", "sig") != "sig":
+        return False
+    kid, modulus = entry.get("kid"), entry.get("n")
+    if kid is not None and not isinstance(kid, str):
+        return False
+    return not isinstance(modulus, str) or len(modulus) * 6 <= MAX_RSA_BITS + 8
+
+
+_NUMBER_CLAIMS = ("exp", "iat", "nbf", "auth_time")
+_TEXT_CLAIMS = ("iss", "sub", "nonce", "azp")
+
+
+def _claims_of_wrong_type(claims: Mapping[str, Any]) -> str | None:
+    """The first registered claim whose value is not of the type OpenID Connect gives it (a time is
+    a finite number, not a boolean; `aud` a string or a list of them; the others strings), else None."""
+    for name in _NUMBER_CLAIMS:
+        value = claims.get(name)
+        if value is not None and (type(value) not in (int, float) or not math.isfinite(value)):
+            return name
+    for name in _TEXT_CLAIMS:
+        if name in claims and not isinstance(claims[name], str):
+            return name
+    aud = claims.get("aud")
+    listed = isinstance(aud, list) and bool(aud) and all(isinstance(a, str) for a in aud)
+    return "aud" if aud is not None and not isinstance(aud, str) and not listed else None
 
 
 def identity_of_claims(claims: Mapping[str, Any], config: OidcConfig, users: Users) -> Identity | None:

@@ -19,7 +19,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +64,11 @@ class Provider:
     other_key: RSAKey = field(default_factory=lambda: _signing_keys()[1])
     grants: dict[str, _Grant] = field(default_factory=dict)
     token_requests: list[dict[str, str]] = field(default_factory=list)
+    # a hostile provider (tests of what its answers may be): a path's whole answer (status, body),
+    # claims set over the real ones, and the ID token made from the claims by the test instead
+    answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    claims: dict[str, Any] = field(default_factory=dict)
+    make_token: Callable[[dict[str, Any]], str] | None = None
 
     def id_token(self, grant: _Grant) -> str:
         now = int(time.time())
@@ -75,7 +80,10 @@ class Provider:
             "exp": now + 300 if self.tamper != "expired" else now - 3600,
             "nonce": grant.nonce if self.tamper != "nonce" else "a-nonce-of-another-login",
             **self.users[grant.user],
+            **self.claims,
         }
+        if self.make_token is not None:
+            return self.make_token(claims)
         key = self.key if self.tamper != "key" else self.other_key
         return jwt.encode({"alg": "RS256", "kid": "test-1"}, claims, key)
 
@@ -104,7 +112,9 @@ def _handler(provider: Provider) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             parts = urlsplit(self.path)
             query = {k: v[0] for k, v in parse_qs(parts.query).items()}
-            if parts.path == "/.well-known/openid-configuration":
+            if parts.path in provider.answers:
+                self._send(*provider.answers[parts.path], "application/json")
+            elif parts.path == "/.well-known/openid-configuration":
                 self._json(
                     200,
                     {
@@ -165,6 +175,8 @@ def _handler(provider: Provider) -> type[BaseHTTPRequestHandler]:
                 )
                 target = form["redirect_uri"] + "?" + urlencode({"code": code, "state": form.get("state", "")})
                 self._send(302, b"", "text/plain", {"Location": target})
+            elif path == "/token" and path in provider.answers:
+                self._send(*provider.answers[path], "application/json")
             elif path == "/token":
                 self._token(form)
             else:

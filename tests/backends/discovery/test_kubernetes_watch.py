@@ -246,3 +246,115 @@ async def test_without_a_rack_label_no_node_is_read(api: FakeKubeApi) -> None:
         assert api.node_reads == []
     finally:
         await discovery.stop()
+
+
+# What the API server sends is input (bench/chaos/control_fuzz.py).
+
+
+def _hostile(name: str, **fields: object) -> dict[str, object]:
+    obj = endpoint_slice(name, "engines", [("10.0.0.9", "pod-9")], port=8000)
+    obj.update(fields)
+    return obj
+
+
+async def test_a_slice_of_the_wrong_shape_is_ignored_and_the_watch_goes_on(api: FakeKubeApi) -> None:
+    """`ports: 5` once raised in the task applying the watch's events: it ended, and nothing the
+    watch delivered afterwards reached the pool (while the thread went on queueing events)."""
+    api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
+    pool, discovery, _ = await _discover(_config(api))
+    try:
+        await wait_for_async(lambda: bool(pool.endpoints))
+        cases: list[dict[str, object]] = [{"ports": 5}, {"endpoints": 7}, {"endpoints": [{"conditions": []}]}]
+        for i, fields in enumerate(cases):
+            api.upsert(_hostile(f"engines-bad-{i}", **fields))
+        api.upsert(endpoint_slice("engines-b", "engines", [("10.0.0.2", "pod-2")], port=8000))
+        await wait_for_async(lambda: len(pool.endpoints) == 2)
+        assert set(_urls(pool)) == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+    finally:
+        await discovery.stop()
+
+
+async def test_a_list_that_pages_past_its_bound_is_refused_and_the_pool_kept(
+    api: FakeKubeApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `continue` on every page once made the list collect items forever (memory without end)."""
+    from backends.discovery import kubernetes
+
+    for i in range(3):
+        api.upsert(endpoint_slice(f"engines-{i}", "engines", [(f"10.0.1.{i}", f"pod-{i}")], port=8000))
+    monkeypatch.setattr(kubernetes, "LIST_PAGE", 1)
+    monkeypatch.setattr(kubernetes, "MAX_LIST_PAGES", 2)
+    pool, discovery, _ = await _discover(_config(api))
+    try:
+        await wait_for_async(lambda: discovery.last_failure is not None)
+        assert "still paging" in str(discovery.last_failure) and not pool.endpoints
+    finally:
+        await discovery.stop()
+
+
+async def test_a_watch_refused_410_right_after_its_list_backs_off(api: FakeKubeApi) -> None:
+    """An API server answering 410 to the version it has just listed once had the watch list again at
+    once, forever: a loop as fast as the two could talk. It is now a failure, retried with backoff."""
+    api.gone_as_status = True
+    api.oldest_version = 10**9  # every watch is from a version too old
+    api.upsert(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1")], port=8000))
+    pool, discovery, _ = await _discover(_config(api))
+    try:
+        await wait_for_async(lambda: discovery.last_failure is not None and api.lists >= 2)
+        assert "410" in str(discovery.last_failure)
+        assert _urls(pool) == {"http://10.0.0.1:8000": "starting"}  # the list's slices are kept meanwhile
+    finally:
+        await discovery.stop()
+
+
+class _Stream:
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = chunks
+
+    def stream(self, amt: int, decode_content: bool = True) -> Iterator[bytes]:
+        yield from self.chunks
+
+
+def test_watch_lines_are_bounded_and_a_cut_one_is_dropped() -> None:
+    from backends.discovery.kubernetes import Unusable, lines_of
+
+    assert list(lines_of(_Stream(b'{"a":', b"1}\n{}\n", b'{"cut'))) == [b'{"a":1}', b"{}"]
+    with pytest.raises(Unusable, match="longer than"):
+        list(lines_of(_Stream(b"x" * 1000, b"y" * 1000), limit=1500))
+
+
+async def test_a_rack_label_that_is_no_label_value_is_unknown(api: FakeKubeApi) -> None:
+    api.nodes = {"gpu-1": {"example.com/rack": "x" * 100}, "gpu-2": {"example.com/rack": "r 2"}}
+    api.upsert(_on_node(endpoint_slice("engines-a", "engines", [("10.0.0.1", "pod-1"), ("10.0.0.2", "pod-2")],
+                                       port=8000), "gpu-1", "gpu-2"))  # fmt: skip
+    pool, discovery, _ = await _discover(_config(api, rack_label="example.com/rack"))
+    try:
+        await wait_for_async(lambda: len(pool.endpoints) == 2 and len(api.node_reads) == 2)
+        await wait_for_async(lambda: all(e.topology.node for e in pool.endpoints))
+        assert {e.topology.rack for e in pool.endpoints} == {None}
+    finally:
+        await discovery.stop()
+
+
+class _Page(_Stream):
+    def release_conn(self) -> None:
+        pass
+
+
+def test_a_list_page_holding_more_than_was_asked_is_refused_whole() -> None:
+    """A page of 3,000,000 items (none a slice) was once decoded item by item, holding the interpreter
+    for seconds (the event loop's health checks timed out) and then read as "no slices": the pool
+    drained its engines. A page of more items than the `limit` asked is not the API's answer."""
+    from backends.discovery.kubernetes import LIST_PAGE, SliceWatch, Unusable
+
+    page = b'{"metadata": {"resourceVersion": "5"}, "items": [' + b"1," * LIST_PAGE + b"1]}"
+
+    class Api:
+        def list_namespaced_endpoint_slice(self, *args: object, **kwargs: object) -> _Page:
+            return _Page(page)
+
+    delivered: list[object] = []
+    config = KubernetesDiscoveryConfig.model_validate({"service": "engines", "namespace": "default"})
+    with pytest.raises(Unusable, match="at most"):
+        SliceWatch(config, delivered.append)._list(Api())  # type: ignore[arg-type]
+    assert delivered == []

@@ -4,6 +4,8 @@ signature, issuer, audience, expiry and nonce; and the mapping of a verified log
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -12,7 +14,8 @@ import aiohttp
 import pytest
 
 from gateway.app.settings import OidcConfig, OidcGroupRole, UserConfig
-from gateway.console.sessions import OidcClient, OidcProviderFailed, OidcRefused, identity_of_claims
+from gateway.console.sessions import OidcBadRequest, OidcClient, OidcProviderFailed, OidcRefused, identity_of_claims
+from gateway.errors import error_response
 from gateway.http.access import Users
 from tests.support.oidc_provider import Provider, oidc_provider
 
@@ -138,3 +141,120 @@ def test_the_configuration_refuses_a_plain_http_provider_beyond_loopback() -> No
         OidcConfig(issuer="https://idp.example", client_id=CLIENT_ID, redirect_url="https://gw.example/cb")
     with pytest.raises(ValueError):
         OidcConfig(issuer="https://idp.example", client_id=CLIENT_ID, algorithms=["HS256"])  # type: ignore[list-item]
+
+
+# What the provider answers is input too (bench/chaos/control_fuzz.py): each answer below once ended
+# the login in a 500 (an exception no handler expected) or in a session it should not have opened.
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+async def _login_fails(provider: Provider, expected: type[Exception], match: str) -> None:
+    client = OidcClient(config(provider))
+    async with aiohttp.ClientSession() as http:
+        callback, cookie = await log_in(client, http, "alice")
+        with pytest.raises(expected, match=match):
+            await client.finish(http, callback, cookie)
+
+
+async def test_auth_methods_of_another_shape_read_as_the_default(provider: Provider) -> None:
+    doc = _discovery(provider) | {"token_endpoint_auth_methods_supported": 5}
+    provider.answers["/.well-known/openid-configuration"] = (200, json.dumps(doc).encode())
+    client = OidcClient(config(provider))
+    async with aiohttp.ClientSession() as http:
+        callback, cookie = await log_in(client, http, "alice")
+        assert (await client.finish(http, callback, cookie))["sub"] == "sub-alice"
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:99999/token", "http://x\r\nSet-Cookie: a=b", "https://", "javascript:x", "/token", 5]
+)
+async def test_a_discovery_document_naming_an_endpoint_that_is_no_url_is_a_502(provider: Provider, url: object) -> None:
+    doc = _discovery(provider) | {"token_endpoint": url}
+    provider.answers["/.well-known/openid-configuration"] = (200, json.dumps(doc).encode())
+    client = OidcClient(config(provider))
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(OidcProviderFailed):
+            await client.begin(http, REDIRECT)
+
+
+async def test_a_jwks_with_keys_of_other_kinds_still_verifies_with_its_signing_key(provider: Provider) -> None:
+    odd = [{"kty": "EC", "crv": "P-999", "x": "a", "y": "b"}, {"kty": "XYZ"}, {"kty": "oct", "k": "c2VjcmV0"}, 7,
+           {"kty": "OKP", "crv": "Ed25519", "x": "AAAA"},
+           {"kty": "RSA", "kid": "big", "n": "A" * 200_000, "e": "AQAB"}]  # fmt: skip
+    keys = {"keys": [*odd, provider.key.as_dict(private=False)]}
+    provider.answers["/jwks"] = (200, json.dumps(keys).encode())
+    client = OidcClient(config(provider))
+    async with aiohttp.ClientSession() as http:
+        callback, cookie = await log_in(client, http, "alice")
+        assert (await client.finish(http, callback, cookie))["sub"] == "sub-alice"
+    provider.answers["/jwks"] = (200, json.dumps({"keys": odd}).encode())
+    await _login_fails(provider, OidcProviderFailed, "no signing key")
+
+
+@pytest.mark.parametrize(
+    "claims, why",
+    [
+        ({"exp": float("inf")}, "exp"),
+        ({"exp": "9999999999"}, "exp"),
+        ({"iat": True}, "iat"),
+        ({"sub": 5}, "sub"),
+        ({"nonce": ["x"]}, "nonce"),
+        ({"aud": {"aud": CLIENT_ID}}, "aud"),
+        ({"aud": [5]}, "aud"),
+    ],
+)
+async def test_a_signed_claim_of_the_wrong_type_is_refused(
+    provider: Provider, claims: dict[str, Any], why: str
+) -> None:
+    provider.claims = claims
+    await _login_fails(provider, OidcRefused, why)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c: _b64(b'{"alg":"none"}') + "." + _b64(json.dumps(c).encode()) + ".",
+        lambda c: _b64(b'{"alg":"RS256","kid":5}') + "." + _b64(json.dumps(c).encode()) + "." + _b64(b"s"),
+        lambda c: _b64(b"[1]") + "." + _b64(b"{}") + "." + _b64(b"s"),
+        lambda c: "a.b",
+    ],
+    ids=["alg-none", "kid-int", "header-list", "two-parts"],
+)
+async def test_a_token_that_is_no_signed_jwt_is_refused(provider: Provider, make: Any) -> None:
+    provider.make_token = make
+    await _login_fails(provider, OidcRefused, "ID token")
+
+
+async def test_a_token_nested_past_the_parsers_depth_is_refused(provider: Provider) -> None:
+    from joserfc import jws
+
+    provider.make_token = lambda _: jws.serialize_compact(
+        {"alg": "RS256", "kid": "test-1"}, b"[" * 5000 + b"]" * 5000, provider.key
+    )
+    await _login_fails(provider, OidcRefused, "signature does not verify|claims")
+
+
+async def test_callback_parameters_that_are_not_visible_ascii_are_a_400(provider: Provider) -> None:
+    client = OidcClient(config(provider))
+    async with aiohttp.ClientSession() as http:
+        callback, cookie = await log_in(client, http, "alice")
+        with pytest.raises(OidcBadRequest):  # a lone surrogate: what aiohttp makes of %FF in a query
+            await client.finish(http, {**callback, "code": "\udcff\udcfe"}, cookie)
+        callback, cookie = await log_in(client, http, "alice")
+        with pytest.raises(OidcRefused) as refused:
+            await client.finish(http, {**callback, "error": "denied\udcff"}, cookie)
+    error_response(refused.value)  # the answer can be written (it once failed to encode: a 500)
+    assert "\udcff" not in refused.value.message
+
+
+def _discovery(provider: Provider) -> dict[str, Any]:
+    return {
+        "issuer": provider.issuer,
+        "authorization_endpoint": provider.issuer + "/authorize",
+        "token_endpoint": provider.issuer + "/token",
+        "jwks_uri": provider.issuer + "/jwks",
+        "token_endpoint_auth_methods_supported": ["client_secret_basic"],
+    }
