@@ -2,10 +2,11 @@
 and a real Redis, each with its target, written to bench/results/chaos.md (and chaos.png).
 
     .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
-                                            schema_fuzz,checklist,epp_fuzz,upstream_fuzz,state_fuzz]
+                                            schema_fuzz,checklist,epp_fuzz,upstream_fuzz,engine_channels,
+                                            control_fuzz,state_fuzz]
                                     [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
-                                    [--epp-examples 1500] [--upstream-examples 3000] [--state-examples 3000]
-                                    [--seed N]
+                                    [--epp-examples 1500] [--upstream-examples 3000] [--engine-examples 2000]
+                                    [--control-examples 1000] [--state-examples 3000] [--seed N]
 
 Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
 some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
@@ -25,7 +26,9 @@ from typing import Any
 
 from bench.chaos import (
     checklist,
+    control_fuzz,
     disconnects,
+    engine_channels,
     epp_fuzz,
     fuzz,
     gateway_kill,
@@ -49,6 +52,8 @@ PROBES = (
     "checklist",
     "epp_fuzz",
     "upstream_fuzz",
+    "engine_channels",
+    "control_fuzz",
     "state_fuzz",
 )
 # How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
@@ -64,6 +69,14 @@ HEADINGS = {
     "checklist": ("## Per-surface checklist", "per-surface checklist"),
     "epp_fuzz": ("## The endpoint picker's stream", "the endpoint picker's stream (`tokenway epp`)"),
     "upstream_fuzz": ("## An engine that answers anything", "an engine that answers anything"),
+    "engine_channels": (
+        "## What an engine reports on its side channels",
+        "what an engine reports on its side channels",
+    ),
+    "control_fuzz": (
+        "## An identity provider and a cluster API that answer anything",
+        "an identity provider and a cluster API that answer anything",
+    ),
     "state_fuzz": ("## Shared state that holds anything", "shared state that holds anything"),
 }
 
@@ -255,6 +268,8 @@ def main() -> None:
     parser.add_argument("--schema-examples", type=int, default=2000)
     parser.add_argument("--epp-examples", type=int, default=1500)
     parser.add_argument("--upstream-examples", type=int, default=3000)
+    parser.add_argument("--engine-examples", type=int, default=2000)
+    parser.add_argument("--control-examples", type=int, default=1000)
     parser.add_argument("--state-examples", type=int, default=3000)
     parser.add_argument(
         "--seed",
@@ -334,6 +349,20 @@ def main() -> None:
             HEADINGS["upstream_fuzz"][1],
             lambda: upstream_fuzz.section(
                 upstream_fuzz.run(root / "upstream", examples=args.upstream_examples, seed=args.seed)
+            ),
+        )
+        probe(
+            "engine_channels",
+            HEADINGS["engine_channels"][1],
+            lambda: engine_channels.section(
+                engine_channels.run(root / "engine", examples=args.engine_examples, seed=args.seed)
+            ),
+        )
+        probe(
+            "control_fuzz",
+            HEADINGS["control_fuzz"][1],
+            lambda: control_fuzz.section(
+                control_fuzz.run(root / "control", examples=args.control_examples, seed=args.seed)
             ),
         )
         probe(
