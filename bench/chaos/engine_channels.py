@@ -224,9 +224,10 @@ class ChannelEngine:
                     for _ in range(kv_events.MAX_REPLAY_BATCHES + 10):
                         sock.send_multipart([identity, b"", *old], zmq.NOBLOCK)
                 else:
-                    for seq in sorted(dict(self.replay_buffer)):
+                    buffered = dict(self.replay_buffer)  # a snapshot: the publisher trims the buffer meanwhile
+                    for seq in sorted(buffered):
                         if seq >= first:
-                            sock.send_multipart([identity, b"", *self.replay_buffer[seq]])
+                            sock.send_multipart([identity, b"", *buffered[seq]])
                 sock.send_multipart([identity, b"", *end])
         finally:
             sock.close(0)
