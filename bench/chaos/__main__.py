@@ -21,7 +21,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from bench.chaos import (
@@ -260,6 +262,13 @@ def _section_memory(r: dict[str, Any], plotted: bool) -> list[str]:
     ]
 
 
+def _stage(module: ModuleType, folder: Path, examples: int, seed: int | None) -> list[str]:
+    """One hypothesis-driven stage's section (the checklist draws nothing: it runs whole)."""
+    result = module.run(folder) if module is checklist else module.run(folder, examples=examples, seed=seed)
+    lines: list[str] = module.section(result)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(PROBES), help="comma-separated probes to run")
@@ -331,45 +340,18 @@ def main() -> None:
             lambda: _section_fuzz(fuzz.run(root / "fuzz", examples=args.fuzz_examples, seed=args.seed)),
         )
         probe("memory", "memory under hostile client strings", memory_probe)
-        probe(
-            "schema_fuzz",
-            HEADINGS["schema_fuzz"][1],
-            lambda: schema_fuzz.section(
-                schema_fuzz.run(root / "schema", examples=args.schema_examples, seed=args.seed)
-            ),
+        # the hypothesis-driven stages: `run(folder, examples=, seed=)` and `section(result)` each
+        stages: tuple[tuple[str, ModuleType, str, int], ...] = (
+            ("schema_fuzz", schema_fuzz, "schema", args.schema_examples),
+            ("checklist", checklist, "checklist", 0),
+            ("epp_fuzz", epp_fuzz, "epp", args.epp_examples),
+            ("upstream_fuzz", upstream_fuzz, "upstream", args.upstream_examples),
+            ("engine_channels", engine_channels, "engine", args.engine_examples),
+            ("control_fuzz", control_fuzz, "control", args.control_examples),
+            ("state_fuzz", state_fuzz, "state", args.state_examples),
         )
-        probe("checklist", HEADINGS["checklist"][1], lambda: checklist.section(checklist.run(root / "checklist")))
-        probe(
-            "epp_fuzz",
-            HEADINGS["epp_fuzz"][1],
-            lambda: epp_fuzz.section(epp_fuzz.run(root / "epp", examples=args.epp_examples, seed=args.seed)),
-        )
-        probe(
-            "upstream_fuzz",
-            HEADINGS["upstream_fuzz"][1],
-            lambda: upstream_fuzz.section(
-                upstream_fuzz.run(root / "upstream", examples=args.upstream_examples, seed=args.seed)
-            ),
-        )
-        probe(
-            "engine_channels",
-            HEADINGS["engine_channels"][1],
-            lambda: engine_channels.section(
-                engine_channels.run(root / "engine", examples=args.engine_examples, seed=args.seed)
-            ),
-        )
-        probe(
-            "control_fuzz",
-            HEADINGS["control_fuzz"][1],
-            lambda: control_fuzz.section(
-                control_fuzz.run(root / "control", examples=args.control_examples, seed=args.seed)
-            ),
-        )
-        probe(
-            "state_fuzz",
-            HEADINGS["state_fuzz"][1],
-            lambda: state_fuzz.section(state_fuzz.run(root / "state", examples=args.state_examples, seed=args.seed)),
-        )
+        for name, module, folder, examples in stages:
+            probe(name, HEADINGS[name][1], partial(_stage, module, root / folder, examples, args.seed))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -37,3 +37,11 @@ async def make_admission(request: pytest.FixtureRequest) -> AsyncIterator[Admiss
     yield factory
     for admission in made:
         await admission.close()
+
+
+@pytest.fixture
+async def redis_store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
+    """The limiter's Redis store alone, under a unique prefix (tests of its scripts)."""
+    opened = RedisStore.from_url(redis_url, prefix=redis_prefix, timeout_s=2.0)
+    yield opened
+    await opened.close()

@@ -4,7 +4,6 @@ handled per batch without stranding any caller."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -18,10 +17,8 @@ pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-async def store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_url, prefix=redis_prefix, timeout_s=2.0)
-    yield s
-    await s.close()
+def store(redis_store: RedisStore) -> RedisStore:
+    return redis_store
 
 
 def plan() -> Plan:

@@ -9,8 +9,6 @@ hold a limit open nor shut it for good.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from policies.limits.plan import Charge, Plan, Settlement
@@ -23,10 +21,8 @@ NOW = 1_800_000_000.0
 
 
 @pytest.fixture
-async def store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_url, prefix=redis_prefix, timeout_s=2.0)
-    yield s
-    await s.close()
+def store(redis_store: RedisStore) -> RedisStore:
+    return redis_store
 
 
 def plan() -> Plan:

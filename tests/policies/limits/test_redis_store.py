@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
@@ -17,10 +16,8 @@ pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-async def store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_url, prefix=redis_prefix, timeout_s=2.0)
-    yield s
-    await s.close()
+def store(redis_store: RedisStore) -> RedisStore:
+    return redis_store
 
 
 def full_plan() -> Plan:

@@ -4,7 +4,6 @@ before its state has drained or its period has ended, and the counts read the sa
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
@@ -21,10 +20,8 @@ DAY = datetime(2025, 6, 15, 12, 0, tzinfo=UTC).timestamp()
 
 
 @pytest.fixture
-async def store(redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
-    s = RedisStore.from_url(redis_url, prefix=redis_prefix, timeout_s=2.0)
-    yield s
-    await s.close()
+def store(redis_store: RedisStore) -> RedisStore:
+    return redis_store
 
 
 def plan_with_budgets() -> Plan:
