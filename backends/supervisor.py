@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import aiohttp
+import orjson
 
 from backends.adapters.base import EngineAdapter, Probe
 from backends.config import BackendsSettings
@@ -39,6 +40,7 @@ from backends.fleet import Fleet
 from backends.kv_store_runner import StoreRunner
 from backends.plan import PlannedReplica, is_port_free, launch_spec, plan_replicas
 from backends.process import EngineProcess, crash_tail, describe_exit, error_lines
+from backends.scrape import MAX_LISTING_BYTES, MAX_NAME_CHARS, read_bounded
 from backends.types import UNKNOWN, Endpoint, EndpointState, EndpointStats
 
 log = logging.getLogger(__name__)
@@ -333,11 +335,11 @@ class Supervisor:
             async with self._session.get(
                 endpoint.base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
             ) as response:
-                data = await response.json(content_type=None)
-            model_id = data["data"][0]["id"]
+                body = await read_bounded(response, MAX_LISTING_BYTES)  # an engine's answer is input
+            model_id = orjson.loads(body or b"null")["data"][0]["id"]
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
             return None
-        return model_id if isinstance(model_id, str) else None
+        return model_id if isinstance(model_id, str) and 0 < len(model_id) <= MAX_NAME_CHARS else None
 
     async def _on_exit(self, replica: Replica, process: EngineProcess) -> None:
         """An unexpected exit: restart after a backoff, or declare a crash loop."""

@@ -163,7 +163,7 @@ class EngineTokenizeCounter:
                     if response.status != 200:
                         self.errors += 1
                         return None
-                    answer = orjson.loads(await response.read())
+                    answer = orjson.loads(await _bounded(response, _answer_bound(len(body))))
             tokens = answer.get("tokens") if isinstance(answer, dict) else None
         except (UpstreamConnectionError, TimeoutError, orjson.JSONDecodeError) as exc:
             self.errors += 1
@@ -178,6 +178,24 @@ class EngineTokenizeCounter:
             self.errors += 1
             log.debug("tokenize on %s: unusable ids: %s", endpoint.id, exc)
             return None
+
+
+def _answer_bound(request_bytes: int) -> int:
+    """The most bytes a /tokenize answer for a request of `request_bytes` can need: a token per byte at
+    most, each id at most 11 bytes of JSON, and room for the rest of the answer."""
+    return 12 * request_bytes + 65_536
+
+
+async def _bounded(response: Any, limit: int) -> bytes:
+    """The answer's body, refused past `limit` bytes (an engine's answer is input: never unbounded)."""
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await response.next_chunk():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamConnectionError(f"a /tokenize answer past {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _tokenize_body(api: str, body: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -137,3 +137,16 @@ async def test_ids_that_are_not_ids_are_an_unusable_answer(session: UpstreamClie
                             role=Role.BOTH, state=EndpointState.READY)  # fmt: skip
         counter = EngineTokenizeCounter(session, Pool(config, endpoints=[endpoint]))
         assert await counter.tokenize(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})) is None
+
+
+async def test_an_answer_longer_than_any_the_request_could_need_is_refused(session: UpstreamClient) -> None:
+    """A /tokenize answer is read up to what the request's ids could take (a token per byte, 11 bytes
+    of JSON each): an engine answering megabytes for "hi" is an unusable answer, not memory spent."""
+    async with fake_engine() as fake:
+        fake.set("/tokenize", 200, orjson.dumps({"count": 1, "tokens": [1] * 500_000}).decode())
+        config = PoolConfig(name="p", model=MODEL, engine="vllm", endpoints=[StaticEndpointConfig(url=fake.base_url)])
+        endpoint = Endpoint(id="p/e0", pool="p", base_url=fake.base_url, engine="vllm", served_model=MODEL,
+                            role=Role.BOTH, state=EndpointState.READY)  # fmt: skip
+        counter = EngineTokenizeCounter(session, Pool(config, endpoints=[endpoint]))
+        assert await counter.tokenize(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})) is None
+        assert counter.errors == 1
