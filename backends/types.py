@@ -317,6 +317,63 @@ class PdHandshakeError(PdError):
     """The prefill leg's response lacks the parameters the decode leg needs."""
 
 
+MAX_EVENT_BYTES: Final = 16 << 20  # one server-sent event of an engine's stream; none writes more
+
+
+class EventTooLarge(ValueError):
+    """An event of an upstream's stream passed `MAX_EVENT_BYTES` without its end."""
+
+
+class EventBuffer:
+    """The event blocks of a server-sent event stream split anywhere (an upstream's answer is input):
+    each whole block once, without its blank-line separator.
+
+    Linear in the bytes fed: a chunk without a separator is kept aside, not joined and scanned again
+    with every later chunk (an engine sending one endless event would otherwise cost the event loop
+    quadratic time), and bounded: a block past `max_bytes` without its end raises `EventTooLarge`.
+    `crlf`: lines may end in CR LF (providers' streams), read as LF, a pair split across chunks too."""
+
+    __slots__ = ("_cr", "_parts", "_size", "crlf", "max_bytes")
+
+    def __init__(self, max_bytes: int = MAX_EVENT_BYTES, *, crlf: bool = False) -> None:
+        self.max_bytes = max_bytes
+        self.crlf = crlf
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._cr = False  # a CR at the end of the last chunk, held until the next says what it ends
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self.crlf:
+            if self._cr:
+                data = b"\r" + data
+            self._cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n")[: -1 if self._cr else None]
+        last = self._parts[-1][-1:] if self._parts else b""
+        if b"\n\n" not in data and not (last == b"\n" and data[:1] == b"\n"):
+            if data:
+                self._parts.append(data)
+                self._size += len(data)
+                self._check()
+            return []
+        *events, rest = (b"".join(self._parts) + data if self._parts else data).split(b"\n\n")
+        self._parts, self._size = ([rest], len(rest)) if rest else ([], 0)
+        self._check()
+        return events
+
+    def rest(self) -> bytes:
+        """What is left at the stream's end: a last event without its blank line, or nothing."""
+        rest, self._parts, self._size = b"".join(self._parts), [], 0
+        return rest
+
+    def clear(self) -> None:
+        self._parts, self._size, self._cr = [], 0, False
+
+    def _check(self) -> None:
+        if self._size > self.max_bytes:
+            self.clear()
+            raise EventTooLarge(f"an event past {self.max_bytes} bytes without its end")
+
+
 def usage_count(value: object) -> int:
     """One count of an upstream's `usage` (tokens) as billing reads it: a non-negative integer.
     Anything else (a negative count, a string that is not digits, a float that is not finite, null)

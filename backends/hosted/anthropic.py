@@ -63,7 +63,7 @@ from backends.hosted.base import (
 )
 from backends.hosted.chat_in import Refusals, header
 from backends.protocols import split_event
-from backends.types import usage_count
+from backends.types import EventBuffer, usage_count
 
 DEFAULT_VERSION = "2023-06-01"
 SAMPLING_FREE_VERSION = "2026-10-21"  # from this version on, temperature / top_p / top_k are rejected
@@ -451,7 +451,7 @@ class MessagesStreamDecoder:
     def __init__(self, model: str) -> None:
         self.model = model
         self.message_id = ""
-        self._buffer = b""
+        self._buffer = EventBuffer(crlf=True)  # the provider's stream is input: bounded, read once
         self._usage: dict[str, Any] = {}
         self._tool_index: dict[int, int] = {}  # content block index -> tool call index
         self._stopped = False
@@ -462,10 +462,8 @@ class MessagesStreamDecoder:
         return usage_from(self._usage) if self._usage else None
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buffer += data.replace(b"\r\n", b"\n")
         out: list[dict[str, Any]] = []
-        while b"\n\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+        for raw in self._buffer.feed(data):
             _name, payload = split_event(raw)
             if payload is None:
                 continue

@@ -61,7 +61,7 @@ from backends.hosted.base import (
 from backends.hosted.chat_in import header
 from backends.protocols import split_event
 from backends.protocols.anthropic import duration_s
-from backends.types import usage_count
+from backends.types import EventBuffer, usage_count
 
 DEFAULT_API_VERSION = "2024-10-21"
 V1_VERSIONS = ("v1", "preview")
@@ -147,7 +147,7 @@ class AzureStreamDecoder:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._buffer = b""
+        self._buffer = EventBuffer(crlf=True)  # the provider's stream is input: bounded, read once
         self._usage: ProviderUsage | None = None
         self._done = False
 
@@ -156,10 +156,8 @@ class AzureStreamDecoder:
         return self._usage
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buffer += data.replace(b"\r\n", b"\n")
         out: list[dict[str, Any]] = []
-        while b"\n\n" in self._buffer:
-            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+        for raw in self._buffer.feed(data):
             _name, payload = split_event(raw)
             if payload is None:
                 continue

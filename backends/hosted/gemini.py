@@ -70,7 +70,7 @@ from backends.hosted.chat_in import (
     unpack_signed_id,
 )
 from backends.protocols import ProtocolError
-from backends.types import usage_count
+from backends.types import EventBuffer, usage_count
 
 __all__ = [
     "THINKING_BUDGETS",
@@ -652,7 +652,7 @@ class GeminiStreamDecoder:
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._buffer = b""
+        self._buffer = EventBuffer(crlf=True)  # the provider's stream is input: bounded, read once
         self._id = "chatcmpl-gemini"
         self._started: set[int] = set()
         self._calls: dict[int, int] = {}  # candidate → tool calls so far
@@ -675,13 +675,8 @@ class GeminiStreamDecoder:
         }
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buffer += data.replace(b"\r\n", b"\n")
         out: list[dict[str, Any]] = []
-        while True:
-            event, sep, rest = self._buffer.partition(b"\n\n")
-            if not sep:
-                break
-            self._buffer = rest
+        for event in self._buffer.feed(data):
             payload = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))
             if payload:
                 out.extend(self._event(payload))
@@ -728,8 +723,9 @@ class GeminiStreamDecoder:
         return out
 
     def close(self) -> list[dict[str, Any]]:
-        if self._buffer.strip():
-            self.feed(b"\n\n")
+        last = self._buffer.rest()
+        if last.strip():
+            self.feed(last + b"\n\n")
         if not self._finished:
             raise ProviderStreamError(
                 ProviderError(502, "api_error", "the Gemini stream ended before a finishReason", retryable=True)

@@ -33,7 +33,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.fleet import Pool
-from backends.types import Endpoint, LoadTicket
+from backends.types import Endpoint, EventBuffer, EventTooLarge, LoadTicket
 from gateway.client_text import valid_request_id
 from gateway.epp.exchange import Picked, Refused
 from gateway.errors import EngineRejected, GatewayError, InvalidRequest
@@ -159,7 +159,7 @@ class Following:
         self._swap = (
             None if served == ctx.model else (b'"model":' + orjson.dumps(served), b'"model":' + orjson.dumps(ctx.model))
         )
-        self._pending = b""
+        self._pending = EventBuffer()
         self._unary = bytearray()
 
     def response_headers(self, status: int, headers: dict[str, str]) -> list[tuple[str, str]]:
@@ -176,12 +176,15 @@ class Following:
             if not end_of_stream:
                 return b""  # held: the whole answer is rewritten (model name) and read (usage) at once
             return self._unary_answer()
-        self._pending += chunk
+        try:
+            events = self._pending.feed(chunk)
+        except EventTooLarge:  # not an engine's stream: passed on as it is, nothing more read from it
+            self.outcome.broken = True
+            return chunk
         if end_of_stream:
-            events, self._pending = [self._pending] if self._pending.strip() else [], b""
-        elif b"\n\n" in self._pending:
-            *events, self._pending = self._pending.split(b"\n\n")
-        else:
+            last = self._pending.rest()
+            events += [last] if last.strip() else []
+        if not events:
             return b""
         prompt_tokens = facts.prompt_tokens + facts.output_reservation
         return relay_events(events, self.outcome, self.load, self._swap, facts.include_usage, prompt_tokens)

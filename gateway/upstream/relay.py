@@ -87,7 +87,7 @@ from typing import Any, Final, Protocol
 import orjson
 from aiohttp import web
 
-from backends.types import LoadTicket, answer_choices
+from backends.types import EventBuffer, EventTooLarge, LoadTicket, answer_choices
 from gateway.errors import InvalidRequest, UpstreamError, sse_error_event
 from gateway.upstream.client import CallWatch, Response, UpstreamClient, UpstreamConnectionError
 from gateway.upstream.replica_loss import MAX_MIGRATIONS, Moving, Resume, sent_text
@@ -612,7 +612,7 @@ async def relay_stream(
     for name, value in response_headers:
         client.headers[name] = value
     outcome.response = client
-    pending = b""
+    pending = EventBuffer()  # the engine's events, whole (an event without its end is bounded)
     clean = False
     # a translated stream has a `resume` only where its codec reads chat chunks (a failover to a
     # fallback model: gateway/transport/engine.py): the splice happens before the codec reads them
@@ -635,7 +635,7 @@ async def relay_stream(
                 await client.write(head)
         while True:
             cut: str | None = None
-            data = b""
+            events: list[bytes] = []
             if moving is not None and moving.error is not None:  # the engine sent an error event
                 cut, moving.error = moving.error, None
             else:
@@ -645,7 +645,9 @@ async def relay_stream(
                         if moving is None or moving.finished:
                             break
                         cut = "the upstream ended the stream early"
-                except (UpstreamConnectionError, TimeoutError) as exc:
+                    else:
+                        events = pending.feed(data)
+                except (UpstreamConnectionError, TimeoutError, EventTooLarge) as exc:
                     cut = f"{type(exc).__name__}: {exc}"
             if cut is not None:
                 if held is not None:  # the client has seen nothing: another replica may serve it
@@ -673,7 +675,8 @@ async def relay_stream(
                     await client.write(codec.broken(message) if codec else sse_error_event(UpstreamError(message)))
                     break
                 assert moving is not None
-                upstream, pending = resumed.response, b""
+                upstream = resumed.response
+                pending.clear()
                 current = resumed.ticket
                 if preemptible:
                     outcome.upstream = upstream
@@ -683,10 +686,8 @@ async def relay_stream(
                     if marker:
                         await client.write(marker)
                 continue
-            pending += data
-            if b"\n\n" not in pending:
+            if not events:
                 continue
-            *events, pending = pending.split(b"\n\n")
             if not outcome.tool_calls:
                 outcome.tool_calls = events_call_tools(events)
             if moving is not None:
@@ -713,11 +714,12 @@ async def relay_stream(
             if out:
                 await client.write(out)
                 outcome.done_sent = outcome.done_sent or _DONE in out
-        if pending.strip() and not outcome.broken:
+        last = pending.rest()
+        if last.strip() and not outcome.broken:
             if codec is not None:
-                out = codec.events([pending], outcome, ticket, swap)
+                out = codec.events([last], outcome, ticket, swap)
             else:
-                out = relay_events([pending], outcome, ticket, swap, client_wants_usage, prompt_tokens)
+                out = relay_events([last], outcome, ticket, swap, client_wants_usage, prompt_tokens)
             if out:
                 await client.write(out)
                 outcome.done_sent = outcome.done_sent or _DONE in out

@@ -12,7 +12,8 @@ import orjson
 import pytest
 
 from bench.chaos import upstream_fuzz
-from bench.chaos.common import MODEL
+from bench.chaos.common import KEY, MODEL, ledger_tally
+from bench.chaos.surfaces import request
 
 pytestmark = pytest.mark.e2e
 
@@ -53,3 +54,26 @@ def test_a_providers_usage_beyond_its_output_limit_is_billed_within_it(tmp_path:
         records = [upstream_fuzz.send_one(gateway, engine, answer, tmp_path) for _ in range(2)]
     for record in records:
         assert record["http_status"] == 200 and record["output_tokens"] == 4 and record["input_tokens"] <= 2 * 16384
+
+
+@pytest.mark.parametrize("kind", ["vllm", "anthropic"])
+def test_an_event_that_never_ends_cuts_the_stream_instead_of_growing_without_bound(tmp_path: Path, kind: str) -> None:
+    """17 MiB of one server-sent event with no end (past `MAX_EVENT_BYTES`): the relay, or the provider's
+    codec, reads it in linear time up to the bound and cuts the stream there, with the cut reported
+    to the client and the request recorded once, rather than buffering and rescanning it forever."""
+    first = {"id": "x", "object": "chat.completion.chunk", "model": MODEL,
+             "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}  # fmt: skip
+    start = b"data: " + orjson.dumps(first) + b"\n\n"
+    if kind == "anthropic":
+        start = b'event: message_start\ndata: {"type": "message_start", "message": {"id": "m", "usage": {}}}\n\n'
+    endless = [b"data: " + b"x" * 65_530] * 272  # 17 MiB, no blank line
+    answer = upstream_fuzz.Answer(200, "text/event-stream", [start, *endless])
+    with upstream_fuzz.started(tmp_path, kind) as (gateway, engine):
+        engine.answer = answer
+        body = {**upstream_fuzz.BODIES["/v1/chat/completions"], "stream": True}
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "x-request-id": "endless-1"}
+        status, _, raw = request(gateway.port, "POST", "/v1/chat/completions", headers, orjson.dumps(body))
+        counts, _ = ledger_tally(tmp_path / "usage", "endless-")
+    assert status in (200, 502), raw[:300]
+    assert len(raw) < 1 << 20  # the endless event was not passed on
+    assert counts == {"endless-1": 1}
