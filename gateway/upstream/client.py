@@ -43,6 +43,11 @@ MAX_HEAD_BYTES = 64 * 1024
 PAUSE_ABOVE_BYTES = 1 << 20  # stop reading the socket while this much body waits for the consumer
 
 
+# The most a whole (not streamed) answer may hold: far past any chat or completions answer, and room for
+# an embeddings answer of thousands of long vectors; an engine's answer is input, so it is bounded.
+MAX_ANSWER_BYTES = 256 << 20
+
+
 class UpstreamConnectionError(ConnectionError):
     """The engine could not be reached, went away, or answered something that is not HTTP/1.x."""
 
@@ -392,12 +397,19 @@ class Response:
         self._ended = False
 
     async def read(self) -> bytes:
-        """The whole body (taken as it arrives, so that reading never stays paused)."""
+        """The whole body (taken as it arrives, so that reading never stays paused), at most the client's
+        `max_answer_bytes`: an engine's answer is input, and one past it drops the connection and raises
+        UpstreamConnectionError (a 502), rather than holding memory without bound."""
         conn = self._conn
         parts: list[bytes] = []
+        size, limit = 0, self._client.max_answer_bytes
         while True:
             if conn.pieces:
                 parts.append(conn.take())
+                size += len(parts[-1])
+                if size > limit:
+                    self.close()
+                    raise UpstreamConnectionError(f"the upstream's answer passed {limit} bytes")
             if conn.error is not None:
                 raise conn.error
             if conn.done:
@@ -449,8 +461,10 @@ class UpstreamClient:
         read_timeout_s: float | None = 600.0,
         idle_timeout_s: float = 4.0,
         max_idle_per_origin: int = 256,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.max_answer_bytes = max_answer_bytes
         self.read_timeout_s = read_timeout_s
         # below uvicorn's default keep-alive (5 s, what vLLM runs on): we drop it before the engine does
         self.idle_timeout_s = idle_timeout_s

@@ -297,6 +297,26 @@ async def test_large_body_with_back_pressure(serve: Callable[[Script], Awaitable
         assert await post(client, server.url) == (200, body)  # read() whole: takes as it goes
 
 
+async def test_a_whole_answer_past_the_bound_is_refused_and_its_connection_dropped(
+    serve: Callable[[Script], Awaitable[Server]],
+) -> None:
+    """An engine's answer is input: `read` takes at most `max_answer_bytes`, then drops the connection
+    (never back to the pool) and raises, a 502 to the client rather than memory without bound."""
+    body = b"x" * 300_000
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    server = await serve(big)
+    async with UpstreamClient(max_answer_bytes=100_000) as client:
+        with pytest.raises(UpstreamConnectionError, match="passed 100000 bytes"):
+            await post(client, server.url)
+        assert client.idle_connections() == 0
+    async with UpstreamClient(max_answer_bytes=len(body)) as client:
+        assert await post(client, server.url) == (200, body)  # up to the bound: whole
+
+
 async def test_close_mid_body_drops_the_connection(serve: Callable[[Script], Awaitable[Server]]) -> None:
     async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
