@@ -304,6 +304,7 @@ class SubscriberStats:
     batches: int = 0
     events: int = 0
     gaps: int = 0
+    lost: int = 0  # gaps the replay socket could not fill (the consumer was told to stop trusting its state)
     replayed_batches: int = 0
     catch_ups: int = 0  # start-up replays that delivered at least one batch
     duplicates: int = 0  # live batches already delivered by a replay
@@ -432,7 +433,10 @@ class KvEventSubscriber:
         elif batch.seq > expected:
             self.stats.gaps += 1
             if not (self.replay_address and await self._replay(expected, batch.seq)):
-                log.warning("kv events from %s: lost seq %d..%d", self.endpoint_id, expected, batch.seq - 1)
+                self.stats.lost += 1  # a warning the first time, debug afterwards (as `_undecodable`)
+                level = logging.WARNING if self.stats.lost == 1 else logging.DEBUG
+                log.log(level, "kv events from %s: lost seq %d..%d (%d gaps lost so far)",
+                        self.endpoint_id, expected, batch.seq - 1, self.stats.lost)  # fmt: skip
                 self._reset(RESET_GAP)
         self._deliver(batch)
 
