@@ -378,3 +378,10 @@ def fuzz_settings(examples: int, seed: int | None = None) -> Callable[[_Test], _
         return test if seed is None else hypothesis_seed(seed)(test)
 
     return apply
+
+
+def examples_block(examples: list[str], limit: int = 400) -> list[str]:
+    """A section's failing examples as an indented block (each cut at `limit` characters), with the
+    blank line that ends it; nothing where there are none."""
+    lines = [f"    {example[:limit]}" for example in examples]
+    return [*lines, ""] if lines else []

@@ -58,7 +58,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.chaos import schema_fuzz
-from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, policies, unexpected_errors, until
+from bench.chaos.common import ADMIN, KEY, MODEL, examples_block, fuzz_settings, policies, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from bench.chaos.upstream_fuzz import Answer, HostileEngine
 from tests.support.procs import Gateway, free_port, http_get, running, start_gateway, static_pool
@@ -979,7 +979,4 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{MAX_RSS_GROWTH // 2**20} MiB): {'met' if met(r) else '**missed**'}.",
         "",
     ]
-    lines.extend(f"    {example[:400]}" for example in r["failure_examples"])
-    if r["failure_examples"]:
-        lines.append("")
-    return lines
+    return lines + examples_block(r["failure_examples"])

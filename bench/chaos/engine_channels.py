@@ -60,6 +60,7 @@ from bench.chaos.common import (
     KEY,
     MODEL,
     UNEXPECTED_IN_LOG,
+    examples_block,
     fuzz_settings,
     held,
     ledger_tally,
@@ -643,8 +644,5 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{RSS_BOUND_MIB} MiB): {'met' if met(r) else '**missed**'}.",
         "",
     ]
-    lines.extend(f"    {example[:400]}" for example in r["failure_examples"])
-    lines.extend(f"    stats out of range: {example}" for example in r["out_of_range_examples"])
-    if r["failure_examples"] or r["out_of_range_examples"]:
-        lines.append("")
-    return lines
+    out_of_range = [f"stats out of range: {example}" for example in r["out_of_range_examples"]]
+    return lines + examples_block([*r["failure_examples"], *out_of_range])

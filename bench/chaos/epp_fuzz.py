@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from bench.chaos import schema_fuzz
 from bench.chaos.checklist import HOSTILE_HEADERS
-from bench.chaos.common import fuzz_settings, held, ledger_tally, unexpected_errors, until
+from bench.chaos.common import examples_block, fuzz_settings, held, ledger_tally, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from gateway.epp import protocol
 from tests.support.envoy_side import Picker, running_picker
@@ -296,7 +296,4 @@ def section(r: dict[str, Any]) -> list[str]:
         f"negative count; nothing held afterwards): {'met' if met(r) else '**missed**'}.",
         "",
     ]
-    lines.extend(f"    {example[:400]}" for example in r["failure_examples"])
-    if r["failure_examples"]:
-        lines.append("")
-    return lines
+    return lines + examples_block(r["failure_examples"])

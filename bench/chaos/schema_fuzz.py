@@ -31,7 +31,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX, fuzz_settings, unexpected_errors
+from bench.chaos.common import ADMIN, KEY, MODEL, PREFIX, examples_block, fuzz_settings, unexpected_errors
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import (
     MAX_BODY,
@@ -371,7 +371,4 @@ def section(r: dict[str, Any]) -> list[str]:
         f"RSS growth under 100 MiB {'met' if growth < 100 else '**missed**'} ({growth:+.0f} MiB).",
         "",
     ]
-    lines.extend(f"    {example}" for example in r["server_error_examples"])
-    if r["server_error_examples"]:
-        lines.append("")
-    return lines
+    return lines + examples_block(r["server_error_examples"], limit=100_000)

@@ -44,6 +44,7 @@ from bench.chaos.common import (
     MODEL,
     PREFIX,
     OwnRedis,
+    examples_block,
     fuzz_settings,
     held,
     ledger_tally,
@@ -492,7 +493,4 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{'met' if met(r) else '**missed**'}.",
         "",
     ]
-    lines.extend(f"    {example[:400]}" for example in r["failure_examples"])
-    if r["failure_examples"]:
-        lines.append("")
-    return lines
+    return lines + examples_block(r["failure_examples"])

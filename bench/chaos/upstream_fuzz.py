@@ -36,7 +36,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.chaos import schema_fuzz
-from bench.chaos.common import ADMIN, KEY, MODEL, fuzz_settings, held, ledger_tally, policies, unexpected_errors, until
+from bench.chaos.common import (
+    ADMIN,
+    KEY,
+    MODEL,
+    examples_block,
+    fuzz_settings,
+    held,
+    ledger_tally,
+    policies,
+    unexpected_errors,
+    until,
+)
 from bench.chaos.fuzz import json_values
 from bench.chaos.surfaces import request
 from gateway.ledger.reader import iter_entries
@@ -440,7 +451,4 @@ def section(r: dict[str, Any]) -> list[str]:
         f"{'met' if met(r) else '**missed**'}.",
         "",
     ]
-    lines.extend(f"    {example[:400]}" for example in r["failure_examples"])
-    if r["failure_examples"]:
-        lines.append("")
-    return lines
+    return lines + examples_block(r["failure_examples"])
