@@ -76,14 +76,18 @@ _CLAIM = (
 typed({'string', 'zset', 'zset', 'hash'})
 local n = tonumber(ARGV[1]); local deadline = now + tonumber(ARGV[2]); local total = tonumber(ARGV[3])
 local out = {}
+-- a lease or a deferral names a line: a member that is none (written by something else) is dropped
+local function line(i) return string.match(i, '^%d+$') and string.len(i) < 10 and tonumber(i) < total end
 for _, i in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, n)) do
-  if redis.call('HEXISTS', KEYS[4], i) == 1 then redis.call('ZREM', KEYS[2], i)
+  if not line(i) or redis.call('HEXISTS', KEYS[4], i) == 1 then redis.call('ZREM', KEYS[2], i)
   else redis.call('ZADD', KEYS[2], deadline, i); out[#out + 1] = i end
 end
 if #out < n then
   for _, i in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, n - #out)) do
     redis.call('ZREM', KEYS[3], i)
-    if redis.call('HEXISTS', KEYS[4], i) == 0 then redis.call('ZADD', KEYS[2], deadline, i); out[#out + 1] = i end
+    if line(i) and redis.call('HEXISTS', KEYS[4], i) == 0 then
+      redis.call('ZADD', KEYS[2], deadline, i); out[#out + 1] = i
+    end
   end
 end
 while #out < n do

@@ -244,6 +244,8 @@ async def test_what_redis_holds_damaged_costs_that_record_never_the_store(
         cursor, lease, _retry, res, counts = store._line_keys(batch.id)
         await client.set(cursor, b"nan")
         await client.sadd(lease, b"x")
+        claimed = await store.claim(batch.id, 0, 30.0)  # (the lease key replaced)
+        await client.zadd(lease, {b"[]": 0, b"99": 0, b"-1": 0})  # members that name no line of the batch
         await client.hset(counts, mapping={"ok": "text", "input": "1e400"})
         claimed = await store.claim(batch.id, 3, 30.0)
         assert sorted(claimed) == [0, 1, 2]
