@@ -93,6 +93,18 @@ _OUTAGE_SUMMARY_S: Final = 60.0
 _FINALIZE_LOCK_S: Final = 600.0
 
 
+def _stored_line(raw: bytes) -> dict[str, Any] | None:
+    """A line as it was validated at upload, or None when the store holds something else (a shared store
+    is input: another version, a hand edit or a restore can leave anything there)."""
+    try:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(line, dict) or not isinstance(line.get("body"), dict) or "custom_id" not in line:
+        return None
+    return line
+
+
 class BatchObserver(Protocol):
     """Metrics of the runner (`gateway.batch.metrics.BatchMetrics`)."""
 
@@ -355,7 +367,12 @@ class BatchRunner:
             principal = owner_principal(self.policies.current, meta.owner)
             raws = await self.store.read_lines(meta.input_file_id, indices)
             for index, raw in zip(indices, raws, strict=True):
-                self._launch(meta, index, orjson.loads(raw), principal)
+                line = _stored_line(raw)
+                if line is None:  # the store no longer holds the request uploaded (a damaged shared store)
+                    message = "the line's stored bytes are not the request uploaded; upload the file again"
+                    await self._record(meta, unanswered(index, "", "line_unreadable", message), "error")
+                    continue
+                self._launch(meta, index, line, principal)
 
     def _launch(self, meta: BatchMeta, index: int, line: dict[str, Any], principal: Principal | None) -> None:
         body: dict[str, Any] = line["body"]

@@ -436,3 +436,20 @@ async def test_the_process_wide_cap_holds(tmp_path: Path, limit: int) -> None:
                 break
             await asyncio.sleep(0.001)
         assert most <= limit
+
+
+async def test_a_line_whose_stored_bytes_are_not_a_request_fails_alone(tmp_path: Path) -> None:
+    """The store holds what was validated at upload, unless something else wrote over it (a shared store
+    is input): such a line goes to the error file as `line_unreadable`, and the others run."""
+    async with Harness(tmp_path) as h:
+        file = await upload(h.store, tmp_path, 3)
+        path = h.store._file_path(file.id, ".jsonl")
+        data = bytearray(path.read_bytes())
+        first_end = data.index(b"\n")
+        data[:first_end] = b"1.5" + b" " * (first_end - 3)  # line 0 is now a number, its span unchanged
+        path.write_bytes(bytes(data))
+        batch = await create(h.store, file)
+        done = await h.until(batch.id, "completed")
+        errors = await h.lines_of(done.error_file_id)
+        assert [row["error"]["code"] for row in errors] == ["line_unreadable"]
+        assert [row["custom_id"] for row in await h.lines_of(done.output_file_id)] == ["c1", "c2"]
