@@ -61,6 +61,7 @@ from bench.chaos import schema_fuzz
 from bench.chaos.common import ADMIN, KEY, MODEL, examples_block, fuzz_settings, policies, unexpected_errors, until
 from bench.chaos.fuzz import json_values
 from bench.chaos.upstream_fuzz import Answer, HostileEngine
+from tests.support.oidc_provider import discovery_document
 from tests.support.procs import Gateway, free_port, http_get, running, start_gateway, static_pool
 
 CLIENT_ID, CLIENT_SECRET = "tokenway-console", "control-fuzz-secret"
@@ -199,15 +200,7 @@ class StandInProvider(StandIn):
         app.router.add_post("/token", self._token)
 
     def valid_discovery(self) -> dict[str, Any]:
-        return {
-            "issuer": self.url,
-            "authorization_endpoint": self.url + "/authorize",
-            "token_endpoint": self.url + "/token",
-            "jwks_uri": self.url + "/jwks",
-            "response_types_supported": ["code"],
-            "id_token_signing_alg_values_supported": ["ES256"],
-            "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
-        }
+        return discovery_document(self.url, "ES256")
 
     def valid_jwks(self) -> dict[str, Any]:
         return {"keys": [self.key.as_dict(private=False)]}

@@ -41,6 +41,24 @@ def _signing_keys() -> tuple[RSAKey, RSAKey]:
     return _KEY_PAIR[0], _KEY_PAIR[1]
 
 
+def discovery_document(
+    issuer: str, algorithm: str = "RS256", auth_methods: tuple[str, ...] = ("client_secret_basic", "client_secret_post")
+) -> dict[str, Any]:
+    """A provider's `/.well-known/openid-configuration` (OpenID Connect Discovery 1.0), as the stand-ins
+    of the tests and the chaos probe serve it: endpoints under `issuer`."""
+    return {
+        "issuer": issuer,
+        "authorization_endpoint": issuer + "/authorize",
+        "token_endpoint": issuer + "/token",
+        "jwks_uri": issuer + "/jwks",
+        "response_types_supported": ["code"],
+        "subject_types_supported": ["public"],
+        "id_token_signing_alg_values_supported": [algorithm],
+        "code_challenge_methods_supported": ["S256"],
+        "token_endpoint_auth_methods_supported": list(auth_methods),
+    }
+
+
 @dataclass
 class _Grant:
     user: str
@@ -117,17 +135,7 @@ def _handler(provider: Provider) -> type[BaseHTTPRequestHandler]:
             elif parts.path == "/.well-known/openid-configuration":
                 self._json(
                     200,
-                    {
-                        "issuer": provider.issuer,
-                        "authorization_endpoint": provider.issuer + "/authorize",
-                        "token_endpoint": provider.issuer + "/token",
-                        "jwks_uri": provider.issuer + "/jwks",
-                        "response_types_supported": ["code"],
-                        "subject_types_supported": ["public"],
-                        "id_token_signing_alg_values_supported": ["RS256"],
-                        "code_challenge_methods_supported": ["S256"],
-                        "token_endpoint_auth_methods_supported": ["client_secret_basic", "client_secret_post"],
-                    },
+                    discovery_document(provider.issuer),
                 )
             elif parts.path == "/jwks":
                 self._json(200, {"keys": [provider.key.as_dict(private=False)]})

@@ -17,7 +17,7 @@ from gateway.app.settings import OidcConfig, OidcGroupRole, UserConfig
 from gateway.console.sessions import OidcBadRequest, OidcClient, OidcProviderFailed, OidcRefused, identity_of_claims
 from gateway.errors import error_response
 from gateway.http.access import Users
-from tests.support.oidc_provider import Provider, oidc_provider
+from tests.support.oidc_provider import Provider, discovery_document, oidc_provider
 
 CLIENT_ID, SECRET = "tokenway-console", "a-client-secret"
 REDIRECT = "http://127.0.0.1:9/ui/oidc/callback"
@@ -251,10 +251,4 @@ async def test_callback_parameters_that_are_not_visible_ascii_are_a_400(provider
 
 
 def _discovery(provider: Provider) -> dict[str, Any]:
-    return {
-        "issuer": provider.issuer,
-        "authorization_endpoint": provider.issuer + "/authorize",
-        "token_endpoint": provider.issuer + "/token",
-        "jwks_uri": provider.issuer + "/jwks",
-        "token_endpoint_auth_methods_supported": ["client_secret_basic"],
-    }
+    return discovery_document(provider.issuer, auth_methods=("client_secret_basic",))
