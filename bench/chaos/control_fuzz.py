@@ -45,6 +45,7 @@ import json
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
@@ -132,7 +133,7 @@ class Reply:
     delay_s: float = 0.0
 
 
-class StandIn:
+class StandIn(ABC):
     """An aiohttp server on a free loopback port, on its own event loop in a thread (a test blocks
     on its own sockets without stalling it); `routes` are added by the subclass."""
 
@@ -147,8 +148,9 @@ class StandIn:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @abstractmethod
     def routes(self, app: web.Application) -> None:
-        raise NotImplementedError
+        """Add the stand-in's routes to `app` (the provider's or the API server's)."""
 
     def __enter__(self) -> StandIn:
         self._thread.start()

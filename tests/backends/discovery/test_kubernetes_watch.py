@@ -337,8 +337,11 @@ async def test_a_rack_label_that_is_no_label_value_is_unknown(api: FakeKubeApi) 
 
 
 class _Page(_Stream):
+    """A list page as the client library returns it: `read_bounded` hands its connection back, and
+    a page held in memory has none to hand back."""
+
     def release_conn(self) -> None:
-        pass
+        return None
 
 
 def test_a_list_page_holding_more_than_was_asked_is_refused_whole() -> None:
