@@ -34,7 +34,6 @@ or a runner.
 from __future__ import annotations
 
 import asyncio
-import math
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Collection, Sequence
 from pathlib import Path
@@ -46,6 +45,7 @@ from redis.exceptions import ResponseError, WatchError
 
 from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta, read_batch_meta, read_file_meta
 from gateway.batch.store import LineResult, QuotaExceeded
+from policies.limits.scriptpipe import stored_number
 
 _CHUNK: Final = 1 << 20
 _READ_BATCH: Final = 500
@@ -216,11 +216,7 @@ def _text(value: Any) -> str:
 
 def _integer(value: Any) -> int:
     """A count Redis holds, 0 where it is none (text, NaN)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return 0
-    return int(number) if math.isfinite(number) else 0
+    return int(stored_number(value) or 0)
 
 
 T = TypeVar("T")

@@ -52,6 +52,7 @@ from gateway.app import keys as appkeys
 from gateway.ledger.writer import PERIODS, SpendTally
 from policies.limits.memory_store import period_id, period_ttl_s
 from policies.limits.plan import Outcome, Plan
+from policies.limits.scriptpipe import stored_number
 from policies.policy import Policy
 from policies.types import Principal
 
@@ -262,7 +263,7 @@ class SpendReconciler:
             if (await self.redis.type(name)) not in (b"hash", "hash", b"none", "none"):
                 await self.redis.delete(name)
                 continue
-            broken = [k for k, v in (await self.redis.hgetall(name)).items() if _usd(v) is None]
+            broken = [k for k, v in (await self.redis.hgetall(name)).items() if stored_number(v) is None]
             if broken:
                 await self.redis.hdel(name, *broken)
 
@@ -271,11 +272,11 @@ class SpendReconciler:
         recorded: dict[str, dict[str, float]] = {}
         for period in PERIODS:
             raw = await self._hash(f"{self._tag}spend:{period}:{period_id(period, now_s)}")
-            recorded[period] = {_text(k): usd for k, v in raw.items() if (usd := _usd(v)) is not None}
+            recorded[period] = {_text(k): usd for k, v in raw.items() if (usd := stored_number(v)) is not None}
         open_usd: dict[str, float] = {}
         async for name in self.redis.scan_iter(match=f"{self._tag}spend-open:*", count=1000):
             for k, v in (await self._hash(name)).items():
-                usd = _usd(v)
+                usd = stored_number(v)
                 if usd is not None:
                     open_usd[_text(k)] = open_usd.get(_text(k), 0.0) + usd
         return recorded, open_usd
@@ -316,15 +317,6 @@ class SpendReconciler:
 
     def status(self) -> dict[str, Any]:
         return self.last
-
-
-def _usd(value: Any) -> float | None:
-    """A sum Redis holds, or None for what is not one (text, NaN, an infinity)."""
-    try:
-        usd = float(value)
-    except (TypeError, ValueError):
-        return None
-    return usd if math.isfinite(usd) else None
 
 
 def _damage(exc: Exception) -> bool:

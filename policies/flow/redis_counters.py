@@ -78,7 +78,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -92,7 +91,7 @@ from redis.backoff import NoBackoff
 
 from backends.tasks import cancel_and_wait
 from policies.flow.order import MAX_PROGRAMS_PER_TENANT, decayed
-from policies.limits.scriptpipe import ScriptPipe, load_script, script_pipeline
+from policies.limits.scriptpipe import ScriptPipe, load_script, script_pipeline, stored_number
 
 
 class BatchedFlush(ABC):
@@ -186,13 +185,8 @@ _NO_FLOOR = float("-inf")
 
 
 def _finite(value: Any) -> float:
-    """A counter Redis returned, or 0 where it holds what no script writes (text, NaN, an infinity: a
-    replica of another version or a hand edit); NaN would break every comparison of fair shares."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return number if math.isfinite(number) else 0.0
+    """A counter Redis returned, 0 where it is none (NaN would break every comparison of fair shares)."""
+    return stored_number(value) or 0.0
 
 
 @dataclass(slots=True)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -54,6 +53,8 @@ from typing import Literal, Protocol, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
+
+from policies.limits.scriptpipe import stored_number
 
 Kind = Literal["key", "tenant", "override"]
 KINDS: tuple[Kind, ...] = ("key", "tenant", "override")
@@ -415,7 +416,7 @@ class RedisDirectoryStore:
         except ResponseError as exc:
             _raise_unless_wrong_type(exc)
             return {}
-        times = {_text(k): _seconds(v) for k, v in found.items()}
+        times = {_text(k): stored_number(v) for k, v in found.items()}
         return {key_id: at_s for key_id, at_s in times.items() if at_s is not None}
 
     def changes(self) -> AsyncIterator[Change] | None:
@@ -452,15 +453,6 @@ def _count(value: bytes | str | None) -> int | None:
     """A version counter as Redis's INCR writes it (decimal digits, within 64 bits), else None."""
     text = _text(value) if value is not None else ""
     return int(text) if text.isascii() and text.isdigit() and len(text) < 19 else None
-
-
-def _seconds(value: bytes | str) -> float | None:
-    """A last-use time (unix s), or None for what is not one."""
-    try:
-        at_s = float(value)
-    except ValueError:
-        return None
-    return at_s if math.isfinite(at_s) else None
 
 
 def _damage(exc: Exception) -> bool:

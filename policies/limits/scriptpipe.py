@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from collections import deque
 from collections.abc import Sequence
 from importlib import resources
@@ -88,6 +89,18 @@ def load_script(package: str, name: str) -> Script:
     and the budget period, instead of a copy in each script."""
     preamble = resources.files("policies.limits").joinpath("preamble.lua").read_text(encoding="utf-8")
     return Script(preamble + resources.files(package).joinpath(name).read_text(encoding="utf-8"))
+
+
+def stored_number(value: Any) -> float | None:
+    """A number as Redis returned it, or None where it holds what no replica writes (text, NaN, an
+    infinity): a shared store is input (another version, a hand edit, a restore), and the Python
+    readers of its counters, sums and times take it through here, as the scripts take `num`
+    (policies/limits/preamble.lua)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def bulk(value: bytes) -> bytes:
