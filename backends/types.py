@@ -39,6 +39,7 @@ endpoint states with a reason and a log tail, so one failing pool never stops th
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -316,6 +317,10 @@ class PdUnsupportedError(PdError):
 class PdHandshakeError(PdError):
     """The prefill leg's response lacks the parameters the decode leg needs."""
 
+
+# errnos of a connection the gateway could not open for want of its own resources (descriptors, socket
+# buffers, memory): they say nothing of the engine it was for, so no engine is blamed for them
+GATEWAY_EXHAUSTED: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 MAX_EVENT_BYTES: Final = 16 << 20  # one server-sent event of an engine's stream; none writes more
 

@@ -13,6 +13,7 @@
     │                                  (429), the limiter store down (503), an SLO miss (503)
     ├── EngineRejected        4xx      the engine's own 4xx, normalised to the error shape
     ├── NoHealthyBackend      503      no endpoint of the model could take the request
+    ├── StorageFailed         507/503  the gateway's own store refused a write (full: 507)
     ├── UpstreamError         502      the upstream failed after retries and fallbacks
     └── InternalError         500      a bug: still answered in the error shape, still recorded
 
@@ -25,7 +26,9 @@ return `Rejection` values (they cannot import this room) which `Rejected` wraps.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
+from typing import Final
 
 import orjson
 from aiohttp import web
@@ -108,6 +111,32 @@ class Overloaded(GatewayError):
     status = 503
     type = "server_error"
     code = "overloaded"
+
+
+class StorageFailed(GatewayError):
+    """The gateway's own store refused a write a request needs (a batch file, a batch's state: its
+    disk, or the Redis holding them): the client's request was fine and may be retried once space
+    or the store is back. 507 when the store is full (RFC 4918 "Insufficient Storage": a full disk
+    or quota, Redis at its `maxmemory`), else 503; never a 500 with a traceback."""
+
+    status = 503
+    type = "server_error"
+    code = "storage_unavailable"
+
+    @classmethod
+    def of(cls, exc: OSError, what: str) -> StorageFailed:
+        if exc.errno in _NO_SPACE:
+            return cls.full(what, "its disk is full")
+        return cls(f"The gateway cannot store {what}: {exc.strerror or type(exc).__name__}; retry later.")
+
+    @classmethod
+    def full(cls, what: str, why: str) -> StorageFailed:
+        error = cls(f"The gateway cannot store {what}: {why}; retry later.", code="insufficient_storage")
+        error.status = 507
+        return error
+
+
+_NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # full disk, quota, file size limit
 
 
 class NoHealthyBackend(GatewayError):

@@ -3,10 +3,11 @@ and a real Redis, each with its target, written to bench/results/chaos.md (and c
 
     .venv/bin/python -m bench.chaos [--only replica_kill,redis,gateway_kill,disconnects,fuzz,memory,
                                             schema_fuzz,checklist,epp_fuzz,upstream_fuzz,engine_channels,
-                                            control_fuzz,state_fuzz]
+                                            control_fuzz,state_fuzz,resources,disk_fuzz]
                                     [--fuzz-examples 3000] [--memory-requests 50000] [--schema-examples 2000]
                                     [--epp-examples 1500] [--upstream-examples 3000] [--engine-examples 2000]
-                                    [--control-examples 1000] [--state-examples 3000] [--seed N]
+                                    [--control-examples 1000] [--state-examples 3000]
+                                    [--resources-examples 120] [--disk-examples 300] [--seed N]
 
 Every probe starts its own processes on free ports and stops them; nothing is left running. A run of
 some probes (`--only`) rewrites their sections of chaos.md and keeps the others' as they were.
@@ -30,6 +31,7 @@ from bench.chaos import (
     checklist,
     control_fuzz,
     disconnects,
+    disk_fuzz,
     engine_channels,
     epp_fuzz,
     fuzz,
@@ -37,6 +39,7 @@ from bench.chaos import (
     memory,
     redis_faults,
     replica_kill,
+    resources,
     schema_fuzz,
     state_fuzz,
     upstream_fuzz,
@@ -57,6 +60,8 @@ PROBES = (
     "engine_channels",
     "control_fuzz",
     "state_fuzz",
+    "resources",
+    "disk_fuzz",
 )
 # How each probe's section of chaos.md begins (and its title, used when the probe failed to run): a run
 # of some probes keeps the sections of the others from the file as it was.
@@ -80,6 +85,8 @@ HEADINGS = {
         "an identity provider and a cluster API that answer anything",
     ),
     "state_fuzz": ("## Shared state that holds anything", "shared state that holds anything"),
+    "resources": ("## A host out of disk", "a host out of disk, file descriptors or Redis memory"),
+    "disk_fuzz": ("## Files on disk that hold anything", "files on disk that hold anything"),
 }
 
 
@@ -280,6 +287,8 @@ def main() -> None:
     parser.add_argument("--engine-examples", type=int, default=2000)
     parser.add_argument("--control-examples", type=int, default=1000)
     parser.add_argument("--state-examples", type=int, default=3000)
+    parser.add_argument("--disk-examples", type=int, default=300)  # each restarts the gateway: ~4 s
+    parser.add_argument("--resources-examples", type=int, default=120)
     parser.add_argument(
         "--seed",
         type=int,
@@ -349,6 +358,8 @@ def main() -> None:
             ("engine_channels", engine_channels, "engine", args.engine_examples),
             ("control_fuzz", control_fuzz, "control", args.control_examples),
             ("state_fuzz", state_fuzz, "state", args.state_examples),
+            ("resources", resources, "resources", args.resources_examples),
+            ("disk_fuzz", disk_fuzz, "disk", args.disk_examples),
         )
         for name, module, folder, examples in stages:
             probe(name, HEADINGS[name][1], partial(_stage, module, root / folder, examples, args.seed))

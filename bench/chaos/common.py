@@ -236,6 +236,22 @@ class Outcome:
     body: dict[str, Any] = field(default_factory=dict)
 
 
+def batch_lines(request_id: str, n: int = 3) -> bytes:
+    """A batch input file of `n` short chat lines, their custom ids made from `request_id`."""
+    return b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"{request_id}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            }
+        )
+        + b"\n"
+        for i in range(n)
+    )
+
+
 def chat_body(stream: bool, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
     words = " ".join(f"w{random.randrange(10_000)}" for _ in range(random.randint(5, 60)))
     body: dict[str, Any] = {

@@ -44,6 +44,7 @@ from bench.chaos.common import (
     MODEL,
     PREFIX,
     OwnRedis,
+    batch_lines,
     examples_block,
     fuzz_settings,
     held,
@@ -275,18 +276,7 @@ def batch_call(pair: Pair, gateway: Gateway, request_id: str) -> tuple[int, byte
 def _batch_step(pair: Pair, client: openai.OpenAI, step: int, request_id: str) -> tuple[int, bytes]:
     try:
         if step == 0 or not pair.batches:
-            lines = b"".join(
-                orjson.dumps(
-                    {
-                        "custom_id": f"{request_id}-{i}",
-                        "method": "POST",
-                        "url": "/v1/chat/completions",
-                        "body": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                    }
-                )
-                + b"\n"
-                for i in range(3)
-            )
+            lines = batch_lines(request_id)
             file = client.files.create(file=("in.jsonl", lines), purpose="batch")
             pair.files = [*pair.files[-7:], file.id]
             batch = client.batches.create(

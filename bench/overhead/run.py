@@ -304,7 +304,10 @@ def main() -> int:
                     "-c",
                     PROXY_CORE,
                     sys.executable,
-                    str(Path(__file__).with_name("passthrough.py")),
+                    # As a module: run as a script, this folder would come first on sys.path and its
+                    # tokenize.py would shadow the standard library's.
+                    "-m",
+                    "bench.overhead.passthrough",
                     str(p),
                     f"http://127.0.0.1:{upstream_port}",
                 ],

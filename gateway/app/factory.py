@@ -31,6 +31,7 @@ from backends.fleet import Fleet, get_adapter, report_success
 from backends.fleet import report_failure as health_report_failure
 from backends.kv_events import KvEventHub
 from backends.supervisor import Supervisor
+from backends.tokenization import encoding
 from backends.types import Endpoint
 from gateway import __version__
 from gateway.apis.messages import anthropic_error, error_in_route_shape
@@ -541,6 +542,7 @@ async def _director_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics.set_endpoint_gauges(fleet.endpoints)
     _allow_labels(metrics, app[appkeys.POLICIES].current, fleet)
     estimator = PromptEstimator()
+    encoding()  # the shared vocabulary read now: a first request that fails to read it would answer 500
     build_counters(fleet, estimator, app[appkeys.UPSTREAM])  # reads tokenizer files once, at start-up
     hook_list: list[Hook] = []
     hook_list.append(app[ELASTIC_HOOK])  # elastic pools: demand counted, streams moved

@@ -59,6 +59,7 @@ async def serve(
     if problem is not None:  # checked before anything starts (engines included)
         print(f"tokenway: {problem}", file=sys.stderr, flush=True)
         return 2
+    raise_open_files_limit()
     sock: socket.socket | None = None
     if not reuse_port:  # the port first: nothing (no engine) starts when it is taken
         sock = _listen_or_say(settings)
@@ -166,6 +167,31 @@ def print_banner(app: web.Application, host: str, port: int) -> None:
     )
     if key != DEMO_KEY:
         print("       (export TOKENWAY_KEY=<an API key>; `tokenway keys create` makes one)", flush=True)
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files to the hard one (as Go's runtime does): each client
+    connection, engine connection and ledger file takes a descriptor, and the usual soft default
+    (1,024) runs out near a thousand connections while the hard limit allows far more. Out of
+    descriptors, connections the loop cannot accept are closed at once and engines cannot be
+    reached. Returns the soft limit in force (0 where the platform has none)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, _MOST_OPEN_FILES)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError) as exc:  # a hard limit above the kernel's nr_open
+        log.warning("cannot raise the open files limit from %d to %d: %s", soft, wanted, exc)
+        return soft
+    return wanted
+
+
+_MOST_OPEN_FILES = 1 << 20  # the target where the hard limit is unlimited (Linux's default nr_open)
 
 
 def tune_gc(young_threshold: int) -> None:

@@ -91,10 +91,22 @@ async def record_change(
     )
     try:
         await asyncio.to_thread(audit_log.append, change)
-    except OSError:
+    except OSError as exc:
         # The change is made and cannot be undone here; the operator learns of the gap from the
-        # log and `GET /admin/audit`'s error count rather than from a failure of a done change.
-        log.exception("audit log: %s %s by %s was made but could not be recorded", change.method, route, change.actor)
+        # log and `GET /admin/audit`'s error count rather than from a failure of a done change. The
+        # line holds what the record would have (who, what, on which id, when): the disk's error
+        # needs no traceback, and a full disk must not bury it under one per change.
+        log.error(
+            "audit log: %s %s (target %s, status %d) by %s from %s at %s was made but could not be recorded: %s",
+            change.method,
+            route,
+            change.target,
+            change.status,
+            change.actor,
+            change.client,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            exc,
+        )
     return response
 
 

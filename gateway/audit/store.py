@@ -71,6 +71,7 @@ import orjson
 
 from gateway.app.settings import AuditConfig
 from gateway.client_text import json_line, valid_request_id
+from gateway.ledger.reader import bounded_lines
 
 KIND = "admin_change"
 VERSION = 1
@@ -221,6 +222,28 @@ class AuditLog:
         self.written_total = 0
         self.errors_total = 0
         self.rotations_total = 0
+        self._set_aside_unusable()
+
+    def _set_aside_unusable(self) -> None:
+        """At start: a file of the log that is no file (a directory in its place) or that this
+        process may not read and write is moved to `<name>.corrupt-<n>` with one warning. Left where
+        it is, it would fail every append: each admin change made and answered, but none recorded."""
+        for path in [self.path, *(p for _, p in self._rotated())]:
+            try:
+                usable = path.is_file() and os.access(path, os.R_OK | os.W_OK)
+            except OSError:
+                usable = False
+            if usable or not (path.exists() or path.is_symlink()):
+                continue
+            n = 1
+            while (aside := path.with_name(f"{path.name}.corrupt-{n}")).exists():
+                n += 1
+            try:
+                os.replace(path, aside)
+            except OSError as exc:
+                log.warning("audit log: %s cannot be used and cannot be set aside (%s)", path, exc)
+                continue
+            log.warning("audit log: %s is not a file this process can read and append to: set aside as %s", path, aside)
 
     # -- writing (blocking: from a worker thread) --------------------------------------------
 
@@ -356,14 +379,27 @@ class AuditLog:
     def _newest_first(self) -> Iterator[dict[str, Any]]:
         for path in self.files_newest_first():
             try:
-                data = path.read_bytes()  # at most rotate_bytes, in a worker thread
-            except FileNotFoundError:
-                continue  # rotated away between the listing and the read
-            for line in reversed(data.split(b"\n")):
+                lines = self._lines_of(path)  # at most rotate_bytes, in a worker thread
+            except OSError:
+                continue  # rotated away between the listing and the read, or not readable: the others are
+            for line in reversed(lines):
                 if line.strip():
                     record = decode(line)
                     if record is not None:
                         yield record
+
+    def _lines_of(self, path: Path) -> list[bytes]:
+        """The lines of one file that can be records: none longer than `MAX_LINE_BYTES` (a longer one
+        is passed over a chunk at a time), and only the last `rotate_bytes` of a file longer than the
+        writer lets one grow (a damaged one), so a read holds at most what one file should."""
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            start = max(0, size - self.config.rotate_bytes - MAX_LINE_BYTES)
+            fh.seek(start)
+            lines = bounded_lines(fh, MAX_LINE_BYTES + 1)
+            if start:
+                next(lines, None)  # the rest of a line cut by the seek
+            return [line for line in lines if isinstance(line, bytes)]
 
 
 def _ends_with_newline(path: Path) -> bool:

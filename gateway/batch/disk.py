@@ -9,6 +9,13 @@
 Records (file, batch) are written to a temporary name, fsynced and renamed. The lines' progress and
 their write-ahead result logs are the `ResultLog`'s; at start-up each unfinished batch's is read back.
 
+What the directory holds is read as input (bench/chaos/disk_fuzz.py): a record goes through the same
+strict validation as the Redis store's (`read_file_meta`, `read_batch_meta`), and one that is not a
+record, or a file record whose bytes or line index are not the sizes it records, is set aside with
+its pieces (`<name>.corrupt-<n>`, kept for the operator) in one warning while the others load. A line
+whose stored bytes went away later reads as `line_unreadable`; a result log is read a record's head at
+a time, so a damaged line of any length costs no memory.
+
 ## Per-line progress (`ResultLog`)
 
 The embedded batch store's per-line progress: which lines of each running batch are free, claimed
@@ -33,17 +40,18 @@ import heapq
 import logging
 import os
 import shutil
+import stat
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
 import orjson
 
-from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta
+from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta, read_batch_meta, read_file_meta
 from gateway.batch.store import LineResult, QuotaExceeded
 
 log = logging.getLogger("tokenway.batch.disk")
@@ -74,6 +82,8 @@ class ResultLog:
         self._progress: dict[str, _Progress] = {}
         self._pending: list[tuple[str, bytes, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
+        self._failing_since_s: float | None = None  # results writes failing since (monotonic); None: they work
+        self._failure_logged_s = 0.0
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -91,26 +101,36 @@ class ResultLog:
         state = bytearray(batch.total)
         counts = Counts()
         path = self.wal_path(batch.id)
-        if path.exists():
-            good = 0
+        good = 0
+        unreadable = 0
+        try:
             with open(path, "rb") as fh:
-                for raw in fh:
-                    if not raw.endswith(b"\n"):
+                for head, length, ended in _record_heads(fh):
+                    if not ended:
                         break  # torn: the crash came mid-write
-                    try:
-                        result = LineResult.parse(raw)
-                    except (ValueError, KeyError, IndexError, TypeError):
-                        log.error("batch %s: unreadable result record at byte %d: skipped", batch.id, good)
-                        good += len(raw)
+                    good += length
+                    found = _head_of(head)
+                    if found is None:
+                        unreadable += 1
                         continue
-                    good += len(raw)
-                    if 0 <= result.index < batch.total and state[result.index] == _FREE:
-                        state[result.index] = _OK if result.ok else _FAILED
-                        counts.add(result.ok, result.usage)
-            if good < path.stat().st_size:
+                    index, ok, usage = found
+                    if 0 <= index < batch.total and state[index] == _FREE:
+                        state[index] = _OK if ok else _FAILED
+                        counts.add(ok, usage)
+                size = os.fstat(fh.fileno()).st_size
+            if unreadable:
+                log.warning("batch %s: %d unreadable result records in %s skipped", batch.id, unreadable, path)
+            if good < size:
                 log.warning("batch %s: cut a torn result record off its log", batch.id)
                 with open(path, "r+b") as fh:
                     fh.truncate(good)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # not a file (a directory in its place), unreadable: set aside, lines run again
+            aside = _set_aside(path)
+            log.warning("batch %s: result log %s unreadable (%s): set aside as %s", batch.id, path, exc, aside)
+            state = bytearray(batch.total)
+            counts = Counts()
         queue = deque(i for i in range(batch.total) if state[i] == _FREE)
         return _Progress(batch.total, state, queue, counts=counts)
 
@@ -207,28 +227,63 @@ class ResultLog:
             pending, self._pending = self._pending, []
             try:
                 await asyncio.to_thread(self._append, pending)
+            except OSError as exc:  # a full disk: the results wait and are written when it is back
+                if self._closing:  # not written: those lines are not done, and run again after the restart
+                    _fail(pending, exc)
+                    continue
+                self._failing(exc)
+                self._pending[:0] = pending  # first again, in their order
+                await asyncio.sleep(_RETRY_S)
+                continue
             except Exception as exc:
                 log.exception("writing batch results failed")
-                for _batch, _data, future in pending:
-                    if not future.done():
-                        future.set_exception(exc)
+                _fail(pending, exc)
                 continue
+            if self._failing_since_s is not None:
+                log.warning("writing batch results works again after %.0f s", time.monotonic() - self._failing_since_s)
+                self._failing_since_s = None
             for _batch, _data, future in pending:
                 if not future.done():
                     future.set_result(None)
 
+    def _failing(self, exc: OSError) -> None:
+        """Log a disk that refuses the results once with its traceback, then a line a minute. Retried
+        rather than failed: a line whose result was not written would run again, its engine call made
+        (and billed) twice for one answer."""
+        now = time.monotonic()
+        if self._failing_since_s is None:
+            self._failing_since_s = self._failure_logged_s = now
+            log.exception("writing batch results failed; kept to try again every %.0f s", _RETRY_S)
+        elif now - self._failure_logged_s >= _FAILURE_LOG_EVERY_S:
+            self._failure_logged_s = now
+            log.error("writing batch results still failing after %.0f s: %s", now - self._failing_since_s, exc.strerror)
+
     def _append(self, pending: list[tuple[str, bytes, asyncio.Future[None]]]) -> None:
+        """Write `pending` to the results logs, all of it or none: a log the disk refused is cut back
+        to its size before, so a retry never leaves a result in it twice or half of one."""
         touched: dict[str, IO[bytes]] = {}
-        for batch_id, data, _future in pending:
-            progress = self._progress[batch_id]
-            if progress.wal is None:
-                progress.wal = open(self.wal_path(batch_id), "ab")  # noqa: SIM115 - kept open while it runs
-            progress.wal.write(data)
-            touched[batch_id] = progress.wal
-        for wal in touched.values():
-            wal.flush()
-            if self.fsync:
-                os.fsync(wal.fileno())
+        sizes: dict[str, int] = {}
+        try:
+            for batch_id, data, _future in pending:
+                progress = self._progress[batch_id]
+                if progress.wal is None:
+                    progress.wal = open(self.wal_path(batch_id), "ab")  # noqa: SIM115 - kept open while it runs
+                if batch_id not in sizes:
+                    sizes[batch_id] = progress.wal.tell()
+                touched[batch_id] = progress.wal
+                progress.wal.write(data)
+            for wal in touched.values():
+                wal.flush()
+                if self.fsync:
+                    os.fsync(wal.fileno())
+        except OSError:
+            for batch_id, wal in touched.items():
+                self._progress[batch_id].wal = None
+                with contextlib.suppress(OSError):
+                    wal.close()  # what it buffered may or may not reach the disk: cut off below
+                with contextlib.suppress(OSError):
+                    os.truncate(self.wal_path(batch_id), sizes[batch_id])
+            raise
 
     async def held(self, batch_id: str) -> int:
         progress = self._progress.get(batch_id)
@@ -250,7 +305,9 @@ class ResultLog:
             for start in range(0, len(spans), 256):
                 chunk = spans[start : start + 256]
                 for raw in await asyncio.to_thread(_pread_all, fd, chunk):
-                    yield LineResult.parse(raw)
+                    result = LineResult.read(raw)
+                    if result is not None:  # its header read, its line not (damaged since): not a result
+                        yield result
         finally:
             os.close(fd)
 
@@ -258,7 +315,7 @@ class ResultLog:
         progress = self._progress.pop(batch_id, None)
         if progress is not None and progress.wal is not None:
             progress.wal.close()
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone, or a directory a damage left (set aside at the next start)
             await asyncio.to_thread(self.wal_path(batch_id).unlink)
 
     async def close(self) -> None:
@@ -273,6 +330,16 @@ class ResultLog:
                 progress.wal = None
 
 
+def _fail(pending: list[tuple[str, bytes, asyncio.Future[None]]], exc: BaseException) -> None:
+    for _batch, _data, future in pending:
+        if not future.done():
+            future.set_exception(exc)
+
+
+_RETRY_S: Final = 1.0  # a results write the disk refused is tried again this often
+_FAILURE_LOG_EVERY_S: Final = 60.0
+
+
 def _pread_all(fd: int, spans: list[tuple[int, int, int]]) -> list[bytes]:
     return [os.pread(fd, length, offset) for _index, offset, length in spans]
 
@@ -280,25 +347,88 @@ def _pread_all(fd: int, spans: list[tuple[int, int, int]]) -> list[bytes]:
 def _result_spans(path: Path) -> list[tuple[int, int, int]]:
     """(index, offset, length) of each line's first result record, in line order."""
     found: dict[int, tuple[int, int]] = {}
-    if not path.exists():
-        return []
     offset = 0
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break
-            header = raw.partition(b"\t")[0]
-            try:
-                index = int(orjson.loads(header)["i"])
-            except (ValueError, KeyError, TypeError):
-                offset += len(raw)
-                continue
-            found.setdefault(index, (offset, len(raw)))
-            offset += len(raw)
+    try:
+        with open(path, "rb") as fh:
+            for head, length, ended in _record_heads(fh):
+                if not ended:
+                    break
+                parsed = _head_of(head)
+                if parsed is not None and length <= MAX_RESULT_BYTES:
+                    found.setdefault(parsed[0], (offset, length))
+                offset += length
+    except OSError:  # gone, or not a file any more: no results to read
+        return []
     return [(i, *found[i]) for i in sorted(found)]
 
 
+MAX_HEAD_BYTES: Final = 4096  # a result record's header (`{"i":…,"ok":…,"u":[…]}`) is under 100 bytes
+# A result line is what the engine answered (an embeddings answer can be large), so no bound fits it
+# short of the upstream client's own (gateway/upstream/client.py); a record past this is none the
+# runner wrote, and is skipped rather than read into memory whole.
+MAX_RESULT_BYTES: Final = 256 * 1024 * 1024
+
+
+def _record_heads(fh: IO[bytes]) -> Iterator[tuple[bytes, int, bool]]:
+    """(the first `MAX_HEAD_BYTES` of each record, its length, whether it ended with a newline) of a
+    result log: a record is read a chunk at a time, so a line of any length costs no more memory than
+    its head."""
+    while True:
+        head = fh.readline(MAX_HEAD_BYTES)
+        if not head:
+            return
+        length = len(head)
+        line = head
+        while not line.endswith(b"\n"):
+            line = fh.readline(_CHUNK)
+            if not line:
+                break
+            length += len(line)
+        yield head, length, line.endswith(b"\n")
+
+
+def _head_of(head: bytes) -> tuple[int, bool, tuple[int, int, int]] | None:
+    """(index, ok, usage) of a result record's head, or None when it is not a result record's."""
+    header, tab, rest = head.partition(b"\t")
+    if not tab or not rest.rstrip(b"\n"):
+        return None
+    try:
+        data = orjson.loads(header)
+        usage = data["u"]
+        index, ok = data["i"], data["ok"]
+        if not isinstance(index, int) or not isinstance(ok, bool) or isinstance(index, bool):
+            return None
+        counts = (int(usage[0]), int(usage[1]), int(usage[2]))
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError):
+        return None
+    return index, ok, counts
+
+
 _CHUNK: Final = 1 << 20
+
+
+def _set_aside(path: Path) -> Path:
+    """Move a damaged file (or whatever stands in its place) out of the store's way, to
+    `<name>.corrupt-<n>`: kept for the operator, never read again."""
+    n = 1
+    while (aside := path.with_name(f"{path.name}.corrupt-{n}")).exists() or aside.is_symlink():
+        n += 1
+    os.replace(path, aside)
+    return aside
+
+
+MAX_RECORD_BYTES: Final = 1 << 20  # a file or batch record is under 2 KiB; the batch's `errors` are bounded
+
+
+def _read_record(path: Path) -> bytes | None:
+    """A record's bytes, or None when they cannot be (read past `MAX_RECORD_BYTES`, not a file,
+    unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_RECORD_BYTES + 1)
+    except OSError:
+        return None
+    return data if len(data) <= MAX_RECORD_BYTES else None
 
 
 class StoreLocked(Exception):
@@ -315,12 +445,17 @@ def _copy(meta: M) -> M:
 
 def _write_atomic(path: Path, data: bytes, fsync: bool) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no half-written copy is left beside the record
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     if fsync:
         _fsync_dir(path.parent)
 
@@ -364,20 +499,23 @@ class DiskBatchStore:
 
     # --- start-up -----------------------------------------------------------------------------------
     def _load(self) -> None:
-        for path in self.files_dir.glob("*.json"):
-            try:
-                meta = FileMeta.from_dict(orjson.loads(path.read_bytes()))
-            except (OSError, ValueError, TypeError):
-                log.exception("unreadable file record %s: skipped", path)
+        """Every record back; one that is not a record (damaged, of another shape, its bytes or line
+        index gone) is set aside with one warning: the others load, the gateway starts."""
+        for path in sorted(self.files_dir.glob("*.json")):
+            raw = _read_record(path)
+            meta = read_file_meta(raw) if raw is not None else None
+            problem = self._file_problem(path, meta)
+            if problem is not None or meta is None:
+                self._set_aside(path, f"not a file record ({problem or 'unreadable'})")
                 continue
             self._files[meta.id] = meta
             self._count(meta, 1)
             self._seq = max(self._seq, meta.seq)
-        for path in self.batches_dir.glob("*.json"):
-            try:
-                batch = BatchMeta.from_dict(orjson.loads(path.read_bytes()))
-            except (OSError, ValueError, TypeError):
-                log.exception("unreadable batch record %s: skipped", path)
+        for path in sorted(self.batches_dir.glob("*.json")):
+            raw = _read_record(path)
+            batch = read_batch_meta(raw) if raw is not None else None
+            if batch is None or batch.id != path.stem:
+                self._set_aside(path, "not a batch record")
                 continue
             self._batches[batch.id] = batch
             self._seq = max(self._seq, batch.seq)
@@ -385,8 +523,35 @@ class DiskBatchStore:
             if batch.status in ("in_progress", "finalizing", "cancelling"):
                 self._lines.load(batch)
             elif batch.finished:  # a crash after the final record, before the log was dropped
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     self._lines.wal_path(batch.id).unlink()
+
+    def _file_problem(self, path: Path, meta: FileMeta | None) -> str | None:
+        """Why a file record cannot serve (None when it can): its bytes and line index must be files
+        of the sizes it records, or every line of it would be read wrong."""
+        if meta is None:
+            return "unreadable"
+        if meta.id != path.stem:
+            return f"its id {meta.id!r} is not its name's"
+        try:
+            content = self._file_path(meta.id, ".jsonl").stat()
+            index = self._file_path(meta.id, ".idx").stat()
+        except OSError as exc:
+            return f"its bytes or line index: {exc.strerror or exc}"
+        if not stat.S_ISREG(content.st_mode) or content.st_size != meta.bytes:
+            return f"its bytes are {content.st_size}, not the {meta.bytes} recorded"
+        if not stat.S_ISREG(index.st_mode) or index.st_size != 16 * meta.lines:
+            return f"its line index is {index.st_size} bytes, not {16 * meta.lines}"
+        return None
+
+    def _set_aside(self, record: Path, why: str) -> None:
+        """A damaged record and the pieces named after it, moved aside in one warning."""
+        moved = []
+        for piece in sorted(record.parent.glob(record.stem + ".*")):
+            if ".corrupt-" not in piece.name and piece.suffix in (".json", ".jsonl", ".idx", ".wal"):
+                with contextlib.suppress(OSError):
+                    moved.append(_set_aside(piece).name)
+        log.warning("batch store: %s is %s: set aside as %s", record, why, ", ".join(moved) or "(gone)")
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -466,14 +631,15 @@ class DiskBatchStore:
 
     def _unlink_file(self, file_id: str) -> None:
         for suffix in (".json", ".idx", ".jsonl"):  # the record first: a half-deleted file is gone
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 self._file_path(file_id, suffix).unlink()
 
     def _spans_of(self, file_id: str) -> array[int]:
         spans = self._spans.get(file_id)
         if spans is None:
             spans = array("Q")
-            spans.frombytes(self._file_path(file_id, ".idx").read_bytes())
+            data = self._file_path(file_id, ".idx").read_bytes()
+            spans.frombytes(data[: len(data) - len(data) % 16])  # whole (offset, length) pairs only
             if len(self._spans) > 64:
                 self._spans.pop(next(iter(self._spans)))
             self._spans[file_id] = spans
@@ -483,10 +649,22 @@ class DiskBatchStore:
         return await asyncio.to_thread(self._read_lines, file_id, list(indices))
 
     def _read_lines(self, file_id: str, indices: list[int]) -> list[bytes]:
-        spans = self._spans_of(file_id)
-        fd = os.open(self._file_path(file_id, ".jsonl"), os.O_RDONLY)
+        """The lines' stored bytes; b"" for a line the store no longer holds (its bytes or index
+        damaged since start-up), which the runner records as `line_unreadable`."""
         try:
-            return [os.pread(fd, spans[2 * i + 1], spans[2 * i]) for i in indices]
+            spans = self._spans_of(file_id)
+            fd = os.open(self._file_path(file_id, ".jsonl"), os.O_RDONLY)
+        except OSError:
+            return [b""] * len(indices)
+        try:
+            size = os.fstat(fd).st_size
+            out = []
+            for i in indices:
+                inside = 2 * i + 1 < len(spans) and spans[2 * i] + spans[2 * i + 1] <= size
+                out.append(os.pread(fd, spans[2 * i + 1], spans[2 * i]) if inside else b"")
+            return out
+        except OSError:
+            return [b""] * len(indices)
         finally:
             os.close(fd)
 
@@ -540,7 +718,7 @@ class DiskBatchStore:
     async def delete_batch(self, batch_id: str) -> None:
         self._batches.pop(batch_id, None)
         await self.drop_progress(batch_id)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             await asyncio.to_thread((self.batches_dir / f"{batch_id}.json").unlink)
 
     async def expired_batches(self, finished_before_s: float) -> list[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import time
@@ -40,6 +41,7 @@ from typing import Any, Final, TypeVar
 
 import orjson
 from aiohttp import BodyPartReader, web
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from gateway.apis.responses import ResponsesCall
 from gateway.app import keys as appkeys
@@ -57,10 +59,20 @@ from gateway.batch.objects import (
 )
 from gateway.batch.setup import BATCH, BatchService
 from gateway.batch.store import QuotaExceeded
-from gateway.errors import GatewayError, InvalidApiKey, InvalidRequest, Rejected, RequestTooLarge, error_response
+from gateway.errors import (
+    GatewayError,
+    InvalidApiKey,
+    InvalidRequest,
+    Rejected,
+    RequestTooLarge,
+    StorageFailed,
+    error_response,
+)
 from gateway.http.bodies import MAX_JSON_DEPTH, check_depth, parse_json_body, validate_body
 from gateway.request.intake import request_id
 from policies.types import Principal, Rejection, Usage
+
+log = logging.getLogger(__name__)
 
 MAX_CUSTOM_ID_CHARS: Final = 512
 _READ_CHUNK: Final = 1 << 20
@@ -328,12 +340,26 @@ def _handler(work: Any) -> Any:
             answer: web.StreamResponse = await work(request, service, principal, request_id)
         except GatewayError as error:
             return error_response(error, [*limits, ("x-request-id", request_id)])
+        except (ConnectionError, TimeoutError):
+            raise  # the client went away, or a deadline's own answer: not the store's
+        except (OSError, RedisError) as exc:  # the store refused (a full disk, Redis away or full): not the request
+            log.warning("batch store: %s %s failed: %s", request.method, request.path, exc)
+            return error_response(_storage_failed(exc), [*limits, ("x-request-id", request_id)])
         if not answer.prepared:  # the content download wrote them before it streamed
             for name, value in limits:
                 answer.headers[name] = value
         return answer
 
     return handle
+
+
+def _storage_failed(exc: OSError | RedisError) -> StorageFailed:
+    what = "the file or the batch"
+    if isinstance(exc, OSError):
+        return StorageFailed.of(exc, what)
+    if isinstance(exc, OutOfMemoryError):
+        return StorageFailed.full(what, "the batch store's Redis is full (maxmemory)")
+    return StorageFailed(f"The gateway cannot store {what}: the batch store's Redis is not answering; retry later.")
 
 
 T = TypeVar("T")

@@ -39,7 +39,7 @@ from typing import Any
 
 from gateway.app.settings import RedisStreamConfig
 from gateway.console.usage import stream_entries
-from gateway.ledger.reader import files_in_window
+from gateway.ledger.reader import bounded_lines, files_in_window
 from gateway.ledger.writer import decode
 
 TTL_S = 30.0
@@ -211,10 +211,17 @@ def _new_file_entries(directory: Path, month_start: float, offsets: dict[str, in
             raise _Rewound(name)
         if size == start:
             continue
-        with path.open("rb") as f:
+        try:
+            f = path.open("rb")
+        except OSError:  # unreadable: the reader's warning is the report's
+            continue
+        with f:
             f.seek(start)
             position = start
-            for line in f:
+            for line in bounded_lines(f):
+                if isinstance(line, int):  # longer than any record: not one, and never held whole
+                    position += line
+                    continue
                 try:
                     entry = decode(line) if line.strip() else None
                 except ValueError:  # torn (still being written) or corrupt: the reader's warning is the report's

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gateway.ledger.report import group_key, resolve_fields
+from gateway.ledger.report import amount_of, group_key, resolve_fields
 
 BUCKETS_S = (60, 300, 900, 3600, 6 * 3600, 86400)
 TARGET_POINTS = 60
@@ -66,7 +66,7 @@ class SpendSeries:
             if not self._fixed_bucket and (self.end_s - ts) > TARGET_POINTS * self.bucket_s:
                 self._widen(choose_bucket_s(self.end_s - ts))
         slot = int(ts // self.bucket_s) * self.bucket_s
-        self.series[self.label(entry)][slot] += entry.get("cost_usd") or 0.0
+        self.series[self.label(entry)][slot] += amount_of(entry.get("cost_usd"))
 
     def _widen(self, bucket_s: int) -> None:
         self.bucket_s = bucket_s

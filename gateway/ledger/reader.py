@@ -5,6 +5,10 @@ is any other line that is not a JSON object (the warning names file:line). A las
 whole object and lacks only its newline is kept: no proper prefix of a JSON object is valid JSON. `since`/`until`
 filter on the entry's finish time `ts`; whole files dated before `since` are not opened (a file's
 date is the UTC day its records were committed, which is never before their finish day).
+
+A damaged file costs only its damaged lines (bench/chaos/disk_fuzz.py): a line longer than any record
+(`MAX_LINE_BYTES`) is skipped without being held whole, and a file that cannot be opened (unreadable,
+gone since the listing) is skipped with a warning while the others are read.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from gateway.ledger.writer import decode
 
@@ -34,6 +38,31 @@ class ReadStats:
     torn_lines: int = 0
     corrupt_lines: int = 0
     warnings: list[str] = field(default_factory=list)
+
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest line read as a record. A record holds the gateway's own names and counts and a few
+values from the request's headers (each at most `server.max_header_bytes`): a few KiB. A longer line
+is none the writer wrote (a damaged file); it is skipped a chunk at a time, never held whole."""
+
+
+def bounded_lines(f: IO[bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes | int]:
+    """The lines of `f` (with their newlines), each at most `limit` bytes; in place of a longer line,
+    its length (an int), read past a chunk at a time so that memory stays within `limit`."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:
+            yield line
+            continue
+        skipped = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(1 << 16)
+            if not line:
+                break
+            skipped += len(line)
+        yield skipped
 
 
 def ledger_files(directory: str | Path, prefix: str | None = None) -> list[Path]:
@@ -71,9 +100,16 @@ def iter_entries(
         m = _FILE_RE.match(path.name)
         if since_day is not None and m is not None and m["day"] < since_day:
             continue
+        try:
+            f = path.open("rb")
+        except OSError as exc:  # unreadable, or gone since it was listed: the other files still count
+            warning(f"{path}: not read ({exc.strerror or exc})")
+            continue
         stats.files += 1
-        with path.open("rb") as f:
-            lines: Iterable[bytes] = f if on_bytes is None else _counted(f, on_bytes)
+        with f:
+            lines: Iterable[bytes | int] = bounded_lines(f)
+            if on_bytes is not None:
+                lines = _counted(lines, on_bytes)
             yield from _file_entries(path, lines, since_unix_s, until_unix_s, stats, warning)
 
 
@@ -88,10 +124,10 @@ def files_in_window(directory: str | Path, since_unix_s: float | None, prefix: s
     return out
 
 
-def _counted(lines: Iterable[bytes], on_bytes: Callable[[int], None], every: int = 4096) -> Iterator[bytes]:
+def _counted(lines: Iterable[bytes | int], on_bytes: Callable[[int], None], every: int = 4096) -> Iterator[bytes | int]:
     pending = 0
     for n, line in enumerate(lines, start=1):
-        pending += len(line)
+        pending += line if isinstance(line, int) else len(line)
         if n % every == 0:
             on_bytes(pending)
             pending = 0
@@ -102,13 +138,18 @@ def _counted(lines: Iterable[bytes], on_bytes: Callable[[int], None], every: int
 
 def _file_entries(
     path: Path,
-    lines: Iterable[bytes],
+    lines: Iterable[bytes | int],
     since_unix_s: float | None,
     until_unix_s: float | None,
     stats: ReadStats,
     warning: Warn,
 ) -> Iterator[dict[str, Any]]:
     for number, line in enumerate(lines, start=1):
+        if isinstance(line, int):
+            stats.lines += 1
+            stats.corrupt_lines += 1
+            warning(f"{path}:{number}: a line of {line} bytes skipped (a record is at most {MAX_LINE_BYTES})")
+            continue
         if not line.strip():
             continue
         stats.lines += 1

@@ -167,6 +167,19 @@ def resolve_fields(by: Sequence[str]) -> list[str]:
     return out
 
 
+def count_of(value: Any) -> int:
+    """A record's token count as the writer writes it (an int), else 0: a line damaged on disk or
+    edited by hand (a count that is text) costs the report that figure, never the report itself."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def amount_of(value: Any) -> float:
+    """A record's dollar amount (or time) as a finite number, else 0 (see `count_of`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0.0
+    return float(value)
+
+
 @dataclass(slots=True)
 class GroupTotals:
     requests: int = 0
@@ -190,16 +203,16 @@ class GroupTotals:
             self.rejected += 1
         elif status in ("error", "aborted"):
             self.errors += 1
-        self.input_tokens += entry.get("input_tokens") or 0
-        self.cached_input_tokens += entry.get("cached_input_tokens") or 0
-        self.cache_write_input_tokens += (entry.get("cache_write_input_tokens") or 0) + (
-            entry.get("cache_write_1h_input_tokens") or 0
+        self.input_tokens += count_of(entry.get("input_tokens"))
+        self.cached_input_tokens += count_of(entry.get("cached_input_tokens"))
+        self.cache_write_input_tokens += count_of(entry.get("cache_write_input_tokens")) + count_of(
+            entry.get("cache_write_1h_input_tokens")
         )
-        self.output_tokens += entry.get("output_tokens") or 0
-        self.cost_usd += entry.get("cost_usd") or 0.0
-        self.cache_saved_usd += entry.get("cache_saved_usd") or 0.0
+        self.output_tokens += count_of(entry.get("output_tokens"))
+        self.cost_usd += amount_of(entry.get("cost_usd"))
+        self.cache_saved_usd += amount_of(entry.get("cache_saved_usd"))
         ttft = entry.get("ttft_s")
-        if ttft is not None:
+        if ttft is not None and amount_of(ttft) == ttft:  # a finite number
             self.ttfts_s.add(ttft)
 
     def merge(self, other: GroupTotals) -> None:

@@ -165,6 +165,7 @@ def decode(line: bytes) -> dict[str, Any]:
 log = logging.getLogger("tokenway.ledger")
 
 _COMMIT_AT = 0.8  # fraction of the interval a group's first record waits; the rest covers the write
+_ERROR_LOG_EVERY_S = 60.0  # a disk that keeps failing: one log line a minute
 
 
 class BatchSink(Protocol):
@@ -273,6 +274,8 @@ class LedgerWriter:
         self.dropped_total = 0
         self.commits_total = 0
         self.write_errors_total = 0
+        self._failing_since_s: float | None = None  # writes failing since (monotonic); None: they work
+        self._error_logged_s = 0.0
         self.fsyncs_total = 0
         self.files_total = 0
         self.bytes_written_total = 0
@@ -405,14 +408,21 @@ class LedgerWriter:
             view = memoryview(data)
             while written < len(data):
                 written += os.write(self._fd, view[written:])
-        except OSError:
+        except OSError as exc:
             self.write_errors_total += 1
             self._carry, self._carry_lines = data[written:], lines
-            log.exception("usage ledger write to %s failed; %d bytes kept for retry", self._path, len(self._carry))
+            self._write_failed(exc)
             return
         finally:
             self._size_bytes += written
             self.bytes_written_total += written
+        if self._failing_since_s is not None:
+            log.warning(
+                "usage ledger writes to %s work again after %.0f s; nothing queued meanwhile was lost",
+                self._path,
+                time.monotonic() - self._failing_since_s,
+            )
+            self._failing_since_s = None
         self.written_total += len(lines)
         self.commits_total += 1
         self.last_commit_seconds = time.monotonic() - started_s
@@ -422,6 +432,24 @@ class LedgerWriter:
                 self._sink.submit(lines)
             except Exception:
                 log.exception("usage ledger sink failed")
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Log a failing disk once with its traceback, then a line a minute while it keeps failing:
+        the writer retries every second, and a full disk is not worth 3,600 tracebacks an hour
+        (`write_errors_total` counts every try)."""
+        now = time.monotonic()
+        if self._failing_since_s is None:
+            self._failing_since_s = self._error_logged_s = now
+            log.exception("usage ledger write to %s failed; %d bytes kept for retry", self._path, len(self._carry))
+        elif now - self._error_logged_s >= _ERROR_LOG_EVERY_S:
+            self._error_logged_s = now
+            log.error(
+                "usage ledger writes to %s still failing after %.0f s (%s); %d bytes kept for retry",
+                self._path,
+                now - self._failing_since_s,
+                exc.strerror or type(exc).__name__,
+                len(self._carry),
+            )
 
     def _rotate_if_needed(self, incoming_bytes: int) -> None:
         day = datetime.fromtimestamp(self._wall_clock_s(), UTC).strftime("%Y%m%d")

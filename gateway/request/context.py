@@ -257,15 +257,17 @@ class Hooks:
 
 A = TypeVar("A", covariant=True)  # the answer a transport gives its caller
 
-Fault = Literal["endpoint", "request", "crash", "adapter_lost"]
+Fault = Literal["endpoint", "request", "crash", "adapter_lost", "gateway"]
 
 
 class NotSent(Exception):
     """A send failed before anything reached the client. `fault` says whose failure it was: the
     endpoint's (try another), the request's (`error` is the answer, everywhere), a crash of the
     engine on this request's content (a second one ends the walk: `gateway/upstream/engine_errors.py`),
-    or `adapter_lost`: the endpoint no longer held the request's LoRA adapter, which the next send there
-    loads again, so that endpoint stays a candidate for the retry (the only replica of a pool included)."""
+    `adapter_lost`: the endpoint no longer held the request's LoRA adapter, which the next send there
+    loads again, so that endpoint stays a candidate for the retry (the only replica of a pool included),
+    or the gateway's own (`error` is the answer: it ran out of file descriptors, so every endpoint and
+    every fallback would fail the same way, and no endpoint is blamed)."""
 
     def __init__(self, detail: str, *, fault: Fault = "endpoint", error: GatewayError | None = None) -> None:
         super().__init__(detail)

@@ -282,7 +282,7 @@ class Dispatch:
                     exclude.add(routed.endpoint.id)
                 detail = failed.detail
                 ctx.outcome = None  # nothing reached the client: this attempt is not charged
-                if failed.fault == "request" and failed.error is not None:  # so it is everywhere
+                if failed.fault in ("request", "gateway") and failed.error is not None:  # so it is everywhere
                     raise Detour("upstream_error", failed.error, fallback=False) from None
                 if failed.fault == "crash":
                     crashes, crash_detail = crashes + 1, detail

@@ -67,7 +67,7 @@ from backends.config import EjectionSettings
 from backends.fleet import Fleet, LoraAdapter, Pool, get_adapter
 from backends.types import Endpoint, LoadTicket, PdError
 from gateway.app.settings import ServerSettings
-from gateway.errors import EngineRejected, GatewayError, UpstreamError
+from gateway.errors import EngineRejected, GatewayError, Overloaded, UpstreamError
 from gateway.request.accounting import Accounting, Reservation
 from gateway.request.apis import NativeApi, Translation, native_body
 from gateway.request.context import Hooks, NotSent, RequestContext, Routed
@@ -237,6 +237,16 @@ class EngineTransport:
 
     def _not_sent(self, ctx: RequestContext, endpoint: Endpoint, watch: CallWatch, exc: RetryableUpstream) -> NotSent:
         """What a failure before the first byte says, and whose it is."""
+        if exc.exhausted:  # the gateway's own descriptors or buffers ran out: no endpoint failed
+            if self.metrics is not None:
+                self.metrics.observe_upstream_error(endpoint.id, "gateway_exhausted")
+            log.warning("no connection to %s: the gateway is out of resources: %s", endpoint.id, exc.detail)
+            busy = Overloaded(
+                "The gateway cannot open a connection right now (it is out of file descriptors or socket "
+                "buffers); retry shortly.",
+                headers=[("retry-after", "1")],
+            )
+            return NotSent(exc.detail, fault="gateway", error=busy)
         fault = engine_fault(exc.status, exc.body) if exc.status else "endpoint"
         kind = f"http_{exc.status}" if exc.status else "connect"
         if watch.reason == DEADLINE:  # slow or frozen, not failed: the stall watch judges it
@@ -531,7 +541,7 @@ async def prefill_leg(
     except (RetryableUpstream, UpstreamRejected, PdError) as exc:
         if isinstance(exc, RetryableUpstream) and exc.status:
             ctx.answered_5xx.append(prefill)  # counted only if the decode endpoint then serves it
-        elif isinstance(exc, RetryableUpstream):
+        elif isinstance(exc, RetryableUpstream) and not exc.exhausted:  # the gateway's own shortage blames none
             engine.report_failure(prefill, time.monotonic())
         ctx.record.kv_transfer_failed = True
         log.warning("PD prefill leg on %s failed, decoding endpoint prefills: %s", prefill.id, exc)

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
+from backends.types import GATEWAY_EXHAUSTED
+
 # ---- One connection
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -50,6 +52,11 @@ MAX_ANSWER_BYTES = 256 << 20
 
 class UpstreamConnectionError(ConnectionError):
     """The engine could not be reached, went away, or answered something that is not HTTP/1.x."""
+
+
+class GatewayExhausted(UpstreamConnectionError):
+    """The gateway itself lacks what a connection needs (file descriptors, socket buffers, memory):
+    no engine failed, and every other endpoint would fail the same way."""
 
 
 class Connection(asyncio.Protocol):
@@ -543,6 +550,8 @@ class UpstreamClient:
                 f"connecting to {origin.host}:{origin.port} took longer than {self.connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
+            if exc.errno in GATEWAY_EXHAUSTED:
+                raise GatewayExhausted(f"cannot open a connection to {origin.host}:{origin.port}: {exc}") from exc
             raise UpstreamConnectionError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
         return conn
 

@@ -89,7 +89,7 @@ from aiohttp import web
 
 from backends.types import EventBuffer, EventTooLarge, LoadTicket, answer_choices
 from gateway.errors import InvalidRequest, UpstreamError, sse_error_event
-from gateway.upstream.client import CallWatch, Response, UpstreamClient, UpstreamConnectionError
+from gateway.upstream.client import CallWatch, GatewayExhausted, Response, UpstreamClient, UpstreamConnectionError
 from gateway.upstream.replica_loss import MAX_MIGRATIONS, Moving, Resume, sent_text
 from policies.policy import client_body
 from policies.types import ApiKind, Principal, Usage
@@ -302,11 +302,12 @@ _DONE = b"data: [DONE]"
 class RetryableUpstream(Exception):
     """The upstream failed before anything reached the client: another endpoint may be tried."""
 
-    def __init__(self, detail: str, *, status: int | None = None, body: bytes = b"") -> None:
+    def __init__(self, detail: str, *, status: int | None = None, body: bytes = b"", exhausted: bool = False) -> None:
         super().__init__(detail)
         self.detail = detail
         self.status = status
         self.body = body  # a 5xx's error body (bounded): what `engine_errors.engine_fault` reads
+        self.exhausted = exhausted  # the gateway ran out of descriptors or buffers: no endpoint failed
 
 
 class UpstreamRejected(Exception):
@@ -462,7 +463,7 @@ async def _post(client: UpstreamClient, target: UpstreamTarget) -> Response:
     try:
         response = await client.post(target.url, target.headers, target.body, target.watch)
     except (UpstreamConnectionError, TimeoutError) as exc:
-        raise RetryableUpstream(f"{type(exc).__name__}: {exc}") from exc
+        raise RetryableUpstream(f"{type(exc).__name__}: {exc}", exhausted=isinstance(exc, GatewayExhausted)) from exc
     if response.status >= 500:
         try:
             raw = (await response.read())[:4096]

@@ -61,6 +61,7 @@ from gateway.app.settings import GatewaySettings
 from gateway.http.access import exposure_problem
 from gateway.workers.plan import group_problem, static_pools, worker_settings
 from gateway.workers.worker import RESTARTED, WorkerSpec
+from policies.keys.store import KeyStoreDamaged
 
 INSTALL_HINT = (
     "apt-get install redis-server (Debian/Ubuntu), dnf install redis (Fedora), brew install redis (macOS); "
@@ -221,7 +222,11 @@ async def serve_group(settings: GatewaySettings, workers: int, *, log_level: str
             for i in range(workers)
         ]
         if redis is not None:
-            await _restore_keys(specs[0])
+            try:
+                await _restore_keys(specs[0])
+            except KeyStoreDamaged as exc:  # one line naming the file, as a single process says it
+                _say(str(exc))
+                return 2
         group = Group(specs, stop, drain_timeout_s=server.drain_timeout_s)
         await group.start()
         engines = f"; {len(launched)} engine(s) supervised here" if launched else ""

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -55,6 +56,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from policies.limits.scriptpipe import stored_number
+from policies.loader import PolicyFileError
 
 Kind = Literal["key", "tenant", "override"]
 KINDS: tuple[Kind, ...] = ("key", "tenant", "override")
@@ -156,6 +158,27 @@ INSERT OR IGNORE INTO meta (k, v) VALUES ('version', 0);
 """
 
 
+class KeyStoreDamaged(PolicyFileError):
+    """The key store's file is there but SQLite cannot read it whole: the gateway does not start.
+    (A `PolicyFileError`: the keys made through the admin API are part of the policy, and start-up
+    answers a policy file it cannot use with its one-line message, gateway/app/server.py.)
+
+    Serving without the keys it holds would answer 401 to every key made through the admin API, a
+    lock-out that looks like the clients' fault, and the next write would make the damage permanent
+    (a fresh file over the old one). So start-up stops with one line that names the file and the two
+    ways on: put a backup back, or move the file aside and make those keys again."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(
+            [
+                f"the key store {path} cannot be read ({why}); keys and tenants made through the admin API live "
+                "there, so the gateway does not start without them: restore the file from a backup, or move it "
+                "aside to start with none (those keys must then be made again)"
+            ]
+        )
+        self.path = path
+
+
 class SqliteDirectoryStore:
     name = "sqlite"
 
@@ -163,10 +186,7 @@ class SqliteDirectoryStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._db = _open_checked(self.path)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         def locked() -> T:
@@ -178,9 +198,19 @@ class SqliteDirectoryStore:
     async def load(self) -> Snapshot:
         def read(db: sqlite3.Connection) -> Snapshot:
             snapshot = Snapshot(_version(db))
-            for kind, name, doc in db.execute("SELECT kind, name, doc FROM docs"):
+            garbled = 0
+            for raw in db.execute(_READ_DOCS):
+                kind, name, doc = (_stored_text(value) for value in raw)
+                garbled += any(isinstance(value, bytes) and not _is_utf8(value) for value in raw)
                 if kind in snapshot.docs:
                     snapshot.docs[kind][name] = doc
+            if garbled:
+                log.warning(
+                    "key store %s: %d documents hold bytes that are not UTF-8 (read with replacement characters; "
+                    "one that is no longer a key is named and ignored)",
+                    self.path,
+                    garbled,
+                )
             return snapshot
 
         return await self._run(read)
@@ -197,7 +227,8 @@ class SqliteDirectoryStore:
                 version = _version(db)
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # SQLite ends it itself on some errors (a full disk): say that one
+                    db.execute("ROLLBACK")
                 raise
             return version
 
@@ -205,8 +236,8 @@ class SqliteDirectoryStore:
 
     async def fetch(self, kind: Kind, name: str) -> str | None:
         def read(db: sqlite3.Connection) -> str | None:
-            row = db.execute("SELECT doc FROM docs WHERE kind = ? AND name = ?", (kind, name)).fetchone()
-            return None if row is None else str(row[0])
+            row = db.execute("SELECT CAST(doc AS BLOB) FROM docs WHERE kind = ? AND name = ?", (kind, name)).fetchone()
+            return None if row is None else _stored_text(row[0])
 
         return await self._run(read)
 
@@ -228,7 +259,8 @@ class SqliteDirectoryStore:
 
     async def last_used(self) -> dict[str, float]:
         def read(db: sqlite3.Connection) -> dict[str, float]:
-            return {str(i): float(t) for i, t in db.execute("SELECT id, at_s FROM last_used")}
+            rows = db.execute("SELECT id, at_s FROM last_used WHERE typeof(at_s) IN ('real', 'integer')")
+            return {str(i): float(t) for i, t in rows if math.isfinite(t)}
 
         return await self._run(read)
 
@@ -244,7 +276,8 @@ class SqliteDirectoryStore:
                     db.execute("UPDATE meta SET v = max(v, ?) WHERE k = 'version'", (version,))
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # SQLite ends it itself on some errors (a full disk): say that one
+                    db.execute("ROLLBACK")
                 raise
 
         await self._run(write)
@@ -268,7 +301,8 @@ class SqliteDirectoryStore:
                 db.execute("UPDATE meta SET v = ? WHERE k = 'version'", (snapshot.version,))
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                if db.in_transaction:  # SQLite ends it itself on some errors (a full disk): say that one
+                    db.execute("ROLLBACK")
                 raise
 
         await self._run(write)
@@ -278,6 +312,55 @@ class SqliteDirectoryStore:
 
     async def close(self) -> None:
         await self._run(lambda db: db.close())
+
+
+# Read as bytes: SQLite returns text it holds as it holds it, and a document whose bytes a damage left
+# no longer UTF-8 would fail the whole load in Python's decoding (a start-up crash over one key).
+_READ_DOCS = "SELECT CAST(kind AS BLOB), CAST(name AS BLOB), CAST(doc AS BLOB) FROM docs"
+
+
+def _stored_text(value: object) -> str:
+    """A stored column as text: UTF-8 with replacement characters where the bytes are not (the
+    document then fails its validation and is named and ignored, `policies/keys/index.py`)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _open_checked(path: Path) -> sqlite3.Connection:
+    """The key store's connection, after SQLite read the whole file back (`quick_check`: every page
+    and index, in milliseconds at the sizes a key store has). A file that is not there is a first
+    start: created empty, and said so (a missing file is the one damage SQLite cannot tell from a new
+    deployment). A file that is there but empty, not a database, unreadable or damaged raises
+    `KeyStoreDamaged`: SQLite would read an empty file as an empty store, and serve without its keys."""
+    if not path.exists() and not path.is_symlink():
+        log.warning("key store %s not found: starting an empty one (keys made through the admin API live there)", path)
+    elif path.is_file() and path.stat().st_size == 0:
+        raise KeyStoreDamaged(path, "the file is empty")
+    db: sqlite3.Connection | None = None
+    try:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        found = [str(row[0]) for row in db.execute("PRAGMA quick_check(5)")]
+        if found != ["ok"]:
+            raise KeyStoreDamaged(path, "; ".join(found)[:200])
+        db.executescript(_SCHEMA)
+    except (sqlite3.Error, OSError) as exc:
+        if db is not None:
+            db.close()
+        raise KeyStoreDamaged(path, str(exc) or type(exc).__name__) from None
+    except KeyStoreDamaged:
+        if db is not None:
+            db.close()
+        raise
+    return db
 
 
 def _put(db: sqlite3.Connection, kind: str, name: str, doc: str | None) -> None:

@@ -28,3 +28,13 @@ def test_python_m_bench_name_help_prints_its_usage(
         runpy.run_module(f"bench.{name}", run_name="__main__", alter_sys=True)
     assert exited.value.code in (0, None)
     assert "usage:" in capsys.readouterr().out
+
+
+def test_no_benchmark_module_shadows_the_standard_library() -> None:
+    """A benchmark module named like a standard-library one (`tokenize.py`) breaks every script started
+    by path from its folder: Python puts the folder first on `sys.path`, and `import asyncio` then
+    imports it (the bare pass-through of `bench.overhead.run` failed so until it ran as a module)."""
+    shadowing = sorted(
+        str(path.relative_to(BENCH)) for path in BENCH.rglob("*.py") if path.stem in sys.stdlib_module_names
+    )
+    assert not shadowing, f"bench modules named like standard-library modules: {shadowing}"

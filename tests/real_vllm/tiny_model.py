@@ -59,7 +59,7 @@ def corpus(max_bytes: int = 500_000, *, recursive: bool = False, skip: int = 0) 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE, *, corpus_bytes: int = 500_000, recursive: bool = False) -> Tokenizer:
     """A byte-level BPE with ChatML's added tokens and a BOS post-processor, trained on `corpus`
-    (bench/overhead/tokenize.py trains a larger one the same way)."""
+    (bench/overhead/tokenize_cost.py trains a larger one the same way)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

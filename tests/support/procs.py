@@ -21,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,6 +60,10 @@ def _port_range() -> tuple[int, int]:
 # The ports handed out lately: one handed out is free until its server binds, so the next draw must
 # not return it again (a test that starts three gateways asks for their ports before any binds).
 _handed_out: collections.deque[int] = collections.deque(maxlen=256)
+# Ports are drawn from a generator of their own: hypothesis seeds the global `random` the same way in
+# every process that runs a derandomized probe (bench/chaos), so two such processes would draw the
+# same ports in step, and a server that lost the race to bind answered for the other's.
+_draws = random.Random()
 
 
 def free_port(*, room: int = 1) -> int:
@@ -67,7 +72,7 @@ def free_port(*, room: int = 1) -> int:
     inside the share (the base of a run of ports)."""
     low, high = _port_range()
     for _ in range(1000):
-        port = random.randrange(low, high - room + 1)
+        port = _draws.randrange(low, high - room + 1)
         if port not in _handed_out and _port_free(port):
             _handed_out.append(port)
             return port
@@ -480,6 +485,14 @@ def _predictor_section(given: Any) -> Any:
     return given
 
 
+def _copy_log(pipe: IO[bytes], path: Path) -> None:
+    """Copy a process's output to `path` until it exits (the pipe's end of file)."""
+    with pipe, open(path, "ab") as out:
+        for line in pipe:
+            out.write(line)
+            out.flush()
+
+
 def start_gateway(
     workdir: Path,
     *,
@@ -488,6 +501,7 @@ def start_gateway(
     wait_ready: bool = True,
     ready_timeout_s: float = 60.0,
     command: str = "serve",
+    log_pipe: bool = False,
     **sections: Any,
 ) -> Gateway:
     """Write gateway.yaml + policies.yaml into `workdir` and start `tokenway serve` (or `command`:
@@ -495,6 +509,8 @@ def start_gateway(
 
     `sections` are extra top-level gateway.yaml sections (server overrides merge into `server`).
     The predictor trains in a thread unless the test sets `predictor.worker` (see `_predictor_section`).
+    `log_pipe`: the gateway writes its log into a pipe this process copies to the file, so a test that
+    limits the gateway's file writes (a full disk) still reads everything it logged.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -508,11 +524,14 @@ def start_gateway(
     with open(log_path, "wb") as log:
         proc = spawn(
             [sys.executable, "-m", "gateway.app.cli", command, "--config", str(config_path)],
-            stdout=log,
+            stdout=subprocess.PIPE if log_pipe else log,
             stderr=subprocess.STDOUT,
             cwd=workdir,
             env=_env(),
         )
+    if log_pipe:
+        assert proc.stdout is not None
+        threading.Thread(target=_copy_log, args=(proc.stdout, log_path), daemon=True).start()
     gateway = Gateway(proc, port, config_path, log_path, workdir)
     try:
         wait_http(gateway.url + "/healthz", proc=proc, timeout_s=ready_timeout_s)

@@ -5,6 +5,7 @@ leaves one, refusals and reads leave none, and `GET /admin/audit` filters and bo
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,23 @@ async def test_a_change_whose_headers_or_path_are_not_valid_text_is_answered_and
     assert [r["method"] for r in rows] == ["DELETE", "PATCH", "PATCH"]
     assert rows[1]["request_id"] == "req-42" and "request_id" not in rows[0] and "request_id" not in rows[2]
     assert isinstance(rows[0]["target"], str) and rows[0]["target"].encode("utf-8")  # valid text, recorded
+
+
+async def test_a_change_the_disk_would_not_record_is_answered_and_its_line_holds_the_record(
+    served: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The change is made (it cannot be undone here) and answered; the log line names what the record
+    would have held, with no traceback (a full disk would bury the log under one per change)."""
+    server, audit, _sessions = await served(TOKEN)
+
+    def full_disk(change: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(audit, "append", full_disk)
+    with caplog.at_level(logging.ERROR, logger="tokenway.audit"):
+        assert (await call(server, "PATCH", "/admin/things/a", {"Authorization": f"Bearer {TOKEN}"}))[0] == 200
+    [line] = [r for r in caplog.records if r.name == "tokenway.audit"]
+    assert line.exc_info is None
+    message = line.getMessage()
+    assert "PATCH /admin/things/{thing} (target t1, status 200) by admin-token from 127.0.0.1" in message
+    assert message.endswith("could not be recorded: [Errno 28] No space left on device")

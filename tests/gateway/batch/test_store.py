@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -195,6 +197,38 @@ async def test_a_torn_record_is_cut_off_at_start_up(tmp_path: Path) -> None:
         assert sorted(await store.claim(batch.id, 3, 60)) == [1, 2]
         assert await store.record(batch.id, [result(1)]) == [True]
         assert [r.index async for r in store.results(batch.id)] == [0, 1]
+    finally:
+        await store.close()
+
+
+async def test_results_the_disk_refused_are_written_once_when_it_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk refuses the results log: the results wait (the caller's `record` with them) and
+    are written when it is back, once each. Failing them made the runner run those lines again,
+    their engine calls made and billed twice, while the buffered first copy still reached the log."""
+    store = DiskBatchStore(tmp_path / "b", fsync=True)
+    batch = await add_batch(store, await add_file(store, 3))
+    await store.claim(batch.id, 3, 60)
+    real_fsync = os.fsync
+    refusals = [0]
+
+    def full_disk(fd: int) -> None:
+        if refusals[0] < 2:
+            refusals[0] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    try:
+        assert await asyncio.wait_for(store.record(batch.id, [result(0), result(1)]), 30) == [True, True]
+        assert refusals[0] == 2
+        assert [r.index async for r in store.results(batch.id)] == [0, 1]
+        wal = tmp_path / "b" / "batches" / f"{batch.id}.wal"
+        records = wal.read_bytes().splitlines(keepends=True)
+        read = [LineResult.read(r) for r in records]
+        assert [r.index if r is not None else None for r in read] == [0, 1]  # each once, nothing torn
+        assert await store.unrecorded(batch.id) == [2]
     finally:
         await store.close()
 

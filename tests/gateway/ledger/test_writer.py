@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -149,6 +150,33 @@ async def test_disk_errors_are_retried_and_overflow_is_dropped(tmp_path: Path, m
     assert read.corrupt_lines == 0, "the half-written group is completed, not duplicated"
     assert ids[:31] == [f"req-{i:08d}" for i in range(31)]
     assert len(ids) == len(set(ids)) == stats["written_total"]
+
+
+async def test_a_disk_that_keeps_failing_is_logged_once_then_its_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer retries a failed write every interval: a full disk logged each time flooded the log
+    with tracebacks (ten a second); one with its traceback per spell, and one when writes work again."""
+    writer = LedgerWriter(config(tmp_path, commit_interval_ms=10))
+    real_write = os.write
+    failures = [0]
+
+    def full_disk(fd: int, data: bytes | memoryview) -> int:
+        if failures[0] < 20:
+            failures[0] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    with caplog.at_level(logging.WARNING, logger="tokenway.ledger"):
+        writer.append(make_record(0))
+        assert await writer.flush(timeout_s=10)
+        await writer.close()
+    assert writer.stats()["write_errors_total"] == 20
+    logged = [r for r in caplog.records if r.name == "tokenway.ledger"]
+    assert [r.exc_info is not None for r in logged] == [True, False], [r.getMessage() for r in logged]
+    assert "work again" in logged[-1].getMessage()
+    assert [e["request_id"] for e in iter_entries(writer.dir)] == ["req-00000000"]
 
 
 class ListSink:

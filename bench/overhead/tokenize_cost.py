@@ -2,7 +2,7 @@
 event loop's longest stall, whole encode against piece by piece (issue 46: "never scan or copy a
 prompt more than once ... reuse a conversation's token ids for its known prefix, off the event loop").
 
-    .venv/bin/python -m bench.overhead.tokenize [--rounds 3] [--tokens 100000] [--vocab 32000]
+    .venv/bin/python -m bench.overhead.tokenize_cost [--rounds 3] [--tokens 100000] [--vocab 32000]
 
 Nothing is downloaded: a byte-level BPE of `--vocab` tokens is trained here on the Python standard
 library's sources (the stand-in for a model's `tokenizer.json`; 4.3 characters per token on code,
@@ -158,7 +158,7 @@ def render(args: argparse.Namespace, runs: list[dict[str, Any]], png: str) -> st
     lines = [
         "# Counting a growing conversation with the model's tokenizer: whole encode vs pieces",
         "",
-        f"`python -m bench.overhead.tokenize {' '.join(args.argv)}`".replace(" `", "`"),
+        f"`python -m bench.overhead.tokenize_cost {' '.join(args.argv)}`".replace(" `", "`"),
         "",
         f"A byte-level BPE of {args.vocab:,} tokens trained here on the Python standard library (ChatML "
         f"template and added tokens); one agent conversation of {len(first)} requests growing from "
