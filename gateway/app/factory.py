@@ -318,7 +318,7 @@ def directory_store(state: StateSettings) -> DirectoryStore:
     its durable copy, restored into a Redis that lost them: policies/keys/store.py), else the file."""
     if state.backend == "redis" and state.redis_url:
         shared = RedisDirectoryStore.from_url(state.redis_url, prefix=state.key_prefix)
-        return MirroredDirectoryStore(shared, SqliteDirectoryStore(state.keys_db)) if state.keys_db else shared
+        return MirroredDirectoryStore.beside(shared, state.keys_db) if state.keys_db else shared
     if state.keys_db:
         return SqliteDirectoryStore(state.keys_db)
     return MemoryDirectoryStore()

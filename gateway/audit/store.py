@@ -69,6 +69,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from backends.files import set_aside
 from gateway.app.settings import AuditConfig
 from gateway.client_text import json_line, valid_request_id
 from gateway.ledger.reader import bounded_lines
@@ -235,11 +236,8 @@ class AuditLog:
                 usable = False
             if usable or not (path.exists() or path.is_symlink()):
                 continue
-            n = 1
-            while (aside := path.with_name(f"{path.name}.corrupt-{n}")).exists():
-                n += 1
             try:
-                os.replace(path, aside)
+                aside = set_aside(path)
             except OSError as exc:
                 log.warning("audit log: %s cannot be used and cannot be set aside (%s)", path, exc)
                 continue

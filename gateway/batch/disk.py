@@ -51,6 +51,7 @@ from typing import IO, Any, Final, TypeVar
 
 import orjson
 
+from backends.files import set_aside
 from gateway.batch.objects import FINISHED, BatchMeta, Counts, FileMeta, read_batch_meta, read_file_meta
 from gateway.batch.store import LineResult, QuotaExceeded
 
@@ -127,7 +128,7 @@ class ResultLog:
         except FileNotFoundError:
             pass
         except OSError as exc:  # not a file (a directory in its place), unreadable: set aside, lines run again
-            aside = _set_aside(path)
+            aside = set_aside(path)
             log.warning("batch %s: result log %s unreadable (%s): set aside as %s", batch.id, path, exc, aside)
             state = bytearray(batch.total)
             counts = Counts()
@@ -407,16 +408,6 @@ def _head_of(head: bytes) -> tuple[int, bool, tuple[int, int, int]] | None:
 _CHUNK: Final = 1 << 20
 
 
-def _set_aside(path: Path) -> Path:
-    """Move a damaged file (or whatever stands in its place) out of the store's way, to
-    `<name>.corrupt-<n>`: kept for the operator, never read again."""
-    n = 1
-    while (aside := path.with_name(f"{path.name}.corrupt-{n}")).exists() or aside.is_symlink():
-        n += 1
-    os.replace(path, aside)
-    return aside
-
-
 MAX_RECORD_BYTES: Final = 1 << 20  # a file or batch record is under 2 KiB; the batch's `errors` are bounded
 
 
@@ -506,7 +497,7 @@ class DiskBatchStore:
             meta = read_file_meta(raw) if raw is not None else None
             problem = self._file_problem(path, meta)
             if problem is not None or meta is None:
-                self._set_aside(path, f"not a file record ({problem or 'unreadable'})")
+                self.set_aside(path, f"not a file record ({problem or 'unreadable'})")
                 continue
             self._files[meta.id] = meta
             self._count(meta, 1)
@@ -515,7 +506,7 @@ class DiskBatchStore:
             raw = _read_record(path)
             batch = read_batch_meta(raw) if raw is not None else None
             if batch is None or batch.id != path.stem:
-                self._set_aside(path, "not a batch record")
+                self.set_aside(path, "not a batch record")
                 continue
             self._batches[batch.id] = batch
             self._seq = max(self._seq, batch.seq)
@@ -544,13 +535,13 @@ class DiskBatchStore:
             return f"its line index is {index.st_size} bytes, not {16 * meta.lines}"
         return None
 
-    def _set_aside(self, record: Path, why: str) -> None:
+    def set_aside(self, record: Path, why: str) -> None:
         """A damaged record and the pieces named after it, moved aside in one warning."""
         moved = []
         for piece in sorted(record.parent.glob(record.stem + ".*")):
             if ".corrupt-" not in piece.name and piece.suffix in (".json", ".jsonl", ".idx", ".wal"):
                 with contextlib.suppress(OSError):
-                    moved.append(_set_aside(piece).name)
+                    moved.append(set_aside(piece).name)
         log.warning("batch store: %s is %s: set aside as %s", record, why, ", ".join(moved) or "(gone)")
 
     def _next_seq(self) -> int:

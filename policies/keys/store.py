@@ -36,7 +36,9 @@ second: their subscription drops with the connection and resubscribing reloads; 
 sees the counter go back.
 
 The copy is written after Redis acknowledged the write; a failure to write it is logged, never the
-API's error (Redis holds the change; the next full load rewrites the copy whole).
+API's error (Redis holds the change; the next full load rewrites the copy whole). A copy SQLite
+cannot read at start-up is the same: while Redis holds the store, the file is set aside
+(`<name>.corrupt-<n>`) and written again from Redis; only with Redis empty too does start-up stop.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from typing import Literal, Protocol, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from backends.files import set_aside
 from policies.limits.scriptpipe import stored_number
 from policies.loader import PolicyFileError
 
@@ -166,7 +169,9 @@ class KeyStoreDamaged(PolicyFileError):
     Serving without the keys it holds would answer 401 to every key made through the admin API, a
     lock-out that looks like the clients' fault, and the next write would make the damage permanent
     (a fresh file over the old one). So start-up stops with one line that names the file and the two
-    ways on: put a backup back, or move the file aside and make those keys again."""
+    ways on: put a backup back, or move the file aside and make those keys again. With `state: redis`
+    the file is Redis's copy, and a Redis that holds the store rebuilds it instead
+    (`MirroredDirectoryStore.beside`)."""
 
     def __init__(self, path: Path, why: str) -> None:
         super().__init__(
@@ -177,6 +182,7 @@ class KeyStoreDamaged(PolicyFileError):
             ]
         )
         self.path = path
+        self.why = why
 
 
 class SqliteDirectoryStore:
@@ -556,13 +562,30 @@ log = logging.getLogger(__name__)
 class MirroredDirectoryStore:
     name = "redis+sqlite"
 
-    def __init__(self, primary: RedisDirectoryStore, copy: SqliteDirectoryStore) -> None:
+    def __init__(
+        self, primary: RedisDirectoryStore, copy: SqliteDirectoryStore | None, damaged: KeyStoreDamaged | None = None
+    ) -> None:
         self.primary = primary
-        self.copy = copy
+        self.copy = copy  # None while the file at start-up was damaged (`damaged`) and Redis not yet read
+        self.damaged = damaged
         self.restored = 0  # how many times this replica put the copy back into an empty Redis
+        self.rebuilt = 0  # how many times a damaged copy was set aside and written again from Redis
+
+    @classmethod
+    def beside(cls, primary: RedisDirectoryStore, path: str | Path) -> MirroredDirectoryStore:
+        """Redis with the SQLite copy at `path`. A copy that cannot be read is no reason to refuse
+        start-up while Redis holds the store: `load` sets it aside and writes it again from Redis.
+        Only when Redis holds nothing either does start-up stop with the copy's one line."""
+        try:
+            return cls(primary, SqliteDirectoryStore(path))
+        except KeyStoreDamaged as exc:
+            return cls(primary, None, exc)
 
     async def load(self) -> Snapshot:
         snapshot = await self.primary.load()
+        if self.damaged is not None:  # start-up only: the file moved and opened off the loop
+            await asyncio.to_thread(self._rebuild_copy, snapshot)
+        assert self.copy is not None
         if snapshot.damaged or (snapshot.version == 0 and not any(snapshot.docs.values())):
             kept = await self.copy.load()
             if snapshot.damaged or any(kept.docs.values()):
@@ -586,13 +609,15 @@ class MirroredDirectoryStore:
                 raise
             await self.load()
             version = await self.primary.write(kind, name, doc)
-        await self._keep(self.copy.put(kind, name, doc, version))
+        if self.copy is not None:
+            await self._keep(self.copy.put(kind, name, doc, version))
         return version
 
     async def fetch(self, kind: Kind, name: str) -> str | None:
         """Another replica's write, as announced: applied here, so kept here too."""
         doc = await self.primary.fetch(kind, name)
-        await self._keep(self.copy.put(kind, name, doc, None))
+        if self.copy is not None:
+            await self._keep(self.copy.put(kind, name, doc, None))
         return doc
 
     async def version(self) -> int:
@@ -600,10 +625,11 @@ class MirroredDirectoryStore:
 
     async def touch(self, last_used: dict[str, float]) -> None:
         await self.primary.touch(last_used)
-        await self._keep(self.copy.touch(last_used))
+        if self.copy is not None:
+            await self._keep(self.copy.touch(last_used))
 
     async def last_used(self) -> dict[str, float]:
-        found = await self.copy.last_used()
+        found = await self.copy.last_used() if self.copy is not None else {}
         for key_id, at_s in (await self.primary.last_used()).items():
             found[key_id] = max(at_s, found.get(key_id, 0.0))
         return found
@@ -615,10 +641,35 @@ class MirroredDirectoryStore:
         try:
             await self.primary.close()
         finally:
-            await self.copy.close()
+            if self.copy is not None:
+                await self.copy.close()
+
+    def _rebuild_copy(self, snapshot: Snapshot) -> None:
+        """The copy was damaged at start-up: with Redis holding the store, the file is set aside
+        (`<name>.corrupt-<n>`, kept for the operator) and a new one is written from Redis by `load`;
+        with Redis empty or damaged too, nothing holds the keys: start-up stops, the file untouched."""
+        damaged = self.damaged
+        assert damaged is not None
+        if snapshot.damaged or (snapshot.version == 0 and not any(snapshot.docs.values())):
+            raise damaged
+        try:
+            aside = set_aside(damaged.path)
+        except OSError as exc:
+            log.warning("the local copy of the key store %s cannot be set aside (%s)", damaged.path, exc)
+            raise damaged from None
+        self.copy = SqliteDirectoryStore(damaged.path)
+        self.damaged = None
+        self.rebuilt += 1
+        log.warning(
+            "the local copy of the key store %s could not be read (%s): set aside as %s and written again from Redis",
+            damaged.path,
+            damaged.why,
+            aside,
+        )
 
     async def _keep(self, step: Awaitable[None]) -> None:
         try:
             await step
         except Exception as exc:
-            log.warning("writing the local copy of the key store (%s) failed: %s", self.copy.path, exc)
+            path = self.copy.path if self.copy is not None else "-"
+            log.warning("writing the local copy of the key store (%s) failed: %s", path, exc)

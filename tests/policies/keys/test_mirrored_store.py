@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from policies.keys.directory import KeyDirectory
-from policies.keys.store import MirroredDirectoryStore, RedisDirectoryStore, SqliteDirectoryStore
+from policies.keys.store import KeyStoreDamaged, MirroredDirectoryStore, RedisDirectoryStore, SqliteDirectoryStore
 from policies.loader import parse_config
 from policies.policy import Policy
 
@@ -158,3 +158,54 @@ async def test_a_version_of_another_type_is_repaired_too(redis_url: str, redis_p
     finally:
         await client.aclose()
         await directory.stop()
+
+
+async def test_a_damaged_copy_is_set_aside_and_rebuilt_from_redis(
+    redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """With Redis holding the store, a local copy SQLite cannot read does not stop start-up: the
+    file is set aside for the operator and the copy written again from Redis, keys all there."""
+    path = tmp_path / "d.sqlite3"
+    writer = KeyDirectory(mirrored(redis_url, redis_prefix, path))
+    await writer.start()
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=writer)
+        _, secret = await writer.create_key({"tenant": "t", "id": "kept"}, policy, ["m"])
+    finally:
+        await writer.stop()
+    path.write_bytes(b"not a database" * 300)
+
+    store = MirroredDirectoryStore.beside(RedisDirectoryStore.from_url(redis_url, redis_prefix), path)
+    assert store.copy is None and store.damaged is not None
+    reader = KeyDirectory(store)
+    await reader.start()
+    try:
+        policy = Policy(parse_config(yaml.safe_dump(POLICY)), directory=reader)
+        assert policy.authenticate(secret) is not None and store.rebuilt == 1
+        assert (tmp_path / "d.sqlite3.corrupt-1").read_bytes().startswith(b"not a database")
+    finally:
+        await reader.stop()
+    again = SqliteDirectoryStore(path)  # the rebuilt copy reads whole, with the key in it
+    try:
+        assert set((await again.load()).docs["key"]) == {"kept"}
+    finally:
+        await again.close()
+
+
+def set_aside_files(folder: Path) -> list[Path]:
+    return list(folder.glob("*.corrupt-*"))
+
+
+async def test_a_damaged_copy_with_an_empty_redis_stops_start_up(
+    redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    """Nothing holds the keys: start-up stops with the copy's one line, the file left as it is."""
+    path = tmp_path / "e.sqlite3"
+    path.write_bytes(b"not a database" * 300)
+    store = MirroredDirectoryStore.beside(RedisDirectoryStore.from_url(redis_url, redis_prefix), path)
+    try:
+        with pytest.raises(KeyStoreDamaged, match="cannot be read"):
+            await store.load()
+        assert path.read_bytes().startswith(b"not a database") and not set_aside_files(tmp_path)
+    finally:
+        await store.close()
