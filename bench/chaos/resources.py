@@ -84,7 +84,7 @@ SHORT = {(503, "overloaded"), (507, "insufficient_storage"), (503, "storage_unav
 BLAMED = ("failed before the first byte", "ejected", "is not ready", "fallback")
 # the one traceback a spell of failures may log: the ledger's first failed write
 # (gateway/ledger/writer.py `_write_failed`), the batch runner's first failed tick or record
-# (gateway/batch/runner.py) and the batch results log's first failed write (gateway/batch/disk.py)
+# (gateway/batch/runner.py) and the batch results log's first failed write (gateway/batch/result_log.py)
 FIRST_FAILURES = (
     "usage ledger write to",
     "batch runner tick failed",
