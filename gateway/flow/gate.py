@@ -220,7 +220,8 @@ class Gate(Hook):
 
     def finished(self, ctx: RequestContext) -> None:
         """A lease no attempt ended (cancelled between the grant and dispatch): nothing was served."""
-        self._end(ctx, 0.0)
+        if ctx.flow_lease is not None:  # as a rule `ended` closed it
+            self._end(ctx, 0.0)
 
     @staticmethod
     def _end(ctx: RequestContext, actual_cost_tokens: float | None) -> None:
