@@ -95,6 +95,7 @@ class Gate(Hook):
     # priority -> (band, its policy), for `_bands_of` (priorities are few: the named ones and a clamp)
     _bands_of: Policy | None = field(default=None, init=False, repr=False)
     _bands: dict[int, tuple[int, BandPolicy]] = field(default_factory=dict, init=False, repr=False)
+    _reserved_output: OutputPrediction | None = field(default=None, init=False, repr=False)  # `_output`'s last
 
     def __post_init__(self) -> None:
         self._enters, self._wents = _overriding(self.checks, "enter"), _overriding(self.checks, "went")
@@ -246,7 +247,11 @@ class Gate(Hook):
         if self.predictor is not None and facts.api != "embeddings":
             return self.predictor.output_tokens_prediction(facts.principal.tenant, ctx.model, facts.max_tokens)
         reserved = float(facts.output_reservation)
-        return OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+        last = self._reserved_output
+        if last is not None and last.tokens == reserved and last.max_tokens == facts.max_tokens:
+            return last  # frozen: the same reservation's prediction serves every request that has it
+        last = self._reserved_output = OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+        return last
 
     @staticmethod
     def _waited(ctx: RequestContext, waited_s: float) -> None:
