@@ -31,12 +31,14 @@ from typing import Any
 
 from gateway.request.record import RequestRecord
 from policies.policy import Policy
+from policies.schema import PoliciesConfig
 
 MINUTES = 60
 TAIL_SIZE = 200
 MAX_MODELS = 64  # per-model counters per minute, beyond which models count as OTHER
 OTHER = "(other)"
 TTFT_BOUNDS_MS = (50, 100, 250, 500, 1000, 2500, 5000, 10000)  # and "inf" above the last
+_TTFT_KEYS = tuple((bound, str(bound)) for bound in TTFT_BOUNDS_MS)  # each bound and its key, made once
 
 
 def _model_counters() -> dict[str, Any]:
@@ -142,19 +144,22 @@ class ConsoleActivity:
     def observe(self, record: RequestRecord) -> None:
         now_s = record.started_at_unix_s + record.duration_s
         start = int(now_s // 60) * 60
-        if not self._minutes or self._minutes[-1].start_s < start:
-            self._minutes.append(_Minute(start))
-        minute = self._minutes[-1] if self._minutes[-1].start_s == start else None
-        if minute is not None:  # a record older than the current minute (clock step) is only tailed
+        minutes = self._minutes
+        if not minutes or minutes[-1].start_s < start:
+            minutes.append(_Minute(start))
+        minute = minutes[-1]
+        if minute.start_s == start:  # a record older than the current minute (clock step) is only tailed
             self._count(minute, record)
         self._seq += 1
         self._tail.append((self._seq, record))  # rendered when asked: nothing per request but the append
 
     def _count(self, minute: _Minute, record: RequestRecord) -> None:
+        config = self._policy().config  # read once per record: every count below judges by the same policy
         minute.requests += 1
-        if record.status == "ok":
+        status = record.status
+        if status == "ok":
             minute.served += 1
-        elif record.status == "rejected":
+        elif status == "rejected":
             minute.rejected += 1
         else:
             minute.errors += 1
@@ -163,18 +168,18 @@ class ConsoleActivity:
         minute.input_tokens += record.prompt_tokens
         minute.output_tokens += record.completion_tokens
         minute.cost_usd += record.cost_usd
-        met = self._slo_met(record)
+        met = self._slo_met(config, record)
         if met is not None:
             minute.slo_requests += 1
             minute.slo_met += int(met)
-        self._count_model(minute.models, record)
-        self._count_team(minute, record, met)
+        self._count_model(config, minute.models, record)
+        self._count_team(config, minute, record, met)
 
-    def _count_team(self, minute: _Minute, record: RequestRecord, met: bool | None) -> None:
-        team = self._team_of(record.tenant)
+    def _count_team(self, config: PoliciesConfig, minute: _Minute, record: RequestRecord, met: bool | None) -> None:
+        team = self._team_of(config, record.tenant)
         if team is None:
             return
-        self._count_model(minute.team_models.setdefault(team, {}), record)
+        self._count_model(config, minute.team_models.setdefault(team, {}), record)
         counters = minute.teams.get(team)
         if counters is None:
             counters = minute.teams[team] = dict.fromkeys(TEAM_FIELDS, 0)
@@ -189,46 +194,52 @@ class ConsoleActivity:
             counters["slo_requests"] += 1
             counters["slo_met"] += int(met)
 
-    def _team_of(self, tenant: str) -> str | None:
+    def _team_of(self, config: PoliciesConfig, tenant: str) -> str | None:
         """The team of a tenant of policies.yaml or of the admin API, when it is one of the file's
         teams (the only names a tenant may carry: the map stays bounded by them)."""
-        policy = self._policy()
-        config = policy.config
         file_tenant = config.tenants.get(tenant)
         if file_tenant is not None:
             team = file_tenant.team
         else:
-            record = policy.directory.tenants.get(tenant) if policy.directory is not None and tenant else None
+            directory = self._policy().directory
+            record = directory.tenants.get(tenant) if directory is not None and tenant else None
             team = record.team if record is not None else None
         return team if team is not None and team in config.teams else None
 
-    def _count_model(self, models: dict[str, dict[str, Any]], record: RequestRecord) -> None:
+    @staticmethod
+    def _count_model(config: PoliciesConfig, models: dict[str, dict[str, Any]], record: RequestRecord) -> None:
         name = record.model or record.requested_model
-        if name not in self._policy().config.models or (name not in models and len(models) >= MAX_MODELS):
+        if name not in config.models or (name not in models and len(models) >= MAX_MODELS):
             name = OTHER  # a name a client made up never becomes a key of the map
         counters = models.get(name)
         if counters is None:
             counters = models[name] = _model_counters()
         counters["requests"] += 1
-        if record.status == "ok":
+        status = record.status
+        if status == "ok":
             counters["served"] += 1
             counters["duration_sum_ms"] += record.duration_s * 1000.0
-        elif record.status != "rejected":
+        elif status != "rejected":
             counters["errors"] += 1
-        if record.ttft_s is not None and record.status == "ok":
+        if record.ttft_s is not None and status == "ok":
             ttft_ms = record.ttft_s * 1000.0
             counters["ttft_n"] += 1
             counters["ttft_sum_ms"] += ttft_ms
-            bound = next((str(b) for b in TTFT_BOUNDS_MS if ttft_ms <= b), "inf")
+            bound = "inf"
+            for limit, key in _TTFT_KEYS:
+                if ttft_ms <= limit:
+                    bound = key
+                    break
             counters["ttft_le_ms"][bound] += 1
 
-    def _slo_met(self, record: RequestRecord) -> bool | None:
+    @staticmethod
+    def _slo_met(config: PoliciesConfig, record: RequestRecord) -> bool | None:
         name = record.slo_class
         if record.reject_reason == "slo_unattainable":
             return False
         if not name:
             return None
-        slo = self._policy().config.slo_classes.get(str(name))
+        slo = config.slo_classes.get(str(name))
         if slo is None or record.status != "ok":
             return None if slo is None else False
         if record.ttft_s is None:

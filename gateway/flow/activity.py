@@ -92,9 +92,10 @@ class _Seen:
         demand = float(self.inflight + self.waiting)
         start = now_s - now_s % bucket_s
         peaks = self.peaks
-        if peaks and peaks[-1][0] == start:
-            if demand > peaks[-1][1]:
-                peaks[-1][1] = demand
+        last = peaks[-1] if peaks else None
+        if last is not None and last[0] == start:
+            if demand > last[1]:
+                last[1] = demand
         else:
             peaks.append([start, demand])
             while len(peaks) > _PEAK_BUCKETS + 1:
@@ -126,12 +127,14 @@ class Activity:
 
     def waiting(self, pool: str, tenant: str, band: int, weight: float, delta: int) -> None:
         seen = self._seen(pool, tenant, band, weight)
-        seen.waiting = max(seen.waiting + delta, 0)
+        count = seen.waiting + delta
+        seen.waiting = count if count > 0 else 0
         seen.record(seen.last_s, self.active_s / _PEAK_BUCKETS)
 
     def inflight(self, pool: str, tenant: str, band: int, weight: float, delta: int) -> None:
         seen = self._seen(pool, tenant, band, weight)
-        seen.inflight = max(seen.inflight + delta, 0)
+        count = seen.inflight + delta
+        seen.inflight = count if count > 0 else 0
         seen.record(seen.last_s, self.active_s / _PEAK_BUCKETS)
 
     def claim(self, pool: str, tenant: str, band: int, weight: float) -> None:
@@ -143,6 +146,8 @@ class Activity:
 
     def take_claim(self, pool: str, tenant: str) -> None:
         """A request of `tenant` dispatched: a slot cut for it, if any, is taken."""
+        if not self._claims:  # no local claim held (the common case): nothing to look up
+            return
         seen = self._pools.get(pool, {}).get(tenant)
         if seen is not None and seen.claimed:
             seen.claimed -= 1
@@ -255,7 +260,9 @@ class Activity:
         return out
 
     def _seen(self, pool: str, tenant: str, band: int, weight: float) -> _Seen:
-        tenants = self._pools.setdefault(pool, {})
+        tenants = self._pools.get(pool)
+        if tenants is None:
+            tenants = self._pools[pool] = {}
         seen = tenants.get(tenant)
         if seen is None:
             if len(tenants) >= self.max_tenants:

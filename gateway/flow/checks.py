@@ -100,7 +100,13 @@ from gateway.flow.queue import Blocked, FlowQueue, FlowRequest
 from gateway.request import Detour, Hook, RequestContext, Routed
 from policies.flow import saturation as slots
 from policies.flow.order import NO_PROGRAM, band_rank
-from policies.flow.saturation import FlowSettings, SaturationLimits, endpoint_saturation, open_endpoints
+from policies.flow.saturation import (
+    FlowSettings,
+    ReserveSize,
+    SaturationLimits,
+    endpoint_saturation,
+    open_endpoints,
+)
 from policies.holder import PolicyHolder
 from policies.policy import extra_usd, worth_spilling
 from policies.schema import TenantSpillConfig
@@ -123,8 +129,9 @@ class Saturation(Check, Hook):
     queue: FlowQueue
     settings: FlowSettings
     now: Callable[[], float] = field(default=time.monotonic)
-    # (pool, max_num_seqs) -> its limits under `_limits_of`: merging them is a pydantic dump, not per-request work
-    _limits: dict[tuple[str, int | None], SaturationLimits] = field(default_factory=dict)
+    # (pool, max_num_seqs) -> its limits under `_limits_of` and the slot reserve they keep (None: none):
+    # merging them is a pydantic dump, not per-request work
+    _limits: dict[tuple[str, int | None], tuple[SaturationLimits, ReserveSize | None]] = field(default_factory=dict)
     _limits_of: FlowSettings | None = None
     # pool -> the streams in flight there that flow control may cut (at most the requests in flight)
     _running: dict[str, list[RequestContext]] = field(default_factory=dict)
@@ -222,11 +229,10 @@ class Saturation(Check, Hook):
         can, else a wait: POOL when none can, TENANT when the slots left are the reserve and this
         tenant is over its share (or the clear lane keeps it back)."""
         pool = routed.pool
-        limits = self._pool_limits(pool.name, pool.config.max_num_seqs)
+        limits, size = self._pool_entry(pool.name, pool.config.max_num_seqs)
         now = self.now()
-        size = limits.reserve
         avoid_prefills = lane = False
-        if size.enabled and limits.max_num_seqs:
+        if size is not None and limits.max_num_seqs:
             free = slots.free_slots(pool.servable(), limits.max_num_seqs, now, limits.max_stats_age_s)
             active = self.queue.activity.active(pool.name)
             kept = slots.reserve_for(request.tenant, request.band, active, size)
@@ -236,13 +242,17 @@ class Saturation(Check, Hook):
                 within = slots.within_share(request.tenant, request.band, request.weight, active)
                 avoid_prefills = limits.reserve_avoid_prefills and within
                 lane = limits.reserve_clear_lane and (not within or self._heavier(pool.name, request, active))
-        program_held = self._program_held(pool.name, request, limits)
-        predicted = self._predicted_ttft(routed)
+        program_held = bool(limits.program_reserve_slots) and self._program_held(pool.name, request, limits)
+        # the predictions matter only to a TTFT bound: without one, no dict of them per request
+        predicted = self._predicted_ttft(routed) if limits.max_predicted_ttft_ms is not None else None
         if (
             not avoid_prefills
             and not lane
             and not program_held
-            and endpoint_saturation(routed.endpoint, limits, now, predicted.get(routed.endpoint.id)) is None
+            and endpoint_saturation(
+                routed.endpoint, limits, now, predicted.get(routed.endpoint.id) if predicted else None
+            )
+            is None
         ):
             return GO
         opened = open_endpoints(pool.servable(), limits, now, predicted)
@@ -282,6 +292,11 @@ class Saturation(Check, Hook):
 
     def _pool_limits(self, pool: str, max_num_seqs: int | None) -> SaturationLimits:
         """The pool's limits, merged once per settings object (a replaced `settings` starts afresh)."""
+        return self._pool_entry(pool, max_num_seqs)[0]
+
+    def _pool_entry(self, pool: str, max_num_seqs: int | None) -> tuple[SaturationLimits, ReserveSize | None]:
+        """`_pool_limits` and the slot reserve they keep (None: no reserve, or no batch size to keep it
+        in), both worked out once per settings object rather than per request."""
         if self._limits_of is not self.settings:
             self._limits.clear()
             self._limits_of = self.settings
@@ -290,7 +305,9 @@ class Saturation(Check, Hook):
         if found is None:
             if len(self._limits) >= _LIMITS_KEPT:
                 self._limits.clear()  # pools and settings come from config: this is only a bound
-            found = self._limits[key] = self.settings.limits(pool, max_num_seqs)
+            limits = self.settings.limits(pool, max_num_seqs)
+            size = limits.reserve
+            found = self._limits[key] = (limits, size if size.enabled and limits.max_num_seqs else None)
         return found
 
     @staticmethod
@@ -324,7 +341,7 @@ class Spill(Check, Hook):
     def check(self, turn: Turn, routed: Routed) -> Verdict:
         ctx = turn.ctx
         pools = self.fleet.pools_for_model(ctx.model)
-        if not pools or not is_overflow(pools[-1]):  # overflow pools sort last: none for this model
+        if not pools or not pools[-1].config.overflow:  # overflow pools sort last: none for this model
             return GO
         if is_overflow(routed.pool):
             if self.may_spill(ctx):

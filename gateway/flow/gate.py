@@ -55,7 +55,6 @@ Flow control's own checks are in `gateway/flow/checks.py`; others live with thei
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -66,9 +65,10 @@ from gateway.flow.queue import Blocked, FlowQueue, FlowRequest, QueueRejected
 from gateway.request import Detour, Hook, RequestContext, Reroute, Routed
 from policies.flow import order
 from policies.flow.order import band_name, band_rank
-from policies.flow.room import REASON_QUEUE_TIMEOUT, queue_rejection
+from policies.flow.room import REASON_QUEUE_TIMEOUT, BandPolicy, queue_rejection
 from policies.flow.saturation import FlowSettings
 from policies.holder import PolicyHolder
+from policies.policy import Policy
 from predictor.prior import OutputPrediction
 
 REASON_QUEUED: Final = "queued"  # record.reject_reason of a request served after waiting (status ok)
@@ -89,14 +89,23 @@ class Gate(Hook):
     predictor: PredictsOutput | None = None
     checks: Sequence[Check] = ()
     now: Callable[[], float] = field(default=time.monotonic)
+    # the checks whose `enter` / `went` do something (the others inherit `Check`'s no-op): asked per request
+    _enters: Sequence[Check] = field(default=(), init=False, repr=False)
+    _wents: Sequence[Check] = field(default=(), init=False, repr=False)
+    # priority -> (band, its policy), for `_bands_of` (priorities are few: the named ones and a clamp)
+    _bands_of: Policy | None = field(default=None, init=False, repr=False)
+    _bands: dict[int, tuple[int, BandPolicy]] = field(default_factory=dict, init=False, repr=False)
+    _reserved_output: OutputPrediction | None = field(default=None, init=False, repr=False)  # `_output`'s last
+
+    def __post_init__(self) -> None:
+        self._enters, self._wents = _overriding(self.checks, "enter"), _overriding(self.checks, "went")
 
     async def admit(self, ctx: RequestContext, routed: Routed | None, reroute: Reroute) -> Routed | None:
         """The route to dispatch on, once every check says GO; None when there is no route and no
         check holds the request; raises `Detour` when a check refuses or the wait ends unserved."""
         facts = ctx.facts
         policy = self.policies.current
-        band = band_rank(facts.principal.priority)
-        band_policy = policy.config.flow_control.band(band_name(band))
+        band, band_policy = self._band(policy, facts.principal.priority)
         output = self._output(ctx)
         ctx.output_prediction = output
         cached = routed.decision.cached_tokens_estimate if routed is not None else 0
@@ -119,32 +128,37 @@ class Gate(Hook):
         turn = Turn(ctx, request, routed.pool.name if routed is not None else "", now, request.deadline_s)
         if routed is not None:
             turn.routed_s = now
-        for check in self.checks:
+        for check in self._enters:
             check.enter(turn, routed)
         if routed is None and turn.unrouted is None:
             return None  # nothing to route to, nothing to wait for
         if turn.deadline_s != request.deadline_s:  # a check stretched it (a cold start's hold)
-            request = turn.request = dataclasses.replace(request, deadline_s=turn.deadline_s)
+            request.deadline_s = turn.deadline_s
         pending: list[Routed] = [routed] if routed is not None else []
 
         def ready() -> Routed | Blocked:
             candidate = pending.pop() if pending else reroute(())
             return self._ask(turn, candidate, reroute)
 
-        try:
-            found, lease = await self.queue.hold(turn.pool, request, ready)
-        except QueueRejected as rejected:
-            self._waited(ctx, rejected.waited_s)
-            if rejected.waited_s:  # the error answer says how long it waited, too
-                ctx.headers.append(("x-tokenway-queued-ms", f"{rejected.waited_s * 1000:.0f}"))
-            raise self._detour(turn, rejected, band_policy.on_timeout) from None
-        self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
+        # the common case (nobody waits, every check says GO) without the waiting room's coroutine
+        held = self.queue.hold_now(turn.pool, request, ready)
+        if held is None or isinstance(held, Blocked):
+            try:
+                held = await self.queue.hold_waiting(turn.pool, request, ready, held)
+            except QueueRejected as rejected:
+                self._waited(ctx, rejected.waited_s)
+                if rejected.waited_s:  # the error answer says how long it waited, too
+                    ctx.headers.append(("x-tokenway-queued-ms", f"{rejected.waited_s * 1000:.0f}"))
+                raise self._detour(turn, rejected, band_policy.on_timeout) from None
+        found, lease = held
+        if ctx.flow_lease is not None:
+            self._end(ctx, 0.0)  # a lease of an earlier attempt that no `ended` closed
         ctx.flow_lease = lease
         self.queue.activity.take_claim(turn.pool, request.tenant)
         if lease.queued_s:
             self._waited(ctx, lease.queued_s)
             ctx.record.reject_reason = REASON_QUEUED
-        for check in self.checks:
+        for check in self._wents:
             check.went(turn, found)
         if facts.debug:
             ctx.headers.append(("x-tokenway-flow", self._debug(turn.pool, request, output)))
@@ -160,24 +174,26 @@ class Gate(Hook):
             turn.routed_s = self.now()
         avoided: set[str] = set()
         routes = 1
-        index = 0
-        while index < len(self.checks):
-            verdict = self.checks[index].check(turn, candidate)
-            index += 1
-            if isinstance(verdict, Avoid):
-                avoided.update(verdict.endpoints)
-                again = reroute(avoided) if routes < _MAX_ROUTES else None
-                if again is not None:
-                    candidate, index, routes = again, 0, routes + 1  # every check again, on the new route
+        while True:
+            for check in self.checks:
+                verdict = check.check(turn, candidate)
+                if verdict is GO:  # the common answer, before any isinstance
                     continue
-                verdict = verdict.otherwise
-            if isinstance(verdict, Go):
-                continue
-            if isinstance(verdict, Wait):
-                turn.last_wait = verdict
-                return verdict.scope
-            raise verdict.detour  # Refuse: the room takes the request out with it
-        return candidate
+                if isinstance(verdict, Avoid):
+                    avoided.update(verdict.endpoints)
+                    again = reroute(avoided) if routes < _MAX_ROUTES else None
+                    if again is not None:
+                        candidate, routes = again, routes + 1
+                        break  # every check again, on the new route
+                    verdict = verdict.otherwise
+                if isinstance(verdict, Go):
+                    continue
+                if isinstance(verdict, Wait):
+                    turn.last_wait = verdict
+                    return verdict.scope
+                raise verdict.detour  # Refuse: the room takes the request out with it
+            else:
+                return candidate  # every check said GO
 
     # --- the hook: fairness accounts ----------------------------------------------------------------
 
@@ -205,7 +221,8 @@ class Gate(Hook):
 
     def finished(self, ctx: RequestContext) -> None:
         """A lease no attempt ended (cancelled between the grant and dispatch): nothing was served."""
-        self._end(ctx, 0.0)
+        if ctx.flow_lease is not None:  # as a rule `ended` closed it
+            self._end(ctx, 0.0)
 
     @staticmethod
     def _end(ctx: RequestContext, actual_cost_tokens: float | None) -> None:
@@ -215,12 +232,26 @@ class Gate(Hook):
 
     # --- parts --------------------------------------------------------------------------------------
 
+    def _band(self, policy: Policy, priority: int) -> tuple[int, BandPolicy]:
+        """The band of `priority` and its policy, worked out once per policy (a reload starts afresh)."""
+        if self._bands_of is not policy:
+            self._bands_of, self._bands = policy, {}
+        found = self._bands.get(priority)
+        if found is None:
+            band = band_rank(priority)
+            found = self._bands[priority] = (band, policy.config.flow_control.band(band_name(band)))
+        return found
+
     def _output(self, ctx: RequestContext) -> OutputPrediction:
         facts = ctx.facts
         if self.predictor is not None and facts.api != "embeddings":
             return self.predictor.output_tokens_prediction(facts.principal.tenant, ctx.model, facts.max_tokens)
         reserved = float(facts.output_reservation)
-        return OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+        last = self._reserved_output
+        if last is not None and last.tokens == reserved and last.max_tokens == facts.max_tokens:
+            return last  # frozen: the same reservation's prediction serves every request that has it
+        last = self._reserved_output = OutputPrediction(reserved, reserved, reserved, facts.max_tokens)
+        return last
 
     @staticmethod
     def _waited(ctx: RequestContext, waited_s: float) -> None:
@@ -328,3 +359,10 @@ class Check(Protocol):
     def went(self, turn: Turn, routed: Routed) -> None:
         """The request goes on `routed` (after every check said GO)."""
         return None
+
+
+def _overriding(checks: Sequence[Check], phase: str) -> tuple[Check, ...]:
+    """The checks whose `phase` ("enter", "went") is their own, not `Check`'s no-op: the gate asks
+    only these per request."""
+    inherited = getattr(Check, phase)
+    return tuple(check for check in checks if getattr(type(check), phase, None) is not inherited)

@@ -88,7 +88,7 @@ class Blocked(Enum):
 Ready = Callable[[], "T | Blocked"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FlowRequest:
     """A request as the waiting room sees it.
 
@@ -99,7 +99,9 @@ class FlowRequest:
     tenant's that wait, so it goes first of them); `batch`: a batch line (not counted among the
     interactive requests waiting, `FlowQueue.interactive_depth`); `program`: the agent program it
     belongs to (gateway/request/intake.py; None: it names none), what program-fair queueing orders
-    a tenant's requests by."""
+    a tenant's requests by. Not frozen: one is built per request (a frozen one pays a
+    `object.__setattr__` per field), and only the gate that built it sets its deadline, before it
+    enters the room; treat it as read-only after."""
 
     request_id: str
     tenant: str
@@ -257,16 +259,35 @@ class FlowQueue:
     async def hold(self, pool: str, request: FlowRequest, ready: Ready[T]) -> tuple[T, Lease]:
         """Wait until `ready()` answers a value in flow order; (that value, the dispatch's lease).
         Raises `QueueRejected` (full, timed out, shed); a cancelled caller leaves at once."""
+        found = self.hold_now(pool, request, ready)
+        if found is None or isinstance(found, Blocked):
+            return await self.hold_waiting(pool, request, ready, found)
+        return found
+
+    def hold_now(self, pool: str, request: FlowRequest, ready: Ready[T]) -> tuple[T, Lease] | Blocked | None:
+        """`hold`'s first step, without a coroutine (the common case of a request that goes at once
+        costs one call): with nobody waiting in the pool, `ready()` is asked once; (its value, the
+        lease) when it goes, its `Blocked` when not; None when others wait (it waits its turn). Any
+        answer but the first goes on with `hold_waiting`."""
+        room = self._rooms.get(pool)
+        if room is None:
+            room = self._room(pool)
+        if room.entries or room.granted is not None:
+            return None
+        verdict = ready()
+        if isinstance(verdict, Blocked):
+            return verdict
+        self._observe_wait(pool, request, 0.0)
+        floor = self.counters.last_served(pool, request.band)  # nothing of its tenant waits
+        return verdict, self._dispatch(room, request, queued_s=0.0, floor=floor)
+
+    async def hold_waiting(
+        self, pool: str, request: FlowRequest, ready: Ready[T], blocked: Blocked | None
+    ) -> tuple[T, Lease]:
+        """The rest of `hold` after `hold_now` did not let the request go: it waits in the room
+        (`blocked`: what `ready()` answered on arrival, None when it was not asked)."""
         room = self._room(pool)
         now = self.now()
-        blocked: Blocked | None = None
-        if not room.entries and room.granted is None:
-            verdict = ready()
-            if not isinstance(verdict, Blocked):
-                self._observe_wait(pool, request, 0.0)
-                floor = self.counters.last_served(pool, request.band)  # nothing of its tenant waits
-                return verdict, self._dispatch(room, request, queued_s=0.0, floor=floor)
-            blocked = verdict
         entry = self._enter(room, request, ready, now, blocked)
         try:
             async with asyncio.timeout(max(request.deadline_s - now, 0.0)):
@@ -585,10 +606,13 @@ class FlowQueue:
         last dispatch. A tenant coming back (`floor`: nothing of it was waiting when this request
         came) is lifted to the band's floor, and its refunds never take it below that floor."""
         pool, band, tenant = room.pool, request.band, request.tenant
-        credit = self._credits.pop((pool, band, tenant), 0.0)
+        credit = self._credits.pop((pool, band, tenant), 0.0) if self._credits else 0.0
         cost = order.charge(request.cost_tokens, request.weight)
         self.counters.charge(pool, band, tenant, cost, dispatch=True, credit=credit, floor=floor)
-        self.share(pool).add(tenant, request.cost_tokens, self.now())
+        share = self._shares.get(pool)
+        if share is None:
+            share = self.share(pool)
+        share.add(tenant, request.cost_tokens, self.now())
         program = request.program or NO_PROGRAM
         half_life_s = self.program_half_life(tenant)
         if half_life_s is not None:

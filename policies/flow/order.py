@@ -167,17 +167,21 @@ def credited(counter: float, credit: float, floor: float | None) -> float:
 
 def charge(cost_tokens: float, weight: float) -> float:
     """What a dispatch adds to its tenant's counter."""
-    return max(cost_tokens, 0.0) / weight
+    return (0.0 if cost_tokens < 0.0 else cost_tokens) / weight  # max(cost, 0.0), without the call
 
 
 def correction(predicted_cost_tokens: float, actual_cost_tokens: float, weight: float) -> float:
     """What a finished request adds to (or takes from) its tenant's counter: real minus predicted."""
-    return (max(actual_cost_tokens, 0.0) - max(predicted_cost_tokens, 0.0)) / weight
+    actual = 0.0 if actual_cost_tokens < 0.0 else actual_cost_tokens  # max(x, 0.0), per request without the call
+    predicted = 0.0 if predicted_cost_tokens < 0.0 else predicted_cost_tokens
+    return (actual - predicted) / weight
 
 
 def request_cost(prompt_tokens: int, cached_tokens: int, output_tokens: float) -> float:
     """Tokens a request costs the pool: the prompt tokens it must compute plus the tokens it generates."""
-    return max(prompt_tokens - cached_tokens, 0) + max(output_tokens, 0.0)
+    uncached = prompt_tokens - cached_tokens
+    # max(x, 0), twice per request, without the builtin's call (the same value, NaN and -0.0 included)
+    return (0 if uncached < 0 else uncached) + (0.0 if output_tokens < 0.0 else output_tokens)
 
 
 class ServiceWindow:

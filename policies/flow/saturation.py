@@ -387,11 +387,14 @@ class SaturationLimits:
         return ReserveSize(self.reserve_slots, self.reserve_max_slots, self.reserve_margin)
 
 
-def engine_waiting(endpoint: Endpoint, limits: SaturationLimits, now_s: float) -> int:
+def engine_waiting(endpoint: Endpoint, limits: SaturationLimits, now_s: float, fresh: bool | None = None) -> int:
     """Requests the engine would hold unstarted with one more: the scraped queue, or what the
-    gateway's own in-flight requests and this one leave over the batch size."""
+    gateway's own in-flight requests and this one leave over the batch size. `fresh`: whether the
+    scrape is within `max_stats_age_s`, when the caller knows (else it is read here)."""
     implied = endpoint.inflight.requests + 1 - limits.max_num_seqs if limits.max_num_seqs else 0
-    if endpoint.stats_age_s(now_s) > limits.max_stats_age_s:
+    if fresh is None:
+        fresh = endpoint.stats_age_s(now_s) <= limits.max_stats_age_s
+    if not fresh:
         return max(implied, 0)
     return max(endpoint.engine_waiting(), implied, 0)
 
@@ -402,9 +405,12 @@ def endpoint_saturation(
     """Why `endpoint` cannot start one more request now (a reason label), or None when it can."""
     if limits.max_inflight is not None and endpoint.inflight.requests >= limits.max_inflight:
         return REASON_INFLIGHT
-    if limits.max_engine_waiting is not None and engine_waiting(endpoint, limits, now_s) > limits.max_engine_waiting:
+    fresh = endpoint.stats_age_s(now_s) <= limits.max_stats_age_s  # read once for both bounds
+    if (
+        limits.max_engine_waiting is not None
+        and engine_waiting(endpoint, limits, now_s, fresh) > limits.max_engine_waiting
+    ):
         return REASON_ENGINE_QUEUE
-    fresh = endpoint.stats_age_s(now_s) <= limits.max_stats_age_s
     if fresh and limits.max_kv_usage_ratio is not None and endpoint.stats.kv_usage_ratio > limits.max_kv_usage_ratio:
         return REASON_KV_USAGE
     threshold = limits.max_predicted_ttft_ms

@@ -408,6 +408,8 @@ class Admission:
         `admit`; a request limit at its capacity, a token limit with no token left or every
         concurrency slot taken refuses. Charges nothing."""
         plan = self._policies.current.admission_plan(principal, model)
+        if not (plan.buckets or plan.leases):
+            return None  # no limit at all (a budget is `admit`'s to judge): nothing to look through
         shared = [i for i, spec in enumerate(plan.buckets) if spec.scope in _SHARED_SCOPES and not spec.shadow]
         leases = [i for i, lease in enumerate(plan.leases) if lease.scope in _SHARED_SCOPES and not lease.shadow]
         if not (shared or leases):

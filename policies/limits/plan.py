@@ -206,7 +206,15 @@ class Price:
         """What a finished request cost. `prompt_tokens` is the whole prompt (reads and writes
         included); `reasoning_tokens` are part of `completion_tokens`. Counts out of range are
         clamped (a provider's parts never bill more tokens than its totals)."""
-        p = self.tier(prompt_tokens)
+        long = self.long
+        p = long if long is not None and prompt_tokens > self.long_above_tokens else self  # `tier`, inline
+        if (
+            not (cached_tokens or cache_write_tokens or cache_write_1h_tokens or reasoning_tokens)
+            and prompt_tokens >= 0
+            and completion_tokens >= 0
+        ):
+            # the common request (no cache read or write, no reasoning): nothing to clamp, the same sum
+            return prompt_tokens * p.input_usd + completion_tokens * p.output_usd
         cached = min(max(cached_tokens, 0), prompt_tokens)
         write = min(max(cache_write_tokens, 0), prompt_tokens - cached)
         write_1h = min(max(cache_write_1h_tokens, 0), prompt_tokens - cached - write)
@@ -631,7 +639,7 @@ class LimitIndex:
         plan = self.plan(principal, model)
         wanted = self._request_scopes
         asked = subjects.run_usd is not None or subjects.run_s is not None  # the run's own headers
-        if not subjects or (not wanted and not asked):
+        if (not wanted and not asked) or not subjects:  # the cheaper test first: no rule counts a subject
             return plan
         if not asked and not (
             (subjects.user is not None and "user" in wanted)
