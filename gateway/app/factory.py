@@ -500,7 +500,12 @@ async def _flow_ctx(app: web.Application) -> AsyncIterator[None]:
         recheck_s=flow.advanced.recheck_ms / 1000.0,
         share_window_s=flow.share_window_s,
         active_s=flow.reserve_active_s,
-        on_wait=lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s),
+        # with metrics off nothing renders the waits: not observed at all (a histogram child per request)
+        on_wait=(
+            (lambda pool, band, tenant, s: flow_metrics.observe_wait(pool, band_name(band), tenant, s))
+            if settings.telemetry.metrics.enabled
+            else None
+        ),
         programs=programs,
         program_half_life=lambda tenant: holder.current.program_half_life(tenant),
         program_active_s=flow.program_active_s,
