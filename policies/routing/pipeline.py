@@ -284,7 +284,8 @@ class ScoringRouter:
             running_tpot_slo_ms=request.running_tpot_slo_ms,
             adapter=request.adapter,
             residency=self.residency,
-            lora_budget_bytes=budget_bytes(pool.config.lora_memory_budget_mb),
+            # read by the LoRA scorer only, for a request that names an adapter
+            lora_budget_bytes=budget_bytes(pool.config.lora_memory_budget_mb) if request.adapter is not None else None,
         )
         pricing = self._pricing.get(pool.name)
         if pricing is None:
