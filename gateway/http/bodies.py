@@ -116,6 +116,7 @@ MAX_FORM_PARTS: Final = 32  # parts of one multipart form (the Files route needs
 BUDGET_RETRY_AFTER_S: Final = 1
 _MAX_PATH_CHARS: Final = 160
 _JSON_START: Final = re.compile(rb"[ \t\r\n]*[{\[]")  # an object or array (what a JSON API is sent)
+_JSON_OPENERS: Final = (b"{", b"[")
 _CODINGS: Final = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 RAW_BODIES: web.AppKey[bool] = web.AppKey("tokenway_raw_bodies", bool)  # set by GatewayRunner
 log = logging.getLogger(__name__)
@@ -373,7 +374,9 @@ NOT_PARSED: Final[Any] = _NotParsed()
 def _parse_if_json(raw: bytes) -> Any:
     """The body's JSON value when it is JSON (nesting bounded: InvalidRequest otherwise), else
     NOT_PARSED: a handler that parses it anyway judges it (its own 400 for "not JSON")."""
-    if _JSON_START.match(raw) is None:
+    # a JSON API's body starts with its bracket: one C-level test; the regular expression only for a
+    # body that starts otherwise (leading whitespace, or not JSON at all)
+    if not raw.startswith(_JSON_OPENERS) and _JSON_START.match(raw) is None:
         return NOT_PARSED
     try:
         value = orjson.loads(raw)
@@ -387,6 +390,19 @@ def cached_json(request: web.Request) -> Any:
     """The JSON value `read()` already parsed (the one parse of the request), or NOT_PARSED."""
     state = _state_of(request)
     return NOT_PARSED if state is None or state.body is None else state.parsed
+
+
+def parsed_body(request: web.Request) -> Any:
+    """`cached_json` and `forget_raw` in one look-up of the request's state (the inference walk's
+    intake, once per request): the JSON value `read()` parsed, its raw bytes dropped, or NOT_PARSED
+    (the raw bytes kept, for the caller to judge)."""
+    state = _state_of(request)
+    if state is None or state.body is None:
+        return NOT_PARSED
+    parsed = state.parsed
+    if parsed is not NOT_PARSED:
+        state.body = b""
+    return parsed
 
 
 async def json_body(request: web.Request) -> Any:
