@@ -101,9 +101,10 @@ from gateway.errors import (
     RequestTooLarge,
 )
 from gateway.http.bodies import NOT_PARSED, BoundedRequest, parse_json_body, parsed_body, release_body
+from gateway.request.apis import NativeApi
 from gateway.request.context import RequestContext
 from gateway.upstream.relay import check_min_tokens
-from policies.estimate import PromptEstimator, output_reservation
+from policies.estimate import PromptCount, PromptEstimator, body_key, output_reservation
 from policies.holder import PolicyHolder
 from policies.policy import Policy, TenantView, client_body
 from policies.policy import cache_salt as engine_cache_salt
@@ -218,10 +219,11 @@ class Intake:
         principal = self._principal(ctx, headers)
         try:
             raw = await self._read_body(request)
+            key = self._body_key(ctx, raw)
             parsed = parsed_body(request)  # one copy of the body while it is counted: the parsed one
             if parsed is not NOT_PARSED:
                 raw = b""
-            return await self.facts(ctx, raw, headers, principal=principal, parsed=parsed)
+            return await self.facts(ctx, raw, headers, principal=principal, parsed=parsed, body_key=key)
         finally:
             release_body(request)
 
@@ -233,12 +235,15 @@ class Intake:
         *,
         principal: Principal | None = None,
         parsed: Any = NOT_PARSED,
+        body_key: int | None = None,
     ) -> RequestFacts:
         """The facts of a body already read (`read`, or the endpoint picker's, which Envoy sent):
         one parse (nesting bounded; `parsed` when the reader did it), the API's checks, the caller,
-        the model, a look at the limits (no room left: refused before the prompt is counted), the count."""
+        the model, a look at the limits (no room left: refused before the prompt is counted), the count.
+        `body_key`: `_body_key` of the raw body, where `read` dropped it after parsing."""
         if parsed is NOT_PARSED:
             parsed = parse_json_body(raw)
+            body_key = self._body_key(ctx, raw)
         body = ctx.api.parse(parsed)
         record = ctx.record
         record.program = program_id(headers, body)  # before any refusal: it is on every record
@@ -253,7 +258,16 @@ class Intake:
             rejection = await self.precheck(principal, model)
             if rejection is not None:
                 raise Rejected(rejection)
-        return await self._estimate(ctx, headers, policy, tenant, body, principal, requested, model)
+        return await self._estimate(ctx, headers, policy, tenant, body, principal, requested, model, body_key=body_key)
+
+    def _body_key(self, ctx: RequestContext, raw: bytes) -> int | None:
+        """The key of the prompt's count in the counters' caches (`policies.estimate.body_key`), for a
+        native API's body (its body is the parsed raw JSON) where a counter caches by it: one pass of
+        a hash over the raw bytes, where the prompt's own key would copy a long prompt to hash it."""
+        api = ctx.api
+        if not self.estimator.keys_bodies or type(api) is not NativeApi:
+            return None
+        return body_key(api.kind, raw)
 
     def _check_program(self, view: TenantView, principal: Principal, program: str, body: dict[str, Any]) -> None:
         """The runaway guard (policies/program.py), where the caller's tenant sets it: one look-up if not."""
@@ -353,13 +367,21 @@ class Intake:
         model: str,
         *,
         batch_id: str | None = None,
+        body_key: int | None = None,
     ) -> RequestFacts:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
         record = ctx.record
         subjects = request_subjects(headers, body, record.program)  # bounded; malformed tags -> 400
         record.user, record.tags = subjects.user, subjects.tags
         api = ctx.api
-        prompt_tokens, ids, tokens_source = await api.estimate(self.estimator, body, model)
+        counted = (
+            api.estimate(self.estimator, body, model, body_key)
+            if body_key is not None and isinstance(api, NativeApi)
+            else api.estimate(self.estimator, body, model)
+        )
+        if not isinstance(counted, PromptCount):  # a cached prompt is counted at once: nothing to await
+            counted = await counted
+        prompt_tokens, ids, tokens_source = counted
         max_tokens = api.max_tokens(body)
         check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/relay.py)
         model_config = policy.config.models.get(model)
