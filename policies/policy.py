@@ -417,9 +417,9 @@ def check_context(policy: Policy, model: str, prompt_tokens: int, max_tokens: in
 def client_body(body: Mapping[str, Any], allowed: Collection[str] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
     """`body` without the engine-control fields `allowed` does not name, and the names dropped. The
     body is returned as it is (no copy) when it carries none, which is almost always."""
-    present = ENGINE_CONTROL_FIELDS.intersection(body)
-    if not present:  # almost always: no generator, no sort
+    if ENGINE_CONTROL_FIELDS.isdisjoint(body):  # almost always: no set made, no generator, no sort
         return body if isinstance(body, dict) else dict(body), ()
+    present = ENGINE_CONTROL_FIELDS.intersection(body)
     dropped = tuple(sorted(name for name in present if name not in allowed))
     if not dropped:
         return body if isinstance(body, dict) else dict(body), ()

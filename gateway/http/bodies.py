@@ -638,12 +638,13 @@ def _check_sampling(api: ApiKind, body: Mapping[str, Any]) -> None:
                 raise InvalidRequest(f"'{field}' must be a number", param=field)
             if not low <= value <= high:  # NaN fails too
                 raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
-    n = _int_in(body, "n", 1, 128)
+    # each check only for a field the body sets (a call less per field it does not)
+    n = _int_in(body, "n", 1, 128) if "n" in body else None
     if api == "chat":
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
-        if _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
+        if "top_logprobs" in body and _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     elif api == "completions":
         _int_in(body, "logprobs", 0, 20)
@@ -762,10 +763,14 @@ def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
         include = options.get("include_usage")
         if include is not None and not isinstance(include, bool):
             raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
-    _positive_int(body, "max_tokens")
-    _positive_int(body, "max_completion_tokens")
+    if "max_tokens" in body:  # the helpers only for the fields a body sets
+        _positive_int(body, "max_tokens")
+    if "max_completion_tokens" in body:
+        _positive_int(body, "max_completion_tokens")
     _check_sampling(api, body)
-    _check_metadata(body.get("metadata"))
+    metadata = body.get("metadata")
+    if metadata is not None:
+        _check_metadata(metadata)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string", param="user")

@@ -95,8 +95,9 @@ class EngineTokenizeCounter:
     An error, a timeout or no ready endpoint returns None: the next counter decides.
 
     The round trip goes through the engine client every relayed request uses (pooled keep-alive
-    connections, no per-call client objects), and the prompt is encoded once: the same bytes key the
-    cache and, with the model spliced in front, make the request."""
+    connections, no per-call client objects), and the prompt is encoded at most once: keyed by the raw
+    body's hash (`lookup`'s `body_key`), only a miss encodes it, the model in front; keyed by the
+    prompt, the same bytes key the cache and, with the model spliced in front, make the request."""
 
     source = SOURCE_ENGINE
 
@@ -148,7 +149,7 @@ class EngineTokenizeCounter:
             if ids is not None:
                 return PromptCount(len(ids), ids, SOURCE_ENGINE)
             request = _tokenize_body(api, body)
-            return None if request is None else self._ask(body_key, orjson.dumps(request))
+            return None if request is None else self._ask(body_key, request)
         request = _tokenize_body(api, body)
         if request is None:
             return None
@@ -159,15 +160,16 @@ class EngineTokenizeCounter:
             return PromptCount(len(ids), ids, SOURCE_ENGINE)
         return self._ask(key, encoded)
 
-    async def _ask(self, key: int, encoded: bytes) -> PromptCount | None:
-        ids = await self.tokenize(encoded)
+    async def _ask(self, key: int, request: bytes | dict[str, Any]) -> PromptCount | None:
+        ids = await self.tokenize(request)
         if ids is None:
             return None
         self._cache.put(key, ids)
         return PromptCount(len(ids), ids, SOURCE_ENGINE)
 
-    async def tokenize(self, request: bytes) -> array[int] | None:
-        """The engine's ids for `request` (an encoded /tokenize body without its `model`)."""
+    async def tokenize(self, request: bytes | dict[str, Any]) -> array[int] | None:
+        """The engine's ids for `request` (a /tokenize body without its `model`: encoded, or not yet,
+        when nothing needed its bytes before; then it is encoded once, the model in front)."""
         ready = self.pool.ready_endpoints()
         if not ready:
             return None
@@ -177,9 +179,13 @@ class EngineTokenizeCounter:
         if endpoint.api_key:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
         self.calls += 1
-        # the model spliced in front of the encoded request: one copy of the prompt, no second encode
-        rest = memoryview(request)[1:] if len(request) > 2 else b"}"
-        body = b"".join((b'{"model":', orjson.dumps(endpoint.served_model), b"," if len(request) > 2 else b"", rest))
+        if isinstance(request, dict):
+            body = orjson.dumps({"model": endpoint.served_model, **request})
+        else:  # the model spliced in front of the encoded request: one copy of the prompt, no second encode
+            rest = memoryview(request)[1:] if len(request) > 2 else b"}"
+            body = b"".join(
+                (b'{"model":', orjson.dumps(endpoint.served_model), b"," if len(request) > 2 else b"", rest)
+            )
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self._client.post(endpoint.base_url + "/tokenize", headers, body)
