@@ -53,7 +53,7 @@ import asyncio
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -87,6 +87,27 @@ class PromptCounter(Protocol):
     async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+# A counter may also have `lookup(api, body, body_key)`: `count` split where it would wait, the count
+# itself when cached (no coroutine is made: most prompts are repeats), else the awaitable that counts
+# it, None where the counter does not apply; `body_key` (`body_key` below) replaces the counter's own
+# key of the prompt. The model tokenizer's and the engine's counters have one; the estimator asks it.
+Lookup = Callable[[str, Mapping[str, Any], int | None], PromptCount | Awaitable[PromptCount | None] | None]
+
+_BODY_KEY_SEEDS = {api: xxhash.xxh3_64_intdigest(api.encode()) for api in ("chat", "completions", "embeddings")}
+
+
+def body_key(api: str, raw: bytes) -> int:
+    """The cache key of the prompt count of a request of `api` whose body is `raw`, the client's JSON
+    as sent (after any Content-Encoding): equal bodies of one API have equal prompts. Hashing the bytes
+    the gateway holds anyway is one pass over them; keying by the prompt encodes it again first (a
+    copy of a long prompt, then a hash of the copy). Seeded by the API (a body may name both `messages`
+    and `prompt`) and apart from the counters' own prompt keys."""
+    seed = _BODY_KEY_SEEDS.get(api)
+    if seed is None:
+        seed = xxhash.xxh3_64_intdigest(api.encode())
+    return xxhash.xxh3_64_intdigest(raw, seed)
 
 
 @dataclass(slots=True)
@@ -187,6 +208,8 @@ class PromptEstimator:
         self.offload_chars = offload_chars
         self._executor = executor
         self._counters: dict[str, list[PromptCounter]] = {}
+        self._lookups: dict[str, tuple[Lookup | None, ...]] = {}  # model -> each counter's `lookup`
+        self.keys_bodies = False  # some counter takes a `body_key`: intake hashes the raw body for it
         self._cl100k_source: dict[str, str] = {}  # model -> "sim" when its engine shares cl100k
         self._notes: dict[str, str] = {}  # model -> why it has no exact counter
         self._audits: dict[str, TokenAudit] = {}
@@ -197,14 +220,57 @@ class PromptEstimator:
     ) -> None:
         """The counters for `model`, tried in order; cl100k is the last resort (exact for `sim`)."""
         self._counters[model] = list(counters)
+        lookups: tuple[Lookup | None, ...] = tuple(getattr(c, "lookup", None) for c in counters)
+        self._lookups[model] = lookups
+        self.keys_bodies = self.keys_bodies or any(lookup is not None for lookup in lookups)
         self._cl100k_source[model] = SOURCE_SIM if cl100k_exact else SOURCE_ESTIMATE
         if note:
             self._notes[model] = note
 
-    async def count(self, api: str, body: Mapping[str, Any], model: str) -> PromptCount:
-        """Prompt tokens (and ids) of a validated request body, as the model's engine counts them."""
-        for counter in self._counters.get(model, ()):
-            counted = await counter.count(api, body)
+    async def count(self, api: str, body: Mapping[str, Any], model: str, body_key: int | None = None) -> PromptCount:
+        """Prompt tokens (and ids) of a validated request body, as the model's engine counts them.
+        `body_key`: `body_key(api, raw)` where the body is the client's raw JSON as sent."""
+        return await self._count(api, body, model, body_key, 0, None)
+
+    def counted(
+        self, api: str, body: Mapping[str, Any], model: str, body_key: int | None = None
+    ) -> PromptCount | Awaitable[PromptCount]:
+        """`count`, answered at once when the model's first counter has the prompt cached: intake
+        asks this once per request, and a cache hit then costs no coroutine (nor the two that
+        would await it)."""
+        lookups = self._lookups.get(model)
+        if lookups:
+            first = lookups[0]
+            if first is not None:
+                found = first(api, body, body_key)
+                if isinstance(found, PromptCount):
+                    return found
+                return self._count(api, body, model, body_key, 1, found)
+        return self._count(api, body, model, body_key, 0, None)
+
+    async def _count(
+        self,
+        api: str,
+        body: Mapping[str, Any],
+        model: str,
+        body_key: int | None,
+        start: int,
+        pending: Awaitable[PromptCount | None] | None,
+    ) -> PromptCount:
+        """The counters from `start` on (`pending`: the one before it, under way), then cl100k."""
+        if pending is not None:
+            counted = await pending
+            if counted is not None:
+                return counted
+        counters = self._counters.get(model, ())
+        lookups = self._lookups.get(model, ())
+        for i in range(start, len(counters)):
+            lookup = lookups[i]
+            if lookup is None:
+                counted = await counters[i].count(api, body)
+            else:
+                found = lookup(api, body, body_key)
+                counted = found if found is None or isinstance(found, PromptCount) else await found
             if counted is not None:
                 return counted
         return await self._count_cl100k(api, body, self._cl100k_source.get(model, SOURCE_ESTIMATE))
@@ -298,7 +364,7 @@ class PromptEstimator:
         for message in messages:
             role = str(message.get("role", "user"))
             text = tokenization.message_text(message)
-            keyed.append((_key(f"{role}\x00{text}"), text))
+            keyed.append((_key(text, _role_seed(role)), text))
             headers.append(tokenization.role_header(role))
         bodies = await self._cached_ids(keyed)
         generation = tokenization.generation_prompt_ids()
@@ -329,8 +395,14 @@ class PromptEstimator:
         return sum(len(b) for b in bodies)
 
 
-def _key(text: str) -> int:
-    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+def _key(text: str, seed: int = 0) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"), seed)
+
+
+def _role_seed(role: str) -> int:
+    """A message's role as the seed of its text's key: (role, text) keyed without first joining them
+    into one more copy of the text (a long prompt's message is copied once, to be hashed)."""
+    return xxhash.xxh3_64_intdigest(role.encode("utf-8", "surrogatepass")) | 1  # never 0, plain texts' seed
 
 
 def _encode_batch(texts: list[str]) -> list[list[int]]:
@@ -431,13 +503,25 @@ class ModelTokenizerCounter:
         }
 
     async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None:
+        found = self.lookup(api, body)
+        return found if found is None or isinstance(found, PromptCount) else await found
+
+    def lookup(
+        self, api: str, body: Mapping[str, Any], body_key: int | None = None
+    ) -> PromptCount | Awaitable[PromptCount | None] | None:
+        """The cached count at once (no coroutine), else the awaitable that counts it (see `Lookup`);
+        `body_key` keys the cache instead of the prompt's own key (no encoding of the prompt)."""
         if api == "embeddings" or _is_batch(api, body):
-            counted: PromptCount | None = await self._run(body, api, _count_texts)
-            return counted
-        key = _prompt_key(api, body)
+            texts: Awaitable[PromptCount | None] = self._run(body, api, _count_texts)
+            return texts
+        key = _prompt_key(api, body) if body_key is None else body_key
         ids = self._cache.get(key)
         if ids is not None:
             return PromptCount(len(ids), ids, SOURCE_MODEL)
+        return self._count_new(api, body, key)
+
+    async def _count_new(self, api: str, body: Mapping[str, Any], key: int) -> PromptCount | None:
+        ids: array[int] | None
         if api == "chat" and self.tokenizer.pieces is not None:
             # piece by piece: a grown conversation encodes only its new pieces (backends/tokenization.py,
             # PieceEncoder). The whole prompt's ids are kept only once it came twice: a conversation's

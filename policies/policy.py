@@ -68,7 +68,14 @@ from typing import Any, Protocol
 from backends.fleet import MB, LoraAdapter, local_size_bytes
 from policies.keys.records import KeyRecord, TenantRecord
 from policies.limits.plan import LimitIndex, Plan, Price, pool_prices_of, price_of
-from policies.schema import ENGINE_CONTROL_FIELDS, PRIORITY_VALUES, FallbackConfig, ModelConfig, PoliciesConfig
+from policies.schema import (
+    ENGINE_CONTROL_FIELDS,
+    PRIORITY_VALUES,
+    FallbackConfig,
+    ModelConfig,
+    PoliciesConfig,
+    TenantConfig,
+)
 from policies.slo import Slo
 from policies.types import NO_SUBJECTS, Principal, Rejection, RequestSubjects, Usage
 
@@ -94,6 +101,28 @@ def hash_key(api_key: str) -> str:
 class _KeyEntry:
     digest: bytes
     principal: Principal
+
+
+@dataclass(slots=True)
+class TenantView:
+    """What every request of one tenant reads off the policy, worked out once per (policy, tenant)
+    instead of per request: its policies.yaml entry (None for a tenant made through the admin API or
+    unknown), the engine-control fields it may set, its prefix-cache group and that group's salt."""
+
+    config: TenantConfig | None
+    engine_fields: tuple[str, ...]
+    cache_group: str
+    cache_salt: str  # the engine's `cache_salt` of its requests that name none of their own
+
+    @classmethod
+    def of(cls, tenant: str, config: TenantConfig | None) -> TenantView:
+        group = config.cache_group if config is not None else None
+        cache_group = f"group:{group}" if group else f"tenant:{tenant}"
+        fields = tuple(config.engine_fields) if config is not None else ()
+        return cls(config, fields, cache_group, cache_salt(cache_group))
+
+
+_MAX_TENANT_VIEWS = 65_536  # tenants come from configuration and the admin API: bounded anyway
 
 
 class Policy:
@@ -156,6 +185,17 @@ class Policy:
             for name, c in config.slo_classes.items()
             for priority in c.priorities
         }
+        # per tenant, filled as its requests come: dropped with this policy on reload (no stale view)
+        self._tenant_views: dict[str, TenantView] = {}
+
+    def tenant_view(self, tenant: str) -> TenantView:
+        """The tenant's `TenantView` under this policy (made on its first request, then kept)."""
+        view = self._tenant_views.get(tenant)
+        if view is None:
+            view = TenantView.of(tenant, self.config.tenants.get(tenant))
+            if len(self._tenant_views) < _MAX_TENANT_VIEWS:
+                self._tenant_views[tenant] = view
+        return view
 
     def authenticate(self, api_key: str) -> Principal | None:
         """The principal of a presented key, or None. The digest comparison is constant-time. A key
@@ -193,15 +233,12 @@ class Policy:
 
     def engine_fields(self, principal: Principal) -> tuple[str, ...]:
         """The engine-control fields the caller's tenant may set (`tenants.<t>.engine_fields`)."""
-        tenant = self.config.tenants.get(principal.tenant)
-        return tuple(tenant.engine_fields) if tenant is not None else ()
+        return self.tenant_view(principal.tenant).engine_fields
 
     def cache_group(self, principal: Principal) -> str:
         """Whose prefix cache the caller's requests share: its tenant's `cache_group` (an explicit
         policy: the tenants naming it trust each other), else the tenant alone."""
-        tenant = self.config.tenants.get(principal.tenant)
-        group = tenant.cache_group if tenant is not None else None
-        return f"group:{group}" if group else f"tenant:{principal.tenant}"
+        return self.tenant_view(principal.tenant).cache_group
 
     def fallbacks(self, model: str) -> tuple[FallbackConfig, ...]:
         """The model's fallback chain, targets resolved to model names."""
@@ -380,9 +417,9 @@ def check_context(policy: Policy, model: str, prompt_tokens: int, max_tokens: in
 def client_body(body: Mapping[str, Any], allowed: Collection[str] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
     """`body` without the engine-control fields `allowed` does not name, and the names dropped. The
     body is returned as it is (no copy) when it carries none, which is almost always."""
-    present = ENGINE_CONTROL_FIELDS.intersection(body)
-    if not present:  # almost always: no generator, no sort
+    if ENGINE_CONTROL_FIELDS.isdisjoint(body):  # almost always: no set made, no generator, no sort
         return body if isinstance(body, dict) else dict(body), ()
+    present = ENGINE_CONTROL_FIELDS.intersection(body)
     dropped = tuple(sorted(name for name in present if name not in allowed))
     if not dropped:
         return body if isinstance(body, dict) else dict(body), ()

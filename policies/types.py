@@ -98,11 +98,15 @@ class Principal:
         return self.allowed_models is None or model in self.allowed_models
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestFacts:
     """What the gateway knows about one request before it runs; built once by the gateway's intake,
     read by every decision, never changed (what routing learns per request travels in
     `policies.routing.types.RouteRequest`, what it decided in `RouteDecision`).
+
+    Not a frozen dataclass, though nothing changes it: a frozen one's `__init__` sets each of its
+    twenty fields through `object.__setattr__`, several microseconds per request, and it could never
+    be hashed anyway (`body` is a dict). `dataclasses.replace` makes a changed copy, as before.
 
     `body` is the client's parsed JSON (the one parse of the request); forwarding copies it shallowly.
     `model` is the public model after alias resolution; `requested_model` is what the client sent.

@@ -116,6 +116,7 @@ MAX_FORM_PARTS: Final = 32  # parts of one multipart form (the Files route needs
 BUDGET_RETRY_AFTER_S: Final = 1
 _MAX_PATH_CHARS: Final = 160
 _JSON_START: Final = re.compile(rb"[ \t\r\n]*[{\[]")  # an object or array (what a JSON API is sent)
+_JSON_OPENERS: Final = (b"{", b"[")
 _CODINGS: Final = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 RAW_BODIES: web.AppKey[bool] = web.AppKey("tokenway_raw_bodies", bool)  # set by GatewayRunner
 log = logging.getLogger(__name__)
@@ -373,7 +374,9 @@ NOT_PARSED: Final[Any] = _NotParsed()
 def _parse_if_json(raw: bytes) -> Any:
     """The body's JSON value when it is JSON (nesting bounded: InvalidRequest otherwise), else
     NOT_PARSED: a handler that parses it anyway judges it (its own 400 for "not JSON")."""
-    if _JSON_START.match(raw) is None:
+    # a JSON API's body starts with its bracket: one C-level test; the regular expression only for a
+    # body that starts otherwise (leading whitespace, or not JSON at all)
+    if not raw.startswith(_JSON_OPENERS) and _JSON_START.match(raw) is None:
         return NOT_PARSED
     try:
         value = orjson.loads(raw)
@@ -387,6 +390,19 @@ def cached_json(request: web.Request) -> Any:
     """The JSON value `read()` already parsed (the one parse of the request), or NOT_PARSED."""
     state = _state_of(request)
     return NOT_PARSED if state is None or state.body is None else state.parsed
+
+
+def parsed_body(request: web.Request) -> Any:
+    """`cached_json` and `forget_raw` in one look-up of the request's state (the inference walk's
+    intake, once per request): the JSON value `read()` parsed, its raw bytes dropped, or NOT_PARSED
+    (the raw bytes kept, for the caller to judge)."""
+    state = _state_of(request)
+    if state is None or state.body is None:
+        return NOT_PARSED
+    parsed = state.parsed
+    if parsed is not NOT_PARSED:
+        state.body = b""
+    return parsed
 
 
 async def json_body(request: web.Request) -> Any:
@@ -622,12 +638,13 @@ def _check_sampling(api: ApiKind, body: Mapping[str, Any]) -> None:
                 raise InvalidRequest(f"'{field}' must be a number", param=field)
             if not low <= value <= high:  # NaN fails too
                 raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
-    n = _int_in(body, "n", 1, 128)
+    # each check only for a field the body sets (a call less per field it does not)
+    n = _int_in(body, "n", 1, 128) if "n" in body else None
     if api == "chat":
         logprobs = body.get("logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
-        if _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
+        if "top_logprobs" in body and _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
             raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     elif api == "completions":
         _int_in(body, "logprobs", 0, 20)
@@ -746,10 +763,14 @@ def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
         include = options.get("include_usage")
         if include is not None and not isinstance(include, bool):
             raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
-    _positive_int(body, "max_tokens")
-    _positive_int(body, "max_completion_tokens")
+    if "max_tokens" in body:  # the helpers only for the fields a body sets
+        _positive_int(body, "max_tokens")
+    if "max_completion_tokens" in body:
+        _positive_int(body, "max_completion_tokens")
     _check_sampling(api, body)
-    _check_metadata(body.get("metadata"))
+    metadata = body.get("metadata")
+    if metadata is not None:
+        _check_metadata(metadata)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise InvalidRequest("'user' must be a string", param="user")

@@ -16,7 +16,7 @@ imports none of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -80,8 +80,12 @@ class Api(Translation, Protocol):
         conversation it continues (Responses' `previous_response_id` chain), else None."""
         ...
 
-    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
-        """Prompt tokens (and their ids, for prefix routing) as `model`'s engine counts them."""
+    def estimate(
+        self, estimator: PromptEstimator, body: dict[str, Any], model: str
+    ) -> PromptCount | Awaitable[PromptCount]:
+        """Prompt tokens (and their ids, for prefix routing) as `model`'s engine counts them: the count
+        itself when known at once (a cached prompt: no coroutine), else an awaitable (an `async def`
+        implementation is one)."""
         ...
 
     def max_tokens(self, body: dict[str, Any]) -> int | None: ...
@@ -117,9 +121,14 @@ class NativeApi:
     async def prepare(self, body: dict[str, Any], principal: Principal, program: str | None) -> str | None:
         return program
 
-    async def estimate(self, estimator: PromptEstimator, body: dict[str, Any], model: str) -> PromptCount:
-        # the model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate
-        return await estimator.count(self.kind, body, model)
+    def estimate(
+        self, estimator: PromptEstimator, body: dict[str, Any], model: str, body_key: int | None = None
+    ) -> PromptCount | Awaitable[PromptCount]:
+        # the model's own tokenizer, else its engine's /tokenize, else the labelled cl100k estimate.
+        # `body_key`: the hash of the raw body (`policies.estimate.body_key`), which keys the count of a
+        # native API's body: it is the client's JSON as sent (less engine-control fields, none of which
+        # changes the prompt)
+        return estimator.counted(self.kind, body, model, body_key)
 
     def max_tokens(self, body: dict[str, Any]) -> int | None:
         value = body.get("max_completion_tokens") or body.get("max_tokens")

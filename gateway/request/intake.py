@@ -100,12 +100,13 @@ from gateway.errors import (
     RequestTimeout,
     RequestTooLarge,
 )
-from gateway.http.bodies import NOT_PARSED, BoundedRequest, cached_json, forget_raw, parse_json_body, release_body
+from gateway.http.bodies import NOT_PARSED, BoundedRequest, parse_json_body, parsed_body, release_body
+from gateway.request.apis import NativeApi
 from gateway.request.context import RequestContext
 from gateway.upstream.relay import check_min_tokens
-from policies.estimate import PromptEstimator, output_reservation
+from policies.estimate import PromptCount, PromptEstimator, body_key, output_reservation
 from policies.holder import PolicyHolder
-from policies.policy import Policy, client_body
+from policies.policy import Policy, TenantView, client_body
 from policies.policy import cache_salt as engine_cache_salt
 from policies.program import RunawayGuard
 from policies.routing.pipeline import MAX_SESSION_KEY_CHARS, bounded_key
@@ -152,7 +153,13 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 def authenticate(request: web.Request | Mapping[str, str], policy: Policy) -> Principal:
     """The caller's principal from its headers (an aiohttp request's, or the endpoint picker's)."""
-    key = presented_key(request.headers if isinstance(request, web.Request) else request)
+    return _authenticated(request.headers if isinstance(request, web.Request) else request, policy)
+
+
+def _authenticated(headers: Mapping[str, str], policy: Policy) -> Principal:
+    """`authenticate` for headers as they are: intake's own call skips the isinstance test above,
+    which against aiohttp's Request (an abstract Mapping) runs ABCMeta's Python-level check."""
+    key = presented_key(headers)
     if key is None:
         raise InvalidApiKey(
             "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
@@ -166,13 +173,14 @@ def authenticate(request: web.Request | Mapping[str, str], policy: Policy) -> Pr
 def parse_slo_headers(headers: Mapping[str, str]) -> tuple[float | None, float | None]:
     """(ttft_ms, tpot_ms) from `x-slo-ttft-ms` / `x-slo-tpot-ms`, None where absent; a 400 naming the
     header when malformed (a silently ignored typo would be an SLO the client believes it has)."""
-    return _header_ms(headers, SLO_TTFT_HEADER), _header_ms(headers, SLO_TPOT_HEADER)
+    ttft, tpot = headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER)
+    return (
+        None if ttft is None else _header_ms(ttft, SLO_TTFT_HEADER),
+        None if tpot is None else _header_ms(tpot, SLO_TPOT_HEADER),
+    )
 
 
-def _header_ms(headers: Mapping[str, str], name: str) -> float | None:
-    raw = headers.get(name)
-    if raw is None:
-        return None
+def _header_ms(raw: str, name: str) -> float:
     try:
         value = float(raw.strip())
     except ValueError:
@@ -207,14 +215,15 @@ class Intake:
         `gateway/http/bodies.py`; its budget is given back once it has been parsed and counted."""
         request = ctx.http
         assert request is not None
-        principal = self._principal(ctx, request.headers)
+        headers = request.headers
+        principal = self._principal(ctx, headers)
         try:
             raw = await self._read_body(request)
-            parsed = cached_json(request)
-            if parsed is not NOT_PARSED:  # one copy of the body while it is counted: the parsed one
+            key = self._body_key(ctx, raw)
+            parsed = parsed_body(request)  # one copy of the body while it is counted: the parsed one
+            if parsed is not NOT_PARSED:
                 raw = b""
-                forget_raw(request)
-            return await self.facts(ctx, raw, request.headers, principal=principal, parsed=parsed)
+            return await self.facts(ctx, raw, headers, principal=principal, parsed=parsed, body_key=key)
         finally:
             release_body(request)
 
@@ -226,29 +235,43 @@ class Intake:
         *,
         principal: Principal | None = None,
         parsed: Any = NOT_PARSED,
+        body_key: int | None = None,
     ) -> RequestFacts:
         """The facts of a body already read (`read`, or the endpoint picker's, which Envoy sent):
         one parse (nesting bounded; `parsed` when the reader did it), the API's checks, the caller,
-        the model, a look at the limits (no room left: refused before the prompt is counted), the count."""
+        the model, a look at the limits (no room left: refused before the prompt is counted), the count.
+        `body_key`: `_body_key` of the raw body, where `read` dropped it after parsing."""
         if parsed is NOT_PARSED:
             parsed = parse_json_body(raw)
+            body_key = self._body_key(ctx, raw)
         body = ctx.api.parse(parsed)
-        ctx.record.program = program_id(headers, body)  # before any refusal: it is on every record
+        record = ctx.record
+        record.program = program_id(headers, body)  # before any refusal: it is on every record
         policy = self.policies.current
         if principal is None:
             principal = self._principal(ctx, headers)
-        body, requested, model = await self._resolve(ctx, policy, body, principal)
-        if ctx.record.program is not None:
-            self._check_program(policy, principal, ctx.record.program, body)
+        tenant = policy.tenant_view(principal.tenant)
+        body, requested, model = await self._resolve(ctx, policy, tenant, body, principal)
+        if record.program is not None:
+            self._check_program(tenant, principal, record.program, body)
         if self.precheck is not None:
             rejection = await self.precheck(principal, model)
             if rejection is not None:
                 raise Rejected(rejection)
-        return await self._estimate(ctx, headers, policy, body, principal, requested, model)
+        return await self._estimate(ctx, headers, policy, tenant, body, principal, requested, model, body_key=body_key)
 
-    def _check_program(self, policy: Policy, principal: Principal, program: str, body: dict[str, Any]) -> None:
+    def _body_key(self, ctx: RequestContext, raw: bytes) -> int | None:
+        """The key of the prompt's count in the counters' caches (`policies.estimate.body_key`), for a
+        native API's body (its body is the parsed raw JSON) where a counter caches by it: one pass of
+        a hash over the raw bytes, where the prompt's own key would copy a long prompt to hash it."""
+        api = ctx.api
+        if not self.estimator.keys_bodies or type(api) is not NativeApi:
+            return None
+        return body_key(api.kind, raw)
+
+    def _check_program(self, view: TenantView, principal: Principal, program: str, body: dict[str, Any]) -> None:
         """The runaway guard (policies/program.py), where the caller's tenant sets it: one look-up if not."""
-        tenant = policy.config.tenants.get(principal.tenant)
+        tenant = view.config
         if tenant is not None and tenant.program_max_repeats is not None:
             rejection = self.runaway.check(
                 principal.tenant, program, body, tenant.program_max_repeats, tenant.program_max_cycle
@@ -258,7 +281,7 @@ class Intake:
 
     def _principal(self, ctx: RequestContext, headers: Mapping[str, str]) -> Principal:
         with ctx.trace.span("auth"):
-            principal = authenticate(headers, self.policies.current)
+            principal = _authenticated(headers, self.policies.current)
         ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
         return principal
 
@@ -271,8 +294,9 @@ class Intake:
         ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
         ctx.record.batch_id = batch_id
         ctx.record.program = program_id({}, body)  # a batch line names its program in its body, if at all
-        body, requested, model = await self._resolve(ctx, policy, body, principal)
-        return await self._estimate(ctx, {}, policy, body, principal, requested, model, batch_id=batch_id)
+        tenant = policy.tenant_view(principal.tenant)
+        body, requested, model = await self._resolve(ctx, policy, tenant, body, principal)
+        return await self._estimate(ctx, {}, policy, tenant, body, principal, requested, model, batch_id=batch_id)
 
     async def internal(self, ctx: RequestContext, parsed: object, principal: Principal) -> RequestFacts:
         """The facts of a request the gateway makes for an operator (the console's model check,
@@ -281,15 +305,18 @@ class Intake:
         body = ctx.api.parse(parsed)
         policy = self.policies.current
         ctx.record.tenant, ctx.record.key_id = principal.tenant, principal.key_id
-        body, requested, model = await self._resolve(ctx, policy, body, principal)
-        return await self._estimate(ctx, {"x-tokenway-no-fallback": "1"}, policy, body, principal, requested, model)
+        tenant = policy.tenant_view(principal.tenant)
+        body, requested, model = await self._resolve(ctx, policy, tenant, body, principal)
+        return await self._estimate(
+            ctx, {"x-tokenway-no-fallback": "1"}, policy, tenant, body, principal, requested, model
+        )
 
     async def _resolve(
-        self, ctx: RequestContext, policy: Policy, body: dict[str, Any], principal: Principal
+        self, ctx: RequestContext, policy: Policy, tenant: TenantView, body: dict[str, Any], principal: Principal
     ) -> tuple[dict[str, Any], str, str]:
         """(body as the policy lets it through, requested, public model): served here and allowed."""
         record = ctx.record
-        ctx.engine_fields = policy.engine_fields(principal)
+        ctx.engine_fields = tenant.engine_fields
         body, ctx.dropped_fields = client_body(body, ctx.engine_fields)  # engine-control fields: policy's
         requested: str = body["model"]
         model = policy.resolve_model(requested)
@@ -313,8 +340,9 @@ class Intake:
             raise RequestTooLarge(f"request body of {length} bytes exceeds the limit of {limit}")
         try:
             # bounded (deadline, size, budget, encoding) by gateway/http/bodies.py; the timer below is for
-            # an app built without its middleware, and small bodies, which arrive with the headers
-            if isinstance(request, BoundedRequest) or request.content.is_eof():
+            # an app built without its middleware, and small bodies, which arrive with the headers. (A type
+            # test, not isinstance: aiohttp's Request is an abstract Mapping, whose isinstance runs Python.)
+            if type(request) is BoundedRequest or request.content.is_eof():
                 return await request.read()
             async with asyncio.timeout(self.server.request_read_timeout_s):
                 return await request.read()
@@ -332,38 +360,56 @@ class Intake:
         ctx: RequestContext,
         headers: Mapping[str, str],
         policy: Policy,
+        tenant: TenantView,
         body: dict[str, object],
         principal: Principal,
         requested: str,
         model: str,
         *,
         batch_id: str | None = None,
+        body_key: int | None = None,
     ) -> RequestFacts:
         ttft_ms, tpot_ms = parse_slo_headers(headers)  # malformed -> 400 before any counting
-        subjects = request_subjects(headers, body, ctx.record.program)  # bounded; malformed tags -> 400
-        ctx.record.user, ctx.record.tags = subjects.user, subjects.tags
-        prompt_tokens, ids, tokens_source = await ctx.api.estimate(self.estimator, body, model)
-        max_tokens = ctx.api.max_tokens(body)
+        record = ctx.record
+        subjects = request_subjects(headers, body, record.program)  # bounded; malformed tags -> 400
+        record.user, record.tags = subjects.user, subjects.tags
+        api = ctx.api
+        counted = (
+            api.estimate(self.estimator, body, model, body_key)
+            if body_key is not None and isinstance(api, NativeApi)
+            else api.estimate(self.estimator, body, model)
+        )
+        if not isinstance(counted, PromptCount):  # a cached prompt is counted at once: nothing to await
+            counted = await counted
+        prompt_tokens, ids, tokens_source = counted
+        max_tokens = api.max_tokens(body)
         check_min_tokens(body, max_tokens)  # never more than may be produced (gateway/upstream/relay.py)
-        model_config = policy.model_config(model)
+        model_config = policy.config.models.get(model)
         # Without max_tokens the reservation is the model's default, and the engine is told it as its
         # limit (gateway/upstream/relay.py): a learnt typical length would cut the longer answers short.
         estimate_tokens = model_config.default_max_tokens if model_config else _DEFAULT_MAX_TOKENS
         session_key = headers.get("x-session-id") or body.get("user")
         client_salt = body.get("cache_salt")  # there only where the tenant may name one
-        cache_salt = engine_cache_salt(
-            policy.cache_group(principal), client_salt if isinstance(client_salt, str) else None
+        cache_salt = (
+            engine_cache_salt(tenant.cache_group, client_salt)
+            if client_salt and isinstance(client_salt, str)
+            else tenant.cache_salt  # the group's own, worked out once per policy
         )
-        opt_out = headers.get("x-tokenway-no-fallback", "").lower() in ("1", "true", "yes")
+        no_fallback = headers.get("x-tokenway-no-fallback")
+        opt_out = no_fallback is not None and no_fallback.lower() in ("1", "true", "yes")
+        # the peer's address is read (a Python-level property) only where the debug headers are asked for
+        debug = headers.get(DEBUG_HEADER) == "1" and debug_allowed(
+            headers, ctx.http.remote if ctx.http is not None else None, self.server.admin_token
+        )
         return RequestFacts(
-            request_id=ctx.record.request_id,
-            api=ctx.api.kind,
+            request_id=record.request_id,
+            api=api.kind,
             body=body,
             requested_model=requested,
             model=model,
             principal=principal,
             stream=bool(body.get("stream")),
-            include_usage=ctx.api.include_usage(body),
+            include_usage=api.include_usage(body),
             prompt_tokens=prompt_tokens,
             prompt_token_ids=ids,
             max_tokens=max_tokens,
@@ -374,12 +420,12 @@ class Intake:
                 context_length=model_config.context_length if model_config else None,
                 prompt_tokens=prompt_tokens,
             )
-            if ctx.api.generates
+            if api.generates
             else 0,
             session_key=session_key if isinstance(session_key, str) else None,
             cache_salt=cache_salt,
             allow_fallback=principal.allow_fallback and not opt_out,
-            debug=debug_allowed(headers, ctx.http.remote if ctx.http is not None else None, self.server.admin_token),
+            debug=debug,
             slo=effective_slo(policy.slo_class(principal), ttft_ms, tpot_ms) if batch_id is None else None,
             subjects=subjects,
             prompt_tokens_source=tokens_source,
@@ -392,6 +438,9 @@ SESSION_HEADERS: Final = ("x-session-id", "x-claude-code-session-id", "x-session
 MAX_PROGRAM_CHARS: Final = MAX_SESSION_KEY_CHARS  # longer ids are kept as '#' + 32 hex characters
 
 
+_PROGRAM_FIELDS: Final = frozenset({"metadata", "prompt_cache_key", "user"})  # where a body names its program
+
+
 def program_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
     """The request's bounded program id from the first source present, or None when it names none."""
     value = headers.get(PROGRAM_HEADER)
@@ -401,7 +450,8 @@ def program_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | Non
             if value:
                 break
         else:
-            value = _body_program(body)
+            # most bodies name none of the fields: one C-level test instead of three look-ups
+            value = None if _PROGRAM_FIELDS.isdisjoint(body) else _body_program(body)
             if value is None:
                 return None
     return bounded_key(value)
@@ -429,28 +479,42 @@ MAX_TAGS: Final = 8
 _TAG: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}")
 
 
+_SUBJECT_FIELDS: Final = frozenset({"user", "safety_identifier", "metadata"})  # where a body names subjects
+
+
 def request_subjects(headers: Mapping[str, str], body: Mapping[str, Any], program: str | None) -> RequestSubjects:
     """The request's end user, tags, program and run budget, bounded; a 400 for a malformed tag or
     run budget. A request naming none gets the shared empty value (no allocation)."""
-    user = _user(headers, body)
-    tags = _tags(headers, body)
-    run_usd = _run_usd(headers.get(RUN_BUDGET_HEADER), program)
-    run_s = _run_seconds(headers.get(RUN_SECONDS_HEADER), program)
+    user_header = headers.get(USER_HEADER)
+    tags_header = headers.get(TAGS_HEADER)
+    run_budget = headers.get(RUN_BUDGET_HEADER)
+    run_seconds = headers.get(RUN_SECONDS_HEADER)
+    if (
+        not user_header
+        and not tags_header
+        and run_budget is None
+        and run_seconds is None
+        and _SUBJECT_FIELDS.isdisjoint(body)
+    ):  # almost every request: nothing to check, no helper called
+        return NO_SUBJECTS if program is None else RequestSubjects(program=program)
+    user = _user(user_header, body)
+    tags = _tags(tags_header, body)
+    run_usd = _run_usd(run_budget, program)
+    run_s = _run_seconds(run_seconds, program)
     if user is None and not tags and program is None:
         return NO_SUBJECTS
     return RequestSubjects(user=user, tags=tags, program=program, run_usd=run_usd, run_s=run_s)
 
 
-def _user(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    value: Any = headers.get(USER_HEADER)
+def _user(header: str | None, body: Mapping[str, Any]) -> str | None:
+    value: Any = header
     if not value:
         value = body.get("user") or body.get("safety_identifier")
     return bounded_key(value) if isinstance(value, str) and value else None
 
 
-def _tags(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, ...]:
+def _tags(header: str | None, body: Mapping[str, Any]) -> tuple[str, ...]:
     found: list[str] = []
-    header = headers.get(TAGS_HEADER)
     if header:
         found += _split(header, TAGS_HEADER)
     metadata = body.get("metadata")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from array import array
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
@@ -41,6 +41,7 @@ log = logging.getLogger("tokenway.engine_tokens")
 ENGINES_SHARING_OUR_TOKENIZER = frozenset({"sim"})
 ENGINES_WITH_TOKENIZE = frozenset({"vllm", "vllm-ascend"})
 _CHAT_FIELDS = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+_CHAT_FIELD_SET = frozenset(_CHAT_FIELDS)
 
 
 def tokenizer_path(pool: Pool) -> str | None:
@@ -94,8 +95,9 @@ class EngineTokenizeCounter:
     An error, a timeout or no ready endpoint returns None: the next counter decides.
 
     The round trip goes through the engine client every relayed request uses (pooled keep-alive
-    connections, no per-call client objects), and the prompt is encoded once: the same bytes key the
-    cache and, with the model spliced in front, make the request."""
+    connections, no per-call client objects), and the prompt is encoded at most once: keyed by the raw
+    body's hash (`lookup`'s `body_key`), only a miss encodes it, the model in front; keyed by the
+    prompt, the same bytes key the cache and, with the model spliced in front, make the request."""
 
     source = SOURCE_ENGINE
 
@@ -129,21 +131,45 @@ class EngineTokenizeCounter:
         }
 
     async def count(self, api: str, body: Mapping[str, Any]) -> PromptCount | None:
+        found = self.lookup(api, body)
+        return found if found is None or isinstance(found, PromptCount) else await found
+
+    def lookup(
+        self, api: str, body: Mapping[str, Any], body_key: int | None = None
+    ) -> PromptCount | Awaitable[PromptCount | None] | None:
+        """The count at once when the prompt is cached (no coroutine is made: most prompts are
+        repeats), else the round trip that asks the engine; None where /tokenize does not apply.
+
+        `body_key` (`policies.estimate.body_key`: the hash of the raw body, for a body that is the
+        client's JSON as sent) keys the cache without encoding the prompt again: a cached long prompt
+        costs one pass of a hash over bytes the gateway holds anyway, not a copy of it and a hash of
+        the copy. Without it the key is the hash of the encoded /tokenize request."""
+        if body_key is not None:
+            ids = self._cache.get(body_key)
+            if ids is not None:
+                return PromptCount(len(ids), ids, SOURCE_ENGINE)
+            request = _tokenize_body(api, body)
+            return None if request is None else self._ask(body_key, request)
         request = _tokenize_body(api, body)
         if request is None:
             return None
         encoded = orjson.dumps(request)
         key = xxhash.xxh3_64_intdigest(encoded)
         ids = self._cache.get(key)
+        if ids is not None:
+            return PromptCount(len(ids), ids, SOURCE_ENGINE)
+        return self._ask(key, encoded)
+
+    async def _ask(self, key: int, request: bytes | dict[str, Any]) -> PromptCount | None:
+        ids = await self.tokenize(request)
         if ids is None:
-            ids = await self.tokenize(encoded)
-            if ids is None:
-                return None
-            self._cache.put(key, ids)
+            return None
+        self._cache.put(key, ids)
         return PromptCount(len(ids), ids, SOURCE_ENGINE)
 
-    async def tokenize(self, request: bytes) -> array[int] | None:
-        """The engine's ids for `request` (an encoded /tokenize body without its `model`)."""
+    async def tokenize(self, request: bytes | dict[str, Any]) -> array[int] | None:
+        """The engine's ids for `request` (a /tokenize body without its `model`: encoded, or not yet,
+        when nothing needed its bytes before; then it is encoded once, the model in front)."""
         ready = self.pool.ready_endpoints()
         if not ready:
             return None
@@ -153,9 +179,13 @@ class EngineTokenizeCounter:
         if endpoint.api_key:
             headers["Authorization"] = f"Bearer {endpoint.api_key}"
         self.calls += 1
-        # the model spliced in front of the encoded request: one copy of the prompt, no second encode
-        rest = memoryview(request)[1:] if len(request) > 2 else b"}"
-        body = b"".join((b'{"model":', orjson.dumps(endpoint.served_model), b"," if len(request) > 2 else b"", rest))
+        if isinstance(request, dict):
+            body = orjson.dumps({"model": endpoint.served_model, **request})
+        else:  # the model spliced in front of the encoded request: one copy of the prompt, no second encode
+            rest = memoryview(request)[1:] if len(request) > 2 else b"}"
+            body = b"".join(
+                (b'{"model":', orjson.dumps(endpoint.served_model), b"," if len(request) > 2 else b"", rest)
+            )
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self._client.post(endpoint.base_url + "/tokenize", headers, body)
@@ -202,7 +232,8 @@ def _tokenize_body(api: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     """The /tokenize request equal to a chat or single-prompt completions request; None otherwise."""
     if api == "chat":
         request: dict[str, Any] = {"messages": body["messages"]}
-        request.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
+        if not _CHAT_FIELD_SET.isdisjoint(body):  # most requests set none of them: no comprehension run
+            request.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
         request.setdefault("add_generation_prompt", True)
         return request
     if api == "completions" and isinstance(body.get("prompt"), str):
