@@ -33,8 +33,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 from urllib.parse import urlsplit
 
 from backends.types import GATEWAY_EXHAUSTED
@@ -308,8 +307,7 @@ def expire(waiter: asyncio.Future[None]) -> None:
 # ---- The pooled client
 
 
-@dataclass(frozen=True, slots=True)
-class _Origin:
+class _Origin(NamedTuple):  # the idle pool's key on every request: a tuple's hash and equality are C's
     scheme: str
     host: str
     port: int
