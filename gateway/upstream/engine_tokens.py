@@ -95,9 +95,10 @@ class EngineTokenizeCounter:
     An error, a timeout or no ready endpoint returns None: the next counter decides.
 
     The round trip goes through the engine client every relayed request uses (pooled keep-alive
-    connections, no per-call client objects), and the prompt is encoded at most once: keyed by the raw
-    body's hash (`lookup`'s `body_key`), only a miss encodes it, the model in front; keyed by the
-    prompt, the same bytes key the cache and, with the model spliced in front, make the request."""
+    connections, no per-call client objects), and the prompt is encoded at most once: a body seen
+    before (`lookup`'s `body_key`, the raw body's hash) finds its prompt's key without encoding it;
+    otherwise the encoded prompt keys the cache and, with the model spliced in front, makes the
+    request."""
 
     source = SOURCE_ENGINE
 
@@ -114,6 +115,11 @@ class EngineTokenizeCounter:
         # Bounded in entries and in tokens held (4 bytes each): long prompts cannot grow it past
         # `max_tokens`, and one huge prompt is not cached at all rather than flush the rest.
         self._cache = _IdCache(max_tokens, max_entries)
+        # raw body hash -> prompt key: a repeated body finds its prompt's ids without encoding the
+        # prompt again; a body that differs only outside the prompt (temperature, user, max_tokens)
+        # misses here and still hits the prompt's own key, with no second round trip to the engine
+        self._aliases: dict[int, int] = {}
+        self._max_aliases = max_entries
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.calls = 0
@@ -145,20 +151,29 @@ class EngineTokenizeCounter:
         costs one pass of a hash over bytes the gateway holds anyway, not a copy of it and a hash of
         the copy. Without it the key is the hash of the encoded /tokenize request."""
         if body_key is not None:
-            ids = self._cache.get(body_key)
+            key = self._aliases.get(body_key)
+            ids = self._cache.get(key) if key is not None else None
             if ids is not None:
                 return PromptCount(len(ids), ids, SOURCE_ENGINE)
-            request = _tokenize_body(api, body)
-            return None if request is None else self._ask(body_key, request)
         request = _tokenize_body(api, body)
         if request is None:
             return None
         encoded = orjson.dumps(request)
         key = xxhash.xxh3_64_intdigest(encoded)
+        if body_key is not None:  # a body not seen before: the prompt may still be (other sampling fields)
+            self._alias(body_key, key)
         ids = self._cache.get(key)
         if ids is not None:
             return PromptCount(len(ids), ids, SOURCE_ENGINE)
         return self._ask(key, encoded)
+
+    def _alias(self, body_key: int, key: int) -> None:
+        """Remember that the body `body_key` holds the prompt `key`; the oldest alias goes past
+        `max_entries` (the ids stay in the cache under the prompt's key, counted once)."""
+        aliases = self._aliases
+        if body_key not in aliases and len(aliases) >= self._max_aliases:
+            del aliases[next(iter(aliases))]
+        aliases[body_key] = key
 
     async def _ask(self, key: int, request: bytes | dict[str, Any]) -> PromptCount | None:
         ids = await self.tokenize(request)

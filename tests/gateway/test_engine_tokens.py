@@ -21,6 +21,7 @@ from backends.fleet import Pool
 from backends.types import Endpoint, EndpointState, Role
 from gateway.upstream.client import UpstreamClient
 from gateway.upstream.engine_tokens import EngineTokenizeCounter
+from policies.estimate import body_key
 from tests.backends.fake_engine import fake_engine
 from tests.support.procs import SimEngines, start_sim
 
@@ -150,3 +151,23 @@ async def test_an_answer_longer_than_any_the_request_could_need_is_refused(sessi
         counter = EngineTokenizeCounter(session, Pool(config, endpoints=[endpoint]))
         assert await counter.tokenize(orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})) is None
         assert counter.errors == 1
+
+
+async def test_a_body_seen_before_and_its_prompt_under_other_fields_ask_the_engine_once(
+    engine: SimEngines, session: UpstreamClient
+) -> None:
+    """Keyed by the raw body's hash (intake's `body_key`), a repeated body is answered from the cache
+    without encoding its prompt; a body that differs only outside the prompt (a temperature, a user)
+    is a new body but the same prompt: still no second round trip to the engine, and the same count."""
+    counter = EngineTokenizeCounter(session, pool_of(engine))
+    body = chat(1)
+    first = await counter.count("chat", body)
+    assert first is not None and counter.calls == 1
+    raw = orjson.dumps(body)
+    for _ in range(2):  # a new body key, then the same one again
+        found = counter.lookup("chat", body, body_key("chat", raw))
+        assert not hasattr(found, "__await__") and found is not None and found.tokens == first.tokens
+    other = {**body, "temperature": 0.3, "user": "someone"}
+    found = counter.lookup("chat", other, body_key("chat", orjson.dumps(other)))
+    assert not hasattr(found, "__await__") and found is not None and found.tokens == first.tokens
+    assert counter.calls == 1
