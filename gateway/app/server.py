@@ -23,7 +23,7 @@ from gateway.app import keys as appkeys
 from gateway.app.factory import create_app
 from gateway.app.settings import ConfigError, GatewaySettings
 from gateway.http.access import exposure_problem
-from gateway.http.bodies import GatewayRunner
+from gateway.http.connections import GatewayRunner
 from policies.loader import PolicyFileError
 
 log = logging.getLogger("tokenway.server")
@@ -32,7 +32,7 @@ READY_WAIT_POLLS = 150  # the ready banner waits up to 30 s (0.2 s polls) for st
 
 def make_runner(app: web.Application, settings: GatewaySettings) -> web.AppRunner:
     server = settings.server
-    return GatewayRunner(  # answers clients that half-close (gateway/http/bodies.py)
+    return GatewayRunner(  # answers clients that half-close (gateway/http/connections.py)
         app,
         handler_cancellation=True,  # a client that goes away cancels its handler: upstream closes at once
         access_log=None,

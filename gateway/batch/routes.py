@@ -68,7 +68,8 @@ from gateway.errors import (
     StorageFailed,
     error_response,
 )
-from gateway.http.bodies import MAX_JSON_DEPTH, check_depth, parse_json_body, validate_body
+from gateway.http.bodies import MAX_JSON_DEPTH, check_depth, parse_json_body
+from gateway.http.shapes import validate_body
 from gateway.request.intake import request_id
 from policies.types import Principal, Rejection, Usage
 

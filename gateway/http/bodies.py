@@ -1,9 +1,10 @@
 """Request bodies, bounded the same way on every route: one reader, one JSON parser, one middleware;
-the few request shapes the gateway reads in them checked; the connections they arrive on served.
+the request shapes the gateway reads are checked in `shapes.py`, and the connections they arrive on
+are served in `connections.py`.
 
-Everything a client controls about what it sends is decided here: the bytes (bounded, decoded,
-parsed once), the shape the gateway must read (validated), and the connection itself (a client that
-half-closed after sending is still answered). The sections say why each is done as it is.
+Everything a client controls about what it sends is decided in these three modules: the bytes
+(bounded, decoded, parsed once: here), the shape the gateway must read (validated: `shapes.py`), and
+the connection itself (a client that half-closed after sending is still answered: `connections.py`).
 
 A body is the one thing a client controls in size, pace, encoding and shape, so every route that
 reads one gets the same four bounds, wherever its handler lives (inference, Files and Batch, the
@@ -38,48 +39,6 @@ same parse for bytes that did not come through a request (batch lines, the endpo
 A malformed multipart form (a part header with CR, LF or NUL, a wrong boundary, a nested form) is a
 400 naming the fault (`BoundedMultipart`). Whatever else a handler lets escape, on any route, is a
 500 `server_error` in the route's shape, logged once (`bounded_bodies`).
-
-Request shapes
---------------
-
-Minimal validation of the OpenAI request shapes the gateway must understand to do its job.
-
-Only what admission, routing and accounting read is checked here (model, messages/prompt/input,
-stream, stream_options, max_tokens, n), plus what an engine would fail on instead of rejecting
-(token ids outside int32, sampling parameters outside OpenAI's documented ranges) and what the
-gateway keeps (`model` and `metadata` within bounded sizes); everything else passes through for the
-engine to judge. Hand-written checks over the parsed dict: no per-request pydantic on the hot path.
-
-Ranges (OpenAI API reference): temperature [0, 2], top_p [0, 1], n [1, 128], presence_penalty and
-frequency_penalty [-2, 2], top_logprobs [0, 20] (with `logprobs: true`), completions `logprobs`
-[0, 20] (OpenAI documents 5; vLLM's default `max_logprobs` is 20, and the gateway refuses nothing an
-engine behind it accepts), best_of [1, 20] and >= n, metadata at most 16 pairs of strings (keys up
-to 64 characters, values up to 512).
-
-Half-closed clients
--------------------
-
-Answering clients that half-close, without serving clients that left.
-
-A client may send its request and shut its write side (`shutdown(SHUT_WR)`: netcat, some proxies,
-HTTP/1.1 allows it) and still wait for the answer. asyncio closes a transport on end-of-file unless
-the protocol keeps it open, and aiohttp does not, so such a client was cancelled like one that had
-gone away. But a FIN looks the same whether the peer only stopped sending or closed its socket; only
-writing tells them apart (a closed socket answers with a reset). So on end-of-file during a request
-the connection stays open and the gateway probes: an interim `100 Continue` (every HTTP/1.1 client
-must accept 1xx responses before the final one; Python's http.client, curl, httpx, aiohttp skip
-them), written again after short pauses while no byte of the answer has gone out. A peer that is
-gone answers the first with a reset and the next write fails: the connection is lost, the handler
-is cancelled as before (the engine aborts the request), about `PROBE_DELAYS_S[0]` late. A peer that
-half-closed gets the probes and then its answer, and the connection closes after it. Once the answer
-has started, its own writes are the probes (a stream's chunks). HTTP/1.0 clients get no 1xx: their
-request simply runs to its end. End-of-file on an idle connection, or in the middle of a request
-body, closes the connection as before.
-
-Hooked in by `GatewayRunner` (an `AppRunner` whose connections use `AnsweringHandler`), which also
-keeps aiohttp's server log for the gateway's faults: a client's malformed request (bad header bytes,
-a body that is not the encoding it claims) is answered 400 and logged at debug level, not as an error
-with a traceback that any client could flood the log with.
 """
 
 from __future__ import annotations
@@ -88,14 +47,14 @@ import asyncio
 import logging
 import re
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
-from aiohttp import BodyPartReader, HttpVersion11, MultipartReader, web
+from aiohttp import BodyPartReader, MultipartReader, web
 from aiohttp.http_exceptions import HttpProcessingError, InvalidHeader
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.app.settings import ServerSettings
 from gateway.errors import (
@@ -107,7 +66,6 @@ from gateway.errors import (
     RequestTooLarge,
     error_response,
 )
-from policies.types import ApiKind
 
 # ---- Bounded bodies
 
@@ -593,282 +551,3 @@ def _closing(response: web.StreamResponse, state: BodyState) -> web.StreamRespon
 
 def _openai_shape(request: web.Request, error: GatewayError) -> web.StreamResponse:
     return error_response(error)
-
-
-# ---- Request shapes
-
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-MAX_TOKEN_ID = 2**31 - 1  # engines hold ids as int32: anything above is no token of any vocabulary
-MAX_MODEL_CHARS = 256
-MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-_RANGES: tuple[tuple[str, float, float], ...] = (
-    ("temperature", 0.0, 2.0),
-    ("top_p", 0.0, 1.0),
-    ("presence_penalty", -2.0, 2.0),
-    ("frequency_penalty", -2.0, 2.0),
-)
-_RANGE_FIELDS = frozenset(field for field, _low, _high in _RANGES)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
-
-
-def _int_in(body: Mapping[str, Any], field: str, low: int, high: int) -> int | None:
-    value = body.get(field)
-    if value is None:
-        return None
-    if not _is_int(value) or not low <= value <= high:
-        raise InvalidRequest(f"'{field}' must be an integer from {low} to {high}, got {value!r}", param=field)
-    return int(value)
-
-
-def _check_sampling(api: ApiKind, body: Mapping[str, Any]) -> None:
-    # one C-level test first: most requests set none of these (the loop then checks them in order)
-    if not _RANGE_FIELDS.isdisjoint(body):
-        for field, low, high in _RANGES:
-            value = body.get(field)
-            if value is None:
-                continue
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                raise InvalidRequest(f"'{field}' must be a number", param=field)
-            if not low <= value <= high:  # NaN fails too
-                raise InvalidRequest(f"'{field}' must be from {low:g} to {high:g}, got {value!r}", param=field)
-    # each check only for a field the body sets (a call less per field it does not)
-    n = _int_in(body, "n", 1, 128) if "n" in body else None
-    if api == "chat":
-        logprobs = body.get("logprobs")
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise InvalidRequest("'logprobs' must be a boolean", param="logprobs")
-        if "top_logprobs" in body and _int_in(body, "top_logprobs", 0, 20) is not None and logprobs is not True:
-            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    elif api == "completions":
-        _int_in(body, "logprobs", 0, 20)
-        best_of = _int_in(body, "best_of", 1, 20)
-        if best_of is not None and best_of < (n or 1):
-            raise InvalidRequest(f"'best_of' ({best_of}) must be at least 'n' ({n})", param="best_of")
-
-
-def _check_metadata(metadata: Any) -> None:
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise InvalidRequest(f"'metadata' must be an object of at most {MAX_METADATA_PAIRS} pairs", param="metadata")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidRequest(
-                f"'metadata' keys are strings of at most {MAX_METADATA_KEY_CHARS} characters and values strings "
-                f"of at most {MAX_METADATA_VALUE_CHARS}",
-                param="metadata",
-            )
-
-
-def _positive_int(body: Mapping[str, Any], field: str) -> int | None:
-    value = body.get(field)
-    if value is None:
-        return None
-    if not _is_int(value) or value < 1:
-        raise InvalidRequest(f"'{field}' must be an integer >= 1, got {value!r}", param=field)
-    return int(value)
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        role = message.get("role")
-        if role not in _ROLES:
-            raise InvalidRequest(
-                f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", param=f"messages[{i}].role"
-            )
-        content = message.get("content")
-        if content is None:
-            if role != "assistant" and role != "function":
-                raise InvalidRequest(f"messages[{i}].content is required", param=f"messages[{i}].content")
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise InvalidRequest(
-                        f"messages[{i}].content[{j}] must be an object with a 'type'",
-                        param=f"messages[{i}].content[{j}]",
-                    )
-        elif not isinstance(content, str):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string or an array of parts", param=f"messages[{i}].content"
-            )
-
-
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
-        return
-    if isinstance(prompt, list) and prompt:
-        if all(_is_token_id(t) for t in prompt):
-            return
-        if all(isinstance(p, str) for p in prompt):
-            return
-    raise InvalidRequest(
-        f"'prompt' must be a string, an array of strings or an array of token ids (0 to {MAX_TOKEN_ID})",
-        param="prompt",
-    )
-
-
-def _check_input(value: Any) -> None:
-    if isinstance(value, str) and value:
-        return
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value) or all(_is_token_id(v) for v in value):
-            return
-        if all(isinstance(v, list) and v and all(_is_token_id(t) for t in v) for v in value):
-            return
-    raise InvalidRequest(
-        f"'input' must be a non-empty string or array of strings/token ids (token ids from 0 to {MAX_TOKEN_ID})",
-        param="input",
-    )
-
-
-def validate_body(api: ApiKind, body: Any) -> dict[str, Any]:
-    """Check the fields the gateway reads; returns the body (a dict) or raises InvalidRequest."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
-    if len(model) > MAX_MODEL_CHARS:
-        raise InvalidRequest(f"'model' must be at most {MAX_MODEL_CHARS} characters", param="model")
-    if api == "chat":
-        _check_messages(body.get("messages"))
-    elif api == "completions":
-        if "prompt" not in body:
-            raise InvalidRequest("'prompt' is required", param="prompt")
-        _check_prompt(body["prompt"])
-    else:
-        if "input" not in body:
-            raise InvalidRequest("'input' is required", param="input")
-        _check_input(body["input"])
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise InvalidRequest("'stream_options' must be an object", param="stream_options")
-        if not stream:
-            raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        include = options.get("include_usage")
-        if include is not None and not isinstance(include, bool):
-            raise InvalidRequest("'stream_options.include_usage' must be a boolean", param="stream_options")
-    if "max_tokens" in body:  # the helpers only for the fields a body sets
-        _positive_int(body, "max_tokens")
-    if "max_completion_tokens" in body:
-        _positive_int(body, "max_completion_tokens")
-    _check_sampling(api, body)
-    metadata = body.get("metadata")
-    if metadata is not None:
-        _check_metadata(metadata)
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise InvalidRequest("'user' must be a string", param="user")
-    return body
-
-
-# ---- Half-closed clients
-
-PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
-PROBE_DELAYS_S = (0.05, 0.2, 1.0, 3.0, 10.0)  # then every 30 s while the answer has not started
-PROBE_EVERY_S = 30.0
-
-
-class AnsweringHandler(RequestHandler):
-    """aiohttp's connection handler, kept open on a half-close while a complete request is served."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._probes_sent = 0
-        self._probe_handle: asyncio.TimerHandle | None = None
-        self._peer_shut = False  # end-of-file seen (uvloop may report it again when reading resumes)
-
-    def eof_received(self) -> bool | None:  # type: ignore[override]
-        if self._peer_shut:
-            return True
-        if self._idle():
-            return None  # between requests: close as before
-        request = self._current_request
-        if request is not None and not request.content.is_eof():
-            return None  # the client hung up in the middle of its request body
-        self._peer_shut = True
-        self.close()  # answer what came in, then close: nothing more will arrive
-        self._probe()
-        return True
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._probe_handle is not None:
-            self._probe_handle.cancel()
-            self._probe_handle = None
-        super().connection_lost(exc)
-
-    def _idle(self) -> bool:
-        """Waiting for the next request, with none received (aiohttp's loop parks on `_waiter`)."""
-        waiter = self._waiter
-        return waiter is not None and not waiter.done() and not self._messages
-
-    def _probe(self) -> None:
-        self._probe_handle = None
-        transport = self.transport
-        if transport is None or transport.is_closing() or self._idle():
-            return
-        request = self._current_request
-        if request is not None:  # (None: received, its handler not started yet)
-            if request._payload_writer.output_size:
-                return  # the answer has started: its own writes find out whether anyone listens
-            if request.version < HttpVersion11:
-                return  # no 1xx for HTTP/1.0
-            transport.write(PROBE)
-        delay_s = PROBE_DELAYS_S[self._probes_sent] if self._probes_sent < len(PROBE_DELAYS_S) else PROBE_EVERY_S
-        self._probes_sent += 1
-        self._probe_handle = asyncio.get_running_loop().call_later(delay_s, self._probe)
-
-
-class _AnsweringServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return AnsweringHandler(self, loop=self._loop, **self._kwargs)
-
-
-class ClientFaults(logging.Filter):
-    """Demote aiohttp's log records about a client's malformed request to debug level."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError | RequestPayloadError) and record.levelno > logging.DEBUG:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.exc_info, record.exc_text = None, None
-            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-_CLIENT_FAULTS = ClientFaults()
-
-
-class GatewayRunner(web.AppRunner):
-    """An AppRunner whose connections answer half-closed clients (module docstring). It also leaves
-    `Content-Encoding` to the gateway's body reader (`gateway/http/bodies.py`), which decodes strictly
-    (a truncated or doubled gzip body is a 400) and within the size limit; aiohttp's decoder accepts
-    a truncated gzip stream and ignores what follows its first member."""
-
-    def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        kwargs["auto_decompress"] = False
-        app[RAW_BODIES] = True
-        super().__init__(app, **kwargs)
-        server_log = logging.getLogger("aiohttp.server")
-        if _CLIENT_FAULTS not in server_log.filters:
-            server_log.addFilter(_CLIENT_FAULTS)
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _AnsweringServer  # the same server, handing out AnsweringHandler
-        return server

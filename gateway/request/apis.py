@@ -25,7 +25,7 @@ from aiohttp import web
 
 from backends.types import Endpoint
 from gateway.errors import EngineRejected, GatewayError, error_response
-from gateway.http.bodies import validate_body
+from gateway.http.shapes import validate_body
 from gateway.upstream.relay import StreamCodec
 from policies.estimate import PromptCount, PromptEstimator
 from policies.types import ApiKind, Principal, RequestFacts, Usage

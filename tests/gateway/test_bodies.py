@@ -19,13 +19,13 @@ from gateway.http.bodies import (
     MAX_JSON_DEPTH,
     BodyBounds,
     BodyBudget,
-    GatewayRunner,
     bounded_bodies,
     check_depth,
     decode_body,
     json_body,
     parse_json_body,
 )
+from gateway.http.connections import GatewayRunner
 
 
 def nested(levels: int) -> bytes:

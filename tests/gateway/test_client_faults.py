@@ -6,7 +6,7 @@ import logging
 
 from aiohttp.http_exceptions import BadHttpMessage
 
-from gateway.http.bodies import ClientFaults
+from gateway.http.connections import ClientFaults
 
 
 def record(error: BaseException | None) -> logging.LogRecord:

@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.http.bodies import BodyBounds, BodyBudget, GatewayRunner, bounded_bodies
+from gateway.http.bodies import BodyBounds, BodyBudget, bounded_bodies
+from gateway.http.connections import GatewayRunner
 
 
 async def broken(request: web.Request) -> web.StreamResponse:

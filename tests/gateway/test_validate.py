@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.http.bodies import validate_body
+from gateway.http.shapes import validate_body
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
