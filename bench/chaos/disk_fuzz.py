@@ -361,7 +361,7 @@ def _peak_rss_mib(pid: int) -> float:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024.0
-    except OSError:
+    except OSError:  # the process is gone: no figure, not a failure of the probe
         pass
     return 0.0
 
@@ -374,7 +374,7 @@ def _restore_modes(root: Path) -> None:
             try:
                 if stat.S_IMODE(path.lstat().st_mode) == 0:
                     path.chmod(0o755 if path.is_dir() else 0o644)
-            except OSError:
+            except OSError:  # removed meanwhile, or not ours to change: the folder's removal says so
                 pass
 
 

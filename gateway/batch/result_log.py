@@ -103,7 +103,7 @@ class ResultLog:
                 log.warning("batch %s: cut a torn result record off its log", batch.id)
                 with open(path, "r+b") as fh:
                     fh.truncate(good)
-        except FileNotFoundError:
+        except FileNotFoundError:  # no line finished yet (the log is made by the first write): all free
             pass
         except OSError as exc:  # not a file (a directory in its place), unreadable: set aside, lines run again
             aside = set_aside(path)

@@ -121,41 +121,41 @@ async def test_lines_whose_stored_bytes_went_away_read_as_unreadable(tmp_path: P
         await store.close()
 
 
+async def batch_with_results(root: Path, lines: int, done: int) -> tuple[str, Path]:
+    """A batch of `lines` lines whose first `done` finished, its store closed: (its id, its result log)."""
+    store = DiskBatchStore(root)
+    batch = await add_batch(store, await add_file(store, lines))
+    await store.claim(batch.id, lines, 60)
+    await store.record(batch.id, [result(i) for i in range(done)])
+    await store.close()
+    return batch.id, root / "batches" / f"{batch.id}.wal"
+
+
 async def test_a_result_log_with_garbage_and_a_huge_line_keeps_its_results(tmp_path: Path) -> None:
     root = tmp_path / "b"
-    store = DiskBatchStore(root)
-    batch = await add_batch(store, await add_file(store, 4))
-    await store.claim(batch.id, 4, 60)
-    await store.record(batch.id, [result(0), result(1)])
-    await store.close()
-    wal = root / "batches" / f"{batch.id}.wal"
+    batch_id, wal = await batch_with_results(root, 4, 2)
     records = wal.read_bytes()
     first = records.index(b"\n") + 1
     garbage = b'{"i": "x", "ok": 1, "u": []}\tline\n\xff\xfe\n' + b"y" * (3 << 20) + b"\n" + b'{"i": 2}\t\n'
     wal.write_bytes(records[:first] + garbage + records[first:])
     store = DiskBatchStore(root)
     try:
-        assert (await store.counts(batch.id)).completed == 2
-        assert sorted(await store.claim(batch.id, 4, 60)) == [2, 3]
-        assert [r.index async for r in store.results(batch.id)] == [0, 1]
+        assert (await store.counts(batch_id)).completed == 2
+        assert sorted(await store.claim(batch_id, 4, 60)) == [2, 3]
+        assert [r.index async for r in store.results(batch_id)] == [0, 1]
     finally:
         await store.close()
 
 
 async def test_a_result_log_that_is_a_directory_is_set_aside_and_its_lines_run_again(tmp_path: Path) -> None:
     root = tmp_path / "b"
-    store = DiskBatchStore(root)
-    batch = await add_batch(store, await add_file(store, 2))
-    await store.claim(batch.id, 2, 60)
-    await store.record(batch.id, [result(0)])
-    await store.close()
-    wal = root / "batches" / f"{batch.id}.wal"
+    batch_id, wal = await batch_with_results(root, 2, 1)
     wal.unlink()
     wal.mkdir()
     store = DiskBatchStore(root)
     try:
-        assert sorted(await store.claim(batch.id, 2, 60)) == [0, 1]
-        assert (root / "batches" / f"{batch.id}.wal.corrupt-1").is_dir()
-        assert await store.record(batch.id, [result(0)]) == [True]
+        assert sorted(await store.claim(batch_id, 2, 60)) == [0, 1]
+        assert (root / "batches" / f"{batch_id}.wal.corrupt-1").is_dir()
+        assert await store.record(batch_id, [result(0)]) == [True]
     finally:
         await store.close()
