@@ -24,6 +24,29 @@ def test_the_resources_probe_meets_its_targets(tmp_path: Path) -> None:
     assert resources.met(result), result
 
 
+def _accepted(pid: int, port: int, client_port: int) -> bool:
+    """Whether process `pid` holds its end of the connection from `client_port` to its `port` (the
+    socket's inode in /proc/net/tcp among its descriptors). Counting its descriptors instead misreads
+    an accept that coincides with another descriptor's close (a health probe's, a file's)."""
+    wanted = f":{port:04X}", f":{client_port:04X}"
+    inode = None
+    with open("/proc/net/tcp") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(wanted[0]) and fields[2].endswith(wanted[1]):
+                inode = fields[9]
+    if inode is None:
+        return False
+    held = f"socket:[{inode}]"
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == held:
+                return True
+        except OSError:  # closed meanwhile
+            continue
+    return False
+
+
 def _answer(sock: socket.socket) -> tuple[int, dict[str, object]]:
     data = b""
     while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
@@ -73,10 +96,10 @@ def test_no_descriptor_for_an_engine_is_a_503_that_blames_no_engine(tmp_path: Pa
         ).encode()
         pid = stack.gw.proc.pid
         limits = resources.Limits(pid)
-        before = len(os.listdir(f"/proc/{pid}/fd"))
         with socket.create_connection(("127.0.0.1", stack.gw.port), timeout=30) as sock:
             sock.sendall(head + body[:-1])  # the gateway accepts it and waits for the body's last byte
-            assert until(lambda: len(os.listdir(f"/proc/{pid}/fd")) > before, timeout_s=10, interval_s=0.05)
+            client_port = sock.getsockname()[1]
+            assert until(lambda: _accepted(pid, stack.gw.port, client_port), timeout_s=10, interval_s=0.05)
             # the limit is on descriptor numbers: at 3 (stdin, stdout, stderr) no new one can be had, even
             # where one the gateway held meanwhile was closed; those open stay open
             resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, limits.nofile[1]))
